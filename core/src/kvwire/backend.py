@@ -1,0 +1,439 @@
+"""The :class:`TransferBackend` seam: what a transfer engine must do for kvwire.
+
+A backend knows bytes and addresses, never layers, heads or requests. kvwire's control plane
+calls it from both roles:
+
+* at startup, each rank registers its regions (:meth:`TransferBackend.register`) and publishes
+  :meth:`TransferBackend.local_metadata` through the handshake;
+* the initiating side (prefill for WRITE, decode for READ) adds the peer from its metadata
+  (:meth:`TransferBackend.add_peer`) and prepares one pair of descriptor tables per peer
+  (:meth:`TransferBackend.prepare`);
+* a transfer worker submits each chunk as two index arrays into that pair
+  (:meth:`TransferBackend.submit`), polls the handle until it is terminal and releases it;
+* the target side drains :meth:`TransferBackend.get_notifications` to learn that data landed.
+
+Public methods here are templates: they validate arguments (vectorised), enforce handle
+lifetimes and then call the ``_``-prefixed hooks a plugin implements. A plugin never has to
+re-check what the template checked.
+"""
+
+from __future__ import annotations
+
+import enum
+import itertools
+import logging
+import threading
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, ClassVar, NamedTuple, Self
+
+import numpy as np
+from pydantic import BaseModel, ConfigDict
+
+from kvwire.descriptors import LEN, DescTable, check_indices, check_table, outside_regions
+from kvwire.errors import CapabilityError, DescriptorError, HandleError, PeerError
+from kvwire.layout import MemKind, MemoryRegion, check_no_overlap
+
+logger = logging.getLogger(__name__)
+
+
+class XferOp(enum.Enum):
+    """Direction of a transfer, seen from the initiator."""
+
+    WRITE = "write"
+    READ = "read"
+
+
+class XferState(enum.IntEnum):
+    """State of a transfer handle. ``DONE`` and ``FAILED`` are terminal."""
+
+    PENDING = 0
+    DONE = 1
+    FAILED = 2
+
+
+class BackendCapabilities(BaseModel):
+    """What a backend can do; checked once, when the backend is selected."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    write: bool = True
+    read: bool = False
+    notifications: bool = True
+    dram: bool = True
+    vram: bool = False
+    cross_host: bool = True
+
+    def supports_kind(self, kind: MemKind) -> bool:
+        """Whether regions of memory ``kind`` can be registered."""
+        return self.vram if kind == MemKind.VRAM else self.dram
+
+
+class NoOptions(BaseModel):
+    """Options model of an implementation that takes none."""
+
+    model_config = ConfigDict(extra="forbid")
+
+
+class Notification(NamedTuple):
+    """A notification delivered to the target after the data of its transfer landed."""
+
+    peer: str
+    payload: bytes
+
+
+@dataclass(eq=False)
+class PreparedPair:
+    """A local and a remote descriptor table prepared once for one peer.
+
+    Created by :meth:`TransferBackend.prepare` on the initiating side; ``state`` belongs to the
+    backend. Invalid after :meth:`TransferBackend.release_prepared` or peer removal.
+    """
+
+    id: int
+    peer: str
+    local_rows: int
+    remote_rows: int
+    local_lens: np.ndarray = field(repr=False)
+    remote_lens: np.ndarray = field(repr=False)
+    state: Any = field(default=None, repr=False)
+    released: bool = False
+
+
+@dataclass(eq=False)
+class TransferHandle:
+    """One submitted transfer. Poll until terminal, then release exactly once."""
+
+    id: int
+    peer: str
+    op: XferOp
+    num_descs: int
+    num_bytes: int
+    state: Any = field(default=None, repr=False)
+    released: bool = False
+    #: Why the transfer failed, set by the backend when it reports FAILED.
+    error: str | None = None
+
+
+class TransferBackend(ABC):
+    """Abstract transfer engine. One instance per rank ("agent"), named ``agent_name``.
+
+    Subclasses set :attr:`name`, :attr:`capabilities` and :attr:`options_model` and implement the
+    ``_``-prefixed hooks. All public methods may be called from any thread; the template
+    serialises its own bookkeeping, and a backend that is not thread-safe must serialise its
+    engine calls itself.
+    """
+
+    name: ClassVar[str] = "abstract"
+    capabilities: ClassVar[BackendCapabilities] = BackendCapabilities()
+    options_model: ClassVar[type[BaseModel]] = NoOptions
+
+    def __init__(self, agent_name: str, options: BaseModel | None = None) -> None:
+        if not agent_name:
+            raise ValueError("agent_name must be a non-empty string")
+        self.agent_name = agent_name
+        self.options = options if options is not None else self.options_model()
+        self._lock = threading.RLock()
+        self._ids = itertools.count(1)
+        self._regions: list[MemoryRegion] = []
+        self._pairs: dict[int, PreparedPair] = {}
+        self._handles: dict[int, TransferHandle] = {}
+        self._closed = False
+
+    # ---------------------------------------------------------------- memory
+    @property
+    def registered_regions(self) -> list[MemoryRegion]:
+        """Regions currently registered, in registration order."""
+        with self._lock:
+            return list(self._regions)
+
+    def register(self, regions: Sequence[MemoryRegion]) -> None:
+        """Register memory so it can be a transfer source or target. Called at startup by
+        each rank, and by staging strategies (through ``register_fn``) for memory they own."""
+        self._check_open()
+        regions = list(regions)
+        for r in regions:
+            if not self.capabilities.supports_kind(r.kind):
+                raise CapabilityError(
+                    f"backend {self.name!r} cannot register {r.kind.name} memory "
+                    f"(region at {r.addr:#x}); choose a backend that supports {r.kind.name}"
+                )
+        with self._lock:
+            check_no_overlap(self._regions + regions, "registered regions")
+            self._register(regions)
+            self._regions.extend(regions)
+
+    def deregister(self, regions: Sequence[MemoryRegion]) -> None:
+        """Forget regions registered earlier. Called at shutdown or when a strategy frees memory."""
+        with self._lock:
+            for r in regions:
+                if r not in self._regions:
+                    raise ValueError(f"region at {r.addr:#x} (+{r.length}) is not registered")
+            self._deregister(list(regions))
+            for r in regions:
+                self._regions.remove(r)
+
+    # ----------------------------------------------------------------- peers
+    @abstractmethod
+    def local_metadata(self) -> bytes:
+        """Opaque bytes a peer passes to :meth:`add_peer`; published at handshake. Must be
+        called after every :meth:`register` whose regions peers should be able to reach."""
+
+    def add_peer(self, metadata: bytes) -> str:
+        """Load a peer from its :meth:`local_metadata`; return its name. Called by the
+        initiating side at handshake. Adding a peer again (e.g. after it restarted) replaces it
+        and invalidates everything prepared for the old incarnation."""
+        self._check_open()
+        name = self._peer_name(metadata)
+        with self._lock:
+            if name in self.peers():
+                self._drop_peer_state(name)
+            self._add_peer(name, metadata)
+        return name
+
+    def remove_peer(self, peer: str) -> None:
+        """Forget a peer (evicted, or gone). Its prepared pairs become invalid and its
+        transfers still pending end as FAILED. Called by the control plane."""
+        with self._lock:
+            if peer not in self.peers():
+                raise PeerError(f"peer {peer!r} is not known to agent {self.agent_name!r}")
+            self._drop_peer_state(peer)
+
+    def _drop_peer_state(self, peer: str) -> None:
+        for pair in [p for p in self._pairs.values() if p.peer == peer]:
+            self._release_pair_locked(pair)
+        self._remove_peer(peer)
+
+    @abstractmethod
+    def peers(self) -> list[str]:
+        """Names of the peers currently added."""
+
+    # -------------------------------------------------------------- prepared
+    def prepare(self, peer: str, local_table: DescTable, remote_table: DescTable) -> PreparedPair:
+        """Prepare a local and a remote descriptor table for ``peer``, once per peer.
+
+        Rows of ``local_table`` must lie in this agent's registered regions; rows of
+        ``remote_table`` are checked against the peer's published regions where the backend
+        knows them (and always again by the target, where the engine allows it).
+        """
+        self._check_open()
+        check_table(local_table, "local table")
+        check_table(remote_table, "remote table")
+        with self._lock:
+            if peer not in self.peers():
+                raise PeerError(f"cannot prepare for unknown peer {peer!r}; add_peer() it first")
+            bad = outside_regions(local_table, self._regions)
+            if bad.any():
+                i = int(np.argmax(bad))
+                raise DescriptorError(
+                    f"local table: {int(bad.sum())} rows lie outside this agent's registered "
+                    f"regions (first: row {i}, addr {int(local_table[i, 0]):#x}, "
+                    f"len {int(local_table[i, 1])}); register the memory first"
+                )
+            remote_regions = self._peer_regions(peer)
+            if remote_regions is not None:
+                bad = outside_regions(remote_table, remote_regions)
+                if bad.any():
+                    i = int(np.argmax(bad))
+                    raise DescriptorError(
+                        f"remote table: {int(bad.sum())} rows lie outside the regions peer "
+                        f"{peer!r} registered (first: row {i}, addr "
+                        f"{int(remote_table[i, 0]):#x}, len {int(remote_table[i, 1])})"
+                    )
+            pair = PreparedPair(
+                id=next(self._ids),
+                peer=peer,
+                local_rows=local_table.shape[0],
+                remote_rows=remote_table.shape[0],
+                local_lens=local_table[:, LEN].copy(),
+                remote_lens=remote_table[:, LEN].copy(),
+            )
+            pair.state = self._prepare(pair, local_table, remote_table)
+            self._pairs[pair.id] = pair
+            return pair
+
+    def release_prepared(self, pair: PreparedPair) -> None:
+        """Release a prepared pair (peer evicted, or tables rebuilt). Exactly once."""
+        with self._lock:
+            if pair.released:
+                raise HandleError(f"prepared pair {pair.id} for {pair.peer!r} already released")
+            self._release_pair_locked(pair)
+
+    def _release_pair_locked(self, pair: PreparedPair) -> None:
+        pair.released = True
+        self._pairs.pop(pair.id, None)
+        self._release_prepared(pair)
+
+    # -------------------------------------------------------------- transfer
+    def submit(
+        self,
+        op: XferOp,
+        pair: PreparedPair,
+        local_idx: Any,
+        remote_idx: Any,
+        notification: bytes | None = None,
+    ) -> TransferHandle:
+        """Start a transfer of rows ``local_idx`` <-> rows ``remote_idx`` of a prepared pair.
+
+        WRITE copies local rows to remote rows, READ the other way. ``notification`` (if any) is
+        delivered to the peer's :meth:`get_notifications` after all the data has landed. Never
+        blocks on the transfer itself: poll the returned handle.
+        """
+        self._check_open()
+        if op is XferOp.READ and not self.capabilities.read:
+            raise CapabilityError(f"backend {self.name!r} does not support READ")
+        if op is XferOp.WRITE and not self.capabilities.write:
+            raise CapabilityError(f"backend {self.name!r} does not support WRITE")
+        if notification is not None and not self.capabilities.notifications:
+            raise CapabilityError(f"backend {self.name!r} does not deliver notifications")
+        if pair.released:
+            raise HandleError(
+                f"prepared pair {pair.id} for peer {pair.peer!r} was released "
+                "(peer removed or tables rebuilt); prepare again"
+            )
+        li = check_indices(local_idx, pair.local_rows, "local index array")
+        ri = check_indices(remote_idx, pair.remote_rows, "remote index array")
+        if li.shape != ri.shape:
+            raise DescriptorError(
+                f"local and remote index arrays differ in length ({li.size} vs {ri.size})"
+            )
+        if li.size == 0:
+            raise DescriptorError("empty transfer: index arrays hold no rows")
+        llen, rlen = pair.local_lens[li], pair.remote_lens[ri]
+        if not np.array_equal(llen, rlen):
+            i = int(np.argmax(llen != rlen))
+            raise DescriptorError(
+                f"row lengths differ at position {i}: local row {int(li[i])} has "
+                f"{int(llen[i])} bytes, remote row {int(ri[i])} has {int(rlen[i])}"
+            )
+        handle = TransferHandle(
+            id=next(self._ids),
+            peer=pair.peer,
+            op=op,
+            num_descs=int(li.size),
+            num_bytes=int(llen.sum()),
+        )
+        handle.state = self._submit(op, pair, li, ri, notification, handle)
+        with self._lock:
+            self._handles[handle.id] = handle
+        return handle
+
+    def poll(self, handle: TransferHandle) -> XferState:
+        """State of a transfer; cheap, never blocks for long."""
+        if handle.released:
+            raise HandleError(f"transfer handle {handle.id} was already released")
+        if self._closed:
+            return XferState.FAILED
+        return self._poll(handle)
+
+    def release(self, handle: TransferHandle) -> None:
+        """Release a handle exactly once, after it is terminal (or to abandon it)."""
+        with self._lock:
+            if handle.released:
+                raise HandleError(f"transfer handle {handle.id} released twice")
+            handle.released = True
+            self._handles.pop(handle.id, None)
+        if not self._closed:
+            self._release(handle)
+
+    @property
+    def live_handles(self) -> int:
+        """Handles submitted and not yet released (a leak check for tests and metrics)."""
+        with self._lock:
+            return len(self._handles)
+
+    @property
+    def live_prepared(self) -> int:
+        """Prepared pairs not yet released."""
+        with self._lock:
+            return len(self._pairs)
+
+    @abstractmethod
+    def get_notifications(self) -> list[Notification]:
+        """Notifications that arrived since the last call, each delivered exactly once.
+        Called by the target side's owner loop."""
+
+    def progress(self) -> None:
+        """Drive the engine if it needs an owner loop to make progress (default: nothing)."""
+
+    def close(self) -> None:
+        """Release everything; pending transfers end as FAILED. Idempotent."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            pending = len(self._handles)
+        if pending:
+            logger.info("%s: closing with %d unreleased transfer handles", self.agent_name, pending)
+        self._close()
+
+    @property
+    def closed(self) -> bool:
+        """Whether :meth:`close` was called."""
+        return self._closed
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise PeerError(f"backend {self.name!r} agent {self.agent_name!r} is closed")
+
+    # ------------------------------------------------------------------ hooks
+    @abstractmethod
+    def _register(self, regions: list[MemoryRegion]) -> None:
+        """Register regions with the engine (already validated)."""
+
+    @abstractmethod
+    def _deregister(self, regions: list[MemoryRegion]) -> None:
+        """Deregister regions from the engine."""
+
+    @abstractmethod
+    def _peer_name(self, metadata: bytes) -> str:
+        """Parse a peer's name from its metadata; raise ValueError if malformed."""
+
+    @abstractmethod
+    def _add_peer(self, name: str, metadata: bytes) -> None:
+        """Load a peer's metadata into the engine."""
+
+    @abstractmethod
+    def _remove_peer(self, peer: str) -> None:
+        """Remove a peer from the engine; its pending transfers must end as FAILED."""
+
+    def _peer_regions(self, peer: str) -> Sequence[MemoryRegion] | None:
+        """The regions a peer published, if the backend knows them (for early checks)."""
+        return None
+
+    @abstractmethod
+    def _prepare(self, pair: PreparedPair, local: DescTable, remote: DescTable) -> Any:
+        """Build engine-side prepared tables; return backend state kept on the pair."""
+
+    def _release_prepared(self, pair: PreparedPair) -> None:  # noqa: B027 - optional hook
+        """Free engine-side prepared tables (default: nothing to free)."""
+
+    @abstractmethod
+    def _submit(
+        self,
+        op: XferOp,
+        pair: PreparedPair,
+        local_idx: np.ndarray,
+        remote_idx: np.ndarray,
+        notification: bytes | None,
+        handle: TransferHandle,
+    ) -> Any:
+        """Post the transfer; return backend state kept on the handle."""
+
+    @abstractmethod
+    def _poll(self, handle: TransferHandle) -> XferState:
+        """Current state of a posted transfer."""
+
+    def _release(self, handle: TransferHandle) -> None:  # noqa: B027 - optional hook
+        """Free engine-side resources of a handle (default: nothing)."""
+
+    @abstractmethod
+    def _close(self) -> None:
+        """Stop engine threads and free engine resources."""

@@ -1,0 +1,1 @@
+"""Transfer backends that ship with kvwire."""

@@ -1,0 +1,544 @@
+"""The ``tcp`` reference backend: moves bytes between processes and hosts over ZeroMQ.
+
+Design (one agent per process/rank):
+
+* One I/O thread owns every socket: a ROUTER bound on ``host:port`` that serves inbound
+  requests, and one DEALER per peer for outbound transfers. Other threads hand it work through
+  a queue and a wake-up pipe, so no socket is ever touched by two threads.
+* A transfer is cut into parts of at most ``max_part_bytes``; parts are gathered lazily when
+  the peer's socket can take them, so memory in flight stays bounded by the socket's
+  high-water mark. Rows contiguous on both sides are merged before cutting.
+* The target checks every row against the regions it registered and refuses anything else
+  (the initiator's transfer then ends FAILED with the target's reason). A notification is
+  queued only after the last part's bytes are in place, so data always precedes it.
+* Every transfer has a deadline; a removed peer or a closed agent fails its pending transfers.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import os
+import queue
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+import msgpack
+import numpy as np
+import zmq
+from numpy.typing import NDArray
+from pydantic import BaseModel, ConfigDict, Field
+
+from kvwire.backend import (
+    BackendCapabilities,
+    Notification,
+    PreparedPair,
+    TransferBackend,
+    TransferHandle,
+    XferOp,
+    XferState,
+)
+from kvwire.backends.memcopy import HostMemory, coalesce
+from kvwire.backends.tcp import wire
+from kvwire.descriptors import ADDR, DescTable
+from kvwire.layout import MemKind, MemoryRegion
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+METADATA_VERSION = 1
+
+
+class TcpOptions(BaseModel):
+    """Options of the ``tcp`` backend (``--transfer-backend-option key=value``)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    host: str = Field(default="127.0.0.1", description="Interface the data socket binds to.")
+    port: int = Field(default=0, ge=0, le=65535, description="0 picks a free port.")
+    advertise_host: str | None = Field(
+        default=None, description="Address peers connect to (defaults to host)."
+    )
+    max_part_bytes: int = Field(
+        default=16 << 20, ge=4096, description="Largest message of one transfer part."
+    )
+    transfer_timeout_s: float = Field(
+        default=120.0, gt=0, description="A transfer not finished by then fails."
+    )
+    send_hwm: int = Field(default=8, ge=1, description="Parts queued per peer socket.")
+
+
+@dataclass(eq=False)
+class _Xfer:
+    """Initiator-side state of one transfer, owned by the I/O thread after submission."""
+
+    xid: int
+    peer: str
+    op: XferOp
+    # Per part: local rows and remote rows (addr, len) - equal lengths, row by row.
+    parts: list[tuple[NDArray[np.uint64], NDArray[np.uint64], NDArray[np.uint64]]]
+    notification: bytes | None
+    deadline: float
+    next_part: int = 0
+    replies: int = 0
+    pending_frames: list[Any] | None = None
+    status: XferState = XferState.PENDING
+    error: str | None = None
+
+
+@dataclass(eq=False)
+class _Peer:
+    name: str
+    endpoint: str
+    regions: list[MemoryRegion]
+    sock: zmq.Socket[Any] | None = None
+    outq: collections.deque[_Xfer] = field(default_factory=collections.deque)
+    inflight: dict[int, _Xfer] = field(default_factory=dict)
+
+
+def _split_rows(
+    a: NDArray[np.uint64], b: NDArray[np.uint64], lens: NDArray[np.uint64], limit: int
+) -> list[tuple[NDArray[np.uint64], NDArray[np.uint64], NDArray[np.uint64]]]:
+    """Cut rows so that no part exceeds ``limit`` bytes (long rows are split first)."""
+    pieces = ((lens + np.uint64(limit - 1)) // np.uint64(limit)).astype(np.int64)
+    if (pieces > 1).any():
+        rep = np.repeat(np.arange(a.size), pieces)
+        first = np.concatenate(([0], np.cumsum(pieces)[:-1]))
+        k = (np.arange(rep.size) - np.repeat(first, pieces)).astype(np.uint64)
+        off = k * np.uint64(limit)
+        new_len = np.minimum(lens[rep] - off, np.uint64(limit))
+        a, b, lens = a[rep] + off, b[rep] + off, new_len
+    ends = np.cumsum(lens)
+    part_of = ((ends - lens) // np.uint64(limit)).astype(np.int64)
+    # Rows may straddle a limit boundary; grouping by start offset keeps parts <= 2*limit.
+    cuts = np.flatnonzero(np.diff(part_of)) + 1
+    return [
+        (pa, pb, pl)
+        for pa, pb, pl in zip(np.split(a, cuts), np.split(b, cuts), np.split(lens, cuts), strict=True)
+    ]
+
+
+class TcpBackend(TransferBackend):
+    """Pure-Python reference backend over ZeroMQ (DRAM only, WRITE and READ, notifications)."""
+
+    name = "tcp"
+    capabilities = BackendCapabilities(
+        write=True, read=True, notifications=True, dram=True, vram=False, cross_host=True
+    )
+    options_model = TcpOptions
+    options: TcpOptions
+
+    def __init__(self, agent_name: str, options: BaseModel | None = None) -> None:
+        super().__init__(agent_name, options)
+        opts = self.options
+        self._ctx = zmq.Context()
+        self._router = self._ctx.socket(zmq.ROUTER)
+        self._router.setsockopt(zmq.LINGER, 0)
+        self._router.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        self._router.setsockopt(zmq.SNDTIMEO, 1000)
+        if opts.port:
+            self._router.bind(f"tcp://{opts.host}:{opts.port}")
+            port = opts.port
+        else:
+            port = self._router.bind_to_random_port(f"tcp://{opts.host}")
+        self.endpoint = f"tcp://{opts.advertise_host or opts.host}:{port}"
+        self.incarnation = uuid.uuid4().hex
+        self._memory = HostMemory([])
+        self._peers: dict[str, _Peer] = {}
+        self._xfer_ids = iter(range(1, 1 << 62))
+        self._commands: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
+        self._wake_r, self._wake_w = os.pipe()
+        os.set_blocking(self._wake_r, False)
+        self._notifs: collections.deque[Notification] = collections.deque()
+        self._failed_inbound: collections.OrderedDict[tuple[bytes, int], str] = (
+            collections.OrderedDict()
+        )
+        #: Inbound messages dropped as malformed or refused (out-of-region rows, bad sizes).
+        self.refused_messages = 0
+        self._stop = False
+        self._thread = threading.Thread(
+            target=self._run, name=f"kvwire-tcp-{agent_name}", daemon=True
+        )
+        self._thread.start()
+
+    # ------------------------------------------------------------ thread glue
+    def _call(self, fn: Callable[[], T], timeout: float = 10.0) -> T:
+        """Run ``fn`` on the I/O thread and wait for its result."""
+        if threading.current_thread() is self._thread:
+            return fn()
+        fut: Future[T] = Future()
+
+        def job() -> None:
+            try:
+                fut.set_result(fn())
+            except BaseException as exc:
+                fut.set_exception(exc)
+
+        self._post(job)
+        return fut.result(timeout=timeout)
+
+    def _post(self, job: Callable[[], None]) -> None:
+        self._commands.put(job)
+        try:
+            os.write(self._wake_w, b"x")
+        except OSError:  # pipe full or closed: the loop wakes on its timeout anyway
+            pass
+
+    # ---------------------------------------------------------------- memory
+    def _register(self, regions: list[MemoryRegion]) -> None:
+        self._memory = HostMemory([*self._regions, *regions])
+
+    def _deregister(self, regions: list[MemoryRegion]) -> None:
+        self._memory = HostMemory([r for r in self._regions if r not in regions])
+
+    # ----------------------------------------------------------------- peers
+    def local_metadata(self) -> bytes:
+        """Name, endpoint and registered regions, msgpack-encoded."""
+        regions = [[r.addr, r.length, r.device_id] for r in self._memory.regions]
+        return msgpack.packb(  # type: ignore[no-any-return]
+            {
+                "v": METADATA_VERSION,
+                "backend": self.name,
+                "name": self.agent_name,
+                "endpoint": self.endpoint,
+                "incarnation": self.incarnation,
+                "regions": regions,
+            },
+            use_bin_type=True,
+        )
+
+    @staticmethod
+    def _decode_metadata(metadata: bytes) -> dict[str, Any]:
+        try:
+            meta = msgpack.unpackb(metadata, raw=False)
+        except Exception as exc:
+            raise ValueError(f"tcp backend metadata is not valid msgpack: {exc}") from exc
+        if not isinstance(meta, dict) or meta.get("backend") != "tcp":
+            raise ValueError("metadata was not produced by a tcp backend agent")
+        if meta.get("v") != METADATA_VERSION:
+            raise ValueError(
+                f"tcp metadata version {meta.get('v')!r}; this kvwire reads {METADATA_VERSION}"
+            )
+        for key in ("name", "endpoint", "regions"):
+            if key not in meta:
+                raise ValueError(f"tcp metadata lacks {key!r}")
+        return meta
+
+    def _peer_name(self, metadata: bytes) -> str:
+        return str(self._decode_metadata(metadata)["name"])
+
+    def peers(self) -> list[str]:
+        return list(self._peers)
+
+    def _add_peer(self, name: str, metadata: bytes) -> None:
+        meta = self._decode_metadata(metadata)
+        regions = [
+            MemoryRegion(addr=a, length=n, item_len=1, kind=MemKind.DRAM, device_id=d)
+            for a, n, d in meta["regions"]
+        ]
+
+        def open_socket() -> None:
+            sock = self._ctx.socket(zmq.DEALER)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.setsockopt(zmq.SNDHWM, self.options.send_hwm)
+            sock.setsockopt(zmq.IMMEDIATE, 0)
+            sock.setsockopt(zmq.ROUTING_ID, uuid.uuid4().bytes)
+            sock.connect(meta["endpoint"])
+            self._peers[name] = _Peer(name, meta["endpoint"], regions, sock)
+
+        self._call(open_socket)
+
+    def _remove_peer(self, peer: str) -> None:
+        def close_socket() -> None:
+            p = self._peers.pop(peer, None)
+            if p is None:
+                return
+            why = f"peer {peer!r} was removed"
+            for x in [*p.outq, *p.inflight.values()]:
+                self._finish(x, XferState.FAILED, why)
+            if p.sock is not None:
+                p.sock.close(linger=0)
+
+        self._call(close_socket)
+
+    def _peer_regions(self, peer: str) -> list[MemoryRegion] | None:
+        p = self._peers.get(peer)
+        return None if p is None else p.regions
+
+    # -------------------------------------------------------------- transfer
+    def _prepare(self, pair: PreparedPair, local: DescTable, remote: DescTable) -> Any:
+        return (local[:, ADDR].copy(), remote[:, ADDR].copy())
+
+    def _submit(
+        self,
+        op: XferOp,
+        pair: PreparedPair,
+        local_idx: np.ndarray,
+        remote_idx: np.ndarray,
+        notification: bytes | None,
+        handle: TransferHandle,
+    ) -> Any:
+        local_addr, remote_addr = pair.state
+        la, ra = local_addr[local_idx], remote_addr[remote_idx]
+        lens = pair.local_lens[local_idx]
+        la, ra, lens = coalesce(la, ra, lens)
+        x = _Xfer(
+            xid=next(self._xfer_ids),
+            peer=pair.peer,
+            op=op,
+            parts=_split_rows(la, ra, lens, self.options.max_part_bytes),
+            notification=notification,
+            deadline=time.monotonic() + self.options.transfer_timeout_s,
+        )
+
+        def enqueue() -> None:
+            p = self._peers.get(x.peer)
+            if p is None:
+                self._finish(x, XferState.FAILED, f"peer {x.peer!r} was removed")
+                return
+            p.outq.append(x)
+            p.inflight[x.xid] = x
+
+        self._post(enqueue)
+        return x
+
+    def _poll(self, handle: TransferHandle) -> XferState:
+        x: _Xfer = handle.state
+        if x.status is XferState.FAILED and handle.error is None:
+            handle.error = x.error
+        return x.status
+
+    def get_notifications(self) -> list[Notification]:
+        out = []
+        while self._notifs:
+            out.append(self._notifs.popleft())
+        return out
+
+    def _close(self) -> None:
+        def stop() -> None:
+            self._stop = True
+
+        if self._thread.is_alive():
+            self._post(stop)
+            self._thread.join(timeout=10)
+        for p in self._peers.values():
+            for x in [*p.outq, *p.inflight.values()]:
+                self._finish(x, XferState.FAILED, "agent closed")
+            if p.sock is not None:
+                p.sock.close(linger=0)
+        self._peers.clear()
+        self._router.close(linger=0)
+        self._ctx.term()
+        for fd in (self._wake_r, self._wake_w):
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+
+    # -------------------------------------------------------------- I/O loop
+    @staticmethod
+    def _finish(x: _Xfer, state: XferState, error: str | None = None) -> None:
+        if x.status is XferState.PENDING:
+            x.error = error
+            x.status = state
+
+    def _run(self) -> None:
+        while not self._stop:
+            try:
+                self._loop_once()
+            except Exception:  # the I/O thread must never die
+                logger.exception("%s: tcp backend I/O loop error", self.agent_name)
+        logger.debug("%s: tcp backend I/O thread stopped", self.agent_name)
+
+    def _loop_once(self) -> None:
+        while True:
+            try:
+                job = self._commands.get_nowait()
+            except queue.Empty:
+                break
+            job()
+        for p in self._peers.values():
+            self._pump(p)
+        poller = zmq.Poller()
+        poller.register(self._router, zmq.POLLIN)
+        poller.register(self._wake_r, zmq.POLLIN)
+        for p in self._peers.values():
+            assert p.sock is not None
+            poller.register(p.sock, zmq.POLLIN | (zmq.POLLOUT if p.outq else 0))
+        events = dict(poller.poll(timeout=50))
+        if self._wake_r in events:
+            try:
+                while os.read(self._wake_r, 4096):
+                    pass
+            except BlockingIOError:
+                pass
+        if self._router in events:
+            for _ in range(64):
+                try:
+                    frames = self._router.recv_multipart(zmq.NOBLOCK, copy=False)
+                except zmq.Again:
+                    break
+                self._serve(frames)
+        for p in list(self._peers.values()):
+            if p.sock is not None and p.sock in events and events[p.sock] & zmq.POLLIN:
+                for _ in range(64):
+                    try:
+                        frames = p.sock.recv_multipart(zmq.NOBLOCK, copy=False)
+                    except zmq.Again:
+                        break
+                    self._on_reply(p, frames)
+        self._expire()
+
+    def _pump(self, p: _Peer) -> None:
+        """Send as many queued parts to ``p`` as its socket takes without blocking."""
+        assert p.sock is not None
+        while p.outq:
+            x = p.outq[0]
+            if x.status is not XferState.PENDING:
+                p.outq.popleft()
+                continue
+            if x.pending_frames is None:
+                try:
+                    x.pending_frames = self._build_part(x)
+                except Exception as exc:
+                    p.outq.popleft()
+                    p.inflight.pop(x.xid, None)
+                    self._finish(x, XferState.FAILED, f"could not read local rows: {exc}")
+                    continue
+            try:
+                p.sock.send_multipart(x.pending_frames, zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return
+            x.pending_frames = None
+            x.next_part += 1
+            if x.next_part == len(x.parts):
+                p.outq.popleft()
+
+    def _build_part(self, x: _Xfer) -> list[Any]:
+        local, remote, lens = x.parts[x.next_part]
+        last = x.next_part == len(x.parts) - 1
+        header = {
+            "v": wire.VERSION,
+            "x": x.xid,
+            "f": self.agent_name,
+            "d": wire.rows_to_bytes(remote, lens),
+            "p": x.next_part,
+            "np": len(x.parts),
+            "n": x.notification if last else None,
+        }
+        if x.op is XferOp.WRITE:
+            return [wire.WRITE, wire.pack(header), self._memory.gather(local, lens)]
+        return [wire.READ, wire.pack(header)]
+
+    def _on_reply(self, p: _Peer, frames: list[zmq.Frame]) -> None:
+        try:
+            if len(frames) < 2 or frames[0].bytes != wire.ACK:
+                raise wire.MalformedMessage("reply is not an ACK")
+            h = wire.unpack(frames[1].buffer)
+            x = p.inflight.get(int(h["x"]))
+            if x is None:
+                return  # late reply for a transfer already failed or removed
+            if not h.get("ok"):
+                p.inflight.pop(x.xid, None)
+                self._finish(x, XferState.FAILED, f"peer refused: {h.get('e')}")
+                return
+            if x.op is XferOp.READ:
+                local, _remote, lens = x.parts[int(h["p"])]
+                if len(frames) < 3:
+                    raise wire.MalformedMessage("read reply without payload")
+                self._memory.scatter(local, lens, frames[2].buffer)
+            x.replies += 1
+            if (x.op is XferOp.WRITE and h.get("p") == len(x.parts) - 1) or (
+                x.op is XferOp.READ and x.replies == len(x.parts)
+            ):
+                p.inflight.pop(x.xid, None)
+                self._finish(x, XferState.DONE)
+        except Exception as exc:
+            self.refused_messages += 1
+            logger.warning("%s: bad reply from %s dropped: %s", self.agent_name, p.name, exc)
+
+    def _serve(self, frames: list[zmq.Frame]) -> None:
+        """Handle one inbound request on the ROUTER (target side)."""
+        ident = frames[0].bytes
+        xid: int | None = None
+        part = 0
+        try:
+            if len(frames) < 3:
+                raise wire.MalformedMessage("request has too few frames")
+            kind = frames[1].bytes
+            h = wire.unpack(frames[2].buffer)
+            xid, part, nparts = int(h["x"]), int(h["p"]), int(h["np"])
+            sender = str(h["f"])
+            addr, lens = wire.rows_from_bytes(h["d"])
+            key = (ident, xid)
+            if key in self._failed_inbound:
+                if part == nparts - 1:
+                    self._failed_inbound.pop(key, None)
+                return
+            mem = self._memory
+            bad = mem.locate(addr, lens) < 0
+            if bad.any():
+                i = int(np.argmax(bad))
+                raise wire.MalformedMessage(
+                    f"{int(bad.sum())} rows outside the regions agent {self.agent_name!r} "
+                    f"registered (first addr {int(addr[i]):#x} len {int(lens[i])})"
+                )
+            if kind == wire.WRITE:
+                if len(frames) != 4:
+                    raise wire.MalformedMessage("write request without payload")
+                mem.scatter(addr, lens, frames[3].buffer)
+                last = part == nparts - 1
+                if last:
+                    self._deliver(sender, h.get("n"))
+                    self._reply(ident, {"x": xid, "p": part, "ok": True})
+            elif kind == wire.READ:
+                data = mem.gather(addr, lens)
+                if part == nparts - 1:
+                    self._deliver(sender, h.get("n"))
+                self._reply(ident, {"x": xid, "p": part, "ok": True}, data)
+            else:
+                raise wire.MalformedMessage(f"unknown request kind {kind!r}")
+        except Exception as exc:
+            self.refused_messages += 1
+            logger.warning("%s: refused inbound request: %s", self.agent_name, exc)
+            if xid is not None:
+                self._failed_inbound[(ident, xid)] = str(exc)
+                while len(self._failed_inbound) > 10_000:
+                    self._failed_inbound.popitem(last=False)
+                self._reply(ident, {"x": xid, "p": part, "ok": False, "e": str(exc)})
+
+    def _deliver(self, sender: str, payload: object) -> None:
+        if payload is None:
+            return
+        if not isinstance(payload, bytes):
+            raise wire.MalformedMessage("notification payload must be bytes")
+        self._notifs.append(Notification(sender, payload))
+
+    def _reply(self, ident: bytes, header: dict[str, Any], data: Any = None) -> None:
+        header["v"] = wire.VERSION
+        frames: list[Any] = [ident, wire.ACK, wire.pack(header)]
+        if data is not None:
+            frames.append(data)
+        try:
+            self._router.send_multipart(frames, copy=False)
+        except zmq.ZMQError as exc:  # peer gone (ROUTER_MANDATORY) or stuck: it will time out
+            logger.warning("%s: could not reply to a peer: %s", self.agent_name, exc)
+
+    def _expire(self) -> None:
+        now = time.monotonic()
+        for p in self._peers.values():
+            for x in [x for x in p.inflight.values() if x.deadline < now]:
+                p.inflight.pop(x.xid, None)
+                self._finish(
+                    x,
+                    XferState.FAILED,
+                    f"transfer to {p.name!r} timed out after "
+                    f"{self.options.transfer_timeout_s:g}s",
+                )
+

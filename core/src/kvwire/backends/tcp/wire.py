@@ -1,0 +1,66 @@
+"""Data-plane frames of the ``tcp`` backend (msgpack headers, raw payload frames).
+
+Request, initiator -> target (DEALER -> ROUTER): ``[kind, header, payload?]`` where kind is
+``W`` (write, payload = the bytes) or ``R`` (read). Reply, target -> initiator: ``[A, header,
+payload?]`` (payload = the bytes of a read part). Headers are msgpack maps with short keys:
+
+=====  =================================================================
+key    meaning
+=====  =================================================================
+``v``  data-plane version (:data:`VERSION`)
+``x``  transfer id, unique per initiator
+``f``  initiator's agent name (requests)
+``d``  rows on the target: ``uint64`` ``(addr, len)`` pairs, little-endian bytes
+``p``  part number; ``np``: number of parts
+``n``  notification payload (bytes) or nil; delivered after the last part
+``ok`` reply status; ``e``: error text when not ok
+=====  =================================================================
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgpack
+import numpy as np
+from numpy.typing import NDArray
+
+VERSION = 1
+WRITE, READ, ACK = b"W", b"R", b"A"
+
+
+class MalformedMessage(ValueError):
+    """A data-plane message could not be parsed or fails validation."""
+
+
+def pack(header: dict[str, Any]) -> bytes:
+    """Encode a header."""
+    return msgpack.packb(header, use_bin_type=True)  # type: ignore[no-any-return]
+
+
+def unpack(data: bytes | memoryview) -> dict[str, Any]:
+    """Decode a header, refusing anything that is not a map of the current version."""
+    try:
+        obj = msgpack.unpackb(data, raw=False, strict_map_key=True, max_bin_len=1 << 31)
+    except Exception as exc:
+        raise MalformedMessage(f"undecodable header: {exc}") from exc
+    if not isinstance(obj, dict):
+        raise MalformedMessage(f"header is a {type(obj).__name__}, not a map")
+    if obj.get("v") != VERSION:
+        raise MalformedMessage(f"data-plane version {obj.get('v')!r}, expected {VERSION}")
+    return obj
+
+
+def rows_to_bytes(addr: NDArray[np.uint64], lens: NDArray[np.uint64]) -> bytes:
+    """Encode rows as interleaved little-endian ``uint64`` pairs."""
+    return np.stack([addr, lens], axis=1).astype("<u8").tobytes()
+
+
+def rows_from_bytes(data: object) -> tuple[NDArray[np.uint64], NDArray[np.uint64]]:
+    """Decode rows; raise MalformedMessage on a bad length or zero-length rows."""
+    if not isinstance(data, bytes) or len(data) % 16:
+        raise MalformedMessage("row list must be bytes holding (addr, len) uint64 pairs")
+    pairs = np.frombuffer(data, dtype="<u8").reshape(-1, 2).astype(np.uint64)
+    if pairs.shape[0] == 0 or not pairs[:, 1].all():
+        raise MalformedMessage("row list is empty or holds zero-length rows")
+    return pairs[:, 0].copy(), pairs[:, 1].copy()

@@ -1,0 +1,93 @@
+"""Descriptor tables and index arrays: the vocabulary between mappers and backends.
+
+A descriptor table is an ``N x 3`` ``uint64`` NumPy array of ``(addr, len, device_id)`` rows.
+A chunk's transfer is two equally long ``int64`` index arrays: row ``src_idx[i]`` of the source
+table is copied to row ``dst_idx[i]`` of the destination table. All checks here are vectorised.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+from numpy.typing import ArrayLike, NDArray
+
+from kvwire.errors import DescriptorError
+from kvwire.layout import MemoryRegion
+
+DescTable = NDArray[np.uint64]
+IndexArray = NDArray[np.int64]
+
+ADDR, LEN, DEV = 0, 1, 2
+
+
+def make_table(addr: ArrayLike, length: ArrayLike, device: ArrayLike = 0) -> DescTable:
+    """Stack address, length and device columns into an ``N x 3`` ``uint64`` table."""
+    a = np.asarray(addr, dtype=np.uint64).ravel()
+    n = a.shape[0]
+    table = np.empty((n, 3), dtype=np.uint64)
+    table[:, ADDR] = a
+    table[:, LEN] = np.broadcast_to(np.asarray(length, dtype=np.uint64), (n,))
+    table[:, DEV] = np.broadcast_to(np.asarray(device, dtype=np.uint64), (n,))
+    return table
+
+
+def check_table(table: object, what: str = "descriptor table") -> DescTable:
+    """Return ``table`` if it is a well-formed descriptor table, else raise DescriptorError."""
+    if not isinstance(table, np.ndarray):
+        raise DescriptorError(f"{what} must be a NumPy array, got {type(table).__name__}")
+    if table.ndim != 2 or table.shape[1] != 3:
+        raise DescriptorError(f"{what} must have shape (N, 3), got {table.shape}")
+    if table.dtype != np.uint64:
+        raise DescriptorError(f"{what} must have dtype uint64, got {table.dtype}")
+    if table.shape[0] == 0:
+        raise DescriptorError(f"{what} is empty")
+    lens = table[:, LEN]
+    if not lens.all():
+        raise DescriptorError(f"{what} has {int((lens == 0).sum())} zero-length rows")
+    if (table[:, ADDR] + lens < table[:, ADDR]).any():
+        raise DescriptorError(f"{what} has rows whose end overflows 64 bits")
+    return table
+
+
+def check_indices(idx: object, size: int, what: str) -> IndexArray:
+    """Coerce ``idx`` to a 1-D ``int64`` array and check every entry is in ``[0, size)``."""
+    arr = np.asarray(idx)
+    if arr.ndim != 1:
+        raise DescriptorError(f"{what} must be 1-D, got shape {arr.shape}")
+    if arr.size and not np.issubdtype(arr.dtype, np.integer):
+        raise DescriptorError(f"{what} must hold integers, got {arr.dtype}")
+    arr = arr.astype(np.int64, copy=False)
+    if arr.size:
+        lo, hi = int(arr.min()), int(arr.max())
+        if lo < 0 or hi >= size:
+            raise DescriptorError(
+                f"{what} out of range: values span [{lo}, {hi}] but the table has {size} rows"
+            )
+    return arr
+
+
+def outside_regions(table: DescTable, regions: Sequence[MemoryRegion]) -> NDArray[np.bool_]:
+    """Mask of table rows that are not entirely inside one of ``regions`` (same device)."""
+    if not regions:
+        return np.ones(table.shape[0], dtype=bool)
+    order = sorted(regions, key=lambda r: r.addr)
+    starts = np.array([r.addr for r in order], dtype=np.uint64)
+    ends = np.array([r.end for r in order], dtype=np.uint64)
+    devs = np.array([r.device_id for r in order], dtype=np.uint64)
+    addr, end = table[:, ADDR], table[:, ADDR] + table[:, LEN]
+    pos = np.searchsorted(starts, addr, side="right").astype(np.int64) - 1
+    ok = pos >= 0
+    p = np.clip(pos, 0, None)
+    ok &= end <= ends[p]
+    ok &= table[:, DEV] == devs[p]
+    return ~ok
+
+
+def region_of(table: DescTable, regions: Sequence[MemoryRegion]) -> tuple[NDArray[np.int64], NDArray[np.uint64]]:
+    """For rows known to be inside ``regions``: the region index and the offset into it."""
+    bases = np.array([r.addr for r in regions], dtype=np.uint64)
+    order = np.argsort(bases, kind="stable")
+    pos = np.searchsorted(bases[order], table[:, ADDR], side="right").astype(np.int64) - 1
+    ridx = order[np.clip(pos, 0, None)].astype(np.int64)
+    return ridx, table[:, ADDR] - bases[ridx]

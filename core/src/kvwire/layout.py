@@ -1,0 +1,341 @@
+"""KV layout and memory regions: what one rank owns and how its KV pool is shaped.
+
+A :class:`KVLayout` is built once per rank at startup, by the engine that embeds kvwire, from
+its KV pool (torch tensors or raw pointers). It is exchanged with peers at handshake and is the
+input of every :class:`~kvwire.index.base.IndexMapper`.
+"""
+
+from __future__ import annotations
+
+import enum
+import hashlib
+from collections.abc import Sequence
+from functools import cached_property
+from typing import Any, Self
+
+import numpy as np
+from numpy.typing import NDArray
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from kvwire.errors import LayoutError
+
+ADDR_LIMIT = 1 << 64
+
+#: Bytes per element of the dtypes a KV pool may use.
+DTYPE_SIZES: dict[str, int] = {
+    "float64": 8,
+    "float32": 4,
+    "bfloat16": 2,
+    "float16": 2,
+    "float8_e4m3fn": 1,
+    "float8_e5m2": 1,
+    "int8": 1,
+    "uint8": 1,
+}
+
+
+class MemKind(enum.IntEnum):
+    """Where a region lives: host memory or device memory."""
+
+    DRAM = 0
+    VRAM = 1
+
+
+_FROZEN = ConfigDict(frozen=True, extra="forbid")
+
+
+class MemoryRegion(BaseModel):
+    """One registered buffer: ``length`` bytes at ``addr``, cut into slots of ``item_len`` bytes.
+
+    Built by the engine side of either role (prefill or decode) when it describes its KV pool,
+    with :meth:`from_pointer` or :meth:`from_tensor`.
+    """
+
+    model_config = _FROZEN
+
+    addr: int = Field(ge=0, lt=ADDR_LIMIT, description="Base address (unsigned 64-bit).")
+    length: int = Field(description="Length in bytes.")
+    item_len: int = Field(description="Bytes per page slot.")
+    kind: MemKind = MemKind.DRAM
+    device_id: int = Field(default=0, ge=0)
+
+    @model_validator(mode="after")
+    def _check(self) -> Self:
+        if self.length <= 0:
+            raise LayoutError(f"region at {self.addr:#x} has length {self.length}; it must be > 0")
+        if self.item_len <= 0:
+            raise LayoutError(
+                f"region at {self.addr:#x} has item_len {self.item_len}; it must be > 0 "
+                "(item_len is the number of bytes of one page slot)"
+            )
+        if self.length % self.item_len:
+            raise LayoutError(
+                f"region at {self.addr:#x}: length {self.length} is not a multiple of "
+                f"item_len {self.item_len}; pass the slot size that divides the buffer"
+            )
+        if self.addr + self.length > ADDR_LIMIT:
+            raise LayoutError(f"region at {self.addr:#x} + {self.length} bytes overflows 64 bits")
+        return self
+
+    @property
+    def end(self) -> int:
+        """One past the last byte of the region."""
+        return self.addr + self.length
+
+    @property
+    def num_items(self) -> int:
+        """Number of page slots in the region."""
+        return self.length // self.item_len
+
+    @classmethod
+    def from_pointer(
+        cls,
+        addr: int,
+        length: int,
+        item_len: int,
+        kind: MemKind = MemKind.DRAM,
+        device_id: int = 0,
+    ) -> MemoryRegion:
+        """Describe a raw buffer (e.g. memory an engine allocated itself)."""
+        return cls(addr=addr, length=length, item_len=item_len, kind=kind, device_id=device_id)
+
+    @classmethod
+    def from_tensor(cls, tensor: Any, item_len: int | None = None) -> MemoryRegion:
+        """Describe a contiguous torch tensor (CPU or CUDA) or NumPy array.
+
+        ``item_len`` defaults to the bytes of one entry along the first dimension, which is the
+        page-slot dimension of a KV buffer shaped ``[num_slots, page_size, heads, head_dim]``.
+        """
+        if hasattr(tensor, "data_ptr") and hasattr(tensor, "element_size"):
+            if not tensor.is_contiguous():
+                raise LayoutError("tensor is not contiguous; call .contiguous() before registering")
+            addr = int(tensor.data_ptr())
+            length = int(tensor.numel()) * int(tensor.element_size())
+            is_cuda = bool(getattr(tensor, "is_cuda", False))
+            kind = MemKind.VRAM if is_cuda else MemKind.DRAM
+            device_id = int(tensor.device.index or 0) if is_cuda else 0
+            first = int(tensor.shape[0]) if tensor.dim() > 0 else 1
+        elif isinstance(tensor, np.ndarray):
+            if not tensor.flags.c_contiguous:
+                raise LayoutError("array is not C-contiguous; use np.ascontiguousarray first")
+            addr = int(tensor.ctypes.data)
+            length = int(tensor.nbytes)
+            kind, device_id = MemKind.DRAM, 0
+            first = int(tensor.shape[0]) if tensor.ndim > 0 else 1
+        else:
+            raise LayoutError(
+                f"cannot build a region from {type(tensor).__name__}; "
+                "pass a torch tensor, a NumPy array, or use MemoryRegion.from_pointer"
+            )
+        if length == 0:
+            raise LayoutError("cannot register an empty tensor (0 bytes)")
+        if item_len is None:
+            item_len = length // max(first, 1)
+        return cls(addr=addr, length=length, item_len=item_len, kind=kind, device_id=device_id)
+
+
+def check_no_overlap(regions: Sequence[MemoryRegion], what: str = "regions") -> None:
+    """Raise :class:`LayoutError` if any two of ``regions`` share a byte (same memory space)."""
+    if len(regions) < 2:
+        return
+    keys = np.array([(int(r.kind), r.device_id) for r in regions], dtype=np.int64)
+    addr = np.array([r.addr for r in regions], dtype=np.uint64)
+    end = np.array([r.end for r in regions], dtype=np.uint64)
+    order = np.lexsort((addr, keys[:, 1], keys[:, 0]))
+    same_space = np.all(keys[order][1:] == keys[order][:-1], axis=1)
+    overlap = same_space & (addr[order][1:] < end[order][:-1])
+    if overlap.any():
+        i = int(np.argmax(overlap))
+        a, b = regions[int(order[i])], regions[int(order[i + 1])]
+        raise LayoutError(
+            f"{what} overlap: [{a.addr:#x}, {a.end:#x}) and [{b.addr:#x}, {b.end:#x}) "
+            f"({a.kind.name} device {a.device_id}); register each byte once"
+        )
+
+
+class ModelSpec(BaseModel):
+    """Model facts that decide the shape of the KV cache; must agree across prefill and decode."""
+
+    model_config = _FROZEN
+
+    num_layers: int = Field(ge=1)
+    total_kv_heads: int = Field(ge=1, description="KV heads of the whole model (MLA: 1).")
+    head_dim: int = Field(ge=1, description="Elements per head row (MLA: kv_lora_rank + rope).")
+    dtype: str = "bfloat16"
+    page_size: int = Field(default=1, ge=1, description="Tokens per page slot.")
+    is_mla: bool = False
+
+    @model_validator(mode="after")
+    def _check(self) -> Self:
+        if self.dtype not in DTYPE_SIZES:
+            raise LayoutError(
+                f"unknown dtype {self.dtype!r}; expected one of {sorted(DTYPE_SIZES)}"
+            )
+        if self.is_mla and self.total_kv_heads != 1:
+            raise LayoutError(
+                f"an MLA model has one shared latent 'head'; got total_kv_heads="
+                f"{self.total_kv_heads}. Set total_kv_heads=1 and head_dim=kv_lora_rank+rope_dim"
+            )
+        return self
+
+    @property
+    def dtype_size(self) -> int:
+        """Bytes per element."""
+        return DTYPE_SIZES[self.dtype]
+
+
+class RankPosition(BaseModel):
+    """Where a rank sits in its instance: attention TP and pipeline (PP) coordinates."""
+
+    model_config = _FROZEN
+
+    tp_size: int = Field(default=1, ge=1)
+    tp_rank: int = Field(default=0, ge=0)
+    pp_size: int = Field(default=1, ge=1)
+    pp_rank: int = Field(default=0, ge=0)
+    dp_rank: int = Field(default=0, ge=0)
+
+    @model_validator(mode="after")
+    def _check(self) -> Self:
+        if self.tp_rank >= self.tp_size:
+            raise LayoutError(f"tp_rank {self.tp_rank} is not below tp_size {self.tp_size}")
+        if self.pp_rank >= self.pp_size:
+            raise LayoutError(f"pp_rank {self.pp_rank} is not below pp_size {self.pp_size}")
+        return self
+
+    @property
+    def sender_id(self) -> int:
+        """Unique id of this rank among all ranks of its instance (``pp_rank * tp + tp_rank``)."""
+        return self.pp_rank * self.tp_size + self.tp_rank
+
+
+#: Fields of :class:`ModelSpec` that must be equal on both sides of a transfer.
+COMPAT_FIELDS = ("page_size", "dtype", "head_dim", "num_layers", "total_kv_heads", "is_mla")
+
+
+class KVLayout(BaseModel):
+    """The KV pool of one rank: model facts, its position, and its KV buffers.
+
+    ``buffers`` are ordered ``[K_start .. K_end-1, V_start .. V_end-1]`` for MHA/GQA and
+    ``[L_start .. L_end-1]`` for MLA, where ``[start_layer, end_layer)`` are the layers this rank
+    holds (its PP stage). Every buffer has the same number of slots.
+    """
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    model: ModelSpec
+    rank: RankPosition = RankPosition()
+    start_layer: int = Field(default=0, ge=0)
+    end_layer: int | None = None
+    buffers: tuple[MemoryRegion, ...]
+
+    @model_validator(mode="after")
+    def _check(self) -> Self:
+        m = self.model
+        end = self.end_layer if self.end_layer is not None else m.num_layers
+        if not (self.start_layer < end <= m.num_layers):
+            raise LayoutError(
+                f"layer range [{self.start_layer}, {end}) is not inside the model's "
+                f"{m.num_layers} layers"
+            )
+        nl = end - self.start_layer
+        want = nl if m.is_mla else 2 * nl
+        if len(self.buffers) != want:
+            shape = "one buffer per layer (MLA)" if m.is_mla else "a K and a V buffer per layer"
+            raise LayoutError(
+                f"expected {want} buffers for layers [{self.start_layer}, {end}) ({shape}); "
+                f"got {len(self.buffers)}"
+            )
+        tp, heads = self.rank.tp_size, m.total_kv_heads
+        if not m.is_mla and heads % tp and tp % heads:
+            raise LayoutError(
+                f"total_kv_heads={heads} and tp_size={tp}: one must divide the other"
+            )
+        slots = {b.num_items for b in self.buffers}
+        if len(slots) != 1:
+            raise LayoutError(f"all KV buffers must have the same number of slots; got {slots}")
+        row = self.token_row_bytes
+        for i, b in enumerate(self.buffers):
+            if b.item_len != m.page_size * row:
+                raise LayoutError(
+                    f"buffer {i}: item_len {b.item_len} != page_size {m.page_size} x token row "
+                    f"{row} bytes ({self.local_kv_heads} heads x {m.head_dim} x "
+                    f"{m.dtype_size} B); check heads per rank, head_dim and dtype"
+                )
+        check_no_overlap(self.buffers, "KV buffers")
+        return self
+
+    @property
+    def layer_end(self) -> int:
+        """One past the last layer this rank holds."""
+        return self.end_layer if self.end_layer is not None else self.model.num_layers
+
+    @property
+    def num_slots(self) -> int:
+        """Page slots per buffer."""
+        return self.buffers[0].num_items
+
+    @property
+    def local_kv_heads(self) -> int:
+        """KV heads held by this rank (replicated heads count once)."""
+        if self.model.is_mla:
+            return 1
+        return max(1, self.model.total_kv_heads // self.rank.tp_size)
+
+    @property
+    def token_row_bytes(self) -> int:
+        """Bytes of one token's row in one buffer."""
+        m = self.model
+        return self.local_kv_heads * m.head_dim * m.dtype_size
+
+    @cached_property
+    def buffer_keys(self) -> NDArray[np.int64]:
+        """``(layer, kv)`` of each buffer, shape ``[n, 2]``; kv is 0 for K (or MLA), 1 for V."""
+        layers = np.arange(self.start_layer, self.layer_end, dtype=np.int64)
+        if self.model.is_mla:
+            return np.stack([layers, np.zeros_like(layers)], axis=1)
+        kv = np.repeat(np.array([0, 1], dtype=np.int64), len(layers))
+        return np.stack([np.tile(layers, 2), kv], axis=1)
+
+    @cached_property
+    def bases(self) -> NDArray[np.uint64]:
+        """Base address of each buffer."""
+        return np.array([b.addr for b in self.buffers], dtype=np.uint64)
+
+    @cached_property
+    def devices(self) -> NDArray[np.uint64]:
+        """Device id of each buffer."""
+        return np.array([b.device_id for b in self.buffers], dtype=np.uint64)
+
+    def compatibility_hash(self) -> str:
+        """Digest of the model facts both sides must share (see :data:`COMPAT_FIELDS`)."""
+        text = "|".join(f"{f}={getattr(self.model, f)}" for f in COMPAT_FIELDS)
+        return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+    @classmethod
+    def from_tensors(
+        cls,
+        model: ModelSpec,
+        tensors: Sequence[Any],
+        rank: RankPosition | None = None,
+        start_layer: int = 0,
+        end_layer: int | None = None,
+    ) -> KVLayout:
+        """Build a layout from the engine's KV tensors, ordered as :attr:`buffers` documents."""
+        regions = tuple(MemoryRegion.from_tensor(t) for t in tensors)
+        return cls(
+            model=model,
+            rank=rank or RankPosition(),
+            start_layer=start_layer,
+            end_layer=end_layer,
+            buffers=regions,
+        )
+
+
+def compatibility_problems(local: ModelSpec, remote: ModelSpec) -> list[str]:
+    """Name every model field that differs, with both values; empty when compatible."""
+    return [
+        f"{f}: local={getattr(local, f)!r} remote={getattr(remote, f)!r}"
+        for f in COMPAT_FIELDS
+        if getattr(local, f) != getattr(remote, f)
+    ]
