@@ -1,0 +1,130 @@
+"""The :class:`IndexMapper` seam.
+
+A mapper is built by the *initiating* side (prefill for WRITE) once per peer, from the source
+layout (where bytes come from) and the destination layout (where they go). It builds the pair of
+descriptor tables the backend prepares once, and then turns each chunk's source and destination
+page indices into index arrays into those tables: NumPy only, no per-descriptor Python loop.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import numpy as np
+from numpy.typing import NDArray
+from pydantic import BaseModel
+
+from kvwire.backend import NoOptions
+from kvwire.descriptors import DescTable, IndexArray
+from kvwire.errors import DescriptorError, LayoutError
+from kvwire.layout import KVLayout, compatibility_problems
+
+
+@dataclass(frozen=True)
+class TablePair:
+    """Source and destination descriptor tables for one (source rank, destination rank)."""
+
+    src: DescTable
+    dst: DescTable
+
+    @property
+    def nbytes(self) -> int:
+        """Host memory both tables take."""
+        return int(self.src.nbytes + self.dst.nbytes)
+
+
+def check_pages(pages: Any, num_slots: int, what: str) -> NDArray[np.int64]:
+    """Coerce page indices to ``int64`` and check they address existing slots."""
+    arr = np.asarray(pages)
+    if arr.ndim != 1:
+        raise DescriptorError(f"{what} must be 1-D, got shape {arr.shape}")
+    if arr.size and not np.issubdtype(arr.dtype, np.integer):
+        raise DescriptorError(f"{what} must be integers, got {arr.dtype}")
+    arr = arr.astype(np.int64, copy=False)
+    if arr.size and (arr.min() < 0 or arr.max() >= num_slots):
+        raise DescriptorError(
+            f"{what} out of range: values span [{int(arr.min())}, {int(arr.max())}] but the "
+            f"pool has {num_slots} page slots"
+        )
+    return arr
+
+
+class IndexMapper(ABC):
+    """Maps a (source layout, destination layout) pair to tables and chunks to index arrays."""
+
+    name: ClassVar[str] = "abstract"
+    options_model: ClassVar[type[BaseModel]] = NoOptions
+
+    def __init__(self, src: KVLayout, dst: KVLayout, options: BaseModel | None = None) -> None:
+        problems = compatibility_problems(src.model, dst.model)
+        if problems:
+            raise LayoutError(
+                "source and destination layouts cannot work together: " + "; ".join(problems)
+            )
+        self.src = src
+        self.dst = dst
+        self.options = options if options is not None else self.options_model()
+        self.src_buf, self.dst_buf = self._pair_buffers()
+
+    def _pair_buffers(self) -> tuple[NDArray[np.int64], NDArray[np.int64]]:
+        """Indices of source and destination buffers holding the same (layer, K/V)."""
+        n = self.src.model.num_layers
+        lookup = np.full(2 * n, -1, dtype=np.int64)
+        dk = self.dst.buffer_keys
+        lookup[dk[:, 0] * 2 + dk[:, 1]] = np.arange(len(dk))
+        sk = self.src.buffer_keys
+        dst = lookup[sk[:, 0] * 2 + sk[:, 1]]
+        keep = dst >= 0
+        if not keep.any():
+            raise LayoutError(
+                f"no layer in common: source holds layers [{self.src.start_layer}, "
+                f"{self.src.layer_end}), destination [{self.dst.start_layer}, "
+                f"{self.dst.layer_end})"
+            )
+        return np.flatnonzero(keep).astype(np.int64), dst[keep]
+
+    @property
+    def num_pairs(self) -> int:
+        """Buffer pairs (layer x K/V) moved per page."""
+        return int(self.src_buf.size)
+
+    @property
+    def is_dummy(self) -> bool:
+        """True when this source sends no KV to this destination because another source rank
+        sends identical bytes (MLA, replicated heads). It still reports completion."""
+        return False
+
+    @abstractmethod
+    def build_tables(self) -> TablePair:
+        """Build both descriptor tables; called once per peer by the initiating side."""
+
+    @abstractmethod
+    def _map(
+        self, src_pages: NDArray[np.int64], dst_pages: NDArray[np.int64]
+    ) -> tuple[IndexArray, IndexArray]:
+        """Index arrays for validated pages."""
+
+    def map_chunk(self, src_pages: Any, dst_pages: Any) -> tuple[IndexArray, IndexArray]:
+        """Index arrays into (src table, dst table) for a chunk; called per chunk by a
+        transfer worker. ``src_pages[i]`` goes to ``dst_pages[i]``."""
+        sp = check_pages(src_pages, self.src.num_slots, "source page indices")
+        dp = check_pages(dst_pages, self.dst.num_slots, "destination page indices")
+        if sp.size != dp.size:
+            raise DescriptorError(
+                f"{sp.size} source pages but {dp.size} destination pages; pass equal counts"
+            )
+        if self.is_dummy or sp.size == 0:
+            empty = np.empty(0, dtype=np.int64)
+            return empty, empty
+        return self._map(sp, dp)
+
+
+def default_mapper_name(src: KVLayout, dst: KVLayout) -> str:
+    """The core mapper that fits a layout pair: ``mla``, ``equal_tp`` or ``head_slice``."""
+    if src.model.is_mla:
+        return "mla"
+    if src.rank.tp_size == dst.rank.tp_size:
+        return "equal_tp"
+    return "head_slice"

@@ -1,0 +1,118 @@
+"""Heterogeneous-TP head slicing for MHA/GQA, with GQA replication in both directions.
+
+With ``H`` total KV heads, ``Tp`` prefill ranks and ``Td`` decode ranks:
+
+* ``src_heads = max(1, H // Tp)``, ``dst_heads = max(1, H // Td)``;
+* prefill larger (gather): prefill rank r holds unique head group ``r // max(1, Tp // H)`` and
+  sends all its ``src_heads`` heads into destination head offset
+  ``(unique * src_heads) % dst_heads``;
+* decode larger (scatter): decode rank r needs unique group ``r // max(1, Td // H)`` (integer
+  division) and receives ``dst_heads`` heads starting at source head
+  ``(unique * dst_heads) % src_heads`` into offset 0.
+
+Rows are per (buffer pair, slot, token[, head group]): the source table holds all ``G``
+head groups of width ``n`` heads so one table serves every destination of a source rank; index
+``pair*(S*ps*G) + page*(ps*G) + t*G + g``. The destination table has one row per
+(pair, slot, token).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from numpy.typing import NDArray
+from pydantic import BaseModel
+
+from kvwire.descriptors import IndexArray, make_table
+from kvwire.errors import LayoutError
+from kvwire.index.base import IndexMapper, TablePair
+from kvwire.index.ranks import source_ranks
+from kvwire.layout import KVLayout
+
+
+def token_table(
+    layout: KVLayout, bufs: NDArray[np.int64], offsets: NDArray[np.uint64], length: int
+) -> tuple[NDArray[np.uint64], ...]:
+    """Rows per (buffer, slot, token, offset): ``base + slot*item + t*row + offset``."""
+    ps = layout.model.page_size
+    row = np.uint64(layout.token_row_bytes)
+    item = np.uint64(layout.buffers[0].item_len)
+    slots = np.arange(layout.num_slots, dtype=np.uint64) * item
+    toks = np.arange(ps, dtype=np.uint64) * row
+    addr = (
+        layout.bases[bufs][:, None, None, None]
+        + slots[None, :, None, None]
+        + toks[None, None, :, None]
+        + offsets[None, None, None, :]
+    ).ravel()
+    per_buf = layout.num_slots * ps * offsets.size
+    return addr, np.uint64(length), np.repeat(layout.devices[bufs], per_buf)
+
+
+class HeadSliceMapper(IndexMapper):
+    """Moves each token's head slice when prefill and decode TP differ (MHA/GQA)."""
+
+    name = "head_slice"
+
+    def __init__(self, src: KVLayout, dst: KVLayout, options: BaseModel | None = None) -> None:
+        super().__init__(src, dst, options)
+        if src.model.is_mla:
+            raise LayoutError("MLA layouts move whole pages; use the mla mapper")
+        tp_s, tp_d = src.rank.tp_size, dst.rank.tp_size
+        if src.rank.tp_rank not in source_ranks(dst.rank.tp_rank, tp_s, tp_d):
+            raise LayoutError(
+                f"prefill TP rank {src.rank.tp_rank} does not feed decode TP rank "
+                f"{dst.rank.tp_rank} (TP {tp_s} -> {tp_d})"
+            )
+        h = src.model.total_kv_heads
+        m = src.model
+        self.src_heads = max(1, h // tp_s)
+        self.dst_heads = max(1, h // tp_d)
+        self.bytes_per_head = m.head_dim * m.dtype_size
+        if tp_s > tp_d:  # gather: the whole source row lands at an offset of the dst row
+            rep = max(1, tp_s // h)
+            unique = src.rank.tp_rank // rep
+            self.num_heads = self.src_heads
+            self.src_start = 0
+            self.dst_start = (unique * self.src_heads) % self.dst_heads
+            self._dummy = not (
+                src.rank.tp_rank % rep == 0 or src.rank.tp_rank % (tp_s // tp_d) == 0
+            )
+        else:  # scatter: a slice of the source row fills the dst row
+            rep = max(1, tp_d // h)
+            unique = dst.rank.tp_rank // rep
+            self.num_heads = self.dst_heads
+            self.src_start = (unique * self.dst_heads) % self.src_heads
+            self.dst_start = 0
+            self._dummy = False
+        self.groups = self.src_heads // self.num_heads
+        self.group = self.src_start // self.num_heads
+        self.slice_bytes = self.num_heads * self.bytes_per_head
+
+    @property
+    def is_dummy(self) -> bool:
+        return self._dummy
+
+    def build_tables(self) -> TablePair:
+        src_offsets = np.arange(self.groups, dtype=np.uint64) * np.uint64(self.slice_bytes)
+        dst_offsets = np.array([self.dst_start * self.bytes_per_head], dtype=np.uint64)
+        return TablePair(
+            src=make_table(*token_table(self.src, self.src_buf, src_offsets, self.slice_bytes)),
+            dst=make_table(*token_table(self.dst, self.dst_buf, dst_offsets, self.slice_bytes)),
+        )
+
+    def _map(
+        self, src_pages: NDArray[np.int64], dst_pages: NDArray[np.int64]
+    ) -> tuple[IndexArray, IndexArray]:
+        ps, g_count = self.src.model.page_size, self.groups
+        pairs = np.arange(self.num_pairs, dtype=np.int64)[:, None, None]
+        toks = np.arange(ps, dtype=np.int64)[None, None, :]
+        s_idx = (
+            pairs * (self.src.num_slots * ps * g_count)
+            + src_pages[None, :, None] * (ps * g_count)
+            + toks * g_count
+            + self.group
+        ).ravel()
+        d_idx = (
+            pairs * (self.dst.num_slots * ps) + dst_pages[None, :, None] * ps + toks
+        ).ravel()
+        return s_idx, d_idx
