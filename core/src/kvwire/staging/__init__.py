@@ -1,0 +1,11 @@
+"""Staging strategies: how bytes get from the KV pool onto the wire."""
+
+from kvwire.staging.base import (
+    ChunkPlan,
+    RegisterFn,
+    StagingContext,
+    StagingStrategy,
+)
+from kvwire.staging.direct import DirectStaging
+
+__all__ = ["ChunkPlan", "DirectStaging", "RegisterFn", "StagingContext", "StagingStrategy"]

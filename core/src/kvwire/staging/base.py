@@ -1,0 +1,105 @@
+"""The :class:`StagingStrategy` seam between the KV pool and the wire.
+
+A strategy decides which rows a chunk's transfer moves. ``direct`` moves rows of the KV pool
+itself (through the mapper's tables). A staging strategy (``bulk`` comes with the staging issue)
+gathers a chunk into memory it allocated, moves that with one row per (source rank,
+destination rank, chunk), and scatters it on arrival. Memory a strategy allocates reaches the
+engine only through the :class:`StagingContext` callbacks (``register_fn``), so a backend
+plugin contributes no staging code.
+
+Call order (who calls, from which side):
+
+1. both sides, at manager start: :meth:`StagingStrategy.setup` with a context whose
+   ``register_fn`` registers memory with the selected backend;
+2. sending side, transfer worker, per chunk: :meth:`StagingStrategy.plan` (maps pages, and
+   gathers into staging memory if the strategy stages) before the submit;
+3. sending side, after the transfer is terminal: :meth:`StagingStrategy.on_sent`;
+4. receiving side, on each chunk notification: :meth:`StagingStrategy.on_arrival` (scatter);
+5. both sides, on every terminal path of a request: :meth:`StagingStrategy.release`.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+from pydantic import BaseModel
+
+from kvwire.backend import NoOptions
+from kvwire.descriptors import IndexArray
+from kvwire.index.base import IndexMapper
+from kvwire.layout import KVLayout, MemoryRegion
+
+#: Registers (or deregisters) memory a strategy allocated with the selected backend.
+RegisterFn = Callable[[Sequence[MemoryRegion]], None]
+
+
+@dataclass
+class StagingContext:
+    """What core hands a strategy at setup: the local layout and the memory callbacks."""
+
+    layout: KVLayout
+    register_fn: RegisterFn
+    deregister_fn: RegisterFn
+    #: Republishes local metadata after registration (peers must see new regions).
+    publish_fn: Callable[[], None] = lambda: None
+
+
+@dataclass
+class ChunkPlan:
+    """What the transfer worker submits for one chunk.
+
+    ``table`` names the prepared pair to use: ``"kv"`` for the mapper's KV tables, or a name
+    the strategy registered. ``src_idx``/``dst_idx`` index into that pair. ``token`` is opaque
+    strategy state handed back to :meth:`StagingStrategy.on_sent`.
+    """
+
+    table: str
+    src_idx: IndexArray
+    dst_idx: IndexArray
+    token: Any = field(default=None)
+
+    @property
+    def empty(self) -> bool:
+        """No rows to move (dummy sender, or a chunk of zero pages)."""
+        return self.src_idx.size == 0
+
+
+class StagingStrategy(ABC):
+    """How a chunk's bytes reach the wire. One instance per :class:`~kvwire.KVManager`."""
+
+    name: ClassVar[str] = "abstract"
+    options_model: ClassVar[type[BaseModel]] = NoOptions
+    #: Whether this strategy can serve a mapper of this kind (checked at selection).
+    supported_mappers: ClassVar[frozenset[str] | None] = None
+
+    def __init__(self, options: BaseModel | None = None) -> None:
+        self.options = options if options is not None else self.options_model()
+        self.context: StagingContext | None = None
+
+    def setup(self, context: StagingContext) -> None:
+        """Allocate and register staging memory through ``context.register_fn``. Called once
+        on both sides when the manager starts."""
+        self.context = context
+
+    @abstractmethod
+    def plan(
+        self, room: int, chunk_id: int, mapper: IndexMapper, src_pages: Any, dst_pages: Any
+    ) -> ChunkPlan:
+        """Sending side, transfer worker thread, per chunk, before submit: decide the rows to
+        move (and gather them into staging memory when the strategy stages)."""
+
+    def on_sent(self, room: int, plan: ChunkPlan, ok: bool) -> None:  # noqa: B027 - optional
+        """Sending side, after the chunk's transfer is terminal (its buffer may be reused)."""
+
+    def on_arrival(self, room: int, chunk_id: int, payload: Any) -> None:  # noqa: B027
+        """Receiving side, when every writer of a chunk has arrived: scatter into the pool."""
+
+    def release(self, room: int) -> None:  # noqa: B027 - optional hook
+        """Both sides, on every terminal path of a request: free what the room holds."""
+
+    def close(self) -> None:
+        """Deregister and free staging memory (manager shutdown)."""
+        self.context = None
