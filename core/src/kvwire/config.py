@@ -89,8 +89,6 @@ def config_from_args(
     try:
         if use_env:
             return KVWireConfig(**given)
-        return KVWireConfig.model_validate(
-            {**KVWireConfig.model_construct().model_dump(), **given}
-        )
+        return KVWireConfig.model_validate({**KVWireConfig.model_construct().model_dump(), **given})
     except ValidationError as exc:
         raise ConfigError(f"invalid kvwire configuration: {exc}") from exc

@@ -82,12 +82,3 @@ def outside_regions(table: DescTable, regions: Sequence[MemoryRegion]) -> NDArra
     ok &= end <= ends[p]
     ok &= table[:, DEV] == devs[p]
     return ~ok
-
-
-def region_of(table: DescTable, regions: Sequence[MemoryRegion]) -> tuple[NDArray[np.int64], NDArray[np.uint64]]:
-    """For rows known to be inside ``regions``: the region index and the offset into it."""
-    bases = np.array([r.addr for r in regions], dtype=np.uint64)
-    order = np.argsort(bases, kind="stable")
-    pos = np.searchsorted(bases[order], table[:, ADDR], side="right").astype(np.int64) - 1
-    ridx = order[np.clip(pos, 0, None)].astype(np.int64)
-    return ridx, table[:, ADDR] - bases[ridx]

@@ -29,6 +29,7 @@ DTYPE_SIZES: dict[str, int] = {
     "float16": 2,
     "float8_e4m3fn": 1,
     "float8_e5m2": 1,
+    "int32": 4,
     "int8": 1,
     "uint8": 1,
 }
@@ -248,9 +249,7 @@ class KVLayout(BaseModel):
             )
         tp, heads = self.rank.tp_size, m.total_kv_heads
         if not m.is_mla and heads % tp and tp % heads:
-            raise LayoutError(
-                f"total_kv_heads={heads} and tp_size={tp}: one must divide the other"
-            )
+            raise LayoutError(f"total_kv_heads={heads} and tp_size={tp}: one must divide the other")
         slots = {b.num_items for b in self.buffers}
         if len(slots) != 1:
             raise LayoutError(f"all KV buffers must have the same number of slots; got {slots}")

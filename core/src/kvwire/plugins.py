@@ -167,12 +167,22 @@ class PluginRegistry:
                 module = ep.load()
             except Exception as exc:
                 self.broken.append(
-                    BrokenPlugin(ep.name, dist, version, f"{type(exc).__name__}: {exc}",
-                                 traceback.format_exc())
+                    BrokenPlugin(
+                        ep.name,
+                        dist,
+                        version,
+                        f"{type(exc).__name__}: {exc}",
+                        traceback.format_exc(),
+                    )
                 )
                 logger.warning(
                     "kvwire plugin %r from distribution %s %s failed to import and is skipped: "
-                    "%s: %s", ep.name, dist, version, type(exc).__name__, exc,
+                    "%s: %s",
+                    ep.name,
+                    dist,
+                    version,
+                    type(exc).__name__,
+                    exc,
                 )
                 continue
             builtin = getattr(module, "__name__", "") == "kvwire.builtin"
@@ -190,9 +200,15 @@ class PluginRegistry:
                 try:
                     records = list(impl.function() or [])
                 except Exception as exc:
-                    self.broken.append(BrokenPlugin(plugin, dist, version,
-                                                    f"{hook_name} raised {type(exc).__name__}: {exc}",
-                                                    traceback.format_exc()))
+                    self.broken.append(
+                        BrokenPlugin(
+                            plugin,
+                            dist,
+                            version,
+                            f"{hook_name} raised {type(exc).__name__}: {exc}",
+                            traceback.format_exc(),
+                        )
+                    )
                     logger.warning("kvwire plugin %r: hook %s failed: %s", plugin, hook_name, exc)
                     continue
                 for rec in records:
@@ -208,8 +224,11 @@ class PluginRegistry:
         refused = f"{entry.plugin} ({entry.distribution})"
         self.conflicts.append(Conflict(entry.kind, entry.name, kept, refused))
         logger.error(
-            "%s name %r is registered by %s and again by %s: the second registration is "
-            "refused%s", entry.kind, entry.name, kept, refused,
+            "%s name %r is registered by %s and again by %s: the second registration is refused%s",
+            entry.kind,
+            entry.name,
+            kept,
+            refused,
             "" if old.builtin else "; the name is ambiguous until one is uninstalled",
         )
         if not old.builtin:

@@ -34,7 +34,9 @@ class Selected:
     entry: Entry
 
 
-def validate_options(kind: Kind, name: str, cls: type[Any], options: Mapping[str, Any]) -> BaseModel:
+def validate_options(
+    kind: Kind, name: str, cls: type[Any], options: Mapping[str, Any]
+) -> BaseModel:
     """Validate ``options`` with ``cls.options_model``; errors name the field and the model."""
     model: type[BaseModel] = cls.options_model
     try:
@@ -47,8 +49,9 @@ def validate_options(kind: Kind, name: str, cls: type[Any], options: Mapping[str
         ) from exc
 
 
-def _select(kind: Kind, base: type[Any], name: str, options: Mapping[str, Any],
-            registry: PluginRegistry) -> Selected:
+def _select(
+    kind: Kind, base: type[Any], name: str, options: Mapping[str, Any], registry: PluginRegistry
+) -> Selected:
     cls = registry.resolve(kind, name)
     if not (isinstance(cls, type) and issubclass(cls, base)):
         entry = registry.get(kind, name)
@@ -95,9 +98,7 @@ def select_backend(
     return sel
 
 
-def create_backend(
-    config: KVWireConfig, agent_name: str, **kwargs: Any
-) -> TransferBackend:
+def create_backend(config: KVWireConfig, agent_name: str, **kwargs: Any) -> TransferBackend:
     """Select and instantiate the configured backend for one agent."""
     sel = select_backend(config, **kwargs)
     backend: TransferBackend = sel.cls(agent_name, sel.options)

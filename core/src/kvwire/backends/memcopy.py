@@ -25,7 +25,8 @@ LOOP_MIN_BYTES = 32 * 1024
 def region_array(region: MemoryRegion) -> NDArray[np.uint8]:
     """A writable NumPy view over a registered host region (no copy)."""
     buf = (ctypes.c_uint8 * region.length).from_address(region.addr)
-    return np.frombuffer(buf, dtype=np.uint8)
+    arr: NDArray[np.uint8] = np.frombuffer(memoryview(buf).cast("B"), dtype=np.uint8)
+    return arr
 
 
 def coalesce(
@@ -70,7 +71,12 @@ class HostMemory:
         self._copy(addr, lens, out, to_payload=True)
         return out
 
-    def scatter(self, addr: NDArray[np.uint64], lens: NDArray[np.uint64], payload: memoryview | NDArray[np.uint8]) -> None:
+    def scatter(
+        self,
+        addr: NDArray[np.uint64],
+        lens: NDArray[np.uint64],
+        payload: memoryview | NDArray[np.uint8],
+    ) -> None:
         """Copy a contiguous payload into the rows, in row order."""
         data = np.frombuffer(payload, dtype=np.uint8)
         if data.size != int(lens.sum()):

@@ -45,7 +45,8 @@ def token_table(
         + offsets[None, None, None, :]
     ).ravel()
     per_buf = layout.num_slots * ps * offsets.size
-    return addr, np.uint64(length), np.repeat(layout.devices[bufs], per_buf)
+    lens = np.full(addr.shape, length, dtype=np.uint64)
+    return addr, lens, np.repeat(layout.devices[bufs], per_buf)
 
 
 class HeadSliceMapper(IndexMapper):
@@ -112,7 +113,5 @@ class HeadSliceMapper(IndexMapper):
             + toks * g_count
             + self.group
         ).ravel()
-        d_idx = (
-            pairs * (self.dst.num_slots * ps) + dst_pages[None, :, None] * ps + toks
-        ).ravel()
+        d_idx = (pairs * (self.dst.num_slots * ps) + dst_pages[None, :, None] * ps + toks).ravel()
         return s_idx, d_idx

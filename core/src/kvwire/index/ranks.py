@@ -17,9 +17,7 @@ def _check(tp_src: int, tp_dst: int) -> None:
     if tp_src < 1 or tp_dst < 1:
         raise LayoutError(f"TP sizes must be >= 1 (prefill {tp_src}, decode {tp_dst})")
     if tp_src % tp_dst and tp_dst % tp_src:
-        raise LayoutError(
-            f"prefill TP {tp_src} and decode TP {tp_dst}: one must divide the other"
-        )
+        raise LayoutError(f"prefill TP {tp_src} and decode TP {tp_dst}: one must divide the other")
 
 
 def source_ranks(dst_rank: int, tp_src: int, tp_dst: int) -> list[int]:

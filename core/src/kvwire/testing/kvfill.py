@@ -1,0 +1,89 @@
+"""KV pools whose every element encodes where it belongs, for end-to-end verification.
+
+An element of layer ``l``, K/V ``kv``, global head ``h``, token position ``p`` and dim ``d``
+holds :func:`encode` of those five numbers (an ``int32``), so a receiver can check every byte it
+got without knowing what the sender did. Pools use the ``int32`` dtype.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from numpy.typing import NDArray
+
+from kvwire.layout import KVLayout, ModelSpec, RankPosition
+
+
+def encode(layer: object, kv: object, head: object, pos: object, dim: object) -> NDArray[np.int32]:
+    """Deterministic 31-bit code of an element's coordinates (NumPy broadcasting)."""
+    v = (
+        np.asarray(layer, dtype=np.int64) * 1_000_003
+        + np.asarray(kv, dtype=np.int64) * 7_919
+        + np.asarray(head, dtype=np.int64) * 104_729
+        + np.asarray(pos, dtype=np.int64) * 131
+        + np.asarray(dim, dtype=np.int64)
+    )
+    return (v & 0x7FFFFFFF).astype(np.int32)
+
+
+def global_heads(model: ModelSpec, rank: RankPosition) -> NDArray[np.int64]:
+    """Global KV head ids held by a TP rank (replicated ranks hold the same heads)."""
+    if model.is_mla:
+        return np.zeros(1, dtype=np.int64)
+    h, tp = model.total_kv_heads, rank.tp_size
+    local = max(1, h // tp)
+    first = (rank.tp_rank // max(1, tp // h)) * local
+    return np.arange(first, first + local, dtype=np.int64)
+
+
+def make_pool(
+    model: ModelSpec,
+    rank: RankPosition,
+    num_slots: int,
+    start_layer: int = 0,
+    end_layer: int | None = None,
+) -> tuple[KVLayout, list[NDArray[np.int32]]]:
+    """Allocate a zeroed ``int32`` pool shaped ``[slots, page_size, heads, head_dim]``."""
+    if model.dtype != "int32":
+        raise ValueError("verification pools use dtype 'int32'")
+    end = end_layer if end_layer is not None else model.num_layers
+    heads = len(global_heads(model, rank))
+    nbuf = (end - start_layer) * (1 if model.is_mla else 2)
+    arrays = [
+        np.zeros((num_slots, model.page_size, heads, model.head_dim), dtype=np.int32)
+        for _ in range(nbuf)
+    ]
+    layout = KVLayout.from_tensors(model, arrays, rank, start_layer, end_layer)
+    return layout, arrays
+
+
+def page_values(layout: KVLayout, buffer: int, first_pos: int, num_pages: int) -> NDArray[np.int32]:
+    """Expected content of ``num_pages`` consecutive logical pages starting at ``first_pos``."""
+    m = layout.model
+    layer, kv = layout.buffer_keys[buffer]
+    pos = first_pos + np.arange(num_pages * m.page_size).reshape(num_pages, m.page_size)
+    heads = global_heads(m, layout.rank)
+    return encode(
+        layer,
+        kv,
+        heads[None, None, :, None],
+        pos[:, :, None, None],
+        np.arange(m.head_dim)[None, None, None, :],
+    )
+
+
+def fill_pages(
+    layout: KVLayout, arrays: list[NDArray[np.int32]], pages: NDArray[np.int64], first_pos: int
+) -> None:
+    """Write the encoding of logical pages ``first_pos...`` into slots ``pages``."""
+    for b, arr in enumerate(arrays):
+        arr[pages] = page_values(layout, b, first_pos, len(pages))
+
+
+def count_mismatches(
+    layout: KVLayout, arrays: list[NDArray[np.int32]], pages: NDArray[np.int64], first_pos: int
+) -> int:
+    """Elements of slots ``pages`` that differ from the expected encoding."""
+    return sum(
+        int((arr[pages] != page_values(layout, b, first_pos, len(pages))).sum())
+        for b, arr in enumerate(arrays)
+    )
