@@ -1,0 +1,151 @@
+"""Plugin discovery: entry points, pluggy hooks, broken plugins, duplicates, unknown names."""
+
+from __future__ import annotations
+
+import logging
+import os
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from kvwire.backends.tcp import TcpBackend
+from kvwire.config import KVWireConfig
+from kvwire.errors import PluginError, UnknownNameError
+from kvwire.plugins import Kind, PluginRegistry
+from kvwire.selection import select_backend
+
+MakeDist = Callable[[str, dict[str, str], dict[str, str]], None]
+
+
+GOOD_PLUGIN = """
+from kvwire.plugins import Implementation, hookimpl
+
+@hookimpl
+def kvwire_transfer_backends():
+    return [Implementation("fakenative", "fakeplug_native_engine:Backend", priority=5),
+            Implementation("tcp", "fakeplug_good:NotTcp")]
+
+@hookimpl
+def kvwire_index_mappers():
+    return [Implementation("dupmapper", "fakeplug_good:X")]
+"""
+
+OTHER_PLUGIN = """
+from kvwire.plugins import Implementation, hookimpl
+
+@hookimpl
+def kvwire_index_mappers():
+    return [Implementation("dupmapper", "fakeplug_other:Y")]
+"""
+
+BROKEN_PLUGIN = """
+raise ImportError("libfake_engine.so: cannot open shared object file")
+"""
+
+
+@pytest.fixture
+def fake_plugins(plugin_dir: Path, make_dist: MakeDist) -> Path:
+    make_dist("fakeplug-good", {"good": "fakeplug_good"},
+                           {"fakeplug_good": GOOD_PLUGIN})
+    make_dist("fakeplug-other", {"other": "fakeplug_other"},
+                           {"fakeplug_other": OTHER_PLUGIN})
+    make_dist("fakeplug-broken", {"brokenengine": "fakeplug_broken"},
+                           {"fakeplug_broken": BROKEN_PLUGIN})
+    return plugin_dir
+
+
+def test_builtins_register_through_entry_point() -> None:
+    reg = PluginRegistry()
+    assert reg.names(Kind.BACKEND) == ["tcp"]
+    assert reg.names(Kind.MAPPER) == ["equal_tp", "head_slice", "mla"]
+    assert reg.names(Kind.STAGING) == ["direct"]
+    entry = reg.get(Kind.BACKEND, "tcp")
+    assert entry.distribution == "kvwire" and entry.builtin
+    assert reg.resolve(Kind.BACKEND, "tcp") is TcpBackend
+
+
+def test_broken_plugin_is_skipped_and_logged(
+    fake_plugins: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    with caplog.at_level(logging.WARNING):
+        reg = PluginRegistry()
+    assert [b.plugin for b in reg.broken] == ["brokenengine"]
+    assert reg.broken[0].distribution == "fakeplug-broken"
+    assert "libfake_engine.so" in reg.broken[0].error
+    assert "brokenengine" in caplog.text and "fakeplug-broken" in caplog.text
+    # other plugins still load
+    assert "fakenative" in reg.names(Kind.BACKEND)
+
+
+def test_selecting_broken_plugin_name_names_plugin_distribution_and_cause(
+    fake_plugins: Path,
+) -> None:
+    reg = PluginRegistry()
+    with pytest.raises(UnknownNameError) as exc:
+        reg.get(Kind.BACKEND, "brokenengine")
+    msg = str(exc.value)
+    assert "brokenengine" in msg and "fakeplug-broken" in msg and "libfake_engine.so" in msg
+
+
+def test_import_path_resolved_on_first_use_with_clear_error(fake_plugins: Path) -> None:
+    reg = PluginRegistry()
+    # Registration did not import the native module ...
+    assert "fakeplug_native_engine" not in sys.modules
+    # ... selecting it does, and the failure names plugin, distribution and cause.
+    with pytest.raises(PluginError) as exc:
+        reg.resolve(Kind.BACKEND, "fakenative")
+    msg = str(exc.value)
+    assert "'fakenative'" in msg and "good" in msg and "fakeplug-good" in msg
+    assert "fakeplug_native_engine" in msg and "ModuleNotFoundError" in msg
+
+
+def test_auto_skips_backends_that_do_not_import(fake_plugins: Path) -> None:
+    reg = PluginRegistry()
+    sel = select_backend(KVWireConfig(transfer_backend="auto"), registry=reg)
+    assert sel.name == "tcp"  # fakenative has higher priority but fails to import
+
+
+def test_builtin_name_cannot_be_taken_over(fake_plugins: Path) -> None:
+    reg = PluginRegistry()
+    assert reg.resolve(Kind.BACKEND, "tcp") is TcpBackend
+    assert any(c.name == "tcp" and "fakeplug-good" in c.refused for c in reg.conflicts)
+
+
+def test_duplicate_third_party_names_are_refused(fake_plugins: Path) -> None:
+    reg = PluginRegistry()
+    with pytest.raises(PluginError, match="several plugins") as exc:
+        reg.get(Kind.MAPPER, "dupmapper")
+    assert "fakeplug-good" in str(exc.value) and "fakeplug-other" in str(exc.value)
+
+
+def test_unknown_name_lists_available_and_install_hint() -> None:
+    reg = PluginRegistry()
+    with pytest.raises(UnknownNameError) as exc:
+        reg.get(Kind.BACKEND, "nixl")
+    msg = str(exc.value)
+    assert "Available: tcp" in msg and "pip install kvwire-nixl" in msg
+
+
+def test_kvwire_plugins_command_survives_broken_plugin(fake_plugins: Path) -> None:
+    env = {**os.environ, "PYTHONPATH": str(fake_plugins), "COLUMNS": "200"}
+    out = subprocess.run(
+        [sys.executable, "-m", "kvwire.cli", "plugins"],
+        capture_output=True, text=True, env=env, timeout=120,
+    )
+    assert out.returncode == 0, out.stderr
+    assert "tcp" in out.stdout and "fakeplug-broken" in out.stdout
+    assert "broken" in out.stdout and "fakenative" in out.stdout
+    assert "failed" in out.stdout  # fakenative's import status
+
+
+def test_kvwire_doctor_reports_backends() -> None:
+    out = subprocess.run(
+        [sys.executable, "-m", "kvwire.cli", "doctor"],
+        capture_output=True, text=True, timeout=120, env={**os.environ, "COLUMNS": "200"},
+    )
+    assert out.returncode == 0, out.stderr
+    assert "tcp: write, read, notifications, dram" in out.stdout
+    assert "kvwire-nixl" in out.stdout or "NIXL" in out.stdout
