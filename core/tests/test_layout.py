@@ -74,9 +74,8 @@ def test_layout_from_tensors() -> None:
 
 def test_overlapping_buffers_refused() -> None:
     t = torch.zeros(12, 2, 4, 8, dtype=torch.bfloat16)
-    half = t.numel() * 2 // 2
-    r1 = MemoryRegion.from_pointer(t.data_ptr(), half, 256)
-    r2 = MemoryRegion.from_pointer(t.data_ptr() + 256, half, 256)
+    r1 = MemoryRegion.from_pointer(t.data_ptr(), 3 * 128, 128)
+    r2 = MemoryRegion.from_pointer(t.data_ptr() + 128, 3 * 128, 128)
     others = [MemoryRegion.from_tensor(x) for x in kv_tensors(slots=3)[:2]]
     with pytest.raises(ValueError, match="overlap"):
         KVLayout(model=MODEL, buffers=(r1, r2, *others))
