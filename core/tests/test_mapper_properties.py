@@ -11,7 +11,7 @@ No network and no backend: a "transfer" is row ``si[k]`` of the source table cop
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 import pytest
@@ -240,9 +240,9 @@ class Link:
 
 @dataclass
 class Outcome:
+    src: Side
+    dst: Side
     links: dict[tuple[int, int, int], Link] = field(default_factory=dict)  # (pp, src, dst)
-    src: Side | None = None
-    dst: Side | None = None
 
 
 def simulate(sc: Scenario) -> Outcome:
@@ -340,27 +340,44 @@ def simulate(sc: Scenario) -> Outcome:
 # --------------------------------------------------------------------------------------------
 
 
-def valid_tp_pairs(heads: int, is_mla: bool) -> list[tuple[int, int]]:
+def tp_pairs(heads: int, is_mla: bool, way: str) -> list[tuple[int, int]]:
+    """(Tp, Td) pairs valid for ``heads`` in one direction: ``equal``, ``gather``, ``scatter``."""
+
     def fits(tp: int) -> bool:
         return is_mla or heads % tp == 0 or tp % heads == 0
+
+    def goes(a: int, b: int) -> bool:
+        return {"equal": a == b, "gather": a > b, "scatter": a < b}[way]
 
     return [
         (a, b)
         for a in TP_SIZES
         for b in TP_SIZES
-        if (a % b == 0 or b % a == 0) and fits(a) and fits(b)
+        if (a % b == 0 or b % a == 0) and fits(a) and fits(b) and goes(a, b)
     ]
 
 
+WAYS = ("equal", "gather", "scatter")
+
+
 @st.composite
-def scenarios(draw: st.DrawFn, *, pp: bool = False, is_mla: bool | None = None) -> Scenario:
+def scenarios(
+    draw: st.DrawFn, *, way: str | None = None, pp: bool = False, is_mla: bool | None = None
+) -> Scenario:
+    """Random model, TP pair (in direction ``way`` if given) and chunk of >= 1 page."""
     mla = draw(st.booleans()) if is_mla is None else is_mla
-    heads = 1 if mla else draw(st.one_of(st.sampled_from([1, 2, 4, 8, 16]), st.integers(1, 16)))
-    tp_src, tp_dst = draw(st.sampled_from(valid_tp_pairs(heads, mla)))
+    way = way or draw(st.sampled_from(WAYS))
+    if mla:
+        heads = 1
+    else:
+        fitting = [h for h in range(1, 17) if tp_pairs(h, False, way)]
+        powers = [h for h in fitting if h & (h - 1) == 0]
+        heads = draw(st.one_of(st.sampled_from(powers), st.sampled_from(fitting)))
+    tp_src, tp_dst = draw(st.sampled_from(tp_pairs(heads, mla, way)))
     layers = draw(st.integers(2 if pp else 1, 4))
     src_slots = draw(st.integers(1, 8))
     dst_slots = draw(st.integers(1, 8))
-    n = draw(st.integers(0, min(src_slots, dst_slots)))
+    n = draw(st.integers(1, min(src_slots, dst_slots)))
     src_pages = tuple(draw(st.permutations(range(src_slots)))[:n])
     dst_pages = tuple(draw(st.permutations(range(dst_slots)))[:n])
     return Scenario(
@@ -390,9 +407,11 @@ def test_dtypes_are_known() -> None:
 # --------------------------------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("way", WAYS)
 @PROPERTY_SETTINGS
-@given(scenarios())
-def test_transfer_reconstructs_decode_shards(sc: Scenario) -> None:
+@given(data=st.data())
+def test_transfer_reconstructs_decode_shards(way: str, data: st.DataObject) -> None:
+    sc = data.draw(scenarios(way=way), label="scenario")
     out = simulate(sc)
     expected_links = sc.tp_dst * max(1, sc.tp_src // sc.tp_dst)
     assert len(out.links) == expected_links
@@ -411,9 +430,10 @@ def test_pipeline_stages_together_reconstruct_decode(sc: Scenario) -> None:
 
 
 @PROPERTY_SETTINGS
-@given(scenarios(is_mla=False).filter(lambda sc: sc.tp_src == sc.tp_dst))
+@given(scenarios(way="equal", is_mla=False))
 def test_head_slice_mapper_also_handles_equal_tp(sc: Scenario) -> None:
-    simulate(Scenario(**{**sc.__dict__, "force_head_slice": True}))
+    out = simulate(replace(sc, force_head_slice=True))
+    assert {lk.mapper.name for lk in out.links.values()} == {"head_slice"}
 
 
 @PROPERTY_SETTINGS
@@ -423,6 +443,33 @@ def test_mla_exactly_one_sender_per_decode_rank(sc: Scenario) -> None:
     for d in range(sc.tp_dst):
         live = [s for (_, s, dd), lk in out.links.items() if dd == d and not lk.mapper.is_dummy]
         assert live == [source_ranks(d, sc.tp_src, sc.tp_dst)[0]]
+
+
+ALL_COMBOS = [
+    (heads, tp_src, tp_dst, mla)
+    for mla in (False, True)
+    for heads in ((1,) if mla else range(1, 17))
+    for way in WAYS
+    for tp_src, tp_dst in tp_pairs(heads, mla, way)
+]
+
+
+@pytest.mark.parametrize(
+    ("heads", "tp_src", "tp_dst", "mla"),
+    ALL_COMBOS,
+    ids=[f"{'mla' if m else f'H{h}'}-tp{a}-td{b}" for h, a, b, m in ALL_COMBOS],
+)
+def test_every_head_count_and_tp_pair(heads: int, tp_src: int, tp_dst: int, mla: bool) -> None:
+    """Exhaustive over (H, Tp, Td, MLA); the properties above vary the rest of the shape."""
+    sc = Scenario(heads=heads, tp_src=tp_src, tp_dst=tp_dst, is_mla=mla, head_dim=3)
+    out = simulate(sc)
+    live = sum(not lk.mapper.is_dummy for lk in out.links.values())
+    if mla:
+        assert live == tp_dst  # one sender per decode rank
+    else:
+        # one sender per distinct head group a decode rank needs from its prefill ranks
+        per_dst = max(1, min(tp_src, heads) // min(tp_dst, heads)) if tp_src > tp_dst else 1
+        assert live == tp_dst * per_dst
 
 
 # --------------------------------------------------------------------------------------------

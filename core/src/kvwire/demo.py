@@ -185,6 +185,8 @@ def run_phase(
         rng = np.random.default_rng(seed)
         free_src = [list(rng.permutation(shape.slots)) for _ in prefills]
         t_start = time.perf_counter()
+        timeout_s = 60.0 + 0.5 * requests
+        deadline = time.monotonic() + timeout_s
         latencies: list[float] = []
         moved = descs = corrupt = failed = 0
         inflight: dict[int, dict[str, Any]] = {}
@@ -234,19 +236,22 @@ def run_phase(
             for c in conns:
                 while c.poll(0):
                     backlog.append(c.recv())
-            while backlog:
-                _, room, bad = backlog.pop()
-                if True:
-                    req = inflight[room]
-                    corrupt += bad
-                    req["left"] -= 1
-                    if req["left"] == 0 and not req["handles"]:
-                        latencies.append(time.perf_counter() - req["t0"])
-                        for i, pages in enumerate(req["src_pages"]):
-                            free_src[i].extend(pages.tolist())
-                        del inflight[room]
-                        done += 1
-                        on_progress()
+            for _, room, bad in backlog:
+                inflight[room]["left"] -= 1
+                corrupt += bad
+            backlog.clear()
+            for room, req in list(inflight.items()):
+                if req["left"] == 0 and not req["handles"]:
+                    latencies.append(time.perf_counter() - req["t0"])
+                    for i, pages in enumerate(req["src_pages"]):
+                        free_src[i].extend(pages.tolist())
+                    del inflight[room]
+                    done += 1
+                    on_progress()
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"phase {tp_p}->{tp_d} did not finish in {timeout_s:.0f}s")
+            if not all(p.is_alive() for p in procs):
+                raise RuntimeError("a decode process died; see its traceback above")
             time.sleep(0.0002)
         seconds = time.perf_counter() - t_start
         return PhaseResult(tp_p, tp_d, requests, moved, seconds, latencies,
@@ -295,15 +300,15 @@ def run(args: argparse.Namespace, console: Console) -> int:
                           on_progress=lambda t=task: progress.advance(t))
             )
     table = Table(title="kvwire demo results")
-    for col in ("TP p->d", "reqs", "GB", "GB/s", "p50 ms", "p99 ms",
+    for col in ("TP p->d", "reqs", "MB", "GB/s", "p50 ms", "p99 ms",
                 "descs/req", "failed", "corrupt"):
         table.add_column(col, justify="right")
     ok = True
     for r in results:
         lat = np.array(r.latencies) * 1e3
         table.add_row(
-            f"{r.prefill_tp}->{r.decode_tp}", str(r.requests), f"{r.bytes_moved / 1e9:.3f}",
-            f"{r.bytes_moved / r.seconds / 1e9:.2f}", f"{np.percentile(lat, 50):.1f}",
+            f"{r.prefill_tp}->{r.decode_tp}", str(r.requests), f"{r.bytes_moved / 1e6:.1f}",
+            f"{r.bytes_moved / r.seconds / 1e9:.3f}", f"{np.percentile(lat, 50):.1f}",
             f"{np.percentile(lat, 99):.1f}", f"{r.descs_per_request:.0f}", str(r.failures),
             str(r.corruptions),
         )

@@ -19,7 +19,7 @@ from numpy.typing import NDArray
 from kvwire.layout import MemoryRegion
 
 #: Rows at least this long are copied with one memmove each instead of fancy indexing.
-LOOP_MIN_BYTES = 32 * 1024
+LOOP_MIN_BYTES = 8 * 1024
 
 
 def region_array(region: MemoryRegion) -> NDArray[np.uint8]:
