@@ -8,12 +8,12 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-
 from kvwire.plugins import reset_registry
 
 
-def make_fake_distribution(root: Path, dist: str, entry_points: dict[str, str],
-                           modules: dict[str, str]) -> None:
+def make_fake_distribution(
+    root: Path, dist: str, entry_points: dict[str, str], modules: dict[str, str]
+) -> None:
     """Write an installed-looking distribution (dist-info + modules) under ``root``."""
     info = root / f"{dist.replace('-', '_')}-0.1.dist-info"
     info.mkdir(parents=True)

@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 
 import pytest
-
 from kvwire.backends.tcp import TcpBackend, TcpOptions
 from kvwire.config import KVWireConfig, add_cli_args, config_from_args
 from kvwire.errors import CapabilityError, ConfigError
@@ -20,8 +19,18 @@ def parse(argv: list[str]) -> argparse.Namespace:
 
 
 def test_cli_args_build_config() -> None:
-    ns = parse(["--transfer-backend", "tcp", "--transfer-backend-option", "port=0",
-                "--transfer-backend-option", "host=127.0.0.1", "--staging", "direct"])
+    ns = parse(
+        [
+            "--transfer-backend",
+            "tcp",
+            "--transfer-backend-option",
+            "port=0",
+            "--transfer-backend-option",
+            "host=127.0.0.1",
+            "--staging",
+            "direct",
+        ]
+    )
     cfg = config_from_args(ns, use_env=False)
     assert cfg.transfer_backend == "tcp"
     assert cfg.transfer_backend_options == {"port": 0, "host": "127.0.0.1"}

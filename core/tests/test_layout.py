@@ -5,7 +5,6 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-
 from kvwire.layout import (
     KVLayout,
     MemKind,

@@ -10,7 +10,6 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-
 from kvwire.backends.tcp import TcpBackend
 from kvwire.config import KVWireConfig
 from kvwire.errors import PluginError, UnknownNameError
@@ -48,12 +47,11 @@ raise ImportError("libfake_engine.so: cannot open shared object file")
 
 @pytest.fixture
 def fake_plugins(plugin_dir: Path, make_dist: MakeDist) -> Path:
-    make_dist("fakeplug-good", {"good": "fakeplug_good"},
-                           {"fakeplug_good": GOOD_PLUGIN})
-    make_dist("fakeplug-other", {"other": "fakeplug_other"},
-                           {"fakeplug_other": OTHER_PLUGIN})
-    make_dist("fakeplug-broken", {"brokenengine": "fakeplug_broken"},
-                           {"fakeplug_broken": BROKEN_PLUGIN})
+    make_dist("fakeplug-good", {"good": "fakeplug_good"}, {"fakeplug_good": GOOD_PLUGIN})
+    make_dist("fakeplug-other", {"other": "fakeplug_other"}, {"fakeplug_other": OTHER_PLUGIN})
+    make_dist(
+        "fakeplug-broken", {"brokenengine": "fakeplug_broken"}, {"fakeplug_broken": BROKEN_PLUGIN}
+    )
     return plugin_dir
 
 
@@ -133,7 +131,10 @@ def test_kvwire_plugins_command_survives_broken_plugin(fake_plugins: Path) -> No
     env = {**os.environ, "PYTHONPATH": str(fake_plugins), "COLUMNS": "200"}
     out = subprocess.run(
         [sys.executable, "-m", "kvwire.cli", "plugins"],
-        capture_output=True, text=True, env=env, timeout=120,
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
     )
     assert out.returncode == 0, out.stderr
     assert "tcp" in out.stdout and "fakeplug-broken" in out.stdout
@@ -144,7 +145,10 @@ def test_kvwire_plugins_command_survives_broken_plugin(fake_plugins: Path) -> No
 def test_kvwire_doctor_reports_backends() -> None:
     out = subprocess.run(
         [sys.executable, "-m", "kvwire.cli", "doctor"],
-        capture_output=True, text=True, timeout=120, env={**os.environ, "COLUMNS": "200"},
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "COLUMNS": "200"},
     )
     assert out.returncode == 0, out.stderr
     assert "tcp: write, read, notifications, dram" in out.stdout

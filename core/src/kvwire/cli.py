@@ -70,7 +70,8 @@ def cmd_doctor(args: argparse.Namespace, console: Console) -> int:
         import torch
 
         cuda = torch.cuda.is_available()
-        console.print(f"  CUDA       {'available: ' + str(torch.cuda.device_count()) + ' GPU(s)' if cuda else 'not available (DRAM-only transfers)'}")
+        where = f"available: {torch.cuda.device_count()} GPU(s)" if cuda else "not available"
+        console.print(f"  CUDA       {where}")
     except ImportError:
         console.print("  torch is not installed: tensors must be described with raw pointers")
     console.print("\n[bold]Transfer engines[/]")

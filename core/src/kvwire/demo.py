@@ -14,6 +14,8 @@ lists travel over multiprocessing pipes); the data moves over the real backend.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import functools
 import multiprocessing as mp
 import time
 from collections.abc import Callable
@@ -29,6 +31,7 @@ from rich.table import Table
 
 from kvwire.backend import TransferBackend, XferOp, XferState
 from kvwire.config import KVWireConfig, config_from_args
+from kvwire.errors import KVWireError
 from kvwire.index import default_mapper_name, source_ranks
 from kvwire.index.base import IndexMapper
 from kvwire.layout import KVLayout, ModelSpec, RankPosition
@@ -95,7 +98,7 @@ def _decode_main(
                 info = msgpack.unpackb(note.payload)
                 room = int(info["room"])
                 arrived[room] = arrived.get(room, 0) + 1
-                pages, senders, t0 = pending[room]
+                pages, senders, _t0 = pending[room]
                 if arrived[room] == senders:
                     bad = count_mismatches(layout, arrays, pages, 0)
                     free.extend(pages.tolist())
@@ -141,7 +144,9 @@ def run_phase(
     on_progress: Callable[[], None] = lambda: None,
 ) -> PhaseResult:
     """Run one prefill_tp -> decode_tp phase and return its figures."""
-    shape = _Shape(model, slots=concurrency * (-(-tokens // model.page_size)) * 2 + 8, tokens=tokens)
+    shape = _Shape(
+        model, slots=concurrency * (-(-tokens // model.page_size)) * 2 + 8, tokens=tokens
+    )
     ctx = mp.get_context("spawn")
     conns: list[Connection] = []
     procs = []
@@ -222,7 +227,7 @@ def run_phase(
                         req["handles"].append((prefills[s].backend, h))
                         descs += int(si.size)
                 inflight[room] = req
-            for room, req in list(inflight.items()):
+            for req in list(inflight.values()):
                 for be, h in list(req["handles"]):
                     st = be.poll(h)
                     if st is XferState.PENDING:
@@ -254,16 +259,23 @@ def run_phase(
                 raise RuntimeError("a decode process died; see its traceback above")
             time.sleep(0.0002)
         seconds = time.perf_counter() - t_start
-        return PhaseResult(tp_p, tp_d, requests, moved, seconds, latencies,
-                           descs / max(requests, 1), corrupt, failed)
+        return PhaseResult(
+            tp_p,
+            tp_d,
+            requests,
+            moved,
+            seconds,
+            latencies,
+            descs / max(requests, 1),
+            corrupt,
+            failed,
+        )
     finally:
         for pf in prefills:
             pf.backend.close()
         for c in conns:
-            try:
+            with contextlib.suppress(BrokenPipeError, OSError):
                 c.send(("stop",))
-            except (BrokenPipeError, OSError):
-                pass
         for p in procs:
             p.join(timeout=10)
             if p.is_alive():
@@ -291,25 +303,51 @@ def run(args: argparse.Namespace, console: Console) -> int:
         f"{args.head_dim} dims, page size {args.page_size}"
     )
     results = []
-    with Progress(console=console, transient=True) as progress:
-        for tp_p, tp_d in phases:
-            task = progress.add_task(f"{tp_p} prefill -> {tp_d} decode", total=args.requests)
-            results.append(
-                run_phase(config, model, tp_p, tp_d, args.requests, args.tokens,
-                          args.concurrency, args.seed,
-                          on_progress=lambda t=task: progress.advance(t))
-            )
+    try:
+        with Progress(console=console, transient=True) as progress:
+            for tp_p, tp_d in phases:
+                task = progress.add_task(f"{tp_p} prefill -> {tp_d} decode", total=args.requests)
+                results.append(
+                    run_phase(
+                        config,
+                        model,
+                        tp_p,
+                        tp_d,
+                        args.requests,
+                        args.tokens,
+                        args.concurrency,
+                        args.seed,
+                        on_progress=functools.partial(progress.advance, task),
+                    )
+                )
+    except (KVWireError, TimeoutError, RuntimeError) as exc:
+        console.print(f"[red]FAILED[/]: {type(exc).__name__}: {exc}")
+        return 1
     table = Table(title="kvwire demo results")
-    for col in ("TP p->d", "reqs", "MB", "GB/s", "p50 ms", "p99 ms",
-                "descs/req", "failed", "corrupt"):
+    for col in (
+        "TP p->d",
+        "reqs",
+        "MB",
+        "GB/s",
+        "p50 ms",
+        "p99 ms",
+        "descs/req",
+        "failed",
+        "corrupt",
+    ):
         table.add_column(col, justify="right")
     ok = True
     for r in results:
         lat = np.array(r.latencies) * 1e3
         table.add_row(
-            f"{r.prefill_tp}->{r.decode_tp}", str(r.requests), f"{r.bytes_moved / 1e6:.1f}",
-            f"{r.bytes_moved / r.seconds / 1e9:.3f}", f"{np.percentile(lat, 50):.1f}",
-            f"{np.percentile(lat, 99):.1f}", f"{r.descs_per_request:.0f}", str(r.failures),
+            f"{r.prefill_tp}->{r.decode_tp}",
+            str(r.requests),
+            f"{r.bytes_moved / 1e6:.1f}",
+            f"{r.bytes_moved / r.seconds / 1e9:.3f}",
+            f"{np.percentile(lat, 50):.1f}",
+            f"{np.percentile(lat, 99):.1f}",
+            f"{r.descs_per_request:.0f}",
+            str(r.failures),
             str(r.corruptions),
         )
         ok &= r.corruptions == 0 and r.failures == 0 and len(r.latencies) == r.requests

@@ -138,14 +138,22 @@ def measure(config: KVWireConfig, repeat: int, progress: Progress | None = None)
                         raise RuntimeError(f"{op.value} {label} failed: {h.error}")
                 parent.send(("digest", remote_offs.tolist(), size))
                 remote_digest = _await(parent, "digest")[1]
-                local = b"".join(
-                    src[int(o) : int(o) + size].tobytes() for o in local_offs.tolist()
-                )
+                local = b"".join(src[int(o) : int(o) + size].tobytes() for o in local_offs.tolist())
                 verified = hashlib.blake2b(local).hexdigest() == remote_digest
                 best = min(times)
                 rows.append(
-                    BenchRow(name, op.value, label, n, n * size, best, float(np.median(times)),
-                             n * size / best / 1e9, memcpy, verified)
+                    BenchRow(
+                        name,
+                        op.value,
+                        label,
+                        n,
+                        n * size,
+                        best,
+                        float(np.median(times)),
+                        n * size / best / 1e9,
+                        memcpy,
+                        verified,
+                    )
                 )
                 if progress is not None and task is not None:
                     progress.advance(task)
@@ -170,9 +178,15 @@ def run(args: argparse.Namespace, console: Console) -> int:
     for col in ("op", "case", "best GB/s", "median ms", "memcpy GB/s", "ratio", "verified"):
         table.add_column(col, justify="right")
     for r in rows:
-        table.add_row(r.op, r.case, f"{r.gbps_best:.2f}", f"{r.median_s * 1e3:.1f}",
-                      f"{r.memcpy_gbps:.2f}", f"{r.gbps_best / r.memcpy_gbps:.2f}",
-                      "yes" if r.verified else "[red]NO[/]")
+        table.add_row(
+            r.op,
+            r.case,
+            f"{r.gbps_best:.2f}",
+            f"{r.median_s * 1e3:.1f}",
+            f"{r.memcpy_gbps:.2f}",
+            f"{r.gbps_best / r.memcpy_gbps:.2f}",
+            "yes" if r.verified else "[red]NO[/]",
+        )
     console.print(table)
     if args.json:
         with open(args.json, "w") as fh:
