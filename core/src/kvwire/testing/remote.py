@@ -16,8 +16,11 @@ sent over a :func:`multiprocessing.Pipe`::
 The child owns NumPy ``uint8`` buffers registered with its backend. While waiting for
 commands it calls ``backend.progress()`` and drains ``backend.get_notifications()`` about
 every millisecond (some engines need a progress owner). When it drains a notification it
-immediately snapshots a digest of every *watched* buffer, so a test can prove the data of a
-transfer had landed before its notification was delivered.
+immediately snapshots every *watched* buffer (copies it, then digests the copy), so a test
+can prove the data of a transfer had landed before its notification was delivered. For large
+buffers, watch with a ``stride``: only every ``stride``-th byte is copied, which takes
+microseconds, so bytes still in flight when the notification was drained are caught before
+they can land during a long copy.
 
 The child can also act as an initiator (``add_peer``/``prepare``/``submit``/``poll``), so
 both directions of WRITE and READ can be tested. Every call has a timeout; a child that died
@@ -97,7 +100,8 @@ def fill_bytes(nbytes: int, fill: Fill = None) -> NDArray[np.uint8]:
     if isinstance(fill, bytes | bytearray):
         if not fill:
             raise ValueError("a fill pattern must not be empty")
-        return np.resize(np.frombuffer(bytes(fill), dtype=np.uint8), nbytes)
+        pattern = np.frombuffer(bytes(fill), dtype=np.uint8)
+        return np.tile(pattern, -(-nbytes // pattern.size))[:nbytes].copy()
     raise TypeError(f"fill must be None, an int seed or a bytes pattern, got {type(fill).__name__}")
 
 
@@ -107,6 +111,11 @@ def digest(data: Any) -> str:
     if not view.c_contiguous:
         view = memoryview(bytes(view))
     return hashlib.blake2b(view.cast("B"), digest_size=16).hexdigest()
+
+
+def sampled_digest(data: NDArray[np.uint8], stride: int = 1) -> str:
+    """The digest a notification snapshot holds for ``data`` watched with ``stride``."""
+    return digest(np.ascontiguousarray(data[::stride]))
 
 
 @dataclass(frozen=True)
@@ -129,7 +138,9 @@ class RemoteNotification(NamedTuple):
 
     peer: str
     payload: bytes
-    #: ``{buffer name: digest}`` of every watched buffer, snapshotted when it was drained.
+    #: ``{buffer name: digest}`` of every watched buffer, snapshotted when the notification
+    #: was drained: :func:`digest` of ``buf[offset:offset + length:stride]`` as watched
+    #: (:func:`sampled_digest` computes the expected value).
     digests: dict[str, str]
 
 
@@ -142,7 +153,7 @@ class _AgentServer:
         self.backend = backend
         self.buffers: dict[str, NDArray[np.uint8]] = {}
         self.regions: dict[str, MemoryRegion | None] = {}
-        self.watched: set[str] = set()
+        self.watched: dict[str, tuple[int, int | None, int]] = {}
         self.pairs: dict[int, Any] = {}
         self.handles: dict[int, Any] = {}
         self.notes: list[RemoteNotification] = []
@@ -184,7 +195,12 @@ class _AgentServer:
         self.backend.progress()
         notes = self.backend.get_notifications()
         if notes:
-            digests = {n: digest(self.buffers[n]) for n in sorted(self.watched)}
+            # Copy first (fast, sampled), hash afterwards: the hash is slow for big buffers.
+            copies = {
+                n: self._span(n, off, length)[::stride].copy()
+                for n, (off, length, stride) in self.watched.items()
+            }
+            digests = {n: digest(c) for n, c in copies.items()}
             for n in notes:
                 self.notes.append(RemoteNotification(str(n.peer), bytes(n.payload), digests))
 
@@ -241,7 +257,7 @@ class _AgentServer:
         self.buffers[name] = buf
         self.regions[name] = region
         if watch:
-            self.watched.add(name)
+            self.watched[name] = (0, None, 1)
         return RemoteBuffer(name, addr, nbytes, region)
 
     def cmd_free(self, name: str) -> None:
@@ -249,8 +265,19 @@ class _AgentServer:
         region = self.regions.pop(name)
         if region is not None:
             self.backend.deregister([region])
-        self.watched.discard(name)
+        self.watched.pop(name, None)
         del self.buffers[name]
+
+    def cmd_watch(
+        self, name: str, enabled: bool, offset: int, length: int | None, stride: int
+    ) -> None:
+        self._span(name, offset, length)  # validates the span
+        if stride < 1:
+            raise ValueError(f"stride must be >= 1, got {stride}")
+        if enabled:
+            self.watched[name] = (offset, length, stride)
+        else:
+            self.watched.pop(name, None)
 
     def cmd_metadata(self) -> bytes:
         return bytes(self.backend.local_metadata())
@@ -582,6 +609,19 @@ class RemoteAgent:
         """Deregister (if registered) and drop a buffer."""
         self.call("free", name)
 
+    def watch(
+        self,
+        name: str,
+        enabled: bool = True,
+        offset: int = 0,
+        length: int | None = None,
+        stride: int = 1,
+    ) -> None:
+        """Start (or stop) snapshotting a buffer whenever the child drains a notification:
+        the span ``[offset, offset + length)``, every ``stride``-th byte of it (see
+        :func:`sampled_digest`)."""
+        self.call("watch", name, enabled, offset, length, stride)
+
     def metadata(self) -> bytes:
         """The child backend's ``local_metadata()``."""
         return bytes(self.call("metadata"))
@@ -692,4 +732,3 @@ class RemoteAgent:
     def attribute(self, name: str) -> Any:
         """A (picklable) attribute of the child's backend, e.g. ``live_handles``."""
         return self.call("attribute", name)
-

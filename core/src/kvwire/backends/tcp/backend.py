@@ -228,6 +228,17 @@ class TcpBackend(TransferBackend):
         for key in ("name", "endpoint", "regions"):
             if key not in meta:
                 raise ValueError(f"tcp metadata lacks {key!r}")
+        if not isinstance(meta["name"], str) or not meta["name"]:
+            raise ValueError(f"tcp metadata names no agent (name {meta['name']!r})")
+        endpoint = meta["endpoint"]
+        if not isinstance(endpoint, str) or not endpoint.startswith("tcp://"):
+            raise ValueError(f"tcp metadata endpoint {endpoint!r} is not a tcp://host:port address")
+        rows = meta["regions"]
+        if not isinstance(rows, list) or not all(
+            isinstance(r, list | tuple) and len(r) == 3 and all(type(v) is int for v in r)
+            for r in rows
+        ):
+            raise ValueError("tcp metadata regions must be a list of [addr, length, device] ints")
         return meta
 
     def _peer_name(self, metadata: bytes) -> str:
@@ -238,18 +249,27 @@ class TcpBackend(TransferBackend):
 
     def _add_peer(self, name: str, metadata: bytes) -> None:
         meta = self._decode_metadata(metadata)
-        regions = [
-            MemoryRegion(addr=a, length=n, item_len=1, kind=MemKind.DRAM, device_id=d)
-            for a, n, d in meta["regions"]
-        ]
+        try:
+            regions = [
+                MemoryRegion(addr=a, length=n, item_len=1, kind=MemKind.DRAM, device_id=d)
+                for a, n, d in meta["regions"]
+            ]
+        except ValueError as exc:
+            raise ValueError(f"tcp metadata of {name!r} holds an invalid region: {exc}") from exc
 
         def open_socket() -> None:
             sock = self._ctx.socket(zmq.DEALER)
-            sock.setsockopt(zmq.LINGER, 0)
-            sock.setsockopt(zmq.SNDHWM, self.options.send_hwm)
-            sock.setsockopt(zmq.IMMEDIATE, 0)
-            sock.setsockopt(zmq.ROUTING_ID, uuid.uuid4().bytes)
-            sock.connect(meta["endpoint"])
+            try:
+                sock.setsockopt(zmq.LINGER, 0)
+                sock.setsockopt(zmq.SNDHWM, self.options.send_hwm)
+                sock.setsockopt(zmq.IMMEDIATE, 0)
+                sock.setsockopt(zmq.ROUTING_ID, uuid.uuid4().bytes)
+                sock.connect(meta["endpoint"])
+            except zmq.ZMQError as exc:
+                sock.close(linger=0)  # a leaked socket would make close() hang in ctx.term()
+                raise ValueError(
+                    f"cannot connect to endpoint {meta['endpoint']!r} of peer {name!r}: {exc}"
+                ) from exc
             self._peers[name] = _Peer(name, meta["endpoint"], regions, sock)
 
         self._call(open_socket)
