@@ -354,7 +354,7 @@ class TransferBackend(ABC):
         """Notifications that arrived since the last call, each delivered exactly once.
         Called by the target side's owner loop."""
 
-    def progress(self) -> None:
+    def progress(self) -> None:  # noqa: B027 - optional hook
         """Drive the engine if it needs an owner loop to make progress (default: nothing)."""
 
     def close(self) -> None:

@@ -17,6 +17,7 @@ Design (one agent per process/rank):
 from __future__ import annotations
 
 import collections
+import contextlib
 import logging
 import os
 import queue
@@ -120,7 +121,9 @@ def _split_rows(
     cuts = np.flatnonzero(np.diff(part_of)) + 1
     return [
         (pa, pb, pl)
-        for pa, pb, pl in zip(np.split(a, cuts), np.split(b, cuts), np.split(lens, cuts), strict=True)
+        for pa, pb, pl in zip(
+            np.split(a, cuts), np.split(b, cuts), np.split(lens, cuts), strict=True
+        )
     ]
 
 
@@ -185,10 +188,9 @@ class TcpBackend(TransferBackend):
 
     def _post(self, job: Callable[[], None]) -> None:
         self._commands.put(job)
-        try:
+        # A full or closed pipe is fine: the loop also wakes on its poll timeout.
+        with contextlib.suppress(OSError):
             os.write(self._wake_w, b"x")
-        except OSError:  # pipe full or closed: the loop wakes on its timeout anyway
-            pass
 
     # ---------------------------------------------------------------- memory
     def _register(self, regions: list[MemoryRegion]) -> None:
@@ -356,10 +358,8 @@ class TcpBackend(TransferBackend):
         self._router.close(linger=0)
         self._ctx.term()
         for fd in (self._wake_r, self._wake_w):
-            try:
+            with contextlib.suppress(OSError):
                 os.close(fd)
-            except OSError:
-                pass
 
     # -------------------------------------------------------------- I/O loop
     @staticmethod
@@ -459,7 +459,7 @@ class TcpBackend(TransferBackend):
     def _on_reply(self, p: _Peer, frames: list[zmq.Frame]) -> None:
         try:
             if len(frames) < 2 or frames[0].bytes != wire.ACK:
-                raise wire.MalformedMessage("reply is not an ACK")
+                raise wire.MalformedMessageError("reply is not an ACK")
             h = wire.unpack(frames[1].buffer)
             x = p.inflight.get(int(h["x"]))
             if x is None:
@@ -471,7 +471,7 @@ class TcpBackend(TransferBackend):
             if x.op is XferOp.READ:
                 local, _remote, lens = x.parts[int(h["p"])]
                 if len(frames) < 3:
-                    raise wire.MalformedMessage("read reply without payload")
+                    raise wire.MalformedMessageError("read reply without payload")
                 self._memory.scatter(local, lens, frames[2].buffer)
             x.replies += 1
             if (x.op is XferOp.WRITE and h.get("p") == len(x.parts) - 1) or (
@@ -490,7 +490,7 @@ class TcpBackend(TransferBackend):
         part = 0
         try:
             if len(frames) < 3:
-                raise wire.MalformedMessage("request has too few frames")
+                raise wire.MalformedMessageError("request has too few frames")
             kind = frames[1].bytes
             h = wire.unpack(frames[2].buffer)
             xid, part, nparts = int(h["x"]), int(h["p"]), int(h["np"])
@@ -505,13 +505,13 @@ class TcpBackend(TransferBackend):
             bad = mem.locate(addr, lens) < 0
             if bad.any():
                 i = int(np.argmax(bad))
-                raise wire.MalformedMessage(
+                raise wire.MalformedMessageError(
                     f"{int(bad.sum())} rows outside the regions agent {self.agent_name!r} "
                     f"registered (first addr {int(addr[i]):#x} len {int(lens[i])})"
                 )
             if kind == wire.WRITE:
                 if len(frames) != 4:
-                    raise wire.MalformedMessage("write request without payload")
+                    raise wire.MalformedMessageError("write request without payload")
                 mem.scatter(addr, lens, frames[3].buffer)
                 last = part == nparts - 1
                 if last:
@@ -523,7 +523,7 @@ class TcpBackend(TransferBackend):
                     self._deliver(sender, h.get("n"))
                 self._reply(ident, {"x": xid, "p": part, "ok": True}, data)
             else:
-                raise wire.MalformedMessage(f"unknown request kind {kind!r}")
+                raise wire.MalformedMessageError(f"unknown request kind {kind!r}")
         except Exception as exc:
             self.refused_messages += 1
             logger.warning("%s: refused inbound request: %s", self.agent_name, exc)
@@ -537,7 +537,7 @@ class TcpBackend(TransferBackend):
         if payload is None:
             return
         if not isinstance(payload, bytes):
-            raise wire.MalformedMessage("notification payload must be bytes")
+            raise wire.MalformedMessageError("notification payload must be bytes")
         self._notifs.append(Notification(sender, payload))
 
     def _reply(self, ident: bytes, header: dict[str, Any], data: Any = None) -> None:
@@ -558,7 +558,5 @@ class TcpBackend(TransferBackend):
                 self._finish(
                     x,
                     XferState.FAILED,
-                    f"transfer to {p.name!r} timed out after "
-                    f"{self.options.transfer_timeout_s:g}s",
+                    f"transfer to {p.name!r} timed out after {self.options.transfer_timeout_s:g}s",
                 )
-

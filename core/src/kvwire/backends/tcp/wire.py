@@ -29,7 +29,7 @@ VERSION = 1
 WRITE, READ, ACK = b"W", b"R", b"A"
 
 
-class MalformedMessage(ValueError):
+class MalformedMessageError(ValueError):
     """A data-plane message could not be parsed or fails validation."""
 
 
@@ -43,11 +43,11 @@ def unpack(data: bytes | memoryview) -> dict[str, Any]:
     try:
         obj = msgpack.unpackb(data, raw=False, strict_map_key=True, max_bin_len=1 << 31)
     except Exception as exc:
-        raise MalformedMessage(f"undecodable header: {exc}") from exc
+        raise MalformedMessageError(f"undecodable header: {exc}") from exc
     if not isinstance(obj, dict):
-        raise MalformedMessage(f"header is a {type(obj).__name__}, not a map")
+        raise MalformedMessageError(f"header is a {type(obj).__name__}, not a map")
     if obj.get("v") != VERSION:
-        raise MalformedMessage(f"data-plane version {obj.get('v')!r}, expected {VERSION}")
+        raise MalformedMessageError(f"data-plane version {obj.get('v')!r}, expected {VERSION}")
     return obj
 
 
@@ -57,10 +57,10 @@ def rows_to_bytes(addr: NDArray[np.uint64], lens: NDArray[np.uint64]) -> bytes:
 
 
 def rows_from_bytes(data: object) -> tuple[NDArray[np.uint64], NDArray[np.uint64]]:
-    """Decode rows; raise MalformedMessage on a bad length or zero-length rows."""
+    """Decode rows; raise MalformedMessageError on a bad length or zero-length rows."""
     if not isinstance(data, bytes) or len(data) % 16:
-        raise MalformedMessage("row list must be bytes holding (addr, len) uint64 pairs")
+        raise MalformedMessageError("row list must be bytes holding (addr, len) uint64 pairs")
     pairs = np.frombuffer(data, dtype="<u8").reshape(-1, 2).astype(np.uint64)
     if pairs.shape[0] == 0 or not pairs[:, 1].all():
-        raise MalformedMessage("row list is empty or holds zero-length rows")
+        raise MalformedMessageError("row list is empty or holds zero-length rows")
     return pairs[:, 0].copy(), pairs[:, 1].copy()
