@@ -31,7 +31,7 @@ from typing import Any, ClassVar, NamedTuple, Self
 import numpy as np
 from pydantic import BaseModel, ConfigDict
 
-from kvwire.descriptors import LEN, DescTable, check_indices, check_table, outside_regions
+from kvwire.descriptors import LEN, DescTable, check_indices, check_table, require_inside
 from kvwire.errors import CapabilityError, DescriptorError, HandleError, PeerError
 from kvwire.layout import MemKind, MemoryRegion, check_no_overlap
 
@@ -223,24 +223,14 @@ class TransferBackend(ABC):
         with self._lock:
             if peer not in self.peers():
                 raise PeerError(f"cannot prepare for unknown peer {peer!r}; add_peer() it first")
-            bad = outside_regions(local_table, self._regions)
-            if bad.any():
-                i = int(np.argmax(bad))
-                raise DescriptorError(
-                    f"local table: {int(bad.sum())} rows lie outside this agent's registered "
-                    f"regions (first: row {i}, addr {int(local_table[i, 0]):#x}, "
-                    f"len {int(local_table[i, 1])}); register the memory first"
-                )
+            require_inside(
+                local_table,
+                self._regions,
+                f"local table of agent {self.agent_name!r} (register the memory first)",
+            )
             remote_regions = self._peer_regions(peer)
             if remote_regions is not None:
-                bad = outside_regions(remote_table, remote_regions)
-                if bad.any():
-                    i = int(np.argmax(bad))
-                    raise DescriptorError(
-                        f"remote table: {int(bad.sum())} rows lie outside the regions peer "
-                        f"{peer!r} registered (first: row {i}, addr "
-                        f"{int(remote_table[i, 0]):#x}, len {int(remote_table[i, 1])})"
-                    )
+                require_inside(remote_table, remote_regions, f"remote table for peer {peer!r}")
             pair = PreparedPair(
                 id=next(self._ids),
                 peer=peer,

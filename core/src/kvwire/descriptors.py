@@ -50,8 +50,11 @@ def check_table(table: object, what: str = "descriptor table") -> DescTable:
     return table
 
 
-def check_indices(idx: object, size: int, what: str) -> IndexArray:
-    """Coerce ``idx`` to a 1-D ``int64`` array and check every entry is in ``[0, size)``."""
+def check_indices(idx: object, size: int, what: str, unit: str = "rows") -> IndexArray:
+    """Coerce ``idx`` to a 1-D ``int64`` array and check every entry is in ``[0, size)``.
+
+    ``unit`` names what ``size`` counts, for the error message (table rows, page slots).
+    """
     arr = np.asarray(idx)
     if arr.ndim != 1:
         raise DescriptorError(f"{what} must be 1-D, got shape {arr.shape}")
@@ -62,9 +65,20 @@ def check_indices(idx: object, size: int, what: str) -> IndexArray:
         lo, hi = int(arr.min()), int(arr.max())
         if lo < 0 or hi >= size:
             raise DescriptorError(
-                f"{what} out of range: values span [{lo}, {hi}] but the table has {size} rows"
+                f"{what} out of range: values span [{lo}, {hi}] but there are {size} {unit}"
             )
     return arr
+
+
+def require_inside(table: DescTable, regions: Sequence[MemoryRegion], what: str) -> None:
+    """Raise DescriptorError naming the first row of ``table`` outside ``regions``."""
+    bad = outside_regions(table, regions)
+    if bad.any():
+        i = int(np.argmax(bad))
+        raise DescriptorError(
+            f"{what}: {int(bad.sum())} rows lie outside the registered regions (first: row "
+            f"{i}, addr {int(table[i, ADDR]):#x}, len {int(table[i, LEN])})"
+        )
 
 
 def outside_regions(table: DescTable, regions: Sequence[MemoryRegion]) -> NDArray[np.bool_]:

@@ -17,7 +17,7 @@ from numpy.typing import NDArray
 from pydantic import BaseModel
 
 from kvwire.backend import NoOptions
-from kvwire.descriptors import DescTable, IndexArray
+from kvwire.descriptors import DescTable, IndexArray, check_indices
 from kvwire.errors import DescriptorError, LayoutError
 from kvwire.layout import KVLayout, compatibility_problems
 
@@ -37,18 +37,7 @@ class TablePair:
 
 def check_pages(pages: Any, num_slots: int, what: str) -> NDArray[np.int64]:
     """Coerce page indices to ``int64`` and check they address existing slots."""
-    arr = np.asarray(pages)
-    if arr.ndim != 1:
-        raise DescriptorError(f"{what} must be 1-D, got shape {arr.shape}")
-    if arr.size and not np.issubdtype(arr.dtype, np.integer):
-        raise DescriptorError(f"{what} must be integers, got {arr.dtype}")
-    arr = arr.astype(np.int64, copy=False)
-    if arr.size and (arr.min() < 0 or arr.max() >= num_slots):
-        raise DescriptorError(
-            f"{what} out of range: values span [{int(arr.min())}, {int(arr.max())}] but the "
-            f"pool has {num_slots} page slots"
-        )
-    return arr
+    return check_indices(pages, num_slots, what, unit="page slots in the pool")
 
 
 class IndexMapper(ABC):
