@@ -314,6 +314,7 @@ class TransferBackend(ABC):
         if handle.released:
             raise HandleError(f"transfer handle {handle.id} was already released")
         if self._closed:
+            handle.error = handle.error or f"agent {self.agent_name!r} was closed"
             return XferState.FAILED
         return self._poll(handle)
 

@@ -97,9 +97,12 @@ def cmd_doctor(args: argparse.Namespace, console: Console) -> int:
         console.print(f"  [red]✗[/] plugin {b.plugin} ({b.distribution} {b.version}): {b.error}")
         advice.append(f"reinstall or remove {b.distribution}: its entry point does not import")
     if "nixl" not in reg.entries[Kind.BACKEND]:
-        advice.append("for NIXL: install the kvwire-nixl plugin (see docs/plugins)")
+        advice.append("for NIXL: install the kvwire-nixl plugin (pip install kvwire-nixl)")
     if "mooncake" not in reg.entries[Kind.BACKEND]:
-        advice.append("for Mooncake: install the kvwire-mooncake plugin (see docs/plugins)")
+        advice.append(
+            "for Mooncake: install the kvwire-mooncake plugin distribution "
+            "(pip install kvwire-mooncake)"
+        )
     if advice:
         console.print("\n[bold]What to do[/]")
         for line in advice:
