@@ -4,7 +4,9 @@ A spawned target process registers one buffer and drains notifications; this pro
 registers a source buffer of random bytes and times WRITE (and READ, where supported) of each
 case: one large descriptor and many small ones (non-contiguous on the target, so nothing can be
 merged). Each timed transfer is checked: the target's digest of the written range must equal
-the source's. A local ``memcpy`` of the same bytes gives the machine's ceiling for the ratio.
+the source's. A local ``memcpy`` of the same bytes gives the machine's ceiling, and for ``tcp``
+the same bytes pushed through raw ZeroMQ sockets (no gather, scatter or checks) give the
+engine's ceiling; both ratios come from the same run.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 import numpy as np
+import zmq
 from rich.console import Console
 from rich.progress import Progress
 from rich.table import Table
@@ -47,6 +50,8 @@ class BenchRow:
     gbps_best: float
     memcpy_gbps: float
     verified: bool
+    #: Same bytes through the engine's own raw API (for tcp: ZeroMQ PUSH/PULL), or None.
+    raw_gbps: float | None = None
 
 
 def _target_main(conn: Connection, config_json: str, nbytes: int) -> None:
@@ -68,11 +73,50 @@ def _target_main(conn: Connection, config_json: str, nbytes: int) -> None:
                     offs, size = msg[1], msg[2]
                     parts = [buf[o : o + size].tobytes() for o in offs]
                     conn.send(("digest", hashlib.blake2b(b"".join(parts)).hexdigest()))
+                if msg[0] == "sink":
+                    _raw_sink(conn, msg[1], msg[2])
                 if msg[0] == "fill":
                     buf[:] = np.random.default_rng(msg[1]).integers(0, 256, nbytes, np.uint8)
                     conn.send(("filled",))
     finally:
         backend.close()
+
+
+def _raw_sink(conn: Connection, messages: int, repeat: int) -> None:
+    """Target side of the raw ZeroMQ baseline: receive ``messages`` frames ``repeat`` times."""
+    ctx: zmq.Context[Any] = zmq.Context.instance()
+    sock = ctx.socket(zmq.PULL)
+    sock.setsockopt(zmq.LINGER, 0)
+    port = sock.bind_to_random_port("tcp://127.0.0.1")
+    conn.send(("sink_ready", f"tcp://127.0.0.1:{port}"))
+    try:
+        for _ in range(repeat):
+            got = sum(len(sock.recv(copy=False)) for _ in range(messages))
+            conn.send(("sunk", got))
+    finally:
+        sock.close(linger=0)
+
+
+def raw_zmq_gbps(conn: Connection, payload: np.ndarray, part: int, repeat: int) -> float:
+    """Best GB/s of ``payload`` pushed raw (no gather, no checks) in ``part``-byte frames."""
+    frames = [payload[i : i + part] for i in range(0, payload.size, part)]
+    conn.send(("sink", len(frames), repeat))
+    endpoint = _await(conn, "sink_ready")[1]
+    sock: zmq.Socket[Any] = zmq.Context.instance().socket(zmq.PUSH)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(endpoint)
+    best = float("inf")
+    try:
+        for _ in range(repeat):
+            t0 = time.perf_counter()
+            for f in frames:
+                sock.send(f, copy=False)
+            if _await(conn, "sunk")[1] != payload.size:
+                raise RuntimeError("raw ZeroMQ baseline lost bytes")
+            best = min(best, time.perf_counter() - t0)
+    finally:
+        sock.close(linger=0)
+    return payload.size / best / 1e9
 
 
 def _await(conn: Connection, kind: str, timeout: float = 120.0) -> tuple[Any, ...]:
@@ -120,6 +164,10 @@ def measure(config: KVWireConfig, repeat: int, progress: Progress | None = None)
                 np.copyto(dst, src[: n * size])
             memcpy = n * size * repeat / (time.perf_counter() - t0) / 1e9
             idx = np.arange(n)
+            raw = None
+            if name == "tcp":
+                part = int(backend.options.max_part_bytes)  # type: ignore[attr-defined]
+                raw = raw_zmq_gbps(parent, src[: n * size], part, repeat)
             for op in ops:
                 if op is XferOp.READ:
                     parent.send(("fill", 3))
@@ -153,6 +201,7 @@ def measure(config: KVWireConfig, repeat: int, progress: Progress | None = None)
                         n * size / best / 1e9,
                         memcpy,
                         verified,
+                        raw,
                     )
                 )
                 if progress is not None and task is not None:
@@ -175,7 +224,18 @@ def run(args: argparse.Namespace, console: Console) -> int:
     with Progress(console=console, transient=True) as progress:
         rows = measure(config, args.repeat, progress)
     table = Table(title=f"kvwire bench-backend: {config.transfer_backend}, two processes")
-    for col in ("op", "case", "best GB/s", "median ms", "memcpy GB/s", "ratio", "verified"):
+    cols = (
+        "op",
+        "case",
+        "best GB/s",
+        "median ms",
+        "raw GB/s",
+        "vs raw",
+        "memcpy GB/s",
+        "vs memcpy",
+        "verified",
+    )
+    for col in cols:
         table.add_column(col, justify="right")
     for r in rows:
         table.add_row(
@@ -183,6 +243,8 @@ def run(args: argparse.Namespace, console: Console) -> int:
             r.case,
             f"{r.gbps_best:.2f}",
             f"{r.median_s * 1e3:.1f}",
+            "-" if r.raw_gbps is None else f"{r.raw_gbps:.2f}",
+            "-" if r.raw_gbps is None else f"{r.gbps_best / r.raw_gbps:.2f}",
             f"{r.memcpy_gbps:.2f}",
             f"{r.gbps_best / r.memcpy_gbps:.2f}",
             "yes" if r.verified else "[red]NO[/]",
