@@ -110,7 +110,7 @@ def raw_zmq_gbps(conn: Connection, payload: np.ndarray, part: int, repeat: int) 
         for _ in range(repeat):
             t0 = time.perf_counter()
             for f in frames:
-                sock.send(f, copy=False)
+                sock.send(memoryview(f), copy=False)
             if _await(conn, "sunk")[1] != payload.size:
                 raise RuntimeError("raw ZeroMQ baseline lost bytes")
             best = min(best, time.perf_counter() - t0)
