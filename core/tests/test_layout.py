@@ -127,3 +127,39 @@ def test_compatibility_problems_name_both_sides() -> None:
         other, [torch.zeros(6, 4, 4, 8, dtype=torch.float16) for _ in range(4)]
     )
     assert a.compatibility_hash() != b.compatibility_hash()
+
+
+class _FakeCudaTensor:
+    """Stands in for a CUDA tensor, which no CI machine can allocate (no GPU here).
+
+    Mirrors the torch attributes ``MemoryRegion.from_tensor`` reads; a real CUDA tensor was
+    checked on the lent GPU machine (see docs/benchmarks.md, "GPU checks").
+    """
+
+    is_cuda = True
+
+    class device:  # noqa: N801 - mirrors torch.device's attribute access
+        index = 3
+
+    shape = (16, 4, 2, 8)
+
+    def is_contiguous(self) -> bool:
+        return True
+
+    def data_ptr(self) -> int:
+        return 0x7F00_0000_0000
+
+    def numel(self) -> int:
+        return 16 * 4 * 2 * 8
+
+    def element_size(self) -> int:
+        return 2
+
+    def dim(self) -> int:
+        return 4
+
+
+def test_region_from_cuda_tensor_is_vram_on_its_device() -> None:
+    r = MemoryRegion.from_tensor(_FakeCudaTensor())
+    assert r.kind is MemKind.VRAM and r.device_id == 3
+    assert r.addr == 0x7F00_0000_0000 and r.length == 2048 and r.item_len == 128
