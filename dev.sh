@@ -60,7 +60,7 @@ case "$cmd" in
     exec "$UV" run --frozen --no-sync kvwire demo "$@" ;;
   test)
     ensure_env
-    log "ruff"; "$UV" run --frozen --no-sync ruff check core plugins tests
+    log "ruff"; "$UV" run --frozen --no-sync ruff check core plugins tests scripts
     log "mypy"; "$UV" run --frozen --no-sync mypy
     log "pytest"; exec "$UV" run --frozen --no-sync pytest "$@" ;;
   bench)
