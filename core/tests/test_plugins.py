@@ -36,6 +36,10 @@ OTHER_PLUGIN = """
 from kvwire.plugins import Implementation, hookimpl
 
 @hookimpl
+def kvwire_doctor_checks():
+    raise RuntimeError("engine probe crashed")
+
+@hookimpl
 def kvwire_index_mappers():
     return [Implementation("dupmapper", "fakeplug_other:Y")]
 """
@@ -152,4 +156,13 @@ def test_kvwire_doctor_reports_backends() -> None:
     )
     assert out.returncode == 0, out.stderr
     assert "tcp: write, read, notifications, dram" in out.stdout
+    assert "tcp transport (core): ZeroMQ" in out.stdout
     assert "kvwire-nixl" in out.stdout or "NIXL" in out.stdout
+
+
+def test_doctor_checks_from_builtins_and_failing_plugin_hooks(fake_plugins: Path) -> None:
+    reg = PluginRegistry()
+    checks = dict(reg.doctor_checks())
+    assert checks["core"].ok and "ZeroMQ" in checks["core"].detail
+    assert "tcp" in checks["core"].detail
+    assert not checks["other"].ok and "engine probe crashed" in checks["other"].detail

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from kvwire.plugins import Implementation, hookimpl
+from kvwire.plugins import DoctorCheck, Implementation, hookimpl
 
 
 @hookimpl
@@ -34,3 +34,29 @@ def kvwire_index_mappers() -> list[Implementation]:
 def kvwire_staging_strategies() -> list[Implementation]:
     """No staging."""
     return [Implementation("direct", "kvwire.staging.direct:DirectStaging", "no staging")]
+
+
+@hookimpl
+def kvwire_doctor_checks() -> list[DoctorCheck]:
+    """The tcp backend's transport: ZeroMQ over TCP (pyzmq and its bundled libzmq)."""
+    try:
+        import zmq
+    except ImportError as exc:
+        return [
+            DoctorCheck(
+                "tcp transport",
+                False,
+                f"pyzmq does not import: {exc}",
+                "reinstall kvwire (pyzmq is a dependency)",
+            )
+        ]
+    # TCP is always built into libzmq; zmq.has() reports the optional transports only.
+    transports = ["tcp", *(t for t in ("ipc", "tipc") if zmq.has(t))]
+    return [
+        DoctorCheck(
+            "tcp transport",
+            True,
+            f"ZeroMQ {zmq.zmq_version()} (pyzmq {zmq.__version__}); transports: "
+            f"{', '.join(transports)}; CURVE encryption: {'yes' if zmq.has('curve') else 'no'}",
+        )
+    ]

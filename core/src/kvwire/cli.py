@@ -93,6 +93,12 @@ def cmd_doctor(args: argparse.Namespace, console: Console) -> int:
         caps = cls.capabilities
         what = [k for k in ("write", "read", "notifications", "dram", "vram") if getattr(caps, k)]
         console.print(f"  [green]✓[/] {name}: {', '.join(what)}")
+    console.print("\n[bold]Engine checks[/]")
+    for plugin, check in reg.doctor_checks():
+        mark = "[green]✓[/]" if check.ok else "[red]✗[/]"
+        console.print(f"  {mark} {check.subject} ({plugin}): {check.detail}")
+        if not check.ok and check.fix:
+            advice.append(f"{check.subject}: {check.fix}")
     for b in reg.broken:
         console.print(f"  [red]✗[/] plugin {b.plugin} ({b.distribution} {b.version}): {b.error}")
         advice.append(f"reinstall or remove {b.distribution}: its entry point does not import")
@@ -100,8 +106,7 @@ def cmd_doctor(args: argparse.Namespace, console: Console) -> int:
         advice.append("for NIXL: install the kvwire-nixl plugin (pip install kvwire-nixl)")
     if "mooncake" not in reg.entries[Kind.BACKEND]:
         advice.append(
-            "for Mooncake: install the kvwire-mooncake plugin distribution "
-            "(pip install kvwire-mooncake)"
+            "for Mooncake: install the kvwire-mooncake plugin (pip install kvwire-mooncake)"
         )
     if advice:
         console.print("\n[bold]What to do[/]")

@@ -75,6 +75,21 @@ class KVWireSpecs:
     def kvwire_staging_strategies(self) -> list[Implementation]:  # type: ignore[empty-body]
         """Return the staging strategies this plugin provides."""
 
+    @hookspec
+    def kvwire_doctor_checks(self) -> list[DoctorCheck]:  # type: ignore[empty-body]
+        """Report what the plugin's engine needs and whether it is there (for `kvwire
+        doctor`). Must not fail when the engine is missing: report it instead."""
+
+
+@dataclass(frozen=True)
+class DoctorCheck:
+    """One line of `kvwire doctor`: what was checked, whether it is usable, and the fix."""
+
+    subject: str
+    ok: bool
+    detail: str
+    fix: str = ""
+
 
 _HOOKS = {
     Kind.BACKEND: "kvwire_transfer_backends",
@@ -287,6 +302,19 @@ class PluginRegistry:
                 ) from exc
             entry._resolved = obj
             return obj
+
+    def doctor_checks(self) -> list[tuple[str, DoctorCheck]]:
+        """Every plugin's doctor checks, as ``(plugin, check)``; a failing hook is reported."""
+        out: list[tuple[str, DoctorCheck]] = []
+        for impl in self.manager.hook.kvwire_doctor_checks.get_hookimpls():
+            checks: list[DoctorCheck]
+            try:
+                result: Any = impl.function()
+                checks = list(result or [])
+            except Exception as exc:
+                checks = [DoctorCheck(impl.plugin_name, False, f"doctor hook raised {exc!r}")]
+            out.extend((impl.plugin_name, c) for c in checks)
+        return out
 
     def try_resolve(self, kind: Kind, name: str) -> tuple[Any | None, str | None]:
         """Like :meth:`resolve` but returns ``(None, error)`` instead of raising."""
