@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 import torch
+
 from kvwire.index import EqualTPMapper, HeadSliceMapper
 from kvwire.layout import KVLayout, MemKind, ModelSpec, RankPosition
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 
 import pytest
+
 from kvwire.backends.tcp import TcpBackend, TcpOptions
 from kvwire.config import KVWireConfig, add_cli_args, config_from_args
 from kvwire.errors import CapabilityError, ConfigError

@@ -17,6 +17,8 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from numpy.typing import NDArray
+
 from kvwire.errors import DescriptorError, LayoutError
 from kvwire.index import (
     EqualTPMapper,
@@ -29,7 +31,6 @@ from kvwire.index import (
     target_ranks,
 )
 from kvwire.layout import DTYPE_SIZES, KVLayout, ModelSpec, RankPosition
-from numpy.typing import NDArray
 
 MAPPERS: dict[str, type[IndexMapper]] = {
     "equal_tp": EqualTPMapper,

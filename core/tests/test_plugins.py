@@ -10,6 +10,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+
 from kvwire.backends.tcp import TcpBackend
 from kvwire.config import KVWireConfig
 from kvwire.errors import PluginError, UnknownNameError

@@ -19,6 +19,7 @@ import msgpack
 import numpy as np
 import pytest
 import zmq
+
 from kvwire.backend import XferOp, XferState
 from kvwire.backends.tcp import TcpBackend, TcpOptions, wire
 from kvwire.descriptors import make_table
