@@ -72,8 +72,6 @@ class StagingStrategy(ABC):
 
     name: ClassVar[str] = "abstract"
     options_model: ClassVar[type[BaseModel]] = NoOptions
-    #: Whether this strategy can serve a mapper of this kind (checked at selection).
-    supported_mappers: ClassVar[frozenset[str] | None] = None
 
     def __init__(self, options: BaseModel | None = None) -> None:
         self.options = options if options is not None else self.options_model()
