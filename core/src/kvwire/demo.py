@@ -210,7 +210,7 @@ def run_phase(
                     src_pages.append(pages)
                 req["src_pages"] = src_pages
                 for d, c in enumerate(conns):
-                    senders = [s for s in source_ranks(d, tp_p, tp_d)]
+                    senders = source_ranks(d, tp_p, tp_d)
                     active = [s for s in senders if not prefills[s].links[d][0].is_dummy]
                     c.send(("alloc", room, shape.pages, len(active)))
                     while True:  # verification results may come first; keep them for later

@@ -81,18 +81,31 @@ def require_inside(table: DescTable, regions: Sequence[MemoryRegion], what: str)
         )
 
 
+def locate_rows(
+    starts: NDArray[np.uint64],
+    ends: NDArray[np.uint64],
+    addr: NDArray[np.uint64],
+    lens: NDArray[np.uint64],
+) -> NDArray[np.int64]:
+    """Index of the region (``starts`` sorted, non-overlapping) that holds each whole row,
+    or -1 where a row is not entirely inside one region (or its end overflows 64 bits)."""
+    if starts.size == 0:
+        return np.full(addr.shape, -1, dtype=np.int64)
+    pos = np.searchsorted(starts, addr, side="right").astype(np.int64) - 1
+    p = np.clip(pos, 0, None)
+    end = addr + lens
+    inside = (pos >= 0) & (end <= ends[p]) & (end >= addr)
+    return np.where(inside, pos, -1)
+
+
 def outside_regions(table: DescTable, regions: Sequence[MemoryRegion]) -> NDArray[np.bool_]:
     """Mask of table rows that are not entirely inside one of ``regions`` (same device)."""
-    if not regions:
-        return np.ones(table.shape[0], dtype=bool)
     order = sorted(regions, key=lambda r: r.addr)
     starts = np.array([r.addr for r in order], dtype=np.uint64)
     ends = np.array([r.end for r in order], dtype=np.uint64)
     devs = np.array([r.device_id for r in order], dtype=np.uint64)
-    addr, end = table[:, ADDR], table[:, ADDR] + table[:, LEN]
-    pos = np.searchsorted(starts, addr, side="right").astype(np.int64) - 1
-    ok = pos >= 0
-    p = np.clip(pos, 0, None)
-    ok &= end <= ends[p]
-    ok &= table[:, DEV] == devs[p]
-    return ~ok
+    pos = locate_rows(starts, ends, table[:, ADDR], table[:, LEN])
+    bad: NDArray[np.bool_] = pos < 0
+    if order:
+        bad |= table[:, DEV] != devs[np.clip(pos, 0, None)]
+    return bad

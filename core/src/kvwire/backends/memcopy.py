@@ -16,6 +16,7 @@ import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
 from numpy.typing import NDArray
 
+from kvwire.descriptors import locate_rows
 from kvwire.layout import MemoryRegion
 
 #: Rows at least this long are copied with one memmove each instead of fancy indexing.
@@ -58,12 +59,7 @@ class HostMemory:
 
     def locate(self, addr: NDArray[np.uint64], lens: NDArray[np.uint64]) -> NDArray[np.int64]:
         """Region index of each row, or -1 where the row is not inside one region."""
-        if not self.regions:
-            return np.full(addr.shape, -1, dtype=np.int64)
-        pos = np.searchsorted(self.bases, addr, side="right").astype(np.int64) - 1
-        p = np.clip(pos, 0, None)
-        inside = (pos >= 0) & (addr + lens <= self.ends[p]) & (addr + lens >= addr)
-        return np.where(inside, pos, -1)
+        return locate_rows(self.bases, self.ends, addr, lens)
 
     def gather(self, addr: NDArray[np.uint64], lens: NDArray[np.uint64]) -> NDArray[np.uint8]:
         """Copy the rows into one contiguous payload, in row order."""
