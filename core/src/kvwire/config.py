@@ -14,12 +14,58 @@ import json
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from pydantic import Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from kvwire.errors import ConfigError
 
 AUTO = "auto"
+
+
+class ControlOptions(BaseModel):
+    """Control-plane settings: addresses, threads, deadlines and heartbeats.
+
+    Environment: ``KVWIRE_CONTROL__HEARTBEAT_INTERVAL_S=0.5`` and so on; CLI:
+    ``--control-option heartbeat_interval_s=0.5``.
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    host: str = Field(
+        default="127.0.0.1",
+        description="Address this rank's control endpoint binds to and advertises.",
+    )
+    bootstrap_host: str = Field(
+        default="127.0.0.1", description="Address the in-process bootstrap service binds to."
+    )
+    bootstrap_port: int = Field(
+        default=0, ge=0, lt=65536, description="Bootstrap port (0 picks a free one)."
+    )
+    run_bootstrap: bool = Field(
+        default=True, description="Prefill rank 0 runs the bootstrap service in-process."
+    )
+    num_workers: int = Field(default=4, ge=1, le=256, description="Transfer worker threads.")
+    sync_transfers: bool = Field(
+        default=False,
+        description="Transfer on the caller's thread inside send() (benchmark baseline).",
+    )
+    heartbeat_interval_s: float = Field(default=1.0, gt=0)
+    heartbeat_misses: int = Field(default=3, ge=1, description="Missed beats before eviction.")
+    bootstrap_timeout_s: float = Field(
+        default=30.0, gt=0, description="Prefill: decode metadata must arrive within this."
+    )
+    waiting_timeout_s: float = Field(
+        default=60.0, gt=0, description="Decode: the KV must arrive within this."
+    )
+    handshake_timeout_s: float = Field(default=10.0, gt=0)
+    transfer_timeout_s: float = Field(default=60.0, gt=0, description="One chunk's transfer.")
+    send_hwm: int = Field(default=1000, ge=1, description="Queued control frames per peer.")
+    aux_slots: int = Field(
+        default=4096, ge=1, description="Aux rows when the engine passes no aux buffers."
+    )
+    metrics_port: int | None = Field(
+        default=None, description="Serve Prometheus metrics on this port (None: do not serve)."
+    )
 
 
 class KVWireConfig(BaseSettings):
@@ -29,7 +75,9 @@ class KVWireConfig(BaseSettings):
     ``KVWIRE_TRANSFER_BACKEND_OPTIONS='{"host": "10.0.0.2"}'`` (JSON), and so on.
     """
 
-    model_config = SettingsConfigDict(env_prefix="KVWIRE_", extra="forbid")
+    model_config = SettingsConfigDict(
+        env_prefix="KVWIRE_", env_nested_delimiter="__", extra="forbid"
+    )
 
     transfer_backend: str = Field(default=AUTO, description="Backend name, or 'auto'.")
     transfer_backend_options: dict[str, Any] = Field(default_factory=dict)
@@ -37,6 +85,17 @@ class KVWireConfig(BaseSettings):
     index_mapper_options: dict[str, Any] = Field(default_factory=dict)
     staging: str = Field(default="direct", description="Staging strategy name.")
     staging_options: dict[str, Any] = Field(default_factory=dict)
+    control: ControlOptions = Field(default_factory=ControlOptions)
+    secret: SecretStr | None = Field(
+        default=None,
+        description="Shared secret: control messages carry an HMAC-SHA256 and the bootstrap "
+        "service requires it. Set through KVWIRE_SECRET, never on a command line.",
+    )
+
+    @property
+    def secret_bytes(self) -> bytes | None:
+        """The shared secret as bytes, or None."""
+        return self.secret.get_secret_value().encode() if self.secret else None
 
 
 def parse_options(items: Sequence[str] | None, flag: str) -> dict[str, Any]:
@@ -72,6 +131,12 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--index-mapper-option", metavar="KEY=VALUE", action="append")
     g.add_argument("--staging", metavar="NAME", help="staging strategy (default: direct)")
     g.add_argument("--staging-option", metavar="KEY=VALUE", action="append")
+    g.add_argument(
+        "--control-option",
+        metavar="KEY=VALUE",
+        action="append",
+        help="control-plane option, e.g. heartbeat_interval_s=0.5, num_workers=8 (repeatable)",
+    )
 
 
 def config_from_args(
@@ -86,6 +151,8 @@ def config_from_args(
         opts = ns.get(f"{field}_option")
         if opts:
             given[f"{field}_options"] = parse_options(opts, f"--{field.replace('_', '-')}-option")
+    if ns.get("control_option"):
+        given["control"] = parse_options(ns["control_option"], "--control-option")
     try:
         if use_env:
             return KVWireConfig(**given)

@@ -72,3 +72,17 @@ class TransferError(KVWireError):
 
 class PeerError(TransferError):
     """A remote peer is unknown, was removed, or is unreachable."""
+
+
+class BootstrapError(KVWireError):
+    """The bootstrap service could not be reached, refused a request, or the prefill instance's
+    ranks did not all register before the deadline."""
+
+
+class ProtocolError(KVWireError, ValueError):
+    """A control message is malformed, of an unsupported protocol version, or unauthenticated."""
+
+
+class HandshakeError(KVWireError):
+    """A peer refused the handshake (incompatible layout or version), or the handshake timed
+    out."""

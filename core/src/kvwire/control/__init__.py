@@ -1,0 +1,1 @@
+"""The control plane: wire schema, control channel, bootstrap service, handshake rules."""

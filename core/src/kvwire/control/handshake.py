@@ -1,0 +1,98 @@
+"""What the handshake decides: whether two ranks can work together, and who sends what.
+
+Called on the prefill side when a decode rank's :class:`~kvwire.control.wire.Hello` arrives
+(:func:`handshake_problems`, :func:`build_mapper`, :func:`aux_problems`) and on both sides to
+agree, without asking each other, which prefill rank writes a decode rank's aux row
+(:func:`aux_sender`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from kvwire.config import AUTO, KVWireConfig
+from kvwire.descriptors import DescTable, make_table
+from kvwire.errors import KVWireError
+from kvwire.index.base import IndexMapper, default_mapper_name
+from kvwire.index.ranks import source_ranks
+from kvwire.layout import COMPAT_FIELDS, KVLayout, MemoryRegion
+from kvwire.selection import select_mapper
+
+
+def handshake_problems(
+    prefill: KVLayout, decode: KVLayout, prefill_backend: str, decode_backend: str
+) -> list[str]:
+    """Every reason a prefill layout and a decode layout cannot work together, each naming
+    the field and both values; empty when they can."""
+    out = [
+        f"{f}: prefill={getattr(prefill.model, f)!r} decode={getattr(decode.model, f)!r}"
+        for f in COMPAT_FIELDS
+        if getattr(prefill.model, f) != getattr(decode.model, f)
+    ]
+    if prefill_backend != decode_backend:
+        out.append(f"transfer backend: prefill={prefill_backend!r} decode={decode_backend!r}")
+    if decode.rank.pp_size != 1:
+        out.append(
+            f"decode pp_size={decode.rank.pp_size}: decode instances must not use pipeline "
+            "parallelism (prefill stages fan in to one decode rank)"
+        )
+    tp, td = prefill.rank.tp_size, decode.rank.tp_size
+    if tp % td and td % tp:
+        out.append(f"TP sizes: prefill={tp} decode={td}; one must divide the other")
+    if decode.start_layer != 0 or decode.layer_end != decode.model.num_layers:
+        out.append(
+            f"decode layers [{decode.start_layer}, {decode.layer_end}): a decode rank must hold "
+            f"all {decode.model.num_layers} layers"
+        )
+    return out
+
+
+def build_mapper(config: KVWireConfig, src: KVLayout, dst: KVLayout) -> IndexMapper:
+    """The configured (or fitting) index mapper for a (prefill, decode) layout pair."""
+    name = config.index_mapper if config.index_mapper != AUTO else default_mapper_name(src, dst)
+    sel = select_mapper(name, config.index_mapper_options)
+    mapper: IndexMapper = sel.cls(src, dst, sel.options)
+    return mapper
+
+
+def aux_problems(prefill: Sequence[MemoryRegion], decode: Sequence[MemoryRegion]) -> list[str]:
+    """Aux rows must have the same buffers with the same row sizes on both sides."""
+    if len(prefill) != len(decode):
+        return [f"aux buffers: prefill has {len(prefill)}, decode has {len(decode)}"]
+    return [
+        f"aux buffer {i} row bytes: prefill={p.item_len} decode={d.item_len}"
+        for i, (p, d) in enumerate(zip(prefill, decode, strict=True))
+        if p.item_len != d.item_len
+    ]
+
+
+def slot_table(regions: Sequence[MemoryRegion]) -> DescTable:
+    """One row per (region, slot), region-major; the regions must have equal slot counts."""
+    slots = {r.num_items for r in regions}
+    if len(slots) != 1:
+        raise KVWireError(f"aux buffers must have the same number of rows; got {sorted(slots)}")
+    s = slots.pop()
+    bases = np.array([r.addr for r in regions], dtype=np.uint64)
+    items = np.array([r.item_len for r in regions], dtype=np.uint64)
+    devs = np.array([r.device_id for r in regions], dtype=np.uint64)
+    idx = np.arange(s, dtype=np.uint64)
+    return make_table(
+        (bases[:, None] + idx[None, :] * items[:, None]).ravel(),
+        np.repeat(items, s),
+        np.repeat(devs, s),
+    )
+
+
+def slot_rows(num_regions: int, num_slots: int, slot: int) -> Any:
+    """Rows of :func:`slot_table` holding ``slot`` of every region."""
+    return np.arange(num_regions, dtype=np.int64) * num_slots + slot
+
+
+def aux_sender(decode_tp_rank: int, prefill_tp: int, prefill_pp: int, decode_tp: int) -> int:
+    """Sender id (``pp_rank * tp + tp_rank``) of the prefill rank that writes the aux row of a
+    decode rank: the first TP source in the last pipeline stage (where the output token is)."""
+    first = source_ranks(decode_tp_rank, prefill_tp, decode_tp)[0]
+    return (prefill_pp - 1) * prefill_tp + first

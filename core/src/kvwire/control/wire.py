@@ -1,0 +1,302 @@
+"""The control-plane wire schema: pydantic models encoded with msgpack, versioned, optionally
+authenticated.
+
+A frame is a msgpack array ``[major, minor, kind, body, mac]``:
+
+* ``major``/``minor``: the sender's protocol version. A different ``major`` is refused; any
+  ``minor`` is accepted (a newer minor only adds optional fields, which older readers ignore,
+  and an older minor omits them, which newer readers fill with defaults).
+* ``kind``: the message type name (:attr:`Message.kind`).
+* ``body``: the msgpack encoding of the model's fields.
+* ``mac``: ``HMAC-SHA256(secret, [major, minor, kind] packed + body)`` when a shared secret is
+  configured, else empty bytes. With a secret, a frame whose MAC is missing or wrong is refused.
+
+Never pickle: everything here is plain data validated by pydantic on arrival. The same codec
+encodes the notification payloads that ride on the data plane (:class:`ChunkNote`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+from typing import Any, ClassVar, Literal
+
+import msgpack
+import numpy as np
+from numpy.typing import NDArray
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from kvwire.errors import ProtocolError
+from kvwire.layout import KVLayout, MemoryRegion, ModelSpec, RankPosition
+
+#: Protocol version spoken by this kvwire. Bump ``MINOR`` for added optional fields, ``MAJOR``
+#: for anything an older peer would misread.
+PROTOCOL_MAJOR = 1
+PROTOCOL_MINOR = 0
+
+#: Largest frame accepted (layouts of deep models with many buffers stay far below this).
+MAX_FRAME_BYTES = 16 << 20
+
+_EMPTY = b""
+
+
+class Message(BaseModel):
+    """Base of every control message. Unknown fields (from newer peers) are ignored."""
+
+    model_config = ConfigDict(extra="ignore", frozen=True)
+    kind: ClassVar[str] = ""
+
+
+def pages_to_bytes(pages: NDArray[np.int64]) -> bytes:
+    """Page indices as little-endian int64 bytes (compact on the wire)."""
+    return np.ascontiguousarray(pages, dtype="<i8").tobytes()
+
+
+def pages_from_bytes(raw: bytes, what: str = "page indices") -> NDArray[np.int64]:
+    """Inverse of :func:`pages_to_bytes`; refuses a length that is not a multiple of 8."""
+    if len(raw) % 8:
+        raise ProtocolError(f"{what}: {len(raw)} bytes is not a whole number of int64 values")
+    return np.frombuffer(raw, dtype="<i8").astype(np.int64)
+
+
+def known_fields(cls: type[BaseModel], data: Any) -> Any:
+    """Drop keys ``cls`` does not know from ``data`` (and from nested layout models), so that
+    strict models such as :class:`KVLayout` accept what a newer peer sends."""
+    if not isinstance(data, dict):
+        return data
+    nested: dict[str, type[BaseModel]] = _NESTED.get(cls, {})
+    out = {}
+    for k, v in data.items():
+        if k not in cls.model_fields:
+            continue
+        sub = nested.get(k)
+        if sub is not None:
+            v = (
+                [known_fields(sub, x) for x in v]
+                if isinstance(v, list | tuple)
+                else (known_fields(sub, v))
+            )
+        out[k] = v
+    return out
+
+
+_NESTED: dict[type[BaseModel], dict[str, type[BaseModel]]] = {
+    KVLayout: {"model": ModelSpec, "rank": RankPosition, "buffers": MemoryRegion},
+}
+
+
+class Hello(Message):
+    """Decode rank -> prefill rank, once per (decode rank, prefill rank) incarnation pair:
+    who the decode rank is, its KV layout, its aux rows and its backend's metadata."""
+
+    kind: ClassVar[str] = "hello"
+    session: str
+    agent: str
+    endpoint: str
+    rank: RankPosition
+    layout: KVLayout
+    layout_hash: str
+    backend: str
+    backend_metadata: bytes
+    aux_regions: list[MemoryRegion] = Field(default_factory=list)
+    #: Room for a staging strategy's decode-side description (ring base and size).
+    staging: dict[str, Any] | None = None
+
+    @field_validator("layout", mode="before")
+    @classmethod
+    def _lenient_layout(cls, v: Any) -> Any:
+        return known_fields(KVLayout, v)
+
+    @field_validator("rank", mode="before")
+    @classmethod
+    def _lenient_rank(cls, v: Any) -> Any:
+        return known_fields(RankPosition, v)
+
+    @field_validator("aux_regions", mode="before")
+    @classmethod
+    def _lenient_regions(cls, v: Any) -> Any:
+        return [known_fields(MemoryRegion, x) for x in v] if isinstance(v, list) else v
+
+
+class HelloAck(Message):
+    """Prefill rank -> decode rank: the handshake was accepted."""
+
+    kind: ClassVar[str] = "hello_ack"
+    session: str
+    agent: str
+    endpoint: str
+    rank: RankPosition
+    sender_id: int
+    layout_hash: str
+    #: This prefill rank sends no KV to that decode rank (another rank sends the same bytes);
+    #: it still reports completion.
+    dummy: bool = False
+    #: The decode session this answers (a restarted decode rank ignores stale answers).
+    peer_session: str = ""
+
+    @field_validator("rank", mode="before")
+    @classmethod
+    def _lenient_rank(cls, v: Any) -> Any:
+        return known_fields(RankPosition, v)
+
+
+class HelloReject(Message):
+    """Prefill rank -> decode rank: the handshake was refused, with every reason."""
+
+    kind: ClassVar[str] = "hello_reject"
+    session: str
+    peer_session: str = ""
+    reason: str
+    problems: list[str] = Field(default_factory=list)
+
+
+class TransferRequest(Message):
+    """Decode rank -> each prefill rank that feeds it, once per request: where to write."""
+
+    kind: ClassVar[str] = "transfer_request"
+    room: int = Field(ge=0)
+    session: str
+    dst_pages: bytes
+    aux_index: int = Field(ge=-1, default=-1)
+    #: Hybrid models' state-buffer indices (reserved; not sent by this version).
+    state_indices: list[int] | None = None
+    staging: dict[str, Any] | None = None
+
+
+class Completion(Message):
+    """Prefill rank -> decode rank, for a sender whose last chunk moved no KV (dummy sender,
+    or a prefix fully cached on decode): "no more KV; ``data_chunks`` chunks carried data"."""
+
+    kind: ClassVar[str] = "completion"
+    room: int = Field(ge=0)
+    sender_id: int
+    session: str
+    data_chunks: int = Field(ge=0)
+    dummy: bool = False
+
+
+class Failure(Message):
+    """Either side -> the peers of a room: the room failed (or was aborted) here."""
+
+    kind: ClassVar[str] = "failure"
+    room: int = Field(ge=0)
+    session: str
+    reason: str
+    aborted: bool = False
+
+
+class Heartbeat(Message):
+    """Either side -> every peer it knows, every ``heartbeat_interval_s``."""
+
+    kind: ClassVar[str] = "heartbeat"
+    session: str
+    sent_at: float = 0.0
+
+
+class Goodbye(Message):
+    """Either side -> every peer, when a manager closes cleanly: evict me now."""
+
+    kind: ClassVar[str] = "goodbye"
+    session: str
+
+
+class ChunkNote(Message):
+    """Notification payload of a data-plane transfer, delivered to decode after the data."""
+
+    kind: ClassVar[str] = "note"
+    room: int = Field(ge=0)
+    sender_id: int
+    session: str
+    what: Literal["kv", "aux", "state", "staged"] = "kv"
+    chunk_id: int = Field(ge=0, default=0)
+    last: bool = False
+
+
+MESSAGE_TYPES: dict[str, type[Message]] = {
+    m.kind: m
+    for m in (
+        Hello,
+        HelloAck,
+        HelloReject,
+        TransferRequest,
+        Completion,
+        Failure,
+        Heartbeat,
+        Goodbye,
+        ChunkNote,
+    )
+}
+
+
+class Codec:
+    """Encodes and decodes frames; holds the shared secret (if any).
+
+    One instance per manager, used from any thread (it is stateless apart from the key).
+    """
+
+    def __init__(self, secret: bytes | None = None) -> None:
+        self._key = secret or None
+
+    @property
+    def authenticated(self) -> bool:
+        """Whether frames carry (and must carry) an HMAC."""
+        return self._key is not None
+
+    def _mac(self, major: int, minor: int, kind: str, body: bytes) -> bytes:
+        assert self._key is not None
+        head = msgpack.packb([major, minor, kind])
+        return hmac.new(self._key, head + body, hashlib.sha256).digest()
+
+    def encode(self, msg: Message) -> bytes:
+        """Frame ``msg`` with this side's protocol version (and MAC)."""
+        body = msgpack.packb(msg.model_dump(mode="python"), use_bin_type=True)
+        mac = self._mac(PROTOCOL_MAJOR, PROTOCOL_MINOR, msg.kind, body) if self._key else _EMPTY
+        frame: bytes = msgpack.packb([PROTOCOL_MAJOR, PROTOCOL_MINOR, msg.kind, body, mac])
+        return frame
+
+    def decode(self, frame: bytes) -> Message:
+        """Parse and check a frame. Raises :class:`ProtocolError` naming what is wrong."""
+        if len(frame) > MAX_FRAME_BYTES:
+            raise ProtocolError(f"frame of {len(frame)} bytes exceeds {MAX_FRAME_BYTES}")
+        try:
+            outer = msgpack.unpackb(frame, raw=False, max_bin_len=MAX_FRAME_BYTES)
+        except Exception as exc:  # msgpack raises several unrelated types
+            raise ProtocolError(f"not a kvwire frame (msgpack: {exc})") from exc
+        if not isinstance(outer, list) or len(outer) < 5:
+            raise ProtocolError("not a kvwire frame: expected [major, minor, kind, body, mac]")
+        major, minor, kind, body, mac = outer[:5]
+        if not (isinstance(major, int) and isinstance(minor, int) and isinstance(kind, str)):
+            raise ProtocolError("malformed frame header (version or kind has the wrong type)")
+        if not isinstance(body, bytes) or not isinstance(mac, bytes):
+            raise ProtocolError("malformed frame: body and mac must be bytes")
+        if major != PROTOCOL_MAJOR:
+            raise ProtocolError(
+                f"peer speaks kvwire protocol {major}.{minor}, this side speaks "
+                f"{PROTOCOL_MAJOR}.{PROTOCOL_MINOR}; upgrade the older side"
+            )
+        if self._key is not None:
+            if not mac:
+                raise ProtocolError(
+                    f"unauthenticated {kind!r} message: a shared secret is configured here but "
+                    "the peer sent no MAC (set KVWIRE_SECRET on both sides)"
+                )
+            if not hmac.compare_digest(mac, self._mac(major, minor, kind, body)):
+                raise ProtocolError(
+                    f"{kind!r} message failed authentication (wrong shared secret, or tampered)"
+                )
+        cls = MESSAGE_TYPES.get(kind)
+        if cls is None:
+            raise ProtocolError(f"unknown message kind {kind!r} (from a newer peer?)")
+        try:
+            fields = msgpack.unpackb(body, raw=False)
+            if not isinstance(fields, dict):
+                raise ProtocolError(f"{kind!r} body is not a map")
+            return cls.model_validate(fields)
+        except ValidationError as exc:
+            raise ProtocolError(
+                f"malformed {kind!r} message: {exc.errors(include_url=False)}"
+            ) from exc
+        except ProtocolError:
+            raise
+        except Exception as exc:
+            raise ProtocolError(f"malformed {kind!r} body (msgpack: {exc})") from exc

@@ -1,0 +1,568 @@
+"""Decode side: bootstrap lookups, handshakes, per-request :class:`KVReceiver`, completion.
+
+Flow of one request on a decode rank:
+
+1. The engine creates ``mgr.receiver(room, bootstrap_addr)`` and calls ``init()``: the room is
+   ``Bootstrapping`` while a background thread looks the prefill instance up in its bootstrap
+   service (retrying while registration is incomplete) and handshakes once with every prefill
+   rank that feeds this rank (cached across requests). Then ``WaitingForInput``.
+2. The engine calls ``send_metadata(dst_pages, aux_index)``: a
+   :class:`~kvwire.control.wire.TransferRequest` goes to every source rank; ``Transferring``.
+3. The control thread drains the backend's notifications: per sender it counts KV chunks until
+   the count equals the last chunk id + 1 (or a :class:`~kvwire.control.wire.Completion` marker
+   says how many chunks carried data), and checks the aux row's room stamp when the aux
+   notification arrives. Every sender complete and aux arrived: ``Success``.
+4. Failures pushed by prefill, a dead prefill rank (heartbeats), or the waiting deadline fail the
+   room; the engine calls ``clear()`` on every path.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+from numpy.typing import NDArray
+
+from kvwire.backend import Notification
+from kvwire.control.bootstrap import BootstrapClient, RankInfo
+from kvwire.control.handshake import aux_sender
+from kvwire.control.wire import (
+    ChunkNote,
+    Completion,
+    Failure,
+    Hello,
+    HelloAck,
+    HelloReject,
+    Message,
+    TransferRequest,
+    pages_to_bytes,
+)
+from kvwire.errors import (
+    BootstrapError,
+    ConfigError,
+    DescriptorError,
+    HandshakeError,
+    KVWireError,
+    ProtocolError,
+    TransferError,
+)
+from kvwire.index.base import check_pages
+from kvwire.index.ranks import source_ranks
+from kvwire.session import metrics as m
+from kvwire.session.manager import KVManager, Peer
+from kvwire.session.metrics import RequestMetrics
+from kvwire.session.poll import KVPoll
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class PrefillLink:
+    """A prefill rank this decode rank has handshaken with."""
+
+    info: RankInfo
+    sender_id: int
+    dummy: bool
+
+
+@dataclass
+class _Pending:
+    """A handshake in flight."""
+
+    event: threading.Event = field(default_factory=threading.Event)
+    link: PrefillLink | None = None
+    error: str | None = None
+
+
+@dataclass
+class RecvRoom:
+    """State of one request on this decode rank; removed on clear()."""
+
+    room: int
+    bootstrap_addr: str
+    t0: float = field(default_factory=time.perf_counter)
+    sources: list[PrefillLink] | None = None
+    aux_sender: int = -1
+    dst_pages: NDArray[np.int64] | None = None
+    aux_index: int = -1
+    requested: bool = False
+    deadline: float = float("inf")
+    received: dict[int, int] = field(default_factory=dict)
+    expected: dict[int, int] = field(default_factory=dict)
+    aux_done: bool = False
+    error: BaseException | None = None
+    metrics: RequestMetrics = field(default_factory=RequestMetrics)
+
+
+class DecodeSide:
+    """The decode role of a :class:`~kvwire.session.manager.KVManager`."""
+
+    def __init__(self, mgr: KVManager) -> None:
+        self.mgr = mgr
+        self.rooms: dict[int, RecvRoom] = {}
+        self.pending: dict[str, _Pending] = {}
+        self.links: dict[str, PrefillLink] = {}
+        #: (bootstrap address, prefill dp rank) -> the prefill ranks registered there.
+        self.instances: dict[tuple[str, int], list[RankInfo]] = {}
+        self._instance_locks: dict[tuple[str, int], threading.Lock] = {}
+        self.bootstraps = concurrent.futures.ThreadPoolExecutor(
+            4, thread_name_prefix=f"kvwire-bs-{mgr.agent_name}"
+        )
+
+    # ------------------------------------------------------------ bootstrapping
+    def create_room(self, room_id: int, bootstrap_addr: str) -> RecvRoom:
+        """Engine thread (KVReceiver creation)."""
+        if not 0 <= room_id < 1 << 64:
+            raise ConfigError(f"room id {room_id} must be an unsigned 64-bit integer")
+        with self.mgr.lock:
+            if room_id in self.rooms:
+                raise ConfigError(f"room {room_id} already has a receiver here; clear() it first")
+            room = RecvRoom(room_id, bootstrap_addr)
+            self.rooms[room_id] = room
+            self.mgr.status.clear(room_id)
+            self.mgr.status.update(room_id, KVPoll.Bootstrapping)
+            m.ACTIVE_ROOMS.labels(**self.mgr.labels).set(len(self.rooms))
+            return room
+
+    def start(self, room: RecvRoom, prefill_dp_rank: int | None) -> None:
+        """Engine thread (``init``): resolve and handshake in the background."""
+        self.bootstraps.submit(self._bootstrap, room, prefill_dp_rank)
+
+    def _bootstrap(self, room: RecvRoom, dp: int | None) -> None:
+        """Bootstrap thread: find the source ranks and handshake with each."""
+        try:
+            sources = self._sources(room.bootstrap_addr, room.room, dp)
+        except KVWireError as exc:
+            with self.mgr.lock:
+                self._fail(room, exc)
+            return
+        r = self.mgr.layout.rank
+        first = sources[0].info
+        with self.mgr.lock:
+            if self._terminal(room):
+                return
+            room.sources = sources
+            room.aux_sender = aux_sender(r.tp_rank, first.tp_size, first.pp_size, r.tp_size)
+            self.mgr.status.update(room.room, KVPoll.WaitingForInput)
+            if room.dst_pages is not None:
+                self._request(room)
+
+    def _sources(self, addr: str, room_id: int, dp: int | None) -> list[PrefillLink]:
+        opts = self.mgr.options
+        client = BootstrapClient(addr, self.mgr.config.secret_bytes)
+        ranks = self._lookup(client, addr, 0 if dp is None else dp)
+        if dp is None and ranks[0].dp_size > 1:
+            ranks = self._lookup(client, addr, room_id % ranks[0].dp_size)
+        r = self.mgr.layout.rank
+        tp, pp = ranks[0].tp_size, ranks[0].pp_size
+        try:
+            want = set(source_ranks(r.tp_rank, tp, r.tp_size))
+        except KVWireError as exc:
+            raise HandshakeError(f"cannot pair with the prefill instance at {addr}: {exc}") from exc
+        chosen = [x for x in ranks if x.tp_rank in want]
+        if len(chosen) != len(want) * pp:
+            raise BootstrapError(
+                f"bootstrap at {addr} lists {len(chosen)} of the {len(want) * pp} prefill ranks "
+                "this decode rank needs"
+            )
+        futures = [self._handshake(x, opts.handshake_timeout_s) for x in chosen]
+        return futures
+
+    def _lookup(self, client: BootstrapClient, addr: str, dp: int) -> list[RankInfo]:
+        key = (addr, dp)
+        with self.mgr.lock:
+            lock = self._instance_locks.setdefault(key, threading.Lock())
+        with lock:
+            with self.mgr.lock:
+                cached = self.instances.get(key)
+            if cached is not None:
+                return cached
+            ranks = client.lookup(dp, timeout_s=self.mgr.options.bootstrap_timeout_s)
+            with self.mgr.lock:
+                self.instances[key] = ranks
+            return ranks
+
+    def _handshake(self, info: RankInfo, timeout_s: float) -> PrefillLink:
+        mgr = self.mgr
+        with mgr.lock:
+            link = self.links.get(info.session)
+            if link is not None:
+                return link
+            pending = self.pending.get(info.session)
+            first = pending is None
+            if pending is None:
+                pending = self.pending[info.session] = _Pending()
+        if first:
+            hello = Hello(
+                session=mgr.session,
+                agent=mgr.agent_name,
+                endpoint=mgr.channel.endpoint,
+                rank=mgr.layout.rank,
+                layout=mgr.layout,
+                layout_hash=mgr.layout.compatibility_hash(),
+                backend=mgr.backend_name,
+                backend_metadata=mgr.backend.local_metadata(),
+                aux_regions=mgr.aux_regions,
+            )
+            mgr.send(info.endpoint, hello)
+        ok = pending.event.wait(timeout_s)
+        with mgr.lock:
+            if first:
+                self.pending.pop(info.session, None)
+        if not ok:
+            raise HandshakeError(
+                f"prefill rank tp={info.tp_rank} pp={info.pp_rank} ({info.agent} at "
+                f"{info.endpoint}) did not answer the handshake within {timeout_s:.1f}s"
+            )
+        if pending.link is None:
+            raise HandshakeError(
+                f"prefill rank {info.agent} refused the handshake: {pending.error}"
+            )
+        return pending.link
+
+    # ------------------------------------------------------------- control thread
+    def on_message(self, msg: Message) -> None:
+        """Control thread: a message from a prefill rank."""
+        if isinstance(msg, HelloAck):
+            self._on_ack(msg)
+        elif isinstance(msg, HelloReject):
+            with self.mgr.lock:
+                pending = (
+                    self.pending.get(msg.session) if msg.peer_session == self.mgr.session else None
+                )
+            if pending is not None:
+                pending.error = f"{msg.reason}: " + "; ".join(msg.problems)
+                pending.event.set()
+        elif isinstance(msg, Completion):
+            with self.mgr.lock:
+                room = self._room_for(msg.room, msg.session, msg.sender_id)
+                if room is not None:
+                    room.expected[msg.sender_id] = msg.data_chunks
+                    self._check_done(room)
+        else:
+            logger.debug("%s: ignoring %s on decode", self.mgr.agent_name, type(msg).__name__)
+
+    def _on_ack(self, msg: HelloAck) -> None:
+        mgr = self.mgr
+        if msg.peer_session != mgr.session:
+            return  # an answer to an earlier incarnation of this rank
+        with mgr.lock:
+            pending = self.pending.get(msg.session)
+            if pending is None:
+                return
+            if msg.layout_hash != mgr.layout.compatibility_hash():
+                pending.error = "layout compatibility hash differs"
+                pending.event.set()
+                return
+            info = self._info_for(msg.session)
+            if info is None:
+                pending.error = "acknowledged by a rank bootstrap does not list"
+                pending.event.set()
+                return
+            link = PrefillLink(info, msg.sender_id, msg.dummy)
+            self.links[msg.session] = link
+            mgr.add_peer(Peer(msg.session, msg.agent, msg.endpoint, time.monotonic(), link=link))
+            pending.link = link
+            pending.event.set()
+
+    def _info_for(self, session: str) -> RankInfo | None:
+        for ranks in self.instances.values():
+            for x in ranks:
+                if x.session == session:
+                    return x
+        return None
+
+    def on_notification(self, note: Notification) -> None:
+        """Control thread: a data-plane notification (data already landed)."""
+        mgr = self.mgr
+        try:
+            msg = mgr.codec.decode(note.payload)
+        except ProtocolError as exc:
+            mgr.channel.dropped[
+                "note_" + ("unauthenticated" if "authentic" in str(exc) else "malformed")
+            ] += 1
+            logger.warning("%s: dropped a notification from %s: %s", mgr.agent_name, note.peer, exc)
+            return
+        if not isinstance(msg, ChunkNote):
+            return
+        with mgr.lock:
+            room = self._room_for(msg.room, msg.session, msg.sender_id)
+            if room is None:
+                return
+            if msg.what == "aux":
+                if room.aux_sender != msg.sender_id:
+                    self._fail(
+                        room,
+                        TransferError(
+                            f"aux row written by sender {msg.sender_id}, "
+                            f"expected {room.aux_sender}",
+                            room=room.room,
+                        ),
+                    )
+                    return
+                stamp = int(mgr.stamps[room.aux_index, 0])
+                if stamp != room.room:
+                    self._fail(
+                        room,
+                        TransferError(
+                            f"aux row {room.aux_index} carries room stamp {stamp}, not {room.room} "
+                            "(aux row reused while a transfer was in flight?)",
+                            room=room.room,
+                        ),
+                    )
+                    return
+                room.aux_done = True
+            else:
+                room.received[msg.sender_id] = room.received.get(msg.sender_id, 0) + 1
+                if msg.last:
+                    room.expected[msg.sender_id] = msg.chunk_id + 1
+                mgr.staging.on_arrival(room.room, msg.chunk_id, msg)
+            self._check_done(room)
+
+    def _room_for(self, room_id: int, session: str, sender_id: int) -> RecvRoom | None:
+        """The live room a message is for, if it comes from one of the room's sources."""
+        room = self.rooms.get(room_id)
+        if room is None or room.sources is None or self._terminal(room):
+            return None
+        if not any(s.info.session == session and s.sender_id == sender_id for s in room.sources):
+            logger.warning(
+                "%s: room %d: message from a non-source (%s, sender %d) dropped",
+                self.mgr.agent_name,
+                room_id,
+                session,
+                sender_id,
+            )
+            return None
+        return room
+
+    def _check_done(self, room: RecvRoom) -> None:
+        assert room.sources is not None
+        if not room.requested or not room.aux_done:
+            return
+        for s in room.sources:
+            want = room.expected.get(s.sender_id)
+            got = room.received.get(s.sender_id, 0)
+            if want is None or got < want:
+                return
+            if got > want:
+                self._fail(
+                    room,
+                    TransferError(
+                        f"sender {s.sender_id} delivered {got} chunks but announced {want}",
+                        room=room.room,
+                    ),
+                )
+                return
+        room.metrics.total_s = time.perf_counter() - room.t0
+        room.metrics.chunks = sum(room.received.values())
+        self.mgr.status.update(room.room, KVPoll.Success)
+        self.mgr.finish(room.room, KVPoll.Success, room.t0)
+
+    def on_failure(self, msg: Failure) -> None:
+        """Control thread: a prefill rank failed or aborted a room."""
+        with self.mgr.lock:
+            room = self.rooms.get(msg.room)
+            if room is None or self._terminal(room):
+                return
+            if room.sources is not None and not any(
+                s.info.session == msg.session for s in room.sources
+            ):
+                return
+            what = "aborted" if msg.aborted else "failed"
+            self._fail(
+                room,
+                TransferError(f"prefill {what} the request: {msg.reason}", room=room.room),
+                tell=False,
+            )
+
+    def on_peer_lost(self, peer: Peer, why: str) -> None:
+        """Control thread: a prefill rank is dead or gone; fail the rooms it feeds."""
+        with self.mgr.lock:
+            self.links.pop(peer.session, None)
+            for key, ranks in list(self.instances.items()):
+                if any(x.session == peer.session for x in ranks):
+                    del self.instances[key]
+            for room in list(self.rooms.values()):
+                if room.sources and any(s.info.session == peer.session for s in room.sources):
+                    self._fail(
+                        room,
+                        TransferError(
+                            f"prefill peer {peer.agent} lost: {why}",
+                            room=room.room,
+                            peer=peer.agent,
+                        ),
+                        tell=True,
+                    )
+
+    def check_deadlines(self, now: float) -> None:
+        """Control thread (after draining notifications): the waiting timeout."""
+        with self.mgr.lock:
+            for room in list(self.rooms.values()):
+                if now > room.deadline and not self._terminal(room):
+                    got = {s: room.received.get(s, 0) for s in room.expected}
+                    self._fail(
+                        room,
+                        TransferError(
+                            f"waiting timeout: the KV did not arrive within "
+                            f"{self.mgr.options.waiting_timeout_s:.1f}s (chunks received per "
+                            f"sender {got or dict(room.received)}, aux "
+                            f"{'arrived' if room.aux_done else 'missing'})",
+                            room=room.room,
+                        ),
+                    )
+
+    # --------------------------------------------------------------- engine thread
+    def send_metadata(self, room: RecvRoom, pages: Any, aux_index: int) -> None:
+        """Engine thread: where the request's KV goes on this rank."""
+        mgr = self.mgr
+        arr = check_pages(pages, mgr.layout.num_slots, "destination page indices")
+        if np.unique(arr).size != arr.size:
+            raise DescriptorError(
+                "destination page indices repeat a slot; each page needs its own slot"
+            )
+        if not 0 <= aux_index < mgr.aux_slots:
+            raise DescriptorError(f"aux_index {aux_index} is outside [0, {mgr.aux_slots})")
+        with mgr.lock:
+            if room.dst_pages is not None:
+                raise ConfigError(f"room {room.room}: send_metadata() was already called")
+            if self._terminal(room):
+                return
+            mgr.stamps[aux_index, 0] = 0
+            room.dst_pages = arr
+            room.aux_index = aux_index
+            if room.sources is not None:
+                self._request(room)
+
+    def _request(self, room: RecvRoom) -> None:
+        """Under the lock: send the transfer request to every source rank."""
+        assert room.sources is not None and room.dst_pages is not None
+        mgr = self.mgr
+        msg = TransferRequest(
+            room=room.room,
+            session=mgr.session,
+            dst_pages=pages_to_bytes(room.dst_pages),
+            aux_index=room.aux_index,
+        )
+        for s in room.sources:
+            mgr.send(s.info.endpoint, msg)
+        room.requested = True
+        room.deadline = time.monotonic() + mgr.options.waiting_timeout_s
+        mgr.status.update(room.room, KVPoll.Transferring)
+
+    def _terminal(self, room: RecvRoom) -> bool:
+        return self.mgr.status.get(room.room, KVPoll.Failed) in (KVPoll.Failed, KVPoll.Success)
+
+    def _fail(
+        self, room: RecvRoom, exc: BaseException, tell: bool = True, aborted: bool = False
+    ) -> None:
+        """Under the lock: fail the room once, record why, tell its sources."""
+        mgr = self.mgr
+        if room.error is not None or mgr.status.get(room.room, KVPoll.Failed) is KVPoll.Success:
+            return
+        room.error = exc
+        mgr.status.update(room.room, KVPoll.Failed)
+        mgr.finish(room.room, KVPoll.Failed, room.t0)
+        logger.warning("%s: room %d failed: %s", mgr.agent_name, room.room, exc)
+        if tell and room.sources:
+            msg = Failure(room=room.room, session=mgr.session, reason=str(exc), aborted=aborted)
+            for s in room.sources:
+                mgr.send(s.info.endpoint, msg)
+
+    def abort(self, room: RecvRoom) -> None:
+        """Engine thread: abort here and on every prefill rank feeding this rank."""
+        with self.mgr.lock:
+            if not self._terminal(room):
+                self._fail(room, TransferError("aborted by decode", room=room.room), aborted=True)
+
+    def clear(self, room: RecvRoom) -> None:
+        """Engine thread: forget the room."""
+        with self.mgr.lock:
+            if self.rooms.get(room.room) is room:
+                del self.rooms[room.room]
+                self.mgr.status.clear(room.room)
+                if room.aux_index >= 0:
+                    self.mgr.stamps[room.aux_index, 0] = 0
+            m.ACTIVE_ROOMS.labels(**self.mgr.labels).set(len(self.rooms))
+        self.mgr.staging.release(room.room)
+
+    def room_tables(self) -> dict[str, int]:
+        """Per-room table sizes (leak check)."""
+        with self.mgr.lock:
+            return {"recv_rooms": len(self.rooms), "handshakes_pending": len(self.pending)}
+
+    def close(self) -> None:
+        """Manager shutdown: fail live rooms and stop the bootstrap threads."""
+        with self.mgr.lock:
+            for room in list(self.rooms.values()):
+                if not self._terminal(room):
+                    self._fail(room, TransferError("decode manager closed", room=room.room))
+            for p in self.pending.values():
+                p.error = "decode manager closed"
+                p.event.set()
+        self.bootstraps.shutdown(wait=False, cancel_futures=True)
+
+
+class KVReceiver:
+    """Decode side of one request. Created by the engine with
+    ``mgr.receiver(room, bootstrap_addr)``.
+
+    Engine thread calls, in order: :meth:`init` (starts bootstrapping in the background),
+    :meth:`send_metadata` once the destination pages are allocated, :meth:`poll` each scheduler
+    step, and :meth:`clear` once the request is terminal (on every path).
+    """
+
+    def __init__(
+        self, side: DecodeSide, room: int, bootstrap_addr: str, prefill_dp_rank: int | None
+    ) -> None:
+        self._side = side
+        self.room = room
+        self._dp = prefill_dp_rank
+        self._state = side.create_room(room, bootstrap_addr)
+        self._started = False
+        self._final: KVPoll | None = None
+
+    def init(self, prefill_dp_rank: int | None = None) -> None:
+        """Start bootstrapping: look up the prefill ranks and handshake (in the background).
+        ``prefill_dp_rank`` picks the prefill DP rank (default: ``room % dp_size``)."""
+        if self._started:
+            return
+        self._started = True
+        self._side.start(self._state, prefill_dp_rank if prefill_dp_rank is not None else self._dp)
+
+    def send_metadata(self, dst_page_indices: Any, aux_index: int, **_: Any) -> None:
+        """Tell the source ranks where to write: this rank's page slots for the request's
+        pages that are not cached here (the last ``len(dst_page_indices)`` of the request;
+        empty when the whole prefix is cached), and the aux row."""
+        self.init()
+        self._side.send_metadata(self._state, dst_page_indices, aux_index)
+
+    def poll(self) -> KVPoll:
+        """Status of the request on this rank (MIN-reduce across ranks with reduce_polls)."""
+        if self._final is not None:
+            return self._final
+        return self._side.mgr.status.get(self.room, KVPoll.Failed)
+
+    def failure_exception(self) -> None:
+        """Re-raise why the request failed here (the original exception); no-op otherwise."""
+        if self.poll() is KVPoll.Failed:
+            raise self._state.error or TransferError("request failed", room=self.room)
+
+    @property
+    def metrics(self) -> RequestMetrics:
+        """What the request cost on this rank."""
+        return self._state.metrics
+
+    def abort(self) -> None:
+        """Abort the request; every prefill rank feeding this rank learns of it."""
+        self._side.abort(self._state)
+
+    def clear(self) -> None:
+        """Free every per-request entry on this rank. Call once the request is terminal."""
+        if self._final is None:
+            self._final = self.poll()
+            self._side.clear(self._state)

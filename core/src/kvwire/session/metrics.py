@@ -1,0 +1,71 @@
+"""Transfer metrics: per request (returned to the engine) and per process (Prometheus).
+
+Process metrics use ``prometheus-client`` (the de-facto standard exposition library, with
+thread-safe counters and histograms) in its default registry, labelled by role and agent so that
+several managers in one process stay apart. :func:`serve_metrics` exposes them over HTTP.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+
+from prometheus_client import Counter, Gauge, Histogram, start_http_server
+
+_LABELS = ("role", "agent")
+_LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 10)
+
+BYTES = Counter("kvwire_transfer_bytes", "KV and aux bytes moved by this rank", _LABELS)
+DESCRIPTORS = Counter("kvwire_transfer_descriptors", "Descriptors submitted", _LABELS)
+CHUNKS = Counter("kvwire_chunks", "Chunk transfers by result", (*_LABELS, "result"))
+REQUESTS = Counter("kvwire_requests", "Requests by terminal status", (*_LABELS, "result"))
+DROPPED = Counter("kvwire_control_dropped", "Control frames dropped", (*_LABELS, "reason"))
+EVICTIONS = Counter("kvwire_peer_evictions", "Peers evicted (dead or gone)", _LABELS)
+ACTIVE_ROOMS = Gauge("kvwire_active_rooms", "Rooms currently tracked", _LABELS)
+QUEUE_SECONDS = Histogram(
+    "kvwire_chunk_queue_seconds", "Chunk wait in a worker queue", _LABELS, buckets=_LATENCY_BUCKETS
+)
+POST_SECONDS = Histogram(
+    "kvwire_chunk_post_seconds", "Mapping plus submit of a chunk", _LABELS, buckets=_LATENCY_BUCKETS
+)
+TRANSFER_SECONDS = Histogram(
+    "kvwire_chunk_transfer_seconds",
+    "Submit to completion of a chunk",
+    _LABELS,
+    buckets=_LATENCY_BUCKETS,
+)
+REQUEST_SECONDS = Histogram(
+    "kvwire_request_seconds",
+    "Request start to terminal status on this rank",
+    _LABELS,
+    buckets=_LATENCY_BUCKETS,
+)
+
+_served: dict[int, bool] = {}
+_served_lock = threading.Lock()
+
+
+def serve_metrics(port: int, addr: str = "127.0.0.1") -> None:
+    """Serve the process's metrics at ``http://addr:port/metrics`` (once per port)."""
+    with _served_lock:
+        if port not in _served:
+            start_http_server(port, addr=addr)
+            _served[port] = True
+
+
+@dataclass
+class RequestMetrics:
+    """What one request cost on this rank; read by the engine through ``metrics()``.
+
+    Times are sums over the request's chunks, in seconds: ``queue_s`` waiting for a worker,
+    ``post_s`` mapping pages and submitting, ``transfer_s`` from submit to completion.
+    """
+
+    bytes: int = 0
+    descriptors: int = 0
+    chunks: int = 0
+    queue_s: float = 0.0
+    post_s: float = 0.0
+    transfer_s: float = 0.0
+    #: Start (sender/receiver creation) to terminal status; 0 until terminal.
+    total_s: float = 0.0

@@ -1,0 +1,806 @@
+"""Prefill side: handshakes with decode ranks, per-request :class:`KVSender`, transfer workers.
+
+Flow of one request on a prefill rank:
+
+1. The engine creates ``mgr.sender(room)``; the room is ``Bootstrapping``.
+2. Each decode rank fed by this rank sends a :class:`~kvwire.control.wire.TransferRequest`
+   (destination pages and aux row). A request may arrive before the sender exists; it is kept
+   for ``bootstrap_timeout_s`` at most. Once every expected decode rank has asked (``Td/Tp`` of
+   them when decode is larger, else one), the room is ``WaitingForInput``.
+3. The engine calls ``init(num_pages, aux_index)`` and then ``send(pages, last=...)`` once per
+   chunk of chunked prefill; each call only enqueues work for the destination's worker
+   (``Transferring``). Chunks sent earlier than step 2 completes are held and flushed then.
+4. A worker maps the chunk through the link's index mapper (via the staging strategy), submits
+   one transfer tagged with a :class:`~kvwire.control.wire.ChunkNote`, waits for it, and after
+   the last chunk writes the aux row (when this rank is the aux sender for that decode rank) or,
+   when the last chunk carried no KV, sends a :class:`~kvwire.control.wire.Completion` marker.
+5. When every destination is done the room is ``Success``. Any failure fails the room, is pushed
+   to every destination, and is re-raised by ``failure_exception()``.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+from numpy.typing import NDArray
+
+from kvwire.backend import Notification, PreparedPair, TransferHandle, XferOp, XferState
+from kvwire.control.bootstrap import BootstrapClient, BootstrapServer, RankInfo
+from kvwire.control.handshake import (
+    aux_problems,
+    aux_sender,
+    build_mapper,
+    handshake_problems,
+    slot_rows,
+    slot_table,
+)
+from kvwire.control.wire import (
+    PROTOCOL_MAJOR,
+    Completion,
+    Failure,
+    Hello,
+    HelloAck,
+    HelloReject,
+    Message,
+    TransferRequest,
+    pages_from_bytes,
+)
+from kvwire.errors import (
+    BootstrapError,
+    ConfigError,
+    DescriptorError,
+    KVWireError,
+    TransferError,
+)
+from kvwire.index.base import IndexMapper, check_pages
+from kvwire.index.ranks import target_ranks
+from kvwire.session import metrics as m
+from kvwire.session.manager import KVManager, Peer
+from kvwire.session.metrics import RequestMetrics
+from kvwire.session.poll import KVPoll
+from kvwire.session.workers import TransferWorkers
+
+logger = logging.getLogger(__name__)
+
+#: Longest a worker sleeps between polls of a pending transfer.
+MAX_POLL_SLEEP_S = 0.0005
+
+
+@dataclass
+class DecodeLink:
+    """Everything prepared for one decode rank (one handshake)."""
+
+    mapper: IndexMapper
+    backend_peer: str
+    kv_pair: PreparedPair | None
+    aux_pair: PreparedPair | None
+    aux_rows: int
+    decode_tp: int
+    decode_tp_rank: int
+    sends_aux: bool
+    dummy: bool
+    num_slots: int
+
+
+@dataclass
+class Dest:
+    """One decode rank's part of a room."""
+
+    session: str
+    endpoint: str
+    dst_pages: NDArray[np.int64]
+    aux_index: int
+    decode_tp: int
+    next_chunk: int = 0
+    done: bool = False
+
+
+@dataclass
+class SendRoom:
+    """State of one request on this prefill rank; removed on clear()."""
+
+    room: int
+    t0: float = field(default_factory=time.perf_counter)
+    created: float = field(default_factory=time.monotonic)
+    num_pages: int | None = None
+    aux_index: int | None = None
+    dests: dict[str, Dest] = field(default_factory=dict)
+    expected: int | None = None
+    held: list[tuple[NDArray[np.int64], bool]] = field(default_factory=list)
+    #: Pages accepted from send() so far, and pages handed to workers so far.
+    pages_queued: int = 0
+    pages_dispatched: int = 0
+    last_queued: bool = False
+    ready: bool = False
+    error: BaseException | None = None
+    metrics: RequestMetrics = field(default_factory=RequestMetrics)
+
+
+class PrefillSide:
+    """The prefill role of a :class:`~kvwire.session.manager.KVManager`."""
+
+    def __init__(self, mgr: KVManager, bootstrap_addr: str | None) -> None:
+        self.mgr = mgr
+        self.rooms: dict[int, SendRoom] = {}
+        #: Transfer requests for rooms whose sender does not exist yet: room -> decode session
+        #: -> (destination, arrival time). Expire after ``bootstrap_timeout_s``.
+        self.early: dict[int, dict[str, tuple[Dest, float]]] = {}
+        self.sender_id = mgr.layout.rank.sender_id
+        opts = mgr.options
+        self.workers = TransferWorkers(opts.num_workers, mgr.agent_name, inline=opts.sync_transfers)
+        self.handshakes = concurrent.futures.ThreadPoolExecutor(
+            2, thread_name_prefix=f"kvwire-hs-{mgr.agent_name}"
+        )
+        self.server: BootstrapServer | None = None
+        r = mgr.layout.rank
+        if bootstrap_addr is None:
+            if not (opts.run_bootstrap and r.tp_rank == 0 and r.pp_rank == 0 and r.dp_rank == 0):
+                raise ConfigError(
+                    f"prefill rank tp={r.tp_rank} pp={r.pp_rank} dp={r.dp_rank} needs "
+                    "bootstrap_addr (the address prefill rank 0's bootstrap service listens on)"
+                )
+            self.server = BootstrapServer(
+                opts.bootstrap_host, opts.bootstrap_port, mgr.config.secret_bytes
+            ).start()
+            bootstrap_addr = self.server.address
+        self.bootstrap_addr: str = bootstrap_addr
+        self.info = RankInfo(
+            tp_rank=r.tp_rank,
+            pp_rank=r.pp_rank,
+            dp_rank=r.dp_rank,
+            tp_size=r.tp_size,
+            pp_size=r.pp_size,
+            dp_size=mgr.dp_size,
+            endpoint=mgr.channel.endpoint,
+            agent=mgr.agent_name,
+            session=mgr.session,
+            protocol=PROTOCOL_MAJOR,
+        )
+        self.client = BootstrapClient(bootstrap_addr, mgr.config.secret_bytes)
+        try:
+            self._register(opts.bootstrap_timeout_s)
+        except BaseException:
+            self.close()
+            raise
+
+    def _register(self, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                self.client.register(self.info)
+                return
+            except BootstrapError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.05)
+
+    # ------------------------------------------------------------- control thread
+    def on_message(self, msg: Message) -> None:
+        """Control thread: a message from a decode rank."""
+        if isinstance(msg, Hello):
+            self.handshakes.submit(self._handshake, msg)
+        elif isinstance(msg, TransferRequest):
+            self._on_request(msg)
+        else:
+            logger.debug("%s: ignoring %s on prefill", self.mgr.agent_name, type(msg).__name__)
+
+    def _handshake(self, hello: Hello) -> None:
+        """Handshake thread: validate a decode rank, add it to the backend, prepare tables."""
+        mgr = self.mgr
+        with mgr.lock:
+            known = mgr.peers.get(hello.session)
+        if known is not None:  # a retried hello: answer again
+            self._ack(hello, known.link)
+            return
+        problems = handshake_problems(mgr.layout, hello.layout, mgr.backend_name, hello.backend)
+        problems += aux_problems(mgr.aux_regions, hello.aux_regions)
+        if problems:
+            self._reject(hello, "incompatible layouts", problems)
+            return
+        # A restarted decode rank comes back with the same agent name and a new session.
+        with mgr.lock:
+            stale = [p.session for p in mgr.peers.values() if p.agent == hello.agent]
+        for s in stale:
+            mgr.evict(s, "it restarted (new session)")
+        try:
+            mapper = build_mapper(mgr.config, mgr.layout, hello.layout)
+            name = mgr.backend.add_peer(hello.backend_metadata)
+            kv_pair = None
+            if not mapper.is_dummy:
+                tables = mapper.build_tables()
+                kv_pair = mgr.backend.prepare(name, tables.src, tables.dst)
+            aux_pair = mgr.backend.prepare(
+                name, slot_table(mgr.aux_regions), slot_table(hello.aux_regions)
+            )
+            r = mgr.layout.rank
+            link = DecodeLink(
+                mapper=mapper,
+                backend_peer=name,
+                kv_pair=kv_pair,
+                aux_pair=aux_pair,
+                aux_rows=len(mgr.aux_regions),
+                decode_tp=hello.rank.tp_size,
+                decode_tp_rank=hello.rank.tp_rank,
+                sends_aux=aux_sender(hello.rank.tp_rank, r.tp_size, r.pp_size, hello.rank.tp_size)
+                == self.sender_id,
+                dummy=mapper.is_dummy,
+                num_slots=hello.layout.num_slots,
+            )
+        except KVWireError as exc:
+            self._reject(hello, f"handshake failed on prefill: {exc}", [])
+            return
+        mgr.add_peer(Peer(hello.session, hello.agent, hello.endpoint, time.monotonic(), link=link))
+        logger.info(
+            "%s: handshake with %s (%s mapper%s)",
+            mgr.agent_name,
+            hello.agent,
+            mapper.name,
+            ", dummy" if mapper.is_dummy else "",
+        )
+        self._ack(hello, link)
+
+    def _ack(self, hello: Hello, link: DecodeLink) -> None:
+        mgr = self.mgr
+        mgr.send(
+            hello.endpoint,
+            HelloAck(
+                session=mgr.session,
+                agent=mgr.agent_name,
+                endpoint=mgr.channel.endpoint,
+                rank=mgr.layout.rank,
+                sender_id=self.sender_id,
+                layout_hash=mgr.layout.compatibility_hash(),
+                dummy=link.dummy,
+                peer_session=hello.session,
+            ),
+        )
+
+    def _reject(self, hello: Hello, reason: str, problems: list[str]) -> None:
+        logger.warning(
+            "%s: refused handshake from %s: %s %s",
+            self.mgr.agent_name,
+            hello.agent,
+            reason,
+            problems,
+        )
+        self.mgr.send(
+            hello.endpoint,
+            HelloReject(
+                session=self.mgr.session,
+                peer_session=hello.session,
+                reason=reason,
+                problems=problems,
+            ),
+        )
+
+    def _on_request(self, msg: TransferRequest) -> None:
+        mgr = self.mgr
+        with mgr.lock:
+            peer = mgr.peers.get(msg.session)
+            if peer is None:
+                logger.warning(
+                    "%s: transfer request for room %d from unknown session %s dropped",
+                    mgr.agent_name,
+                    msg.room,
+                    msg.session,
+                )
+                return
+            peer.last_seen = time.monotonic()
+            link: DecodeLink = peer.link
+            try:
+                pages = check_pages(
+                    pages_from_bytes(msg.dst_pages), link.num_slots, "decode's page indices"
+                )
+                if not 0 <= msg.aux_index < mgr.aux_slots:
+                    raise DescriptorError(
+                        f"decode's aux index {msg.aux_index} is outside [0, {mgr.aux_slots})"
+                    )
+                if msg.state_indices:
+                    raise ConfigError("state buffers are not supported by this kvwire version")
+            except KVWireError as exc:
+                mgr.send(
+                    peer.endpoint,
+                    Failure(room=msg.room, session=mgr.session, reason=f"refused: {exc}"),
+                )
+                return
+            dest = Dest(msg.session, peer.endpoint, pages, msg.aux_index, link.decode_tp)
+            room = self.rooms.get(msg.room)
+            if room is None:
+                self.early.setdefault(msg.room, {})[msg.session] = (dest, time.monotonic())
+                return
+            self._add_dest(room, dest)
+
+    def _add_dest(self, room: SendRoom, dest: Dest) -> None:
+        """Under the manager lock: a decode rank's request joins its room."""
+        if self.mgr.status.get(room.room, KVPoll.Bootstrapping) is KVPoll.Failed:
+            return
+        r = self.mgr.layout.rank
+        expected = len(target_ranks(r.tp_rank, r.tp_size, dest.decode_tp))
+        if room.expected is not None and room.expected != expected:
+            self._fail(
+                room,
+                TransferError("decode ranks of one request disagree on decode TP", room=room.room),
+            )
+            return
+        room.expected = expected
+        room.dests[dest.session] = dest
+        self._maybe_ready(room)
+
+    def _maybe_ready(self, room: SendRoom) -> None:
+        if room.ready or room.expected is None or len(room.dests) < room.expected:
+            return
+        room.ready = True
+        self.mgr.status.update(room.room, KVPoll.WaitingForInput)
+        held, room.held = room.held, []
+        for pages, last in held:
+            self._dispatch(room, pages, last)
+
+    def on_notification(self, note: Notification) -> None:
+        """Prefill receives no data-plane notifications in WRITE mode; ignore strays."""
+        logger.debug("%s: unexpected notification from %s", self.mgr.agent_name, note.peer)
+
+    def on_failure(self, msg: Failure) -> None:
+        """Control thread: a decode rank failed or aborted a room."""
+        with self.mgr.lock:
+            self._drop_early(msg.room, msg.session)
+            room = self.rooms.get(msg.room)
+            if room is None or msg.session not in room.dests:
+                return  # late failure for an unknown room: create no state
+            what = "aborted" if msg.aborted else "failed"
+            err = TransferError(f"decode {what} the request: {msg.reason}", room=msg.room)
+            self._fail(room, err, skip=msg.session)
+
+    def on_peer_lost(self, peer: Peer, why: str) -> None:
+        """Control thread: a decode rank is dead or gone; fail its rooms, drop its tables."""
+        mgr = self.mgr
+        with mgr.lock:
+            for room_id in list(self.early):
+                self._drop_early(room_id, peer.session)
+            for room in list(self.rooms.values()):
+                if peer.session in room.dests and not self._terminal(room):
+                    err = TransferError(
+                        f"decode peer {peer.agent} lost: {why}", room=room.room, peer=peer.agent
+                    )
+                    self._fail(room, err, skip=peer.session)
+        link: DecodeLink | None = peer.link
+        if link is not None and link.backend_peer in mgr.backend.peers():
+            try:
+                mgr.backend.remove_peer(link.backend_peer)
+            except KVWireError as exc:
+                logger.warning("%s: remove_peer(%s): %s", mgr.agent_name, peer.agent, exc)
+
+    def check_deadlines(self, now: float) -> None:
+        """Control thread: bootstrap timeouts and expiry of early requests."""
+        limit = self.mgr.options.bootstrap_timeout_s
+        with self.mgr.lock:
+            for room_id, by_session in list(self.early.items()):
+                for s, (_msg, t) in list(by_session.items()):
+                    if now - t > limit:
+                        self._drop_early(room_id, s)
+            for room in list(self.rooms.values()):
+                if not room.ready and now - room.created > limit and not self._terminal(room):
+                    got = len(room.dests)
+                    want = "?" if room.expected is None else str(room.expected)
+                    self._fail(
+                        room,
+                        TransferError(
+                            f"bootstrap timeout: {got} of {want} decode ranks sent their "
+                            f"metadata within {limit:.1f}s",
+                            room=room.room,
+                        ),
+                    )
+
+    def _drop_early(self, room_id: int, session: str) -> None:
+        by = self.early.get(room_id)
+        if by is not None:
+            by.pop(session, None)
+            if not by:
+                del self.early[room_id]
+
+    # --------------------------------------------------------------- engine thread
+    def create_room(self, room_id: int) -> SendRoom:
+        """Engine thread (KVSender creation): a new room, picking up early requests."""
+        if not 0 <= room_id < 1 << 64:
+            raise ConfigError(f"room id {room_id} must be an unsigned 64-bit integer")
+        with self.mgr.lock:
+            if room_id in self.rooms:
+                raise ConfigError(f"room {room_id} already has a sender on this rank; clear() it")
+            room = SendRoom(room_id)
+            self.rooms[room_id] = room
+            self.mgr.status.clear(room_id)
+            self.mgr.status.update(room_id, KVPoll.Bootstrapping)
+            for s, (dest, _t) in self.early.pop(room_id, {}).items():
+                if s in self.mgr.peers:
+                    self._add_dest(room, dest)
+            m.ACTIVE_ROOMS.labels(**self.mgr.labels).set(len(self.rooms))
+            return room
+
+    def init(self, room: SendRoom, num_pages: int, aux_index: int) -> None:
+        """Engine thread: the request's page count and aux row are known."""
+        if num_pages < 0:
+            raise ConfigError(f"num_pages must be >= 0, got {num_pages}")
+        if not 0 <= aux_index < self.mgr.aux_slots:
+            raise DescriptorError(
+                f"aux_index {aux_index} is outside [0, {self.mgr.aux_slots}) (the aux rows "
+                "this manager was built with)"
+            )
+        with self.mgr.lock:
+            room.num_pages = num_pages
+            room.aux_index = aux_index
+
+    def send(self, room: SendRoom, pages: Any, last: bool) -> None:
+        """Engine thread: queue one chunk; never blocks on the transfer."""
+        mgr = self.mgr
+        arr = check_pages(pages, mgr.layout.num_slots, "page indices")
+        with mgr.lock:
+            if self._terminal(room):
+                return
+            problem = None
+            if room.num_pages is None or room.aux_index is None:
+                problem = "send() before init(num_pages, aux_index)"
+            elif room.last_queued:
+                problem = "send() after the last chunk was sent"
+            elif room.pages_queued + arr.size > room.num_pages:
+                problem = (
+                    f"chunks add up to {room.pages_queued + arr.size} pages but init() "
+                    f"declared {room.num_pages}"
+                )
+            elif last and room.pages_queued + arr.size != room.num_pages:
+                problem = (
+                    f"last chunk ends at page {room.pages_queued + arr.size} of the "
+                    f"{room.num_pages} declared by init(); KV would be missing on decode"
+                )
+            if problem is not None:
+                err = ConfigError(f"room {room.room}: {problem}")
+                self._fail(room, err)
+                raise err
+            room.last_queued = last
+            room.pages_queued += arr.size
+            if not room.ready:
+                room.held.append((arr, last))
+                return
+            self._dispatch(room, arr, last)
+
+    def _dispatch(self, room: SendRoom, pages: NDArray[np.int64], last: bool) -> None:
+        """Under the lock: split a chunk per destination and hand it to that worker."""
+        assert room.num_pages is not None
+        mgr = self.mgr
+        start = room.pages_dispatched
+        end = room.pages_dispatched = start + pages.size
+        mgr.status.update(room.room, KVPoll.Transferring)
+        for dest in room.dests.values():
+            peer = mgr.peers.get(dest.session)
+            if peer is None:
+                continue
+            link: DecodeLink = peer.link
+            skip = room.num_pages - dest.dst_pages.size
+            if skip < 0:
+                self._fail(
+                    room,
+                    TransferError(
+                        f"decode asked for {dest.dst_pages.size} pages but the request has "
+                        f"{room.num_pages}",
+                        room=room.room,
+                    ),
+                )
+                return
+            lo = max(start, skip)
+            src = pages[lo - start :]
+            dst = dest.dst_pages[lo - skip : end - skip] if end > lo else dest.dst_pages[:0]
+            chunk_id = None
+            if src.size and not link.dummy:
+                chunk_id = dest.next_chunk
+                dest.next_chunk += 1
+            job = _Job(self, room, dest, link, src, dst, chunk_id, last, time.perf_counter())
+            self.workers.submit(dest.session, job)
+
+    # ------------------------------------------------------------------ workers
+    def run_job(self, job: _Job) -> None:
+        """Worker thread: move one chunk to one destination (and the aux row after the last)."""
+        mgr, room, dest, link = self.mgr, job.room, job.dest, job.link
+        with mgr.lock:
+            if self._terminal(room) or self.rooms.get(room.room) is not room:
+                return
+        t_start = time.perf_counter()
+        op = "write"
+        try:
+            if job.chunk_id is not None:
+                plan = mgr.staging.plan(room.room, job.chunk_id, link.mapper, job.src, job.dst)
+                if not plan.empty:
+                    pair = link.kv_pair if plan.table == "kv" else None
+                    if pair is None:
+                        raise TransferError(
+                            f"no prepared table {plan.table!r}", room=room.room, operation=op
+                        )
+                    note = ChunkNoteFactory.kv(mgr, room.room, job.chunk_id, job.last)
+                    ok = False
+                    try:
+                        self._transfer(
+                            room,
+                            dest,
+                            pair,
+                            plan.src_idx,
+                            plan.dst_idx,
+                            note,
+                            t_start,
+                            job.t_enqueued,
+                        )
+                        ok = True
+                    finally:
+                        mgr.staging.on_sent(room.room, plan, ok)
+            if job.last:
+                if job.chunk_id is None:
+                    mgr.send(
+                        dest.endpoint,
+                        Completion(
+                            room=room.room,
+                            sender_id=self.sender_id,
+                            session=mgr.session,
+                            data_chunks=dest.next_chunk,
+                            dummy=link.dummy,
+                        ),
+                    )
+                if link.sends_aux and link.aux_pair is not None:
+                    op = "aux write"
+                    assert room.aux_index is not None
+                    mgr.stamps[room.aux_index, 0] = room.room
+                    n = link.aux_rows
+                    self._transfer(
+                        room,
+                        dest,
+                        link.aux_pair,
+                        slot_rows(n, mgr.aux_slots, room.aux_index),
+                        slot_rows(n, mgr.aux_slots, dest.aux_index),
+                        ChunkNoteFactory.aux(mgr, room.room),
+                        time.perf_counter(),
+                        None,
+                    )
+                self._dest_done(room, dest)
+        except Exception as exc:
+            if not isinstance(exc, KVWireError):
+                exc = TransferError(
+                    f"{type(exc).__name__}: {exc}", room=room.room, operation=op
+                ).with_traceback(exc.__traceback__)
+            with mgr.lock:
+                m.CHUNKS.labels(**mgr.labels, result="failed").inc()
+                self._fail(room, exc)
+
+    def _transfer(
+        self,
+        room: SendRoom,
+        dest: Dest,
+        pair: PreparedPair,
+        src_idx: Any,
+        dst_idx: Any,
+        note: bytes,
+        t_start: float,
+        t_enqueued: float | None,
+    ) -> None:
+        mgr = self.mgr
+        backend = mgr.backend
+        handle: TransferHandle = backend.submit(XferOp.WRITE, pair, src_idx, dst_idx, note)
+        t_posted = time.perf_counter()
+        try:
+            state = self._wait(room, handle)
+        finally:
+            backend.release(handle)
+        t_done = time.perf_counter()
+        if state is not XferState.DONE:
+            raise TransferError(
+                f"transfer {state.name.lower()}: {handle.error or 'no reason given'}",
+                room=room.room,
+                peer=pair.peer,
+                operation="write",
+            )
+        mt = room.metrics
+        with mgr.lock:
+            mt.bytes += handle.num_bytes
+            mt.descriptors += handle.num_descs
+            mt.chunks += 1
+            if t_enqueued is not None:
+                mt.queue_s += t_start - t_enqueued
+            mt.post_s += t_posted - t_start
+            mt.transfer_s += t_done - t_posted
+        lb = mgr.labels
+        m.BYTES.labels(**lb).inc(handle.num_bytes)
+        m.DESCRIPTORS.labels(**lb).inc(handle.num_descs)
+        m.CHUNKS.labels(**lb, result="ok").inc()
+        if t_enqueued is not None:
+            m.QUEUE_SECONDS.labels(**lb).observe(t_start - t_enqueued)
+        m.POST_SECONDS.labels(**lb).observe(t_posted - t_start)
+        m.TRANSFER_SECONDS.labels(**lb).observe(t_done - t_posted)
+
+    def _wait(self, room: SendRoom, handle: TransferHandle) -> XferState:
+        backend = self.mgr.backend
+        deadline = time.monotonic() + self.mgr.options.transfer_timeout_s
+        sleep = 0.00002
+        while True:
+            state = backend.poll(handle)
+            if state is not XferState.PENDING:
+                return state
+            if self._terminal(room):
+                handle.error = "the request failed or was aborted while its transfer was pending"
+                return XferState.FAILED
+            if time.monotonic() > deadline:
+                handle.error = (
+                    f"no completion within transfer_timeout_s={self.mgr.options.transfer_timeout_s}"
+                )
+                return XferState.FAILED
+            time.sleep(sleep)
+            sleep = min(sleep * 2, MAX_POLL_SLEEP_S)
+
+    def _dest_done(self, room: SendRoom, dest: Dest) -> None:
+        with self.mgr.lock:
+            dest.done = True
+            if all(d.done for d in room.dests.values()) and not self._terminal(room):
+                room.metrics.total_s = time.perf_counter() - room.t0
+                self.mgr.status.update(room.room, KVPoll.Success)
+                self.mgr.finish(room.room, KVPoll.Success, room.t0)
+
+    # ---------------------------------------------------------------- failures
+    def _terminal(self, room: SendRoom) -> bool:
+        st = self.mgr.status.get(room.room, KVPoll.Failed)
+        return st in (KVPoll.Failed, KVPoll.Success)
+
+    def _fail(
+        self, room: SendRoom, exc: BaseException, skip: str | None = None, aborted: bool = False
+    ) -> None:
+        """Under the lock: fail a room once, record why, tell every other destination."""
+        mgr = self.mgr
+        if room.error is not None or mgr.status.get(room.room, KVPoll.Failed) is KVPoll.Success:
+            return
+        room.error = exc
+        mgr.status.update(room.room, KVPoll.Failed)
+        mgr.finish(room.room, KVPoll.Failed, room.t0)
+        logger.warning("%s: room %d failed: %s", mgr.agent_name, room.room, exc)
+        msg = Failure(room=room.room, session=mgr.session, reason=str(exc), aborted=aborted)
+        for d in room.dests.values():
+            if d.session != skip:
+                mgr.send(d.endpoint, msg)
+
+    def abort(self, room: SendRoom) -> None:
+        """Engine thread: abort the request here and on every decode rank it feeds."""
+        with self.mgr.lock:
+            if self._terminal(room):
+                return
+            self._fail(room, TransferError("aborted by prefill", room=room.room), aborted=True)
+
+    def clear(self, room: SendRoom) -> None:
+        """Engine thread: forget the room (every terminal path ends here)."""
+        with self.mgr.lock:
+            if self.rooms.get(room.room) is room:
+                del self.rooms[room.room]
+                self.mgr.status.clear(room.room)
+            for s in list(self.early.get(room.room, {})):
+                self._drop_early(room.room, s)
+            m.ACTIVE_ROOMS.labels(**self.mgr.labels).set(len(self.rooms))
+        self.mgr.staging.release(room.room)
+
+    def room_tables(self) -> dict[str, int]:
+        """Per-room table sizes (leak check)."""
+        with self.mgr.lock:
+            return {
+                "send_rooms": len(self.rooms),
+                "early_requests": len(self.early),
+            }
+
+    def close(self) -> None:
+        """Manager shutdown: fail live rooms, stop workers and the bootstrap service."""
+        with self.mgr.lock:
+            for room in list(self.rooms.values()):
+                if not self._terminal(room):
+                    self._fail(room, TransferError("prefill manager closed", room=room.room))
+        self.workers.stop()
+        self.handshakes.shutdown(wait=False, cancel_futures=True)
+        try:
+            self.client.deregister(self.info)
+        except BootstrapError as exc:
+            logger.debug("deregister: %s", exc)
+        if self.server is not None:
+            self.server.stop()
+
+
+class ChunkNoteFactory:
+    """Encodes the notification tags a prefill rank attaches to its transfers."""
+
+    @staticmethod
+    def kv(mgr: KVManager, room: int, chunk_id: int, last: bool) -> bytes:
+        from kvwire.control.wire import ChunkNote
+
+        return mgr.codec.encode(
+            ChunkNote(
+                room=room,
+                sender_id=mgr.layout.rank.sender_id,
+                session=mgr.session,
+                what="kv",
+                chunk_id=chunk_id,
+                last=last,
+            )
+        )
+
+    @staticmethod
+    def aux(mgr: KVManager, room: int) -> bytes:
+        from kvwire.control.wire import ChunkNote
+
+        return mgr.codec.encode(
+            ChunkNote(
+                room=room, sender_id=mgr.layout.rank.sender_id, session=mgr.session, what="aux"
+            )
+        )
+
+
+@dataclass
+class _Job:
+    side: PrefillSide
+    room: SendRoom
+    dest: Dest
+    link: DecodeLink
+    src: NDArray[np.int64]
+    dst: NDArray[np.int64]
+    chunk_id: int | None
+    last: bool
+    t_enqueued: float
+
+    def __call__(self) -> None:
+        self.side.run_job(self)
+
+
+class KVSender:
+    """Prefill side of one request. Created by the engine with ``mgr.sender(room)``.
+
+    Engine thread calls, in order: :meth:`init` once, :meth:`send` once per chunk (the last with
+    ``last=True``), :meth:`poll` each scheduler step, and :meth:`clear` once the request is
+    finished (on every path: success, failure, abort). None of them blocks on a transfer.
+    """
+
+    def __init__(self, side: PrefillSide, room: int) -> None:
+        self._side = side
+        self.room = room
+        self._state = side.create_room(room)
+        self._final: KVPoll | None = None
+
+    def init(self, num_pages: int, aux_index: int) -> None:
+        """Declare the request's number of KV pages and its aux row index on this rank."""
+        self._side.init(self._state, num_pages, aux_index)
+
+    def send(self, page_indices: Any, last: bool = False, state_indices: Any | None = None) -> None:
+        """Queue one chunk of chunked prefill (page slots of this rank's pool, in request
+        order). Raises :class:`~kvwire.errors.DescriptorError` or ``ConfigError`` on bad input
+        (the room is failed and decode is told)."""
+        if state_indices is not None:
+            raise ConfigError(
+                "state buffers (hybrid models) are not supported yet; pass state_indices=None"
+            )
+        self._side.send(self._state, page_indices, last)
+
+    def poll(self) -> KVPoll:
+        """Status of the request on this rank (MIN-reduce across ranks with reduce_polls)."""
+        if self._final is not None:
+            return self._final
+        return self._side.mgr.status.get(self.room, KVPoll.WaitingForInput)
+
+    def failure_exception(self) -> None:
+        """Re-raise why the request failed here (the original exception); no-op otherwise."""
+        if self.poll() is KVPoll.Failed:
+            err = self._state.error or TransferError("request failed", room=self.room)
+            raise err
+
+    @property
+    def metrics(self) -> RequestMetrics:
+        """What the request cost on this rank (bytes, descriptors, queue/post/transfer time)."""
+        return self._state.metrics
+
+    def abort(self) -> None:
+        """Abort the request; every decode rank it feeds learns of it."""
+        self._side.abort(self._state)
+
+    def clear(self) -> None:
+        """Free every per-request entry on this rank. Call once the request is terminal."""
+        if self._final is None:
+            self._final = self.poll()
+            self._side.clear(self._state)
