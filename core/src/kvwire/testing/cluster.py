@@ -1,0 +1,568 @@
+"""A PD cluster on loopback: bootstrap, prefill ranks and decode ranks as real processes.
+
+:class:`Cluster` spawns ``prefill_tp * prefill_pp`` prefill rank processes (rank 0 runs the
+bootstrap service in-process, as in production) and ``decode_instances * decode_tp`` decode rank
+processes. Every rank builds a paged ``int32`` KV pool whose elements encode (layer, K/V, global
+head, token position, dim) (:mod:`kvwire.testing.kvfill`) — NumPy on the CPU, or torch tensors on
+a GPU when ``device="cuda"`` — and a :class:`~kvwire.session.KVManager` over it, and then plays
+its engine: it runs a scheduler loop over its requests, calling exactly the engine API.
+
+The parent drives a workload with :meth:`Cluster.run` (requests with chunked prefill, random page
+allocations on both sides, optionally a prefix cached on decode) and gets one
+:class:`RequestResult` per request: the status on every rank, the elements that differ from the
+encoding on every decode rank, the aux rows checked, and the latency. Failure scenarios use
+:class:`RoomPlan` actions (abort on either side, stall before the last chunk) and
+:meth:`Cluster.kill`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import multiprocessing as mp
+import os
+import secrets
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from multiprocessing.connection import Connection
+from typing import Any
+
+import numpy as np
+from numpy.typing import NDArray
+from pydantic import BaseModel, ConfigDict, Field
+
+from kvwire.config import KVWireConfig
+from kvwire.layout import KVLayout, MemoryRegion, ModelSpec, RankPosition
+from kvwire.testing.kvfill import global_heads, page_values
+
+logger = logging.getLogger(__name__)
+
+#: int32 values per engine aux row (a stand-in for first token, logprobs, ...).
+AUX_WORDS = 16
+#: How long a failed request's page slots stay unused (a late write must not hit a new request).
+QUARANTINE_S = 3.0
+
+
+class ClusterSpec(BaseModel):
+    """Shape of a test cluster. All ranks of one instance share the model."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model: ModelSpec
+    prefill_tp: int = Field(default=1, ge=1)
+    prefill_pp: int = Field(default=1, ge=1)
+    decode_tp: int = Field(default=1, ge=1)
+    decode_instances: int = Field(default=1, ge=1)
+    slots: int = Field(default=256, ge=1, description="Page slots per KV buffer per rank.")
+    aux_slots: int = Field(default=128, ge=1)
+    device: str = Field(default="cpu", description="'cpu' (NumPy) or 'cuda' (torch tensors).")
+    config: KVWireConfig = Field(default_factory=KVWireConfig)
+    seed: int = 0
+    log_level: str = "WARNING"
+
+
+class RoomPlan(BaseModel):
+    """One request of a workload, as every rank sees it."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    room: int
+    num_pages: int = Field(ge=0)
+    #: Page counts of the chunks of chunked prefill (sum = num_pages; may contain zeros).
+    chunks: list[int]
+    #: Leading pages already cached on decode (not transferred).
+    cached_pages: int = 0
+    decode_instance: int = 0
+    prefill_abort: bool = False
+    decode_abort: bool = False
+    #: Prefill waits this long before sending its last chunk.
+    stall_s: float = 0.0
+
+
+@dataclass
+class RankReport:
+    """What one rank reported for one request."""
+
+    role: str
+    rank: int
+    status: int
+    error: str | None
+    mismatches: int = 0
+    aux_ok: bool = True
+    latency_s: float = 0.0
+    bytes: int = 0
+    descriptors: int = 0
+
+
+@dataclass
+class RequestResult:
+    """Every rank's report for one request."""
+
+    plan: RoomPlan
+    reports: list[RankReport] = field(default_factory=list)
+    t_start: float = 0.0
+    t_end: float = 0.0
+
+    @property
+    def ok(self) -> bool:
+        """Success on every rank, every element verified, aux rows intact."""
+        return all(r.status == 4 and r.mismatches == 0 and r.aux_ok for r in self.reports)
+
+    @property
+    def mismatches(self) -> int:
+        return sum(r.mismatches for r in self.reports)
+
+    @property
+    def bytes(self) -> int:
+        return sum(r.bytes for r in self.reports if r.role == "prefill")
+
+    @property
+    def descriptors(self) -> int:
+        return sum(r.descriptors for r in self.reports if r.role == "prefill")
+
+    @property
+    def latency_s(self) -> float:
+        """Decode-side latency: receiver creation to Success (max over decode ranks)."""
+        return max((r.latency_s for r in self.reports if r.role == "decode"), default=0.0)
+
+
+# ---------------------------------------------------------------------------- rank processes
+class _Pool:
+    """A rank's verification pool: NumPy arrays, or torch tensors on a device."""
+
+    def __init__(self, spec: ClusterSpec, rank: RankPosition, start: int, end: int) -> None:
+        m = spec.model
+        heads = len(global_heads(m, rank))
+        nbuf = (end - start) * (1 if m.is_mla else 2)
+        shape = (spec.slots, m.page_size, heads, m.head_dim)
+        self.torch = spec.device != "cpu"
+        if self.torch:
+            import torch
+
+            self.arrays: list[Any] = [
+                torch.zeros(shape, dtype=torch.int32, device=spec.device) for _ in range(nbuf)
+            ]
+        else:
+            self.arrays = [np.zeros(shape, dtype=np.int32) for _ in range(nbuf)]
+        self.layout = KVLayout.from_tensors(m, self.arrays, rank, start, end)
+        self.aux = np.zeros((spec.aux_slots, AUX_WORDS), dtype=np.int32)
+        self.aux_region = MemoryRegion.from_tensor(self.aux)
+
+    def _index(self, pages: NDArray[np.int64]) -> Any:
+        if self.torch:
+            import torch
+
+            return torch.from_numpy(pages).to(self.arrays[0].device)
+        return pages
+
+    def fill(self, pages: NDArray[np.int64], first_pos: int) -> None:
+        idx = self._index(pages)
+        for b, arr in enumerate(self.arrays):
+            vals = page_values(self.layout, b, first_pos, len(pages))
+            if self.torch:
+                import torch
+
+                arr[idx] = torch.from_numpy(vals).to(arr.device)
+            else:
+                arr[idx] = vals
+        if self.torch:
+            import torch
+
+            torch.cuda.synchronize()
+
+    def poison(self, pages: NDArray[np.int64]) -> None:
+        idx = self._index(pages)
+        for arr in self.arrays:
+            arr[idx] = -1
+
+    def mismatches(self, pages: NDArray[np.int64], first_pos: int) -> int:
+        idx = self._index(pages)
+        bad = 0
+        for b, arr in enumerate(self.arrays):
+            got = arr[idx]
+            got = got.cpu().numpy() if self.torch else got
+            bad += int((got != page_values(self.layout, b, first_pos, len(pages))).sum())
+        return bad
+
+
+def _aux_row(room: int) -> NDArray[np.int32]:
+    return (((room % 1_000_003) * 7_919 + np.arange(AUX_WORDS)) & 0x7FFFFFFF).astype(np.int32)
+
+
+@dataclass
+class _Active:
+    plan: RoomPlan
+    obj: Any
+    pages: NDArray[np.int64]
+    aux_index: int
+    t0: float
+    stage: int = 0
+    next_chunk: int = 0
+    stall_until: float = 0.0
+
+
+def _rank_main(
+    conn: Connection, spec_json: str, role: str, tp_rank: int, pp_rank: int, inst: int, addr: str
+) -> None:
+    """Entry point of a rank process (spawned)."""
+    from kvwire.session import KVManager, KVPoll, Role
+
+    spec = ClusterSpec.model_validate_json(spec_json)
+    logging.basicConfig(
+        level=spec.log_level,
+        format=f"[{role}{inst}.{pp_rank}.{tp_rank}] %(levelname)s %(name)s: %(message)s",
+    )
+    m = spec.model
+    if role == "prefill":
+        rank = RankPosition(
+            tp_size=spec.prefill_tp, tp_rank=tp_rank, pp_size=spec.prefill_pp, pp_rank=pp_rank
+        )
+        per = -(-m.num_layers // spec.prefill_pp)
+        first_layer, end = pp_rank * per, min(m.num_layers, (pp_rank + 1) * per)
+    else:
+        rank = RankPosition(tp_size=spec.decode_tp, tp_rank=tp_rank)
+        first_layer, end = 0, m.num_layers
+    pool = _Pool(spec, rank, first_layer, end)
+    mgr = KVManager(
+        spec.config,
+        Role(role),
+        pool.layout,
+        aux_buffers=[pool.aux_region],
+        bootstrap_addr=addr or None,
+        agent_name=f"{role}{inst}-pp{pp_rank}-tp{tp_rank}",
+    )
+    rng = np.random.default_rng(
+        spec.seed * 7919 + (pp_rank * 64 + tp_rank) * 8 + inst + (0 if role == "prefill" else 4096)
+    )
+    free = list(rng.permutation(spec.slots))
+    free_aux = list(range(spec.aux_slots))
+    quarantine: list[tuple[float, NDArray[np.int64], int]] = []
+    active: dict[int, _Active] = {}
+    conn.send(("ready", mgr.bootstrap_addr or ""))
+    rid = pp_rank * spec.prefill_tp + tp_rank if role == "prefill" else tp_rank
+
+    def report(a: _Active, status: Any, mism: int = 0, aux_ok: bool = True) -> None:
+        err = None
+        if status == KVPoll.Failed:
+            try:
+                a.obj.failure_exception()
+                err = "failed (no exception recorded)"
+            except Exception as exc:
+                err = f"{type(exc).__name__}: {exc}"
+        mt = a.obj.metrics
+        conn.send(
+            (
+                "done",
+                RankReport(
+                    role,
+                    rid,
+                    int(status),
+                    err,
+                    mism,
+                    aux_ok,
+                    time.perf_counter() - a.t0,
+                    mt.bytes,
+                    mt.descriptors,
+                ),
+                a.plan.room,
+            )
+        )
+        a.obj.clear()
+        if status == KVPoll.Success:
+            free.extend(a.pages.tolist())
+            free_aux.append(a.aux_index)
+        else:  # a writer may still be busy with a failed room's slots: quarantine them
+            quarantine.append((time.monotonic() + QUARANTINE_S, a.pages, a.aux_index))
+
+    def start(plan: RoomPlan) -> None:
+        t0 = time.perf_counter()
+        aux_index = free_aux.pop()
+        if role == "prefill":
+            n = plan.num_pages
+            pages = np.array([free.pop() for _ in range(n)], dtype=np.int64)
+            pool.fill(pages, 0)
+            pool.aux[aux_index] = _aux_row(plan.room)
+            obj: Any = mgr.sender(plan.room)
+        else:
+            n = plan.num_pages - plan.cached_pages
+            pages = np.array([free.pop() for _ in range(n)], dtype=np.int64)
+            pool.poison(pages)
+            pool.aux[aux_index] = 0
+            obj = mgr.receiver(plan.room, addr)
+            obj.init()
+            obj.send_metadata(pages, aux_index)
+        active[plan.room] = _Active(plan, obj, pages, aux_index, t0)
+
+    def step(a: _Active) -> bool:
+        """Advance one request; True when it is finished (reported)."""
+        st = a.obj.poll()
+        if role == "decode":
+            if a.plan.decode_abort and a.stage == 0 and st >= KVPoll.WaitingForInput:
+                a.obj.abort()
+                a.stage = 1
+            if st == KVPoll.Success:
+                first = a.plan.cached_pages * m.page_size
+                mism = pool.mismatches(a.pages, first)
+                aux_ok = bool((pool.aux[a.aux_index] == _aux_row(a.plan.room)).all())
+                report(a, st, mism, aux_ok)
+                return True
+            if st == KVPoll.Failed:
+                report(a, st)
+                return True
+            return False
+        if st in (KVPoll.Failed, KVPoll.Success):
+            report(a, st)
+            return True
+        if st >= KVPoll.WaitingForInput and a.stage == 0:
+            a.obj.init(a.plan.num_pages, a.aux_index)
+            a.stage = 1
+        if a.stage == 1:
+            chunks = a.plan.chunks
+            if a.plan.prefill_abort and a.next_chunk >= 1:
+                a.obj.abort()
+                a.stage = 2
+                return False
+            if a.next_chunk < len(chunks):
+                last = a.next_chunk == len(chunks) - 1
+                if last and a.plan.stall_s and a.stall_until == 0.0:
+                    a.stall_until = time.monotonic() + a.plan.stall_s
+                if last and time.monotonic() < a.stall_until:
+                    return False
+                lo = sum(chunks[: a.next_chunk])
+                a.obj.send(a.pages[lo : lo + chunks[a.next_chunk]], last=last)
+                a.next_chunk += 1
+        return False
+
+    try:
+        while True:
+            if conn.poll(0.0005 if active else 0.01):
+                msg = conn.recv()
+                if msg[0] == "start":
+                    start(RoomPlan.model_validate(msg[1]))
+                elif msg[0] == "tables":
+                    conn.send(("tables", mgr.room_tables(), mgr.dropped))
+                elif msg[0] == "stop":
+                    break
+            for room in list(active):
+                if step(active[room]):
+                    del active[room]
+            while quarantine and quarantine[0][0] < time.monotonic():
+                _, pages, aux_index = quarantine.pop(0)
+                free.extend(pages.tolist())
+                free_aux.append(aux_index)
+    finally:
+        mgr.close()
+        with contextlib.suppress(OSError):
+            conn.send(("closed", mgr.room_tables()))
+
+
+# ---------------------------------------------------------------------------- parent side
+@dataclass
+class _Proc:
+    role: str
+    inst: int
+    tp: int
+    pp: int
+    proc: Any
+    conn: Connection
+
+
+class ClusterError(RuntimeError):
+    """A rank process died or the workload did not finish in time."""
+
+
+class Cluster:
+    """Spawned prefill and decode ranks on loopback. Use as a context manager."""
+
+    def __init__(self, spec: ClusterSpec, start_timeout_s: float = 120.0) -> None:
+        self.spec = spec
+        self._ctx = mp.get_context("spawn")
+        self.procs: list[_Proc] = []
+        self.bootstrap_addr = ""
+        spec_json = spec.model_dump_json()
+        try:
+            first = self._spawn(spec_json, "prefill", 0, 0, 0, "")
+            self.bootstrap_addr = self._expect(first, "ready", start_timeout_s)[1]
+            for pp in range(spec.prefill_pp):
+                for tp in range(spec.prefill_tp):
+                    if (tp, pp) != (0, 0):
+                        self._spawn(spec_json, "prefill", 0, tp, pp, self.bootstrap_addr)
+            for inst in range(spec.decode_instances):
+                for tp in range(spec.decode_tp):
+                    self._spawn(spec_json, "decode", inst, tp, 0, self.bootstrap_addr)
+            for p in self.procs[1:]:
+                self._expect(p, "ready", start_timeout_s)
+        except BaseException:
+            self.close()
+            raise
+
+    def _spawn(self, spec_json: str, role: str, inst: int, tp: int, pp: int, addr: str) -> _Proc:
+        parent, child = self._ctx.Pipe()
+        proc = self._ctx.Process(
+            target=_rank_main,
+            args=(child, spec_json, role, tp, pp, inst, addr),
+            name=f"kvwire-{role}{inst}-pp{pp}-tp{tp}",
+            daemon=True,
+        )
+        proc.start()
+        child.close()
+        p = _Proc(role, inst, tp, pp, proc, parent)
+        self.procs.append(p)
+        return p
+
+    def _expect(self, p: _Proc, kind: str, timeout_s: float) -> Any:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if p.conn.poll(0.05):
+                msg = p.conn.recv()
+                if msg[0] == kind:
+                    return msg
+            elif not p.proc.is_alive():
+                raise ClusterError(f"{p.proc.name} exited with code {p.proc.exitcode}")
+        raise ClusterError(f"{p.proc.name}: no {kind!r} within {timeout_s:.0f}s")
+
+    def ranks_of(self, plan: RoomPlan) -> list[_Proc]:
+        """The processes that take part in a request."""
+        return [p for p in self.procs if p.role == "prefill" or p.inst == plan.decode_instance]
+
+    def kill(self, role: str, inst: int = 0, tp: int = 0, pp: int = 0) -> None:
+        """SIGKILL one rank process (a crash)."""
+        for p in self.procs:
+            if (p.role, p.inst, p.tp, p.pp) == (role, inst, tp, pp):
+                p.proc.kill()
+                p.proc.join(10)
+                return
+        raise ValueError(f"no {role} rank inst={inst} tp={tp} pp={pp}")
+
+    def plans(
+        self,
+        n: int,
+        *,
+        pages: tuple[int, int] = (1, 8),
+        max_chunks: int = 3,
+        cached_fraction: float = 0.0,
+        seed: int | None = None,
+    ) -> list[RoomPlan]:
+        """A random workload: ``n`` requests with random sizes, chunkings and decode instances;
+        a ``cached_fraction`` of them have a random prefix (sometimes all) cached on decode."""
+        rng = np.random.default_rng(self.spec.seed if seed is None else seed)
+        out = []
+        for _ in range(n):
+            num = int(rng.integers(pages[0], pages[1] + 1))
+            k = int(rng.integers(1, max_chunks + 1))
+            cuts = np.sort(rng.integers(0, num + 1, size=k - 1))
+            chunks = np.diff(np.concatenate([[0], cuts, [num]])).astype(int).tolist()
+            cached = 0
+            if rng.random() < cached_fraction:
+                cached = int(rng.integers(0, num + 1))
+            out.append(
+                RoomPlan(
+                    room=secrets.randbits(63),
+                    num_pages=num,
+                    chunks=chunks,
+                    cached_pages=cached,
+                    decode_instance=int(rng.integers(0, self.spec.decode_instances)),
+                )
+            )
+        return out
+
+    def run(
+        self,
+        plans: list[RoomPlan],
+        *,
+        concurrency: int = 16,
+        timeout_s: float = 120.0,
+        on_result: Callable[[RequestResult], None] | None = None,
+        ignore_dead: bool = False,
+    ) -> list[RequestResult]:
+        """Run requests with at most ``concurrency`` in flight; one result per plan, in plan
+        order. A request is finished when every rank taking part has reported."""
+        results = {p.room: RequestResult(p) for p in plans}
+        waiting: dict[int, int] = {}
+        todo = list(plans)
+        done = 0
+        deadline = time.monotonic() + timeout_s
+        while done < len(plans):
+            while todo and len(waiting) < concurrency:
+                plan = todo.pop(0)
+                ranks = [p for p in self.ranks_of(plan) if p.proc.is_alive() or not ignore_dead]
+                results[plan.room].t_start = time.perf_counter()
+                # decode first: its request usually precedes the prefill's sender
+                for p in sorted(ranks, key=lambda p: p.role != "decode"):
+                    p.conn.send(("start", plan.model_dump()))
+                waiting[plan.room] = len(ranks)
+            for p in self.procs:
+                while p.proc.is_alive() or p.conn.poll(0):
+                    try:
+                        if not p.conn.poll(0):
+                            break
+                        msg = p.conn.recv()
+                    except (EOFError, OSError):
+                        break
+                    if msg[0] != "done":
+                        continue
+                    rep, room = msg[1], msg[2]
+                    res = results[room]
+                    res.reports.append(rep)
+                    waiting[room] -= 1
+                    if waiting[room] == 0:
+                        del waiting[room]
+                        res.t_end = time.perf_counter()
+                        done += 1
+                        if on_result is not None:
+                            on_result(res)
+                if not p.proc.is_alive() and not ignore_dead:
+                    raise ClusterError(f"{p.proc.name} died (exit code {p.proc.exitcode})")
+            if time.monotonic() > deadline:
+                raise ClusterError(
+                    f"workload did not finish in {timeout_s:.0f}s ({done} of {len(plans)} done; "
+                    f"waiting for rooms {list(waiting)[:5]})"
+                )
+            time.sleep(0.0005)
+        return [results[p.room] for p in plans]
+
+    def room_tables(self) -> dict[str, dict[str, int]]:
+        """Every live rank's per-room table sizes (all zero after a finished workload)."""
+        out = {}
+        for p in self.procs:
+            if not p.proc.is_alive():
+                continue
+            p.conn.send(("tables",))
+            msg = self._expect(p, "tables", 30)
+            out[p.proc.name] = {**msg[1], **{f"dropped_{k}": v for k, v in msg[2].items()}}
+        return out
+
+    def close(self) -> None:
+        """Stop every rank (cleanly where possible)."""
+        for p in self.procs:
+            if p.proc.is_alive():
+                with contextlib.suppress(OSError, BrokenPipeError):
+                    p.conn.send(("stop",))
+        for p in self.procs:
+            p.proc.join(10)
+            if p.proc.is_alive():
+                p.proc.kill()
+                p.proc.join(5)
+        self.procs.clear()
+
+    def __enter__(self) -> Cluster:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+@contextlib.contextmanager
+def cluster(spec: ClusterSpec) -> Iterator[Cluster]:
+    """``with cluster(spec) as c: c.run(c.plans(64))``."""
+    c = Cluster(spec)
+    try:
+        yield c
+    finally:
+        c.close()
+
+
+def env_int(name: str, default: int) -> int:
+    """An integer from the environment (test scaling knobs)."""
+    return int(os.environ.get(name, default))

@@ -1,0 +1,232 @@
+"""End-to-end cluster tests for any backend, for pytest.
+
+A backend plugin proves that the whole control plane works over it with a few lines::
+
+    from kvwire.testing.cluster_suite import ClusterConformance, ClusterFailures
+
+    class TestMyCluster(ClusterConformance):
+        backend_name = "my-backend"
+
+    class TestMyFailures(ClusterFailures):
+        backend_name = "my-backend"
+
+Every test spawns real processes (:mod:`kvwire.testing.cluster`): a prefill instance whose
+rank 0 runs the bootstrap service, and one or two decode instances. Each rank has its own
+backend agent and KV pool, and every element a decode rank receives is checked against the
+encoding of its (layer, K/V, global head, position, dim).
+
+:class:`ClusterConformance` (one cluster per topology, class-scoped):
+
+* ``test_workload_verified``: 64 concurrent requests (``requests``) with chunked prefill
+  (1-3 chunks, empty chunks included), random page allocations on both sides and, for a third
+  of them, a prefix (sometimes all of it) already cached on decode; every request succeeds on
+  every rank, every element and aux row is verified.
+* ``test_room_tables_empty``: after the workload every per-room table on every rank is empty.
+
+Topologies: equal TP (2->2), prefill larger (2->1, head gather), decode larger (1->2, head
+scatter), total KV heads below TP on both sides (4->2 and 1->4 with 2 heads, replication),
+MLA with dummy senders (2->1), pipeline fan-in (2 PP stages x 1 TP -> 1).
+
+:class:`ClusterFailures` (short heartbeats):
+
+* ``test_decode_killed_mid_transfer``: a decode rank is SIGKILLed while a prefill rank holds its
+  request's last chunk: the prefill room fails within a few heartbeat intervals, naming the lost
+  peer, and the prefill rank keeps serving requests for the other decode instance.
+* ``test_prefill_killed``: decode rooms fail within a few heartbeat intervals, not after the
+  waiting timeout.
+* ``test_abort_from_prefill`` / ``test_abort_from_decode``: both sides end Failed, the error says
+  who aborted, and per-room tables are empty afterwards.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from typing import Any, ClassVar
+
+import pytest
+
+from kvwire.config import ControlOptions, KVWireConfig
+from kvwire.layout import ModelSpec
+from kvwire.session.poll import KVPoll
+from kvwire.testing.cluster import Cluster, ClusterSpec, RequestResult, RoomPlan
+
+__all__ = ["TOPOLOGIES", "ClusterConformance", "ClusterFailures", "assert_all_ok"]
+
+#: name -> (prefill_tp, prefill_pp, decode_tp, total_kv_heads, is_mla)
+TOPOLOGIES: dict[str, tuple[int, int, int, int, bool]] = {
+    "equal-2to2": (2, 1, 2, 4, False),
+    "gather-2to1": (2, 1, 1, 4, False),
+    "scatter-1to2": (1, 1, 2, 4, False),
+    "gather-replicated-4to2-h2": (4, 1, 2, 2, False),
+    "scatter-replicated-1to4-h2": (1, 1, 4, 2, False),
+    "mla-2to1": (2, 1, 1, 1, True),
+    "pp2-1to1": (1, 2, 1, 4, False),
+}
+
+
+def assert_all_ok(results: list[RequestResult]) -> None:
+    """Every request succeeded on every rank with every element and aux row verified."""
+    bad = [r for r in results if not r.ok]
+    assert not bad, (
+        f"{len(bad)} of {len(results)} requests failed or were corrupted; first: "
+        f"{bad[0].plan} -> {bad[0].reports}"
+    )
+    assert sum(r.mismatches for r in results) == 0
+
+
+class _Base:
+    backend_name: ClassVar[str] = "tcp"
+    backend_options: ClassVar[dict[str, Any]] = {}
+
+    def config(self, **control: Any) -> KVWireConfig:
+        return KVWireConfig(
+            transfer_backend=self.backend_name,
+            transfer_backend_options=dict(self.backend_options),
+            control=ControlOptions(**control),
+        )
+
+
+class ClusterConformance(_Base):
+    """Verified end-to-end transfers over several TP/PP topologies."""
+
+    requests: ClassVar[int] = 64
+    concurrency: ClassVar[int] = 64
+
+    @pytest.fixture(scope="class", params=list(TOPOLOGIES), ids=list(TOPOLOGIES))
+    def cluster(self, request: pytest.FixtureRequest) -> Iterator[Cluster]:
+        tp, pp, td, heads, mla = TOPOLOGIES[request.param]
+        model = ModelSpec(
+            num_layers=4,
+            total_kv_heads=heads,
+            head_dim=16,
+            dtype="int32",
+            page_size=4,
+            is_mla=mla,
+        )
+        spec = ClusterSpec(
+            model=model,
+            prefill_tp=tp,
+            prefill_pp=pp,
+            decode_tp=td,
+            slots=512,
+            aux_slots=128,
+            config=self.config(),
+        )
+        with Cluster(spec) as c:
+            yield c
+
+    def test_workload_verified(self, cluster: Cluster) -> None:
+        plans = cluster.plans(self.requests, pages=(0, 8), max_chunks=3, cached_fraction=0.35)
+        plans.append(  # a request whose whole prefix is cached on decode
+            RoomPlan(room=plans[0].room ^ 1, num_pages=3, chunks=[2, 1], cached_pages=3)
+        )
+        plans.append(  # chunked prefill with an empty chunk in the middle
+            RoomPlan(room=plans[0].room ^ 2, num_pages=7, chunks=[3, 0, 4])
+        )
+        results = cluster.run(plans, concurrency=self.concurrency, timeout_s=180)
+        assert_all_ok(results)
+        moved = sum(r.bytes for r in results)
+        assert moved > 0
+
+    def test_room_tables_empty(self, cluster: Cluster) -> None:
+        cluster.run(cluster.plans(8, seed=99), concurrency=8)
+        tables = cluster.room_tables()
+        leaks = {
+            name: t
+            for name, t in tables.items()
+            if any(v for k, v in t.items() if not k.startswith("dropped"))
+        }
+        assert not leaks, f"per-room entries left behind: {leaks}"
+
+
+class ClusterFailures(_Base):
+    """Failure handling across processes: dead peers, aborts."""
+
+    heartbeat_interval_s: ClassVar[float] = 0.2
+    heartbeat_misses: ClassVar[int] = 3
+
+    def spec(self, decode_instances: int = 1) -> ClusterSpec:
+        model = ModelSpec(num_layers=2, total_kv_heads=2, head_dim=8, dtype="int32", page_size=2)
+        return ClusterSpec(
+            model=model,
+            decode_instances=decode_instances,
+            slots=128,
+            aux_slots=64,
+            config=self.config(
+                heartbeat_interval_s=self.heartbeat_interval_s,
+                heartbeat_misses=self.heartbeat_misses,
+                waiting_timeout_s=60.0,
+                bootstrap_timeout_s=30.0,
+            ),
+        )
+
+    @property
+    def detect_s(self) -> float:
+        """How fast a dead peer must be noticed: a few heartbeat intervals, plus slack."""
+        return self.heartbeat_interval_s * (self.heartbeat_misses + 2) + 3.0
+
+    @staticmethod
+    def _report(res: RequestResult, role: str) -> Any:
+        return next(r for r in res.reports if r.role == role)
+
+    def test_decode_killed_mid_transfer(self) -> None:
+        with Cluster(self.spec(decode_instances=2)) as c:
+            victim = RoomPlan(room=11, num_pages=4, chunks=[2, 2], stall_s=60.0)
+            for p in c.ranks_of(victim):
+                p.conn.send(("start", victim.model_dump()))
+            time.sleep(1.0)  # decode has asked; prefill sent the first chunk and stalls
+            t_kill = time.monotonic()
+            c.kill("decode", inst=0)
+            prefill = c.procs[0]
+            assert prefill.conn.poll(self.detect_s), "prefill did not fail the room in time"
+            kind, rep, room = prefill.conn.recv()
+            took = time.monotonic() - t_kill
+            assert (kind, room) == ("done", 11)
+            assert rep.status == int(KVPoll.Failed)
+            assert rep.error and "lost" in rep.error, rep.error
+            assert took < self.detect_s
+            # prefill keeps serving the other decode instance
+            plans = [p.model_copy(update={"decode_instance": 1}) for p in c.plans(8)]
+            assert_all_ok(c.run(plans, concurrency=8, ignore_dead=True))
+            tables = c.room_tables()
+            assert all(
+                v == 0 for t in tables.values() for k, v in t.items() if not k.startswith("drop")
+            ), tables
+
+    def test_prefill_killed(self) -> None:
+        with Cluster(self.spec()) as c:
+            plan = RoomPlan(room=12, num_pages=4, chunks=[2, 2], stall_s=60.0)
+            for p in c.ranks_of(plan):
+                p.conn.send(("start", plan.model_dump()))
+            time.sleep(1.0)
+            t_kill = time.monotonic()
+            c.kill("prefill")
+            decode = next(p for p in c.procs if p.role == "decode")
+            assert decode.conn.poll(self.detect_s), "decode did not fail the room in time"
+            kind, rep, room = decode.conn.recv()
+            assert (kind, room) == ("done", 12)
+            assert rep.status == int(KVPoll.Failed)
+            assert "lost" in (rep.error or ""), rep.error
+            assert time.monotonic() - t_kill < self.detect_s  # far below waiting_timeout_s=60
+
+    @pytest.mark.parametrize("side", ["prefill", "decode"])
+    def test_abort(self, side: str) -> None:
+        with Cluster(self.spec()) as c:
+            plan = RoomPlan(
+                room=13,
+                num_pages=6,
+                chunks=[2, 2, 2],
+                stall_s=3.0,
+                prefill_abort=side == "prefill",
+                decode_abort=side == "decode",
+            )
+            (res,) = c.run([plan], timeout_s=60)
+            for r in res.reports:
+                assert r.status == int(KVPoll.Failed), res.reports
+                assert r.error and "aborted by " + side in r.error, r.error
+            assert_all_ok(c.run(c.plans(4), concurrency=4))
+            tables = c.room_tables()
+            assert all(
+                v == 0 for t in tables.values() for k, v in t.items() if not k.startswith("drop")
+            ), tables
