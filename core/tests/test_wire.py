@@ -1,0 +1,115 @@
+"""Wire schema: stored fixtures of every released protocol version still parse; version,
+authentication and malformed-input rules."""
+
+from __future__ import annotations
+
+import json
+import pickle
+from pathlib import Path
+
+import msgpack
+import pytest
+
+from kvwire.control.wire import (
+    PROTOCOL_MAJOR,
+    Codec,
+    Failure,
+    Heartbeat,
+    Hello,
+    TransferRequest,
+    pages_from_bytes,
+)
+from kvwire.errors import ProtocolError
+
+FIXTURES = Path(__file__).parent / "fixtures" / "wire"
+SECRET = b"fixture-secret"
+VERSIONS = sorted(p for p in FIXTURES.iterdir() if p.is_dir())
+
+
+def test_fixture_versions_exist() -> None:
+    assert [v.name for v in VERSIONS][:1] == ["v1.0"]
+
+
+@pytest.mark.parametrize("folder", VERSIONS, ids=lambda p: p.name)
+def test_released_versions_still_parse(folder: Path) -> None:
+    expected = json.loads((folder / "expected.json").read_text())
+    plain, signed = Codec(), Codec(SECRET)
+    for kind, fields in expected.items():
+        for codec, name in ((plain, f"{kind}.bin"), (signed, f"{kind}.signed.bin")):
+            msg = codec.decode((folder / name).read_bytes())
+            assert msg.kind == kind
+            assert msg.model_dump(mode="json") == fields, name
+
+
+def _frame(kind: str, body: dict, major: int = PROTOCOL_MAJOR, minor: int = 0) -> bytes:
+    return msgpack.packb([major, minor, kind, msgpack.packb(body), b""])
+
+
+def test_newer_minor_with_unknown_fields_is_accepted() -> None:
+    folder = FIXTURES / "v1.0"
+    outer = msgpack.unpackb((folder / "hello.bin").read_bytes())
+    body = msgpack.unpackb(outer[3])
+    body["future_field"] = {"x": 1}
+    body["layout"]["future_layout_field"] = 3
+    body["layout"]["model"]["future_model_field"] = "y"
+    body["layout"]["buffers"][0]["future_region_field"] = 1
+    body["rank"]["future_rank_field"] = 0
+    msg = Codec().decode(_frame("hello", body, minor=99))
+    assert isinstance(msg, Hello)
+    assert msg.layout.model.page_size == 4
+    assert not hasattr(msg, "future_field")
+
+
+def test_older_peer_without_optional_fields_gets_defaults() -> None:
+    msg = Codec().decode(_frame("transfer_request", {"room": 5, "session": "s", "dst_pages": b""}))
+    assert isinstance(msg, TransferRequest)
+    assert msg.aux_index == -1 and msg.state_indices is None and msg.staging is None
+    assert pages_from_bytes(msg.dst_pages).size == 0
+
+
+def test_other_major_version_is_refused_naming_both() -> None:
+    with pytest.raises(ProtocolError, match=r"protocol 2\.0.*speaks 1\.0"):
+        Codec().decode(_frame("heartbeat", {"session": "s"}, major=2))
+
+
+def test_authentication() -> None:
+    folder = FIXTURES / "v1.0"
+    signed = (folder / "failure.signed.bin").read_bytes()
+    plain = (folder / "failure.bin").read_bytes()
+    with pytest.raises(ProtocolError, match="failed authentication"):
+        Codec(b"another-secret").decode(signed)
+    with pytest.raises(ProtocolError, match="unauthenticated"):
+        Codec(SECRET).decode(plain)
+    outer = msgpack.unpackb(signed)
+    body = msgpack.unpackb(outer[3])
+    body["reason"] = "forged"
+    outer[3] = msgpack.packb(body)
+    with pytest.raises(ProtocolError, match="failed authentication"):
+        Codec(SECRET).decode(msgpack.packb(outer))
+    # a receiver without a secret still reads signed frames (the MAC is just not checked)
+    assert isinstance(Codec().decode(signed), Failure)
+
+
+@pytest.mark.parametrize(
+    ("frame", "match"),
+    [
+        (b"\xc1garbage", "not a kvwire frame"),
+        (msgpack.packb({"a": 1}), "expected \\[major"),
+        (msgpack.packb([1, 0, "heartbeat"]), "expected \\[major"),
+        (msgpack.packb(["1", 0, "heartbeat", b"", b""]), "header"),
+        (msgpack.packb([1, 0, "heartbeat", "str-body", b""]), "must be bytes"),
+        (_frame("no_such_kind", {}), "unknown message kind"),
+        (_frame("heartbeat", {}), "malformed 'heartbeat'"),
+        (_frame("failure", {"room": -1, "session": "s", "reason": "r"}), "malformed 'failure'"),
+        (msgpack.packb([1, 0, "heartbeat", b"\xc1", b""]), "malformed 'heartbeat' body"),
+        (pickle.dumps(Heartbeat(session="s")), "not a kvwire frame"),
+    ],
+)
+def test_malformed_frames_are_refused(frame: bytes, match: str) -> None:
+    with pytest.raises(ProtocolError, match=match):
+        Codec().decode(frame)
+
+
+def test_page_bytes_must_be_whole_int64() -> None:
+    with pytest.raises(ProtocolError, match="whole number"):
+        pages_from_bytes(b"\x00" * 7)

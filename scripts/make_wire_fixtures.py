@@ -1,0 +1,105 @@
+"""Write encoded control messages of the current protocol version as test fixtures.
+
+Run once per released protocol version (never overwrite an older version's folder):
+
+    uv run python scripts/make_wire_fixtures.py
+
+``core/tests/test_wire.py`` checks that every stored version still parses.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+
+from kvwire.control.wire import (
+    PROTOCOL_MAJOR,
+    PROTOCOL_MINOR,
+    ChunkNote,
+    Codec,
+    Completion,
+    Failure,
+    Goodbye,
+    Heartbeat,
+    Hello,
+    HelloAck,
+    HelloReject,
+    Message,
+    TransferRequest,
+    pages_to_bytes,
+)
+from kvwire.layout import KVLayout, MemoryRegion, ModelSpec, RankPosition
+
+SECRET = b"fixture-secret"
+
+
+def samples() -> list[Message]:
+    """One message of every kind, with every field set to a recognisable value."""
+    model = ModelSpec(num_layers=2, total_kv_heads=4, head_dim=8, dtype="bfloat16", page_size=4)
+    rank = RankPosition(tp_size=2, tp_rank=1)
+    bufs = tuple(
+        MemoryRegion(addr=0x10000 * (i + 1), length=128 * 16, item_len=128)
+        for i in range(4)
+    )
+    layout = KVLayout(model=model, rank=rank, buffers=bufs)
+    aux = [MemoryRegion(addr=0x900000, length=64 * 8, item_len=64)]
+    return [
+        Hello(
+            session="d-session",
+            agent="decode-dp0-pp0-tp1",
+            endpoint="tcp://127.0.0.1:5001",
+            rank=rank,
+            layout=layout,
+            layout_hash=layout.compatibility_hash(),
+            backend="tcp",
+            backend_metadata=b"\x01meta",
+            aux_regions=aux,
+        ),
+        HelloAck(
+            session="p-session",
+            agent="prefill-dp0-pp0-tp0",
+            endpoint="tcp://127.0.0.1:5000",
+            rank=RankPosition(tp_size=1),
+            sender_id=0,
+            layout_hash=layout.compatibility_hash(),
+            dummy=False,
+            peer_session="d-session",
+        ),
+        HelloReject(
+            session="p-session",
+            peer_session="d-session",
+            reason="incompatible layouts",
+            problems=["page_size: prefill=4 decode=8"],
+        ),
+        TransferRequest(
+            room=1234567890123,
+            session="d-session",
+            dst_pages=pages_to_bytes(np.array([5, 9, 2], dtype=np.int64)),
+            aux_index=7,
+        ),
+        Completion(room=42, sender_id=1, session="p-session", data_chunks=3, dummy=True),
+        Failure(room=42, session="p-session", reason="aborted by prefill", aborted=True),
+        Heartbeat(session="p-session", sent_at=1700000000.5),
+        Goodbye(session="p-session"),
+        ChunkNote(room=42, sender_id=1, session="p-session", what="kv", chunk_id=2, last=True),
+    ]
+
+
+def main() -> None:
+    out = Path(__file__).resolve().parents[1] / "core/tests/fixtures/wire"
+    folder = out / f"v{PROTOCOL_MAJOR}.{PROTOCOL_MINOR}"
+    folder.mkdir(parents=True, exist_ok=True)
+    plain, signed = Codec(), Codec(SECRET)
+    expect = {}
+    for msg in samples():
+        (folder / f"{msg.kind}.bin").write_bytes(plain.encode(msg))
+        (folder / f"{msg.kind}.signed.bin").write_bytes(signed.encode(msg))
+        expect[msg.kind] = msg.model_dump(mode="json")
+    (folder / "expected.json").write_text(json.dumps(expect, indent=1, sort_keys=True) + "\n")
+    print(f"wrote {len(expect)} messages to {folder}")
+
+
+if __name__ == "__main__":
+    main()
