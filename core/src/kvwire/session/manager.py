@@ -306,7 +306,7 @@ class KVManager:
         if peer is None:
             return
         level = logging.INFO if "goodbye" in why else logging.WARNING
-        logger.log(level, "%s: evicting peer %s (%s): %s", self.agent_name, peer.agent, session, why)
+        logger.log(level, "%s: evicting %s (%s): %s", self.agent_name, peer.agent, session, why)
         m.EVICTIONS.labels(**self.labels).inc()
         self.side.on_peer_lost(peer, why)
         self.channel.disconnect(peer.endpoint)

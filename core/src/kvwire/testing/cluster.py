@@ -40,6 +40,8 @@ logger = logging.getLogger(__name__)
 
 #: int32 values per engine aux row (a stand-in for first token, logprobs, ...).
 AUX_WORDS = 16
+#: Environment variable naming a fault to inject in every rank (see :mod:`kvwire.testing.faults`).
+FAULT_ENV = "KVWIRE_TESTING_FAULT"
 #: How long a failed request's page slots stay unused (a late write must not hit a new request).
 QUARANTINE_S = 3.0
 
@@ -209,6 +211,11 @@ def _rank_main(
     from kvwire.session import KVManager, KVPoll, Role
 
     spec = ClusterSpec.model_validate_json(spec_json)
+    fault = os.environ.get(FAULT_ENV)
+    if fault:
+        from kvwire.testing import faults
+
+        faults.apply(fault, role)
     logging.basicConfig(
         level=spec.log_level,
         format=f"[{role}{inst}.{pp_rank}.{tp_rank}] %(levelname)s %(name)s: %(message)s",
