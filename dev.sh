@@ -9,8 +9,10 @@ set -euo pipefail
 cd "$(dirname "$0")"
 
 UV_VERSION="0.13.8"
-# Debian packages the plugins' native engines load at run time (none needed by core yet).
-SYSTEM_PACKAGES=()
+# Debian packages the plugins' native engines load at run time (core needs none):
+# kvwire-mooncake loads libibverbs (even over TCP), libnuma and libcurl. Installed without
+# Recommends on purpose: ibverbs-providers makes NIXL processes segfault at exit.
+SYSTEM_PACKAGES=(libibverbs1 libnuma1 libcurl4)
 
 log() { printf '[dev.sh] %s\n' "$*" >&2; }
 
@@ -60,7 +62,7 @@ case "$cmd" in
     exec "$UV" run --frozen --no-sync kvwire demo "$@" ;;
   test)
     ensure_env
-    log "ruff"; "$UV" run --frozen --no-sync ruff check core plugins tests scripts
+    log "ruff"; "$UV" run --frozen --no-sync ruff check core plugins tests scripts examples
     log "mypy"; "$UV" run --frozen --no-sync mypy
     log "pytest"; exec "$UV" run --frozen --no-sync pytest "$@" ;;
   bench)
