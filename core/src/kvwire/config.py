@@ -45,6 +45,9 @@ class ControlOptions(BaseModel):
         default=True, description="Prefill rank 0 runs the bootstrap service in-process."
     )
     num_workers: int = Field(default=4, ge=1, le=256, description="Transfer worker threads.")
+    max_inflight_chunks: int = Field(
+        default=16, ge=1, le=4096, description="Transfers a worker keeps posted at once."
+    )
     sync_transfers: bool = Field(
         default=False,
         description="Transfer on the caller's thread inside send() (benchmark baseline).",

@@ -29,19 +29,17 @@ from typing import Any
 import numpy as np
 from numpy.typing import NDArray
 
-from kvwire.backend import Notification, PreparedPair, TransferHandle, XferOp, XferState
+from kvwire.backend import Notification, PreparedPair, TransferHandle
 from kvwire.control.bootstrap import BootstrapClient, BootstrapServer, RankInfo
 from kvwire.control.handshake import (
     aux_problems,
     aux_sender,
     build_mapper,
     handshake_problems,
-    slot_rows,
     slot_table,
 )
 from kvwire.control.wire import (
     PROTOCOL_MAJOR,
-    Completion,
     Failure,
     Hello,
     HelloAck,
@@ -62,13 +60,11 @@ from kvwire.index.ranks import target_ranks
 from kvwire.session import metrics as m
 from kvwire.session.manager import KVManager, Peer
 from kvwire.session.metrics import RequestMetrics
+from kvwire.session.pipeline import Pipeline
 from kvwire.session.poll import KVPoll
 from kvwire.session.workers import TransferWorkers
 
 logger = logging.getLogger(__name__)
-
-#: Longest a worker sleeps between polls of a pending transfer.
-MAX_POLL_SLEEP_S = 0.0005
 
 
 @dataclass
@@ -132,7 +128,9 @@ class PrefillSide:
         self.early: dict[int, dict[str, tuple[Dest, float]]] = {}
         self.sender_id = mgr.layout.rank.sender_id
         opts = mgr.options
-        self.workers = TransferWorkers(opts.num_workers, mgr.agent_name, inline=opts.sync_transfers)
+        self.workers: TransferWorkers[Job] = TransferWorkers(
+            opts.num_workers, mgr.agent_name, lambda: Pipeline(self), inline=opts.sync_transfers
+        )
         self.handshakes = concurrent.futures.ThreadPoolExecutor(
             2, thread_name_prefix=f"kvwire-hs-{mgr.agent_name}"
         )
@@ -496,109 +494,27 @@ class PrefillSide:
             if src.size and not link.dummy:
                 chunk_id = dest.next_chunk
                 dest.next_chunk += 1
-            job = _Job(self, room, dest, link, src, dst, chunk_id, last, time.perf_counter())
+            job = Job(room, dest, link, src, dst, chunk_id, last, time.perf_counter())
             self.workers.submit(dest.session, job)
 
     # ------------------------------------------------------------------ workers
-    def run_job(self, job: _Job) -> None:
-        """Worker thread: move one chunk to one destination (and the aux row after the last)."""
-        mgr, room, dest, link = self.mgr, job.room, job.dest, job.link
-        with mgr.lock:
-            if self._terminal(room) or self.rooms.get(room.room) is not room:
-                return
-        t_start = time.perf_counter()
-        op = "write"
-        try:
-            if job.chunk_id is not None:
-                plan = mgr.staging.plan(room.room, job.chunk_id, link.mapper, job.src, job.dst)
-                if not plan.empty:
-                    pair = link.kv_pair if plan.table == "kv" else None
-                    if pair is None:
-                        raise TransferError(
-                            f"no prepared table {plan.table!r}", room=room.room, operation=op
-                        )
-                    note = ChunkNoteFactory.kv(mgr, room.room, job.chunk_id, job.last)
-                    ok = False
-                    try:
-                        self._transfer(
-                            room,
-                            dest,
-                            pair,
-                            plan.src_idx,
-                            plan.dst_idx,
-                            note,
-                            t_start,
-                            job.t_enqueued,
-                        )
-                        ok = True
-                    finally:
-                        mgr.staging.on_sent(room.room, plan, ok)
-            if job.last:
-                if job.chunk_id is None:
-                    mgr.send(
-                        dest.endpoint,
-                        Completion(
-                            room=room.room,
-                            sender_id=self.sender_id,
-                            session=mgr.session,
-                            data_chunks=dest.next_chunk,
-                            dummy=link.dummy,
-                        ),
-                    )
-                if link.sends_aux and link.aux_pair is not None:
-                    op = "aux write"
-                    assert room.aux_index is not None
-                    mgr.stamps[room.aux_index, 0] = room.room
-                    n = link.aux_rows
-                    self._transfer(
-                        room,
-                        dest,
-                        link.aux_pair,
-                        slot_rows(n, mgr.aux_slots, room.aux_index),
-                        slot_rows(n, mgr.aux_slots, dest.aux_index),
-                        ChunkNoteFactory.aux(mgr, room.room),
-                        time.perf_counter(),
-                        None,
-                    )
-                self._dest_done(room, dest)
-        except Exception as exc:
-            if not isinstance(exc, KVWireError):
-                exc = TransferError(
-                    f"{type(exc).__name__}: {exc}", room=room.room, operation=op
-                ).with_traceback(exc.__traceback__)
-            with mgr.lock:
-                m.CHUNKS.labels(**mgr.labels, result="failed").inc()
-                self._fail(room, exc)
+    def is_dead(self, room: SendRoom) -> bool:
+        """Worker thread: the request is terminal or was cleared (its work is skipped)."""
+        with self.mgr.lock:
+            return self._terminal(room) or self.rooms.get(room.room) is not room
 
-    def _transfer(
+    def record(
         self,
         room: SendRoom,
-        dest: Dest,
-        pair: PreparedPair,
-        src_idx: Any,
-        dst_idx: Any,
-        note: bytes,
+        handle: TransferHandle,
         t_start: float,
+        t_posted: float,
+        t_done: float,
         t_enqueued: float | None,
     ) -> None:
-        mgr = self.mgr
-        backend = mgr.backend
-        handle: TransferHandle = backend.submit(XferOp.WRITE, pair, src_idx, dst_idx, note)
-        t_posted = time.perf_counter()
-        try:
-            state = self._wait(room, handle)
-        finally:
-            backend.release(handle)
-        t_done = time.perf_counter()
-        if state is not XferState.DONE:
-            raise TransferError(
-                f"transfer {state.name.lower()}: {handle.error or 'no reason given'}",
-                room=room.room,
-                peer=pair.peer,
-                operation="write",
-            )
+        """Worker thread: account a completed transfer in the request's and process metrics."""
         mt = room.metrics
-        with mgr.lock:
+        with self.mgr.lock:
             mt.bytes += handle.num_bytes
             mt.descriptors += handle.num_descs
             mt.chunks += 1
@@ -606,7 +522,7 @@ class PrefillSide:
                 mt.queue_s += t_start - t_enqueued
             mt.post_s += t_posted - t_start
             mt.transfer_s += t_done - t_posted
-        lb = mgr.labels
+        lb = self.mgr.labels
         m.BYTES.labels(**lb).inc(handle.num_bytes)
         m.DESCRIPTORS.labels(**lb).inc(handle.num_descs)
         m.CHUNKS.labels(**lb, result="ok").inc()
@@ -615,26 +531,13 @@ class PrefillSide:
         m.POST_SECONDS.labels(**lb).observe(t_posted - t_start)
         m.TRANSFER_SECONDS.labels(**lb).observe(t_done - t_posted)
 
-    def _wait(self, room: SendRoom, handle: TransferHandle) -> XferState:
-        backend = self.mgr.backend
-        deadline = time.monotonic() + self.mgr.options.transfer_timeout_s
-        sleep = 0.00002
-        while True:
-            state = backend.poll(handle)
-            if state is not XferState.PENDING:
-                return state
-            if self._terminal(room):
-                handle.error = "the request failed or was aborted while its transfer was pending"
-                return XferState.FAILED
-            if time.monotonic() > deadline:
-                handle.error = (
-                    f"no completion within transfer_timeout_s={self.mgr.options.transfer_timeout_s}"
-                )
-                return XferState.FAILED
-            time.sleep(sleep)
-            sleep = min(sleep * 2, MAX_POLL_SLEEP_S)
+    def fail(self, room: SendRoom, exc: BaseException) -> None:
+        """Any thread: fail the request (once), tell its destinations."""
+        with self.mgr.lock:
+            self._fail(room, exc)
 
-    def _dest_done(self, room: SendRoom, dest: Dest) -> None:
+    def dest_done(self, room: SendRoom, dest: Dest) -> None:
+        """Worker thread: a destination has every chunk and its aux row."""
         with self.mgr.lock:
             dest.done = True
             if all(d.done for d in room.dests.values()) and not self._terminal(room):
@@ -705,38 +608,10 @@ class PrefillSide:
             self.server.stop()
 
 
-class ChunkNoteFactory:
-    """Encodes the notification tags a prefill rank attaches to its transfers."""
-
-    @staticmethod
-    def kv(mgr: KVManager, room: int, chunk_id: int, last: bool) -> bytes:
-        from kvwire.control.wire import ChunkNote
-
-        return mgr.codec.encode(
-            ChunkNote(
-                room=room,
-                sender_id=mgr.layout.rank.sender_id,
-                session=mgr.session,
-                what="kv",
-                chunk_id=chunk_id,
-                last=last,
-            )
-        )
-
-    @staticmethod
-    def aux(mgr: KVManager, room: int) -> bytes:
-        from kvwire.control.wire import ChunkNote
-
-        return mgr.codec.encode(
-            ChunkNote(
-                room=room, sender_id=mgr.layout.rank.sender_id, session=mgr.session, what="aux"
-            )
-        )
-
-
 @dataclass
-class _Job:
-    side: PrefillSide
+class Job:
+    """One chunk of one request for one destination, queued for that destination's worker."""
+
     room: SendRoom
     dest: Dest
     link: DecodeLink
@@ -745,9 +620,6 @@ class _Job:
     chunk_id: int | None
     last: bool
     t_enqueued: float
-
-    def __call__(self) -> None:
-        self.side.run_job(self)
 
 
 class KVSender:

@@ -1,9 +1,10 @@
 """Transfer worker threads with queues sharded by destination.
 
-``send()`` on the engine's thread only enqueues; a worker maps, submits and waits. All chunks for
-one destination go to the same worker (``shard = hash(destination) % N``), so a request's chunks
-to a destination stay in order. A worker never dies: the job itself records failures per room
-(see :mod:`kvwire.session.prefill`); anything that still escapes is logged and the worker goes on.
+``send()`` on the engine's thread only enqueues; a worker posts, polls and finishes transfers
+through its own :class:`~kvwire.session.pipeline.Pipeline`. All chunks for one destination go to
+the same worker (``shard = crc32(destination) % N``), so a request's chunks to a destination are
+posted in order. A worker never dies: failures are recorded per request by the pipeline;
+anything that still escapes is logged and the worker goes on.
 """
 
 from __future__ import annotations
@@ -11,55 +12,105 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import time
 import zlib
 from collections.abc import Callable
+from typing import Generic, Protocol, TypeVar
 
 logger = logging.getLogger(__name__)
 
-Job = Callable[[], None]
+#: Longest a worker sleeps between polls while transfers are in flight.
+MAX_POLL_SLEEP_S = 0.0005
+MIN_POLL_SLEEP_S = 0.00002
+
+J = TypeVar("J")
+J_contra = TypeVar("J_contra", contravariant=True)
 
 
-class TransferWorkers:
-    """``n`` daemon threads, one FIFO queue each. ``inline=True`` runs jobs on the caller's
-    thread instead (the synchronous single-thread mode the benchmark compares against)."""
+class Stage(Protocol[J_contra]):
+    """What a worker drives: accepts jobs, then polls what they posted."""
 
-    def __init__(self, n: int, name: str, *, inline: bool = False) -> None:
+    @property
+    def busy(self) -> bool: ...
+
+    @property
+    def full(self) -> bool: ...
+
+    def accept(self, job: J_contra) -> None: ...
+
+    def progress(self) -> int: ...
+
+    def drain(self, poll_sleep_s: float) -> None: ...
+
+
+class TransferWorkers(Generic[J]):
+    """``n`` daemon threads, each with a FIFO queue and its own stage (pipeline).
+
+    ``inline=True`` runs each job to completion on the caller's thread instead: the synchronous
+    single-thread mode the benchmark compares against.
+    """
+
+    def __init__(
+        self, n: int, name: str, make_stage: Callable[[], Stage[J]], *, inline: bool = False
+    ) -> None:
         self.inline = inline
-        self._queues: list[queue.SimpleQueue[Job | None]] = []
+        self._queues: list[queue.SimpleQueue[J | None]] = []
         self._threads: list[threading.Thread] = []
+        self._inline_stage = make_stage() if inline else None
+        self._inline_lock = threading.Lock()
         if inline:
             return
         for i in range(n):
-            q: queue.SimpleQueue[Job | None] = queue.SimpleQueue()
-            t = threading.Thread(target=self._loop, args=(q,), name=f"{name}-w{i}", daemon=True)
+            q: queue.SimpleQueue[J | None] = queue.SimpleQueue()
+            t = threading.Thread(
+                target=self._loop, args=(q, make_stage()), name=f"{name}-w{i}", daemon=True
+            )
             self._queues.append(q)
             self._threads.append(t)
             t.start()
 
     @staticmethod
-    def _loop(q: queue.SimpleQueue[Job | None]) -> None:
+    def _loop(q: queue.SimpleQueue[J | None], stage: Stage[J]) -> None:
+        sleep = MIN_POLL_SLEEP_S
+        stopping = False
         while True:
-            job = q.get()
-            if job is None:
-                return
             try:
-                job()
+                if not stage.busy:
+                    if stopping:
+                        return
+                    job = q.get()
+                    if job is None:
+                        return
+                    stage.accept(job)
+                    sleep = MIN_POLL_SLEEP_S
+                while not stopping and not stage.full:
+                    try:
+                        job = q.get_nowait()
+                    except queue.Empty:
+                        break
+                    if job is None:
+                        stopping = True
+                        break
+                    stage.accept(job)
+                if stage.progress():
+                    sleep = MIN_POLL_SLEEP_S
+                elif stage.busy:
+                    time.sleep(sleep)
+                    sleep = min(sleep * 2, MAX_POLL_SLEEP_S)
             except Exception:
-                logger.exception("transfer worker: job raised; the worker continues")
+                logger.exception("transfer worker: unexpected error; the worker continues")
 
-    def submit(self, shard_key: str, job: Job) -> None:
+    def submit(self, shard_key: str, job: J) -> None:
         """Queue ``job`` on the worker that owns ``shard_key`` (or run it now when inline)."""
-        if self.inline:
-            try:
-                job()
-            except Exception:
-                logger.exception("transfer job raised")
+        if self._inline_stage is not None:
+            with self._inline_lock:
+                self._inline_stage.accept(job)
+                self._inline_stage.drain(MIN_POLL_SLEEP_S)
             return
-        q = self._queues[zlib.crc32(shard_key.encode()) % len(self._queues)]
-        q.put(job)
+        self._queues[zlib.crc32(shard_key.encode()) % len(self._queues)].put(job)
 
     def stop(self, timeout_s: float = 5.0) -> None:
-        """Let queued jobs finish, then stop every thread (bounded by ``timeout_s`` each)."""
+        """Let queued jobs finish (failed requests end fast), then stop every thread."""
         for q in self._queues:
             q.put(None)
         for t in self._threads:

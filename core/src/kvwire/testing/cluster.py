@@ -62,6 +62,9 @@ class ClusterSpec(BaseModel):
     config: KVWireConfig = Field(default_factory=KVWireConfig)
     seed: int = 0
     log_level: str = "WARNING"
+    #: Fill and check every element (the default). Off for throughput benchmarks: pools are
+    #: filled once at start and decode does not check, so the harness costs no CPU per request.
+    verify: bool = True
 
 
 class RoomPlan(BaseModel):
@@ -288,13 +291,15 @@ def _rank_main(
         if role == "prefill":
             n = plan.num_pages
             pages = np.array([free.pop() for _ in range(n)], dtype=np.int64)
-            pool.fill(pages, 0)
+            if spec.verify:
+                pool.fill(pages, 0)
             pool.aux[aux_index] = _aux_row(plan.room)
             obj: Any = mgr.sender(plan.room)
         else:
             n = plan.num_pages - plan.cached_pages
             pages = np.array([free.pop() for _ in range(n)], dtype=np.int64)
-            pool.poison(pages)
+            if spec.verify:
+                pool.poison(pages)
             pool.aux[aux_index] = 0
             obj = mgr.receiver(plan.room, addr)
             obj.init()
@@ -310,7 +315,7 @@ def _rank_main(
                 a.stage = 1
             if st == KVPoll.Success:
                 first = a.plan.cached_pages * m.page_size
-                mism = pool.mismatches(a.pages, first)
+                mism = pool.mismatches(a.pages, first) if spec.verify else 0
                 aux_ok = bool((pool.aux[a.aux_index] == _aux_row(a.plan.room)).all())
                 report(a, st, mism, aux_ok)
                 return True
@@ -338,6 +343,7 @@ def _rank_main(
                     return False
                 lo = sum(chunks[: a.next_chunk])
                 a.obj.send(a.pages[lo : lo + chunks[a.next_chunk]], last=last)
+                conn.send(("sent", a.next_chunk, a.plan.room))
                 a.next_chunk += 1
         return False
 
@@ -432,6 +438,18 @@ class Cluster:
     def ranks_of(self, plan: RoomPlan) -> list[_Proc]:
         """The processes that take part in a request."""
         return [p for p in self.procs if p.role == "prefill" or p.inst == plan.decode_instance]
+
+    def wait_sent(self, room: int, chunk: int = 0, timeout_s: float = 30.0) -> None:
+        """Wait until prefill rank 0 has sent chunk ``chunk`` of ``room`` (its decode ranks have
+        all asked for the KV by then); other messages on that pipe are dropped."""
+        p = self.procs[0]
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if p.conn.poll(0.05):
+                msg = p.conn.recv()
+                if msg[0] == "sent" and (msg[1], msg[2]) == (chunk, room):
+                    return
+        raise ClusterError(f"prefill did not send chunk {chunk} of room {room} in {timeout_s}s")
 
     def kill(self, role: str, inst: int = 0, tp: int = 0, pp: int = 0) -> None:
         """SIGKILL one rank process (a crash)."""

@@ -75,6 +75,16 @@ def assert_all_ok(results: list[RequestResult]) -> None:
     assert sum(r.mismatches for r in results) == 0
 
 
+def _next_report(conn: Any, timeout_s: float) -> tuple[Any, int]:
+    """The next request report a rank process sends (progress messages skipped)."""
+    deadline = time.monotonic() + timeout_s
+    while conn.poll(max(0.0, deadline - time.monotonic())):
+        msg = conn.recv()
+        if msg[0] == "done":
+            return msg[1], msg[2]
+    raise AssertionError(f"no request report within {timeout_s:.1f}s")
+
+
 class _Base:
     backend_name: ClassVar[str] = "tcp"
     backend_options: ClassVar[dict[str, Any]] = {}
@@ -175,14 +185,13 @@ class ClusterFailures(_Base):
             victim = RoomPlan(room=11, num_pages=4, chunks=[2, 2], stall_s=60.0)
             for p in c.ranks_of(victim):
                 p.conn.send(("start", victim.model_dump()))
-            time.sleep(1.0)  # decode has asked; prefill sent the first chunk and stalls
+            c.wait_sent(11)  # decode has asked; prefill sent the first chunk and stalls
             t_kill = time.monotonic()
             c.kill("decode", inst=0)
             prefill = c.procs[0]
-            assert prefill.conn.poll(self.detect_s), "prefill did not fail the room in time"
-            kind, rep, room = prefill.conn.recv()
+            rep, room = _next_report(prefill.conn, self.detect_s)
             took = time.monotonic() - t_kill
-            assert (kind, room) == ("done", 11)
+            assert room == 11
             assert rep.status == int(KVPoll.Failed)
             assert rep.error and "lost" in rep.error, rep.error
             assert took < self.detect_s
@@ -199,13 +208,12 @@ class ClusterFailures(_Base):
             plan = RoomPlan(room=12, num_pages=4, chunks=[2, 2], stall_s=60.0)
             for p in c.ranks_of(plan):
                 p.conn.send(("start", plan.model_dump()))
-            time.sleep(1.0)
+            c.wait_sent(12)
             t_kill = time.monotonic()
             c.kill("prefill")
             decode = next(p for p in c.procs if p.role == "decode")
-            assert decode.conn.poll(self.detect_s), "decode did not fail the room in time"
-            kind, rep, room = decode.conn.recv()
-            assert (kind, room) == ("done", 12)
+            rep, room = _next_report(decode.conn, self.detect_s)
+            assert room == 12
             assert rep.status == int(KVPoll.Failed)
             assert "lost" in (rep.error or ""), rep.error
             assert time.monotonic() - t_kill < self.detect_s  # far below waiting_timeout_s=60

@@ -1,0 +1,267 @@
+"""The transfer pipeline each prefill worker thread owns.
+
+A worker keeps up to ``max_inflight`` chunk transfers posted at once instead of waiting for
+each: it submits every job it takes from its queue (in queue order, so a destination's chunks are
+posted in order) and polls the posted handles between jobs. For one (request, destination) the
+tail is strictly ordered: the aux row is written (or the "no more KV" marker sent) only after
+every KV chunk of that destination completed, and the destination counts as done only after
+that. One :class:`Pipeline` per worker thread; it is not shared, so it needs no lock.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from kvwire.backend import PreparedPair, TransferHandle, XferOp, XferState
+from kvwire.control.handshake import slot_rows
+from kvwire.control.wire import ChunkNote, Completion
+from kvwire.errors import KVWireError, TransferError
+from kvwire.session import metrics as m
+from kvwire.staging.base import ChunkPlan
+
+if TYPE_CHECKING:
+    from kvwire.session.prefill import Dest, Job, PrefillSide, SendRoom
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(eq=False)
+class _Posted:
+    """One transfer in flight."""
+
+    handle: TransferHandle
+    key: tuple[int, str]
+    room: SendRoom
+    plan: ChunkPlan | None
+    t_start: float
+    t_posted: float
+    t_enqueued: float | None
+    deadline: float
+    what: str
+
+
+@dataclass
+class _Tail:
+    """Per (request, destination) on this worker: chunks in flight and the last job."""
+
+    room: SendRoom
+    dest: Dest
+    inflight: int = 0
+    last: Job | None = None
+    aux_posted: bool = False
+
+
+class Pipeline:
+    """Posts chunk transfers, polls them, and finishes each destination in order."""
+
+    def __init__(self, side: PrefillSide) -> None:
+        self.side = side
+        self.mgr = side.mgr
+        self.max_inflight = side.mgr.options.max_inflight_chunks
+        self.posted: list[_Posted] = []
+        self.tails: dict[tuple[int, str], _Tail] = {}
+
+    @property
+    def busy(self) -> bool:
+        """Transfers are in flight."""
+        return bool(self.posted)
+
+    @property
+    def full(self) -> bool:
+        """As many transfers in flight as allowed: poll before taking another job."""
+        return len(self.posted) >= self.max_inflight
+
+    # ------------------------------------------------------------------ jobs
+    def accept(self, job: Job) -> None:
+        """Post a job's chunk (if it carries data) and, for a last job, arrange its tail."""
+        room, dest = job.room, job.dest
+        if self.side.is_dead(room):
+            return
+        key = (room.room, dest.session)
+        tail = self.tails.get(key)
+        if tail is None:
+            tail = self.tails[key] = _Tail(room, dest)
+        t_start = time.perf_counter()
+        try:
+            if job.chunk_id is not None:
+                plan = self.mgr.staging.plan(
+                    room.room, job.chunk_id, job.link.mapper, job.src, job.dst
+                )
+                if not plan.empty:
+                    pair = job.link.kv_pair if plan.table == "kv" else None
+                    if pair is None:
+                        raise TransferError(f"no prepared table {plan.table!r}", room=room.room)
+                    note = self._note(room.room, "kv", job.chunk_id, job.last)
+                    self._post(
+                        tail,
+                        key,
+                        pair,
+                        plan,
+                        plan.src_idx,
+                        plan.dst_idx,
+                        note,
+                        "kv",
+                        t_start,
+                        job.t_enqueued,
+                    )
+            if job.last:
+                tail.last = job
+                self._finish_tail(key)
+        except Exception as exc:
+            self._failed(room, exc, "write")
+
+    def progress(self) -> int:
+        """Poll every posted transfer once; returns how many ended."""
+        ended = 0
+        for p in list(self.posted):
+            state = self._state(p)
+            if state is XferState.PENDING:
+                continue
+            ended += 1
+            self.posted.remove(p)
+            self._complete(p, state)
+        return ended
+
+    def drain(self, poll_sleep_s: float) -> None:
+        """Poll until nothing is in flight (synchronous mode)."""
+        while self.posted:
+            if not self.progress():
+                time.sleep(poll_sleep_s)
+
+    # --------------------------------------------------------------- internals
+    def _note(self, room: int, what: str, chunk_id: int = 0, last: bool = False) -> bytes:
+        mgr = self.mgr
+        return mgr.codec.encode(
+            ChunkNote(
+                room=room,
+                sender_id=self.side.sender_id,
+                session=mgr.session,
+                what=what,  # type: ignore[arg-type]
+                chunk_id=chunk_id,
+                last=last,
+            )
+        )
+
+    def _post(
+        self,
+        tail: _Tail,
+        key: tuple[int, str],
+        pair: PreparedPair,
+        plan: ChunkPlan | None,
+        src_idx: Any,
+        dst_idx: Any,
+        note: bytes,
+        what: str,
+        t_start: float,
+        t_enqueued: float | None,
+    ) -> None:
+        handle = self.mgr.backend.submit(XferOp.WRITE, pair, src_idx, dst_idx, note)
+        now = time.perf_counter()
+        self.posted.append(
+            _Posted(
+                handle,
+                key,
+                tail.room,
+                plan,
+                t_start,
+                now,
+                t_enqueued,
+                time.monotonic() + self.mgr.options.transfer_timeout_s,
+                what,
+            )
+        )
+        tail.inflight += 1
+
+    def _state(self, p: _Posted) -> XferState:
+        state = self.mgr.backend.poll(p.handle)
+        if state is not XferState.PENDING:
+            return state
+        if self.side.is_dead(p.room):
+            p.handle.error = "the request failed or was aborted while its transfer was pending"
+            return XferState.FAILED
+        if time.monotonic() > p.deadline:
+            p.handle.error = (
+                f"no completion within transfer_timeout_s={self.mgr.options.transfer_timeout_s}"
+            )
+            return XferState.FAILED
+        return XferState.PENDING
+
+    def _complete(self, p: _Posted, state: XferState) -> None:
+        mgr, h = self.mgr, p.handle
+        t_done = time.perf_counter()
+        error = h.error
+        mgr.backend.release(h)
+        if p.plan is not None:
+            mgr.staging.on_sent(p.room.room, p.plan, state is XferState.DONE)
+        tail = self.tails.get(p.key)
+        if tail is not None:
+            tail.inflight -= 1
+        if state is not XferState.DONE:
+            m.CHUNKS.labels(**mgr.labels, result="failed").inc()
+            self._failed(
+                p.room,
+                TransferError(
+                    f"{p.what} transfer failed: {error or 'no reason given'}",
+                    room=p.room.room,
+                    peer=h.peer,
+                    operation=f"{p.what} write",
+                ),
+                p.what,
+            )
+            self.tails.pop(p.key, None)
+            return
+        self.side.record(p.room, h, p.t_start, p.t_posted, t_done, p.t_enqueued)
+        self._finish_tail(p.key)
+
+    def _finish_tail(self, key: tuple[int, str]) -> None:
+        """After the last job and every chunk before it: marker, aux row, then done."""
+        tail = self.tails.get(key)
+        if tail is None or tail.last is None or tail.inflight:
+            return
+        room, dest, job = tail.room, tail.dest, tail.last
+        if self.side.is_dead(room):
+            del self.tails[key]
+            return
+        if not tail.aux_posted:
+            mgr = self.mgr
+            if job.chunk_id is None:  # the last chunk moved no KV: say how many did
+                mgr.send(
+                    dest.endpoint,
+                    Completion(
+                        room=room.room,
+                        sender_id=self.side.sender_id,
+                        session=mgr.session,
+                        data_chunks=dest.next_chunk,
+                        dummy=job.link.dummy,
+                    ),
+                )
+            tail.aux_posted = True
+            link = job.link
+            if link.sends_aux and link.aux_pair is not None and room.aux_index is not None:
+                mgr.stamps[room.aux_index, 0] = room.room
+                n = link.aux_rows
+                self._post(
+                    tail,
+                    key,
+                    link.aux_pair,
+                    None,
+                    slot_rows(n, mgr.aux_slots, room.aux_index),
+                    slot_rows(n, mgr.aux_slots, dest.aux_index),
+                    self._note(room.room, "aux"),
+                    "aux",
+                    time.perf_counter(),
+                    None,
+                )
+                return
+        del self.tails[key]
+        self.side.dest_done(room, dest)
+
+    def _failed(self, room: SendRoom, exc: BaseException, what: str) -> None:
+        if not isinstance(exc, KVWireError):
+            exc = TransferError(
+                f"{type(exc).__name__}: {exc}", room=room.room, operation=f"{what} write"
+            ).with_traceback(exc.__traceback__)
+        self.side.fail(room, exc)
