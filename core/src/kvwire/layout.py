@@ -106,6 +106,10 @@ class MemoryRegion(BaseModel):
 
         ``item_len`` defaults to the bytes of one entry along the first dimension, which is the
         page-slot dimension of a KV buffer shaped ``[num_slots, page_size, heads, head_dim]``.
+
+        The region records the address only: keep the tensor alive for as long as the region is
+        registered (an engine's KV pool lives as long as the process; a freed tensor would leave
+        the backend reading freed memory).
         """
         if hasattr(tensor, "data_ptr") and hasattr(tensor, "element_size"):
             if not tensor.is_contiguous():
