@@ -23,18 +23,20 @@ encoding of its (layer, K/V, global head, position, dim).
   every rank, every element and aux row is verified.
 * ``test_room_tables_empty``: after the workload every per-room table on every rank is empty.
 
-Topologies (``topologies`` selects a subset): equal TP (2->2), prefill larger (2->1, head gather), decode larger (1->2, head
-scatter), total KV heads below TP on both sides (4->2 and 1->4 with 2 heads, replication),
-MLA with dummy senders (2->1), pipeline fan-in (2 PP stages x 1 TP -> 1).
+Topologies (``topologies`` selects a subset): equal TP (2->2), prefill larger (2->1, head
+gather), decode larger (1->2, head scatter), total KV heads below TP on both sides (4->2 and
+1->4 with 2 heads, replication), MLA with dummy senders (2->1), pipeline fan-in (2 PP stages x
+1 TP -> 1).
 
 :class:`ClusterFailures` (short heartbeats):
 
 * ``test_decode_killed_mid_transfer``: a decode rank is SIGKILLed while a prefill rank holds its
   request's last chunk: the prefill room fails within a few heartbeat intervals (or sooner, by
-  the engine's own error), naming the lost peer, and the prefill rank keeps serving requests for the other decode instance.
+  the engine's own error), naming the lost peer, and the prefill rank keeps serving requests
+  for the other decode instance.
 * ``test_prefill_killed``: decode rooms fail within a few heartbeat intervals, not after the
   waiting timeout.
-* ``test_abort_from_prefill`` / ``test_abort_from_decode``: both sides end Failed, the error says
+* ``test_abort[prefill]`` / ``test_abort[decode]``: both sides end Failed, the error says
   who aborted, and per-room tables are empty afterwards.
 """
 

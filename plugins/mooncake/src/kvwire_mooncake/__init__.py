@@ -1,0 +1,3 @@
+"""kvwire backend plugin for the Mooncake Transfer Engine (name ``mooncake``)."""
+
+__all__: list[str] = []

@@ -1,0 +1,14 @@
+"""The control plane's end-to-end cluster tests over Mooncake Transfer Engine (TCP, real
+processes, every element verified): equal TP, both heterogeneous directions, MLA, chunked
+prefill and cached prefixes, dead peers and aborts."""
+
+from kvwire.testing.cluster_suite import ClusterConformance, ClusterFailures
+
+
+class TestMooncakeCluster(ClusterConformance):
+    backend_name = "mooncake"
+    topologies = ("equal-2to2", "gather-2to1", "scatter-1to2", "mla-2to1")
+
+
+class TestMooncakeClusterFailures(ClusterFailures):
+    backend_name = "mooncake"
