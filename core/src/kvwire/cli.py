@@ -1,14 +1,19 @@
-"""The ``kvwire`` command: ``plugins``, ``doctor``, ``demo``, ``bench-backend``."""
+"""The ``kvwire`` command: ``plugins``, ``doctor``, ``demo``, ``bench-backend``, ``bootstrap``."""
 
 from __future__ import annotations
 
 import argparse
 import ctypes.util
+import ipaddress
 import logging
+import os
 import platform
+import signal
 import sys
+import threading
 from collections.abc import Sequence
 from importlib.metadata import PackageNotFoundError, version
+from types import FrameType
 
 from rich.console import Console
 from rich.table import Table
@@ -115,10 +120,67 @@ def cmd_doctor(args: argparse.Namespace, console: Console) -> int:
     return 0 if usable else 1
 
 
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+def cmd_bootstrap(args: argparse.Namespace, console: Console) -> int:
+    """Run the bootstrap service in the foreground until SIGINT or SIGTERM.
+
+    The shared secret comes from ``KVWIRE_SECRET`` (never the command line, where ``ps`` would
+    show it).
+    """
+    from kvwire.control.bootstrap import BootstrapServer
+    from kvwire.errors import BootstrapError
+
+    secret = os.environ.get("KVWIRE_SECRET", "").encode() or None
+    if secret is None and not _is_loopback(args.host):
+        console.print(
+            f"[yellow]warning[/]: listening on {args.host} without a shared secret: anyone who "
+            "can reach it can register ranks; set KVWIRE_SECRET on every prefill and decode "
+            "instance and here",
+            highlight=False,
+        )
+    stop = threading.Event()
+
+    def on_signal(signum: int, frame: FrameType | None) -> None:
+        stop.set()
+
+    previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
+    server = BootstrapServer(args.host, args.port, secret)
+    try:
+        server.start()
+    except BootstrapError as e:
+        console.print(f"[red]error[/]: {e}", highlight=False)
+        return 1
+    try:
+        auth = "with shared secret" if secret else "without shared secret"
+        # Keep this line's shape stable: scripts and tests parse the address from it.
+        console.print(
+            f"kvwire bootstrap listening on {server.address} ({auth})",
+            highlight=False,
+            soft_wrap=True,
+        )
+        while not stop.wait(0.1):
+            pass
+    finally:
+        server.stop()
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    console.print("kvwire bootstrap stopped", highlight=False)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of the ``kvwire`` command."""
     from kvwire import demo
     from kvwire.config import add_cli_args
+    from kvwire.testing.cluster_bench import add_bench_args
 
     parser = argparse.ArgumentParser(prog="kvwire", description=__doc__)
     parser.add_argument("-v", "--verbose", action="count", default=0, help="more logging")
@@ -132,6 +194,22 @@ def build_parser() -> argparse.ArgumentParser:
     add_cli_args(p_bench)
     p_bench.add_argument("--repeat", type=int, default=3, help="timed repetitions per case")
     p_bench.add_argument("--json", metavar="PATH", help="write results as JSON")
+    p_cbench = sub.add_parser(
+        "bench",
+        help="kvwire end to end vs the raw backend, and async workers vs sync, in one run",
+    )
+    add_cli_args(p_cbench)
+    add_bench_args(p_cbench)
+    p_boot = sub.add_parser(
+        "bootstrap",
+        help="run the bootstrap service in the foreground (secret from KVWIRE_SECRET)",
+    )
+    p_boot.add_argument(
+        "--host", default="127.0.0.1", help="address to listen on (default: loopback only)"
+    )
+    p_boot.add_argument(
+        "--port", type=int, default=8998, help="port to listen on (0: any free port)"
+    )
     return parser
 
 
@@ -153,6 +231,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         from kvwire.testing import backend_bench
 
         return backend_bench.run(args, console)
+    if args.command == "bench":
+        from kvwire.testing import cluster_bench
+
+        return cluster_bench.run(args, console, sys.argv[1:] if argv is None else argv)
+    if args.command == "bootstrap":
+        return cmd_bootstrap(args, console)
     return 2
 
 

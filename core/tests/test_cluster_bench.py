@@ -1,0 +1,136 @@
+"""``kvwire bench``: the quick run on ``tcp`` through the CLI, and the bookkeeping around it."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+from kvwire.cli import main
+from kvwire.testing.cluster import RankReport, RequestResult, RoomPlan
+from kvwire.testing.cluster_bench import (
+    MODES,
+    QUICK_CONCURRENCY,
+    QUICK_REPEAT,
+    QUICK_REQUESTS,
+    QUICK_SIZES,
+    cell_of,
+    page_bytes,
+    problems_of,
+    ratios_of,
+    requests_for,
+    run_of,
+)
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_quick_bench_on_tcp(tmp_path: Path) -> None:
+    out, png = tmp_path / "bench.json", tmp_path / "bench.png"
+    argv = ["bench", "--transfer-backend", "tcp", "--quick", "--json", str(out)]
+    argv += ["--plot", str(png)]
+    assert main(argv) == 0
+
+    data = json.loads(out.read_text())
+    assert data["ok"] is True
+    assert data["failures"] == []
+    assert data["backend"] == "tcp"
+    assert data["command"].startswith("kvwire bench --transfer-backend tcp --quick")
+    machine = data["machine"]
+    assert machine["cpu_count"] >= 1
+    assert machine["platform"] and machine["kvwire_version"]
+
+    cells = {(c["mode"], c["pages"], c["concurrency"]): c for c in data["cells"]}
+    want = {(m, s, c) for m in MODES for s in QUICK_SIZES for c in QUICK_CONCURRENCY}
+    assert set(cells) == want
+    for (mode, pages, conc), c in cells.items():
+        n = requests_for(QUICK_REQUESTS, conc) * QUICK_REPEAT
+        assert c["repeats"] == QUICK_REPEAT and len(c["gbps_runs"]) == QUICK_REPEAT
+        assert c["requests"] == c["ok"] == n and c["failed"] == 0, (mode, pages, conc)
+        assert c["gbps"] > 0 and c["best_wall_s"] > 0
+        assert c["gbps"] == max(c["gbps_runs"])
+        assert math.isclose(c["gbps"], c["best_bytes"] / c["best_wall_s"] / 1e9, rel_tol=1e-9)
+        assert c["p99_ms"] >= c["p50_ms"] > 0
+        # A batch moves at least its requests' KV (kvwire adds aux rows); raw exactly that.
+        assert c["request_bytes"] == pages * page_bytes()
+        per_batch = requests_for(QUICK_REQUESTS, conc) * pages * page_bytes()
+        assert c["best_bytes"] >= per_batch
+        if mode == "raw":
+            assert c["best_bytes"] == per_batch
+        # Same descriptors: one per (page, layer, K|V) row (kvwire adds its aux rows).
+        assert c["descriptors"] >= pages * 2 * 8
+
+    # Every request checked: a verified pass per cluster mode and size, a digest per raw batch.
+    checks = {(c["mode"], c["pages"], c["concurrency"]): c for c in data["checks"]}
+    cmax = max(QUICK_CONCURRENCY)
+    want_checks = {(m, s, cmax) for m in ("kvwire", "sync") for s in QUICK_SIZES}
+    want_checks |= {("raw", s, c) for s in QUICK_SIZES for c in QUICK_CONCURRENCY}
+    assert set(checks) == want_checks
+    for key, c in checks.items():
+        assert c["requests"] > 0 and c["verified"] == c["requests"], key
+
+    ratios = {(r["pages"], r["concurrency"]): r for r in data["ratios"]}
+    assert set(ratios) == {(s, c) for s in QUICK_SIZES for c in QUICK_CONCURRENCY}
+    for (pages, conc), r in ratios.items():
+        kv, raw, sync = (cells[(m, pages, conc)]["gbps"] for m in ("kvwire", "raw", "sync"))
+        assert math.isclose(r["kvwire_vs_raw"], kv / raw, rel_tol=1e-9)
+        assert math.isclose(r["async_vs_sync"], kv / sync, rel_tol=1e-9)
+
+    assert png.read_bytes()[:8] == PNG_MAGIC
+    assert png.stat().st_size > 1000
+
+
+def _result(room: int, mismatches: int, t0: float, t1: float) -> RequestResult:
+    plan = RoomPlan(room=room, num_pages=2, chunks=[2])
+    reports = [
+        RankReport("prefill", 0, 4, None, bytes=2 * page_bytes(), descriptors=33),
+        RankReport("decode", 0, 4, None, mismatches=mismatches, latency_s=t1 - t0),
+    ]
+    return RequestResult(plan, reports, t_start=t0, t_end=t1)
+
+
+def test_a_request_with_wrong_elements_is_not_counted_and_is_reported() -> None:
+    results = [_result(1, 0, 0.0, 0.5), _result(2, 7, 0.1, 0.6), _result(3, 0, 0.2, 1.0)]
+    run = run_of("kvwire", 2, 2, results)
+    assert (run.requests, run.ok) == (3, 2)
+    assert run.bytes == 2 * 2 * page_bytes()
+    assert run.wall_s == pytest.approx(1.0)
+    (line,) = problems_of("kvwire", 2, 2, results)
+    assert "room 2" in line and "mismatches=7" in line
+    cell = cell_of([run])
+    assert (cell.requests, cell.ok, cell.failed) == (3, 2, 1)
+
+
+def test_a_cell_keeps_its_best_batch_and_ratios_come_from_the_cells() -> None:
+    slow = run_of("kvwire", 2, 1, [_result(1, 0, 0.0, 2.0)])
+    fast = run_of("kvwire", 2, 1, [_result(2, 0, 0.0, 1.0)])
+    cell = cell_of([slow, fast])
+    assert cell.gbps == fast.gbps == pytest.approx(2 * page_bytes() / 1e9)
+    assert cell.gbps_runs == [slow.gbps, fast.gbps] and cell.requests == 2
+    cells = [cell_of([fast]) for _ in MODES]
+    for c, m in zip(cells, MODES, strict=True):
+        c.mode = m
+    cells[1].gbps, cells[2].gbps = fast.gbps / 2, fast.gbps * 4  # sync, raw
+    (r,) = ratios_of(cells)
+    assert r.async_vs_sync == pytest.approx(2.0)
+    assert r.kvwire_vs_raw == pytest.approx(0.25)
+
+
+def test_plot_without_matplotlib_says_what_to_install(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util,
+        "find_spec",
+        lambda name, *a: None if name == "matplotlib" else real(name, *a),
+    )
+    argv = ["bench", "--transfer-backend", "tcp", "--quick", "--plot", str(tmp_path / "x.png")]
+    assert main(argv) == 1
+    assert "pip install kvwire[plot]" in capsys.readouterr().out
