@@ -27,6 +27,11 @@ from kvwire.control.wire import (
     HelloAck,
     HelloReject,
     Message,
+    StagingDeny,
+    StagingGrant,
+    StagingRelease,
+    StagingRequest,
+    StagingWatermark,
     TransferRequest,
     pages_to_bytes,
 )
@@ -66,6 +71,8 @@ def samples() -> list[Message]:
             layout_hash=layout.compatibility_hash(),
             dummy=False,
             peer_session="d-session",
+            layout=layout,
+            staged=True,
         ),
         HelloReject(
             session="p-session",
@@ -84,6 +91,24 @@ def samples() -> list[Message]:
         Heartbeat(session="p-session", sent_at=1700000000.5),
         Goodbye(session="p-session"),
         ChunkNote(room=42, sender_id=1, session="p-session", what="kv", chunk_id=2, last=True),
+        StagingRequest(
+            room=42, sender_id=1, session="p", chunk_id=2, nbytes=4096, dst_start=3, npages=2
+        ),
+        StagingGrant(
+            room=42,
+            sender_id=1,
+            session="d",
+            chunk_id=2,
+            alloc_id=9,
+            round=1,
+            offset=65536,
+            end=131072,
+            wm_round=0,
+            wm_tail=12345,
+        ),
+        StagingDeny(room=42, sender_id=1, session="d", chunk_id=2, reason="room failed"),
+        StagingWatermark(session="d", round=3, tail=4096),
+        StagingRelease(room=42, sender_id=1, session="p"),
     ]
 
 

@@ -12,6 +12,7 @@ import pytest
 
 from kvwire.control.wire import (
     PROTOCOL_MAJOR,
+    PROTOCOL_MINOR,
     Codec,
     Failure,
     Heartbeat,
@@ -27,7 +28,7 @@ VERSIONS = sorted(p for p in FIXTURES.iterdir() if p.is_dir())
 
 
 def test_fixture_versions_exist() -> None:
-    assert [v.name for v in VERSIONS][:1] == ["v1.0"]
+    assert [v.name for v in VERSIONS] == ["v1.0", "v1.1"]
 
 
 @pytest.mark.parametrize("folder", VERSIONS, ids=lambda p: p.name)
@@ -38,7 +39,12 @@ def test_released_versions_still_parse(folder: Path) -> None:
         for codec, name in ((plain, f"{kind}.bin"), (signed, f"{kind}.signed.bin")):
             msg = codec.decode((folder / name).read_bytes())
             assert msg.kind == kind
-            assert msg.model_dump(mode="json") == fields, name
+            dumped = msg.model_dump(mode="json")
+            for field, value in fields.items():
+                assert dumped[field] == value, (name, field)
+            for field in set(dumped) - set(fields):  # added since: the defaults
+                default = type(msg).model_fields[field].get_default(call_default_factory=True)
+                assert dumped[field] == default, (name, field)
 
 
 def _frame(kind: str, body: dict, major: int = PROTOCOL_MAJOR, minor: int = 0) -> bytes:
@@ -68,7 +74,7 @@ def test_older_peer_without_optional_fields_gets_defaults() -> None:
 
 
 def test_other_major_version_is_refused_naming_both() -> None:
-    with pytest.raises(ProtocolError, match=r"protocol 2\.0.*speaks 1\.0"):
+    with pytest.raises(ProtocolError, match=rf"protocol 2\.0.*speaks 1\.{PROTOCOL_MINOR}"):
         Codec().decode(_frame("heartbeat", {"session": "s"}, major=2))
 
 

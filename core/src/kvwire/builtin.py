@@ -32,8 +32,15 @@ def kvwire_index_mappers() -> list[Implementation]:
 
 @hookimpl
 def kvwire_staging_strategies() -> list[Implementation]:
-    """No staging."""
-    return [Implementation("direct", "kvwire.staging.direct:DirectStaging", "no staging")]
+    """Direct (no staging) and bulk staging."""
+    return [
+        Implementation("direct", "kvwire.staging.direct:DirectStaging", "no staging"),
+        Implementation(
+            "bulk",
+            "kvwire.staging.bulk:BulkStaging",
+            "heterogeneous TP: one contiguous write per chunk through a decode staging ring",
+        ),
+    ]
 
 
 @hookimpl

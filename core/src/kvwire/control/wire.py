@@ -30,9 +30,10 @@ from kvwire.errors import ProtocolError
 from kvwire.layout import KVLayout, MemoryRegion, ModelSpec, RankPosition
 
 #: Protocol version spoken by this kvwire. Bump ``MINOR`` for added optional fields, ``MAJOR``
-#: for anything an older peer would misread.
+#: for anything an older peer would misread. 1.1 added bulk staging (the ``staging_*`` messages,
+#: ``HelloAck.layout`` and ``HelloAck.staged``).
 PROTOCOL_MAJOR = 1
-PROTOCOL_MINOR = 0
+PROTOCOL_MINOR = 1
 
 #: Largest frame accepted (layouts of deep models with many buffers stay far below this).
 MAX_FRAME_BYTES = 16 << 20
@@ -133,11 +134,20 @@ class HelloAck(Message):
     dummy: bool = False
     #: The decode session this answers (a restarted decode rank ignores stale answers).
     peer_session: str = ""
+    #: The prefill rank's layout (decode needs it to scatter staged chunks).
+    layout: KVLayout | None = None
+    #: Whether this prefill rank will stage its chunks into decode's ring (bulk staging).
+    staged: bool = False
 
     @field_validator("rank", mode="before")
     @classmethod
     def _lenient_rank(cls, v: Any) -> Any:
         return known_fields(RankPosition, v)
+
+    @field_validator("layout", mode="before")
+    @classmethod
+    def _lenient_layout(cls, v: Any) -> Any:
+        return known_fields(KVLayout, v)
 
 
 class HelloReject(Message):
@@ -212,6 +222,67 @@ class ChunkNote(Message):
     last: bool = False
 
 
+class StagingRequest(Message):
+    """Prefill rank -> decode rank: ring space for one staged chunk (retried until granted;
+    duplicates get the same answer)."""
+
+    kind: ClassVar[str] = "staging_request"
+    room: int = Field(ge=0)
+    sender_id: int
+    session: str
+    chunk_id: int = Field(ge=0)
+    nbytes: int = Field(gt=0)
+    #: Where the chunk's pages start in the decode rank's ``dst_pages``, and how many.
+    dst_start: int = Field(ge=0)
+    npages: int = Field(gt=0)
+
+
+class StagingGrant(Message):
+    """Decode rank -> prefill rank: the ring space of a staged chunk, and the ring watermark."""
+
+    kind: ClassVar[str] = "staging_grant"
+    room: int = Field(ge=0)
+    sender_id: int
+    session: str
+    chunk_id: int = Field(ge=0)
+    alloc_id: int
+    round: int = Field(ge=0)
+    offset: int = Field(ge=0)
+    end: int = Field(gt=0)
+    wm_round: int = Field(ge=0)
+    wm_tail: int = Field(ge=0)
+
+
+class StagingDeny(Message):
+    """Decode rank -> prefill rank: no ring space for that chunk (the room is gone or failed)."""
+
+    kind: ClassVar[str] = "staging_deny"
+    room: int = Field(ge=0)
+    sender_id: int
+    session: str
+    chunk_id: int = Field(ge=0)
+    reason: str
+
+
+class StagingWatermark(Message):
+    """Decode rank -> its staging writers: everything before ``(round, tail)`` is free."""
+
+    kind: ClassVar[str] = "staging_watermark"
+    session: str
+    round: int = Field(ge=0)
+    tail: int = Field(ge=0)
+
+
+class StagingRelease(Message):
+    """Prefill rank -> decode rank: no staged write for ``room`` from this sender is in flight
+    or will be made; its ring space may be freed."""
+
+    kind: ClassVar[str] = "staging_release"
+    room: int = Field(ge=0)
+    sender_id: int
+    session: str
+
+
 MESSAGE_TYPES: dict[str, type[Message]] = {
     m.kind: m
     for m in (
@@ -224,6 +295,11 @@ MESSAGE_TYPES: dict[str, type[Message]] = {
         Heartbeat,
         Goodbye,
         ChunkNote,
+        StagingRequest,
+        StagingGrant,
+        StagingDeny,
+        StagingWatermark,
+        StagingRelease,
     )
 }
 

@@ -30,7 +30,7 @@ from numpy.typing import NDArray
 
 from kvwire.backend import Notification
 from kvwire.control.bootstrap import BootstrapClient, RankInfo
-from kvwire.control.handshake import aux_sender
+from kvwire.control.handshake import aux_sender, build_mapper
 from kvwire.control.wire import (
     ChunkNote,
     Completion,
@@ -39,6 +39,11 @@ from kvwire.control.wire import (
     HelloAck,
     HelloReject,
     Message,
+    StagingDeny,
+    StagingGrant,
+    StagingRelease,
+    StagingRequest,
+    StagingWatermark,
     TransferRequest,
     pages_to_bytes,
 )
@@ -51,12 +56,13 @@ from kvwire.errors import (
     ProtocolError,
     TransferError,
 )
-from kvwire.index.base import check_pages
+from kvwire.index.base import IndexMapper, check_pages
 from kvwire.index.ranks import source_ranks
 from kvwire.session import metrics as m
 from kvwire.session.manager import KVManager, Peer
 from kvwire.session.metrics import RequestMetrics
 from kvwire.session.poll import KVPoll
+from kvwire.staging.bulk import BulkStaging, block_bytes
 
 logger = logging.getLogger(__name__)
 
@@ -68,6 +74,9 @@ class PrefillLink:
     info: RankInfo
     sender_id: int
     dummy: bool
+    #: The prefill rank stages its chunks into this rank's ring; ``mapper`` scatters them.
+    staged: bool = False
+    mapper: IndexMapper | None = None
 
 
 @dataclass
@@ -110,6 +119,7 @@ class DecodeSide:
         #: (bootstrap address, prefill dp rank) -> the prefill ranks registered there.
         self.instances: dict[tuple[str, int], list[RankInfo]] = {}
         self._instance_locks: dict[tuple[str, int], threading.Lock] = {}
+        self._next_watermark = 0.0
         self.bootstraps = concurrent.futures.ThreadPoolExecutor(
             4, thread_name_prefix=f"kvwire-bs-{mgr.agent_name}"
         )
@@ -208,6 +218,7 @@ class DecodeSide:
                 backend=mgr.backend_name,
                 backend_metadata=mgr.backend.local_metadata(),
                 aux_regions=mgr.aux_regions,
+                staging=mgr.staging.describe(),
             )
             mgr.send(info.endpoint, hello)
         ok = pending.event.wait(timeout_s)
@@ -238,6 +249,14 @@ class DecodeSide:
             if pending is not None:
                 pending.error = f"{msg.reason}: " + "; ".join(msg.problems)
                 pending.event.set()
+        elif isinstance(msg, StagingRequest):
+            self._on_staging_request(msg)
+        elif isinstance(msg, StagingRelease):
+            staging = self._bulk()
+            if staging is not None and staging.free_where(
+                lambda k: k[0] == msg.room and k[1] == msg.session
+            ):
+                self._broadcast_watermark()
         elif isinstance(msg, Completion):
             with self.mgr.lock:
                 room = self._room_for(msg.room, msg.session, msg.sender_id)
@@ -264,7 +283,14 @@ class DecodeSide:
                 pending.error = "acknowledged by a rank bootstrap does not list"
                 pending.event.set()
                 return
-            link = PrefillLink(info, msg.sender_id, msg.dummy)
+            link = PrefillLink(info, msg.sender_id, msg.dummy, staged=msg.staged)
+            if msg.staged and msg.layout is not None:
+                try:
+                    link.mapper = build_mapper(mgr.config, msg.layout, mgr.layout)
+                except KVWireError as exc:
+                    pending.error = f"cannot scatter staged chunks from {msg.agent}: {exc}"
+                    pending.event.set()
+                    return
             self.links[msg.session] = link
             mgr.add_peer(Peer(msg.session, msg.agent, msg.endpoint, time.monotonic(), link=link))
             pending.link = link
@@ -318,11 +344,108 @@ class DecodeSide:
                     return
                 room.aux_done = True
             else:
+                if msg.what == "staged" and not self._scatter(room, msg):
+                    return
                 room.received[msg.sender_id] = room.received.get(msg.sender_id, 0) + 1
                 if msg.last:
                     room.expected[msg.sender_id] = msg.chunk_id + 1
                 mgr.staging.on_arrival(room.room, msg.chunk_id, msg)
             self._check_done(room)
+
+    # ----------------------------------------------------------------- staging
+    def _bulk(self) -> BulkStaging | None:
+        s = self.mgr.staging
+        return s if isinstance(s, BulkStaging) and s.ring is not None else None
+
+    def _on_staging_request(self, msg: StagingRequest) -> None:
+        """Control thread: a prefill rank wants ring space for one staged chunk."""
+        mgr, staging = self.mgr, self._bulk()
+        with mgr.lock:
+            link = self.links.get(msg.session)
+            room = self.rooms.get(msg.room)
+            reason = None
+            if staging is None or link is None or not link.staged or link.mapper is None:
+                reason = "this decode rank does not stage for that sender"
+            elif room is None or self._terminal(room) or room.dst_pages is None:
+                reason = "the request is not live on decode"
+            elif msg.dst_start + msg.npages > room.dst_pages.size:
+                reason = (
+                    f"pages [{msg.dst_start}, {msg.dst_start + msg.npages}) are outside the "
+                    f"{room.dst_pages.size} destination pages"
+                )
+            elif msg.nbytes != block_bytes(link.mapper, msg.npages):
+                reason = f"a block of {msg.npages} pages is not {msg.nbytes} bytes"
+            if reason is None:
+                assert staging is not None
+                try:
+                    alloc = staging.grant(
+                        msg.room, msg.session, msg.chunk_id, msg.nbytes, msg.dst_start, msg.npages
+                    )
+                except KVWireError as exc:
+                    reason = str(exc)
+        endpoint = link.info.endpoint if link is not None else None
+        if endpoint is None:
+            return
+        if reason is not None:
+            mgr.send(
+                endpoint,
+                StagingDeny(
+                    room=msg.room,
+                    sender_id=msg.sender_id,
+                    session=mgr.session,
+                    chunk_id=msg.chunk_id,
+                    reason=reason,
+                ),
+            )
+            return
+        assert staging is not None
+        wm = staging.watermark
+        mgr.send(
+            endpoint,
+            StagingGrant(
+                room=msg.room,
+                sender_id=msg.sender_id,
+                session=mgr.session,
+                chunk_id=msg.chunk_id,
+                alloc_id=alloc.id,
+                round=alloc.round,
+                offset=alloc.offset,
+                end=alloc.end,
+                wm_round=wm[0],
+                wm_tail=wm[1],
+            ),
+        )
+
+    def _scatter(self, room: RecvRoom, msg: ChunkNote) -> bool:
+        """Under the lock: a staged block landed; scatter it into the pages and free it."""
+        staging = self._bulk()
+        link = self.links.get(msg.session)
+        try:
+            if staging is None or link is None or link.mapper is None:
+                raise TransferError(
+                    "a staged chunk arrived but staging is not set up", room=room.room
+                )
+            moved = staging.scatter(
+                room.room, msg.session, msg.chunk_id, link.mapper, room.dst_pages
+            )
+        except KVWireError as exc:
+            self._fail(room, exc)
+            return False
+        if moved:
+            self._broadcast_watermark()
+        return True
+
+    def _broadcast_watermark(self) -> None:
+        """Tell every staging writer where the ring's free space starts."""
+        staging = self._bulk()
+        if staging is None:
+            return
+        wm = staging.watermark
+        msg = StagingWatermark(session=self.mgr.session, round=wm[0], tail=wm[1])
+        with self.mgr.lock:
+            endpoints = [x.info.endpoint for x in self.links.values() if x.staged]
+        for ep in endpoints:
+            self.mgr.send(ep, msg)
 
     def _room_for(self, room_id: int, session: str, sender_id: int) -> RecvRoom | None:
         """The live room a message is for, if it comes from one of the room's sources."""
@@ -381,7 +504,9 @@ class DecodeSide:
             )
 
     def on_peer_lost(self, peer: Peer, why: str) -> None:
-        """Control thread: a prefill rank is dead or gone; fail the rooms it feeds."""
+        """Control thread: a prefill rank is dead or gone; fail the rooms it feeds and free the
+        ring space it held."""
+        self.mgr.staging.peer_lost(peer.session)
         with self.mgr.lock:
             self.links.pop(peer.session, None)
             for key, ranks in list(self.instances.items()):
@@ -400,7 +525,14 @@ class DecodeSide:
                     )
 
     def check_deadlines(self, now: float) -> None:
-        """Control thread (after draining notifications): the waiting timeout."""
+        """Control thread (after draining notifications): the waiting timeout; staging space
+        never released; a periodic watermark broadcast (so a lost one only delays)."""
+        staging = self._bulk()
+        if staging is not None:
+            staging.expire(now)
+            if now >= self._next_watermark:
+                self._next_watermark = now + self.mgr.options.heartbeat_interval_s
+                self._broadcast_watermark()
         with self.mgr.lock:
             for room in list(self.rooms.values()):
                 if now > room.deadline and not self._terminal(room):
@@ -493,7 +625,11 @@ class DecodeSide:
     def room_tables(self) -> dict[str, int]:
         """Per-room table sizes (leak check)."""
         with self.mgr.lock:
-            return {"recv_rooms": len(self.rooms), "handshakes_pending": len(self.pending)}
+            return {
+                "recv_rooms": len(self.rooms),
+                "handshakes_pending": len(self.pending),
+                **self.mgr.staging.room_tables(),
+            }
 
     def close(self) -> None:
         """Manager shutdown: fail live rooms and stop the bootstrap threads."""

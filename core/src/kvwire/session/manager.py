@@ -87,6 +87,9 @@ class KVManager:
 
     ``aux_buffers`` are the engine's per-request metadata rows (first token, ...), all with the
     same number of rows; kvwire adds a 64-byte stamp row of its own in front of them.
+
+    ``kv_tensors`` (the tensors the layout was built from) are needed by staging strategies
+    that gather and scatter on the pool (``--staging bulk``).
     """
 
     def __init__(
@@ -99,6 +102,7 @@ class KVManager:
         bootstrap_addr: str | None = None,
         dp_size: int = 1,
         agent_name: str | None = None,
+        kv_tensors: Any = None,
     ) -> None:
         self.config = config
         self.role = Role(role)
@@ -141,7 +145,15 @@ class KVManager:
             ssel = select_staging(config)
             self.staging: StagingStrategy = ssel.cls(ssel.options)
             self.staging.setup(
-                StagingContext(layout, self.backend.register, self.backend.deregister)
+                StagingContext(
+                    layout,
+                    self.backend.register,
+                    self.backend.deregister,
+                    role=self.role.value,
+                    num_workers=self.options.num_workers,
+                    kv_tensors=kv_tensors,
+                    send_fn=lambda endpoint, msg: self.send(endpoint, msg),
+                )
             )
             self.codec = Codec(config.secret_bytes)
             self.channel = ControlChannel(self.codec, self.options.host, self.options.send_hwm)

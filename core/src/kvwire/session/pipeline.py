@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
+from collections import deque
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from kvwire.backend import PreparedPair, TransferHandle, XferOp, XferState
@@ -45,20 +46,24 @@ class _Posted:
 
 @dataclass
 class _Tail:
-    """Per (request, destination) on this worker: chunks in flight and the last job."""
+    """Per (request, destination) on this worker: jobs not posted yet (in order), chunks in
+    flight, and the last job."""
 
     room: SendRoom
     dest: Dest
+    queue: deque[Job] = field(default_factory=deque)
     inflight: int = 0
     last: Job | None = None
     aux_posted: bool = False
+    staged: bool = False
 
 
 class Pipeline:
     """Posts chunk transfers, polls them, and finishes each destination in order."""
 
-    def __init__(self, side: PrefillSide) -> None:
+    def __init__(self, side: PrefillSide, index: int = 0) -> None:
         self.side = side
+        self.index = index
         self.mgr = side.mgr
         self.max_inflight = side.mgr.options.max_inflight_chunks
         self.posted: list[_Posted] = []
@@ -66,8 +71,8 @@ class Pipeline:
 
     @property
     def busy(self) -> bool:
-        """Transfers are in flight."""
-        return bool(self.posted)
+        """Transfers are in flight, or jobs wait (for staging space)."""
+        return bool(self.posted) or any(t.queue for t in self.tails.values())
 
     @property
     def full(self) -> bool:
@@ -76,58 +81,95 @@ class Pipeline:
 
     # ------------------------------------------------------------------ jobs
     def accept(self, job: Job) -> None:
-        """Post a job's chunk (if it carries data) and, for a last job, arrange its tail."""
-        room, dest = job.room, job.dest
-        if self.side.is_dead(room):
-            return
-        key = (room.room, dest.session)
+        """Queue a job behind its destination's earlier ones and post what can be posted."""
+        key = (job.room.room, job.dest.session)
         tail = self.tails.get(key)
         if tail is None:
-            tail = self.tails[key] = _Tail(room, dest)
-        t_start = time.perf_counter()
-        try:
-            if job.chunk_id is not None:
-                plan = self.mgr.staging.plan(
-                    room.room, job.chunk_id, job.link.mapper, job.src, job.dst
-                )
-                if not plan.empty:
-                    pair = job.link.kv_pair if plan.table == "kv" else None
-                    if pair is None:
-                        raise TransferError(f"no prepared table {plan.table!r}", room=room.room)
-                    note = self._note(room.room, "kv", job.chunk_id, job.last)
-                    self._post(
-                        tail,
-                        key,
-                        pair,
-                        plan,
-                        plan.src_idx,
-                        plan.dst_idx,
-                        note,
-                        "kv",
-                        t_start,
-                        job.t_enqueued,
+            tail = self.tails[key] = _Tail(job.room, job.dest)
+        tail.queue.append(job)
+        tail.staged |= job.link.staged
+        self._advance(key, tail)
+
+    def _advance(self, key: tuple[int, str], tail: _Tail) -> bool:
+        """Post the tail's queued jobs in order until one must wait; True if any was posted."""
+        moved = False
+        while tail.queue:
+            if self.side.is_dead(tail.room):
+                self._drop(key, tail)
+                return moved
+            job = tail.queue[0]
+            room = job.room
+            t_start = time.perf_counter()
+            try:
+                if job.chunk_id is not None:
+                    plan = self.mgr.staging.plan(
+                        room.room,
+                        job.chunk_id,
+                        job.link.mapper,
+                        job.src,
+                        job.dst,
+                        dest=job.dest.session,
+                        worker=self.index,
                     )
-            if job.last:
-                tail.last = job
-                self._finish_tail(key)
-        except Exception as exc:
-            self._failed(room, exc, "write")
+                    if plan is None:
+                        return moved  # waiting for staging space; asked again on progress()
+                    if not plan.empty:
+                        pair = job.link.pairs.get(plan.table)
+                        if pair is None:
+                            raise TransferError(f"no prepared table {plan.table!r}", room=room.room)
+                        note = self._note(room.room, plan.what, job.chunk_id, job.last)
+                        self._post(
+                            tail,
+                            key,
+                            pair,
+                            plan,
+                            plan.src_idx,
+                            plan.dst_idx,
+                            note,
+                            plan.what,
+                            t_start,
+                            job.t_enqueued,
+                        )
+                tail.queue.popleft()
+                moved = True
+                if job.last:
+                    tail.last = job
+                    self._finish_tail(key)
+            except Exception as exc:
+                self._failed(room, exc, "write")
+                self._drop(key, tail)
+                return moved
+        return moved
+
+    def _drop(self, key: tuple[int, str], tail: _Tail) -> None:
+        """A dead request's tail: forget its queued jobs; once nothing is in flight, tell a
+        staging destination that no write will come."""
+        tail.queue.clear()
+        if tail.inflight:
+            return  # the posted transfers end first (success or failure), then this again
+        self.tails.pop(key, None)
+        if tail.staged:
+            d = tail.dest
+            self.side.abandon_staging(tail.room, d)
 
     def progress(self) -> int:
-        """Poll every posted transfer once; returns how many ended."""
-        ended = 0
+        """Poll every posted transfer once, then post what waited; returns how many moved."""
+        moved = 0
         for p in list(self.posted):
             state = self._state(p)
             if state is XferState.PENDING:
                 continue
-            ended += 1
+            moved += 1
             self.posted.remove(p)
             self._complete(p, state)
-        return ended
+        for key, tail in list(self.tails.items()):
+            if tail.queue and not self.full and self._advance(key, tail):
+                moved += 1
+        return moved
 
     def drain(self, poll_sleep_s: float) -> None:
-        """Poll until nothing is in flight (synchronous mode)."""
-        while self.posted:
+        """Poll until nothing is in flight or waiting (synchronous mode)."""
+        while self.busy:
             if not self.progress():
                 time.sleep(poll_sleep_s)
 
@@ -179,7 +221,9 @@ class Pipeline:
         state = self.mgr.backend.poll(p.handle)
         if state is not XferState.PENDING:
             return state
-        if self.side.is_dead(p.room):
+        if self.side.is_dead(p.room) and p.what != "staged":
+            # A staged write is never abandoned early: its ring space is freed on decode only
+            # after this side says nothing is in flight (StagingRelease).
             p.handle.error = "the request failed or was aborted while its transfer was pending"
             return XferState.FAILED
         if time.monotonic() > p.deadline:
@@ -211,9 +255,11 @@ class Pipeline:
                 ),
                 p.what,
             )
-            self.tails.pop(p.key, None)
+        else:
+            self.side.record(p.room, h, p.t_start, p.t_posted, t_done, p.t_enqueued)
+        if tail is not None and self.side.is_dead(p.room):
+            self._drop(p.key, tail)
             return
-        self.side.record(p.room, h, p.t_start, p.t_posted, t_done, p.t_enqueued)
         self._finish_tail(p.key)
 
     def _finish_tail(self, key: tuple[int, str]) -> None:
@@ -223,7 +269,7 @@ class Pipeline:
             return
         room, dest, job = tail.room, tail.dest, tail.last
         if self.side.is_dead(room):
-            del self.tails[key]
+            self._drop(key, tail)
             return
         if not tail.aux_posted:
             mgr = self.mgr
@@ -240,13 +286,14 @@ class Pipeline:
                 )
             tail.aux_posted = True
             link = job.link
-            if link.sends_aux and link.aux_pair is not None and room.aux_index is not None:
+            aux_pair = link.pairs.get("aux")
+            if link.sends_aux and aux_pair is not None and room.aux_index is not None:
                 mgr.stamps[room.aux_index, 0] = room.room
                 n = link.aux_rows
                 self._post(
                     tail,
                     key,
-                    link.aux_pair,
+                    aux_pair,
                     None,
                     slot_rows(n, mgr.aux_slots, room.aux_index),
                     slot_rows(n, mgr.aux_slots, dest.aux_index),

@@ -45,6 +45,10 @@ from kvwire.control.wire import (
     HelloAck,
     HelloReject,
     Message,
+    StagingDeny,
+    StagingGrant,
+    StagingRequest,
+    StagingWatermark,
     TransferRequest,
     pages_from_bytes,
 )
@@ -63,6 +67,7 @@ from kvwire.session.metrics import RequestMetrics
 from kvwire.session.pipeline import Pipeline
 from kvwire.session.poll import KVPoll
 from kvwire.session.workers import TransferWorkers
+from kvwire.staging.bulk import BulkStaging, block_bytes
 
 logger = logging.getLogger(__name__)
 
@@ -73,14 +78,16 @@ class DecodeLink:
 
     mapper: IndexMapper
     backend_peer: str
-    kv_pair: PreparedPair | None
-    aux_pair: PreparedPair | None
+    #: Prepared table pairs by name: "kv" (the mapper's), "aux", and a staging strategy's.
+    pairs: dict[str, PreparedPair]
     aux_rows: int
     decode_tp: int
     decode_tp_rank: int
     sends_aux: bool
     dummy: bool
     num_slots: int
+    #: Chunks to this decode rank go through the staging strategy's ring.
+    staged: bool = False
 
 
 @dataclass
@@ -129,7 +136,10 @@ class PrefillSide:
         self.sender_id = mgr.layout.rank.sender_id
         opts = mgr.options
         self.workers: TransferWorkers[Job] = TransferWorkers(
-            opts.num_workers, mgr.agent_name, lambda: Pipeline(self), inline=opts.sync_transfers
+            opts.num_workers,
+            mgr.agent_name,
+            lambda i: Pipeline(self, i),
+            inline=opts.sync_transfers,
         )
         self.handshakes = concurrent.futures.ThreadPoolExecutor(
             2, thread_name_prefix=f"kvwire-hs-{mgr.agent_name}"
@@ -184,6 +194,8 @@ class PrefillSide:
             self.handshakes.submit(self._handshake, msg)
         elif isinstance(msg, TransferRequest):
             self._on_request(msg)
+        elif isinstance(msg, StagingGrant | StagingDeny | StagingWatermark):
+            self.mgr.staging.on_control(msg)
         else:
             logger.debug("%s: ignoring %s on prefill", self.mgr.agent_name, type(msg).__name__)
 
@@ -207,20 +219,23 @@ class PrefillSide:
             mgr.evict(s, "it restarted (new session)")
         try:
             mapper = build_mapper(mgr.config, mgr.layout, hello.layout)
+            extra = mgr.staging.link_tables(mapper, hello.staging)
             name = mgr.backend.add_peer(hello.backend_metadata)
-            kv_pair = None
+            pairs = {
+                "aux": mgr.backend.prepare(
+                    name, slot_table(mgr.aux_regions), slot_table(hello.aux_regions)
+                )
+            }
             if not mapper.is_dummy:
                 tables = mapper.build_tables()
-                kv_pair = mgr.backend.prepare(name, tables.src, tables.dst)
-            aux_pair = mgr.backend.prepare(
-                name, slot_table(mgr.aux_regions), slot_table(hello.aux_regions)
-            )
+                pairs["kv"] = mgr.backend.prepare(name, tables.src, tables.dst)
+            for table_name, tp in extra.items():
+                pairs[table_name] = mgr.backend.prepare(name, tp.src, tp.dst)
             r = mgr.layout.rank
             link = DecodeLink(
                 mapper=mapper,
                 backend_peer=name,
-                kv_pair=kv_pair,
-                aux_pair=aux_pair,
+                pairs=pairs,
                 aux_rows=len(mgr.aux_regions),
                 decode_tp=hello.rank.tp_size,
                 decode_tp_rank=hello.rank.tp_rank,
@@ -228,17 +243,19 @@ class PrefillSide:
                 == self.sender_id,
                 dummy=mapper.is_dummy,
                 num_slots=hello.layout.num_slots,
+                staged=bool(extra),
             )
         except KVWireError as exc:
             self._reject(hello, f"handshake failed on prefill: {exc}", [])
             return
         mgr.add_peer(Peer(hello.session, hello.agent, hello.endpoint, time.monotonic(), link=link))
         logger.info(
-            "%s: handshake with %s (%s mapper%s)",
+            "%s: handshake with %s (%s mapper%s%s)",
             mgr.agent_name,
             hello.agent,
             mapper.name,
             ", dummy" if mapper.is_dummy else "",
+            ", staged" if extra else "",
         )
         self._ack(hello, link)
 
@@ -255,6 +272,8 @@ class PrefillSide:
                 layout_hash=mgr.layout.compatibility_hash(),
                 dummy=link.dummy,
                 peer_session=hello.session,
+                layout=mgr.layout,
+                staged=link.staged,
             ),
         )
 
@@ -365,6 +384,7 @@ class PrefillSide:
                         f"decode peer {peer.agent} lost: {why}", room=room.room, peer=peer.agent
                     )
                     self._fail(room, err, skip=peer.session)
+        mgr.staging.peer_lost(peer.session)
         link: DecodeLink | None = peer.link
         if link is not None and link.backend_peer in mgr.backend.peers():
             try:
@@ -494,8 +514,34 @@ class PrefillSide:
             if src.size and not link.dummy:
                 chunk_id = dest.next_chunk
                 dest.next_chunk += 1
+                if link.staged:
+                    try:
+                        self._ask_staging(room, dest, link, chunk_id, src.size, lo - skip)
+                    except KVWireError as exc:
+                        self._fail(room, exc)
+                        return
             job = Job(room, dest, link, src, dst, chunk_id, last, time.perf_counter())
             self.workers.submit(dest.session, job)
+
+    def _ask_staging(
+        self, room: SendRoom, dest: Dest, link: DecodeLink, chunk_id: int, npages: int, at: int
+    ) -> None:
+        """Under the lock, engine thread: ask decode for ring space now, so the grant is likely
+        back before the worker reaches the chunk (unless the chunk is too big to stage)."""
+        staging = self.mgr.staging
+        assert isinstance(staging, BulkStaging)
+        if not staging.fits(link.mapper, npages):
+            return
+        msg = StagingRequest(
+            room=room.room,
+            sender_id=self.sender_id,
+            session=self.mgr.session,
+            chunk_id=chunk_id,
+            nbytes=block_bytes(link.mapper, npages),
+            dst_start=at,
+            npages=npages,
+        )
+        staging.request(msg, dest.session, dest.endpoint, self.mgr.options.transfer_timeout_s)
 
     # ------------------------------------------------------------------ workers
     def is_dead(self, room: SendRoom) -> bool:
@@ -530,6 +576,12 @@ class PrefillSide:
             m.QUEUE_SECONDS.labels(**lb).observe(t_start - t_enqueued)
         m.POST_SECONDS.labels(**lb).observe(t_posted - t_start)
         m.TRANSFER_SECONDS.labels(**lb).observe(t_done - t_posted)
+
+    def abandon_staging(self, room: SendRoom, dest: Dest) -> None:
+        """Worker thread: nothing more will be written to ``dest``'s ring for this request."""
+        staging = self.mgr.staging
+        assert isinstance(staging, BulkStaging)
+        staging.abandon(room.room, dest.session, dest.endpoint, self.sender_id, self.mgr.session)
 
     def fail(self, room: SendRoom, exc: BaseException) -> None:
         """Any thread: fail the request (once), tell its destinations."""
@@ -590,6 +642,7 @@ class PrefillSide:
             return {
                 "send_rooms": len(self.rooms),
                 "early_requests": len(self.early),
+                **self.mgr.staging.room_tables(),
             }
 
     def close(self) -> None:

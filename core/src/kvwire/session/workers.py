@@ -51,19 +51,19 @@ class TransferWorkers(Generic[J]):
     """
 
     def __init__(
-        self, n: int, name: str, make_stage: Callable[[], Stage[J]], *, inline: bool = False
+        self, n: int, name: str, make_stage: Callable[[int], Stage[J]], *, inline: bool = False
     ) -> None:
         self.inline = inline
         self._queues: list[queue.SimpleQueue[J | None]] = []
         self._threads: list[threading.Thread] = []
-        self._inline_stage = make_stage() if inline else None
+        self._inline_stage = make_stage(0) if inline else None
         self._inline_lock = threading.Lock()
         if inline:
             return
         for i in range(n):
             q: queue.SimpleQueue[J | None] = queue.SimpleQueue()
             t = threading.Thread(
-                target=self._loop, args=(q, make_stage()), name=f"{name}-w{i}", daemon=True
+                target=self._loop, args=(q, make_stage(i)), name=f"{name}-w{i}", daemon=True
             )
             self._queues.append(q)
             self._threads.append(t)

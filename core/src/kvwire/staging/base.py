@@ -38,13 +38,22 @@ RegisterFn = Callable[[Sequence[MemoryRegion]], None]
 
 @dataclass
 class StagingContext:
-    """What core hands a strategy at setup: the local layout and the memory callbacks."""
+    """What core hands a strategy at setup: the local layout, the memory callbacks, and what a
+    staging strategy needs to size itself."""
 
     layout: KVLayout
     register_fn: RegisterFn
     deregister_fn: RegisterFn
     #: Republishes local metadata after registration (peers must see new regions).
     publish_fn: Callable[[], None] = lambda: None
+    #: "prefill" or "decode".
+    role: str = "prefill"
+    #: Transfer workers of a prefill manager (one private staging buffer set each).
+    num_workers: int = 1
+    #: The engine's KV tensors (layout order, or one stacked tensor) for gather/scatter.
+    kv_tensors: Any = None
+    #: Sends a control message to a peer endpoint (the staging lifecycle's messages).
+    send_fn: Callable[[str, Any], bool] = lambda endpoint, msg: False
 
 
 @dataclass
@@ -60,6 +69,9 @@ class ChunkPlan:
     src_idx: IndexArray
     dst_idx: IndexArray
     token: Any = field(default=None)
+    #: Notification kind decode sees: "kv" (rows landed in the pool) or "staged" (a block
+    #: landed in the staging ring and must be scattered).
+    what: str = "kv"
 
     @property
     def empty(self) -> bool:
@@ -84,10 +96,20 @@ class StagingStrategy(ABC):
 
     @abstractmethod
     def plan(
-        self, room: int, chunk_id: int, mapper: IndexMapper, src_pages: Any, dst_pages: Any
-    ) -> ChunkPlan:
-        """Sending side, transfer worker thread, per chunk, before submit: decide the rows to
-        move (and gather them into staging memory when the strategy stages)."""
+        self,
+        room: int,
+        chunk_id: int,
+        mapper: IndexMapper,
+        src_pages: Any,
+        dst_pages: Any,
+        *,
+        dest: str = "",
+        worker: int = 0,
+    ) -> ChunkPlan | None:
+        """Sending side, transfer worker ``worker`` thread, per chunk for destination ``dest``
+        (the decode session), before submit: decide the rows to move (and gather them into
+        staging memory when the strategy stages). None means "not yet" (waiting for staging
+        space): the worker asks again later, keeping the destination's chunks in order."""
 
     def on_sent(self, room: int, plan: ChunkPlan, ok: bool) -> None:  # noqa: B027 - optional
         """Sending side, after the chunk's transfer is terminal (its buffer may be reused)."""
@@ -97,6 +119,28 @@ class StagingStrategy(ABC):
 
     def release(self, room: int) -> None:  # noqa: B027 - optional hook
         """Both sides, on every terminal path of a request: free what the room holds."""
+
+    # ----------------------------------------------------------- staging lifecycle hooks
+    # Strategies that stage (``bulk``) implement these; ``direct`` keeps the defaults.
+    def describe(self) -> dict[str, Any] | None:
+        """Decode side, at handshake: what prefill must know about this rank's staging memory
+        (sent in ``Hello.staging``); None when this rank does not stage."""
+        return None
+
+    def link_tables(self, mapper: IndexMapper, remote: dict[str, Any] | None) -> dict[str, Any]:
+        """Prefill side, at handshake with one decode rank: extra descriptor table pairs to
+        prepare for that link (name -> ``TablePair``); empty when the link does not stage."""
+        return {}
+
+    def room_tables(self) -> dict[str, int]:
+        """Sizes of per-request staging state (leak check)."""
+        return {}
+
+    def on_control(self, msg: Any) -> None:  # noqa: B027 - optional hook
+        """Sending side, control thread: a staging control message from a receiving peer."""
+
+    def peer_lost(self, session: str) -> None:  # noqa: B027 - optional hook
+        """Either side, control thread: a peer was evicted; drop what belongs to it."""
 
     def close(self) -> None:
         """Deregister and free staging memory (manager shutdown)."""

@@ -14,7 +14,15 @@ class DirectStaging(StagingStrategy):
     name = "direct"
 
     def plan(
-        self, room: int, chunk_id: int, mapper: IndexMapper, src_pages: Any, dst_pages: Any
+        self,
+        room: int,
+        chunk_id: int,
+        mapper: IndexMapper,
+        src_pages: Any,
+        dst_pages: Any,
+        *,
+        dest: str = "",
+        worker: int = 0,
     ) -> ChunkPlan:
         src_idx, dst_idx = mapper.map_chunk(src_pages, dst_pages)
         return ChunkPlan(table="kv", src_idx=src_idx, dst_idx=dst_idx)

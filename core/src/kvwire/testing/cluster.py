@@ -241,6 +241,7 @@ def _rank_main(
         aux_buffers=[pool.aux_region],
         bootstrap_addr=addr or None,
         agent_name=f"{role}{inst}-pp{pp_rank}-tp{tp_rank}",
+        kv_tensors=pool.arrays,
     )
     rng = np.random.default_rng(
         spec.seed * 7919 + (pp_rank * 64 + tp_rank) * 8 + inst + (0 if role == "prefill" else 4096)
