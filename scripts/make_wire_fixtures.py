@@ -29,6 +29,7 @@ from kvwire.control.wire import (
     Message,
     StagingDeny,
     StagingGrant,
+    StagingQuery,
     StagingRelease,
     StagingRequest,
     StagingWatermark,
@@ -109,6 +110,7 @@ def samples() -> list[Message]:
         StagingDeny(room=42, sender_id=1, session="d", chunk_id=2, reason="room failed"),
         StagingWatermark(session="d", round=3, tail=4096),
         StagingRelease(room=42, sender_id=1, session="p"),
+        StagingQuery(room=42, session="d"),
     ]
 
 

@@ -283,6 +283,15 @@ class StagingRelease(Message):
     session: str
 
 
+class StagingQuery(Message):
+    """Decode rank -> a staging writer, repeated while ring space of a request decode has
+    cleared is still held: "answer with StagingRelease once nothing is in flight"."""
+
+    kind: ClassVar[str] = "staging_query"
+    room: int = Field(ge=0)
+    session: str
+
+
 MESSAGE_TYPES: dict[str, type[Message]] = {
     m.kind: m
     for m in (
@@ -300,6 +309,7 @@ MESSAGE_TYPES: dict[str, type[Message]] = {
         StagingDeny,
         StagingWatermark,
         StagingRelease,
+        StagingQuery,
     )
 }
 

@@ -19,6 +19,7 @@ Flow of one request on a decode rank:
 from __future__ import annotations
 
 import concurrent.futures
+import functools
 import logging
 import threading
 import time
@@ -41,6 +42,7 @@ from kvwire.control.wire import (
     Message,
     StagingDeny,
     StagingGrant,
+    StagingQuery,
     StagingRelease,
     StagingRequest,
     StagingWatermark,
@@ -104,8 +106,15 @@ class RecvRoom:
     received: dict[int, int] = field(default_factory=dict)
     expected: dict[int, int] = field(default_factory=dict)
     aux_done: bool = False
+    #: Staged chunks already scattered, (writer session, chunk id): a late duplicate request
+    #: for one of them must not allocate again (the space would never be written or freed).
+    staged_done: set[tuple[str, int]] = field(default_factory=set)
     error: BaseException | None = None
     metrics: RequestMetrics = field(default_factory=RequestMetrics)
+
+
+def _written_by(writer: str, key: tuple[int, str, int]) -> bool:
+    return key[1] == writer
 
 
 class DecodeSide:
@@ -368,6 +377,8 @@ class DecodeSide:
                 reason = "this decode rank does not stage for that sender"
             elif room is None or self._terminal(room) or room.dst_pages is None:
                 reason = "the request is not live on decode"
+            elif (msg.session, msg.chunk_id) in room.staged_done:
+                return  # a late duplicate of a chunk already written and scattered
             elif msg.dst_start + msg.npages > room.dst_pages.size:
                 reason = (
                     f"pages [{msg.dst_start}, {msg.dst_start + msg.npages}) are outside the "
@@ -428,6 +439,7 @@ class DecodeSide:
             moved = staging.scatter(
                 room.room, msg.session, msg.chunk_id, link.mapper, room.dst_pages
             )
+            room.staged_done.add((msg.session, msg.chunk_id))
         except KVWireError as exc:
             self._fail(room, exc)
             return False
@@ -529,8 +541,17 @@ class DecodeSide:
         never released; a periodic watermark broadcast (so a lost one only delays)."""
         staging = self._bulk()
         if staging is not None:
-            staging.expire(now)
-            if now >= self._next_watermark:
+            moved, query = staging.expire(now)
+            for room_id, writer in query:
+                with self.mgr.lock:
+                    link = self.links.get(writer)
+                if link is None:  # the writer is gone: nothing can still be in flight
+                    moved |= staging.free_where(functools.partial(_written_by, writer))
+                else:
+                    self.mgr.send(
+                        link.info.endpoint, StagingQuery(room=room_id, session=self.mgr.session)
+                    )
+            if moved or now >= self._next_watermark:
                 self._next_watermark = now + self.mgr.options.heartbeat_interval_s
                 self._broadcast_watermark()
         with self.mgr.lock:

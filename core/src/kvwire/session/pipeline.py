@@ -216,6 +216,8 @@ class Pipeline:
             )
         )
         tail.inflight += 1
+        if what == "staged":
+            self.side.staged_posted(key[0], key[1], +1)
 
     def _state(self, p: _Posted) -> XferState:
         state = self.mgr.backend.poll(p.handle)
@@ -243,6 +245,8 @@ class Pipeline:
         tail = self.tails.get(p.key)
         if tail is not None:
             tail.inflight -= 1
+        if p.what == "staged":
+            self.side.staged_posted(p.key[0], p.key[1], -1)
         if state is not XferState.DONE:
             m.CHUNKS.labels(**mgr.labels, result="failed").inc()
             self._failed(

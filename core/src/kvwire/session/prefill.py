@@ -47,6 +47,8 @@ from kvwire.control.wire import (
     Message,
     StagingDeny,
     StagingGrant,
+    StagingQuery,
+    StagingRelease,
     StagingRequest,
     StagingWatermark,
     TransferRequest,
@@ -133,6 +135,8 @@ class PrefillSide:
         #: Transfer requests for rooms whose sender does not exist yet: room -> decode session
         #: -> (destination, arrival time). Expire after ``bootstrap_timeout_s``.
         self.early: dict[int, dict[str, tuple[Dest, float]]] = {}
+        #: Staged writes posted and not ended, per (room, decode session).
+        self.staged_inflight: dict[tuple[int, str], int] = {}
         self.sender_id = mgr.layout.rank.sender_id
         opts = mgr.options
         self.workers: TransferWorkers[Job] = TransferWorkers(
@@ -196,6 +200,8 @@ class PrefillSide:
             self._on_request(msg)
         elif isinstance(msg, StagingGrant | StagingDeny | StagingWatermark):
             self.mgr.staging.on_control(msg)
+        elif isinstance(msg, StagingQuery):
+            self._on_staging_query(msg)
         else:
             logger.debug("%s: ignoring %s on prefill", self.mgr.agent_name, type(msg).__name__)
 
@@ -577,6 +583,31 @@ class PrefillSide:
         m.POST_SECONDS.labels(**lb).observe(t_posted - t_start)
         m.TRANSFER_SECONDS.labels(**lb).observe(t_done - t_posted)
 
+    def _on_staging_query(self, msg: StagingQuery) -> None:
+        """Control thread: decode asks whether it may free a cleared request's ring space."""
+        with self.mgr.lock:
+            room = self.rooms.get(msg.room)
+            if room is not None and not self._terminal(room):
+                return  # still live here: its tail releases the space when it ends
+            if self.staged_inflight.get((msg.room, msg.session), 0):
+                return  # a staged write is still in flight; decode asks again
+            peer = self.mgr.peers.get(msg.session)
+        if peer is not None:
+            self.mgr.send(
+                peer.endpoint,
+                StagingRelease(room=msg.room, sender_id=self.sender_id, session=self.mgr.session),
+            )
+
+    def staged_posted(self, room: int, dest: str, delta: int) -> None:
+        """Worker thread: count staged writes in flight per (request, destination)."""
+        key = (room, dest)
+        with self.mgr.lock:
+            n = self.staged_inflight.get(key, 0) + delta
+            if n > 0:
+                self.staged_inflight[key] = n
+            else:
+                self.staged_inflight.pop(key, None)
+
     def abandon_staging(self, room: SendRoom, dest: Dest) -> None:
         """Worker thread: nothing more will be written to ``dest``'s ring for this request."""
         staging = self.mgr.staging
@@ -642,6 +673,7 @@ class PrefillSide:
             return {
                 "send_rooms": len(self.rooms),
                 "early_requests": len(self.early),
+                "staged_inflight": len(self.staged_inflight),
                 **self.mgr.staging.room_tables(),
             }
 

@@ -115,6 +115,7 @@ class _Space:
     dst_start: int
     npages: int
     released_at: float | None = None
+    queried_at: float = 0.0
 
 
 @dataclass
@@ -276,18 +277,24 @@ class BulkStaging(StagingStrategy):
                 if key[0] == room and space.released_at is None:
                     space.released_at = now
 
-    def expire(self, now: float) -> bool:
-        """Decode, control thread: free space of cleared requests whose writers never said
-        they were done; True if the watermark moved."""
-        limit = self.opts.release_timeout_s
-        stale = [
-            k
-            for k, s in list(self._space.items())
-            if s.released_at is not None and now - s.released_at > limit
-        ]
+    def expire(self, now: float) -> tuple[bool, list[tuple[int, str]]]:
+        """Decode, control thread, for space of cleared requests still held: which writers to
+        ask again (``StagingQuery``, every ``request_retry_s``), and — the last resort after
+        ``release_timeout_s`` — free it. Returns (watermark moved, (room, writer) to query)."""
+        limit, retry = self.opts.release_timeout_s, self.opts.request_retry_s
+        stale, query = [], set()
+        with self._lock:
+            for k, sp in self._space.items():
+                if sp.released_at is None:
+                    continue
+                if now - sp.released_at > limit:
+                    stale.append(k)
+                elif now - sp.queried_at > retry:
+                    sp.queried_at = now
+                    query.add((k[0], k[1]))
         if stale:
             logger.warning("bulk staging: freeing %d allocations never released", len(stale))
-        return self.free_where(lambda k: k in stale)
+        return self.free_where(lambda k: k in stale), sorted(query)
 
     # ------------------------------------------------------------ prefill side
     def link_tables(self, mapper: IndexMapper, remote: dict[str, Any] | None) -> dict[str, Any]:
@@ -340,14 +347,35 @@ class BulkStaging(StagingStrategy):
     def request(
         self, msg: StagingRequest, dest: str, endpoint: str, transfer_timeout_s: float
     ) -> None:
-        """Prefill, engine thread: ask decode for ring space for one chunk."""
+        """Prefill, engine thread: ask decode for ring space for one chunk.
+
+        A request's chunks to one decode rank are asked for one at a time, in order: the next
+        goes out when the previous is granted. Allocation order then follows write order, so
+        a chunk never waits for ring space held by a later chunk of its own request (that
+        would deadlock once the ring wraps)."""
         now = time.monotonic()
+        key = (msg.room, dest, msg.chunk_id)
         with self._lock:
             self._views.setdefault(dest, WatermarkView())
-            self._asks[(msg.room, dest, msg.chunk_id)] = _Ask(
-                msg, endpoint, now, now + transfer_timeout_s
+            earlier = any(
+                k[0] == msg.room and k[1] == dest and a.grant is None for k, a in self._asks.items()
             )
-        self.send_fn(endpoint, msg)
+            self._asks[key] = _Ask(msg, endpoint, 0.0 if earlier else now, now + transfer_timeout_s)
+        if not earlier:
+            self.send_fn(endpoint, msg)
+
+    def _next_unsent(self, room: int, dest: str) -> _Ask | None:
+        """Under the lock: the first not-yet-sent request of (room, dest), marked sent."""
+        waiting = [
+            (k[2], a)
+            for k, a in self._asks.items()
+            if k[0] == room and k[1] == dest and a.sent == 0.0
+        ]
+        if not waiting:
+            return None
+        ask = min(waiting, key=lambda x: x[0])[1]
+        ask.sent = time.monotonic()
+        return ask
 
     def on_control(self, msg: Any) -> None:
         """Prefill, control thread: a decode rank answered or moved its watermark."""
@@ -365,8 +393,12 @@ class BulkStaging(StagingStrategy):
                 ask.denied = msg.reason
                 return
             view.update((msg.wm_round, msg.wm_tail))
-            if ask.grant is None:
-                ask.grant = Allocation(msg.alloc_id, msg.round, msg.offset, msg.end)
+            if ask.grant is not None:
+                return  # a duplicate grant
+            ask.grant = Allocation(msg.alloc_id, msg.round, msg.offset, msg.end)
+            nxt = self._next_unsent(msg.room, msg.session)
+        if nxt is not None:
+            self.send_fn(nxt.endpoint, nxt.msg)
 
     def plan(
         self,
@@ -395,7 +427,7 @@ class BulkStaging(StagingStrategy):
                     room=room,
                     peer=dest,
                 )
-            if now - ask.sent > self.opts.request_retry_s:
+            if ask.sent and now - ask.sent > self.opts.request_retry_s:
                 ask.sent = now
                 self.send_fn(ask.endpoint, ask.msg)
             return None

@@ -529,6 +529,8 @@ class Cluster:
                     if msg[0] != "done":
                         continue
                     rep, room = msg[1], msg[2]
+                    if room not in results:  # a straggler from a request started by hand
+                        continue
                     res = results[room]
                     res.reports.append(rep)
                     waiting[room] -= 1

@@ -24,7 +24,38 @@ def _head_slice_offset(role: str) -> None:
     HeadSliceMapper.__init__ = broken  # type: ignore[method-assign]
 
 
-FAULTS = {"head_slice_offset": _head_slice_offset}
+def _lossy_staging(role: str) -> None:
+    """Every staging control message is lost with probability 1/4 and sent twice with
+    probability 1/4 (both sides): the lifecycle must retry, ignore duplicates and never hang."""
+    import random
+
+    from kvwire.control import wire
+    from kvwire.control.channel import ControlChannel
+
+    kinds = (
+        wire.StagingRequest,
+        wire.StagingGrant,
+        wire.StagingDeny,
+        wire.StagingWatermark,
+        wire.StagingRelease,
+        wire.StagingQuery,
+    )
+    rng = random.Random(f"lossy-{role}")
+    original = ControlChannel.send
+
+    def lossy(self: ControlChannel, endpoint: str, msg: wire.Message) -> bool:
+        if isinstance(msg, kinds):
+            r = rng.random()
+            if r < 0.25:
+                return True  # lost on the way
+            if r < 0.5:
+                original(self, endpoint, msg)  # delivered twice
+        return original(self, endpoint, msg)
+
+    ControlChannel.send = lossy  # type: ignore[method-assign]
+
+
+FAULTS = {"head_slice_offset": _head_slice_offset, "lossy_staging": _lossy_staging}
 
 
 def apply(name: str, role: str) -> None:

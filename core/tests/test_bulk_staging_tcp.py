@@ -1,0 +1,11 @@
+"""Bulk staging end to end on the ``tcp`` backend (real processes, every element verified)."""
+
+from kvwire.testing.cluster_suite import BulkStagingConformance, BulkStagingFaults
+
+
+class TestTcpBulkStaging(BulkStagingConformance):
+    backend_name = "tcp"
+
+
+class TestTcpBulkStagingFaults(BulkStagingFaults):
+    backend_name = "tcp"
