@@ -2,7 +2,11 @@
 processes, every element verified): equal TP, both heterogeneous directions, MLA, chunked
 prefill and cached prefixes, dead peers and aborts."""
 
-from kvwire.testing.cluster_suite import ClusterConformance, ClusterFailures
+from kvwire.testing.cluster_suite import (
+    BulkStagingConformance,
+    ClusterConformance,
+    ClusterFailures,
+)
 
 
 class TestMooncakeCluster(ClusterConformance):
@@ -12,3 +16,11 @@ class TestMooncakeCluster(ClusterConformance):
 
 class TestMooncakeClusterFailures(ClusterFailures):
     backend_name = "mooncake"
+
+
+class TestMooncakeBulkStaging(BulkStagingConformance):
+    """Bulk staging over Mooncake: both heterogeneous directions with GQA replication (total
+    heads below TP), a ring that wraps many times."""
+
+    backend_name = "mooncake"
+    topologies = ("gather-replicated-4to2-h2", "scatter-replicated-1to4-h2")

@@ -2,7 +2,11 @@
 element verified): equal TP, both heterogeneous directions, MLA, chunked prefill and cached
 prefixes, dead peers and aborts."""
 
-from kvwire.testing.cluster_suite import ClusterConformance, ClusterFailures
+from kvwire.testing.cluster_suite import (
+    BulkStagingConformance,
+    ClusterConformance,
+    ClusterFailures,
+)
 
 
 class TestNixlCluster(ClusterConformance):
@@ -12,3 +16,11 @@ class TestNixlCluster(ClusterConformance):
 
 class TestNixlClusterFailures(ClusterFailures):
     backend_name = "nixl"
+
+
+class TestNixlBulkStaging(BulkStagingConformance):
+    """Bulk staging over Nixl: both heterogeneous directions with GQA replication (total
+    heads below TP), a ring that wraps many times."""
+
+    backend_name = "nixl"
+    topologies = ("gather-replicated-4to2-h2", "scatter-replicated-1to4-h2")
