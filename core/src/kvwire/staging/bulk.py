@@ -52,7 +52,7 @@ from kvwire.index.base import IndexMapper, TablePair
 from kvwire.index.head_slice import HeadSliceMapper
 from kvwire.layout import MemoryRegion
 from kvwire.staging.base import ChunkPlan, StagingContext, StagingStrategy
-from kvwire.staging.kernels import KVTensors, alloc_bytes
+from kvwire.staging.kernels import KVTensors, block_view
 from kvwire.staging.ring import Allocation, RingAllocator, WatermarkView
 
 logger = logging.getLogger(__name__)
@@ -172,12 +172,12 @@ class BulkStaging(StagingStrategy):
         self.kv = KVTensors(context.layout, context.kv_tensors)
         o = self.opts
         if context.role == "decode":
-            self._ring_mem = alloc_bytes(o.ring_bytes, self.kv.device)
+            self._ring_mem = self.kv.alloc(o.ring_bytes)
             self.ring = RingAllocator(o.ring_bytes, o.block_bytes)
             self._regions = [MemoryRegion.from_tensor(self._ring_mem, item_len=o.block_bytes)]
         else:
             n = context.num_workers * o.buffers_per_worker
-            self._buffers = alloc_bytes(n * o.buffer_bytes, self.kv.device)
+            self._buffers = self.kv.alloc(n * o.buffer_bytes)
             self._free = [list(range(o.buffers_per_worker)) for _ in range(context.num_workers)]
             self._regions = [MemoryRegion.from_tensor(self._buffers, item_len=o.block_bytes)]
         context.register_fn(self._regions)
@@ -241,10 +241,9 @@ class BulkStaging(StagingStrategy):
         pages = np.asarray(dst_pages, dtype=np.int64)[
             space.dst_start : space.dst_start + space.npages
         ]
-        n = mapper.num_pairs * pages.size * ps * mapper.slice_bytes
         a = space.alloc
-        block = self._ring_mem[a.offset : a.offset + n].view(
-            mapper.num_pairs, pages.size, ps, mapper.slice_bytes
+        block = block_view(
+            self._ring_mem, a.offset, (mapper.num_pairs, pages.size, ps, mapper.slice_bytes)
         )
         lo = mapper.dst_start * mapper.bytes_per_head
         self.kv.scatter(mapper.dst_buf, pages, lo, lo + mapper.slice_bytes, block)
@@ -441,8 +440,8 @@ class BulkStaging(StagingStrategy):
         ps = mapper.src.model.page_size
         n = block_bytes(mapper, pages.size)
         start = (worker * o.buffers_per_worker + slot) * o.buffer_bytes
-        out = self._buffers[start : start + n].view(
-            mapper.num_pairs, pages.size, ps, mapper.slice_bytes
+        out = block_view(
+            self._buffers, start, (mapper.num_pairs, pages.size, ps, mapper.slice_bytes)
         )
         lo = mapper.src_start * mapper.bytes_per_head
         try:

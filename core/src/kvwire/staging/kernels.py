@@ -1,15 +1,17 @@
-"""Gather and scatter of head slices between a KV pool and a contiguous staging block (torch).
+"""Gather and scatter of head slices between a KV pool and a contiguous staging block.
 
 A staged block holds, for one chunk and one (prefill rank, decode rank) pair, the head slice of
 every token of every page of every buffer pair, laid out ``[pair, page, token, slice bytes]``.
-Prefill gathers it from its pool; decode scatters it into its pool. Both run on the pool's device
-(CPU tensors, or CUDA on a private stream that is synchronised before the block is read by the
-transfer or before its ring space is freed), with one indexed copy per buffer, vectorised over
-pages and tokens — or a single one when the engine hands its pool over as one stacked tensor.
+Prefill gathers it from its pool; decode scatters it into its pool. Both run where the pool is:
+NumPy views of host memory (no torch thread pool spinning beside the engine), or torch on a
+private CUDA stream that is synchronised before the transfer reads the block and before its ring
+space is freed. One indexed copy per buffer, vectorised over pages and tokens, or a single one
+when the engine hands its pool over as one stacked tensor.
 """
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Sequence
 from typing import Any
 
@@ -35,106 +37,119 @@ class KVTensors:
 
     ``tensors``: the engine's KV buffers in layout order (torch tensors or NumPy arrays), or one
     stacked tensor ``[num_buffers, ...]``. Their addresses must be the layout's buffers.
+    Host pools are handled with NumPy views of the same memory (no torch thread pool spinning
+    next to the engine); device pools with torch on a private CUDA stream.
     """
 
     def __init__(self, layout: KVLayout, tensors: Any) -> None:
-        torch = _torch()
-        self.torch = torch
         row = layout.token_row_bytes
         shape = (layout.num_slots, layout.model.page_size, row)
+        nbuf = len(layout.buffers)
         items = [tensors] if _is_stacked(tensors, layout) else list(tensors)
-        views = []
-        for t in items:
-            tt = torch.from_numpy(t) if isinstance(t, np.ndarray) else t
-            if not tt.is_contiguous():
-                raise ConfigError("KV tensors for bulk staging must be contiguous")
-            views.append(tt.view(torch.uint8))
+        self.on_device = any(_is_cuda(t) for t in items)
+        views = [_bytes(t, self.on_device) for t in items]
         self.stacked: Any = None
-        if len(items) == 1 and len(layout.buffers) > 1:
-            self.stacked = views[0].reshape(len(layout.buffers), *shape)
-            addrs = [
-                self.stacked.data_ptr() + i * self.stacked[0].numel()
-                for i in range(len(layout.buffers))
-            ]
-            self.views = [self.stacked[i] for i in range(len(layout.buffers))]
+        if len(items) == 1 and nbuf > 1:
+            self.stacked = views[0].reshape(nbuf, *shape)
+            per = int(np.prod(shape))
+            base = _addr(self.stacked)
+            addrs = [base + i * per for i in range(nbuf)]
+            self.views = [self.stacked[i] for i in range(nbuf)]
         else:
-            if len(views) != len(layout.buffers):
-                raise ConfigError(
-                    f"{len(views)} KV tensors given for {len(layout.buffers)} layout buffers"
-                )
+            if len(views) != nbuf:
+                raise ConfigError(f"{len(views)} KV tensors given for {nbuf} layout buffers")
             self.views = [v.reshape(shape) for v in views]
-            addrs = [v.data_ptr() for v in self.views]
-        want = [b.addr for b in layout.buffers]
-        if addrs != want:
+            addrs = [_addr(v) for v in self.views]
+        if addrs != [b.addr for b in layout.buffers]:
             raise ConfigError(
                 "the KV tensors given to the manager are not the layout's buffers (addresses "
                 "differ); pass the same tensors the layout was built from"
             )
-        self.device = self.views[0].device
-        self.stream = torch.cuda.Stream(device=self.device) if self.device.type == "cuda" else None
+        self.device: Any = self.views[0].device if self.on_device else "cpu"
+        self.stream: Any = None
+        if self.on_device:
+            self.torch = _torch()
+            self.stream = self.torch.cuda.Stream(device=self.device)
 
-    def index(self, pages: NDArray[np.int64]) -> Any:
-        """Page indices as a tensor on the pool's device."""
-        return self.torch.from_numpy(np.ascontiguousarray(pages)).to(self.device)
+    def _index(self, arr: NDArray[np.int64]) -> Any:
+        arr = np.ascontiguousarray(arr, dtype=np.int64)
+        if not self.on_device:
+            return arr
+        return self.torch.from_numpy(arr).to(self.device, non_blocking=True)
 
     def _ctx(self) -> Any:
         if self.stream is None:
-            import contextlib
-
             return contextlib.nullcontext()
         return self.torch.cuda.stream(self.stream)
 
     def sync(self) -> None:
-        """Wait for this pool's staging stream (no-op on CPU)."""
+        """Wait for this pool's staging stream (no-op on the host)."""
         if self.stream is not None:
             self.stream.synchronize()
 
     def gather(
-        self,
-        bufs: NDArray[np.int64],
-        pages: NDArray[np.int64],
-        lo: int,
-        hi: int,
-        out: Any,
+        self, bufs: NDArray[np.int64], pages: NDArray[np.int64], lo: int, hi: int, out: Any
     ) -> None:
         """Copy bytes ``[lo, hi)`` of every token row of ``pages`` in buffers ``bufs`` into
-        ``out`` (uint8, shaped ``[len(bufs), len(pages), page_size, hi - lo]``); synchronised."""
-        idx = self.index(pages)
+        ``out`` (bytes shaped ``[len(bufs), len(pages), page_size, hi - lo]``); synchronised."""
+        idx = self._index(pages)
         with self._ctx():
             if self.stacked is not None:
-                b = self.torch.from_numpy(np.ascontiguousarray(bufs)).to(self.device)
-                out.copy_(self.stacked[:, :, :, lo:hi][b[:, None], idx[None, :]])
+                b = self._index(bufs)
+                out[...] = self.stacked[:, :, :, lo:hi][b[:, None], idx[None, :]]
             else:
                 for i, bi in enumerate(bufs.tolist()):
-                    out[i].copy_(self.views[bi][:, :, lo:hi][idx])
+                    out[i] = self.views[bi][idx, :, lo:hi]
         self.sync()
 
     def scatter(
-        self,
-        bufs: NDArray[np.int64],
-        pages: NDArray[np.int64],
-        lo: int,
-        hi: int,
-        block: Any,
+        self, bufs: NDArray[np.int64], pages: NDArray[np.int64], lo: int, hi: int, block: Any
     ) -> None:
         """The inverse of :meth:`gather`: write ``block`` into bytes ``[lo, hi)`` of the token
         rows of ``pages`` in buffers ``bufs``; synchronised before returning."""
-        idx = self.index(pages)
+        idx = self._index(pages)
         with self._ctx():
             if self.stacked is not None:
-                b = self.torch.from_numpy(np.ascontiguousarray(bufs)).to(self.device)
+                b = self._index(bufs)
                 self.stacked[:, :, :, lo:hi][b[:, None], idx[None, :]] = block
             else:
                 for i, bi in enumerate(bufs.tolist()):
-                    self.views[bi][:, :, lo:hi][idx] = block[i]
+                    self.views[bi][idx, :, lo:hi] = block[i]
         self.sync()
+
+    def alloc(self, nbytes: int) -> Any:
+        """Zeroed staging memory next to the pool (a NumPy array on the host)."""
+        if not self.on_device:
+            return np.zeros(nbytes, dtype=np.uint8)
+        return self.torch.zeros(nbytes, dtype=self.torch.uint8, device=self.device)
+
+
+def block_view(buf: Any, start: int, shape: tuple[int, ...]) -> Any:
+    """The bytes of ``buf`` from ``start`` seen as a contiguous block of ``shape``."""
+    n = int(np.prod(shape))
+    return buf[start : start + n].reshape(shape)
+
+
+def _is_cuda(t: Any) -> bool:
+    return bool(getattr(t, "is_cuda", False))
+
+
+def _bytes(t: Any, device: bool) -> Any:
+    """A flat byte view of a tensor or array (torch on a device, NumPy on the host)."""
+    if isinstance(t, np.ndarray):
+        if not t.flags.c_contiguous:
+            raise ConfigError("KV arrays for bulk staging must be C-contiguous")
+        return t.reshape(-1).view(np.uint8)
+    if not t.is_contiguous():
+        raise ConfigError("KV tensors for bulk staging must be contiguous")
+    if device:
+        return t.reshape(-1).view(_torch().uint8)
+    return t.detach().numpy().reshape(-1).view(np.uint8)
+
+
+def _addr(v: Any) -> int:
+    return int(v.ctypes.data) if isinstance(v, np.ndarray) else int(v.data_ptr())
 
 
 def _is_stacked(tensors: Any, layout: KVLayout) -> bool:
     return not isinstance(tensors, Sequence) and len(layout.buffers) > 1
-
-
-def alloc_bytes(nbytes: int, device: Any) -> Any:
-    """A zeroed uint8 tensor on ``device`` (pinned when on CPU and CUDA is around)."""
-    torch = _torch()
-    return torch.zeros(nbytes, dtype=torch.uint8, device=device)

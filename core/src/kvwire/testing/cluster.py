@@ -83,6 +83,12 @@ class RoomPlan(BaseModel):
     decode_abort: bool = False
     #: Prefill waits this long before sending its last chunk.
     stall_s: float = 0.0
+    #: Fill and check every element of this request (None: the cluster's ``verify``).
+    verify: bool | None = None
+
+    def verified(self, spec: ClusterSpec) -> bool:
+        """Whether this request is filled and checked."""
+        return spec.verify if self.verify is None else self.verify
 
 
 @dataclass
@@ -292,14 +298,14 @@ def _rank_main(
         if role == "prefill":
             n = plan.num_pages
             pages = np.array([free.pop() for _ in range(n)], dtype=np.int64)
-            if spec.verify:
+            if plan.verified(spec):
                 pool.fill(pages, 0)
             pool.aux[aux_index] = _aux_row(plan.room)
             obj: Any = mgr.sender(plan.room)
         else:
             n = plan.num_pages - plan.cached_pages
             pages = np.array([free.pop() for _ in range(n)], dtype=np.int64)
-            if spec.verify:
+            if plan.verified(spec):
                 pool.poison(pages)
             pool.aux[aux_index] = 0
             obj = mgr.receiver(plan.room, addr)
@@ -316,7 +322,7 @@ def _rank_main(
                 a.stage = 1
             if st == KVPoll.Success:
                 first = a.plan.cached_pages * m.page_size
-                mism = pool.mismatches(a.pages, first) if spec.verify else 0
+                mism = pool.mismatches(a.pages, first) if a.plan.verified(spec) else 0
                 aux_ok = bool((pool.aux[a.aux_index] == _aux_row(a.plan.room)).all())
                 report(a, st, mism, aux_ok)
                 return True

@@ -764,6 +764,12 @@ def add_bench_args(parser: argparse.ArgumentParser) -> None:
         f"--concurrency {','.join(map(str, QUICK_CONCURRENCY))} --requests {QUICK_REQUESTS} "
         f"--repeat {QUICK_REPEAT})",
     )
+    g.add_argument(
+        "--compare-staging",
+        action="store_true",
+        help="instead: bulk staging vs the per-token path vs equal TP (TP 2->1 and 1->1; "
+        "--sizes gives pages per request, --concurrency the levels)",
+    )
     g.add_argument("--json", metavar="PATH", help="write every figure and the machine as JSON")
     g.add_argument("--plot", metavar="PATH.png", help="draw GB/s vs concurrency (matplotlib)")
 
@@ -816,6 +822,14 @@ def run(args: argparse.Namespace, console: Console, argv: Sequence[str] | None =
         console.print(f"[red]error[/]: {escape(PLOT_HINT)}", highlight=False)
         return 1
     command = shlex.join(["kvwire", *(argv or [])])
+    if args.compare_staging:
+        from kvwire.testing import staging_bench
+
+        try:
+            return staging_bench.run(args, config, console, command)
+        except (ClusterError, KVWireError, RuntimeError) as exc:
+            console.print(f"[red]error[/]: {escape(str(exc))}", highlight=False)
+            return 1
     t0 = time.monotonic()
     try:
         with Progress(
