@@ -31,6 +31,11 @@ def kvwire_transfer_backends():
 @hookimpl
 def kvwire_index_mappers():
     return [Implementation("dupmapper", "fakeplug_good:X")]
+
+@hookimpl
+def kvwire_engine_benchmarks():
+    return [Implementation("fakenative-bench", "json:dumps"),
+            Implementation("brokenbench", "fakeplug_no_such_module:main")]
 """
 
 OTHER_PLUGIN = """
@@ -179,3 +184,13 @@ def test_doctor_checks_from_builtins_and_failing_plugin_hooks(fake_plugins: Path
     assert checks["core"].ok and "ZeroMQ" in checks["core"].detail
     assert "tcp" in checks["core"].detail
     assert not checks["other"].ok and "engine probe crashed" in checks["other"].detail
+
+
+def test_engine_benchmark_lookup(fake_plugins: Path) -> None:
+    reg = PluginRegistry()
+    # the built-in tcp backend registers none (it has `kvwire bench-backend`)
+    assert reg.engine_benchmark("tcp") is None
+    # a plugin's registration is imported on request; a broken one names itself
+    assert reg.engine_benchmark("fakenative-bench") is not None
+    with pytest.raises(PluginError, match="does not import"):
+        reg.engine_benchmark("brokenbench")

@@ -76,6 +76,12 @@ class KVWireSpecs:
         """Return the staging strategies this plugin provides."""
 
     @hookspec
+    def kvwire_engine_benchmarks(self) -> list[Implementation]:  # type: ignore[empty-body]
+        """Return engine-level benchmarks: ``Implementation(backend name, "module:main")``
+        where ``main(argv: list[str]) -> int`` compares the backend with raw engine calls
+        (run by ``kvwire bench --engine --transfer-backend NAME``)."""
+
+    @hookspec
     def kvwire_doctor_checks(self) -> list[DoctorCheck]:  # type: ignore[empty-body]
         """Report what the plugin's engine needs and whether it is there (for `kvwire
         doctor`). Must not fail when the engine is missing: report it instead."""
@@ -315,6 +321,24 @@ class PluginRegistry:
                 checks = [DoctorCheck(impl.plugin_name, False, f"doctor hook raised {exc!r}")]
             out.extend((impl.plugin_name, c) for c in checks)
         return out
+
+    def engine_benchmark(self, backend: str) -> Any | None:
+        """The ``main(argv)`` of the engine benchmark a plugin registered for ``backend``,
+        imported now; None when no plugin registered one."""
+        for impl in self.manager.hook.kvwire_engine_benchmarks.get_hookimpls():
+            result: Any = impl.function()
+            entries: list[Implementation] = list(result or [])
+            for entry in entries:
+                if entry.name == backend:
+                    module, _, attr = entry.target.partition(":")
+                    try:
+                        return getattr(importlib.import_module(module), attr or "main")
+                    except Exception as exc:
+                        raise PluginError(
+                            f"engine benchmark of {backend!r} ({entry.target}) from plugin "
+                            f"{impl.plugin_name!r} does not import: {type(exc).__name__}: {exc}"
+                        ) from exc
+        return None
 
     def try_resolve(self, kind: Kind, name: str) -> tuple[Any | None, str | None]:
         """Like :meth:`resolve` but returns ``(None, error)`` instead of raising."""

@@ -765,6 +765,14 @@ def add_bench_args(parser: argparse.ArgumentParser) -> None:
         f"--repeat {QUICK_REPEAT})",
     )
     g.add_argument(
+        "--engine",
+        nargs=argparse.REMAINDER,
+        metavar="ARGS",
+        help="instead: the selected backend plugin's engine benchmark (kvwire's backend vs raw "
+        "engine calls on the same descriptors, e.g. prepared vs one-shot submission); ARGS go "
+        "to it (e.g. --engine --repeat 5)",
+    )
+    g.add_argument(
         "--compare-staging",
         action="store_true",
         help="instead: bulk staging vs the per-token path vs equal TP (TP 2->1 and 1->1; "
@@ -822,6 +830,23 @@ def run(args: argparse.Namespace, console: Console, argv: Sequence[str] | None =
         console.print(f"[red]error[/]: {escape(PLOT_HINT)}", highlight=False)
         return 1
     command = shlex.join(["kvwire", *(argv or [])])
+    if args.engine is not None:
+        from kvwire.plugins import get_registry
+
+        name = config.transfer_backend
+        try:
+            bench = get_registry().engine_benchmark(name)
+        except KVWireError as exc:
+            console.print(f"[red]error[/]: {escape(str(exc))}", highlight=False)
+            return 1
+        if bench is None:
+            console.print(
+                f"[red]error[/]: backend {name!r} registers no engine benchmark; for the tcp "
+                "backend use `kvwire bench-backend`",
+                highlight=False,
+            )
+            return 1
+        return int(bench(list(args.engine)))
     if args.compare_staging:
         from kvwire.testing import staging_bench
 

@@ -104,3 +104,10 @@ def kvwire_doctor_checks() -> list[DoctorCheck]:
     if env is not None:
         checks.append(env)
     return checks
+
+
+@hookimpl
+def kvwire_engine_benchmarks() -> list[Implementation]:
+    """``kvwire bench --engine --transfer-backend mooncake``: kvwire's mooncake backend vs raw
+    engine calls on the same descriptors."""
+    return [Implementation("mooncake", "kvwire_mooncake.bench:main", "kvwire vs raw Mooncake")]

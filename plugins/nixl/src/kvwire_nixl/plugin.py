@@ -104,3 +104,10 @@ def kvwire_doctor_checks() -> list[DoctorCheck]:
         except Exception as exc:  # a doctor hook reports, never raises
             checks.append(DoctorCheck("nixl", False, f"{fn.__name__} raised {exc!r}"))
     return checks
+
+
+@hookimpl
+def kvwire_engine_benchmarks() -> list[Implementation]:
+    """``kvwire bench --engine --transfer-backend nixl``: kvwire's nixl backend vs raw engine
+    calls on the same descriptors."""
+    return [Implementation("nixl", "kvwire_nixl.bench:main", "kvwire vs raw nixl calls")]
