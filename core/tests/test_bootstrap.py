@@ -21,10 +21,10 @@ from kvwire.control.bootstrap import (
     SIGNATURE_HEADER,
     TIMESTAMP_HEADER,
     BootstrapClient,
-    BootstrapServer,
     RankInfo,
     sign_request,
 )
+from kvwire.control.bootstrap_server import BootstrapServer
 from kvwire.errors import BootstrapError
 
 SECRET = b"s3cret-for-tests"

@@ -135,7 +135,7 @@ def cmd_bootstrap(args: argparse.Namespace, console: Console) -> int:
     The shared secret comes from ``KVWIRE_SECRET`` (never the command line, where ``ps`` would
     show it).
     """
-    from kvwire.control.bootstrap import BootstrapServer
+    from kvwire.control.bootstrap_server import BootstrapServer
     from kvwire.errors import BootstrapError
 
     secret = os.environ.get("KVWIRE_SECRET", "").encode() or None

@@ -24,13 +24,13 @@ import concurrent.futures
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 from numpy.typing import NDArray
 
 from kvwire.backend import Notification, PreparedPair, TransferHandle
-from kvwire.control.bootstrap import BootstrapClient, BootstrapServer, RankInfo
+from kvwire.control.bootstrap import BootstrapClient, RankInfo
 from kvwire.control.handshake import (
     aux_problems,
     aux_sender,
@@ -70,6 +70,9 @@ from kvwire.session.pipeline import Pipeline
 from kvwire.session.poll import KVPoll
 from kvwire.session.workers import TransferWorkers
 from kvwire.staging.bulk import BulkStaging, block_bytes
+
+if TYPE_CHECKING:
+    from kvwire.control.bootstrap_server import BootstrapServer
 
 logger = logging.getLogger(__name__)
 
@@ -156,6 +159,8 @@ class PrefillSide:
                     f"prefill rank tp={r.tp_rank} pp={r.pp_rank} dp={r.dp_rank} needs "
                     "bootstrap_addr (the address prefill rank 0's bootstrap service listens on)"
                 )
+            from kvwire.control.bootstrap_server import BootstrapServer
+
             self.server = BootstrapServer(
                 opts.bootstrap_host, opts.bootstrap_port, mgr.config.secret_bytes
             ).start()

@@ -22,6 +22,7 @@ import logging
 import multiprocessing as mp
 import os
 import secrets
+import socket
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -30,7 +31,7 @@ from typing import Any
 
 import numpy as np
 from numpy.typing import NDArray
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, SecretStr
 
 from kvwire.config import KVWireConfig
 from kvwire.layout import KVLayout, MemoryRegion, ModelSpec, RankPosition
@@ -214,12 +215,22 @@ class _Active:
 
 
 def _rank_main(
-    conn: Connection, spec_json: str, role: str, tp_rank: int, pp_rank: int, inst: int, addr: str
+    conn: Connection,
+    spec_json: str,
+    role: str,
+    tp_rank: int,
+    pp_rank: int,
+    inst: int,
+    addr: str,
+    secret: str,
 ) -> None:
-    """Entry point of a rank process (spawned)."""
+    """Entry point of a rank process (spawned). ``secret`` travels apart from the spec (a
+    config serialised to JSON masks it)."""
     from kvwire.session import KVManager, KVPoll, Role
 
     spec = ClusterSpec.model_validate_json(spec_json)
+    if secret:
+        spec.config = spec.config.model_copy(update={"secret": SecretStr(secret)})
     fault = os.environ.get(FAULT_ENV)
     if fault:
         from kvwire.testing import faults
@@ -388,6 +399,13 @@ class _Proc:
     conn: Connection
 
 
+def _free_port(host: str) -> int:
+    """A port free on ``host`` right now (for the bootstrap service)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((host, 0))
+        return int(sock.getsockname()[1])
+
+
 class ClusterError(RuntimeError):
     """A rank process died or the workload did not finish in time."""
 
@@ -399,11 +417,18 @@ class Cluster:
         self.spec = spec
         self._ctx = mp.get_context("spawn")
         self.procs: list[_Proc] = []
-        self.bootstrap_addr = ""
+        # Every rank starts at once: rank 0 is told which port its bootstrap service takes,
+        # the others retry registration and lookups until it answers.
+        port = _free_port(spec.config.control.bootstrap_host)
+        self.bootstrap_addr = f"{spec.config.control.bootstrap_host}:{port}"
+        control = spec.config.control.model_copy(update={"bootstrap_port": port})
+        first_spec = spec.model_copy(
+            update={"config": spec.config.model_copy(update={"control": control})}
+        )
         spec_json = spec.model_dump_json()
+        self._secret = spec.config.secret.get_secret_value() if spec.config.secret else ""
         try:
-            first = self._spawn(spec_json, "prefill", 0, 0, 0, "")
-            self.bootstrap_addr = self._expect(first, "ready", start_timeout_s)[1]
+            self._spawn(first_spec.model_dump_json(), "prefill", 0, 0, 0, "")
             for pp in range(spec.prefill_pp):
                 for tp in range(spec.prefill_tp):
                     if (tp, pp) != (0, 0):
@@ -411,7 +436,7 @@ class Cluster:
             for inst in range(spec.decode_instances):
                 for tp in range(spec.decode_tp):
                     self._spawn(spec_json, "decode", inst, tp, 0, self.bootstrap_addr)
-            for p in self.procs[1:]:
+            for p in self.procs:
                 self._expect(p, "ready", start_timeout_s)
         except BaseException:
             self.close()
@@ -421,7 +446,7 @@ class Cluster:
         parent, child = self._ctx.Pipe()
         proc = self._ctx.Process(
             target=_rank_main,
-            args=(child, spec_json, role, tp, pp, inst, addr),
+            args=(child, spec_json, role, tp, pp, inst, addr, self._secret),
             name=f"kvwire-{role}{inst}-pp{pp}-tp{tp}",
             daemon=True,
         )

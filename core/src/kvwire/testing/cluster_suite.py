@@ -114,12 +114,13 @@ class _Base:
     staging: ClassVar[str] = "direct"
     staging_options: ClassVar[dict[str, Any]] = {}
 
-    def config(self, **control: Any) -> KVWireConfig:
+    @classmethod
+    def config(cls, **control: Any) -> KVWireConfig:
         return KVWireConfig(
-            transfer_backend=self.backend_name,
-            transfer_backend_options=dict(self.backend_options),
-            staging=self.staging,
-            staging_options=dict(self.staging_options),
+            transfer_backend=cls.backend_name,
+            transfer_backend_options=dict(cls.backend_options),
+            staging=cls.staging,
+            staging_options=dict(cls.staging_options),
             control=ControlOptions(**control),
         )
 
@@ -142,7 +143,8 @@ class ClusterConformance(_Base):
             )
 
     @pytest.fixture(scope="class")
-    def cluster(self, request: pytest.FixtureRequest) -> Iterator[Cluster]:
+    @classmethod
+    def cluster(cls, request: pytest.FixtureRequest) -> Iterator[Cluster]:
         tp, pp, td, heads, mla = TOPOLOGIES[request.param]
         model = ModelSpec(
             num_layers=4,
@@ -159,7 +161,7 @@ class ClusterConformance(_Base):
             decode_tp=td,
             slots=512,
             aux_slots=128,
-            config=self.config(),
+            config=cls.config(),
         )
         with Cluster(spec) as c:
             yield c
