@@ -60,7 +60,7 @@ from kvwire.errors import (
 )
 from kvwire.index.base import IndexMapper, check_pages
 from kvwire.index.ranks import source_ranks
-from kvwire.session import metrics as m
+from kvwire.session.common import RequestHandle, Side
 from kvwire.session.manager import KVManager, Peer
 from kvwire.session.metrics import RequestMetrics
 from kvwire.session.poll import KVPoll
@@ -117,12 +117,11 @@ def _written_by(writer: str, key: tuple[int, str, int]) -> bool:
     return key[1] == writer
 
 
-class DecodeSide:
+class DecodeSide(Side[RecvRoom]):
     """The decode role of a :class:`~kvwire.session.manager.KVManager`."""
 
     def __init__(self, mgr: KVManager) -> None:
-        self.mgr = mgr
-        self.rooms: dict[int, RecvRoom] = {}
+        super().__init__(mgr)
         self.pending: dict[str, _Pending] = {}
         self.links: dict[str, PrefillLink] = {}
         #: (bootstrap address, prefill dp rank) -> the prefill ranks registered there.
@@ -136,17 +135,8 @@ class DecodeSide:
     # ------------------------------------------------------------ bootstrapping
     def create_room(self, room_id: int, bootstrap_addr: str) -> RecvRoom:
         """Engine thread (KVReceiver creation)."""
-        if not 0 <= room_id < 1 << 64:
-            raise ConfigError(f"room id {room_id} must be an unsigned 64-bit integer")
         with self.mgr.lock:
-            if room_id in self.rooms:
-                raise ConfigError(f"room {room_id} already has a receiver here; clear() it first")
-            room = RecvRoom(room_id, bootstrap_addr)
-            self.rooms[room_id] = room
-            self.mgr.status.clear(room_id)
-            self.mgr.status.update(room_id, KVPoll.Bootstrapping)
-            m.ACTIVE_ROOMS.labels(**self.mgr.labels).set(len(self.rooms))
-            return room
+            return self._add_room(RecvRoom(room_id, bootstrap_addr))
 
     def start(self, room: RecvRoom, prefill_dp_rank: int | None) -> None:
         """Engine thread (``init``): resolve and handshake in the background."""
@@ -493,10 +483,8 @@ class DecodeSide:
                     ),
                 )
                 return
-        room.metrics.total_s = time.perf_counter() - room.t0
         room.metrics.chunks = sum(room.received.values())
-        self.mgr.status.update(room.room, KVPoll.Success)
-        self.mgr.finish(room.room, KVPoll.Success, room.t0)
+        self.succeed(room)
 
     def on_failure(self, msg: Failure) -> None:
         """Control thread: a prefill rank failed or aborted a room."""
@@ -512,7 +500,7 @@ class DecodeSide:
             self._fail(
                 room,
                 TransferError(f"prefill {what} the request: {msg.reason}", room=room.room),
-                tell=False,
+                skip=msg.session,
             )
 
     def on_peer_lost(self, peer: Peer, why: str) -> None:
@@ -533,7 +521,7 @@ class DecodeSide:
                             room=room.room,
                             peer=peer.agent,
                         ),
-                        tell=True,
+                        skip=peer.session,
                     )
 
     def check_deadlines(self, now: float) -> None:
@@ -607,40 +595,25 @@ class DecodeSide:
         room.deadline = time.monotonic() + mgr.options.waiting_timeout_s
         mgr.status.update(room.room, KVPoll.Transferring)
 
-    def _terminal(self, room: RecvRoom) -> bool:
-        return self.mgr.status.get(room.room, KVPoll.Failed) in (KVPoll.Failed, KVPoll.Success)
-
     def _fail(
-        self, room: RecvRoom, exc: BaseException, tell: bool = True, aborted: bool = False
+        self, room: RecvRoom, exc: BaseException, skip: str | None = None, aborted: bool = False
     ) -> None:
-        """Under the lock: fail the room once, record why, tell its sources."""
+        """Under the lock: fail the room once, record why, tell its sources (but ``skip``, the
+        one that reported it or is gone)."""
         mgr = self.mgr
-        if room.error is not None or mgr.status.get(room.room, KVPoll.Failed) is KVPoll.Success:
+        if not self._mark_failed(room, exc):
             return
-        room.error = exc
-        mgr.status.update(room.room, KVPoll.Failed)
-        mgr.finish(room.room, KVPoll.Failed, room.t0)
         logger.warning("%s: room %d failed: %s", mgr.agent_name, room.room, exc)
-        if tell and room.sources:
-            msg = Failure(room=room.room, session=mgr.session, reason=str(exc), aborted=aborted)
-            for s in room.sources:
+        msg = Failure(room=room.room, session=mgr.session, reason=str(exc), aborted=aborted)
+        for s in room.sources or ():
+            if s.info.session != skip:
                 mgr.send(s.info.endpoint, msg)
-
-    def abort(self, room: RecvRoom) -> None:
-        """Engine thread: abort here and on every prefill rank feeding this rank."""
-        with self.mgr.lock:
-            if not self._terminal(room):
-                self._fail(room, TransferError("aborted by decode", room=room.room), aborted=True)
 
     def clear(self, room: RecvRoom) -> None:
         """Engine thread: forget the room."""
         with self.mgr.lock:
-            if self.rooms.get(room.room) is room:
-                del self.rooms[room.room]
-                self.mgr.status.clear(room.room)
-                if room.aux_index >= 0:
-                    self.mgr.stamps[room.aux_index, 0] = 0
-            m.ACTIVE_ROOMS.labels(**self.mgr.labels).set(len(self.rooms))
+            if self._forget(room) and room.aux_index >= 0:
+                self.mgr.stamps[room.aux_index, 0] = 0
         self.mgr.staging.release(room.room)
 
     def room_tables(self) -> dict[str, int]:
@@ -655,16 +628,14 @@ class DecodeSide:
     def close(self) -> None:
         """Manager shutdown: fail live rooms and stop the bootstrap threads."""
         with self.mgr.lock:
-            for room in list(self.rooms.values()):
-                if not self._terminal(room):
-                    self._fail(room, TransferError("decode manager closed", room=room.room))
+            self._fail_live("decode manager closed")
             for p in self.pending.values():
                 p.error = "decode manager closed"
                 p.event.set()
         self.bootstraps.shutdown(wait=False, cancel_futures=True)
 
 
-class KVReceiver:
+class KVReceiver(RequestHandle[RecvRoom]):
     """Decode side of one request. Created by the engine with
     ``mgr.receiver(room, bootstrap_addr)``.
 
@@ -676,12 +647,9 @@ class KVReceiver:
     def __init__(
         self, side: DecodeSide, room: int, bootstrap_addr: str, prefill_dp_rank: int | None
     ) -> None:
-        self._side = side
-        self.room = room
+        super().__init__(side, room, side.create_room(room, bootstrap_addr))
         self._dp = prefill_dp_rank
-        self._state = side.create_room(room, bootstrap_addr)
         self._started = False
-        self._final: KVPoll | None = None
 
     def init(self, prefill_dp_rank: int | None = None) -> None:
         """Start bootstrapping: look up the prefill ranks and handshake (in the background).
@@ -697,29 +665,3 @@ class KVReceiver:
         empty when the whole prefix is cached), and the aux row."""
         self.init()
         self._side.send_metadata(self._state, dst_page_indices, aux_index)
-
-    def poll(self) -> KVPoll:
-        """Status of the request on this rank (MIN-reduce across ranks with reduce_polls)."""
-        if self._final is not None:
-            return self._final
-        return self._side.mgr.status.get(self.room, KVPoll.Failed)
-
-    def failure_exception(self) -> None:
-        """Re-raise why the request failed here (the original exception); no-op otherwise."""
-        if self.poll() is KVPoll.Failed:
-            raise self._state.error or TransferError("request failed", room=self.room)
-
-    @property
-    def metrics(self) -> RequestMetrics:
-        """What the request cost on this rank."""
-        return self._state.metrics
-
-    def abort(self) -> None:
-        """Abort the request; every prefill rank feeding this rank learns of it."""
-        self._side.abort(self._state)
-
-    def clear(self) -> None:
-        """Free every per-request entry on this rank. Call once the request is terminal."""
-        if self._final is None:
-            self._final = self.poll()
-            self._side.clear(self._state)

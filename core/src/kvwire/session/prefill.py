@@ -64,6 +64,7 @@ from kvwire.errors import (
 from kvwire.index.base import IndexMapper, check_pages
 from kvwire.index.ranks import target_ranks
 from kvwire.session import metrics as m
+from kvwire.session.common import RequestHandle, Side
 from kvwire.session.manager import KVManager, Peer
 from kvwire.session.metrics import RequestMetrics
 from kvwire.session.pipeline import Pipeline
@@ -129,12 +130,11 @@ class SendRoom:
     metrics: RequestMetrics = field(default_factory=RequestMetrics)
 
 
-class PrefillSide:
+class PrefillSide(Side[SendRoom]):
     """The prefill role of a :class:`~kvwire.session.manager.KVManager`."""
 
     def __init__(self, mgr: KVManager, bootstrap_addr: str | None) -> None:
-        self.mgr = mgr
-        self.rooms: dict[int, SendRoom] = {}
+        super().__init__(mgr)
         #: Transfer requests for rooms whose sender does not exist yet: room -> decode session
         #: -> (destination, arrival time). Expire after ``bootstrap_timeout_s``.
         self.early: dict[int, dict[str, tuple[Dest, float]]] = {}
@@ -434,19 +434,11 @@ class PrefillSide:
     # --------------------------------------------------------------- engine thread
     def create_room(self, room_id: int) -> SendRoom:
         """Engine thread (KVSender creation): a new room, picking up early requests."""
-        if not 0 <= room_id < 1 << 64:
-            raise ConfigError(f"room id {room_id} must be an unsigned 64-bit integer")
         with self.mgr.lock:
-            if room_id in self.rooms:
-                raise ConfigError(f"room {room_id} already has a sender on this rank; clear() it")
-            room = SendRoom(room_id)
-            self.rooms[room_id] = room
-            self.mgr.status.clear(room_id)
-            self.mgr.status.update(room_id, KVPoll.Bootstrapping)
+            room = self._add_room(SendRoom(room_id))
             for s, (dest, _t) in self.early.pop(room_id, {}).items():
                 if s in self.mgr.peers:
                     self._add_dest(room, dest)
-            m.ACTIVE_ROOMS.labels(**self.mgr.labels).set(len(self.rooms))
             return room
 
     def init(self, room: SendRoom, num_pages: int, aux_index: int) -> None:
@@ -629,47 +621,28 @@ class PrefillSide:
         with self.mgr.lock:
             dest.done = True
             if all(d.done for d in room.dests.values()) and not self._terminal(room):
-                room.metrics.total_s = time.perf_counter() - room.t0
-                self.mgr.status.update(room.room, KVPoll.Success)
-                self.mgr.finish(room.room, KVPoll.Success, room.t0)
+                self.succeed(room)
 
     # ---------------------------------------------------------------- failures
-    def _terminal(self, room: SendRoom) -> bool:
-        st = self.mgr.status.get(room.room, KVPoll.Failed)
-        return st in (KVPoll.Failed, KVPoll.Success)
-
     def _fail(
         self, room: SendRoom, exc: BaseException, skip: str | None = None, aborted: bool = False
     ) -> None:
         """Under the lock: fail a room once, record why, tell every other destination."""
         mgr = self.mgr
-        if room.error is not None or mgr.status.get(room.room, KVPoll.Failed) is KVPoll.Success:
+        if not self._mark_failed(room, exc):
             return
-        room.error = exc
-        mgr.status.update(room.room, KVPoll.Failed)
-        mgr.finish(room.room, KVPoll.Failed, room.t0)
         logger.warning("%s: room %d failed: %s", mgr.agent_name, room.room, exc)
         msg = Failure(room=room.room, session=mgr.session, reason=str(exc), aborted=aborted)
         for d in room.dests.values():
             if d.session != skip:
                 mgr.send(d.endpoint, msg)
 
-    def abort(self, room: SendRoom) -> None:
-        """Engine thread: abort the request here and on every decode rank it feeds."""
-        with self.mgr.lock:
-            if self._terminal(room):
-                return
-            self._fail(room, TransferError("aborted by prefill", room=room.room), aborted=True)
-
     def clear(self, room: SendRoom) -> None:
         """Engine thread: forget the room (every terminal path ends here)."""
         with self.mgr.lock:
-            if self.rooms.get(room.room) is room:
-                del self.rooms[room.room]
-                self.mgr.status.clear(room.room)
+            self._forget(room)
             for s in list(self.early.get(room.room, {})):
                 self._drop_early(room.room, s)
-            m.ACTIVE_ROOMS.labels(**self.mgr.labels).set(len(self.rooms))
         self.mgr.staging.release(room.room)
 
     def room_tables(self) -> dict[str, int]:
@@ -685,9 +658,7 @@ class PrefillSide:
     def close(self) -> None:
         """Manager shutdown: fail live rooms, stop workers and the bootstrap service."""
         with self.mgr.lock:
-            for room in list(self.rooms.values()):
-                if not self._terminal(room):
-                    self._fail(room, TransferError("prefill manager closed", room=room.room))
+            self._fail_live("prefill manager closed")
         self.workers.stop()
         self.handshakes.shutdown(wait=False, cancel_futures=True)
         try:
@@ -712,25 +683,27 @@ class Job:
     t_enqueued: float
 
 
-class KVSender:
+class KVSender(RequestHandle[SendRoom]):
     """Prefill side of one request. Created by the engine with ``mgr.sender(room)``.
 
     Engine thread calls, in order: :meth:`init` once, :meth:`send` once per chunk (the last with
     ``last=True``), :meth:`poll` each scheduler step, and :meth:`clear` once the request is
     finished (on every path: success, failure, abort). None of them blocks on a transfer.
+    Unknown rooms poll as ``WaitingForInput`` (the decode side may not have asked yet).
     """
 
+    unknown_status = KVPoll.WaitingForInput
+
     def __init__(self, side: PrefillSide, room: int) -> None:
-        self._side = side
-        self.room = room
-        self._state = side.create_room(room)
-        self._final: KVPoll | None = None
+        super().__init__(side, room, side.create_room(room))
 
     def init(self, num_pages: int, aux_index: int) -> None:
         """Declare the request's number of KV pages and its aux row index on this rank."""
         self._side.init(self._state, num_pages, aux_index)
 
-    def send(self, page_indices: Any, last: bool = False, state_indices: Any | None = None) -> None:
+    def send(
+        self, page_indices: Any, last: bool = False, state_indices: Any | None = None
+    ) -> None:
         """Queue one chunk of chunked prefill (page slots of this rank's pool, in request
         order). Raises :class:`~kvwire.errors.DescriptorError` or ``ConfigError`` on bad input
         (the room is failed and decode is told)."""
@@ -739,30 +712,3 @@ class KVSender:
                 "state buffers (hybrid models) are not supported yet; pass state_indices=None"
             )
         self._side.send(self._state, page_indices, last)
-
-    def poll(self) -> KVPoll:
-        """Status of the request on this rank (MIN-reduce across ranks with reduce_polls)."""
-        if self._final is not None:
-            return self._final
-        return self._side.mgr.status.get(self.room, KVPoll.WaitingForInput)
-
-    def failure_exception(self) -> None:
-        """Re-raise why the request failed here (the original exception); no-op otherwise."""
-        if self.poll() is KVPoll.Failed:
-            err = self._state.error or TransferError("request failed", room=self.room)
-            raise err
-
-    @property
-    def metrics(self) -> RequestMetrics:
-        """What the request cost on this rank (bytes, descriptors, queue/post/transfer time)."""
-        return self._state.metrics
-
-    def abort(self) -> None:
-        """Abort the request; every decode rank it feeds learns of it."""
-        self._side.abort(self._state)
-
-    def clear(self) -> None:
-        """Free every per-request entry on this rank. Call once the request is terminal."""
-        if self._final is None:
-            self._final = self.poll()
-            self._side.clear(self._state)
