@@ -1,7 +1,7 @@
 """The :class:`StagingStrategy` seam between the KV pool and the wire.
 
 A strategy decides which rows a chunk's transfer moves. ``direct`` moves rows of the KV pool
-itself (through the mapper's tables). A staging strategy (``bulk`` comes with the staging issue)
+itself (through the mapper's tables). A staging strategy (``bulk``, :mod:`kvwire.staging.bulk`)
 gathers a chunk into memory it allocated, moves that with one row per (source rank,
 destination rank, chunk), and scatters it on arrival. Memory a strategy allocates reaches the
 engine only through the :class:`StagingContext` callbacks (``register_fn``), so a backend
@@ -12,7 +12,7 @@ Call order (who calls, from which side):
 1. both sides, at manager start: :meth:`StagingStrategy.setup` with a context whose
    ``register_fn`` registers memory with the selected backend;
 2. sending side, transfer worker, per chunk: :meth:`StagingStrategy.plan` (maps pages, and
-   gathers into staging memory if the strategy stages) before the submit;
+   gathers into staging memory if the strategy stages; None means "wait") before the submit;
 3. sending side, after the transfer is terminal: :meth:`StagingStrategy.on_sent`;
 4. receiving side, on each chunk notification: :meth:`StagingStrategy.on_arrival` (scatter);
 5. both sides, on every terminal path of a request: :meth:`StagingStrategy.release`.
