@@ -118,18 +118,23 @@ class Pipeline:
                         if pair is None:
                             raise TransferError(f"no prepared table {plan.table!r}", room=room.room)
                         note = self._note(room.room, plan.what, job.chunk_id, job.last)
-                        self._post(
-                            tail,
-                            key,
-                            pair,
-                            plan,
-                            plan.src_idx,
-                            plan.dst_idx,
-                            note,
-                            plan.what,
-                            t_start,
-                            job.t_enqueued,
-                        )
+                        try:
+                            self._post(
+                                tail,
+                                key,
+                                pair,
+                                plan,
+                                plan.src_idx,
+                                plan.dst_idx,
+                                note,
+                                plan.what,
+                                t_start,
+                                job.t_enqueued,
+                            )
+                        except BaseException:
+                            # never posted: the strategy gets its staging buffer back
+                            self.mgr.staging.on_sent(room.room, plan, False)
+                            raise
                 tail.queue.popleft()
                 moved = True
                 if job.last:
