@@ -35,6 +35,11 @@ class Side(Generic[R]):
         self.mgr = mgr
         self.rooms: dict[int, R] = {}
 
+    def awaiting_data(self) -> bool:
+        """Whether a request here waits on data-plane notifications (the control thread then
+        drains them more often). Decode overrides it."""
+        return False
+
     def _add_room(self, room: R) -> R:
         """Under the lock, engine thread: register a new room as Bootstrapping."""
         rid = room.room

@@ -139,8 +139,33 @@ class DecodeSide(Side[RecvRoom]):
             return self._add_room(RecvRoom(room_id, bootstrap_addr))
 
     def start(self, room: RecvRoom, prefill_dp_rank: int | None) -> None:
-        """Engine thread (``init``): resolve and handshake in the background."""
-        self.bootstraps.submit(self._bootstrap, room, prefill_dp_rank)
+        """Engine thread (``init``): resolve and handshake. When the prefill instance was looked
+        up and every source rank handshaken before (the common case), that is a few dict
+        lookups done right here; otherwise it runs on a bootstrap thread."""
+        cached = self._cached_sources(room.bootstrap_addr, room.room, prefill_dp_rank)
+        if cached is not None:
+            self._resolved(room, cached)
+        else:
+            self.bootstraps.submit(self._bootstrap, room, prefill_dp_rank)
+
+    def _cached_sources(self, addr: str, room_id: int, dp: int | None) -> list[PrefillLink] | None:
+        with self.mgr.lock:
+            ranks = self.instances.get((addr, 0 if dp is None else dp))
+            if ranks is None:
+                return None
+            if dp is None and ranks[0].dp_size > 1:
+                ranks = self.instances.get((addr, room_id % ranks[0].dp_size))
+                if ranks is None:
+                    return None
+            r = self.mgr.layout.rank
+            try:
+                want = set(source_ranks(r.tp_rank, ranks[0].tp_size, r.tp_size))
+            except KVWireError:
+                return None
+            links = [self.links.get(x.session) for x in ranks if x.tp_rank in want]
+            if not links or any(link is None for link in links):
+                return None
+            return [link for link in links if link is not None]
 
     def _bootstrap(self, room: RecvRoom, dp: int | None) -> None:
         """Bootstrap thread: find the source ranks and handshake with each."""
@@ -150,6 +175,10 @@ class DecodeSide(Side[RecvRoom]):
             with self.mgr.lock:
                 self._fail(room, exc)
             return
+        self._resolved(room, sources)
+
+    def _resolved(self, room: RecvRoom, sources: list[PrefillLink]) -> None:
+        """The room's source ranks are known and handshaken: WaitingForInput."""
         r = self.mgr.layout.rank
         first = sources[0].info
         with self.mgr.lock:
@@ -350,6 +379,14 @@ class DecodeSide(Side[RecvRoom]):
                     room.expected[msg.sender_id] = msg.chunk_id + 1
                 mgr.staging.on_arrival(room.room, msg.chunk_id, msg)
             self._check_done(room)
+
+    def awaiting_data(self) -> bool:
+        """Control thread: some request asked for its KV and is not complete yet."""
+        status = self.mgr.status
+        return any(
+            status.get(r.room, KVPoll.Failed) is KVPoll.Transferring
+            for r in list(self.rooms.values())
+        )
 
     # ----------------------------------------------------------------- staging
     def _bulk(self) -> BulkStaging | None:

@@ -50,8 +50,10 @@ logger = logging.getLogger(__name__)
 
 #: Bytes of kvwire's own aux row (the room stamp, padded to 64 bytes for RDMA).
 STAMP_ROW_BYTES = 64
-#: Longest the control thread sleeps waiting for a message (also the notification drain period).
+#: Longest the control thread sleeps waiting for a message (also the notification drain period),
+#: while no request waits on a notification, and while some do.
 CONTROL_TICK_S = 0.001
+CONTROL_TICK_BUSY_S = 0.0002
 
 
 class Role(enum.StrEnum):
@@ -258,7 +260,8 @@ class KVManager:
         next_beat = 0.0
         while not self._stop.is_set():
             try:
-                for msg in self.channel.receive(CONTROL_TICK_S):
+                tick = CONTROL_TICK_BUSY_S if self.side.awaiting_data() else CONTROL_TICK_S
+                for msg in self.channel.receive(tick):
                     self._dispatch(msg)
                 self.backend.progress()
                 for note in self.backend.get_notifications():

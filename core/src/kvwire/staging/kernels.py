@@ -75,7 +75,10 @@ class KVTensors:
         arr = np.ascontiguousarray(arr, dtype=np.int64)
         if not self.on_device:
             return arr
-        return self.torch.from_numpy(arr).to(self.device, non_blocking=True)
+        # Blocking copy, issued on the staging stream by the callers: a non-blocking copy on
+        # the default stream raced with the indexed copy on the staging stream (found on an
+        # H200: parts of blocks came out wrong).
+        return self.torch.from_numpy(arr).to(self.device)
 
     def _ctx(self) -> Any:
         if self.stream is None:
@@ -92,8 +95,8 @@ class KVTensors:
     ) -> None:
         """Copy bytes ``[lo, hi)`` of every token row of ``pages`` in buffers ``bufs`` into
         ``out`` (bytes shaped ``[len(bufs), len(pages), page_size, hi - lo]``); synchronised."""
-        idx = self._index(pages)
         with self._ctx():
+            idx = self._index(pages)
             if self.stacked is not None:
                 b = self._index(bufs)
                 out[...] = self.stacked[:, :, :, lo:hi][b[:, None], idx[None, :]]
@@ -107,8 +110,8 @@ class KVTensors:
     ) -> None:
         """The inverse of :meth:`gather`: write ``block`` into bytes ``[lo, hi)`` of the token
         rows of ``pages`` in buffers ``bufs``; synchronised before returning."""
-        idx = self._index(pages)
         with self._ctx():
+            idx = self._index(pages)
             if self.stacked is not None:
                 b = self._index(bufs)
                 self.stacked[:, :, :, lo:hi][b[:, None], idx[None, :]] = block
