@@ -36,7 +36,6 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-import msgpack
 import numpy as np
 from numpy.typing import NDArray
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -50,6 +49,7 @@ from kvwire.backend import (
     XferOp,
     XferState,
 )
+from kvwire.backends.envelope import pack_metadata, unpack_metadata
 from kvwire.backends.memcopy import coalesce
 from kvwire.descriptors import ADDR, DescTable
 from kvwire.layout import MemKind, MemoryRegion
@@ -319,31 +319,19 @@ class MooncakeBackend(TransferBackend):
     def local_metadata(self) -> bytes:
         """Name, segment, notification endpoint and registered regions, msgpack-encoded."""
         regions = [[r.addr, r.length, r.device_id, int(r.kind)] for r in self.registered_regions]
-        return msgpack.packb(  # type: ignore[no-any-return]
-            {
-                "v": METADATA_VERSION,
-                "backend": self.name,
-                "name": self.agent_name,
-                "segment": self.segment,
-                "notify": self._notify.endpoint,
-                "protocol": self.options.protocol,
-                "incarnation": self.incarnation,
-                "regions": regions,
-            },
-            use_bin_type=True,
+        return pack_metadata(
+            self.name,
+            METADATA_VERSION,
+            name=self.agent_name,
+            segment=self.segment,
+            notify=self._notify.endpoint,
+            protocol=self.options.protocol,
+            incarnation=self.incarnation,
+            regions=regions,
         )
 
     def _decode_metadata(self, metadata: bytes) -> dict[str, Any]:
-        try:
-            meta = msgpack.unpackb(metadata, raw=False)
-        except Exception as exc:
-            raise ValueError(f"mooncake backend metadata is not valid msgpack: {exc}") from exc
-        if not isinstance(meta, dict) or meta.get("backend") != self.name:
-            raise ValueError("metadata was not produced by a mooncake backend agent")
-        if meta.get("v") != METADATA_VERSION:
-            raise ValueError(
-                f"mooncake metadata version {meta.get('v')!r}; this plugin reads {METADATA_VERSION}"
-            )
+        meta = unpack_metadata(metadata, self.name, METADATA_VERSION, "kvwire-mooncake")
         for key in ("name", "segment", "notify", "protocol", "incarnation", "regions"):
             if not isinstance(meta.get(key), str if key != "regions" else list):
                 raise ValueError(f"mooncake metadata lacks a valid {key!r}")

@@ -36,7 +36,6 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-import msgpack
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
@@ -49,6 +48,7 @@ from kvwire.backend import (
     XferOp,
     XferState,
 )
+from kvwire.backends.envelope import pack_metadata, unpack_metadata
 from kvwire.descriptors import ADDR, LEN, DescTable, locate_rows
 from kvwire.errors import (
     ConfigError,
@@ -467,31 +467,18 @@ class NixlBackend(TransferBackend):
             with self._nixl("get_agent_metadata"):
                 md = bytes(agent.get_agent_metadata())
             regions = [[r.addr, r.length, r.device_id, _MEM[r.kind]] for r in self._reg]
-        return msgpack.packb(  # type: ignore[no-any-return]
-            {
-                "v": METADATA_VERSION,
-                "backend": self.name,
-                "name": self.agent_name,
-                "nixl": f"{ENGINE.distribution} {ENGINE.version}",
-                "regions": regions,
-                "md": md,
-            },
-            use_bin_type=True,
+        return pack_metadata(
+            self.name,
+            METADATA_VERSION,
+            name=self.agent_name,
+            nixl=f"{ENGINE.distribution} {ENGINE.version}",
+            regions=regions,
+            md=md,
         )
 
     @staticmethod
     def _decode_metadata(metadata: bytes) -> dict[str, Any]:
-        try:
-            meta = msgpack.unpackb(metadata, raw=False)
-        except Exception as exc:
-            raise ValueError(f"nixl backend metadata is not valid msgpack: {exc}") from exc
-        if not isinstance(meta, dict) or meta.get("backend") != "nixl":
-            raise ValueError("metadata was not produced by a nixl backend agent")
-        if meta.get("v") != METADATA_VERSION:
-            raise ValueError(
-                f"nixl metadata version {meta.get('v')!r}; this kvwire-nixl reads "
-                f"{METADATA_VERSION}"
-            )
+        meta = unpack_metadata(metadata, "nixl", METADATA_VERSION, "kvwire-nixl")
         name, md, rows = meta.get("name"), meta.get("md"), meta.get("regions")
         if not isinstance(name, str) or not name:
             raise ValueError(f"nixl metadata names no agent (name {name!r})")

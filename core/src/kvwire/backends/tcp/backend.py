@@ -29,7 +29,6 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-import msgpack
 import numpy as np
 import zmq
 from numpy.typing import NDArray
@@ -44,6 +43,7 @@ from kvwire.backend import (
     XferOp,
     XferState,
 )
+from kvwire.backends.envelope import pack_metadata, unpack_metadata
 from kvwire.backends.memcopy import HostMemory, coalesce
 from kvwire.backends.tcp import wire
 from kvwire.descriptors import ADDR, DescTable
@@ -203,30 +203,18 @@ class TcpBackend(TransferBackend):
     def local_metadata(self) -> bytes:
         """Name, endpoint and registered regions, msgpack-encoded."""
         regions = [[r.addr, r.length, r.device_id] for r in self._memory.regions]
-        return msgpack.packb(  # type: ignore[no-any-return]
-            {
-                "v": METADATA_VERSION,
-                "backend": self.name,
-                "name": self.agent_name,
-                "endpoint": self.endpoint,
-                "incarnation": self.incarnation,
-                "regions": regions,
-            },
-            use_bin_type=True,
+        return pack_metadata(
+            self.name,
+            METADATA_VERSION,
+            name=self.agent_name,
+            endpoint=self.endpoint,
+            incarnation=self.incarnation,
+            regions=regions,
         )
 
     @staticmethod
     def _decode_metadata(metadata: bytes) -> dict[str, Any]:
-        try:
-            meta = msgpack.unpackb(metadata, raw=False)
-        except Exception as exc:
-            raise ValueError(f"tcp backend metadata is not valid msgpack: {exc}") from exc
-        if not isinstance(meta, dict) or meta.get("backend") != "tcp":
-            raise ValueError("metadata was not produced by a tcp backend agent")
-        if meta.get("v") != METADATA_VERSION:
-            raise ValueError(
-                f"tcp metadata version {meta.get('v')!r}; this kvwire reads {METADATA_VERSION}"
-            )
+        meta = unpack_metadata(metadata, "tcp", METADATA_VERSION, "kvwire")
         for key in ("name", "endpoint", "regions"):
             if key not in meta:
                 raise ValueError(f"tcp metadata lacks {key!r}")
