@@ -29,11 +29,11 @@ from kvwire.control.wire import (
     Message,
     StagingDeny,
     StagingGrant,
-    StagingQuery,
-    StagingRelease,
     StagingRequest,
     StagingWatermark,
     TransferRequest,
+    WritesDone,
+    WritesQuery,
     pages_to_bytes,
 )
 from kvwire.layout import KVLayout, MemoryRegion, ModelSpec, RankPosition
@@ -109,8 +109,8 @@ def samples() -> list[Message]:
         ),
         StagingDeny(room=42, sender_id=1, session="d", chunk_id=2, reason="room failed"),
         StagingWatermark(session="d", round=3, tail=4096),
-        StagingRelease(room=42, sender_id=1, session="p"),
-        StagingQuery(room=42, session="d"),
+        WritesDone(room=42, sender_id=1, session="p"),
+        WritesQuery(room=42, session="d"),
     ]
 
 

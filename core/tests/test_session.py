@@ -289,8 +289,8 @@ def test_late_messages_for_unknown_rooms_create_no_state() -> None:
         wait_for(lambda: p.prefill.room_tables()["early_requests"] == 1)
         wait_for(lambda: p.prefill.room_tables()["early_requests"] == 0, timeout=5)
         r.abort()
-        r.clear()
-        assert no_rooms(p.decode)
+        r.clear()  # quarantined until prefill confirms no write is in flight: briefly
+        wait_for(lambda: no_rooms(p.decode), timeout=5)
 
 
 # ------------------------------------------------------------------------------ metrics
@@ -316,3 +316,39 @@ def test_metrics_per_request_and_prometheus() -> None:
         assert got is not None and got >= mt.bytes
         s.clear()
         r.clear()
+
+
+def test_decode_reuses_pages_only_after_sources_confirm_writes_ended() -> None:
+    with pair(config()) as p:
+        r = p.decode.receiver(21, p.addr)
+        r.send_metadata([4, 5], aux_index=0)
+        s = p.prefill.sender(21)
+        wait_for(lambda: s.poll() >= KVPoll.WaitingForInput)
+        s.init(2, aux_index=0)
+        s.send([0])  # a first chunk goes out; then decode aborts
+        side = p.prefill.side
+        answer = side._on_writes_query
+        side._on_writes_query = lambda msg: None  # type: ignore[method-assign]  # prefill mute
+        r.abort()
+        assert r.poll() is KVPoll.Failed
+        time.sleep(0.5)
+        assert not r.writes_quiesced()  # nobody confirmed yet: the pages must stay unused
+        r.clear()
+        assert p.decode.room_tables()["quarantine"] == 1
+        side._on_writes_query = answer  # type: ignore[method-assign]
+        wait_for(r.writes_quiesced, timeout=5)
+        wait_for(lambda: p.decode.room_tables()["quarantine"] == 0, timeout=5)
+        wait_for(lambda: s.poll() is KVPoll.Failed)
+        s.clear()
+        assert no_rooms(p.prefill) and no_rooms(p.decode)
+
+
+def test_success_is_quiesced_and_an_unasked_request_too() -> None:
+    with pair(config()) as p:
+        r = p.decode.receiver(22, p.addr)
+        r.init()
+        r.abort()  # never told anyone where to write
+        assert r.writes_quiesced()
+        r.clear()
+        p.transfer(23)
+        assert no_rooms(p.decode)

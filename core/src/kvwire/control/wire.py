@@ -31,7 +31,8 @@ from kvwire.layout import KVLayout, MemoryRegion, ModelSpec, RankPosition
 
 #: Protocol version spoken by this kvwire. Bump ``MINOR`` for added optional fields, ``MAJOR``
 #: for anything an older peer would misread. 1.1 added bulk staging (the ``staging_*`` messages,
-#: ``HelloAck.layout`` and ``HelloAck.staged``).
+#: ``HelloAck.layout`` and ``HelloAck.staged``) and write quiescence (``writes_query``,
+#: ``writes_done``).
 PROTOCOL_MAJOR = 1
 PROTOCOL_MINOR = 1
 
@@ -273,21 +274,23 @@ class StagingWatermark(Message):
     tail: int = Field(ge=0)
 
 
-class StagingRelease(Message):
-    """Prefill rank -> decode rank: no staged write for ``room`` from this sender is in flight
-    or will be made; its ring space may be freed."""
+class WritesDone(Message):
+    """Prefill rank -> decode rank, for a request that failed or was aborted: no write of
+    ``room`` from this sender is in flight or will be made, so its destination pages (and any
+    staging ring space) may be reused."""
 
-    kind: ClassVar[str] = "staging_release"
+    kind: ClassVar[str] = "writes_done"
     room: int = Field(ge=0)
     sender_id: int
     session: str
 
 
-class StagingQuery(Message):
-    """Decode rank -> a staging writer, repeated while ring space of a request decode has
-    cleared is still held: "answer with StagingRelease once nothing is in flight"."""
+class WritesQuery(Message):
+    """Decode rank -> a source rank of a failed request (or a staging writer whose ring space a
+    cleared request still holds), repeated until answered: "send WritesDone once none of your
+    writes for this room is in flight"."""
 
-    kind: ClassVar[str] = "staging_query"
+    kind: ClassVar[str] = "writes_query"
     room: int = Field(ge=0)
     session: str
 
@@ -308,8 +311,8 @@ MESSAGE_TYPES: dict[str, type[Message]] = {
         StagingGrant,
         StagingDeny,
         StagingWatermark,
-        StagingRelease,
-        StagingQuery,
+        WritesDone,
+        WritesQuery,
     )
 }
 

@@ -23,6 +23,7 @@ class RoomState(Protocol):
     t0: float
     error: BaseException | None
     metrics: RequestMetrics
+    failed_at: float
 
 
 R = TypeVar("R", bound=RoomState)
@@ -65,6 +66,7 @@ class Side(Generic[R]):
         ):
             return False
         room.error = exc
+        room.failed_at = time.monotonic()
         self.mgr.status.update(room.room, KVPoll.Failed)
         self.mgr.finish(room.room, KVPoll.Failed, room.t0)
         return True

@@ -42,11 +42,11 @@ from kvwire.control.wire import (
     Message,
     StagingDeny,
     StagingGrant,
-    StagingQuery,
-    StagingRelease,
     StagingRequest,
     StagingWatermark,
     TransferRequest,
+    WritesDone,
+    WritesQuery,
     pages_to_bytes,
 )
 from kvwire.errors import (
@@ -109,8 +109,17 @@ class RecvRoom:
     #: Staged chunks already scattered, (writer session, chunk id): a late duplicate request
     #: for one of them must not allocate again (the space would never be written or freed).
     staged_done: set[tuple[str, int]] = field(default_factory=set)
+    #: Source sessions that confirmed (or are gone) that none of their writes for this failed
+    #: request is in flight; and when they were last asked.
+    quiet: set[str] = field(default_factory=set)
+    queried_at: float = 0.0
+    failed_at: float = 0.0
     error: BaseException | None = None
     metrics: RequestMetrics = field(default_factory=RequestMetrics)
+
+
+#: How often decode asks the sources of a failed request whether their writes ended.
+QUERY_RETRY_S = 0.1
 
 
 def _written_by(writer: str, key: tuple[int, str, int]) -> bool:
@@ -128,6 +137,8 @@ class DecodeSide(Side[RecvRoom]):
         self.instances: dict[tuple[str, int], list[RankInfo]] = {}
         self._instance_locks: dict[tuple[str, int], threading.Lock] = {}
         self._next_watermark = 0.0
+        #: Cleared failed rooms whose sources may still be writing (see :meth:`clear`).
+        self.quarantine: dict[int, RecvRoom] = {}
         self.bootstraps = concurrent.futures.ThreadPoolExecutor(
             4, thread_name_prefix=f"kvwire-bs-{mgr.agent_name}"
         )
@@ -279,7 +290,13 @@ class DecodeSide(Side[RecvRoom]):
                 pending.event.set()
         elif isinstance(msg, StagingRequest):
             self._on_staging_request(msg)
-        elif isinstance(msg, StagingRelease):
+        elif isinstance(msg, WritesDone):
+            with self.mgr.lock:
+                room = self.rooms.get(msg.room) or self.quarantine.get(msg.room)
+                if room is not None:
+                    room.quiet.add(msg.session)
+                    if msg.room in self.quarantine and self._quiet(room):
+                        del self.quarantine[msg.room]
             staging = self._bulk()
             if staging is not None and staging.free_where(
                 lambda k: k[0] == msg.room and k[1] == msg.session
@@ -540,6 +557,57 @@ class DecodeSide(Side[RecvRoom]):
                 skip=msg.session,
             )
 
+    def _query_failed_writers(self, now: float) -> None:
+        """Control thread: ask the sources of failed requests, until each answers, whether any
+        of their writes is still in flight (the engine must not reuse the pages before)."""
+        asks: list[tuple[str, int]] = []
+        limit = self.mgr.options.transfer_timeout_s + QUERY_RETRY_S * 10
+        with self.mgr.lock:
+            for rid, room in list(self.quarantine.items()):
+                if self._quiet(room):
+                    del self.quarantine[rid]
+                elif now - room.failed_at > limit:  # every write has hit its deadline by now
+                    logger.warning(
+                        "%s: room %d: sources never confirmed their writes ended; releasing",
+                        self.mgr.agent_name,
+                        rid,
+                    )
+                    del self.quarantine[rid]
+            for room in [*self.rooms.values(), *self.quarantine.values()]:
+                if room.error is None or not room.requested or room.sources is None:
+                    continue
+                if now - room.queried_at < QUERY_RETRY_S:
+                    continue
+                room.queried_at = now
+                for src in room.sources:
+                    if src.info.session in room.quiet:
+                        continue
+                    if src.info.session not in self.links:  # evicted: nothing in flight
+                        room.quiet.add(src.info.session)
+                    else:
+                        asks.append((src.info.endpoint, room.room))
+        for endpoint, room_id in asks:
+            self.mgr.send(endpoint, WritesQuery(room=room_id, session=self.mgr.session))
+
+    def _quiet(self, room: RecvRoom) -> bool:
+        """Under the lock: every source of a failed room confirmed, or is gone."""
+        assert room.sources is not None
+        return all(
+            s.info.session in room.quiet or s.info.session not in self.links
+            for s in room.sources
+        )
+
+    def writes_quiesced(self, room: RecvRoom) -> bool:
+        """Engine thread: whether no source can still write into this request's pages."""
+        with self.mgr.lock:
+            if room.sources is None or not room.requested:
+                return True  # no source was ever told where to write
+            if room.error is None:
+                return self.mgr.status.get(room.room, KVPoll.Failed) is KVPoll.Success
+            return self._quiet(room) or (
+                room.room not in self.rooms and room.room not in self.quarantine
+            )
+
     def on_peer_lost(self, peer: Peer, why: str) -> None:
         """Control thread: a prefill rank is dead or gone; fail the rooms it feeds and free the
         ring space it held."""
@@ -574,11 +642,12 @@ class DecodeSide(Side[RecvRoom]):
                     moved |= staging.free_where(functools.partial(_written_by, writer))
                 else:
                     self.mgr.send(
-                        link.info.endpoint, StagingQuery(room=room_id, session=self.mgr.session)
+                        link.info.endpoint, WritesQuery(room=room_id, session=self.mgr.session)
                     )
             if moved or now >= self._next_watermark:
                 self._next_watermark = now + self.mgr.options.heartbeat_interval_s
                 self._broadcast_watermark()
+        self._query_failed_writers(now)
         with self.mgr.lock:
             for room in list(self.rooms.values()):
                 if now > room.deadline and not self._terminal(room):
@@ -647,10 +716,18 @@ class DecodeSide(Side[RecvRoom]):
                 mgr.send(s.info.endpoint, msg)
 
     def clear(self, room: RecvRoom) -> None:
-        """Engine thread: forget the room."""
+        """Engine thread: forget the room. A failed room whose sources have not all confirmed
+        that their writes ended stays in ``quarantine`` (asked again until they do)."""
         with self.mgr.lock:
             if self._forget(room) and room.aux_index >= 0:
                 self.mgr.stamps[room.aux_index, 0] = 0
+            if (
+                room.error is not None
+                and room.requested
+                and room.sources is not None
+                and not self._quiet(room)
+            ):
+                self.quarantine[room.room] = room
         self.mgr.staging.release(room.room)
 
     def room_tables(self) -> dict[str, int]:
@@ -658,6 +735,7 @@ class DecodeSide(Side[RecvRoom]):
         with self.mgr.lock:
             return {
                 "recv_rooms": len(self.rooms),
+                "quarantine": len(self.quarantine),
                 "handshakes_pending": len(self.pending),
                 **self.mgr.staging.room_tables(),
             }
@@ -695,6 +773,16 @@ class KVReceiver(RequestHandle[RecvRoom]):
             return
         self._started = True
         self._side.start(self._state, prefill_dp_rank if prefill_dp_rank is not None else self._dp)
+
+    def writes_quiesced(self) -> bool:
+        """Whether the destination pages may be reused: the request succeeded, or it failed
+        and every source rank confirmed that none of its writes is still in flight (or is
+        gone). Poll it after a failure or abort before freeing the pages; ``clear()`` may come
+        before or after."""
+        if self._final is KVPoll.Success:
+            return True
+        quiet: bool = self._side.writes_quiesced(self._state)
+        return quiet
 
     def send_metadata(self, dst_page_indices: Any, aux_index: int, **_: Any) -> None:
         """Tell the source ranks where to write: this rank's page slots for the request's

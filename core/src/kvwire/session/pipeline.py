@@ -221,18 +221,14 @@ class Pipeline:
             )
         )
         tail.inflight += 1
-        if what == "staged":
-            self.side.staged_posted(key[0], key[1], +1)
+        self.side.writes_posted(key[0], key[1], +1)
 
     def _state(self, p: _Posted) -> XferState:
         state = self.mgr.backend.poll(p.handle)
         if state is not XferState.PENDING:
             return state
-        if self.side.is_dead(p.room) and p.what != "staged":
-            # A staged write is never abandoned early: its ring space is freed on decode only
-            # after this side says nothing is in flight (StagingRelease).
-            p.handle.error = "the request failed or was aborted while its transfer was pending"
-            return XferState.FAILED
+        # A write of a failed request is not abandoned early: decode reuses the destination
+        # pages (and ring space) only once this side says nothing is in flight (WritesDone).
         if time.monotonic() > p.deadline:
             p.handle.error = (
                 f"no completion within transfer_timeout_s={self.mgr.options.transfer_timeout_s}"
@@ -250,8 +246,7 @@ class Pipeline:
         tail = self.tails.get(p.key)
         if tail is not None:
             tail.inflight -= 1
-        if p.what == "staged":
-            self.side.staged_posted(p.key[0], p.key[1], -1)
+        self.side.writes_posted(p.key[0], p.key[1], -1)
         if state is not XferState.DONE:
             m.CHUNKS.labels(**mgr.labels, result="failed").inc()
             self._failed(

@@ -47,11 +47,11 @@ from kvwire.control.wire import (
     Message,
     StagingDeny,
     StagingGrant,
-    StagingQuery,
-    StagingRelease,
     StagingRequest,
     StagingWatermark,
     TransferRequest,
+    WritesDone,
+    WritesQuery,
     pages_from_bytes,
 )
 from kvwire.errors import (
@@ -127,6 +127,7 @@ class SendRoom:
     last_queued: bool = False
     ready: bool = False
     error: BaseException | None = None
+    failed_at: float = 0.0
     metrics: RequestMetrics = field(default_factory=RequestMetrics)
 
 
@@ -138,8 +139,8 @@ class PrefillSide(Side[SendRoom]):
         #: Transfer requests for rooms whose sender does not exist yet: room -> decode session
         #: -> (destination, arrival time). Expire after ``bootstrap_timeout_s``.
         self.early: dict[int, dict[str, tuple[Dest, float]]] = {}
-        #: Staged writes posted and not ended, per (room, decode session).
-        self.staged_inflight: dict[tuple[int, str], int] = {}
+        #: Writes posted and not ended, per (room, decode session).
+        self.writes_inflight: dict[tuple[int, str], int] = {}
         self.sender_id = mgr.layout.rank.sender_id
         opts = mgr.options
         self.workers: TransferWorkers[Job] = TransferWorkers(
@@ -205,8 +206,8 @@ class PrefillSide(Side[SendRoom]):
             self._on_request(msg)
         elif isinstance(msg, StagingGrant | StagingDeny | StagingWatermark):
             self.mgr.staging.on_control(msg)
-        elif isinstance(msg, StagingQuery):
-            self._on_staging_query(msg)
+        elif isinstance(msg, WritesQuery):
+            self._on_writes_query(msg)
         else:
             logger.debug("%s: ignoring %s on prefill", self.mgr.agent_name, type(msg).__name__)
 
@@ -580,30 +581,31 @@ class PrefillSide(Side[SendRoom]):
         m.POST_SECONDS.labels(**lb).observe(t_posted - t_start)
         m.TRANSFER_SECONDS.labels(**lb).observe(t_done - t_posted)
 
-    def _on_staging_query(self, msg: StagingQuery) -> None:
-        """Control thread: decode asks whether it may free a cleared request's ring space."""
+    def _on_writes_query(self, msg: WritesQuery) -> None:
+        """Control thread: decode asks whether it may reuse a failed request's pages (or a
+        cleared request's ring space): answer once no write of ours is in flight."""
         with self.mgr.lock:
             room = self.rooms.get(msg.room)
             if room is not None and not self._terminal(room):
                 return  # still live here: its tail releases the space when it ends
-            if self.staged_inflight.get((msg.room, msg.session), 0):
-                return  # a staged write is still in flight; decode asks again
+            if self.writes_inflight.get((msg.room, msg.session), 0):
+                return  # a write is still in flight; decode asks again
             peer = self.mgr.peers.get(msg.session)
         if peer is not None:
             self.mgr.send(
                 peer.endpoint,
-                StagingRelease(room=msg.room, sender_id=self.sender_id, session=self.mgr.session),
+                WritesDone(room=msg.room, sender_id=self.sender_id, session=self.mgr.session),
             )
 
-    def staged_posted(self, room: int, dest: str, delta: int) -> None:
-        """Worker thread: count staged writes in flight per (request, destination)."""
+    def writes_posted(self, room: int, dest: str, delta: int) -> None:
+        """Worker thread: count writes in flight per (request, destination)."""
         key = (room, dest)
         with self.mgr.lock:
-            n = self.staged_inflight.get(key, 0) + delta
+            n = self.writes_inflight.get(key, 0) + delta
             if n > 0:
-                self.staged_inflight[key] = n
+                self.writes_inflight[key] = n
             else:
-                self.staged_inflight.pop(key, None)
+                self.writes_inflight.pop(key, None)
 
     def abandon_staging(self, room: SendRoom, dest: Dest) -> None:
         """Worker thread: nothing more will be written to ``dest``'s ring for this request."""
@@ -651,7 +653,7 @@ class PrefillSide(Side[SendRoom]):
             return {
                 "send_rooms": len(self.rooms),
                 "early_requests": len(self.early),
-                "staged_inflight": len(self.staged_inflight),
+                "writes_inflight": len(self.writes_inflight),
                 **self.mgr.staging.room_tables(),
             }
 

@@ -15,7 +15,7 @@ page, token). With ``bulk``, for every (prefill rank, decode rank, chunk):
    frees the ring space and, when the watermark moved, broadcasts it to its writers (and again
    every heartbeat, so a lost broadcast only delays).
 
-Every path frees ring space: arrival, a writer's :class:`~kvwire.control.wire.StagingRelease`
+Every path frees ring space: arrival, a writer's :class:`~kvwire.control.wire.WritesDone`
 (sent once its in-flight writes for a failed request ended), a writer's eviction, or — the last
 resort — ``release_timeout_s`` after decode cleared the request. A chunk too big for a staging
 buffer or the ring takes the per-token path; that choice is made before any allocation and
@@ -42,9 +42,9 @@ from kvwire.control.wire import (
     Message,
     StagingDeny,
     StagingGrant,
-    StagingRelease,
     StagingRequest,
     StagingWatermark,
+    WritesDone,
 )
 from kvwire.descriptors import make_table
 from kvwire.errors import ConfigError, TransferError
@@ -278,7 +278,7 @@ class BulkStaging(StagingStrategy):
 
     def expire(self, now: float) -> tuple[bool, list[tuple[int, str]]]:
         """Decode, control thread, for space of cleared requests still held: which writers to
-        ask again (``StagingQuery``, every ``request_retry_s``), and — the last resort after
+        ask again (``WritesQuery``, every ``request_retry_s``), and — the last resort after
         ``release_timeout_s`` — free it. Returns (watermark moved, (room, writer) to query)."""
         limit, retry = self.opts.release_timeout_s, self.opts.request_retry_s
         stale, query = [], set()
@@ -471,7 +471,7 @@ class BulkStaging(StagingStrategy):
         with self._lock:
             for key in [k for k in self._asks if k[0] == room and k[1] == dest]:
                 del self._asks[key]
-        self.send_fn(endpoint, StagingRelease(room=room, sender_id=sender_id, session=session))
+        self.send_fn(endpoint, WritesDone(room=room, sender_id=sender_id, session=session))
 
     def peer_lost(self, session: str) -> None:
         """A peer was evicted: prefill forgets its requests and watermark; decode frees the

@@ -43,8 +43,9 @@ logger = logging.getLogger(__name__)
 AUX_WORDS = 16
 #: Environment variable naming a fault to inject in every rank (see :mod:`kvwire.testing.faults`).
 FAULT_ENV = "KVWIRE_TESTING_FAULT"
-#: How long a failed request's page slots stay unused (a late write must not hit a new request).
-QUARANTINE_S = 3.0
+#: Longest a failed request's page slots stay unused while its writers have not confirmed that
+#: their writes ended (``KVReceiver.writes_quiesced``); a late write must not hit a new request.
+QUARANTINE_S = 60.0
 
 
 class ClusterSpec(BaseModel):
@@ -265,7 +266,7 @@ def _rank_main(
     )
     free = list(rng.permutation(spec.slots))
     free_aux = list(range(spec.aux_slots))
-    quarantine: list[tuple[float, NDArray[np.int64], int]] = []
+    quarantine: list[tuple[float, NDArray[np.int64], int, Any]] = []
     active: dict[int, _Active] = {}
     conn.send(("ready", mgr.bootstrap_addr or ""))
     rid = pp_rank * spec.prefill_tp + tp_rank if role == "prefill" else tp_rank
@@ -301,7 +302,7 @@ def _rank_main(
             free.extend(a.pages.tolist())
             free_aux.append(a.aux_index)
         else:  # a writer may still be busy with a failed room's slots: quarantine them
-            quarantine.append((time.monotonic() + QUARANTINE_S, a.pages, a.aux_index))
+            quarantine.append((time.monotonic() + QUARANTINE_S, a.pages, a.aux_index, a.obj))
 
     def start(plan: RoomPlan) -> None:
         t0 = time.perf_counter()
@@ -378,10 +379,13 @@ def _rank_main(
             for room in list(active):
                 if step(active[room]):
                     del active[room]
-            while quarantine and quarantine[0][0] < time.monotonic():
-                _, pages, aux_index = quarantine.pop(0)
-                free.extend(pages.tolist())
-                free_aux.append(aux_index)
+            for entry in list(quarantine):
+                deadline, pages, aux_index, obj = entry
+                quiet = role == "prefill" or obj.writes_quiesced()
+                if quiet or time.monotonic() > deadline:
+                    quarantine.remove(entry)
+                    free.extend(pages.tolist())
+                    free_aux.append(aux_index)
     finally:
         mgr.close()
         with contextlib.suppress(OSError):

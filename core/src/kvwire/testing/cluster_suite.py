@@ -61,6 +61,7 @@ __all__ = [
     "ClusterConformance",
     "ClusterFailures",
     "assert_all_ok",
+    "assert_tables_empty",
 ]
 
 #: name -> (prefill_tp, prefill_pp, decode_tp, total_kv_heads, is_mla)
@@ -85,6 +86,22 @@ HETERO_TOPOLOGIES = (
 
 #: Bulk staging sizes small enough that a workload wraps the ring many times.
 SMALL_RING = {"ring_bytes": 256 * 1024, "buffer_bytes": 64 * 1024, "block_bytes": 4096}
+
+
+def assert_tables_empty(c: Cluster, timeout_s: float = 10.0) -> None:
+    """Every live rank's per-request tables become empty (waiting briefly for late
+    confirmations such as WritesDone)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        left = {
+            name: {k: v for k, v in t.items() if v and not k.startswith("drop")}
+            for name, t in c.room_tables().items()
+        }
+        left = {name: t for name, t in left.items() if t}
+        if not left:
+            return
+        assert time.monotonic() < deadline, f"per-request state left behind: {left}"
+        time.sleep(0.2)
 
 
 def assert_all_ok(results: list[RequestResult]) -> None:
@@ -181,13 +198,7 @@ class ClusterConformance(_Base):
 
     def test_room_tables_empty(self, cluster: Cluster) -> None:
         cluster.run(cluster.plans(8, seed=99), concurrency=8)
-        tables = cluster.room_tables()
-        leaks = {
-            name: t
-            for name, t in tables.items()
-            if any(v for k, v in t.items() if not k.startswith("dropped"))
-        }
-        assert not leaks, f"per-room entries left behind: {leaks}"
+        assert_tables_empty(cluster)
 
 
 class ClusterFailures(_Base):
@@ -240,10 +251,7 @@ class ClusterFailures(_Base):
             # prefill keeps serving the other decode instance
             plans = [p.model_copy(update={"decode_instance": 1}) for p in c.plans(8)]
             assert_all_ok(c.run(plans, concurrency=8, ignore_dead=True))
-            tables = c.room_tables()
-            assert all(
-                v == 0 for t in tables.values() for k, v in t.items() if not k.startswith("drop")
-            ), tables
+            assert_tables_empty(c)
 
     def test_prefill_killed(self) -> None:
         with Cluster(self.spec()) as c:
@@ -276,10 +284,7 @@ class ClusterFailures(_Base):
                 assert r.status == int(KVPoll.Failed), res.reports
                 assert r.error and "aborted by " + side in r.error, r.error
             assert_all_ok(c.run(c.plans(4), concurrency=4))
-            tables = c.room_tables()
-            assert all(
-                v == 0 for t in tables.values() for k, v in t.items() if not k.startswith("drop")
-            ), tables
+            assert_tables_empty(c)
 
 
 class BulkStagingConformance(ClusterConformance):
@@ -324,26 +329,11 @@ class BulkStagingFaults(_Base):
             config=self.config(heartbeat_interval_s=self.heartbeat_interval_s),
         )
 
-    @staticmethod
-    def _tables_empty(c: Cluster, timeout_s: float = 10.0) -> None:
-        deadline = time.monotonic() + timeout_s
-        while True:
-            tables = c.room_tables()
-            left = {
-                n: {k: v for k, v in t.items() if v and not k.startswith("drop")}
-                for n, t in tables.items()
-            }
-            left = {n: t for n, t in left.items() if t}
-            if not left:
-                return
-            assert time.monotonic() < deadline, f"per-request state left behind: {left}"
-            time.sleep(0.2)
-
     def test_lost_and_duplicated_staging_messages(self, monkeypatch: pytest.MonkeyPatch) -> None:
         monkeypatch.setenv(FAULT_ENV, "lossy_staging")
         with Cluster(self.spec()) as c:
             assert_all_ok(c.run(c.plans(32, pages=(1, 8)), concurrency=16, timeout_s=120))
-            self._tables_empty(c)
+            assert_tables_empty(c)
 
     def test_decode_dies_holding_ring_space(self) -> None:
         with Cluster(self.spec(decode_instances=2)) as c:
@@ -356,7 +346,7 @@ class BulkStagingFaults(_Base):
             assert room == 21 and rep.status == int(KVPoll.Failed)
             plans = [p.model_copy(update={"decode_instance": 1}) for p in c.plans(8)]
             assert_all_ok(c.run(plans, concurrency=8, ignore_dead=True))
-            self._tables_empty(c)
+            assert_tables_empty(c)
 
     @pytest.mark.parametrize("side", ["prefill", "decode"])
     def test_abort_mid_request_frees_ring_space(self, side: str) -> None:
@@ -374,5 +364,5 @@ class BulkStagingFaults(_Base):
             ]
             for res in c.run(plans, concurrency=6, timeout_s=60):
                 assert all(r.status == int(KVPoll.Failed) for r in res.reports), res.reports
-            self._tables_empty(c)
+            assert_tables_empty(c)
             assert_all_ok(c.run(c.plans(8), concurrency=8))

@@ -37,8 +37,8 @@ def _lossy_staging(role: str) -> None:
         wire.StagingGrant,
         wire.StagingDeny,
         wire.StagingWatermark,
-        wire.StagingRelease,
-        wire.StagingQuery,
+        wire.WritesDone,
+        wire.WritesQuery,
     )
     rng = random.Random(f"lossy-{role}")
     original = ControlChannel.send
