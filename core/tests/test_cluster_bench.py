@@ -134,3 +134,21 @@ def test_plot_without_matplotlib_says_what_to_install(
     argv = ["bench", "--transfer-backend", "tcp", "--quick", "--plot", str(tmp_path / "x.png")]
     assert main(argv) == 1
     assert "pip install kvwire[plot]" in capsys.readouterr().out
+
+
+def test_engine_bench_of_a_backend_without_one_says_so(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["bench", "--transfer-backend", "tcp", "--engine"]) == 1
+    out = capsys.readouterr().out
+    assert "registers no engine benchmark" in out and "bench-backend" in out
+
+
+def test_engine_bench_runs_the_plugins_benchmark(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`--engine` hands the remaining arguments to the plugin's registered main()."""
+    from kvwire.plugins import PluginRegistry
+
+    seen: list[list[str]] = []
+    monkeypatch.setattr(
+        PluginRegistry, "engine_benchmark", lambda self, name: lambda argv: seen.append(argv) or 0
+    )
+    assert main(["bench", "--transfer-backend", "tcp", "--engine", "--repeat", "2"]) == 0
+    assert seen == [["--repeat", "2"]]
