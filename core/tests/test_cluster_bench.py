@@ -152,3 +152,16 @@ def test_engine_bench_runs_the_plugins_benchmark(monkeypatch: pytest.MonkeyPatch
     )
     assert main(["bench", "--transfer-backend", "tcp", "--engine", "--repeat", "2"]) == 0
     assert seen == [["--repeat", "2"]]
+
+
+def test_compare_staging_runs_all_three_modes(tmp_path: Path) -> None:
+    out = tmp_path / "staging.json"
+    argv = ["bench", "--transfer-backend", "tcp", "--compare-staging", "--quick"]
+    argv += ["--concurrency", "2", "--requests", "4", "--sizes", "2", "--json", str(out)]
+    assert main(argv) == 0
+    data = json.loads(out.read_text())
+    cells = {c["mode"]: c for c in data["cells"]}
+    assert set(cells) == {"per-token", "bulk", "equal-tp"}
+    assert all(c["ok"] and c["gbps"] > 0 and c["requests"] == 4 for c in cells.values())
+    # staging really cut the descriptors: one block per chunk instead of one per token
+    assert cells["bulk"]["descs_per_request"] * 10 < cells["per-token"]["descs_per_request"]

@@ -20,6 +20,7 @@ import json
 import platform
 import secrets
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -43,8 +44,11 @@ class StagingCell:
     mode: str
     concurrency: int
     requests: int
+    bytes: int
+    wall_s: float
     gbps: float
     p50_ms: float
+    p99_ms: float
     descs_per_request: float
     ok: bool
 
@@ -59,12 +63,16 @@ def _plans(n: int, pages: int, chunks: int, verify: bool) -> list[RoomPlan]:
 
 def _cell(mode: str, c: int, results: list[RequestResult], wall: float) -> StagingCell:
     moved = sum(r.bytes for r in results)
+    lat = [r.latency_s * 1e3 for r in results]
     return StagingCell(
         mode,
         c,
         len(results),
+        moved,
+        wall,
         moved / wall / 1e9 if wall > 0 else 0.0,
-        float(np.percentile([r.latency_s * 1e3 for r in results], 50)),
+        float(np.percentile(lat, 50)),
+        float(np.percentile(lat, 99)),
         float(np.mean([r.descriptors for r in results])),
         all(r.ok for r in results),
     )
@@ -77,12 +85,20 @@ def compare(
     chunks: int,
     requests: int,
     staging_options: dict[str, Any],
-    progress: Any = None,
+    progress: Callable[[str], None] | None = None,
+    *,
+    model: ModelSpec = MODEL,
+    device: str = "cpu",
+    modes: Sequence[str] = tuple(MODES),
+    timeout_s: float = 600.0,
 ) -> list[StagingCell]:
-    """Run every mode; returns one cell per (mode, concurrency)."""
+    """Run each mode's cluster (KV pools on ``device``); one cell per (mode, concurrency).
+    ``progress`` gets a line per finished step."""
     cells = []
     slots = max(256, 2 * max(concurrency) * pages + 16)
-    for mode, (tp, staging) in MODES.items():
+    say = progress or (lambda line: None)
+    for mode in modes:
+        tp, staging = MODES[mode]
         cfg = config.model_copy(
             update={
                 "staging": staging,
@@ -90,44 +106,75 @@ def compare(
             }
         )
         spec = ClusterSpec(
-            model=MODEL, prefill_tp=tp, decode_tp=1, slots=slots, aux_slots=256, config=cfg
+            model=model,
+            prefill_tp=tp,
+            decode_tp=1,
+            slots=slots,
+            aux_slots=256,
+            device=device,
+            config=cfg,
         )
         with Cluster(spec) as cluster:
-            check = cluster.run(_plans(8, pages, chunks, True), concurrency=8, timeout_s=300)
+            check = cluster.run(_plans(8, pages, chunks, True), concurrency=8, timeout_s=timeout_s)
             if not all(r.ok for r in check):
                 bad = next(r for r in check if not r.ok)
                 raise RuntimeError(f"{mode}: verification failed: {bad.reports}")
+            say(f"[{mode}] 8 requests verified")
             for c in concurrency:
                 n = max(requests, 2 * c)
-                plans = _plans(n, pages, chunks, False)
                 t0 = time.perf_counter()
-                results = cluster.run(plans, concurrency=c, timeout_s=600)
-                cells.append(_cell(mode, c, results, time.perf_counter() - t0))
-                if progress is not None:
-                    progress(mode, c)
+                results = cluster.run(
+                    _plans(n, pages, chunks, False), concurrency=c, timeout_s=timeout_s
+                )
+                cell = _cell(mode, c, results, time.perf_counter() - t0)
+                cells.append(cell)
+                say(
+                    f"[{mode}] C={c}: {cell.gbps:.3f} GB/s, p50 {cell.p50_ms:.1f} ms, "
+                    f"{cell.descs_per_request:.0f} descriptors/request, ok={cell.ok}"
+                )
     return cells
+
+
+def rows(cells: list[StagingCell]) -> list[tuple[str, ...]]:
+    """Per concurrency: each mode as "GB/s (p50 ms, descriptors)" and the two ratios."""
+    out: list[tuple[str, ...]] = []
+    for c in sorted({x.concurrency for x in cells}):
+        by = {x.mode: x for x in cells if x.concurrency == c}
+
+        def fmt(m: str, by: dict[str, StagingCell] = by) -> str:
+            x = by.get(m)
+            return (
+                "-" if x is None else f"{x.gbps:.3f} ({x.p50_ms:.0f} ms, {x.descs_per_request:.0f})"
+            )
+
+        def ratio(a: str, b: str, by: dict[str, StagingCell] = by) -> str:
+            if a not in by or b not in by or by[b].gbps == 0:
+                return "-"
+            return f"{by[a].gbps / by[b].gbps:.2f}x"
+
+        out.append(
+            (
+                str(c),
+                fmt("per-token"),
+                fmt("bulk"),
+                fmt("equal-tp"),
+                ratio("bulk", "per-token"),
+                ratio("bulk", "equal-tp"),
+            )
+        )
+    return out
+
+
+COLUMNS = ("C", "per-token", "bulk", "equal-tp", "bulk/per-token", "bulk/equal-tp")
 
 
 def render(cells: list[StagingCell]) -> Table:
     """Per concurrency: GB/s of each mode and the ratios."""
     t = Table(title="bulk staging vs per-token vs equal TP (GB/s, p50 ms, descriptors/request)")
-    for col in ("C", "per-token", "bulk", "equal-tp", "bulk/per-token", "bulk/equal-tp"):
+    for col in COLUMNS:
         t.add_column(col, justify="right")
-    for c in sorted({x.concurrency for x in cells}):
-        by = {x.mode: x for x in cells if x.concurrency == c}
-
-        def fmt(x: StagingCell) -> str:
-            return f"{x.gbps:.3f} ({x.p50_ms:.0f} ms, {x.descs_per_request:.0f})"
-
-        b = by["bulk"].gbps
-        t.add_row(
-            str(c),
-            fmt(by["per-token"]),
-            fmt(by["bulk"]),
-            fmt(by["equal-tp"]),
-            f"{b / by['per-token'].gbps:.2f}x",
-            f"{b / by['equal-tp'].gbps:.2f}x",
-        )
+    for row in rows(cells):
+        t.add_row(*row)
     return t
 
 
@@ -138,8 +185,8 @@ def run(args: argparse.Namespace, config: KVWireConfig, console: Console, comman
     pages = (args.sizes or [4 if args.quick else 16])[0]
     opts = dict(config.staging_options) or {"ring_bytes": 64 << 20, "buffer_bytes": 8 << 20}
     t0 = time.monotonic()
-    done: list[str] = []
-    cells = compare(config, conc, pages, 2, requests, opts, lambda m, c: done.append(f"{m}@{c}"))
+    with console.status("running per-token, bulk and equal-TP clusters") as status:
+        cells = compare(config, conc, pages, 2, requests, opts, status.update)
     table = render(cells)
     ok = all(x.ok for x in cells)
     if args.json:
