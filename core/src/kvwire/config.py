@@ -87,6 +87,10 @@ class KVWireConfig(BaseSettings):
     index_mapper: str = Field(default=AUTO, description="Mapper name, or 'auto' per layout.")
     index_mapper_options: dict[str, Any] = Field(default_factory=dict)
     staging: str = Field(default="direct", description="Staging strategy name.")
+    host_mapper: str = Field(
+        default="hisparse",
+        description="Mapper into a decode host pool (the HiSparse path; kvwire-hisparse).",
+    )
     staging_options: dict[str, Any] = Field(default_factory=dict)
     control: ControlOptions = Field(default_factory=ControlOptions)
     secret: SecretStr | None = Field(

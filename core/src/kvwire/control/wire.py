@@ -31,8 +31,8 @@ from kvwire.layout import KVLayout, MemoryRegion, ModelSpec, RankPosition
 
 #: Protocol version spoken by this kvwire. Bump ``MINOR`` for added optional fields, ``MAJOR``
 #: for anything an older peer would misread. 1.1 added bulk staging (the ``staging_*`` messages,
-#: ``HelloAck.layout`` and ``HelloAck.staged``) and write quiescence (``writes_query``,
-#: ``writes_done``).
+#: ``HelloAck.layout`` and ``HelloAck.staged``), write quiescence (``writes_query``,
+#: ``writes_done``) and the host-pool path (``Hello.host_layout``, ``TransferRequest.pool``).
 PROTOCOL_MAJOR = 1
 PROTOCOL_MINOR = 1
 
@@ -103,8 +103,10 @@ class Hello(Message):
     aux_regions: list[MemoryRegion] = Field(default_factory=list)
     #: Room for a staging strategy's decode-side description (ring base and size).
     staging: dict[str, Any] | None = None
+    #: Decode's host KV pool (HiSparse path), with its own page size; None when it has none.
+    host_layout: KVLayout | None = None
 
-    @field_validator("layout", mode="before")
+    @field_validator("layout", "host_layout", mode="before")
     @classmethod
     def _lenient_layout(cls, v: Any) -> Any:
         return known_fields(KVLayout, v)
@@ -171,6 +173,9 @@ class TransferRequest(Message):
     aux_index: int = Field(ge=-1, default=-1)
     #: Hybrid models' state-buffer indices (reserved; not sent by this version).
     state_indices: list[int] | None = None
+    #: Which decode pool ``dst_pages`` index: "kv" (the KV pool) or "host" (the host pool of
+    #: the HiSparse path, in its own page units).
+    pool: str = "kv"
     staging: dict[str, Any] | None = None
 
 

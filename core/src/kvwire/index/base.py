@@ -45,9 +45,19 @@ class IndexMapper(ABC):
 
     name: ClassVar[str] = "abstract"
     options_model: ClassVar[type[BaseModel]] = NoOptions
+    #: Model fields allowed to differ between the sides (e.g. ``page_size`` for a mapper that
+    #: writes into a token-granular host pool).
+    relaxed_fields: ClassVar[tuple[str, ...]] = ()
+    #: Destination slots one source page fills (1 for KV pools; ``page_size / host page
+    #: size`` for a mapper into a finer-grained host pool).
+    units_per_page: int = 1
 
     def __init__(self, src: KVLayout, dst: KVLayout, options: BaseModel | None = None) -> None:
-        problems = compatibility_problems(src.model, dst.model)
+        problems = [
+            p
+            for p in compatibility_problems(src.model, dst.model)
+            if p.split(":")[0] not in self.relaxed_fields
+        ]
         if problems:
             raise LayoutError(
                 "source and destination layouts cannot work together: " + "; ".join(problems)

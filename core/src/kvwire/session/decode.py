@@ -24,7 +24,7 @@ import logging
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 from numpy.typing import NDArray
@@ -67,6 +67,21 @@ from kvwire.session.poll import KVPoll
 from kvwire.staging.bulk import BulkStaging, block_bytes
 
 logger = logging.getLogger(__name__)
+
+
+class DecodeHooks(Protocol):
+    """What a sparse-attention decode engine is told about its HiSparse requests (engine
+    thread; keep them quick). Exactly one of ``on_admit``/``on_abandon`` follows
+    ``on_prealloc`` for every request, on every path (success, failure, abort, clear)."""
+
+    def on_prealloc(self, room: int, num_units: int) -> None:
+        """``send_metadata(..., hisparse=True)`` was called: only logical indices are held."""
+
+    def on_admit(self, room: int, num_tokens: int) -> None:
+        """The KV is in the host pool: allocate the hot device buffer, preload if short."""
+
+    def on_abandon(self, room: int) -> None:
+        """The request failed or was aborted: drop what ``on_prealloc`` set up."""
 
 
 @dataclass
@@ -114,6 +129,9 @@ class RecvRoom:
     quiet: set[str] = field(default_factory=set)
     queried_at: float = 0.0
     failed_at: float = 0.0
+    #: Goes to the host pool (HiSparse path); the engine hooks ran for it.
+    hisparse: bool = False
+    hooked: bool = False
     error: BaseException | None = None
     metrics: RequestMetrics = field(default_factory=RequestMetrics)
 
@@ -258,6 +276,7 @@ class DecodeSide(Side[RecvRoom]):
                 backend_metadata=mgr.backend.local_metadata(),
                 aux_regions=mgr.aux_regions,
                 staging=mgr.staging.describe(),
+                host_layout=mgr.host_layout,
             )
             mgr.send(info.endpoint, hello)
         ok = pending.event.wait(timeout_s)
@@ -589,12 +608,27 @@ class DecodeSide(Side[RecvRoom]):
         for endpoint, room_id in asks:
             self.mgr.send(endpoint, WritesQuery(room=room_id, session=self.mgr.session))
 
+    def run_hooks(self, room: RecvRoom, status: KVPoll) -> None:
+        """Engine thread, the first time a HiSparse request is seen terminal (poll or clear):
+        admit it with its token count, or abandon it — exactly once per request."""
+        hooks = self.mgr.hooks
+        with self.mgr.lock:
+            if not room.hisparse or room.hooked or hooks is None:
+                return
+            room.hooked = True
+        if status is KVPoll.Success:
+            assert self.mgr.host_layout is not None and room.dst_pages is not None
+            hooks.on_admit(
+                room.room, int(room.dst_pages.size) * self.mgr.host_layout.model.page_size
+            )
+        else:
+            hooks.on_abandon(room.room)
+
     def _quiet(self, room: RecvRoom) -> bool:
         """Under the lock: every source of a failed room confirmed, or is gone."""
         assert room.sources is not None
         return all(
-            s.info.session in room.quiet or s.info.session not in self.links
-            for s in room.sources
+            s.info.session in room.quiet or s.info.session not in self.links for s in room.sources
         )
 
     def writes_quiesced(self, room: RecvRoom) -> bool:
@@ -664,10 +698,21 @@ class DecodeSide(Side[RecvRoom]):
                     )
 
     # --------------------------------------------------------------- engine thread
-    def send_metadata(self, room: RecvRoom, pages: Any, aux_index: int) -> None:
-        """Engine thread: where the request's KV goes on this rank."""
+    def send_metadata(
+        self, room: RecvRoom, pages: Any, aux_index: int, hisparse: bool = False
+    ) -> None:
+        """Engine thread: where the request's KV goes on this rank (the KV pool, or with
+        ``hisparse`` the host pool, in its page units)."""
         mgr = self.mgr
-        arr = check_pages(pages, mgr.layout.num_slots, "destination page indices")
+        pool = mgr.layout
+        if hisparse:
+            if mgr.host_layout is None:
+                raise ConfigError(
+                    "hisparse=True needs a host pool: build the decode manager with "
+                    "KVManager(..., host_layout=<the host KV pool's layout>)"
+                )
+            pool = mgr.host_layout
+        arr = check_pages(pages, pool.num_slots, "destination page indices")
         if np.unique(arr).size != arr.size:
             raise DescriptorError(
                 "destination page indices repeat a slot; each page needs its own slot"
@@ -682,8 +727,11 @@ class DecodeSide(Side[RecvRoom]):
             mgr.stamps[aux_index, 0] = 0
             room.dst_pages = arr
             room.aux_index = aux_index
+            room.hisparse = hisparse
             if room.sources is not None:
                 self._request(room)
+        if hisparse and mgr.hooks is not None:
+            mgr.hooks.on_prealloc(room.room, int(arr.size))
 
     def _request(self, room: RecvRoom) -> None:
         """Under the lock: send the transfer request to every source rank."""
@@ -694,6 +742,7 @@ class DecodeSide(Side[RecvRoom]):
             session=mgr.session,
             dst_pages=pages_to_bytes(room.dst_pages),
             aux_index=room.aux_index,
+            pool="host" if room.hisparse else "kv",
         )
         for s in room.sources:
             mgr.send(s.info.endpoint, msg)
@@ -784,9 +833,28 @@ class KVReceiver(RequestHandle[RecvRoom]):
         quiet: bool = self._side.writes_quiesced(self._state)
         return quiet
 
-    def send_metadata(self, dst_page_indices: Any, aux_index: int, **_: Any) -> None:
+    def send_metadata(
+        self, dst_page_indices: Any, aux_index: int, hisparse: bool = False, **_: Any
+    ) -> None:
         """Tell the source ranks where to write: this rank's page slots for the request's
         pages that are not cached here (the last ``len(dst_page_indices)`` of the request;
-        empty when the whole prefix is cached), and the aux row."""
+        empty when the whole prefix is cached), and the aux row.
+
+        ``hisparse=True`` sends this request into the host pool instead: the indices are host
+        pool pages (of the host pool's page size; page size 1 means token indices) for the
+        request's tokens from the first, trimmed to the tokens that exist. The manager's
+        ``hooks`` then get ``on_prealloc`` now and exactly one of ``on_admit`` (after the
+        transfer, with the token count) or ``on_abandon`` (failure or abort)."""
         self.init()
-        self._side.send_metadata(self._state, dst_page_indices, aux_index)
+        self._side.send_metadata(self._state, dst_page_indices, aux_index, hisparse)
+
+    def poll(self) -> KVPoll:
+        status = super().poll()
+        if status in (KVPoll.Success, KVPoll.Failed):
+            self._side.run_hooks(self._state, status)
+        return status
+
+    def clear(self) -> None:
+        if self._final is None:
+            self._side.run_hooks(self._state, self.poll())
+        super().clear()

@@ -92,6 +92,11 @@ class KVManager:
 
     ``kv_tensors`` (the tensors the layout was built from) are needed by staging strategies
     that gather and scatter on the pool (``--staging bulk``).
+
+    Decode only: ``host_layout`` describes a host-memory KV pool (same model, its own page
+    size, e.g. 1) that requests can choose per request (``send_metadata(..., hisparse=True)``);
+    ``hooks`` (a :class:`~kvwire.session.decode.DecodeHooks`) is told when such a request is
+    preallocated and when it is admitted or abandoned.
     """
 
     def __init__(
@@ -105,10 +110,14 @@ class KVManager:
         dp_size: int = 1,
         agent_name: str | None = None,
         kv_tensors: Any = None,
+        host_layout: KVLayout | None = None,
+        hooks: Any = None,
     ) -> None:
         self.config = config
         self.role = Role(role)
         self.layout = layout
+        self.host_layout = host_layout
+        self.hooks = hooks
         self.options = config.control
         self.session = secrets.token_hex(8)
         r = layout.rank
@@ -138,12 +147,15 @@ class KVManager:
             *aux_buffers,
         ]
 
-        kinds = {b.kind for b in (*layout.buffers, *aux_buffers)}
+        if host_layout is not None and self.role is not Role.DECODE:
+            raise ConfigError("host_layout (the HiSparse host pool) is for decode managers")
+        host_buffers = tuple(host_layout.buffers) if host_layout is not None else ()
+        kinds = {b.kind for b in (*layout.buffers, *aux_buffers, *host_buffers)}
         sel = select_backend(config, kinds=kinds)
         self.backend_name = sel.name
         self.backend: TransferBackend = sel.cls(self.agent_name, sel.options)
         try:
-            self.backend.register([*layout.buffers, *self.aux_regions])
+            self.backend.register([*layout.buffers, *host_buffers, *self.aux_regions])
             ssel = select_staging(config)
             self.staging: StagingStrategy = ssel.cls(ssel.options)
             self.staging.setup(

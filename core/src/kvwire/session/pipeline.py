@@ -105,7 +105,7 @@ class Pipeline:
                     plan = self.mgr.staging.plan(
                         room.room,
                         job.chunk_id,
-                        job.link.mapper,
+                        job.mapper,
                         job.src,
                         job.dst,
                         dest=job.dest.session,
@@ -114,7 +114,8 @@ class Pipeline:
                     if plan is None:
                         return moved  # waiting for staging space; asked again on progress()
                     if not plan.empty:
-                        pair = job.link.pairs.get(plan.table)
+                        table = "host" if job.pool == "host" else plan.table
+                        pair = job.link.pairs.get(table)
                         if pair is None:
                             raise TransferError(f"no prepared table {plan.table!r}", room=room.room)
                         note = self._note(room.room, plan.what, job.chunk_id, job.last)

@@ -63,6 +63,7 @@ from kvwire.errors import (
 )
 from kvwire.index.base import IndexMapper, check_pages
 from kvwire.index.ranks import target_ranks
+from kvwire.selection import select_mapper
 from kvwire.session import metrics as m
 from kvwire.session.common import RequestHandle, Side
 from kvwire.session.manager import KVManager, Peer
@@ -94,6 +95,11 @@ class DecodeLink:
     num_slots: int
     #: Chunks to this decode rank go through the staging strategy's ring.
     staged: bool = False
+    #: The decode rank's host pool (HiSparse path): its mapper and slot count, when usable;
+    #: otherwise why not.
+    host_mapper: IndexMapper | None = None
+    host_slots: int = 0
+    host_problem: str = "the decode rank has no host pool"
 
 
 @dataclass
@@ -107,6 +113,8 @@ class Dest:
     decode_tp: int
     next_chunk: int = 0
     done: bool = False
+    #: "kv" (decode's KV pool) or "host" (its host pool, in host page units).
+    pool: str = "kv"
 
 
 @dataclass
@@ -243,6 +251,10 @@ class PrefillSide(Side[SendRoom]):
                 pairs["kv"] = mgr.backend.prepare(name, tables.src, tables.dst)
             for table_name, tp in extra.items():
                 pairs[table_name] = mgr.backend.prepare(name, tp.src, tp.dst)
+            host_mapper, host_problem = self._host_mapper(hello)
+            if host_mapper is not None:
+                host_tables = host_mapper.build_tables()
+                pairs["host"] = mgr.backend.prepare(name, host_tables.src, host_tables.dst)
             r = mgr.layout.rank
             link = DecodeLink(
                 mapper=mapper,
@@ -256,6 +268,9 @@ class PrefillSide(Side[SendRoom]):
                 dummy=mapper.is_dummy,
                 num_slots=hello.layout.num_slots,
                 staged=bool(extra),
+                host_mapper=host_mapper,
+                host_slots=hello.host_layout.num_slots if hello.host_layout else 0,
+                host_problem=host_problem,
             )
         except KVWireError as exc:
             self._reject(hello, f"handshake failed on prefill: {exc}", [])
@@ -270,6 +285,27 @@ class PrefillSide(Side[SendRoom]):
             ", staged" if extra else "",
         )
         self._ack(hello, link)
+
+    def _host_mapper(self, hello: Hello) -> tuple[IndexMapper | None, str]:
+        """The mapper into a decode rank's host pool (the HiSparse path), or why there is
+        none. Regular requests work either way."""
+        host = hello.host_layout
+        if host is None:
+            return None, "the decode rank has no host pool"
+        problems = [
+            p
+            for p in handshake_problems(self.mgr.layout, host, self.mgr.backend_name, hello.backend)
+            if not p.startswith("page_size")
+        ]
+        if problems:
+            return None, "host pool incompatible: " + "; ".join(problems)
+        name = self.mgr.config.host_mapper
+        try:
+            sel = select_mapper(name, {})
+            mapper: IndexMapper = sel.cls(self.mgr.layout, host, sel.options)
+        except KVWireError as exc:
+            return None, f"host pool mapper {name!r} unusable: {exc}"
+        return mapper, ""
 
     def _ack(self, hello: Hello, link: DecodeLink) -> None:
         mgr = self.mgr
@@ -322,9 +358,12 @@ class PrefillSide(Side[SendRoom]):
             peer.last_seen = time.monotonic()
             link: DecodeLink = peer.link
             try:
-                pages = check_pages(
-                    pages_from_bytes(msg.dst_pages), link.num_slots, "decode's page indices"
-                )
+                if msg.pool not in ("kv", "host"):
+                    raise ConfigError(f"unknown destination pool {msg.pool!r}")
+                if msg.pool == "host" and link.host_mapper is None:
+                    raise ConfigError(f"no HiSparse path to this decode rank: {link.host_problem}")
+                slots = link.host_slots if msg.pool == "host" else link.num_slots
+                pages = check_pages(pages_from_bytes(msg.dst_pages), slots, "decode's page indices")
                 if not 0 <= msg.aux_index < mgr.aux_slots:
                     raise DescriptorError(
                         f"decode's aux index {msg.aux_index} is outside [0, {mgr.aux_slots})"
@@ -337,7 +376,9 @@ class PrefillSide(Side[SendRoom]):
                     Failure(room=msg.room, session=mgr.session, reason=f"refused: {exc}"),
                 )
                 return
-            dest = Dest(msg.session, peer.endpoint, pages, msg.aux_index, link.decode_tp)
+            dest = Dest(
+                msg.session, peer.endpoint, pages, msg.aux_index, link.decode_tp, pool=msg.pool
+            )
             room = self.rooms.get(msg.room)
             if room is None:
                 self.early.setdefault(msg.room, {})[msg.session] = (dest, time.monotonic())
@@ -500,32 +541,71 @@ class PrefillSide(Side[SendRoom]):
             if peer is None:
                 continue
             link: DecodeLink = peer.link
-            skip = room.num_pages - dest.dst_pages.size
-            if skip < 0:
-                self._fail(
-                    room,
-                    TransferError(
-                        f"decode asked for {dest.dst_pages.size} pages but the request has "
-                        f"{room.num_pages}",
-                        room=room.room,
-                    ),
-                )
-                return
-            lo = max(start, skip)
-            src = pages[lo - start :]
-            dst = dest.dst_pages[lo - skip : end - skip] if end > lo else dest.dst_pages[:0]
+            if dest.pool == "host":
+                cut = self._host_slice(room, dest, link, pages, start, end)
+                if cut is None:
+                    return
+                src, dst = cut
+                lo, skip = start, 0
+            else:
+                skip = room.num_pages - dest.dst_pages.size
+                if skip < 0:
+                    self._fail(
+                        room,
+                        TransferError(
+                            f"decode asked for {dest.dst_pages.size} pages but the request has "
+                            f"{room.num_pages}",
+                            room=room.room,
+                        ),
+                    )
+                    return
+                lo = max(start, skip)
+                src = pages[lo - start :]
+                dst = dest.dst_pages[lo - skip : end - skip] if end > lo else dest.dst_pages[:0]
             chunk_id = None
             if src.size and not link.dummy:
                 chunk_id = dest.next_chunk
                 dest.next_chunk += 1
-                if link.staged:
+                if link.staged and dest.pool == "kv":
                     try:
                         self._ask_staging(room, dest, link, chunk_id, src.size, lo - skip)
                     except KVWireError as exc:
                         self._fail(room, exc)
                         return
-            job = Job(room, dest, link, src, dst, chunk_id, last, time.perf_counter())
+            job = Job(
+                room, dest, link, src, dst, chunk_id, last, time.perf_counter(), pool=dest.pool
+            )
             self.workers.submit(dest.session, job)
+
+    def _host_slice(
+        self,
+        room: SendRoom,
+        dest: Dest,
+        link: DecodeLink,
+        pages: NDArray[np.int64],
+        start: int,
+        end: int,
+    ) -> tuple[NDArray[np.int64], NDArray[np.int64]] | None:
+        """Under the lock: a chunk's source pages and destination units in the host pool.
+        Decode sends the units of the request's tokens from the first, trimmed within the last
+        page; each source page covers ``units_per_page`` of them."""
+        assert room.num_pages is not None and link.host_mapper is not None
+        r = link.host_mapper.units_per_page
+        m = dest.dst_pages.size
+        if not (room.num_pages - 1) * r < m <= room.num_pages * r and m:
+            self._fail(
+                room,
+                TransferError(
+                    f"decode asked for {m} host units but {room.num_pages} pages hold "
+                    f"{room.num_pages * r} (only the last page may be trimmed)",
+                    room=room.room,
+                ),
+            )
+            return None
+        lo, hi = start * r, min(end * r, m)
+        if hi <= lo:
+            return pages[:0], dest.dst_pages[:0]
+        return pages[: -(-(hi - lo) // r)], dest.dst_pages[lo:hi]
 
     def _ask_staging(
         self, room: SendRoom, dest: Dest, link: DecodeLink, chunk_id: int, npages: int, at: int
@@ -683,6 +763,15 @@ class Job:
     chunk_id: int | None
     last: bool
     t_enqueued: float
+    #: Decode pool the chunk goes to: "kv", or "host" (HiSparse path, its own mapper/tables).
+    pool: str = "kv"
+
+    @property
+    def mapper(self) -> IndexMapper:
+        """The link's mapper for this job's pool."""
+        m = self.link.host_mapper if self.pool == "host" else self.link.mapper
+        assert m is not None
+        return m
 
 
 class KVSender(RequestHandle[SendRoom]):
@@ -703,9 +792,7 @@ class KVSender(RequestHandle[SendRoom]):
         """Declare the request's number of KV pages and its aux row index on this rank."""
         self._side.init(self._state, num_pages, aux_index)
 
-    def send(
-        self, page_indices: Any, last: bool = False, state_indices: Any | None = None
-    ) -> None:
+    def send(self, page_indices: Any, last: bool = False, state_indices: Any | None = None) -> None:
         """Queue one chunk of chunked prefill (page slots of this rank's pool, in request
         order). Raises :class:`~kvwire.errors.DescriptorError` or ``ConfigError`` on bad input
         (the room is failed and decode is told)."""

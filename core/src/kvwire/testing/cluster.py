@@ -35,7 +35,7 @@ from pydantic import BaseModel, ConfigDict, Field, SecretStr
 
 from kvwire.config import KVWireConfig
 from kvwire.layout import KVLayout, MemoryRegion, ModelSpec, RankPosition
-from kvwire.testing.kvfill import global_heads, page_values
+from kvwire.testing.kvfill import count_mismatches, global_heads, make_pool, page_values
 
 logger = logging.getLogger(__name__)
 
@@ -64,6 +64,9 @@ class ClusterSpec(BaseModel):
     config: KVWireConfig = Field(default_factory=KVWireConfig)
     seed: int = 0
     log_level: str = "WARNING"
+    #: Decode ranks also get a host pool with this page size (it must divide the model's), for
+    #: requests on the HiSparse path (``RoomPlan.hisparse``); None: no host pool.
+    host_page_size: int | None = None
     #: Fill and check every element (the default). Off for throughput benchmarks: pools are
     #: filled once at start and decode does not check, so the harness costs no CPU per request.
     verify: bool = True
@@ -87,6 +90,10 @@ class RoomPlan(BaseModel):
     stall_s: float = 0.0
     #: Fill and check every element of this request (None: the cluster's ``verify``).
     verify: bool | None = None
+    #: Decode receives into its host pool (HiSparse path); ``trim`` host pages of the last
+    #: prefill page do not exist (a partial last page).
+    hisparse: bool = False
+    trim: int = 0
 
     def verified(self, spec: ClusterSpec) -> bool:
         """Whether this request is filled and checked."""
@@ -106,6 +113,8 @@ class RankReport:
     latency_s: float = 0.0
     bytes: int = 0
     descriptors: int = 0
+    #: Decode engine hooks seen for the request (HiSparse path), in order.
+    hooks: tuple[str, ...] = ()
 
 
 @dataclass
@@ -161,6 +170,17 @@ class _Pool:
         self.layout = KVLayout.from_tensors(m, self.arrays, rank, start, end)
         self.aux = np.zeros((spec.aux_slots, AUX_WORDS), dtype=np.int32)
         self.aux_region = MemoryRegion.from_tensor(self.aux)
+        self.host_layout: KVLayout | None = None
+        self.host_arrays: list[NDArray[np.int32]] = []
+        self.host_units = 1
+
+    def add_host_pool(self, spec: ClusterSpec, page_size: int) -> None:
+        """A host-memory pool with its own page size (decode, HiSparse path)."""
+        m = spec.model.model_copy(update={"page_size": page_size})
+        self.host_units = spec.model.page_size // page_size
+        self.host_layout, self.host_arrays = make_pool(
+            m, self.layout.rank, spec.slots * self.host_units
+        )
 
     def _index(self, pages: NDArray[np.int64]) -> Any:
         if self.torch:
@@ -197,6 +217,22 @@ class _Pool:
             got = got.cpu().numpy() if self.torch else got
             bad += int((got != page_values(self.layout, b, first_pos, len(pages))).sum())
         return bad
+
+
+class _Hooks:
+    """Records the decode engine hooks a rank receives, per request."""
+
+    def __init__(self, events: dict[int, list[str]]) -> None:
+        self.events = events
+
+    def on_prealloc(self, room: int, num_units: int) -> None:
+        self.events.setdefault(room, []).append(f"prealloc:{num_units}")
+
+    def on_admit(self, room: int, num_tokens: int) -> None:
+        self.events.setdefault(room, []).append(f"admit:{num_tokens}")
+
+    def on_abandon(self, room: int) -> None:
+        self.events.setdefault(room, []).append("abandon")
 
 
 def _aux_row(room: int) -> NDArray[np.int32]:
@@ -252,6 +288,10 @@ def _rank_main(
         rank = RankPosition(tp_size=spec.decode_tp, tp_rank=tp_rank)
         first_layer, end = 0, m.num_layers
     pool = _Pool(spec, rank, first_layer, end)
+    hook_events: dict[int, list[str]] = {}
+    hooks = _Hooks(hook_events)
+    if role == "decode" and spec.host_page_size:
+        pool.add_host_pool(spec, spec.host_page_size)
     mgr = KVManager(
         spec.config,
         Role(role),
@@ -260,13 +300,16 @@ def _rank_main(
         bootstrap_addr=addr or None,
         agent_name=f"{role}{inst}-pp{pp_rank}-tp{tp_rank}",
         kv_tensors=pool.arrays,
+        host_layout=pool.host_layout,
+        hooks=hooks if pool.host_layout is not None else None,
     )
     rng = np.random.default_rng(
         spec.seed * 7919 + (pp_rank * 64 + tp_rank) * 8 + inst + (0 if role == "prefill" else 4096)
     )
     free = list(rng.permutation(spec.slots))
+    free_host = list(rng.permutation(spec.slots * pool.host_units))
     free_aux = list(range(spec.aux_slots))
-    quarantine: list[tuple[float, NDArray[np.int64], int, Any]] = []
+    quarantine: list[tuple[float, NDArray[np.int64], int, Any, list[Any]]] = []
     active: dict[int, _Active] = {}
     conn.send(("ready", mgr.bootstrap_addr or ""))
     rid = pp_rank * spec.prefill_tp + tp_rank if role == "prefill" else tp_rank
@@ -293,16 +336,18 @@ def _rank_main(
                     time.perf_counter() - a.t0,
                     mt.bytes,
                     mt.descriptors,
+                    tuple(hook_events.pop(a.plan.room, [])),
                 ),
                 a.plan.room,
             )
         )
         a.obj.clear()
+        slots = free_host if a.plan.hisparse and role == "decode" else free
         if status == KVPoll.Success:
-            free.extend(a.pages.tolist())
+            slots.extend(a.pages.tolist())
             free_aux.append(a.aux_index)
         else:  # a writer may still be busy with a failed room's slots: quarantine them
-            quarantine.append((time.monotonic() + QUARANTINE_S, a.pages, a.aux_index, a.obj))
+            quarantine.append((time.monotonic() + QUARANTINE_S, a.pages, a.aux_index, a.obj, slots))
 
     def start(plan: RoomPlan) -> None:
         t0 = time.perf_counter()
@@ -314,6 +359,15 @@ def _rank_main(
                 pool.fill(pages, 0)
             pool.aux[aux_index] = _aux_row(plan.room)
             obj: Any = mgr.sender(plan.room)
+        elif plan.hisparse:
+            n = plan.num_pages * pool.host_units - plan.trim if plan.num_pages else 0
+            pages = np.array([free_host.pop() for _ in range(n)], dtype=np.int64)
+            for harr in pool.host_arrays:
+                harr[pages] = -1
+            pool.aux[aux_index] = 0
+            obj = mgr.receiver(plan.room, addr)
+            obj.init()
+            obj.send_metadata(pages, aux_index, hisparse=True)
         else:
             n = plan.num_pages - plan.cached_pages
             pages = np.array([free.pop() for _ in range(n)], dtype=np.int64)
@@ -334,7 +388,11 @@ def _rank_main(
                 a.stage = 1
             if st == KVPoll.Success:
                 first = a.plan.cached_pages * m.page_size
-                mism = pool.mismatches(a.pages, first) if a.plan.verified(spec) else 0
+                if a.plan.hisparse:
+                    assert pool.host_layout is not None
+                    mism = count_mismatches(pool.host_layout, pool.host_arrays, a.pages, 0)
+                else:
+                    mism = pool.mismatches(a.pages, first) if a.plan.verified(spec) else 0
                 aux_ok = bool((pool.aux[a.aux_index] == _aux_row(a.plan.room)).all())
                 report(a, st, mism, aux_ok)
                 return True
@@ -380,11 +438,11 @@ def _rank_main(
                 if step(active[room]):
                     del active[room]
             for entry in list(quarantine):
-                deadline, pages, aux_index, obj = entry
+                deadline, pages, aux_index, obj, slots = entry
                 quiet = role == "prefill" or obj.writes_quiesced()
                 if quiet or time.monotonic() > deadline:
                     quarantine.remove(entry)
-                    free.extend(pages.tolist())
+                    slots.extend(pages.tolist())
                     free_aux.append(aux_index)
     finally:
         mgr.close()

@@ -1,0 +1,1 @@
+"""kvwire-hisparse: the host-pool (HiSparse) index mapper."""

@@ -1,0 +1,17 @@
+"""kvwire hook module of kvwire-hisparse (entry point ``hisparse``); imports nothing heavy."""
+
+from __future__ import annotations
+
+from kvwire.plugins import Implementation, hookimpl
+
+
+@hookimpl
+def kvwire_index_mappers() -> list[Implementation]:
+    """The ``hisparse`` mapper: prefill pages into a decode host pool of finer pages."""
+    return [
+        Implementation(
+            "hisparse",
+            "kvwire_hisparse.mapper:HostPoolMapper",
+            "prefill KV pages into a decode host pool (page size 1 or a divisor)",
+        )
+    ]

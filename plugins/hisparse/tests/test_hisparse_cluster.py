@@ -1,0 +1,102 @@
+"""The HiSparse path end to end (real processes): decode ranks with a host pool of page size 1
+or 2 (prefill's is 4) serve HiSparse and regular requests side by side; every element is checked
+in the host pool; the engine hooks run exactly once per request on success, failure and abort."""
+
+from __future__ import annotations
+
+import secrets
+from collections.abc import Iterator
+from typing import ClassVar
+
+import numpy as np
+import pytest
+
+from kvwire.config import ControlOptions, KVWireConfig
+from kvwire.layout import ModelSpec
+from kvwire.session.poll import KVPoll
+from kvwire.testing.cluster import Cluster, ClusterSpec, RoomPlan
+from kvwire.testing.cluster_suite import assert_all_ok, assert_tables_empty
+
+MODEL = ModelSpec(num_layers=3, total_kv_heads=2, head_dim=8, dtype="int32", page_size=4)
+
+
+def mixed_plans(n: int, units: int, seed: int) -> list[RoomPlan]:
+    rng = np.random.default_rng(seed)
+    out = []
+    for i in range(n):
+        pages = int(rng.integers(1, 7))
+        cut = int(rng.integers(0, pages + 1))
+        chunks = [cut, pages - cut]
+        hisparse = i % 2 == 0
+        out.append(
+            RoomPlan(
+                room=secrets.randbits(63),
+                num_pages=pages,
+                chunks=chunks,
+                hisparse=hisparse,
+                trim=int(rng.integers(0, units)) if hisparse else 0,
+                cached_pages=0 if hisparse else int(rng.integers(0, 2)),
+            )
+        )
+    return out
+
+
+class _HiSparse:
+    backend_name: ClassVar[str] = "tcp"
+
+    @pytest.fixture(scope="class", params=[1, 2], ids=["host-page-1", "host-page-2"])
+    @classmethod
+    def cluster(cls, request: pytest.FixtureRequest) -> Iterator[Cluster]:
+        spec = ClusterSpec(
+            model=MODEL,
+            slots=128,
+            aux_slots=64,
+            host_page_size=request.param,
+            config=KVWireConfig(
+                transfer_backend=cls.backend_name,
+                control=ControlOptions(heartbeat_interval_s=0.2),
+            ),
+        )
+        with Cluster(spec) as c:
+            yield c
+
+    def test_mixed_requests_verified_with_hooks(self, cluster: Cluster) -> None:
+        units = MODEL.page_size // (cluster.spec.host_page_size or 1)
+        plans = mixed_plans(40, units, seed=cluster.spec.host_page_size or 0)
+        results = cluster.run(plans, concurrency=16, timeout_s=120)
+        assert_all_ok(results)
+        ph = cluster.spec.host_page_size or 1
+        for res in results:
+            (dec,) = [r for r in res.reports if r.role == "decode"]
+            if res.plan.hisparse:
+                n = res.plan.num_pages * units - res.plan.trim
+                assert dec.hooks == (f"prealloc:{n}", f"admit:{n * ph}"), dec.hooks
+            else:
+                assert dec.hooks == ()
+        assert_tables_empty(cluster)
+
+    @pytest.mark.parametrize("side", ["prefill", "decode"])
+    def test_abort_abandons_exactly_once(self, cluster: Cluster, side: str) -> None:
+        plan = RoomPlan(
+            room=secrets.randbits(63),
+            num_pages=4,
+            chunks=[2, 2],
+            hisparse=True,
+            stall_s=2.0,
+            prefill_abort=side == "prefill",
+            decode_abort=side == "decode",
+        )
+        (res,) = cluster.run([plan], timeout_s=60)
+        (dec,) = [r for r in res.reports if r.role == "decode"]
+        assert dec.status == int(KVPoll.Failed)
+        units = MODEL.page_size // (cluster.spec.host_page_size or 1)
+        assert dec.hooks == (f"prealloc:{4 * units}", "abandon"), dec.hooks
+        assert_tables_empty(cluster)
+
+
+class TestHiSparseTcp(_HiSparse):
+    backend_name = "tcp"
+
+
+class TestHiSparseNixl(_HiSparse):
+    backend_name = "nixl"
