@@ -62,6 +62,7 @@ def samples() -> list[Message]:
             backend="tcp",
             backend_metadata=b"\x01meta",
             aux_regions=aux,
+            host_layout=layout,
         ),
         HelloAck(
             session="p-session",
@@ -86,6 +87,7 @@ def samples() -> list[Message]:
             session="d-session",
             dst_pages=pages_to_bytes(np.array([5, 9, 2], dtype=np.int64)),
             aux_index=7,
+            pool="host",
         ),
         Completion(room=42, sender_id=1, session="p-session", data_chunks=3, dummy=True),
         Failure(room=42, session="p-session", reason="aborted by prefill", aborted=True),
