@@ -22,6 +22,7 @@ import zmq
 
 from kvwire.backend import XferOp, XferState
 from kvwire.backends.tcp import TcpBackend, TcpOptions, wire
+from kvwire.backends.tcp.backend import METADATA_VERSION
 from kvwire.descriptors import make_table
 from kvwire.layout import MemoryRegion
 from kvwire.testing.conformance import wait_terminal
@@ -197,7 +198,7 @@ def test_target_refuses_when_initiator_trusts_forged_metadata(
     """An initiator fooled by metadata claiming the whole address space passes its own
     check; the target still refuses, and the transfer ends FAILED with the target's reason."""
     meta = msgpack.unpackb(target.backend.local_metadata())
-    meta["regions"] = [[0, (1 << 63), 0]]
+    meta["regions"] = [[0, (1 << 63), 0, 0]]
     initiator = make_backend("initiator")
     src = np.full(256, 0xEE, dtype=np.uint8)
     initiator.register([MemoryRegion.from_tensor(src)])
@@ -270,7 +271,7 @@ class FakeTarget:
         port = self.sock.bind_to_random_port("tcp://127.0.0.1")
         self.metadata: bytes = msgpack.packb(
             {
-                "v": 1,
+                "v": METADATA_VERSION,
                 "backend": "tcp",
                 "name": "fake-target",
                 "endpoint": f"tcp://127.0.0.1:{port}",
@@ -297,7 +298,7 @@ def write_to_fake(
         nbytes: int = 256, spans: list[tuple[int, int]] | None = None, **options: Any
     ) -> tuple[TcpBackend, FakeTarget, Any, np.ndarray, np.ndarray]:
         remote = np.zeros(nbytes + GUARD, dtype=np.uint8)  # only its address range is used
-        fake = FakeTarget(zctx, [[addr_of(remote), remote.size, 0]])
+        fake = FakeTarget(zctx, [[addr_of(remote), remote.size, 0, 0]])
         initiator = make_backend("initiator", **options)
         src = np.frombuffer(np.random.default_rng(5).bytes(nbytes), dtype=np.uint8)
         initiator.register([MemoryRegion.from_tensor(src)])
@@ -445,12 +446,12 @@ def test_transfer_larger_than_max_part_bytes_arrives_intact(make_backend: MakeBa
 # --------------------------------------------------------------------------- metadata
 def _good_meta() -> dict[str, Any]:
     return {
-        "v": 1,
+        "v": METADATA_VERSION,
         "backend": "tcp",
         "name": "peer",
         "endpoint": "tcp://127.0.0.1:5555",
         "incarnation": "x",
-        "regions": [[4096, 4096, 0]],
+        "regions": [[4096, 4096, 0, 0]],
     }
 
 
@@ -475,8 +476,12 @@ INVALID_METADATA: dict[str, tuple[bytes, str]] = {
     ),
     "regions not a list": (msgpack.packb({**_good_meta(), "regions": "x"}), "regions must be"),
     "region of two ints": (msgpack.packb({**_good_meta(), "regions": [[1, 2]]}), "regions must"),
+    "region of unknown kind": (
+        msgpack.packb({**_good_meta(), "regions": [[4096, 16, 0, 7]]}),
+        "invalid region",
+    ),
     "negative region": (
-        msgpack.packb({**_good_meta(), "regions": [[-1, 16, 0]]}),
+        msgpack.packb({**_good_meta(), "regions": [[-1, 16, 0, 0]]}),
         "invalid region",
     ),
 }

@@ -8,9 +8,12 @@ plane, but every backend needs the same outer checks when a peer's bytes come ba
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Any
 
 import msgpack
+
+from kvwire.layout import MemKind, MemoryRegion
 
 
 def pack_metadata(backend: str, version: int, **fields: Any) -> bytes:
@@ -33,3 +36,27 @@ def unpack_metadata(raw: bytes, backend: str, version: int, reader: str) -> dict
             f"{backend} metadata version {meta.get('v')!r}; this {reader} reads {version}"
         )
     return meta
+
+
+def region_rows(regions: Iterable[MemoryRegion]) -> list[list[int]]:
+    """Registered regions as ``[addr, length, device, kind]`` rows for the metadata."""
+    return [[r.addr, r.length, r.device_id, int(r.kind)] for r in regions]
+
+
+def regions_from_rows(rows: Any, backend: str, peer: str) -> list[MemoryRegion]:
+    """A peer's published regions back from :func:`region_rows`; ``ValueError`` naming the
+    backend and peer when they are malformed."""
+    if not isinstance(rows, list | tuple) or not all(
+        isinstance(r, list | tuple) and len(r) == 4 and all(type(v) is int for v in r)
+        for r in rows
+    ):
+        raise ValueError(
+            f"{backend} metadata regions must be a list of [addr, length, device, kind] ints"
+        )
+    try:
+        return [
+            MemoryRegion(addr=a, length=n, item_len=1, kind=MemKind(k), device_id=d)
+            for a, n, d, k in rows
+        ]
+    except ValueError as exc:
+        raise ValueError(f"{backend} metadata of {peer!r} holds an invalid region: {exc}") from exc

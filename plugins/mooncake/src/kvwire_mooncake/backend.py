@@ -49,7 +49,12 @@ from kvwire.backend import (
     XferOp,
     XferState,
 )
-from kvwire.backends.envelope import pack_metadata, unpack_metadata
+from kvwire.backends.envelope import (
+    pack_metadata,
+    region_rows,
+    regions_from_rows,
+    unpack_metadata,
+)
 from kvwire.backends.memcopy import coalesce
 from kvwire.descriptors import ADDR, DescTable
 from kvwire.layout import MemKind, MemoryRegion
@@ -318,7 +323,6 @@ class MooncakeBackend(TransferBackend):
     # ----------------------------------------------------------------- peers
     def local_metadata(self) -> bytes:
         """Name, segment, notification endpoint and registered regions, msgpack-encoded."""
-        regions = [[r.addr, r.length, r.device_id, int(r.kind)] for r in self.registered_regions]
         return pack_metadata(
             self.name,
             METADATA_VERSION,
@@ -327,7 +331,7 @@ class MooncakeBackend(TransferBackend):
             notify=self._notify.endpoint,
             protocol=self.options.protocol,
             incarnation=self.incarnation,
-            regions=regions,
+            regions=region_rows(self.registered_regions),
         )
 
     def _decode_metadata(self, metadata: bytes) -> dict[str, Any]:
@@ -344,11 +348,6 @@ class MooncakeBackend(TransferBackend):
             )
         if not meta["notify"].startswith("tcp://"):
             raise ValueError(f"notification endpoint {meta['notify']!r} is not tcp://host:port")
-        rows = meta["regions"]
-        if not all(
-            isinstance(r, list) and len(r) == 4 and all(type(v) is int for v in r) for r in rows
-        ):
-            raise ValueError("mooncake metadata regions must be [addr, length, device, kind] ints")
         return meta
 
     def _peer_name(self, metadata: bytes) -> str:
@@ -359,15 +358,7 @@ class MooncakeBackend(TransferBackend):
 
     def _add_peer(self, name: str, metadata: bytes) -> None:
         meta = self._decode_metadata(metadata)
-        try:
-            regions = [
-                MemoryRegion(addr=a, length=n, item_len=1, kind=MemKind(k), device_id=d)
-                for a, n, d, k in meta["regions"]
-            ]
-        except ValueError as exc:
-            raise ValueError(
-                f"mooncake metadata of {name!r} holds an invalid region: {exc}"
-            ) from exc
+        regions = regions_from_rows(meta["regions"], "mooncake", name)
         self._open_segment(name, meta["segment"], bool(regions))
         peer = _Peer(name, meta["segment"], meta["notify"], meta["incarnation"], regions)
         peer.waiter = threading.Thread(

@@ -48,7 +48,12 @@ from kvwire.backend import (
     XferOp,
     XferState,
 )
-from kvwire.backends.envelope import pack_metadata, unpack_metadata
+from kvwire.backends.envelope import (
+    pack_metadata,
+    region_rows,
+    regions_from_rows,
+    unpack_metadata,
+)
 from kvwire.descriptors import ADDR, LEN, DescTable, locate_rows
 from kvwire.errors import (
     ConfigError,
@@ -67,7 +72,7 @@ logger = logging.getLogger(__name__)
 #: for ``--transfer-backend auto`` instead of failing later).
 ENGINE = _engine.load()
 
-METADATA_VERSION = 1
+METADATA_VERSION = 2
 #: Prefix of every notification kvwire sends through NIXL.
 NOTIF_TAG = b"\x6b"  # "k"
 _OPS = {XferOp.WRITE: "WRITE", XferOp.READ: "READ"}
@@ -466,7 +471,7 @@ class NixlBackend(TransferBackend):
             agent = self._require_agent()
             with self._nixl("get_agent_metadata"):
                 md = bytes(agent.get_agent_metadata())
-            regions = [[r.addr, r.length, r.device_id, _MEM[r.kind]] for r in self._reg]
+            regions = region_rows(self._reg)
         return pack_metadata(
             self.name,
             METADATA_VERSION,
@@ -479,19 +484,11 @@ class NixlBackend(TransferBackend):
     @staticmethod
     def _decode_metadata(metadata: bytes) -> dict[str, Any]:
         meta = unpack_metadata(metadata, "nixl", METADATA_VERSION, "kvwire-nixl")
-        name, md, rows = meta.get("name"), meta.get("md"), meta.get("regions")
+        name, md = meta.get("name"), meta.get("md")
         if not isinstance(name, str) or not name:
             raise ValueError(f"nixl metadata names no agent (name {name!r})")
         if not isinstance(md, bytes) or not md:
             raise ValueError("nixl metadata carries no NIXL agent metadata")
-        if not isinstance(rows, list) or not all(
-            isinstance(r, list | tuple)
-            and len(r) == 4
-            and all(type(v) is int for v in r[:3])
-            and r[3] in ("DRAM", "VRAM")
-            for r in rows
-        ):
-            raise ValueError("nixl metadata regions must be [addr, length, device, kind] rows")
         return meta
 
     def _peer_name(self, metadata: bytes) -> str:
@@ -503,14 +500,7 @@ class NixlBackend(TransferBackend):
 
     def _add_peer(self, name: str, metadata: bytes) -> None:
         meta = self._decode_metadata(metadata)
-        kinds = {v: k for k, v in _MEM.items()}
-        try:
-            regions = [
-                MemoryRegion(addr=a, length=n, item_len=1, kind=kinds[k], device_id=d)
-                for a, n, d, k in meta["regions"]
-            ]
-        except ValueError as exc:
-            raise ValueError(f"nixl metadata of {name!r} holds an invalid region: {exc}") from exc
+        regions = regions_from_rows(meta.get("regions"), "nixl", name)
         agent = self._require_agent()
         with self._nixl(f"add_remote_agent({name!r})", peer=name):
             loaded = agent.add_remote_agent(meta["md"])

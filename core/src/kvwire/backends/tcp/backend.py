@@ -43,17 +43,22 @@ from kvwire.backend import (
     XferOp,
     XferState,
 )
-from kvwire.backends.envelope import pack_metadata, unpack_metadata
+from kvwire.backends.envelope import (
+    pack_metadata,
+    region_rows,
+    regions_from_rows,
+    unpack_metadata,
+)
 from kvwire.backends.memcopy import HostMemory, coalesce
 from kvwire.backends.tcp import wire
 from kvwire.descriptors import ADDR, DescTable
-from kvwire.layout import MemKind, MemoryRegion
+from kvwire.layout import MemoryRegion
 
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
-METADATA_VERSION = 1
+METADATA_VERSION = 2
 
 
 class TcpOptions(BaseModel):
@@ -202,14 +207,13 @@ class TcpBackend(TransferBackend):
     # ----------------------------------------------------------------- peers
     def local_metadata(self) -> bytes:
         """Name, endpoint and registered regions, msgpack-encoded."""
-        regions = [[r.addr, r.length, r.device_id] for r in self._memory.regions]
         return pack_metadata(
             self.name,
             METADATA_VERSION,
             name=self.agent_name,
             endpoint=self.endpoint,
             incarnation=self.incarnation,
-            regions=regions,
+            regions=region_rows(self._memory.regions),
         )
 
     @staticmethod
@@ -223,12 +227,6 @@ class TcpBackend(TransferBackend):
         endpoint = meta["endpoint"]
         if not isinstance(endpoint, str) or not endpoint.startswith("tcp://"):
             raise ValueError(f"tcp metadata endpoint {endpoint!r} is not a tcp://host:port address")
-        rows = meta["regions"]
-        if not isinstance(rows, list) or not all(
-            isinstance(r, list | tuple) and len(r) == 3 and all(type(v) is int for v in r)
-            for r in rows
-        ):
-            raise ValueError("tcp metadata regions must be a list of [addr, length, device] ints")
         return meta
 
     def _peer_name(self, metadata: bytes) -> str:
@@ -239,13 +237,7 @@ class TcpBackend(TransferBackend):
 
     def _add_peer(self, name: str, metadata: bytes) -> None:
         meta = self._decode_metadata(metadata)
-        try:
-            regions = [
-                MemoryRegion(addr=a, length=n, item_len=1, kind=MemKind.DRAM, device_id=d)
-                for a, n, d in meta["regions"]
-            ]
-        except ValueError as exc:
-            raise ValueError(f"tcp metadata of {name!r} holds an invalid region: {exc}") from exc
+        regions = regions_from_rows(meta["regions"], "tcp", name)
 
         def open_socket() -> None:
             sock = self._ctx.socket(zmq.DEALER)
