@@ -63,6 +63,7 @@ def samples() -> list[Message]:
             backend_metadata=b"\x01meta",
             aux_regions=aux,
             host_layout=layout,
+            host_staging={"identity": "boot-id:1000", "pools": [{"path": "/dev/shm/x"}]},
         ),
         HelloAck(
             session="p-session",
@@ -93,7 +94,16 @@ def samples() -> list[Message]:
         Failure(room=42, session="p-session", reason="aborted by prefill", aborted=True),
         Heartbeat(session="p-session", sent_at=1700000000.5),
         Goodbye(session="p-session"),
-        ChunkNote(room=42, sender_id=1, session="p-session", what="kv", chunk_id=2, last=True),
+        ChunkNote(
+            room=42,
+            sender_id=1,
+            session="p-session",
+            what="kv",
+            chunk_id=2,
+            last=True,
+            parts=2,
+            part=1,
+        ),
         StagingRequest(
             room=42, sender_id=1, session="p", chunk_id=2, nbytes=4096, dst_start=3, npages=2
         ),

@@ -24,8 +24,13 @@ from kvwire.staging.bulk import FALLBACKS, BulkOptions, BulkStaging, block_bytes
 from kvwire.testing.kvfill import fill_pages, make_pool, page_values
 
 MODEL = ModelSpec(num_layers=2, total_kv_heads=4, head_dim=8, dtype="int32", page_size=2)
-OPTS = {"ring_bytes": 64 * 1024, "buffer_bytes": 4096, "block_bytes": 1024,
-        "buffers_per_worker": 1, "request_retry_s": 0.05}
+OPTS = {
+    "ring_bytes": 64 * 1024,
+    "buffer_bytes": 4096,
+    "block_bytes": 1024,
+    "buffers_per_worker": 1,
+    "request_retry_s": 0.05,
+}
 
 
 def make(role: str, tp: int, rank: int, sent: list[tuple[str, Message]]) -> tuple[Any, ...]:
@@ -47,14 +52,30 @@ def make(role: str, tp: int, rank: int, sent: list[tuple[str, Message]]) -> tupl
 
 
 def request(mapper: HeadSliceMapper, chunk: int, npages: int) -> StagingRequest:
-    return StagingRequest(room=7, sender_id=0, session="p", chunk_id=chunk,
-                          nbytes=block_bytes(mapper, npages), dst_start=0, npages=npages)
+    return StagingRequest(
+        room=7,
+        sender_id=0,
+        session="p",
+        chunk_id=chunk,
+        nbytes=block_bytes(mapper, npages),
+        dst_start=0,
+        npages=npages,
+    )
 
 
 def grant(alloc: Any, chunk: int, wm: tuple[int, int] = (0, 0)) -> StagingGrant:
-    return StagingGrant(room=7, sender_id=0, session="d", chunk_id=chunk, alloc_id=alloc.id,
-                        round=alloc.round, offset=alloc.offset, end=alloc.end,
-                        wm_round=wm[0], wm_tail=wm[1])
+    return StagingGrant(
+        room=7,
+        sender_id=0,
+        session="d",
+        chunk_id=chunk,
+        alloc_id=alloc.id,
+        round=alloc.round,
+        offset=alloc.offset,
+        end=alloc.end,
+        wm_round=wm[0],
+        wm_tail=wm[1],
+    )
 
 
 def test_options_are_validated() -> None:
@@ -131,11 +152,35 @@ def test_requests_of_a_room_go_out_in_order_and_are_retried() -> None:
     time.sleep(0.06)
     assert pre.plan(7, 0, mapper, [1], [1], dest="d") is None
     assert [m.chunk_id for _, m in sent] == [0, 0]  # retried
-    pre.on_control(StagingGrant(room=7, sender_id=0, session="d", chunk_id=0, alloc_id=1,
-                                round=0, offset=0, end=1024, wm_round=0, wm_tail=0))
+    pre.on_control(
+        StagingGrant(
+            room=7,
+            sender_id=0,
+            session="d",
+            chunk_id=0,
+            alloc_id=1,
+            round=0,
+            offset=0,
+            end=1024,
+            wm_round=0,
+            wm_tail=0,
+        )
+    )
     assert [m.chunk_id for _, m in sent] == [0, 0, 1]
-    pre.on_control(StagingGrant(room=7, sender_id=0, session="d", chunk_id=0, alloc_id=1,
-                                round=0, offset=0, end=1024, wm_round=0, wm_tail=0))
+    pre.on_control(
+        StagingGrant(
+            room=7,
+            sender_id=0,
+            session="d",
+            chunk_id=0,
+            alloc_id=1,
+            round=0,
+            offset=0,
+            end=1024,
+            wm_round=0,
+            wm_tail=0,
+        )
+    )
     assert len(sent) == 3  # a duplicate grant sends nothing more
 
 
@@ -144,8 +189,20 @@ def test_readiness_waits_for_the_watermark() -> None:
     _, dlay, _, _ = make("decode", 1, 0, [])
     mapper = HeadSliceMapper(play, dlay)
     pre.request(request(mapper, 0, 1), "d", "ep", 60.0)
-    pre.on_control(StagingGrant(room=7, sender_id=0, session="d", chunk_id=0, alloc_id=9,
-                                round=2, offset=0, end=1024, wm_round=1, wm_tail=0))
+    pre.on_control(
+        StagingGrant(
+            room=7,
+            sender_id=0,
+            session="d",
+            chunk_id=0,
+            alloc_id=9,
+            round=2,
+            offset=0,
+            end=1024,
+            wm_round=1,
+            wm_tail=0,
+        )
+    )
     assert pre.plan(7, 0, mapper, [1], [1], dest="d") is None  # round 1 still holds it
     pre.on_control(StagingWatermark(session="d", round=1, tail=1024))
     assert pre.plan(7, 0, mapper, [1], [1], dest="d") is not None

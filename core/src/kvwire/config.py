@@ -92,6 +92,13 @@ class KVWireConfig(BaseSettings):
         description="Mapper into a decode host pool (the HiSparse path; kvwire-hisparse).",
     )
     staging_options: dict[str, Any] = Field(default_factory=dict)
+    host_staging: str = Field(
+        default=AUTO,
+        description="Strategy for chunks into a decode host pool (HiSparse path): 'auto' takes "
+        "kvwire-hisparse's 'hisparse' (it picks the fastest path per link) when installed, "
+        "else 'direct'.",
+    )
+    host_staging_options: dict[str, Any] = Field(default_factory=dict)
     control: ControlOptions = Field(default_factory=ControlOptions)
     secret: SecretStr | None = Field(
         default=None,

@@ -111,6 +111,22 @@ def select_staging(config: KVWireConfig, registry: PluginRegistry | None = None)
     return _select(Kind.STAGING, StagingStrategy, config.staging, config.staging_options, reg)
 
 
+def select_host_staging(config: KVWireConfig, registry: PluginRegistry | None = None) -> Selected:
+    """Resolve the strategy for chunks into a decode host pool (the HiSparse path): ``auto``
+    is ``hisparse`` when that plugin is installed and imports, else ``direct``."""
+    reg = registry or get_registry()
+    name = config.host_staging
+    if name == AUTO:
+        name = "direct"
+        if "hisparse" in reg.names(Kind.STAGING):
+            obj, err = reg.try_resolve(Kind.STAGING, "hisparse")
+            if obj is not None:
+                name = "hisparse"
+            else:
+                logger.warning("host staging: 'hisparse' unusable, using 'direct': %s", err)
+    return _select(Kind.STAGING, StagingStrategy, name, config.host_staging_options, reg)
+
+
 def select_mapper(
     name: str, options: Mapping[str, Any] | None = None, registry: PluginRegistry | None = None
 ) -> Selected:

@@ -47,8 +47,7 @@ def regions_from_rows(rows: Any, backend: str, peer: str) -> list[MemoryRegion]:
     """A peer's published regions back from :func:`region_rows`; ``ValueError`` naming the
     backend and peer when they are malformed."""
     if not isinstance(rows, list | tuple) or not all(
-        isinstance(r, list | tuple) and len(r) == 4 and all(type(v) is int for v in r)
-        for r in rows
+        isinstance(r, list | tuple) and len(r) == 4 and all(type(v) is int for v in r) for r in rows
     ):
         raise ValueError(
             f"{backend} metadata regions must be a list of [addr, length, device, kind] ints"

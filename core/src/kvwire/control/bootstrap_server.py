@@ -37,7 +37,6 @@ def _error(status: int, message: str) -> web.Response:
     return web.json_response({"error": message}, status=status)
 
 
-
 class BootstrapServer:
     """The bootstrap service: an aiohttp server running its own event loop in a daemon thread.
 
@@ -296,5 +295,3 @@ class BootstrapServer:
                 "ranks": [r.model_dump() for r in ranks],
             }
         )
-
-

@@ -34,7 +34,7 @@ from kvwire.layout import KVLayout, MemoryRegion, ModelSpec, RankPosition
 #: ``HelloAck.layout`` and ``HelloAck.staged``), write quiescence (``writes_query``,
 #: ``writes_done``) and the host-pool path (``Hello.host_layout``, ``TransferRequest.pool``).
 PROTOCOL_MAJOR = 1
-PROTOCOL_MINOR = 1
+PROTOCOL_MINOR = 2
 
 #: Largest frame accepted (layouts of deep models with many buffers stay far below this).
 MAX_FRAME_BYTES = 16 << 20
@@ -105,6 +105,9 @@ class Hello(Message):
     staging: dict[str, Any] | None = None
     #: Decode's host KV pool (HiSparse path), with its own page size; None when it has none.
     host_layout: KVLayout | None = None
+    #: The host-pool strategy's decode-side description (e.g. a shared-memory pool that a
+    #: prefill rank on the same host may map); None when there is nothing to share. (1.2)
+    host_staging: dict[str, Any] | None = None
 
     @field_validator("layout", "host_layout", mode="before")
     @classmethod
@@ -226,6 +229,11 @@ class ChunkNote(Message):
     what: Literal["kv", "aux", "state", "staged"] = "kv"
     chunk_id: int = Field(ge=0, default=0)
     last: bool = False
+    #: A chunk moved as several segments (one per (source kind, destination kind), or copies
+    #: done by a strategy) sends one note per segment: the chunk counts once all ``parts``
+    #: arrived. (1.2)
+    parts: int = Field(ge=1, le=64, default=1)
+    part: int = Field(ge=0, default=0)
 
 
 class StagingRequest(Message):

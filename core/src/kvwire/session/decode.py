@@ -120,6 +120,8 @@ class RecvRoom:
     deadline: float = float("inf")
     received: dict[int, int] = field(default_factory=dict)
     expected: dict[int, int] = field(default_factory=dict)
+    #: Segments of chunks still missing some: (sender id, chunk id) -> segments arrived.
+    partial: dict[tuple[int, int], int] = field(default_factory=dict)
     aux_done: bool = False
     #: Staged chunks already scattered, (writer session, chunk id): a late duplicate request
     #: for one of them must not allocate again (the space would never be written or freed).
@@ -277,6 +279,7 @@ class DecodeSide(Side[RecvRoom]):
                 aux_regions=mgr.aux_regions,
                 staging=mgr.staging.describe(),
                 host_layout=mgr.host_layout,
+                host_staging=mgr.host_staging.describe(),
             )
             mgr.send(info.endpoint, hello)
         ok = pending.event.wait(timeout_s)
@@ -321,6 +324,9 @@ class DecodeSide(Side[RecvRoom]):
                 lambda k: k[0] == msg.room and k[1] == msg.session
             ):
                 self._broadcast_watermark()
+        elif isinstance(msg, ChunkNote):
+            # A segment a prefill rank copied itself (same host): it has landed.
+            self._on_note(msg)
         elif isinstance(msg, Completion):
             with self.mgr.lock:
                 room = self._room_for(msg.room, msg.session, msg.sender_id)
@@ -378,8 +384,13 @@ class DecodeSide(Side[RecvRoom]):
             ] += 1
             logger.warning("%s: dropped a notification from %s: %s", mgr.agent_name, note.peer, exc)
             return
-        if not isinstance(msg, ChunkNote):
-            return
+        if isinstance(msg, ChunkNote):
+            self._on_note(msg)
+
+    def _on_note(self, msg: ChunkNote) -> None:
+        """Control thread: one chunk segment (or the aux row) landed, announced by the backend's
+        notification or, for a copy prefill made itself, by a control message."""
+        mgr = self.mgr
         with mgr.lock:
             room = self._room_for(msg.room, msg.session, msg.sender_id)
             if room is None:
@@ -408,6 +419,22 @@ class DecodeSide(Side[RecvRoom]):
                     return
                 room.aux_done = True
             else:
+                if msg.parts > 1:
+                    if msg.part >= msg.parts:
+                        logger.warning(
+                            "%s: room %d: dropped a note for segment %d of %d",
+                            mgr.agent_name,
+                            room.room,
+                            msg.part,
+                            msg.parts,
+                        )
+                        return
+                    key = (msg.sender_id, msg.chunk_id)
+                    got = room.partial.get(key, 0) + 1
+                    if got < msg.parts:
+                        room.partial[key] = got
+                        return
+                    room.partial.pop(key, None)
                 if msg.what == "staged" and not self._scatter(room, msg):
                     return
                 room.received[msg.sender_id] = room.received.get(msg.sender_id, 0) + 1
@@ -646,6 +673,7 @@ class DecodeSide(Side[RecvRoom]):
         """Control thread: a prefill rank is dead or gone; fail the rooms it feeds and free the
         ring space it held."""
         self.mgr.staging.peer_lost(peer.session)
+        self.mgr.host_staging.peer_lost(peer.session)
         with self.mgr.lock:
             self.links.pop(peer.session, None)
             for key, ranks in list(self.instances.items()):
@@ -778,6 +806,7 @@ class DecodeSide(Side[RecvRoom]):
             ):
                 self.quarantine[room.room] = room
         self.mgr.staging.release(room.room)
+        self.mgr.host_staging.release(room.room)
 
     def room_tables(self) -> dict[str, int]:
         """Per-room table sizes (leak check)."""
@@ -787,6 +816,7 @@ class DecodeSide(Side[RecvRoom]):
                 "quarantine": len(self.quarantine),
                 "handshakes_pending": len(self.pending),
                 **self.mgr.staging.room_tables(),
+                **self.mgr.host_staging.room_tables(),
             }
 
     def close(self) -> None:

@@ -37,7 +37,7 @@ from kvwire.control.channel import ControlChannel
 from kvwire.control.wire import Codec, Failure, Goodbye, Heartbeat, Message
 from kvwire.errors import ConfigError, LayoutError
 from kvwire.layout import KVLayout, MemoryRegion
-from kvwire.selection import select_backend, select_staging
+from kvwire.selection import select_backend, select_host_staging, select_staging
 from kvwire.session import metrics as m
 from kvwire.session.poll import KVPoll, StatusTable
 from kvwire.staging.base import StagingContext, StagingStrategy
@@ -169,6 +169,22 @@ class KVManager:
                     send_fn=lambda endpoint, msg: self.send(endpoint, msg),
                 )
             )
+            hsel = select_host_staging(config)
+            #: Strategy for chunks into a decode host pool (HiSparse path); see
+            #: ``KVWireConfig.host_staging``.
+            self.host_staging: StagingStrategy = hsel.cls(hsel.options)
+            self.host_staging.setup(
+                StagingContext(
+                    layout,
+                    self.backend.register,
+                    self.backend.deregister,
+                    role=self.role.value,
+                    num_workers=self.options.num_workers,
+                    kv_tensors=kv_tensors,
+                    send_fn=lambda endpoint, msg: self.send(endpoint, msg),
+                    host_layout=host_layout,
+                )
+            )
             self.codec = Codec(config.secret_bytes)
             self.channel = ControlChannel(self.codec, self.options.host, self.options.send_hwm)
         except BaseException:
@@ -257,6 +273,7 @@ class KVManager:
 
     def _release_resources(self) -> None:
         self.staging.close()
+        self.host_staging.close()
         self.backend.close()
         self.channel.close()
 

@@ -21,7 +21,7 @@ from kvwire.control.handshake import slot_rows
 from kvwire.control.wire import ChunkNote, Completion
 from kvwire.errors import KVWireError, TransferError
 from kvwire.session import metrics as m
-from kvwire.staging.base import ChunkPlan
+from kvwire.staging.base import ChunkPlan, LocalCopy, Segment, StagingStrategy
 
 if TYPE_CHECKING:
     from kvwire.session.prefill import Dest, Job, PrefillSide, SendRoom
@@ -30,18 +30,37 @@ logger = logging.getLogger(__name__)
 
 
 @dataclass(eq=False)
+class _PlanRef:
+    """A chunk plan whose segments are in flight: the strategy hears :meth:`on_sent` once,
+    after the last of them is terminal."""
+
+    strategy: StagingStrategy
+    plan: ChunkPlan
+    remaining: int = 0
+    ok: bool = True
+
+
+@dataclass(eq=False)
 class _Posted:
-    """One transfer in flight."""
+    """One transfer (or one segment of a chunk) in flight."""
 
     handle: TransferHandle
     key: tuple[int, str]
     room: SendRoom
-    plan: ChunkPlan | None
+    ref: _PlanRef | None
     t_start: float
     t_posted: float
     t_enqueued: float | None
     deadline: float
     what: str
+    #: A copy the strategy runs itself; decode hears of it through ``note`` on the control
+    #: channel once it is done (backend transfers carry their note themselves).
+    copy: LocalCopy | None = None
+    note: ChunkNote | None = None
+    endpoint: str = ""
+    #: The request was failed for this copy's deadline; it is still polled to the end, because
+    #: decode may reuse the pages only when nothing writes them any more.
+    overdue: bool = False
 
 
 @dataclass
@@ -102,7 +121,8 @@ class Pipeline:
             t_start = time.perf_counter()
             try:
                 if job.chunk_id is not None:
-                    plan = self.mgr.staging.plan(
+                    strategy = self.mgr.host_staging if job.pool == "host" else self.mgr.staging
+                    plan = strategy.plan(
                         room.room,
                         job.chunk_id,
                         job.mapper,
@@ -114,28 +134,7 @@ class Pipeline:
                     if plan is None:
                         return moved  # waiting for staging space; asked again on progress()
                     if not plan.empty:
-                        table = "host" if job.pool == "host" else plan.table
-                        pair = job.link.pairs.get(table)
-                        if pair is None:
-                            raise TransferError(f"no prepared table {plan.table!r}", room=room.room)
-                        note = self._note(room.room, plan.what, job.chunk_id, job.last)
-                        try:
-                            self._post(
-                                tail,
-                                key,
-                                pair,
-                                plan,
-                                plan.src_idx,
-                                plan.dst_idx,
-                                note,
-                                plan.what,
-                                t_start,
-                                job.t_enqueued,
-                            )
-                        except BaseException:
-                            # never posted: the strategy gets its staging buffer back
-                            self.mgr.staging.on_sent(room.room, plan, False)
-                            raise
+                        self._post_plan(tail, key, job, strategy, plan, t_start)
                 tail.queue.popleft()
                 moved = True
                 if job.last:
@@ -146,6 +145,77 @@ class Pipeline:
                 self._drop(key, tail)
                 return moved
         return moved
+
+    def _segments(self, job: Job, plan: ChunkPlan) -> list[Segment]:
+        """A plan's parts: the strategy's own segments, or its one row set; rows of a pair
+        that mixes memory kinds split into one segment per (source kind, destination kind).
+        Copies the strategy already started come first (they are running)."""
+        if plan.segments is not None:
+            base = plan.segments
+        else:
+            table = "host" if job.pool == "host" and plan.table == "kv" else plan.table
+            base = [Segment("", table, plan.src_idx, plan.dst_idx)]
+        out: list[Segment] = []
+        for seg in base:
+            split = job.link.splits.get(seg.table) if seg.copy is None else None
+            out.extend(split.segments(seg.src_idx, seg.dst_idx) if split else [seg])
+        out.sort(key=lambda sg: sg.copy is None)
+        return out
+
+    def _post_plan(
+        self,
+        tail: _Tail,
+        key: tuple[int, str],
+        job: Job,
+        strategy: StagingStrategy,
+        plan: ChunkPlan,
+        t_start: float,
+    ) -> None:
+        """Post every segment of one chunk, each with its own note (``parts`` of them)."""
+        room = job.room.room
+        assert job.chunk_id is not None
+        segs = self._segments(job, plan)
+        ref = _PlanRef(strategy, plan)
+        try:
+            for i, seg in enumerate(segs):
+                note = ChunkNote(
+                    room=room,
+                    sender_id=self.side.sender_id,
+                    session=self.mgr.session,
+                    what=plan.what,  # type: ignore[arg-type]
+                    chunk_id=job.chunk_id,
+                    last=job.last,
+                    parts=len(segs),
+                    part=i,
+                )
+                if seg.copy is not None:
+                    self._post_copy(
+                        tail, key, seg.copy, note, job.dest.endpoint, ref, t_start, job.t_enqueued
+                    )
+                else:
+                    pair = job.link.pairs.get(seg.table)
+                    if pair is None:
+                        raise TransferError(f"no prepared table {seg.table!r}", room=room)
+                    self._post(
+                        tail,
+                        key,
+                        pair,
+                        ref,
+                        seg.src_idx,
+                        seg.dst_idx,
+                        self.mgr.codec.encode(note),
+                        plan.what,
+                        t_start,
+                        job.t_enqueued,
+                    )
+                ref.remaining += 1
+        except BaseException:
+            if ref.remaining == 0:
+                # nothing posted: the strategy gets its staging buffer back now
+                strategy.on_sent(room, plan, False)
+            else:
+                ref.ok = False  # the posted segments end first; on_sent follows the last
+            raise
 
     def _drop(self, key: tuple[int, str], tail: _Tail) -> None:
         """A dead request's tail: forget its queued jobs; once nothing is in flight, tell a
@@ -193,12 +263,48 @@ class Pipeline:
             )
         )
 
+    def _post_copy(
+        self,
+        tail: _Tail,
+        key: tuple[int, str],
+        copy: LocalCopy,
+        note: ChunkNote,
+        endpoint: str,
+        ref: _PlanRef,
+        t_start: float,
+        t_enqueued: float | None,
+    ) -> None:
+        """Track a copy the strategy started; its note goes out once it is done."""
+        handle = TransferHandle(-1, note.session, XferOp.WRITE, copy.num_rows, copy.nbytes)
+        self._track(
+            _Posted(
+                handle,
+                key,
+                tail.room,
+                ref,
+                t_start,
+                time.perf_counter(),
+                t_enqueued,
+                time.monotonic() + self.mgr.options.transfer_timeout_s,
+                note.what,
+                copy=copy,
+                note=note,
+                endpoint=endpoint,
+            ),
+            tail,
+        )
+
+    def _track(self, p: _Posted, tail: _Tail) -> None:
+        self.posted.append(p)
+        tail.inflight += 1
+        self.side.writes_posted(p.key[0], p.key[1], +1)
+
     def _post(
         self,
         tail: _Tail,
         key: tuple[int, str],
         pair: PreparedPair,
-        plan: ChunkPlan | None,
+        ref: _PlanRef | None,
         src_idx: Any,
         dst_idx: Any,
         note: bytes,
@@ -208,23 +314,47 @@ class Pipeline:
     ) -> None:
         handle = self.mgr.backend.submit(XferOp.WRITE, pair, src_idx, dst_idx, note)
         now = time.perf_counter()
-        self.posted.append(
+        self._track(
             _Posted(
                 handle,
                 key,
                 tail.room,
-                plan,
+                ref,
                 t_start,
                 now,
                 t_enqueued,
                 time.monotonic() + self.mgr.options.transfer_timeout_s,
                 what,
-            )
+            ),
+            tail,
         )
-        tail.inflight += 1
-        self.side.writes_posted(key[0], key[1], +1)
+
+    def _copy_state(self, p: _Posted) -> XferState:
+        assert p.copy is not None
+        try:
+            if p.copy.done():
+                return XferState.DONE
+        except Exception as exc:
+            p.handle.error = f"{type(exc).__name__}: {exc}"
+            return XferState.FAILED
+        if not p.overdue and time.monotonic() > p.deadline:
+            # Fail the request now, but keep polling: the copy is still writing decode's pages.
+            p.overdue = True
+            self._failed(
+                p.room,
+                TransferError(
+                    f"{p.what} copy not done within transfer_timeout_s="
+                    f"{self.mgr.options.transfer_timeout_s}",
+                    room=p.room.room,
+                    operation=f"{p.what} copy",
+                ),
+                p.what,
+            )
+        return XferState.PENDING
 
     def _state(self, p: _Posted) -> XferState:
+        if p.copy is not None:
+            return self._copy_state(p)
         state = self.mgr.backend.poll(p.handle)
         if state is not XferState.PENDING:
             return state
@@ -240,10 +370,22 @@ class Pipeline:
     def _complete(self, p: _Posted, state: XferState) -> None:
         mgr, h = self.mgr, p.handle
         t_done = time.perf_counter()
+        if p.copy is None:
+            mgr.backend.release(h)
+        elif (
+            state is XferState.DONE
+            and p.note is not None
+            and not self.side.is_dead(p.room)
+            and not mgr.send(p.endpoint, p.note)
+        ):
+            h.error = "the control channel to decode is full (note not sent)"
+            state = XferState.FAILED
         error = h.error
-        mgr.backend.release(h)
-        if p.plan is not None:
-            mgr.staging.on_sent(p.room.room, p.plan, state is XferState.DONE)
+        if p.ref is not None:
+            p.ref.remaining -= 1
+            p.ref.ok &= state is XferState.DONE
+            if p.ref.remaining == 0:
+                p.ref.strategy.on_sent(p.room.room, p.ref.plan, p.ref.ok)
         tail = self.tails.get(p.key)
         if tail is not None:
             tail.inflight -= 1

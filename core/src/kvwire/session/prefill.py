@@ -23,6 +23,7 @@ from __future__ import annotations
 import concurrent.futures
 import logging
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -61,8 +62,9 @@ from kvwire.errors import (
     KVWireError,
     TransferError,
 )
-from kvwire.index.base import IndexMapper, check_pages
+from kvwire.index.base import IndexMapper, TablePair, check_pages
 from kvwire.index.ranks import target_ranks
+from kvwire.layout import MemoryRegion
 from kvwire.selection import select_mapper
 from kvwire.session import metrics as m
 from kvwire.session.common import RequestHandle, Side
@@ -70,6 +72,7 @@ from kvwire.session.manager import KVManager, Peer
 from kvwire.session.metrics import RequestMetrics
 from kvwire.session.pipeline import Pipeline
 from kvwire.session.poll import KVPoll
+from kvwire.session.segments import KindSplit, split_tables
 from kvwire.session.workers import TransferWorkers
 from kvwire.staging.bulk import BulkStaging, block_bytes
 
@@ -100,6 +103,8 @@ class DecodeLink:
     host_mapper: IndexMapper | None = None
     host_slots: int = 0
     host_problem: str = "the decode rank has no host pool"
+    #: Pairs whose rows mix memory kinds: their chunks move as one segment per kind pair.
+    splits: dict[str, KindSplit] = field(default_factory=dict)
 
 
 @dataclass
@@ -246,15 +251,26 @@ class PrefillSide(Side[SendRoom]):
                     name, slot_table(mgr.aux_regions), slot_table(hello.aux_regions)
                 )
             }
+            splits: dict[str, KindSplit] = {}
+            local = mgr.layout.buffers
             if not mapper.is_dummy:
-                tables = mapper.build_tables()
-                pairs["kv"] = mgr.backend.prepare(name, tables.src, tables.dst)
+                self._prepare(
+                    name, "kv", mapper.build_tables(), local, hello.layout.buffers, pairs, splits
+                )
             for table_name, tp in extra.items():
                 pairs[table_name] = mgr.backend.prepare(name, tp.src, tp.dst)
             host_mapper, host_problem = self._host_mapper(hello)
             if host_mapper is not None:
+                assert hello.host_layout is not None
                 host_tables = host_mapper.build_tables()
-                pairs["host"] = mgr.backend.prepare(name, host_tables.src, host_tables.dst)
+                host_extra = mgr.host_staging.link_tables(
+                    host_mapper, hello.host_staging, session=hello.session, tables=host_tables
+                )
+                self._prepare(
+                    name, "host", host_tables, local, hello.host_layout.buffers, pairs, splits
+                )
+                for table_name, tp in host_extra.items():
+                    pairs[table_name] = mgr.backend.prepare(name, tp.src, tp.dst)
             r = mgr.layout.rank
             link = DecodeLink(
                 mapper=mapper,
@@ -271,6 +287,7 @@ class PrefillSide(Side[SendRoom]):
                 host_mapper=host_mapper,
                 host_slots=hello.host_layout.num_slots if hello.host_layout else 0,
                 host_problem=host_problem,
+                splits=splits,
             )
         except KVWireError as exc:
             self._reject(hello, f"handshake failed on prefill: {exc}", [])
@@ -285,6 +302,24 @@ class PrefillSide(Side[SendRoom]):
             ", staged" if extra else "",
         )
         self._ack(hello, link)
+
+    def _prepare(
+        self,
+        peer: str,
+        name: str,
+        tables: TablePair,
+        src_regions: Sequence[MemoryRegion],
+        dst_regions: Sequence[MemoryRegion],
+        pairs: dict[str, PreparedPair],
+        splits: dict[str, KindSplit],
+    ) -> None:
+        """Handshake: prepare ``tables`` as pair ``name``, or as one pair per (source kind,
+        destination kind) when either side mixes VRAM and DRAM regions."""
+        parts, split = split_tables(name, tables, src_regions, dst_regions)
+        for table_name, tp in parts.items():
+            pairs[table_name] = self.mgr.backend.prepare(peer, tp.src, tp.dst)
+        if split is not None:
+            splits[name] = split
 
     def _host_mapper(self, hello: Hello) -> tuple[IndexMapper | None, str]:
         """The mapper into a decode rank's host pool (the HiSparse path), or why there is
@@ -438,6 +473,7 @@ class PrefillSide(Side[SendRoom]):
                     )
                     self._fail(room, err, skip=peer.session)
         mgr.staging.peer_lost(peer.session)
+        mgr.host_staging.peer_lost(peer.session)
         link: DecodeLink | None = peer.link
         if link is not None and link.backend_peer in mgr.backend.peers():
             try:
@@ -726,6 +762,7 @@ class PrefillSide(Side[SendRoom]):
             for s in list(self.early.get(room.room, {})):
                 self._drop_early(room.room, s)
         self.mgr.staging.release(room.room)
+        self.mgr.host_staging.release(room.room)
 
     def room_tables(self) -> dict[str, int]:
         """Per-room table sizes (leak check)."""
@@ -735,6 +772,7 @@ class PrefillSide(Side[SendRoom]):
                 "early_requests": len(self.early),
                 "writes_inflight": len(self.writes_inflight),
                 **self.mgr.staging.room_tables(),
+                **self.mgr.host_staging.room_tables(),
             }
 
     def close(self) -> None:

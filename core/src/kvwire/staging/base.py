@@ -23,13 +23,14 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Protocol
 
+import numpy as np
 from pydantic import BaseModel
 
 from kvwire.backend import NoOptions
 from kvwire.descriptors import IndexArray
-from kvwire.index.base import IndexMapper
+from kvwire.index.base import IndexMapper, TablePair
 from kvwire.layout import KVLayout, MemoryRegion
 
 #: Registers (or deregisters) memory a strategy allocated with the selected backend.
@@ -54,6 +55,39 @@ class StagingContext:
     kv_tensors: Any = None
     #: Sends a control message to a peer endpoint (the staging lifecycle's messages).
     send_fn: Callable[[str, Any], bool] = lambda endpoint, msg: False
+    #: Decode only: the host KV pool (HiSparse path) when the engine registered one.
+    host_layout: KVLayout | None = None
+
+
+class LocalCopy(Protocol):
+    """A copy a strategy started itself (e.g. into a peer's shared host pool on the same
+    machine) instead of submitting rows to the backend. The pipeline polls :meth:`done` from
+    the transfer worker and tells decode with a control-channel note once it is True."""
+
+    #: Bytes and rows moved (metrics).
+    nbytes: int
+    num_rows: int
+
+    def done(self) -> bool:
+        """Non-blocking: True once every byte is visible to the peer. Raises
+        :class:`~kvwire.errors.TransferError` if the copy failed."""
+        ...
+
+
+_NO_ROWS: IndexArray = np.empty(0, dtype=np.int64)
+
+
+@dataclass
+class Segment:
+    """One part of a chunk with its own completion: rows of one (source kind, destination
+    kind), submitted through the prepared pair ``table``, or a :class:`LocalCopy` the strategy
+    already started (``copy``)."""
+
+    label: str
+    table: str = ""
+    src_idx: IndexArray = field(default_factory=lambda: _NO_ROWS)
+    dst_idx: IndexArray = field(default_factory=lambda: _NO_ROWS)
+    copy: LocalCopy | None = None
 
 
 @dataclass
@@ -72,10 +106,16 @@ class ChunkPlan:
     #: Notification kind decode sees: "kv" (rows landed in the pool) or "staged" (a block
     #: landed in the staging ring and must be scattered).
     what: str = "kv"
+    #: Set when the strategy splits the chunk itself: each segment completes on its own and
+    #: decode counts the chunk once every segment's note arrived (``table``/``src_idx``/
+    #: ``dst_idx`` are then unused).
+    segments: list[Segment] | None = None
 
     @property
     def empty(self) -> bool:
         """No rows to move (dummy sender, or a chunk of zero pages)."""
+        if self.segments is not None:
+            return not self.segments
         return self.src_idx.size == 0
 
 
@@ -127,9 +167,18 @@ class StagingStrategy(ABC):
         (sent in ``Hello.staging``); None when this rank does not stage."""
         return None
 
-    def link_tables(self, mapper: IndexMapper, remote: dict[str, Any] | None) -> dict[str, Any]:
-        """Prefill side, at handshake with one decode rank: extra descriptor table pairs to
-        prepare for that link (name -> ``TablePair``); empty when the link does not stage."""
+    def link_tables(
+        self,
+        mapper: IndexMapper,
+        remote: dict[str, Any] | None,
+        *,
+        session: str = "",
+        tables: TablePair | None = None,
+    ) -> dict[str, Any]:
+        """Prefill side, at handshake with one decode rank (decode session ``session``): extra
+        descriptor table pairs to prepare for that link (name -> ``TablePair``); empty when the
+        link does not stage. ``remote`` is what that rank's strategy :meth:`describe` d;
+        ``tables`` the mapper's tables when core already built them (host-pool links)."""
         return {}
 
     def room_tables(self) -> dict[str, int]:

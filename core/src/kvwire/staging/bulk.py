@@ -296,7 +296,14 @@ class BulkStaging(StagingStrategy):
         return self.free_where(lambda k: k in stale), sorted(query)
 
     # ------------------------------------------------------------ prefill side
-    def link_tables(self, mapper: IndexMapper, remote: dict[str, Any] | None) -> dict[str, Any]:
+    def link_tables(
+        self,
+        mapper: IndexMapper,
+        remote: dict[str, Any] | None,
+        *,
+        session: str = "",
+        tables: TablePair | None = None,
+    ) -> dict[str, Any]:
         if (
             not remote
             or remote.get("strategy") != "bulk"

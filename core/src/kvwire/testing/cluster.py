@@ -67,6 +67,12 @@ class ClusterSpec(BaseModel):
     #: Decode ranks also get a host pool with this page size (it must divide the model's), for
     #: requests on the HiSparse path (``RoomPlan.hisparse``); None: no host pool.
     host_page_size: int | None = None
+    #: The host pool lives in a ``kvwire_hisparse.shm.SharedHostPool`` (same-host ``mapped``
+    #: path of the ``hisparse`` host staging; needs kvwire-hisparse).
+    host_shared: bool = False
+    #: With ``device='cuda'``: odd KV buffers of every rank live in pinned host memory, the
+    #: others on the GPU, so transfers mix memory kinds (segments by kind).
+    mixed_kinds: bool = False
     #: Fill and check every element (the default). Off for throughput benchmarks: pools are
     #: filled once at start and decode does not check, so the harness costs no CPU per request.
     verify: bool = True
@@ -162,9 +168,12 @@ class _Pool:
         if self.torch:
             import torch
 
-            self.arrays: list[Any] = [
-                torch.zeros(shape, dtype=torch.int32, device=spec.device) for _ in range(nbuf)
-            ]
+            def _alloc(b: int) -> Any:
+                if spec.mixed_kinds and b % 2:
+                    return torch.zeros(shape, dtype=torch.int32, pin_memory=True)
+                return torch.zeros(shape, dtype=torch.int32, device=spec.device)
+
+            self.arrays: list[Any] = [_alloc(b) for b in range(nbuf)]
         else:
             self.arrays = [np.zeros(shape, dtype=np.int32) for _ in range(nbuf)]
         self.layout = KVLayout.from_tensors(m, self.arrays, rank, start, end)
@@ -173,25 +182,41 @@ class _Pool:
         self.host_layout: KVLayout | None = None
         self.host_arrays: list[NDArray[np.int32]] = []
         self.host_units = 1
+        self.shared: Any = None
 
     def add_host_pool(self, spec: ClusterSpec, page_size: int) -> None:
         """A host-memory pool with its own page size (decode, HiSparse path)."""
         m = spec.model.model_copy(update={"page_size": page_size})
         self.host_units = spec.model.page_size // page_size
-        self.host_layout, self.host_arrays = make_pool(
-            m, self.layout.rank, spec.slots * self.host_units
-        )
+        slots = spec.slots * self.host_units
+        if not spec.host_shared:
+            self.host_layout, self.host_arrays = make_pool(m, self.layout.rank, slots)
+            return
+        from kvwire_hisparse.shm import SharedHostPool
 
-    def _index(self, pages: NDArray[np.int64]) -> Any:
+        heads = len(global_heads(m, self.layout.rank))
+        nbuf = len(self.layout.buffers)
+        shape = (slots, page_size, heads, m.head_dim)
+        per = int(np.prod(shape)) * 4
+        self.shared = SharedHostPool.create(per * nbuf)
+        raw = self.shared.array()
+        self.host_arrays = [
+            raw[b * per : (b + 1) * per].view(np.int32).reshape(shape) for b in range(nbuf)
+        ]
+        r = self.layout.rank
+        self.host_layout = KVLayout.from_tensors(m, self.host_arrays, r, 0, m.num_layers)
+
+    def _index(self, pages: NDArray[np.int64], arr: Any = None) -> Any:
         if self.torch:
             import torch
 
-            return torch.from_numpy(pages).to(self.arrays[0].device)
+            dev = (arr if arr is not None else self.arrays[0]).device
+            return torch.from_numpy(pages).to(dev)
         return pages
 
     def fill(self, pages: NDArray[np.int64], first_pos: int) -> None:
-        idx = self._index(pages)
         for b, arr in enumerate(self.arrays):
+            idx = self._index(pages, arr)
             vals = page_values(self.layout, b, first_pos, len(pages))
             if self.torch:
                 import torch
@@ -205,15 +230,13 @@ class _Pool:
             torch.cuda.synchronize()
 
     def poison(self, pages: NDArray[np.int64]) -> None:
-        idx = self._index(pages)
         for arr in self.arrays:
-            arr[idx] = -1
+            arr[self._index(pages, arr)] = -1
 
     def mismatches(self, pages: NDArray[np.int64], first_pos: int) -> int:
-        idx = self._index(pages)
         bad = 0
         for b, arr in enumerate(self.arrays):
-            got = arr[idx]
+            got = arr[self._index(pages, arr)]
             got = got.cpu().numpy() if self.torch else got
             bad += int((got != page_values(self.layout, b, first_pos, len(pages))).sum())
         return bad
@@ -432,6 +455,9 @@ def _rank_main(
                     start(RoomPlan.model_validate(msg[1]))
                 elif msg[0] == "tables":
                     conn.send(("tables", mgr.room_tables(), mgr.dropped))
+                elif msg[0] == "host_paths":
+                    paths = getattr(mgr.host_staging, "paths", dict)()
+                    conn.send(("host_paths", paths))
                 elif msg[0] == "stop":
                     break
             for room in list(active):
@@ -446,6 +472,8 @@ def _rank_main(
                     free_aux.append(aux_index)
     finally:
         mgr.close()
+        if pool.shared is not None:
+            pool.shared.close()
         with contextlib.suppress(OSError):
             conn.send(("closed", mgr.room_tables()))
 
@@ -652,6 +680,17 @@ class Cluster:
             p.conn.send(("tables",))
             msg = self._expect(p, "tables", 30)
             out[p.proc.name] = {**msg[1], **{f"dropped_{k}": v for k, v in msg[2].items()}}
+        return out
+
+    def host_paths(self) -> dict[str, dict[str, str]]:
+        """Prefill ranks: the host-pool path chosen per decode session (``hisparse`` host
+        staging; empty for strategies that do not choose)."""
+        out = {}
+        for p in self.procs:
+            if p.role != "prefill" or not p.proc.is_alive():
+                continue
+            p.conn.send(("host_paths",))
+            out[p.proc.name] = self._expect(p, "host_paths", 30)[1]
         return out
 
     def close(self) -> None:

@@ -1,0 +1,91 @@
+"""In-process test pairs: one prefill and one decode :class:`~kvwire.KVManager` (TP 1 each) on
+threads of this process, over the real tcp backend, bootstrap service and ZeroMQ channels, with
+verification pools. Used by core's session tests and by strategy tests that swap a manager's
+staging strategy in place."""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import numpy as np
+
+from kvwire.config import ControlOptions, KVWireConfig
+from kvwire.layout import ModelSpec, RankPosition
+from kvwire.session import KVManager, KVPoll, Role
+from kvwire.testing.kvfill import count_mismatches, fill_pages, make_pool
+
+MODEL = ModelSpec(num_layers=2, total_kv_heads=2, head_dim=8, dtype="int32", page_size=2)
+
+
+def config(secret: str | None = None, **control: Any) -> KVWireConfig:
+    opts = {"heartbeat_interval_s": 0.1, "handshake_timeout_s": 3.0, **control}
+    return KVWireConfig(transfer_backend="tcp", control=ControlOptions(**opts), secret=secret)
+
+
+def wait_for(pred: Callable[[], bool], timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not pred():
+        assert time.monotonic() < deadline, "condition not reached in time"
+        time.sleep(0.002)
+
+
+class Pair:
+    """One prefill and one decode manager (TP 1 each) with verification pools."""
+
+    def __init__(
+        self,
+        pcfg: KVWireConfig,
+        dcfg: KVWireConfig | None = None,
+        dmodel: ModelSpec = MODEL,
+        slots: int = 32,
+    ) -> None:
+        self.play, self.parr = make_pool(MODEL, RankPosition(), slots)
+        self.dlay, self.darr = make_pool(dmodel, RankPosition(), slots)
+        self.prefill = KVManager(pcfg, Role.PREFILL, self.play)
+        try:
+            self.decode = KVManager(dcfg or pcfg, Role.DECODE, self.dlay)
+        except BaseException:
+            self.prefill.close()
+            raise
+        self.addr = self.prefill.bootstrap_addr
+        assert self.addr
+
+    def close(self) -> None:
+        self.decode.close()
+        self.prefill.close()
+
+    def transfer(self, room: int, pages: int = 4, chunks: tuple[int, ...] = (2, 2)) -> None:
+        """A whole verified request."""
+        r = self.decode.receiver(room, self.addr)
+        r.init()
+        dst = np.arange(pages) + 10
+        r.send_metadata(dst, aux_index=1)
+        s = self.prefill.sender(room)
+        src = np.arange(pages)
+        fill_pages(self.play, self.parr, src, 0)
+        wait_for(lambda: s.poll() >= KVPoll.WaitingForInput)
+        s.init(pages, aux_index=2)
+        off = 0
+        for i, n in enumerate(chunks):
+            s.send(src[off : off + n], last=i == len(chunks) - 1)
+            off += n
+        wait_for(lambda: r.poll() == KVPoll.Success and s.poll() == KVPoll.Success)
+        assert count_mismatches(self.dlay, self.darr, dst, 0) == 0
+        r.clear()
+        s.clear()
+
+
+@contextlib.contextmanager
+def pair(*args: Any, **kw: Any) -> Iterator[Pair]:
+    p = Pair(*args, **kw)
+    try:
+        yield p
+    finally:
+        p.close()
+
+
+def no_rooms(mgr: KVManager) -> bool:
+    return not any(mgr.room_tables().values())
