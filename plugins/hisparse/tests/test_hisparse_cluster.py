@@ -1,6 +1,10 @@
 """The HiSparse path end to end (real processes): decode ranks with a host pool of page size 1
 or 2 (prefill's is 4) serve HiSparse and regular requests side by side; every element is checked
-in the host pool; the engine hooks run exactly once per request on success, failure and abort."""
+in the host pool; the engine hooks run exactly once per request on success, failure and abort.
+
+Each backend runs both host-pool paths of the ``hisparse`` host staging: ``engine`` (the pool is
+private memory, so the backend writes it) and ``mapped`` (the pool is a SharedHostPool on this
+host, so prefill copies into it itself), and the test checks which one prefill chose."""
 
 from __future__ import annotations
 
@@ -43,15 +47,19 @@ def mixed_plans(n: int, units: int, seed: int) -> list[RoomPlan]:
 
 class _HiSparse:
     backend_name: ClassVar[str] = "tcp"
+    #: (host page size, shared pool) per cluster: each backend runs both paths.
+    shapes: ClassVar[list[tuple[int, bool]]] = [(1, False), (2, True)]
 
-    @pytest.fixture(scope="class", params=[1, 2], ids=["host-page-1", "host-page-2"])
+    @pytest.fixture(scope="class", params=[0, 1], ids=["first", "second"])
     @classmethod
     def cluster(cls, request: pytest.FixtureRequest) -> Iterator[Cluster]:
+        page, shared = cls.shapes[request.param]
         spec = ClusterSpec(
             model=MODEL,
             slots=128,
             aux_slots=64,
-            host_page_size=request.param,
+            host_page_size=page,
+            host_shared=shared,
             config=KVWireConfig(
                 transfer_backend=cls.backend_name,
                 control=ControlOptions(heartbeat_interval_s=0.2),
@@ -74,6 +82,9 @@ class _HiSparse:
             else:
                 assert dec.hooks == ()
         assert_tables_empty(cluster)
+        want = "mapped" if cluster.spec.host_shared else "engine"
+        paths = cluster.host_paths()
+        assert paths and all(list(p.values()) == [want] for p in paths.values()), paths
 
     @pytest.mark.parametrize("side", ["prefill", "decode"])
     def test_abort_abandons_exactly_once(self, cluster: Cluster, side: str) -> None:
@@ -100,3 +111,4 @@ class TestHiSparseTcp(_HiSparse):
 
 class TestHiSparseNixl(_HiSparse):
     backend_name = "nixl"
+    shapes: ClassVar[list[tuple[int, bool]]] = [(1, True), (2, False)]
