@@ -1,4 +1,5 @@
-"""kvwire hook module of kvwire-hisparse (entry point ``hisparse``); imports nothing heavy."""
+"""kvwire hook module of kvwire-hisparse (entry point ``hisparse``); imports nothing heavy:
+the ``hisparse`` mapper and the ``hisparse`` host staging strategy."""
 
 from __future__ import annotations
 
@@ -13,5 +14,17 @@ def kvwire_index_mappers() -> list[Implementation]:
             "hisparse",
             "kvwire_hisparse.mapper:HostPoolMapper",
             "prefill KV pages into a decode host pool (page size 1 or a divisor)",
+        )
+    ]
+
+
+@hookimpl
+def kvwire_staging_strategies() -> list[Implementation]:
+    """``hisparse`` host staging: picks the fastest path into each decode host pool."""
+    return [
+        Implementation(
+            "hisparse",
+            "kvwire_hisparse.paths:HostPathStrategy",
+            "host-pool chunks: copy into a same-host shared pool, else the engine",
         )
     ]
