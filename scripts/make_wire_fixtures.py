@@ -46,8 +46,7 @@ def samples() -> list[Message]:
     model = ModelSpec(num_layers=2, total_kv_heads=4, head_dim=8, dtype="bfloat16", page_size=4)
     rank = RankPosition(tp_size=2, tp_rank=1)
     bufs = tuple(
-        MemoryRegion(addr=0x10000 * (i + 1), length=128 * 16, item_len=128)
-        for i in range(4)
+        MemoryRegion(addr=0x10000 * (i + 1), length=128 * 16, item_len=128) for i in range(4)
     )
     layout = KVLayout(model=model, rank=rank, buffers=bufs)
     aux = [MemoryRegion(addr=0x900000, length=64 * 8, item_len=64)]

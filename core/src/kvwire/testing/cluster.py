@@ -456,7 +456,7 @@ def _rank_main(
                 elif msg[0] == "tables":
                     conn.send(("tables", mgr.room_tables(), mgr.dropped))
                 elif msg[0] == "host_paths":
-                    paths = getattr(mgr.host_staging, "paths", dict)()
+                    paths: dict[str, str] = getattr(mgr.host_staging, "paths", dict)()
                     conn.send(("host_paths", paths))
                 elif msg[0] == "stop":
                     break

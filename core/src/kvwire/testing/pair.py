@@ -11,6 +11,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
+from pydantic import SecretStr
 
 from kvwire.config import ControlOptions, KVWireConfig
 from kvwire.layout import ModelSpec, RankPosition
@@ -22,7 +23,11 @@ MODEL = ModelSpec(num_layers=2, total_kv_heads=2, head_dim=8, dtype="int32", pag
 
 def config(secret: str | None = None, **control: Any) -> KVWireConfig:
     opts = {"heartbeat_interval_s": 0.1, "handshake_timeout_s": 3.0, **control}
-    return KVWireConfig(transfer_backend="tcp", control=ControlOptions(**opts), secret=secret)
+    return KVWireConfig(
+        transfer_backend="tcp",
+        control=ControlOptions(**opts),
+        secret=SecretStr(secret) if secret is not None else None,
+    )
 
 
 def wait_for(pred: Callable[[], bool], timeout: float = 10.0) -> None:
@@ -50,8 +55,8 @@ class Pair:
         except BaseException:
             self.prefill.close()
             raise
-        self.addr = self.prefill.bootstrap_addr
-        assert self.addr
+        assert self.prefill.bootstrap_addr
+        self.addr: str = self.prefill.bootstrap_addr
 
     def close(self) -> None:
         self.decode.close()

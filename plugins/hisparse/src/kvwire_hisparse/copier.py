@@ -1,0 +1,590 @@
+"""Prefill copies KV rows itself into a decode process's shared host pool (the ``mapped`` path).
+
+Prefill's ``hisparse`` staging strategy builds one :class:`RowCopier` per linked decode rank, at
+handshake (control thread), from this process's registered KV regions and the decode pools it
+attached (:class:`~kvwire_hisparse.shm.SharedHostPool`); transfer workers call
+:meth:`RowCopier.start` per chunk and source memory kind and poll the returned
+:class:`CopyJob`; the strategy calls :meth:`RowCopier.close` before closing the pools.
+
+How rows move:
+
+- Source memory is reached from raw addresses, never from engine tensors. All regions of one
+  memory kind and device form a *span* ``[lowest start, highest end)``; a row is addressed as a
+  row number in a view of the span (rows are checked to lie inside one region first, so the
+  gaps between regions are never touched). Destination rows likewise are row numbers in a view
+  of the pool. Rows whose offsets are not multiples of ``row_len`` are grouped by their
+  residue, each residue getting its own shifted view, so no alignment is required.
+- DRAM rows: NumPy, synchronously in :meth:`RowCopier.start` (slice copies for long runs of
+  consecutive rows, fancy indexing otherwise).
+- VRAM rows: on a dedicated CUDA stream, long runs of consecutive rows as plain device-to-host
+  copies into the pinned pool (copy engine), scattered rows as ``index_select`` into a device
+  buffer and ``index_copy_`` into a CUDA tensor that aliases the pinned pool: under unified
+  virtual addressing, memory registered with ``cudaHostRegister`` is addressable from the GPU
+  at its host address (checked at construction, with ``cudaHostGetDevicePointer`` when the
+  CUDA runtime library is reachable; see :attr:`RowCopier.dst_pointer_mode`).
+
+The source rows must be final when :meth:`RowCopier.start` is called (the engine finished
+writing them, as for any backend): the copier's stream does not wait for the engine's streams.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import itertools
+import logging
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+from numpy.typing import NDArray
+
+from kvwire.descriptors import locate_rows
+from kvwire.errors import ConfigError, DescriptorError, LayoutError, TransferError
+from kvwire.layout import MemKind, MemoryRegion
+from kvwire_hisparse.shm import SharedHostPool
+
+logger = logging.getLogger(__name__)
+
+#: Element type used to move rows, by width in bytes (the widest that divides the row length
+#: and both base addresses is used).
+_TORCH_DTYPES = {8: "int64", 4: "int32", 2: "int16", 1: "uint8"}
+_TYPESTR = {8: "<i8", 4: "<i4", 2: "<i2", 1: "|u1"}
+
+
+class _CudaPtr:
+    """A raw CUDA pointer with a shape, for ``torch.as_tensor`` (``__cuda_array_interface__``
+    v2: no stream synchronisation is requested)."""
+
+    def __init__(self, addr: int, shape: tuple[int, ...], typestr: str) -> None:
+        self.__cuda_array_interface__ = {
+            "shape": shape,
+            "typestr": typestr,
+            "data": (addr, False),
+            "strides": None,
+            "version": 2,
+        }
+
+
+class _HostPtr:
+    """A raw host pointer with a shape, for ``numpy.asarray`` (``__array_interface__``)."""
+
+    def __init__(self, addr: int, shape: tuple[int, ...], typestr: str) -> None:
+        self.__array_interface__ = {
+            "shape": shape,
+            "typestr": typestr,
+            "data": (addr, False),
+            "strides": None,
+            "version": 3,
+        }
+
+
+def _cudart_lib() -> ctypes.CDLL | None:
+    """The CUDA runtime library this process (torch) loaded, or None if it cannot be found."""
+    try:
+        with open("/proc/self/maps", encoding="utf-8") as f:
+            for line in f:
+                path = line.rsplit(" ", 1)[-1].strip()
+                if "/libcudart.so" in path:
+                    return ctypes.CDLL(path)
+    except OSError:
+        pass
+    return None
+
+
+def _device_pointer(host_addr: int) -> tuple[int, str]:
+    """Device address of registered host memory: ``cudaHostGetDevicePointer`` through the
+    runtime library when reachable ("device-pointer", or "uva" when it equals the host
+    address), else the host address itself ("uva-assumed")."""
+    lib = _cudart_lib()
+    if lib is None:
+        return host_addr, "uva-assumed"
+    fn = lib.cudaHostGetDevicePointer
+    fn.argtypes = [ctypes.POINTER(ctypes.c_void_p), ctypes.c_void_p, ctypes.c_uint]
+    fn.restype = ctypes.c_int
+    out = ctypes.c_void_p()
+    err = fn(ctypes.byref(out), ctypes.c_void_p(host_addr), 0)
+    if err != 0 or out.value is None:
+        raise ConfigError(f"cudaHostGetDevicePointer({host_addr:#x}) failed with CUDA error {err}")
+    dev = int(out.value)
+    return dev, ("uva" if dev == host_addr else "device-pointer")
+
+
+@dataclass(frozen=True)
+class _Span:
+    """The source regions of one memory kind and device, as one address range."""
+
+    kind: MemKind
+    device: int
+    base: int
+    end: int
+    #: (start, end) of each region in the span, sorted.
+    regions: tuple[tuple[int, int], ...]
+
+    def first_row(self, residue: int, row_len: int) -> int:
+        """Lowest address ``base + residue + k * row_len`` inside a region (views start there,
+        so that their base pointer is always valid memory)."""
+        first = self.base + residue
+        for start, end in self.regions:
+            if end <= first:
+                continue
+            lo = max(start, first)
+            q = first + -(-(lo - first) // row_len) * row_len
+            if q + row_len <= end:
+                return q
+        return first
+
+
+@dataclass
+class _Group:
+    """Rows of one (span, pool, source residue, destination residue)."""
+
+    span: int
+    pool: int
+    rs: int
+    rd: int
+    src_rows: NDArray[np.int64]
+    dst_rows: NDArray[np.int64]
+
+
+class CopyJob:
+    """One :meth:`RowCopier.start` call: rows of one source memory kind on their way.
+
+    The transfer pipeline polls :meth:`done` (a :class:`~kvwire.staging.base.LocalCopy`);
+    the strategy calls :meth:`wait` when it must be sure nothing writes any more.
+    """
+
+    def __init__(
+        self,
+        nbytes: int,
+        num_rows: int,
+        events: Sequence[Any] = (),
+        keep: Sequence[Any] = (),
+        label: str = "",
+    ) -> None:
+        self.nbytes = nbytes
+        self.num_rows = num_rows
+        self._events = list(events)
+        self._keep: list[Any] = list(keep)
+        self._label = label
+        self._done = not self._events
+
+    def done(self) -> bool:
+        """Non-blocking: True once every byte is in the pool and visible to the decode process.
+
+        CUDA semantics: when an event recorded after the copies completes, every write of the
+        preceding work on the stream, including kernel stores into mapped (registered) host
+        memory, is complete and visible to host threads that observe the completion
+        (``cudaEventQuery``/``cudaEventSynchronize`` are synchronising operations); no extra
+        system-scope fence is needed. The decode process reads the same physical pages through
+        its own mapping (coherent on the host) after a control-channel message that this
+        thread sends only after seeing True here, so its reads are ordered after the writes.
+        Raises :class:`~kvwire.errors.TransferError` when the copy failed.
+        """
+        if self._done:
+            return True
+        try:
+            if not all(ev.query() for ev in self._events):
+                return False
+            for ev in self._events:  # complete already: returns at once
+                ev.synchronize()
+        except Exception as exc:
+            raise TransferError(f"{self._label} copy failed on the GPU: {exc}") from exc
+        self._done = True
+        self._events.clear()
+        self._keep.clear()
+        return True
+
+    def wait(self, timeout_s: float) -> None:
+        """Block until :meth:`done`; :class:`~kvwire.errors.TransferError` after
+        ``timeout_s`` seconds or on failure."""
+        deadline = time.monotonic() + timeout_s
+        pause = 20e-6
+        while not self.done():
+            if time.monotonic() > deadline:
+                raise TransferError(
+                    f"{self._label} copy of {self.nbytes} bytes not done within {timeout_s} s"
+                )
+            time.sleep(pause)
+            pause = min(pause * 2, 1e-3)
+
+
+class RowCopier:
+    """Copies rows from this process's KV regions into shared host pools of a decode process.
+
+    ``src_regions``: this (prefill) process's registered KV regions. ``dst_pools``: pairs of
+    (the pool's base address *in the decode process*, this process's attached pool); a remote
+    destination address ``a`` in pool ``p`` is written at ``p.addr + (a - remote_base)``.
+
+    ``dma_min_run_bytes``: a group of rows whose runs of consecutive rows (on both sides)
+    average at least this many bytes is moved with one plain copy per run (copy engine for
+    VRAM), otherwise with gather/scatter kernels. ``max_piece_bytes`` bounds the device buffer
+    a gather uses (larger groups go in pieces).
+
+    With VRAM regions (all on one CUDA device), every pool is pinned under that device
+    (re-registered if it was pinned under another) and a CUDA view of it is checked here;
+    :class:`~kvwire.errors.ConfigError` when that cannot work.
+    """
+
+    def __init__(
+        self,
+        src_regions: Sequence[MemoryRegion],
+        dst_pools: Sequence[tuple[int, SharedHostPool]],
+        *,
+        dma_min_run_bytes: int = 1 << 20,
+        max_piece_bytes: int = 64 << 20,
+    ) -> None:
+        if not src_regions:
+            raise ConfigError("RowCopier needs at least one source region")
+        if not dst_pools:
+            raise ConfigError("RowCopier needs at least one destination pool")
+        self.dma_min_run_bytes = max(1, int(dma_min_run_bytes))
+        self.max_piece_bytes = max(1, int(max_piece_bytes))
+        self._lock = threading.Lock()
+        self._closed = False
+
+        regs = sorted(src_regions, key=lambda r: r.addr)
+        for a, b in itertools.pairwise(regs):
+            if a.end > b.addr:
+                raise LayoutError(
+                    f"source regions overlap: {a.addr:#x} (+{a.length}) and {b.addr:#x}"
+                )
+        self._starts = np.array([r.addr for r in regs], dtype=np.uint64)
+        self._ends = np.array([r.end for r in regs], dtype=np.uint64)
+        keys = sorted({(r.kind, r.device_id if r.kind is MemKind.VRAM else 0) for r in regs})
+        spans: list[_Span] = []
+        for kind, dev in keys:
+            mine = [
+                r for r in regs if r.kind is kind and (kind is MemKind.DRAM or r.device_id == dev)
+            ]
+            spans.append(
+                _Span(
+                    kind,
+                    dev,
+                    mine[0].addr,
+                    max(r.end for r in mine),
+                    tuple((r.addr, r.end) for r in mine),
+                )
+            )
+        self._spans = spans
+        span_index = {(s.kind, s.device): i for i, s in enumerate(spans)}
+        self._region_span = np.array(
+            [span_index[(r.kind, r.device_id if r.kind is MemKind.VRAM else 0)] for r in regs],
+            dtype=np.int64,
+        )
+        self._span_base = np.array([s.base for s in spans], dtype=np.uint64)
+        self._span_kind = np.array([int(s.kind) for s in spans], dtype=np.int64)
+
+        pools = sorted(((int(b), p) for b, p in dst_pools), key=lambda bp: bp[0])
+        for (ba, pa), (bb, _) in itertools.pairwise(pools):
+            if ba + pa.nbytes > bb:
+                raise LayoutError(f"destination pools overlap at remote address {bb:#x}")
+        self._pools = [p for _, p in pools]
+        self._pool_rstart = np.array([b for b, _ in pools], dtype=np.uint64)
+        self._pool_rend = np.array([b + p.nbytes for b, p in pools], dtype=np.uint64)
+
+        self._views: dict[tuple[Any, ...], tuple[Any, int]] = {}
+        self._torch: Any = None
+        self._device: int | None = None
+        self._stream: Any = None
+        self._pool_devptr: list[int] = []
+        #: How the GPU addresses the pinned pools: "uva" (cudaHostGetDevicePointer returned the
+        #: host address), "device-pointer" (it returned another address, used instead),
+        #: "uva-assumed" (runtime library not reachable; host address used) or "" (no VRAM).
+        self.dst_pointer_mode = ""
+        vdevs = sorted({s.device for s in spans if s.kind is MemKind.VRAM})
+        if len(vdevs) > 1:
+            raise ConfigError(
+                f"source VRAM regions span CUDA devices {vdevs}; the mapped path copies from one "
+                "device per process"
+            )
+        if vdevs:
+            self._setup_cuda(vdevs[0])
+
+    # ------------------------------------------------------------------ CUDA setup
+    def _setup_cuda(self, device: int) -> None:
+        try:
+            import torch
+        except ImportError as exc:
+            raise ConfigError("VRAM source regions need torch to copy into a host pool") from exc
+        if not torch.cuda.is_available():
+            raise ConfigError("VRAM source regions but CUDA is not available to torch")
+        self._torch, self._device = torch, device
+        modes = set()
+        for pool in self._pools:
+            pool.pin(device)
+            ptr, mode = _device_pointer(pool.addr)
+            modes.add(mode)
+            self._pool_devptr.append(ptr)
+            view = self._cuda_alias(ptr, (pool.nbytes,), 1)
+            if int(view.data_ptr()) != ptr:
+                raise ConfigError(
+                    f"a CUDA view of shared host pool {pool.path} landed at "
+                    f"{int(view.data_ptr()):#x}, not at {ptr:#x}"
+                )
+        self.dst_pointer_mode = ",".join(sorted(modes))
+        with torch.cuda.device(device):
+            self._stream = self._torch.cuda.Stream(device=device)
+        logger.debug(
+            "row copier on cuda:%d, pools addressed by the GPU as %s", device, self.dst_pointer_mode
+        )
+
+    def _cuda_alias(self, ptr: int, shape: tuple[int, ...], width: int) -> Any:
+        torch = self._torch
+        dev = self._device
+        try:
+            t = torch.as_tensor(_CudaPtr(ptr, shape, _TYPESTR[width]))
+        except Exception as exc:
+            raise ConfigError(f"cannot view address {ptr:#x} as CUDA memory: {exc}") from exc
+        if t.device != torch.device("cuda", dev):
+            raise ConfigError(
+                f"address {ptr:#x} belongs to {t.device}, not cuda:{dev} (a pool must be pinned "
+                "under the device of the source rows)"
+            )
+        return t
+
+    # ------------------------------------------------------------------ views
+    def _src_view(self, span_i: int, rs: int, row_len: int, width: int) -> tuple[Any, int]:
+        """(view of the span as rows shifted by ``rs``, row number of the view's first row)."""
+        key = ("s", span_i, rs, row_len, width)
+        with self._lock:
+            hit = self._views.get(key)
+            if hit is not None:
+                return hit
+            span = self._spans[span_i]
+            first = span.first_row(rs, row_len)
+            k0 = (first - span.base - rs) // row_len
+            nrows = (span.end - first) // row_len
+            shape = (nrows, row_len // width)
+            view: Any
+            if span.kind is MemKind.VRAM:
+                view = self._cuda_alias(first, shape, width)
+            else:
+                view = np.asarray(_HostPtr(first, shape, _TYPESTR[width]))
+            self._views[key] = (view, k0)
+            return view, k0
+
+    def _dst_view(self, pool_i: int, rd: int, row_len: int, width: int, how: str) -> Any:
+        """The pool as rows shifted by ``rd``: ``how`` is "numpy", "cpu" (torch CPU tensor, for
+        device-to-host copies) or "cuda" (CUDA alias, for kernels)."""
+        key = ("d", pool_i, rd, row_len, width, how)
+        with self._lock:
+            hit = self._views.get(key)
+            if hit is not None:
+                return hit[0]
+            pool = self._pools[pool_i]
+            nrows = (pool.nbytes - rd) // row_len
+            shape = (nrows, row_len // width)
+            view: Any
+            if how == "cuda":
+                view = self._cuda_alias(self._pool_devptr[pool_i] + rd, shape, width)
+            else:
+                arr = pool.array()[rd : rd + nrows * row_len].view(_TYPESTR[width]).reshape(shape)
+                view = self._torch.from_numpy(arr) if how == "cpu" else arr
+            self._views[key] = (view, 0)
+            return view
+
+    # ------------------------------------------------------------------ copies
+    def start(
+        self,
+        src_addr: NDArray[np.uint64],
+        dst_addr: NDArray[np.uint64],
+        row_len: int,
+    ) -> CopyJob:
+        """Transfer worker: copy row ``i`` (``row_len`` bytes) from local address
+        ``src_addr[i]`` to decode-side address ``dst_addr[i]``.
+
+        All rows must come from one source memory kind (several regions are fine) and land
+        anywhere in the pools; :class:`~kvwire.errors.DescriptorError` names the first row that
+        is not inside one source region or one pool. DRAM rows are copied before this returns;
+        VRAM rows are queued on the copier's stream. Errors while copying raise
+        :class:`~kvwire.errors.TransferError` (queued GPU work is waited for first).
+        """
+        if self._closed:
+            raise TransferError("row copier is closed")
+        src = np.asarray(src_addr, dtype=np.uint64).reshape(-1)
+        dst = np.asarray(dst_addr, dtype=np.uint64).reshape(-1)
+        row_len = int(row_len)
+        if src.shape != dst.shape:
+            raise DescriptorError(
+                f"{src.size} source addresses but {dst.size} destination addresses"
+            )
+        if row_len <= 0:
+            raise DescriptorError(f"row_len must be > 0, got {row_len}")
+        n = int(src.size)
+        if n == 0:
+            return CopyJob(0, 0, label="empty")
+        groups, kind = self._plan(src, dst, row_len)
+        nbytes = n * row_len
+        if kind is MemKind.DRAM:
+            try:
+                for g in groups:
+                    self._copy_numpy(g, row_len)
+            except Exception as exc:
+                raise TransferError(f"DRAM row copy into shared host pool failed: {exc}") from exc
+            return CopyJob(nbytes, n, label="DRAM")
+        return self._copy_cuda(groups, row_len, nbytes, n)
+
+    def _plan(
+        self, src: NDArray[np.uint64], dst: NDArray[np.uint64], row_len: int
+    ) -> tuple[list[_Group], MemKind]:
+        """Validate every row (vectorised) and split the rows into groups."""
+        rl = np.uint64(row_len)
+        lens = np.broadcast_to(rl, src.shape)
+        pos_s = locate_rows(self._starts, self._ends, src, lens)
+        bad = np.flatnonzero(pos_s < 0)
+        if bad.size:
+            i = int(bad[0])
+            raise DescriptorError(
+                f"row {i}: source {int(src[i]):#x} (+{row_len} B) is not inside one source "
+                f"region ({bad.size} such rows)"
+            )
+        pos_d = locate_rows(self._pool_rstart, self._pool_rend, dst, lens)
+        bad = np.flatnonzero(pos_d < 0)
+        if bad.size:
+            i = int(bad[0])
+            raise DescriptorError(
+                f"row {i}: destination {int(dst[i]):#x} (+{row_len} B) is not inside one "
+                f"shared host pool ({bad.size} such rows)"
+            )
+        span = self._region_span[pos_s]
+        row_kind = self._span_kind[span]
+        bad = np.flatnonzero(row_kind != row_kind[0])
+        if bad.size:
+            i = int(bad[0])
+            raise DescriptorError(
+                f"row {i}: source memory kind {MemKind(int(row_kind[i])).name} differs from "
+                f"row 0's {MemKind(int(row_kind[0])).name}; split rows by kind"
+            )
+        rel_s = src - self._span_base[span]
+        rel_d = dst - self._pool_rstart[pos_d]
+        if row_len & (row_len - 1) == 0:  # the usual case: shifts and masks, no division
+            shift, mask = np.uint64(row_len.bit_length() - 1), np.uint64(row_len - 1)
+            rows_s, rs = (rel_s >> shift).view(np.int64), rel_s & mask
+            rows_d, rd = (rel_d >> shift).view(np.int64), rel_d & mask
+        else:
+            q_s, q_d = rel_s // rl, rel_d // rl
+            rs, rd = rel_s - q_s * rl, rel_d - q_d * rl
+            rows_s, rows_d = q_s.view(np.int64), q_d.view(np.int64)
+        key = span * len(self._pools) + pos_d
+        if rs.any() or rd.any():
+            cols = np.stack([key, rs.astype(np.int64), rd.astype(np.int64)], axis=1)
+            _, key = np.unique(cols, axis=0, return_inverse=True)
+            key = key.reshape(-1)
+        if key.size == 0 or key.min() == key.max():
+            members: list[NDArray[np.intp] | slice] = [slice(None)]
+        else:
+            order = np.argsort(key, kind="stable")
+            cuts = np.flatnonzero(np.diff(key[order])) + 1
+            members = list(np.split(order, cuts))
+        groups = []
+        for m in members:
+            first = 0 if isinstance(m, slice) else int(m[0])
+            groups.append(
+                _Group(
+                    int(span[first]),
+                    int(pos_d[first]),
+                    int(rs[first]),
+                    int(rd[first]),
+                    rows_s[m],
+                    rows_d[m],
+                )
+            )
+        return groups, MemKind(int(row_kind[0]))
+
+    def _width(self, g: _Group, row_len: int, dst_base: int) -> int:
+        a = self._spans[g.span].base + g.rs
+        b = dst_base + g.rd
+        for w in (8, 4, 2):
+            if row_len % w == 0 and a % w == 0 and b % w == 0:
+                return w
+        return 1
+
+    def _runs(self, g: _Group, row_len: int) -> NDArray[np.intp] | None:
+        """Run boundaries (``[0, ..., n]``) if the group's consecutive-row runs are long enough
+        for one plain copy each, else None."""
+        n = g.src_rows.size
+        brk = np.flatnonzero((np.diff(g.src_rows) != 1) | (np.diff(g.dst_rows) != 1)) + 1
+        if n * row_len < (brk.size + 1) * self.dma_min_run_bytes:
+            return None
+        return np.concatenate(([0], brk, [n])).astype(np.intp)
+
+    def _copy_numpy(self, g: _Group, row_len: int) -> None:
+        w = self._width(g, row_len, self._pools[g.pool].addr)
+        src, k0 = self._src_view(g.span, g.rs, row_len, w)
+        dst = self._dst_view(g.pool, g.rd, row_len, w, "numpy")
+        s, d = g.src_rows - k0, g.dst_rows
+        runs = self._runs(g, row_len)
+        if runs is None:
+            dst[d] = src[s]
+            return
+        lo = runs[:-1]
+        ln = np.diff(runs)
+        for s0, d0, k in zip(s[lo].tolist(), d[lo].tolist(), ln.tolist(), strict=True):
+            dst[d0 : d0 + k] = src[s0 : s0 + k]
+
+    def _copy_cuda(self, groups: list[_Group], row_len: int, nbytes: int, n: int) -> CopyJob:
+        torch = self._torch
+        stream = self._stream
+        keep: list[Any] = []
+        try:
+            with torch.cuda.device(self._device), torch.cuda.stream(stream):
+                for g in groups:
+                    keep.extend(self._queue_cuda(g, row_len))
+                ev = torch.cuda.Event()
+                ev.record(stream)
+        except Exception as exc:
+            try:  # never leave queued writes running behind an error
+                stream.synchronize()
+            except Exception as exc2:
+                logger.warning("waiting for the copy stream after an error failed: %s", exc2)
+            raise TransferError(f"VRAM row copy into shared host pool failed: {exc}") from exc
+        return CopyJob(nbytes, n, [ev], keep, label="VRAM")
+
+    def _queue_cuda(self, g: _Group, row_len: int) -> list[Any]:
+        """Queue one group's copies on the current (copier) stream; returns what must stay
+        alive until they are done."""
+        torch = self._torch
+        w = self._width(g, row_len, self._pool_devptr[g.pool])
+        src, k0 = self._src_view(g.span, g.rs, row_len, w)
+        s = g.src_rows - k0
+        runs = self._runs(g, row_len)
+        if runs is not None:
+            dst = self._dst_view(g.pool, g.rd, row_len, w, "cpu")
+            lo = runs[:-1]
+            ln = np.diff(runs)
+            for s0, d0, k in zip(s[lo].tolist(), g.dst_rows[lo].tolist(), ln.tolist(), strict=True):
+                dst[d0 : d0 + k].copy_(src[s0 : s0 + k], non_blocking=True)
+            return []
+        dst = self._dst_view(g.pool, g.rd, row_len, w, "cuda")
+        m = s.size
+        # Indices go up from torch's pinned host cache: an upload from pageable memory would
+        # wait for the copies already queued on the stream.
+        host_idx = torch.from_numpy(np.concatenate((s, g.dst_rows))).pin_memory()
+        idx = host_idx.to(device=src.device, non_blocking=True)
+        piece = max(1, self.max_piece_bytes // row_len)
+        for a in range(0, m, piece):
+            b = min(m, a + piece)
+            # The gather buffer comes from (and returns to) the caching allocator on this
+            # stream, so later work can reuse it only after these kernels in stream order.
+            tmp = torch.index_select(src, 0, idx[a:b])
+            dst.index_copy_(0, idx[m + a : m + b], tmp)
+        return [idx]
+
+    # ------------------------------------------------------------------ lifetime
+    def close(self) -> None:
+        """Wait for queued copies, drop the views (so the pools can be unmapped) and the
+        stream. Idempotent; call before closing the pools."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._stream is not None:
+            try:
+                self._stream.synchronize()
+            except Exception as exc:
+                logger.warning("waiting for the copy stream at close failed: %s", exc)
+        with self._lock:
+            self._views.clear()
+        self._stream = None
