@@ -75,7 +75,10 @@ def _child_fill(
         logging.basicConfig(level=logging.DEBUG)
         srcs = _sources(spec["seed"], spec["nreg"], spec["reg_len"])
         regions = [MemoryRegion.from_pointer(int(a.ctypes.data), a.nbytes, 1) for a in srcs]
-        pools = [(int(d["addr"]), SharedHostPool.attach(d["path"], d["nbytes"])) for d in descs]
+        pools = [
+            (int(d["addr"]), SharedHostPool.attach(d["path"], d["nbytes"], pin=False))
+            for d in descs
+        ]
         assert all(not p.owner and not p.pinned for _, p in pools)
         assert all(d["identity"] == host_identity() for d in descs)
         copier = RowCopier(regions, pools, dma_min_run_bytes=spec["dma_min_run_bytes"])
@@ -271,11 +274,15 @@ def test_attach_refusals(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Non
 
 
 def test_pinning_needs_cuda(tmp_path: Path) -> None:
-    if _has_cuda():  # on a GPU machine: pinned, then unpinned by close
-        pool = SharedHostPool.create(1 << 20, directory=str(tmp_path))
+    if _has_cuda():  # on a GPU machine: pinned (shared memory only), then unpinned by close
+        pool = SharedHostPool.create(1 << 20, directory=shm.MEMFD)
         assert pool.pinned and pool.tensor().is_pinned()
         pool.close()
         assert not pool.pinned
+        if shm._fs_type(str(tmp_path)) not in ("tmpfs", "ramfs", "hugetlbfs"):
+            with pytest.raises(ConfigError, match="tmpfs"):  # pages of a disk file: refused
+                SharedHostPool.create(1 << 20, pin=True, directory=str(tmp_path))
+            assert os.listdir(tmp_path) == []
     else:
         with pytest.raises(ConfigError, match="CUDA"):
             SharedHostPool.create(1 << 20, pin=True, directory=str(tmp_path))
@@ -341,3 +348,33 @@ def test_copier_refuses_overlaps_and_vram_without_cuda(tmp_path: Path) -> None:
             vram = MemoryRegion.from_pointer(0x7000_0000_0000, 1 << 20, 64, kind=MemKind.VRAM)
             with pytest.raises(ConfigError, match="CUDA"):
                 RowCopier([vram], [(0x1000, pool)])
+
+
+@pytest.mark.parametrize("max_buckets", [1 << 22, 1])  # bucket table, then searchsorted
+def test_range_lookup_matches_a_plain_search(max_buckets: int) -> None:
+    from kvwire_hisparse.copier import _Ranges, _Scratch
+
+    rng = np.random.default_rng(5)
+    sc = _Scratch()
+    for _ in range(200):
+        n = int(rng.integers(1, 9))
+        starts, ends, a = [], [], int(rng.integers(0, 10_000))
+        for _ in range(n):
+            a += int(rng.integers(0, 3000))
+            starts.append(a)
+            a += int(rng.integers(1, 5000))
+            ends.append(a)
+        ranges = _Ranges(starts, ends, max_buckets=max_buckets)
+        addr = rng.integers(0, a + 6000, 500).astype(np.int64)
+        addr[:2] = [-1, np.iinfo(np.int64).min]  # addresses >= 2**63, seen as int64
+        row_len = int(rng.integers(1, 300))
+        pos, ok = ranges.locate(addr, row_len, sc, "t")
+        for v, p, o in zip(addr.tolist(), pos.tolist(), ok.tolist(), strict=True):
+            inside = [
+                i
+                for i, (s, e) in enumerate(zip(starts, ends, strict=True))
+                if s <= v and v + row_len <= e
+            ]
+            assert o == bool(inside), (v, starts, ends, row_len)
+            if o:
+                assert p == inside[0]

@@ -201,7 +201,7 @@ class HostPathStrategy(StagingStrategy):
         pools: list[tuple[int, SharedHostPool]] = []
         try:
             for d in remote["pools"]:
-                pool = SharedHostPool.attach(str(d["path"]), int(d["nbytes"]), pin=vram or None)
+                pool = SharedHostPool.attach(str(d["path"]), int(d["nbytes"]), pin=vram)
                 pools.append((int(d["addr"]), pool))
             copier = RowCopier(regions, pools)
         except BaseException:

@@ -408,9 +408,17 @@ class SharedHostPool:
                 cudart = torch.cuda.cudart()
                 err = cudart.cudaHostRegister(m.addr, m.nbytes, _REGISTER_FLAGS)
                 if int(err) != 0:
+                    fstype = "" if _MEMFD_PATH_RE.fullmatch(m.path) else _fs_type(m.path)
+                    hint = (
+                        f" (the file is on {fstype}: CUDA pins shared-memory pages, not those "
+                        f"of a disk file; set {SHM_DIR_ENV} to a tmpfs directory or {MEMFD})"
+                        if fstype and fstype not in ("tmpfs", "hugetlbfs", "ramfs")
+                        else ""
+                    )
                     raise ConfigError(
                         f"cudaHostRegister of shared host pool {m.path} ({m.nbytes} bytes at "
-                        f"{m.addr:#x}) on cuda:{dev} failed: {cudart.cudaGetErrorString(err)}"
+                        f"{m.addr:#x}) on cuda:{dev} failed: "
+                        f"{cudart.cudaGetErrorString(err)}{hint}"
                     )
             m.pin_device = dev
 

@@ -1,0 +1,439 @@
+"""The HiSparse ``mapped`` path on one host: prefill copies its KV rows into decode's shared
+host pool itself (kvwire_hisparse.shm + kvwire_hisparse.copier), against a local pinned copy.
+
+Two processes (spawn). The main process is "decode": it creates a pinned SharedHostPool (its
+host KV pool, carved as one buffer per layer and K/V) and checks what lands in it. The spawned
+"prefill" process allocates a CUDA KV pool (``--layers`` x K/V buffers, ``--row-kib`` token
+rows, random bytes), attaches decode's pool and copies with a RowCopier:
+
+  a   one request laid out contiguously (one run per layer buffer: copy-engine path)
+  a-k the same rows forced through the gather/scatter kernels
+  b   page size 1: the same bytes as token rows, scattered slots -> shuffled host slots
+  c   64 KiB rows, scattered -> shuffled
+  d   DRAM source (NumPy path, thread pool), rows as in b
+  b/8, d/8  b and d as 8 chunks of the request, all started before any is waited for (the
+      transfer pipeline's pattern: planning a chunk overlaps the copies of the previous one)
+  ref local pinned device-to-host copy of the same bytes (torch ``copy_``), no second process
+
+Every case is copied once into a zeroed pool and checked by decode (CRC32 of every destination
+row against prefill's CRC32 of the source rows, sent right after ``done()``), then timed
+best-of-``--repeat`` (start() to done()). Prints a table last; full results go to
+``$OUT/gpu_hisparse_bench.json`` when ``$OUT`` is set (or ``--out``).
+
+``--quick``: CPU smoke mode (DRAM source only, small sizes), for machines without a GPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import os
+import sys
+import time
+import zlib
+from typing import Any
+
+import numpy as np
+
+MiB = 1 << 20
+KiB = 1 << 10
+
+
+def _torch_cuda() -> Any:
+    try:
+        import torch
+    except ImportError:
+        return None
+    return torch if torch.cuda.is_available() else None
+
+
+# ----------------------------------------------------------------------------- the cases
+def case_rows(
+    cfg: dict[str, Any], row_len: int, pattern: str, seed: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """(source row numbers per region, destination row numbers per host buffer), both in
+    units of ``row_len``, for one request of ``cfg['mib']`` MiB spread over every buffer."""
+    nbuf = 2 * cfg["layers"]
+    per_buf = cfg["mib"] * MiB // nbuf // row_len
+    src_rows = cfg["slots"] * cfg["row"] // row_len
+    dst_rows = cfg["pool_bytes"] // nbuf // row_len
+    if per_buf > min(src_rows, dst_rows):
+        raise SystemExit(f"{cfg['mib']} MiB does not fit the pools with {row_len}-byte rows")
+    rng = np.random.default_rng(seed)
+    if pattern == "contig":
+        s0 = min(src_rows - per_buf, 7)
+        return np.arange(s0, s0 + per_buf), np.arange(dst_rows - per_buf, dst_rows)
+    return rng.choice(src_rows, per_buf, replace=False), rng.choice(
+        dst_rows, per_buf, replace=False
+    )
+
+
+def addresses(bases: list[int], buf_bytes: int, rows: np.ndarray, row_len: int) -> np.ndarray:
+    """Row addresses, buffer-major: every buffer's rows (the same row numbers in each)."""
+    b = np.asarray(bases, dtype=np.uint64)[:, None]
+    return (b + rows.astype(np.uint64)[None, :] * np.uint64(row_len)).reshape(-1)
+
+
+CASES: list[tuple[str, str, str, int, str, int]] = [
+    # name, source kind, pattern, row length (0: --row-kib), copier, chunks
+    ("a", "VRAM", "contig", 0, "default", 1),
+    ("a-k", "VRAM", "contig", 0, "kernels", 1),
+    ("b", "VRAM", "scatter", 0, "default", 1),
+    ("b/8", "VRAM", "scatter", 0, "default", 8),
+    ("c", "VRAM", "scatter", 64 * KiB, "default", 1),
+    ("d", "DRAM", "scatter", 0, "default", 1),
+    ("d/8", "DRAM", "scatter", 0, "default", 8),
+]
+
+
+# ----------------------------------------------------------------------------- prefill process
+def prefill(cfg: dict[str, Any], descs: list[dict[str, Any]], conn: Any) -> None:
+    try:
+        _prefill(cfg, descs, conn)
+    except BaseException as exc:
+        import traceback
+
+        conn.send(("error", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
+
+
+def _prefill(cfg: dict[str, Any], descs: list[dict[str, Any]], conn: Any) -> None:
+    from kvwire_hisparse.copier import RowCopier
+    from kvwire_hisparse.shm import SharedHostPool
+
+    from kvwire.layout import MemoryRegion
+
+    torch = None if cfg["quick"] else _torch_cuda()
+    nbuf, row = 2 * cfg["layers"], cfg["row"]
+    buf_bytes = cfg["slots"] * row
+    info: dict[str, Any] = {}
+    remote = int(descs[0]["addr"])
+    dst_buf = cfg["pool_bytes"] // nbuf
+    dst_bases = [remote + i * dst_buf for i in range(nbuf)]
+
+    # DRAM KV pool (always) and CUDA KV pool (GPU runs)
+    rng = np.random.default_rng(1)
+    dram = [rng.integers(0, 256, size=buf_bytes, dtype=np.uint8) for _ in range(nbuf)]
+    dram_regions = [MemoryRegion.from_tensor(a, row) for a in dram]
+    vram: list[Any] = []
+    vram_regions: list[MemoryRegion] = []
+    if torch is not None:
+        gen = torch.Generator(device="cuda").manual_seed(2)
+        vram = [
+            torch.randint(0, 256, (buf_bytes,), dtype=torch.uint8, device="cuda", generator=gen)
+            for _ in range(nbuf)
+        ]
+        torch.cuda.synchronize()
+        vram_regions = [MemoryRegion.from_tensor(t, row) for t in vram]
+        info["gpu"] = torch.cuda.get_device_name(0)
+        info["torch"] = torch.__version__
+
+    t0 = time.perf_counter()
+    pool = SharedHostPool.attach(descs[0]["path"], int(descs[0]["nbytes"]))
+    info["attach_s"] = time.perf_counter() - t0
+    info["prefill_pinned"] = pool.pinned
+    copiers: dict[tuple[str, str], Any] = {}
+    copiers[("DRAM", "default")] = RowCopier(dram_regions, [(remote, pool)])
+    if torch is not None:
+        t0 = time.perf_counter()
+        copiers[("VRAM", "default")] = RowCopier(vram_regions, [(remote, pool)])
+        info["copier_setup_s"] = time.perf_counter() - t0
+        copiers[("VRAM", "kernels")] = RowCopier(
+            vram_regions, [(remote, pool)], dma_min_run_bytes=1 << 62
+        )
+        cp = copiers[("VRAM", "default")]
+        info["dst_pointer_mode"] = cp.dst_pointer_mode
+        info["uva_alias"] = cp.dst_pointer_mode == "uva"
+        # The same file attached (and pinned) a second time in one process: decode and prefill
+        # of an in-process test cluster do this.
+        try:
+            again = SharedHostPool.attach(descs[0]["path"], int(descs[0]["nbytes"]), pin=True)
+            info["second_pin_in_process"] = f"ok ({again.pinned})"
+            again.close()
+        except Exception as exc:
+            info["second_pin_in_process"] = f"failed: {exc}"
+    conn.send(("info", info))
+
+    results: list[dict[str, Any]] = []
+    if torch is None:  # CPU run: every case from DRAM, "kernels" as NumPy fancy indexing
+        copiers[("DRAM", "kernels")] = RowCopier(
+            dram_regions, [(remote, pool)], dma_min_run_bytes=1 << 62
+        )
+    for name, kind, pattern, rl, how, chunks in CASES:
+        if torch is None:
+            kind = "DRAM"
+        rl = rl or row
+        if cfg["quick"] and rl > buf_bytes:
+            rl = row
+        s_rows, d_rows = case_rows(cfg, rl, pattern, seed=zlib.crc32(name.encode()))
+        regions = vram_regions if kind == "VRAM" else dram_regions
+        src = addresses([r.addr for r in regions], buf_bytes, s_rows, rl)
+        dst = addresses(dst_bases, dst_buf, d_rows, rl)
+        nbytes = src.size * rl
+        # expected bytes, in row order
+        if kind == "VRAM":
+            idx = torch.from_numpy(s_rows.astype(np.int64)).cuda()
+            exp = torch.cat([t.view(-1, rl).index_select(0, idx) for t in vram]).cpu().numpy()
+        else:
+            exp = np.concatenate([a.reshape(-1, rl)[s_rows] for a in dram])
+        crc = zlib.crc32(exp)
+        del exp
+        copier = copiers[(kind, how)]
+
+        conn.send(("zero", None))
+        assert conn.recv() == "zeroed"
+        job = copier.start(src, dst, rl)
+        job.wait(120)
+        dst_off = (dst - np.uint64(remote)).astype(np.int64)
+        conn.send(("verify", (name, dst_off, rl, crc)))
+        ok = conn.recv()
+
+        # chunks: the request's tokens in ``chunks`` consecutive parts (every buffer's rows of
+        # those tokens), all started before the first is waited for, as the transfer
+        # pipeline does with a request's chunks
+        parts = list(
+            zip(
+                np.array_split(src.reshape(nbuf, -1), chunks, axis=1),
+                np.array_split(dst.reshape(nbuf, -1), chunks, axis=1),
+                strict=True,
+            )
+        )
+        parts = [
+            (np.ascontiguousarray(a).reshape(-1), np.ascontiguousarray(b).reshape(-1))
+            for a, b in parts
+        ]
+        times, host = [], []
+        for _ in range(cfg["repeat"] + 1):  # the first is a warm-up
+            t0 = time.perf_counter()
+            jobs = [copier.start(a, b, rl) for a, b in parts]
+            t1 = time.perf_counter()
+            for job in jobs:
+                job.wait(120)
+            t2 = time.perf_counter()
+            times.append(t2 - t0)
+            host.append(t1 - t0)
+        best = min(times[1:])
+        results.append(
+            {
+                "case": name,
+                "kind": kind,
+                "pattern": pattern,
+                "copier": how,
+                "chunks": chunks,
+                "rows": int(src.size),
+                "row_len": rl,
+                "nbytes": nbytes,
+                "verified": ok,
+                "best_s": best,
+                "gbps": nbytes / best / 1e9,
+                "times_s": times[1:],
+                "start_host_ms_min": 1e3 * min(host[1:]),
+            }
+        )
+
+    if torch is not None:  # local reference: pinned device-to-host copy of the same bytes
+        nbytes = cfg["mib"] * MiB
+        src_t = torch.randint(0, 256, (nbytes,), dtype=torch.uint8, device="cuda")
+        dst_t = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+        times = []
+        for _ in range(cfg["repeat"] + 1):
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            dst_t.copy_(src_t, non_blocking=True)
+            torch.cuda.synchronize()
+            times.append(time.perf_counter() - t0)
+        ok = bool(torch.equal(dst_t[: 1 << 20].cuda(), src_t[: 1 << 20]))
+        best = min(times[1:])
+        results.append(
+            {
+                "case": "ref",
+                "kind": "VRAM",
+                "pattern": "local pinned D2H copy_",
+                "copier": "torch",
+                "rows": 1,
+                "row_len": nbytes,
+                "nbytes": nbytes,
+                "verified": ok,
+                "best_s": best,
+                "gbps": nbytes / best / 1e9,
+                "times_s": times[1:],
+                "start_host_ms_min": 0.0,
+            }
+        )
+    if torch is not None:
+        results.append(_own_pinned_scatter(torch, cfg))
+    for c in copiers.values():
+        c.close()
+    pool.close()
+    conn.send(("done", results))
+
+
+def _own_pinned_scatter(torch: Any, cfg: dict[str, Any]) -> dict[str, Any]:
+    """Diagnostic: the b rows gathered from one CUDA buffer and scattered with index_copy_ into
+    this process's own torch-pinned (cudaHostAlloc) buffer through a CUDA alias: the kernel path
+    without shared memory, to tell the memory from the method."""
+    from kvwire_hisparse.copier import _CudaPtr
+
+    rl = cfg["row"]
+    n = cfg["mib"] * MiB // rl
+    src = torch.randint(0, 256, (2 * n * rl,), dtype=torch.uint8, device="cuda")
+    host = torch.zeros(2 * n * rl, dtype=torch.uint8, pin_memory=True)
+    alias = torch.as_tensor(_CudaPtr(host.data_ptr(), (2 * n, rl // 8), "<i8"))
+    rng = np.random.default_rng(3)
+    s_idx = torch.from_numpy(rng.choice(2 * n, n, replace=False)).cuda()
+    d_idx = torch.from_numpy(rng.choice(2 * n, n, replace=False)).cuda()
+    srcv = src.view(torch.int64).view(2 * n, rl // 8)
+    times = []
+    for _ in range(cfg["repeat"] + 1):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        alias.index_copy_(0, d_idx, srcv.index_select(0, s_idx))
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+    hv = host.view(torch.int64).view(2 * n, rl // 8)
+    ok = bool(torch.equal(hv[d_idx.cpu()].cuda(), srcv[s_idx]))
+    best = min(times[1:])
+    return {
+        "case": "b-own",
+        "kind": "VRAM",
+        "pattern": "scatter into own cudaHostAlloc buffer",
+        "copier": "index_copy_",
+        "rows": n,
+        "row_len": rl,
+        "nbytes": n * rl,
+        "verified": ok,
+        "best_s": best,
+        "gbps": n * rl / best / 1e9,
+        "times_s": times[1:],
+        "start_host_ms_min": 0.0,
+        "alias_device": str(alias.device),
+    }
+
+
+# ----------------------------------------------------------------------------- decode process
+def shm_directory(need: int) -> tuple[str, dict[str, Any]]:
+    """/dev/shm (or $KVWIRE_SHM_DIR) when it can hold the pool, else a memfd."""
+    from kvwire_hisparse.shm import DEFAULT_SHM_DIR, MEMFD, SHM_DIR_ENV
+
+    where = os.environ.get(SHM_DIR_ENV) or DEFAULT_SHM_DIR
+    probe: dict[str, Any] = {"dir": where}
+    if where != MEMFD:
+        st = os.statvfs(where)
+        probe["size_bytes"] = st.f_blocks * st.f_frsize
+        probe["free_bytes"] = st.f_bavail * st.f_frsize
+        if probe["free_bytes"] < need:
+            where = MEMFD
+    probe["used"] = where
+    return where, probe
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--quick", action="store_true", help="CPU smoke mode: DRAM source, tiny")
+    ap.add_argument("--mib", type=int, default=256, help="bytes per case (MiB)")
+    ap.add_argument("--pool-mib", type=int, default=1024, help="decode host pool (MiB)")
+    ap.add_argument("--layers", type=int, default=64)
+    ap.add_argument("--row-kib", type=int, default=2, help="bytes per token row (KiB)")
+    ap.add_argument("--slots", type=int, default=4096, help="token slots per prefill buffer")
+    ap.add_argument("--repeat", type=int, default=5)
+    ap.add_argument("--timeout", type=float, default=400.0)
+    ap.add_argument("--out", default="")
+    args = ap.parse_args()
+    if args.quick:
+        args.mib, args.pool_mib, args.layers, args.slots = 2, 8, 4, 512
+        args.repeat = min(args.repeat, 3)
+    cfg = {
+        "quick": args.quick,
+        "mib": args.mib,
+        "pool_bytes": args.pool_mib * MiB,
+        "layers": args.layers,
+        "row": args.row_kib * KiB,
+        "slots": args.slots,
+        "repeat": args.repeat,
+    }
+    from kvwire_hisparse.shm import SharedHostPool
+
+    torch = None if args.quick else _torch_cuda()
+    directory, probe = shm_directory(cfg["pool_bytes"] + 64 * MiB)
+    t0 = time.perf_counter()
+    pool = SharedHostPool.create(cfg["pool_bytes"], pin=torch is not None, directory=directory)
+    probe["create_s"] = time.perf_counter() - t0
+    probe["decode_pinned"] = pool.pinned
+    if torch is not None:
+        probe["decode_tensor_is_pinned"] = bool(pool.tensor()[:16].is_pinned())
+    print(f"decode pool: {pool}  shm: {probe}", flush=True)
+    arr = pool.array()
+
+    ctx = mp.get_context("spawn")
+    parent, child = ctx.Pipe()
+    proc = ctx.Process(target=prefill, args=(cfg, [pool.describe()], child), daemon=True)
+    proc.start()
+    deadline = time.monotonic() + args.timeout
+    info: dict[str, Any] = {}
+    results: list[dict[str, Any]] = []
+    verify: dict[str, Any] = {}
+    rc = 0
+    try:
+        while True:
+            if not parent.poll(max(0.0, deadline - time.monotonic())):
+                raise TimeoutError(f"prefill did not finish within {args.timeout} s")
+            what, body = parent.recv()
+            if what == "error":
+                print(f"prefill failed: {body}", file=sys.stderr)
+                rc = 1
+                break
+            if what == "info":
+                info = body
+                print(f"prefill: {info}", flush=True)
+            elif what == "zero":
+                arr[:] = 0
+                parent.send("zeroed")
+            elif what == "verify":
+                name, dst_off, rl, crc = body
+                rows = arr[: arr.size // rl * rl].reshape(-1, rl)
+                got = zlib.crc32(np.ascontiguousarray(rows[dst_off // rl]))
+                ok = got == crc and bool(arr.any())
+                del rows
+                verify[name] = ok
+                print(f"case {name}: {'verified' if ok else 'MISMATCH'}", flush=True)
+                parent.send(ok)
+            elif what == "done":
+                results = body
+                break
+    finally:
+        proc.join(10)
+        if proc.is_alive():
+            proc.kill()
+        del arr
+        pool.close()
+
+    ref = next((r for r in results if r["case"] == "ref"), None)
+    for r in results:
+        r["ratio_to_local_d2h"] = r["gbps"] / ref["gbps"] if ref else None
+    out = {"config": cfg, "shm": probe, "prefill": info, "results": results, "argv": sys.argv}
+    path = args.out or (
+        os.path.join(os.environ["OUT"], "gpu_hisparse_bench.json") if os.environ.get("OUT") else ""
+    )
+    if path:
+        with open(path, "w") as f:
+            json.dump(out, f, indent=1)
+    if not results or not all(r["verified"] for r in results):
+        rc = 1
+    print()
+    print(
+        f"{'case':<5} {'source':<6} {'rows x bytes':>16} {'path':<22} {'GB/s':>7} "
+        f"{'x local':>8} {'start ms':>9} ok"
+    )
+    for r in results:
+        path_s = r["copier"] if r["case"] in ("ref", "b-own") else f"{r['pattern']}/{r['copier']}"
+        ratio = f"{r['ratio_to_local_d2h']:.2f}" if r["ratio_to_local_d2h"] else "-"
+        print(
+            f"{r['case']:<5} {r['kind']:<6} {r['rows']:>8} x {r['row_len']:<6} {path_s:<22} "
+            f"{r['gbps']:>7.2f} {ratio:>8} {r['start_host_ms_min']:>9.2f} "
+            f"{'yes' if r['verified'] else 'NO'}"
+        )
+    return rc
+
+
+if __name__ == "__main__":
+    sys.exit(main())
