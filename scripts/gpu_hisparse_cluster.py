@@ -52,7 +52,7 @@ def _plans(n: int, pages: int, hisparse_every: int, verify: bool | None) -> list
     return out
 
 
-def correctness(backend: str, log: Any) -> list[dict[str, Any]]:
+def correctness(backend: str, device: str, log: Any) -> list[dict[str, Any]]:
     model = ModelSpec(num_layers=4, total_kv_heads=4, head_dim=32, dtype="int32", page_size=8)
     out = []
     for path in PATHS:
@@ -60,8 +60,8 @@ def correctness(backend: str, log: Any) -> list[dict[str, Any]]:
             model=model,
             slots=64,
             aux_slots=64,
-            device="cuda",
-            mixed_kinds=True,
+            device=device,
+            mixed_kinds=device != "cpu",
             host_page_size=1,
             host_shared=path == "mapped",
             config=KVWireConfig(transfer_backend=backend),
@@ -109,7 +109,7 @@ def throughput(a: argparse.Namespace, log: Any) -> list[dict[str, Any]]:
             model=model,
             slots=a.slots,
             aux_slots=256,
-            device="cuda",
+            device=a.device,
             host_page_size=1,
             host_shared=path == "mapped",
             verify=False,
@@ -144,6 +144,7 @@ def throughput(a: argparse.Namespace, log: Any) -> list[dict[str, Any]]:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--backend", default="nixl")
+    p.add_argument("--device", default="cuda", help="'cuda', or 'cpu' for a smoke run")
     p.add_argument("--layers", type=int, default=32)
     p.add_argument("--kv-heads", type=int, default=8)
     p.add_argument("--head-dim", type=int, default=128)
@@ -163,10 +164,10 @@ def main(argv: list[str] | None = None) -> int:
     command = " ".join([Path(sys.argv[0]).name, *(argv if argv is not None else sys.argv[1:])])
     report: dict[str, Any] = {"command": command, "backend": a.backend}
     if not a.skip_correctness:
-        report["correctness"] = correctness(a.backend, log)
+        report["correctness"] = correctness(a.backend, a.device, log)
     cells = throughput(a, log)
     per_req = max(c["bytes_per_request"] for c in cells)
-    local = local_copy_gbps(per_req)
+    local = local_copy_gbps(per_req) if a.device != "cpu" else float("nan")
     report["local_d2h_gbps"] = round(local, 2)
     report["throughput"] = cells
     if a.json:

@@ -473,6 +473,7 @@ def _rank_main(
     finally:
         mgr.close()
         if pool.shared is not None:
+            pool.host_arrays = []  # drop the views first, so the mapping can go too
             pool.shared.close()
         with contextlib.suppress(OSError):
             conn.send(("closed", mgr.room_tables()))
