@@ -385,8 +385,9 @@ def _rank_main(
         elif plan.hisparse:
             n = plan.num_pages * pool.host_units - plan.trim if plan.num_pages else 0
             pages = np.array([free_host.pop() for _ in range(n)], dtype=np.int64)
-            for harr in pool.host_arrays:
-                harr[pages] = -1
+            if plan.verified(spec):
+                for harr in pool.host_arrays:
+                    harr[pages] = -1
             pool.aux[aux_index] = 0
             obj = mgr.receiver(plan.room, addr)
             obj.init()
@@ -413,7 +414,11 @@ def _rank_main(
                 first = a.plan.cached_pages * m.page_size
                 if a.plan.hisparse:
                     assert pool.host_layout is not None
-                    mism = count_mismatches(pool.host_layout, pool.host_arrays, a.pages, 0)
+                    mism = (
+                        count_mismatches(pool.host_layout, pool.host_arrays, a.pages, 0)
+                        if a.plan.verified(spec)
+                        else 0
+                    )
                 else:
                     mism = pool.mismatches(a.pages, first) if a.plan.verified(spec) else 0
                 aux_ok = bool((pool.aux[a.aux_index] == _aux_row(a.plan.room)).all())
