@@ -19,6 +19,7 @@ Engines create one :class:`~kvwire.session.prefill.KVSender` or
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import logging
 import secrets
@@ -156,35 +157,23 @@ class KVManager:
         self.backend: TransferBackend = sel.cls(self.agent_name, sel.options)
         try:
             self.backend.register([*layout.buffers, *host_buffers, *self.aux_regions])
+            context = StagingContext(
+                layout,
+                self.backend.register,
+                self.backend.deregister,
+                role=self.role.value,
+                num_workers=self.options.num_workers,
+                kv_tensors=kv_tensors,
+                send_fn=lambda endpoint, msg: self.send(endpoint, msg),
+            )
             ssel = select_staging(config)
             self.staging: StagingStrategy = ssel.cls(ssel.options)
-            self.staging.setup(
-                StagingContext(
-                    layout,
-                    self.backend.register,
-                    self.backend.deregister,
-                    role=self.role.value,
-                    num_workers=self.options.num_workers,
-                    kv_tensors=kv_tensors,
-                    send_fn=lambda endpoint, msg: self.send(endpoint, msg),
-                )
-            )
+            self.staging.setup(context)
             hsel = select_host_staging(config)
             #: Strategy for chunks into a decode host pool (HiSparse path); see
             #: ``KVWireConfig.host_staging``.
             self.host_staging: StagingStrategy = hsel.cls(hsel.options)
-            self.host_staging.setup(
-                StagingContext(
-                    layout,
-                    self.backend.register,
-                    self.backend.deregister,
-                    role=self.role.value,
-                    num_workers=self.options.num_workers,
-                    kv_tensors=kv_tensors,
-                    send_fn=lambda endpoint, msg: self.send(endpoint, msg),
-                    host_layout=host_layout,
-                )
-            )
+            self.host_staging.setup(dataclasses.replace(context, host_layout=host_layout))
             self.codec = Codec(config.secret_bytes)
             self.channel = ControlChannel(self.codec, self.options.host, self.options.send_hwm)
         except BaseException:
