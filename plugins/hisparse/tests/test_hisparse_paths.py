@@ -132,3 +132,14 @@ def test_another_host_or_unequal_rows_rule_out_mapping() -> None:
     assert "another host" in (s._mapped_problem(other, tables) or "")
     uneven = TablePair(src, np.array([[0x1000, 32, 0], [0x2000, 32, 0]], dtype=np.uint64))
     assert "differ in length" in (s._mapped_problem(remote, uneven) or "")
+
+
+def test_host_staging_selection() -> None:
+    from kvwire.selection import select_host_staging
+
+    assert select_host_staging(KVWireConfig()).name == "hisparse"  # auto, plugin installed
+    assert select_host_staging(KVWireConfig(host_staging="direct")).name == "direct"
+    with pytest.raises(KVWireError, match="nope"):
+        select_host_staging(KVWireConfig(host_staging="nope"))
+    with pytest.raises(KVWireError, match="path"):
+        select_host_staging(KVWireConfig(host_staging_options={"path": "teleport"}))
