@@ -672,8 +672,8 @@ class DecodeSide(Side[RecvRoom]):
     def on_peer_lost(self, peer: Peer, why: str) -> None:
         """Control thread: a prefill rank is dead or gone; fail the rooms it feeds and free the
         ring space it held."""
-        self.mgr.staging.peer_lost(peer.session)
-        self.mgr.host_staging.peer_lost(peer.session)
+        for strategy in self.mgr.strategies:
+            strategy.peer_lost(peer.session)
         with self.mgr.lock:
             self.links.pop(peer.session, None)
             for key, ranks in list(self.instances.items()):
@@ -805,8 +805,8 @@ class DecodeSide(Side[RecvRoom]):
                 and not self._quiet(room)
             ):
                 self.quarantine[room.room] = room
-        self.mgr.staging.release(room.room)
-        self.mgr.host_staging.release(room.room)
+        for strategy in self.mgr.strategies:
+            strategy.release(room.room)
 
     def room_tables(self) -> dict[str, int]:
         """Per-room table sizes (leak check)."""
@@ -815,8 +815,7 @@ class DecodeSide(Side[RecvRoom]):
                 "recv_rooms": len(self.rooms),
                 "quarantine": len(self.quarantine),
                 "handshakes_pending": len(self.pending),
-                **self.mgr.staging.room_tables(),
-                **self.mgr.host_staging.room_tables(),
+                **{k: v for st in self.mgr.strategies for k, v in st.room_tables().items()},
             }
 
     def close(self) -> None:

@@ -261,8 +261,8 @@ class KVManager:
         self._release_resources()
 
     def _release_resources(self) -> None:
-        self.staging.close()
-        self.host_staging.close()
+        for strategy in self.strategies:
+            strategy.close()
         self.backend.close()
         self.channel.close()
 
@@ -343,6 +343,11 @@ class KVManager:
         m.EVICTIONS.labels(**self.labels).inc()
         self.side.on_peer_lost(peer, why)
         self.channel.disconnect(peer.endpoint)
+
+    @property
+    def strategies(self) -> tuple[StagingStrategy, StagingStrategy]:
+        """The KV pool's staging strategy and the host pool's (release, leak checks, peers)."""
+        return self.staging, self.host_staging
 
     def send(self, endpoint: str, msg: Message) -> bool:
         """Send a control message (non-blocking, bounded)."""

@@ -263,11 +263,12 @@ class PrefillSide(Side[SendRoom]):
             if host_mapper is not None:
                 assert hello.host_layout is not None
                 host_tables = host_mapper.build_tables()
-                host_extra = mgr.host_staging.link_tables(
-                    host_mapper, hello.host_staging, session=hello.session, tables=host_tables
-                )
                 self._prepare(
                     name, "host", host_tables, local, hello.host_layout.buffers, pairs, splits
+                )
+                # last: the strategy may map decode's pool for this link
+                host_extra = mgr.host_staging.link_tables(
+                    host_mapper, hello.host_staging, session=hello.session, tables=host_tables
                 )
                 for table_name, tp in host_extra.items():
                     pairs[table_name] = mgr.backend.prepare(name, tp.src, tp.dst)
@@ -290,6 +291,7 @@ class PrefillSide(Side[SendRoom]):
                 splits=splits,
             )
         except KVWireError as exc:
+            mgr.host_staging.peer_lost(hello.session)  # unmap what link_tables may have mapped
             self._reject(hello, f"handshake failed on prefill: {exc}", [])
             return
         mgr.add_peer(Peer(hello.session, hello.agent, hello.endpoint, time.monotonic(), link=link))
@@ -472,8 +474,8 @@ class PrefillSide(Side[SendRoom]):
                         f"decode peer {peer.agent} lost: {why}", room=room.room, peer=peer.agent
                     )
                     self._fail(room, err, skip=peer.session)
-        mgr.staging.peer_lost(peer.session)
-        mgr.host_staging.peer_lost(peer.session)
+        for strategy in mgr.strategies:
+            strategy.peer_lost(peer.session)
         link: DecodeLink | None = peer.link
         if link is not None and link.backend_peer in mgr.backend.peers():
             try:
@@ -761,8 +763,8 @@ class PrefillSide(Side[SendRoom]):
             self._forget(room)
             for s in list(self.early.get(room.room, {})):
                 self._drop_early(room.room, s)
-        self.mgr.staging.release(room.room)
-        self.mgr.host_staging.release(room.room)
+        for strategy in self.mgr.strategies:
+            strategy.release(room.room)
 
     def room_tables(self) -> dict[str, int]:
         """Per-room table sizes (leak check)."""
@@ -771,8 +773,7 @@ class PrefillSide(Side[SendRoom]):
                 "send_rooms": len(self.rooms),
                 "early_requests": len(self.early),
                 "writes_inflight": len(self.writes_inflight),
-                **self.mgr.staging.room_tables(),
-                **self.mgr.host_staging.room_tables(),
+                **{k: v for st in self.mgr.strategies for k, v in st.room_tables().items()},
             }
 
     def close(self) -> None:
