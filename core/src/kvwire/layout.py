@@ -15,7 +15,7 @@ from typing import Any, Self
 
 import numpy as np
 from numpy.typing import NDArray
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, model_validator
 
 from kvwire.errors import LayoutError
 
@@ -227,6 +227,9 @@ class KVLayout(BaseModel):
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid")
+    #: Objects owning the memory of :attr:`buffers` (the engine's tensors, when built with
+    #: :meth:`from_tensors`); held so the memory outlives every registration of this layout.
+    _owners: tuple[Any, ...] = PrivateAttr(default=())
 
     model: ModelSpec
     rank: RankPosition = RankPosition()
@@ -326,13 +329,17 @@ class KVLayout(BaseModel):
     ) -> KVLayout:
         """Build a layout from the engine's KV tensors, ordered as :attr:`buffers` documents."""
         regions = tuple(MemoryRegion.from_tensor(t) for t in tensors)
-        return cls(
+        layout = cls(
             model=model,
             rank=rank or RankPosition(),
             start_layer=start_layer,
             end_layer=end_layer,
             buffers=regions,
         )
+        # The regions are raw addresses: keep the tensors alive as long as the layout (and so
+        # every manager that registered it) exists, or a dropped tensor frees registered memory.
+        layout._owners = tuple(tensors)
+        return layout
 
 
 def compatibility_problems(local: ModelSpec, remote: ModelSpec) -> list[str]:

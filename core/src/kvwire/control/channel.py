@@ -5,23 +5,59 @@ handshake) and keeps one PUSH socket per peer endpoint for what it sends. Every 
 non-blocking and bounded by the socket's high-water mark: a dead or slow peer costs a dropped
 message (counted), never a blocked thread. Sockets to an evicted peer are closed with linger 0.
 
-Threads: :meth:`ControlChannel.receive` is called only by the manager's control thread (it owns
-the PULL socket); :meth:`ControlChannel.send` may be called from any thread (the PUSH sockets are
-serialised by a lock, which is what ZeroMQ asks of sockets shared between threads).
+Why ZeroMQ and not a socket layer of our own: PULL fair-queues between its connected peers (a
+flooding connection cannot starve the others), sends never block with ``NOBLOCK`` + HWM, and a
+socket monitor reports when the TCP connection to a peer closes, which is how a dead peer is
+seen before its heartbeats run out.
+
+Threads and locks:
+
+* :meth:`ControlChannel.receive`, :meth:`lost_endpoints` and :meth:`take_unsigned` are called
+  only by the manager's liveness thread (it owns the PULL socket).
+* :meth:`ControlChannel.send` and :meth:`disconnect` may be called from any thread. The PUSH
+  sockets and their monitors are guarded by ``_lock`` (ZeroMQ sockets must not be used by two
+  threads at once); the lock is held only for a non-blocking send or a socket operation, never
+  across a wait.
 """
 
 from __future__ import annotations
 
+import collections
 import logging
 import threading
+import time
 from collections import Counter
 
 import zmq
+from zmq.utils.monitor import parse_monitor_message
 
 from kvwire.control.wire import Codec, Message
 from kvwire.errors import ConfigError, ProtocolError
 
 logger = logging.getLogger(__name__)
+
+#: Frames taken from the PULL socket per :meth:`ControlChannel.receive` call: the liveness
+#: thread beats and checks peers between batches however many frames wait.
+MAX_FRAMES_PER_RECEIVE = 256
+#: A connection to a peer that closed and did not come back within this is reported lost
+#: (ZeroMQ retries every 100 ms; a live peer reconnects well within it).
+LOST_GRACE_S = 0.3
+#: Drop warnings are logged once per reason, then at most once per this many seconds.
+DROP_LOG_PERIOD_S = 5.0
+#: Unsigned answers kept for the handshake to explain a missing secret.
+UNSIGNED_KEPT = 64
+_UNSIGNED_KINDS = frozenset({"hello", "hello_ack", "hello_reject"})
+_MONITOR_EVENTS = zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED
+
+
+def drop_reason(exc: ProtocolError) -> str:
+    """The counter name of a refused frame."""
+    text = str(exc)
+    if "authentic" in text:
+        return "unauthenticated"
+    if "protocol" in text:
+        return "version"
+    return "malformed"
 
 
 class ControlChannel:
@@ -33,6 +69,7 @@ class ControlChannel:
         self._pull = self._ctx.socket(zmq.PULL)
         self._pull.setsockopt(zmq.LINGER, 0)
         self._pull.setsockopt(zmq.RCVHWM, 0)
+        self._pull.setsockopt(zmq.MAXMSGSIZE, 16 << 20)
         try:
             port = self._pull.bind_to_random_port(f"tcp://{host}")
         except zmq.ZMQError as exc:
@@ -46,13 +83,19 @@ class ControlChannel:
         self._poller.register(self._pull, zmq.POLLIN)
         self._hwm = send_hwm
         self._push: dict[str, zmq.Socket[bytes]] = {}
+        self._monitors: dict[str, zmq.Socket[bytes]] = {}
+        self._down_since: dict[str, float] = {}
         self._lock = threading.Lock()
         self._closed = False
         #: Frames dropped, by reason ("unauthenticated", "malformed", "version", "send_full").
         self.dropped: Counter[str] = Counter()
+        self._last_log: dict[str, float] = {}
+        self._unsigned: collections.deque[Message] = collections.deque(maxlen=UNSIGNED_KEPT)
 
+    # ------------------------------------------------------------------ sending
     def send(self, endpoint: str, msg: Message) -> bool:
-        """Queue ``msg`` for ``endpoint`` without blocking; False if it had to be dropped."""
+        """Queue ``msg`` for ``endpoint`` without blocking; False if it had to be dropped.
+        Any thread."""
         frame = self.codec.encode(msg)
         with self._lock:
             if self._closed:
@@ -63,6 +106,7 @@ class ControlChannel:
                 sock.setsockopt(zmq.LINGER, 0)
                 sock.setsockopt(zmq.SNDHWM, self._hwm)
                 sock.setsockopt(zmq.IMMEDIATE, 0)
+                self._monitors[endpoint] = sock.get_monitor_socket(_MONITOR_EVENTS)
                 sock.connect(endpoint)
                 self._push[endpoint] = sock
             try:
@@ -70,51 +114,102 @@ class ControlChannel:
                 return True
             except zmq.Again:
                 self.dropped["send_full"] += 1
-                logger.warning("control send to %s dropped: its queue is full", endpoint)
-                return False
+        self._log_drop("send_full", f"control send to {endpoint} dropped: its queue is full")
+        return False
 
-    def receive(self, timeout_s: float) -> list[Message]:
-        """Messages that arrived, waiting at most ``timeout_s`` for the first. Malformed,
-        unauthenticated and wrong-version frames are dropped, logged and counted."""
+    def disconnect(self, endpoint: str) -> None:
+        """Close the socket to an evicted peer (pending frames are discarded). Any thread."""
+        with self._lock:
+            sock = self._push.pop(endpoint, None)
+            mon = self._monitors.pop(endpoint, None)
+            self._down_since.pop(endpoint, None)
+            if sock is not None:
+                sock.disable_monitor()
+                sock.close(linger=0)
+            if mon is not None:
+                mon.close(linger=0)
+
+    # ---------------------------------------------------------------- receiving
+    def receive(self, timeout_s: float, max_frames: int = MAX_FRAMES_PER_RECEIVE) -> list[Message]:
+        """Up to ``max_frames`` messages, waiting at most ``timeout_s`` for the first.
+        Malformed, unauthenticated and wrong-version frames are dropped and counted (logged
+        at most once per :data:`DROP_LOG_PERIOD_S` per reason). Liveness thread only."""
         out: list[Message] = []
         if not self._poller.poll(max(0, int(timeout_s * 1000))):
             return out
-        while True:
+        for _ in range(max_frames):
             try:
                 frame = self._pull.recv(zmq.NOBLOCK)
             except zmq.Again:
-                return out
+                break
             try:
                 out.append(self.codec.decode(frame))
             except ProtocolError as exc:
-                text = str(exc)
-                reason = (
-                    "unauthenticated"
-                    if "authentic" in text
-                    else "version"
-                    if "protocol" in text
-                    else "malformed"
-                )
+                reason = drop_reason(exc)
                 self.dropped[reason] += 1
-                logger.warning("dropped a control frame (%s): %s", reason, exc)
+                if "sent no MAC" in str(exc):
+                    self._keep_unsigned(frame)
+                self._log_drop(reason, f"dropped a control frame ({reason}): {exc}")
+        return out
 
-    def disconnect(self, endpoint: str) -> None:
-        """Close the socket to an evicted peer (pending frames are discarded)."""
+    def _keep_unsigned(self, frame: bytes) -> None:
+        msg = self.codec.decode_unverified(frame, _UNSIGNED_KINDS)
+        if msg is not None:
+            self._unsigned.append(msg)
+
+    def take_unsigned(self) -> list[Message]:
+        """Handshake messages that arrived without the MAC this side requires (never acted on
+        as if authentic: the session uses them only to explain a handshake failure, e.g. a
+        secret set on one side only). Liveness thread only."""
+        out = list(self._unsigned)
+        self._unsigned.clear()
+        return out
+
+    def _log_drop(self, reason: str, text: str) -> None:
+        now = time.monotonic()
+        last = self._last_log.get(reason)
+        if last is not None and now - last < DROP_LOG_PERIOD_S:
+            return
+        self._last_log[reason] = now
+        logger.warning("%s (%d dropped so far for this reason)", text, self.dropped[reason])
+
+    # -------------------------------------------------------------- connections
+    def lost_endpoints(self, now: float | None = None) -> list[str]:
+        """Peer endpoints whose TCP connection closed and did not come back within
+        :data:`LOST_GRACE_S`: the peer process is gone (the OS closed its socket). Liveness
+        thread; cheap (non-blocking reads of the socket monitors)."""
+        now = time.monotonic() if now is None else now
         with self._lock:
-            sock = self._push.pop(endpoint, None)
-        if sock is not None:
-            sock.close(linger=0)
+            for ep, mon in self._monitors.items():
+                while True:
+                    try:
+                        raw = mon.recv_multipart(zmq.NOBLOCK)
+                    except zmq.Again:
+                        break
+                    except zmq.ZMQError:
+                        break
+                    event = parse_monitor_message(raw)["event"]
+                    if event == zmq.EVENT_DISCONNECTED:
+                        self._down_since.setdefault(ep, now)
+                    elif event == zmq.EVENT_CONNECTED:
+                        self._down_since.pop(ep, None)
+            return [ep for ep, t in self._down_since.items() if now - t > LOST_GRACE_S]
 
     def close(self, flush_s: float = 0.2) -> None:
         """Close every socket, giving queued frames (a goodbye) ``flush_s`` to leave; idempotent.
-        Called by the manager after its control thread stopped."""
+        Called by the manager after its threads stopped."""
         with self._lock:
             if self._closed:
                 return
             self._closed = True
             socks = list(self._push.values())
+            mons = list(self._monitors.values())
             self._push.clear()
+            self._monitors.clear()
         for s in socks:
+            s.disable_monitor()
             s.close(linger=int(flush_s * 1000))
+        for mon in mons:
+            mon.close(linger=0)
         self._pull.close(linger=0)
         self._ctx.term()

@@ -4,6 +4,7 @@ per-request handle the engine holds (:class:`KVSender` and :class:`KVReceiver` d
 
 from __future__ import annotations
 
+import logging
 import time
 from typing import TYPE_CHECKING, Any, ClassVar, Generic, Protocol, TypeVar
 
@@ -14,6 +15,8 @@ from kvwire.session.poll import KVPoll
 
 if TYPE_CHECKING:
     from kvwire.session.manager import KVManager
+
+logger = logging.getLogger(__name__)
 
 
 class RoomState(Protocol):
@@ -35,6 +38,15 @@ class Side(Generic[R]):
     def __init__(self, mgr: KVManager) -> None:
         self.mgr = mgr
         self.rooms: dict[int, R] = {}
+
+    def not_for_role(self, msg: Any) -> None:
+        """Liveness thread: a message kind the other role handles; dropped (a confused or
+        hostile peer), counted at debug level."""
+        logger.debug("%s: ignoring %s on %s", self.mgr.agent_name, msg.kind, self.mgr.role.value)
+
+    def on_unsigned(self, msg: Any) -> None:
+        """Liveness thread: a handshake message that lacked the MAC this side requires; only
+        used to explain a failure. Default: nothing."""
 
     def awaiting_data(self) -> bool:
         """Whether a request here waits on data-plane notifications (the control thread then

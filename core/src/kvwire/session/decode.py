@@ -24,7 +24,7 @@ import logging
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, ClassVar, Protocol
 
 import numpy as np
 from numpy.typing import NDArray
@@ -61,8 +61,9 @@ from kvwire.errors import (
 from kvwire.index.base import IndexMapper, check_pages
 from kvwire.index.ranks import source_ranks
 from kvwire.session.common import RequestHandle, Side
-from kvwire.session.manager import KVManager, Peer
+from kvwire.session.manager import KVManager
 from kvwire.session.metrics import RequestMetrics
+from kvwire.session.peers import Peer
 from kvwire.session.poll import KVPoll
 from kvwire.staging.bulk import BulkStaging, block_bytes
 
@@ -117,7 +118,12 @@ class RecvRoom:
     dst_pages: NDArray[np.int64] | None = None
     aux_index: int = -1
     requested: bool = False
-    deadline: float = float("inf")
+    #: When the room last advanced (requested, or a part of it landed).
+    last_progress: float = 0.0
+    #: Control endpoints of the prefill ranks this room needs, known from the bootstrap
+    #: lookup before (or without) a handshake: a failure is pushed there when the room has
+    #: no handshaken sources (e.g. the handshake was refused).
+    contacts: list[str] = field(default_factory=list)
     received: dict[int, int] = field(default_factory=dict)
     expected: dict[int, int] = field(default_factory=dict)
     #: Segments of chunks still missing some: (sender id, chunk id) -> segments arrived.
@@ -147,7 +153,30 @@ def _written_by(writer: str, key: tuple[int, str, int]) -> bool:
 
 
 class DecodeSide(Side[RecvRoom]):
-    """The decode role of a :class:`~kvwire.session.manager.KVManager`."""
+    """The decode role of a :class:`~kvwire.session.manager.KVManager`.
+
+    Lock contract: room tables, links, pending handshakes and the quarantine are guarded by
+    ``mgr.lock``, held for table updates (and a staged chunk's scatter), never across an
+    engine call or a wait. Message handlers run on the liveness thread, notification handling
+    and deadlines on the progress thread.
+    """
+
+    #: The handler of every wire message kind on decode (kind -> method).
+    HANDLERS: ClassVar[dict[str, str]] = {
+        "hello_ack": "_on_ack",
+        "hello_reject": "_on_reject",
+        "failure": "on_failure",
+        "note": "_on_note",
+        "completion": "_on_completion",
+        "writes_done": "_on_writes_done",
+        "staging_request": "_on_staging_request",
+        "hello": "not_for_role",
+        "transfer_request": "not_for_role",
+        "writes_query": "not_for_role",
+        "staging_grant": "not_for_role",
+        "staging_deny": "not_for_role",
+        "staging_watermark": "not_for_role",
+    }
 
     def __init__(self, mgr: KVManager) -> None:
         super().__init__(mgr)
@@ -159,6 +188,9 @@ class DecodeSide(Side[RecvRoom]):
         self._next_watermark = 0.0
         #: Cleared failed rooms whose sources may still be writing (see :meth:`clear`).
         self.quarantine: dict[int, RecvRoom] = {}
+        #: When each prefill session last delivered anything (deadlines are on progress: a
+        #: request queued behind others lives while its sources advance).
+        self.source_progress: dict[str, float] = {}
         self.bootstraps = concurrent.futures.ThreadPoolExecutor(
             4, thread_name_prefix=f"kvwire-bs-{mgr.agent_name}"
         )
@@ -201,10 +233,11 @@ class DecodeSide(Side[RecvRoom]):
     def _bootstrap(self, room: RecvRoom, dp: int | None) -> None:
         """Bootstrap thread: find the source ranks and handshake with each."""
         try:
-            sources = self._sources(room.bootstrap_addr, room.room, dp)
+            sources = self._sources(room, dp)
         except KVWireError as exc:
             with self.mgr.lock:
-                self._fail(room, exc)
+                if not self._terminal(room):
+                    self._fail(room, exc)  # pushed to the contacts bootstrap listed, if any
             return
         self._resolved(room, sources)
 
@@ -214,6 +247,10 @@ class DecodeSide(Side[RecvRoom]):
         first = sources[0].info
         with self.mgr.lock:
             if self._terminal(room):
+                if room.error is not None and not room.contacts:
+                    # failed before its sources were known: they learn of it now
+                    room.sources = sources
+                    self._push_failure(room, room.error, None, False)
                 return
             room.sources = sources
             room.aux_sender = aux_sender(r.tp_rank, first.tp_size, first.pp_size, r.tp_size)
@@ -221,7 +258,8 @@ class DecodeSide(Side[RecvRoom]):
             if room.dst_pages is not None:
                 self._request(room)
 
-    def _sources(self, addr: str, room_id: int, dp: int | None) -> list[PrefillLink]:
+    def _sources(self, room: RecvRoom, dp: int | None) -> list[PrefillLink]:
+        addr, room_id = room.bootstrap_addr, room.room
         opts = self.mgr.options
         client = BootstrapClient(addr, self.mgr.config.secret_bytes)
         ranks = self._lookup(client, addr, 0 if dp is None else dp)
@@ -239,8 +277,12 @@ class DecodeSide(Side[RecvRoom]):
                 f"bootstrap at {addr} lists {len(chosen)} of the {len(want) * pp} prefill ranks "
                 "this decode rank needs"
             )
-        futures = [self._handshake(x, opts.handshake_timeout_s) for x in chosen]
-        return futures
+        with self.mgr.lock:
+            room.contacts = [x.endpoint for x in chosen]
+            if room.error is not None:  # failed while we looked its sources up
+                self._push_failure(room, room.error, None, False)
+                raise TransferError("request failed during bootstrap", room=room_id)
+        return [self._handshake(x, opts.handshake_timeout_s) for x in chosen]
 
     def _lookup(self, client: BootstrapClient, addr: str, dp: int) -> list[RankInfo]:
         key = (addr, dp)
@@ -297,46 +339,61 @@ class DecodeSide(Side[RecvRoom]):
             )
         return pending.link
 
-    # ------------------------------------------------------------- control thread
-    def on_message(self, msg: Message) -> None:
-        """Control thread: a message from a prefill rank."""
-        if isinstance(msg, HelloAck):
-            self._on_ack(msg)
-        elif isinstance(msg, HelloReject):
-            with self.mgr.lock:
-                pending = (
-                    self.pending.get(msg.session) if msg.peer_session == self.mgr.session else None
-                )
-            if pending is not None:
-                pending.error = f"{msg.reason}: " + "; ".join(msg.problems)
-                pending.event.set()
-        elif isinstance(msg, StagingRequest):
-            self._on_staging_request(msg)
-        elif isinstance(msg, WritesDone):
-            with self.mgr.lock:
-                room = self.rooms.get(msg.room) or self.quarantine.get(msg.room)
-                if room is not None:
-                    room.quiet.add(msg.session)
-                    if msg.room in self.quarantine and self._quiet(room):
-                        del self.quarantine[msg.room]
-            staging = self._bulk()
-            if staging is not None and staging.free_where(
-                lambda k: k[0] == msg.room and k[1] == msg.session
-            ):
-                self._broadcast_watermark()
-        elif isinstance(msg, ChunkNote):
-            # A segment a prefill rank copied itself (same host): it has landed.
-            self._on_note(msg)
-        elif isinstance(msg, Completion):
-            with self.mgr.lock:
-                room = self._room_for(msg.room, msg.session, msg.sender_id)
-                if room is not None:
-                    room.expected[msg.sender_id] = msg.data_chunks
-                    self._check_done(room)
-        else:
-            logger.debug("%s: ignoring %s on decode", self.mgr.agent_name, type(msg).__name__)
+    # ------------------------------------------------------------ liveness thread
+    def _on_reject(self, msg: Message) -> None:
+        """Liveness thread: a prefill rank refused our handshake (every reason listed)."""
+        assert isinstance(msg, HelloReject)
+        with self.mgr.lock:
+            pending = (
+                self.pending.get(msg.session) if msg.peer_session == self.mgr.session else None
+            )
+        if pending is not None:
+            pending.error = f"{msg.reason}: " + "; ".join(msg.problems)
+            pending.event.set()
 
-    def _on_ack(self, msg: HelloAck) -> None:
+    def on_unsigned(self, msg: Message) -> None:
+        """Liveness thread: an answer to our (signed) hello came without a MAC: the prefill
+        rank has no shared secret. Fail that handshake at once, naming the secret (an
+        unsigned frame can end a handshake early, never complete one)."""
+        if not isinstance(msg, HelloAck | HelloReject) or msg.peer_session != self.mgr.session:
+            return
+        with self.mgr.lock:
+            pending = self.pending.get(msg.session)
+        if pending is not None and pending.link is None:
+            pending.error = (
+                "the prefill rank answers without signatures: a shared secret (KVWIRE_SECRET) "
+                "is set on this decode rank but not on prefill; set the same secret on both"
+            )
+            pending.event.set()
+
+    def _on_writes_done(self, msg: Message) -> None:
+        """Liveness thread: a source confirms none of its writes for a failed room remains."""
+        assert isinstance(msg, WritesDone)
+        with self.mgr.lock:
+            room = self.rooms.get(msg.room) or self.quarantine.get(msg.room)
+            if room is not None:
+                room.quiet.add(msg.session)
+                if msg.room in self.quarantine and self._quiet(room):
+                    del self.quarantine[msg.room]
+        staging = self._bulk()
+        if staging is not None and staging.free_where(
+            lambda k: k[0] == msg.room and k[1] == msg.session
+        ):
+            self._broadcast_watermark()
+
+    def _on_completion(self, msg: Message) -> None:
+        """Liveness thread: a sender's last chunk moved no KV; it says how many did."""
+        assert isinstance(msg, Completion)
+        with self.mgr.lock:
+            room = self._room_for(msg.room, msg.session, msg.sender_id)
+            if room is not None:
+                room.expected[msg.sender_id] = msg.data_chunks
+                room.last_progress = time.monotonic()
+                self._check_done(room)
+
+    def _on_ack(self, msg: Message) -> None:
+        """Liveness thread: a prefill rank accepted our handshake."""
+        assert isinstance(msg, HelloAck)
         mgr = self.mgr
         if msg.peer_session != mgr.session:
             return  # an answer to an earlier incarnation of this rank
@@ -385,16 +442,21 @@ class DecodeSide(Side[RecvRoom]):
             logger.warning("%s: dropped a notification from %s: %s", mgr.agent_name, note.peer, exc)
             return
         if isinstance(msg, ChunkNote):
+            mgr.peers.touch(msg.session)
             self._on_note(msg)
 
-    def _on_note(self, msg: ChunkNote) -> None:
-        """Control thread: one chunk segment (or the aux row) landed, announced by the backend's
-        notification or, for a copy prefill made itself, by a control message."""
+    def _on_note(self, msg: Message) -> None:
+        """Progress thread (a backend notification) or liveness thread (the control message
+        of a copy prefill made itself): one chunk segment, or the aux row, landed."""
+        assert isinstance(msg, ChunkNote)
         mgr = self.mgr
+        now = time.monotonic()
         with mgr.lock:
+            self.source_progress[msg.session] = now
             room = self._room_for(msg.room, msg.session, msg.sender_id)
             if room is None:
                 return
+            room.last_progress = now
             if msg.what == "aux":
                 if room.aux_sender != msg.sender_id:
                     self._fail(
@@ -586,8 +648,9 @@ class DecodeSide(Side[RecvRoom]):
         room.metrics.chunks = sum(room.received.values())
         self.succeed(room)
 
-    def on_failure(self, msg: Failure) -> None:
-        """Control thread: a prefill rank failed or aborted a room."""
+    def on_failure(self, msg: Message) -> None:
+        """Liveness thread: a prefill rank failed or aborted a room."""
+        assert isinstance(msg, Failure)
         with self.mgr.lock:
             room = self.rooms.get(msg.room)
             if room is None or self._terminal(room):
@@ -673,8 +736,9 @@ class DecodeSide(Side[RecvRoom]):
         """Control thread: a prefill rank is dead or gone; fail the rooms it feeds and free the
         ring space it held."""
         for strategy in self.mgr.strategies:
-            strategy.peer_lost(peer.session)
+            self.mgr.later(functools.partial(strategy.peer_lost, peer.session))
         with self.mgr.lock:
+            self.source_progress.pop(peer.session, None)
             self.links.pop(peer.session, None)
             for key, ranks in list(self.instances.items()):
                 if any(x.session == peer.session for x in ranks):
@@ -710,16 +774,23 @@ class DecodeSide(Side[RecvRoom]):
                 self._next_watermark = now + self.mgr.options.heartbeat_interval_s
                 self._broadcast_watermark()
         self._query_failed_writers(now)
+        limit = self.mgr.options.waiting_timeout_s
         with self.mgr.lock:
             for room in list(self.rooms.values()):
-                if now > room.deadline and not self._terminal(room):
+                if not room.requested or room.sources is None or self._terminal(room):
+                    continue
+                last = max(
+                    room.last_progress,
+                    *(self.source_progress.get(s.info.session, 0.0) for s in room.sources),
+                )
+                if now - last > limit:
                     got = {s: room.received.get(s, 0) for s in room.expected}
                     self._fail(
                         room,
                         TransferError(
-                            f"waiting timeout: the KV did not arrive within "
-                            f"{self.mgr.options.waiting_timeout_s:.1f}s (chunks received per "
-                            f"sender {got or dict(room.received)}, aux "
+                            f"waiting timeout: no progress for {limit:.1f}s, neither on this "
+                            f"request nor on any other from its prefill ranks (chunks received "
+                            f"per sender {got or dict(room.received)}, aux "
                             f"{'arrived' if room.aux_done else 'missing'})",
                             room=room.room,
                         ),
@@ -740,13 +811,20 @@ class DecodeSide(Side[RecvRoom]):
                     "KVManager(..., host_layout=<the host KV pool's layout>)"
                 )
             pool = mgr.host_layout
-        arr = check_pages(pages, pool.num_slots, "destination page indices")
-        if np.unique(arr).size != arr.size:
-            raise DescriptorError(
-                "destination page indices repeat a slot; each page needs its own slot"
-            )
-        if not 0 <= aux_index < mgr.aux_slots:
-            raise DescriptorError(f"aux_index {aux_index} is outside [0, {mgr.aux_slots})")
+        try:
+            arr = check_pages(pages, pool.num_slots, "destination page indices")
+            if np.unique(arr).size != arr.size:
+                raise DescriptorError(
+                    "destination page indices repeat a slot; each page needs its own slot"
+                )
+            if not 0 <= aux_index < mgr.aux_slots:
+                raise DescriptorError(f"aux_index {aux_index} is outside [0, {mgr.aux_slots})")
+        except KVWireError as exc:
+            with mgr.lock:
+                self._fail(
+                    room, TransferError(f"bad input to send_metadata(): {exc}", room=room.room)
+                )
+            raise
         with mgr.lock:
             if room.dst_pages is not None:
                 raise ConfigError(f"room {room.room}: send_metadata() was already called")
@@ -775,7 +853,7 @@ class DecodeSide(Side[RecvRoom]):
         for s in room.sources:
             mgr.send(s.info.endpoint, msg)
         room.requested = True
-        room.deadline = time.monotonic() + mgr.options.waiting_timeout_s
+        room.last_progress = time.monotonic()
         mgr.status.update(room.room, KVPoll.Transferring)
 
     def _fail(
@@ -783,14 +861,24 @@ class DecodeSide(Side[RecvRoom]):
     ) -> None:
         """Under the lock: fail the room once, record why, tell its sources (but ``skip``, the
         one that reported it or is gone)."""
-        mgr = self.mgr
         if not self._mark_failed(room, exc):
             return
-        logger.warning("%s: room %d failed: %s", mgr.agent_name, room.room, exc)
+        logger.warning("%s: room %d failed: %s", self.mgr.agent_name, room.room, exc)
+        self._push_failure(room, exc, skip, aborted)
+
+    def _push_failure(
+        self, room: RecvRoom, exc: BaseException, skip: str | None, aborted: bool
+    ) -> None:
+        """Under the lock: tell the room's prefill ranks it failed: its handshaken sources,
+        or, before (or without) a handshake, the control endpoints bootstrap listed."""
+        mgr = self.mgr
         msg = Failure(room=room.room, session=mgr.session, reason=str(exc), aborted=aborted)
-        for s in room.sources or ():
-            if s.info.session != skip:
-                mgr.send(s.info.endpoint, msg)
+        if room.sources is not None:
+            endpoints = [s.info.endpoint for s in room.sources if s.info.session != skip]
+        else:
+            endpoints = list(room.contacts)
+        for ep in endpoints:
+            mgr.send(ep, msg)
 
     def clear(self, room: RecvRoom) -> None:
         """Engine thread: forget the room. A failed room whose sources have not all confirmed

@@ -22,11 +22,11 @@ from __future__ import annotations
 import dataclasses
 import enum
 import logging
+import queue
 import secrets
 import threading
 import time
-from collections.abc import Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -35,11 +35,12 @@ from numpy.typing import NDArray
 from kvwire.backend import TransferBackend
 from kvwire.config import KVWireConfig
 from kvwire.control.channel import ControlChannel
-from kvwire.control.wire import Codec, Failure, Goodbye, Heartbeat, Message
+from kvwire.control.wire import MESSAGE_TYPES, Codec, Goodbye, Heartbeat, Message
 from kvwire.errors import ConfigError, LayoutError
 from kvwire.layout import KVLayout, MemoryRegion
 from kvwire.selection import select_backend, select_host_staging, select_staging
 from kvwire.session import metrics as m
+from kvwire.session.peers import Peer, PeerTable
 from kvwire.session.poll import KVPoll, StatusTable
 from kvwire.staging.base import StagingContext, StagingStrategy
 
@@ -51,8 +52,8 @@ logger = logging.getLogger(__name__)
 
 #: Bytes of kvwire's own aux row (the room stamp, padded to 64 bytes for RDMA).
 STAMP_ROW_BYTES = 64
-#: Longest the control thread sleeps waiting for a message (also the notification drain period),
-#: while no request waits on a notification, and while some do.
+#: Longest the liveness thread waits for a message, and the progress thread's period while no
+#: request waits on a notification (and while some do).
 CONTROL_TICK_S = 0.001
 CONTROL_TICK_BUSY_S = 0.0002
 
@@ -62,18 +63,6 @@ class Role(enum.StrEnum):
 
     PREFILL = "prefill"
     DECODE = "decode"
-
-
-@dataclass
-class Peer:
-    """A remote manager this one talks to (decode ranks on prefill, prefill ranks on decode)."""
-
-    session: str
-    agent: str
-    endpoint: str
-    last_seen: float
-    #: Role-specific link state (prepared tables on prefill, sender id on decode).
-    link: Any = field(default=None, repr=False)
 
 
 class KVManager:
@@ -122,8 +111,10 @@ class KVManager:
         self.options = config.control
         self.session = secrets.token_hex(8)
         r = layout.rank
+        # Unique by default: two instances of the same shape must never share a name (the
+        # engines key peers by it). The session id makes it unique per incarnation too.
         self.agent_name = agent_name or (
-            f"{self.role.value}-dp{r.dp_rank}-pp{r.pp_rank}-tp{r.tp_rank}"
+            f"{self.role.value}-dp{r.dp_rank}-pp{r.pp_rank}-tp{r.tp_rank}-{self.session[:8]}"
         )
         if dp_size < 1 or r.dp_rank >= dp_size:
             raise LayoutError(f"dp_rank {r.dp_rank} is not below dp_size {dp_size}")
@@ -131,7 +122,8 @@ class KVManager:
         self.labels = {"role": self.role.value, "agent": self.agent_name}
         self.status = StatusTable()
         self.lock = threading.RLock()
-        self.peers: dict[str, Peer] = {}
+        self.peers = PeerTable()
+        self._chores: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
         self._stop = threading.Event()
         self._closed = False
         self._cleanup: list[Any] = []
@@ -195,10 +187,14 @@ class KVManager:
         except BaseException:
             self._release_resources()
             raise
-        self._thread = threading.Thread(
-            target=self._run, name=f"kvwire-control-{self.agent_name}", daemon=True
-        )
-        self._thread.start()
+        #: kind -> (object, method name); looked up per message so a handler can be wrapped.
+        self._handlers = dispatch_table(self, self.side)
+        self._threads = [
+            threading.Thread(target=fn, name=f"kvwire-{what}-{self.agent_name}", daemon=True)
+            for what, fn in (("liveness", self._liveness_loop), ("progress", self._progress_loop))
+        ]
+        for t in self._threads:
+            t.start()
         logger.info(
             "%s: %s manager up (backend %s, endpoint %s)",
             self.agent_name,
@@ -252,11 +248,11 @@ class KVManager:
             if self._closed:
                 return
             self._closed = True
-            peers = list(self.peers.values())
-        for p in peers:
+        for p in self.peers.snapshot():
             self.channel.send(p.endpoint, Goodbye(session=self.session))
         self._stop.set()
-        self._thread.join(5.0)
+        for t in self._threads:
+            t.join(5.0)
         self.side.close()
         self._release_resources()
 
@@ -272,70 +268,110 @@ class KVManager:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    # --------------------------------------------------------------- control thread
-    def _run(self) -> None:
-        interval = self.options.heartbeat_interval_s
+    # -------------------------------------------------------------- liveness lane
+    def _liveness_loop(self) -> None:
+        """Liveness thread: receive control messages (a bounded batch per turn), dispatch
+        them, send heartbeats, and evict peers that are silent or whose connection closed.
+        Never calls the transfer engine and never takes a lock held across an engine call:
+        handlers only update tables and queue work."""
+        opts = self.options
         next_beat = 0.0
         while not self._stop.is_set():
             try:
-                tick = CONTROL_TICK_BUSY_S if self.side.awaiting_data() else CONTROL_TICK_S
-                for msg in self.channel.receive(tick):
+                for msg in self.channel.receive(CONTROL_TICK_S):
                     self._dispatch(msg)
-                self.backend.progress()
-                for note in self.backend.get_notifications():
-                    self.side.on_notification(note)
+                for msg in self.channel.take_unsigned():
+                    self.side.on_unsigned(msg)
                 now = time.monotonic()
                 if now >= next_beat:
                     self._beat()
-                    next_beat = now + interval
+                    next_beat = now + opts.heartbeat_interval_s
                 self._check_peers(now)
-                self.side.check_deadlines(now)
             except Exception:
-                logger.exception("%s: control loop error; continuing", self.agent_name)
+                logger.exception("%s: liveness loop error; continuing", self.agent_name)
                 time.sleep(CONTROL_TICK_S)
 
     def _dispatch(self, msg: Message) -> None:
-        if isinstance(msg, Heartbeat):
-            self.touch(msg.session)
-        elif isinstance(msg, Goodbye):
-            self.evict(msg.session, "it closed (goodbye)")
-        elif isinstance(msg, Failure):
-            self.touch(msg.session)
-            self.side.on_failure(msg)
-        else:
-            self.side.on_message(msg)
+        """Liveness thread: any authenticated message from a peer is a sign of life; then
+        the one handler of its kind runs (see :data:`COMMON_HANDLERS` and the sides'
+        ``HANDLERS``)."""
+        session = getattr(msg, "session", None)
+        if isinstance(session, str):
+            self.peers.touch(session)
+        entry = self._handlers.get(msg.kind)
+        if entry is None:  # every kind has one (a test checks); a defensive drop
+            logger.debug("%s: no handler for %s", self.agent_name, msg.kind)
+            return
+        try:
+            getattr(entry[0], entry[1])(msg)
+        except Exception:
+            logger.exception("%s: handling %s failed", self.agent_name, msg.kind)
 
-    def touch(self, session: str) -> None:
-        """Record a sign of life from a peer."""
-        with self.lock:
-            p = self.peers.get(session)
-            if p is not None:
-                p.last_seen = time.monotonic()
+    def _on_heartbeat(self, msg: Message) -> None:
+        """A peer's heartbeat: the touch in :meth:`_dispatch` is all it does."""
+
+    def _on_goodbye(self, msg: Message) -> None:
+        assert isinstance(msg, Goodbye)
+        self.evict(msg.session, "it closed (goodbye)")
 
     def _beat(self) -> None:
-        with self.lock:
-            endpoints = [p.endpoint for p in self.peers.values()]
         beat = Heartbeat(session=self.session, sent_at=time.time())
-        for ep in endpoints:
-            self.channel.send(ep, beat)
+        for p in self.peers.snapshot():
+            self.channel.send(p.endpoint, beat)
 
     def _check_peers(self, now: float) -> None:
         limit = self.options.heartbeat_interval_s * self.options.heartbeat_misses
-        with self.lock:
-            dead = [p.session for p in self.peers.values() if now - p.last_seen > limit]
-        for s in dead:
-            self.evict(s, f"no heartbeat for {limit:.1f}s")
+        for p in self.peers.silent(now, limit):
+            self.evict(p.session, f"no heartbeat for {limit:.1f}s")
+        for ep in self.channel.lost_endpoints(now):
+            gone = self.peers.by_endpoint(ep)
+            if not gone:
+                self.channel.disconnect(ep)
+            for p in gone:
+                self.evict(p.session, "its control connection closed (process gone?)")
+
+    # -------------------------------------------------------------- progress lane
+    def _progress_loop(self) -> None:
+        """Progress thread: drive the engine (``progress``), drain its notifications, run
+        queued chores (engine cleanup of evicted peers), then check deadlines (after the
+        drain, so a notification that arrived is never taken for a timeout)."""
+        while not self._stop.is_set():
+            try:
+                self.backend.progress()
+                for note in self.backend.get_notifications():
+                    self.side.on_notification(note)
+                while True:
+                    try:
+                        chore = self._chores.get_nowait()
+                    except queue.Empty:
+                        break
+                    chore()
+                self.side.check_deadlines(time.monotonic())
+                busy = self.side.awaiting_data()
+                self._stop.wait(CONTROL_TICK_BUSY_S if busy else CONTROL_TICK_S)
+            except Exception:
+                logger.exception("%s: progress loop error; continuing", self.agent_name)
+                time.sleep(CONTROL_TICK_S)
+
+    def later(self, chore: Callable[[], None]) -> None:
+        """Run ``chore`` on the progress thread (engine calls the liveness thread must not
+        make, such as removing an evicted peer from the engine). Any thread."""
+        self._chores.put(chore)
+
+    def touch(self, session: str) -> None:
+        """Record a sign of life from a peer."""
+        self.peers.touch(session)
 
     def add_peer(self, peer: Peer) -> None:
         """Start tracking a peer's liveness (after a successful handshake)."""
-        with self.lock:
-            self.peers[peer.session] = peer
+        self.peers.add(peer)
 
     def evict(self, session: str, why: str) -> None:
-        """Forget a dead or departed peer everywhere: its rooms fail, its backend state and its
-        socket are dropped. Called by the control thread (heartbeats, goodbye) or a restart."""
-        with self.lock:
-            peer = self.peers.pop(session, None)
+        """Forget a dead or departed peer everywhere: its rooms fail (both sides told), its
+        socket is dropped, and its engine state is removed on the progress thread. Called by
+        the liveness thread (heartbeats, closed connections, goodbye) or a handshake thread
+        (a restart)."""
+        peer = self.peers.pop(session)
         if peer is None:
             return
         level = logging.INFO if "goodbye" in why else logging.WARNING
@@ -360,3 +396,28 @@ class KVManager:
         """Record a room's terminal status in the process metrics."""
         m.REQUESTS.labels(**self.labels, result=status.name).inc()
         m.REQUEST_SECONDS.labels(**self.labels).observe(time.perf_counter() - t0)
+
+
+#: Handlers the manager itself runs, whatever its role (kind -> method of :class:`KVManager`).
+COMMON_HANDLERS: dict[str, str] = {"heartbeat": "_on_heartbeat", "goodbye": "_on_goodbye"}
+
+
+def dispatch_table(mgr: KVManager, side: Any) -> dict[str, tuple[Any, str]]:
+    """The one handler of every wire message kind for ``side``'s role: the manager's
+    :data:`COMMON_HANDLERS` and the side's ``HANDLERS``. Refuses a kind handled twice or not
+    at all (a new message type must be given a handler, or an explicit ignore, per side)."""
+    names: dict[str, tuple[Any, str]] = {k: (mgr, v) for k, v in COMMON_HANDLERS.items()}
+    for kind, method in side.HANDLERS.items():
+        if kind in names:
+            raise TypeError(f"message kind {kind!r} has two handlers on {type(side).__name__}")
+        names[kind] = (side, method)
+    missing = sorted(set(MESSAGE_TYPES) - set(names))
+    extra = sorted(set(names) - set(MESSAGE_TYPES))
+    if missing or extra:
+        raise TypeError(
+            f"{type(side).__name__} dispatch table: no handler for {missing}, unknown kinds {extra}"
+        )
+    for kind, (obj, method) in names.items():
+        if not callable(getattr(obj, method, None)):
+            raise TypeError(f"handler {method!r} of message kind {kind!r} is not a method")
+    return names

@@ -25,7 +25,7 @@ import logging
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
 from numpy.typing import NDArray
@@ -46,10 +46,7 @@ from kvwire.control.wire import (
     HelloAck,
     HelloReject,
     Message,
-    StagingDeny,
-    StagingGrant,
     StagingRequest,
-    StagingWatermark,
     TransferRequest,
     WritesDone,
     WritesQuery,
@@ -68,8 +65,9 @@ from kvwire.layout import MemoryRegion
 from kvwire.selection import select_mapper
 from kvwire.session import metrics as m
 from kvwire.session.common import RequestHandle, Side
-from kvwire.session.manager import KVManager, Peer
+from kvwire.session.manager import KVManager
 from kvwire.session.metrics import RequestMetrics
+from kvwire.session.peers import Peer
 from kvwire.session.pipeline import Pipeline
 from kvwire.session.poll import KVPoll
 from kvwire.session.segments import KindSplit, split_tables
@@ -144,14 +142,46 @@ class SendRoom:
     metrics: RequestMetrics = field(default_factory=RequestMetrics)
 
 
+#: Early failures kept at most (a flood of failures for unknown rooms cannot grow memory).
+MAX_EARLY_FAILURES = 65536
+#: Answers to unsigned hellos (a decode rank without the secret) per second, at most.
+UNSIGNED_REPLIES_PER_S = 20
+
+
 class PrefillSide(Side[SendRoom]):
-    """The prefill role of a :class:`~kvwire.session.manager.KVManager`."""
+    """The prefill role of a :class:`~kvwire.session.manager.KVManager`.
+
+    Lock contract: room tables (``rooms``, ``early``, ``early_failures``,
+    ``writes_inflight``) are guarded by ``mgr.lock``, held only for table updates and queue
+    puts, never across an engine call or a wait. Handlers run on the liveness thread.
+    """
+
+    #: The handler of every wire message kind on prefill (kind -> method).
+    HANDLERS: ClassVar[dict[str, str]] = {
+        "hello": "_on_hello",
+        "transfer_request": "_on_request",
+        "failure": "on_failure",
+        "writes_query": "_on_writes_query",
+        "staging_grant": "_to_staging",
+        "staging_deny": "_to_staging",
+        "staging_watermark": "_to_staging",
+        "hello_ack": "not_for_role",
+        "hello_reject": "not_for_role",
+        "completion": "not_for_role",
+        "note": "not_for_role",
+        "staging_request": "not_for_role",
+        "writes_done": "not_for_role",
+    }
 
     def __init__(self, mgr: KVManager, bootstrap_addr: str | None) -> None:
         super().__init__(mgr)
         #: Transfer requests for rooms whose sender does not exist yet: room -> decode session
         #: -> (destination, arrival time). Expire after ``bootstrap_timeout_s``.
         self.early: dict[int, dict[str, tuple[Dest, float]]] = {}
+        #: Failures pushed by decode for rooms whose sender does not exist yet (decode failed
+        #: before prefill knew the request): room -> (reason, arrival time). Same expiry.
+        self.early_failures: dict[int, tuple[str, float]] = {}
+        self._unsigned_replies: list[float] = []
         #: Writes posted and not ended, per (room, decode session).
         self.writes_inflight: dict[tuple[int, str], int] = {}
         self.sender_id = mgr.layout.rank.sender_id
@@ -210,19 +240,36 @@ class PrefillSide(Side[SendRoom]):
                     raise
                 time.sleep(0.05)
 
-    # ------------------------------------------------------------- control thread
-    def on_message(self, msg: Message) -> None:
-        """Control thread: a message from a decode rank."""
-        if isinstance(msg, Hello):
-            self.handshakes.submit(self._handshake, msg)
-        elif isinstance(msg, TransferRequest):
-            self._on_request(msg)
-        elif isinstance(msg, StagingGrant | StagingDeny | StagingWatermark):
-            self.mgr.staging.on_control(msg)
-        elif isinstance(msg, WritesQuery):
-            self._on_writes_query(msg)
-        else:
-            logger.debug("%s: ignoring %s on prefill", self.mgr.agent_name, type(msg).__name__)
+    # ------------------------------------------------------------ liveness thread
+    def _on_hello(self, msg: Message) -> None:
+        """Liveness thread: a decode rank's hello; answered on a handshake thread."""
+        assert isinstance(msg, Hello)
+        self.handshakes.submit(self._handshake, msg)
+
+    def _to_staging(self, msg: Message) -> None:
+        """Liveness thread: a staging strategy's message from decode."""
+        self.mgr.staging.on_control(msg)
+
+    def on_unsigned(self, msg: Message) -> None:
+        """Liveness thread: a hello without the MAC this rank requires. Tell its sender why
+        (signed, rate-limited), so decode fails at once naming the secret instead of timing
+        out; nothing else is done with it."""
+        if not isinstance(msg, Hello):
+            return
+        now = time.monotonic()
+        self._unsigned_replies = [t for t in self._unsigned_replies if now - t < 1.0]
+        if len(self._unsigned_replies) >= UNSIGNED_REPLIES_PER_S:
+            return
+        self._unsigned_replies.append(now)
+        self._reject(
+            hello=msg,
+            reason=(
+                "the prefill rank requires signed control messages (a shared secret, "
+                "KVWIRE_SECRET, is set on prefill) but this decode rank sent none: set the "
+                "same KVWIRE_SECRET on both sides"
+            ),
+            problems=["secret: prefill=set decode=unset"],
+        )
 
     def _handshake(self, hello: Hello) -> None:
         """Handshake thread: validate a decode rank, add it to the backend, prepare tables."""
@@ -237,11 +284,25 @@ class PrefillSide(Side[SendRoom]):
         if problems:
             self._reject(hello, "incompatible layouts", problems)
             return
-        # A restarted decode rank comes back with the same agent name and a new session.
-        with mgr.lock:
-            stale = [p.session for p in mgr.peers.values() if p.agent == hello.agent]
-        for s in stale:
-            mgr.evict(s, "it restarted (new session)")
+        # The same agent name with a new session: a restart, or two live instances sharing
+        # an explicit name. A restart reuses nothing alive: its old endpoint is the new one,
+        # or the old incarnation went quiet. A live namesake is refused (the engines key
+        # peers by name, so the two would evict each other).
+        quiet_s = mgr.options.heartbeat_interval_s * 1.5
+        for old in mgr.peers.by_agent(hello.agent):
+            alive = time.monotonic() - old.last_seen < quiet_s
+            if old.endpoint != hello.endpoint and alive:
+                self._reject(
+                    hello,
+                    f"agent name {hello.agent!r} is already used by a live decode rank at "
+                    f"{old.endpoint}",
+                    [
+                        "give every decode instance a unique agent_name, or leave it unset "
+                        "(the default name is unique)"
+                    ],
+                )
+                return
+            mgr.evict(old.session, "it restarted (new session)")
         try:
             mapper = build_mapper(mgr.config, mgr.layout, hello.layout)
             extra = mgr.staging.link_tables(mapper, hello.staging)
@@ -451,14 +512,24 @@ class PrefillSide(Side[SendRoom]):
         """Prefill receives no data-plane notifications in WRITE mode; ignore strays."""
         logger.debug("%s: unexpected notification from %s", self.mgr.agent_name, note.peer)
 
-    def on_failure(self, msg: Failure) -> None:
-        """Control thread: a decode rank failed or aborted a room."""
+    def on_failure(self, msg: Message) -> None:
+        """Liveness thread: a decode rank failed or aborted a room. Accepted from a room's
+        destination, or, while the room still waits for its destinations, from any
+        authenticated decode rank (one that failed before or during its handshake, e.g. on
+        a layout mismatch). A failure for a room with no sender yet is kept (bounded, expiring
+        like early requests) and fails the sender when the engine creates it."""
+        assert isinstance(msg, Failure)
+        what = "aborted" if msg.aborted else "failed"
         with self.mgr.lock:
             self._drop_early(msg.room, msg.session)
             room = self.rooms.get(msg.room)
-            if room is None or msg.session not in room.dests:
-                return  # late failure for an unknown room: create no state
-            what = "aborted" if msg.aborted else "failed"
+            if room is None:
+                if len(self.early_failures) < MAX_EARLY_FAILURES:
+                    reason = f"decode {what} the request: {msg.reason}"
+                    self.early_failures[msg.room] = (reason, time.monotonic())
+                return
+            if msg.session not in room.dests and room.ready:
+                return  # not one of this room's destinations
             err = TransferError(f"decode {what} the request: {msg.reason}", room=msg.room)
             self._fail(room, err, skip=msg.session)
 
@@ -474,6 +545,11 @@ class PrefillSide(Side[SendRoom]):
                         f"decode peer {peer.agent} lost: {why}", room=room.room, peer=peer.agent
                     )
                     self._fail(room, err, skip=peer.session)
+        mgr.later(lambda: self._release_peer(peer))
+
+    def _release_peer(self, peer: Peer) -> None:
+        """Progress thread: drop an evicted decode rank's engine and strategy state."""
+        mgr = self.mgr
         for strategy in mgr.strategies:
             strategy.peer_lost(peer.session)
         link: DecodeLink | None = peer.link
@@ -491,15 +567,25 @@ class PrefillSide(Side[SendRoom]):
                 for s, (_msg, t) in list(by_session.items()):
                     if now - t > limit:
                         self._drop_early(room_id, s)
+            for room_id, (_reason, t) in list(self.early_failures.items()):
+                if now - t > limit:
+                    del self.early_failures[room_id]
             for room in list(self.rooms.values()):
                 if not room.ready and now - room.created > limit and not self._terminal(room):
                     got = len(room.dests)
                     want = "?" if room.expected is None else str(room.expected)
+                    hint = ""
+                    unsigned = self.mgr.channel.dropped.get("unauthenticated", 0)
+                    if unsigned:
+                        hint = (
+                            f"; {unsigned} control frames were dropped as unauthenticated "
+                            "(a decode rank without this rank's KVWIRE_SECRET?)"
+                        )
                     self._fail(
                         room,
                         TransferError(
                             f"bootstrap timeout: {got} of {want} decode ranks sent their "
-                            f"metadata within {limit:.1f}s",
+                            f"metadata within {limit:.1f}s{hint}",
                             room=room.room,
                         ),
                     )
@@ -516,6 +602,9 @@ class PrefillSide(Side[SendRoom]):
         """Engine thread (KVSender creation): a new room, picking up early requests."""
         with self.mgr.lock:
             room = self._add_room(SendRoom(room_id))
+            early_failure = self.early_failures.pop(room_id, None)
+            if early_failure is not None:
+                self._fail(room, TransferError(early_failure[0], room=room_id))
             for s, (dest, _t) in self.early.pop(room_id, {}).items():
                 if s in self.mgr.peers:
                     self._add_dest(room, dest)
@@ -537,7 +626,19 @@ class PrefillSide(Side[SendRoom]):
     def send(self, room: SendRoom, pages: Any, last: bool) -> None:
         """Engine thread: queue one chunk; never blocks on the transfer."""
         mgr = self.mgr
-        arr = check_pages(pages, mgr.layout.num_slots, "page indices")
+        with mgr.lock:
+            status = mgr.status.get(room.room, KVPoll.Failed)
+            if status is KVPoll.Success:
+                raise ConfigError(
+                    f"room {room.room}: send() after the request succeeded (every chunk was "
+                    "already delivered); the chunk is not sent"
+                )
+        try:
+            arr = check_pages(pages, mgr.layout.num_slots, "page indices")
+        except KVWireError as exc:
+            with mgr.lock:
+                self._fail(room, TransferError(f"bad pages in send(): {exc}", room=room.room))
+            raise
         with mgr.lock:
             if self._terminal(room):
                 return
