@@ -181,6 +181,9 @@ class PrefillSide(Side[SendRoom]):
         #: Failures pushed by decode for rooms whose sender does not exist yet (decode failed
         #: before prefill knew the request): room -> (reason, arrival time). Same expiry.
         self.early_failures: dict[int, tuple[str, float]] = {}
+        #: Rooms that failed here and were cleared: room -> (reason, time). A decode rank whose
+        #: request arrives late is answered with the failure. Same expiry and bound.
+        self.recent_failures: dict[int, tuple[str, float]] = {}
         self._unsigned_replies: list[float] = []
         #: Writes posted and not ended, per (room, decode session).
         self.writes_inflight: dict[tuple[int, str], int] = {}
@@ -478,6 +481,15 @@ class PrefillSide(Side[SendRoom]):
                 msg.session, peer.endpoint, pages, msg.aux_index, link.decode_tp, pool=msg.pool
             )
             room = self.rooms.get(msg.room)
+            failed = self.recent_failures.get(msg.room)
+            if room is not None and room.error is not None:
+                failed = (str(room.error), 0.0)
+            if failed is not None:  # the request already failed here: tell decode now
+                mgr.send(
+                    peer.endpoint,
+                    Failure(room=msg.room, session=mgr.session, reason=failed[0]),
+                )
+                return
             if room is None:
                 self.early.setdefault(msg.room, {})[msg.session] = (dest, time.monotonic())
                 return
@@ -567,9 +579,10 @@ class PrefillSide(Side[SendRoom]):
                 for s, (_msg, t) in list(by_session.items()):
                     if now - t > limit:
                         self._drop_early(room_id, s)
-            for room_id, (_reason, t) in list(self.early_failures.items()):
-                if now - t > limit:
-                    del self.early_failures[room_id]
+            for table in (self.early_failures, self.recent_failures):
+                for room_id, (_reason, t) in list(table.items()):
+                    if now - t > limit:
+                        del table[room_id]
             for room in list(self.rooms.values()):
                 if not room.ready and now - room.created > limit and not self._terminal(room):
                     got = len(room.dests)
@@ -861,7 +874,12 @@ class PrefillSide(Side[SendRoom]):
     def clear(self, room: SendRoom) -> None:
         """Engine thread: forget the room (every terminal path ends here)."""
         with self.mgr.lock:
-            self._forget(room)
+            if (
+                self._forget(room)
+                and room.error is not None
+                and len(self.recent_failures) < MAX_EARLY_FAILURES
+            ):
+                self.recent_failures[room.room] = (str(room.error), time.monotonic())
             for s in list(self.early.get(room.room, {})):
                 self._drop_early(room.room, s)
         for strategy in self.mgr.strategies:

@@ -1,0 +1,210 @@
+"""Fast failure on both sides (the request-path issue's table): every bad input and every
+mismatch fails the room on prefill *and* decode within 1 s, with a message naming it, also when
+prefill does not know the room's destinations yet. In-process managers over the real tcp
+backend, bootstrap service and ZeroMQ channels; long timeouts everywhere else, so only the push
+can make these fast."""
+
+from __future__ import annotations
+
+import gc
+import time
+import weakref
+
+import numpy as np
+import pytest
+
+from kvwire.control.wire import MESSAGE_TYPES
+from kvwire.errors import ConfigError, DescriptorError, KVWireError
+from kvwire.layout import KVLayout, ModelSpec, RankPosition
+from kvwire.session import KVManager, KVPoll, Role
+from kvwire.session.decode import DecodeSide
+from kvwire.session.manager import COMMON_HANDLERS, dispatch_table
+from kvwire.session.prefill import PrefillSide
+from kvwire.testing.kvfill import make_pool
+from kvwire.testing.pair import MODEL, config, no_rooms, pair, wait_for
+
+FAST_S = 1.0
+#: Long deadlines: a test passes only if the failure is pushed, not timed out.
+SLOW = {"bootstrap_timeout_s": 60.0, "waiting_timeout_s": 60.0, "handshake_timeout_s": 30.0}
+
+
+def failed_within(handle: object, limit_s: float = FAST_S) -> str:
+    """Wait until ``handle`` polls Failed (at most ``limit_s``); its error text."""
+    t0 = time.monotonic()
+    wait_for(lambda: handle.poll() is KVPoll.Failed, timeout=limit_s)  # type: ignore[attr-defined]
+    assert time.monotonic() - t0 <= limit_s
+    with pytest.raises(KVWireError) as ei:
+        handle.failure_exception()  # type: ignore[attr-defined]
+    return str(ei.value)
+
+
+@pytest.mark.parametrize("bad", [[-1], [10_000], [2**40]], ids=["negative", "range", "huge"])
+def test_bad_prefill_pages_fail_both_sides(bad: list[int]) -> None:
+    with pair(config(**SLOW)) as p:
+        r = p.decode.receiver(1, p.addr)
+        r.send_metadata([3, 4], aux_index=0)
+        s = p.prefill.sender(1)
+        wait_for(lambda: s.poll() >= KVPoll.WaitingForInput)
+        s.init(2, aux_index=0)
+        with pytest.raises(DescriptorError):
+            s.send(bad)
+        assert s.poll() is KVPoll.Failed
+        assert "bad pages" in failed_within(r)
+        r.clear()
+        s.clear()
+        p.transfer(2)  # the pair still works
+
+
+def test_bad_pages_before_prefill_knows_the_destinations() -> None:
+    """The engine sends a bad chunk before decode asked: the failure still reaches decode
+    once its request arrives (prefill answers a failed room's request with the failure)."""
+    with pair(config(**SLOW)) as p:
+        s = p.prefill.sender(3)
+        s.init(2, aux_index=0)
+        with pytest.raises(DescriptorError):
+            s.send([-1])
+        r = p.decode.receiver(3, p.addr)
+        r.send_metadata([3, 4], aux_index=0)
+        assert "bad pages" in failed_within(r)
+        r.clear()
+        s.clear()
+
+
+def test_decode_bad_pages_then_abort_fail_prefill_fast() -> None:
+    with pair(config(**SLOW)) as p:
+        s = p.prefill.sender(4)
+        r = p.decode.receiver(4, p.addr)
+        with pytest.raises(DescriptorError, match="out of range"):
+            r.send_metadata([1, 99_999], aux_index=0)
+        r.abort()
+        assert r.poll() is KVPoll.Failed
+        text = failed_within(s)
+        assert "decode failed the request" in text and "out of range" in text
+        s.clear()
+        r.clear()
+
+
+def test_decode_failure_before_the_sender_exists_fails_it_at_creation() -> None:
+    with pair(config(**SLOW)) as p:
+        r = p.decode.receiver(5, p.addr)
+        with pytest.raises(DescriptorError, match="repeat"):
+            r.send_metadata([1, 1], aux_index=0)
+        time.sleep(0.3)  # the failure reached prefill before the engine created the sender
+        s = p.prefill.sender(5)
+        assert s.poll() is KVPoll.Failed
+        with pytest.raises(KVWireError, match="repeat"):
+            s.failure_exception()
+        s.clear()
+        r.clear()
+        wait_for(lambda: no_rooms(p.prefill), timeout=2)
+
+
+def test_incompatible_layout_fails_prefill_fast_naming_the_field() -> None:
+    other = MODEL.model_copy(update={"head_dim": 4})
+    with pair(config(**SLOW), dmodel=other) as p:
+        s = p.prefill.sender(6)
+        r = p.decode.receiver(6, p.addr)
+        r.send_metadata([1, 2], aux_index=0)
+        assert "head_dim: prefill=8 decode=4" in failed_within(r)
+        assert "head_dim: prefill=8 decode=4" in failed_within(s)
+        s.clear()
+        r.clear()
+
+
+@pytest.mark.parametrize("side", ["decode", "prefill"])
+def test_secret_on_one_side_only_is_named(side: str) -> None:
+    pcfg = config(secret="s3cret" if side == "prefill" else None, **SLOW)
+    dcfg = config(secret="s3cret" if side == "decode" else None, **SLOW)
+    with pair(pcfg, dcfg) as p:
+        s = p.prefill.sender(7)
+        r = p.decode.receiver(7, p.addr)
+        r.send_metadata([1, 2], aux_index=0)
+        assert "KVWIRE_SECRET" in failed_within(r)
+        if side == "decode":
+            # decode signs; prefill (no secret) reads signed frames, so the failure reaches it
+            assert "KVWIRE_SECRET" in failed_within(s)
+        s.clear()
+        r.clear()
+
+
+def test_send_after_success_is_an_error() -> None:
+    with pair(config()) as p:
+        r = p.decode.receiver(8, p.addr)
+        r.send_metadata([1, 2], aux_index=0)
+        s = p.prefill.sender(8)
+        wait_for(lambda: s.poll() >= KVPoll.WaitingForInput)
+        s.init(2, aux_index=0)
+        s.send([0, 1], last=True)
+        wait_for(lambda: s.poll() is KVPoll.Success and r.poll() is KVPoll.Success)
+        with pytest.raises(ConfigError, match="after the request succeeded"):
+            s.send([0])
+        assert s.poll() is KVPoll.Success and r.poll() is KVPoll.Success
+        s.clear()
+        r.clear()
+
+
+def test_two_decode_instances_with_default_names_do_not_collide() -> None:
+    with pair(config()) as p:
+        lay2, _ = make_pool(MODEL, RankPosition(), 32)
+        second = KVManager(config(), Role.DECODE, lay2)
+        try:
+            assert second.agent_name != p.decode.agent_name
+            p.transfer(1)
+            r2 = second.receiver(2, p.addr)
+            r2.send_metadata([1, 2], aux_index=0)
+            s2 = p.prefill.sender(2)
+            wait_for(lambda: s2.poll() >= KVPoll.WaitingForInput)
+            s2.init(2, aux_index=0)
+            s2.send([0, 1], last=True)
+            wait_for(lambda: r2.poll() is KVPoll.Success)
+            r2.clear()
+            s2.clear()
+            p.transfer(3)  # the first decode instance was not evicted
+            assert len(p.prefill.peers) == 2
+        finally:
+            second.close()
+
+
+def test_live_namesake_is_refused_not_evicted() -> None:
+    with pair(config(**SLOW)) as p:
+        p.transfer(1)
+        lay2, _ = make_pool(MODEL, RankPosition(), 32)
+        twin = KVManager(config(**SLOW), Role.DECODE, lay2, agent_name=p.decode.agent_name)
+        try:
+            r = twin.receiver(2, p.addr)
+            r.init()
+            assert "already used by a live decode rank" in failed_within(r, 5.0)
+            r.clear()
+            p.transfer(3)  # the original is still served
+        finally:
+            twin.close()
+
+
+def test_every_message_kind_has_exactly_one_handler_per_side() -> None:
+    for side in (PrefillSide, DecodeSide):
+        kinds = list(COMMON_HANDLERS) + list(side.HANDLERS)
+        assert len(kinds) == len(set(kinds)), f"{side.__name__}: a kind is handled twice"
+        assert set(kinds) == set(MESSAGE_TYPES), side.__name__
+        for method in side.HANDLERS.values():
+            assert callable(getattr(side, method)), method
+    with pair(config()) as p:  # what the managers actually built
+        for mgr in (p.prefill, p.decode):
+            assert set(dispatch_table(mgr, mgr.side)) == set(MESSAGE_TYPES)
+
+
+def test_layout_keeps_its_tensors_alive() -> None:
+    torch = pytest.importorskip("torch")
+    model = ModelSpec(num_layers=1, total_kv_heads=1, head_dim=4, dtype="float32", page_size=2)
+    tensors = [torch.zeros(8, 2, 1, 4) for _ in range(2)]
+    ref = weakref.ref(tensors[0])
+    layout = KVLayout.from_tensors(model, tensors)
+    del tensors
+    gc.collect()
+    assert ref() is not None  # the caller dropped them; the layout did not
+    t = ref()
+    assert t is not None and layout.buffers[0].addr == t.data_ptr()
+    t.fill_(7.0)
+    assert np.all(t.numpy() == 7.0)
+    del t, layout
+    gc.collect()
+    assert ref() is None  # and frees them with itself
