@@ -1,9 +1,8 @@
 """What the handshake decides: whether two ranks can work together, and who sends what.
 
 Called on the prefill side when a decode rank's :class:`~kvwire.control.wire.Hello` arrives
-(:func:`handshake_problems`, :func:`build_mapper`, :func:`aux_problems`) and on both sides to
-agree, without asking each other, which prefill rank writes a decode rank's aux row
-(:func:`aux_sender`).
+(:func:`handshake_problems`, :func:`build_mapper`, :func:`aux_problems`), and on both sides to
+agree, without asking each other, who sends to whom (:func:`topology_for`).
 """
 
 from __future__ import annotations
@@ -17,7 +16,7 @@ from kvwire.config import AUTO, KVWireConfig
 from kvwire.descriptors import DescTable, make_table
 from kvwire.errors import KVWireError
 from kvwire.index.base import IndexMapper, default_mapper_name
-from kvwire.index.ranks import source_ranks
+from kvwire.index.topology import Topology
 from kvwire.layout import COMPAT_FIELDS, KVLayout, MemoryRegion
 from kvwire.selection import select_mapper
 
@@ -34,14 +33,7 @@ def handshake_problems(
     ]
     if prefill_backend != decode_backend:
         out.append(f"transfer backend: prefill={prefill_backend!r} decode={decode_backend!r}")
-    if decode.rank.pp_size != 1:
-        out.append(
-            f"decode pp_size={decode.rank.pp_size}: decode instances must not use pipeline "
-            "parallelism (prefill stages fan in to one decode rank)"
-        )
-    tp, td = prefill.rank.tp_size, decode.rank.tp_size
-    if tp % td and td % tp:
-        out.append(f"TP sizes: prefill={tp} decode={td}; one must divide the other")
+    out += layout_topology(prefill, decode).problems()
     if decode.start_layer != 0 or decode.layer_end != decode.model.num_layers:
         out.append(
             f"decode layers [{decode.start_layer}, {decode.layer_end}): a decode rank must hold "
@@ -50,12 +42,42 @@ def handshake_problems(
     return out
 
 
+def mapper_name(config: KVWireConfig, src: KVLayout, dst: KVLayout) -> str:
+    """The configured index mapper, or the core one that fits the layout pair."""
+    return config.index_mapper if config.index_mapper != AUTO else default_mapper_name(src, dst)
+
+
 def build_mapper(config: KVWireConfig, src: KVLayout, dst: KVLayout) -> IndexMapper:
     """The configured (or fitting) index mapper for a (prefill, decode) layout pair."""
-    name = config.index_mapper if config.index_mapper != AUTO else default_mapper_name(src, dst)
-    sel = select_mapper(name, config.index_mapper_options)
+    sel = select_mapper(mapper_name(config, src, dst), config.index_mapper_options)
     mapper: IndexMapper = sel.cls(src, dst, sel.options)
     return mapper
+
+
+def layout_topology(prefill: KVLayout, decode: KVLayout) -> Topology:
+    """The core topology of a (prefill, decode) layout pair (validation at handshake)."""
+    return Topology(
+        prefill.rank.tp_size, prefill.rank.pp_size, decode.rank.tp_size, decode.rank.pp_size
+    )
+
+
+def topology_for(
+    config: KVWireConfig, local: KVLayout, prefill_tp: int, prefill_pp: int, decode_tp: int
+) -> Topology:
+    """The topology chosen with the mapper (:attr:`IndexMapper.topology`) for a prefill
+    instance of ``prefill_tp`` x ``prefill_pp`` and a decode instance of TP ``decode_tp``;
+    ``local`` is this rank's layout (the model is the same on both sides). Used by both
+    sides, before any handshake (decode pairs with ranks listed by bootstrap)."""
+    name = config.index_mapper
+    if name == AUTO:
+        name = "equal_tp" if prefill_tp == decode_tp else "head_slice"
+        name = "mla" if local.model.is_mla else name
+    try:
+        cls = select_mapper(name, config.index_mapper_options).cls
+    except KVWireError:
+        cls = IndexMapper
+    topo: type[Topology] = getattr(cls, "topology", Topology)
+    return topo(prefill_tp, prefill_pp, decode_tp)
 
 
 def aux_problems(prefill: Sequence[MemoryRegion], decode: Sequence[MemoryRegion]) -> list[str]:
@@ -91,8 +113,3 @@ def slot_rows(num_regions: int, num_slots: int, slot: int) -> Any:
     return np.arange(num_regions, dtype=np.int64) * num_slots + slot
 
 
-def aux_sender(decode_tp_rank: int, prefill_tp: int, prefill_pp: int, decode_tp: int) -> int:
-    """Sender id (``pp_rank * tp + tp_rank``) of the prefill rank that writes the aux row of a
-    decode rank: the first TP source in the last pipeline stage (where the output token is)."""
-    first = source_ranks(decode_tp_rank, prefill_tp, decode_tp)[0]
-    return (prefill_pp - 1) * prefill_tp + first

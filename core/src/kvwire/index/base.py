@@ -19,6 +19,7 @@ from pydantic import BaseModel
 from kvwire.backend import NoOptions
 from kvwire.descriptors import DescTable, IndexArray, check_indices
 from kvwire.errors import DescriptorError, LayoutError
+from kvwire.index.topology import Topology
 from kvwire.layout import KVLayout, compatibility_problems
 
 
@@ -51,6 +52,9 @@ class IndexMapper(ABC):
     #: Destination slots one source page fills (1 for KV pools; ``page_size / host page
     #: size`` for a mapper into a finer-grained host pool).
     units_per_page: int = 1
+    #: Who sends to whom for layouts this mapper serves (a mapper for another parallelism
+    #: brings its own pairing rules; the session layer asks only the topology).
+    topology: ClassVar[type[Topology]] = Topology
 
     def __init__(self, src: KVLayout, dst: KVLayout, options: BaseModel | None = None) -> None:
         problems = [

@@ -31,7 +31,7 @@ from numpy.typing import NDArray
 
 from kvwire.backend import Notification
 from kvwire.control.bootstrap import BootstrapClient, RankInfo
-from kvwire.control.handshake import aux_sender, build_mapper
+from kvwire.control.handshake import build_mapper, topology_for
 from kvwire.control.wire import (
     ChunkNote,
     Completion,
@@ -59,7 +59,7 @@ from kvwire.errors import (
     TransferError,
 )
 from kvwire.index.base import IndexMapper, check_pages
-from kvwire.index.ranks import source_ranks
+from kvwire.index.topology import Topology
 from kvwire.session.common import RequestHandle, Side
 from kvwire.session.manager import KVManager
 from kvwire.session.metrics import RequestMetrics
@@ -220,9 +220,8 @@ class DecodeSide(Side[RecvRoom]):
                 ranks = self.instances.get((addr, room_id % ranks[0].dp_size))
                 if ranks is None:
                     return None
-            r = self.mgr.layout.rank
             try:
-                want = set(source_ranks(r.tp_rank, ranks[0].tp_size, r.tp_size))
+                want = self._topology(ranks[0]).source_tp_ranks(self.mgr.layout.rank.tp_rank)
             except KVWireError:
                 return None
             links = [self.links.get(x.session) for x in ranks if x.tp_rank in want]
@@ -244,7 +243,7 @@ class DecodeSide(Side[RecvRoom]):
     def _resolved(self, room: RecvRoom, sources: list[PrefillLink]) -> None:
         """The room's source ranks are known and handshaken: WaitingForInput."""
         r = self.mgr.layout.rank
-        first = sources[0].info
+        aux = self._topology(sources[0].info).aux_sender(r.tp_rank)
         with self.mgr.lock:
             if self._terminal(room):
                 if room.error is not None and not room.contacts:
@@ -253,7 +252,7 @@ class DecodeSide(Side[RecvRoom]):
                     self._push_failure(room, room.error, None, False)
                 return
             room.sources = sources
-            room.aux_sender = aux_sender(r.tp_rank, first.tp_size, first.pp_size, r.tp_size)
+            room.aux_sender = aux
             self.mgr.status.update(room.room, KVPoll.WaitingForInput)
             if room.dst_pages is not None:
                 self._request(room)
@@ -266,15 +265,14 @@ class DecodeSide(Side[RecvRoom]):
         if dp is None and ranks[0].dp_size > 1:
             ranks = self._lookup(client, addr, room_id % ranks[0].dp_size)
         r = self.mgr.layout.rank
-        tp, pp = ranks[0].tp_size, ranks[0].pp_size
         try:
-            want = set(source_ranks(r.tp_rank, tp, r.tp_size))
+            wanted = set(self._topology(ranks[0]).sources(r.tp_rank))
         except KVWireError as exc:
             raise HandshakeError(f"cannot pair with the prefill instance at {addr}: {exc}") from exc
-        chosen = [x for x in ranks if x.tp_rank in want]
-        if len(chosen) != len(want) * pp:
+        chosen = [x for x in ranks if (x.tp_rank, x.pp_rank) in wanted]
+        if len(chosen) != len(wanted):
             raise BootstrapError(
-                f"bootstrap at {addr} lists {len(chosen)} of the {len(want) * pp} prefill ranks "
+                f"bootstrap at {addr} lists {len(chosen)} of the {len(wanted)} prefill ranks "
                 "this decode rank needs"
             )
         with self.mgr.lock:
@@ -283,6 +281,13 @@ class DecodeSide(Side[RecvRoom]):
                 self._push_failure(room, room.error, None, False)
                 raise TransferError("request failed during bootstrap", room=room_id)
         return [self._handshake(x, opts.handshake_timeout_s) for x in chosen]
+
+    def _topology(self, prefill: RankInfo) -> Topology:
+        """Who sends to whom between a prefill instance (as bootstrap lists it) and us."""
+        mgr = self.mgr
+        return topology_for(
+            mgr.config, mgr.layout, prefill.tp_size, prefill.pp_size, mgr.layout.rank.tp_size
+        )
 
     def _lookup(self, client: BootstrapClient, addr: str, dp: int) -> list[RankInfo]:
         key = (addr, dp)

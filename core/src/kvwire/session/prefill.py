@@ -34,10 +34,10 @@ from kvwire.backend import Notification, PreparedPair, TransferHandle
 from kvwire.control.bootstrap import BootstrapClient, RankInfo
 from kvwire.control.handshake import (
     aux_problems,
-    aux_sender,
     build_mapper,
     handshake_problems,
     slot_table,
+    topology_for,
 )
 from kvwire.control.wire import (
     PROTOCOL_MAJOR,
@@ -60,7 +60,7 @@ from kvwire.errors import (
     TransferError,
 )
 from kvwire.index.base import IndexMapper, TablePair, check_pages
-from kvwire.index.ranks import target_ranks
+from kvwire.index.topology import Topology
 from kvwire.layout import MemoryRegion
 from kvwire.selection import select_mapper
 from kvwire.session import metrics as m
@@ -89,7 +89,8 @@ class DecodeLink:
     #: Prepared table pairs by name: "kv" (the mapper's), "aux", and a staging strategy's.
     pairs: dict[str, PreparedPair]
     aux_rows: int
-    decode_tp: int
+    #: Who sends to whom between this prefill instance and that decode instance.
+    topology: Topology
     decode_tp_rank: int
     sends_aux: bool
     dummy: bool
@@ -113,7 +114,8 @@ class Dest:
     endpoint: str
     dst_pages: NDArray[np.int64]
     aux_index: int
-    decode_tp: int
+    #: Decode ranks this prefill rank feeds for the request (it waits for all of them).
+    fan_out: int
     next_chunk: int = 0
     done: bool = False
     #: "kv" (decode's KV pool) or "host" (its host pool, in host page units).
@@ -337,15 +339,15 @@ class PrefillSide(Side[SendRoom]):
                 for table_name, tp in host_extra.items():
                     pairs[table_name] = mgr.backend.prepare(name, tp.src, tp.dst)
             r = mgr.layout.rank
+            topo = topology_for(mgr.config, mgr.layout, r.tp_size, r.pp_size, hello.rank.tp_size)
             link = DecodeLink(
                 mapper=mapper,
                 backend_peer=name,
                 pairs=pairs,
                 aux_rows=len(mgr.aux_regions),
-                decode_tp=hello.rank.tp_size,
+                topology=topo,
                 decode_tp_rank=hello.rank.tp_rank,
-                sends_aux=aux_sender(hello.rank.tp_rank, r.tp_size, r.pp_size, hello.rank.tp_size)
-                == self.sender_id,
+                sends_aux=topo.aux_sender(hello.rank.tp_rank) == self.sender_id,
                 dummy=mapper.is_dummy,
                 num_slots=hello.layout.num_slots,
                 staged=bool(extra),
@@ -478,7 +480,12 @@ class PrefillSide(Side[SendRoom]):
                 )
                 return
             dest = Dest(
-                msg.session, peer.endpoint, pages, msg.aux_index, link.decode_tp, pool=msg.pool
+                msg.session,
+                peer.endpoint,
+                pages,
+                msg.aux_index,
+                len(link.topology.targets(mgr.layout.rank.tp_rank)),
+                pool=msg.pool,
             )
             room = self.rooms.get(msg.room)
             failed = self.recent_failures.get(msg.room)
@@ -499,8 +506,7 @@ class PrefillSide(Side[SendRoom]):
         """Under the manager lock: a decode rank's request joins its room."""
         if self.mgr.status.get(room.room, KVPoll.Bootstrapping) is KVPoll.Failed:
             return
-        r = self.mgr.layout.rank
-        expected = len(target_ranks(r.tp_rank, r.tp_size, dest.decode_tp))
+        expected = dest.fan_out
         if room.expected is not None and room.expected != expected:
             self._fail(
                 room,
