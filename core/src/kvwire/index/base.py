@@ -124,6 +124,33 @@ class IndexMapper(ABC):
         return self._map(sp, dp)
 
 
+    def chunk_slice(
+        self,
+        num_pages: int,
+        dst_units: NDArray[np.int64],
+        pages: NDArray[np.int64],
+        start: int,
+        end: int,
+    ) -> tuple[NDArray[np.int64], int, int]:
+        """Prefill, engine thread, per chunk and destination: which of a chunk's source
+        ``pages`` (request pages ``[start, end)`` of ``num_pages``) move, and the destination
+        units ``dst_units[lo:hi]`` they go to, given the ``dst_units`` decode asked for.
+
+        Default (KV pools): decode asks for the request's last ``len(dst_units)`` pages (a
+        prefix may be cached there), one unit per page. A mapper with other unit rules (a
+        finer-grained host pool) overrides it. Raises :class:`DescriptorError` naming both
+        counts when decode's count cannot fit the request."""
+        skip = num_pages - dst_units.size
+        if skip < 0:
+            raise DescriptorError(
+                f"decode asked for {dst_units.size} pages but the request has {num_pages}"
+            )
+        lo = max(start, skip)
+        if end <= lo:
+            return pages[:0], 0, 0
+        return pages[lo - start :], lo - skip, end - skip
+
+
 def default_mapper_name(src: KVLayout, dst: KVLayout) -> str:
     """The core mapper that fits a layout pair: ``mla``, ``equal_tp`` or ``head_slice``."""
     if src.model.is_mla:

@@ -24,7 +24,7 @@ from kvwire.session import metrics as m
 from kvwire.staging.base import ChunkPlan, LocalCopy, Segment, StagingStrategy
 
 if TYPE_CHECKING:
-    from kvwire.session.prefill import Dest, Job, PrefillSide, SendRoom
+    from kvwire.session.prefill import Dest, Job, PoolLink, PrefillSide, SendRoom
 
 logger = logging.getLogger(__name__)
 
@@ -70,6 +70,7 @@ class _Tail:
 
     room: SendRoom
     dest: Dest
+    target: PoolLink
     queue: deque[Job] = field(default_factory=deque)
     inflight: int = 0
     last: Job | None = None
@@ -104,9 +105,9 @@ class Pipeline:
         key = (job.room.room, job.dest.session)
         tail = self.tails.get(key)
         if tail is None:
-            tail = self.tails[key] = _Tail(job.room, job.dest)
+            tail = self.tails[key] = _Tail(job.room, job.dest, job.target)
         tail.queue.append(job)
-        tail.staged |= job.link.staged
+        tail.staged |= job.target.staged
         self._advance(key, tail)
 
     def _advance(self, key: tuple[int, str], tail: _Tail) -> bool:
@@ -121,11 +122,11 @@ class Pipeline:
             t_start = time.perf_counter()
             try:
                 if job.chunk_id is not None:
-                    strategy = self.mgr.host_staging if job.pool == "host" else self.mgr.staging
+                    strategy = job.target.strategy
                     plan = strategy.plan(
                         room.room,
                         job.chunk_id,
-                        job.mapper,
+                        job.target.mapper,
                         job.src,
                         job.dst,
                         dest=job.dest.session,
@@ -153,7 +154,8 @@ class Pipeline:
         if plan.segments is not None:
             base = plan.segments
         else:
-            table = "host" if job.pool == "host" and plan.table == "kv" else plan.table
+            # "kv" names the mapper's own table of the job's pool
+            table = job.target.table if plan.table == "kv" else plan.table
             base = [Segment("", table, plan.src_idx, plan.dst_idx)]
         out: list[Segment] = []
         for seg in base:
@@ -226,7 +228,7 @@ class Pipeline:
         self.tails.pop(key, None)
         if tail.staged:
             d = tail.dest
-            self.side.abandon_staging(tail.room, d)
+            self.side.abandon(tail.room, d, tail.target)
 
     def progress(self) -> int:
         """Poll every posted transfer once, then post what waited; returns how many moved."""

@@ -46,7 +46,6 @@ from kvwire.control.wire import (
     HelloAck,
     HelloReject,
     Message,
-    StagingRequest,
     TransferRequest,
     WritesDone,
     WritesQuery,
@@ -72,12 +71,27 @@ from kvwire.session.pipeline import Pipeline
 from kvwire.session.poll import KVPoll
 from kvwire.session.segments import KindSplit, split_tables
 from kvwire.session.workers import TransferWorkers
-from kvwire.staging.bulk import BulkStaging, block_bytes
+from kvwire.staging.base import QueuedChunk, StagingStrategy
 
 if TYPE_CHECKING:
     from kvwire.control.bootstrap_server import BootstrapServer
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass
+class PoolLink:
+    """One pool of a decode rank this prefill rank can write into: decode's KV pool
+    ("kv"), or a host pool ("host"), each with its own mapper, prepared table and strategy."""
+
+    mapper: IndexMapper
+    #: Slots of the destination pool (decode's indices are checked against it).
+    slots: int
+    #: Name of the prepared pair holding the mapper's tables.
+    table: str
+    strategy: StagingStrategy
+    #: The strategy prepared tables of its own for this link (it stages or maps).
+    staged: bool
 
 
 @dataclass
@@ -94,14 +108,10 @@ class DecodeLink:
     decode_tp_rank: int
     sends_aux: bool
     dummy: bool
-    num_slots: int
-    #: Chunks to this decode rank go through the staging strategy's ring.
-    staged: bool = False
-    #: The decode rank's host pool (HiSparse path): its mapper and slot count, when usable;
-    #: otherwise why not.
-    host_mapper: IndexMapper | None = None
-    host_slots: int = 0
-    host_problem: str = "the decode rank has no host pool"
+    #: The decode rank's pools this rank can write into, by the name decode's requests use.
+    pools: dict[str, PoolLink] = field(default_factory=dict)
+    #: Why a pool decode may ask for is not usable (e.g. its host pool is incompatible).
+    pool_problems: dict[str, str] = field(default_factory=dict)
     #: Pairs whose rows mix memory kinds: their chunks move as one segment per kind pair.
     splits: dict[str, KindSplit] = field(default_factory=dict)
 
@@ -118,7 +128,7 @@ class Dest:
     fan_out: int
     next_chunk: int = 0
     done: bool = False
-    #: "kv" (decode's KV pool) or "host" (its host pool, in host page units).
+    #: The decode pool the request goes to (a key of ``DecodeLink.pools``).
     pool: str = "kv"
 
 
@@ -326,6 +336,7 @@ class PrefillSide(Side[SendRoom]):
             for table_name, tp in extra.items():
                 pairs[table_name] = mgr.backend.prepare(name, tp.src, tp.dst)
             host_mapper, host_problem = self._host_mapper(hello)
+            host_extra: dict[str, Any] = {}
             if host_mapper is not None:
                 assert hello.host_layout is not None
                 host_tables = host_mapper.build_tables()
@@ -340,6 +351,18 @@ class PrefillSide(Side[SendRoom]):
                     pairs[table_name] = mgr.backend.prepare(name, tp.src, tp.dst)
             r = mgr.layout.rank
             topo = topology_for(mgr.config, mgr.layout, r.tp_size, r.pp_size, hello.rank.tp_size)
+            pools = {
+                "kv": PoolLink(mapper, hello.layout.num_slots, "kv", mgr.staging, bool(extra))
+            }
+            if host_mapper is not None:
+                assert hello.host_layout is not None
+                pools["host"] = PoolLink(
+                    host_mapper,
+                    hello.host_layout.num_slots,
+                    "host",
+                    mgr.host_staging,
+                    bool(host_extra),
+                )
             link = DecodeLink(
                 mapper=mapper,
                 backend_peer=name,
@@ -349,11 +372,8 @@ class PrefillSide(Side[SendRoom]):
                 decode_tp_rank=hello.rank.tp_rank,
                 sends_aux=topo.aux_sender(hello.rank.tp_rank) == self.sender_id,
                 dummy=mapper.is_dummy,
-                num_slots=hello.layout.num_slots,
-                staged=bool(extra),
-                host_mapper=host_mapper,
-                host_slots=hello.host_layout.num_slots if hello.host_layout else 0,
-                host_problem=host_problem,
+                pools=pools,
+                pool_problems={} if host_mapper is not None else {"host": host_problem},
                 splits=splits,
             )
         except KVWireError as exc:
@@ -424,7 +444,7 @@ class PrefillSide(Side[SendRoom]):
                 dummy=link.dummy,
                 peer_session=hello.session,
                 layout=mgr.layout,
-                staged=link.staged,
+                staged=link.pools["kv"].staged,
             ),
         )
 
@@ -461,12 +481,13 @@ class PrefillSide(Side[SendRoom]):
             peer.last_seen = time.monotonic()
             link: DecodeLink = peer.link
             try:
-                if msg.pool not in ("kv", "host"):
-                    raise ConfigError(f"unknown destination pool {msg.pool!r}")
-                if msg.pool == "host" and link.host_mapper is None:
-                    raise ConfigError(f"no HiSparse path to this decode rank: {link.host_problem}")
-                slots = link.host_slots if msg.pool == "host" else link.num_slots
-                pages = check_pages(pages_from_bytes(msg.dst_pages), slots, "decode's page indices")
+                target = link.pools.get(msg.pool)
+                if target is None:
+                    why = link.pool_problems.get(msg.pool, "no such pool")
+                    raise ConfigError(f"cannot write into decode pool {msg.pool!r}: {why}")
+                pages = check_pages(
+                    pages_from_bytes(msg.dst_pages), target.slots, "decode's page indices"
+                )
                 if not 0 <= msg.aux_index < mgr.aux_slots:
                     raise DescriptorError(
                         f"decode's aux index {msg.aux_index} is outside [0, {mgr.aux_slots})"
@@ -699,91 +720,48 @@ class PrefillSide(Side[SendRoom]):
             if peer is None:
                 continue
             link: DecodeLink = peer.link
-            if dest.pool == "host":
-                cut = self._host_slice(room, dest, link, pages, start, end)
-                if cut is None:
-                    return
-                src, dst = cut
-                lo, skip = start, 0
-            else:
-                skip = room.num_pages - dest.dst_pages.size
-                if skip < 0:
-                    self._fail(
-                        room,
-                        TransferError(
-                            f"decode asked for {dest.dst_pages.size} pages but the request has "
-                            f"{room.num_pages}",
-                            room=room.room,
-                        ),
-                    )
-                    return
-                lo = max(start, skip)
-                src = pages[lo - start :]
-                dst = dest.dst_pages[lo - skip : end - skip] if end > lo else dest.dst_pages[:0]
+            target = link.pools[dest.pool]
+            try:
+                src, lo, hi = target.mapper.chunk_slice(
+                    room.num_pages, dest.dst_pages, pages, start, end
+                )
+            except KVWireError as exc:
+                self._fail(room, TransferError(str(exc), room=room.room))
+                return
             chunk_id = None
             if src.size and not link.dummy:
                 chunk_id = dest.next_chunk
                 dest.next_chunk += 1
-                if link.staged and dest.pool == "kv":
+                if target.staged:
+                    chunk = QueuedChunk(
+                        room.room,
+                        chunk_id,
+                        target.mapper,
+                        int(src.size),
+                        lo,
+                        dest.session,
+                        dest.endpoint,
+                        self.sender_id,
+                        mgr.session,
+                        mgr.options.transfer_timeout_s,
+                    )
                     try:
-                        self._ask_staging(room, dest, link, chunk_id, src.size, lo - skip)
+                        target.strategy.on_queued(chunk)
                     except KVWireError as exc:
                         self._fail(room, exc)
                         return
             job = Job(
-                room, dest, link, src, dst, chunk_id, last, time.perf_counter(), pool=dest.pool
+                room,
+                dest,
+                link,
+                src,
+                dest.dst_pages[lo:hi],
+                chunk_id,
+                last,
+                time.perf_counter(),
+                pool=dest.pool,
             )
             self.workers.submit(dest.session, job)
-
-    def _host_slice(
-        self,
-        room: SendRoom,
-        dest: Dest,
-        link: DecodeLink,
-        pages: NDArray[np.int64],
-        start: int,
-        end: int,
-    ) -> tuple[NDArray[np.int64], NDArray[np.int64]] | None:
-        """Under the lock: a chunk's source pages and destination units in the host pool.
-        Decode sends the units of the request's tokens from the first, trimmed within the last
-        page; each source page covers ``units_per_page`` of them."""
-        assert room.num_pages is not None and link.host_mapper is not None
-        r = link.host_mapper.units_per_page
-        m = dest.dst_pages.size
-        if not (room.num_pages - 1) * r < m <= room.num_pages * r and m:
-            self._fail(
-                room,
-                TransferError(
-                    f"decode asked for {m} host units but {room.num_pages} pages hold "
-                    f"{room.num_pages * r} (only the last page may be trimmed)",
-                    room=room.room,
-                ),
-            )
-            return None
-        lo, hi = start * r, min(end * r, m)
-        if hi <= lo:
-            return pages[:0], dest.dst_pages[:0]
-        return pages[: -(-(hi - lo) // r)], dest.dst_pages[lo:hi]
-
-    def _ask_staging(
-        self, room: SendRoom, dest: Dest, link: DecodeLink, chunk_id: int, npages: int, at: int
-    ) -> None:
-        """Under the lock, engine thread: ask decode for ring space now, so the grant is likely
-        back before the worker reaches the chunk (unless the chunk is too big to stage)."""
-        staging = self.mgr.staging
-        assert isinstance(staging, BulkStaging)
-        if not staging.fits(link.mapper, npages):
-            return
-        msg = StagingRequest(
-            room=room.room,
-            sender_id=self.sender_id,
-            session=self.mgr.session,
-            chunk_id=chunk_id,
-            nbytes=block_bytes(link.mapper, npages),
-            dst_start=at,
-            npages=npages,
-        )
-        staging.request(msg, dest.session, dest.endpoint, self.mgr.options.transfer_timeout_s)
 
     # ------------------------------------------------------------------ workers
     def is_dead(self, room: SendRoom) -> bool:
@@ -845,11 +823,11 @@ class PrefillSide(Side[SendRoom]):
             else:
                 self.writes_inflight.pop(key, None)
 
-    def abandon_staging(self, room: SendRoom, dest: Dest) -> None:
-        """Worker thread: nothing more will be written to ``dest``'s ring for this request."""
-        staging = self.mgr.staging
-        assert isinstance(staging, BulkStaging)
-        staging.abandon(room.room, dest.session, dest.endpoint, self.sender_id, self.mgr.session)
+    def abandon(self, room: SendRoom, dest: Dest, target: PoolLink) -> None:
+        """Worker thread: nothing more will be written to ``dest`` for this request."""
+        target.strategy.on_abandoned(
+            room.room, dest.session, dest.endpoint, self.sender_id, self.mgr.session
+        )
 
     def fail(self, room: SendRoom, exc: BaseException) -> None:
         """Any thread: fail the request (once), tell its destinations."""
@@ -927,15 +905,13 @@ class Job:
     chunk_id: int | None
     last: bool
     t_enqueued: float
-    #: Decode pool the chunk goes to: "kv", or "host" (HiSparse path, its own mapper/tables).
+    #: Decode pool the chunk goes to (a key of ``DecodeLink.pools``).
     pool: str = "kv"
 
     @property
-    def mapper(self) -> IndexMapper:
-        """The link's mapper for this job's pool."""
-        m = self.link.host_mapper if self.pool == "host" else self.link.mapper
-        assert m is not None
-        return m
+    def target(self) -> PoolLink:
+        """The link's pool this job writes into (its mapper, table and strategy)."""
+        return self.link.pools[self.pool]
 
 
 class KVSender(RequestHandle[SendRoom]):

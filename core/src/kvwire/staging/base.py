@@ -119,6 +119,26 @@ class ChunkPlan:
         return self.src_idx.size == 0
 
 
+@dataclass(frozen=True)
+class QueuedChunk:
+    """A chunk with data just queued for one destination (see
+    :meth:`StagingStrategy.on_queued`)."""
+
+    room: int
+    chunk_id: int
+    mapper: IndexMapper
+    #: Source pages of the chunk, and where they start among the destination's units.
+    npages: int
+    dst_start: int
+    #: The destination (decode session) and its control endpoint.
+    dest: str
+    endpoint: str
+    #: This sender's id and session (for messages the strategy sends).
+    sender_id: int
+    session: str
+    timeout_s: float
+
+
 class StagingStrategy(ABC):
     """How a chunk's bytes reach the wire. One instance per :class:`~kvwire.KVManager`."""
 
@@ -184,6 +204,20 @@ class StagingStrategy(ABC):
     def room_tables(self) -> dict[str, int]:
         """Sizes of per-request staging state (leak check)."""
         return {}
+
+    def on_queued(self, chunk: QueuedChunk) -> None:  # noqa: B027 - optional hook
+        """Sending side, engine thread inside ``send()`` (under the session lock: quick, never
+        blocking), for links where :meth:`link_tables` returned tables: a chunk was queued for
+        a worker. A strategy that needs the receiver's consent (ring space) asks for it here,
+        so the answer is likely back when the worker reaches the chunk. Raising a
+        ``KVWireError`` fails the request."""
+
+    def on_abandoned(  # noqa: B027 - optional hook
+        self, room: int, dest: str, endpoint: str, sender_id: int, session: str
+    ) -> None:
+        """Sending side, worker thread, for links where :meth:`link_tables` returned tables:
+        nothing more will be written for ``room`` to ``dest`` (the request failed; its posted
+        writes all ended). Free what was asked for it; tell the receiver if it holds space."""
 
     def on_control(self, msg: Any) -> None:  # noqa: B027 - optional hook
         """Sending side, control thread: a staging control message from a receiving peer."""

@@ -51,7 +51,7 @@ from kvwire.errors import ConfigError, TransferError
 from kvwire.index.base import IndexMapper, TablePair
 from kvwire.index.head_slice import HeadSliceMapper
 from kvwire.layout import MemoryRegion
-from kvwire.staging.base import ChunkPlan, StagingContext, StagingStrategy
+from kvwire.staging.base import ChunkPlan, QueuedChunk, StagingContext, StagingStrategy
 from kvwire.staging.kernels import KVTensors, block_view
 from kvwire.staging.ring import Allocation, RingAllocator, WatermarkView
 
@@ -471,6 +471,28 @@ class BulkStaging(StagingStrategy):
         with self._lock:
             self._free[worker].append(slot)
             self._asks.pop(key, None)
+
+    def on_queued(self, chunk: QueuedChunk) -> None:
+        """Prefill, engine thread: ask decode for ring space for a queued chunk now (unless
+        the chunk is too big to stage)."""
+        if not self.fits(chunk.mapper, chunk.npages):
+            return
+        msg = StagingRequest(
+            room=chunk.room,
+            sender_id=chunk.sender_id,
+            session=chunk.session,
+            chunk_id=chunk.chunk_id,
+            nbytes=block_bytes(chunk.mapper, chunk.npages),
+            dst_start=chunk.dst_start,
+            npages=chunk.npages,
+        )
+        self.request(msg, chunk.dest, chunk.endpoint, chunk.timeout_s)
+
+    def on_abandoned(
+        self, room: int, dest: str, endpoint: str, sender_id: int, session: str
+    ) -> None:
+        """Prefill, worker: see :meth:`abandon`."""
+        self.abandon(room, dest, endpoint, sender_id, session)
 
     def abandon(self, room: int, dest: str, endpoint: str, sender_id: int, session: str) -> None:
         """Prefill, worker: nothing more will be written for ``room`` to ``dest``: forget its

@@ -74,6 +74,27 @@ class HostPoolMapper(IndexMapper):
             ),
         )
 
+    def chunk_slice(
+        self,
+        num_pages: int,
+        dst_units: NDArray[np.int64],
+        pages: NDArray[np.int64],
+        start: int,
+        end: int,
+    ) -> tuple[NDArray[np.int64], int, int]:
+        """Decode sends the host units of the request's tokens from the first, trimmed within
+        the last page; each source page covers ``units_per_page`` of them."""
+        r, m = self.units_per_page, dst_units.size
+        if m and not (num_pages - 1) * r < m <= num_pages * r:
+            raise DescriptorError(
+                f"decode asked for {m} host units but {num_pages} pages hold {num_pages * r} "
+                "(only the last page may be trimmed)"
+            )
+        lo, hi = start * r, min(end * r, m)
+        if hi <= lo:
+            return pages[:0], 0, 0
+        return pages[: -(-(hi - lo) // r)], lo, hi
+
     def map_chunk(self, src_pages: Any, dst_pages: Any) -> tuple[IndexArray, IndexArray]:
         """``n`` prefill pages -> ``m`` host pages, ``(n - 1) * r < m <= n * r``."""
         sp = check_pages(src_pages, self.src.num_slots, "source page indices")
