@@ -7,6 +7,7 @@ can make these fast."""
 from __future__ import annotations
 
 import gc
+import threading
 import time
 import weakref
 
@@ -208,3 +209,54 @@ def test_layout_keeps_its_tensors_alive() -> None:
     del t, layout
     gc.collect()
     assert ref() is None  # and frees them with itself
+
+
+def test_waiting_deadline_is_on_progress_not_wall_clock() -> None:
+    """A request whose own chunks have not moved for longer than ``waiting_timeout_s`` lives
+    while other requests from the same prefill rank advance; once nothing advances it fails."""
+    with pair(config(waiting_timeout_s=0.6)) as p:
+        slow_r = p.decode.receiver(30, p.addr)
+        slow_r.send_metadata([20, 21], aux_index=3)
+        slow_s = p.prefill.sender(30)
+        wait_for(lambda: slow_s.poll() >= KVPoll.WaitingForInput)
+        t0 = time.monotonic()
+        room = 31
+        while time.monotonic() - t0 < 1.5:  # 2.5x the deadline: others keep advancing
+            p.transfer(room, pages=2, chunks=(1, 1))
+            room += 1
+            time.sleep(0.05)
+            assert slow_r.poll() is KVPoll.Transferring
+        text = failed_within(slow_r, 3.0)  # now nothing moves: it fails
+        assert "no progress" in text
+        slow_r.clear()
+        slow_s.clear()
+
+
+def test_backlog_is_visible() -> None:
+    with pair(config(num_workers=1, max_queued_chunks=2)) as p:
+        assert p.prefill.backlog == {"queued_chunks": 0, "live_rooms": 0}
+        assert not p.prefill.saturated
+        r = p.decode.receiver(40, p.addr)
+        r.send_metadata(list(range(8)), aux_index=0)
+        s = p.prefill.sender(40)
+        wait_for(lambda: s.poll() >= KVPoll.WaitingForInput)
+        s.init(8, aux_index=0)
+        gate = threading.Event()
+        pipeline_accept = p.prefill.side.workers  # hold the one worker busy on a slow job
+        original = p.prefill.backend.submit
+
+        def slow_submit(*a: object, **kw: object) -> object:
+            gate.wait(5)
+            return original(*a, **kw)  # type: ignore[arg-type]
+
+        p.prefill.backend.submit = slow_submit  # type: ignore[method-assign]
+        for i in range(4):
+            s.send([2 * i, 2 * i + 1], last=i == 3)
+        wait_for(lambda: pipeline_accept.queued >= 2, timeout=2)
+        assert p.prefill.backlog["queued_chunks"] >= 2 and p.prefill.saturated
+        gate.set()
+        wait_for(lambda: r.poll() is KVPoll.Success and s.poll() is KVPoll.Success)
+        assert p.prefill.backlog["queued_chunks"] == 0 and not p.prefill.saturated
+        p.prefill.backend.submit = original  # type: ignore[method-assign]
+        r.clear()
+        s.clear()

@@ -48,6 +48,13 @@ class ControlOptions(BaseModel):
     max_inflight_chunks: int = Field(
         default=16, ge=1, le=4096, description="Transfers a worker keeps posted at once."
     )
+    max_queued_chunks: int = Field(
+        default=4096,
+        ge=1,
+        description="Prefill: chunks queued for the workers at which KVManager.saturated turns "
+        "True (backpressure the engine can check before admitting requests; nothing is refused "
+        "or timed out for it).",
+    )
     sync_transfers: bool = Field(
         default=False,
         description="Transfer on the caller's thread inside send() (benchmark baseline).",
@@ -58,7 +65,10 @@ class ControlOptions(BaseModel):
         default=30.0, gt=0, description="Prefill: decode metadata must arrive within this."
     )
     waiting_timeout_s: float = Field(
-        default=60.0, gt=0, description="Decode: the KV must arrive within this."
+        default=60.0,
+        gt=0,
+        description="Decode: a request fails when neither it nor any other request from its "
+        "prefill ranks advanced for this long.",
     )
     handshake_timeout_s: float = Field(default=10.0, gt=0)
     transfer_timeout_s: float = Field(default=60.0, gt=0, description="One chunk's transfer.")

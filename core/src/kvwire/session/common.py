@@ -48,6 +48,10 @@ class Side(Generic[R]):
         """Liveness thread: a handshake message that lacked the MAC this side requires; only
         used to explain a failure. Default: nothing."""
 
+    def queued_chunks(self) -> int:
+        """Chunks queued for transfer workers and not yet taken (prefill overrides it)."""
+        return 0
+
     def awaiting_data(self) -> bool:
         """Whether a request here waits on data-plane notifications (the control thread then
         drains them more often). Decode overrides it."""

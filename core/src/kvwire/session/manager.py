@@ -237,6 +237,22 @@ class KVManager:
         return out
 
     @property
+    def backlog(self) -> dict[str, int]:
+        """What waits here (any thread, cheap): ``queued_chunks`` (prefill: chunks handed to
+        ``send()`` that no transfer worker has taken yet) and ``live_rooms``. Queued requests
+        are not failed for waiting (deadlines are on progress); watch this, or
+        :attr:`saturated`, to apply backpressure."""
+        queued = self.side.queued_chunks()
+        m.QUEUED_CHUNKS.labels(**self.labels).set(queued)
+        return {"queued_chunks": queued, "live_rooms": len(self.status)}
+
+    @property
+    def saturated(self) -> bool:
+        """Prefill: the workers' queues hold ``control.max_queued_chunks`` chunks or more; an
+        engine should hold back new requests until this clears (nothing is refused for it)."""
+        return self.side.queued_chunks() >= self.options.max_queued_chunks
+
+    @property
     def dropped(self) -> dict[str, int]:
         """Control frames dropped, by reason (unauthenticated, malformed, version, ...)."""
         return dict(self.channel.dropped)

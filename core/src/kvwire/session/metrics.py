@@ -22,6 +22,9 @@ REQUESTS = Counter("kvwire_requests", "Requests by terminal status", (*_LABELS, 
 DROPPED = Counter("kvwire_control_dropped", "Control frames dropped", (*_LABELS, "reason"))
 EVICTIONS = Counter("kvwire_peer_evictions", "Peers evicted (dead or gone)", _LABELS)
 ACTIVE_ROOMS = Gauge("kvwire_active_rooms", "Rooms currently tracked", _LABELS)
+QUEUED_CHUNKS = Gauge(
+    "kvwire_queued_chunks", "Chunks queued for or in the transfer workers (prefill)", _LABELS
+)
 QUEUE_SECONDS = Histogram(
     "kvwire_chunk_queue_seconds", "Chunk wait in a worker queue", _LABELS, buckets=_LATENCY_BUCKETS
 )

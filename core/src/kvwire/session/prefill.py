@@ -255,6 +255,10 @@ class PrefillSide(Side[SendRoom]):
                     raise
                 time.sleep(0.05)
 
+    def queued_chunks(self) -> int:
+        """Chunks queued for the transfer workers and not yet taken by one. Any thread."""
+        return self.workers.queued
+
     # ------------------------------------------------------------ liveness thread
     def _on_hello(self, msg: Message) -> None:
         """Liveness thread: a decode rank's hello; answered on a handshake thread."""

@@ -54,6 +54,9 @@ class TransferWorkers(Generic[J]):
         self, n: int, name: str, make_stage: Callable[[int], Stage[J]], *, inline: bool = False
     ) -> None:
         self.inline = inline
+        #: Jobs submitted and not yet taken by their worker's pipeline.
+        self._pending = 0
+        self._count_lock = threading.Lock()
         self._queues: list[queue.SimpleQueue[J | None]] = []
         self._threads: list[threading.Thread] = []
         self._inline_stage = make_stage(0) if inline else None
@@ -69,8 +72,16 @@ class TransferWorkers(Generic[J]):
             self._threads.append(t)
             t.start()
 
-    @staticmethod
-    def _loop(q: queue.SimpleQueue[J | None], stage: Stage[J]) -> None:
+    @property
+    def queued(self) -> int:
+        """Jobs waiting in the queues (not yet taken by a worker). Any thread."""
+        return self._pending
+
+    def _took(self) -> None:
+        with self._count_lock:
+            self._pending -= 1
+
+    def _loop(self, q: queue.SimpleQueue[J | None], stage: Stage[J]) -> None:
         sleep = MIN_POLL_SLEEP_S
         stopping = False
         while True:
@@ -81,6 +92,7 @@ class TransferWorkers(Generic[J]):
                     job = q.get()
                     if job is None:
                         return
+                    self._took()
                     stage.accept(job)
                     sleep = MIN_POLL_SLEEP_S
                 while not stopping and not stage.full:
@@ -91,6 +103,7 @@ class TransferWorkers(Generic[J]):
                     if job is None:
                         stopping = True
                         break
+                    self._took()
                     stage.accept(job)
                 if stage.progress():
                     sleep = MIN_POLL_SLEEP_S
@@ -107,6 +120,8 @@ class TransferWorkers(Generic[J]):
                 self._inline_stage.accept(job)
                 self._inline_stage.drain(MIN_POLL_SLEEP_S)
             return
+        with self._count_lock:
+            self._pending += 1
         self._queues[zlib.crc32(shard_key.encode()) % len(self._queues)].put(job)
 
     def stop(self, timeout_s: float = 5.0) -> None:
