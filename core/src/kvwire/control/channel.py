@@ -117,6 +117,24 @@ class ControlChannel:
         self._log_drop("send_full", f"control send to {endpoint} dropped: its queue is full")
         return False
 
+    def send_once(self, endpoint: str, msg: Message, linger_s: float = 0.5) -> None:
+        """Send ``msg`` on a socket of its own that is closed right away (ZeroMQ still tries to
+        deliver it for ``linger_s``): for answers to strangers (an unsigned hello), whose
+        endpoint may not exist, so that no socket or monitor is kept for them. Any thread."""
+        frame = self.codec.encode(msg)
+        with self._lock:
+            if self._closed:
+                return
+            sock = self._ctx.socket(zmq.PUSH)
+            sock.setsockopt(zmq.SNDHWM, 1)
+            try:
+                sock.connect(endpoint)
+                sock.send(frame, zmq.NOBLOCK)
+            except zmq.ZMQError as exc:
+                logger.debug("one-shot send to %s failed: %s", endpoint, exc)
+            finally:
+                sock.close(linger=int(linger_s * 1000))
+
     def disconnect(self, endpoint: str) -> None:
         """Close the socket to an evicted peer (pending frames are discarded). Any thread."""
         with self._lock:

@@ -56,6 +56,8 @@ STAMP_ROW_BYTES = 64
 #: request waits on a notification (and while some do).
 CONTROL_TICK_S = 0.001
 CONTROL_TICK_BUSY_S = 0.0002
+#: Longest the liveness thread waits for a message before checking its peers again.
+LIVENESS_TICK_S = 0.02
 
 
 class Role(enum.StrEnum):
@@ -294,7 +296,9 @@ class KVManager:
         next_beat = 0.0
         while not self._stop.is_set():
             try:
-                for msg in self.channel.receive(CONTROL_TICK_S):
+                # sleep until a message arrives or the next duty is due (no busy ticking)
+                wait = min(LIVENESS_TICK_S, max(0.0, next_beat - time.monotonic()))
+                for msg in self.channel.receive(wait):
                     self._dispatch(msg)
                 for msg in self.channel.take_unsigned():
                     self.side.on_unsigned(msg)

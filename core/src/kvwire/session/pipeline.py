@@ -439,18 +439,23 @@ class Pipeline:
             if link.sends_aux and aux_pair is not None and room.aux_index is not None:
                 mgr.stamps[room.aux_index, 0] = room.room
                 n = link.aux_rows
-                self._post(
-                    tail,
-                    key,
-                    aux_pair,
-                    None,
-                    slot_rows(n, mgr.aux_slots, room.aux_index),
-                    slot_rows(n, mgr.aux_slots, dest.aux_index),
-                    self._note(room.room, "aux"),
-                    "aux",
-                    time.perf_counter(),
-                    None,
-                )
+                try:
+                    self._post(
+                        tail,
+                        key,
+                        aux_pair,
+                        None,
+                        slot_rows(n, mgr.aux_slots, room.aux_index),
+                        slot_rows(n, mgr.aux_slots, dest.aux_index),
+                        self._note(room.room, "aux"),
+                        "aux",
+                        time.perf_counter(),
+                        None,
+                    )
+                except Exception as exc:  # refused at submit: the request fails, not hangs
+                    self._failed(room, exc, "aux")
+                    self._drop(key, tail)
+                    return
                 return
         del self.tails[key]
         self.side.dest_done(room, dest)

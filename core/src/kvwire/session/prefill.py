@@ -280,15 +280,20 @@ class PrefillSide(Side[SendRoom]):
         if len(self._unsigned_replies) >= UNSIGNED_REPLIES_PER_S:
             return
         self._unsigned_replies.append(now)
-        self._reject(
-            hello=msg,
-            reason=(
-                "the prefill rank requires signed control messages (a shared secret, "
-                "KVWIRE_SECRET, is set on prefill) but this decode rank sent none: set the "
-                "same KVWIRE_SECRET on both sides"
-            ),
+        reason = (
+            "the prefill rank requires signed control messages (a shared secret, "
+            "KVWIRE_SECRET, is set on prefill) but this decode rank sent none: set the "
+            "same KVWIRE_SECRET on both sides"
+        )
+        logger.warning("%s: refused an unsigned hello from %s", self.mgr.agent_name, msg.agent)
+        reject = HelloReject(
+            session=self.mgr.session,
+            peer_session=msg.session,
+            reason=reason,
             problems=["secret: prefill=set decode=unset"],
         )
+        # a stranger: no socket is kept for its (possibly made-up) endpoint
+        self.mgr.channel.send_once(msg.endpoint, reject)
 
     def _handshake(self, hello: Hello) -> None:
         """Handshake thread: validate a decode rank, add it to the backend, prepare tables."""

@@ -2,17 +2,21 @@
 
 :class:`Cluster` spawns ``prefill_tp * prefill_pp`` prefill rank processes (rank 0 runs the
 bootstrap service in-process, as in production) and ``decode_instances * decode_tp`` decode rank
-processes. Every rank builds a paged ``int32`` KV pool whose elements encode (layer, K/V, global
-head, token position, dim) (:mod:`kvwire.testing.kvfill`) — NumPy on the CPU, or torch tensors on
-a GPU when ``device="cuda"`` — and a :class:`~kvwire.session.KVManager` over it, and then plays
-its engine: it runs a scheduler loop over its requests, calling exactly the engine API.
+processes; with ``prefill_instances`` above 1, several prefill instances of that shape, each
+with its own bootstrap service on its rank 0. Every rank builds a paged ``int32`` KV pool whose
+elements encode (layer, K/V, global head, token position, dim) (:mod:`kvwire.testing.kvfill`) —
+NumPy on the CPU, or torch tensors on a GPU when ``device="cuda"`` — and a
+:class:`~kvwire.session.KVManager` over it, and then plays its engine: it runs a scheduler loop
+over its requests, calling exactly the engine API.
 
 The parent drives a workload with :meth:`Cluster.run` (requests with chunked prefill, random page
 allocations on both sides, optionally a prefix cached on decode) and gets one
 :class:`RequestResult` per request: the status on every rank, the elements that differ from the
-encoding on every decode rank, the aux rows checked, and the latency. Failure scenarios use
-:class:`RoomPlan` actions (abort on either side, stall before the last chunk) and
-:meth:`Cluster.kill`.
+encoding on every decode rank, the aux rows checked, the latency, and when each rank saw the
+request end (:attr:`RankReport.t_done`, comparable with :meth:`Cluster.kill`'s time). Failure
+scenarios use :class:`RoomPlan` actions (abort on either side, stall before the last chunk),
+:meth:`Cluster.kill` (from :meth:`Cluster.run`'s ``on_sent`` hook to kill mid-transfer) and
+:meth:`Cluster.rank_stats` (evictions, dropped control frames, known peers).
 """
 
 from __future__ import annotations
@@ -76,6 +80,13 @@ class ClusterSpec(BaseModel):
     #: Fill and check every element (the default). Off for throughput benchmarks: pools are
     #: filled once at start and decode does not check, so the harness costs no CPU per request.
     verify: bool = True
+    #: Rank processes create their ``KVManager`` without ``agent_name``, as an engine following
+    #: docs/engine-integration.md does (kvwire's unique default names); False: the harness
+    #: names them ``{role}{inst}-pp{pp}-tp{tp}``.
+    default_names: bool = False
+    #: Prefill instances of the same shape, each with its own bootstrap service (run by its
+    #: rank 0); a request picks one with ``RoomPlan.prefill_instance``.
+    prefill_instances: int = Field(default=1, ge=1)
 
 
 class RoomPlan(BaseModel):
@@ -90,6 +101,8 @@ class RoomPlan(BaseModel):
     #: Leading pages already cached on decode (not transferred).
     cached_pages: int = 0
     decode_instance: int = 0
+    #: The prefill instance serving the request (its bootstrap address is the one decode uses).
+    prefill_instance: int = 0
     prefill_abort: bool = False
     decode_abort: bool = False
     #: Prefill waits this long before sending its last chunk.
@@ -121,6 +134,12 @@ class RankReport:
     descriptors: int = 0
     #: Decode engine hooks seen for the request (HiSparse path), in order.
     hooks: tuple[str, ...] = ()
+    #: The instance of ``role`` this rank belongs to.
+    inst: int = 0
+    #: ``time.monotonic()`` when this rank's poll first returned the terminal status (the
+    #: system-wide monotonic clock: comparable between processes of one host, and with the
+    #: time :meth:`Cluster.kill` returns).
+    t_done: float = 0.0
 
 
 @dataclass
@@ -283,9 +302,12 @@ def _rank_main(
     inst: int,
     addr: str,
     secret: str,
+    bootstrap_addrs: list[str] | None = None,
 ) -> None:
     """Entry point of a rank process (spawned). ``secret`` travels apart from the spec (a
-    config serialised to JSON masks it)."""
+    config serialised to JSON masks it). ``addr``: the bootstrap service a prefill rank
+    registers with ("" for the rank that runs it); ``bootstrap_addrs``: every prefill
+    instance's, for decode receivers (default ``[addr]``)."""
     from kvwire.session import KVManager, KVPoll, Role
 
     spec = ClusterSpec.model_validate_json(spec_json)
@@ -321,7 +343,7 @@ def _rank_main(
         pool.layout,
         aux_buffers=[pool.aux_region],
         bootstrap_addr=addr or None,
-        agent_name=f"{role}{inst}-pp{pp_rank}-tp{tp_rank}",
+        agent_name=None if spec.default_names else f"{role}{inst}-pp{pp_rank}-tp{tp_rank}",
         kv_tensors=pool.arrays,
         host_layout=pool.host_layout,
         hooks=hooks if pool.host_layout is not None else None,
@@ -334,10 +356,17 @@ def _rank_main(
     free_aux = list(range(spec.aux_slots))
     quarantine: list[tuple[float, NDArray[np.int64], int, Any, list[Any]]] = []
     active: dict[int, _Active] = {}
-    conn.send(("ready", mgr.bootstrap_addr or ""))
+    addrs = bootstrap_addrs or [addr]
+    conn.send(("ready", mgr.bootstrap_addr or "", mgr.channel.endpoint, mgr.agent_name))
     rid = pp_rank * spec.prefill_tp + tp_rank if role == "prefill" else tp_rank
 
-    def report(a: _Active, status: Any, mism: int = 0, aux_ok: bool = True) -> None:
+    def evictions() -> int:
+        from prometheus_client import REGISTRY
+
+        value = REGISTRY.get_sample_value("kvwire_peer_evictions_total", mgr.labels)
+        return int(value or 0)
+
+    def report(a: _Active, status: Any, t_done: float, mism: int = 0, aux_ok: bool = True) -> None:
         err = None
         if status == KVPoll.Failed:
             try:
@@ -360,6 +389,8 @@ def _rank_main(
                     mt.bytes,
                     mt.descriptors,
                     tuple(hook_events.pop(a.plan.room, [])),
+                    inst,
+                    t_done,
                 ),
                 a.plan.room,
             )
@@ -389,7 +420,7 @@ def _rank_main(
                 for harr in pool.host_arrays:
                     harr[pages] = -1
             pool.aux[aux_index] = 0
-            obj = mgr.receiver(plan.room, addr)
+            obj = mgr.receiver(plan.room, addrs[plan.prefill_instance])
             obj.init()
             obj.send_metadata(pages, aux_index, hisparse=True)
         else:
@@ -398,7 +429,7 @@ def _rank_main(
             if plan.verified(spec):
                 pool.poison(pages)
             pool.aux[aux_index] = 0
-            obj = mgr.receiver(plan.room, addr)
+            obj = mgr.receiver(plan.room, addrs[plan.prefill_instance])
             obj.init()
             obj.send_metadata(pages, aux_index)
         active[plan.room] = _Active(plan, obj, pages, aux_index, t0)
@@ -406,6 +437,7 @@ def _rank_main(
     def step(a: _Active) -> bool:
         """Advance one request; True when it is finished (reported)."""
         st = a.obj.poll()
+        t_done = time.monotonic()
         if role == "decode":
             if a.plan.decode_abort and a.stage == 0 and st >= KVPoll.WaitingForInput:
                 a.obj.abort()
@@ -422,14 +454,14 @@ def _rank_main(
                 else:
                     mism = pool.mismatches(a.pages, first) if a.plan.verified(spec) else 0
                 aux_ok = bool((pool.aux[a.aux_index] == _aux_row(a.plan.room)).all())
-                report(a, st, mism, aux_ok)
+                report(a, st, t_done, mism, aux_ok)
                 return True
             if st == KVPoll.Failed:
-                report(a, st)
+                report(a, st, t_done)
                 return True
             return False
         if st in (KVPoll.Failed, KVPoll.Success):
-            report(a, st)
+            report(a, st, t_done)
             return True
         if st >= KVPoll.WaitingForInput and a.stage == 0:
             a.obj.init(a.plan.num_pages, a.aux_index)
@@ -460,6 +492,9 @@ def _rank_main(
                     start(RoomPlan.model_validate(msg[1]))
                 elif msg[0] == "tables":
                     conn.send(("tables", mgr.room_tables(), mgr.dropped))
+                elif msg[0] == "stats":
+                    stats = {"evictions": evictions(), "peers": len(mgr.peers)}
+                    conn.send(("stats", stats, mgr.dropped))
                 elif msg[0] == "host_paths":
                     paths: dict[str, str] = getattr(mgr.host_staging, "paths", dict)()
                     conn.send(("host_paths", paths))
@@ -486,13 +521,27 @@ def _rank_main(
 
 # ---------------------------------------------------------------------------- parent side
 @dataclass
-class _Proc:
+class RankProc:
+    """One spawned rank process, as the parent sees it."""
+
     role: str
     inst: int
     tp: int
     pp: int
     proc: Any
     conn: Connection
+    #: The rank's control endpoint (``tcp://host:port``, its manager's PULL socket) and agent
+    #: name, from its "ready" message.
+    endpoint: str = ""
+    agent: str = ""
+
+    @property
+    def name(self) -> str:
+        return str(self.proc.name)
+
+
+#: The former name of :class:`RankProc`.
+_Proc = RankProc
 
 
 def _free_port(host: str) -> int:
@@ -500,6 +549,18 @@ def _free_port(host: str) -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind((host, 0))
         return int(sock.getsockname()[1])
+
+
+def _drain(conn: Connection) -> Iterator[Any]:
+    """The messages waiting on a rank's pipe (none once it is closed)."""
+    while True:
+        try:
+            if not conn.poll(0):
+                return
+            msg = conn.recv()
+        except (EOFError, OSError):
+            return
+        yield msg
 
 
 class ClusterError(RuntimeError):
@@ -512,47 +573,52 @@ class Cluster:
     def __init__(self, spec: ClusterSpec, start_timeout_s: float = 120.0) -> None:
         self.spec = spec
         self._ctx = mp.get_context("spawn")
-        self.procs: list[_Proc] = []
-        # Every rank starts at once: rank 0 is told which port its bootstrap service takes,
-        # the others retry registration and lookups until it answers.
-        port = _free_port(spec.config.control.bootstrap_host)
-        self.bootstrap_addr = f"{spec.config.control.bootstrap_host}:{port}"
-        control = spec.config.control.model_copy(update={"bootstrap_port": port})
-        first_spec = spec.model_copy(
-            update={"config": spec.config.model_copy(update={"control": control})}
-        )
+        self.procs: list[RankProc] = []
+        # Every rank starts at once: each prefill instance's rank 0 is told which port its
+        # bootstrap service takes, the others retry registration and lookups until it answers.
+        host = spec.config.control.bootstrap_host
+        ports = [_free_port(host) for _ in range(spec.prefill_instances)]
+        #: Every prefill instance's bootstrap address (``host:port``), by instance.
+        self.bootstrap_addrs = [f"{host}:{port}" for port in ports]
+        self.bootstrap_addr = self.bootstrap_addrs[0]
         spec_json = spec.model_dump_json()
         self._secret = spec.config.secret.get_secret_value() if spec.config.secret else ""
         try:
-            self._spawn(first_spec.model_dump_json(), "prefill", 0, 0, 0, "")
-            for pp in range(spec.prefill_pp):
-                for tp in range(spec.prefill_tp):
-                    if (tp, pp) != (0, 0):
-                        self._spawn(spec_json, "prefill", 0, tp, pp, self.bootstrap_addr)
+            for inst, port in enumerate(ports):
+                control = spec.config.control.model_copy(update={"bootstrap_port": port})
+                first_spec = spec.model_copy(
+                    update={"config": spec.config.model_copy(update={"control": control})}
+                )
+                self._spawn(first_spec.model_dump_json(), "prefill", inst, 0, 0, "")
+                for pp in range(spec.prefill_pp):
+                    for tp in range(spec.prefill_tp):
+                        if (tp, pp) != (0, 0):
+                            addr = self.bootstrap_addrs[inst]
+                            self._spawn(spec_json, "prefill", inst, tp, pp, addr)
             for inst in range(spec.decode_instances):
                 for tp in range(spec.decode_tp):
                     self._spawn(spec_json, "decode", inst, tp, 0, self.bootstrap_addr)
             for p in self.procs:
-                self._expect(p, "ready", start_timeout_s)
+                _, _, p.endpoint, p.agent = self._expect(p, "ready", start_timeout_s)
         except BaseException:
             self.close()
             raise
 
-    def _spawn(self, spec_json: str, role: str, inst: int, tp: int, pp: int, addr: str) -> _Proc:
+    def _spawn(self, spec_json: str, role: str, inst: int, tp: int, pp: int, addr: str) -> RankProc:
         parent, child = self._ctx.Pipe()
         proc = self._ctx.Process(
             target=_rank_main,
-            args=(child, spec_json, role, tp, pp, inst, addr, self._secret),
+            args=(child, spec_json, role, tp, pp, inst, addr, self._secret, self.bootstrap_addrs),
             name=f"kvwire-{role}{inst}-pp{pp}-tp{tp}",
             daemon=True,
         )
         proc.start()
         child.close()
-        p = _Proc(role, inst, tp, pp, proc, parent)
+        p = RankProc(role, inst, tp, pp, proc, parent)
         self.procs.append(p)
         return p
 
-    def _expect(self, p: _Proc, kind: str, timeout_s: float) -> Any:
+    def _expect(self, p: RankProc, kind: str, timeout_s: float) -> Any:
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if p.conn.poll(0.05):
@@ -563,14 +629,28 @@ class Cluster:
                 raise ClusterError(f"{p.proc.name} exited with code {p.proc.exitcode}")
         raise ClusterError(f"{p.proc.name}: no {kind!r} within {timeout_s:.0f}s")
 
-    def ranks_of(self, plan: RoomPlan) -> list[_Proc]:
-        """The processes that take part in a request."""
-        return [p for p in self.procs if p.role == "prefill" or p.inst == plan.decode_instance]
+    def rank(self, role: str, inst: int = 0, tp: int = 0, pp: int = 0) -> RankProc:
+        """The process of one rank."""
+        for p in self.procs:
+            if (p.role, p.inst, p.tp, p.pp) == (role, inst, tp, pp):
+                return p
+        raise ValueError(f"no {role} rank inst={inst} tp={tp} pp={pp}")
 
-    def wait_sent(self, room: int, chunk: int = 0, timeout_s: float = 30.0) -> None:
-        """Wait until prefill rank 0 has sent chunk ``chunk`` of ``room`` (its decode ranks have
-        all asked for the KV by then); other messages on that pipe are dropped."""
-        p = self.procs[0]
+    def ranks_of(self, plan: RoomPlan) -> list[RankProc]:
+        """The processes that take part in a request."""
+        return [
+            p
+            for p in self.procs
+            if p.inst == (plan.prefill_instance if p.role == "prefill" else plan.decode_instance)
+        ]
+
+    def wait_sent(
+        self, room: int, chunk: int = 0, timeout_s: float = 30.0, prefill_instance: int = 0
+    ) -> None:
+        """Wait until rank 0 of a prefill instance has sent chunk ``chunk`` of ``room`` (its
+        decode ranks have all asked for the KV by then); other messages on that pipe are
+        dropped."""
+        p = self.rank("prefill", prefill_instance)
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if p.conn.poll(0.05):
@@ -579,14 +659,14 @@ class Cluster:
                     return
         raise ClusterError(f"prefill did not send chunk {chunk} of room {room} in {timeout_s}s")
 
-    def kill(self, role: str, inst: int = 0, tp: int = 0, pp: int = 0) -> None:
-        """SIGKILL one rank process (a crash)."""
-        for p in self.procs:
-            if (p.role, p.inst, p.tp, p.pp) == (role, inst, tp, pp):
-                p.proc.kill()
-                p.proc.join(10)
-                return
-        raise ValueError(f"no {role} rank inst={inst} tp={tp} pp={pp}")
+    def kill(self, role: str, inst: int = 0, tp: int = 0, pp: int = 0) -> float:
+        """SIGKILL one rank process (a crash); returns ``time.monotonic()`` just before the
+        signal (compare with :attr:`RankReport.t_done`)."""
+        p = self.rank(role, inst, tp, pp)
+        t_kill = time.monotonic()
+        p.proc.kill()
+        p.proc.join(10)
+        return t_kill
 
     def plans(
         self,
@@ -597,8 +677,9 @@ class Cluster:
         cached_fraction: float = 0.0,
         seed: int | None = None,
     ) -> list[RoomPlan]:
-        """A random workload: ``n`` requests with random sizes, chunkings and decode instances;
-        a ``cached_fraction`` of them have a random prefix (sometimes all) cached on decode."""
+        """A random workload: ``n`` requests with random sizes, chunkings, prefill and decode
+        instances; a ``cached_fraction`` of them have a random prefix (sometimes all) cached
+        on decode."""
         rng = np.random.default_rng(self.spec.seed if seed is None else seed)
         out = []
         for _ in range(n):
@@ -609,13 +690,21 @@ class Cluster:
             cached = 0
             if rng.random() < cached_fraction:
                 cached = int(rng.integers(0, num + 1))
+            decode_instance = int(rng.integers(0, self.spec.decode_instances))
+            # drawn only with several instances: one-instance workloads stay as they were
+            prefill_instance = (
+                int(rng.integers(0, self.spec.prefill_instances))
+                if self.spec.prefill_instances > 1
+                else 0
+            )
             out.append(
                 RoomPlan(
                     room=secrets.randbits(63),
                     num_pages=num,
                     chunks=chunks,
                     cached_pages=cached,
-                    decode_instance=int(rng.integers(0, self.spec.decode_instances)),
+                    decode_instance=decode_instance,
+                    prefill_instance=prefill_instance,
                 )
             )
         return out
@@ -628,47 +717,73 @@ class Cluster:
         timeout_s: float = 120.0,
         on_result: Callable[[RequestResult], None] | None = None,
         ignore_dead: bool = False,
+        on_sent: Callable[[RankProc, int, int], None] | None = None,
     ) -> list[RequestResult]:
         """Run requests with at most ``concurrency`` in flight; one result per plan, in plan
-        order. A request is finished when every rank taking part has reported."""
+        order. A request is finished when every rank taking part has reported.
+
+        ``ignore_dead``: a rank that is dead (killed) is not started on and no longer waited
+        for (its requests' results lack its report); otherwise a dead rank is an error.
+        ``on_sent(rank, room, chunk)`` is called when a prefill rank has sent a chunk (e.g. to
+        kill a rank mid-transfer, with ``ignore_dead``)."""
         results = {p.room: RequestResult(p) for p in plans}
-        waiting: dict[int, int] = {}
+        waiting: dict[int, set[int]] = {}  # room -> indexes (in self.procs) yet to report
+        gone: set[int] = set()  # dead ranks whose pipes are drained
         todo = list(plans)
         done = 0
         deadline = time.monotonic() + timeout_s
+
+        def finished(room: int) -> None:
+            nonlocal done
+            del waiting[room]
+            res = results[room]
+            res.t_end = time.perf_counter()
+            done += 1
+            if on_result is not None:
+                on_result(res)
+
         while done < len(plans):
             while todo and len(waiting) < concurrency:
                 plan = todo.pop(0)
-                ranks = [p for p in self.ranks_of(plan) if p.proc.is_alive() or not ignore_dead]
+                taking_part = {id(p) for p in self.ranks_of(plan)}
+                ranks = [
+                    i
+                    for i, p in enumerate(self.procs)
+                    if id(p) in taking_part and (not ignore_dead or p.proc.is_alive())
+                ]
                 results[plan.room].t_start = time.perf_counter()
                 # decode first: its request usually precedes the prefill's sender
-                for p in sorted(ranks, key=lambda p: p.role != "decode"):
-                    p.conn.send(("start", plan.model_dump()))
-                waiting[plan.room] = len(ranks)
-            for p in self.procs:
-                while p.proc.is_alive() or p.conn.poll(0):
-                    try:
-                        if not p.conn.poll(0):
-                            break
-                        msg = p.conn.recv()
-                    except (EOFError, OSError):
-                        break
+                for i in sorted(ranks, key=lambda i: self.procs[i].role != "decode"):
+                    self.procs[i].conn.send(("start", plan.model_dump()))
+                waiting[plan.room] = set(ranks)
+                if not ranks:
+                    finished(plan.room)
+            for i, p in enumerate(self.procs):
+                if i in gone:
+                    continue
+                alive = p.proc.is_alive()
+                for msg in _drain(p.conn):
+                    if msg[0] == "sent":
+                        if on_sent is not None and msg[2] in results:
+                            on_sent(p, msg[2], msg[1])
+                        continue
                     if msg[0] != "done":
                         continue
                     rep, room = msg[1], msg[2]
-                    if room not in results:  # a straggler from a request started by hand
-                        continue
-                    res = results[room]
-                    res.reports.append(rep)
-                    waiting[room] -= 1
-                    if waiting[room] == 0:
-                        del waiting[room]
-                        res.t_end = time.perf_counter()
-                        done += 1
-                        if on_result is not None:
-                            on_result(res)
-                if not p.proc.is_alive() and not ignore_dead:
-                    raise ClusterError(f"{p.proc.name} died (exit code {p.proc.exitcode})")
+                    if room not in waiting or i not in waiting[room]:
+                        continue  # a straggler from a request started by hand
+                    results[room].reports.append(rep)
+                    waiting[room].discard(i)
+                    if not waiting[room]:
+                        finished(room)
+                if not alive:  # dead before the drain: everything it sent has been read
+                    if not ignore_dead:
+                        raise ClusterError(f"{p.proc.name} died (exit code {p.proc.exitcode})")
+                    gone.add(i)
+                    for room in [r for r, left in waiting.items() if i in left]:
+                        waiting[room].discard(i)
+                        if not waiting[room]:
+                            finished(room)
             if time.monotonic() > deadline:
                 raise ClusterError(
                     f"workload did not finish in {timeout_s:.0f}s ({done} of {len(plans)} done; "
@@ -685,6 +800,19 @@ class Cluster:
                 continue
             p.conn.send(("tables",))
             msg = self._expect(p, "tables", 30)
+            out[p.proc.name] = {**msg[1], **{f"dropped_{k}": v for k, v in msg[2].items()}}
+        return out
+
+    def rank_stats(self) -> dict[str, dict[str, int]]:
+        """Every live rank's liveness figures: ``evictions`` (peers it evicted, any reason),
+        ``peers`` (peers it tracks now) and ``dropped_<reason>`` (control frames it dropped:
+        unauthenticated, malformed, version, send_full)."""
+        out = {}
+        for p in self.procs:
+            if not p.proc.is_alive():
+                continue
+            p.conn.send(("stats",))
+            msg = self._expect(p, "stats", 30)
             out[p.proc.name] = {**msg[1], **{f"dropped_{k}": v for k, v in msg[2].items()}}
         return out
 

@@ -1,11 +1,21 @@
 """Faults a test can inject into the rank processes of :mod:`kvwire.testing.cluster`, to prove
 that verification catches them. Selected with the ``KVWIRE_TESTING_FAULT`` environment variable
 (inherited by spawned ranks); never used outside tests.
+
+Also garbage for a rank's control endpoint (:func:`garbage_frames`, :func:`flood`): frames that
+no manager may act on, sent from a plain ZeroMQ PUSH socket, with the drop counters they must
+produce (:func:`expected_drops`).
 """
 
 from __future__ import annotations
 
+import random
+import time
+from collections import Counter
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
+
+import msgpack
 
 from kvwire.index.head_slice import HeadSliceMapper
 
@@ -55,7 +65,39 @@ def _lossy_staging(role: str) -> None:
     ControlChannel.send = lossy  # type: ignore[method-assign]
 
 
-FAULTS = {"head_slice_offset": _head_slice_offset, "lossy_staging": _lossy_staging}
+#: Rooms from here on (65,536 of them) are the victims of ``aux_submit_fails``.
+AUX_FAIL_ROOMS = 0x7A11 << 40
+
+
+def _aux_submit_fails(role: str) -> None:
+    """Prefill's backend refuses to post the aux write of the rooms from
+    :data:`AUX_FAIL_ROOMS` on (``submit`` raises :class:`~kvwire.errors.PeerError`, as a backend
+    does when the engine refuses a post); every other transfer goes through."""
+    if role != "prefill":
+        return
+    from kvwire.backend import TransferBackend
+    from kvwire.errors import PeerError
+
+    original = TransferBackend.submit
+
+    def refusing(self: TransferBackend, *args: Any, **kwargs: Any) -> Any:
+        note = args[4] if len(args) > 4 else kwargs.get("notification")
+        if note:
+            outer = msgpack.unpackb(note, raw=False)
+            body = msgpack.unpackb(outer[3], raw=False)
+            victim = 0 <= int(body.get("room", -1)) - AUX_FAIL_ROOMS < 1 << 16
+            if victim and outer[2] == "note" and body.get("what") == "aux":
+                raise PeerError(f"injected: the engine refused room {body['room']}'s aux write")
+        return original(self, *args, **kwargs)
+
+    TransferBackend.submit = refusing  # type: ignore[method-assign]
+
+
+FAULTS = {
+    "head_slice_offset": _head_slice_offset,
+    "lossy_staging": _lossy_staging,
+    "aux_submit_fails": _aux_submit_fails,
+}
 
 
 def apply(name: str, role: str) -> None:
@@ -64,3 +106,178 @@ def apply(name: str, role: str) -> None:
         FAULTS[name](role)
     except KeyError:
         raise ValueError(f"unknown fault {name!r}; known: {sorted(FAULTS)}") from None
+
+
+# ------------------------------------------------------------------ control-endpoint garbage
+def _random_object(rng: random.Random, depth: int = 0) -> Any:
+    """A random msgpack-able value (nested a little)."""
+    pick = rng.randrange(7 if depth < 2 else 4)
+    if pick == 0:
+        return rng.randrange(-(1 << 63), 1 << 63)
+    if pick == 1:
+        return rng.randbytes(rng.randrange(24)).hex()
+    if pick == 2:
+        return rng.randbytes(rng.randrange(24))
+    if pick == 3:
+        return rng.choice([None, True, False, 0.5, -1])
+    if pick == 4:
+        return [_random_object(rng, depth + 1) for _ in range(rng.randrange(6))]
+    if pick == 5:
+        return {rng.randbytes(4).hex(): _random_object(rng, depth + 1) for _ in range(4)}
+    return rng.choice(["hello", "failure", "heartbeat", "goodbye", "transfer_request", "note"])
+
+
+def _forgeries(rng: random.Random, rooms: Sequence[int]) -> list[Any]:
+    """Well-formed kvwire messages naming live ``rooms`` (only ever sent unsigned or signed
+    with the wrong key: a manager with a secret must refuse every one)."""
+    from kvwire.control import wire
+
+    room = rng.choice(list(rooms)) if rooms else rng.randrange(1 << 63)
+    session = rng.randbytes(8).hex()
+    return [
+        wire.Failure(room=room, session=session, reason="forged", aborted=rng.random() < 0.5),
+        wire.Heartbeat(session=session, sent_at=time.time()),
+        wire.Goodbye(session=session),
+        wire.TransferRequest(room=room, session=session, dst_pages=b"\0" * 16, aux_index=0),
+        wire.Completion(room=room, sender_id=0, session=session, data_chunks=1),
+        wire.ChunkNote(room=room, sender_id=0, session=session, last=True),
+        wire.WritesDone(room=room, sender_id=0, session=session),
+        wire.WritesQuery(room=room, session=session),
+        wire.StagingWatermark(session=session, round=1, tail=0),
+        wire.HelloReject(session=session, peer_session=session, reason="forged"),
+    ]
+
+
+def _garbage_frame(rng: random.Random, secret: bytes | None, rooms: Sequence[int]) -> bytes:
+    """One candidate garbage frame."""
+    from kvwire.control.wire import PROTOCOL_MAJOR, PROTOCOL_MINOR, Codec
+
+    pick = rng.randrange(10 if secret else 7)
+    if pick == 0:  # random bytes
+        return rng.randbytes(rng.randrange(1, 512))
+    if pick == 1:  # random msgpack
+        return bytes(msgpack.packb(_random_object(rng), use_bin_type=True))
+    kind = rng.choice(["heartbeat", "failure", "note", "transfer_request", "bogus", ""])
+    body = rng.randbytes(rng.randrange(32))
+    if pick == 2:  # another major version
+        head: list[Any] = [PROTOCOL_MAJOR + rng.randrange(1, 5), 0, kind, body, b""]
+    elif pick == 3:  # an unknown kind
+        head = [PROTOCOL_MAJOR, PROTOCOL_MINOR, "no-such-" + kind, body, b""]
+    elif pick == 4:  # a known kind whose body is not msgpack of a map
+        head = [PROTOCOL_MAJOR, PROTOCOL_MINOR, kind or "failure", body, b""]
+    elif pick == 5:  # a known kind whose map lacks or mistypes its fields
+        fields = {"room": -rng.randrange(1, 99), "session": rng.randrange(9), "x": body}
+        head = [PROTOCOL_MAJOR, PROTOCOL_MINOR, "failure", msgpack.packb(fields), b""]
+    elif pick == 6:  # header fields of the wrong types, or too few of them
+        head = rng.choice(
+            [
+                ["1", PROTOCOL_MINOR, "failure", body, b""],
+                [PROTOCOL_MAJOR, PROTOCOL_MINOR, 7, body, b""],
+                [PROTOCOL_MAJOR, PROTOCOL_MINOR, "failure", {"room": 1}, b""],
+                [PROTOCOL_MAJOR, PROTOCOL_MINOR, "failure"],
+            ]
+        )
+    else:  # with a secret: a real message, unsigned (7, 8) or signed with another key (9)
+        msg = rng.choice(_forgeries(rng, rooms))
+        key = rng.randbytes(16) if pick == 9 else None
+        return Codec(key).encode(msg)
+    return bytes(msgpack.packb(head, use_bin_type=True))
+
+
+def garbage_frames(
+    n: int, *, secret: bytes | None = None, rooms: Sequence[int] = (), seed: int = 0
+) -> list[bytes]:
+    """``n`` control frames that a manager configured with ``secret`` must refuse: random
+    bytes, random msgpack, msgpack shaped like kvwire frames (another protocol version, an
+    unknown kind, bodies that are not maps or miss fields, header fields of the wrong types)
+    and, with a secret, real messages (failures and transfer requests for ``rooms`` among
+    them) unsigned or signed with another key. Every frame is checked against the codec: one
+    that it would accept is never returned."""
+    from kvwire.control.wire import Codec
+    from kvwire.errors import ProtocolError
+
+    rng = random.Random(seed)
+    codec = Codec(secret)
+    out: list[bytes] = []
+    while len(out) < n:
+        frame = _garbage_frame(rng, secret, rooms)
+        try:
+            codec.decode(frame)
+        except ProtocolError:
+            out.append(frame)
+    return out
+
+
+def expected_drops(frames: Iterable[bytes], secret: bytes | None) -> Counter[str]:
+    """The drop counters (``KVManager.dropped``) these frames must add, by reason."""
+    from kvwire.control.channel import drop_reason
+    from kvwire.control.wire import Codec
+    from kvwire.errors import ProtocolError
+
+    codec = Codec(secret)
+    out: Counter[str] = Counter()
+    for frame in frames:
+        try:
+            codec.decode(frame)
+        except ProtocolError as exc:
+            out[drop_reason(exc)] += 1
+        else:
+            raise ValueError("a frame the codec accepts is not garbage")
+    return out
+
+
+def flood(
+    endpoint: str,
+    frames: Sequence[bytes],
+    *,
+    hwm: int = 64,
+    on_sent: Callable[[int], None] | None = None,
+    timeout_s: float = 30.0,
+) -> float:
+    """Send ``frames`` to a control endpoint from a plain ZeroMQ PUSH socket, as fast as the
+    receiver takes them (a small high-water mark, so "sent" is close to "received"); returns
+    the seconds it took. ``on_sent(i)`` is called after every 1000th frame."""
+    import zmq
+
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.PUSH)
+    sock.setsockopt(zmq.SNDHWM, hwm)
+    sock.setsockopt(zmq.SNDTIMEO, int(timeout_s * 1000))
+    t0 = time.monotonic()
+    try:
+        sock.connect(endpoint)
+        for i, frame in enumerate(frames, 1):
+            sock.send(frame)
+            if on_sent is not None and i % 1000 == 0:
+                on_sent(i)
+    finally:
+        sock.close(linger=int(timeout_s * 1000))
+        ctx.term()
+    return time.monotonic() - t0
+
+
+def unsigned_hellos(n: int, layout: Any, *, first_port: int = 1) -> list[bytes]:
+    """``n`` well-formed handshake hellos WITHOUT a MAC, each naming its own control endpoint
+    where nothing listens (``tcp://127.0.0.1:<first_port + i>``); ``layout`` is any valid
+    :class:`~kvwire.layout.KVLayout`. A prefill rank with a secret answers such a hello (rate
+    limited) to explain the missing secret."""
+    import secrets
+
+    from kvwire.control import wire
+
+    codec = wire.Codec(None)
+    return [
+        codec.encode(
+            wire.Hello(
+                session=secrets.token_hex(8),
+                agent=f"forged-{i}",
+                endpoint=f"tcp://127.0.0.1:{first_port + i}",
+                rank=layout.rank,
+                layout=layout,
+                layout_hash="forged",
+                backend="tcp",
+                backend_metadata=b"",
+            )
+        )
+        for i in range(n)
+    ]
