@@ -15,7 +15,7 @@ import numpy as np
 from kvwire.config import AUTO, KVWireConfig
 from kvwire.descriptors import DescTable, make_table
 from kvwire.errors import KVWireError
-from kvwire.index.base import IndexMapper, default_mapper_name
+from kvwire.index.base import IndexMapper, core_mapper_name, default_mapper_name
 from kvwire.index.topology import Topology
 from kvwire.layout import COMPAT_FIELDS, KVLayout, MemoryRegion
 from kvwire.selection import select_mapper
@@ -70,8 +70,7 @@ def topology_for(
     sides, before any handshake (decode pairs with ranks listed by bootstrap)."""
     name = config.index_mapper
     if name == AUTO:
-        name = "equal_tp" if prefill_tp == decode_tp else "head_slice"
-        name = "mla" if local.model.is_mla else name
+        name = core_mapper_name(local.model.is_mla, prefill_tp, decode_tp)
     try:
         cls = select_mapper(name, config.index_mapper_options).cls
     except KVWireError:

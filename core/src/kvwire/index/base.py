@@ -153,8 +153,11 @@ class IndexMapper(ABC):
 
 def default_mapper_name(src: KVLayout, dst: KVLayout) -> str:
     """The core mapper that fits a layout pair: ``mla``, ``equal_tp`` or ``head_slice``."""
-    if src.model.is_mla:
+    return core_mapper_name(src.model.is_mla, src.rank.tp_size, dst.rank.tp_size)
+
+
+def core_mapper_name(is_mla: bool, tp_src: int, tp_dst: int) -> str:
+    """The core mapper for a model kind and the two TP sizes (before any handshake)."""
+    if is_mla:
         return "mla"
-    if src.rank.tp_size == dst.rank.tp_size:
-        return "equal_tp"
-    return "head_slice"
+    return "equal_tp" if tp_src == tp_dst else "head_slice"

@@ -378,10 +378,6 @@ class KVManager:
         make, such as removing an evicted peer from the engine). Any thread."""
         self._chores.put(chore)
 
-    def touch(self, session: str) -> None:
-        """Record a sign of life from a peer."""
-        self.peers.touch(session)
-
     def add_peer(self, peer: Peer) -> None:
         """Start tracking a peer's liveness (after a successful handshake)."""
         self.peers.add(peer)
