@@ -6,7 +6,6 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -26,6 +25,7 @@ from kvwire.control.bootstrap import (
 )
 from kvwire.control.bootstrap_server import BootstrapServer
 from kvwire.errors import BootstrapError
+from kvwire.testing.cluster import free_bootstrap_port
 
 SECRET = b"s3cret-for-tests"
 
@@ -82,9 +82,7 @@ def signed_headers(method: str, path: str, body: bytes, ts: float | None = None)
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    return free_bootstrap_port("127.0.0.1")
 
 
 def test_register_lookup_round_trip_tp2_pp2(server: BootstrapServer) -> None:

@@ -15,6 +15,31 @@ calls it from both roles:
 Public methods here are templates: they validate arguments (vectorised), enforce handle
 lifetimes and then call the ``_``-prefixed hooks a plugin implements. A plugin never has to
 re-check what the template checked.
+
+Threads and locks (the contract every method's docstring repeats for its own case):
+
+* **Data path** -- :meth:`~TransferBackend.submit`, :meth:`~TransferBackend.poll` and
+  :meth:`~TransferBackend.release` are called by several transfer worker threads at once (each
+  with its own handles, often on the same prepared pair). The template holds **no lock** while
+  it calls ``_submit``, ``_poll`` or ``_release``; it only takes a short internal lock for its
+  own handle table, never across a hook.
+* **Control path** -- ``register``, ``deregister``, ``add_peer``, ``remove_peer``,
+  ``prepare``, ``release_prepared``, ``local_metadata`` (where a plugin takes it) and ``close``
+  run under the template's control lock (:attr:`TransferBackend._lock`, re-entrant): their
+  hooks never run concurrently with one another, but they do run concurrently with the data
+  path and with the owner loop.
+* **Owner loop** -- :meth:`~TransferBackend.progress` and
+  :meth:`~TransferBackend.get_notifications` are called by the session manager's control
+  thread (one thread at a time), concurrently with everything above; the template takes no
+  lock.
+
+So a plugin must make its engine calls safe to run concurrently: data-path hooks with each
+other (different handles), with the owner loop and with control-path hooks. In particular
+``_remove_peer``, ``_release_prepared`` and ``_close`` may run while another thread is inside
+``_submit``/``_poll``/``_release`` on a handle or pair they invalidate: the plugin must then
+fail those transfers (FAILED, or ``PeerError``/``HandleError`` from ``_submit``) and free each
+engine object exactly once, never while another thread still uses it. An engine that is not
+thread-safe must be serialised by the plugin itself, with a lock of its own.
 """
 
 from __future__ import annotations
@@ -120,9 +145,26 @@ class TransferBackend(ABC):
     """Abstract transfer engine. One instance per rank ("agent"), named ``agent_name``.
 
     Subclasses set :attr:`name`, :attr:`capabilities` and :attr:`options_model` and implement the
-    ``_``-prefixed hooks. All public methods may be called from any thread; the template
-    serialises its own bookkeeping, and a backend that is not thread-safe must serialise its
-    engine calls itself.
+    ``_``-prefixed hooks. All public methods may be called from any thread. Lock contract:
+
+    * ``submit``/``poll``/``release`` (data path): called concurrently by several worker
+      threads; ``_submit``/``_poll``/``_release`` run **without** any template lock,
+      concurrently with each other (different handles, often the same pair and peer), with
+      the owner loop and with control-path hooks.
+    * ``register``/``deregister``/``add_peer``/``remove_peer``/``prepare``/
+      ``release_prepared``/``close`` (control path): serialised by :attr:`_lock` (re-entrant),
+      which the template holds while it calls ``_register``, ``_deregister``, ``_add_peer``,
+      ``_remove_peer``, ``_peer_regions``, ``_prepare``, ``_release_prepared`` and ``_close``.
+      A plugin may take it in its own control-path methods (e.g. ``local_metadata``), but
+      must never take it on the data path or in the owner loop.
+    * ``progress``/``get_notifications`` (owner loop): called by the session manager's control
+      thread (one thread at a time), concurrently with both of the above; no template lock.
+
+    The template keeps its handle table under a second, private lock that is never held
+    across a hook. A plugin guards its own state with locks of its own, which it should not
+    hold across an engine call that can block or copy (or workers, handshakes and the owner
+    loop end up waiting for one another); an engine that is not thread-safe must be
+    serialised by the plugin.
     """
 
     name: ClassVar[str] = "abstract"
@@ -134,7 +176,11 @@ class TransferBackend(ABC):
             raise ValueError("agent_name must be a non-empty string")
         self.agent_name = agent_name
         self.options = options if options is not None else self.options_model()
+        #: The control lock (re-entrant): held across every control-path hook, never across
+        #: ``_submit``/``_poll``/``_release`` or the owner loop. Guards ``_regions``/``_pairs``.
         self._lock = threading.RLock()
+        #: Guards ``_handles`` only; never held across a hook.
+        self._handles_lock = threading.Lock()
         self._ids = itertools.count(1)
         self._regions: list[MemoryRegion] = []
         self._pairs: dict[int, PreparedPair] = {}
@@ -144,13 +190,19 @@ class TransferBackend(ABC):
     # ---------------------------------------------------------------- memory
     @property
     def registered_regions(self) -> list[MemoryRegion]:
-        """Regions currently registered, in registration order."""
+        """Regions currently registered, in registration order. Any thread; takes the
+        control lock (so it waits for a register/deregister in progress)."""
         with self._lock:
             return list(self._regions)
 
     def register(self, regions: Sequence[MemoryRegion]) -> None:
         """Register memory so it can be a transfer source or target. Called at startup by
-        each rank, and by staging strategies (through ``register_fn``) for memory they own."""
+        each rank, and by staging strategies (through ``register_fn``) for memory they own.
+
+        Threads: any thread; control path. ``_register`` runs under the control lock
+        (serialised with the other control-path hooks), concurrently with transfers on memory
+        registered earlier and with the owner loop.
+        """
         self._check_open()
         regions = list(regions)
         for r in regions:
@@ -160,12 +212,18 @@ class TransferBackend(ABC):
                     f"(region at {r.addr:#x}); choose a backend that supports {r.kind.name}"
                 )
         with self._lock:
+            self._check_open()
             check_no_overlap(self._regions + regions, "registered regions")
             self._register(regions)
             self._regions.extend(regions)
 
     def deregister(self, regions: Sequence[MemoryRegion]) -> None:
-        """Forget regions registered earlier. Called at shutdown or when a strategy frees memory."""
+        """Forget regions registered earlier. Called at shutdown or when a strategy frees memory.
+
+        Threads: any thread; control path. ``_deregister`` runs under the control lock. The
+        caller guarantees no transfer in flight touches these regions (the plugin need not
+        wait for any).
+        """
         with self._lock:
             for r in regions:
                 if r not in self._regions:
@@ -178,15 +236,27 @@ class TransferBackend(ABC):
     @abstractmethod
     def local_metadata(self) -> bytes:
         """Opaque bytes a peer passes to :meth:`add_peer`; published at handshake. Must be
-        called after every :meth:`register` whose regions peers should be able to reach."""
+        called after every :meth:`register` whose regions peers should be able to reach.
+
+        Threads: any thread (handshake threads), concurrently with the data path and the
+        owner loop; no template lock is held. A plugin that reads state ``register`` changes
+        may take the control lock :attr:`_lock` here (control path).
+        """
 
     def add_peer(self, metadata: bytes) -> str:
         """Load a peer from its :meth:`local_metadata`; return its name. Called by the
         initiating side at handshake. Adding a peer again (e.g. after it restarted) replaces it
-        and invalidates everything prepared for the old incarnation."""
+        and invalidates everything prepared for the old incarnation.
+
+        Threads: any thread (handshake threads); control path. ``_peer_name`` runs without a
+        lock; ``_add_peer`` (and, on a re-add, ``_release_prepared``/``_remove_peer`` of the
+        old incarnation) under the control lock, concurrently with transfers to *other* peers
+        and with the owner loop.
+        """
         self._check_open()
         name = self._peer_name(metadata)
         with self._lock:
+            self._check_open()
             if name in self.peers():
                 self._drop_peer_state(name)
             self._add_peer(name, metadata)
@@ -194,20 +264,32 @@ class TransferBackend(ABC):
 
     def remove_peer(self, peer: str) -> None:
         """Forget a peer (evicted, or gone). Its prepared pairs become invalid and its
-        transfers still pending end as FAILED. Called by the control plane."""
+        transfers still pending end as FAILED. Called by the control plane.
+
+        Threads: any thread; control path. Under the control lock the template releases the
+        peer's pairs (``_release_prepared``) and then calls ``_remove_peer``, possibly while
+        worker threads are inside ``_submit``/``_poll``/``_release`` for this very peer: the
+        plugin must fail those transfers and free their engine handles exactly once.
+        """
         with self._lock:
             if peer not in self.peers():
                 raise PeerError(f"peer {peer!r} is not known to agent {self.agent_name!r}")
             self._drop_peer_state(peer)
 
     def _drop_peer_state(self, peer: str) -> None:
+        """Release the pairs of ``peer`` and remove it from the engine (control lock held)."""
         for pair in [p for p in self._pairs.values() if p.peer == peer]:
             self._release_pair_locked(pair)
         self._remove_peer(peer)
 
     @abstractmethod
     def peers(self) -> list[str]:
-        """Names of the peers currently added."""
+        """Names of the peers currently added.
+
+        Threads: any thread, concurrently with everything else; the template calls it with
+        the control lock held (from ``add_peer``, ``remove_peer``, ``prepare``). A plugin
+        answers from its own state, under its own lock if it needs one, never blocking.
+        """
 
     # -------------------------------------------------------------- prepared
     def prepare(self, peer: str, local_table: DescTable, remote_table: DescTable) -> PreparedPair:
@@ -216,11 +298,17 @@ class TransferBackend(ABC):
         Rows of ``local_table`` must lie in this agent's registered regions; rows of
         ``remote_table`` are checked against the peer's published regions where the backend
         knows them (and always again by the target, where the engine allows it).
+
+        Threads: any thread (handshake threads); control path. Tables are validated without
+        a lock; ``_peer_regions`` and ``_prepare`` run under the control lock, concurrently
+        with transfers on other pairs (including other pairs of the same peer) and with the
+        owner loop.
         """
         self._check_open()
         check_table(local_table, "local table")
         check_table(remote_table, "remote table")
         with self._lock:
+            self._check_open()
             if peer not in self.peers():
                 raise PeerError(f"cannot prepare for unknown peer {peer!r}; add_peer() it first")
             require_inside(
@@ -244,7 +332,13 @@ class TransferBackend(ABC):
             return pair
 
     def release_prepared(self, pair: PreparedPair) -> None:
-        """Release a prepared pair (peer evicted, or tables rebuilt). Exactly once."""
+        """Release a prepared pair (peer evicted, or tables rebuilt). Exactly once.
+
+        Threads: any thread; control path. ``_release_prepared`` runs under the control lock,
+        possibly while worker threads are inside ``_submit`` with this pair (they checked
+        ``pair.released`` just before it was set): the plugin must not free engine tables a
+        concurrent ``_submit`` still uses; such a submit may fail with ``HandleError``.
+        """
         with self._lock:
             if pair.released:
                 raise HandleError(f"prepared pair {pair.id} for {pair.peer!r} already released")
@@ -269,6 +363,13 @@ class TransferBackend(ABC):
         WRITE copies local rows to remote rows, READ the other way. ``notification`` (if any) is
         delivered to the peer's :meth:`get_notifications` after all the data has landed. Never
         blocks on the transfer itself: poll the returned handle.
+
+        Threads: called concurrently by several worker threads, on the same or different pairs
+        and peers; data path. Arguments are validated without a lock and ``_submit`` runs with
+        **no template lock held**, concurrently with other ``_submit``/``_poll``/``_release``
+        calls, the owner loop and control-path hooks (including ``_remove_peer`` of this peer
+        and ``_release_prepared`` of this pair). The handle is entered in the handle table
+        only after ``_submit`` returns.
         """
         self._check_open()
         if op is XferOp.READ and not self.capabilities.read:
@@ -305,12 +406,18 @@ class TransferBackend(ABC):
             num_bytes=int(llen.sum()),
         )
         handle.state = self._submit(op, pair, li, ri, notification, handle)
-        with self._lock:
+        with self._handles_lock:
             self._handles[handle.id] = handle
         return handle
 
     def poll(self, handle: TransferHandle) -> XferState:
-        """State of a transfer; cheap, never blocks for long."""
+        """State of a transfer; cheap, never blocks for long.
+
+        Threads: data path; called by the worker that owns the handle, concurrently with
+        other workers' submits and polls, the owner loop and control-path hooks. ``_poll`` runs
+        with **no template lock held**; ``_remove_peer`` or ``_close`` may fail the handle
+        while it runs, and a plugin must tolerate two threads polling one handle.
+        """
         if handle.released:
             raise HandleError(f"transfer handle {handle.id} was already released")
         if self._closed:
@@ -319,8 +426,14 @@ class TransferBackend(ABC):
         return self._poll(handle)
 
     def release(self, handle: TransferHandle) -> None:
-        """Release a handle exactly once, after it is terminal (or to abandon it)."""
-        with self._lock:
+        """Release a handle exactly once, after it is terminal (or to abandon it).
+
+        Threads: data path; any thread, concurrently with everything else. The template
+        marks the handle released under its private handle-table lock (so a second release
+        raises), then calls ``_release`` with **no template lock held** (not after
+        :meth:`close`), possibly while ``_remove_peer``/``_close`` fail the same handle.
+        """
+        with self._handles_lock:
             if handle.released:
                 raise HandleError(f"transfer handle {handle.id} released twice")
             handle.released = True
@@ -330,34 +443,56 @@ class TransferBackend(ABC):
 
     @property
     def live_handles(self) -> int:
-        """Handles submitted and not yet released (a leak check for tests and metrics)."""
-        with self._lock:
+        """Handles submitted and not yet released (a leak check for tests and metrics).
+        Any thread; takes only the private handle-table lock."""
+        with self._handles_lock:
             return len(self._handles)
 
     @property
     def live_prepared(self) -> int:
-        """Prepared pairs not yet released."""
+        """Prepared pairs not yet released. Any thread; takes the control lock."""
         with self._lock:
             return len(self._pairs)
 
     @abstractmethod
     def get_notifications(self) -> list[Notification]:
         """Notifications that arrived since the last call, each delivered exactly once.
-        Called by the target side's owner loop."""
+        Called by the target side's owner loop.
+
+        Threads: owner loop (the session manager's control thread; one thread at a time,
+        possibly alternating with :meth:`progress`), concurrently with the data path and
+        control-path hooks; no template lock is held.
+        """
 
     def progress(self) -> None:  # noqa: B027 - optional hook
-        """Drive the engine if it needs an owner loop to make progress (default: nothing)."""
+        """Drive the engine if it needs an owner loop to make progress (default: nothing).
+
+        Threads: owner loop, like :meth:`get_notifications` (one thread at a time),
+        concurrently with the data path and control-path hooks; no template lock held. It must
+        not wait for workers.
+        """
 
     def close(self) -> None:
-        """Release everything; pending transfers end as FAILED. Idempotent."""
+        """Release everything; pending transfers end as FAILED. Idempotent.
+
+        Threads: any thread; control path. ``_close`` runs once, under the control lock (so
+        never concurrently with another control-path hook), but possibly while workers are
+        inside ``_submit``/``_poll``/``_release`` and the owner loop is inside ``progress``/
+        ``get_notifications``: those must then fail or return quietly, never touch freed
+        engine state. After ``close`` the template answers ``poll`` with FAILED itself and no
+        longer calls ``_release``.
+        """
         with self._lock:
             if self._closed:
                 return
             self._closed = True
-            pending = len(self._handles)
-        if pending:
-            logger.info("%s: closing with %d unreleased transfer handles", self.agent_name, pending)
-        self._close()
+            with self._handles_lock:
+                pending = len(self._handles)
+            if pending:
+                logger.info(
+                    "%s: closing with %d unreleased transfer handles", self.agent_name, pending
+                )
+            self._close()
 
     @property
     def closed(self) -> bool:
@@ -377,34 +512,48 @@ class TransferBackend(ABC):
     # ------------------------------------------------------------------ hooks
     @abstractmethod
     def _register(self, regions: list[MemoryRegion]) -> None:
-        """Register regions with the engine (already validated)."""
+        """Register regions with the engine (already validated). Control lock held."""
 
     @abstractmethod
     def _deregister(self, regions: list[MemoryRegion]) -> None:
-        """Deregister regions from the engine."""
+        """Deregister regions from the engine. Control lock held."""
 
     @abstractmethod
     def _peer_name(self, metadata: bytes) -> str:
-        """Parse a peer's name from its metadata; raise ValueError if malformed."""
+        """Parse a peer's name from its metadata; raise ValueError if malformed. No lock
+        held; may run concurrently with anything (must not touch mutable state)."""
 
     @abstractmethod
     def _add_peer(self, name: str, metadata: bytes) -> None:
-        """Load a peer's metadata into the engine."""
+        """Load a peer's metadata into the engine. Control lock held; runs concurrently with
+        transfers to other peers and the owner loop."""
 
     @abstractmethod
     def _remove_peer(self, peer: str) -> None:
-        """Remove a peer from the engine; its pending transfers must end as FAILED."""
+        """Remove a peer from the engine; its pending transfers must end as FAILED.
+
+        Control lock held (the peer's pairs were released just before). Workers may be inside
+        ``_submit``/``_poll``/``_release`` for this peer: fail and free each of its engine
+        handles exactly once, never while another thread is still using it, and make a
+        ``_submit`` that races with the removal fail rather than leak.
+        """
 
     def _peer_regions(self, peer: str) -> Sequence[MemoryRegion] | None:
-        """The regions a peer published, if the backend knows them (for early checks)."""
+        """The regions a peer published, if the backend knows them (for early checks).
+        Control lock held."""
         return None
 
     @abstractmethod
     def _prepare(self, pair: PreparedPair, local: DescTable, remote: DescTable) -> Any:
-        """Build engine-side prepared tables; return backend state kept on the pair."""
+        """Build engine-side prepared tables; return backend state kept on the pair.
+        Control lock held; runs concurrently with transfers on other pairs."""
 
     def _release_prepared(self, pair: PreparedPair) -> None:  # noqa: B027 - optional hook
-        """Free engine-side prepared tables (default: nothing to free)."""
+        """Free engine-side prepared tables (default: nothing to free).
+
+        Control lock held; ``_submit`` calls that checked ``pair.released`` just before it was
+        set may still be running with this pair: do not free what they use under them.
+        """
 
     @abstractmethod
     def _submit(
@@ -416,15 +565,28 @@ class TransferBackend(ABC):
         notification: bytes | None,
         handle: TransferHandle,
     ) -> Any:
-        """Post the transfer; return backend state kept on the handle."""
+        """Post the transfer; return backend state kept on the handle.
+
+        **No template lock held**: called concurrently from several worker threads (each
+        with its own handle, often the same pair), with the owner loop and with control-path
+        hooks, including ``_remove_peer`` of this peer and ``_release_prepared`` of this pair.
+        Raise (``PeerError``, ``HandleError``, ...) or return state that polls FAILED if the
+        pair or peer went away meanwhile; never block for the transfer to finish.
+        """
 
     @abstractmethod
     def _poll(self, handle: TransferHandle) -> XferState:
-        """Current state of a posted transfer."""
+        """Current state of a posted transfer. **No template lock held**; concurrently with
+        other workers' ``_submit``/``_poll``/``_release`` and with ``_remove_peer``/``_close``
+        failing this handle. Cheap; never blocks for long."""
 
     def _release(self, handle: TransferHandle) -> None:  # noqa: B027 - optional hook
-        """Free engine-side resources of a handle (default: nothing)."""
+        """Free engine-side resources of a handle (default: nothing). **No template lock
+        held**; called once per handle, concurrently with other workers and possibly with
+        ``_remove_peer`` failing the same handle (free its engine resources exactly once)."""
 
     @abstractmethod
     def _close(self) -> None:
-        """Stop engine threads and free engine resources."""
+        """Stop engine threads and free engine resources. Called once, control lock held;
+        workers and the owner loop may still be inside data-path hooks or ``progress``/
+        ``get_notifications``: make them fail or return quietly, never use freed state."""

@@ -80,7 +80,7 @@ def agents() -> Iterator[_Pair]:
 # --------------------------------------------------------------------------- options
 def test_options_defaults() -> None:
     o = NixlOptions()
-    assert o.backends == ["UCX"] and o.progress == "owner" and o.sync_mode == "none"
+    assert o.backends == ["UCX"] and o.progress == "owner" and o.sync_mode == "rw"
     assert o.init_params("UCX") == {}
 
 
@@ -194,6 +194,34 @@ def test_clean_process_exit(ending: str) -> None:
     )
     assert proc.returncode == 0, f"exit code {proc.returncode}: {proc.stderr[-2000:]}"
     assert "UCX_MODULES=^efa" in proc.stdout
+
+
+@pytest.mark.parametrize(
+    ("options", "expected"),
+    [
+        ({}, "y"),  # rw (the default): UCX's multi-thread lock becomes a mutex
+        ({"ucx_env": {"UCX_USE_MT_MUTEX": "n"}}, "n"),  # ucx_env wins
+        ({"sync_mode": "strict"}, "<unset>"),  # single-threaded worker: left alone
+    ],
+)
+def test_rw_agent_defaults_ucx_mt_mutex(options: dict[str, Any], expected: str) -> None:
+    code = f"""
+import os
+from kvwire.config import KVWireConfig
+from kvwire.selection import create_backend
+b = create_backend(KVWireConfig(transfer_backend="nixl", transfer_backend_options={options!r}),
+                   "mt-mutex", need=())
+print(os.environ.get("UCX_USE_MT_MUTEX", "<unset>"), sorted(b.applied_defaults))
+b.close()
+"""
+    env = {k: v for k, v in os.environ.items() if k != "UCX_USE_MT_MUTEX"}
+    proc = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, env=env
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    value, applied = proc.stdout.strip().split(" ", 1)
+    assert value == expected
+    assert applied == ("['UCX_USE_MT_MUTEX']" if expected == "y" else "[]")
 
 
 def test_user_ucx_modules_wins() -> None:
@@ -422,8 +450,13 @@ def test_use_after_fork_is_refused(agents: _Pair) -> None:
 
 @pytest.mark.parametrize(
     "options",
-    [{"progress": "thread"}, {"sync_mode": "strict"}, {"sync_mode": "rw", "num_threads": 2}],
-    ids=["progress-thread", "sync-strict", "sync-rw-threads"],
+    [
+        {"progress": "thread"},
+        {"sync_mode": "strict"},
+        {"sync_mode": "none"},
+        {"sync_mode": "rw", "num_threads": 2},
+    ],
+    ids=["progress-thread", "sync-strict", "sync-none", "sync-rw-threads"],
 )
 def test_other_agent_modes_transfer(options: dict[str, Any]) -> None:
     a, b = _new("mode-a", **options), _new("mode-b", **options)
@@ -444,6 +477,224 @@ def test_other_agent_modes_transfer(options: dict[str, Any]) -> None:
         while not got and time.monotonic() < deadline:
             got = [n.payload for n in b.get_notifications()]
         assert got == [b"mode"] and (dst == 5).all()
+    finally:
+        a.close()
+        b.close()
+
+
+# ----------------------------------------------------------------------- concurrency
+def _slow(fn: Any, delay: float, entered: threading.Event) -> Any:
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        entered.set()
+        time.sleep(delay)  # what a long cma copy inside transfer() looks like to others
+        return fn(*args, **kwargs)
+
+    return wrapper
+
+
+def test_slow_post_blocks_no_other_thread(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A worker inside a slow ``transfer`` must not hold up a handshake (add_peer, prepare),
+    the owner loop (progress, get_notifications) or another worker's submit and poll."""
+    a, b, c = _new("slow-a"), _new("slow-b"), _new("slow-c")
+    try:
+        assert isinstance(a, NixlBackend)
+        src = np.frombuffer(bytearray(os.urandom(2 * ROW)), dtype=np.uint8)
+        dst_b, dst_c = np.zeros(2 * ROW, np.uint8), np.zeros(ROW, np.uint8)
+        a.register([MemoryRegion.from_tensor(src)])
+        b.register([MemoryRegion.from_tensor(dst_b)])
+        c.register([MemoryRegion.from_tensor(dst_c)])
+        peer_b = a.add_peer(b.local_metadata())
+        offs = np.arange(2, dtype=np.uint64) * np.uint64(ROW)
+        pair = a.prepare(
+            peer_b,
+            make_table(src.ctypes.data + offs, ROW),
+            make_table(dst_b.ctypes.data + offs, ROW),
+        )
+        entered, done = threading.Event(), threading.Event()
+        real = a._agent.transfer
+        slow_calls = [0]
+
+        def transfer(*args: Any, **kwargs: Any) -> Any:
+            slow_calls[0] += 1
+            if slow_calls[0] == 1:
+                return _slow(real, 1.5, entered)(*args, **kwargs)
+            return real(*args, **kwargs)
+
+        monkeypatch.setattr(a._agent, "transfer", transfer)
+        result: list[XferState] = []
+
+        def slow_worker() -> None:
+            h = a.submit(XferOp.WRITE, pair, [0], [0], b"slow")
+            result.append(_wait(a, h, b))
+            a.release(h)
+            done.set()
+
+        t = threading.Thread(target=slow_worker)
+        t.start()
+        assert entered.wait(5)
+        t0 = time.monotonic()
+        a.progress()
+        a.get_notifications()
+        peer_c = a.add_peer(c.local_metadata())
+        pair_c = a.prepare(
+            peer_c, make_table([src.ctypes.data], ROW), make_table([dst_c.ctypes.data], ROW)
+        )
+        h = a.submit(XferOp.WRITE, pair, [1], [1])  # another worker, same pair
+        assert _wait(a, h, b) is XferState.DONE, h.error
+        a.release(h)
+        h = a.submit(XferOp.WRITE, pair_c, [0], [0])
+        assert _wait(a, h, c) is XferState.DONE, h.error
+        a.release(h)
+        elapsed = time.monotonic() - t0
+        assert not done.is_set(), "the slow post finished first: the check proves nothing"
+        assert elapsed < 1.0, f"handshake and other transfers waited {elapsed:.2f}s for a post"
+        t.join(10)
+        assert result == [XferState.DONE]
+        assert np.array_equal(dst_b, src) and np.array_equal(dst_c, src[:ROW])
+        assert a.live_handles == 0
+    finally:
+        a.close()
+        b.close()
+        c.close()
+
+
+@pytest.mark.parametrize("sync_mode", ["rw", "strict", "none"])
+def test_remove_and_readd_peer_under_load(sync_mode: str) -> None:
+    """Workers submit and poll while another thread removes, re-adds and re-prepares the
+    peer over and over: no crash, every handle ends terminal and is freed once, refused
+    submits raise kvwire errors, nothing leaks, and the agents still move bytes after.
+
+    Re-adding a peer under load occasionally leaves a transfer to the new incarnation
+    pending in UCX (seen with the former single-lock design too), so ``transfer_timeout_s``
+    is short here and such a transfer ends FAILED."""
+    a = _new(f"churn-a-{sync_mode}", sync_mode=sync_mode, transfer_timeout_s=2.0)
+    b = _new(f"churn-b-{sync_mode}")
+    try:
+        assert isinstance(a, NixlBackend)
+        src = np.frombuffer(bytearray(os.urandom(ROWS * ROW)), dtype=np.uint8)
+        dst = np.zeros(ROWS * ROW, dtype=np.uint8)
+        a.register([MemoryRegion.from_tensor(src)])
+        b.register([MemoryRegion.from_tensor(dst)])
+        offs = np.arange(ROWS, dtype=np.uint64) * np.uint64(ROW)
+        tables = (make_table(src.ctypes.data + offs, ROW), make_table(dst.ctypes.data + offs, ROW))
+        current = [a.prepare(a.add_peer(b.local_metadata()), *tables)]
+        stop = threading.Event()
+        errors: list[BaseException] = []
+        states: list[XferState] = []
+        refused = [0]
+
+        def worker(k: int) -> None:
+            rng = np.random.default_rng(k)
+            try:
+                while not stop.is_set():
+                    rows = rng.choice(ROWS, 8, replace=False)
+                    try:
+                        h = a.submit(XferOp.WRITE, current[0], rows, rows, b"churn")
+                    except (PeerError, KVWireError):
+                        refused[0] += 1
+                        time.sleep(0.0005)
+                        continue
+                    deadline = time.monotonic() + 10
+                    while (st := a.poll(h)) is XferState.PENDING:
+                        assert time.monotonic() < deadline, "stuck PENDING"
+                        time.sleep(0.0001)
+                    states.append(st)
+                    a.release(h)
+            except BaseException as exc:
+                errors.append(exc)
+
+        def churn() -> None:
+            try:
+                for _ in range(25):
+                    time.sleep(0.01)
+                    peer = current[0].peer
+                    a.remove_peer(peer)
+                    current[0] = a.prepare(a.add_peer(b.local_metadata()), *tables)
+            except BaseException as exc:
+                errors.append(exc)
+
+        def owner() -> None:
+            while not stop.is_set():
+                a.progress()
+                b.progress()
+                b.get_notifications()
+                time.sleep(0.0005)
+
+        workers = [threading.Thread(target=worker, args=(k,)) for k in range(4)]
+        others = [threading.Thread(target=owner), threading.Thread(target=churn)]
+        for t in workers + others:
+            t.start()
+        others[1].join(60)
+        stop.set()
+        for t in [*workers, others[0]]:
+            t.join(30)
+        assert not errors, errors
+        assert states and set(states) <= {XferState.DONE, XferState.FAILED}
+        assert XferState.DONE in states
+        assert a.live_handles == 0 and a.live_prepared == 1
+        with a._state:
+            assert all(not p.xfers and not p.busy for p in a._peers.values())
+        h = a.submit(XferOp.WRITE, current[0], np.arange(ROWS), np.arange(ROWS))
+        assert _wait(a, h, b) is XferState.DONE, h.error
+        a.release(h)
+        assert np.array_equal(dst, src)
+    finally:
+        a.close()
+        b.close()
+
+
+def test_close_while_workers_poll() -> None:
+    """close() while workers are inside submit/poll and the owner loop is in progress():
+    every handle ends DONE or FAILED, release after close is clean, nothing crashes."""
+    a, b = _new("closing-a"), _new("closing-b")
+    try:
+        src = np.frombuffer(bytearray(os.urandom(ROWS * ROW)), dtype=np.uint8)
+        dst = np.zeros(ROWS * ROW, dtype=np.uint8)
+        a.register([MemoryRegion.from_tensor(src)])
+        b.register([MemoryRegion.from_tensor(dst)])
+        offs = np.arange(ROWS, dtype=np.uint64) * np.uint64(ROW)
+        pair = a.prepare(
+            a.add_peer(b.local_metadata()),
+            make_table(src.ctypes.data + offs, ROW),
+            make_table(dst.ctypes.data + offs, ROW),
+        )
+        stop = threading.Event()
+        errors: list[BaseException] = []
+        handles: list[TransferHandle] = []
+
+        def worker() -> None:
+            try:
+                while not stop.is_set():
+                    try:
+                        h = a.submit(XferOp.WRITE, pair, np.arange(ROWS), np.arange(ROWS))
+                    except KVWireError:
+                        return  # closed
+                    handles.append(h)
+                    while a.poll(h) is XferState.PENDING:
+                        time.sleep(0.0001)
+                    a.release(h)
+            except BaseException as exc:
+                errors.append(exc)
+
+        def owner() -> None:
+            while not stop.is_set():
+                a.progress()
+                b.progress()
+                time.sleep(0.0002)
+
+        threads = [threading.Thread(target=worker) for _ in range(3)]
+        threads.append(threading.Thread(target=owner))
+        for t in threads:
+            t.start()
+        time.sleep(0.2)
+        t0 = time.monotonic()
+        a.close()
+        assert time.monotonic() - t0 < 5
+        stop.set()
+        for t in threads:
+            t.join(10)
+        assert not errors, errors
+        assert handles and a.live_handles == 0
     finally:
         a.close()
         b.close()

@@ -25,10 +25,11 @@ import contextlib
 import logging
 import multiprocessing as mp
 import os
+import random
 import secrets
 import socket
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Collection, Iterator
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from typing import Any
@@ -544,11 +545,27 @@ class RankProc:
 _Proc = RankProc
 
 
-def _free_port(host: str) -> int:
-    """A port free on ``host`` right now (for the bootstrap service)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((host, 0))
-        return int(sock.getsockname()[1])
+#: Ports the harness gives bootstrap services: below Linux's ephemeral range (32768-60999
+#: by default), from which the kernel hands out source ports of outgoing connections and
+#: ZeroMQ's random binds. A port taken from that range with ``bind(0)`` can be handed to
+#: another socket before the rank process binds it (seen in CI: ``address already in use``).
+_BOOTSTRAP_PORTS = range(20000, 32000)
+
+
+def free_bootstrap_port(host: str, taken: Collection[int] = ()) -> int:
+    """A port free on ``host`` right now, outside the ephemeral range (for a bootstrap service)."""
+    rng = random.Random()
+    for _ in range(200):
+        port = rng.choice(_BOOTSTRAP_PORTS)
+        if port in taken:
+            continue
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            try:
+                sock.bind((host, port))
+            except OSError:
+                continue
+        return port
+    raise ClusterError(f"no free port for a bootstrap service on {host} in {_BOOTSTRAP_PORTS}")
 
 
 def _drain(conn: Connection) -> Iterator[Any]:
@@ -577,7 +594,9 @@ class Cluster:
         # Every rank starts at once: each prefill instance's rank 0 is told which port its
         # bootstrap service takes, the others retry registration and lookups until it answers.
         host = spec.config.control.bootstrap_host
-        ports = [_free_port(host) for _ in range(spec.prefill_instances)]
+        ports: list[int] = []
+        for _ in range(spec.prefill_instances):
+            ports.append(free_bootstrap_port(host, ports))
         #: Every prefill instance's bootstrap address (``host:port``), by instance.
         self.bootstrap_addrs = [f"{host}:{port}" for port in ports]
         self.bootstrap_addr = self.bootstrap_addrs[0]

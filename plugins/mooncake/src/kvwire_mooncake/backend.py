@@ -14,6 +14,16 @@ Design (one agent = one Mooncake ``TransferEngine`` in P2P-handshake mode, no me
   Mooncake 0.3.13's TCP transport rejects work beyond its per-peer queue ("queue-full"), and
   after a rejection every batch to that peer times out. Batches that do not fit wait in a
   per-peer backlog and are submitted as earlier ones complete.
+* Threads: ``submit`` runs with no template lock, from several workers at once. Each peer has
+  one small lock (its condition), held only for bookkeeping: a batch is reserved under it
+  (budget counted, backlog advanced), handed to the engine's ``batch_transfer_async_*``
+  with no kvwire lock held (the batch API may be called from several threads), then
+  recorded under it. Mooncake 0.3.13's Python binding keeps the GIL during that call
+  (about 0.5 ms per 1024 descriptors), so submits still enter the engine one at a time, but
+  kvwire adds no lock of its own around them, and neither the waiter thread nor another
+  submitter waits on the peer's lock for an engine call. ``add_peer`` (probe, segment open)
+  and (de)registration run under the template's control lock; notifications have their own
+  I/O thread.
 * ``get_batch_transfer_status`` blocks (and busy-polls) until a batch ends, so each peer with
   work in flight has a waiter thread that calls it for its batches in order (by default after
   sleeping through most of the batch's expected time); ``poll`` only reads state. A batch id
@@ -204,6 +214,9 @@ class _Peer:
     backlog: collections.deque[_Xfer] = field(default_factory=collections.deque)
     removed: bool = False
     waiter: threading.Thread | None = None
+    #: Transfers with a batch reserved (budget counted) and being handed to the engine
+    #: outside ``cond`` right now; the waiter stays until this is empty.
+    posting: list[_Xfer] = field(default_factory=list)
 
 
 def _valid_batch_id(bid: object) -> bool:
@@ -418,7 +431,7 @@ class MooncakeBackend(TransferBackend):
         is already in the engine, then exits."""
         with p.cond:
             p.removed = True
-            for x in [*p.backlog, *(b.xfer for b in p.inflight)]:
+            for x in [*p.backlog, *(b.xfer for b in p.inflight), *p.posting]:
                 self._finish(x, XferState.FAILED, why)
             p.backlog.clear()
             p.cond.notify_all()
@@ -464,44 +477,71 @@ class MooncakeBackend(TransferBackend):
                 self._finish(x, XferState.FAILED, f"peer {pair.peer!r} was removed")
                 return x
             p.backlog.append(x)
-            self._pump(p)
+        self._pump(p)
         return x
 
     def _pump(self, p: _Peer) -> None:
-        """Hand backlog batches to the engine while the peer's in-flight budget allows
-        (called with ``p.cond`` held)."""
+        """Hand backlog batches to the engine while the peer's in-flight budget allows.
+
+        Called without ``p.cond``, by submitters and the waiter, possibly several at once:
+        each batch is reserved under ``p.cond``, submitted with no lock held, and recorded
+        under ``p.cond`` again.
+        """
         engine = self._engine
-        while p.backlog and not p.removed and engine is not None:
-            x = p.backlog[0]
-            if x.status is not XferState.PENDING:  # failed or abandoned: submit no more of it
-                p.backlog.popleft()
-                continue
-            la, ra, lens = x.parts[x.submitted]
-            n = int(la.size)
-            if p.inflight_descs and p.inflight_descs + n > self.inflight_limit:
+        if engine is None:
+            return
+        while True:
+            with p.cond:
+                reserved = self._reserve(p)
+            if reserved is None:
                 return
+            x, part = reserved
+            la, ra, lens = x.parts[part]
+            n = int(la.size)
             submit = (
                 engine.batch_transfer_async_write
                 if x.op is XferOp.WRITE
                 else engine.batch_transfer_async_read
             )
-            bid = submit(p.segment, la.tolist(), ra.tolist(), lens.tolist())
-            if not _valid_batch_id(bid):
+            error = ""
+            try:
+                bid = submit(p.segment, la.tolist(), ra.tolist(), lens.tolist())
+            except Exception as exc:  # the accounting below must run whatever happens
+                bid, error = None, f": {type(exc).__name__}: {exc}"
+            with p.cond:
+                p.posting.remove(x)
+                if _valid_batch_id(bid):
+                    p.inflight.append(_Batch(bid, x, n, int(lens.sum()), time.monotonic()))
+                else:
+                    p.inflight_descs -= n
+                    self._finish(
+                        x,
+                        XferState.FAILED,
+                        f"Mooncake refused to start {x.op.value.upper()} batch {part + 1}/"
+                        f"{len(x.parts)} ({n} descriptors) to peer {x.peer!r} at {p.segment} "
+                        f"(batch id {bid}{error}): peer unreachable or engine queue full",
+                    )
+                p.cond.notify_all()
+
+    def _reserve(self, p: _Peer) -> tuple[_Xfer, int] | None:
+        """The next backlog batch that fits the in-flight budget, reserved: its descriptors
+        counted in flight and the backlog advanced past it (``p.cond`` held)."""
+        while p.backlog and not p.removed:
+            x = p.backlog[0]
+            if x.status is not XferState.PENDING:  # failed or abandoned: submit no more of it
                 p.backlog.popleft()
-                self._finish(
-                    x,
-                    XferState.FAILED,
-                    f"Mooncake refused to start {x.op.value.upper()} batch {x.submitted + 1}/"
-                    f"{len(x.parts)} ({n} descriptors) to peer {x.peer!r} at {p.segment} "
-                    f"(batch id {bid}): peer unreachable or engine queue full",
-                )
                 continue
-            p.inflight.append(_Batch(bid, x, n, int(lens.sum()), time.monotonic()))
+            part = x.submitted
+            n = int(x.parts[part][0].size)
+            if p.inflight_descs and p.inflight_descs + n > self.inflight_limit:
+                return None
             p.inflight_descs += n
             x.submitted += 1
             if x.submitted == len(x.parts):
                 p.backlog.popleft()
-            p.cond.notify_all()
+            p.posting.append(x)
+            return x, part
+        return None
 
     def _wait_loop(self, p: _Peer, engine: Any) -> None:
         """Waiter thread of one peer: wait for its batches in order, complete transfers,
@@ -517,7 +557,7 @@ class MooncakeBackend(TransferBackend):
         while True:
             with p.cond:
                 while not p.inflight:
-                    if p.removed:
+                    if p.removed and not p.posting:  # nothing left that the engine owns
                         return
                     p.cond.wait()
                 b = p.inflight[0]
@@ -551,7 +591,7 @@ class MooncakeBackend(TransferBackend):
                     )
                 elif x.finished == len(x.parts):
                     self._complete(x)
-                self._pump(p)
+            self._pump(p)
 
     def _complete(self, x: _Xfer) -> None:
         """Every batch of ``x`` completed: notify the target, or finish now."""

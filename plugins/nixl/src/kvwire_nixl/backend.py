@@ -9,15 +9,31 @@ Design (one NIXL agent per kvwire agent, i.e. per rank):
   (``check_xfer_state`` progresses UCX). A passive target must do this too, or an initiator's
   first transfer (the UCX wire-up) never completes. ``progress="thread"`` restores NIXL's
   thread for machines with cores to spare.
-* Every engine call runs under one lock (the template's re-entrant lock), so workers calling
-  ``submit``/``poll``/``release`` and the control thread calling ``progress`` never enter NIXL
-  at the same time; NIXL itself then runs with ``NIXL_THREAD_SYNC_NONE`` (no second lock).
+* Engine calls run concurrently, under NIXL's own thread safety: the agent is created with
+  ``NIXL_THREAD_SYNC_RW`` (``sync_mode="rw"``, the default), where posting and checking
+  transfers take NIXL's lock shared (and UCX's worker runs in multi-thread mode) while
+  adding/removing agents, preparing lists and (de)registering memory take it exclusively.
+  NIXL releases the GIL inside its calls, so several workers copy at once (UCX ``cma``
+  copies inside ``transfer``), handshake threads (``add_peer``, ``prepare``) wait for at most
+  the transfers in flight, and the owner loop drains notifications meanwhile.
+  ``sync_mode="strict"`` makes NIXL serialise every call on one mutex; ``sync_mode="none"``
+  tells NIXL not to lock at all, so kvwire then serialises every NIXL call of the agent on
+  one Python lock of its own (the former behaviour).
+* kvwire's own bookkeeping (peers, each peer's pending transfers, pair users, deferred
+  releases) sits under one small lock that is never held across a NIXL call. The template
+  runs ``add_peer``/``prepare``/``remove_peer``/``close`` under its control lock and
+  ``submit``/``poll``/``release`` with no lock at all.
 * ``prepare`` builds one local and one remote prepared descriptor list per peer from the
   ``N x 3`` ``uint64`` tables (``prep_xfer_dlist``), and ``submit`` only passes two ``int64``
   index arrays to ``make_prepped_xfer``.
 * kvwire owns every handle's lifetime (NIXL has no stale-handle guards): a transfer's NIXL
-  handle is freed once, as soon as it is terminal or abandoned; removing a peer fails its
-  pending transfers and frees their handles before ``remove_remote_agent``.
+  handle is freed once, as soon as it is terminal or abandoned. Each transfer has a lock of
+  its own, held while a thread posts, checks or frees that handle (and only then), so a
+  handle polled in one thread while another removes its peer is freed after the poll, never
+  under it. A prepared pair counts the submits using its lists, and a peer the submits in
+  progress: releasing a pair waits for its users, and removing a peer (or closing) refuses
+  new submits, waits for those in progress, then fails and frees its pending handles, all
+  before ``remove_remote_agent``.
 * Notifications carry a one-byte tag so that kvwire's own are told apart (an empty payload
   is legal in kvwire but means "no notification" to NIXL); foreign ones are dropped.
 * Every NIXL exception is converted to a kvwire error naming the call that failed.
@@ -27,8 +43,10 @@ from __future__ import annotations
 
 import atexit
 import collections
+import contextlib
 import logging
 import os
+import threading
 import time
 import weakref
 from collections.abc import Iterator, Mapping, Sequence
@@ -122,8 +140,11 @@ class NixlOptions(BaseModel):
         "thread: NIXL's own progress thread (busy-spins one core).",
     )
     sync_mode: Literal["none", "strict", "rw"] = Field(
-        default="none",
-        description="NIXL's internal thread sync; kvwire already serialises its calls.",
+        default="rw",
+        description="NIXL's internal thread sync. rw: transfers post and complete "
+        "concurrently (shared lock; peers, lists and memory take it exclusively); strict: "
+        "NIXL serialises every call on one mutex; none: NIXL does not lock, so kvwire "
+        "serialises every NIXL call of the agent on one lock of its own.",
     )
     transfer_timeout_s: float | None = Field(
         default=120.0, gt=0, description="A transfer not finished by then fails (None: never)."
@@ -207,12 +228,29 @@ def apply_env(env: Mapping[str, str]) -> dict[str, str]:
     return applied
 
 
+#: UCX settings an agent with ``sync_mode="rw"`` applies before it is created, unless already
+#: set (by the environment or ``ucx_env``). In that mode UCX runs its worker in multi-thread
+#: mode, guarded by a spinlock by default; over ``cma`` the copy of a ``transfer`` runs inside
+#: that lock, so other threads posting or checking transfers spin for milliseconds on cores
+#: the copies need (measured on 2 vCPUs: 4 posting threads took ~40% longer). A mutex lets
+#: them sleep. UCX reads it per context; it does not affect single-threaded workers.
+RW_UCX_ENV_DEFAULTS = {"UCX_USE_MT_MUTEX": "y"}
+
+
 # ----------------------------------------------------------------------------- state
+# Locks, in the order they may be taken: a transfer's ``_Xfer.lock``, then the backend's
+# bookkeeping lock (``NixlBackend._state``), then (with sync_mode="none" only) the engine
+# lock around one NIXL call. The bookkeeping lock is never held across a NIXL call.
 @dataclass(eq=False)
 class _Peer:
     name: str
     regions: list[MemoryRegion]
+    #: Transfers posted to this peer whose NIXL handle is not freed yet.
     xfers: set[_Xfer] = field(default_factory=set)
+    #: Submits to this peer between their first check and publishing (or freeing) the handle.
+    busy: int = 0
+    #: Set (under the bookkeeping lock) when the peer is removed or the agent closes.
+    removed: bool = False
 
 
 @dataclass(eq=False)
@@ -220,21 +258,29 @@ class _Prepared:
     """Backend state of a :class:`PreparedPair`: the two prepared NIXL descriptor lists."""
 
     peer: _Peer
-    local: Any
+    local: Any  # None once freed
     remote: Any
     local_mem: str
     remote_mem: str
+    #: Submits inside ``make_prepped_xfer`` with these lists right now.
+    users: int = 0
+    released: bool = False
 
 
 @dataclass(eq=False)
 class _Xfer:
-    """Backend state of a :class:`TransferHandle`."""
+    """Backend state of a :class:`TransferHandle`.
+
+    ``lock`` is held by whichever thread posts, checks or frees ``nixl`` (and only then):
+    state changes happen under it, so the handle is freed exactly once and never in use.
+    """
 
     peer: _Peer
     nixl: Any  # nixl_xfer_handle; None once freed
     deadline: float | None
     state: XferState = XferState.PENDING
     error: str | None = None
+    lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     def finish(self, state: XferState, error: str | None = None) -> None:
         if self.state is XferState.PENDING:
@@ -277,7 +323,13 @@ def _close_all_at_exit() -> None:
 
 # ---------------------------------------------------------------------------- backend
 class NixlBackend(TransferBackend):
-    """NIXL agent behind kvwire's backend seam (WRITE, READ, notifications, DRAM, VRAM)."""
+    """NIXL agent behind kvwire's backend seam (WRITE, READ, notifications, DRAM, VRAM).
+
+    Threads: see the module docstring. NIXL calls run with no kvwire lock held except a
+    transfer's own lock (for the handle being posted, checked or freed) and, on the control
+    path, the template's control lock; with ``sync_mode="none"`` every NIXL call also takes
+    one engine lock.
+    """
 
     name = "nixl"
     capabilities = BackendCapabilities(
@@ -291,6 +343,16 @@ class NixlBackend(TransferBackend):
         opts = self.options
         self._generation = _fork_generation
         self._agent: Any = None
+        #: Bookkeeping lock: peers, their pending transfers and busy counts, pair users,
+        #: deferred releases, ``_closing``. Never held across a NIXL call.
+        self._state = threading.Lock()
+        #: Notified when a pair's users or a peer's busy count drops to 0.
+        self._quiet = threading.Condition(self._state)
+        #: Around each NIXL call: one lock when NIXL itself does not lock (sync_mode="none").
+        self._serial: contextlib.AbstractContextManager[Any] = (
+            threading.RLock() if opts.sync_mode == "none" else contextlib.nullcontext()
+        )
+        self._closing = False
         self._peers: dict[str, _Peer] = {}
         self._reg: dict[MemoryRegion, Any] = {}
         self._notes: collections.deque[Notification] = collections.deque()
@@ -299,6 +361,8 @@ class NixlBackend(TransferBackend):
         self.foreign_notifications = 0
         #: Environment variables this agent set from ``ucx_env``.
         self.applied_env = apply_env(opts.ucx_env)
+        #: Environment variables this agent set from :data:`RW_UCX_ENV_DEFAULTS`.
+        self.applied_defaults = apply_env(RW_UCX_ENV_DEFAULTS) if opts.sync_mode == "rw" else {}
         api = ENGINE.api
         conf = api.nixl_agent_config(
             enable_prog_thread=opts.progress == "thread",
@@ -332,25 +396,27 @@ class NixlBackend(TransferBackend):
         self._agent = agent
         _live.add(self)
         logger.debug(
-            "%s: NIXL agent created (%s %s, backends %s, progress %s)",
+            "%s: NIXL agent created (%s %s, backends %s, progress %s, sync %s)",
             agent_name,
             ENGINE.distribution,
             ENGINE.version,
             opts.backends,
             opts.progress,
+            opts.sync_mode,
         )
 
     # ----------------------------------------------------------------- engine glue
     def _require_agent(self) -> Any:
-        """The NIXL agent; call with the lock held."""
+        """The NIXL agent (any thread; the caller keeps a reference while it uses it)."""
         if self._generation != _fork_generation:
             raise PeerError(
                 f"nixl agent {self.agent_name!r} was created in a parent process: NIXL is not "
                 "fork-safe, create the backend in the child (use the spawn start method)"
             )
-        if self._agent is None:
+        agent = self._agent
+        if agent is None:
             raise PeerError(f"backend 'nixl' agent {self.agent_name!r} is closed")
-        return self._agent
+        return agent
 
     @staticmethod
     def _convert(
@@ -382,41 +448,57 @@ class NixlBackend(TransferBackend):
         peer: str | None = None,
         op: XferOp | None = None,
     ) -> Iterator[None]:
-        """Convert exceptions raised inside into kvwire errors (see :meth:`_convert`)."""
+        """One NIXL call: takes the engine lock (sync_mode="none" only) and converts
+        exceptions raised inside into kvwire errors (see :meth:`_convert`)."""
         try:
-            yield
+            with self._serial:
+                yield
         except KVWireError:
             raise
         except Exception as exc:
             raise self._convert(exc, what, descriptor, peer, op) from exc
 
     def _free(self, x: _Xfer) -> None:
-        """Release the NIXL handle of ``x`` once (lock held); defer it if NIXL refuses."""
+        """Release the NIXL handle of ``x`` once; defer it if NIXL refuses.
+
+        Call with ``x.lock`` held (or before ``x`` is published): nobody else can be using
+        the handle then.
+        """
         h, x.nixl = x.nixl, None
-        x.peer.xfers.discard(x)
+        with self._state:
+            x.peer.xfers.discard(x)
         if h is None:
             return
         try:
-            h.release()
+            with self._serial:
+                h.release()
         except Exception as exc:  # still active and not cancellable: retry later
             logger.debug("%s: deferring release of a NIXL handle: %s", self.agent_name, exc)
-            self._deferred.append(h)
+            with self._state:
+                self._deferred.append(h)
 
     def _retry_deferred(self) -> None:
+        with self._state:
+            pending, self._deferred = self._deferred, []
         keep = []
-        for h in self._deferred:
+        for h in pending:
             try:
-                h.release()
+                with self._serial:
+                    h.release()
             except Exception:
                 keep.append(h)
-        self._deferred = keep
+        if keep:
+            with self._state:
+                self._deferred.extend(keep)
 
     def _drain_notifs(self, agent: Any) -> None:
         try:
-            got = agent.get_new_notifs()
+            with self._serial:
+                got = agent.get_new_notifs()
         except Exception as exc:
             logger.warning("%s: NIXL get_new_notifs failed: %s", self.agent_name, _describe(exc))
             return
+        foreign = 0
         for peer, msgs in got.items():
             name = peer.decode() if isinstance(peer, bytes) else str(peer)
             for m in msgs:
@@ -424,10 +506,13 @@ class NixlBackend(TransferBackend):
                 if payload[:1] == NOTIF_TAG:
                     self._notes.append(Notification(name, payload[1:]))
                 else:
-                    self.foreign_notifications += 1
+                    foreign += 1
                     logger.debug(
                         "%s: dropped a non-kvwire notification from %s", self.agent_name, name
                     )
+        if foreign:
+            with self._state:
+                self.foreign_notifications += foreign
 
     # ---------------------------------------------------------------------- memory
     def _register(self, regions: list[MemoryRegion]) -> None:
@@ -441,7 +526,8 @@ class NixlBackend(TransferBackend):
             except KVWireError:
                 for _, d in done:
                     try:
-                        agent.deregister_memory(d)
+                        with self._serial:
+                            agent.deregister_memory(d)
                     except Exception as exc:
                         logger.warning("%s: rollback deregister failed: %s", self.agent_name, exc)
                 raise
@@ -455,7 +541,8 @@ class NixlBackend(TransferBackend):
             if descs is None or agent is None or self._generation != _fork_generation:
                 continue
             try:
-                agent.deregister_memory(descs)
+                with self._serial:
+                    agent.deregister_memory(descs)
             except Exception as exc:  # the region is forgotten either way
                 logger.warning(
                     "%s: NIXL deregister_memory of %#x failed: %s",
@@ -466,7 +553,8 @@ class NixlBackend(TransferBackend):
 
     # ----------------------------------------------------------------------- peers
     def local_metadata(self) -> bytes:
-        """This agent's NIXL metadata and registered regions, msgpack-encoded."""
+        """This agent's NIXL metadata and registered regions, msgpack-encoded. Control path:
+        takes the control lock (consistent with ``register``)."""
         with self._lock:
             agent = self._require_agent()
             with self._nixl("get_agent_metadata"):
@@ -495,7 +583,7 @@ class NixlBackend(TransferBackend):
         return str(self._decode_metadata(metadata)["name"])
 
     def peers(self) -> list[str]:
-        with self._lock:
+        with self._state:
             return list(self._peers)
 
     def _add_peer(self, name: str, metadata: bytes) -> None:
@@ -507,34 +595,51 @@ class NixlBackend(TransferBackend):
         loaded = loaded.decode() if isinstance(loaded, bytes) else str(loaded)
         if loaded != name:
             try:
-                agent.remove_remote_agent(loaded)
+                with self._serial:
+                    agent.remove_remote_agent(loaded)
             except Exception as exc:
                 logger.warning("%s: could not unload %r: %s", self.agent_name, loaded, exc)
             raise PeerError(
                 f"nixl metadata names agent {name!r} but its NIXL metadata is agent {loaded!r}",
                 peer=name,
             )
-        self._peers[name] = _Peer(name, regions)
+        with self._state:
+            self._peers[name] = _Peer(name, regions)
+
+    def _retire(self, peers: list[_Peer], why: str) -> None:
+        """Refuse new submits to ``peers``, wait for those in progress, then fail and free
+        every pending transfer (each under its own lock, after any poll of it returned)."""
+        with self._state:
+            for p in peers:
+                p.removed = True
+            while any(p.busy for p in peers):
+                self._quiet.wait()
+            pending = [x for p in peers for x in p.xfers]
+        for x in pending:
+            with x.lock:
+                x.finish(XferState.FAILED, why)
+                self._free(x)
 
     def _remove_peer(self, peer: str) -> None:
-        p = self._peers.pop(peer, None)
+        with self._state:
+            p = self._peers.pop(peer, None)
         if p is None:
             return
-        for x in list(p.xfers):
-            x.finish(XferState.FAILED, f"peer {peer!r} was removed")
-            self._free(x)
+        self._retire([p], f"peer {peer!r} was removed")
         agent = self._agent
         if agent is None:
             return
         try:
-            agent.remove_remote_agent(peer)
+            with self._serial:
+                agent.remove_remote_agent(peer)
         except Exception as exc:
             logger.warning(
                 "%s: NIXL remove_remote_agent(%r) failed: %s", self.agent_name, peer, _describe(exc)
             )
 
     def _peer_regions(self, peer: str) -> list[MemoryRegion] | None:
-        p = self._peers.get(peer)
+        with self._state:
+            p = self._peers.get(peer)
         return None if p is None else p.regions
 
     # --------------------------------------------------------------------- prepare
@@ -562,7 +667,8 @@ class NixlBackend(TransferBackend):
 
     def _prepare(self, pair: PreparedPair, local: DescTable, remote: DescTable) -> Any:
         agent = self._require_agent()
-        p = self._peers.get(pair.peer)
+        with self._state:
+            p = self._peers.get(pair.peer)
         if p is None:
             raise PeerError(f"peer {pair.peer!r} is not known", peer=pair.peer)
         local_mem = self._table_mem(local, self._regions, "local table")
@@ -582,7 +688,8 @@ class NixlBackend(TransferBackend):
             ):
                 rh = agent.prep_xfer_dlist(pair.peer, np.ascontiguousarray(remote), remote_mem)
         except KVWireError:
-            lh.release()
+            with self._serial:
+                lh.release()
             raise
         return _Prepared(p, lh, rh, local_mem, remote_mem)
 
@@ -590,23 +697,27 @@ class NixlBackend(TransferBackend):
         st: _Prepared | None = pair.state
         if st is None:
             return
-        with self._lock:
+        with self._state:
+            st.released = True  # no new users from here on
+            while st.users:  # submits inside make_prepped_xfer with these lists
+                self._quiet.wait()
             handles = (st.local, st.remote)
             st.local = st.remote = None
-            if self._agent is None:
-                return
-            for h in handles:
-                if h is None:
-                    continue
-                try:
+        if self._agent is None or self._generation != _fork_generation:
+            return  # the agent (and its lists) is gone
+        for h in handles:
+            if h is None:
+                continue
+            try:
+                with self._serial:
                     h.release()
-                except Exception as exc:
-                    logger.warning(
-                        "%s: NIXL release of a prepared list for %r failed: %s",
-                        self.agent_name,
-                        pair.peer,
-                        _describe(exc),
-                    )
+            except Exception as exc:
+                logger.warning(
+                    "%s: NIXL release of a prepared list for %r failed: %s",
+                    self.agent_name,
+                    pair.peer,
+                    _describe(exc),
+                )
 
     # -------------------------------------------------------------------- transfer
     def _submit(
@@ -619,34 +730,78 @@ class NixlBackend(TransferBackend):
         handle: TransferHandle,
     ) -> Any:
         st: _Prepared = pair.state
+        p = st.peer
         msg = b"" if notification is None else NOTIF_TAG + bytes(notification)
         timeout = self.options.transfer_timeout_s
-        with self._lock:
-            agent = self._require_agent()
-            if st.local is None or st.remote is None:
+        agent = self._require_agent()
+        with self._state:
+            if self._closing:
+                raise PeerError(f"backend 'nixl' agent {self.agent_name!r} is closed")
+            if st.released:
                 raise HandleError(f"prepared pair {pair.id} for {pair.peer!r} was released")
-            if self._peers.get(pair.peer) is not st.peer:
+            if p.removed or self._peers.get(pair.peer) is not p:
                 raise PeerError(
                     f"peer {pair.peer!r} was removed; prepare again after add_peer()",
                     peer=pair.peer,
                     operation=op.value,
                 )
+            st.users += 1
+            p.busy += 1
+        try:
+            x = self._post(agent, op, pair, st, local_idx, remote_idx, msg, timeout)
+        finally:
+            with self._state:
+                p.busy -= 1
+                if not p.busy:  # _retire may be waiting (cheap when nobody waits)
+                    self._quiet.notify_all()
+        return x
+
+    def _post(
+        self,
+        agent: Any,
+        op: XferOp,
+        pair: PreparedPair,
+        st: _Prepared,
+        local_idx: np.ndarray,
+        remote_idx: np.ndarray,
+        msg: bytes,
+        timeout: float | None,
+    ) -> _Xfer:
+        """make_prepped_xfer + transfer with no lock but the new transfer's own (the pair's
+        user count and the peer's busy count keep lists and peer alive meanwhile)."""
+        try:
             # Hot path: plain try/except, messages built only on failure.
-            try:
+            with self._serial:
                 h = agent.make_prepped_xfer(
                     _OPS[op], st.local, local_idx, st.remote, remote_idx, msg
                 )
-            except Exception as exc:
-                raise self._convert(
-                    exc,
-                    f"make_prepped_xfer ({op.name}, {local_idx.size} rows, peer {pair.peer!r})",
-                    ("nixlInvalidParamError", "nixlMismatchError"),
-                    pair.peer,
-                    op,
-                ) from exc
-            x = _Xfer(st.peer, h, None if timeout is None else time.monotonic() + timeout)
+        except Exception as exc:
+            raise self._convert(
+                exc,
+                f"make_prepped_xfer ({op.name}, {local_idx.size} rows, peer {pair.peer!r})",
+                ("nixlInvalidParamError", "nixlMismatchError"),
+                pair.peer,
+                op,
+            ) from exc
+        finally:
+            with self._state:
+                st.users -= 1
+                if not st.users and st.released:
+                    self._quiet.notify_all()
+        p = st.peer
+        x = _Xfer(p, h, None if timeout is None else time.monotonic() + timeout)
+        with x.lock:
+            with self._state:
+                gone = p.removed or self._closing
+                if not gone:
+                    p.xfers.add(x)
+            if gone:  # removed (or closed) while the request was built: never posted
+                x.finish(XferState.FAILED, f"peer {pair.peer!r} was removed or agent closed")
+                self._free(x)
+                return x
             try:
-                status = agent.transfer(h)
+                with self._serial:
+                    status = agent.transfer(h)
             except Exception as exc:
                 self._free(x)
                 raise self._convert(
@@ -658,21 +813,19 @@ class NixlBackend(TransferBackend):
             elif status == "ERR":
                 x.finish(XferState.FAILED, f"NIXL transfer() returned ERR posting to {pair.peer!r}")
                 self._free(x)
-            else:
-                st.peer.xfers.add(x)
-            return x
+        return x
 
     def _poll(self, handle: TransferHandle) -> XferState:
         x: _Xfer = handle.state
         if x.state is XferState.PENDING:
-            with self._lock:
+            with x.lock:
                 self._check(x)
         if x.state is XferState.FAILED and handle.error is None:
             handle.error = x.error
         return x.state
 
     def _check(self, x: _Xfer) -> None:
-        """Update a pending transfer from NIXL (lock held)."""
+        """Update a pending transfer from NIXL (``x.lock`` held)."""
         if x.state is not XferState.PENDING or x.nixl is None:
             return
         agent = self._agent
@@ -680,7 +833,8 @@ class NixlBackend(TransferBackend):
             x.finish(XferState.FAILED, f"agent {self.agent_name!r} was closed")
             return
         try:
-            status = agent.check_xfer_state(x.nixl)
+            with self._serial:
+                status = agent.check_xfer_state(x.nixl)
         except Exception as exc:
             x.finish(XferState.FAILED, f"NIXL check_xfer_state raised {_describe(exc)}")
             self._free(x)
@@ -700,62 +854,68 @@ class NixlBackend(TransferBackend):
 
     def _release(self, handle: TransferHandle) -> None:
         x: _Xfer = handle.state
-        with self._lock:
+        with x.lock:
             if x.nixl is not None:
                 x.finish(XferState.FAILED, "released while pending")
                 self._free(x)
 
     # --------------------------------------------------------------- notifications
     def progress(self) -> None:
-        """Drive NIXL (UCX) progress and buffer notifications; call from the owner loop."""
-        with self._lock:
-            agent = self._agent
-            if agent is None or self._generation != _fork_generation:
-                return
-            self._drain_notifs(agent)
-            if self._deferred:
-                self._retry_deferred()
+        """Drive NIXL (UCX) progress and buffer notifications; call from the owner loop.
+        Takes no kvwire lock across NIXL calls (owner loop: concurrent with workers)."""
+        agent = self._agent
+        if agent is None or self._generation != _fork_generation:
+            return
+        self._drain_notifs(agent)
+        if self._deferred:
+            self._retry_deferred()
 
     def get_notifications(self) -> list[Notification]:
-        with self._lock:
-            agent = self._agent
-            if agent is not None and self._generation == _fork_generation:
-                self._drain_notifs(agent)
-            out = list(self._notes)
-            self._notes.clear()
-        return out
+        agent = self._agent
+        if agent is not None and self._generation == _fork_generation:
+            self._drain_notifs(agent)
+        out = []
+        while True:
+            try:
+                out.append(self._notes.popleft())
+            except IndexError:
+                return out
 
     # ----------------------------------------------------------------------- close
     def _close(self) -> None:
-        with self._lock:
-            agent = self._agent
-            if agent is None:
-                return
-            _live.discard(self)
-            if self._generation != _fork_generation:
-                # A forked child must not tear down its parent's agent: leave it alone.
-                self._agent = None
-                return
-            for p in self._peers.values():
-                for x in list(p.xfers):
-                    x.finish(XferState.FAILED, f"agent {self.agent_name!r} was closed")
-                    self._free(x)
-            for pair in list(self._pairs.values()):
-                self._release_prepared(pair)
-            for name in list(self._peers):
-                try:
-                    agent.remove_remote_agent(name)
-                except Exception as exc:
-                    logger.debug("%s: remove_remote_agent(%r): %s", self.agent_name, name, exc)
-            for descs in self._reg.values():
-                try:
+        agent = self._agent
+        if agent is None:
+            return
+        _live.discard(self)
+        if self._generation != _fork_generation:
+            # A forked child must not tear down its parent's agent: leave it alone.
+            self._agent = None
+            return
+        with self._state:
+            self._closing = True
+            peers = list(self._peers.values())
+        self._retire(peers, f"agent {self.agent_name!r} was closed")
+        for pair in list(self._pairs.values()):
+            self._release_prepared(pair)
+        for p in peers:
+            try:
+                with self._serial:
+                    agent.remove_remote_agent(p.name)
+            except Exception as exc:
+                logger.debug("%s: remove_remote_agent(%r): %s", self.agent_name, p.name, exc)
+        for descs in self._reg.values():
+            try:
+                with self._serial:
                     agent.deregister_memory(descs)
-                except Exception as exc:
-                    logger.debug("%s: deregister at close: %s", self.agent_name, exc)
-            self._retry_deferred()
+            except Exception as exc:
+                logger.debug("%s: deregister at close: %s", self.agent_name, exc)
+        self._retry_deferred()
+        with self._state:
             self._deferred.clear()
             self._peers.clear()
-            self._reg.clear()
-            self._agent = None
-            del agent  # the last reference: NIXL destroys the agent here
+        self._reg.clear()
+        self._agent = None
+        # The last reference, unless a thread is still inside a NIXL call (progress, a
+        # poll): NIXL destroys the agent when that call returns and drops its reference.
+        del agent
         logger.debug("%s: NIXL agent closed", self.agent_name)
