@@ -1,5 +1,7 @@
-"""The bulk staging strategy on its own (no processes): request ordering and retries, grants,
-readiness, staging buffers given back, oversize fallback, gather/scatter round trip."""
+"""The bulk staging strategy on its own (no processes), driven through the staging seam's
+hooks only (``on_queued``, ``on_message``, ``on_link``, ``plan``, ``on_sent``, ``on_arrival``):
+request ordering and retries, grants, readiness, staging buffers given back, oversize
+fallback, gather/scatter round trip, messages core routes without reading."""
 
 from __future__ import annotations
 
@@ -9,18 +11,13 @@ from typing import Any
 import numpy as np
 import pytest
 
-from kvwire.control.wire import (
-    Message,
-    StagingDeny,
-    StagingGrant,
-    StagingRequest,
-    StagingWatermark,
-)
+from kvwire.control.wire import Message, StagingMessage, WritesQuery
 from kvwire.errors import ConfigError, TransferError
 from kvwire.index.head_slice import HeadSliceMapper
 from kvwire.layout import MemoryRegion, ModelSpec, RankPosition
-from kvwire.staging.base import StagingContext
+from kvwire.staging.base import ArrivedChunk, QueuedChunk, StagingContext
 from kvwire.staging.bulk import FALLBACKS, BulkOptions, BulkStaging, block_bytes
+from kvwire.staging.bulk_wire import Deny, Grant, Watermark
 from kvwire.testing.kvfill import fill_pages, make_pool, page_values
 
 MODEL = ModelSpec(num_layers=2, total_kv_heads=4, head_dim=8, dtype="int32", page_size=2)
@@ -31,12 +28,21 @@ OPTS = {
     "buffers_per_worker": 1,
     "request_retry_s": 0.05,
 }
+#: Destination pages of room 7 on decode (what ``room_pages`` answers).
+DST = np.array([9, 2, 4, 6], dtype=np.int64)
 
 
-def make(role: str, tp: int, rank: int, sent: list[tuple[str, Message]]) -> tuple[Any, ...]:
+def make(
+    role: str,
+    tp: int,
+    rank: int,
+    sent: list[tuple[str, Message]],
+    session: str,
+    opts: dict[str, Any] | None = None,
+) -> tuple[Any, ...]:
     layout, arrays = make_pool(MODEL, RankPosition(tp_size=tp, tp_rank=rank), 16)
     registered: list[MemoryRegion] = []
-    strat = BulkStaging(BulkOptions(**OPTS))
+    strat = BulkStaging(BulkOptions(**(opts or OPTS)))
     strat.setup(
         StagingContext(
             layout,
@@ -46,36 +52,50 @@ def make(role: str, tp: int, rank: int, sent: list[tuple[str, Message]]) -> tupl
             num_workers=1,
             kv_tensors=arrays,
             send_fn=lambda ep, msg: sent.append((ep, msg)) is None,
+            session=session,
+            room_pages=lambda room: DST if room == 7 else None,
         )
     )
     return strat, layout, arrays, registered
 
 
-def request(mapper: HeadSliceMapper, chunk: int, npages: int) -> StagingRequest:
-    return StagingRequest(
-        room=7,
-        sender_id=0,
-        session="p",
-        chunk_id=chunk,
-        nbytes=block_bytes(mapper, npages),
-        dst_start=0,
-        npages=npages,
-    )
+def queued(
+    mapper: HeadSliceMapper, chunk: int, npages: int, timeout_s: float = 60.0
+) -> QueuedChunk:
+    return QueuedChunk(7, chunk, mapper, npages, 0, "d", "ep-d", 0, "p", timeout_s)
 
 
-def grant(alloc: Any, chunk: int, wm: tuple[int, int] = (0, 0)) -> StagingGrant:
-    return StagingGrant(
-        room=7,
-        sender_id=0,
-        session="d",
-        chunk_id=chunk,
-        alloc_id=alloc.id,
-        round=alloc.round,
-        offset=alloc.offset,
-        end=alloc.end,
-        wm_round=wm[0],
-        wm_tail=wm[1],
-    )
+def asks(sent: list[tuple[str, Message]]) -> list[int]:
+    """Chunk ids of the asks prefill sent (in order)."""
+    return [
+        m.body["chunk_id"] for _, m in sent if isinstance(m, StagingMessage) and m.type == "ask"
+    ]
+
+
+def pair() -> tuple[Any, ...]:
+    """A prefill rank 0 of TP 2 and a decode rank of TP 1, linked."""
+    to_d: list[tuple[str, Message]] = []
+    to_p: list[tuple[str, Message]] = []
+    pre, play, _, _ = make("prefill", 2, 0, to_d, "p")
+    dec, dlay, _, _ = make("decode", 1, 0, to_p, "d")
+    mapper = HeadSliceMapper(play, dlay)
+    dec.on_link("p", "ep-p", HeadSliceMapper(play, dlay))
+    return pre, dec, mapper, to_d, to_p
+
+
+def relay(src: list[tuple[str, Message]], dst: BulkStaging, endpoint: str) -> int:
+    """Deliver the staging messages queued in ``src`` to ``dst`` (what core's router does)."""
+    n = 0
+    while src:
+        _, msg = src.pop(0)
+        if isinstance(msg, StagingMessage):
+            dst.on_message(endpoint, msg)
+            n += 1
+    return n
+
+
+def answer(body: Any) -> StagingMessage:
+    return StagingMessage(session="d", strategy="bulk", type=body.type, body=body.model_dump())
 
 
 def test_options_are_validated() -> None:
@@ -89,52 +109,87 @@ def test_options_are_validated() -> None:
 
 
 def test_gather_write_scatter_round_trip_and_buffer_reuse() -> None:
-    sent: list[tuple[str, Message]] = []
-    pre, play, parr, preg = make("prefill", 2, 1, sent)
-    dec, dlay, darr, dreg = make("decode", 1, 0, [])
+    to_d: list[tuple[str, Message]] = []
+    to_p: list[tuple[str, Message]] = []
+    pre, play, parr, preg = make("prefill", 2, 1, to_d, "p")
+    dec, dlay, darr, dreg = make("decode", 1, 0, to_p, "d")
     assert preg and dreg  # memory went through register_fn
     mapper = HeadSliceMapper(play, dlay)
-    src, dst = np.array([3, 5]), np.array([9, 2])
+    dec.on_link("p", "ep-p", HeadSliceMapper(play, dlay))
+    src, dst = np.array([3, 5]), DST[:2]
     fill_pages(play, parr, src, 0)
-    req = request(mapper, 0, 2)
-    pre.request(req, "d", "tcp://decode", 60.0)
-    assert sent == [("tcp://decode", req)]
+    pre.on_queued(queued(mapper, 0, 2))
+    assert asks(to_d) == [0] and to_d[0][0] == "ep-d"
     assert pre.plan(7, 0, mapper, src, dst, dest="d") is None  # no grant yet
-    alloc = dec.grant(7, "p", 0, req.nbytes, 0, 2)
-    pre.on_control(grant(alloc, 0))
+    assert relay(to_d, dec, "ep-p") == 1  # decode grants ...
+    assert [m.type for _, m in to_p] == ["grant"]
+    relay(to_p, pre, "ep-d")  # ... prefill takes it
     plan = pre.plan(7, 0, mapper, src, dst, dest="d")
     assert plan is not None and plan.table == "staging" and plan.what == "staged"
-    assert plan.src_idx.size == -(-req.nbytes // OPTS["block_bytes"])
+    assert plan.src_idx.size == -(-block_bytes(mapper, 2) // OPTS["block_bytes"])
     # the "transfer": copy the gathered blocks into the ring
     b = OPTS["block_bytes"]
+    ring, buffers = dec.ring.mem, pre.writer.buffers
     for s_row, d_row in zip(plan.src_idx, plan.dst_idx, strict=True):
-        dec._ring_mem[d_row * b : (d_row + 1) * b] = pre._buffers[s_row * b : (s_row + 1) * b]
-    dmapper = HeadSliceMapper(play, dlay)
-    dec.scatter(7, "p", 0, dmapper, dst)
+        ring[d_row * b : (d_row + 1) * b] = buffers[s_row * b : (s_row + 1) * b]
+    dec.on_arrival(ArrivedChunk(7, "p", 0, "staged", DST))
     # prefill rank 1 of TP 2 wrote heads 2-3 of every decode token row; heads 0-1 untouched
-    for b, arr in enumerate(darr):
-        want = page_values(dlay, b, 0, 2)
+    for i, arr in enumerate(darr):
+        want = page_values(dlay, i, 0, 2)
         assert np.array_equal(arr[dst][:, :, 2:, :], want[:, :, 2:, :])
         assert not arr[dst][:, :, :2, :].any()
-    assert dec.ring.live == 0
+    assert dec.ring.ring.live == 0
+    assert [m.type for _, m in to_p] == ["watermark"]  # the freed space is announced
+    to_p.clear()
+    # a late duplicate ask for the placed chunk allocates nothing and gets no answer
+    pre.on_queued(queued(mapper, 0, 2))
+    relay(to_d, dec, "ep-p")
+    assert to_p == [] and dec.ring.ring.live == 0
+    pre.release(7)
     # the buffer is busy until the write ends, then reusable
-    pre.request(request(mapper, 1, 2), "d", "tcp://decode", 60.0)
-    alloc2 = dec.grant(7, "p", 1, req.nbytes, 0, 2)
-    pre.on_control(grant(alloc2, 1))
+    pre.on_queued(queued(mapper, 1, 2))
+    relay(to_d, dec, "ep-p")
+    relay(to_p, pre, "ep-d")
     assert pre.plan(7, 1, mapper, src, dst, dest="d") is None  # the only buffer is in use
     pre.on_sent(7, plan, True)
     assert pre.plan(7, 1, mapper, src, dst, dest="d") is not None
 
 
+def test_decode_refuses_bad_asks_naming_why() -> None:
+    pre, dec, mapper, to_d, to_p = pair()
+    pre.on_queued(QueuedChunk(7, 0, mapper, 3, 2, "d", "ep-d", 0, "p", 60.0))  # pages 2..5 of 4
+    relay(to_d, dec, "ep-p")
+    ((_, deny),) = to_p
+    assert deny.type == "deny" and "outside the 4 destination pages" in deny.body["reason"]
+    relay(to_p, pre, "ep-d")
+    with pytest.raises(TransferError, match="refused staging space: pages"):
+        pre.plan(7, 0, mapper, [1, 2, 3], DST[2:], dest="d")
+    # a room decode does not know, and a sender it never linked with
+    pre.on_queued(QueuedChunk(8, 0, mapper, 1, 0, "d", "ep-d", 0, "p", 60.0))
+    relay(to_d, dec, "ep-p")
+    assert "not live on decode" in to_p.pop()[1].body["reason"]
+    stranger = StagingMessage(
+        session="x",
+        strategy="bulk",
+        type="ask",
+        body=dict(
+            room=7, sender_id=0, chunk_id=0, nbytes=block_bytes(mapper, 1), dst_start=0, npages=1
+        ),
+    )
+    dec.on_message("ep-x", stranger)
+    assert "does not stage for that sender" in to_p.pop()[1].body["reason"]
+    # malformed bodies and unknown types are dropped without an answer or an allocation
+    dec.on_message("ep-p", StagingMessage(session="p", strategy="bulk", type="ask", body={}))
+    dec.on_message("ep-p", StagingMessage(session="p", strategy="bulk", type="zzz", body={}))
+    assert to_p == [] and dec.ring.ring.live == 0
+
+
 def test_a_buffer_comes_back_when_the_write_was_never_posted() -> None:
-    sent: list[tuple[str, Message]] = []
-    pre, play, _, _ = make("prefill", 2, 0, sent)
-    dec, dlay, _, _ = make("decode", 1, 0, [])
-    mapper = HeadSliceMapper(play, dlay)
+    pre, dec, mapper, to_d, to_p = pair()
     for chunk in (0, 1):
-        req = request(mapper, chunk, 1)
-        pre.request(req, "d", "ep", 60.0)
-        pre.on_control(grant(dec.grant(7, "p", chunk, req.nbytes, 0, 1), chunk))
+        pre.on_queued(queued(mapper, chunk, 1))
+        relay(to_d, dec, "ep-p")
+        relay(to_p, pre, "ep-d")
     plan = pre.plan(7, 0, mapper, [1], [1], dest="d")
     assert plan is not None
     pre.on_sent(7, plan, False)  # what the pipeline does when submit raises
@@ -142,89 +197,78 @@ def test_a_buffer_comes_back_when_the_write_was_never_posted() -> None:
 
 
 def test_requests_of_a_room_go_out_in_order_and_are_retried() -> None:
-    sent: list[tuple[str, Message]] = []
-    pre, play, _, _ = make("prefill", 2, 0, sent)
-    _, dlay, _, _ = make("decode", 1, 0, [])
-    mapper = HeadSliceMapper(play, dlay)
+    pre, dec, mapper, to_d, to_p = pair()
     for chunk in range(3):
-        pre.request(request(mapper, chunk, 1), "d", "ep", 60.0)
-    assert [m.chunk_id for _, m in sent] == [0]  # later chunks wait for grant 0
+        pre.on_queued(queued(mapper, chunk, 1))
+    assert asks(to_d) == [0]  # later chunks wait for grant 0
     time.sleep(0.06)
     assert pre.plan(7, 0, mapper, [1], [1], dest="d") is None
-    assert [m.chunk_id for _, m in sent] == [0, 0]  # retried
-    pre.on_control(
-        StagingGrant(
-            room=7,
-            sender_id=0,
-            session="d",
-            chunk_id=0,
-            alloc_id=1,
-            round=0,
-            offset=0,
-            end=1024,
-            wm_round=0,
-            wm_tail=0,
-        )
-    )
-    assert [m.chunk_id for _, m in sent] == [0, 0, 1]
-    pre.on_control(
-        StagingGrant(
-            room=7,
-            sender_id=0,
-            session="d",
-            chunk_id=0,
-            alloc_id=1,
-            round=0,
-            offset=0,
-            end=1024,
-            wm_round=0,
-            wm_tail=0,
-        )
-    )
-    assert len(sent) == 3  # a duplicate grant sends nothing more
+    assert asks(to_d) == [0, 0]  # retried
+    relay(to_d, dec, "ep-p")  # both copies reach decode: the same allocation twice
+    grants = [m for _, m in to_p]
+    assert [g.type for g in grants] == ["grant", "grant"]
+    assert grants[0].body["alloc_id"] == grants[1].body["alloc_id"]
+    assert dec.ring.ring.live == 1
+    pre.on_message("ep-d", grants[0])
+    assert asks(to_d) == [1]
+    pre.on_message("ep-d", grants[1])
+    assert len(to_d) == 1  # a duplicate grant sends nothing more
 
 
 def test_readiness_waits_for_the_watermark() -> None:
-    pre, play, _, _ = make("prefill", 2, 0, [])
-    _, dlay, _, _ = make("decode", 1, 0, [])
-    mapper = HeadSliceMapper(play, dlay)
-    pre.request(request(mapper, 0, 1), "d", "ep", 60.0)
-    pre.on_control(
-        StagingGrant(
-            room=7,
-            sender_id=0,
-            session="d",
-            chunk_id=0,
-            alloc_id=9,
-            round=2,
-            offset=0,
-            end=1024,
-            wm_round=1,
-            wm_tail=0,
-        )
-    )
+    pre, _, mapper, _, _ = pair()
+    pre.on_queued(queued(mapper, 0, 1))
+    g = Grant(room=7, chunk_id=0, alloc_id=9, round=2, offset=0, end=1024, wm_round=1, wm_tail=0)
+    pre.on_message("ep-d", answer(g))
     assert pre.plan(7, 0, mapper, [1], [1], dest="d") is None  # round 1 still holds it
-    pre.on_control(StagingWatermark(session="d", round=1, tail=1024))
+    pre.on_message("ep-d", answer(Watermark(round=1, tail=1024)))
     assert pre.plan(7, 0, mapper, [1], [1], dest="d") is not None
 
 
 def test_deny_and_missing_grant_fail_the_chunk() -> None:
-    pre, play, _, _ = make("prefill", 2, 0, [])
-    _, dlay, _, _ = make("decode", 1, 0, [])
-    mapper = HeadSliceMapper(play, dlay)
-    pre.request(request(mapper, 0, 1), "d", "ep", 60.0)
-    pre.on_control(StagingDeny(room=7, sender_id=0, session="d", chunk_id=0, reason="gone"))
+    pre, _, mapper, _, _ = pair()
+    pre.on_queued(queued(mapper, 0, 1))
+    pre.on_message("ep-d", answer(Deny(room=7, chunk_id=0, reason="gone")))
     with pytest.raises(TransferError, match="refused staging space: gone"):
         pre.plan(7, 0, mapper, [1], [1], dest="d")
-    pre.request(request(mapper, 1, 1), "d", "ep", 0.0)
+    pre.on_queued(queued(mapper, 1, 1, timeout_s=0.0))
     with pytest.raises(TransferError, match="no staging grant"):
         pre.plan(7, 1, mapper, [1], [1], dest="d")
 
 
+def test_space_of_a_failed_request_is_freed_by_the_writer_or_by_its_eviction() -> None:
+    pre, dec, mapper, to_d, to_p = pair()
+    for chunk in (0, 1):
+        pre.on_queued(queued(mapper, chunk, 1))
+        relay(to_d, dec, "ep-p")
+        relay(to_p, pre, "ep-d")
+    assert dec.ring.ring.live == 2
+    dec.release(7)  # cleared on decode: the writer is asked until it confirms
+    to_p.clear()
+    dec.tick(time.monotonic() + 1.0)
+    queries = [m for _, m in to_p if isinstance(m, WritesQuery)]
+    assert queries and queries[0].room == 7 and dec.ring.ring.live == 2
+    dec.writes_ended(7, "p")
+    assert dec.ring.ring.live == 0 and dec.room_tables()["staging_allocations"] == 0
+    # the same with an evicted writer
+    dec.on_link("p", "ep-p", mapper)
+    pre.release(7)
+    pre.on_queued(queued(mapper, 2, 1))
+    relay(to_d, dec, "ep-p")
+    assert dec.ring.ring.live == 1
+    dec.peer_lost("p")
+    assert dec.ring.ring.live == 0
+
+
+def test_a_decode_that_stages_nothing_refuses_a_staged_block() -> None:
+    _, _, _, _, _ = pair()
+    pre, *_ = make("prefill", 2, 0, [], "p")
+    with pytest.raises(TransferError, match="stages nothing"):
+        pre.on_arrival(ArrivedChunk(7, "p", 0, "staged", DST))
+
+
 def test_oversize_chunks_fall_back_before_allocating_and_are_counted() -> None:
-    pre, play, _, _ = make("prefill", 2, 0, [])
-    _, dlay, _, _ = make("decode", 1, 0, [])
-    mapper = HeadSliceMapper(play, dlay)
+    pre, _, mapper, _, _ = pair()
     before = FALLBACKS._value.get()
     too_many = OPTS["buffer_bytes"] // block_bytes(mapper, 1) + 1
     assert pre.fits(mapper, 1)

@@ -110,5 +110,3 @@ def slot_table(regions: Sequence[MemoryRegion]) -> DescTable:
 def slot_rows(num_regions: int, num_slots: int, slot: int) -> Any:
     """Rows of :func:`slot_table` holding ``slot`` of every region."""
     return np.arange(num_regions, dtype=np.int64) * num_slots + slot
-
-

@@ -33,8 +33,10 @@ from kvwire.layout import KVLayout, MemoryRegion, ModelSpec, RankPosition
 #: for anything an older peer would misread. 1.1 added bulk staging (the ``staging_*`` messages,
 #: ``HelloAck.layout`` and ``HelloAck.staged``), write quiescence (``writes_query``,
 #: ``writes_done``) and the host-pool path (``Hello.host_layout``, ``TransferRequest.pool``).
+#: 1.3 replaced the ``staging_*`` kinds by one envelope, ``staging``, whose body belongs to
+#: the strategy (bulk staging checks its peer's version at handshake).
 PROTOCOL_MAJOR = 1
-PROTOCOL_MINOR = 2
+PROTOCOL_MINOR = 3
 
 #: Largest frame accepted (layouts of deep models with many buffers stay far below this).
 MAX_FRAME_BYTES = 16 << 20
@@ -236,55 +238,24 @@ class ChunkNote(Message):
     part: int = Field(ge=0, default=0)
 
 
-class StagingRequest(Message):
-    """Prefill rank -> decode rank: ring space for one staged chunk (retried until granted;
-    duplicates get the same answer)."""
+class StagingMessage(Message):
+    """A staging strategy's own message, either direction, between two handshaken ranks.
 
-    kind: ClassVar[str] = "staging_request"
-    room: int = Field(ge=0)
-    sender_id: int
+    Core routes it, unread, to the strategy of the named ``pool`` on the receiving rank
+    (:meth:`~kvwire.staging.base.StagingStrategy.on_message`); ``type`` and ``body`` belong to
+    the strategy (it validates ``body`` with its own models). A strategy that needs
+    request/grant messages therefore needs no new wire kind and no edit in ``session/``. (1.3)
+    """
+
+    kind: ClassVar[str] = "staging"
+    #: The sending rank's session.
     session: str
-    chunk_id: int = Field(ge=0)
-    nbytes: int = Field(gt=0)
-    #: Where the chunk's pages start in the decode rank's ``dst_pages``, and how many.
-    dst_start: int = Field(ge=0)
-    npages: int = Field(gt=0)
-
-
-class StagingGrant(Message):
-    """Decode rank -> prefill rank: the ring space of a staged chunk, and the ring watermark."""
-
-    kind: ClassVar[str] = "staging_grant"
-    room: int = Field(ge=0)
-    sender_id: int
-    session: str
-    chunk_id: int = Field(ge=0)
-    alloc_id: int
-    round: int = Field(ge=0)
-    offset: int = Field(ge=0)
-    end: int = Field(gt=0)
-    wm_round: int = Field(ge=0)
-    wm_tail: int = Field(ge=0)
-
-
-class StagingDeny(Message):
-    """Decode rank -> prefill rank: no ring space for that chunk (the room is gone or failed)."""
-
-    kind: ClassVar[str] = "staging_deny"
-    room: int = Field(ge=0)
-    sender_id: int
-    session: str
-    chunk_id: int = Field(ge=0)
-    reason: str
-
-
-class StagingWatermark(Message):
-    """Decode rank -> its staging writers: everything before ``(round, tail)`` is free."""
-
-    kind: ClassVar[str] = "staging_watermark"
-    session: str
-    round: int = Field(ge=0)
-    tail: int = Field(ge=0)
+    #: Which of the receiver's strategies it is for: the KV pool's or the host pool's.
+    pool: Literal["kv", "host"] = "kv"
+    #: The sending strategy's name (a receiver running another strategy drops it).
+    strategy: str = Field(min_length=1, max_length=64)
+    type: str = Field(min_length=1, max_length=64)
+    body: dict[str, Any] = Field(default_factory=dict)
 
 
 class WritesDone(Message):
@@ -320,13 +291,20 @@ MESSAGE_TYPES: dict[str, type[Message]] = {
         Heartbeat,
         Goodbye,
         ChunkNote,
-        StagingRequest,
-        StagingGrant,
-        StagingDeny,
-        StagingWatermark,
+        StagingMessage,
         WritesDone,
         WritesQuery,
     )
+}
+
+
+#: Kinds earlier protocol minors had and this one retired (kind -> the minor that retired it).
+#: A frame of one is refused with a message that says so (never misread).
+RETIRED_KINDS: dict[str, int] = {
+    "staging_request": 3,
+    "staging_grant": 3,
+    "staging_deny": 3,
+    "staging_watermark": 3,
 }
 
 
@@ -401,6 +379,12 @@ class Codec:
                     f"{kind!r} message failed authentication (wrong shared secret, or tampered)"
                 )
         cls = MESSAGE_TYPES.get(kind)
+        if cls is None and kind in RETIRED_KINDS:
+            raise ProtocolError(
+                f"message kind {kind!r} was retired in protocol {PROTOCOL_MAJOR}."
+                f"{RETIRED_KINDS[kind]} (staging messages now travel in 'staging' envelopes); "
+                f"the peer speaks {major}.{minor}: run the same kvwire version on both sides"
+            )
         if cls is None:
             raise ProtocolError(f"unknown message kind {kind!r} (from a newer peer?)")
         try:

@@ -123,7 +123,6 @@ class IndexMapper(ABC):
             return empty, empty
         return self._map(sp, dp)
 
-
     def chunk_slice(
         self,
         num_pages: int,

@@ -48,6 +48,11 @@ class Side(Generic[R]):
         """Liveness thread: a handshake message that lacked the MAC this side requires; only
         used to explain a failure. Default: nothing."""
 
+    def room_pages(self, room_id: int, pool: str) -> Any:
+        """Any thread: the destination pages of live request ``room_id`` in ``pool`` on this
+        rank (decode overrides it; prefill has none)."""
+        return None
+
     def queued_chunks(self) -> int:
         """Chunks queued for transfer workers and not yet taken (prefill overrides it)."""
         return 0

@@ -40,10 +40,6 @@ from kvwire.control.wire import (
     HelloAck,
     HelloReject,
     Message,
-    StagingDeny,
-    StagingGrant,
-    StagingRequest,
-    StagingWatermark,
     TransferRequest,
     WritesDone,
     WritesQuery,
@@ -58,14 +54,14 @@ from kvwire.errors import (
     ProtocolError,
     TransferError,
 )
-from kvwire.index.base import IndexMapper, check_pages
+from kvwire.index.base import check_pages
 from kvwire.index.topology import Topology
 from kvwire.session.common import RequestHandle, Side
 from kvwire.session.manager import KVManager
 from kvwire.session.metrics import RequestMetrics
 from kvwire.session.peers import Peer
 from kvwire.session.poll import KVPoll
-from kvwire.staging.bulk import BulkStaging, block_bytes
+from kvwire.staging.base import ArrivedChunk, StagingStrategy
 
 logger = logging.getLogger(__name__)
 
@@ -92,9 +88,6 @@ class PrefillLink:
     info: RankInfo
     sender_id: int
     dummy: bool
-    #: The prefill rank stages its chunks into this rank's ring; ``mapper`` scatters them.
-    staged: bool = False
-    mapper: IndexMapper | None = None
 
 
 @dataclass
@@ -129,9 +122,6 @@ class RecvRoom:
     #: Segments of chunks still missing some: (sender id, chunk id) -> segments arrived.
     partial: dict[tuple[int, int], int] = field(default_factory=dict)
     aux_done: bool = False
-    #: Staged chunks already scattered, (writer session, chunk id): a late duplicate request
-    #: for one of them must not allocate again (the space would never be written or freed).
-    staged_done: set[tuple[str, int]] = field(default_factory=set)
     #: Source sessions that confirmed (or are gone) that none of their writes for this failed
     #: request is in flight; and when they were last asked.
     quiet: set[str] = field(default_factory=set)
@@ -146,10 +136,6 @@ class RecvRoom:
 
 #: How often decode asks the sources of a failed request whether their writes ended.
 QUERY_RETRY_S = 0.1
-
-
-def _written_by(writer: str, key: tuple[int, str, int]) -> bool:
-    return key[1] == writer
 
 
 class DecodeSide(Side[RecvRoom]):
@@ -169,13 +155,9 @@ class DecodeSide(Side[RecvRoom]):
         "note": "_on_note",
         "completion": "_on_completion",
         "writes_done": "_on_writes_done",
-        "staging_request": "_on_staging_request",
         "hello": "not_for_role",
         "transfer_request": "not_for_role",
         "writes_query": "not_for_role",
-        "staging_grant": "not_for_role",
-        "staging_deny": "not_for_role",
-        "staging_watermark": "not_for_role",
     }
 
     def __init__(self, mgr: KVManager) -> None:
@@ -185,7 +167,6 @@ class DecodeSide(Side[RecvRoom]):
         #: (bootstrap address, prefill dp rank) -> the prefill ranks registered there.
         self.instances: dict[tuple[str, int], list[RankInfo]] = {}
         self._instance_locks: dict[tuple[str, int], threading.Lock] = {}
-        self._next_watermark = 0.0
         #: Cleared failed rooms whose sources may still be writing (see :meth:`clear`).
         self.quarantine: dict[int, RecvRoom] = {}
         #: When each prefill session last delivered anything (deadlines are on progress: a
@@ -380,11 +361,8 @@ class DecodeSide(Side[RecvRoom]):
                 room.quiet.add(msg.session)
                 if msg.room in self.quarantine and self._quiet(room):
                     del self.quarantine[msg.room]
-        staging = self._bulk()
-        if staging is not None and staging.free_where(
-            lambda k: k[0] == msg.room and k[1] == msg.session
-        ):
-            self._broadcast_watermark()
+        for strategy in self.mgr.strategies:
+            strategy.writes_ended(msg.room, msg.session)
 
     def _on_completion(self, msg: Message) -> None:
         """Liveness thread: a sender's last chunk moved no KV; it says how many did."""
@@ -415,12 +393,15 @@ class DecodeSide(Side[RecvRoom]):
                 pending.error = "acknowledged by a rank bootstrap does not list"
                 pending.event.set()
                 return
-            link = PrefillLink(info, msg.sender_id, msg.dummy, staged=msg.staged)
-            if msg.staged and msg.layout is not None:
+            link = PrefillLink(info, msg.sender_id, msg.dummy)
+            if msg.staged:
                 try:
-                    link.mapper = build_mapper(mgr.config, msg.layout, mgr.layout)
+                    if msg.layout is None:
+                        raise HandshakeError("it stages but sent no layout")
+                    mapper = build_mapper(mgr.config, msg.layout, mgr.layout)
+                    mgr.staging.on_link(msg.session, msg.endpoint, mapper)
                 except KVWireError as exc:
-                    pending.error = f"cannot scatter staged chunks from {msg.agent}: {exc}"
+                    pending.error = f"cannot take staged chunks from {msg.agent}: {exc}"
                     pending.event.set()
                     return
             self.links[msg.session] = link
@@ -502,12 +483,17 @@ class DecodeSide(Side[RecvRoom]):
                         room.partial[key] = got
                         return
                     room.partial.pop(key, None)
-                if msg.what == "staged" and not self._scatter(room, msg):
+                arrived = ArrivedChunk(
+                    room.room, msg.session, msg.chunk_id, msg.what, room.dst_pages
+                )
+                try:
+                    self._strategy(room).on_arrival(arrived)
+                except KVWireError as exc:
+                    self._fail(room, exc)
                     return
                 room.received[msg.sender_id] = room.received.get(msg.sender_id, 0) + 1
                 if msg.last:
                     room.expected[msg.sender_id] = msg.chunk_id + 1
-                mgr.staging.on_arrival(room.room, msg.chunk_id, msg)
             self._check_done(room)
 
     def awaiting_data(self) -> bool:
@@ -518,103 +504,18 @@ class DecodeSide(Side[RecvRoom]):
             for r in list(self.rooms.values())
         )
 
-    # ----------------------------------------------------------------- staging
-    def _bulk(self) -> BulkStaging | None:
-        s = self.mgr.staging
-        return s if isinstance(s, BulkStaging) and s.ring is not None else None
+    def _strategy(self, room: RecvRoom) -> StagingStrategy:
+        """The strategy of the pool the room's KV goes to."""
+        return self.mgr.host_staging if room.hisparse else self.mgr.staging
 
-    def _on_staging_request(self, msg: StagingRequest) -> None:
-        """Control thread: a prefill rank wants ring space for one staged chunk."""
-        mgr, staging = self.mgr, self._bulk()
-        with mgr.lock:
-            link = self.links.get(msg.session)
-            room = self.rooms.get(msg.room)
-            reason = None
-            if staging is None or link is None or not link.staged or link.mapper is None:
-                reason = "this decode rank does not stage for that sender"
-            elif room is None or self._terminal(room) or room.dst_pages is None:
-                reason = "the request is not live on decode"
-            elif (msg.session, msg.chunk_id) in room.staged_done:
-                return  # a late duplicate of a chunk already written and scattered
-            elif msg.dst_start + msg.npages > room.dst_pages.size:
-                reason = (
-                    f"pages [{msg.dst_start}, {msg.dst_start + msg.npages}) are outside the "
-                    f"{room.dst_pages.size} destination pages"
-                )
-            elif msg.nbytes != block_bytes(link.mapper, msg.npages):
-                reason = f"a block of {msg.npages} pages is not {msg.nbytes} bytes"
-            if reason is None:
-                assert staging is not None
-                try:
-                    alloc = staging.grant(
-                        msg.room, msg.session, msg.chunk_id, msg.nbytes, msg.dst_start, msg.npages
-                    )
-                except KVWireError as exc:
-                    reason = str(exc)
-        endpoint = link.info.endpoint if link is not None else None
-        if endpoint is None:
-            return
-        if reason is not None:
-            mgr.send(
-                endpoint,
-                StagingDeny(
-                    room=msg.room,
-                    sender_id=msg.sender_id,
-                    session=mgr.session,
-                    chunk_id=msg.chunk_id,
-                    reason=reason,
-                ),
-            )
-            return
-        assert staging is not None
-        wm = staging.watermark
-        mgr.send(
-            endpoint,
-            StagingGrant(
-                room=msg.room,
-                sender_id=msg.sender_id,
-                session=mgr.session,
-                chunk_id=msg.chunk_id,
-                alloc_id=alloc.id,
-                round=alloc.round,
-                offset=alloc.offset,
-                end=alloc.end,
-                wm_round=wm[0],
-                wm_tail=wm[1],
-            ),
-        )
-
-    def _scatter(self, room: RecvRoom, msg: ChunkNote) -> bool:
-        """Under the lock: a staged block landed; scatter it into the pages and free it."""
-        staging = self._bulk()
-        link = self.links.get(msg.session)
-        try:
-            if staging is None or link is None or link.mapper is None:
-                raise TransferError(
-                    "a staged chunk arrived but staging is not set up", room=room.room
-                )
-            moved = staging.scatter(
-                room.room, msg.session, msg.chunk_id, link.mapper, room.dst_pages
-            )
-            room.staged_done.add((msg.session, msg.chunk_id))
-        except KVWireError as exc:
-            self._fail(room, exc)
-            return False
-        if moved:
-            self._broadcast_watermark()
-        return True
-
-    def _broadcast_watermark(self) -> None:
-        """Tell every staging writer where the ring's free space starts."""
-        staging = self._bulk()
-        if staging is None:
-            return
-        wm = staging.watermark
-        msg = StagingWatermark(session=self.mgr.session, round=wm[0], tail=wm[1])
+    def room_pages(self, room_id: int, pool: str) -> Any:
+        """Any thread (strategies, through ``StagingContext.room_pages``): the destination
+        pages of a live request whose KV goes to ``pool``, else None."""
         with self.mgr.lock:
-            endpoints = [x.info.endpoint for x in self.links.values() if x.staged]
-        for ep in endpoints:
-            self.mgr.send(ep, msg)
+            room = self.rooms.get(room_id)
+            if room is None or room.dst_pages is None or self._terminal(room):
+                return None
+            return room.dst_pages if ("host" if room.hisparse else "kv") == pool else None
 
     def _room_for(self, room_id: int, session: str, sender_id: int) -> RecvRoom | None:
         """The live room a message is for, if it comes from one of the room's sources."""
@@ -761,23 +662,8 @@ class DecodeSide(Side[RecvRoom]):
                     )
 
     def check_deadlines(self, now: float) -> None:
-        """Control thread (after draining notifications): the waiting timeout; staging space
-        never released; a periodic watermark broadcast (so a lost one only delays)."""
-        staging = self._bulk()
-        if staging is not None:
-            moved, query = staging.expire(now)
-            for room_id, writer in query:
-                with self.mgr.lock:
-                    link = self.links.get(writer)
-                if link is None:  # the writer is gone: nothing can still be in flight
-                    moved |= staging.free_where(functools.partial(_written_by, writer))
-                else:
-                    self.mgr.send(
-                        link.info.endpoint, WritesQuery(room=room_id, session=self.mgr.session)
-                    )
-            if moved or now >= self._next_watermark:
-                self._next_watermark = now + self.mgr.options.heartbeat_interval_s
-                self._broadcast_watermark()
+        """Progress thread (after draining notifications): ask the sources of failed requests
+        whether their writes ended, and the waiting timeout (on progress)."""
         self._query_failed_writers(now)
         limit = self.mgr.options.waiting_timeout_s
         with self.mgr.lock:

@@ -35,7 +35,7 @@ from numpy.typing import NDArray
 from kvwire.backend import TransferBackend
 from kvwire.config import KVWireConfig
 from kvwire.control.channel import ControlChannel
-from kvwire.control.wire import MESSAGE_TYPES, Codec, Goodbye, Heartbeat, Message
+from kvwire.control.wire import MESSAGE_TYPES, Codec, Goodbye, Heartbeat, Message, StagingMessage
 from kvwire.errors import ConfigError, LayoutError
 from kvwire.layout import KVLayout, MemoryRegion
 from kvwire.selection import select_backend, select_host_staging, select_staging
@@ -159,6 +159,8 @@ class KVManager:
                 num_workers=self.options.num_workers,
                 kv_tensors=kv_tensors,
                 send_fn=lambda endpoint, msg: self.send(endpoint, msg),
+                session=self.session,
+                room_pages=self._room_pages,
             )
             ssel = select_staging(config)
             self.staging: StagingStrategy = ssel.cls(ssel.options)
@@ -167,7 +169,11 @@ class KVManager:
             #: Strategy for chunks into a decode host pool (HiSparse path); see
             #: ``KVWireConfig.host_staging``.
             self.host_staging: StagingStrategy = hsel.cls(hsel.options)
-            self.host_staging.setup(dataclasses.replace(context, host_layout=host_layout))
+            self.host_staging.setup(
+                dataclasses.replace(
+                    context, host_layout=host_layout, pool="host", room_pages=self._host_room_pages
+                )
+            )
             self.codec = Codec(config.secret_bytes)
             self.channel = ControlChannel(self.codec, self.options.host, self.options.send_hwm)
         except BaseException:
@@ -330,6 +336,27 @@ class KVManager:
     def _on_heartbeat(self, msg: Message) -> None:
         """A peer's heartbeat: the touch in :meth:`_dispatch` is all it does."""
 
+    def _on_staging(self, msg: Message) -> None:
+        """Liveness thread: a staging strategy's own message. Routed, unread, to this rank's
+        strategy of the named pool when it comes from a handshaken peer and that strategy has
+        the sender's name; dropped (and counted) otherwise."""
+        assert isinstance(msg, StagingMessage)
+        strategy = self.host_staging if msg.pool == "host" else self.staging
+        peer = self.peers.get(msg.session)
+        if peer is None or strategy.name != msg.strategy:
+            reason = "staging_unknown_peer" if peer is None else "staging_other_strategy"
+            self.channel.dropped[reason] += 1
+            logger.debug(
+                "%s: dropped a %s/%s staging message from %s (%s)",
+                self.agent_name,
+                msg.strategy,
+                msg.type,
+                msg.session,
+                reason,
+            )
+            return
+        strategy.on_message(peer.endpoint, msg)
+
     def _on_goodbye(self, msg: Message) -> None:
         assert isinstance(msg, Goodbye)
         self.evict(msg.session, "it closed (goodbye)")
@@ -366,7 +393,10 @@ class KVManager:
                     except queue.Empty:
                         break
                     chore()
-                self.side.check_deadlines(time.monotonic())
+                now = time.monotonic()
+                self.side.check_deadlines(now)
+                for strategy in self.strategies:
+                    strategy.tick(now)
                 busy = self.side.awaiting_data()
                 self._stop.wait(CONTROL_TICK_BUSY_S if busy else CONTROL_TICK_S)
             except Exception:
@@ -396,6 +426,17 @@ class KVManager:
         self.side.on_peer_lost(peer, why)
         self.channel.disconnect(peer.endpoint)
 
+    def _room_pages(self, room: int) -> Any:
+        """Strategies of the KV pool (any thread): a live request's destination pages (none
+        while the side is being built: no peer can have asked yet)."""
+        side = getattr(self, "side", None)
+        return side.room_pages(room, "kv") if side is not None else None
+
+    def _host_room_pages(self, room: int) -> Any:
+        """Strategies of the host pool (any thread): as :meth:`_room_pages`."""
+        side = getattr(self, "side", None)
+        return side.room_pages(room, "host") if side is not None else None
+
     @property
     def strategies(self) -> tuple[StagingStrategy, StagingStrategy]:
         """The KV pool's staging strategy and the host pool's (release, leak checks, peers)."""
@@ -415,7 +456,11 @@ class KVManager:
 
 
 #: Handlers the manager itself runs, whatever its role (kind -> method of :class:`KVManager`).
-COMMON_HANDLERS: dict[str, str] = {"heartbeat": "_on_heartbeat", "goodbye": "_on_goodbye"}
+COMMON_HANDLERS: dict[str, str] = {
+    "heartbeat": "_on_heartbeat",
+    "goodbye": "_on_goodbye",
+    "staging": "_on_staging",
+}
 
 
 def dispatch_table(mgr: KVManager, side: Any) -> dict[str, tuple[Any, str]]:

@@ -174,14 +174,10 @@ class PrefillSide(Side[SendRoom]):
         "transfer_request": "_on_request",
         "failure": "on_failure",
         "writes_query": "_on_writes_query",
-        "staging_grant": "_to_staging",
-        "staging_deny": "_to_staging",
-        "staging_watermark": "_to_staging",
         "hello_ack": "not_for_role",
         "hello_reject": "not_for_role",
         "completion": "not_for_role",
         "note": "not_for_role",
-        "staging_request": "not_for_role",
         "writes_done": "not_for_role",
     }
 
@@ -264,10 +260,6 @@ class PrefillSide(Side[SendRoom]):
         """Liveness thread: a decode rank's hello; answered on a handshake thread."""
         assert isinstance(msg, Hello)
         self.handshakes.submit(self._handshake, msg)
-
-    def _to_staging(self, msg: Message) -> None:
-        """Liveness thread: a staging strategy's message from decode."""
-        self.mgr.staging.on_control(msg)
 
     def on_unsigned(self, msg: Message) -> None:
         """Liveness thread: a hello without the MAC this rank requires. Tell its sender why
@@ -360,9 +352,7 @@ class PrefillSide(Side[SendRoom]):
                     pairs[table_name] = mgr.backend.prepare(name, tp.src, tp.dst)
             r = mgr.layout.rank
             topo = topology_for(mgr.config, mgr.layout, r.tp_size, r.pp_size, hello.rank.tp_size)
-            pools = {
-                "kv": PoolLink(mapper, hello.layout.num_slots, "kv", mgr.staging, bool(extra))
-            }
+            pools = {"kv": PoolLink(mapper, hello.layout.num_slots, "kv", mgr.staging, bool(extra))}
             if host_mapper is not None:
                 assert hello.host_layout is not None
                 pools["host"] = PoolLink(

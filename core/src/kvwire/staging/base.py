@@ -11,11 +11,23 @@ Call order (who calls, from which side):
 
 1. both sides, at manager start: :meth:`StagingStrategy.setup` with a context whose
    ``register_fn`` registers memory with the selected backend;
-2. sending side, transfer worker, per chunk: :meth:`StagingStrategy.plan` (maps pages, and
-   gathers into staging memory if the strategy stages; None means "wait") before the submit;
-3. sending side, after the transfer is terminal: :meth:`StagingStrategy.on_sent`;
-4. receiving side, on each chunk notification: :meth:`StagingStrategy.on_arrival` (scatter);
-5. both sides, on every terminal path of a request: :meth:`StagingStrategy.release`.
+2. receiving side, at handshake: :meth:`StagingStrategy.describe` (sent to the sender);
+   sending side: :meth:`StagingStrategy.link_tables`; receiving side, once the sender said
+   the link stages: :meth:`StagingStrategy.on_link`;
+3. sending side, engine thread, per chunk queued: :meth:`StagingStrategy.on_queued`; then,
+   transfer worker: :meth:`StagingStrategy.plan` (maps pages, and gathers into staging memory
+   if the strategy stages; None means "wait") before the submit;
+4. sending side, after the transfer is terminal: :meth:`StagingStrategy.on_sent`;
+5. receiving side, on each chunk notification: :meth:`StagingStrategy.on_arrival` (scatter);
+6. both sides, on every terminal path of a request: :meth:`StagingStrategy.release`; the
+   sending side tells the receiver with :meth:`StagingStrategy.on_abandoned` when a failed
+   request's writes ended, the receiver hears it in :meth:`StagingStrategy.writes_ended`.
+
+Throughout: :meth:`StagingStrategy.on_message` receives the strategy's own messages (sent
+with :meth:`StagingContext.post`, carried by core in a
+:class:`~kvwire.control.wire.StagingMessage` envelope), :meth:`StagingStrategy.tick` runs on
+the progress thread, and :meth:`StagingStrategy.peer_lost` drops what a dead peer held. Core
+session code knows none of a strategy's messages or state.
 """
 
 from __future__ import annotations
@@ -29,7 +41,9 @@ import numpy as np
 from pydantic import BaseModel
 
 from kvwire.backend import NoOptions
+from kvwire.control.wire import StagingMessage
 from kvwire.descriptors import IndexArray
+from kvwire.errors import TransferError
 from kvwire.index.base import IndexMapper, TablePair
 from kvwire.layout import KVLayout, MemoryRegion
 
@@ -37,10 +51,18 @@ from kvwire.layout import KVLayout, MemoryRegion
 RegisterFn = Callable[[Sequence[MemoryRegion]], None]
 
 
+def _no_send(endpoint: str, msg: Any) -> bool:
+    return False
+
+
+def _no_room(room: int) -> Any:
+    return None
+
+
 @dataclass
 class StagingContext:
-    """What core hands a strategy at setup: the local layout, the memory callbacks, and what a
-    staging strategy needs to size itself."""
+    """What core hands a strategy at setup: the local layout, the memory callbacks, the way
+    to talk to peers, and what a staging strategy needs to size itself."""
 
     layout: KVLayout
     register_fn: RegisterFn
@@ -53,10 +75,48 @@ class StagingContext:
     num_workers: int = 1
     #: The engine's KV tensors (layout order, or one stacked tensor) for gather/scatter.
     kv_tensors: Any = None
-    #: Sends a control message to a peer endpoint (the staging lifecycle's messages).
-    send_fn: Callable[[str, Any], bool] = lambda endpoint, msg: False
-    #: Decode only: the host KV pool (HiSparse path) when the engine registered one.
+    #: Sends a control message to a peer endpoint (non-blocking; False if not queued). Core
+    #: messages (``WritesDone``, ``WritesQuery``) go out with it directly; a strategy's own
+    #: messages go through :meth:`post`.
+    send_fn: Callable[[str, Any], bool] = _no_send
+    #: Decode only: the host KV pool when the engine registered one.
     host_layout: KVLayout | None = None
+    #: This rank's session id (messages carry it) and which pool the strategy serves.
+    session: str = ""
+    pool: str = "kv"
+    #: Receiving side, any thread: the destination pages of live request ``room`` whose
+    #: pages are known (a NumPy int64 array, in the pool's page units), or None when the
+    #: request is unknown here, terminal, or has no pages yet.
+    room_pages: Callable[[int], Any] = _no_room
+
+    def post(self, endpoint: str, strategy: str, type: str, body: BaseModel) -> bool:
+        """Send one of the strategy's own messages to the peer at ``endpoint`` (any thread,
+        non-blocking). The peer's strategy of the same pool gets it in
+        :meth:`StagingStrategy.on_message`."""
+        msg = StagingMessage(
+            session=self.session,
+            pool="host" if self.pool == "host" else "kv",
+            strategy=strategy,
+            type=type,
+            body=body.model_dump(mode="python"),
+        )
+        return self.send_fn(endpoint, msg)
+
+
+@dataclass(frozen=True)
+class ArrivedChunk:
+    """A chunk whose every segment landed on the receiving side (see
+    :meth:`StagingStrategy.on_arrival`)."""
+
+    room: int
+    #: The writing rank's session and the chunk's id among its chunks of the request.
+    session: str
+    chunk_id: int
+    #: What the note says landed: "kv" (rows already in the pool) or "staged" (a block the
+    #: receiving strategy must place).
+    what: str
+    #: The request's destination pages on this rank.
+    dst_pages: Any
 
 
 class LocalCopy(Protocol):
@@ -174,8 +234,18 @@ class StagingStrategy(ABC):
     def on_sent(self, room: int, plan: ChunkPlan, ok: bool) -> None:  # noqa: B027 - optional
         """Sending side, after the chunk's transfer is terminal (its buffer may be reused)."""
 
-    def on_arrival(self, room: int, chunk_id: int, payload: Any) -> None:  # noqa: B027
-        """Receiving side, when every writer of a chunk has arrived: scatter into the pool."""
+    def on_arrival(self, chunk: ArrivedChunk) -> None:
+        """Receiving side, progress thread (a backend notification) or liveness thread (a
+        copy's control note), under the decode side's lock, when every segment of a chunk
+        landed: place a staged block into the pool. Raising a ``KVWireError`` fails the
+        request on both sides. The default refuses staged blocks (this rank stages none)."""
+        if chunk.what == "staged":
+            raise TransferError(
+                f"a staged chunk {chunk.chunk_id} arrived from {chunk.session}, but this "
+                f"rank's {self.name!r} strategy stages nothing (both sides must run the same "
+                "--staging)",
+                room=chunk.room,
+            )
 
     def release(self, room: int) -> None:  # noqa: B027 - optional hook
         """Both sides, on every terminal path of a request: free what the room holds."""
@@ -219,11 +289,29 @@ class StagingStrategy(ABC):
         nothing more will be written for ``room`` to ``dest`` (the request failed; its posted
         writes all ended). Free what was asked for it; tell the receiver if it holds space."""
 
-    def on_control(self, msg: Any) -> None:  # noqa: B027 - optional hook
-        """Sending side, control thread: a staging control message from a receiving peer."""
+    def on_message(self, peer_endpoint: str, msg: StagingMessage) -> None:  # noqa: B027
+        """Either side, liveness thread (quick, never blocking): one of this strategy's own
+        messages from the handshaken peer whose control endpoint is ``peer_endpoint``
+        (``msg.session``; ``msg.type`` and ``msg.body`` are the strategy's to validate).
+        Messages of unknown peers or of another strategy never reach it."""
+
+    def on_link(self, session: str, endpoint: str, mapper: IndexMapper) -> None:  # noqa: B027
+        """Receiving side, liveness thread, at handshake: the sender ``session`` (control
+        endpoint ``endpoint``) said it will stage its chunks for this rank; ``mapper`` maps
+        its pages to ours (for placing staged blocks). Raising a ``KVWireError`` refuses the
+        link (the handshake fails naming why)."""
+
+    def writes_ended(self, room: int, session: str) -> None:  # noqa: B027 - optional hook
+        """Receiving side, liveness thread: the sender ``session`` confirmed that none of its
+        writes for ``room`` (failed or aborted) is in flight or will be made: free what the
+        room holds for it."""
+
+    def tick(self, now: float) -> None:  # noqa: B027 - optional hook
+        """Either side, progress thread, every turn (cheap when idle): retries, expiries,
+        periodic announcements."""
 
     def peer_lost(self, session: str) -> None:  # noqa: B027 - optional hook
-        """Either side, control thread: a peer was evicted; drop what belongs to it."""
+        """Either side, progress thread: a peer was evicted; drop what belongs to it."""
 
     def close(self) -> None:
         """Deregister and free staging memory (manager shutdown)."""

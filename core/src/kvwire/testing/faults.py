@@ -43,10 +43,7 @@ def _lossy_staging(role: str) -> None:
     from kvwire.control.channel import ControlChannel
 
     kinds = (
-        wire.StagingRequest,
-        wire.StagingGrant,
-        wire.StagingDeny,
-        wire.StagingWatermark,
+        wire.StagingMessage,
         wire.WritesDone,
         wire.WritesQuery,
     )
@@ -143,7 +140,9 @@ def _forgeries(rng: random.Random, rooms: Sequence[int]) -> list[Any]:
         wire.ChunkNote(room=room, sender_id=0, session=session, last=True),
         wire.WritesDone(room=room, sender_id=0, session=session),
         wire.WritesQuery(room=room, session=session),
-        wire.StagingWatermark(session=session, round=1, tail=0),
+        wire.StagingMessage(
+            session=session, strategy="bulk", type="watermark", body={"round": 1, "tail": 0}
+        ),
         wire.HelloReject(session=session, peer_session=session, reason="forged"),
     ]
 

@@ -1,0 +1,265 @@
+"""Bulk staging, receiving (decode) side: the staging ring, grants and scatters.
+
+Lock contract: ``_lock`` guards the ring, the allocations, the links and the per-request
+bookkeeping; it is held only for table updates, never across a scatter, a send or a call into
+core. Called from the liveness thread (asks, links, ``writes_ended``), the progress thread
+(``tick``, ``peer_lost``, arrivals of backend notifications) and the engine thread
+(``release``).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+from prometheus_client import Counter
+from pydantic import ValidationError
+
+from kvwire.control.wire import StagingMessage, WritesQuery
+from kvwire.errors import KVWireError, TransferError
+from kvwire.index.base import IndexMapper
+from kvwire.index.head_slice import HeadSliceMapper
+from kvwire.layout import MemoryRegion
+from kvwire.staging.base import ArrivedChunk, StagingContext
+from kvwire.staging.bulk_wire import Ask, BulkMessage, Deny, Grant, Watermark
+from kvwire.staging.kernels import KVTensors, block_view
+from kvwire.staging.ring import Allocation, RingAllocator
+
+logger = logging.getLogger(__name__)
+
+STAGED = Counter("kvwire_staged_chunks", "Chunks moved through the staging ring")
+
+#: (room, writer session, chunk id): one staged chunk's ring allocation.
+Key = tuple[int, str, int]
+
+
+def block_bytes(mapper: IndexMapper, npages: int) -> int:
+    """Bytes of a staged block: every pair's head slice of every token of ``npages`` pages."""
+    assert isinstance(mapper, HeadSliceMapper)
+    return mapper.num_pairs * npages * mapper.src.model.page_size * mapper.slice_bytes
+
+
+@dataclass
+class _Space:
+    """One granted allocation and where its chunk goes."""
+
+    alloc: Allocation
+    dst_start: int
+    npages: int
+    released_at: float | None = None
+    queried_at: float = 0.0
+
+
+@dataclass
+class _Writer:
+    """A prefill rank that stages into this ring."""
+
+    endpoint: str
+    mapper: HeadSliceMapper
+
+
+class RingSide:
+    """The decode half of :class:`~kvwire.staging.bulk.BulkStaging` (see its module)."""
+
+    def __init__(
+        self,
+        context: StagingContext,
+        kv: KVTensors,
+        ring_bytes: int,
+        block: int,
+        retry_s: float,
+        release_timeout_s: float,
+        watermark_every_s: float,
+        post: Callable[[str, BulkMessage], bool],
+    ) -> None:
+        self.context = context
+        self.kv = kv
+        self.mem: Any = kv.alloc(ring_bytes)
+        self.ring = RingAllocator(ring_bytes, block)
+        self.region = MemoryRegion.from_tensor(self.mem, item_len=block)
+        self._retry_s = retry_s
+        self._release_timeout_s = release_timeout_s
+        self._watermark_every_s = watermark_every_s
+        self._post = post
+        self._lock = threading.Lock()
+        self._space: dict[Key, _Space] = {}
+        self._writers: dict[str, _Writer] = {}
+        #: Staged chunks already scattered, per room: a late duplicate ask for one of them
+        #: must not allocate again (the space would never be written or freed).
+        self._done: dict[int, set[tuple[str, int]]] = {}
+        self._next_watermark = 0.0
+
+    # ------------------------------------------------------------------ links
+    def on_link(self, session: str, endpoint: str, mapper: IndexMapper) -> None:
+        """Liveness thread, at handshake: ``session`` stages into this ring."""
+        if not isinstance(mapper, HeadSliceMapper):
+            raise TransferError(
+                f"bulk staging scatters head slices; the {type(mapper).__name__} mapper of "
+                f"{session} has none"
+            )
+        with self._lock:
+            self._writers[session] = _Writer(endpoint, mapper)
+
+    def peer_lost(self, session: str) -> None:
+        """Progress thread: a writer was evicted; free the ring space it held."""
+        with self._lock:
+            self._writers.pop(session, None)
+        if self._free_where(lambda k: k[1] == session):
+            self.broadcast()
+
+    # --------------------------------------------------------------- messages
+    def on_message(self, endpoint: str, msg: StagingMessage) -> None:
+        """Liveness thread: a writer asks for ring space (the only message decode gets)."""
+        if msg.type != Ask.type:
+            logger.warning("bulk staging: dropped a %r message from %s", msg.type, msg.session)
+            return
+        try:
+            ask = Ask.model_validate(msg.body)
+        except ValidationError as exc:
+            logger.warning("bulk staging: malformed ask from %s: %s", msg.session, exc)
+            return
+        answer = self._answer(msg.session, ask)
+        if answer is not None:
+            self._post(endpoint, answer)
+
+    def _answer(self, session: str, ask: Ask) -> BulkMessage | None:
+        """The grant or deny for one ask (None for a duplicate of a chunk already placed)."""
+        with self._lock:
+            writer = self._writers.get(session)
+            done = (session, ask.chunk_id) in self._done.get(ask.room, ())
+        pages = self.context.room_pages(ask.room)
+        reason = None
+        if writer is None:
+            reason = "this decode rank does not stage for that sender"
+        elif pages is None:
+            reason = "the request is not live on decode"
+        elif done:
+            return None
+        elif ask.dst_start + ask.npages > pages.size:
+            reason = (
+                f"pages [{ask.dst_start}, {ask.dst_start + ask.npages}) are outside the "
+                f"{pages.size} destination pages"
+            )
+        elif ask.nbytes != block_bytes(writer.mapper, ask.npages):
+            reason = f"a block of {ask.npages} pages is not {ask.nbytes} bytes"
+        if reason is None:
+            key = (ask.room, session, ask.chunk_id)
+            try:
+                with self._lock:
+                    alloc = self.ring.allocate(ask.nbytes, key)
+                    self._space.setdefault(key, _Space(alloc, ask.dst_start, ask.npages))
+                    wm = self.ring.watermark
+            except KVWireError as exc:
+                reason = str(exc)
+            else:
+                return Grant(
+                    room=ask.room,
+                    chunk_id=ask.chunk_id,
+                    alloc_id=alloc.id,
+                    round=alloc.round,
+                    offset=alloc.offset,
+                    end=alloc.end,
+                    wm_round=wm[0],
+                    wm_tail=wm[1],
+                )
+        return Deny(room=ask.room, chunk_id=ask.chunk_id, reason=reason)
+
+    # --------------------------------------------------------------- arrivals
+    def on_arrival(self, chunk: ArrivedChunk) -> None:
+        """A staged block landed (under the decode side's lock): scatter it into the
+        request's pages and free its ring space."""
+        key = (chunk.room, chunk.session, chunk.chunk_id)
+        with self._lock:
+            space = self._space.get(key)
+            writer = self._writers.get(chunk.session)
+        if space is None or writer is None:
+            raise TransferError(
+                f"staged chunk {chunk.chunk_id} from {chunk.session} has no ring allocation",
+                room=chunk.room,
+            )
+        m = writer.mapper
+        ps = m.dst.model.page_size
+        pages = np.asarray(chunk.dst_pages, dtype=np.int64)[
+            space.dst_start : space.dst_start + space.npages
+        ]
+        a = space.alloc
+        block = block_view(self.mem, a.offset, (m.num_pairs, pages.size, ps, m.slice_bytes))
+        lo = m.dst_start * m.bytes_per_head
+        self.kv.scatter(m.dst_buf, pages, lo, lo + m.slice_bytes, block)
+        STAGED.inc()
+        with self._lock:
+            self._space.pop(key, None)
+            self._done.setdefault(chunk.room, set()).add((chunk.session, chunk.chunk_id))
+            moved = self.ring.free(a.id)
+        if moved:
+            self.broadcast()
+
+    def writes_ended(self, room: int, session: str) -> None:
+        """Liveness thread: the writer's writes for ``room`` ended; free its space there."""
+        if self._free_where(lambda k: k[0] == room and k[1] == session):
+            self.broadcast()
+
+    def release(self, room: int) -> None:
+        """Engine thread, on clear: space a writer never confirmed is freed after
+        ``release_timeout_s`` (a writer's ``writes_ended`` or eviction frees it sooner)."""
+        now = time.monotonic()
+        with self._lock:
+            self._done.pop(room, None)
+            for key, space in self._space.items():
+                if key[0] == room and space.released_at is None:
+                    space.released_at = now
+
+    # ----------------------------------------------------------------- timing
+    def tick(self, now: float) -> None:
+        """Progress thread: ask the writers of cleared requests' space whether their writes
+        ended (every ``request_retry_s``), free it after ``release_timeout_s`` (the last
+        resort), and broadcast the watermark when it moved or periodically (so a lost
+        broadcast only delays)."""
+        stale: list[Key] = []
+        query: set[tuple[int, str]] = set()
+        with self._lock:
+            for k, sp in self._space.items():
+                if sp.released_at is None:
+                    continue
+                if now - sp.released_at > self._release_timeout_s or k[1] not in self._writers:
+                    stale.append(k)
+                elif now - sp.queried_at > self._retry_s:
+                    sp.queried_at = now
+                    query.add((k[0], k[1]))
+            endpoints = {s: w.endpoint for s, w in self._writers.items()}
+        if stale:
+            logger.warning("bulk staging: freeing %d allocations never released", len(stale))
+        moved = self._free_where(lambda k: k in stale) if stale else False
+        for room, writer in sorted(query):
+            ep = endpoints.get(writer)
+            if ep is not None:
+                self.context.send_fn(ep, WritesQuery(room=room, session=self.context.session))
+        if moved or now >= self._next_watermark:
+            self._next_watermark = now + self._watermark_every_s
+            self.broadcast()
+
+    def broadcast(self) -> None:
+        """Tell every writer where the ring's free space starts (any thread)."""
+        with self._lock:
+            wm = self.ring.watermark
+            endpoints = [w.endpoint for w in self._writers.values()]
+        msg = Watermark(round=wm[0], tail=wm[1])
+        for ep in endpoints:
+            self._post(ep, msg)
+
+    def _free_where(self, pred: Callable[[Key], bool]) -> bool:
+        """Free every allocation whose key matches; True if the watermark moved."""
+        with self._lock:
+            before = self.ring.watermark
+            for key in [k for k in self._space if pred(k)]:
+                self.ring.free(self._space.pop(key).alloc.id)
+            return self.ring.watermark != before
+
+    def room_tables(self) -> dict[str, int]:
+        with self._lock:
+            return {"staging_allocations": len(self._space), "staging_done": len(self._done)}

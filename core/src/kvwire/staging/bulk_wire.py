@@ -1,0 +1,72 @@
+"""The messages of bulk staging (carried by core in :class:`~kvwire.control.wire.StagingMessage`
+envelopes with ``strategy="bulk"``; the envelope names the sending session).
+
+Sender (prefill) -> receiver (decode): ``ask``. Receiver -> sender: ``grant``, ``deny``,
+``watermark``. Core never reads them: they are validated here, by the strategy, on arrival.
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+from pydantic import BaseModel, ConfigDict, Field
+
+#: Version of these messages; sent in ``describe()`` and checked at handshake, so two ranks
+#: that would not understand each other's staging messages refuse to stage rather than hang.
+WIRE_VERSION = 2
+
+
+class BulkMessage(BaseModel):
+    """Base of the bulk staging messages (unknown fields from a newer peer are ignored)."""
+
+    model_config = ConfigDict(extra="ignore", frozen=True)
+    type: ClassVar[str] = ""
+
+
+class Ask(BulkMessage):
+    """Ring space for one staged chunk (retried until granted; duplicates get the same
+    answer)."""
+
+    type: ClassVar[str] = "ask"
+    room: int = Field(ge=0)
+    sender_id: int
+    chunk_id: int = Field(ge=0)
+    nbytes: int = Field(gt=0)
+    #: Where the chunk's pages start among the receiver's destination pages, and how many.
+    dst_start: int = Field(ge=0)
+    npages: int = Field(gt=0)
+
+
+class Grant(BulkMessage):
+    """The ring space of a staged chunk, and the ring's watermark."""
+
+    type: ClassVar[str] = "grant"
+    room: int = Field(ge=0)
+    chunk_id: int = Field(ge=0)
+    alloc_id: int
+    round: int = Field(ge=0)
+    offset: int = Field(ge=0)
+    end: int = Field(gt=0)
+    wm_round: int = Field(ge=0)
+    wm_tail: int = Field(ge=0)
+
+
+class Deny(BulkMessage):
+    """No ring space for that chunk (the request is gone or failed, or the ask is bad)."""
+
+    type: ClassVar[str] = "deny"
+    room: int = Field(ge=0)
+    chunk_id: int = Field(ge=0)
+    reason: str = Field(max_length=1024)
+
+
+class Watermark(BulkMessage):
+    """Everything in the ring before ``(round, tail)`` is free."""
+
+    type: ClassVar[str] = "watermark"
+    round: int = Field(ge=0)
+    tail: int = Field(ge=0)
+
+
+#: type -> model, for decoding a received body.
+MESSAGES: dict[str, type[BulkMessage]] = {m.type: m for m in (Ask, Grant, Deny, Watermark)}

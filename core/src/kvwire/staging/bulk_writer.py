@@ -1,0 +1,245 @@
+"""Bulk staging, sending (prefill) side: asks for ring space, gathers into private buffers,
+writes one block per chunk.
+
+Lock contract: ``_lock`` guards the asks, the watermark views and the free buffer lists; it is
+held only for table updates, never across a gather, a send or a call into core. Called from the
+engine thread (``on_queued``, ``release``), the transfer workers (``plan``, ``on_sent``,
+``abandon``), the liveness thread (``on_message``) and the progress thread (``peer_lost``).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+from pydantic import ValidationError
+
+from kvwire.control.wire import StagingMessage, WritesDone
+from kvwire.errors import TransferError
+from kvwire.index.base import IndexMapper
+from kvwire.index.head_slice import HeadSliceMapper
+from kvwire.layout import MemoryRegion
+from kvwire.staging.base import ChunkPlan, QueuedChunk, StagingContext
+from kvwire.staging.bulk_ring import block_bytes
+from kvwire.staging.bulk_wire import MESSAGES, Ask, BulkMessage, Deny, Grant, Watermark
+from kvwire.staging.kernels import KVTensors, block_view
+from kvwire.staging.ring import Allocation, WatermarkView
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class _Ask:
+    """One staged chunk's request, until it is written."""
+
+    msg: Ask
+    endpoint: str
+    sent: float
+    deadline: float
+    grant: Allocation | None = None
+    denied: str | None = None
+
+
+class WriterSide:
+    """The prefill half of :class:`~kvwire.staging.bulk.BulkStaging` (see its module)."""
+
+    def __init__(
+        self,
+        context: StagingContext,
+        kv: KVTensors,
+        buffer_bytes: int,
+        buffers_per_worker: int,
+        block: int,
+        retry_s: float,
+        post: Callable[[str, BulkMessage], bool],
+    ) -> None:
+        self.context = context
+        self.kv = kv
+        self._buffer_bytes = buffer_bytes
+        self._per_worker = buffers_per_worker
+        self._block = block
+        self._retry_s = retry_s
+        self._post = post
+        n = context.num_workers * buffers_per_worker
+        self.buffers: Any = kv.alloc(n * buffer_bytes)
+        self.region = MemoryRegion.from_tensor(self.buffers, item_len=block)
+        self._lock = threading.Lock()
+        self._free = [list(range(buffers_per_worker)) for _ in range(context.num_workers)]
+        self._asks: dict[tuple[int, str, int], _Ask] = {}
+        self._views: dict[str, WatermarkView] = {}
+
+    # ------------------------------------------------------------------ asks
+    def request(self, ask: Ask, dest: str, endpoint: str, transfer_timeout_s: float) -> None:
+        """Engine thread: ask decode ``dest`` for ring space for one chunk.
+
+        A request's chunks to one decode rank are asked for one at a time, in order: the next
+        goes out when the previous is granted. Allocation order then follows write order, so
+        a chunk never waits for ring space held by a later chunk of its own request (that
+        would deadlock once the ring wraps)."""
+        now = time.monotonic()
+        key = (ask.room, dest, ask.chunk_id)
+        with self._lock:
+            self._views.setdefault(dest, WatermarkView())
+            earlier = any(
+                k[0] == ask.room and k[1] == dest and a.grant is None for k, a in self._asks.items()
+            )
+            self._asks[key] = _Ask(ask, endpoint, 0.0 if earlier else now, now + transfer_timeout_s)
+        if not earlier:
+            self._post(endpoint, ask)
+
+    def on_queued(self, chunk: QueuedChunk, fits: Callable[[IndexMapper, int], bool]) -> None:
+        """Engine thread: ask for ring space for a queued chunk now (unless it is too big to
+        stage: ``fits`` decides, counting the fallback)."""
+        if not fits(chunk.mapper, chunk.npages):
+            return
+        ask = Ask(
+            room=chunk.room,
+            sender_id=chunk.sender_id,
+            chunk_id=chunk.chunk_id,
+            nbytes=block_bytes(chunk.mapper, chunk.npages),
+            dst_start=chunk.dst_start,
+            npages=chunk.npages,
+        )
+        self.request(ask, chunk.dest, chunk.endpoint, chunk.timeout_s)
+
+    def _next_unsent(self, room: int, dest: str) -> _Ask | None:
+        """Under the lock: the first not-yet-sent ask of (room, dest), marked sent."""
+        waiting = [
+            (k[2], a)
+            for k, a in self._asks.items()
+            if k[0] == room and k[1] == dest and a.sent == 0.0
+        ]
+        if not waiting:
+            return None
+        ask = min(waiting, key=lambda x: x[0])[1]
+        ask.sent = time.monotonic()
+        return ask
+
+    def on_message(self, endpoint: str, msg: StagingMessage) -> None:
+        """Liveness thread: a decode rank answered an ask or moved its watermark."""
+        cls = MESSAGES.get(msg.type)
+        if cls is None or cls is Ask:
+            logger.warning("bulk staging: dropped a %r message from %s", msg.type, msg.session)
+            return
+        try:
+            body = cls.model_validate(msg.body)
+        except ValidationError as exc:
+            logger.warning("bulk staging: malformed %r from %s: %s", msg.type, msg.session, exc)
+            return
+        dest = msg.session
+        with self._lock:
+            view = self._views.setdefault(dest, WatermarkView())
+            if isinstance(body, Watermark):
+                view.update((body.round, body.tail))
+                return
+            assert isinstance(body, Grant | Deny)
+            ask = self._asks.get((body.room, dest, body.chunk_id))
+            if ask is None:
+                return  # late or duplicate answer
+            if isinstance(body, Deny):
+                ask.denied = body.reason
+                return
+            view.update((body.wm_round, body.wm_tail))
+            if ask.grant is not None:
+                return  # a duplicate grant
+            ask.grant = Allocation(body.alloc_id, body.round, body.offset, body.end)
+            nxt = self._next_unsent(body.room, dest)
+        if nxt is not None:
+            self._post(nxt.endpoint, nxt.msg)
+
+    # ---------------------------------------------------------------- writing
+    def plan(
+        self,
+        room: int,
+        chunk_id: int,
+        mapper: IndexMapper,
+        src_pages: Any,
+        dst_pages: Any,
+        dest: str,
+        worker: int,
+    ) -> ChunkPlan | None:
+        """Transfer worker: the chunk's rows; a staged chunk once granted, its space free
+        (watermark) and a buffer of this worker's free; None means "not yet"."""
+        key = (room, dest, chunk_id)
+        with self._lock:
+            ask = self._asks.get(key)
+        if ask is None:  # not staged (equal TP, MLA, or an oversize fallback)
+            src_idx, dst_idx = mapper.map_chunk(src_pages, dst_pages)
+            return ChunkPlan(table="kv", src_idx=src_idx, dst_idx=dst_idx)
+        if ask.denied is not None:
+            raise TransferError(f"decode refused staging space: {ask.denied}", room=room)
+        now = time.monotonic()
+        if ask.grant is None:
+            if now > ask.deadline:
+                raise TransferError(
+                    f"no staging grant for chunk {chunk_id} within the transfer timeout",
+                    room=room,
+                    peer=dest,
+                )
+            if ask.sent and now - ask.sent > self._retry_s:
+                ask.sent = now
+                self._post(ask.endpoint, ask.msg)
+            return None
+        with self._lock:
+            if not self._views[dest].ready(ask.grant) or not self._free[worker]:
+                return None
+            slot = self._free[worker].pop()
+        assert isinstance(mapper, HeadSliceMapper)
+        pages = np.asarray(src_pages, dtype=np.int64)
+        ps = mapper.src.model.page_size
+        n = block_bytes(mapper, pages.size)
+        start = (worker * self._per_worker + slot) * self._buffer_bytes
+        out = block_view(
+            self.buffers, start, (mapper.num_pairs, pages.size, ps, mapper.slice_bytes)
+        )
+        lo = mapper.src_start * mapper.bytes_per_head
+        try:
+            self.kv.gather(mapper.src_buf, pages, lo, lo + mapper.slice_bytes, out)
+        except BaseException:
+            with self._lock:
+                self._free[worker].append(slot)
+            raise
+        b = self._block
+        nblocks = -(-n // b)
+        src_idx = start // b + np.arange(nblocks, dtype=np.int64)
+        dst_idx = ask.grant.offset // b + np.arange(nblocks, dtype=np.int64)
+        return ChunkPlan("staging", src_idx, dst_idx, token=(worker, slot, key), what="staged")
+
+    def on_sent(self, plan: ChunkPlan) -> None:
+        """Transfer worker: the staged write ended; its buffer may be reused."""
+        if plan.token is None:
+            return
+        worker, slot, key = plan.token
+        with self._lock:
+            self._free[worker].append(slot)
+            self._asks.pop(key, None)
+
+    def abandon(self, room: int, dest: str, endpoint: str, sender_id: int, session: str) -> None:
+        """Transfer worker: nothing more will be written for ``room`` to ``dest``: forget its
+        asks and let decode free the space (duplicates are harmless)."""
+        with self._lock:
+            for key in [k for k in self._asks if k[0] == room and k[1] == dest]:
+                del self._asks[key]
+        self.context.send_fn(endpoint, WritesDone(room=room, sender_id=sender_id, session=session))
+
+    def release(self, room: int) -> None:
+        """Engine thread, on clear: forget the room's asks."""
+        with self._lock:
+            for key in [k for k in self._asks if k[0] == room]:
+                del self._asks[key]
+
+    def peer_lost(self, session: str) -> None:
+        """Progress thread: a decode rank was evicted; forget its asks and watermark."""
+        with self._lock:
+            self._views.pop(session, None)
+            for key in [k for k in self._asks if k[1] == session]:
+                del self._asks[key]
+
+    def room_tables(self) -> dict[str, int]:
+        with self._lock:
+            return {"staging_requests": len(self._asks)}
