@@ -89,3 +89,100 @@ def test_strategy_memory_registered_through_callbacks_is_reachable() -> None:
     finally:
         sender.close()
         receiver.close()
+
+
+CONSENT_PLUGIN = '''
+import threading
+from typing import Any
+
+from pydantic import BaseModel
+
+from kvwire.plugins import Implementation, hookimpl
+from kvwire.staging.base import ChunkPlan, QueuedChunk, StagingStrategy
+
+
+class MayI(BaseModel):
+    room: int
+    chunk_id: int
+
+
+class Consent(StagingStrategy):
+    """Asks the receiver before writing each chunk: a request/grant protocol of its own."""
+
+    name = "consent"
+
+    def __init__(self, options: Any = None) -> None:
+        super().__init__(options)
+        self.lock = threading.Lock()
+        self.asked: list[tuple[int, int]] = []
+        self.answered: list[tuple[int, int]] = []
+        self.granted: set[tuple[int, int]] = set()
+        self.refused: list[tuple[int, int]] = []
+
+    def link_tables(self, mapper, remote, *, session="", tables=None):
+        if self.context.role != "prefill" or mapper.is_dummy:
+            return {}
+        return {"consent": mapper.build_tables()}
+
+    def on_queued(self, chunk: QueuedChunk) -> None:
+        self.asked.append((chunk.room, chunk.chunk_id))
+        body = MayI(room=chunk.room, chunk_id=chunk.chunk_id)
+        self.context.post(chunk.endpoint, self.name, "may_i", body)
+
+    def on_message(self, peer_endpoint: str, msg: Any) -> None:
+        body = MayI.model_validate(msg.body)
+        key = (body.room, body.chunk_id)
+        if msg.type == "may_i":
+            if self.context.room_pages(body.room) is None:
+                self.refused.append(key)
+                return
+            self.answered.append(key)
+            self.context.post(peer_endpoint, self.name, "yes", body)
+        elif msg.type == "yes":
+            with self.lock:
+                self.granted.add(key)
+
+    def plan(self, room, chunk_id, mapper, src_pages, dst_pages, *, dest="", worker=0):
+        with self.lock:
+            if (room, chunk_id) not in self.granted:
+                return None
+        src, dst = mapper.map_chunk(src_pages, dst_pages)
+        return ChunkPlan(table="consent", src_idx=src, dst_idx=dst)
+
+
+@hookimpl
+def kvwire_staging_strategies():
+    return [Implementation("consent", "fakeplug_consent:Consent", "asks before each chunk")]
+'''
+
+
+def test_a_third_party_strategy_with_its_own_request_grant_messages(make_dist: Any) -> None:
+    """A plugin strategy that asks decode before every chunk works through the seam alone:
+    its messages travel in core's staging envelope, decode's copy answers from the room's
+    pages, and the data is verified on decode (no edit in ``session/`` needed)."""
+    from kvwire.config import KVWireConfig
+    from kvwire.testing.pair import config, pair
+
+    make_dist(
+        "fakeplug-consent", {"consent": "fakeplug_consent"}, {"fakeplug_consent": CONSENT_PLUGIN}
+    )
+    cfg = KVWireConfig(**{**config().model_dump(), "staging": "consent"})
+    with pair(cfg) as p:
+        pre, dec = p.prefill.staging, p.decode.staging
+        assert pre.name == dec.name == "consent"
+        p.transfer(5, pages=4, chunks=(2, 2))  # every element verified on decode
+        assert pre.asked == [(5, 0), (5, 1)]
+        assert dec.answered == [(5, 0), (5, 1)] and pre.granted == {(5, 0), (5, 1)}
+        # a message from a session that never shook hands never reaches the strategy
+        from kvwire.control.wire import StagingMessage
+
+        before = p.decode.dropped.get("staging_unknown_peer", 0)
+        p.prefill.channel.send(
+            p.decode.channel.endpoint,
+            StagingMessage(session="stranger", strategy="consent", type="may_i", body={}),
+        )
+        deadline = time.monotonic() + 5
+        while p.decode.dropped.get("staging_unknown_peer", 0) == before:
+            assert time.monotonic() < deadline, "the stranger's message was not dropped"
+            time.sleep(0.01)
+        assert dec.refused == []
