@@ -13,10 +13,10 @@ import pytest
 from kvwire.control.wire import (
     PROTOCOL_MAJOR,
     PROTOCOL_MINOR,
+    RETIRED_KINDS,
     Codec,
     Failure,
     Heartbeat,
-    RETIRED_KINDS,
     Hello,
     TransferRequest,
     pages_from_bytes,

@@ -34,7 +34,9 @@ def kvwire_index_mappers() -> list[Implementation]:
 def kvwire_staging_strategies() -> list[Implementation]:
     """Direct (no staging) and bulk staging."""
     return [
-        Implementation("direct", "kvwire.staging.direct:DirectStaging", "no staging"),
+        Implementation(
+            "direct", "kvwire.staging.direct:DirectStaging", "no staging", pools=("kv", "host")
+        ),
         Implementation(
             "bulk",
             "kvwire.staging.bulk:BulkStaging",

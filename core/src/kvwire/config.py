@@ -98,15 +98,18 @@ class KVWireConfig(BaseSettings):
     index_mapper_options: dict[str, Any] = Field(default_factory=dict)
     staging: str = Field(default="direct", description="Staging strategy name.")
     host_mapper: str = Field(
-        default="hisparse",
-        description="Mapper into a decode host pool (the HiSparse path; kvwire-hisparse).",
+        default=AUTO,
+        description="Mapper into a decode host pool: 'auto' takes the highest-priority "
+        "installed mapper that declares the 'host' pool (a plugin's); regular requests work "
+        "without one.",
     )
+    host_mapper_options: dict[str, Any] = Field(default_factory=dict)
     staging_options: dict[str, Any] = Field(default_factory=dict)
     host_staging: str = Field(
         default=AUTO,
-        description="Strategy for chunks into a decode host pool (HiSparse path): 'auto' takes "
-        "kvwire-hisparse's 'hisparse' (it picks the fastest path per link) when installed, "
-        "else 'direct'.",
+        description="Strategy for chunks into a decode host pool: 'auto' takes the "
+        "highest-priority usable strategy that declares the 'host' pool ('direct' when no "
+        "plugin provides one).",
     )
     host_staging_options: dict[str, Any] = Field(default_factory=dict)
     control: ControlOptions = Field(default_factory=ControlOptions)

@@ -51,13 +51,17 @@ class Kind(enum.StrEnum):
 class Implementation:
     """What a hook returns: a name and the ``module:attribute`` that implements it.
 
-    ``priority`` orders backends for ``--transfer-backend auto`` (highest usable wins).
+    ``priority`` orders backends for ``--transfer-backend auto`` (highest usable wins), and
+    host-pool mappers and strategies for ``host_mapper``/``host_staging`` ``auto``. ``pools``
+    says which decode pools a mapper or staging strategy serves: ``"kv"`` (the KV pool) and/or
+    ``"host"`` (a decode host pool of finer pages, ``KVManager(host_layout=...)``).
     """
 
     name: str
     target: str
     description: str = ""
     priority: int = 0
+    pools: tuple[str, ...] = ("kv",)
 
 
 class KVWireSpecs:

@@ -111,20 +111,50 @@ def select_staging(config: KVWireConfig, registry: PluginRegistry | None = None)
     return _select(Kind.STAGING, StagingStrategy, config.staging, config.staging_options, reg)
 
 
+def auto_for_pool(kind: Kind, pool: str, registry: PluginRegistry | None = None) -> str | None:
+    """The highest-priority implementation of ``kind`` that declares ``pool`` and imports
+    here (ties: the first registered), or None."""
+    reg = registry or get_registry()
+    ranked = sorted(
+        (e for e in reg.entries[kind].values() if pool in e.impl.pools),
+        key=lambda e: -e.impl.priority,
+    )
+    for entry in ranked:
+        obj, err = reg.try_resolve(kind, entry.name)
+        if obj is not None:
+            return entry.name
+        logger.warning(
+            "%s %r for the %s pool is unusable, skipped: %s", kind, entry.name, pool, err
+        )
+    return None
+
+
 def select_host_staging(config: KVWireConfig, registry: PluginRegistry | None = None) -> Selected:
-    """Resolve the strategy for chunks into a decode host pool (the HiSparse path): ``auto``
-    is ``hisparse`` when that plugin is installed and imports, else ``direct``."""
+    """Resolve the strategy for chunks into a decode host pool: ``auto`` is the
+    highest-priority usable strategy that declares the ``host`` pool (``direct`` declares it
+    with priority 0)."""
     reg = registry or get_registry()
     name = config.host_staging
     if name == AUTO:
-        name = "direct"
-        if "hisparse" in reg.names(Kind.STAGING):
-            obj, err = reg.try_resolve(Kind.STAGING, "hisparse")
-            if obj is not None:
-                name = "hisparse"
-            else:
-                logger.warning("host staging: 'hisparse' unusable, using 'direct': %s", err)
+        name = auto_for_pool(Kind.STAGING, "host", reg) or "direct"
     return _select(Kind.STAGING, StagingStrategy, name, config.host_staging_options, reg)
+
+
+def select_host_mapper(config: KVWireConfig, registry: PluginRegistry | None = None) -> Selected:
+    """Resolve the mapper into a decode host pool: ``auto`` is the highest-priority usable
+    mapper that declares the ``host`` pool. Raises :class:`ConfigError` when none is
+    installed (core's mappers serve KV pools of equal page size only)."""
+    reg = registry or get_registry()
+    name = config.host_mapper
+    if name == AUTO:
+        found = auto_for_pool(Kind.MAPPER, "host", reg)
+        if found is None:
+            raise ConfigError(
+                "no index mapper for host pools is installed; install a plugin that provides "
+                "one (`kvwire plugins` lists mappers and their pools) or set host_mapper"
+            )
+        name = found
+    return _select(Kind.MAPPER, IndexMapper, name, config.host_mapper_options, reg)
 
 
 def select_mapper(

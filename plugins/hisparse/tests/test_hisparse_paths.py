@@ -73,7 +73,7 @@ def transfer(
     dst = np.arange(7) + 20  # 2 pages of 4 tokens, the last token trimmed
     r = decode.receiver(room, prefill.bootstrap_addr or "")
     r.init()
-    r.send_metadata(dst, aux_index=0, hisparse=True)
+    r.send_metadata(dst, aux_index=0, pool="host")
     s = prefill.sender(room)
     wait_for(lambda: s.poll() >= KVPoll.WaitingForInput or r.poll() is KVPoll.Failed)
     if r.poll() is not KVPoll.Failed:

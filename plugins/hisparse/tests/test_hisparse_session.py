@@ -35,7 +35,9 @@ def run(host_model: ModelSpec | None, hisparse: bool) -> tuple[KVPoll, str]:
     try:
         r = decode.receiver(1, prefill.bootstrap_addr or "")
         r.init()
-        r.send_metadata(np.arange(8 if hisparse else 2), aux_index=0, hisparse=hisparse)
+        r.send_metadata(
+            np.arange(8 if hisparse else 2), aux_index=0, pool="host" if hisparse else "kv"
+        )
         s = prefill.sender(1)
         wait_for(lambda: s.poll() >= KVPoll.WaitingForInput or r.poll() is KVPoll.Failed)
         if r.poll() is not KVPoll.Failed:
@@ -74,4 +76,4 @@ def test_hisparse_without_a_host_pool_is_refused_at_once() -> None:
     with KVManager(CONFIG, Role.DECODE, dlay) as decode:
         r = decode.receiver(1, "127.0.0.1:9")
         with pytest.raises(ConfigError, match="host_layout"):
-            r.send_metadata([0], aux_index=0, hisparse=True)
+            r.send_metadata([0], aux_index=0, pool="host")

@@ -67,12 +67,13 @@ logger = logging.getLogger(__name__)
 
 
 class DecodeHooks(Protocol):
-    """What a sparse-attention decode engine is told about its HiSparse requests (engine
-    thread; keep them quick). Exactly one of ``on_admit``/``on_abandon`` follows
-    ``on_prealloc`` for every request, on every path (success, failure, abort, clear)."""
+    """What a decode engine is told about its host-pool requests (e.g. a sparse-attention
+    engine that keeps the KV in host memory; engine thread; keep them quick). Exactly one of
+    ``on_admit``/``on_abandon`` follows ``on_prealloc`` for every request, on every path
+    (success, failure, abort, clear)."""
 
     def on_prealloc(self, room: int, num_units: int) -> None:
-        """``send_metadata(..., hisparse=True)`` was called: only logical indices are held."""
+        """``send_metadata(..., pool="host")`` was called: only logical indices are held."""
 
     def on_admit(self, room: int, num_tokens: int) -> None:
         """The KV is in the host pool: allocate the hot device buffer, preload if short."""
@@ -127,8 +128,8 @@ class RecvRoom:
     quiet: set[str] = field(default_factory=set)
     queried_at: float = 0.0
     failed_at: float = 0.0
-    #: Goes to the host pool (HiSparse path); the engine hooks ran for it.
-    hisparse: bool = False
+    #: The pool the KV goes to ("kv" or "host"); for "host", whether the engine hooks ran.
+    pool: str = "kv"
     hooked: bool = False
     error: BaseException | None = None
     metrics: RequestMetrics = field(default_factory=RequestMetrics)
@@ -506,7 +507,7 @@ class DecodeSide(Side[RecvRoom]):
 
     def _strategy(self, room: RecvRoom) -> StagingStrategy:
         """The strategy of the pool the room's KV goes to."""
-        return self.mgr.host_staging if room.hisparse else self.mgr.staging
+        return self.mgr.host_staging if room.pool == "host" else self.mgr.staging
 
     def room_pages(self, room_id: int, pool: str) -> Any:
         """Any thread (strategies, through ``StagingContext.room_pages``): the destination
@@ -515,7 +516,7 @@ class DecodeSide(Side[RecvRoom]):
             room = self.rooms.get(room_id)
             if room is None or room.dst_pages is None or self._terminal(room):
                 return None
-            return room.dst_pages if ("host" if room.hisparse else "kv") == pool else None
+            return room.dst_pages if room.pool == pool else None
 
     def _room_for(self, room_id: int, session: str, sender_id: int) -> RecvRoom | None:
         """The live room a message is for, if it comes from one of the room's sources."""
@@ -605,11 +606,11 @@ class DecodeSide(Side[RecvRoom]):
             self.mgr.send(endpoint, WritesQuery(room=room_id, session=self.mgr.session))
 
     def run_hooks(self, room: RecvRoom, status: KVPoll) -> None:
-        """Engine thread, the first time a HiSparse request is seen terminal (poll or clear):
+        """Engine thread, the first time a host-pool request is seen terminal (poll or clear):
         admit it with its token count, or abandon it — exactly once per request."""
         hooks = self.mgr.hooks
         with self.mgr.lock:
-            if not room.hisparse or room.hooked or hooks is None:
+            if room.pool != "host" or room.hooked or hooks is None:
                 return
             room.hooked = True
         if status is KVPoll.Success:
@@ -688,22 +689,22 @@ class DecodeSide(Side[RecvRoom]):
                     )
 
     # --------------------------------------------------------------- engine thread
-    def send_metadata(
-        self, room: RecvRoom, pages: Any, aux_index: int, hisparse: bool = False
-    ) -> None:
+    def send_metadata(self, room: RecvRoom, pages: Any, aux_index: int, pool: str = "kv") -> None:
         """Engine thread: where the request's KV goes on this rank (the KV pool, or with
-        ``hisparse`` the host pool, in its page units)."""
+        ``pool="host"`` the host pool, in its page units)."""
         mgr = self.mgr
-        pool = mgr.layout
-        if hisparse:
+        target = mgr.layout
+        if pool not in ("kv", "host"):
+            raise ConfigError(f"pool must be 'kv' or 'host', not {pool!r}")
+        if pool == "host":
             if mgr.host_layout is None:
                 raise ConfigError(
-                    "hisparse=True needs a host pool: build the decode manager with "
+                    "pool='host' needs a host pool: build the decode manager with "
                     "KVManager(..., host_layout=<the host KV pool's layout>)"
                 )
-            pool = mgr.host_layout
+            target = mgr.host_layout
         try:
-            arr = check_pages(pages, pool.num_slots, "destination page indices")
+            arr = check_pages(pages, target.num_slots, "destination page indices")
             if np.unique(arr).size != arr.size:
                 raise DescriptorError(
                     "destination page indices repeat a slot; each page needs its own slot"
@@ -724,10 +725,10 @@ class DecodeSide(Side[RecvRoom]):
             mgr.stamps[aux_index, 0] = 0
             room.dst_pages = arr
             room.aux_index = aux_index
-            room.hisparse = hisparse
+            room.pool = pool
             if room.sources is not None:
                 self._request(room)
-        if hisparse and mgr.hooks is not None:
+        if pool == "host" and mgr.hooks is not None:
             mgr.hooks.on_prealloc(room.room, int(arr.size))
 
     def _request(self, room: RecvRoom) -> None:
@@ -739,7 +740,7 @@ class DecodeSide(Side[RecvRoom]):
             session=mgr.session,
             dst_pages=pages_to_bytes(room.dst_pages),
             aux_index=room.aux_index,
-            pool="host" if room.hisparse else "kv",
+            pool="host" if room.pool == "host" else "kv",  # typed Literal on the wire
         )
         for s in room.sources:
             mgr.send(s.info.endpoint, msg)
@@ -841,20 +842,18 @@ class KVReceiver(RequestHandle[RecvRoom]):
         quiet: bool = self._side.writes_quiesced(self._state)
         return quiet
 
-    def send_metadata(
-        self, dst_page_indices: Any, aux_index: int, hisparse: bool = False, **_: Any
-    ) -> None:
+    def send_metadata(self, dst_page_indices: Any, aux_index: int, pool: str = "kv") -> None:
         """Tell the source ranks where to write: this rank's page slots for the request's
         pages that are not cached here (the last ``len(dst_page_indices)`` of the request;
         empty when the whole prefix is cached), and the aux row.
 
-        ``hisparse=True`` sends this request into the host pool instead: the indices are host
+        ``pool="host"`` sends this request into the host pool instead: the indices are host
         pool pages (of the host pool's page size; page size 1 means token indices) for the
         request's tokens from the first, trimmed to the tokens that exist. The manager's
         ``hooks`` then get ``on_prealloc`` now and exactly one of ``on_admit`` (after the
         transfer, with the token count) or ``on_abandon`` (failure or abort)."""
         self.init()
-        self._side.send_metadata(self._state, dst_page_indices, aux_index, hisparse)
+        self._side.send_metadata(self._state, dst_page_indices, aux_index, pool)
 
     def poll(self) -> KVPoll:
         status = super().poll()

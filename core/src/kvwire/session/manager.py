@@ -86,7 +86,7 @@ class KVManager:
     that gather and scatter on the pool (``--staging bulk``).
 
     Decode only: ``host_layout`` describes a host-memory KV pool (same model, its own page
-    size, e.g. 1) that requests can choose per request (``send_metadata(..., hisparse=True)``);
+    size, e.g. 1) that requests can choose per request (``send_metadata(..., pool="host")``);
     ``hooks`` (a :class:`~kvwire.session.decode.DecodeHooks`) is told when such a request is
     preallocated and when it is admitted or abandoned.
     """
@@ -143,7 +143,7 @@ class KVManager:
         ]
 
         if host_layout is not None and self.role is not Role.DECODE:
-            raise ConfigError("host_layout (the HiSparse host pool) is for decode managers")
+            raise ConfigError("host_layout (a decode host pool) is for decode managers")
         host_buffers = tuple(host_layout.buffers) if host_layout is not None else ()
         kinds = {b.kind for b in (*layout.buffers, *aux_buffers, *host_buffers)}
         sel = select_backend(config, kinds=kinds)
@@ -166,7 +166,7 @@ class KVManager:
             self.staging: StagingStrategy = ssel.cls(ssel.options)
             self.staging.setup(context)
             hsel = select_host_staging(config)
-            #: Strategy for chunks into a decode host pool (HiSparse path); see
+            #: Strategy for chunks into a decode host pool; see
             #: ``KVWireConfig.host_staging``.
             self.host_staging: StagingStrategy = hsel.cls(hsel.options)
             self.host_staging.setup(

@@ -61,7 +61,7 @@ from kvwire.errors import (
 from kvwire.index.base import IndexMapper, TablePair, check_pages
 from kvwire.index.topology import Topology
 from kvwire.layout import MemoryRegion
-from kvwire.selection import select_mapper
+from kvwire.selection import select_host_mapper
 from kvwire.session import metrics as m
 from kvwire.session.common import RequestHandle, Side
 from kvwire.session.manager import KVManager
@@ -409,8 +409,8 @@ class PrefillSide(Side[SendRoom]):
             splits[name] = split
 
     def _host_mapper(self, hello: Hello) -> tuple[IndexMapper | None, str]:
-        """The mapper into a decode rank's host pool (the HiSparse path), or why there is
-        none. Regular requests work either way."""
+        """The mapper into a decode rank's host pool, or why there is none. Regular requests
+        work either way."""
         host = hello.host_layout
         if host is None:
             return None, "the decode rank has no host pool"
@@ -421,12 +421,11 @@ class PrefillSide(Side[SendRoom]):
         ]
         if problems:
             return None, "host pool incompatible: " + "; ".join(problems)
-        name = self.mgr.config.host_mapper
         try:
-            sel = select_mapper(name, {})
+            sel = select_host_mapper(self.mgr.config)
             mapper: IndexMapper = sel.cls(self.mgr.layout, host, sel.options)
         except KVWireError as exc:
-            return None, f"host pool mapper {name!r} unusable: {exc}"
+            return None, f"no usable host pool mapper: {exc}"
         return mapper, ""
 
     def _ack(self, hello: Hello, link: DecodeLink) -> None:

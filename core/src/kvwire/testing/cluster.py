@@ -423,7 +423,7 @@ def _rank_main(
             pool.aux[aux_index] = 0
             obj = mgr.receiver(plan.room, addrs[plan.prefill_instance])
             obj.init()
-            obj.send_metadata(pages, aux_index, hisparse=True)
+            obj.send_metadata(pages, aux_index, pool="host")
         else:
             n = plan.num_pages - plan.cached_pages
             pages = np.array([free.pop() for _ in range(n)], dtype=np.int64)

@@ -14,6 +14,8 @@ def kvwire_index_mappers() -> list[Implementation]:
             "hisparse",
             "kvwire_hisparse.mapper:HostPoolMapper",
             "prefill KV pages into a decode host pool (page size 1 or a divisor)",
+            priority=10,
+            pools=("host",),
         )
     ]
 
@@ -26,5 +28,7 @@ def kvwire_staging_strategies() -> list[Implementation]:
             "hisparse",
             "kvwire_hisparse.paths:HostPathStrategy",
             "host-pool chunks: copy into a same-host shared pool, else the engine",
+            priority=10,
+            pools=("host",),
         )
     ]
