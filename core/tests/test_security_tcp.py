@@ -105,9 +105,7 @@ def attack(sock: zmq.Socket[Any], t: Target) -> list[list[bytes]]:
     r = t.region
     sock.send_multipart([wire.READ, request(1, rows((r.addr, GUARD)))])
     sock.send_multipart([wire.WRITE, request(2, rows((r.addr, 64)), b"n"), b"\xee" * 64])
-    sock.send_multipart(
-        [wire.WRITE, request(3, rows((addr_of(t.buf), 64)), b"n"), b"\xee" * 64]
-    )
+    sock.send_multipart([wire.WRITE, request(3, rows((addr_of(t.buf), 64)), b"n"), b"\xee" * 64])
     sock.send_multipart(
         [wire.WRITE, request(4, rows((addr_of(t.foreign), 64)), b"n"), b"\xee" * 64]
     )

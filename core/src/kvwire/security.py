@@ -150,7 +150,11 @@ def exposure_checks(config: KVWireConfig) -> list[ExposureCheck]:
             "set (control messages signed, bootstrap signed, tcp data plane CURVE)"
             if secret
             else "not set (KVWIRE_SECRET): every endpoint accepts unauthenticated requests"
-            + ("; require_secret is set, so ranks will refuse to start" if config.require_secret else ""),
+            + (
+                "; require_secret is set, so ranks will refuse to start"
+                if config.require_secret
+                else ""
+            ),
             "" if secret else SECRET_HOWTO,
         )
     ]
