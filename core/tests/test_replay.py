@@ -174,6 +174,29 @@ def test_replayed_goodbye_evicts_nobody_and_requests_still_succeed() -> None:
         p.transfer(2)
 
 
+def test_replay_flood_is_counted_and_harmless() -> None:
+    """2,000 copies of two recorded frames of decode (a goodbye and a heartbeat carrying
+    sequence numbers prefill already accepted) plus 500 stale ones, pushed at a prefill rank:
+    all dropped and counted by reason, nobody evicted, requests before and after succeed."""
+    with pair(config(secret="s3cret")) as p:
+        p.transfer(1)
+        to = p.prefill.channel.endpoint
+        rec = Codec(b"s3cret")
+        rec.origin, rec._seq = p.decode.codec.origin, itertools.count(1)
+        old = Codec(b"s3cret", clock=lambda: time.time() - 1000)
+        old.origin = p.decode.codec.origin
+        msgs = [Goodbye(session=p.decode.session), Heartbeat(session=p.decode.session)]
+        recorded = [rec.encode(m, to=to) for m in msgs]  # sequence numbers 1, 2: already seen
+        frames = [recorded[i % 2] for i in range(2000)]
+        frames += [old.encode(msgs[0], to=to) for _ in range(500)]
+        push_raw(to, frames)
+        p.transfer(2)
+        wait_for(lambda: p.prefill.dropped.get("replayed", 0) == 2000, 10)
+        wait_for(lambda: p.prefill.dropped.get("stale", 0) == 500, 10)
+        assert [x.session for x in p.prefill.peers.snapshot()] == [p.decode.session]
+        p.transfer(3)
+
+
 def push_raw(endpoint: str, frames: list[bytes]) -> None:
     ctx: zmq.Context[Any] = zmq.Context()
     try:
