@@ -12,11 +12,13 @@ import threading
 import time
 import urllib.error
 import urllib.request
+import uuid
 from collections.abc import Iterator
 
 import pytest
 
 from kvwire.control.bootstrap import (
+    NONCE_HEADER,
     SIGNATURE_HEADER,
     TIMESTAMP_HEADER,
     BootstrapClient,
@@ -75,9 +77,11 @@ def raw_request(
 
 def signed_headers(method: str, path: str, body: bytes, ts: float | None = None) -> dict[str, str]:
     timestamp = f"{time.time() if ts is None else ts:.3f}"
+    nonce = uuid.uuid4().hex
     return {
         TIMESTAMP_HEADER: timestamp,
-        SIGNATURE_HEADER: sign_request(SECRET, method, path, timestamp, body),
+        NONCE_HEADER: nonce,
+        SIGNATURE_HEADER: sign_request(SECRET, method, path, timestamp, body, nonce),
     }
 
 

@@ -174,7 +174,7 @@ def test_target_refuses_raw_write_outside_regions(
     assert len(reply) == 2 and reply[0] == wire.ACK
     h = wire.unpack(reply[1])
     assert h["ok"] is False and h["x"] == 42
-    assert "outside the regions" in h["e"]
+    assert "outside the target's registered regions" in h["e"]
     assert target.untouched(), "a refused write changed memory"
     assert target.backend.refused_messages == 1
     assert target.backend.get_notifications() == []
@@ -209,7 +209,7 @@ def test_target_refuses_when_initiator_trusts_forged_metadata(
     handle = initiator.submit(XferOp.WRITE, pair, [0], [0], b"note")
     assert wait_terminal(initiator, handle, 10) is XferState.FAILED
     assert handle.error is not None and "peer refused" in handle.error
-    assert "outside the regions" in handle.error
+    assert "outside the target's registered regions" in handle.error
     assert target.untouched()
     assert target.backend.refused_messages == 1
     assert target.backend.get_notifications() == []

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import ctypes.util
-import ipaddress
 import logging
 import os
 import platform
@@ -107,6 +106,7 @@ def cmd_doctor(args: argparse.Namespace, console: Console) -> int:
     for b in reg.broken:
         console.print(f"  [red]✗[/] plugin {b.plugin} ({b.distribution} {b.version}): {b.error}")
         advice.append(f"reinstall or remove {b.distribution}: its entry point does not import")
+    advice += _doctor_security(console)
     if "nixl" not in reg.entries[Kind.BACKEND]:
         advice.append("for NIXL: install the kvwire-nixl plugin (pip install kvwire-nixl)")
     if "mooncake" not in reg.entries[Kind.BACKEND]:
@@ -120,13 +120,31 @@ def cmd_doctor(args: argparse.Namespace, console: Console) -> int:
     return 0 if usable else 1
 
 
-def _is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
+def _doctor_security(console: Console) -> list[str]:
+    """``kvwire doctor``'s security section, from this environment's ``KVWIRE_*`` settings:
+    the secret, and every address a rank would listen on. Returns advice lines."""
+    from kvwire.config import KVWireConfig
+    from kvwire.security import exposure_checks
+
+    console.print("\n[bold]Security[/] (from KVWIRE_* in this environment; docs/security.md)")
     try:
-        return ipaddress.ip_address(host.strip("[]")).is_loopback
-    except ValueError:
-        return False
+        config = KVWireConfig()
+    except Exception as exc:  # a broken environment is reported, not raised
+        console.print(f"  [red]✗[/] configuration: {exc}", highlight=False)
+        return [f"fix the KVWIRE_* environment: {exc}"]
+    advice = []
+    for check in exposure_checks(config):
+        mark = "[green]✓[/]" if check.ok else "[red]✗[/]"
+        console.print(f"  {mark} {check.subject}: {check.detail}", highlight=False)
+        if not check.ok and check.fix:
+            advice.append(f"{check.subject}: {check.fix}")
+    return advice
+
+
+def _is_loopback(host: str) -> bool:
+    from kvwire.security import is_loopback
+
+    return is_loopback(host)
 
 
 def cmd_bootstrap(args: argparse.Namespace, console: Console) -> int:
@@ -136,9 +154,21 @@ def cmd_bootstrap(args: argparse.Namespace, console: Console) -> int:
     show it).
     """
     from kvwire.control.bootstrap_server import BootstrapServer
-    from kvwire.errors import BootstrapError
+    from kvwire.errors import BootstrapError, ConfigError
+    from kvwire.security import enforce_secret_policy
 
     secret = os.environ.get("KVWIRE_SECRET", "").encode() or None
+    required = os.environ.get("KVWIRE_REQUIRE_SECRET", "").strip().lower() in (
+        "1",
+        "true",
+        "yes",
+        "on",
+    )
+    try:
+        enforce_secret_policy(required, secret, "kvwire bootstrap")
+    except ConfigError as e:
+        console.print(f"[red]error[/]: {e}", highlight=False)
+        return 1
     if secret is None and not _is_loopback(args.host):
         console.print(
             f"[yellow]warning[/]: listening on {args.host} without a shared secret: anyone who "

@@ -118,6 +118,11 @@ class KVWireConfig(BaseSettings):
         description="Shared secret: control messages carry an HMAC-SHA256 and the bootstrap "
         "service requires it. Set through KVWIRE_SECRET, never on a command line.",
     )
+    require_secret: bool = Field(
+        default=False,
+        description="Refuse to start without a shared secret (KVWIRE_REQUIRE_SECRET=1): a "
+        "deployment that must not run unauthenticated fails at startup instead of warning.",
+    )
 
     @property
     def secret_bytes(self) -> bytes | None:

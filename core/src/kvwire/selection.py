@@ -19,6 +19,7 @@ from kvwire.errors import CapabilityError, ConfigError, PluginError
 from kvwire.index.base import IndexMapper
 from kvwire.layout import MemKind
 from kvwire.plugins import Entry, Kind, PluginRegistry, get_registry
+from kvwire.security import enforce_secret_policy
 from kvwire.staging.base import StagingStrategy
 
 logger = logging.getLogger(__name__)
@@ -81,12 +82,24 @@ def select_backend(
     kinds: Iterable[MemKind] = (MemKind.DRAM,),
     registry: PluginRegistry | None = None,
 ) -> Selected:
-    """Resolve the configured backend, validate its options and check its capabilities."""
+    """Resolve the configured backend, validate its options and check its capabilities.
+
+    Called first thing when a manager starts, so it also enforces ``require_secret``
+    (:class:`ConfigError` naming the fix). A backend whose options model has a ``secret``
+    field (the ``tcp`` backend authenticates its data plane with it) receives the shared
+    secret there unless its options set one.
+    """
+    enforce_secret_policy(config.require_secret, config.secret_bytes, "this kvwire rank")
     reg = registry or get_registry()
     name = config.transfer_backend
     if name == AUTO:
         name = auto_backend_name(reg)
-    sel = _select(Kind.BACKEND, TransferBackend, name, config.transfer_backend_options, reg)
+    options = dict(config.transfer_backend_options)
+    cls = reg.resolve(Kind.BACKEND, name)
+    model = getattr(cls, "options_model", None)
+    if config.secret is not None and "secret" not in options and _has_field(model, "secret"):
+        options["secret"] = config.secret
+    sel = _select(Kind.BACKEND, TransferBackend, name, options, reg)
     caps = sel.cls.capabilities
     missing = [c for c in need if not getattr(caps, c)]
     missing += [f"{k.name} memory" for k in set(kinds) if not caps.supports_kind(k)]
@@ -96,6 +109,10 @@ def select_backend(
             "--transfer-backend (see `kvwire plugins`)"
         )
     return sel
+
+
+def _has_field(model: object, name: str) -> bool:
+    return isinstance(model, type) and issubclass(model, BaseModel) and name in model.model_fields
 
 
 def create_backend(config: KVWireConfig, agent_name: str, **kwargs: Any) -> TransferBackend:

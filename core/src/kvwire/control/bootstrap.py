@@ -20,8 +20,12 @@ HTTP API (all bodies JSON):
   reveals no addresses.
 
 When a shared secret is configured, every request except ``/health`` carries the headers
-:data:`TIMESTAMP_HEADER` and :data:`SIGNATURE_HEADER`; the signature is
-``HMAC-SHA256(secret, METHOD \\n PATH_WITH_QUERY \\n TIMESTAMP \\n BODY)`` in hex.
+:data:`TIMESTAMP_HEADER`, :data:`NONCE_HEADER` (random, new for every request) and
+:data:`SIGNATURE_HEADER`; the signature is
+``HMAC-SHA256(secret, METHOD \\n PATH_WITH_QUERY \\n TIMESTAMP \\n NONCE \\n BODY)`` in hex.
+The server refuses a timestamp more than :data:`MAX_CLOCK_SKEW_S` off its clock and, for the
+requests that change state (PUT, DELETE), a nonce it has already seen within that window
+(replay protection; the nonces it remembers are bounded and expire with the window).
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ import hmac
 import http.client
 import json
 import logging
+import secrets
 import time
 import urllib.error
 import urllib.parse
@@ -45,6 +50,8 @@ logger = logging.getLogger(__name__)
 
 #: Header carrying the request's Unix time (seconds, decimal) when a secret is configured.
 TIMESTAMP_HEADER = "X-KVWire-Timestamp"
+#: Header carrying a random nonce, new for every signed request (replay protection).
+NONCE_HEADER = "X-KVWire-Nonce"
 #: Header carrying the hex HMAC-SHA256 signature of the request.
 SIGNATURE_HEADER = "X-KVWire-Signature"
 #: Requests whose timestamp is further than this from the server's clock are refused.
@@ -101,9 +108,12 @@ class RankInfo(pydantic.BaseModel):
         return f"dp={self.dp_rank} tp={self.tp_rank} pp={self.pp_rank}"
 
 
-def sign_request(secret: bytes, method: str, path_qs: str, timestamp: str, body: bytes) -> str:
+def sign_request(
+    secret: bytes, method: str, path_qs: str, timestamp: str, body: bytes, nonce: str = ""
+) -> str:
     """Hex HMAC-SHA256 of a request; used by the client to sign and the server to verify."""
-    msg = b"\n".join([method.upper().encode(), path_qs.encode(), timestamp.encode(), body])
+    parts = [method.upper().encode(), path_qs.encode(), timestamp.encode(), nonce.encode(), body]
+    msg = b"\n".join(parts)
     return hmac.new(secret, msg, hashlib.sha256).hexdigest()
 
 
@@ -226,8 +236,12 @@ class BootstrapClient:
         headers = {"Content-Type": "application/json", "Accept": "application/json"}
         if self._secret is not None and path != "/health":
             timestamp = f"{time.time():.3f}"
+            nonce = secrets.token_hex(16)
             headers[TIMESTAMP_HEADER] = timestamp
-            headers[SIGNATURE_HEADER] = sign_request(self._secret, method, path, timestamp, body)
+            headers[NONCE_HEADER] = nonce
+            headers[SIGNATURE_HEADER] = sign_request(
+                self._secret, method, path, timestamp, body, nonce
+            )
         req = urllib.request.Request(
             self._base + path, data=body if body else None, headers=headers, method=method
         )

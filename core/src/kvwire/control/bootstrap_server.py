@@ -21,6 +21,7 @@ from kvwire.control.bootstrap import (
     _STOP_TIMEOUT_S,
     MAX_BODY_BYTES,
     MAX_CLOCK_SKEW_S,
+    NONCE_HEADER,
     SIGNATURE_HEADER,
     TIMESTAMP_HEADER,
     RankInfo,
@@ -29,8 +30,15 @@ from kvwire.control.bootstrap import (
     sign_request,
 )
 from kvwire.errors import BootstrapError
+from kvwire.security import warn_if_exposed
 
 logger = logging.getLogger("kvwire.control.bootstrap")
+
+#: Signed state-changing requests (PUT, DELETE) remembered for replay detection at once; more
+#: within the window are refused with 503 (far above what registrations need).
+MAX_NONCES = 65536
+#: Methods whose replay would change state (a replayed GET only repeats an answer).
+_NONCE_METHODS = frozenset({"PUT", "DELETE"})
 
 
 def _error(status: int, message: str) -> web.Response:
@@ -58,7 +66,11 @@ class BootstrapServer:
             "lookups": 0,
             "refused": 0,
             "unauthenticated": 0,
+            "replayed": 0,
         }
+        #: Nonces of accepted signed PUT/DELETE requests -> when they may be forgotten
+        #: (monotonic); insertion order is expiry order. Server thread only.
+        self._nonces: dict[str, float] = {}
         self._thread: threading.Thread | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._stop_event: asyncio.Event | None = None
@@ -165,6 +177,7 @@ class BootstrapServer:
             await site.start()
             addr = runner.addresses[0]
             self._bound = (str(addr[0]), int(addr[1]))
+            warn_if_exposed("bootstrap service", self._host, self._secret is not None)
             self._ready.set()
             await self._stop_event.wait()
         finally:
@@ -179,6 +192,13 @@ class BootstrapServer:
             return await handler(request)
         body = await request.read()  # bounded by client_max_size; cached for the handler
         reason = self._check_signature(request, body)
+        if reason is None and request.method in _NONCE_METHODS:
+            reason = self._check_nonce(request.headers.get(NONCE_HEADER, ""))
+            if reason == "busy":
+                logger.warning("bootstrap: %d signed requests in the replay window", MAX_NONCES)
+                return _error(503, "too many signed requests in the replay window; retry later")
+            if reason is not None:
+                self.stats["replayed"] += 1
         if reason is not None:
             self.stats["unauthenticated"] += 1
             logger.warning(
@@ -195,17 +215,41 @@ class BootstrapServer:
         assert self._secret is not None
         timestamp = request.headers.get(TIMESTAMP_HEADER)
         signature = request.headers.get(SIGNATURE_HEADER)
-        if not timestamp or not signature:
-            return "missing signature headers"
+        nonce = request.headers.get(NONCE_HEADER)
+        if not timestamp or not signature or not nonce:
+            return "missing signature headers (timestamp, nonce, signature)"
+        if len(nonce) > 64:
+            return "malformed nonce"
         try:
             ts = float(timestamp)
         except ValueError:
             return "malformed timestamp"
         if not math.isfinite(ts) or abs(time.time() - ts) > MAX_CLOCK_SKEW_S:
             return f"timestamp more than {MAX_CLOCK_SKEW_S:.0f} s off the server's clock"
-        expected = sign_request(self._secret, request.method, request.raw_path, timestamp, body)
+        expected = sign_request(
+            self._secret, request.method, request.raw_path, timestamp, body, nonce
+        )
         if not hmac.compare_digest(expected.encode(), signature.encode()):
             return "wrong signature"
+        return None
+
+    def _check_nonce(self, nonce: str) -> str | None:
+        """Remember ``nonce`` of an authentic state-changing request; a reason if it was
+        seen within the window (a replay), ``"busy"`` if too many are remembered. A nonce is
+        kept for twice the clock allowance: a request stamped up to that far ahead is still
+        accepted until then."""
+        now = time.monotonic()
+        nonces = self._nonces
+        while nonces:
+            first = next(iter(nonces))
+            if nonces[first] > now:
+                break
+            del nonces[first]
+        if nonce in nonces:
+            return "replayed request (its nonce was already used)"
+        if len(nonces) >= MAX_NONCES:
+            return "busy"
+        nonces[nonce] = now + 2 * MAX_CLOCK_SKEW_S
         return None
 
     async def _parse_rank(self, request: web.Request) -> RankInfo | web.Response:

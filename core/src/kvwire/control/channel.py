@@ -31,8 +31,10 @@ from collections import Counter
 import zmq
 from zmq.utils.monitor import parse_monitor_message
 
+from kvwire.control.freshness import FreshnessError
 from kvwire.control.wire import Codec, Message
 from kvwire.errors import ConfigError, ProtocolError
+from kvwire.security import warn_if_exposed
 
 logger = logging.getLogger(__name__)
 
@@ -52,6 +54,8 @@ _MONITOR_EVENTS = zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED
 
 def drop_reason(exc: ProtocolError) -> str:
     """The counter name of a refused frame."""
+    if isinstance(exc, FreshnessError):
+        return exc.reason
     text = str(exc)
     if "authentic" in text:
         return "unauthenticated"
@@ -79,6 +83,7 @@ class ControlChannel:
                 "address of this machine"
             ) from exc
         self.endpoint = f"tcp://{host}:{port}"
+        warn_if_exposed("control endpoint", host, codec.authenticated)
         self._poller = zmq.Poller()
         self._poller.register(self._pull, zmq.POLLIN)
         self._hwm = send_hwm
@@ -87,7 +92,8 @@ class ControlChannel:
         self._down_since: dict[str, float] = {}
         self._lock = threading.Lock()
         self._closed = False
-        #: Frames dropped, by reason ("unauthenticated", "malformed", "version", "send_full").
+        #: Frames dropped, by reason ("unauthenticated", "malformed", "version", "send_full",
+        #: and with a secret "replayed" and "stale").
         self.dropped: Counter[str] = Counter()
         self._last_log: dict[str, float] = {}
         self._unsigned: collections.deque[Message] = collections.deque(maxlen=UNSIGNED_KEPT)
@@ -96,7 +102,7 @@ class ControlChannel:
     def send(self, endpoint: str, msg: Message) -> bool:
         """Queue ``msg`` for ``endpoint`` without blocking; False if it had to be dropped.
         Any thread."""
-        frame = self.codec.encode(msg)
+        frame = self.codec.encode(msg, to=endpoint)
         with self._lock:
             if self._closed:
                 return False
@@ -121,7 +127,7 @@ class ControlChannel:
         """Send ``msg`` on a socket of its own that is closed right away (ZeroMQ still tries to
         deliver it for ``linger_s``): for answers to strangers (an unsigned hello), whose
         endpoint may not exist, so that no socket or monitor is kept for them. Any thread."""
-        frame = self.codec.encode(msg)
+        frame = self.codec.encode(msg, to=endpoint)
         with self._lock:
             if self._closed:
                 return
@@ -161,7 +167,7 @@ class ControlChannel:
             except zmq.Again:
                 break
             try:
-                out.append(self.codec.decode(frame))
+                out.append(self.codec.decode(frame, to=self.endpoint))
             except ProtocolError as exc:
                 reason = drop_reason(exc)
                 self.dropped[reason] += 1

@@ -1,15 +1,20 @@
 """The control-plane wire schema: pydantic models encoded with msgpack, versioned, optionally
 authenticated.
 
-A frame is a msgpack array ``[major, minor, kind, body, mac]``:
+A frame is a msgpack array ``[major, minor, kind, body, mac]``, plus ``fresh`` when signed:
 
 * ``major``/``minor``: the sender's protocol version. A different ``major`` is refused; any
   ``minor`` is accepted (a newer minor only adds optional fields, which older readers ignore,
   and an older minor omits them, which newer readers fill with defaults).
 * ``kind``: the message type name (:attr:`Message.kind`).
 * ``body``: the msgpack encoding of the model's fields.
-* ``mac``: ``HMAC-SHA256(secret, [major, minor, kind] packed + body)`` when a shared secret is
-  configured, else empty bytes. With a secret, a frame whose MAC is missing or wrong is refused.
+* ``mac``: ``HMAC-SHA256(secret, [major, minor, kind] packed + fresh packed + body)`` when a
+  shared secret is configured, else empty bytes. With a secret, a frame whose MAC is missing or
+  wrong is refused.
+* ``fresh`` (1.3, signed frames only): ``[origin, seq, sent_at, to]``, the replay-protection
+  stamp (:mod:`kvwire.control.freshness`). A receiver that passes its endpoint to
+  :meth:`Codec.decode` refuses a signed frame that is replayed, stale, unstamped or addressed
+  to another endpoint.
 
 Never pickle: everything here is plain data validated by pydantic on arrival. The same codec
 encodes the notification payloads that ride on the data plane (:class:`ChunkNote`).
@@ -19,6 +24,10 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import itertools
+import secrets
+import time
+from collections.abc import Callable
 from typing import Any, ClassVar, Literal
 
 import msgpack
@@ -26,6 +35,7 @@ import numpy as np
 from numpy.typing import NDArray
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
+from kvwire.control.freshness import FreshnessError, ReplayGuard
 from kvwire.errors import ProtocolError
 from kvwire.layout import KVLayout, MemoryRegion, ModelSpec, RankPosition
 
@@ -34,7 +44,9 @@ from kvwire.layout import KVLayout, MemoryRegion, ModelSpec, RankPosition
 #: ``HelloAck.layout`` and ``HelloAck.staged``), write quiescence (``writes_query``,
 #: ``writes_done``) and the host-pool path (``Hello.host_layout``, ``TransferRequest.pool``).
 #: 1.3 replaced the ``staging_*`` kinds by one envelope, ``staging``, whose body belongs to
-#: the strategy (bulk staging checks its peer's version at handshake).
+#: the strategy (bulk staging checks its peer's version at handshake), and added the freshness
+#: stamp of signed frames (replay protection): with a secret, 1.3 and older peers do not
+#: accept each other's frames (upgrade both sides together).
 PROTOCOL_MAJOR = 1
 PROTOCOL_MINOR = 3
 
@@ -309,30 +321,67 @@ RETIRED_KINDS: dict[str, int] = {
 
 
 class Codec:
-    """Encodes and decodes frames; holds the shared secret (if any).
+    """Encodes and decodes frames; holds the shared secret (if any), this process's origin id
+    and message counter for freshness stamps, and the replay window of what it received.
 
-    One instance per manager, used from any thread (it is stateless apart from the key).
+    One instance per manager, used from any thread (the counter and the replay guard are
+    thread-safe).
     """
 
-    def __init__(self, secret: bytes | None = None) -> None:
+    def __init__(self, secret: bytes | None = None, clock: Callable[[], float] = time.time) -> None:
         self._key = secret or None
+        self._clock = clock
+        #: Random id of this codec: the sender identity of its freshness stamps.
+        self.origin = secrets.token_bytes(8)
+        self._seq = itertools.count(1)
+        #: Replay window of frames decoded with a destination (the control channel's).
+        self.guard = ReplayGuard(clock=clock)
 
     @property
     def authenticated(self) -> bool:
         """Whether frames carry (and must carry) an HMAC."""
         return self._key is not None
 
-    def _mac(self, major: int, minor: int, kind: str, body: bytes) -> bytes:
+    def _mac(self, major: int, minor: int, kind: str, body: bytes, fresh: bytes = _EMPTY) -> bytes:
         assert self._key is not None
         head = msgpack.packb([major, minor, kind])
-        return hmac.new(self._key, head + body, hashlib.sha256).digest()
+        return hmac.new(self._key, head + fresh + body, hashlib.sha256).digest()
 
-    def encode(self, msg: Message) -> bytes:
-        """Frame ``msg`` with this side's protocol version (and MAC)."""
+    def encode(self, msg: Message, to: str = "") -> bytes:
+        """Frame ``msg`` with this side's protocol version (and, with a secret, a freshness
+        stamp addressed to ``to`` and the MAC). ``to`` is the receiver's control endpoint;
+        ``""`` for payloads that do not travel on the control channel (notifications). Any
+        thread."""
         body = msgpack.packb(msg.model_dump(mode="python"), use_bin_type=True)
-        mac = self._mac(PROTOCOL_MAJOR, PROTOCOL_MINOR, msg.kind, body) if self._key else _EMPTY
-        frame: bytes = msgpack.packb([PROTOCOL_MAJOR, PROTOCOL_MINOR, msg.kind, body, mac])
+        if self._key is None:
+            frame: bytes = msgpack.packb([PROTOCOL_MAJOR, PROTOCOL_MINOR, msg.kind, body, _EMPTY])
+            return frame
+        fresh = msgpack.packb([self.origin, next(self._seq), self._clock(), to])
+        mac = self._mac(PROTOCOL_MAJOR, PROTOCOL_MINOR, msg.kind, body, fresh)
+        frame = msgpack.packb([PROTOCOL_MAJOR, PROTOCOL_MINOR, msg.kind, body, mac, fresh])
         return frame
+
+    def _check_fresh(self, kind: str, fresh: bytes, to: str) -> None:
+        if not fresh:
+            raise FreshnessError(
+                "stale",
+                f"unstamped {kind!r} message: signed frames must carry a freshness stamp "
+                f"(the peer runs kvwire older than protocol {PROTOCOL_MAJOR}.{PROTOCOL_MINOR}; "
+                "upgrade both sides together)",
+            )
+        try:
+            origin, seq, ts, dest = msgpack.unpackb(fresh, raw=False)
+            ok = isinstance(origin, bytes) and isinstance(seq, int) and isinstance(dest, str)
+            ts = float(ts)
+        except Exception as exc:
+            raise ProtocolError(f"malformed {kind!r} freshness stamp: {exc}") from exc
+        if not ok:
+            raise ProtocolError(f"malformed {kind!r} freshness stamp (field types)")
+        if dest != to:
+            raise FreshnessError(
+                "stale", f"{kind!r} message addressed to {dest!r} arrived at {to!r} (replayed?)"
+            )
+        self.guard.check(origin, seq, ts)
 
     def decode_unverified(self, frame: bytes, kinds: frozenset[str]) -> Message | None:
         """Parse a frame of one of ``kinds`` WITHOUT checking its MAC, or None. Only for
@@ -348,8 +397,14 @@ class Codec:
         except Exception:  # anything malformed: nothing to explain with
             return None
 
-    def decode(self, frame: bytes) -> Message:
-        """Parse and check a frame. Raises :class:`ProtocolError` naming what is wrong."""
+    def decode(self, frame: bytes, to: str | None = None) -> Message:
+        """Parse and check a frame. Raises :class:`ProtocolError` naming what is wrong.
+
+        With a secret and ``to`` (the receiving control endpoint; the channel's liveness
+        thread), the frame must also be fresh: stamped, addressed to ``to``, recent and not
+        seen before (:class:`~kvwire.control.freshness.FreshnessError` otherwise). Without
+        ``to`` (notification payloads, stored fixtures) only the MAC is checked; the data
+        plane that carried the payload is what protects it (docs/security.md)."""
         if len(frame) > MAX_FRAME_BYTES:
             raise ProtocolError(f"frame of {len(frame)} bytes exceeds {MAX_FRAME_BYTES}")
         try:
@@ -359,6 +414,7 @@ class Codec:
         if not isinstance(outer, list) or len(outer) < 5:
             raise ProtocolError("not a kvwire frame: expected [major, minor, kind, body, mac]")
         major, minor, kind, body, mac = outer[:5]
+        fresh = outer[5] if len(outer) > 5 else _EMPTY
         if not (isinstance(major, int) and isinstance(minor, int) and isinstance(kind, str)):
             raise ProtocolError("malformed frame header (version or kind has the wrong type)")
         if not isinstance(body, bytes) or not isinstance(mac, bytes):
@@ -374,10 +430,14 @@ class Codec:
                     f"unauthenticated {kind!r} message: a shared secret is configured here but "
                     "the peer sent no MAC (set KVWIRE_SECRET on both sides)"
                 )
-            if not hmac.compare_digest(mac, self._mac(major, minor, kind, body)):
+            if not isinstance(fresh, bytes):
+                raise ProtocolError(f"malformed {kind!r} frame: freshness stamp must be bytes")
+            if not hmac.compare_digest(mac, self._mac(major, minor, kind, body, fresh)):
                 raise ProtocolError(
                     f"{kind!r} message failed authentication (wrong shared secret, or tampered)"
                 )
+            if to is not None:
+                self._check_fresh(kind, fresh, to)
         cls = MESSAGE_TYPES.get(kind)
         if cls is None and kind in RETIRED_KINDS:
             raise ProtocolError(

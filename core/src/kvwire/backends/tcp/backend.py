@@ -32,7 +32,7 @@ from typing import Any, TypeVar
 import numpy as np
 import zmq
 from numpy.typing import NDArray
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, SecretStr
 
 from kvwire.backend import (
     BackendCapabilities,
@@ -51,8 +51,10 @@ from kvwire.backends.envelope import (
 )
 from kvwire.backends.memcopy import HostMemory, coalesce
 from kvwire.backends.tcp import wire
+from kvwire.backends.tcp.auth import DataPlaneAuth
 from kvwire.descriptors import ADDR, DescTable
 from kvwire.layout import MemoryRegion
+from kvwire.security import warn_if_exposed
 
 logger = logging.getLogger(__name__)
 
@@ -78,6 +80,12 @@ class TcpOptions(BaseModel):
         default=120.0, gt=0, description="A transfer not finished by then fails."
     )
     send_hwm: int = Field(default=8, ge=1, description="Parts queued per peer socket.")
+    secret: SecretStr | None = Field(
+        default=None,
+        description="Shared secret: the data plane then uses ZeroMQ CURVE with keys derived "
+        "from it and refuses every connection that does not hold it. kvwire passes "
+        "KVWIRE_SECRET here; never set it on a command line.",
+    )
 
 
 @dataclass(eq=False)
@@ -146,15 +154,29 @@ class TcpBackend(TransferBackend):
         super().__init__(agent_name, options)
         opts = self.options
         self._ctx = zmq.Context()
+        secret = opts.secret.get_secret_value().encode() if opts.secret else b""
+        #: CURVE authentication of the data plane (None without a secret: open, see
+        #: docs/security.md).
+        self.auth = DataPlaneAuth(self._ctx, secret, agent_name) if secret else None
         self._router = self._ctx.socket(zmq.ROUTER)
         self._router.setsockopt(zmq.LINGER, 0)
         self._router.setsockopt(zmq.ROUTER_MANDATORY, 1)
         self._router.setsockopt(zmq.SNDTIMEO, 1000)
-        if opts.port:
-            self._router.bind(f"tcp://{opts.host}:{opts.port}")
-            port = opts.port
-        else:
-            port = self._router.bind_to_random_port(f"tcp://{opts.host}")
+        try:
+            if self.auth is not None:
+                self.auth.secure_server(self._router)
+            if opts.port:
+                self._router.bind(f"tcp://{opts.host}:{opts.port}")
+                port = opts.port
+            else:
+                port = self._router.bind_to_random_port(f"tcp://{opts.host}")
+        except zmq.ZMQError:
+            self._router.close(linger=0)
+            if self.auth is not None:
+                self.auth.close()
+            self._ctx.term()
+            raise
+        warn_if_exposed("tcp data endpoint", opts.host, self.auth is not None)
         self.endpoint = f"tcp://{opts.advertise_host or opts.host}:{port}"
         self.incarnation = uuid.uuid4().hex
         self._memory = HostMemory([])
@@ -246,6 +268,8 @@ class TcpBackend(TransferBackend):
                 sock.setsockopt(zmq.SNDHWM, self.options.send_hwm)
                 sock.setsockopt(zmq.IMMEDIATE, 0)
                 sock.setsockopt(zmq.ROUTING_ID, uuid.uuid4().bytes)
+                if self.auth is not None:
+                    self.auth.secure_client(sock)
                 sock.connect(meta["endpoint"])
             except zmq.ZMQError as exc:
                 sock.close(linger=0)  # a leaked socket would make close() hang in ctx.term()
@@ -336,6 +360,8 @@ class TcpBackend(TransferBackend):
                 p.sock.close(linger=0)
         self._peers.clear()
         self._router.close(linger=0)
+        if self.auth is not None:
+            self.auth.close()
         self._ctx.term()
         for fd in (self._wake_r, self._wake_w):
             with contextlib.suppress(OSError):
@@ -485,9 +511,10 @@ class TcpBackend(TransferBackend):
             bad = mem.locate(addr, lens) < 0
             if bad.any():
                 i = int(np.argmax(bad))
-                raise wire.MalformedMessageError(
-                    f"{int(bad.sum())} rows outside the regions agent {self.agent_name!r} "
-                    f"registered (first addr {int(addr[i]):#x} len {int(lens[i])})"
+                raise wire.RefusedRowsError(
+                    f"{int(bad.sum())} of {bad.size} rows from {sender!r} outside the regions "
+                    f"agent {self.agent_name!r} registered (first addr {int(addr[i]):#x} "
+                    f"len {int(lens[i])})"
                 )
             if kind == wire.WRITE:
                 if len(frames) != 4:
@@ -506,12 +533,15 @@ class TcpBackend(TransferBackend):
                 raise wire.MalformedMessageError(f"unknown request kind {kind!r}")
         except Exception as exc:
             self.refused_messages += 1
+            # Details (addresses, counts) stay in this rank's log; the peer learns the category
+            # only, so a prober cannot map the registered regions from the answers.
+            public = wire.public_reason(exc)
             logger.warning("%s: refused inbound request: %s", self.agent_name, exc)
             if xid is not None:
-                self._failed_inbound[(ident, xid)] = str(exc)
+                self._failed_inbound[(ident, xid)] = public
                 while len(self._failed_inbound) > 10_000:
                     self._failed_inbound.popitem(last=False)
-                self._reply(ident, {"x": xid, "p": part, "ok": False, "e": str(exc)})
+                self._reply(ident, {"x": xid, "p": part, "ok": False, "e": public})
 
     def _deliver(self, sender: str, payload: object) -> None:
         if payload is None:

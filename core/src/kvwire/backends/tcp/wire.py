@@ -33,6 +33,18 @@ class MalformedMessageError(ValueError):
     """A data-plane message could not be parsed or fails validation."""
 
 
+class RefusedRowsError(MalformedMessageError):
+    """A request names rows outside the target's registered regions."""
+
+
+def public_reason(exc: BaseException) -> str:
+    """What a target tells the initiator about a refused request: the category only, never
+    addresses, counts or region names (those go to the target's own log)."""
+    if isinstance(exc, RefusedRowsError):
+        return "refused: rows outside the target's registered regions (details in its log)"
+    return "refused: malformed request (details in the target's log)"
+
+
 def pack(header: dict[str, Any]) -> bytes:
     """Encode a header."""
     return msgpack.packb(header, use_bin_type=True)  # type: ignore[no-any-return]
