@@ -38,6 +38,7 @@ from kvwire.control.channel import ControlChannel
 from kvwire.control.wire import MESSAGE_TYPES, Codec, Goodbye, Heartbeat, Message, StagingMessage
 from kvwire.errors import ConfigError, LayoutError
 from kvwire.layout import KVLayout, MemoryRegion
+from kvwire.security import enforce_secret_policy
 from kvwire.selection import select_backend, select_host_staging, select_staging
 from kvwire.session import metrics as m
 from kvwire.session.peers import Peer, PeerTable
@@ -105,6 +106,7 @@ class KVManager:
         host_layout: KVLayout | None = None,
         hooks: Any = None,
     ) -> None:
+        enforce_secret_policy(config.require_secret, config.secret_bytes, "this kvwire rank")
         self.config = config
         self.role = Role(role)
         self.layout = layout
