@@ -205,7 +205,7 @@ def test_lookup_of_absent_bootstrap_fails() -> None:
 def test_late_messages_for_unknown_rooms_create_no_state() -> None:
     with pair(config(bootstrap_timeout_s=0.5)) as p:
         p.transfer(1)
-        link = next(iter(p.decode.side.links.values()))  # type: ignore[union-attr]
+        link = next(iter(p.decode.side.sources.links.values()))  # type: ignore[union-attr]
         session = link.info.session
         # a failure for a room nobody knows, straight into both control threads' handlers
         p.prefill.side.on_failure(Failure(room=77, session=p.decode.session, reason="late"))

@@ -1,11 +1,11 @@
 """The engine-facing API: :class:`KVManager`, :class:`KVSender`, :class:`KVReceiver`,
 :class:`KVPoll`."""
 
-from kvwire.session.decode import KVReceiver
 from kvwire.session.manager import KVManager, Role
 from kvwire.session.metrics import RequestMetrics
 from kvwire.session.poll import KVPoll, reduce_polls
 from kvwire.session.prefill import KVSender
+from kvwire.session.receiver import KVReceiver
 
 __all__ = [
     "KVManager",

@@ -21,24 +21,19 @@ from __future__ import annotations
 import concurrent.futures
 import functools
 import logging
-import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, Protocol
+from typing import Any, ClassVar
 
 import numpy as np
 from numpy.typing import NDArray
 
 from kvwire.backend import Notification
-from kvwire.control.bootstrap import BootstrapClient, RankInfo
-from kvwire.control.handshake import build_mapper, topology_for
+from kvwire.control.bootstrap import BootstrapClient
 from kvwire.control.wire import (
     ChunkNote,
     Completion,
     Failure,
-    Hello,
-    HelloAck,
-    HelloReject,
     Message,
     TransferRequest,
     WritesDone,
@@ -55,8 +50,8 @@ from kvwire.errors import (
     TransferError,
 )
 from kvwire.index.base import check_pages
-from kvwire.index.topology import Topology
-from kvwire.session.common import RequestHandle, Side
+from kvwire.session.common import Side
+from kvwire.session.decode_links import PrefillLink, SourceLinks
 from kvwire.session.manager import KVManager
 from kvwire.session.metrics import RequestMetrics
 from kvwire.session.peers import Peer
@@ -64,40 +59,6 @@ from kvwire.session.poll import KVPoll
 from kvwire.staging.base import ArrivedChunk, StagingStrategy
 
 logger = logging.getLogger(__name__)
-
-
-class DecodeHooks(Protocol):
-    """What a decode engine is told about its host-pool requests (e.g. a sparse-attention
-    engine that keeps the KV in host memory; engine thread; keep them quick). Exactly one of
-    ``on_admit``/``on_abandon`` follows ``on_prealloc`` for every request, on every path
-    (success, failure, abort, clear)."""
-
-    def on_prealloc(self, room: int, num_units: int) -> None:
-        """``send_metadata(..., pool="host")`` was called: only logical indices are held."""
-
-    def on_admit(self, room: int, num_tokens: int) -> None:
-        """The KV is in the host pool: allocate the hot device buffer, preload if short."""
-
-    def on_abandon(self, room: int) -> None:
-        """The request failed or was aborted: drop what ``on_prealloc`` set up."""
-
-
-@dataclass
-class PrefillLink:
-    """A prefill rank this decode rank has handshaken with."""
-
-    info: RankInfo
-    sender_id: int
-    dummy: bool
-
-
-@dataclass
-class _Pending:
-    """A handshake in flight."""
-
-    event: threading.Event = field(default_factory=threading.Event)
-    link: PrefillLink | None = None
-    error: str | None = None
 
 
 @dataclass
@@ -142,10 +103,12 @@ QUERY_RETRY_S = 0.1
 class DecodeSide(Side[RecvRoom]):
     """The decode role of a :class:`~kvwire.session.manager.KVManager`.
 
-    Lock contract: room tables, links, pending handshakes and the quarantine are guarded by
-    ``mgr.lock``, held for table updates (and a staged chunk's scatter), never across an
-    engine call or a wait. Message handlers run on the liveness thread, notification handling
-    and deadlines on the progress thread.
+    Lock contract: room tables, the quarantine and source progress are guarded by
+    ``mgr.lock``, held for table updates (and a staged chunk's placement by the strategy),
+    never across an engine call or a wait. The prefill ranks known (lookups, handshakes) are
+    :attr:`sources`' (its own lock, taken after ``mgr.lock`` when both are held). Message
+    handlers run on the liveness thread, notification handling and deadlines on the progress
+    thread.
     """
 
     #: The handler of every wire message kind on decode (kind -> method).
@@ -163,11 +126,8 @@ class DecodeSide(Side[RecvRoom]):
 
     def __init__(self, mgr: KVManager) -> None:
         super().__init__(mgr)
-        self.pending: dict[str, _Pending] = {}
-        self.links: dict[str, PrefillLink] = {}
-        #: (bootstrap address, prefill dp rank) -> the prefill ranks registered there.
-        self.instances: dict[tuple[str, int], list[RankInfo]] = {}
-        self._instance_locks: dict[tuple[str, int], threading.Lock] = {}
+        #: The prefill ranks looked up and handshaken with.
+        self.sources = SourceLinks(mgr)
         #: Cleared failed rooms whose sources may still be writing (see :meth:`clear`).
         self.quarantine: dict[int, RecvRoom] = {}
         #: When each prefill session last delivered anything (deadlines are on progress: a
@@ -187,29 +147,11 @@ class DecodeSide(Side[RecvRoom]):
         """Engine thread (``init``): resolve and handshake. When the prefill instance was looked
         up and every source rank handshaken before (the common case), that is a few dict
         lookups done right here; otherwise it runs on a bootstrap thread."""
-        cached = self._cached_sources(room.bootstrap_addr, room.room, prefill_dp_rank)
+        cached = self.sources.cached_sources(room.bootstrap_addr, room.room, prefill_dp_rank)
         if cached is not None:
             self._resolved(room, cached)
         else:
             self.bootstraps.submit(self._bootstrap, room, prefill_dp_rank)
-
-    def _cached_sources(self, addr: str, room_id: int, dp: int | None) -> list[PrefillLink] | None:
-        with self.mgr.lock:
-            ranks = self.instances.get((addr, 0 if dp is None else dp))
-            if ranks is None:
-                return None
-            if dp is None and ranks[0].dp_size > 1:
-                ranks = self.instances.get((addr, room_id % ranks[0].dp_size))
-                if ranks is None:
-                    return None
-            try:
-                want = self._topology(ranks[0]).source_tp_ranks(self.mgr.layout.rank.tp_rank)
-            except KVWireError:
-                return None
-            links = [self.links.get(x.session) for x in ranks if x.tp_rank in want]
-            if not links or any(link is None for link in links):
-                return None
-            return [link for link in links if link is not None]
 
     def _bootstrap(self, room: RecvRoom, dp: int | None) -> None:
         """Bootstrap thread: find the source ranks and handshake with each."""
@@ -225,7 +167,7 @@ class DecodeSide(Side[RecvRoom]):
     def _resolved(self, room: RecvRoom, sources: list[PrefillLink]) -> None:
         """The room's source ranks are known and handshaken: WaitingForInput."""
         r = self.mgr.layout.rank
-        aux = self._topology(sources[0].info).aux_sender(r.tp_rank)
+        aux = self.sources.topology(sources[0].info).aux_sender(r.tp_rank)
         with self.mgr.lock:
             if self._terminal(room):
                 if room.error is not None and not room.contacts:
@@ -243,12 +185,12 @@ class DecodeSide(Side[RecvRoom]):
         addr, room_id = room.bootstrap_addr, room.room
         opts = self.mgr.options
         client = BootstrapClient(addr, self.mgr.config.secret_bytes)
-        ranks = self._lookup(client, addr, 0 if dp is None else dp)
+        ranks = self.sources.lookup(client, addr, 0 if dp is None else dp)
         if dp is None and ranks[0].dp_size > 1:
-            ranks = self._lookup(client, addr, room_id % ranks[0].dp_size)
+            ranks = self.sources.lookup(client, addr, room_id % ranks[0].dp_size)
         r = self.mgr.layout.rank
         try:
-            wanted = set(self._topology(ranks[0]).sources(r.tp_rank))
+            wanted = set(self.sources.topology(ranks[0]).sources(r.tp_rank))
         except KVWireError as exc:
             raise HandshakeError(f"cannot pair with the prefill instance at {addr}: {exc}") from exc
         chosen = [x for x in ranks if (x.tp_rank, x.pp_rank) in wanted]
@@ -262,96 +204,20 @@ class DecodeSide(Side[RecvRoom]):
             if room.error is not None:  # failed while we looked its sources up
                 self._push_failure(room, room.error, None, False)
                 raise TransferError("request failed during bootstrap", room=room_id)
-        return [self._handshake(x, opts.handshake_timeout_s) for x in chosen]
-
-    def _topology(self, prefill: RankInfo) -> Topology:
-        """Who sends to whom between a prefill instance (as bootstrap lists it) and us."""
-        mgr = self.mgr
-        return topology_for(
-            mgr.config, mgr.layout, prefill.tp_size, prefill.pp_size, mgr.layout.rank.tp_size
-        )
-
-    def _lookup(self, client: BootstrapClient, addr: str, dp: int) -> list[RankInfo]:
-        key = (addr, dp)
-        with self.mgr.lock:
-            lock = self._instance_locks.setdefault(key, threading.Lock())
-        with lock:
-            with self.mgr.lock:
-                cached = self.instances.get(key)
-            if cached is not None:
-                return cached
-            ranks = client.lookup(dp, timeout_s=self.mgr.options.bootstrap_timeout_s)
-            with self.mgr.lock:
-                self.instances[key] = ranks
-            return ranks
-
-    def _handshake(self, info: RankInfo, timeout_s: float) -> PrefillLink:
-        mgr = self.mgr
-        with mgr.lock:
-            link = self.links.get(info.session)
-            if link is not None:
-                return link
-            pending = self.pending.get(info.session)
-            first = pending is None
-            if pending is None:
-                pending = self.pending[info.session] = _Pending()
-        if first:
-            hello = Hello(
-                session=mgr.session,
-                agent=mgr.agent_name,
-                endpoint=mgr.channel.endpoint,
-                rank=mgr.layout.rank,
-                layout=mgr.layout,
-                layout_hash=mgr.layout.compatibility_hash(),
-                backend=mgr.backend_name,
-                backend_metadata=mgr.backend.local_metadata(),
-                aux_regions=mgr.aux_regions,
-                staging=mgr.staging.describe(),
-                host_layout=mgr.host_layout,
-                host_staging=mgr.host_staging.describe(),
-            )
-            mgr.send(info.endpoint, hello)
-        ok = pending.event.wait(timeout_s)
-        with mgr.lock:
-            if first:
-                self.pending.pop(info.session, None)
-        if not ok:
-            raise HandshakeError(
-                f"prefill rank tp={info.tp_rank} pp={info.pp_rank} ({info.agent} at "
-                f"{info.endpoint}) did not answer the handshake within {timeout_s:.1f}s"
-            )
-        if pending.link is None:
-            raise HandshakeError(
-                f"prefill rank {info.agent} refused the handshake: {pending.error}"
-            )
-        return pending.link
+        return [self.sources.handshake(x, opts.handshake_timeout_s) for x in chosen]
 
     # ------------------------------------------------------------ liveness thread
+    def _on_ack(self, msg: Message) -> None:
+        """Liveness thread: a prefill rank accepted our handshake (see :class:`SourceLinks`)."""
+        self.sources.on_ack(msg)
+
     def _on_reject(self, msg: Message) -> None:
-        """Liveness thread: a prefill rank refused our handshake (every reason listed)."""
-        assert isinstance(msg, HelloReject)
-        with self.mgr.lock:
-            pending = (
-                self.pending.get(msg.session) if msg.peer_session == self.mgr.session else None
-            )
-        if pending is not None:
-            pending.error = f"{msg.reason}: " + "; ".join(msg.problems)
-            pending.event.set()
+        """Liveness thread: a prefill rank refused our handshake."""
+        self.sources.on_reject(msg)
 
     def on_unsigned(self, msg: Message) -> None:
-        """Liveness thread: an answer to our (signed) hello came without a MAC: the prefill
-        rank has no shared secret. Fail that handshake at once, naming the secret (an
-        unsigned frame can end a handshake early, never complete one)."""
-        if not isinstance(msg, HelloAck | HelloReject) or msg.peer_session != self.mgr.session:
-            return
-        with self.mgr.lock:
-            pending = self.pending.get(msg.session)
-        if pending is not None and pending.link is None:
-            pending.error = (
-                "the prefill rank answers without signatures: a shared secret (KVWIRE_SECRET) "
-                "is set on this decode rank but not on prefill; set the same secret on both"
-            )
-            pending.event.set()
+        """Liveness thread: an unsigned answer to our signed hello (names the secret)."""
+        self.sources.on_unsigned(msg)
 
     def _on_writes_done(self, msg: Message) -> None:
         """Liveness thread: a source confirms none of its writes for a failed room remains."""
@@ -374,48 +240,6 @@ class DecodeSide(Side[RecvRoom]):
                 room.expected[msg.sender_id] = msg.data_chunks
                 room.last_progress = time.monotonic()
                 self._check_done(room)
-
-    def _on_ack(self, msg: Message) -> None:
-        """Liveness thread: a prefill rank accepted our handshake."""
-        assert isinstance(msg, HelloAck)
-        mgr = self.mgr
-        if msg.peer_session != mgr.session:
-            return  # an answer to an earlier incarnation of this rank
-        with mgr.lock:
-            pending = self.pending.get(msg.session)
-            if pending is None:
-                return
-            if msg.layout_hash != mgr.layout.compatibility_hash():
-                pending.error = "layout compatibility hash differs"
-                pending.event.set()
-                return
-            info = self._info_for(msg.session)
-            if info is None:
-                pending.error = "acknowledged by a rank bootstrap does not list"
-                pending.event.set()
-                return
-            link = PrefillLink(info, msg.sender_id, msg.dummy)
-            if msg.staged:
-                try:
-                    if msg.layout is None:
-                        raise HandshakeError("it stages but sent no layout")
-                    mapper = build_mapper(mgr.config, msg.layout, mgr.layout)
-                    mgr.staging.on_link(msg.session, msg.endpoint, mapper)
-                except KVWireError as exc:
-                    pending.error = f"cannot take staged chunks from {msg.agent}: {exc}"
-                    pending.event.set()
-                    return
-            self.links[msg.session] = link
-            mgr.add_peer(Peer(msg.session, msg.agent, msg.endpoint, time.monotonic(), link=link))
-            pending.link = link
-            pending.event.set()
-
-    def _info_for(self, session: str) -> RankInfo | None:
-        for ranks in self.instances.values():
-            for x in ranks:
-                if x.session == session:
-                    return x
-        return None
 
     def on_notification(self, note: Notification) -> None:
         """Control thread: a data-plane notification (data already landed)."""
@@ -598,7 +422,7 @@ class DecodeSide(Side[RecvRoom]):
                 for src in room.sources:
                     if src.info.session in room.quiet:
                         continue
-                    if src.info.session not in self.links:  # evicted: nothing in flight
+                    if src.info.session not in self.sources:  # evicted: nothing in flight
                         room.quiet.add(src.info.session)
                     else:
                         asks.append((src.info.endpoint, room.room))
@@ -625,7 +449,7 @@ class DecodeSide(Side[RecvRoom]):
         """Under the lock: every source of a failed room confirmed, or is gone."""
         assert room.sources is not None
         return all(
-            s.info.session in room.quiet or s.info.session not in self.links for s in room.sources
+            s.info.session in room.quiet or s.info.session not in self.sources for s in room.sources
         )
 
     def writes_quiesced(self, room: RecvRoom) -> bool:
@@ -646,10 +470,7 @@ class DecodeSide(Side[RecvRoom]):
             self.mgr.later(functools.partial(strategy.peer_lost, peer.session))
         with self.mgr.lock:
             self.source_progress.pop(peer.session, None)
-            self.links.pop(peer.session, None)
-            for key, ranks in list(self.instances.items()):
-                if any(x.session == peer.session for x in ranks):
-                    del self.instances[key]
+            self.sources.forget(peer.session)
             for room in list(self.rooms.values()):
                 if room.sources and any(s.info.session == peer.session for s in room.sources):
                     self._fail(
@@ -794,7 +615,7 @@ class DecodeSide(Side[RecvRoom]):
             return {
                 "recv_rooms": len(self.rooms),
                 "quarantine": len(self.quarantine),
-                "handshakes_pending": len(self.pending),
+                "handshakes_pending": self.sources.pending_count(),
                 **{k: v for st in self.mgr.strategies for k, v in st.room_tables().items()},
             }
 
@@ -802,66 +623,5 @@ class DecodeSide(Side[RecvRoom]):
         """Manager shutdown: fail live rooms and stop the bootstrap threads."""
         with self.mgr.lock:
             self._fail_live("decode manager closed")
-            for p in self.pending.values():
-                p.error = "decode manager closed"
-                p.event.set()
+        self.sources.close("decode manager closed")
         self.bootstraps.shutdown(wait=False, cancel_futures=True)
-
-
-class KVReceiver(RequestHandle[RecvRoom]):
-    """Decode side of one request. Created by the engine with
-    ``mgr.receiver(room, bootstrap_addr)``.
-
-    Engine thread calls, in order: :meth:`init` (starts bootstrapping in the background),
-    :meth:`send_metadata` once the destination pages are allocated, :meth:`poll` each scheduler
-    step, and :meth:`clear` once the request is terminal (on every path).
-    """
-
-    def __init__(
-        self, side: DecodeSide, room: int, bootstrap_addr: str, prefill_dp_rank: int | None
-    ) -> None:
-        super().__init__(side, room, side.create_room(room, bootstrap_addr))
-        self._dp = prefill_dp_rank
-        self._started = False
-
-    def init(self, prefill_dp_rank: int | None = None) -> None:
-        """Start bootstrapping: look up the prefill ranks and handshake (in the background).
-        ``prefill_dp_rank`` picks the prefill DP rank (default: ``room % dp_size``)."""
-        if self._started:
-            return
-        self._started = True
-        self._side.start(self._state, prefill_dp_rank if prefill_dp_rank is not None else self._dp)
-
-    def writes_quiesced(self) -> bool:
-        """Whether the destination pages may be reused: the request succeeded, or it failed
-        and every source rank confirmed that none of its writes is still in flight (or is
-        gone). Poll it after a failure or abort before freeing the pages; ``clear()`` may come
-        before or after."""
-        if self._final is KVPoll.Success:
-            return True
-        quiet: bool = self._side.writes_quiesced(self._state)
-        return quiet
-
-    def send_metadata(self, dst_page_indices: Any, aux_index: int, pool: str = "kv") -> None:
-        """Tell the source ranks where to write: this rank's page slots for the request's
-        pages that are not cached here (the last ``len(dst_page_indices)`` of the request;
-        empty when the whole prefix is cached), and the aux row.
-
-        ``pool="host"`` sends this request into the host pool instead: the indices are host
-        pool pages (of the host pool's page size; page size 1 means token indices) for the
-        request's tokens from the first, trimmed to the tokens that exist. The manager's
-        ``hooks`` then get ``on_prealloc`` now and exactly one of ``on_admit`` (after the
-        transfer, with the token count) or ``on_abandon`` (failure or abort)."""
-        self.init()
-        self._side.send_metadata(self._state, dst_page_indices, aux_index, pool)
-
-    def poll(self) -> KVPoll:
-        status = super().poll()
-        if status in (KVPoll.Success, KVPoll.Failed):
-            self._side.run_hooks(self._state, status)
-        return status
-
-    def clear(self) -> None:
-        if self._final is None:
-            self._side.run_hooks(self._state, self.poll())
-        super().clear()

@@ -13,7 +13,7 @@ A manager owns, for one rank:
 * the room status table.
 
 Engines create one :class:`~kvwire.session.prefill.KVSender` or
-:class:`~kvwire.session.decode.KVReceiver` per request from it (:meth:`KVManager.sender`,
+:class:`~kvwire.session.receiver.KVReceiver` per request from it (:meth:`KVManager.sender`,
 :meth:`KVManager.receiver`).
 """
 
@@ -46,8 +46,9 @@ from kvwire.session.poll import KVPoll, StatusTable
 from kvwire.staging.base import StagingContext, StagingStrategy
 
 if TYPE_CHECKING:
-    from kvwire.session.decode import DecodeSide, KVReceiver
+    from kvwire.session.decode import DecodeSide
     from kvwire.session.prefill import KVSender, PrefillSide
+    from kvwire.session.receiver import KVReceiver
 
 logger = logging.getLogger(__name__)
 
@@ -88,7 +89,7 @@ class KVManager:
 
     Decode only: ``host_layout`` describes a host-memory KV pool (same model, its own page
     size, e.g. 1) that requests can choose per request (``send_metadata(..., pool="host")``);
-    ``hooks`` (a :class:`~kvwire.session.decode.DecodeHooks`) is told when such a request is
+    ``hooks`` (a :class:`~kvwire.session.receiver.DecodeHooks`) is told when such a request is
     preallocated and when it is admitted or abandoned.
     """
 
@@ -234,7 +235,8 @@ class KVManager:
     ) -> KVReceiver:
         """Decode: the receiver of request ``room`` whose prefill instance registered at
         ``bootstrap_addr``; bootstrapping (lookup and handshakes) starts in the background."""
-        from kvwire.session.decode import DecodeSide, KVReceiver
+        from kvwire.session.decode import DecodeSide
+        from kvwire.session.receiver import KVReceiver
 
         if not isinstance(self.side, DecodeSide):
             raise ConfigError("receiver() is for decode managers; this one is prefill")

@@ -1,0 +1,246 @@
+"""Decode side: the prefill ranks a decode rank knows — bootstrap lookups (cached per prefill
+instance and DP rank) and handshakes (one per prefill rank, cached across requests).
+
+Lock contract: :class:`SourceLinks` guards ``links``, ``pending`` and ``instances`` with its
+own plain lock, held only for dictionary operations: never across a lookup, a send, a wait or
+a call into the engine, and never while taking ``mgr.lock`` (callers may hold ``mgr.lock``
+when they call in: the order is ``mgr.lock`` -> this lock). ``lookup`` and ``handshake`` run
+on the engine thread (cache hits) or a bootstrap thread; the message handlers on the liveness
+thread.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from kvwire.control.bootstrap import BootstrapClient, RankInfo
+from kvwire.control.handshake import build_mapper, topology_for
+from kvwire.control.wire import Hello, HelloAck, HelloReject, Message
+from kvwire.errors import HandshakeError, KVWireError
+from kvwire.index.topology import Topology
+from kvwire.session.peers import Peer
+
+if TYPE_CHECKING:
+    from kvwire.session.manager import KVManager
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class PrefillLink:
+    """A prefill rank this decode rank has handshaken with."""
+
+    info: RankInfo
+    sender_id: int
+    dummy: bool
+
+
+@dataclass
+class _Pending:
+    """A handshake in flight."""
+
+    event: threading.Event = field(default_factory=threading.Event)
+    link: PrefillLink | None = None
+    error: str | None = None
+
+
+class SourceLinks:
+    """The prefill instances looked up and the prefill ranks handshaken with, for one decode
+    rank (see the module docstring for the lock contract)."""
+
+    def __init__(self, mgr: KVManager) -> None:
+        self.mgr = mgr
+        self._lock = threading.Lock()
+        self.pending: dict[str, _Pending] = {}
+        self.links: dict[str, PrefillLink] = {}
+        #: (bootstrap address, prefill dp rank) -> the prefill ranks registered there.
+        self.instances: dict[tuple[str, int], list[RankInfo]] = {}
+        self._instance_locks: dict[tuple[str, int], threading.Lock] = {}
+
+    def __contains__(self, session: object) -> bool:
+        """Whether a handshake with prefill session ``session`` holds (any thread)."""
+        with self._lock:
+            return session in self.links
+
+    # ---------------------------------------------------------------- lookups
+    def topology(self, prefill: RankInfo) -> Topology:
+        """Who sends to whom between a prefill instance (as bootstrap lists it) and us."""
+        mgr = self.mgr
+        return topology_for(
+            mgr.config, mgr.layout, prefill.tp_size, prefill.pp_size, mgr.layout.rank.tp_size
+        )
+
+    def cached_sources(self, addr: str, room_id: int, dp: int | None) -> list[PrefillLink] | None:
+        """Engine thread: the links of a request's source ranks when the instance was looked
+        up and every one of them handshaken before, else None."""
+        with self._lock:
+            ranks = self.instances.get((addr, 0 if dp is None else dp))
+            if ranks is not None and dp is None and ranks[0].dp_size > 1:
+                ranks = self.instances.get((addr, room_id % ranks[0].dp_size))
+        if ranks is None:
+            return None
+        try:
+            want = self.topology(ranks[0]).source_tp_ranks(self.mgr.layout.rank.tp_rank)
+        except KVWireError:
+            return None
+        with self._lock:
+            links = [self.links.get(x.session) for x in ranks if x.tp_rank in want]
+        if not links or any(link is None for link in links):
+            return None
+        return [link for link in links if link is not None]
+
+    def lookup(self, client: BootstrapClient, addr: str, dp: int) -> list[RankInfo]:
+        """Bootstrap thread: the prefill ranks of (instance, dp rank); one lookup at a time
+        per key, cached until one of them is lost."""
+        key = (addr, dp)
+        with self._lock:
+            lock = self._instance_locks.setdefault(key, threading.Lock())
+        with lock:
+            with self._lock:
+                cached = self.instances.get(key)
+            if cached is not None:
+                return cached
+            ranks = client.lookup(dp, timeout_s=self.mgr.options.bootstrap_timeout_s)
+            with self._lock:
+                self.instances[key] = ranks
+            return ranks
+
+    # ------------------------------------------------------------- handshakes
+    def handshake(self, info: RankInfo, timeout_s: float) -> PrefillLink:
+        """Bootstrap thread: the link to one prefill rank, handshaking once (concurrent
+        callers wait on the same hello)."""
+        mgr = self.mgr
+        with self._lock:
+            link = self.links.get(info.session)
+            if link is not None:
+                return link
+            pending = self.pending.get(info.session)
+            first = pending is None
+            if pending is None:
+                pending = self.pending[info.session] = _Pending()
+        if first:
+            hello = Hello(
+                session=mgr.session,
+                agent=mgr.agent_name,
+                endpoint=mgr.channel.endpoint,
+                rank=mgr.layout.rank,
+                layout=mgr.layout,
+                layout_hash=mgr.layout.compatibility_hash(),
+                backend=mgr.backend_name,
+                backend_metadata=mgr.backend.local_metadata(),
+                aux_regions=mgr.aux_regions,
+                staging=mgr.staging.describe(),
+                host_layout=mgr.host_layout,
+                host_staging=mgr.host_staging.describe(),
+            )
+            mgr.send(info.endpoint, hello)
+        ok = pending.event.wait(timeout_s)
+        with self._lock:
+            if first:
+                self.pending.pop(info.session, None)
+        if not ok:
+            raise HandshakeError(
+                f"prefill rank tp={info.tp_rank} pp={info.pp_rank} ({info.agent} at "
+                f"{info.endpoint}) did not answer the handshake within {timeout_s:.1f}s"
+            )
+        if pending.link is None:
+            raise HandshakeError(
+                f"prefill rank {info.agent} refused the handshake: {pending.error}"
+            )
+        return pending.link
+
+    def on_reject(self, msg: Message) -> None:
+        """Liveness thread: a prefill rank refused our handshake (every reason listed)."""
+        assert isinstance(msg, HelloReject)
+        with self._lock:
+            pending = (
+                self.pending.get(msg.session) if msg.peer_session == self.mgr.session else None
+            )
+        if pending is not None:
+            pending.error = f"{msg.reason}: " + "; ".join(msg.problems)
+            pending.event.set()
+
+    def on_unsigned(self, msg: Message) -> None:
+        """Liveness thread: an answer to our (signed) hello came without a MAC: the prefill
+        rank has no shared secret. Fail that handshake at once, naming the secret (an
+        unsigned frame can end a handshake early, never complete one)."""
+        if not isinstance(msg, HelloAck | HelloReject) or msg.peer_session != self.mgr.session:
+            return
+        with self._lock:
+            pending = self.pending.get(msg.session)
+        if pending is not None and pending.link is None:
+            pending.error = (
+                "the prefill rank answers without signatures: a shared secret (KVWIRE_SECRET) "
+                "is set on this decode rank but not on prefill; set the same secret on both"
+            )
+            pending.event.set()
+
+    def on_ack(self, msg: Message) -> None:
+        """Liveness thread: a prefill rank accepted our handshake. When it stages its chunks
+        for us, our KV pool's strategy takes the link (and may refuse it)."""
+        assert isinstance(msg, HelloAck)
+        mgr = self.mgr
+        if msg.peer_session != mgr.session:
+            return  # an answer to an earlier incarnation of this rank
+        with self._lock:
+            pending = self.pending.get(msg.session)
+            info = self._info_for(msg.session)
+        if pending is None:
+            return
+        error = None
+        if msg.layout_hash != mgr.layout.compatibility_hash():
+            error = "layout compatibility hash differs"
+        elif info is None:
+            error = "acknowledged by a rank bootstrap does not list"
+        elif msg.staged:
+            try:
+                if msg.layout is None:
+                    raise HandshakeError("it stages but sent no layout")
+                mapper = build_mapper(mgr.config, msg.layout, mgr.layout)
+                mgr.staging.on_link(msg.session, msg.endpoint, mapper)
+            except KVWireError as exc:
+                error = f"cannot take staged chunks from {msg.agent}: {exc}"
+        if error is not None or info is None:
+            pending.error = error
+            pending.event.set()
+            return
+        link = PrefillLink(info, msg.sender_id, msg.dummy)
+        with self._lock:
+            self.links[msg.session] = link
+        mgr.add_peer(Peer(msg.session, msg.agent, msg.endpoint, time.monotonic(), link=link))
+        pending.link = link
+        pending.event.set()
+
+    def _info_for(self, session: str) -> RankInfo | None:
+        """Under the lock: the bootstrap listing of prefill session ``session``."""
+        for ranks in self.instances.values():
+            for x in ranks:
+                if x.session == session:
+                    return x
+        return None
+
+    # -------------------------------------------------------------- lifetime
+    def forget(self, session: str) -> None:
+        """A prefill rank was lost: drop its link and every lookup that lists it (the next
+        request looks its instance up again)."""
+        with self._lock:
+            self.links.pop(session, None)
+            for key, ranks in list(self.instances.items()):
+                if any(x.session == session for x in ranks):
+                    del self.instances[key]
+
+    def pending_count(self) -> int:
+        with self._lock:
+            return len(self.pending)
+
+    def close(self, why: str) -> None:
+        """Manager shutdown: end every handshake wait."""
+        with self._lock:
+            waiting = list(self.pending.values())
+        for p in waiting:
+            p.error = why
+            p.event.set()
