@@ -4,8 +4,8 @@
 from kvwire.session.manager import KVManager, Role
 from kvwire.session.metrics import RequestMetrics
 from kvwire.session.poll import KVPoll, reduce_polls
-from kvwire.session.prefill import KVSender
 from kvwire.session.receiver import KVReceiver
+from kvwire.session.sender import KVSender
 
 __all__ = [
     "KVManager",

@@ -12,7 +12,7 @@ A manager owns, for one rank:
   :class:`~kvwire.session.decode.DecodeSide` (bootstrap lookups and handshakes);
 * the room status table.
 
-Engines create one :class:`~kvwire.session.prefill.KVSender` or
+Engines create one :class:`~kvwire.session.sender.KVSender` or
 :class:`~kvwire.session.receiver.KVReceiver` per request from it (:meth:`KVManager.sender`,
 :meth:`KVManager.receiver`).
 """
@@ -47,8 +47,9 @@ from kvwire.staging.base import StagingContext, StagingStrategy
 
 if TYPE_CHECKING:
     from kvwire.session.decode import DecodeSide
-    from kvwire.session.prefill import KVSender, PrefillSide
+    from kvwire.session.prefill import PrefillSide
     from kvwire.session.receiver import KVReceiver
+    from kvwire.session.sender import KVSender
 
 logger = logging.getLogger(__name__)
 
@@ -224,7 +225,8 @@ class KVManager:
 
     def sender(self, room: int) -> KVSender:
         """Prefill: the sender of request ``room`` (called when the request arrives)."""
-        from kvwire.session.prefill import KVSender, PrefillSide
+        from kvwire.session.prefill import PrefillSide
+        from kvwire.session.sender import KVSender
 
         if not isinstance(self.side, PrefillSide):
             raise ConfigError("sender() is for prefill managers; this one is decode")

@@ -20,31 +20,19 @@ Flow of one request on a prefill rank:
 
 from __future__ import annotations
 
-import concurrent.futures
 import logging
 import time
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
 from numpy.typing import NDArray
 
-from kvwire.backend import Notification, PreparedPair, TransferHandle
+from kvwire.backend import Notification, TransferHandle
 from kvwire.control.bootstrap import BootstrapClient, RankInfo
-from kvwire.control.handshake import (
-    aux_problems,
-    build_mapper,
-    handshake_problems,
-    slot_table,
-    topology_for,
-)
 from kvwire.control.wire import (
     PROTOCOL_MAJOR,
     Failure,
-    Hello,
-    HelloAck,
-    HelloReject,
     Message,
     TransferRequest,
     WritesDone,
@@ -58,62 +46,24 @@ from kvwire.errors import (
     KVWireError,
     TransferError,
 )
-from kvwire.index.base import IndexMapper, TablePair, check_pages
-from kvwire.index.topology import Topology
-from kvwire.layout import MemoryRegion
-from kvwire.selection import select_host_mapper
+from kvwire.index.base import check_pages
 from kvwire.session import metrics as m
-from kvwire.session.common import RequestHandle, Side
+from kvwire.session.common import Side
+from kvwire.session.early import EarlyBook
 from kvwire.session.manager import KVManager
 from kvwire.session.metrics import RequestMetrics
 from kvwire.session.peers import Peer
 from kvwire.session.pipeline import Pipeline
 from kvwire.session.poll import KVPoll
-from kvwire.session.segments import KindSplit, split_tables
+from kvwire.session.prefill_links import DecodeLink, DecodeLinker
+from kvwire.session.prefill_links import PoolLink as PoolLink  # re-exported for pipeline.py
 from kvwire.session.workers import TransferWorkers
-from kvwire.staging.base import QueuedChunk, StagingStrategy
+from kvwire.staging.base import QueuedChunk
 
 if TYPE_CHECKING:
     from kvwire.control.bootstrap_server import BootstrapServer
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class PoolLink:
-    """One pool of a decode rank this prefill rank can write into: decode's KV pool
-    ("kv"), or a host pool ("host"), each with its own mapper, prepared table and strategy."""
-
-    mapper: IndexMapper
-    #: Slots of the destination pool (decode's indices are checked against it).
-    slots: int
-    #: Name of the prepared pair holding the mapper's tables.
-    table: str
-    strategy: StagingStrategy
-    #: The strategy prepared tables of its own for this link (it stages or maps).
-    staged: bool
-
-
-@dataclass
-class DecodeLink:
-    """Everything prepared for one decode rank (one handshake)."""
-
-    mapper: IndexMapper
-    backend_peer: str
-    #: Prepared table pairs by name: "kv" (the mapper's), "aux", and a staging strategy's.
-    pairs: dict[str, PreparedPair]
-    aux_rows: int
-    #: Who sends to whom between this prefill instance and that decode instance.
-    topology: Topology
-    decode_tp_rank: int
-    sends_aux: bool
-    dummy: bool
-    #: The decode rank's pools this rank can write into, by the name decode's requests use.
-    pools: dict[str, PoolLink] = field(default_factory=dict)
-    #: Why a pool decode may ask for is not usable (e.g. its host pool is incompatible).
-    pool_problems: dict[str, str] = field(default_factory=dict)
-    #: Pairs whose rows mix memory kinds: their chunks move as one segment per kind pair.
-    splits: dict[str, KindSplit] = field(default_factory=dict)
 
 
 @dataclass
@@ -154,16 +104,10 @@ class SendRoom:
     metrics: RequestMetrics = field(default_factory=RequestMetrics)
 
 
-#: Early failures kept at most (a flood of failures for unknown rooms cannot grow memory).
-MAX_EARLY_FAILURES = 65536
-#: Answers to unsigned hellos (a decode rank without the secret) per second, at most.
-UNSIGNED_REPLIES_PER_S = 20
-
-
 class PrefillSide(Side[SendRoom]):
     """The prefill role of a :class:`~kvwire.session.manager.KVManager`.
 
-    Lock contract: room tables (``rooms``, ``early``, ``early_failures``,
+    Lock contract: room tables (``rooms``, ``early``,
     ``writes_inflight``) are guarded by ``mgr.lock``, held only for table updates and queue
     puts, never across an engine call or a wait. Handlers run on the liveness thread.
     """
@@ -183,16 +127,9 @@ class PrefillSide(Side[SendRoom]):
 
     def __init__(self, mgr: KVManager, bootstrap_addr: str | None) -> None:
         super().__init__(mgr)
-        #: Transfer requests for rooms whose sender does not exist yet: room -> decode session
-        #: -> (destination, arrival time). Expire after ``bootstrap_timeout_s``.
-        self.early: dict[int, dict[str, tuple[Dest, float]]] = {}
-        #: Failures pushed by decode for rooms whose sender does not exist yet (decode failed
-        #: before prefill knew the request): room -> (reason, arrival time). Same expiry.
-        self.early_failures: dict[int, tuple[str, float]] = {}
-        #: Rooms that failed here and were cleared: room -> (reason, time). A decode rank whose
-        #: request arrives late is answered with the failure. Same expiry and bound.
-        self.recent_failures: dict[int, tuple[str, float]] = {}
-        self._unsigned_replies: list[float] = []
+        #: Requests and failures for rooms whose sender does not exist yet, and failures of
+        #: cleared rooms (see :mod:`kvwire.session.early`).
+        self.early: EarlyBook[Dest] = EarlyBook(mgr.options.bootstrap_timeout_s)
         #: Writes posted and not ended, per (room, decode session).
         self.writes_inflight: dict[tuple[int, str], int] = {}
         self.sender_id = mgr.layout.rank.sender_id
@@ -203,9 +140,8 @@ class PrefillSide(Side[SendRoom]):
             lambda i: Pipeline(self, i),
             inline=opts.sync_transfers,
         )
-        self.handshakes = concurrent.futures.ThreadPoolExecutor(
-            2, thread_name_prefix=f"kvwire-hs-{mgr.agent_name}"
-        )
+        #: Answers decode ranks' hellos (handshake threads).
+        self.linker = DecodeLinker(mgr, self.sender_id)
         self.server: BootstrapServer | None = None
         r = mgr.layout.rank
         if bootstrap_addr is None:
@@ -257,212 +193,12 @@ class PrefillSide(Side[SendRoom]):
 
     # ------------------------------------------------------------ liveness thread
     def _on_hello(self, msg: Message) -> None:
-        """Liveness thread: a decode rank's hello; answered on a handshake thread."""
-        assert isinstance(msg, Hello)
-        self.handshakes.submit(self._handshake, msg)
+        """Liveness thread: a decode rank's hello (see :class:`DecodeLinker`)."""
+        self.linker.on_hello(msg)
 
     def on_unsigned(self, msg: Message) -> None:
-        """Liveness thread: a hello without the MAC this rank requires. Tell its sender why
-        (signed, rate-limited), so decode fails at once naming the secret instead of timing
-        out; nothing else is done with it."""
-        if not isinstance(msg, Hello):
-            return
-        now = time.monotonic()
-        self._unsigned_replies = [t for t in self._unsigned_replies if now - t < 1.0]
-        if len(self._unsigned_replies) >= UNSIGNED_REPLIES_PER_S:
-            return
-        self._unsigned_replies.append(now)
-        reason = (
-            "the prefill rank requires signed control messages (a shared secret, "
-            "KVWIRE_SECRET, is set on prefill) but this decode rank sent none: set the "
-            "same KVWIRE_SECRET on both sides"
-        )
-        logger.warning("%s: refused an unsigned hello from %s", self.mgr.agent_name, msg.agent)
-        reject = HelloReject(
-            session=self.mgr.session,
-            peer_session=msg.session,
-            reason=reason,
-            problems=["secret: prefill=set decode=unset"],
-        )
-        # a stranger: no socket is kept for its (possibly made-up) endpoint
-        self.mgr.channel.send_once(msg.endpoint, reject)
-
-    def _handshake(self, hello: Hello) -> None:
-        """Handshake thread: validate a decode rank, add it to the backend, prepare tables."""
-        mgr = self.mgr
-        with mgr.lock:
-            known = mgr.peers.get(hello.session)
-        if known is not None:  # a retried hello: answer again
-            self._ack(hello, known.link)
-            return
-        problems = handshake_problems(mgr.layout, hello.layout, mgr.backend_name, hello.backend)
-        problems += aux_problems(mgr.aux_regions, hello.aux_regions)
-        if problems:
-            self._reject(hello, "incompatible layouts", problems)
-            return
-        # The same agent name with a new session: a restart, or two live instances sharing
-        # an explicit name. A restart reuses nothing alive: its old endpoint is the new one,
-        # or the old incarnation went quiet. A live namesake is refused (the engines key
-        # peers by name, so the two would evict each other).
-        quiet_s = mgr.options.heartbeat_interval_s * 1.5
-        for old in mgr.peers.by_agent(hello.agent):
-            alive = time.monotonic() - old.last_seen < quiet_s
-            if old.endpoint != hello.endpoint and alive:
-                self._reject(
-                    hello,
-                    f"agent name {hello.agent!r} is already used by a live decode rank at "
-                    f"{old.endpoint}",
-                    [
-                        "give every decode instance a unique agent_name, or leave it unset "
-                        "(the default name is unique)"
-                    ],
-                )
-                return
-            mgr.evict(old.session, "it restarted (new session)")
-        try:
-            mapper = build_mapper(mgr.config, mgr.layout, hello.layout)
-            extra = mgr.staging.link_tables(mapper, hello.staging)
-            name = mgr.backend.add_peer(hello.backend_metadata)
-            pairs = {
-                "aux": mgr.backend.prepare(
-                    name, slot_table(mgr.aux_regions), slot_table(hello.aux_regions)
-                )
-            }
-            splits: dict[str, KindSplit] = {}
-            local = mgr.layout.buffers
-            if not mapper.is_dummy:
-                self._prepare(
-                    name, "kv", mapper.build_tables(), local, hello.layout.buffers, pairs, splits
-                )
-            for table_name, tp in extra.items():
-                pairs[table_name] = mgr.backend.prepare(name, tp.src, tp.dst)
-            host_mapper, host_problem = self._host_mapper(hello)
-            host_extra: dict[str, Any] = {}
-            if host_mapper is not None:
-                assert hello.host_layout is not None
-                host_tables = host_mapper.build_tables()
-                self._prepare(
-                    name, "host", host_tables, local, hello.host_layout.buffers, pairs, splits
-                )
-                # last: the strategy may map decode's pool for this link
-                host_extra = mgr.host_staging.link_tables(
-                    host_mapper, hello.host_staging, session=hello.session, tables=host_tables
-                )
-                for table_name, tp in host_extra.items():
-                    pairs[table_name] = mgr.backend.prepare(name, tp.src, tp.dst)
-            r = mgr.layout.rank
-            topo = topology_for(mgr.config, mgr.layout, r.tp_size, r.pp_size, hello.rank.tp_size)
-            pools = {"kv": PoolLink(mapper, hello.layout.num_slots, "kv", mgr.staging, bool(extra))}
-            if host_mapper is not None:
-                assert hello.host_layout is not None
-                pools["host"] = PoolLink(
-                    host_mapper,
-                    hello.host_layout.num_slots,
-                    "host",
-                    mgr.host_staging,
-                    bool(host_extra),
-                )
-            link = DecodeLink(
-                mapper=mapper,
-                backend_peer=name,
-                pairs=pairs,
-                aux_rows=len(mgr.aux_regions),
-                topology=topo,
-                decode_tp_rank=hello.rank.tp_rank,
-                sends_aux=topo.aux_sender(hello.rank.tp_rank) == self.sender_id,
-                dummy=mapper.is_dummy,
-                pools=pools,
-                pool_problems={} if host_mapper is not None else {"host": host_problem},
-                splits=splits,
-            )
-        except KVWireError as exc:
-            mgr.host_staging.peer_lost(hello.session)  # unmap what link_tables may have mapped
-            self._reject(hello, f"handshake failed on prefill: {exc}", [])
-            return
-        mgr.add_peer(Peer(hello.session, hello.agent, hello.endpoint, time.monotonic(), link=link))
-        logger.info(
-            "%s: handshake with %s (%s mapper%s%s)",
-            mgr.agent_name,
-            hello.agent,
-            mapper.name,
-            ", dummy" if mapper.is_dummy else "",
-            ", staged" if extra else "",
-        )
-        self._ack(hello, link)
-
-    def _prepare(
-        self,
-        peer: str,
-        name: str,
-        tables: TablePair,
-        src_regions: Sequence[MemoryRegion],
-        dst_regions: Sequence[MemoryRegion],
-        pairs: dict[str, PreparedPair],
-        splits: dict[str, KindSplit],
-    ) -> None:
-        """Handshake: prepare ``tables`` as pair ``name``, or as one pair per (source kind,
-        destination kind) when either side mixes VRAM and DRAM regions."""
-        parts, split = split_tables(name, tables, src_regions, dst_regions)
-        for table_name, tp in parts.items():
-            pairs[table_name] = self.mgr.backend.prepare(peer, tp.src, tp.dst)
-        if split is not None:
-            splits[name] = split
-
-    def _host_mapper(self, hello: Hello) -> tuple[IndexMapper | None, str]:
-        """The mapper into a decode rank's host pool, or why there is none. Regular requests
-        work either way."""
-        host = hello.host_layout
-        if host is None:
-            return None, "the decode rank has no host pool"
-        problems = [
-            p
-            for p in handshake_problems(self.mgr.layout, host, self.mgr.backend_name, hello.backend)
-            if not p.startswith("page_size")
-        ]
-        if problems:
-            return None, "host pool incompatible: " + "; ".join(problems)
-        try:
-            sel = select_host_mapper(self.mgr.config)
-            mapper: IndexMapper = sel.cls(self.mgr.layout, host, sel.options)
-        except KVWireError as exc:
-            return None, f"no usable host pool mapper: {exc}"
-        return mapper, ""
-
-    def _ack(self, hello: Hello, link: DecodeLink) -> None:
-        mgr = self.mgr
-        mgr.send(
-            hello.endpoint,
-            HelloAck(
-                session=mgr.session,
-                agent=mgr.agent_name,
-                endpoint=mgr.channel.endpoint,
-                rank=mgr.layout.rank,
-                sender_id=self.sender_id,
-                layout_hash=mgr.layout.compatibility_hash(),
-                dummy=link.dummy,
-                peer_session=hello.session,
-                layout=mgr.layout,
-                staged=link.pools["kv"].staged,
-            ),
-        )
-
-    def _reject(self, hello: Hello, reason: str, problems: list[str]) -> None:
-        logger.warning(
-            "%s: refused handshake from %s: %s %s",
-            self.mgr.agent_name,
-            hello.agent,
-            reason,
-            problems,
-        )
-        self.mgr.send(
-            hello.endpoint,
-            HelloReject(
-                session=self.mgr.session,
-                peer_session=hello.session,
-                reason=reason,
-                problems=problems,
-            ),
-        )
+        """Liveness thread: a hello without the MAC this rank requires (answered, why)."""
+        self.linker.on_unsigned(msg)
 
     def _on_request(self, msg: TransferRequest) -> None:
         mgr = self.mgr
@@ -507,17 +243,14 @@ class PrefillSide(Side[SendRoom]):
                 pool=msg.pool,
             )
             room = self.rooms.get(msg.room)
-            failed = self.recent_failures.get(msg.room)
+            failed = self.early.failed_recently(msg.room)
             if room is not None and room.error is not None:
-                failed = (str(room.error), 0.0)
+                failed = str(room.error)
             if failed is not None:  # the request already failed here: tell decode now
-                mgr.send(
-                    peer.endpoint,
-                    Failure(room=msg.room, session=mgr.session, reason=failed[0]),
-                )
+                mgr.send(peer.endpoint, Failure(room=msg.room, session=mgr.session, reason=failed))
                 return
             if room is None:
-                self.early.setdefault(msg.room, {})[msg.session] = (dest, time.monotonic())
+                self.early.add_request(msg.room, msg.session, dest, time.monotonic())
                 return
             self._add_dest(room, dest)
 
@@ -558,12 +291,11 @@ class PrefillSide(Side[SendRoom]):
         assert isinstance(msg, Failure)
         what = "aborted" if msg.aborted else "failed"
         with self.mgr.lock:
-            self._drop_early(msg.room, msg.session)
+            self.early.drop_request(msg.room, msg.session)
             room = self.rooms.get(msg.room)
             if room is None:
-                if len(self.early_failures) < MAX_EARLY_FAILURES:
-                    reason = f"decode {what} the request: {msg.reason}"
-                    self.early_failures[msg.room] = (reason, time.monotonic())
+                reason = f"decode {what} the request: {msg.reason}"
+                self.early.add_failure(msg.room, reason, time.monotonic())
                 return
             if msg.session not in room.dests and room.ready:
                 return  # not one of this room's destinations
@@ -574,8 +306,7 @@ class PrefillSide(Side[SendRoom]):
         """Control thread: a decode rank is dead or gone; fail its rooms, drop its tables."""
         mgr = self.mgr
         with mgr.lock:
-            for room_id in list(self.early):
-                self._drop_early(room_id, peer.session)
+            self.early.drop_session(peer.session)
             for room in list(self.rooms.values()):
                 if peer.session in room.dests and not self._terminal(room):
                     err = TransferError(
@@ -600,14 +331,7 @@ class PrefillSide(Side[SendRoom]):
         """Control thread: bootstrap timeouts and expiry of early requests."""
         limit = self.mgr.options.bootstrap_timeout_s
         with self.mgr.lock:
-            for room_id, by_session in list(self.early.items()):
-                for s, (_msg, t) in list(by_session.items()):
-                    if now - t > limit:
-                        self._drop_early(room_id, s)
-            for table in (self.early_failures, self.recent_failures):
-                for room_id, (_reason, t) in list(table.items()):
-                    if now - t > limit:
-                        del table[room_id]
+            self.early.expire(now)
             for room in list(self.rooms.values()):
                 if not room.ready and now - room.created > limit and not self._terminal(room):
                     got = len(room.dests)
@@ -628,22 +352,15 @@ class PrefillSide(Side[SendRoom]):
                         ),
                     )
 
-    def _drop_early(self, room_id: int, session: str) -> None:
-        by = self.early.get(room_id)
-        if by is not None:
-            by.pop(session, None)
-            if not by:
-                del self.early[room_id]
-
     # --------------------------------------------------------------- engine thread
     def create_room(self, room_id: int) -> SendRoom:
         """Engine thread (KVSender creation): a new room, picking up early requests."""
         with self.mgr.lock:
             room = self._add_room(SendRoom(room_id))
-            early_failure = self.early_failures.pop(room_id, None)
+            early_failure, requests = self.early.take(room_id)
             if early_failure is not None:
-                self._fail(room, TransferError(early_failure[0], room=room_id))
-            for s, (dest, _t) in self.early.pop(room_id, {}).items():
+                self._fail(room, TransferError(early_failure, room=room_id))
+            for s, dest in requests:
                 if s in self.mgr.peers:
                     self._add_dest(room, dest)
             return room
@@ -856,14 +573,9 @@ class PrefillSide(Side[SendRoom]):
     def clear(self, room: SendRoom) -> None:
         """Engine thread: forget the room (every terminal path ends here)."""
         with self.mgr.lock:
-            if (
-                self._forget(room)
-                and room.error is not None
-                and len(self.recent_failures) < MAX_EARLY_FAILURES
-            ):
-                self.recent_failures[room.room] = (str(room.error), time.monotonic())
-            for s in list(self.early.get(room.room, {})):
-                self._drop_early(room.room, s)
+            if self._forget(room) and room.error is not None:
+                self.early.remember_failed(room.room, str(room.error), time.monotonic())
+            self.early.drop_room(room.room)
         for strategy in self.mgr.strategies:
             strategy.release(room.room)
 
@@ -882,7 +594,7 @@ class PrefillSide(Side[SendRoom]):
         with self.mgr.lock:
             self._fail_live("prefill manager closed")
         self.workers.stop()
-        self.handshakes.shutdown(wait=False, cancel_futures=True)
+        self.linker.close()
         try:
             self.client.deregister(self.info)
         except BootstrapError as exc:
@@ -910,32 +622,3 @@ class Job:
     def target(self) -> PoolLink:
         """The link's pool this job writes into (its mapper, table and strategy)."""
         return self.link.pools[self.pool]
-
-
-class KVSender(RequestHandle[SendRoom]):
-    """Prefill side of one request. Created by the engine with ``mgr.sender(room)``.
-
-    Engine thread calls, in order: :meth:`init` once, :meth:`send` once per chunk (the last with
-    ``last=True``), :meth:`poll` each scheduler step, and :meth:`clear` once the request is
-    finished (on every path: success, failure, abort). None of them blocks on a transfer.
-    Unknown rooms poll as ``WaitingForInput`` (the decode side may not have asked yet).
-    """
-
-    unknown_status = KVPoll.WaitingForInput
-
-    def __init__(self, side: PrefillSide, room: int) -> None:
-        super().__init__(side, room, side.create_room(room))
-
-    def init(self, num_pages: int, aux_index: int) -> None:
-        """Declare the request's number of KV pages and its aux row index on this rank."""
-        self._side.init(self._state, num_pages, aux_index)
-
-    def send(self, page_indices: Any, last: bool = False, state_indices: Any | None = None) -> None:
-        """Queue one chunk of chunked prefill (page slots of this rank's pool, in request
-        order). Raises :class:`~kvwire.errors.DescriptorError` or ``ConfigError`` on bad input
-        (the room is failed and decode is told)."""
-        if state_indices is not None:
-            raise ConfigError(
-                "state buffers (hybrid models) are not supported yet; pass state_indices=None"
-            )
-        self._side.send(self._state, page_indices, last)

@@ -1,0 +1,305 @@
+"""Prefill side: the decode ranks a prefill rank writes to — handshakes (validation, engine
+peers, prepared descriptor tables per pool) and what one prepared link holds.
+
+Lock contract: :class:`DecodeLinker` keeps no table of its own: a finished link goes into the
+manager's :class:`~kvwire.session.peers.PeerTable` (its own lock). Handshakes run on the
+linker's handshake threads (engine calls: ``add_peer``, ``prepare``), never on the liveness
+thread, and hold no lock across an engine call.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from kvwire.backend import PreparedPair
+from kvwire.control.handshake import (
+    aux_problems,
+    build_mapper,
+    handshake_problems,
+    slot_table,
+    topology_for,
+)
+from kvwire.control.wire import Hello, HelloAck, HelloReject, Message
+from kvwire.errors import KVWireError
+from kvwire.index.base import IndexMapper, TablePair
+from kvwire.index.topology import Topology
+from kvwire.layout import MemoryRegion
+from kvwire.selection import select_host_mapper
+from kvwire.session.peers import Peer
+from kvwire.session.segments import KindSplit, split_tables
+from kvwire.staging.base import StagingStrategy
+
+if TYPE_CHECKING:
+    from kvwire.session.manager import KVManager
+
+logger = logging.getLogger(__name__)
+
+#: Answers to unsigned hellos (a decode rank without the secret) per second, at most.
+UNSIGNED_REPLIES_PER_S = 20
+
+
+@dataclass
+class PoolLink:
+    """One pool of a decode rank this prefill rank can write into: decode's KV pool
+    ("kv"), or a host pool ("host"), each with its own mapper, prepared table and strategy."""
+
+    mapper: IndexMapper
+    #: Slots of the destination pool (decode's indices are checked against it).
+    slots: int
+    #: Name of the prepared pair holding the mapper's tables.
+    table: str
+    strategy: StagingStrategy
+    #: The strategy prepared tables of its own for this link (it stages or maps).
+    staged: bool
+
+
+@dataclass
+class DecodeLink:
+    """Everything prepared for one decode rank (one handshake)."""
+
+    mapper: IndexMapper
+    backend_peer: str
+    #: Prepared table pairs by name: "kv" (the mapper's), "aux", and a staging strategy's.
+    pairs: dict[str, PreparedPair]
+    aux_rows: int
+    #: Who sends to whom between this prefill instance and that decode instance.
+    topology: Topology
+    decode_tp_rank: int
+    sends_aux: bool
+    dummy: bool
+    #: The decode rank's pools this rank can write into, by the name decode's requests use.
+    pools: dict[str, PoolLink] = field(default_factory=dict)
+    #: Why a pool decode may ask for is not usable (e.g. its host pool is incompatible).
+    pool_problems: dict[str, str] = field(default_factory=dict)
+    #: Pairs whose rows mix memory kinds: their chunks move as one segment per kind pair.
+    splits: dict[str, KindSplit] = field(default_factory=dict)
+
+
+class DecodeLinker:
+    """Answers decode ranks' hellos for one prefill rank: validates, adds the engine peer,
+    prepares every table pair, acks (or rejects, naming every problem)."""
+
+    def __init__(self, mgr: KVManager, sender_id: int) -> None:
+        self.mgr = mgr
+        self.sender_id = sender_id
+        self._unsigned_replies: list[float] = []
+        self.handshakes = concurrent.futures.ThreadPoolExecutor(
+            2, thread_name_prefix=f"kvwire-hs-{mgr.agent_name}"
+        )
+
+    def on_hello(self, msg: Message) -> None:
+        """Liveness thread: a decode rank's hello; answered on a handshake thread."""
+        assert isinstance(msg, Hello)
+        self.handshakes.submit(self.handshake, msg)
+
+    def on_unsigned(self, msg: Message) -> None:
+        """Liveness thread: a hello without the MAC this rank requires. Tell its sender why
+        (signed, rate-limited), so decode fails at once naming the secret instead of timing
+        out; nothing else is done with it."""
+        if not isinstance(msg, Hello):
+            return
+        now = time.monotonic()
+        self._unsigned_replies = [t for t in self._unsigned_replies if now - t < 1.0]
+        if len(self._unsigned_replies) >= UNSIGNED_REPLIES_PER_S:
+            return
+        self._unsigned_replies.append(now)
+        reason = (
+            "the prefill rank requires signed control messages (a shared secret, "
+            "KVWIRE_SECRET, is set on prefill) but this decode rank sent none: set the "
+            "same KVWIRE_SECRET on both sides"
+        )
+        logger.warning("%s: refused an unsigned hello from %s", self.mgr.agent_name, msg.agent)
+        reject = HelloReject(
+            session=self.mgr.session,
+            peer_session=msg.session,
+            reason=reason,
+            problems=["secret: prefill=set decode=unset"],
+        )
+        # a stranger: no socket is kept for its (possibly made-up) endpoint
+        self.mgr.channel.send_once(msg.endpoint, reject)
+
+    def handshake(self, hello: Hello) -> None:
+        """Handshake thread: validate a decode rank, add it to the backend, prepare tables."""
+        mgr = self.mgr
+        with mgr.lock:
+            known = mgr.peers.get(hello.session)
+        if known is not None:  # a retried hello: answer again
+            self._ack(hello, known.link)
+            return
+        problems = handshake_problems(mgr.layout, hello.layout, mgr.backend_name, hello.backend)
+        problems += aux_problems(mgr.aux_regions, hello.aux_regions)
+        if problems:
+            self._reject(hello, "incompatible layouts", problems)
+            return
+        # The same agent name with a new session: a restart, or two live instances sharing
+        # an explicit name. A restart reuses nothing alive: its old endpoint is the new one,
+        # or the old incarnation went quiet. A live namesake is refused (the engines key
+        # peers by name, so the two would evict each other).
+        quiet_s = mgr.options.heartbeat_interval_s * 1.5
+        for old in mgr.peers.by_agent(hello.agent):
+            alive = time.monotonic() - old.last_seen < quiet_s
+            if old.endpoint != hello.endpoint and alive:
+                self._reject(
+                    hello,
+                    f"agent name {hello.agent!r} is already used by a live decode rank at "
+                    f"{old.endpoint}",
+                    [
+                        "give every decode instance a unique agent_name, or leave it unset "
+                        "(the default name is unique)"
+                    ],
+                )
+                return
+            mgr.evict(old.session, "it restarted (new session)")
+        try:
+            mapper = build_mapper(mgr.config, mgr.layout, hello.layout)
+            extra = mgr.staging.link_tables(mapper, hello.staging)
+            name = mgr.backend.add_peer(hello.backend_metadata)
+            pairs = {
+                "aux": mgr.backend.prepare(
+                    name, slot_table(mgr.aux_regions), slot_table(hello.aux_regions)
+                )
+            }
+            splits: dict[str, KindSplit] = {}
+            local = mgr.layout.buffers
+            if not mapper.is_dummy:
+                self._prepare(
+                    name, "kv", mapper.build_tables(), local, hello.layout.buffers, pairs, splits
+                )
+            for table_name, tp in extra.items():
+                pairs[table_name] = mgr.backend.prepare(name, tp.src, tp.dst)
+            host_mapper, host_problem = self._host_mapper(hello)
+            host_extra: dict[str, Any] = {}
+            if host_mapper is not None:
+                assert hello.host_layout is not None
+                host_tables = host_mapper.build_tables()
+                self._prepare(
+                    name, "host", host_tables, local, hello.host_layout.buffers, pairs, splits
+                )
+                # last: the strategy may map decode's pool for this link
+                host_extra = mgr.host_staging.link_tables(
+                    host_mapper, hello.host_staging, session=hello.session, tables=host_tables
+                )
+                for table_name, tp in host_extra.items():
+                    pairs[table_name] = mgr.backend.prepare(name, tp.src, tp.dst)
+            r = mgr.layout.rank
+            topo = topology_for(mgr.config, mgr.layout, r.tp_size, r.pp_size, hello.rank.tp_size)
+            pools = {"kv": PoolLink(mapper, hello.layout.num_slots, "kv", mgr.staging, bool(extra))}
+            if host_mapper is not None:
+                assert hello.host_layout is not None
+                pools["host"] = PoolLink(
+                    host_mapper,
+                    hello.host_layout.num_slots,
+                    "host",
+                    mgr.host_staging,
+                    bool(host_extra),
+                )
+            link = DecodeLink(
+                mapper=mapper,
+                backend_peer=name,
+                pairs=pairs,
+                aux_rows=len(mgr.aux_regions),
+                topology=topo,
+                decode_tp_rank=hello.rank.tp_rank,
+                sends_aux=topo.aux_sender(hello.rank.tp_rank) == self.sender_id,
+                dummy=mapper.is_dummy,
+                pools=pools,
+                pool_problems={} if host_mapper is not None else {"host": host_problem},
+                splits=splits,
+            )
+        except KVWireError as exc:
+            mgr.host_staging.peer_lost(hello.session)  # unmap what link_tables may have mapped
+            self._reject(hello, f"handshake failed on prefill: {exc}", [])
+            return
+        mgr.add_peer(Peer(hello.session, hello.agent, hello.endpoint, time.monotonic(), link=link))
+        logger.info(
+            "%s: handshake with %s (%s mapper%s%s)",
+            mgr.agent_name,
+            hello.agent,
+            mapper.name,
+            ", dummy" if mapper.is_dummy else "",
+            ", staged" if extra else "",
+        )
+        self._ack(hello, link)
+
+    def _prepare(
+        self,
+        peer: str,
+        name: str,
+        tables: TablePair,
+        src_regions: Sequence[MemoryRegion],
+        dst_regions: Sequence[MemoryRegion],
+        pairs: dict[str, PreparedPair],
+        splits: dict[str, KindSplit],
+    ) -> None:
+        """Handshake: prepare ``tables`` as pair ``name``, or as one pair per (source kind,
+        destination kind) when either side mixes VRAM and DRAM regions."""
+        parts, split = split_tables(name, tables, src_regions, dst_regions)
+        for table_name, tp in parts.items():
+            pairs[table_name] = self.mgr.backend.prepare(peer, tp.src, tp.dst)
+        if split is not None:
+            splits[name] = split
+
+    def _host_mapper(self, hello: Hello) -> tuple[IndexMapper | None, str]:
+        """The mapper into a decode rank's host pool, or why there is none. Regular requests
+        work either way."""
+        host = hello.host_layout
+        if host is None:
+            return None, "the decode rank has no host pool"
+        problems = [
+            p
+            for p in handshake_problems(self.mgr.layout, host, self.mgr.backend_name, hello.backend)
+            if not p.startswith("page_size")
+        ]
+        if problems:
+            return None, "host pool incompatible: " + "; ".join(problems)
+        try:
+            sel = select_host_mapper(self.mgr.config)
+            mapper: IndexMapper = sel.cls(self.mgr.layout, host, sel.options)
+        except KVWireError as exc:
+            return None, f"no usable host pool mapper: {exc}"
+        return mapper, ""
+
+    def _ack(self, hello: Hello, link: DecodeLink) -> None:
+        mgr = self.mgr
+        mgr.send(
+            hello.endpoint,
+            HelloAck(
+                session=mgr.session,
+                agent=mgr.agent_name,
+                endpoint=mgr.channel.endpoint,
+                rank=mgr.layout.rank,
+                sender_id=self.sender_id,
+                layout_hash=mgr.layout.compatibility_hash(),
+                dummy=link.dummy,
+                peer_session=hello.session,
+                layout=mgr.layout,
+                staged=link.pools["kv"].staged,
+            ),
+        )
+
+    def _reject(self, hello: Hello, reason: str, problems: list[str]) -> None:
+        logger.warning(
+            "%s: refused handshake from %s: %s %s",
+            self.mgr.agent_name,
+            hello.agent,
+            reason,
+            problems,
+        )
+        self.mgr.send(
+            hello.endpoint,
+            HelloReject(
+                session=self.mgr.session,
+                peer_session=hello.session,
+                reason=reason,
+                problems=problems,
+            ),
+        )
+
+    def close(self) -> None:
+        """Manager shutdown: stop answering hellos."""
+        self.handshakes.shutdown(wait=False, cancel_futures=True)

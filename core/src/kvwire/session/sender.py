@@ -1,0 +1,39 @@
+"""The prefill engine's per-request handle, :class:`KVSender`."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from kvwire.errors import ConfigError
+from kvwire.session.common import RequestHandle
+from kvwire.session.poll import KVPoll
+from kvwire.session.prefill import PrefillSide, SendRoom
+
+
+class KVSender(RequestHandle[SendRoom]):
+    """Prefill side of one request. Created by the engine with ``mgr.sender(room)``.
+
+    Engine thread calls, in order: :meth:`init` once, :meth:`send` once per chunk (the last with
+    ``last=True``), :meth:`poll` each scheduler step, and :meth:`clear` once the request is
+    finished (on every path: success, failure, abort). None of them blocks on a transfer.
+    Unknown rooms poll as ``WaitingForInput`` (the decode side may not have asked yet).
+    """
+
+    unknown_status = KVPoll.WaitingForInput
+
+    def __init__(self, side: PrefillSide, room: int) -> None:
+        super().__init__(side, room, side.create_room(room))
+
+    def init(self, num_pages: int, aux_index: int) -> None:
+        """Declare the request's number of KV pages and its aux row index on this rank."""
+        self._side.init(self._state, num_pages, aux_index)
+
+    def send(self, page_indices: Any, last: bool = False, state_indices: Any | None = None) -> None:
+        """Queue one chunk of chunked prefill (page slots of this rank's pool, in request
+        order). Raises :class:`~kvwire.errors.DescriptorError` or ``ConfigError`` on bad input
+        (the room is failed and decode is told)."""
+        if state_indices is not None:
+            raise ConfigError(
+                "state buffers (hybrid models) are not supported yet; pass state_indices=None"
+            )
+        self._side.send(self._state, page_indices, last)
