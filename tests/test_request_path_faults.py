@@ -5,8 +5,9 @@ before heartbeats could run out).
 * ``test_rank_killed_mid_transfer[backend-side]``: two prefill instances (TP 2) and two decode
   instances (TP 1), default agent names, 64 requests in flight over every (prefill, decode)
   pair, a quarter of them stalled before their last chunk. Once every stalled request has sent
-  its first chunk, one rank is SIGKILLed: decode instance 0's rank (``side=decode``), or TP rank
-  1 of prefill instance 0 (``side=prefill``). Then:
+  its first chunk, one rank is SIGKILLed: decode instance 0's rank (``side=decode``), TP rank
+  1 of prefill instance 0 (``side=prefill``), or, on nixl, its TP rank 0, the process that also
+  runs the instance's bootstrap service (``side=prefill-rank0``). Then:
 
   - every request of the surviving side that involved the dead rank is Failed within 1 s of the
     kill (each rank's ``t_done``; the figures are printed), naming the dead rank; the dead
@@ -15,7 +16,8 @@ before heartbeats could run out).
     keep serving afterwards;
   - only the dead rank was evicted, only by its peers; every per-request table is empty.
 
-* ``test_control_endpoint_flood[backend-secret]``: while requests are live, 10,000 garbage
+* ``test_control_endpoint_flood[backend-secret]`` (tcp and nixl with and without a secret,
+  mooncake without): while requests are live, 10,000 garbage
   frames go to a prefill rank's control endpoint and 10,000 to a decode rank's, from plain
   ZeroMQ PUSH sockets in the test process (random bytes, random msgpack, msgpack shaped like
   kvwire frames, and with a secret real messages — failures and transfer requests for the live
@@ -114,14 +116,25 @@ def kill_workload(c: Cluster) -> tuple[list[RoomPlan], set[int]]:
     return plans, stalled
 
 
+#: (backend, side) cases: each side on every backend, and prefill rank 0 (the process that
+#: also runs its instance's bootstrap service) on one backend (the bootstrap service's death
+#: does not depend on the data plane).
+KILL_CASES = [
+    *((b, side) for b in BACKENDS for side in ("decode", "prefill")),
+    ("nixl", "prefill-rank0"),
+]
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(150)
-@pytest.mark.parametrize("side", ["decode", "prefill"])
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize(("backend", "side"), KILL_CASES, ids=[f"{b}-{s}" for b, s in KILL_CASES])
 def test_rank_killed_mid_transfer(backend: str, side: str) -> None:
     require_backend(backend)
     with Cluster(spec(backend, prefill_tp=2, prefill_instances=2, decode_instances=2)) as c:
-        victim = c.rank("decode", 0) if side == "decode" else c.rank("prefill", 0, tp=1)
+        if side == "decode":
+            victim = c.rank("decode", 0)
+        else:
+            victim = c.rank("prefill", 0, tp=0 if side == "prefill-rank0" else 1)
         plans, stalled = kill_workload(c)
         senders = c.spec.prefill_tp * c.spec.prefill_pp
         first_sent: Counter[int] = Counter()
@@ -151,6 +164,7 @@ def test_rank_killed_mid_transfer(backend: str, side: str) -> None:
         # moved its last bytes before it, seen a moment later); every other surviving report
         # is Failed, after the kill, and the stalled requests (in flight for sure) only so
         other_side = "prefill" if side == "decode" else "decode"
+        side = "decode" if side == "decode" else "prefill"
         delays: dict[str, list[float]] = {}
         for r in hit:
             for rep in r.reports:
@@ -187,8 +201,11 @@ def test_rank_killed_mid_transfer(backend: str, side: str) -> None:
 # ---------------------------------------------------------------------------- flood
 @pytest.mark.slow
 @pytest.mark.timeout(150)
-@pytest.mark.parametrize("secret", [None, SECRET], ids=["no-secret", "secret"])
-@pytest.mark.parametrize("backend", ["tcp", "nixl"])
+@pytest.mark.parametrize(
+    ("backend", "secret"),
+    [("tcp", None), ("tcp", SECRET), ("nixl", None), ("nixl", SECRET), ("mooncake", None)],
+    ids=["tcp-no-secret", "tcp-secret", "nixl-no-secret", "nixl-secret", "mooncake-no-secret"],
+)
 def test_control_endpoint_flood(backend: str, secret: str | None) -> None:
     require_backend(backend)
     key = secret.encode() if secret else None
