@@ -4,12 +4,19 @@ from __future__ import annotations
 
 import sys
 import textwrap
-from collections.abc import Iterator
+import uuid
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
+import zmq
 
+from kvwire.backends.tcp import TcpBackend, TcpOptions
 from kvwire.plugins import reset_registry
+
+#: Makes in-process tcp agents (``make_backend`` fixture).
+MakeBackend = Callable[..., TcpBackend]
 
 
 def make_fake_distribution(
@@ -45,3 +52,25 @@ def make_dist(plugin_dir: Path) -> object:
         make_fake_distribution(plugin_dir, dist, entry_points, modules)
 
     return make
+
+
+@pytest.fixture
+def make_backend() -> Iterator[MakeBackend]:
+    """Factory of in-process tcp agents, closed at teardown."""
+    made: list[TcpBackend] = []
+
+    def make(name: str | None = None, **options: Any) -> TcpBackend:
+        b = TcpBackend(name or f"tcp-{uuid.uuid4().hex[:6]}", TcpOptions(**options))
+        made.append(b)
+        return b
+
+    yield make
+    for b in made:
+        b.close()
+
+
+@pytest.fixture
+def zctx() -> Iterator[zmq.Context[Any]]:
+    ctx: zmq.Context[Any] = zmq.Context()
+    yield ctx
+    ctx.destroy(linger=0)

@@ -11,8 +11,7 @@ from __future__ import annotations
 
 import logging
 import time
-import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -20,7 +19,7 @@ import pytest
 import zmq
 
 from kvwire.backend import XferOp, XferState
-from kvwire.backends.tcp import TcpBackend, TcpOptions, wire
+from kvwire.backends.tcp import TcpBackend, wire
 from kvwire.descriptors import make_table
 from kvwire.layout import MemoryRegion
 from kvwire.security import curve_keys, reset_exposure_warnings
@@ -29,27 +28,6 @@ from kvwire.testing.conformance import wait_terminal
 SECRET = "data-plane-secret"
 GUARD = 4096
 MakeBackend = Callable[..., TcpBackend]
-
-
-@pytest.fixture
-def make_backend() -> Iterator[MakeBackend]:
-    made: list[TcpBackend] = []
-
-    def make(name: str | None = None, **options: Any) -> TcpBackend:
-        b = TcpBackend(name or f"tcp-{uuid.uuid4().hex[:6]}", TcpOptions(**options))
-        made.append(b)
-        return b
-
-    yield make
-    for b in made:
-        b.close()
-
-
-@pytest.fixture
-def zctx() -> Iterator[zmq.Context[Any]]:
-    ctx: zmq.Context[Any] = zmq.Context()
-    yield ctx
-    ctx.destroy(linger=0)
 
 
 def addr_of(arr: np.ndarray) -> int:

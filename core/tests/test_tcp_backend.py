@@ -11,8 +11,7 @@ from __future__ import annotations
 
 import threading
 import time
-import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import msgpack
@@ -21,7 +20,7 @@ import pytest
 import zmq
 
 from kvwire.backend import XferOp, XferState
-from kvwire.backends.tcp import TcpBackend, TcpOptions, wire
+from kvwire.backends.tcp import TcpBackend, wire
 from kvwire.backends.tcp.backend import METADATA_VERSION
 from kvwire.descriptors import make_table
 from kvwire.layout import MemoryRegion
@@ -31,31 +30,11 @@ GUARD = 4096
 MakeBackend = Callable[..., TcpBackend]
 
 
-# ------------------------------------------------------------------------------ helpers
-@pytest.fixture
-def make_backend() -> Iterator[MakeBackend]:
-    """Factory of in-process tcp agents, closed at teardown."""
-    made: list[TcpBackend] = []
-
-    def make(name: str | None = None, **options: Any) -> TcpBackend:
-        b = TcpBackend(name or f"tcp-{uuid.uuid4().hex[:6]}", TcpOptions(**options))
-        made.append(b)
-        return b
-
-    yield make
-    for b in made:
-        b.close()
-
-
-@pytest.fixture
-def zctx() -> Iterator[zmq.Context[Any]]:
-    ctx: zmq.Context[Any] = zmq.Context()
-    yield ctx
-    ctx.destroy(linger=0)
-
-
 def addr_of(arr: np.ndarray) -> int:
     return int(arr.ctypes.data)
+
+
+# ------------------------------------------------------------------------------ helpers
 
 
 def wait_until(pred: Callable[[], bool], what: str, timeout: float = 5.0) -> None:

@@ -45,6 +45,24 @@ def _wait(b: TransferBackend, h: TransferHandle, *drivers: TransferBackend) -> X
     return state
 
 
+def _drive(
+    stop: threading.Event,
+    a: TransferBackend,
+    b: TransferBackend,
+    period_s: float,
+    notes: list[bytes] | None = None,
+) -> None:
+    """What kvwire's progress thread does on both agents, until ``stop``: progress, and
+    drain ``b``'s notifications (kept in ``notes`` when given)."""
+    while not stop.is_set():
+        a.progress()
+        b.progress()
+        got = b.get_notifications()
+        if notes is not None:
+            notes.extend(n.payload for n in got)
+        time.sleep(period_s)
+
+
 class _Pair:
     """An initiator and a target agent in this process, with buffers and a prepared pair."""
 
@@ -353,12 +371,8 @@ def test_threads_submit_poll_while_owner_progresses(agents: _Pair) -> None:
     errors: list[BaseException] = []
     touched: list[int] = []
 
-    def owner() -> None:  # what kvwire's control thread does, on both agents
-        while not stop.is_set():
-            a.progress()
-            b.progress()
-            notes.extend(n.payload for n in b.get_notifications())
-            time.sleep(0.0005)
+    def owner() -> None:  # what kvwire's progress thread does, on both agents
+        _drive(stop, a, b, 0.0005, notes)
 
     def worker(k: int) -> None:
         try:
@@ -614,11 +628,7 @@ def test_remove_and_readd_peer_under_load(sync_mode: str) -> None:
                 errors.append(exc)
 
         def owner() -> None:
-            while not stop.is_set():
-                a.progress()
-                b.progress()
-                b.get_notifications()
-                time.sleep(0.0005)
+            _drive(stop, a, b, 0.0005)
 
         workers = [threading.Thread(target=worker, args=(k,)) for k in range(4)]
         others = [threading.Thread(target=owner), threading.Thread(target=churn)]
@@ -677,10 +687,7 @@ def test_close_while_workers_poll() -> None:
                 errors.append(exc)
 
         def owner() -> None:
-            while not stop.is_set():
-                a.progress()
-                b.progress()
-                time.sleep(0.0002)
+            _drive(stop, a, b, 0.0002)
 
         threads = [threading.Thread(target=worker) for _ in range(3)]
         threads.append(threading.Thread(target=owner))
