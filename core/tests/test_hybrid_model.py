@@ -9,8 +9,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from kvwire.testing.hybrid import CORRUPTIONS, config, run_pd
+from kvwire.errors import ConfigError, DescriptorError, KVWireError
+from kvwire.session import KVPoll
+from kvwire.testing.hybrid import CORRUPTIONS, RankPools, config, instances, run_pd
 from kvwire.testing.hybrid_model import HybridSpec, reference_tokens
+from kvwire.testing.pair import wait_for
 
 SPEC = HybridSpec()
 PROMPT = [int(t) for t in np.random.default_rng(3).integers(0, SPEC.vocab, 14)]
@@ -69,3 +72,68 @@ def test_bulk_staging_with_state_buffers(reference: list[int]) -> None:
 def test_signed_control_plane(reference: list[int]) -> None:
     out = run_pd(SPEC, PROMPT, N_GEN, 2, 1, cfg=config(secret="hybrid-secret"))
     assert out.tokens == reference
+
+
+# ------------------------------------------------------------------ fail fast, both sides
+def pools(spec: HybridSpec, tp: int) -> list[RankPools]:
+    return [RankPools.build(spec, tp, r, 8, 8, 4) for r in range(tp)]
+
+
+def test_handshake_refuses_a_mismatching_group_naming_the_field() -> None:
+    other = HybridSpec(window=8)
+    with instances(config(), pools(SPEC, 1), pools(other, 1)) as (pm, dm, addr):
+        rx = dm[0].receiver(7, addr)
+        rx.init()
+        rx.send_metadata([0, 1], aux_index=0, state_indices={"state": 0, "window": [0]})
+        wait_for(lambda: rx.poll() is KVPoll.Failed)
+        with pytest.raises(KVWireError, match="group 'swa' window: prefill=6 decode=8"):
+            rx.failure_exception()
+        tx = pm[0].sender(7)
+        wait_for(lambda: tx.poll() is KVPoll.Failed)  # pushed to prefill at once
+        rx.clear()
+        tx.clear()
+
+
+def test_bad_state_indices_fail_the_request_on_both_sides() -> None:
+    with instances(config(), pools(SPEC, 1), pools(SPEC, 1)) as (pm, dm, addr):
+        rx = dm[0].receiver(8, addr)
+        rx.init()
+        with pytest.raises(DescriptorError, match=r"state_indices\['state'\]"):
+            rx.send_metadata([0, 1], aux_index=0, state_indices={"state": 99, "window": [0]})
+        assert rx.poll() is KVPoll.Failed
+        tx = pm[0].sender(8)
+        wait_for(lambda: tx.poll() is KVPoll.Failed)
+        rx.clear()
+        tx.clear()
+        # decode is fine, prefill forgets the state on its last chunk
+        rx = dm[0].receiver(9, addr)
+        rx.init()
+        with pytest.raises(ConfigError, match="pass state_indices"):
+            rx.send_metadata([0, 1], aux_index=0)
+        rx.clear()
+        rx = dm[0].receiver(10, addr)
+        rx.init()
+        rx.send_metadata([0, 1], aux_index=0, state_indices={"state": 1, "window": [2]})
+        tx = pm[0].sender(10)
+        wait_for(lambda: tx.poll() >= KVPoll.WaitingForInput)
+        tx.init(2, aux_index=0)
+        with pytest.raises(ConfigError, match=r"'window': \.\.\."):
+            tx.send([0, 1], last=True)
+        wait_for(lambda: rx.poll() is KVPoll.Failed)
+        with pytest.raises(KVWireError, match="bad state_indices in send"):
+            rx.failure_exception()
+        rx.clear()
+        tx.clear()
+        # counts that disagree between the sides (2 window pages here, 1 on decode) fail it
+        rx = dm[0].receiver(11, addr)
+        rx.init()
+        rx.send_metadata([0, 1], aux_index=1, state_indices={"state": 1, "window": [2]})
+        tx = pm[0].sender(11)
+        wait_for(lambda: tx.poll() >= KVPoll.WaitingForInput)
+        tx.init(2, aux_index=1)
+        tx.send([0, 1], last=True, state_indices={"state": 0, "window": [3, 4]})
+        wait_for(lambda: rx.poll() is KVPoll.Failed and tx.poll() is KVPoll.Failed)
+        with pytest.raises(KVWireError, match="prefill gave 2 'window' indices, decode 1"):
+            tx.failure_exception()
+        rx.clear()
+        tx.clear()

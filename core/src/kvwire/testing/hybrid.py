@@ -18,9 +18,10 @@ control: the tokens must then differ).
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -249,6 +250,44 @@ def _wait(pred: Callable[[], bool], what: str, timeout: float = 30.0) -> None:
         time.sleep(0.002)
 
 
+@contextlib.contextmanager
+def instances(
+    cfg: KVWireConfig, pre: list[RankPools], dec: list[RankPools]
+) -> Iterator[tuple[list[KVManager], list[KVManager], str]]:
+    """A prefill instance and a decode instance over these pools, as managers in this process
+    (prefill rank 0 runs the bootstrap service): ``(prefill managers, decode managers,
+    bootstrap address)``; every manager is closed on exit."""
+    mgrs: list[KVManager] = []
+    try:
+        for r in pre:
+            mgrs.append(
+                KVManager(
+                    cfg,
+                    Role.PREFILL,
+                    r.layout,
+                    bootstrap_addr=mgrs[0].bootstrap_addr if mgrs else None,
+                    aux_buffers=[MemoryRegion.from_tensor(r.aux)],
+                    kv_tensors=r.kv_tensors,
+                )
+            )
+        for r in dec:
+            mgrs.append(
+                KVManager(
+                    cfg,
+                    Role.DECODE,
+                    r.layout,
+                    aux_buffers=[MemoryRegion.from_tensor(r.aux)],
+                    kv_tensors=r.kv_tensors,
+                )
+            )
+        addr = mgrs[0].bootstrap_addr
+        assert addr is not None
+        yield mgrs[: len(pre)], mgrs[len(pre) :], addr
+    finally:
+        for m in reversed(mgrs):
+            m.close()
+
+
 @dataclass
 class PDResult:
     """What one request through :func:`run_pd` produced."""
@@ -288,39 +327,13 @@ def run_pd(
     p_slot, d_slot, room = 2, 1, 4242
     pre = [RankPools.build(spec, prefill_tp, r, slots, slots, 4) for r in range(prefill_tp)]
     dec = [RankPools.build(spec, decode_tp, r, slots, slots, 4) for r in range(decode_tp)]
-    mgrs: list[KVManager] = []
-    try:
-        for r in pre:
-            addr = mgrs[0].bootstrap_addr if mgrs else None
-            mgrs.append(
-                KVManager(
-                    cfg,
-                    Role.PREFILL,
-                    r.layout,
-                    bootstrap_addr=addr,
-                    aux_buffers=[MemoryRegion.from_tensor(r.aux)],
-                    kv_tensors=r.kv_tensors,
-                )
-            )
-        addr = mgrs[0].bootstrap_addr
-        assert addr is not None
-        dmgrs = [
-            KVManager(
-                cfg,
-                Role.DECODE,
-                r.layout,
-                aux_buffers=[MemoryRegion.from_tensor(r.aux)],
-                kv_tensors=r.kv_tensors,
-            )
-            for r in dec
-        ]
-        mgrs += dmgrs
+    with instances(cfg, pre, dec) as (pmgrs, dmgrs, addr):
         window = {"state": [d_slot], "window": [d_swa[p] for p in range(first_wp, num_pages)]}
         rxs = [m.receiver(room, addr) for m in dmgrs]
         for rx in rxs:
             rx.init()
             rx.send_metadata(d_pages[:num_pages], aux_index=3, state_indices=window)
-        txs = [m.sender(room) for m in mgrs[: len(pre)]]
+        txs = [m.sender(room) for m in pmgrs]
         _wait(lambda: all(t.poll() >= KVPoll.WaitingForInput for t in txs), "prefill ready")
         for tx in txs:
             tx.init(num_pages, aux_index=5)
@@ -353,6 +366,3 @@ def run_pd(
             h.clear()
         tokens = model.decode(ShardedCache(dec, d_pages, d_swa, d_slot), first_token, n, n_gen)
         return PDResult(tokens, sent, descs)
-    finally:
-        for m in reversed(mgrs):
-            m.close()
