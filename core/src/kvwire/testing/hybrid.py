@@ -69,9 +69,18 @@ class RankPools:
 
     @classmethod
     def build(
-        cls, spec: HybridSpec, tp: int, rank: int, slots: int, swa_slots: int, state_slots: int
+        cls,
+        spec: HybridSpec,
+        tp: int,
+        rank: int,
+        slots: int,
+        swa_slots: int,
+        state_slots: int,
+        draft: bool = True,
     ) -> RankPools:
-        """Allocate zeroed pools and describe them (what an engine does at startup)."""
+        """Allocate zeroed pools and describe them (what an engine does at startup).
+        ``draft=False`` leaves the draft layer's KV unregistered (a layout without the
+        ``paged`` group, e.g. for host-pool requests, which refuse paged groups)."""
         ps, hd = spec.page_size, spec.head_dim
         kvh = owned_heads(spec.kv_heads, tp, rank)
 
@@ -114,7 +123,7 @@ class RankPools:
 
         groups = [
             kv_group("swa", kv["swa"], spec.window),
-            kv_group("draft", kv["draft"], None),
+            *([kv_group("draft", kv["draft"], None)] if draft else []),
             *(
                 BufferGroup(
                     name=n,
@@ -135,7 +144,7 @@ class RankPools:
             kv_bufs,
             pos,
             groups=groups,
-            group_tensors=[*kv["swa"], *kv["draft"], *states.values()],
+            group_tensors=[*kv["swa"], *(kv["draft"] if draft else ()), *states.values()],
         )
         aux = np.zeros((64, AUX_WORDS), np.int32)
         return cls(spec, tp, rank, kv, states, aux, layout, kvh, sheads)
