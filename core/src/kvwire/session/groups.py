@@ -27,6 +27,8 @@ from kvwire.index.base import check_pages
 from kvwire.layout import KVLayout
 
 if TYPE_CHECKING:
+    from kvwire.control.wire import TransferRequest
+    from kvwire.index.groups import GroupMapper
     from kvwire.session.prefill import Dest, SendRoom
     from kvwire.session.prefill_links import DecodeLink
 
@@ -113,6 +115,35 @@ def from_wire(raw: dict[str, bytes] | None) -> dict[str, Any] | None:
     if raw is None:
         return None
     return {k: pages_from_bytes(v, f"group indices {k!r}") for k, v in raw.items()}
+
+
+def send_groups(layout: KVLayout, state_indices: Any, last: bool) -> Indices:
+    """Engine thread, prefill ``send()``: this rank's group slots, given with the last chunk
+    (the state is final only then) and checked against ``layout``; empty before it."""
+    if not last:
+        if state_indices is not None:
+            raise ConfigError(
+                "state_indices come with the last chunk (the state is final only then)"
+            )
+        return {}
+    return check_state_indices(layout, state_indices, "send()")
+
+
+def request_groups(groups: GroupMapper | None, msg: TransferRequest) -> Indices:
+    """Liveness thread, prefill: decode's group slots from its transfer request, checked
+    against decode's layout (``groups.dst``). Raises ``ConfigError``/``DescriptorError``."""
+    if msg.state_indices:
+        raise ConfigError("state_indices is reserved; protocol 1.4 sends group_indices")
+    if groups is None:
+        if msg.group_indices:
+            raise ConfigError("group indices sent, but the layouts have no buffer groups")
+        return {}
+    if msg.pool != "kv" and "pages" in groups.index_names:
+        raise ConfigError(
+            "paged buffer groups (e.g. draft layers) use the KV pool's pages; a request into "
+            f"decode pool {msg.pool!r} cannot carry them"
+        )
+    return check_state_indices(groups.dst, from_wire(msg.group_indices), "decode")
 
 
 def group_rows(

@@ -50,7 +50,7 @@ from kvwire.index.base import check_pages
 from kvwire.session import metrics as m
 from kvwire.session.common import Side
 from kvwire.session.early import EarlyBook
-from kvwire.session.groups import GROUPS_TABLE, check_state_indices, from_wire, group_rows
+from kvwire.session.groups import GROUPS_TABLE, group_rows, request_groups, send_groups
 from kvwire.session.manager import KVManager
 from kvwire.session.metrics import RequestMetrics
 from kvwire.session.peers import Peer
@@ -236,17 +236,7 @@ class PrefillSide(Side[SendRoom]):
                     raise DescriptorError(
                         f"decode's aux index {msg.aux_index} is outside [0, {mgr.aux_slots})"
                     )
-                if msg.state_indices:
-                    raise ConfigError("state_indices is reserved; 1.4 sends group_indices")
-                group_dst = {}
-                if link.groups is not None:
-                    group_dst = check_state_indices(
-                        link.groups.dst, from_wire(msg.group_indices), "decode"
-                    )
-                    if msg.pool != "kv" and "pages" in link.groups.index_names:
-                        raise ConfigError("paged buffer groups need pool 'kv' on decode")
-                elif msg.group_indices:
-                    raise ConfigError("group indices sent, but the layouts have no groups")
+                group_dst = request_groups(link.groups, msg)
             except KVWireError as exc:
                 mgr.send(
                     peer.endpoint,
@@ -413,11 +403,7 @@ class PrefillSide(Side[SendRoom]):
         try:
             arr = check_pages(pages, mgr.layout.num_slots, "page indices")
             what = "state_indices"
-            if not last and state_indices is not None:
-                raise ConfigError(
-                    "state_indices come with the last chunk (the state is final only then)"
-                )
-            groups = check_state_indices(mgr.layout, state_indices, "send()") if last else {}
+            groups = send_groups(mgr.layout, state_indices, last)
         except KVWireError as exc:
             with mgr.lock:
                 self._fail(room, TransferError(f"bad {what} in send(): {exc}", room=room.room))
