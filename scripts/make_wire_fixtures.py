@@ -33,7 +33,7 @@ from kvwire.control.wire import (
     WritesQuery,
     pages_to_bytes,
 )
-from kvwire.layout import KVLayout, MemoryRegion, ModelSpec, RankPosition
+from kvwire.layout import BufferGroup, KVLayout, MemoryRegion, ModelSpec, RankPosition
 
 SECRET = b"fixture-secret"
 
@@ -45,7 +45,32 @@ def samples() -> list[Message]:
     bufs = tuple(
         MemoryRegion(addr=0x10000 * (i + 1), length=128 * 16, item_len=128) for i in range(4)
     )
-    layout = KVLayout(model=model, rank=rank, buffers=bufs)
+    groups = (
+        BufferGroup(
+            name="mamba_ssm",
+            kind="state",
+            num_layers=1,
+            total_heads=4,
+            head_elems=16,
+            dtype="float32",
+            buffers=(MemoryRegion(addr=0x200000, length=128 * 8, item_len=128),),
+        ),
+        BufferGroup(
+            name="swa",
+            kind="window",
+            num_layers=1,
+            per_layer=2,
+            total_heads=4,
+            head_elems=8,
+            page_size=4,
+            window=64,
+            buffers=tuple(
+                MemoryRegion(addr=0x300000 + 0x10000 * i, length=128 * 8, item_len=128)
+                for i in range(2)
+            ),
+        ),
+    )
+    layout = KVLayout(model=model, rank=rank, buffers=bufs, groups=groups)
     aux = [MemoryRegion(addr=0x900000, length=64 * 8, item_len=64)]
     return [
         Hello(
@@ -72,6 +97,7 @@ def samples() -> list[Message]:
             peer_session="d-session",
             layout=layout,
             staged=True,
+            groups=True,
         ),
         HelloReject(
             session="p-session",
@@ -85,6 +111,10 @@ def samples() -> list[Message]:
             dst_pages=pages_to_bytes(np.array([5, 9, 2], dtype=np.int64)),
             aux_index=7,
             pool="host",
+            group_indices={
+                "state": pages_to_bytes(np.array([3], dtype=np.int64)),
+                "window": pages_to_bytes(np.array([6, 1], dtype=np.int64)),
+            },
         ),
         Completion(room=42, sender_id=1, session="p-session", data_chunks=3, dummy=True),
         Failure(room=42, session="p-session", reason="aborted by prefill", aborted=True),
@@ -94,7 +124,7 @@ def samples() -> list[Message]:
             room=42,
             sender_id=1,
             session="p-session",
-            what="kv",
+            what="state",
             chunk_id=2,
             last=True,
             parts=2,

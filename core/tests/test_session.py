@@ -120,8 +120,15 @@ def test_bad_sender_input_gets_clear_errors_and_fails_the_room_on_both_sides() -
         s = p.prefill.sender(3)
         with pytest.raises(DescriptorError, match="aux_index"):
             s.init(4, aux_index=10_000)
-        with pytest.raises(ConfigError, match="state buffers"):
-            s.send([0], state_indices=[1])
+        for room, last, match in (
+            (30, False, "state_indices come with the last chunk"),
+            (31, True, "no state or window buffer groups"),
+        ):
+            bad = p.prefill.sender(room)
+            with pytest.raises(ConfigError, match=match):
+                bad.send([0], last=last, state_indices=[1])
+            assert bad.poll() is KVPoll.Failed
+            bad.clear()
         r = p.decode.receiver(3, p.addr)
         r.init()
         r.send_metadata([1, 2, 3, 4], aux_index=0)

@@ -11,11 +11,19 @@ import enum
 import hashlib
 from collections.abc import Sequence
 from functools import cached_property
-from typing import Any, Self
+from typing import Any, Literal, Self
 
 import numpy as np
 from numpy.typing import NDArray
-from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    PrivateAttr,
+    SerializerFunctionWrapHandler,
+    model_serializer,
+    model_validator,
+)
 
 from kvwire.errors import LayoutError
 
@@ -158,6 +166,154 @@ def check_no_overlap(regions: Sequence[MemoryRegion], what: str = "regions") -> 
         )
 
 
+#: Kinds of buffer groups beyond the paged K/V of :class:`ModelSpec`'s attention layers.
+GroupKind = Literal["state", "window", "paged"]
+
+#: Default index set of each group kind (see :attr:`BufferGroup.index`).
+DEFAULT_GROUP_INDEX: dict[str, str] = {"state": "state", "window": "window", "paged": "pages"}
+
+#: Fields of :class:`BufferGroup` that must be equal on both sides of a transfer.
+GROUP_COMPAT_FIELDS = (
+    "kind",
+    "index",
+    "num_layers",
+    "per_layer",
+    "total_heads",
+    "sharding",
+    "head_elems",
+    "dtype",
+    "page_size",
+    "window",
+)
+
+
+class BufferGroup(BaseModel):
+    """Buffers of a rank beyond the attention layers' paged K/V, with their own indexing.
+
+    * ``kind="state"``: one slot per request per layer (Mamba/SSM conv and temporal states,
+      linear-attention states). A request names its slot through ``state_indices``.
+    * ``kind="window"``: sliding-window attention KV in its own paged pool; only the pages of
+      the request's last ``window`` tokens move. A request names those pages (of this pool,
+      last pages of the request, in order) through ``state_indices``.
+    * ``kind="paged"``: extra paged layers addressed by the attention KV's own page indices
+      (the draft model's KV, MTP layers); ``page_size`` must equal the model's.
+
+    Each buffer holds slots of ``page_size`` rows (1 for a state) of ``local_heads`` heads of
+    ``head_elems`` elements of ``dtype``: ``item_len = page_size * local_heads * head_elems *
+    dtype_size``. ``sharding="heads"`` splits ``total_heads`` across TP ranks like KV heads
+    (replicated when there are fewer heads than ranks: ``local_heads = max(1, H // tp)``);
+    ``"replicated"`` keeps every head on every rank (sent once, by one rank). ``buffers`` are
+    ordered ``[part 0 of layers start..end-1, part 1 of layers start..end-1, ...]`` with
+    ``per_layer`` parts (1 for a state, 2 for K and V). Built by the engine, both roles.
+    """
+
+    model_config = _FROZEN
+
+    name: str = Field(min_length=1, max_length=64, description="Unique within a layout.")
+    kind: GroupKind
+    #: The engine index set that addresses the group's slots: a key of ``state_indices``
+    #: ("state", "window", or one of the engine's own names), or "pages" (the KV page indices;
+    #: ``paged`` groups only). Empty: the kind's default.
+    index: str = ""
+    num_layers: int = Field(ge=1, description="Layers of this group in the whole model.")
+    start_layer: int = Field(default=0, ge=0)
+    end_layer: int | None = None
+    per_layer: int = Field(default=1, ge=1, le=8)
+    total_heads: int = Field(default=1, ge=1)
+    sharding: Literal["heads", "replicated"] = "heads"
+    head_elems: int = Field(ge=1, description="Elements of one head in one row.")
+    dtype: str = "bfloat16"
+    page_size: int = Field(default=1, ge=1, description="Rows per slot (tokens; 1: a state).")
+    window: int | None = Field(default=None, ge=1, description="Window in tokens (window kind).")
+    buffers: tuple[MemoryRegion, ...]
+
+    @model_validator(mode="after")
+    def _check_group(self) -> Self:
+        if not self.index:
+            object.__setattr__(self, "index", DEFAULT_GROUP_INDEX[self.kind])
+        where = f"buffer group {self.name!r}"
+        if self.dtype not in DTYPE_SIZES:
+            raise LayoutError(
+                f"{where}: unknown dtype {self.dtype!r}; expected one of {sorted(DTYPE_SIZES)}"
+            )
+        if (self.kind == "paged") != (self.index == "pages"):
+            raise LayoutError(
+                f"{where}: kind {self.kind!r} with index {self.index!r}; paged groups (and only "
+                "they) are addressed by the KV page indices (index 'pages')"
+            )
+        if (self.kind == "window") != (self.window is not None):
+            raise LayoutError(f"{where}: window= is required for, and only for, kind 'window'")
+        if self.kind == "state" and self.page_size != 1:
+            raise LayoutError(f"{where}: a state slot has one row; page_size must be 1")
+        end = self.layer_end
+        if not self.start_layer < end <= self.num_layers:
+            raise LayoutError(
+                f"{where}: layer range [{self.start_layer}, {end}) is not inside its "
+                f"{self.num_layers} layers"
+            )
+        want = (end - self.start_layer) * self.per_layer
+        if len(self.buffers) != want:
+            raise LayoutError(
+                f"{where}: expected {want} buffers ({end - self.start_layer} layers x "
+                f"{self.per_layer} per layer); got {len(self.buffers)}"
+            )
+        slots = {b.num_items for b in self.buffers}
+        if len(slots) != 1:
+            raise LayoutError(f"{where}: buffers must have the same number of slots; got {slots}")
+        return self
+
+    @property
+    def layer_end(self) -> int:
+        """One past the last layer of the group this rank holds."""
+        return self.end_layer if self.end_layer is not None else self.num_layers
+
+    @property
+    def num_slots(self) -> int:
+        """Slots per buffer."""
+        return self.buffers[0].num_items
+
+    @property
+    def dtype_size(self) -> int:
+        """Bytes per element."""
+        return DTYPE_SIZES[self.dtype]
+
+    @property
+    def head_bytes(self) -> int:
+        """Bytes of one head in one row."""
+        return self.head_elems * self.dtype_size
+
+    def local_heads(self, tp_size: int) -> int:
+        """Heads a rank of a TP group of ``tp_size`` holds (replicated heads count once)."""
+        if self.sharding == "replicated":
+            return self.total_heads
+        return max(1, self.total_heads // tp_size)
+
+    def item_len(self, tp_size: int) -> int:
+        """Bytes of one slot on a rank of a TP group of ``tp_size``."""
+        return self.page_size * self.local_heads(tp_size) * self.head_bytes
+
+    @cached_property
+    def buffer_keys(self) -> NDArray[np.int64]:
+        """``(layer, part)`` of each buffer, shape ``[n, 2]``."""
+        layers = np.arange(self.start_layer, self.layer_end, dtype=np.int64)
+        part = np.repeat(np.arange(self.per_layer, dtype=np.int64), len(layers))
+        return np.stack([np.tile(layers, self.per_layer), part], axis=1)
+
+    @cached_property
+    def bases(self) -> NDArray[np.uint64]:
+        """Base address of each buffer."""
+        return np.array([b.addr for b in self.buffers], dtype=np.uint64)
+
+    @cached_property
+    def devices(self) -> NDArray[np.uint64]:
+        """Device id of each buffer."""
+        return np.array([b.device_id for b in self.buffers], dtype=np.uint64)
+
+    def compat_text(self) -> str:
+        """The fields both sides must share, as text (hashing)."""
+        return f"{self.name}:" + ",".join(f"{f}={getattr(self, f)}" for f in GROUP_COMPAT_FIELDS)
+
+
 class ModelSpec(BaseModel):
     """Model facts that decide the shape of the KV cache; must agree across prefill and decode."""
 
@@ -223,7 +379,10 @@ class KVLayout(BaseModel):
 
     ``buffers`` are ordered ``[K_start .. K_end-1, V_start .. V_end-1]`` for MHA/GQA and
     ``[L_start .. L_end-1]`` for MLA, where ``[start_layer, end_layer)`` are the layers this rank
-    holds (its PP stage). Every buffer has the same number of slots.
+    holds (its PP stage). Every buffer has the same number of slots. ``groups`` are the rank's
+    other buffers (per-request state, sliding-window KV, draft-model layers; see
+    :class:`BufferGroup`); a layout without groups serialises and hashes exactly as before
+    protocol 1.4.
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid")
@@ -236,6 +395,14 @@ class KVLayout(BaseModel):
     start_layer: int = Field(default=0, ge=0)
     end_layer: int | None = None
     buffers: tuple[MemoryRegion, ...]
+    groups: tuple[BufferGroup, ...] = ()
+
+    @model_serializer(mode="wrap")
+    def _omit_no_groups(self, handler: SerializerFunctionWrapHandler) -> Any:
+        data = handler(self)
+        if isinstance(data, dict) and not data.get("groups"):
+            data.pop("groups", None)  # pre-1.4 peers and fixtures see the layout they know
+        return data
 
     @model_validator(mode="after")
     def _check(self) -> Self:
@@ -269,12 +436,56 @@ class KVLayout(BaseModel):
                     f"{m.dtype_size} B); check heads per rank, head_dim and dtype"
                 )
         check_no_overlap(self.buffers, "KV buffers")
+        if self.groups:
+            self._check_groups()
         return self
+
+    def _check_groups(self) -> None:
+        names = [g.name for g in self.groups]
+        if len(set(names)) != len(names):
+            raise LayoutError(f"buffer group names must be unique; got {names}")
+        tp = self.rank.tp_size
+        for g in self.groups:
+            if g.sharding == "heads" and g.total_heads % tp and tp % g.total_heads:
+                raise LayoutError(
+                    f"buffer group {g.name!r}: total_heads={g.total_heads} and tp_size={tp}: one "
+                    "must divide the other (or use sharding='replicated')"
+                )
+            if g.kind == "paged" and g.page_size != self.model.page_size:
+                raise LayoutError(
+                    f"buffer group {g.name!r}: a paged group shares the KV page indices, so its "
+                    f"page_size ({g.page_size}) must equal the model's ({self.model.page_size})"
+                )
+            if g.kind == "paged" and g.num_slots != self.buffers[0].num_items:
+                raise LayoutError(
+                    f"buffer group {g.name!r}: a paged group shares the KV page indices, so it "
+                    f"needs the KV pool's {self.buffers[0].num_items} slots, not {g.num_slots}"
+                )
+            want = g.item_len(tp)
+            for i, b in enumerate(g.buffers):
+                if b.item_len != want:
+                    raise LayoutError(
+                        f"buffer group {g.name!r} buffer {i}: item_len {b.item_len} != "
+                        f"page_size {g.page_size} x {g.local_heads(tp)} heads x {g.head_elems} x "
+                        f"{g.dtype_size} B = {want}; check heads per rank, head_elems and dtype"
+                    )
+        check_no_overlap(
+            [*self.buffers, *(b for g in self.groups for b in g.buffers)], "KV and group buffers"
+        )
 
     @property
     def layer_end(self) -> int:
         """One past the last layer this rank holds."""
         return self.end_layer if self.end_layer is not None else self.model.num_layers
+
+    def group(self, name: str) -> BufferGroup | None:
+        """The buffer group called ``name``, or None."""
+        return next((g for g in self.groups if g.name == name), None)
+
+    @property
+    def group_regions(self) -> tuple[MemoryRegion, ...]:
+        """Every buffer of every group (registered with the backend beside the KV buffers)."""
+        return tuple(b for g in self.groups for b in g.buffers)
 
     @property
     def num_slots(self) -> int:
@@ -316,6 +527,8 @@ class KVLayout(BaseModel):
     def compatibility_hash(self) -> str:
         """Digest of the model facts both sides must share (see :data:`COMPAT_FIELDS`)."""
         text = "|".join(f"{f}={getattr(self.model, f)}" for f in COMPAT_FIELDS)
+        if self.groups:  # absent for layouts without groups: their hash is unchanged
+            text += "|groups=" + ";".join(g.compat_text() for g in self.groups)
         return hashlib.sha256(text.encode()).hexdigest()[:16]
 
     @classmethod
@@ -326,8 +539,12 @@ class KVLayout(BaseModel):
         rank: RankPosition | None = None,
         start_layer: int = 0,
         end_layer: int | None = None,
+        groups: Sequence[BufferGroup] = (),
+        group_tensors: Sequence[Any] = (),
     ) -> KVLayout:
-        """Build a layout from the engine's KV tensors, ordered as :attr:`buffers` documents."""
+        """Build a layout from the engine's KV tensors, ordered as :attr:`buffers` documents.
+        ``groups`` (built with regions from ``group_tensors``, which are kept alive with the
+        layout) are the rank's other buffers (:class:`BufferGroup`)."""
         regions = tuple(MemoryRegion.from_tensor(t) for t in tensors)
         layout = cls(
             model=model,
@@ -335,10 +552,11 @@ class KVLayout(BaseModel):
             start_layer=start_layer,
             end_layer=end_layer,
             buffers=regions,
+            groups=tuple(groups),
         )
         # The regions are raw addresses: keep the tensors alive as long as the layout (and so
         # every manager that registered it) exists, or a dropped tensor frees registered memory.
-        layout._owners = tuple(tensors)
+        layout._owners = (*tensors, *group_tensors)
         return layout
 
 
@@ -349,3 +567,28 @@ def compatibility_problems(local: ModelSpec, remote: ModelSpec) -> list[str]:
         for f in COMPAT_FIELDS
         if getattr(local, f) != getattr(remote, f)
     ]
+
+
+def group_problems(
+    local: Sequence[BufferGroup], remote: Sequence[BufferGroup], names: tuple[str, str]
+) -> list[str]:
+    """Every buffer group field that differs between two layouts' groups, naming the group,
+    the field and both values (``names``: how to call the two sides, e.g. prefill, decode)."""
+    a, b = names
+    mine = {g.name: g for g in local}
+    theirs = {g.name: g for g in remote}
+    out = []
+    for name in sorted(mine.keys() | theirs.keys()):
+        g, h = mine.get(name), theirs.get(name)
+        if g is None or h is None:
+            out.append(
+                f"group {name!r}: {a}={'present' if g else 'absent'} "
+                f"{b}={'present' if h else 'absent'} (both sides must register the same groups)"
+            )
+            continue
+        out += [
+            f"group {name!r} {f}: {a}={getattr(g, f)!r} {b}={getattr(h, f)!r}"
+            for f in GROUP_COMPAT_FIELDS
+            if getattr(g, f) != getattr(h, f)
+        ]
+    return out

@@ -17,7 +17,7 @@ from kvwire.descriptors import DescTable, make_table
 from kvwire.errors import KVWireError
 from kvwire.index.base import IndexMapper, core_mapper_name, default_mapper_name
 from kvwire.index.topology import Topology
-from kvwire.layout import COMPAT_FIELDS, KVLayout, MemoryRegion
+from kvwire.layout import COMPAT_FIELDS, KVLayout, MemoryRegion, group_problems
 from kvwire.selection import select_mapper
 
 
@@ -39,6 +39,13 @@ def handshake_problems(
             f"decode layers [{decode.start_layer}, {decode.layer_end}): a decode rank must hold "
             f"all {decode.model.num_layers} layers"
         )
+    out += group_problems(prefill.groups, decode.groups, ("prefill", "decode"))
+    out += [
+        f"group {g.name!r} layers [{g.start_layer}, {g.layer_end}): a decode rank must hold "
+        f"all {g.num_layers} layers of every group"
+        for g in decode.groups
+        if g.start_layer != 0 or g.layer_end != g.num_layers
+    ]
     return out
 
 

@@ -37,7 +37,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from kvwire.control.freshness import FreshnessError, ReplayGuard
 from kvwire.errors import ProtocolError
-from kvwire.layout import KVLayout, MemoryRegion, ModelSpec, RankPosition
+from kvwire.layout import BufferGroup, KVLayout, MemoryRegion, ModelSpec, RankPosition
 
 #: Protocol version spoken by this kvwire. Bump ``MINOR`` for added optional fields, ``MAJOR``
 #: for anything an older peer would misread. 1.1 added bulk staging (the ``staging_*`` messages,
@@ -46,9 +46,12 @@ from kvwire.layout import KVLayout, MemoryRegion, ModelSpec, RankPosition
 #: 1.3 replaced the ``staging_*`` kinds by one envelope, ``staging``, whose body belongs to
 #: the strategy (bulk staging checks its peer's version at handshake), and added the freshness
 #: stamp of signed frames (replay protection): with a secret, 1.3 and older peers do not
-#: accept each other's frames (upgrade both sides together).
+#: accept each other's frames (upgrade both sides together). 1.4 added buffer groups (hybrid
+#: and speculative models): ``KVLayout.groups``, ``TransferRequest.group_indices``,
+#: ``HelloAck.groups`` and ``ChunkNote(what="state")``; layouts without groups encode and hash
+#: as in 1.3.
 PROTOCOL_MAJOR = 1
-PROTOCOL_MINOR = 3
+PROTOCOL_MINOR = 4
 
 #: Largest frame accepted (layouts of deep models with many buffers stay far below this).
 MAX_FRAME_BYTES = 16 << 20
@@ -97,7 +100,13 @@ def known_fields(cls: type[BaseModel], data: Any) -> Any:
 
 
 _NESTED: dict[type[BaseModel], dict[str, type[BaseModel]]] = {
-    KVLayout: {"model": ModelSpec, "rank": RankPosition, "buffers": MemoryRegion},
+    KVLayout: {
+        "model": ModelSpec,
+        "rank": RankPosition,
+        "buffers": MemoryRegion,
+        "groups": BufferGroup,
+    },
+    BufferGroup: {"buffers": MemoryRegion},
 }
 
 
@@ -158,6 +167,9 @@ class HelloAck(Message):
     layout: KVLayout | None = None
     #: Whether this prefill rank will stage its chunks into decode's ring (bulk staging).
     staged: bool = False
+    #: Whether this prefill rank moves buffer-group bytes (state, sliding window, draft
+    #: layers) to that decode rank: one ``ChunkNote(what="state")`` per request. (1.4)
+    groups: bool = False
 
     @field_validator("rank", mode="before")
     @classmethod
@@ -188,8 +200,11 @@ class TransferRequest(Message):
     session: str
     dst_pages: bytes
     aux_index: int = Field(ge=-1, default=-1)
-    #: Hybrid models' state-buffer indices (reserved; not sent by this version).
+    #: Reserved in 1.0-1.3 and never sent; refused if set (1.4 uses ``group_indices``).
     state_indices: list[int] | None = None
+    #: Buffer-group slots on the decode rank, per index name (``BufferGroup.index``: e.g.
+    #: "state" for a state slot, "window" for sliding-window pages), as int64 bytes. (1.4)
+    group_indices: dict[str, bytes] | None = None
     #: Which decode pool ``dst_pages`` index: "kv" (the KV pool) or "host" (the host pool of
     #: the HiSparse path, in its own page units).
     pool: str = "kv"

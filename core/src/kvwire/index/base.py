@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
 from numpy.typing import NDArray
@@ -21,6 +21,9 @@ from kvwire.descriptors import DescTable, IndexArray, check_indices
 from kvwire.errors import DescriptorError, LayoutError
 from kvwire.index.topology import Topology
 from kvwire.layout import KVLayout, compatibility_problems
+
+if TYPE_CHECKING:
+    from kvwire.index.groups import GroupMapper
 
 
 @dataclass(frozen=True)
@@ -98,6 +101,17 @@ class IndexMapper(ABC):
         """True when this source sends no KV to this destination because another source rank
         sends identical bytes (MLA, replicated heads). It still reports completion."""
         return False
+
+    def group_mapper(self) -> GroupMapper | None:
+        """The mapper of the layouts' buffer groups (state, sliding window, draft layers), or
+        None when neither side has groups. Prefill, handshake thread, once per decode rank.
+        The default (:class:`~kvwire.index.groups.GroupMapper`) slices heads across TP like
+        KV heads; a mapper for another parallelism may return its own."""
+        if not self.src.groups and not self.dst.groups:
+            return None
+        from kvwire.index.groups import GroupMapper
+
+        return GroupMapper(self.src, self.dst)
 
     @abstractmethod
     def build_tables(self) -> TablePair:

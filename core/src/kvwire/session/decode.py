@@ -52,6 +52,7 @@ from kvwire.errors import (
 from kvwire.index.base import check_pages
 from kvwire.session.common import Side
 from kvwire.session.decode_links import PrefillLink, SourceLinks
+from kvwire.session.groups import check_state_indices, to_wire
 from kvwire.session.manager import KVManager
 from kvwire.session.metrics import RequestMetrics
 from kvwire.session.peers import Peer
@@ -84,6 +85,10 @@ class RecvRoom:
     #: Segments of chunks still missing some: (sender id, chunk id) -> segments arrived.
     partial: dict[tuple[int, int], int] = field(default_factory=dict)
     aux_done: bool = False
+    #: Buffer groups: this rank's slots for the request, and the senders whose group
+    #: transfer landed.
+    group_dst: dict[str, NDArray[np.int64]] = field(default_factory=dict)
+    groups_from: set[int] = field(default_factory=set)
     #: Source sessions that confirmed (or are gone) that none of their writes for this failed
     #: request is in flight; and when they were last asked.
     quiet: set[str] = field(default_factory=set)
@@ -291,6 +296,8 @@ class DecodeSide(Side[RecvRoom]):
                     )
                     return
                 room.aux_done = True
+            elif msg.what == "state":  # the sender's buffer groups landed (after its KV)
+                room.groups_from.add(msg.sender_id)
             else:
                 if msg.parts > 1:
                     if msg.part >= msg.parts:
@@ -363,6 +370,8 @@ class DecodeSide(Side[RecvRoom]):
         if not room.requested or not room.aux_done:
             return
         for s in room.sources:
+            if s.groups and s.sender_id not in room.groups_from:
+                return
             want = room.expected.get(s.sender_id)
             got = room.received.get(s.sender_id, 0)
             if want is None or got < want:
@@ -510,9 +519,16 @@ class DecodeSide(Side[RecvRoom]):
                     )
 
     # --------------------------------------------------------------- engine thread
-    def send_metadata(self, room: RecvRoom, pages: Any, aux_index: int, pool: str = "kv") -> None:
+    def send_metadata(
+        self,
+        room: RecvRoom,
+        pages: Any,
+        aux_index: int,
+        pool: str = "kv",
+        state_indices: Any = None,
+    ) -> None:
         """Engine thread: where the request's KV goes on this rank (the KV pool, or with
-        ``pool="host"`` the host pool, in its page units)."""
+        ``pool="host"`` the host pool, in its page units), and its buffer-group slots."""
         mgr = self.mgr
         target = mgr.layout
         if pool not in ("kv", "host"):
@@ -532,6 +548,7 @@ class DecodeSide(Side[RecvRoom]):
                 )
             if not 0 <= aux_index < mgr.aux_slots:
                 raise DescriptorError(f"aux_index {aux_index} is outside [0, {mgr.aux_slots})")
+            groups = check_state_indices(mgr.layout, state_indices, "send_metadata()")
         except KVWireError as exc:
             with mgr.lock:
                 self._fail(
@@ -547,6 +564,7 @@ class DecodeSide(Side[RecvRoom]):
             room.dst_pages = arr
             room.aux_index = aux_index
             room.pool = pool
+            room.group_dst = groups
             if room.sources is not None:
                 self._request(room)
         if pool == "host" and mgr.hooks is not None:
@@ -562,6 +580,7 @@ class DecodeSide(Side[RecvRoom]):
             dst_pages=pages_to_bytes(room.dst_pages),
             aux_index=room.aux_index,
             pool="host" if room.pool == "host" else "kv",  # typed Literal on the wire
+            group_indices=to_wire(room.group_dst),
         )
         for s in room.sources:
             mgr.send(s.info.endpoint, msg)

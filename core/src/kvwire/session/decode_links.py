@@ -37,6 +37,8 @@ class PrefillLink:
     info: RankInfo
     sender_id: int
     dummy: bool
+    #: It moves buffer-group bytes to this rank: one ``ChunkNote(what="state")`` per request.
+    groups: bool = False
 
 
 @dataclass
@@ -208,7 +210,7 @@ class SourceLinks:
             pending.error = error
             pending.event.set()
             return
-        link = PrefillLink(info, msg.sender_id, msg.dummy)
+        link = PrefillLink(info, msg.sender_id, msg.dummy, msg.groups)
         with self._lock:
             self.links[msg.session] = link
         mgr.add_peer(Peer(msg.session, msg.agent, msg.endpoint, time.monotonic(), link=link))

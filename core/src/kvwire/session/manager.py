@@ -149,12 +149,13 @@ class KVManager:
         if host_layout is not None and self.role is not Role.DECODE:
             raise ConfigError("host_layout (a decode host pool) is for decode managers")
         host_buffers = tuple(host_layout.buffers) if host_layout is not None else ()
-        kinds = {b.kind for b in (*layout.buffers, *aux_buffers, *host_buffers)}
+        groups = layout.group_regions  # state, sliding-window and draft-layer buffers
+        kinds = {b.kind for b in (*layout.buffers, *groups, *aux_buffers, *host_buffers)}
         sel = select_backend(config, kinds=kinds)
         self.backend_name = sel.name
         self.backend: TransferBackend = sel.cls(self.agent_name, sel.options)
         try:
-            self.backend.register([*layout.buffers, *host_buffers, *self.aux_regions])
+            self.backend.register([*layout.buffers, *groups, *host_buffers, *self.aux_regions])
             context = StagingContext(
                 layout,
                 self.backend.register,

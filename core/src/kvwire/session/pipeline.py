@@ -76,6 +76,7 @@ class _Tail:
     last: Job | None = None
     aux_posted: bool = False
     staged: bool = False
+    groups_done: bool = False
 
 
 class Pipeline:
@@ -420,6 +421,10 @@ class Pipeline:
         if self.side.is_dead(room):
             self._drop(key, tail)
             return
+        if not tail.groups_done:
+            tail.groups_done = True
+            if self._post_groups(tail, key, job):
+                return  # back here once the group transfer is terminal
         if not tail.aux_posted:
             mgr = self.mgr
             if job.chunk_id is None:  # the last chunk moved no KV: say how many did
@@ -459,6 +464,32 @@ class Pipeline:
                 return
         del self.tails[key]
         self.side.dest_done(room, dest)
+
+    def _post_groups(self, tail: _Tail, key: tuple[int, str], job: Job) -> bool:
+        """After the last KV chunk: the request's buffer groups (state, window, draft layers)
+        in one transfer, before the aux row; True when a transfer was posted (or failed)."""
+        room = tail.room
+        try:
+            rows = self.side.group_rows(room, tail.dest, job.link)
+            if rows is None:
+                return False
+            if rows[0].size == 0:  # nothing to move: decode still counts the group note
+                note = ChunkNote(
+                    room=room.room, sender_id=self.side.sender_id, session=self.mgr.session,
+                    what="state",
+                )  # fmt: skip
+                self.mgr.send(tail.dest.endpoint, note)
+                return False
+            pair = job.link.pairs[self.side.GROUPS_TABLE]
+            note_bytes = self._note(room.room, "state")
+            self._post(
+                tail, key, pair, None, rows[0], rows[1], note_bytes, "state",
+                time.perf_counter(), None,
+            )  # fmt: skip
+        except Exception as exc:  # refused at map or submit: the request fails, not hangs
+            self._failed(room, exc, "state")
+            self._drop(key, tail)
+        return True
 
     def _failed(self, room: SendRoom, exc: BaseException, what: str) -> None:
         if not isinstance(exc, KVWireError):

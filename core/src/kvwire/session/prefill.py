@@ -50,6 +50,7 @@ from kvwire.index.base import check_pages
 from kvwire.session import metrics as m
 from kvwire.session.common import Side
 from kvwire.session.early import EarlyBook
+from kvwire.session.groups import GROUPS_TABLE, group_rows, request_groups, send_groups
 from kvwire.session.manager import KVManager
 from kvwire.session.metrics import RequestMetrics
 from kvwire.session.peers import Peer
@@ -80,6 +81,8 @@ class Dest:
     done: bool = False
     #: The decode pool the request goes to (a key of ``DecodeLink.pools``).
     pool: str = "kv"
+    #: The request's buffer-group slots on that decode rank (see :mod:`kvwire.session.groups`).
+    group_dst: dict[str, NDArray[np.int64]] = field(default_factory=dict)
 
 
 @dataclass
@@ -98,6 +101,9 @@ class SendRoom:
     pages_queued: int = 0
     pages_dispatched: int = 0
     last_queued: bool = False
+    #: Buffer groups: this rank's slots (given with the last chunk) and the pages sent so far.
+    group_src: dict[str, NDArray[np.int64]] = field(default_factory=dict)
+    sent_pages: list[NDArray[np.int64]] = field(default_factory=list)
     ready: bool = False
     error: BaseException | None = None
     failed_at: float = 0.0
@@ -124,6 +130,10 @@ class PrefillSide(Side[SendRoom]):
         "note": "not_for_role",
         "writes_done": "not_for_role",
     }
+
+    #: Prepared pair of a link's buffer groups (the pipeline posts it after the last chunk).
+    GROUPS_TABLE = GROUPS_TABLE
+    group_rows = staticmethod(group_rows)
 
     def __init__(self, mgr: KVManager, bootstrap_addr: str | None) -> None:
         super().__init__(mgr)
@@ -226,8 +236,7 @@ class PrefillSide(Side[SendRoom]):
                     raise DescriptorError(
                         f"decode's aux index {msg.aux_index} is outside [0, {mgr.aux_slots})"
                     )
-                if msg.state_indices:
-                    raise ConfigError("state buffers are not supported by this kvwire version")
+                group_dst = request_groups(link.groups, msg)
             except KVWireError as exc:
                 mgr.send(
                     peer.endpoint,
@@ -241,6 +250,7 @@ class PrefillSide(Side[SendRoom]):
                 msg.aux_index,
                 len(link.topology.targets(mgr.layout.rank.tp_rank)),
                 pool=msg.pool,
+                group_dst=group_dst,
             )
             room = self.rooms.get(msg.room)
             failed = self.early.failed_recently(msg.room)
@@ -378,8 +388,9 @@ class PrefillSide(Side[SendRoom]):
             room.num_pages = num_pages
             room.aux_index = aux_index
 
-    def send(self, room: SendRoom, pages: Any, last: bool) -> None:
-        """Engine thread: queue one chunk; never blocks on the transfer."""
+    def send(self, room: SendRoom, pages: Any, last: bool, state_indices: Any = None) -> None:
+        """Engine thread: queue one chunk; never blocks on the transfer. ``state_indices``
+        (this rank's buffer-group slots) come with the last chunk."""
         mgr = self.mgr
         with mgr.lock:
             status = mgr.status.get(room.room, KVPoll.Failed)
@@ -388,11 +399,14 @@ class PrefillSide(Side[SendRoom]):
                     f"room {room.room}: send() after the request succeeded (every chunk was "
                     "already delivered); the chunk is not sent"
                 )
+        what = "pages"
         try:
             arr = check_pages(pages, mgr.layout.num_slots, "page indices")
+            what = "state_indices"
+            groups = send_groups(mgr.layout, state_indices, last)
         except KVWireError as exc:
             with mgr.lock:
-                self._fail(room, TransferError(f"bad pages in send(): {exc}", room=room.room))
+                self._fail(room, TransferError(f"bad {what} in send(): {exc}", room=room.room))
             raise
         with mgr.lock:
             if self._terminal(room):
@@ -418,6 +432,8 @@ class PrefillSide(Side[SendRoom]):
                 raise err
             room.last_queued = last
             room.pages_queued += arr.size
+            room.group_src = groups or room.group_src
+            room.sent_pages.append(arr)
             if not room.ready:
                 room.held.append((arr, last))
                 return

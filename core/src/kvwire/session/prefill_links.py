@@ -27,9 +27,11 @@ from kvwire.control.handshake import (
 from kvwire.control.wire import Hello, HelloAck, HelloReject, Message
 from kvwire.errors import KVWireError
 from kvwire.index.base import IndexMapper, TablePair
+from kvwire.index.groups import GroupMapper
 from kvwire.index.topology import Topology
 from kvwire.layout import MemoryRegion
 from kvwire.selection import select_host_mapper
+from kvwire.session.groups import GROUPS_TABLE
 from kvwire.session.peers import Peer
 from kvwire.session.segments import KindSplit, split_tables
 from kvwire.staging.base import StagingStrategy
@@ -78,6 +80,14 @@ class DecodeLink:
     pool_problems: dict[str, str] = field(default_factory=dict)
     #: Pairs whose rows mix memory kinds: their chunks move as one segment per kind pair.
     splits: dict[str, KindSplit] = field(default_factory=dict)
+    #: The layouts' buffer groups (state, sliding window, draft layers), moved after a
+    #: request's last chunk through pair ``"state"``; None when the layouts have none.
+    groups: GroupMapper | None = None
+
+    @property
+    def sends_groups(self) -> bool:
+        """Whether this rank moves group bytes to that decode rank (one note per request)."""
+        return self.groups is not None and self.groups.sends
 
 
 class DecodeLinker:
@@ -172,6 +182,16 @@ class DecodeLinker:
                 )
             for table_name, tp in extra.items():
                 pairs[table_name] = mgr.backend.prepare(name, tp.src, tp.dst)
+            groups = mapper.group_mapper()
+            if groups is not None and groups.sends:
+                kinds = {r.kind for r in (*mgr.layout.group_regions, *hello.layout.group_regions)}
+                if len(kinds) > 1:
+                    raise KVWireError(
+                        "buffer groups that mix VRAM and DRAM regions are not supported yet; "
+                        "keep every group buffer in one memory kind"
+                    )
+                gt = groups.build_tables()
+                pairs[GROUPS_TABLE] = mgr.backend.prepare(name, gt.src, gt.dst)
             host_mapper, host_problem = self._host_mapper(hello)
             host_extra: dict[str, Any] = {}
             if host_mapper is not None:
@@ -210,6 +230,7 @@ class DecodeLinker:
                 pools=pools,
                 pool_problems={} if host_mapper is not None else {"host": host_problem},
                 splits=splits,
+                groups=groups,
             )
         except KVWireError as exc:
             mgr.host_staging.peer_lost(hello.session)  # unmap what link_tables may have mapped
@@ -253,7 +274,7 @@ class DecodeLinker:
         problems = [
             p
             for p in handshake_problems(self.mgr.layout, host, self.mgr.backend_name, hello.backend)
-            if not p.startswith("page_size")
+            if not p.startswith(("page_size", "group "))  # groups move on the KV link
         ]
         if problems:
             return None, "host pool incompatible: " + "; ".join(problems)
@@ -279,6 +300,7 @@ class DecodeLinker:
                 peer_session=hello.session,
                 layout=mgr.layout,
                 staged=link.pools["kv"].staged,
+                groups=link.sends_groups,
             ),
         )
 

@@ -60,7 +60,13 @@ class KVReceiver(RequestHandle[RecvRoom]):
         quiet: bool = self._side.writes_quiesced(self._state)
         return quiet
 
-    def send_metadata(self, dst_page_indices: Any, aux_index: int, pool: str = "kv") -> None:
+    def send_metadata(
+        self,
+        dst_page_indices: Any,
+        aux_index: int,
+        pool: str = "kv",
+        state_indices: Any | None = None,
+    ) -> None:
         """Tell the source ranks where to write: this rank's page slots for the request's
         pages that are not cached here (the last ``len(dst_page_indices)`` of the request;
         empty when the whole prefix is cached), and the aux row.
@@ -69,9 +75,15 @@ class KVReceiver(RequestHandle[RecvRoom]):
         pool pages (of the host pool's page size; page size 1 means token indices) for the
         request's tokens from the first, trimmed to the tokens that exist. The manager's
         ``hooks`` then get ``on_prealloc`` now and exactly one of ``on_admit`` (after the
-        transfer, with the token count) or ``on_abandon`` (failure or abort)."""
+        transfer, with the token count) or ``on_abandon`` (failure or abort).
+
+        ``state_indices``: this rank's slots of the layout's buffer groups for the request,
+        ``{index name: slots}`` (a state group's one slot; a window group's pages of the
+        request's last window, in order); required when the layout has such groups. Checked
+        here like the pages (a bad value raises and fails the request on both sides); the
+        groups move after the last KV chunk, before the aux row."""
         self.init()
-        self._side.send_metadata(self._state, dst_page_indices, aux_index, pool)
+        self._side.send_metadata(self._state, dst_page_indices, aux_index, pool, state_indices)
 
     def poll(self) -> KVPoll:
         status = super().poll()

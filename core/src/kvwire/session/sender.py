@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from typing import Any
 
-from kvwire.errors import ConfigError
 from kvwire.session.common import RequestHandle
 from kvwire.session.poll import KVPoll
 from kvwire.session.prefill import PrefillSide, SendRoom
@@ -30,10 +29,9 @@ class KVSender(RequestHandle[SendRoom]):
 
     def send(self, page_indices: Any, last: bool = False, state_indices: Any | None = None) -> None:
         """Queue one chunk of chunked prefill (page slots of this rank's pool, in request
-        order). Raises :class:`~kvwire.errors.DescriptorError` or ``ConfigError`` on bad input
-        (the room is failed and decode is told)."""
-        if state_indices is not None:
-            raise ConfigError(
-                "state buffers (hybrid models) are not supported yet; pass state_indices=None"
-            )
-        self._side.send(self._state, page_indices, last)
+        order). With the last chunk, a layout with buffer groups passes ``state_indices``:
+        ``{index name: slots}`` (a state group's one slot, a window group's pages of the
+        request's last window; see :mod:`kvwire.session.groups`). Raises
+        :class:`~kvwire.errors.DescriptorError` or ``ConfigError`` on bad input (the room is
+        failed and decode is told)."""
+        self._side.send(self._state, page_indices, last, state_indices)

@@ -1,0 +1,23 @@
+"""The hybrid model (state slots, sliding window, draft layer) prefilled and decoded with its
+caches moved over Mooncake Transfer Engine (TCP): decode's greedy tokens equal a single
+process's, both TP directions."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from kvwire.testing.hybrid import CORRUPTIONS, config, run_pd
+from kvwire.testing.hybrid_model import HybridSpec, reference_tokens
+
+SPEC = HybridSpec()
+PROMPT = [int(t) for t in np.random.default_rng(5).integers(0, SPEC.vocab, 11)]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("tp_p", "tp_d"), [(2, 1), (1, 2)], ids=["tp2to1", "tp1to2"])
+def test_hybrid_model_over_mooncake(tp_p: int, tp_d: int) -> None:
+    ref = reference_tokens(SPEC, PROMPT, 5)
+    assert run_pd(SPEC, PROMPT, 5, tp_p, tp_d, cfg=config("mooncake")).tokens == ref
+    bad = run_pd(SPEC, PROMPT, 5, tp_p, tp_d, cfg=config("mooncake"), corrupt=CORRUPTIONS["state"])
+    assert bad.tokens != ref
