@@ -14,7 +14,7 @@ import pytest
 from kvwire.backends.tcp import TcpBackend
 from kvwire.config import KVWireConfig
 from kvwire.errors import PluginError, UnknownNameError
-from kvwire.plugins import Kind, PluginRegistry
+from kvwire.plugins import Kind, PluginRegistry, get_registry
 from kvwire.selection import select_backend
 
 MakeDist = Callable[[str, dict[str, str], dict[str, str]], None]
@@ -194,3 +194,32 @@ def test_engine_benchmark_lookup(fake_plugins: Path) -> None:
     assert reg.engine_benchmark("fakenative-bench") is not None
     with pytest.raises(PluginError, match="does not import"):
         reg.engine_benchmark("brokenbench")
+
+
+# ------------------------------------------------------------------ plugin API versions
+def test_plugin_api_compatibility_rules() -> None:
+    from kvwire import plugin_api
+
+    assert plugin_api.incompatibility(plugin_api.PLUGIN_API) is None
+    assert plugin_api.incompatibility("2.0") is None and plugin_api.incompatibility("1.3") is None
+    newer = plugin_api.incompatibility("2.7")
+    assert newer is not None and "2.7" in newer and "upgrade kvwire" in newer
+    future = plugin_api.incompatibility("3.0")
+    assert future is not None and "3.0" in future and plugin_api.PLUGIN_API in future
+    old = plugin_api.incompatibility("0.9")
+    assert old is not None and "rebuild the plugin" in old
+    bad = plugin_api.incompatibility("two")
+    assert bad is not None and "MAJOR.MINOR" in bad
+    assert plugin_api.is_legacy("1.0") and not plugin_api.is_legacy("2.0")
+
+
+def test_a_future_plugin_is_refused_and_the_rest_keeps_working(make_dist: MakeDist) -> None:
+    make_dist(
+        "fakeplug-future",
+        {"future": "fakeplug_future"},
+        {"fakeplug_future": 'KVWIRE_PLUGIN_API = "5.1"\n'},
+    )
+    reg = get_registry()
+    (broken,) = [b for b in reg.broken if b.plugin == "future"]
+    assert "5.1" in broken.error and "upgrade kvwire" in broken.error
+    assert reg.resolve(Kind.BACKEND, "tcp") is not None

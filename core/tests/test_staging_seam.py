@@ -100,6 +100,8 @@ from pydantic import BaseModel
 from kvwire.plugins import Implementation, hookimpl
 from kvwire.staging.base import ChunkPlan, QueuedChunk, StagingStrategy
 
+KVWIRE_PLUGIN_API = "2.0"
+
 
 class MayI(BaseModel):
     room: int

@@ -23,6 +23,7 @@ from kvwire.backend import XferOp, XferState
 from kvwire.backends.tcp import TcpBackend, wire
 from kvwire.backends.tcp.backend import METADATA_VERSION
 from kvwire.descriptors import make_table
+from kvwire.errors import PeerError
 from kvwire.layout import MemoryRegion
 from kvwire.testing.conformance import wait_terminal
 
@@ -468,11 +469,11 @@ INVALID_METADATA: dict[str, tuple[bytes, str]] = {
 
 @pytest.mark.parametrize("case", INVALID_METADATA, ids=list(INVALID_METADATA))
 def test_invalid_metadata_rejected(make_backend: MakeBackend, case: str) -> None:
-    """add_peer with bad metadata raises ValueError naming the problem, adds no peer, leaks
+    """add_peer with bad metadata raises PeerError naming the problem, adds no peer, leaks
     nothing (close() returns promptly afterwards) and leaves the agent usable."""
     metadata, message = INVALID_METADATA[case]
     b = make_backend()
-    with pytest.raises(ValueError, match=message):
+    with pytest.raises(PeerError, match=message):
         b.add_peer(metadata)
     assert b.peers() == []
     assert b.add_peer(msgpack.packb(_good_meta())) == "peer"

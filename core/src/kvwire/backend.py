@@ -57,7 +57,7 @@ import numpy as np
 from pydantic import BaseModel, ConfigDict
 
 from kvwire.descriptors import LEN, DescTable, check_indices, check_table, require_inside
-from kvwire.errors import CapabilityError, DescriptorError, HandleError, PeerError
+from kvwire.errors import CapabilityError, DescriptorError, HandleError, KVWireError, PeerError
 from kvwire.layout import MemKind, MemoryRegion, check_no_overlap
 
 logger = logging.getLogger(__name__)
@@ -254,12 +254,17 @@ class TransferBackend(ABC):
         and with the owner loop.
         """
         self._check_open()
-        name = self._peer_name(metadata)
-        with self._lock:
-            self._check_open()
-            if name in self.peers():
-                self._drop_peer_state(name)
-            self._add_peer(name, metadata)
+        try:
+            name = self._peer_name(metadata)
+            with self._lock:
+                self._check_open()
+                if name in self.peers():
+                    self._drop_peer_state(name)
+                self._add_peer(name, metadata)
+        except KVWireError:
+            raise
+        except Exception as exc:  # a plugin's metadata checks raise what they like
+            raise PeerError(f"{self.name} backend refused the peer's metadata: {exc}") from exc
         return name
 
     def remove_peer(self, peer: str) -> None:

@@ -15,6 +15,7 @@ from importlib.metadata import PackageNotFoundError, version
 from types import FrameType
 
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from kvwire.plugins import Kind, get_registry
@@ -43,17 +44,23 @@ def cmd_plugins(args: argparse.Namespace, console: Console) -> int:
     """List every registered implementation with its origin and import status."""
     reg = get_registry()
     table = Table(title="kvwire plugins")
-    for col in ("name", "kind", "distribution", "version", "import status"):
-        table.add_column(col)
+    for col in ("name", "kind", "distribution", "version", "plugin API", "import status"):
+        table.add_column(col, overflow="fold")
     for kind in Kind:
         for name in reg.names(kind):
             entry = reg.entries[kind][name]
             _, err = reg.try_resolve(kind, name)
-            status = "[green]ok[/]" if err is None else f"[red]failed[/]: {entry.import_error}"
-            table.add_row(name, str(kind), entry.distribution, entry.version, status)
+            failed = escape(entry.import_error or err or "")
+            status = "[green]ok[/]" if err is None else f"[red]failed[/]: {failed}"
+            table.add_row(name, str(kind), entry.distribution, entry.version, entry.api, status)
     for b in reg.broken:
         table.add_row(
-            f"({b.plugin})", "plugin", b.distribution, b.version, f"[red]broken[/]: {b.error}"
+            f"({b.plugin})",
+            "plugin",
+            b.distribution,
+            b.version,
+            "",
+            f"[red]broken[/]: {escape(b.error)}",
         )
     console.print(table)
     for c in reg.conflicts:
@@ -240,7 +247,37 @@ def build_parser() -> argparse.ArgumentParser:
     p_boot.add_argument(
         "--port", type=int, default=8998, help="port to listen on (0: any free port)"
     )
+    p_new = sub.add_parser(
+        "new-plugin", help="write the starting point of a third-party backend plugin"
+    )
+    p_new.add_argument("name", help="the backend's name (lowercase, e.g. myengine)")
+    p_new.add_argument("--dir", help="where to write it (default: ./kvwire-NAME)")
+    p_new.add_argument("--force", action="store_true", help="write into a non-empty --dir")
     return parser
+
+
+def cmd_new_plugin(args: argparse.Namespace, console: Console) -> int:
+    """Write the plugin template (see :mod:`kvwire.plugin_template`)."""
+    from pathlib import Path
+
+    from kvwire.errors import ConfigError
+    from kvwire.plugin_template import write_plugin
+
+    dest = Path(args.dir or f"kvwire-{args.name.replace('_', '-')}")
+    try:
+        written = write_plugin(args.name, dest, force=args.force)
+    except ConfigError as e:
+        console.print(f"[red]error[/]: {e}", highlight=False)
+        return 2
+    for path in written:
+        console.print(f"  wrote {path}", highlight=False, markup=False)
+    console.print(
+        f"next: implement src/kvwire_{args.name}/backend.py, then "
+        f"`uv pip install -e '{dest}[test]'` and `pytest {dest}`",
+        highlight=False,
+        markup=False,
+    )
+    return 0
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -265,6 +302,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         from kvwire.testing import cluster_bench
 
         return cluster_bench.run(args, console, sys.argv[1:] if argv is None else argv)
+    if args.command == "new-plugin":
+        return cmd_new_plugin(args, console)
     if args.command == "bootstrap":
         return cmd_bootstrap(args, console)
     return 2

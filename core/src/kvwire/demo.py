@@ -17,6 +17,7 @@ import statistics
 
 import numpy as np
 from rich.console import Console
+from rich.markup import escape
 from rich.progress import (
     BarColumn,
     MofNCompleteColumn,
@@ -30,7 +31,7 @@ from rich.table import Table
 from kvwire.config import AUTO, config_from_args
 from kvwire.errors import KVWireError
 from kvwire.layout import ModelSpec
-from kvwire.selection import auto_backend_name
+from kvwire.selection import auto_backend_name, select_backend
 from kvwire.testing.cluster import Cluster, ClusterError, ClusterSpec, RequestResult
 
 
@@ -98,8 +99,14 @@ def _advance(progress: Progress, task: TaskID, _result: RequestResult) -> None:
 def run(args: argparse.Namespace, console: Console) -> int:
     """Entry point of ``kvwire demo``; non-zero exit on any corruption or failure."""
     config = config_from_args(args)
-    if config.transfer_backend == AUTO:
-        config = config.model_copy(update={"transfer_backend": auto_backend_name()})
+    try:
+        if config.transfer_backend == AUTO:
+            config = config.model_copy(update={"transfer_backend": auto_backend_name()})
+        # fail here, naming why, rather than in every spawned rank
+        select_backend(config)
+    except KVWireError as exc:
+        console.print(f"[red]FAILED[/]: {escape(str(exc))}", highlight=False)
+        return 1
     model = ModelSpec(
         num_layers=args.layers,
         total_kv_heads=1 if args.mla else args.kv_heads,

@@ -22,6 +22,7 @@ from typing import Any
 
 import pluggy
 
+from kvwire import plugin_api
 from kvwire.errors import PluginError, UnknownNameError
 
 logger = logging.getLogger(__name__)
@@ -118,6 +119,8 @@ class Entry:
     distribution: str
     version: str
     builtin: bool = False
+    #: The plugin API the providing plugin was built for (see :mod:`kvwire.plugin_api`).
+    api: str = plugin_api.PLUGIN_API
     _resolved: Any = field(default=None, repr=False)
     import_error: str | None = None
 
@@ -173,14 +176,24 @@ class PluginRegistry:
         modules.extend(extra)
         # Built-ins first: they keep their names if a plugin tries to take them.
         modules.sort(key=lambda nm: not self._origin.get(nm[0], ("", "", False))[2])
+        self._api: dict[str, str] = {}
         for name, module in modules:
+            dist, version, is_core = self._origin.get(name, ("?", "?", False))
+            api = plugin_api.PLUGIN_API if is_core else plugin_api.declared(module)
+            why = plugin_api.incompatibility(api)
+            if why is not None:
+                self.broken.append(BrokenPlugin(name, dist, version, why, ""))
+                logger.error("kvwire plugin %r from %s %s refused: %s", name, dist, version, why)
+                continue
             try:
                 self.manager.register(module, name=name)
-            except ValueError as exc:  # same module or name registered twice
-                dist, version, _ = self._origin.get(name, ("?", "?", False))
-                self.broken.append(BrokenPlugin(name, dist, version, str(exc), ""))
-                logger.error("kvwire plugin %r refused: %s", name, exc)
+            except (ValueError, pluggy.PluginValidationError) as exc:
+                # the same module or name twice, or a hook whose signature is not the spec's
+                why = " ".join(str(exc).split())  # one line: pluggy's spans several
+                self.broken.append(BrokenPlugin(name, dist, version, why, ""))
+                logger.error("kvwire plugin %r from %s %s refused: %s", name, dist, version, why)
                 continue
+            self._api[name] = api
             self._collect(name)
 
     def _load_entry_points(self) -> list[tuple[str, Any]]:
@@ -236,8 +249,9 @@ class PluginRegistry:
                     )
                     logger.warning("kvwire plugin %r: hook %s failed: %s", plugin, hook_name, exc)
                     continue
+                api = self._api.get(plugin, plugin_api.PLUGIN_API)
                 for rec in records:
-                    self._add(Entry(kind, rec, plugin, dist, version, builtin))
+                    self._add(Entry(kind, rec, plugin, dist, version, builtin, api=api))
 
     def _add(self, entry: Entry) -> None:
         table = self.entries[entry.kind]
@@ -310,8 +324,33 @@ class PluginRegistry:
                     f"{entry.impl.target}: {entry.import_error}. Run `kvwire doctor` for what "
                     "to install."
                 ) from exc
+            if plugin_api.is_legacy(entry.api):
+                obj = self._adapt_legacy(entry, obj)
             entry._resolved = obj
             return obj
+
+    @staticmethod
+    def _adapt_legacy(entry: Entry, obj: Any) -> Any:
+        """A plugin built for API 1.x: its backend is called the 1.0 way (serialised); a
+        staging strategy cannot be adapted (its hooks changed) and is refused."""
+        if entry.kind is Kind.BACKEND and isinstance(obj, type):
+            logger.info(
+                "backend %r (plugin API %s): data-path hooks serialised as API 1.0 had them",
+                entry.name,
+                entry.api,
+            )
+            return plugin_api.serialised_backend(obj)
+        if entry.kind is Kind.STAGING:
+            entry.import_error = (
+                f"built for kvwire plugin API {entry.api}; the staging seam changed in "
+                f"{plugin_api.PLUGIN_API} (on_message, on_arrival(ArrivedChunk)): rebuild the "
+                "plugin against this kvwire"
+            )
+            raise PluginError(
+                f"{entry.kind} {entry.name!r} (plugin {entry.plugin!r}, distribution "
+                f"{entry.distribution} {entry.version}) {entry.import_error}"
+            )
+        return obj
 
     def doctor_checks(self) -> list[tuple[str, DoctorCheck]]:
         """Every plugin's doctor checks, as ``(plugin, check)``; a failing hook is reported."""

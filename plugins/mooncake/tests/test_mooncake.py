@@ -22,7 +22,7 @@ from kvwire_mooncake.engine import MooncakeEngineError, ephemeral_port_range
 
 from kvwire.backend import XferOp, XferState
 from kvwire.descriptors import make_table
-from kvwire.errors import ConfigError
+from kvwire.errors import ConfigError, PeerError
 from kvwire.layout import MemoryRegion
 from kvwire.plugins import Kind, PluginRegistry
 from kvwire.selection import validate_options
@@ -297,16 +297,16 @@ def test_unreachable_notification_host_refused() -> None:
 # -------------------------------------------------------------------------- metadata
 def test_metadata_checked(pair: Any) -> None:
     a, b, _, _ = pair
-    with pytest.raises(ValueError, match="msgpack"):
+    with pytest.raises(PeerError, match="msgpack"):
         a.add_peer(b"\xc1not msgpack")
     meta = msgpack.unpackb(b.local_metadata(), raw=False)
-    with pytest.raises(ValueError, match="protocol"):
+    with pytest.raises(PeerError, match="protocol"):
         a.add_peer(msgpack.packb({**meta, "name": "other", "protocol": "rdma"}))
-    with pytest.raises(ValueError, match="mooncake backend"):
+    with pytest.raises(PeerError, match="mooncake backend"):
         a.add_peer(msgpack.packb({**meta, "backend": "tcp"}))
-    with pytest.raises(ValueError, match="version"):
+    with pytest.raises(PeerError, match="version"):
         a.add_peer(msgpack.packb({**meta, "v": 99}))
-    with pytest.raises(ValueError, match="cannot reach"):
+    with pytest.raises(PeerError, match="cannot reach"):
         a.add_peer(msgpack.packb({**meta, "name": "ghost", "segment": "127.0.0.1:1"}))
     assert "ghost" not in a.peers() and "other" not in a.peers()
 
@@ -355,7 +355,7 @@ def test_remove_peer_fails_backlog_promptly() -> None:
         ticker = threading.Thread(target=tick, daemon=True)
         ticker.start()
         t0 = time.monotonic()
-        with pytest.raises(ValueError, match="did not answer"):
+        with pytest.raises(PeerError, match="did not answer"):
             a.add_peer(meta)
         done.set()
         ticker.join()

@@ -232,7 +232,9 @@ class DecodeLinker:
                 splits=splits,
                 groups=groups,
             )
-        except KVWireError as exc:
+        except Exception as exc:  # a plugin's error included: decode must hear why, now
+            if not isinstance(exc, KVWireError):
+                logger.exception("%s: handshake with %s failed", mgr.agent_name, hello.agent)
             mgr.host_staging.peer_lost(hello.session)  # unmap what link_tables may have mapped
             self._reject(hello, f"handshake failed on prefill: {exc}", [])
             return

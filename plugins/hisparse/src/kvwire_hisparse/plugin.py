@@ -5,6 +5,9 @@ from __future__ import annotations
 
 from kvwire.plugins import Implementation, hookimpl
 
+#: The kvwire plugin API this plugin is written for (see kvwire.plugin_api).
+KVWIRE_PLUGIN_API = "2.0"
+
 
 @hookimpl
 def kvwire_index_mappers() -> list[Implementation]:

@@ -13,6 +13,9 @@ from pathlib import Path
 
 from kvwire.plugins import DoctorCheck, Implementation, hookimpl
 
+#: The kvwire plugin API this plugin is written for (see kvwire.plugin_api).
+KVWIRE_PLUGIN_API = "2.0"
+
 #: Between the built-in ``tcp`` (0) and ``nixl`` (20): ``auto`` prefers NIXL, then Mooncake.
 PRIORITY = 10
 

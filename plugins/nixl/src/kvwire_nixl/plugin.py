@@ -11,6 +11,9 @@ import os
 
 from kvwire.plugins import DoctorCheck, Implementation, hookimpl
 
+#: The kvwire plugin API this plugin is written for (see kvwire.plugin_api).
+KVWIRE_PLUGIN_API = "2.0"
+
 #: Above the built-in ``tcp`` (0): ``--transfer-backend auto`` picks nixl whenever it imports.
 PRIORITY = 20
 

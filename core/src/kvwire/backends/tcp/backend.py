@@ -238,9 +238,8 @@ class TcpBackend(TransferBackend):
             regions=region_rows(self._memory.regions),
         )
 
-    @staticmethod
-    def _decode_metadata(metadata: bytes) -> dict[str, Any]:
-        meta = unpack_metadata(metadata, "tcp", METADATA_VERSION, "kvwire")
+    def _decode_metadata(self, metadata: bytes) -> dict[str, Any]:
+        meta = unpack_metadata(metadata, self.name, METADATA_VERSION, "kvwire")
         for key in ("name", "endpoint", "regions"):
             if key not in meta:
                 raise ValueError(f"tcp metadata lacks {key!r}")
