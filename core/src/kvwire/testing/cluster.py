@@ -88,6 +88,9 @@ class ClusterSpec(BaseModel):
     #: Prefill instances of the same shape, each with its own bootstrap service (run by its
     #: rank 0); a request picks one with ``RoomPlan.prefill_instance``.
     prefill_instances: int = Field(default=1, ge=1)
+    #: Longest a rank's engine loop waits for a message from the parent between steps while
+    #: it has requests in flight (the engine's scheduler period; benchmarks use a short one).
+    engine_step_s: float = Field(default=0.0005, gt=0, le=0.1)
 
 
 class RoomPlan(BaseModel):
@@ -487,7 +490,7 @@ def _rank_main(
 
     try:
         while True:
-            if conn.poll(0.0005 if active else 0.01):
+            if conn.poll(spec.engine_step_s if active else 0.01):
                 msg = conn.recv()
                 if msg[0] == "start":
                     start(RoomPlan.model_validate(msg[1]))
