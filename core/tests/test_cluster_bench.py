@@ -69,6 +69,13 @@ def test_quick_bench_on_tcp(tmp_path: Path) -> None:
             assert c["best_bytes"] == per_batch
         # Same descriptors: one per (page, layer, K|V) row (kvwire adds its aux rows).
         assert c["descriptors"] >= pages * 2 * 8
+        if mode == "raw":
+            assert c["prefill_p50_ms"] is None and c["decode_p50_ms"] is None
+        else:  # where the time went on prefill, and the engine API's latency on decode
+            stages = c["prefill_p50_ms"]
+            assert set(stages) == {"queue", "post", "transfer", "latency"}
+            assert stages["latency"] >= stages["post"] > 0 and stages["transfer"] > 0
+            assert c["p99_ms"] >= c["decode_p50_ms"] > 0
 
     # Every request checked: a verified pass per cluster mode and size, a digest per raw batch.
     checks = {(c["mode"], c["pages"], c["concurrency"]): c for c in data["checks"]}

@@ -31,6 +31,8 @@ DEFAULT_PAGE_KIB = 2048
 MIN_WAVES = 4
 
 Advance = Callable[[int], None]
+#: Keys of :attr:`Cell.prefill_p50_ms`.
+PREFILL_STAGES = ("queue", "post", "transfer", "latency")
 
 
 class BenchError(RuntimeError):
@@ -86,6 +88,10 @@ class Run:
     decode_latencies: list[float] = field(default_factory=list)
     #: Bytes of KV one request moves (pages x page bytes).
     request_bytes: int = 0
+    #: Cluster modes, per completed request, on prefill (s): worker-queue wait, mapping +
+    #: submit, submit -> completion (sums over the request's transfers, aux row included),
+    #: and the sender's creation -> Success.
+    prefill_stages: list[tuple[float, float, float, float]] = field(default_factory=list)
 
     @property
     def gbps(self) -> float:
@@ -124,6 +130,10 @@ class Cell:
     decode_p50_ms: float | None = None
     decode_p99_ms: float | None = None
     decode_mean_ms: float | None = None
+    #: Cluster modes: p50 on prefill (ms) of ``queue`` (worker-queue wait), ``post`` (mapping
+    #: + submit: an engine that copies inside its post call, such as UCX over cma, copies
+    #: here), ``transfer`` (submit -> completion) and ``latency`` (sender created -> Success).
+    prefill_p50_ms: dict[str, float] | None = None
 
 
 @dataclass
@@ -197,6 +207,12 @@ def run_of(
         latencies=[r.t_end - r.t_start for r in ok],
         decode_latencies=[r.latency_s for r in ok],
         request_bytes=pages * page_bytes() if request_bytes is None else request_bytes,
+        prefill_stages=[
+            (rep.queue_s, rep.post_s, rep.transfer_s, rep.latency_s)
+            for r in ok
+            for rep in r.reports
+            if rep.role == "prefill"
+        ],
     )
 
 
@@ -206,6 +222,7 @@ def cell_of(runs: Sequence[Run]) -> Cell:
     best = max(runs, key=lambda r: r.gbps)
     lat = [x for r in runs for x in r.latencies]
     dec = [x for r in runs for x in r.decode_latencies]
+    stages = [x for r in runs for x in r.prefill_stages]
     return Cell(
         mode=first.mode,
         pages=first.pages,
@@ -226,7 +243,14 @@ def cell_of(runs: Sequence[Run]) -> Cell:
         decode_p50_ms=pct_ms(dec, 50) if dec else None,
         decode_p99_ms=pct_ms(dec, 99) if dec else None,
         decode_mean_ms=mean_ms(dec) if dec else None,
+        prefill_p50_ms=_stages_p50(stages) if stages else None,
     )
+
+
+def _stages_p50(stages: Sequence[tuple[float, float, float, float]]) -> dict[str, float]:
+    a = np.asarray(stages, dtype=np.float64) * 1e3
+    p50 = np.percentile(a, 50, axis=0)
+    return {k: round(float(v), 4) for k, v in zip(PREFILL_STAGES, p50, strict=True)}
 
 
 def ratios_of(cells: Sequence[Cell]) -> list[Ratio]:

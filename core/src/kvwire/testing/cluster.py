@@ -31,7 +31,7 @@ import socket
 import time
 from collections.abc import Callable, Collection, Iterator
 from dataclasses import dataclass, field
-from multiprocessing.connection import Connection
+from multiprocessing.connection import Connection, wait
 from typing import Any
 
 import numpy as np
@@ -144,6 +144,11 @@ class RankReport:
     #: system-wide monotonic clock: comparable between processes of one host, and with the
     #: time :meth:`Cluster.kill` returns).
     t_done: float = 0.0
+    #: The request's :class:`~kvwire.session.metrics.RequestMetrics` on this rank (prefill:
+    #: sums over its chunks of worker-queue wait, mapping + submit, submit -> completion).
+    queue_s: float = 0.0
+    post_s: float = 0.0
+    transfer_s: float = 0.0
 
 
 @dataclass
@@ -395,6 +400,9 @@ def _rank_main(
                     tuple(hook_events.pop(a.plan.room, [])),
                     inst,
                     t_done,
+                    mt.queue_s,
+                    mt.post_s,
+                    mt.transfer_s,
                 ),
                 a.plan.room,
             )
@@ -811,7 +819,8 @@ class Cluster:
                     f"workload did not finish in {timeout_s:.0f}s ({done} of {len(plans)} done; "
                     f"waiting for rooms {list(waiting)[:5]})"
                 )
-            time.sleep(0.0005)
+            # wake as soon as a rank reports (a fixed sleep would idle the next request)
+            wait([p.conn for i, p in enumerate(self.procs) if i not in gone], 0.0005)
         return [results[p.room] for p in plans]
 
     def room_tables(self) -> dict[str, dict[str, int]]:
