@@ -88,9 +88,10 @@ class ClusterSpec(BaseModel):
     #: Prefill instances of the same shape, each with its own bootstrap service (run by its
     #: rank 0); a request picks one with ``RoomPlan.prefill_instance``.
     prefill_instances: int = Field(default=1, ge=1)
-    #: Longest a rank's engine loop waits for a message from the parent between steps while
-    #: it has requests in flight (the engine's scheduler period; benchmarks use a short one).
-    engine_step_s: float = Field(default=0.0005, gt=0, le=0.1)
+    #: A rank's engine loop period while it has requests in flight (the engine's scheduler
+    #: step: it polls its requests, then sleeps this long; benchmarks use a short one). The
+    #: default matches the earlier loop, whose 0.5 ms wait was rounded up to 1 ms.
+    engine_step_s: float = Field(default=0.001, gt=0, le=0.1)
 
 
 class RoomPlan(BaseModel):
@@ -498,7 +499,15 @@ def _rank_main(
 
     try:
         while True:
-            if conn.poll(spec.engine_step_s if active else 0.01):
+            # Connection.poll rounds a timeout up to whole milliseconds: with requests in
+            # flight, check without waiting and sleep one engine step instead.
+            if active:
+                ready = conn.poll(0)
+                if not ready:
+                    time.sleep(spec.engine_step_s)
+            else:
+                ready = conn.poll(0.01)
+            if ready:
                 msg = conn.recv()
                 if msg[0] == "start":
                     start(RoomPlan.model_validate(msg[1]))
@@ -819,7 +828,8 @@ class Cluster:
                     f"workload did not finish in {timeout_s:.0f}s ({done} of {len(plans)} done; "
                     f"waiting for rooms {list(waiting)[:5]})"
                 )
-            # wake as soon as a rank reports (a fixed sleep would idle the next request)
+            # wake as soon as a rank reports (a fixed sleep would idle the next request; the
+            # timeout is rounded up to 1 ms)
             wait([p.conn for i, p in enumerate(self.procs) if i not in gone], 0.0005)
         return [results[p.room] for p in plans]
 
