@@ -63,13 +63,15 @@ class RawBench:
         self.agent.wait_ready()
         self.buf_bytes = self.layout.buffers[0].length
         item = self.layout.buffers[0].item_len
-        remote = self.agent.allocate("kv", self.buf_bytes * len(self.arrays), None, watch=False)
+        # One buffer (one registered region) per KV buffer, as a decode rank's pool has:
+        # the engine then resolves descriptors against as many remote regions as kvwire's.
+        remote = [
+            self.agent.allocate(f"kv{i}", self.buf_bytes, None, watch=False)
+            for i in range(len(self.arrays))
+        ]
         dst = KVLayout(
             model=self.model,
-            buffers=tuple(
-                MemoryRegion.from_pointer(remote.addr + i * self.buf_bytes, self.buf_bytes, item)
-                for i in range(len(self.arrays))
-            ),
+            buffers=tuple(MemoryRegion.from_pointer(r.addr, self.buf_bytes, item) for r in remote),
         )
         self.backend = create_backend(self.config, "bench-raw-initiator")
         self.backend.register(list(self.layout.buffers))
@@ -113,10 +115,7 @@ class RawBench:
             expected = np.empty_like(arr[:span])
             expected[dst] = arr[src]
             want.append(digest(expected))
-        got = [
-            self.agent.digest("kv", i * self.buf_bytes, span * item)
-            for i in range(len(self.arrays))
-        ]
+        got = [self.agent.digest(f"kv{i}", 0, span * item) for i in range(len(self.arrays))]
         good = n if got == want else 0
         problems = [] if good else [f"raw pages={pages} C={concurrency}: target pages differ"]
         run = Run("raw", pages, concurrency, n, len(lat), nbytes, ndesc, wall, lat)
