@@ -9,31 +9,37 @@ from pathlib import Path
 import pytest
 
 from kvwire.cli import main
-from kvwire.testing.cluster import RankReport, RequestResult, RoomPlan
-from kvwire.testing.cluster_bench import (
-    MODES,
+from kvwire.testing.bench_cli import (
     QUICK_CONCURRENCY,
+    QUICK_FANOUT_CONCURRENCY,
+    QUICK_PAGE_KIB,
     QUICK_REPEAT,
     QUICK_REQUESTS,
     QUICK_SIZES,
+)
+from kvwire.testing.bench_common import (
     cell_of,
+    model_for,
     page_bytes,
     problems_of,
     ratios_of,
     requests_for,
     run_of,
 )
+from kvwire.testing.cluster import RankReport, RequestResult, RoomPlan
+from kvwire.testing.cluster_bench import MODES
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(180)
 def test_quick_bench_on_tcp(tmp_path: Path) -> None:
     out, png = tmp_path / "bench.json", tmp_path / "bench.png"
     argv = ["bench", "--transfer-backend", "tcp", "--quick", "--json", str(out)]
-    argv += ["--plot", str(png)]
+    argv += ["--plot", str(png), "--fanout", "2"]
     assert main(argv) == 0
+    pb = page_bytes(model_for(QUICK_PAGE_KIB))
 
     data = json.loads(out.read_text())
     assert data["ok"] is True
@@ -56,19 +62,28 @@ def test_quick_bench_on_tcp(tmp_path: Path) -> None:
         assert math.isclose(c["gbps"], c["best_bytes"] / c["best_wall_s"] / 1e9, rel_tol=1e-9)
         assert c["p99_ms"] >= c["p50_ms"] > 0
         # A batch moves at least its requests' KV (kvwire adds aux rows); raw exactly that.
-        assert c["request_bytes"] == pages * page_bytes()
-        per_batch = requests_for(QUICK_REQUESTS, conc) * pages * page_bytes()
+        assert c["request_bytes"] == pages * pb
+        per_batch = requests_for(QUICK_REQUESTS, conc) * pages * pb
         assert c["best_bytes"] >= per_batch
         if mode == "raw":
             assert c["best_bytes"] == per_batch
         # Same descriptors: one per (page, layer, K|V) row (kvwire adds its aux rows).
         assert c["descriptors"] >= pages * 2 * 8
+        if mode == "raw":
+            assert c["prefill_p50_ms"] is None and c["decode_p50_ms"] is None
+        else:  # where the time went on prefill, and the engine API's latency on decode
+            stages = c["prefill_p50_ms"]
+            assert set(stages) == {"queue", "post", "transfer", "latency"}
+            assert stages["latency"] >= stages["post"] > 0 and stages["transfer"] > 0
+            assert c["p99_ms"] >= c["decode_p50_ms"] > 0
 
     # Every request checked: a verified pass per cluster mode and size, a digest per raw batch.
     checks = {(c["mode"], c["pages"], c["concurrency"]): c for c in data["checks"]}
     cmax = max(QUICK_CONCURRENCY)
     want_checks = {(m, s, cmax) for m in ("kvwire", "sync") for s in QUICK_SIZES}
     want_checks |= {("raw", s, c) for s in QUICK_SIZES for c in QUICK_CONCURRENCY}
+    fan_c = QUICK_FANOUT_CONCURRENCY
+    want_checks |= {(m, 1, fan_c) for m in ("fanout-kvwire", "fanout-sync")}
     assert set(checks) == want_checks
     for key, c in checks.items():
         assert c["requests"] > 0 and c["verified"] == c["requests"], key
@@ -79,6 +94,18 @@ def test_quick_bench_on_tcp(tmp_path: Path) -> None:
         kv, raw, sync = (cells[(m, pages, conc)]["gbps"] for m in ("kvwire", "raw", "sync"))
         assert math.isclose(r["kvwire_vs_raw"], kv / raw, rel_tol=1e-9)
         assert math.isclose(r["async_vs_sync"], kv / sync, rel_tol=1e-9)
+        kv_p50 = cells[("kvwire", pages, conc)]["decode_p50_ms"]
+        raw_p50 = cells[("raw", pages, conc)]["p50_ms"]
+        assert math.isclose(r["added_p50_ms"], kv_p50 - raw_p50, rel_tol=1e-9)
+
+    # --fanout 2: 1 prefill -> 2 decode instances, async and sync, every request completed
+    fan = {(c["mode"], c["pages"]): c for c in data["fanout"]}
+    assert set(fan) == {("fanout-kvwire", 1), ("fanout-sync", 1)}
+    for c in fan.values():
+        n = requests_for(QUICK_REQUESTS, fan_c) * QUICK_REPEAT
+        assert c["concurrency"] == fan_c and c["requests"] == c["ok"] == n
+        assert c["gbps"] > 0 and c["decode_mean_ms"] > 0
+    assert data["setup"]["fanout"]["decode_instances"] == 2
 
     assert png.read_bytes()[:8] == PNG_MAGIC
     assert png.stat().st_size > 1000

@@ -217,7 +217,7 @@ def build_parser() -> argparse.ArgumentParser:
     """The argument parser of the ``kvwire`` command."""
     from kvwire import demo
     from kvwire.config import add_cli_args
-    from kvwire.testing.cluster_bench import add_bench_args
+    from kvwire.testing.bench_cli import add_bench_args
 
     parser = argparse.ArgumentParser(prog="kvwire", description=__doc__)
     parser.add_argument("-v", "--verbose", action="count", default=0, help="more logging")
@@ -299,9 +299,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         return backend_bench.run(args, console)
     if args.command == "bench":
-        from kvwire.testing import cluster_bench
+        from kvwire.testing import bench_cli
 
-        return cluster_bench.run(args, console, sys.argv[1:] if argv is None else argv)
+        return bench_cli.run(args, console, sys.argv[1:] if argv is None else argv)
     if args.command == "new-plugin":
         return cmd_new_plugin(args, console)
     if args.command == "bootstrap":

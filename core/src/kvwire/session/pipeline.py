@@ -3,9 +3,11 @@
 A worker keeps up to ``max_inflight`` chunk transfers posted at once instead of waiting for
 each: it submits every job it takes from its queue (in queue order, so a destination's chunks are
 posted in order) and polls the posted handles between jobs. For one (request, destination) the
-tail is strictly ordered: the aux row is written (or the "no more KV" marker sent) only after
-every KV chunk of that destination completed, and the destination counts as done only after
-that. One :class:`Pipeline` per worker thread; it is not shared, so it needs no lock.
+destination counts as done only after every KV chunk and the aux row completed. The aux row is
+posted right after the last KV chunk is posted (decode accepts the notes in any order); the
+"no more KV" marker, and the aux row of a staging destination, only after every KV chunk of
+that destination completed. One :class:`Pipeline` per worker thread; it is not shared, so it
+needs no lock.
 """
 
 from __future__ import annotations
@@ -413,11 +415,19 @@ class Pipeline:
         self._finish_tail(p.key)
 
     def _finish_tail(self, key: tuple[int, str]) -> None:
-        """After the last job and every chunk before it: marker, aux row, then done."""
+        """After the last job: marker, aux row, then done once nothing is in flight.
+
+        The aux row of a tail whose last chunk carried KV (not staged) is posted as soon as
+        that chunk is posted, concurrently with it: decode counts the KV notes and the aux note
+        in any order, and the request saves one engine round trip. Otherwise (the last chunk
+        moved no KV, or a staging destination) it waits for every chunk as before."""
         tail = self.tails.get(key)
-        if tail is None or tail.last is None or tail.inflight:
+        if tail is None or tail.last is None:
             return
         room, dest, job = tail.room, tail.dest, tail.last
+        early = job.chunk_id is not None and not tail.staged
+        if tail.inflight and (tail.aux_posted or not early):
+            return
         if self.side.is_dead(room):
             self._drop(key, tail)
             return
@@ -462,6 +472,8 @@ class Pipeline:
                     self._drop(key, tail)
                     return
                 return
+        if tail.inflight:
+            return
         del self.tails[key]
         self.side.dest_done(room, dest)
 

@@ -20,7 +20,7 @@ from typing import Generic, Protocol, TypeVar
 logger = logging.getLogger(__name__)
 
 #: Longest a worker sleeps between polls while transfers are in flight.
-MAX_POLL_SLEEP_S = 0.0005
+MAX_POLL_SLEEP_S = 0.0002
 MIN_POLL_SLEEP_S = 0.00002
 
 J = TypeVar("J")

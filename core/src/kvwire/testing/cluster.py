@@ -31,7 +31,7 @@ import socket
 import time
 from collections.abc import Callable, Collection, Iterator
 from dataclasses import dataclass, field
-from multiprocessing.connection import Connection
+from multiprocessing.connection import Connection, wait
 from typing import Any
 
 import numpy as np
@@ -88,6 +88,10 @@ class ClusterSpec(BaseModel):
     #: Prefill instances of the same shape, each with its own bootstrap service (run by its
     #: rank 0); a request picks one with ``RoomPlan.prefill_instance``.
     prefill_instances: int = Field(default=1, ge=1)
+    #: A rank's engine loop period while it has requests in flight (the engine's scheduler
+    #: step: it polls its requests, then sleeps this long; benchmarks use a short one). The
+    #: default matches the earlier loop, whose 0.5 ms wait was rounded up to 1 ms.
+    engine_step_s: float = Field(default=0.001, gt=0, le=0.1)
 
 
 class RoomPlan(BaseModel):
@@ -141,6 +145,11 @@ class RankReport:
     #: system-wide monotonic clock: comparable between processes of one host, and with the
     #: time :meth:`Cluster.kill` returns).
     t_done: float = 0.0
+    #: The request's :class:`~kvwire.session.metrics.RequestMetrics` on this rank (prefill:
+    #: sums over its chunks of worker-queue wait, mapping + submit, submit -> completion).
+    queue_s: float = 0.0
+    post_s: float = 0.0
+    transfer_s: float = 0.0
 
 
 @dataclass
@@ -392,6 +401,9 @@ def _rank_main(
                     tuple(hook_events.pop(a.plan.room, [])),
                     inst,
                     t_done,
+                    mt.queue_s,
+                    mt.post_s,
+                    mt.transfer_s,
                 ),
                 a.plan.room,
             )
@@ -487,7 +499,15 @@ def _rank_main(
 
     try:
         while True:
-            if conn.poll(0.0005 if active else 0.01):
+            # Connection.poll rounds a timeout up to whole milliseconds: with requests in
+            # flight, check without waiting and sleep one engine step instead.
+            if active:
+                ready = conn.poll(0)
+                if not ready:
+                    time.sleep(spec.engine_step_s)
+            else:
+                ready = conn.poll(0.01)
+            if ready:
                 msg = conn.recv()
                 if msg[0] == "start":
                     start(RoomPlan.model_validate(msg[1]))
@@ -808,7 +828,9 @@ class Cluster:
                     f"workload did not finish in {timeout_s:.0f}s ({done} of {len(plans)} done; "
                     f"waiting for rooms {list(waiting)[:5]})"
                 )
-            time.sleep(0.0005)
+            # wake as soon as a rank reports (a fixed sleep would idle the next request; the
+            # timeout is rounded up to 1 ms)
+            wait([p.conn for i, p in enumerate(self.procs) if i not in gone], 0.0005)
         return [results[p.room] for p in plans]
 
     def room_tables(self) -> dict[str, dict[str, int]]:
