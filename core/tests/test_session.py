@@ -289,3 +289,30 @@ def test_success_is_quiesced_and_an_unasked_request_too() -> None:
         r.clear()
         p.transfer(23)
         assert no_rooms(p.decode)
+
+
+def test_received_frames_dropped_reach_the_metric() -> None:
+    """Garbage at a rank's control endpoint is counted by reason in
+    ``kvwire_control_dropped_total`` (exported each heartbeat), not only in ``mgr.dropped``."""
+    import zmq
+    from prometheus_client import REGISTRY
+
+    lay, _ = make_pool(MODEL, RankPosition(), 8)
+    with KVManager(config(), Role.DECODE, lay) as d:
+        labels = {"role": "decode", "agent": d.agent_name, "reason": "malformed"}
+
+        def exported() -> float:
+            v = REGISTRY.get_sample_value("kvwire_control_dropped_total", labels)
+            return v or 0.0
+
+        ctx = zmq.Context()
+        sock = ctx.socket(zmq.PUSH)
+        try:
+            sock.connect(d.channel.endpoint)
+            for _ in range(5):
+                sock.send(b"\x00not a kvwire frame")
+            wait_for(lambda: d.dropped.get("malformed", 0) == 5)
+            wait_for(lambda: exported() == 5.0, timeout=5)  # next heartbeat (0.1 s)
+        finally:
+            sock.close(linger=0)
+            ctx.term()

@@ -133,6 +133,7 @@ class KVManager:
         self._stop = threading.Event()
         self._closed = False
         self._cleanup: list[Any] = []
+        self._exported_drops: dict[str, int] = {}
 
         slots = {b.num_items for b in aux_buffers}
         if len(slots) > 1:
@@ -372,6 +373,17 @@ class KVManager:
         beat = Heartbeat(session=self.session, sent_at=time.time())
         for p in self.peers.snapshot():
             self.channel.send(p.endpoint, beat)
+        self._export_drops()
+
+    def _export_drops(self) -> None:
+        """Liveness thread, each heartbeat: received frames the channel dropped (malformed,
+        unauthenticated, replayed, ...) reach ``kvwire_control_dropped_total`` by reason
+        (``send_full`` is counted where it happens, in :meth:`send`)."""
+        for reason, n in list(self.channel.dropped.items()):
+            seen = self._exported_drops.get(reason, 0)
+            if reason != "send_full" and n > seen:
+                m.DROPPED.labels(**self.labels, reason=reason).inc(n - seen)
+            self._exported_drops[reason] = n
 
     def _check_peers(self, now: float) -> None:
         limit = self.options.heartbeat_interval_s * self.options.heartbeat_misses

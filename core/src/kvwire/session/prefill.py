@@ -143,6 +143,8 @@ class PrefillSide(Side[SendRoom]):
         #: Writes posted and not ended, per (room, decode session).
         self.writes_inflight: dict[tuple[int, str], int] = {}
         self.sender_id = mgr.layout.rank.sender_id
+        #: This rank's labelled metric children (a ``labels()`` lookup per chunk costs more).
+        self._metrics = m.ChunkMetrics.for_labels(mgr.labels)
         opts = mgr.options
         self.workers: TransferWorkers[Job] = TransferWorkers(
             opts.num_workers,
@@ -492,7 +494,11 @@ class PrefillSide(Side[SendRoom]):
                 time.perf_counter(),
                 pool=dest.pool,
             )
-            self.workers.submit(dest.session, job)
+            # order matters only within one request to one destination: other requests to
+            # the same rank go to other workers (a staged link keeps one queue per
+            # destination, since its ring space is granted in write order)
+            shard = dest.session if target.staged else f"{dest.session}/{room.room}"
+            self.workers.submit(shard, job)
 
     # ------------------------------------------------------------------ workers
     def is_dead(self, room: SendRoom) -> bool:
@@ -519,14 +525,14 @@ class PrefillSide(Side[SendRoom]):
                 mt.queue_s += t_start - t_enqueued
             mt.post_s += t_posted - t_start
             mt.transfer_s += t_done - t_posted
-        lb = self.mgr.labels
-        m.BYTES.labels(**lb).inc(handle.num_bytes)
-        m.DESCRIPTORS.labels(**lb).inc(handle.num_descs)
-        m.CHUNKS.labels(**lb, result="ok").inc()
+        pm = self._metrics
+        pm.bytes.inc(handle.num_bytes)
+        pm.descriptors.inc(handle.num_descs)
+        pm.chunks_ok.inc()
         if t_enqueued is not None:
-            m.QUEUE_SECONDS.labels(**lb).observe(t_start - t_enqueued)
-        m.POST_SECONDS.labels(**lb).observe(t_posted - t_start)
-        m.TRANSFER_SECONDS.labels(**lb).observe(t_done - t_posted)
+            pm.queue_s.observe(t_start - t_enqueued)
+        pm.post_s.observe(t_posted - t_start)
+        pm.transfer_s.observe(t_done - t_posted)
 
     def _on_writes_query(self, msg: WritesQuery) -> None:
         """Control thread: decode asks whether it may reuse a failed request's pages (or a
