@@ -57,6 +57,7 @@ from kvwire.session.manager import KVManager
 from kvwire.session.metrics import RequestMetrics
 from kvwire.session.peers import Peer
 from kvwire.session.poll import KVPoll
+from kvwire.session.quiesce import WriteQuarantine
 from kvwire.staging.base import ArrivedChunk, StagingStrategy
 
 logger = logging.getLogger(__name__)
@@ -101,10 +102,6 @@ class RecvRoom:
     metrics: RequestMetrics = field(default_factory=RequestMetrics)
 
 
-#: How often decode asks the sources of a failed request whether their writes ended.
-QUERY_RETRY_S = 0.1
-
-
 class DecodeSide(Side[RecvRoom]):
     """The decode role of a :class:`~kvwire.session.manager.KVManager`.
 
@@ -133,8 +130,10 @@ class DecodeSide(Side[RecvRoom]):
         super().__init__(mgr)
         #: The prefill ranks looked up and handshaken with.
         self.sources = SourceLinks(mgr)
-        #: Cleared failed rooms whose sources may still be writing (see :meth:`clear`).
-        self.quarantine: dict[int, RecvRoom] = {}
+        #: Failed rooms whose sources may still be writing (see :mod:`kvwire.session.quiesce`).
+        self.quarantine = WriteQuarantine(
+            self.sources, mgr.options.transfer_timeout_s, mgr.agent_name
+        )
         #: When each prefill session last delivered anything (deadlines are on progress: a
         #: request queued behind others lives while its sources advance).
         self.source_progress: dict[str, float] = {}
@@ -228,11 +227,7 @@ class DecodeSide(Side[RecvRoom]):
         """Liveness thread: a source confirms none of its writes for a failed room remains."""
         assert isinstance(msg, WritesDone)
         with self.mgr.lock:
-            room = self.rooms.get(msg.room) or self.quarantine.get(msg.room)
-            if room is not None:
-                room.quiet.add(msg.session)
-                if msg.room in self.quarantine and self._quiet(room):
-                    del self.quarantine[msg.room]
+            self.quarantine.confirmed(self.rooms.get(msg.room), msg.room, msg.session)
         for strategy in self.mgr.strategies:
             strategy.writes_ended(msg.room, msg.session)
 
@@ -407,34 +402,10 @@ class DecodeSide(Side[RecvRoom]):
             )
 
     def _query_failed_writers(self, now: float) -> None:
-        """Control thread: ask the sources of failed requests, until each answers, whether any
-        of their writes is still in flight (the engine must not reuse the pages before)."""
-        asks: list[tuple[str, int]] = []
-        limit = self.mgr.options.transfer_timeout_s + QUERY_RETRY_S * 10
+        """Progress thread: ask the sources of failed requests, until each answers, whether
+        any of their writes is still in flight (the engine must not reuse the pages before)."""
         with self.mgr.lock:
-            for rid, room in list(self.quarantine.items()):
-                if self._quiet(room):
-                    del self.quarantine[rid]
-                elif now - room.failed_at > limit:  # every write has hit its deadline by now
-                    logger.warning(
-                        "%s: room %d: sources never confirmed their writes ended; releasing",
-                        self.mgr.agent_name,
-                        rid,
-                    )
-                    del self.quarantine[rid]
-            for room in [*self.rooms.values(), *self.quarantine.values()]:
-                if room.error is None or not room.requested or room.sources is None:
-                    continue
-                if now - room.queried_at < QUERY_RETRY_S:
-                    continue
-                room.queried_at = now
-                for src in room.sources:
-                    if src.info.session in room.quiet:
-                        continue
-                    if src.info.session not in self.sources:  # evicted: nothing in flight
-                        room.quiet.add(src.info.session)
-                    else:
-                        asks.append((src.info.endpoint, room.room))
+            asks = self.quarantine.due_queries(now, list(self.rooms.values()))
         for endpoint, room_id in asks:
             self.mgr.send(endpoint, WritesQuery(room=room_id, session=self.mgr.session))
 
@@ -454,13 +425,6 @@ class DecodeSide(Side[RecvRoom]):
         else:
             hooks.on_abandon(room.room)
 
-    def _quiet(self, room: RecvRoom) -> bool:
-        """Under the lock: every source of a failed room confirmed, or is gone."""
-        assert room.sources is not None
-        return all(
-            s.info.session in room.quiet or s.info.session not in self.sources for s in room.sources
-        )
-
     def writes_quiesced(self, room: RecvRoom) -> bool:
         """Engine thread: whether no source can still write into this request's pages."""
         with self.mgr.lock:
@@ -468,9 +432,7 @@ class DecodeSide(Side[RecvRoom]):
                 return True  # no source was ever told where to write
             if room.error is None:
                 return self.mgr.status.get(room.room, KVPoll.Failed) is KVPoll.Success
-            return self._quiet(room) or (
-                room.room not in self.rooms and room.room not in self.quarantine
-            )
+            return self.quarantine.quiesced(room, room.room in self.rooms)
 
     def on_peer_lost(self, peer: Peer, why: str) -> None:
         """Control thread: a prefill rank is dead or gone; fail the rooms it feeds and free the
@@ -618,13 +580,7 @@ class DecodeSide(Side[RecvRoom]):
         with self.mgr.lock:
             if self._forget(room) and room.aux_index >= 0:
                 self.mgr.stamps[room.aux_index, 0] = 0
-            if (
-                room.error is not None
-                and room.requested
-                and room.sources is not None
-                and not self._quiet(room)
-            ):
-                self.quarantine[room.room] = room
+            self.quarantine.hold(room)
         for strategy in self.mgr.strategies:
             strategy.release(room.room)
 

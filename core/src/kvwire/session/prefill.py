@@ -29,9 +29,7 @@ import numpy as np
 from numpy.typing import NDArray
 
 from kvwire.backend import Notification, TransferHandle
-from kvwire.control.bootstrap import BootstrapClient, RankInfo
 from kvwire.control.wire import (
-    PROTOCOL_MAJOR,
     Failure,
     Message,
     TransferRequest,
@@ -40,7 +38,6 @@ from kvwire.control.wire import (
     pages_from_bytes,
 )
 from kvwire.errors import (
-    BootstrapError,
     ConfigError,
     DescriptorError,
     KVWireError,
@@ -58,11 +55,12 @@ from kvwire.session.pipeline import Pipeline
 from kvwire.session.poll import KVPoll
 from kvwire.session.prefill_links import DecodeLink, DecodeLinker
 from kvwire.session.prefill_links import PoolLink as PoolLink  # re-exported for pipeline.py
+from kvwire.session.registration import Registration
 from kvwire.session.workers import TransferWorkers
 from kvwire.staging.base import QueuedChunk
 
 if TYPE_CHECKING:
-    from kvwire.control.bootstrap_server import BootstrapServer
+    pass
 
 logger = logging.getLogger(__name__)
 
@@ -154,50 +152,15 @@ class PrefillSide(Side[SendRoom]):
         )
         #: Answers decode ranks' hellos (handshake threads).
         self.linker = DecodeLinker(mgr, self.sender_id)
-        self.server: BootstrapServer | None = None
-        r = mgr.layout.rank
-        if bootstrap_addr is None:
-            if not (opts.run_bootstrap and r.tp_rank == 0 and r.pp_rank == 0 and r.dp_rank == 0):
-                raise ConfigError(
-                    f"prefill rank tp={r.tp_rank} pp={r.pp_rank} dp={r.dp_rank} needs "
-                    "bootstrap_addr (the address prefill rank 0's bootstrap service listens on)"
-                )
-            from kvwire.control.bootstrap_server import BootstrapServer
-
-            self.server = BootstrapServer(
-                opts.bootstrap_host, opts.bootstrap_port, mgr.config.secret_bytes
-            ).start()
-            bootstrap_addr = self.server.address
-        self.bootstrap_addr: str = bootstrap_addr
-        self.info = RankInfo(
-            tp_rank=r.tp_rank,
-            pp_rank=r.pp_rank,
-            dp_rank=r.dp_rank,
-            tp_size=r.tp_size,
-            pp_size=r.pp_size,
-            dp_size=mgr.dp_size,
-            endpoint=mgr.channel.endpoint,
-            agent=mgr.agent_name,
-            session=mgr.session,
-            protocol=PROTOCOL_MAJOR,
-        )
-        self.client = BootstrapClient(bootstrap_addr, mgr.config.secret_bytes)
+        #: This rank's bootstrap registration (and the service, on prefill rank 0).
+        self.registration: Registration | None = None
         try:
-            self._register(opts.bootstrap_timeout_s)
+            self.registration = Registration(mgr, bootstrap_addr)
+            self.registration.register(opts.bootstrap_timeout_s)
         except BaseException:
-            self.close()
+            self.close()  # the workers and handshake threads started above stop too
             raise
-
-    def _register(self, timeout_s: float) -> None:
-        deadline = time.monotonic() + timeout_s
-        while True:
-            try:
-                self.client.register(self.info)
-                return
-            except BootstrapError:
-                if time.monotonic() > deadline:
-                    raise
-                time.sleep(0.05)
+        self.bootstrap_addr: str = self.registration.address
 
     def queued_chunks(self) -> int:
         """Chunks queued for the transfer workers and not yet taken by one. Any thread."""
@@ -617,12 +580,8 @@ class PrefillSide(Side[SendRoom]):
             self._fail_live("prefill manager closed")
         self.workers.stop()
         self.linker.close()
-        try:
-            self.client.deregister(self.info)
-        except BootstrapError as exc:
-            logger.debug("deregister: %s", exc)
-        if self.server is not None:
-            self.server.stop()
+        if self.registration is not None:
+            self.registration.close()
 
 
 @dataclass
