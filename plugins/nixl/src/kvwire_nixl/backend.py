@@ -569,9 +569,8 @@ class NixlBackend(TransferBackend):
             md=md,
         )
 
-    @staticmethod
-    def _decode_metadata(metadata: bytes) -> dict[str, Any]:
-        meta = unpack_metadata(metadata, "nixl", METADATA_VERSION, "kvwire-nixl")
+    def _decode_metadata(self, metadata: bytes) -> dict[str, Any]:
+        meta = unpack_metadata(metadata, self.name, METADATA_VERSION, "kvwire-nixl")
         name, md = meta.get("name"), meta.get("md")
         if not isinstance(name, str) or not name:
             raise ValueError(f"nixl metadata names no agent (name {name!r})")
