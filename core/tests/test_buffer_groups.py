@@ -190,6 +190,15 @@ GROUPS = {
         "num_layers": 2,
         "total_heads": 2,
     },
+    # a sparse-attention indexer K cache (DeepSeek V3.2 style): paged like the KV, its own item
+    # size (128 bytes of keys + a 4-byte scale per token: 33 int32), the same on every rank
+    "indexer": {
+        "kind": "paged",
+        "page_size": 2,
+        "total_heads": 1,
+        "sharding": "replicated",
+        "head_elems": 33,
+    },
 }
 TP_PAIRS = [(1, 1), (2, 2), (1, 2), (2, 1), (2, 4), (4, 2), (1, 4), (4, 1)]
 
@@ -197,9 +206,9 @@ TP_PAIRS = [(1, 1), (2, 2), (1, 2), (2, 1), (2, 4), (4, 2), (1, 4), (4, 1)]
 @pytest.mark.parametrize("kw", GROUPS.values(), ids=GROUPS.keys())
 @pytest.mark.parametrize(("tp_s", "tp_d"), TP_PAIRS, ids=[f"{a}to{b}" for a, b in TP_PAIRS])
 def test_group_mapper_moves_every_byte_once(kw: dict[str, Any], tp_s: int, tp_d: int) -> None:
-    window = kw.get("kind") == "window"
-    src_slots, dst_slots = ([3, 1], [0, 2]) if window else ([2], [1])
-    name = "window" if window else "state"
+    kind = kw.get("kind", "state")
+    src_slots, dst_slots = ([3, 1], [0, 2]) if kind != "state" else ([2], [1])
+    name = {"window": "window", "paged": "pages"}.get(kind, "state")
     src = [layout(tp_s, r, **kw) for r in range(tp_s)]
     dst = [layout(tp_d, r, **kw) for r in range(tp_d)]
     g = src[0][0].groups[0]
