@@ -19,18 +19,15 @@ import numpy as np
 from rich.console import Console
 from rich.markup import escape
 from rich.progress import (
-    BarColumn,
-    MofNCompleteColumn,
     Progress,
     TaskID,
-    TextColumn,
-    TimeElapsedColumn,
 )
 from rich.table import Table
 
 from kvwire.config import AUTO, config_from_args
 from kvwire.errors import KVWireError
 from kvwire.layout import ModelSpec
+from kvwire.progress import progress_bar
 from kvwire.selection import auto_backend_name, select_backend
 from kvwire.testing.cluster import Cluster, ClusterError, ClusterSpec, RequestResult
 
@@ -129,14 +126,7 @@ def run(args: argparse.Namespace, console: Console) -> int:
     )
     rows = []
     try:
-        with Progress(
-            TextColumn("{task.description}"),
-            BarColumn(),
-            MofNCompleteColumn(),
-            TimeElapsedColumn(),
-            console=console,
-            transient=True,
-        ) as progress:
+        with progress_bar(console) as progress:
             for tp, pp, td in phases:
                 name = f"{tp}{'x' + str(pp) if pp > 1 else ''}->{td}"
                 task = progress.add_task(f"{name}: starting ranks", total=args.requests)

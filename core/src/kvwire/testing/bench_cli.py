@@ -17,12 +17,13 @@ from pathlib import Path
 
 from rich.console import Console
 from rich.markup import escape
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.progress import Progress
 from rich.table import Table
 
 from kvwire.config import KVWireConfig, config_from_args
 from kvwire.errors import KVWireError
 from kvwire.layout import ModelSpec
+from kvwire.progress import progress_bar
 from kvwire.selection import auto_backend_name
 from kvwire.testing.bench_common import (
     DEFAULT_PAGE_KIB,
@@ -371,14 +372,7 @@ def run(args: argparse.Namespace, console: Console, argv: Sequence[str] | None =
             return 1
     t0 = time.monotonic()
     try:
-        with Progress(
-            TextColumn("{task.description}"),
-            BarColumn(),
-            MofNCompleteColumn(),
-            TimeElapsedColumn(),
-            console=console,
-            transient=True,
-        ) as progress:
+        with progress_bar(console) as progress:
             report = _measure(args, config, progress)
     except (BenchError, ClusterError, KVWireError, RemoteAgentError) as exc:
         console.print(f"[red]error[/]: {type(exc).__name__}: {escape(str(exc))}", highlight=False)
