@@ -5,8 +5,8 @@
 pair and gets its own address (``10.77.0.<n>/24``; the namespaces are private, so parallel beds
 reuse the addresses without colliding). Nothing connects the nodes but the bridge: traffic
 between them never touches a loopback interface, and :meth:`NetnsBed.partition`,
-:meth:`NetnsBed.degrade` and :meth:`NetnsBed.link` act on one node's link (leaving the bridge, ``tc netem``
-on both ends of its veth pair, or the link's state).
+:meth:`NetnsBed.degrade` and :meth:`NetnsBed.link` act on one node's link (it leaves the
+bridge; ``tc netem`` on both ends of its veth pair; the link's state).
 
 Processes join a node with :func:`enter_netns` (``setns(2)`` on ``/var/run/netns/NAME``):
 called first thing in a freshly spawned process, before any socket or thread exists, every
@@ -48,7 +48,7 @@ _CLONE_NEWNET = 0x40000000
 NETNS_DIR = "/var/run/netns"
 
 
-class NetnsUnavailable(RuntimeError):
+class NetnsUnavailableError(RuntimeError):
     """Network namespaces cannot be created here (not root, no iproute2, no kernel support)."""
 
 
@@ -62,9 +62,9 @@ def unavailable_reason() -> str | None:
     name = f"{PREFIX}{os.getpid()}x{secrets.token_hex(3)}-probe"
     try:
         _ip("netns", "add", name)
-    except NetnsUnavailable as exc:
+    except NetnsUnavailableError as exc:
         return f"cannot create a network namespace: {exc}"
-    with contextlib.suppress(NetnsUnavailable):
+    with contextlib.suppress(NetnsUnavailableError):
         _ip("netns", "del", name)
     return None
 
@@ -72,7 +72,8 @@ def unavailable_reason() -> str | None:
 def _run(argv: Sequence[str], check: bool = True) -> subprocess.CompletedProcess[str]:
     proc = subprocess.run(list(argv), capture_output=True, text=True, timeout=30, check=False)
     if check and proc.returncode != 0:
-        raise NetnsUnavailable(f"{' '.join(argv)} failed: {proc.stderr.strip() or proc.stdout}")
+        why = proc.stderr.strip() or proc.stdout.strip()
+        raise NetnsUnavailableError(f"{' '.join(argv)} failed: {why}")
     return proc
 
 
@@ -159,7 +160,7 @@ class NetnsBed:
     def __init__(self, nodes: Sequence[str] = ("prefill", "decode"), subnet: str = "10.77.0"):
         reason = unavailable_reason()
         if reason is not None:
-            raise NetnsUnavailable(reason)
+            raise NetnsUnavailableError(reason)
         sweep_stale()
         self.tag = f"{PREFIX}{os.getpid()}x{secrets.token_hex(3)}"
         self.hub = f"{self.tag}-hub"
