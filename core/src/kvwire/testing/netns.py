@@ -167,7 +167,7 @@ class NetnsBed:
         self.ns = {node: f"{self.tag}-{node}" for node in nodes}
         self.addr = {node: f"{subnet}.{i + 1}" for i, node in enumerate(nodes)}
         #: The veth end inside each node's namespace, and its peer on the hub's bridge.
-        self.dev = {node: f"eth{i}" for i, node in enumerate(nodes)}
+        self.dev = dict.fromkeys(nodes, "eth0")  # every namespace has its own eth0
         self.hub_dev = {node: f"h{i}" for i, node in enumerate(nodes)}
         self._closed = False
         atexit.register(self.close)
