@@ -30,6 +30,7 @@ from numpy.typing import NDArray
 
 from kvwire.backend import Notification
 from kvwire.control.bootstrap import BootstrapClient
+from kvwire.control.reach import loopback_problem
 from kvwire.control.wire import (
     ChunkNote,
     Completion,
@@ -208,6 +209,11 @@ class DecodeSide(Side[RecvRoom]):
             if room.error is not None:  # failed while we looked its sources up
                 self._push_failure(room, room.error, None, False)
                 raise TransferError("request failed during bootstrap", room=room_id)
+        own = self.mgr.channel.endpoint
+        for x in chosen:  # a loopback address across hosts would wait for the timeout
+            problem = loopback_problem(own, x.endpoint, x.agent, addr)
+            if problem is not None:
+                raise HandshakeError(problem)
         return [self.sources.handshake(x, opts.handshake_timeout_s) for x in chosen]
 
     # ------------------------------------------------------------ liveness thread

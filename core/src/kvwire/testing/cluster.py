@@ -92,6 +92,15 @@ class ClusterSpec(BaseModel):
     #: step: it polls its requests, then sleeps this long; benchmarks use a short one). The
     #: default matches the earlier loop, whose 0.5 ms wait was rounded up to 1 ms.
     engine_step_s: float = Field(default=0.001, gt=0, le=0.1)
+    #: Network namespace per role ("prefill", "decode"): its rank processes join it before
+    #: opening any socket (:mod:`kvwire.testing.netns`). Empty: every rank on this host.
+    netns: dict[str, str] = Field(default_factory=dict)
+    #: A role's own config in place of ``config`` (e.g. its addresses in a namespace).
+    role_config: dict[str, KVWireConfig] = Field(default_factory=dict)
+
+    def config_for(self, role: str) -> KVWireConfig:
+        """The config a rank of ``role`` runs with."""
+        return self.role_config.get(role, self.config)
 
 
 class RoomPlan(BaseModel):
@@ -321,6 +330,11 @@ def _rank_main(
     from kvwire.session import KVManager, KVPoll, Role
 
     spec = ClusterSpec.model_validate_json(spec_json)
+    if spec.netns.get(role):  # first: every socket this process opens lives there
+        from kvwire.testing.netns import enter_netns
+
+        enter_netns(spec.netns[role])
+    spec.config = spec.config_for(role)
     if secret:
         spec.config = spec.config.model_copy(update={"secret": SecretStr(secret)})
     fault = os.environ.get(FAULT_ENV)
@@ -605,7 +619,8 @@ class ClusterError(RuntimeError):
 
 
 class Cluster:
-    """Spawned prefill and decode ranks on loopback. Use as a context manager."""
+    """Spawned prefill and decode ranks (on loopback, or in the network namespaces
+    :attr:`ClusterSpec.netns` names). Use as a context manager."""
 
     def __init__(self, spec: ClusterSpec, start_timeout_s: float = 120.0) -> None:
         self.spec = spec
@@ -613,10 +628,18 @@ class Cluster:
         self.procs: list[RankProc] = []
         # Every rank starts at once: each prefill instance's rank 0 is told which port its
         # bootstrap service takes, the others retry registration and lookups until it answers.
-        host = spec.config.control.bootstrap_host
+        prefill_config = spec.config_for("prefill")
+        host = prefill_config.control.bootstrap_host
         ports: list[int] = []
         for _ in range(spec.prefill_instances):
-            ports.append(free_bootstrap_port(host, ports))
+            if spec.netns.get("prefill"):
+                from kvwire.testing.netns import in_netns
+
+                ports.append(
+                    in_netns(spec.netns["prefill"], lambda: free_bootstrap_port(host, ports))
+                )
+            else:
+                ports.append(free_bootstrap_port(host, ports))
         #: Every prefill instance's bootstrap address (``host:port``), by instance.
         self.bootstrap_addrs = [f"{host}:{port}" for port in ports]
         self.bootstrap_addr = self.bootstrap_addrs[0]
@@ -624,9 +647,13 @@ class Cluster:
         self._secret = spec.config.secret.get_secret_value() if spec.config.secret else ""
         try:
             for inst, port in enumerate(ports):
-                control = spec.config.control.model_copy(update={"bootstrap_port": port})
+                control = prefill_config.control.model_copy(update={"bootstrap_port": port})
+                first_config = prefill_config.model_copy(update={"control": control})
                 first_spec = spec.model_copy(
-                    update={"config": spec.config.model_copy(update={"control": control})}
+                    update={
+                        "config": first_config,
+                        "role_config": {**spec.role_config, "prefill": first_config},
+                    }
                 )
                 self._spawn(first_spec.model_dump_json(), "prefill", inst, 0, 0, "")
                 for pp in range(spec.prefill_pp):

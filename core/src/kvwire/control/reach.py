@@ -1,0 +1,75 @@
+"""Whether an advertised endpoint can be reached by the peer it is given to.
+
+A rank advertises ``tcp://{control.host}:{port}``. Across hosts, a loopback address names a
+different machine on each side, so a rank that advertises one (the default ``control.host``)
+is unreachable from a peer on another host: messages are queued for an address where nothing
+listens and the other side waits until a timeout. :func:`loopback_problem` catches that at
+handshake, on the decode rank, from what it already knows: the prefill rank's endpoint, the
+address its bootstrap service answered on, and its own endpoint. "Another host" means an
+address that is not one of this host's own (it cannot be bound here), so a single-host setup
+that mixes loopback and interface addresses keeps working.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ipaddress
+import socket
+from urllib.parse import urlsplit
+
+#: How to fix it, for error messages.
+FIX = "--control-option host=ADDR, or KVWIRE_CONTROL__HOST=ADDR"
+
+
+def endpoint_host(endpoint: str) -> str:
+    """The host part of ``tcp://host:port`` or ``host:port`` (brackets of IPv6 removed)."""
+    url = urlsplit(endpoint if "://" in endpoint else f"tcp://{endpoint}")
+    return url.hostname or ""
+
+
+def is_loopback(host: str) -> bool:
+    """``127.0.0.0/8``, ``::1`` or ``localhost``."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def is_local(host: str) -> bool:
+    """Whether ``host`` is an address of this host (this network namespace): it can be bound.
+    Loopback and wildcard addresses count as local; a name that does not resolve does not."""
+    if is_loopback(host) or host in ("0.0.0.0", "::", "*", ""):
+        return True
+    try:
+        infos = socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)
+    except OSError:
+        return False
+    for family, _, _, _, addr in infos:
+        with contextlib.suppress(OSError), socket.socket(family, socket.SOCK_STREAM) as s:
+            s.bind((addr[0], 0))
+            return True
+    return False
+
+
+def loopback_problem(own: str, peer: str, peer_name: str, bootstrap_addr: str) -> str | None:
+    """Decode side, before a handshake: why prefill rank ``peer_name`` (control endpoint
+    ``peer``, listed by the bootstrap service at ``bootstrap_addr``) and this rank (``own``)
+    cannot reach each other because one of them advertises loopback to the other host; None
+    when nothing is wrong that this can tell."""
+    own_host, peer_host = endpoint_host(own), endpoint_host(peer)
+    boot_host = endpoint_host(bootstrap_addr)
+    if is_loopback(peer_host) and not is_local(boot_host):
+        return (
+            f"prefill rank {peer_name} advertises its control endpoint {peer} on loopback, but "
+            f"its bootstrap service at {bootstrap_addr} is on another host, so this decode rank "
+            f"cannot reach it: set control.host on prefill to an address decode can reach ({FIX})"
+        )
+    if is_loopback(own_host) and not is_local(peer_host):
+        return (
+            f"this decode rank advertises its control endpoint {own} on loopback to prefill "
+            f"rank {peer_name} at {peer} on another host, which cannot answer it there: set "
+            f"control.host on decode to an address of this host that prefill can reach ({FIX})"
+        )
+    return None

@@ -1,0 +1,231 @@
+"""Cross-host tests of one backend: prefill and decode ranks in separate network namespaces
+(:mod:`kvwire.testing.netns`), every plane bound to the namespace addresses.
+
+Subclass :class:`NetnsConformance` in a test module and set ``backend_name`` (and
+``backend_options(addr)`` when the backend binds an address of its own). The tests:
+
+* ``test_workload_across_namespaces``: a verified workload; every rank advertises its
+  namespace address (control endpoint, bootstrap), never loopback.
+* ``test_loopback_advertised`` (prefill or decode): a rank whose ``control.host`` is loopback
+  fails the request at handshake with an error that names the loopback endpoint and the
+  setting to fix, well before the handshake timeout.
+* ``test_partition_then_recovery``: the decode namespace is cut off while requests are in
+  flight; every one fails on both sides within ``heartbeat_interval_s x heartbeat_misses`` (plus
+  a grace), naming the peer; after the link returns, new requests between the same ranks
+  succeed (no restart) and every table is empty.
+
+Each test skips, with the reason, where namespaces cannot be built (not root, no iproute2).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterator
+from typing import Any, ClassVar
+
+import pytest
+
+from kvwire.config import ControlOptions, KVWireConfig
+from kvwire.layout import ModelSpec
+from kvwire.session.poll import KVPoll
+from kvwire.testing.cluster import Cluster, ClusterSpec, RankReport, RoomPlan
+from kvwire.testing.cluster_suite import assert_all_ok, assert_tables_empty
+from kvwire.testing.netns import NetnsBed, unavailable_reason
+
+logger = logging.getLogger(__name__)
+
+#: Extra time over the liveness bound for the failure to reach the engine's poll (the liveness
+#: thread's tick, the engine loop, the report pipe).
+GRACE_S = 1.0
+
+
+def collect_reports(
+    c: Cluster, rooms: set[int], timeout_s: float, role: str | None = None
+) -> dict[tuple[str, int], RankReport]:
+    """The next report of every rank of ``c`` (of ``role`` only, if given) for each room in
+    ``rooms``, keyed by (rank process name, room); progress messages are skipped. Fails after
+    ``timeout_s``."""
+    procs = [p for p in c.procs if role is None or p.role == role]
+    want = {(p.name, room) for p in procs for room in rooms}
+    got: dict[tuple[str, int], RankReport] = {}
+    deadline = time.monotonic() + timeout_s
+    while len(got) < len(want):
+        left = deadline - time.monotonic()
+        assert left > 0, f"no report within {timeout_s:.1f}s for {sorted(want - set(got))}"
+        for p in procs:
+            while p.conn.poll(0):
+                msg = p.conn.recv()
+                if msg[0] == "done" and (p.name, msg[2]) in want:
+                    got[(p.name, msg[2])] = msg[1]
+        time.sleep(0.005)
+    return got
+
+
+def wait_first_chunks(c: Cluster, rooms: set[int], timeout_s: float = 20.0) -> None:
+    """Wait until prefill rank 0 has sent chunk 0 of every room (decode has asked for each)."""
+    p = c.rank("prefill")
+    seen: set[int] = set()
+    deadline = time.monotonic() + timeout_s
+    while seen != rooms:
+        assert time.monotonic() < deadline, f"chunks 0 not sent for {sorted(rooms - seen)}"
+        if p.conn.poll(0.05):
+            msg = p.conn.recv()
+            if msg[0] == "sent" and msg[1] == 0:
+                seen.add(msg[2])
+
+
+class NetnsConformance:
+    """Prefill and decode in their own namespaces, joined by a bridge."""
+
+    backend_name: ClassVar[str] = "tcp"
+    heartbeat_interval_s: ClassVar[float] = 0.2
+    heartbeat_misses: ClassVar[int] = 3
+    handshake_timeout_s: ClassVar[float] = 10.0
+
+    @classmethod
+    def backend_options(cls, addr: str) -> dict[str, Any]:
+        """The backend's options on a node with address ``addr``."""
+        return {"host": addr}
+
+    @pytest.fixture
+    def bed(self) -> Iterator[NetnsBed]:
+        reason = unavailable_reason()
+        if reason is not None:
+            pytest.skip(reason)
+        with NetnsBed(("prefill", "decode")) as bed:
+            yield bed
+
+    def role_config(self, bed: NetnsBed, node: str, **control: Any) -> KVWireConfig:
+        addr = bed.addr[node]
+        options: dict[str, Any] = {
+            "host": addr,
+            "bootstrap_host": bed.addr["prefill"],
+            "heartbeat_interval_s": self.heartbeat_interval_s,
+            "heartbeat_misses": self.heartbeat_misses,
+            "handshake_timeout_s": self.handshake_timeout_s,
+            "waiting_timeout_s": 60.0,
+            "bootstrap_timeout_s": 30.0,
+        }
+        options.update(control)
+        return KVWireConfig(
+            transfer_backend=self.backend_name,
+            transfer_backend_options=self.backend_options(addr),
+            control=ControlOptions(**options),
+        )
+
+    def spec(
+        self,
+        bed: NetnsBed,
+        prefill: dict[str, Any] | None = None,
+        decode: dict[str, Any] | None = None,
+    ) -> ClusterSpec:
+        model = ModelSpec(num_layers=2, total_kv_heads=2, head_dim=8, dtype="int32", page_size=2)
+        role_config = {
+            "prefill": self.role_config(bed, "prefill", **(prefill or {})),
+            "decode": self.role_config(bed, "decode", **(decode or {})),
+        }
+        return ClusterSpec(
+            model=model,
+            slots=128,
+            aux_slots=64,
+            config=role_config["prefill"],
+            role_config=role_config,
+            netns={role: bed.ns[role] for role in ("prefill", "decode")},
+        )
+
+    @property
+    def liveness_bound_s(self) -> float:
+        return self.heartbeat_interval_s * self.heartbeat_misses
+
+    # ------------------------------------------------------------------- tests
+    @pytest.mark.slow
+    def test_workload_across_namespaces(self, bed: NetnsBed) -> None:
+        with Cluster(self.spec(bed)) as c:
+            assert c.bootstrap_addr.startswith(bed.addr["prefill"] + ":"), c.bootstrap_addr
+            for p in c.procs:
+                assert p.endpoint.startswith(f"tcp://{bed.addr[p.role]}:"), (p.name, p.endpoint)
+            results = c.run(c.plans(24, pages=(0, 8), max_chunks=3), concurrency=8, timeout_s=60)
+            assert_all_ok(results)
+            assert sum(r.bytes for r in results) > 0
+            assert_tables_empty(c)
+
+    @pytest.mark.slow
+    @pytest.mark.parametrize("side", ["prefill", "decode"])
+    def test_loopback_advertised(self, bed: NetnsBed, side: str) -> None:
+        """A rank that advertises a loopback control endpoint to a peer in another namespace
+        fails the handshake at once, naming the endpoint and the setting."""
+        wrong = {"host": "127.0.0.1"}
+        spec = self.spec(bed, **{side: wrong})
+        with Cluster(spec) as c:
+            plan = RoomPlan(room=21, num_pages=2, chunks=[2])
+            t0 = time.monotonic()
+            for p in c.ranks_of(plan):
+                p.conn.send(("start", plan.model_dump()))
+            decode = c.rank("decode")
+            # decode refuses at once; a prefill rank that advertises loopback cannot be told
+            # (it learns at bootstrap_timeout_s), one that can be reached is told at once
+            reports = collect_reports(c, {21}, self.handshake_timeout_s, role="decode")
+            rep = reports[(decode.name, 21)]
+            took = time.monotonic() - t0
+            assert rep.status == int(KVPoll.Failed)
+            assert rep.error and "loopback" in rep.error and "control.host" in rep.error, rep
+            assert "127.0.0.1" in rep.error, rep.error
+            assert took < self.handshake_timeout_s / 2, f"took {took:.1f}s: waited, not refused"
+            if side == "decode":
+                prefill = c.rank("prefill")
+                rep = collect_reports(c, {21}, 5.0, role="prefill")[(prefill.name, 21)]
+                assert rep.status == int(KVPoll.Failed)
+                assert rep.error and "loopback" in rep.error, rep.error
+
+    @pytest.mark.slow
+    @pytest.mark.parametrize("how", ["silent", "link_down"])
+    def test_partition_then_recovery(self, bed: NetnsBed, how: str) -> None:
+        """``silent``: the decode node leaves the bridge (packets vanish, links stay up);
+        ``link_down``: its interface goes down (the kernel drops what it sends)."""
+        with Cluster(self.spec(bed)) as c:
+            # a connection first, so that both sides know each other
+            assert_all_ok(c.run(c.plans(4, seed=1), concurrency=4, timeout_s=30))
+            rooms = {100 + i for i in range(6)}
+            for room in sorted(rooms):
+                plan = RoomPlan(room=room, num_pages=4, chunks=[2, 2], stall_s=60.0)
+                for p in c.ranks_of(plan):
+                    p.conn.send(("start", plan.model_dump()))
+            wait_first_chunks(c, rooms)
+            t_cut = time.monotonic()
+            if how == "silent":
+                bed.partition("decode")
+            else:
+                bed.link("decode", up=False)
+            bound = self.liveness_bound_s + GRACE_S
+            reports = collect_reports(c, rooms, bound + 5.0)
+            peer_of = {"prefill": "decode0-pp0-tp0", "decode": "prefill0-pp0-tp0"}
+            for (name, room), rep in reports.items():
+                assert rep.status == int(KVPoll.Failed), (name, room, rep)
+                assert rep.error and peer_of[rep.role] in rep.error, (name, rep.error)
+                took = rep.t_done - t_cut
+                assert took < bound, f"{name} room {room}: failed after {took:.2f}s > {bound}s"
+            logger.info(
+                "partition (%s) detected after %.2fs at most (bound %.2fs + %.1fs grace)",
+                how,
+                max(r.t_done for r in reports.values()) - t_cut,
+                self.liveness_bound_s,
+                GRACE_S,
+            )
+            assert_tables_empty(c)
+            stats = c.rank_stats()
+            assert all(s["evictions"] >= 1 and s["peers"] == 0 for s in stats.values()), stats
+            # the link returns: new requests between the same ranks, no restart
+            bed.heal("decode")
+            t_heal = time.monotonic()
+            results = c.run(c.plans(12, seed=2), concurrency=6, timeout_s=30)
+            assert_all_ok(results)
+            logger.info(
+                "after the link returned: %d requests ok in %.2fs, first in %.3fs",
+                len(results),
+                time.monotonic() - t_heal,
+                min(r.latency_s for r in results),
+            )
+            stats = c.rank_stats()  # re-handshaken: each side knows its peer again
+            assert all(s["peers"] == 1 for s in stats.values()), stats
+            assert_tables_empty(c)
