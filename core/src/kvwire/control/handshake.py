@@ -25,12 +25,26 @@ def handshake_problems(
     prefill: KVLayout, decode: KVLayout, prefill_backend: str, decode_backend: str
 ) -> list[str]:
     """Every reason a prefill layout and a decode layout cannot work together, each naming
-    the field and both values; empty when they can."""
+    the field and both values; empty when they can.
+
+    Page sizes may differ (the core mappers move token ranges, :mod:`kvwire.index.paging`)
+    unless a buffer group is addressed by the KV page indices (kind ``paged``: draft or MTP
+    layers); a configured mapper that does not convert page sizes refuses in its constructor,
+    naming both."""
     out = [
         f"{f}: prefill={getattr(prefill.model, f)!r} decode={getattr(decode.model, f)!r}"
         for f in COMPAT_FIELDS
-        if getattr(prefill.model, f) != getattr(decode.model, f)
+        if f != "page_size" and getattr(prefill.model, f) != getattr(decode.model, f)
     ]
+    pp, pd = prefill.model.page_size, decode.model.page_size
+    if pp != pd:
+        out += [
+            f"page_size: prefill={pp} decode={pd}: buffer group {g.name!r} of the {side} is "
+            "addressed by the KV page indices (kind 'paged'), so both sides need one page size"
+            for side, layout in (("prefill", prefill), ("decode", decode))
+            for g in layout.groups
+            if g.kind == "paged"
+        ]
     if prefill_backend != decode_backend:
         out.append(f"transfer backend: prefill={prefill_backend!r} decode={decode_backend!r}")
     out += layout_topology(prefill, decode).problems()

@@ -297,7 +297,7 @@ class DecodeLinker:
                 endpoint=mgr.channel.endpoint,
                 rank=mgr.layout.rank,
                 sender_id=self.sender_id,
-                layout_hash=mgr.layout.compatibility_hash(),
+                layout_hash=mgr.layout.compatibility_hash(hello.layout.model.page_size),
                 dummy=link.dummy,
                 peer_session=hello.session,
                 layout=mgr.layout,
