@@ -65,3 +65,37 @@ def test_demo_rejects_a_bad_phase() -> None:
     out = run_demo("--phases", "2-1")
     assert out.returncode == 1
     assert "bad phase '2-1'" in out.stdout
+
+
+@pytest.mark.parametrize(
+    ("page", "decode_page", "phases", "extra"),
+    [
+        ("4", "16", "2:1,1:2", ()),  # decode pages filled by several chunks
+        ("8", "2", "2:2", ()),
+        ("4", "1", "2:1", ("--mla",)),  # token granularity, MLA with a dummy sender
+    ],
+)
+def test_demo_with_another_decode_page_size(
+    page: str, decode_page: str, phases: str, extra: tuple[str, ...]
+) -> None:
+    out = run_demo(
+        *SMALL,
+        "--page-size",
+        page,
+        "--decode-page-size",
+        decode_page,
+        "--requests",
+        "12",
+        "--tokens",
+        "40",
+        "--phases",
+        phases,
+        "--concurrency",
+        "4",
+        "--cached-fraction",
+        "0.5",
+        *extra,
+    )
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert f"decode pages of {decode_page}" in out.stdout
+    assert "every element verified" in out.stdout

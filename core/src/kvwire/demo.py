@@ -42,7 +42,13 @@ def add_demo_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--layers", type=int, default=8)
     p.add_argument("--kv-heads", type=int, default=8, help="total KV heads of the model")
     p.add_argument("--head-dim", type=int, default=64)
-    p.add_argument("--page-size", type=int, default=16)
+    p.add_argument("--page-size", type=int, default=16, help="tokens per page (prefill)")
+    p.add_argument(
+        "--decode-page-size",
+        type=int,
+        default=None,
+        help="tokens per decode page when it differs from prefill's (token ranges move)",
+    )
     p.add_argument("--mla", action="store_true", help="an MLA model (one latent 'head')")
     p.add_argument("--concurrency", type=int, default=32, help="requests in flight")
     p.add_argument("--max-chunks", type=int, default=3, help="chunks of chunked prefill")
@@ -121,9 +127,15 @@ def run(args: argparse.Namespace, console: Console) -> int:
     except KVWireError as exc:
         console.print(f"[red]FAILED[/]: {exc}")
         return 1
+    dps = args.decode_page_size
+    if dps is not None and dps < 1:
+        console.print(f"[red]FAILED[/]: --decode-page-size must be >= 1, got {dps}")
+        return 1
+    decode_pages = f" (decode pages of {dps})" if dps and dps != args.page_size else ""
     console.print(
         f"kvwire demo: backend [bold]{config.transfer_backend}[/], {args.requests} requests per "
-        f"phase (1-{max_pages} pages of {args.page_size} tokens, up to {args.max_chunks} chunks, "
+        f"phase (1-{max_pages} pages of {args.page_size} tokens{decode_pages}, up to "
+        f"{args.max_chunks} chunks, "
         f"{args.concurrency} in flight), model {model.num_layers} layers x "
         f"{model.total_kv_heads} KV heads x {model.head_dim} dims{' (MLA)' if args.mla else ''}"
     )
@@ -145,6 +157,7 @@ def run(args: argparse.Namespace, console: Console) -> int:
                     prefill_tp=tp,
                     prefill_pp=pp,
                     decode_tp=td,
+                    decode_page_size=dps,
                     slots=max(64, 2 * args.concurrency * max_pages + 8),
                     aux_slots=max(16, 2 * args.concurrency + 8),
                     device=args.device,
