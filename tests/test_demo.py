@@ -99,3 +99,26 @@ def test_demo_with_another_decode_page_size(
     assert out.returncode == 0, out.stdout + out.stderr
     assert f"decode pages of {decode_page}" in out.stdout
     assert "every element verified" in out.stdout
+
+
+def test_demo_with_decode_pipeline_stages() -> None:
+    """Decode PP: each decode stage receives its layers from whichever prefill stages hold
+    them (3 layers: stages [0, 2) and [2, 3) on decode, one layer each on a 3-stage prefill,
+    whose third stage is a dummy sender for decode's first)."""
+    out = run_demo(
+        *SMALL,
+        "--requests",
+        "12",
+        "--tokens",
+        "24",
+        "--phases",
+        "2x2:1x2,1:2x2,2x3:2x2",
+        "--concurrency",
+        "4",
+        "--cached-fraction",
+        "0.3",
+    )
+    assert out.returncode == 0, out.stdout + out.stderr
+    for phase in ("2x2->1x2", "1->2x2", "2x3->2x2"):
+        assert phase in out.stdout
+    assert "every element verified" in out.stdout

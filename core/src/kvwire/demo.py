@@ -62,20 +62,27 @@ def add_demo_args(p: argparse.ArgumentParser) -> None:
         "--phases",
         default="2:1,2:2",
         help="comma-separated prefill_tp:decode_tp pairs (default 2:1,2:2); "
-        "prefill_tp x pp as e.g. 2x2:1",
+        "TP x PP on either side as e.g. 2x2:1 or 2x2:1x2",
     )
     p.add_argument("--device", default="cpu", help="KV pools on 'cpu' or 'cuda'")
     p.add_argument("--seed", type=int, default=0)
 
 
-def parse_phase(text: str) -> tuple[int, int, int]:
-    """``"2:1"`` -> (prefill_tp, prefill_pp, decode_tp); ``"2x2:1"`` adds pipeline stages."""
+def parse_phase(text: str) -> tuple[int, int, int, int]:
+    """``"2:1"`` -> (prefill_tp, prefill_pp, decode_tp, decode_pp); ``"2x2:1x2"`` adds
+    pipeline stages on either side."""
     try:
         left, right = text.split(":")
         tp, _, pp = left.partition("x")
-        return int(tp), int(pp or 1), int(right)
+        td, _, pd = right.partition("x")
+        return int(tp), int(pp or 1), int(td), int(pd or 1)
     except ValueError as exc:
-        raise KVWireError(f"bad phase {text!r}: expected PREFILL_TP[xPP]:DECODE_TP") from exc
+        raise KVWireError(f"bad phase {text!r}: expected PREFILL_TP[xPP]:DECODE_TP[xPP]") from exc
+
+
+def _shape(tp: int, pp: int) -> str:
+    """``2`` or ``2x2``: a side's TP and, when it has stages, PP."""
+    return f"{tp}x{pp}" if pp > 1 else str(tp)
 
 
 def summarize(results: list[RequestResult]) -> dict[str, float]:
@@ -149,14 +156,15 @@ def run(args: argparse.Namespace, console: Console) -> int:
             console=console,
             transient=True,
         ) as progress:
-            for tp, pp, td in phases:
-                name = f"{tp}{'x' + str(pp) if pp > 1 else ''}->{td}"
+            for tp, pp, td, dpp in phases:
+                name = f"{_shape(tp, pp)}->{_shape(td, dpp)}"
                 task = progress.add_task(f"{name}: starting ranks", total=args.requests)
                 spec = ClusterSpec(
                     model=model,
                     prefill_tp=tp,
                     prefill_pp=pp,
                     decode_tp=td,
+                    decode_pp=dpp,
                     decode_page_size=dps,
                     slots=max(64, 2 * args.concurrency * max_pages + 8),
                     aux_slots=max(16, 2 * args.concurrency + 8),

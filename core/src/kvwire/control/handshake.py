@@ -48,10 +48,12 @@ def handshake_problems(
     if prefill_backend != decode_backend:
         out.append(f"transfer backend: prefill={prefill_backend!r} decode={decode_backend!r}")
     out += layout_topology(prefill, decode).problems()
-    if decode.start_layer != 0 or decode.layer_end != decode.model.num_layers:
+    if decode.rank.pp_size == 1 and (
+        decode.start_layer != 0 or decode.layer_end != decode.model.num_layers
+    ):
         out.append(
-            f"decode layers [{decode.start_layer}, {decode.layer_end}): a decode rank must hold "
-            f"all {decode.model.num_layers} layers"
+            f"decode layers [{decode.start_layer}, {decode.layer_end}): a decode rank without "
+            f"pipeline parallelism must hold all {decode.model.num_layers} layers"
         )
     out += group_problems(prefill.groups, decode.groups, ("prefill", "decode"))
     out += [
@@ -83,10 +85,16 @@ def layout_topology(prefill: KVLayout, decode: KVLayout) -> Topology:
 
 
 def topology_for(
-    config: KVWireConfig, local: KVLayout, prefill_tp: int, prefill_pp: int, decode_tp: int
+    config: KVWireConfig,
+    local: KVLayout,
+    prefill_tp: int,
+    prefill_pp: int,
+    decode_tp: int,
+    decode_pp: int = 1,
 ) -> Topology:
     """The topology chosen with the mapper (:attr:`IndexMapper.topology`) for a prefill
-    instance of ``prefill_tp`` x ``prefill_pp`` and a decode instance of TP ``decode_tp``;
+    instance of ``prefill_tp`` x ``prefill_pp`` and a decode instance of ``decode_tp`` x
+    ``decode_pp``;
     ``local`` is this rank's layout (the model is the same on both sides). Used by both
     sides, before any handshake (decode pairs with ranks listed by bootstrap)."""
     name = config.index_mapper
@@ -97,7 +105,7 @@ def topology_for(
     except KVWireError:
         cls = IndexMapper
     topo: type[Topology] = getattr(cls, "topology", Topology)
-    return topo(prefill_tp, prefill_pp, decode_tp)
+    return topo(prefill_tp, prefill_pp, decode_tp, decode_pp)
 
 
 def aux_problems(prefill: Sequence[MemoryRegion], decode: Sequence[MemoryRegion]) -> list[str]:

@@ -91,13 +91,7 @@ class IndexMapper(ABC):
         lookup[dk[:, 0] * 2 + dk[:, 1]] = np.arange(len(dk))
         sk = self.src.buffer_keys
         dst = lookup[sk[:, 0] * 2 + sk[:, 1]]
-        keep = dst >= 0
-        if not keep.any():
-            raise LayoutError(
-                f"no layer in common: source holds layers [{self.src.start_layer}, "
-                f"{self.src.layer_end}), destination [{self.dst.start_layer}, "
-                f"{self.dst.layer_end})"
-            )
+        keep = dst >= 0  # none: pipeline stages with no layer in common (a dummy pair)
         return np.flatnonzero(keep).astype(np.int64), dst[keep]
 
     @property
@@ -107,9 +101,10 @@ class IndexMapper(ABC):
 
     @property
     def is_dummy(self) -> bool:
-        """True when this source sends no KV to this destination because another source rank
-        sends identical bytes (MLA, replicated heads). It still reports completion."""
-        return False
+        """True when this source sends no KV to this destination: another source rank sends
+        identical bytes (MLA, replicated heads; subclasses add those rules), or the two hold
+        no layer in common (pipeline stages on both sides). It still reports completion."""
+        return self.num_pairs == 0
 
     def group_mapper(self) -> GroupMapper | None:
         """The mapper of the layouts' buffer groups (state, sliding window, draft layers), or

@@ -113,4 +113,4 @@ class MLAMapper(EqualTPMapper):
     @property
     def is_dummy(self) -> bool:
         tp_s, tp_d = self.src.rank.tp_size, self.dst.rank.tp_size
-        return tp_s > tp_d and self.src.rank.tp_rank % (tp_s // tp_d) != 0
+        return super().is_dummy or (tp_s > tp_d and self.src.rank.tp_rank % (tp_s // tp_d) != 0)

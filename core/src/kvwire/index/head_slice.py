@@ -101,7 +101,7 @@ class HeadSliceMapper(IndexMapper):
 
     @property
     def is_dummy(self) -> bool:
-        return self._dummy
+        return super().is_dummy or self._dummy
 
     def build_tables(self) -> TablePair:
         src_offsets = np.arange(self.groups, dtype=np.uint64) * np.uint64(self.slice_bytes)

@@ -63,6 +63,8 @@ class ClusterSpec(BaseModel):
     prefill_tp: int = Field(default=1, ge=1)
     prefill_pp: int = Field(default=1, ge=1)
     decode_tp: int = Field(default=1, ge=1)
+    #: Decode pipeline stages (each holds a layer range, split as prefill's are).
+    decode_pp: int = Field(default=1, ge=1)
     decode_instances: int = Field(default=1, ge=1)
     slots: int = Field(default=256, ge=1, description="Page slots per KV buffer per rank.")
     aux_slots: int = Field(default=128, ge=1)
@@ -363,8 +365,11 @@ def _rank_main(
         per = -(-m.num_layers // spec.prefill_pp)
         first_layer, end = pp_rank * per, min(m.num_layers, (pp_rank + 1) * per)
     else:
-        rank = RankPosition(tp_size=spec.decode_tp, tp_rank=tp_rank)
-        first_layer, end = 0, m.num_layers
+        rank = RankPosition(
+            tp_size=spec.decode_tp, tp_rank=tp_rank, pp_size=spec.decode_pp, pp_rank=pp_rank
+        )
+        per = -(-m.num_layers // spec.decode_pp)
+        first_layer, end = pp_rank * per, min(m.num_layers, (pp_rank + 1) * per)
     dm = spec.decode_model()
     pool = _Pool(spec, rank, first_layer, end, m if role == "prefill" else dm)
     hook_events: dict[int, list[str]] = {}
@@ -392,7 +397,7 @@ def _rank_main(
     active: dict[int, _Active] = {}
     addrs = bootstrap_addrs or [addr]
     conn.send(("ready", mgr.bootstrap_addr or "", mgr.channel.endpoint, mgr.agent_name))
-    rid = pp_rank * spec.prefill_tp + tp_rank if role == "prefill" else tp_rank
+    rid = pp_rank * (spec.prefill_tp if role == "prefill" else spec.decode_tp) + tp_rank
 
     def evictions() -> int:
         from prometheus_client import REGISTRY
@@ -665,8 +670,9 @@ class Cluster:
                             addr = self.bootstrap_addrs[inst]
                             self._spawn(spec_json, "prefill", inst, tp, pp, addr)
             for inst in range(spec.decode_instances):
-                for tp in range(spec.decode_tp):
-                    self._spawn(spec_json, "decode", inst, tp, 0, self.bootstrap_addr)
+                for pp in range(spec.decode_pp):
+                    for tp in range(spec.decode_tp):
+                        self._spawn(spec_json, "decode", inst, tp, pp, self.bootstrap_addr)
             for p in self.procs:
                 _, _, p.endpoint, p.agent = self._expect(p, "ready", start_timeout_s)
         except BaseException:
