@@ -71,7 +71,7 @@ def test_demo_rejects_a_bad_phase() -> None:
     ("page", "decode_page", "phases", "extra"),
     [
         ("4", "16", "2:1,1:2", ()),  # decode pages filled by several chunks
-        ("8", "2", "2:2", ()),
+        ("8", "2", "2x2:1x2", ()),  # with pipeline stages on both sides
         ("4", "1", "2:1", ("--mla",)),  # token granularity, MLA with a dummy sender
     ],
 )
