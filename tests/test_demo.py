@@ -65,3 +65,60 @@ def test_demo_rejects_a_bad_phase() -> None:
     out = run_demo("--phases", "2-1")
     assert out.returncode == 1
     assert "bad phase '2-1'" in out.stdout
+
+
+@pytest.mark.parametrize(
+    ("page", "decode_page", "phases", "extra"),
+    [
+        ("4", "16", "2:1,1:2", ()),  # decode pages filled by several chunks
+        ("8", "2", "2x2:1x2", ()),  # with pipeline stages on both sides
+        ("4", "1", "2:1", ("--mla",)),  # token granularity, MLA with a dummy sender
+    ],
+)
+def test_demo_with_another_decode_page_size(
+    page: str, decode_page: str, phases: str, extra: tuple[str, ...]
+) -> None:
+    out = run_demo(
+        *SMALL,
+        "--page-size",
+        page,
+        "--decode-page-size",
+        decode_page,
+        "--requests",
+        "12",
+        "--tokens",
+        "40",
+        "--phases",
+        phases,
+        "--concurrency",
+        "4",
+        "--cached-fraction",
+        "0.5",
+        *extra,
+    )
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert f"decode pages of {decode_page}" in out.stdout
+    assert "every element verified" in out.stdout
+
+
+def test_demo_with_decode_pipeline_stages() -> None:
+    """Decode PP: each decode stage receives its layers from whichever prefill stages hold
+    them (3 layers: stages [0, 2) and [2, 3) on decode, one layer each on a 3-stage prefill,
+    whose third stage is a dummy sender for decode's first)."""
+    out = run_demo(
+        *SMALL,
+        "--requests",
+        "12",
+        "--tokens",
+        "24",
+        "--phases",
+        "2x2:1x2,1:2x2,2x3:2x2",
+        "--concurrency",
+        "4",
+        "--cached-fraction",
+        "0.3",
+    )
+    assert out.returncode == 0, out.stdout + out.stderr
+    for phase in ("2x2->1x2", "1->2x2", "2x3->2x2"):
+        assert phase in out.stdout
+    assert "every element verified" in out.stdout

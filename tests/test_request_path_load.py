@@ -78,13 +78,14 @@ def summary(name: str, results: list[RequestResult], wall_s: float) -> str:
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_phase_at_concurrency_64(backend: str, phase: str) -> None:
     require_backend(backend)
-    tp, pp, td = parse_phase(phase)
+    tp, pp, td, dpp = parse_phase(phase)
     requests, max_pages = SIZES[backend]
     spec = ClusterSpec(
         model=MODEL,
         prefill_tp=tp,
         prefill_pp=pp,
         decode_tp=td,
+        decode_pp=dpp,
         slots=2 * CONCURRENCY * max_pages + 8,
         aux_slots=2 * CONCURRENCY + 8,
         config=KVWireConfig(transfer_backend=backend),

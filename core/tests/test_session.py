@@ -69,7 +69,7 @@ def test_decode_restart_with_same_name_rehandshakes() -> None:
 
 # --------------------------------------------------------------------------- refusals
 def test_incompatible_layout_refused_at_handshake() -> None:
-    other = MODEL.model_copy(update={"page_size": 4, "head_dim": 4})
+    other = MODEL.model_copy(update={"num_layers": 3, "head_dim": 4})
     with pair(config(), dmodel=other) as p:
         r = p.decode.receiver(5, p.addr)
         r.init()
@@ -77,7 +77,7 @@ def test_incompatible_layout_refused_at_handshake() -> None:
         with pytest.raises(HandshakeError) as ei:
             r.failure_exception()
         text = str(ei.value)
-        assert "page_size: prefill=2 decode=4" in text
+        assert "num_layers: prefill=2 decode=3" in text
         assert "head_dim: prefill=8 decode=4" in text
         r.clear()
         assert not p.prefill.peers  # nothing was added for the refused rank

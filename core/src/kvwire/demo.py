@@ -39,7 +39,13 @@ def add_demo_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--layers", type=int, default=8)
     p.add_argument("--kv-heads", type=int, default=8, help="total KV heads of the model")
     p.add_argument("--head-dim", type=int, default=64)
-    p.add_argument("--page-size", type=int, default=16)
+    p.add_argument("--page-size", type=int, default=16, help="tokens per page (prefill)")
+    p.add_argument(
+        "--decode-page-size",
+        type=int,
+        default=None,
+        help="tokens per decode page when it differs from prefill's (token ranges move)",
+    )
     p.add_argument("--mla", action="store_true", help="an MLA model (one latent 'head')")
     p.add_argument("--concurrency", type=int, default=32, help="requests in flight")
     p.add_argument("--max-chunks", type=int, default=3, help="chunks of chunked prefill")
@@ -53,20 +59,27 @@ def add_demo_args(p: argparse.ArgumentParser) -> None:
         "--phases",
         default="2:1,2:2",
         help="comma-separated prefill_tp:decode_tp pairs (default 2:1,2:2); "
-        "prefill_tp x pp as e.g. 2x2:1",
+        "TP x PP on either side as e.g. 2x2:1 or 2x2:1x2",
     )
     p.add_argument("--device", default="cpu", help="KV pools on 'cpu' or 'cuda'")
     p.add_argument("--seed", type=int, default=0)
 
 
-def parse_phase(text: str) -> tuple[int, int, int]:
-    """``"2:1"`` -> (prefill_tp, prefill_pp, decode_tp); ``"2x2:1"`` adds pipeline stages."""
+def parse_phase(text: str) -> tuple[int, int, int, int]:
+    """``"2:1"`` -> (prefill_tp, prefill_pp, decode_tp, decode_pp); ``"2x2:1x2"`` adds
+    pipeline stages on either side."""
     try:
         left, right = text.split(":")
         tp, _, pp = left.partition("x")
-        return int(tp), int(pp or 1), int(right)
+        td, _, pd = right.partition("x")
+        return int(tp), int(pp or 1), int(td), int(pd or 1)
     except ValueError as exc:
-        raise KVWireError(f"bad phase {text!r}: expected PREFILL_TP[xPP]:DECODE_TP") from exc
+        raise KVWireError(f"bad phase {text!r}: expected PREFILL_TP[xPP]:DECODE_TP[xPP]") from exc
+
+
+def _shape(tp: int, pp: int) -> str:
+    """``2`` or ``2x2``: a side's TP and, when it has stages, PP."""
+    return f"{tp}x{pp}" if pp > 1 else str(tp)
 
 
 def summarize(results: list[RequestResult]) -> dict[str, float]:
@@ -118,23 +131,31 @@ def run(args: argparse.Namespace, console: Console) -> int:
     except KVWireError as exc:
         console.print(f"[red]FAILED[/]: {exc}")
         return 1
+    dps = args.decode_page_size
+    if dps is not None and dps < 1:
+        console.print(f"[red]FAILED[/]: --decode-page-size must be >= 1, got {dps}")
+        return 1
+    decode_pages = f" (decode pages of {dps})" if dps and dps != args.page_size else ""
     console.print(
         f"kvwire demo: backend [bold]{config.transfer_backend}[/], {args.requests} requests per "
-        f"phase (1-{max_pages} pages of {args.page_size} tokens, up to {args.max_chunks} chunks, "
+        f"phase (1-{max_pages} pages of {args.page_size} tokens{decode_pages}, up to "
+        f"{args.max_chunks} chunks, "
         f"{args.concurrency} in flight), model {model.num_layers} layers x "
         f"{model.total_kv_heads} KV heads x {model.head_dim} dims{' (MLA)' if args.mla else ''}"
     )
     rows = []
     try:
         with progress_bar(console) as progress:
-            for tp, pp, td in phases:
-                name = f"{tp}{'x' + str(pp) if pp > 1 else ''}->{td}"
+            for tp, pp, td, dpp in phases:
+                name = f"{_shape(tp, pp)}->{_shape(td, dpp)}"
                 task = progress.add_task(f"{name}: starting ranks", total=args.requests)
                 spec = ClusterSpec(
                     model=model,
                     prefill_tp=tp,
                     prefill_pp=pp,
                     decode_tp=td,
+                    decode_pp=dpp,
+                    decode_page_size=dps,
                     slots=max(64, 2 * args.concurrency * max_pages + 8),
                     aux_slots=max(16, 2 * args.concurrency + 8),
                     device=args.device,

@@ -524,9 +524,17 @@ class KVLayout(BaseModel):
         """Device id of each buffer."""
         return np.array([b.device_id for b in self.buffers], dtype=np.uint64)
 
-    def compatibility_hash(self) -> str:
-        """Digest of the model facts both sides must share (see :data:`COMPAT_FIELDS`)."""
-        text = "|".join(f"{f}={getattr(self.model, f)}" for f in COMPAT_FIELDS)
+    def compatibility_hash(self, page_size: int | None = None) -> str:
+        """Digest of the model facts both sides must share (see :data:`COMPAT_FIELDS`).
+        ``page_size``: the peer's page size, when the sides may differ in it (prefill hashes
+        its layout with decode's page size when acknowledging a converting link, so decode,
+        hashing its own layout, sees the same digest)."""
+        model = (
+            self.model
+            if page_size is None
+            else self.model.model_copy(update={"page_size": page_size})
+        )
+        text = "|".join(f"{f}={getattr(model, f)}" for f in COMPAT_FIELDS)
         if self.groups:  # absent for layouts without groups: their hash is unchanged
             text += "|groups=" + ";".join(g.compat_text() for g in self.groups)
         return hashlib.sha256(text.encode()).hexdigest()[:16]

@@ -25,19 +25,35 @@ def handshake_problems(
     prefill: KVLayout, decode: KVLayout, prefill_backend: str, decode_backend: str
 ) -> list[str]:
     """Every reason a prefill layout and a decode layout cannot work together, each naming
-    the field and both values; empty when they can."""
+    the field and both values; empty when they can.
+
+    Page sizes may differ (the core mappers move token ranges, :mod:`kvwire.index.paging`)
+    unless a buffer group is addressed by the KV page indices (kind ``paged``: draft or MTP
+    layers); a configured mapper that does not convert page sizes refuses in its constructor,
+    naming both."""
     out = [
         f"{f}: prefill={getattr(prefill.model, f)!r} decode={getattr(decode.model, f)!r}"
         for f in COMPAT_FIELDS
-        if getattr(prefill.model, f) != getattr(decode.model, f)
+        if f != "page_size" and getattr(prefill.model, f) != getattr(decode.model, f)
     ]
+    pp, pd = prefill.model.page_size, decode.model.page_size
+    if pp != pd:
+        out += [
+            f"page_size: prefill={pp} decode={pd}: buffer group {g.name!r} of the {side} is "
+            "addressed by the KV page indices (kind 'paged'), so both sides need one page size"
+            for side, layout in (("prefill", prefill), ("decode", decode))
+            for g in layout.groups
+            if g.kind == "paged"
+        ]
     if prefill_backend != decode_backend:
         out.append(f"transfer backend: prefill={prefill_backend!r} decode={decode_backend!r}")
     out += layout_topology(prefill, decode).problems()
-    if decode.start_layer != 0 or decode.layer_end != decode.model.num_layers:
+    if decode.rank.pp_size == 1 and (
+        decode.start_layer != 0 or decode.layer_end != decode.model.num_layers
+    ):
         out.append(
-            f"decode layers [{decode.start_layer}, {decode.layer_end}): a decode rank must hold "
-            f"all {decode.model.num_layers} layers"
+            f"decode layers [{decode.start_layer}, {decode.layer_end}): a decode rank without "
+            f"pipeline parallelism must hold all {decode.model.num_layers} layers"
         )
     out += group_problems(prefill.groups, decode.groups, ("prefill", "decode"))
     out += [
@@ -69,10 +85,16 @@ def layout_topology(prefill: KVLayout, decode: KVLayout) -> Topology:
 
 
 def topology_for(
-    config: KVWireConfig, local: KVLayout, prefill_tp: int, prefill_pp: int, decode_tp: int
+    config: KVWireConfig,
+    local: KVLayout,
+    prefill_tp: int,
+    prefill_pp: int,
+    decode_tp: int,
+    decode_pp: int = 1,
 ) -> Topology:
     """The topology chosen with the mapper (:attr:`IndexMapper.topology`) for a prefill
-    instance of ``prefill_tp`` x ``prefill_pp`` and a decode instance of TP ``decode_tp``;
+    instance of ``prefill_tp`` x ``prefill_pp`` and a decode instance of ``decode_tp`` x
+    ``decode_pp``;
     ``local`` is this rank's layout (the model is the same on both sides). Used by both
     sides, before any handshake (decode pairs with ranks listed by bootstrap)."""
     name = config.index_mapper
@@ -83,7 +105,7 @@ def topology_for(
     except KVWireError:
         cls = IndexMapper
     topo: type[Topology] = getattr(cls, "topology", Topology)
-    return topo(prefill_tp, prefill_pp, decode_tp)
+    return topo(prefill_tp, prefill_pp, decode_tp, decode_pp)
 
 
 def aux_problems(prefill: Sequence[MemoryRegion], decode: Sequence[MemoryRegion]) -> list[str]:

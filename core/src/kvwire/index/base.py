@@ -19,6 +19,7 @@ from pydantic import BaseModel
 from kvwire.backend import NoOptions
 from kvwire.descriptors import DescTable, IndexArray, check_indices
 from kvwire.errors import DescriptorError, LayoutError
+from kvwire.index.paging import PageConversion
 from kvwire.index.topology import Topology
 from kvwire.layout import KVLayout, compatibility_problems
 
@@ -55,6 +56,9 @@ class IndexMapper(ABC):
     #: Destination slots one source page fills (1 for KV pools; ``page_size / host page
     #: size`` for a mapper into a finer-grained host pool).
     units_per_page: int = 1
+    #: Set (at construction) by a mapper that converts between different page sizes: chunks
+    #: then move token ranges (:mod:`kvwire.index.paging`) through :meth:`_map_granules`.
+    paging: PageConversion | None = None
     #: Who sends to whom for layouts this mapper serves (a mapper for another parallelism
     #: brings its own pairing rules; the session layer asks only the topology).
     topology: ClassVar[type[Topology]] = Topology
@@ -66,8 +70,13 @@ class IndexMapper(ABC):
             if p.split(":")[0] not in self.relaxed_fields
         ]
         if problems:
+            hint = (
+                f" (the {self.name} mapper does not convert page sizes; the core mappers do)"
+                if any(p.startswith("page_size:") for p in problems)
+                else ""
+            )
             raise LayoutError(
-                "source and destination layouts cannot work together: " + "; ".join(problems)
+                "source and destination layouts cannot work together: " + "; ".join(problems) + hint
             )
         self.src = src
         self.dst = dst
@@ -82,13 +91,7 @@ class IndexMapper(ABC):
         lookup[dk[:, 0] * 2 + dk[:, 1]] = np.arange(len(dk))
         sk = self.src.buffer_keys
         dst = lookup[sk[:, 0] * 2 + sk[:, 1]]
-        keep = dst >= 0
-        if not keep.any():
-            raise LayoutError(
-                f"no layer in common: source holds layers [{self.src.start_layer}, "
-                f"{self.src.layer_end}), destination [{self.dst.start_layer}, "
-                f"{self.dst.layer_end})"
-            )
+        keep = dst >= 0  # none: pipeline stages with no layer in common (a dummy pair)
         return np.flatnonzero(keep).astype(np.int64), dst[keep]
 
     @property
@@ -98,9 +101,10 @@ class IndexMapper(ABC):
 
     @property
     def is_dummy(self) -> bool:
-        """True when this source sends no KV to this destination because another source rank
-        sends identical bytes (MLA, replicated heads). It still reports completion."""
-        return False
+        """True when this source sends no KV to this destination: another source rank sends
+        identical bytes (MLA, replicated heads; subclasses add those rules), or the two hold
+        no layer in common (pipeline stages on both sides). It still reports completion."""
+        return self.num_pairs == 0
 
     def group_mapper(self) -> GroupMapper | None:
         """The mapper of the layouts' buffer groups (state, sliding window, draft layers), or
@@ -123,9 +127,27 @@ class IndexMapper(ABC):
     ) -> tuple[IndexArray, IndexArray]:
         """Index arrays for validated pages."""
 
+    def _map_granules(
+        self, src_granules: NDArray[np.int64], dst_granules: NDArray[np.int64]
+    ) -> tuple[IndexArray, IndexArray]:
+        """Index arrays moving source granule ``src_granules[i]`` into destination granule
+        ``dst_granules[i]`` (see :mod:`kvwire.index.paging`); a mapper that sets
+        :attr:`paging` implements it."""
+        raise NotImplementedError(f"the {self.name} mapper does not convert page sizes")
+
     def map_chunk(self, src_pages: Any, dst_pages: Any) -> tuple[IndexArray, IndexArray]:
         """Index arrays into (src table, dst table) for a chunk; called per chunk by a
-        transfer worker. ``src_pages[i]`` goes to ``dst_pages[i]``."""
+        transfer worker. ``src_pages[i]`` goes to ``dst_pages[i]``; with :attr:`paging` set
+        (different page sizes), ``src_pages`` is the granule stream :meth:`chunk_slice`
+        returned for ``dst_pages`` (:mod:`kvwire.index.paging`)."""
+        if self.paging is not None:
+            sg, dg = self.paging.stream_granules(
+                src_pages, dst_pages, self.src.num_slots, self.dst.num_slots
+            )
+            if self.is_dummy or sg.size == 0:
+                empty = np.empty(0, dtype=np.int64)
+                return empty, empty
+            return self._map_granules(sg, dg)
         sp = check_pages(src_pages, self.src.num_slots, "source page indices")
         dp = check_pages(dst_pages, self.dst.num_slots, "destination page indices")
         if sp.size != dp.size:
@@ -151,8 +173,13 @@ class IndexMapper(ABC):
 
         Default (KV pools): decode asks for the request's last ``len(dst_units)`` pages (a
         prefix may be cached there), one unit per page. A mapper with other unit rules (a
-        finer-grained host pool) overrides it. Raises :class:`DescriptorError` naming both
-        counts when decode's count cannot fit the request."""
+        finer-grained host pool) overrides it. With :attr:`paging` set (different page
+        sizes), token ranges move and the returned source units are a granule stream
+        (:meth:`PageConversion.chunk_stream <kvwire.index.paging.PageConversion.chunk_stream>`).
+        Raises :class:`DescriptorError` naming both counts when decode's count cannot fit the
+        request."""
+        if self.paging is not None:
+            return self.paging.chunk_stream(num_pages, dst_units, pages, start, end)
         skip = num_pages - dst_units.size
         if skip < 0:
             raise DescriptorError(

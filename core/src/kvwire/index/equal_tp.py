@@ -1,10 +1,15 @@
-"""Whole-page mappers: equal TP (MHA/GQA) and MLA (replicated latent, dummy senders).
+"""Whole-row mappers: equal TP (MHA/GQA) and MLA (replicated latent, dummy senders).
 
-One table row per (buffer pair, page slot). A chunk's index arrays are
-``pair * num_slots + page``, layer-major.
+Equal page sizes: one table row per (buffer pair, page slot); a chunk's index arrays are
+``pair * num_slots + page``, layer-major. Different page sizes (prefill ``pp``, decode ``pd``):
+one row per (buffer pair, slot, granule) of ``g = gcd(pp, pd)`` tokens on each side, and a
+chunk's token range moves granule by granule (:mod:`kvwire.index.paging`):
+``pair * (num_slots * page_size / g) + granule``.
 """
 
 from __future__ import annotations
+
+import math
 
 import numpy as np
 from numpy.typing import NDArray
@@ -13,26 +18,44 @@ from pydantic import BaseModel
 from kvwire.descriptors import IndexArray, make_table
 from kvwire.errors import LayoutError
 from kvwire.index.base import IndexMapper, TablePair
+from kvwire.index.paging import PageConversion
 from kvwire.layout import KVLayout
 
 
-def page_table(layout: KVLayout, bufs: NDArray[np.int64]) -> tuple[NDArray[np.uint64], ...]:
-    """(addr, len, dev) columns with one row per (buffer in ``bufs``, slot), buffer-major."""
-    s = layout.num_slots
+def page_table(
+    layout: KVLayout, bufs: NDArray[np.int64], granule: int = 0
+) -> tuple[NDArray[np.uint64], ...]:
+    """(addr, len, dev) columns with one row per (buffer in ``bufs``, slot, granule of
+    ``granule`` tokens; 0: the whole page), buffer-major."""
+    ps = layout.model.page_size
+    g = granule or ps
+    per = ps // g
+    rows = layout.num_slots * per
     item = np.array([layout.buffers[b].item_len for b in bufs], dtype=np.uint64)
-    slots = np.arange(s, dtype=np.uint64)
-    addr = (layout.bases[bufs][:, None] + slots[None, :] * item[:, None]).ravel()
-    return addr, np.repeat(item, s), np.repeat(layout.devices[bufs], s)
+    slots = np.arange(layout.num_slots, dtype=np.uint64)
+    unit = np.uint64(g * layout.token_row_bytes)
+    units = np.arange(per, dtype=np.uint64) * unit
+    addr = (
+        layout.bases[bufs][:, None, None]
+        + slots[None, :, None] * item[:, None, None]
+        + units[None, None, :]
+    ).ravel()
+    lens = np.repeat(item, rows) if per == 1 else np.full(addr.shape, unit, dtype=np.uint64)
+    return addr, lens, np.repeat(layout.devices[bufs], rows)
 
 
 class EqualTPMapper(IndexMapper):
     """Same TP on both sides (MHA/GQA): every page slot moves whole."""
 
     name = "equal_tp"
+    relaxed_fields = ("page_size",)
 
     def __init__(self, src: KVLayout, dst: KVLayout, options: BaseModel | None = None) -> None:
         super().__init__(src, dst, options)
         self._check_shapes()
+        pp, pd = src.model.page_size, dst.model.page_size
+        if pp != pd:
+            self.paging = PageConversion(pp, pd, math.gcd(pp, pd))
 
     def _check_shapes(self) -> None:
         if not self.src.model.is_mla and self.src.rank.tp_size != self.dst.rank.tp_size:
@@ -47,10 +70,22 @@ class EqualTPMapper(IndexMapper):
             )
 
     def build_tables(self) -> TablePair:
+        g = self.paging.granule if self.paging is not None else 0
         return TablePair(
-            src=make_table(*page_table(self.src, self.src_buf)),
-            dst=make_table(*page_table(self.dst, self.dst_buf)),
+            src=make_table(*page_table(self.src, self.src_buf, g)),
+            dst=make_table(*page_table(self.dst, self.dst_buf, g)),
         )
+
+    def _map_granules(
+        self, src_granules: NDArray[np.int64], dst_granules: NDArray[np.int64]
+    ) -> tuple[IndexArray, IndexArray]:
+        assert self.paging is not None
+        pairs = np.arange(self.num_pairs, dtype=np.int64)[:, None]
+        s_rows = self.src.num_slots * self.paging.src_granules
+        d_rows = self.dst.num_slots * self.paging.dst_granules
+        s_idx = (pairs * s_rows + src_granules[None, :]).ravel()
+        d_idx = (pairs * d_rows + dst_granules[None, :]).ravel()
+        return s_idx, d_idx
 
     def _map(
         self, src_pages: NDArray[np.int64], dst_pages: NDArray[np.int64]
@@ -78,4 +113,4 @@ class MLAMapper(EqualTPMapper):
     @property
     def is_dummy(self) -> bool:
         tp_s, tp_d = self.src.rank.tp_size, self.dst.rank.tp_size
-        return tp_s > tp_d and self.src.rank.tp_rank % (tp_s // tp_d) != 0
+        return super().is_dummy or (tp_s > tp_d and self.src.rank.tp_rank % (tp_s // tp_d) != 0)

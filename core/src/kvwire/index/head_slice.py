@@ -14,6 +14,11 @@ Rows are per (buffer pair, slot, token[, head group]): the source table holds al
 head groups of width ``n`` heads so one table serves every destination of a source rank; index
 ``pair*(S*ps*G) + page*(ps*G) + t*G + g``. The destination table has one row per
 (pair, slot, token).
+
+Different page sizes on the two sides (prefill ``pp``, decode ``pd``): the tables are unchanged
+(each side's rows use its own page size) and token ranges move token by token
+(:mod:`kvwire.index.paging`, granule 1): source token ``u = page*pp + t`` is row
+``pair*(S*pp*G) + u*G + g``, destination token ``v = page*pd + t`` row ``pair*(S*pd) + v``.
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ from pydantic import BaseModel
 from kvwire.descriptors import IndexArray, make_table
 from kvwire.errors import LayoutError
 from kvwire.index.base import IndexMapper, TablePair
+from kvwire.index.paging import PageConversion
 from kvwire.index.ranks import source_ranks
 from kvwire.layout import KVLayout
 
@@ -53,6 +59,7 @@ class HeadSliceMapper(IndexMapper):
     """Moves each token's head slice when prefill and decode TP differ (MHA/GQA)."""
 
     name = "head_slice"
+    relaxed_fields = ("page_size",)
 
     def __init__(self, src: KVLayout, dst: KVLayout, options: BaseModel | None = None) -> None:
         super().__init__(src, dst, options)
@@ -88,10 +95,13 @@ class HeadSliceMapper(IndexMapper):
         self.groups = self.src_heads // self.num_heads
         self.group = self.src_start // self.num_heads
         self.slice_bytes = self.num_heads * self.bytes_per_head
+        pp, pd = src.model.page_size, dst.model.page_size
+        if pp != pd:
+            self.paging = PageConversion(pp, pd, 1)
 
     @property
     def is_dummy(self) -> bool:
-        return self._dummy
+        return super().is_dummy or self._dummy
 
     def build_tables(self) -> TablePair:
         src_offsets = np.arange(self.groups, dtype=np.uint64) * np.uint64(self.slice_bytes)
@@ -114,4 +124,14 @@ class HeadSliceMapper(IndexMapper):
             + self.group
         ).ravel()
         d_idx = (pairs * (self.dst.num_slots * ps) + dst_pages[None, :, None] * ps + toks).ravel()
+        return s_idx, d_idx
+
+    def _map_granules(
+        self, src_granules: NDArray[np.int64], dst_granules: NDArray[np.int64]
+    ) -> tuple[IndexArray, IndexArray]:
+        pairs = np.arange(self.num_pairs, dtype=np.int64)[:, None]
+        s_rows = self.src.num_slots * self.src.model.page_size * self.groups
+        d_rows = self.dst.num_slots * self.dst.model.page_size
+        s_idx = (pairs * s_rows + src_granules[None, :] * self.groups + self.group).ravel()
+        d_idx = (pairs * d_rows + dst_granules[None, :]).ravel()
         return s_idx, d_idx

@@ -1,15 +1,25 @@
 """Who sends to whom: the one place that pairs prefill ranks with decode ranks.
 
-A :class:`Topology` is built from the two instances' shapes (prefill TP x PP, decode TP) and
-answers, for both sides and for the handshake, every pairing question the session layer asks:
+A :class:`Topology` is built from the two instances' shapes (prefill TP x PP, decode TP x PP)
+and answers, for both sides and for the handshake, every pairing question the session layer
+asks:
 
 * which prefill ranks feed a decode rank (:meth:`Topology.sources`; every pipeline stage of
   each TP source, since each stage holds its own layers),
-* how many decode ranks a prefill rank waits for before it transfers (:meth:`Topology.targets`),
+* which decode TP ranks a prefill rank feeds (:meth:`Topology.targets`) and how many decode
+  ranks it waits for before it transfers (:meth:`Topology.fan_out`: every decode stage of each),
 * which prefill rank writes a decode rank's aux row (:meth:`Topology.aux_sender`),
 * the unique id of every sender (:meth:`Topology.sender_id`, ``pp_rank * tp + tp_rank``: keying
   completions by the PP rank alone collapses all senders to 0 when PP=1, a hang that shipped),
 * and why a pair of shapes cannot work (:meth:`Topology.problems`).
+
+Decode pipeline parallelism: each decode stage holds a layer range and pairs with every
+prefill stage of its TP sources, exactly as a decode rank without PP does. A prefill stage
+that holds none of a decode stage's layers is a *dummy* sender for it (its mapper has no
+buffer pair: :attr:`IndexMapper.is_dummy <kvwire.index.base.IndexMapper.is_dummy>`): it moves
+no KV and still reports completion, so completion is per decode stage with unchanged counting,
+and the engine's MIN-reduce of polls across stages gives the request's status. Every decode
+rank (every stage) gets its aux row from the same prefill rank.
 
 Index mappers choose their topology (:attr:`kvwire.index.base.IndexMapper.topology`), so a
 mapper for a new parallelism brings its pairing rules with it and the session layer does not
@@ -43,14 +53,11 @@ class Topology:
         out = []
         tp, td = self.prefill_tp, self.decode_tp
         if tp < 1 or td < 1 or self.prefill_pp < 1 or self.decode_pp < 1:
-            out.append(f"sizes must be >= 1 (prefill {tp}x{self.prefill_pp}, decode {td})")
+            out.append(
+                f"sizes must be >= 1 (prefill {tp}x{self.prefill_pp}, decode {td}x{self.decode_pp})"
+            )
         elif tp % td and td % tp:
             out.append(f"TP sizes: prefill={tp} decode={td}; one must divide the other")
-        if self.decode_pp != 1:
-            out.append(
-                f"decode pp_size={self.decode_pp}: decode instances must not use pipeline "
-                "parallelism (prefill stages fan in to one decode rank)"
-            )
         return out
 
     def check(self) -> None:
@@ -78,6 +85,11 @@ class Topology:
         """Decode TP ranks a prefill TP rank feeds, i.e. waits for before transferring."""
         self.check()
         return target_ranks(prefill_tp_rank, self.prefill_tp, self.decode_tp)
+
+    def fan_out(self, prefill_tp_rank: int) -> int:
+        """Decode ranks (every stage of each :meth:`targets` rank) that ask a prefill rank for
+        a request's KV; it waits for all of them before transferring."""
+        return len(self.targets(prefill_tp_rank)) * self.decode_pp
 
     def aux_sender(self, decode_tp_rank: int) -> int:
         """Sender id of the prefill rank that writes ``decode_tp_rank``'s aux row: the first

@@ -72,8 +72,9 @@ class SourceLinks:
     def topology(self, prefill: RankInfo) -> Topology:
         """Who sends to whom between a prefill instance (as bootstrap lists it) and us."""
         mgr = self.mgr
+        r = mgr.layout.rank
         return topology_for(
-            mgr.config, mgr.layout, prefill.tp_size, prefill.pp_size, mgr.layout.rank.tp_size
+            mgr.config, mgr.layout, prefill.tp_size, prefill.pp_size, r.tp_size, r.pp_size
         )
 
     def cached_sources(self, addr: str, room_id: int, dp: int | None) -> list[PrefillLink] | None:

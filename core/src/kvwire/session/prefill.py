@@ -213,7 +213,7 @@ class PrefillSide(Side[SendRoom]):
                 peer.endpoint,
                 pages,
                 msg.aux_index,
-                len(link.topology.targets(mgr.layout.rank.tp_rank)),
+                link.topology.fan_out(mgr.layout.rank.tp_rank),
                 pool=msg.pool,
                 group_dst=group_dst,
             )

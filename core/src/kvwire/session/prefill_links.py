@@ -207,7 +207,9 @@ class DecodeLinker:
                 for table_name, tp in host_extra.items():
                     pairs[table_name] = mgr.backend.prepare(name, tp.src, tp.dst)
             r = mgr.layout.rank
-            topo = topology_for(mgr.config, mgr.layout, r.tp_size, r.pp_size, hello.rank.tp_size)
+            topo = topology_for(
+                mgr.config, mgr.layout, r.tp_size, r.pp_size, hello.rank.tp_size, hello.rank.pp_size
+            )
             pools = {"kv": PoolLink(mapper, hello.layout.num_slots, "kv", mgr.staging, bool(extra))}
             if host_mapper is not None:
                 assert hello.host_layout is not None
@@ -297,7 +299,7 @@ class DecodeLinker:
                 endpoint=mgr.channel.endpoint,
                 rank=mgr.layout.rank,
                 sender_id=self.sender_id,
-                layout_hash=mgr.layout.compatibility_hash(),
+                layout_hash=mgr.layout.compatibility_hash(hello.layout.model.page_size),
                 dummy=link.dummy,
                 peer_session=hello.session,
                 layout=mgr.layout,

@@ -200,6 +200,8 @@ class BulkStaging(StagingStrategy):
             or remote.get("strategy") != "bulk"
             or not isinstance(mapper, HeadSliceMapper)
             or mapper.is_dummy
+            # page-size conversion moves token ranges: this link is not staged (direct rows)
+            or mapper.paging is not None
             or self.writer is None
         ):
             return {}

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import multiprocessing as mp
 import os
 import random
@@ -62,6 +63,8 @@ class ClusterSpec(BaseModel):
     prefill_tp: int = Field(default=1, ge=1)
     prefill_pp: int = Field(default=1, ge=1)
     decode_tp: int = Field(default=1, ge=1)
+    #: Decode pipeline stages (each holds a layer range, split as prefill's are).
+    decode_pp: int = Field(default=1, ge=1)
     decode_instances: int = Field(default=1, ge=1)
     slots: int = Field(default=256, ge=1, description="Page slots per KV buffer per rank.")
     aux_slots: int = Field(default=128, ge=1)
@@ -69,6 +72,9 @@ class ClusterSpec(BaseModel):
     config: KVWireConfig = Field(default_factory=KVWireConfig)
     seed: int = 0
     log_level: str = "WARNING"
+    #: Decode ranks' KV page size, when it differs from the model's (prefill's): the core
+    #: mappers move token ranges (:mod:`kvwire.index.paging`). None: the model's.
+    decode_page_size: int | None = Field(default=None, ge=1)
     #: Decode ranks also get a host pool with this page size (it must divide the model's), for
     #: requests on the HiSparse path (``RoomPlan.hisparse``); None: no host pool.
     host_page_size: int | None = None
@@ -101,6 +107,12 @@ class ClusterSpec(BaseModel):
     def config_for(self, role: str) -> KVWireConfig:
         """The config a rank of ``role`` runs with."""
         return self.role_config.get(role, self.config)
+
+    def decode_model(self) -> ModelSpec:
+        """The model as decode ranks hold it (their own page size)."""
+        if self.decode_page_size is None:
+            return self.model
+        return self.model.model_copy(update={"page_size": self.decode_page_size})
 
 
 class RoomPlan(BaseModel):
@@ -197,11 +209,16 @@ class RequestResult:
 class _Pool:
     """A rank's verification pool: NumPy arrays, or torch tensors on a device."""
 
-    def __init__(self, spec: ClusterSpec, rank: RankPosition, start: int, end: int) -> None:
-        m = spec.model
+    def __init__(
+        self, spec: ClusterSpec, rank: RankPosition, start: int, end: int, model: ModelSpec
+    ) -> None:
+        m = model
         heads = len(global_heads(m, rank))
         nbuf = (end - start) * (1 if m.is_mla else 2)
-        shape = (spec.slots, m.page_size, heads, m.head_dim)
+        #: Page slots per buffer: ``spec.slots`` prefill pages' worth of tokens, in this
+        #: pool's pages (at least ``spec.slots``).
+        self.slots = spec.slots * max(1, -(-spec.model.page_size // m.page_size))
+        shape = (self.slots, m.page_size, heads, m.head_dim)
         self.torch = spec.device != "cpu"
         if self.torch:
             import torch
@@ -271,12 +288,20 @@ class _Pool:
         for arr in self.arrays:
             arr[self._index(pages, arr)] = -1
 
-    def mismatches(self, pages: NDArray[np.int64], first_pos: int) -> int:
+    def mismatches(
+        self, pages: NDArray[np.int64], first_pos: int, num_tokens: int | None = None
+    ) -> int:
+        """Elements of ``pages`` (tokens ``first_pos``...) that differ from their encoding;
+        only the first ``num_tokens`` token rows count when given (a partial last page)."""
         bad = 0
         for b, arr in enumerate(self.arrays):
             got = arr[self._index(pages, arr)]
             got = got.cpu().numpy() if self.torch else got
-            bad += int((got != page_values(self.layout, b, first_pos, len(pages))).sum())
+            want = page_values(self.layout, b, first_pos, len(pages))
+            if num_tokens is not None:
+                rows = (-1, *want.shape[2:])
+                got, want = got.reshape(rows)[:num_tokens], want.reshape(rows)[:num_tokens]
+            bad += int((got != want).sum())
         return bad
 
 
@@ -354,9 +379,13 @@ def _rank_main(
         per = -(-m.num_layers // spec.prefill_pp)
         first_layer, end = pp_rank * per, min(m.num_layers, (pp_rank + 1) * per)
     else:
-        rank = RankPosition(tp_size=spec.decode_tp, tp_rank=tp_rank)
-        first_layer, end = 0, m.num_layers
-    pool = _Pool(spec, rank, first_layer, end)
+        rank = RankPosition(
+            tp_size=spec.decode_tp, tp_rank=tp_rank, pp_size=spec.decode_pp, pp_rank=pp_rank
+        )
+        per = -(-m.num_layers // spec.decode_pp)
+        first_layer, end = pp_rank * per, min(m.num_layers, (pp_rank + 1) * per)
+    dm = spec.decode_model()
+    pool = _Pool(spec, rank, first_layer, end, m if role == "prefill" else dm)
     hook_events: dict[int, list[str]] = {}
     hooks = _Hooks(hook_events)
     if role == "decode" and spec.host_page_size:
@@ -375,14 +404,14 @@ def _rank_main(
     rng = np.random.default_rng(
         spec.seed * 7919 + (pp_rank * 64 + tp_rank) * 8 + inst + (0 if role == "prefill" else 4096)
     )
-    free = list(rng.permutation(spec.slots))
+    free = list(rng.permutation(pool.slots))
     free_host = list(rng.permutation(spec.slots * pool.host_units))
     free_aux = list(range(spec.aux_slots))
     quarantine: list[tuple[float, NDArray[np.int64], int, Any, list[Any]]] = []
     active: dict[int, _Active] = {}
     addrs = bootstrap_addrs or [addr]
     conn.send(("ready", mgr.bootstrap_addr or "", mgr.channel.endpoint, mgr.agent_name))
-    rid = pp_rank * spec.prefill_tp + tp_rank if role == "prefill" else tp_rank
+    rid = pp_rank * (spec.prefill_tp if role == "prefill" else spec.decode_tp) + tp_rank
 
     def evictions() -> int:
         from prometheus_client import REGISTRY
@@ -451,7 +480,9 @@ def _rank_main(
             obj.init()
             obj.send_metadata(pages, aux_index, pool="host")
         else:
-            n = plan.num_pages - plan.cached_pages
+            # the prompt is num_pages whole prefill pages; decode keeps cached_pages of them
+            left = (plan.num_pages - plan.cached_pages) * m.page_size
+            n = -(-left // dm.page_size)
             pages = np.array([free.pop() for _ in range(n)], dtype=np.int64)
             if plan.verified(spec):
                 pool.poison(pages)
@@ -479,7 +510,8 @@ def _rank_main(
                         else 0
                     )
                 else:
-                    mism = pool.mismatches(a.pages, first) if a.plan.verified(spec) else 0
+                    left = (a.plan.num_pages - a.plan.cached_pages) * m.page_size
+                    mism = pool.mismatches(a.pages, first, left) if a.plan.verified(spec) else 0
                 aux_ok = bool((pool.aux[a.aux_index] == _aux_row(a.plan.room)).all())
                 report(a, st, t_done, mism, aux_ok)
                 return True
@@ -624,6 +656,9 @@ class Cluster:
 
     def __init__(self, spec: ClusterSpec, start_timeout_s: float = 120.0) -> None:
         self.spec = spec
+        pp, pd = spec.model.page_size, spec.decode_model().page_size
+        #: Prefill pages a decode-cached prefix is a multiple of (lcm of both page sizes).
+        self._cache_step = math.lcm(pp, pd) // pp
         self._ctx = mp.get_context("spawn")
         self.procs: list[RankProc] = []
         # Every rank starts at once: each prefill instance's rank 0 is told which port its
@@ -662,8 +697,9 @@ class Cluster:
                             addr = self.bootstrap_addrs[inst]
                             self._spawn(spec_json, "prefill", inst, tp, pp, addr)
             for inst in range(spec.decode_instances):
-                for tp in range(spec.decode_tp):
-                    self._spawn(spec_json, "decode", inst, tp, 0, self.bootstrap_addr)
+                for pp in range(spec.decode_pp):
+                    for tp in range(spec.decode_tp):
+                        self._spawn(spec_json, "decode", inst, tp, pp, self.bootstrap_addr)
             for p in self.procs:
                 _, _, p.endpoint, p.agent = self._expect(p, "ready", start_timeout_s)
         except BaseException:
@@ -756,6 +792,8 @@ class Cluster:
             cached = 0
             if rng.random() < cached_fraction:
                 cached = int(rng.integers(0, num + 1))
+                # with another decode page size, a cached prefix ends on both sides' pages
+                cached -= cached % self._cache_step
             decode_instance = int(rng.integers(0, self.spec.decode_instances))
             # drawn only with several instances: one-instance workloads stay as they were
             prefill_instance = (
