@@ -115,6 +115,7 @@ def samples() -> list[Message]:
                 "state": pages_to_bytes(np.array([3], dtype=np.int64)),
                 "window": pages_to_bytes(np.array([6, 1], dtype=np.int64)),
             },
+            cached_tokens=16,
         ),
         Completion(room=42, sender_id=1, session="p-session", data_chunks=3, dummy=True),
         Failure(room=42, session="p-session", reason="aborted by prefill", aborted=True),

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import time
 from dataclasses import dataclass
 
 import numpy as np
@@ -24,14 +25,14 @@ from hypothesis import strategies as st
 from numpy.typing import NDArray
 
 from kvwire.control.handshake import handshake_problems
-from kvwire.errors import DescriptorError, LayoutError
+from kvwire.errors import DescriptorError, KVWireError, LayoutError
 from kvwire.index import EqualTPMapper, HeadSliceMapper, IndexMapper, MLAMapper, source_ranks
 from kvwire.index.base import default_mapper_name
 from kvwire.index.paging import PageConversion
 from kvwire.layout import BufferGroup, KVLayout, MemoryRegion, ModelSpec, RankPosition
 from kvwire.session import KVPoll
 from kvwire.testing.kvfill import count_mismatches, fill_pages
-from kvwire.testing.pair import MODEL, config, pair, wait_for
+from kvwire.testing.pair import MODEL, config, no_rooms, pair, wait_for
 
 U64 = np.uint64
 MAPPERS: dict[str, type[IndexMapper]] = {
@@ -98,7 +99,7 @@ class Case:
     src_page: int
     dst_page: int
     tokens: int
-    prefix: int  # tokens decode keeps (a multiple of lcm(src_page, dst_page))
+    prefix: int  # tokens decode keeps cached (a multiple of gcd(src_page, dst_page))
     cuts: tuple[int, ...]  # chunk boundaries, in prefill pages
     layers: int = 2
     head_dim: int = 2
@@ -168,7 +169,7 @@ def run_case(cs: Case) -> None:
             assert (mapper.paging is not None) == (pp != pd)
             tables = mapper.build_tables()
             for start, end in itertools.pairwise(bounds):
-                sp, lo, hi = mapper.chunk_slice(n, dpages, pages[start:end], start, end)
+                sp, lo, hi = mapper.chunk_slice(n, dpages, pages[start:end], start, end, c)
                 si, di = mapper.map_chunk(sp, dpages[lo:hi])
                 assert si.size == di.size
                 if mapper.is_dummy:
@@ -235,9 +236,9 @@ def cases(draw: st.DrawFn, mla: bool | None = None, equal_tp: bool | None = None
     tp_src, tp_dst = draw(st.sampled_from(tps))
     pp = draw(st.sampled_from(PAGE_SIZES))
     pd = draw(st.sampled_from(PAGE_SIZES).filter(lambda x: x != pp))
-    big = math.lcm(pp, pd)
+    g = math.gcd(pp, pd)  # every core mapper moves granules of gcd(pp, pd) tokens or finer
     tokens = draw(st.integers(1, min(6 * max(pp, pd), 60)))
-    prefix = big * draw(st.integers(0, (tokens - 1) // big))
+    prefix = g * draw(st.integers(0, (tokens - 1) // g))
     n = -(-tokens // pp)
     cuts = tuple(sorted(draw(st.lists(st.integers(0, n), max_size=3))))
     return Case(
@@ -315,24 +316,27 @@ def test_named_shapes(pp: int, pd: int, tokens: int, cuts: tuple[int, ...]) -> N
     )
 
 
-def test_prefix_is_unique_for_every_count_pair() -> None:
-    """Exhaustive for small sizes: every (prompt, prefix multiple of lcm) gives page counts
-    from which ``prefix_tokens`` recovers that prefix."""
-    for pp in (1, 2, 3, 4, 6, 16):
-        for pd in (1, 2, 3, 4, 6, 16):
-            if pp == pd:
-                continue
-            pc = PageConversion(pp, pd, math.gcd(pp, pd))
-            for t in range(1, 5 * pc.lcm + 1):
-                for c in range(0, t, pc.lcm):
-                    n, m = -(-t // pp), -(-(t - c) // pd)
-                    assert pc.prefix_tokens(n, m) == c, (pp, pd, t, c)
+def test_decode_must_say_its_cached_prefix() -> None:
+    """The page counts alone cannot place tokens: a 16-token prefix cached on decode (pages of
+    16) under prefill pages of 64 gives the same counts as no prefix at all, so a converting
+    link refuses a request without ``cached_tokens`` and checks the value it gets."""
+    pc = PageConversion(64, 16, 16)
+    # prompt of 100 tokens: 2 prefill pages; decode keeps 16 and asks for 6 pages of 16 -
+    # exactly what a 96-token prompt with nothing cached would ask for
+    assert -(-100 // 64) == -(-96 // 64) == 2 and -(-(100 - 16) // 16) == -(-96 // 16) == 6
+    with pytest.raises(DescriptorError, match=r"send_metadata\(\.\.\., cached_tokens=N\)"):
+        pc.prefix_of(2, 6, None)
+    assert pc.prefix_of(2, 6, 16) == 16 and pc.prefix_of(2, 6, 0) == 0
+    with pytest.raises(DescriptorError, match="not a multiple of 16"):
+        pc.prefix_of(2, 6, 8)
+    with pytest.raises(DescriptorError, match="which no prompt of 2 prefill pages"):
+        pc.prefix_of(2, 6, 64)
 
 
 def test_impossible_counts_name_both() -> None:
     pc = PageConversion(64, 16, 16)
     with pytest.raises(DescriptorError, match=r"9 pages of 16 tokens.*2 prefill pages of 64"):
-        pc.prefix_tokens(2, 9)
+        pc.prefix_of(2, 9, 0)
     with pytest.raises(DescriptorError, match="does not fill"):
         pc.stream_granules(np.arange(5), np.array([0]), 4, 4)
     with pytest.raises(LayoutError, match="divide both page sizes"):
@@ -347,7 +351,7 @@ def test_chunk_sharing_a_decode_page() -> None:
     src = make_rank(m, 1, 0, 4).layout
     dst = make_rank(m.model_copy(update={"page_size": 64}), 1, 0, 2).layout
     mapper = EqualTPMapper(src, dst)
-    stream, lo, hi = mapper.chunk_slice(3, np.array([1]), np.array([2]), 1, 2)
+    stream, lo, hi = mapper.chunk_slice(3, np.array([1]), np.array([2]), 1, 2, 0)
     assert (lo, hi) == (0, 1)
     assert stream.tolist() == [-1, 2]
     si, di = mapper.map_chunk(stream, np.array([1]))
@@ -409,7 +413,7 @@ def test_session_moves_between_page_sizes(dst_page: int, chunks: tuple[int, ...]
         r = p.decode.receiver(7, p.addr)
         r.init()
         dst = np.arange(m) + 5
-        r.send_metadata(dst, aux_index=1)
+        r.send_metadata(dst, aux_index=1, cached_tokens=0)
         s = p.prefill.sender(7)
         src = np.arange(n) + 3
         fill_pages(p.play, p.parr, src, 0)
@@ -425,3 +429,41 @@ def test_session_moves_between_page_sizes(dst_page: int, chunks: tuple[int, ...]
         assert all((a[others] == 0).all() for a in p.darr), "decode slots outside the request"
         r.clear()
         s.clear()
+
+
+def test_a_prefix_not_on_both_page_sizes_is_placed_by_cached_tokens() -> None:
+    """Prefill pages of 2 tokens, decode pages of 4; decode keeps 2 tokens cached (half a
+    decode page, not a multiple of lcm = 4). With ``cached_tokens=2`` every token lands where
+    it belongs; without it the request fails on both sides at once, naming the option (the
+    counts alone would have placed the tokens 2 positions off, silently)."""
+    dmodel = MODEL.model_copy(update={"page_size": 4})
+    with pair(config(), dmodel=dmodel) as p:
+        n, c = 5, 2
+        src = np.arange(n) + 3
+        fill_pages(p.play, p.parr, src, 0)
+        for room, cached in ((8, c), (9, None)):
+            dst = np.arange(2) + 5 + 4 * (room - 8)
+            r = p.decode.receiver(room, p.addr)
+            r.init()
+            r.send_metadata(dst, aux_index=room - 7, cached_tokens=cached)
+            s = p.prefill.sender(room)
+            wait_for(lambda s=s: s.poll() >= KVPoll.WaitingForInput)
+            s.init(n, aux_index=room - 6)
+            t0 = time.monotonic()
+            try:
+                s.send(src[:2])
+                s.send(src[2:], last=True)
+            except KVWireError:
+                pass  # the refusal may already be raised here, on the engine's thread
+            if cached is not None:
+                wait_for(lambda r=r, s=s: r.poll() == KVPoll.Success == s.poll())
+                assert count_mismatches(p.dlay, p.darr, dst, c) == 0  # positions 2..9
+            else:
+                wait_for(lambda r=r, s=s: r.poll() == KVPoll.Failed == s.poll())
+                assert time.monotonic() - t0 < 1.0
+                for side in (r, s):
+                    with pytest.raises(KVWireError, match="cached_tokens"):
+                        side.failure_exception()
+            r.clear()
+            s.clear()
+        wait_for(lambda: no_rooms(p.prefill) and no_rooms(p.decode))

@@ -49,9 +49,9 @@ from kvwire.layout import BufferGroup, KVLayout, MemoryRegion, ModelSpec, RankPo
 #: accept each other's frames (upgrade both sides together). 1.4 added buffer groups (hybrid
 #: and speculative models): ``KVLayout.groups``, ``TransferRequest.group_indices``,
 #: ``HelloAck.groups`` and ``ChunkNote(what="state")``; layouts without groups encode and hash
-#: as in 1.3.
+#: as in 1.3. 1.5 added ``TransferRequest.cached_tokens`` (page-size conversion).
 PROTOCOL_MAJOR = 1
-PROTOCOL_MINOR = 4
+PROTOCOL_MINOR = 5
 
 #: Largest frame accepted (layouts of deep models with many buffers stay far below this).
 MAX_FRAME_BYTES = 16 << 20
@@ -209,6 +209,10 @@ class TransferRequest(Message):
     #: the HiSparse path, in its own page units).
     pool: str = "kv"
     staging: dict[str, Any] | None = None
+    #: Prompt tokens decode keeps cached for this request (``dst_pages`` hold the tokens after
+    #: them); None when the engine did not say. Required by prefill when the two sides' page
+    #: sizes differ: the page counts alone cannot place the tokens then. (1.5)
+    cached_tokens: int | None = Field(default=None, ge=0)
 
 
 class Completion(Message):

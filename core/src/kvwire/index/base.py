@@ -166,6 +166,7 @@ class IndexMapper(ABC):
         pages: NDArray[np.int64],
         start: int,
         end: int,
+        cached_tokens: int | None = None,
     ) -> tuple[NDArray[np.int64], int, int]:
         """Prefill, engine thread, per chunk and destination: which of a chunk's source
         ``pages`` (request pages ``[start, end)`` of ``num_pages``) move, and the destination
@@ -176,14 +177,22 @@ class IndexMapper(ABC):
         finer-grained host pool) overrides it. With :attr:`paging` set (different page
         sizes), token ranges move and the returned source units are a granule stream
         (:meth:`PageConversion.chunk_stream <kvwire.index.paging.PageConversion.chunk_stream>`).
+        ``cached_tokens`` is decode's word on its cached prefix (None when it gave none):
+        required with different page sizes, where the counts alone cannot place the tokens.
         Raises :class:`DescriptorError` naming both counts when decode's count cannot fit the
         request."""
         if self.paging is not None:
-            return self.paging.chunk_stream(num_pages, dst_units, pages, start, end)
+            return self.paging.chunk_stream(num_pages, dst_units, pages, start, end, cached_tokens)
         skip = num_pages - dst_units.size
         if skip < 0:
             raise DescriptorError(
                 f"decode asked for {dst_units.size} pages but the request has {num_pages}"
+            )
+        ps = self.src.model.page_size
+        if cached_tokens is not None and cached_tokens != skip * ps:
+            raise DescriptorError(
+                f"decode says it keeps {cached_tokens} cached tokens but asks for the last "
+                f"{dst_units.size} of {num_pages} pages of {ps} tokens ({skip * ps} cached)"
             )
         lo = max(start, skip)
         if end <= lo:

@@ -15,13 +15,11 @@ The mapping rule, in request token positions:
   positions past the end of the prompt inside a last, partial page are moved too (as with equal
   pages, where the whole last page moves); they are overwritten by decode before being read.
 
-Neither side sends the token count, so ``c`` is solved from the two page counts: with ``c`` a
-multiple of ``L = lcm(pp, pd)`` (a prefix cached on decode must end on a boundary of both
-page sizes), exactly one ``c`` fits ``n`` and ``m`` (:meth:`PageConversion.prefix_tokens`;
-the test suite checks the uniqueness exhaustively for small sizes). Counts no prompt length can
-give raise :class:`~kvwire.errors.DescriptorError` naming both. A decode prefix that is not a
-multiple of ``L`` cannot be expressed and is not detectable from the counts: engines caching
-prefixes on decode with different page sizes must cache in multiples of ``L``.
+Decode says how many prompt tokens it keeps cached (``send_metadata(..., cached_tokens=c)``,
+``TransferRequest.cached_tokens``): the page counts alone cannot place the tokens (a prefix
+that is not a multiple of both page sizes would look like a shorter prompt), so a converting
+link refuses a request without it, naming the option, and checks the value against both page
+counts and the granule (:meth:`PageConversion.prefix_of`).
 
 Chunked prefill: a chunk is request pages ``[start, end)``, so tokens ``[start*pp, end*pp)``.
 It moves its tokens that fall in the moved range, into the decode pages ``dst_units[lo:hi]``
@@ -94,22 +92,29 @@ class PageConversion:
         pp, pd = self.src_page, self.dst_page
         return max((n - 1) * pp, c + (m - 1) * pd) < min(n * pp, c + m * pd)
 
-    def prefix_tokens(self, num_pages: int, num_dst: int) -> int:
-        """Prefill, engine thread: tokens decode keeps cached (``c``) when it asks for
-        ``num_dst`` pages of a request of ``num_pages`` prefill pages. Raises
-        :class:`DescriptorError` naming both counts when no prompt length fits them."""
-        n, m, big = num_pages, num_dst, self.lcm
-        if m == 0:
-            return n * self.src_page
-        k0 = max(0, ((n - 1) * self.src_page - m * self.dst_page) // big)
-        for k in range(k0, k0 + 3):
-            if self._fits(n, m, k * big):
-                return k * big
-        raise DescriptorError(
-            f"decode asked for {m} pages of {self.dst_page} tokens, which no prompt of {n} "
-            f"prefill pages of {self.src_page} tokens fills (a prefix cached on decode must be "
-            f"a multiple of {big} tokens, the lcm of both page sizes)"
-        )
+    def prefix_of(self, num_pages: int, num_dst: int, cached_tokens: int | None) -> int:
+        """Prefill: decode's cached prefix ``c``, as decode declared it, checked: it must fit
+        both page counts and fall on a granule. Without a declaration, refused (a prefix
+        that is not a multiple of both page sizes would be placed wrong, silently)."""
+        pp, pd, n, m = self.src_page, self.dst_page, num_pages, num_dst
+        if cached_tokens is None:
+            raise DescriptorError(
+                f"prefill pages hold {pp} tokens and decode pages {pd}: decode must say how "
+                "many prompt tokens it keeps cached, send_metadata(..., cached_tokens=N) "
+                "(0 when none), or the tokens cannot be placed"
+            )
+        c = cached_tokens
+        if c % self.granule:
+            raise DescriptorError(
+                f"decode keeps {c} cached tokens, not a multiple of {self.granule} (the common "
+                f"granule of pages of {pp} and {pd} tokens this mapper moves)"
+            )
+        if not self._fits(n, m, c):
+            raise DescriptorError(
+                f"decode keeps {c} cached tokens and asks for {m} pages of {pd} tokens, which "
+                f"no prompt of {n} prefill pages of {pp} tokens fits"
+            )
+        return c
 
     def chunk_stream(
         self,
@@ -118,15 +123,18 @@ class PageConversion:
         pages: NDArray[np.int64],
         start: int,
         end: int,
+        cached_tokens: int | None = None,
     ) -> tuple[NDArray[np.int64], int, int]:
         """Prefill, engine thread, per chunk and destination: the granule stream of a chunk
         (request pages ``[start, end)`` in slots ``pages``) and the range ``[lo, hi)`` of
-        ``dst_units`` it writes (see the module docstring)."""
+        ``dst_units`` it writes (see the module docstring). ``cached_tokens`` is decode's
+        cached prefix ``c``: required (the page counts alone cannot place the tokens), and
+        checked against the counts and the granule."""
         pp, pd, g = self.src_page, self.dst_page, self.granule
         m = int(dst_units.size)
         if m == 0:
             return pages[:0], 0, 0
-        c = self.prefix_tokens(num_pages, m)
+        c = self.prefix_of(num_pages, m, cached_tokens)
         s = max(start * pp, c)
         e = min(end * pp, num_pages * pp, c + m * pd)
         if e <= s:

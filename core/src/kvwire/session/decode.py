@@ -99,6 +99,8 @@ class RecvRoom:
     #: The pool the KV goes to ("kv" or "host"); for "host", whether the engine hooks ran.
     pool: str = "kv"
     hooked: bool = False
+    #: Prompt tokens decode keeps cached (``send_metadata(cached_tokens=)``), if given.
+    cached_tokens: int | None = None
     error: BaseException | None = None
     metrics: RequestMetrics = field(default_factory=RequestMetrics)
 
@@ -494,9 +496,11 @@ class DecodeSide(Side[RecvRoom]):
         aux_index: int,
         pool: str = "kv",
         state_indices: Any = None,
+        cached_tokens: int | None = None,
     ) -> None:
         """Engine thread: where the request's KV goes on this rank (the KV pool, or with
-        ``pool="host"`` the host pool, in its page units), and its buffer-group slots."""
+        ``pool="host"`` the host pool, in its page units), its buffer-group slots, and the
+        prompt tokens kept cached here."""
         mgr = self.mgr
         target = mgr.layout
         if pool not in ("kv", "host"):
@@ -517,6 +521,14 @@ class DecodeSide(Side[RecvRoom]):
             if not 0 <= aux_index < mgr.aux_slots:
                 raise DescriptorError(f"aux_index {aux_index} is outside [0, {mgr.aux_slots})")
             groups = check_state_indices(mgr.layout, state_indices, "send_metadata()")
+            if cached_tokens is not None and (
+                isinstance(cached_tokens, bool)
+                or not isinstance(cached_tokens, int | np.integer)
+                or cached_tokens < 0
+            ):
+                raise DescriptorError(
+                    f"cached_tokens must be a non-negative int, not {cached_tokens!r}"
+                )
         except KVWireError as exc:
             with mgr.lock:
                 self._fail(
@@ -533,6 +545,7 @@ class DecodeSide(Side[RecvRoom]):
             room.aux_index = aux_index
             room.pool = pool
             room.group_dst = groups
+            room.cached_tokens = None if cached_tokens is None else int(cached_tokens)
             if room.sources is not None:
                 self._request(room)
         if pool == "host" and mgr.hooks is not None:
@@ -549,6 +562,7 @@ class DecodeSide(Side[RecvRoom]):
             aux_index=room.aux_index,
             pool="host" if room.pool == "host" else "kv",  # typed Literal on the wire
             group_indices=to_wire(room.group_dst),
+            cached_tokens=room.cached_tokens,
         )
         for s in room.sources:
             mgr.send(s.info.endpoint, msg)

@@ -81,6 +81,8 @@ class Dest:
     pool: str = "kv"
     #: The request's buffer-group slots on that decode rank (see :mod:`kvwire.session.groups`).
     group_dst: dict[str, NDArray[np.int64]] = field(default_factory=dict)
+    #: Prompt tokens decode keeps cached, when it said (``TransferRequest.cached_tokens``).
+    cached_tokens: int | None = None
 
 
 @dataclass
@@ -216,6 +218,7 @@ class PrefillSide(Side[SendRoom]):
                 link.topology.fan_out(mgr.layout.rank.tp_rank),
                 pool=msg.pool,
                 group_dst=group_dst,
+                cached_tokens=msg.cached_tokens,
             )
             room = self.rooms.get(msg.room)
             failed = self.early.failed_recently(msg.room)
@@ -419,7 +422,7 @@ class PrefillSide(Side[SendRoom]):
             target = link.pools[dest.pool]
             try:
                 src, lo, hi = target.mapper.chunk_slice(
-                    room.num_pages, dest.dst_pages, pages, start, end
+                    room.num_pages, dest.dst_pages, pages, start, end, dest.cached_tokens
                 )
             except KVWireError as exc:
                 self._fail(room, TransferError(str(exc), room=room.room))

@@ -66,6 +66,7 @@ class KVReceiver(RequestHandle[RecvRoom]):
         aux_index: int,
         pool: str = "kv",
         state_indices: Any | None = None,
+        cached_tokens: int | None = None,
     ) -> None:
         """Tell the source ranks where to write: this rank's page slots for the request's
         pages that are not cached here (the last ``len(dst_page_indices)`` of the request;
@@ -81,9 +82,16 @@ class KVReceiver(RequestHandle[RecvRoom]):
         ``{index name: slots}`` (a state group's one slot; a window group's pages of the
         request's last window, in order); required when the layout has such groups. Checked
         here like the pages (a bad value raises and fails the request on both sides); the
-        groups move after the last KV chunk, before the aux row."""
+        groups move after the last KV chunk, before the aux row.
+
+        ``cached_tokens``: how many of the prompt's tokens this rank keeps cached (the pages
+        sent hold the tokens after them; 0 when none). Needed when prefill and decode page
+        sizes differ (the page counts alone cannot place the tokens then: a request without
+        it fails on both sides, saying so); checked against the page counts otherwise."""
         self.init()
-        self._side.send_metadata(self._state, dst_page_indices, aux_index, pool, state_indices)
+        self._side.send_metadata(
+            self._state, dst_page_indices, aux_index, pool, state_indices, cached_tokens
+        )
 
     def poll(self) -> KVPoll:
         status = super().poll()

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import math
 import multiprocessing as mp
 import os
 import random
@@ -489,7 +488,7 @@ def _rank_main(
             pool.aux[aux_index] = 0
             obj = mgr.receiver(plan.room, addrs[plan.prefill_instance])
             obj.init()
-            obj.send_metadata(pages, aux_index)
+            obj.send_metadata(pages, aux_index, cached_tokens=plan.cached_pages * m.page_size)
         active[plan.room] = _Active(plan, obj, pages, aux_index, t0)
 
     def step(a: _Active) -> bool:
@@ -656,9 +655,6 @@ class Cluster:
 
     def __init__(self, spec: ClusterSpec, start_timeout_s: float = 120.0) -> None:
         self.spec = spec
-        pp, pd = spec.model.page_size, spec.decode_model().page_size
-        #: Prefill pages a decode-cached prefix is a multiple of (lcm of both page sizes).
-        self._cache_step = math.lcm(pp, pd) // pp
         self._ctx = mp.get_context("spawn")
         self.procs: list[RankProc] = []
         # Every rank starts at once: each prefill instance's rank 0 is told which port its
@@ -791,9 +787,9 @@ class Cluster:
             chunks = np.diff(np.concatenate([[0], cuts, [num]])).astype(int).tolist()
             cached = 0
             if rng.random() < cached_fraction:
+                # any number of prefill pages: with another decode page size the prefix
+                # need not end on a decode page (decode says how many tokens it keeps)
                 cached = int(rng.integers(0, num + 1))
-                # with another decode page size, a cached prefix ends on both sides' pages
-                cached -= cached % self._cache_step
             decode_instance = int(rng.integers(0, self.spec.decode_instances))
             # drawn only with several instances: one-instance workloads stay as they were
             prefill_instance = (

@@ -81,9 +81,11 @@ class HostPoolMapper(IndexMapper):
         pages: NDArray[np.int64],
         start: int,
         end: int,
+        cached_tokens: int | None = None,
     ) -> tuple[NDArray[np.int64], int, int]:
         """Decode sends the host units of the request's tokens from the first, trimmed within
-        the last page; each source page covers ``units_per_page`` of them."""
+        the last page; each source page covers ``units_per_page`` of them (nothing is cached
+        in a host pool: ``cached_tokens`` is not used)."""
         r, m = self.units_per_page, dst_units.size
         if m and not (num_pages - 1) * r < m <= num_pages * r:
             raise DescriptorError(
