@@ -211,6 +211,11 @@ def test_plugin_api_compatibility_rules() -> None:
     bad = plugin_api.incompatibility("two")
     assert bad is not None and "MAJOR.MINOR" in bad
     assert plugin_api.is_legacy("1.0") and not plugin_api.is_legacy("2.0")
+    # the hook specs and the backend contract carry the version a plugin declares
+    from kvwire.backend import TransferBackend
+    from kvwire.plugins import KVWireSpecs
+
+    assert TransferBackend.CONTRACT_VERSION == KVWireSpecs.VERSION == plugin_api.PLUGIN_API
 
 
 def test_a_future_plugin_is_refused_and_the_rest_keeps_working(make_dist: MakeDist) -> None:

@@ -59,6 +59,7 @@ from pydantic import BaseModel, ConfigDict
 from kvwire.descriptors import LEN, DescTable, check_indices, check_table, require_inside
 from kvwire.errors import CapabilityError, DescriptorError, HandleError, KVWireError, PeerError
 from kvwire.layout import MemKind, MemoryRegion, check_no_overlap
+from kvwire.plugin_api import PLUGIN_API
 
 logger = logging.getLogger(__name__)
 
@@ -168,6 +169,9 @@ class TransferBackend(ABC):
     """
 
     name: ClassVar[str] = "abstract"
+    #: The version of this contract (hooks, lock contract) this kvwire defines; a plugin
+    #: declares the one it was written for in its hook module (see :mod:`kvwire.plugin_api`).
+    CONTRACT_VERSION: ClassVar[str] = PLUGIN_API
     capabilities: ClassVar[BackendCapabilities] = BackendCapabilities()
     options_model: ClassVar[type[BaseModel]] = NoOptions
 

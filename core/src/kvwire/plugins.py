@@ -68,6 +68,10 @@ class Implementation:
 class KVWireSpecs:
     """Hook specifications. A plugin module implements any of them with ``@hookimpl``."""
 
+    #: The version of these specifications (and of the seams' contracts): a plugin's hook
+    #: module declares the one it was written for as ``KVWIRE_PLUGIN_API``.
+    VERSION = plugin_api.PLUGIN_API
+
     @hookspec
     def kvwire_transfer_backends(self) -> list[Implementation]:  # type: ignore[empty-body]
         """Return the transfer backends this plugin provides."""
