@@ -122,3 +122,22 @@ def test_demo_with_decode_pipeline_stages() -> None:
     for phase in ("2x2->1x2", "1->2x2", "2x3->2x2"):
         assert phase in out.stdout
     assert "every element verified" in out.stdout
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("backend", ["nixl", "mooncake"])
+def test_demo_converts_page_sizes_and_decode_stages_on_engines(backend: str) -> None:
+    """The page-size conversion (prefill pages of 8 tokens, decode pages of 2) and decode
+    pipeline stages over the real engines, cached prefixes included; every element verified."""
+    from kvwire.plugins import Kind, get_registry
+
+    if get_registry().try_resolve(Kind.BACKEND, backend)[0] is None:
+        pytest.skip(f"backend {backend!r} is not usable here")
+    out = run_demo(
+        *SMALL,
+        *("--transfer-backend", backend, "--page-size", "8", "--decode-page-size", "2"),
+        *("--requests", "12", "--tokens", "60", "--phases", "2:1,2x2:1x2"),
+        *("--concurrency", "4", "--cached-fraction", "0.5"),
+    )
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "2x2->1x2" in out.stdout and "every element verified" in out.stdout
