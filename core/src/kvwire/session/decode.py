@@ -440,7 +440,7 @@ class DecodeSide(Side[RecvRoom]):
                 return True  # no source was ever told where to write
             if room.error is None:
                 return self.mgr.status.get(room.room, KVPoll.Failed) is KVPoll.Success
-            return self.quarantine.quiesced(room, room.room in self.rooms)
+            return self.quarantine.quiesced(room, room.room in self.rooms, time.monotonic())
 
     def on_peer_lost(self, peer: Peer, why: str) -> None:
         """Control thread: a prefill rank is dead or gone; fail the rooms it feeds and free the
@@ -449,7 +449,7 @@ class DecodeSide(Side[RecvRoom]):
             self.mgr.later(functools.partial(strategy.peer_lost, peer.session))
         with self.mgr.lock:
             self.source_progress.pop(peer.session, None)
-            self.sources.forget(peer.session)
+            self.sources.forget(peer.session, peer.silent_loss, time.monotonic())
             for room in list(self.rooms.values()):
                 if room.sources and any(s.info.session == peer.session for s in room.sources):
                     self._fail(

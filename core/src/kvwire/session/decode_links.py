@@ -62,6 +62,9 @@ class SourceLinks:
         #: (bootstrap address, prefill dp rank) -> the prefill ranks registered there.
         self.instances: dict[tuple[str, int], list[RankInfo]] = {}
         self._instance_locks: dict[tuple[str, int], threading.Lock] = {}
+        #: Prefill sessions evicted for silence, and when: they may be alive behind a
+        #: partition, so their writes are not taken as ended (see :mod:`kvwire.session.quiesce`).
+        self.lost_silently: dict[str, float] = {}
 
     def __contains__(self, session: object) -> bool:
         """Whether a handshake with prefill session ``session`` holds (any thread)."""
@@ -227,11 +230,13 @@ class SourceLinks:
         return None
 
     # -------------------------------------------------------------- lifetime
-    def forget(self, session: str) -> None:
+    def forget(self, session: str, silent: bool = False, now: float = 0.0) -> None:
         """A prefill rank was lost: drop its link and every lookup that lists it (the next
-        request looks its instance up again)."""
+        request looks its instance up again); ``silent``: lost to silence at ``now``."""
         with self._lock:
             self.links.pop(session, None)
+            if silent:
+                self.lost_silently[session] = now
             for key, ranks in list(self.instances.items()):
                 if any(x.session == session for x in ranks):
                     del self.instances[key]

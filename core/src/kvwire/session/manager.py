@@ -386,15 +386,17 @@ class KVManager:
             self._exported_drops[reason] = n
 
     def _check_peers(self, now: float) -> None:
-        limit = self.options.heartbeat_interval_s * self.options.heartbeat_misses
-        for p in self.peers.silent(now, limit):
-            self.evict(p.session, f"no heartbeat for {limit:.1f}s")
+        # closed connections first: a peer that is both silent and disconnected is gone (its
+        # writes cannot still arrive), not merely behind a partition
         for ep in self.channel.lost_endpoints(now):
             gone = self.peers.by_endpoint(ep)
             if not gone:
                 self.channel.disconnect(ep)
             for p in gone:
                 self.evict(p.session, "its control connection closed (process gone?)")
+        limit = self.options.heartbeat_interval_s * self.options.heartbeat_misses
+        for p in self.peers.silent(now, limit):
+            self.evict(p.session, f"no heartbeat for {limit:.1f}s", silent=True)
 
     # -------------------------------------------------------------- progress lane
     def _progress_loop(self) -> None:
@@ -431,14 +433,16 @@ class KVManager:
         """Start tracking a peer's liveness (after a successful handshake)."""
         self.peers.add(peer)
 
-    def evict(self, session: str, why: str) -> None:
+    def evict(self, session: str, why: str, silent: bool = False) -> None:
         """Forget a dead or departed peer everywhere: its rooms fail (both sides told), its
         socket is dropped, and its engine state is removed on the progress thread. Called by
         the liveness thread (heartbeats, closed connections, goodbye) or a handshake thread
-        (a restart)."""
+        (a restart). ``silent``: evicted for silence alone (it may be alive behind a
+        partition, with writes still on the way)."""
         peer = self.peers.pop(session)
         if peer is None:
             return
+        peer.silent_loss = silent
         level = logging.INFO if "goodbye" in why else logging.WARNING
         logger.log(level, "%s: evicting %s (%s): %s", self.agent_name, peer.agent, session, why)
         m.EVICTIONS.labels(**self.labels).inc()

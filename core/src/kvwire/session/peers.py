@@ -28,6 +28,9 @@ class Peer:
     last_seen: float
     #: Role-specific link state (prepared tables on prefill, sender id on decode).
     link: Any = field(default=None, repr=False)
+    #: Set when the peer was evicted for silence (no heartbeat), not because its process is
+    #: known to be gone: it may be alive behind a partition, its writes still on the way.
+    silent_loss: bool = False
 
 
 class PeerTable:

@@ -7,6 +7,13 @@ asked for with ``WritesQuery`` until answered), or is gone. A cleared request wa
 stays here, in quarantine; a source that never answers is released after the transfer timeout
 (every write has hit its deadline by then).
 
+"Gone" means the source's process is known to have ended (its connection closed, it said
+goodbye, it restarted). A source evicted for silence alone may be alive behind a network
+partition, with its writes still queued in the network (and its own engine may have given
+them up as failed while the bytes sit in a socket buffer): it does not count as quiet, even if
+it confirms after it comes back, until the transfer timeout has passed since it was lost. A
+late write from a partition that heals after that can still land: see docs/across-hosts.md.
+
 Lock contract: no lock of its own; every method is called under the decode side's
 ``mgr.lock``. What must be sent (the queries) is returned, for the caller to send after it
 released the lock.
@@ -40,10 +47,13 @@ class WriteQuarantine:
         self.rooms: dict[int, RecvRoom] = {}
 
     def quiet(self, room: RecvRoom) -> bool:
-        """Every source of a failed room confirmed, or is gone."""
+        """Every source of a failed room confirmed, or its process is gone (a source lost
+        to silence is not: it may still be writing)."""
         assert room.sources is not None
+        silent = self._sources.lost_silently
         return all(
-            s.info.session in room.quiet or s.info.session not in self._sources
+            s.info.session not in silent
+            and (s.info.session in room.quiet or s.info.session not in self._sources)
             for s in room.sources
         )
 
@@ -66,6 +76,10 @@ class WriteQuarantine:
     def due_queries(self, now: float, live: Iterable[RecvRoom]) -> list[tuple[str, int]]:
         """Progress thread: release quiet or expired rooms, and the (endpoint, room) queries
         due for failed rooms (live or held) whose sources have not all answered."""
+        silent = self._sources.lost_silently
+        for session, t in list(silent.items()):
+            if now - t > self._limit_s:  # every write it posted has hit its deadline
+                del silent[session]
         for rid, room in list(self.rooms.items()):
             if self.quiet(room):
                 del self.rooms[rid]
@@ -86,16 +100,20 @@ class WriteQuarantine:
             for src in room.sources:
                 if src.info.session in room.quiet:
                     continue
-                if src.info.session not in self._sources:  # evicted: nothing in flight
-                    room.quiet.add(src.info.session)
+                if src.info.session not in self._sources:
+                    if src.info.session not in silent:  # its process is gone: nothing in flight
+                        room.quiet.add(src.info.session)
+                    continue  # lost to silence: asked again once it is back
                 else:
                     asks.append((src.info.endpoint, room.room))
         return asks
 
-    def quiesced(self, room: RecvRoom, live: bool) -> bool:
+    def quiesced(self, room: RecvRoom, live: bool, now: float) -> bool:
         """Engine thread: whether no source can still write into a failed room's pages
         (``live``: the room is still in the side's table)."""
-        return self.quiet(room) or (not live and room.room not in self.rooms)
+        if self.quiet(room) or (not live and room.room not in self.rooms):
+            return True
+        return now - room.failed_at > self._limit_s  # every write has hit its deadline
 
     def __len__(self) -> int:
         return len(self.rooms)
