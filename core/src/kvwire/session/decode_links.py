@@ -64,7 +64,7 @@ class SourceLinks:
         self._instance_locks: dict[tuple[str, int], threading.Lock] = {}
         #: Prefill sessions evicted for silence, and when: they may be alive behind a
         #: partition, so their writes are not taken as ended (see :mod:`kvwire.session.quiesce`).
-        self.lost_silently: dict[str, float] = {}
+        self._lost_silently: dict[str, float] = {}
 
     def __contains__(self, session: object) -> bool:
         """Whether a handshake with prefill session ``session`` holds (any thread)."""
@@ -236,10 +236,24 @@ class SourceLinks:
         with self._lock:
             self.links.pop(session, None)
             if silent:
-                self.lost_silently[session] = now
+                self._lost_silently[session] = now
             for key, ranks in list(self.instances.items()):
                 if any(x.session == session for x in ranks):
                     del self.instances[key]
+
+    def lost_silently(self, session: str) -> bool:
+        """Whether prefill session ``session`` was lost to silence (and not yet expired):
+        it may be alive behind a partition, its writes still on the way. Any thread."""
+        with self._lock:
+            return session in self._lost_silently
+
+    def expire_silent(self, now: float, limit_s: float) -> None:
+        """Progress thread: forget silent losses older than ``limit_s`` (every write such a
+        peer posted has hit its deadline by then)."""
+        with self._lock:
+            for session, t in list(self._lost_silently.items()):
+                if now - t > limit_s:
+                    del self._lost_silently[session]
 
     def pending_count(self) -> int:
         with self._lock:

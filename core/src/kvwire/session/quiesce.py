@@ -52,7 +52,7 @@ class WriteQuarantine:
         assert room.sources is not None
         silent = self._sources.lost_silently
         return all(
-            s.info.session not in silent
+            not silent(s.info.session)
             and (s.info.session in room.quiet or s.info.session not in self._sources)
             for s in room.sources
         )
@@ -76,10 +76,8 @@ class WriteQuarantine:
     def due_queries(self, now: float, live: Iterable[RecvRoom]) -> list[tuple[str, int]]:
         """Progress thread: release quiet or expired rooms, and the (endpoint, room) queries
         due for failed rooms (live or held) whose sources have not all answered."""
+        self._sources.expire_silent(now, self._limit_s)
         silent = self._sources.lost_silently
-        for session, t in list(silent.items()):
-            if now - t > self._limit_s:  # every write it posted has hit its deadline
-                del silent[session]
         for rid, room in list(self.rooms.items()):
             if self.quiet(room):
                 del self.rooms[rid]
@@ -101,7 +99,7 @@ class WriteQuarantine:
                 if src.info.session in room.quiet:
                     continue
                 if src.info.session not in self._sources:
-                    if src.info.session not in silent:  # its process is gone: nothing in flight
+                    if not silent(src.info.session):  # its process is gone: nothing in flight
                         room.quiet.add(src.info.session)
                     continue  # lost to silence: asked again once it is back
                 else:
