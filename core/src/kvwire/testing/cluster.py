@@ -743,12 +743,17 @@ class Cluster:
         ]
 
     def wait_sent(
-        self, room: int, chunk: int = 0, timeout_s: float = 30.0, prefill_instance: int = 0
+        self,
+        room: int,
+        chunk: int = 0,
+        timeout_s: float = 30.0,
+        prefill_instance: int = 0,
+        tp: int = 0,
     ) -> None:
-        """Wait until rank 0 of a prefill instance has sent chunk ``chunk`` of ``room`` (its
-        decode ranks have all asked for the KV by then); other messages on that pipe are
-        dropped."""
-        p = self.rank("prefill", prefill_instance)
+        """Wait until rank ``tp`` of a prefill instance has sent chunk ``chunk`` of ``room``
+        (the decode ranks it serves have all asked for the KV by then; other prefill ranks
+        may not have been asked yet); other messages on that pipe are dropped."""
+        p = self.rank("prefill", prefill_instance, tp)
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if p.conn.poll(0.05):
