@@ -55,6 +55,13 @@ class ControlOptions(BaseModel):
         "True (backpressure the engine can check before admitting requests; nothing is refused "
         "or timed out for it).",
     )
+    layerwise_groups: int = Field(
+        default=4,
+        ge=1,
+        le=16,
+        description="Layer-wise chunks (send(..., layerwise=True)): the rank's layers are "
+        "posted in this many groups as they are computed (one transfer and note each).",
+    )
     sync_transfers: bool = Field(
         default=False,
         description="Transfer on the caller's thread inside send() (benchmark baseline).",

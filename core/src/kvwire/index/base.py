@@ -159,6 +159,25 @@ class IndexMapper(ABC):
             return empty, empty
         return self._map(sp, dp)
 
+    def split_layers(
+        self, src_idx: IndexArray, dst_idx: IndexArray, edges: NDArray[np.int64]
+    ) -> list[tuple[IndexArray, IndexArray]] | None:
+        """Prefill, transfer worker, per layer-wise chunk (:mod:`kvwire.session.layers`): a
+        chunk's index arrays (from :meth:`map_chunk`) cut into layer groups, group ``g``
+        holding the rows of source layers ``[edges[g], edges[g+1])`` (model layer ids).
+
+        The default relies on the core mappers' row order: *pair-major*, the same number of
+        rows for every buffer pair, pairs in :attr:`src_buf` order. A mapper whose arrays are
+        ordered otherwise overrides this, or returns None: the chunk then moves whole once
+        every layer is computed (correct, without the overlap)."""
+        n = self.num_pairs
+        if n == 0 or src_idx.size != dst_idx.size or src_idx.size % n:
+            return None
+        layer = self.src.buffer_keys[self.src_buf, 0]  # model layer of each pair
+        group = np.searchsorted(edges, layer, side="right") - 1
+        s2, d2 = src_idx.reshape(n, -1), dst_idx.reshape(n, -1)
+        return [(s2[group == g].ravel(), d2[group == g].ravel()) for g in range(edges.size - 1)]
+
     def chunk_slice(
         self,
         num_pages: int,

@@ -18,6 +18,9 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
+from numpy.typing import NDArray
+
 from kvwire.backend import PreparedPair, TransferHandle, XferOp, XferState
 from kvwire.control.handshake import slot_rows
 from kvwire.control.wire import ChunkNote, Completion
@@ -38,8 +41,27 @@ class _PlanRef:
 
     strategy: StagingStrategy
     plan: ChunkPlan
+    room: int
     remaining: int = 0
     ok: bool = True
+    #: More segments will be posted (a layer-wise chunk whose later groups are not computed
+    #: yet): the strategy hears only once it is sealed.
+    open: bool = False
+
+    def ended(self, ok: bool) -> None:
+        """A posted segment is terminal."""
+        self.remaining -= 1
+        self.ok &= ok
+        if self.remaining == 0 and not self.open:
+            self.strategy.on_sent(self.room, self.plan, self.ok)
+
+    def seal(self, ok: bool = True) -> None:
+        """No more segments will be posted (``ok=False``: posting failed or was given up);
+        the strategy hears now when none is in flight any more."""
+        self.open = False
+        self.ok &= ok
+        if self.remaining == 0:
+            self.strategy.on_sent(self.room, self.plan, self.ok)
 
 
 @dataclass(eq=False)
@@ -79,6 +101,23 @@ class _Tail:
     aux_posted: bool = False
     staged: bool = False
     groups_done: bool = False
+    #: The head job's layer-wise posting, while its later layer groups are not computed.
+    layered: _Layered | None = None
+
+
+@dataclass(eq=False)
+class _Layered:
+    """A layer-wise chunk being posted group by group (:mod:`kvwire.session.layers`):
+    ``groups[g]`` are the segments of layer group ``g`` (None: the chunk cannot be cut by
+    layer and moves whole once every layer is computed)."""
+
+    plan: ChunkPlan
+    ref: _PlanRef
+    edges: NDArray[np.int64]
+    groups: list[list[Segment]] | None
+    parts: int
+    next: int = 0
+    part: int = 0
 
 
 class Pipeline:
@@ -124,17 +163,15 @@ class Pipeline:
             room = job.room
             t_start = time.perf_counter()
             try:
-                if job.chunk_id is not None:
+                if job.gate is not None and job.chunk_id is None:
+                    if self._gate_ready(job) < job.gate.end:
+                        return moved  # no KV here, but the aux row follows the last layer
+                elif job.gate is not None:
+                    if not self._post_layers(tail, key, job, t_start):
+                        return moved  # later layers are not computed yet
+                elif job.chunk_id is not None:
                     strategy = job.target.strategy
-                    plan = strategy.plan(
-                        room.room,
-                        job.chunk_id,
-                        job.target.mapper,
-                        job.src,
-                        job.dst,
-                        dest=job.dest.session,
-                        worker=self.index,
-                    )
+                    plan = self._plan(job)
                     if plan is None:
                         return moved  # waiting for staging space; asked again on progress()
                     if not plan.empty:
@@ -149,6 +186,86 @@ class Pipeline:
                 self._drop(key, tail)
                 return moved
         return moved
+
+    def _plan(self, job: Job) -> ChunkPlan | None:
+        """The strategy's plan for a job's chunk (None: wait for staging space)."""
+        assert job.chunk_id is not None
+        return job.target.strategy.plan(
+            job.room.room,
+            job.chunk_id,
+            job.target.mapper,
+            job.src,
+            job.dst,
+            dest=job.dest.session,
+            worker=self.index,
+        )
+
+    def _post_layers(self, tail: _Tail, key: tuple[int, str], job: Job, t_start: float) -> bool:
+        """A layer-wise chunk: post each layer group whose layers are computed (and whose
+        events completed); True once the whole chunk is posted. A strategy that stages, or a
+        plan that cannot be cut by layer, moves the chunk whole once every layer is ready."""
+        gate = job.gate
+        assert gate is not None
+        ready = self._gate_ready(job)
+        lay = tail.layered
+        if lay is None:
+            if job.target.staged and ready < gate.end:
+                return False  # staging space is granted in write order: take it when ready
+            plan = self._plan(job)
+            if plan is None:
+                return False
+            if plan.empty:
+                return True
+            lay = tail.layered = self._layered(job, plan, gate.edges)
+        groups = lay.groups
+        if groups is None:
+            if ready < gate.end:
+                return False
+            tail.layered = None
+            self._post_plan(tail, key, job, lay.ref.strategy, lay.plan, t_start)
+            return True
+        while lay.next < len(groups) and lay.edges[lay.next + 1] <= ready:
+            segs = groups[lay.next]
+            lay.next += 1
+            self._post_segments(
+                tail, key, job, lay.ref, lay.plan.what, segs, lay.parts, lay.part, t_start
+            )
+            lay.part += len(segs)
+        if lay.next < len(groups):
+            return False
+        tail.layered = None
+        lay.ref.seal()
+        return True
+
+    def _gate_ready(self, job: Job) -> int:
+        """The first layer of a layer-wise job not computed yet; raises when the engine has
+        not marked every layer within ``transfer_timeout_s`` of the send()."""
+        gate = job.gate
+        assert gate is not None
+        ready = gate.ready_until()
+        limit = self.mgr.options.transfer_timeout_s
+        if ready < gate.end and time.monotonic() - gate.created > limit:
+            raise TransferError(
+                f"layer-wise chunk: {gate.missing()} were never marked computed "
+                f"(tx.layer_ready) within transfer_timeout_s={limit}",
+                room=job.room.room,
+            )
+        return ready
+
+    def _layered(self, job: Job, plan: ChunkPlan, edges: NDArray[np.int64]) -> _Layered:
+        """Cut a chunk's plan into layer groups of segments (each group split by memory kind
+        like a whole chunk), or keep it whole when the rows are not the mapper's own."""
+        ref = _PlanRef(job.target.strategy, plan, job.room.room, open=True)
+        cut = None
+        if plan.segments is None and plan.table == "kv":
+            cut = job.target.mapper.split_layers(plan.src_idx, plan.dst_idx, edges)
+        if cut is None:
+            return _Layered(plan, ref, edges, None, 0)
+        groups = [
+            self._segments(job, ChunkPlan(plan.table, s, d, what=plan.what)) if s.size else []
+            for s, d in cut
+        ]
+        return _Layered(plan, ref, edges, groups, sum(len(g) for g in groups))
 
     def _segments(self, job: Job, plan: ChunkPlan) -> list[Segment]:
         """A plan's parts: the strategy's own segments, or its one row set; rows of a pair
@@ -177,21 +294,37 @@ class Pipeline:
         t_start: float,
     ) -> None:
         """Post every segment of one chunk, each with its own note (``parts`` of them)."""
+        segs = self._segments(job, plan)
+        ref = _PlanRef(strategy, plan, job.room.room)
+        self._post_segments(tail, key, job, ref, plan.what, segs, len(segs), 0, t_start)
+
+    def _post_segments(
+        self,
+        tail: _Tail,
+        key: tuple[int, str],
+        job: Job,
+        ref: _PlanRef,
+        what: str,
+        segs: list[Segment],
+        parts: int,
+        first_part: int,
+        t_start: float,
+    ) -> None:
+        """Post ``segs`` (parts ``first_part...`` of a chunk of ``parts``), each with its note;
+        on a failure the posted ones end first and the strategy hears after the last."""
         room = job.room.room
         assert job.chunk_id is not None
-        segs = self._segments(job, plan)
-        ref = _PlanRef(strategy, plan)
         try:
             for i, seg in enumerate(segs):
                 note = ChunkNote(
                     room=room,
                     sender_id=self.side.sender_id,
                     session=self.mgr.session,
-                    what=plan.what,  # type: ignore[arg-type]
+                    what=what,  # type: ignore[arg-type]
                     chunk_id=job.chunk_id,
                     last=job.last,
-                    parts=len(segs),
-                    part=i,
+                    parts=parts,
+                    part=first_part + i,
                 )
                 if seg.copy is not None:
                     self._post_copy(
@@ -209,23 +342,22 @@ class Pipeline:
                         seg.src_idx,
                         seg.dst_idx,
                         self.mgr.codec.encode(note),
-                        plan.what,
+                        what,
                         t_start,
                         job.t_enqueued,
                     )
                 ref.remaining += 1
         except BaseException:
-            if ref.remaining == 0:
-                # nothing posted: the strategy gets its staging buffer back now
-                strategy.on_sent(room, plan, False)
-            else:
-                ref.ok = False  # the posted segments end first; on_sent follows the last
+            ref.seal(ok=False)  # nothing in flight: the strategy gets its buffer back now
             raise
 
     def _drop(self, key: tuple[int, str], tail: _Tail) -> None:
         """A dead request's tail: forget its queued jobs; once nothing is in flight, tell a
         staging destination that no write will come."""
         tail.queue.clear()
+        if tail.layered is not None:  # later layer groups will not be posted
+            tail.layered.ref.seal(ok=False)
+            tail.layered = None
         if tail.inflight:
             return  # the posted transfers end first (success or failure), then this again
         self.tails.pop(key, None)
@@ -387,10 +519,7 @@ class Pipeline:
             state = XferState.FAILED
         error = h.error
         if p.ref is not None:
-            p.ref.remaining -= 1
-            p.ref.ok &= state is XferState.DONE
-            if p.ref.remaining == 0:
-                p.ref.strategy.on_sent(p.room.room, p.ref.plan, p.ref.ok)
+            p.ref.ended(state is XferState.DONE)
         tail = self.tails.get(p.key)
         if tail is not None:
             tail.inflight -= 1

@@ -48,6 +48,7 @@ from kvwire.session import metrics as m
 from kvwire.session.common import Side
 from kvwire.session.early import EarlyBook
 from kvwire.session.groups import GROUPS_TABLE, group_rows, request_groups, send_groups
+from kvwire.session.layers import LayerGate
 from kvwire.session.manager import KVManager
 from kvwire.session.metrics import RequestMetrics
 from kvwire.session.peers import Peer
@@ -96,7 +97,11 @@ class SendRoom:
     aux_index: int | None = None
     dests: dict[str, Dest] = field(default_factory=dict)
     expected: int | None = None
-    held: list[tuple[NDArray[np.int64], bool]] = field(default_factory=list)
+    held: list[tuple[NDArray[np.int64], bool, LayerGate | None]] = field(default_factory=list)
+    #: The open layer-wise chunk (``send(..., layerwise=True)``) until every layer is marked.
+    gate: LayerGate | None = None
+    #: Synchronous mode: a layer-wise chunk waits here until every layer is marked.
+    deferred: tuple[NDArray[np.int64], bool] | None = None
     #: Pages accepted from send() so far, and pages handed to workers so far.
     pages_queued: int = 0
     pages_dispatched: int = 0
@@ -253,8 +258,8 @@ class PrefillSide(Side[SendRoom]):
         room.ready = True
         self.mgr.status.update(room.room, KVPoll.WaitingForInput)
         held, room.held = room.held, []
-        for pages, last in held:
-            self._dispatch(room, pages, last)
+        for pages, last, gate in held:
+            self._dispatch(room, pages, last, gate)
 
     def on_notification(self, note: Notification) -> None:
         """Prefill receives no data-plane notifications in WRITE mode; ignore strays."""
@@ -356,9 +361,18 @@ class PrefillSide(Side[SendRoom]):
             room.num_pages = num_pages
             room.aux_index = aux_index
 
-    def send(self, room: SendRoom, pages: Any, last: bool, state_indices: Any = None) -> None:
+    def send(
+        self,
+        room: SendRoom,
+        pages: Any,
+        last: bool,
+        state_indices: Any = None,
+        layerwise: bool = False,
+    ) -> None:
         """Engine thread: queue one chunk; never blocks on the transfer. ``state_indices``
-        (this rank's buffer-group slots) come with the last chunk."""
+        (this rank's buffer-group slots) come with the last chunk. ``layerwise``: the chunk's
+        layers are computed after this call and marked with :meth:`layer_ready`
+        (:mod:`kvwire.session.layers`)."""
         mgr = self.mgr
         with mgr.lock:
             status = mgr.status.get(room.room, KVPoll.Failed)
@@ -382,6 +396,11 @@ class PrefillSide(Side[SendRoom]):
             problem = None
             if room.num_pages is None or room.aux_index is None:
                 problem = "send() before init(num_pages, aux_index)"
+            elif room.gate is not None:
+                problem = (
+                    f"send() while the previous layer-wise chunk still misses "
+                    f"{room.gate.missing()} (mark them with layer_ready first)"
+                )
             elif room.last_queued:
                 problem = "send() after the last chunk was sent"
             elif room.pages_queued + arr.size > room.num_pages:
@@ -402,12 +421,54 @@ class PrefillSide(Side[SendRoom]):
             room.pages_queued += arr.size
             room.group_src = groups or room.group_src
             room.sent_pages.append(arr)
-            if not room.ready:
-                room.held.append((arr, last))
-                return
-            self._dispatch(room, arr, last)
+            gate = None
+            if layerwise:
+                lay = mgr.layout
+                gate = room.gate = LayerGate(
+                    lay.start_layer, lay.layer_end, mgr.options.layerwise_groups
+                )
+                if self.workers.inline:  # a synchronous send cannot wait for the layers
+                    room.deferred = (arr, last)
+                    return
+            self._queue(room, arr, last, gate)
 
-    def _dispatch(self, room: SendRoom, pages: NDArray[np.int64], last: bool) -> None:
+    def _queue(
+        self, room: SendRoom, arr: NDArray[np.int64], last: bool, gate: LayerGate | None
+    ) -> None:
+        """Under the lock: dispatch a chunk now, or hold it until decode has asked."""
+        if not room.ready:
+            room.held.append((arr, last, gate))
+            return
+        self._dispatch(room, arr, last, gate)
+
+    def layer_ready(self, room: SendRoom, layer: int | None, event: Any = None) -> None:
+        """Engine thread: layers up to ``layer`` of the open layer-wise chunk are computed
+        (once ``event`` completes, when given). Raises ``ConfigError`` without an open
+        layer-wise chunk or for a layer out of order."""
+        with self.mgr.lock:
+            gate = room.gate
+            if self._terminal(room):
+                return
+            if gate is None:
+                raise ConfigError(
+                    f"room {room.room}: layer_ready() without a layer-wise chunk "
+                    "(send(pages, layerwise=True) first)"
+                )
+            gate.mark(layer, event)
+            if not gate.fully_marked:
+                return
+            room.gate = None
+            if room.deferred is not None:
+                (arr, last), room.deferred = room.deferred, None
+                self._queue(room, arr, last, None)
+
+    def _dispatch(
+        self,
+        room: SendRoom,
+        pages: NDArray[np.int64],
+        last: bool,
+        gate: LayerGate | None = None,
+    ) -> None:
         """Under the lock: split a chunk per destination and hand it to that worker."""
         assert room.num_pages is not None
         mgr = self.mgr
@@ -459,6 +520,7 @@ class PrefillSide(Side[SendRoom]):
                 last,
                 time.perf_counter(),
                 pool=dest.pool,
+                gate=gate,
             )
             # order matters only within one request to one destination: other requests to
             # the same rank go to other workers (a staged link keeps one queue per
@@ -601,6 +663,8 @@ class Job:
     t_enqueued: float
     #: Decode pool the chunk goes to (a key of ``DecodeLink.pools``).
     pool: str = "kv"
+    #: A layer-wise chunk's computed layers (None: every layer is computed).
+    gate: LayerGate | None = None
 
     @property
     def target(self) -> PoolLink:

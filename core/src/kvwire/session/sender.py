@@ -27,11 +27,29 @@ class KVSender(RequestHandle[SendRoom]):
         """Declare the request's number of KV pages and its aux row index on this rank."""
         self._side.init(self._state, num_pages, aux_index)
 
-    def send(self, page_indices: Any, last: bool = False, state_indices: Any | None = None) -> None:
+    def send(
+        self,
+        page_indices: Any,
+        last: bool = False,
+        state_indices: Any | None = None,
+        layerwise: bool = False,
+    ) -> None:
         """Queue one chunk of chunked prefill (page slots of this rank's pool, in request
         order). With the last chunk, a layout with buffer groups passes ``state_indices``:
         ``{index name: slots}`` (a state group's one slot, a window group's pages of the
         request's last window; see :mod:`kvwire.session.groups`). Raises
         :class:`~kvwire.errors.DescriptorError` or ``ConfigError`` on bad input (the room is
-        failed and decode is told)."""
-        self._side.send(self._state, page_indices, last, state_indices)
+        failed and decode is told).
+
+        ``layerwise=True``: call it *before* the chunk's forward pass; its KV moves layer
+        group by layer group as :meth:`layer_ready` marks layers computed
+        (:mod:`kvwire.session.layers`). Every layer must be marked before the next send()."""
+        self._side.send(self._state, page_indices, last, state_indices, layerwise)
+
+    def layer_ready(self, layer: int | None = None, event: Any | None = None) -> None:
+        """Engine thread, during a layer-wise chunk's forward pass: model layers up to
+        ``layer`` (inclusive; None: all of this rank's) are computed. For KV on a GPU pass
+        ``event``, a ``torch.cuda.Event`` recorded on the compute stream after the layer's KV
+        writes: the transfer worker waits for it (``query()``), the engine thread never
+        synchronises. Never blocks."""
+        self._side.layer_ready(self._state, layer, event)

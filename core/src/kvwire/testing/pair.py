@@ -44,11 +44,12 @@ class Pair:
         self,
         pcfg: KVWireConfig,
         dcfg: KVWireConfig | None = None,
-        dmodel: ModelSpec = MODEL,
+        dmodel: ModelSpec | None = None,
         slots: int = 32,
+        model: ModelSpec = MODEL,
     ) -> None:
-        self.play, self.parr = make_pool(MODEL, RankPosition(), slots)
-        self.dlay, self.darr = make_pool(dmodel, RankPosition(), slots)
+        self.play, self.parr = make_pool(model, RankPosition(), slots)
+        self.dlay, self.darr = make_pool(dmodel or model, RankPosition(), slots)
         self.prefill = KVManager(pcfg, Role.PREFILL, self.play)
         try:
             self.decode = KVManager(dcfg or pcfg, Role.DECODE, self.dlay)
