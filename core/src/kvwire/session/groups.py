@@ -29,8 +29,8 @@ from kvwire.layout import KVLayout
 if TYPE_CHECKING:
     from kvwire.control.wire import TransferRequest
     from kvwire.index.groups import GroupMapper
-    from kvwire.session.prefill import Dest, SendRoom
     from kvwire.session.prefill_links import DecodeLink
+    from kvwire.session.prefill_rooms import Dest, SendRoom
 
 #: Prepared pair name of a link's buffer-group tables.
 GROUPS_TABLE = "state"

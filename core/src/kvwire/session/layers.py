@@ -23,12 +23,17 @@ from __future__ import annotations
 import threading
 import time
 from collections import deque
-from typing import Any, Protocol
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any, Generic, Protocol, TypeVar
 
 import numpy as np
 from numpy.typing import NDArray
 
-from kvwire.errors import ConfigError
+from kvwire.errors import ConfigError, TransferError
+from kvwire.staging.base import ChunkPlan, Segment
+
+R = TypeVar("R")
 
 
 class ReadyEvent(Protocol):
@@ -111,7 +116,54 @@ class LayerGate:
                     self._marks.popleft()
                     self._ready = max(self._ready, upto)
 
+    def ready_by(self, limit_s: float, room: int) -> int:
+        """Transfer worker: :meth:`ready_until`, raising ``TransferError`` when layers are
+        still unmarked ``limit_s`` after the chunk was sent (the engine forgot them)."""
+        ready = self.ready_until()
+        if ready < self.end and time.monotonic() - self.created > limit_s:
+            raise TransferError(
+                f"layer-wise chunk: {self.missing()} were never marked computed "
+                f"(tx.layer_ready) within transfer_timeout_s={limit_s}",
+                room=room,
+            )
+        return ready
+
     def missing(self) -> str:
         """The layers not marked yet, for an error message. Any thread."""
         with self._lock:
             return f"layers [{self._marked}, {self.end})" if self._marked < self.end else "none"
+
+
+@dataclass(eq=False)
+class LayeredChunk(Generic[R]):
+    """A layer-wise chunk being posted group by group by one transfer worker: ``groups[g]``
+    are the segments of layer group ``g`` (rows of layers ``[edges[g], edges[g+1])``), or
+    None when the chunk cannot be cut by layer and moves whole once every layer is computed.
+    ``ref`` is the worker's completion record of the plan."""
+
+    plan: ChunkPlan
+    ref: R
+    edges: NDArray[np.int64]
+    groups: list[list[Segment]] | None
+    next: int = 0
+    part: int = 0
+
+    @property
+    def parts(self) -> int:
+        """Notes decode counts for the chunk: one per segment of every group."""
+        return sum(len(g) for g in self.groups or ())
+
+    @property
+    def posted(self) -> bool:
+        """Every group was handed out by :meth:`due`."""
+        return self.groups is not None and self.next >= len(self.groups)
+
+    def due(self, ready: int) -> Iterator[tuple[list[Segment], int]]:
+        """The groups whose layers are all computed (layers below ``ready``) and not handed
+        out yet, in order, each with the part number of its first segment."""
+        groups = self.groups or []
+        while self.next < len(groups) and self.edges[self.next + 1] <= ready:
+            segs = groups[self.next]
+            self.next += 1
+            first, self.part = self.part, self.part + len(segs)
+            yield segs, first

@@ -26,10 +26,13 @@ from kvwire.control.handshake import slot_rows
 from kvwire.control.wire import ChunkNote, Completion
 from kvwire.errors import KVWireError, TransferError
 from kvwire.session import metrics as m
+from kvwire.session.layers import LayeredChunk
 from kvwire.staging.base import ChunkPlan, LocalCopy, Segment, StagingStrategy
 
 if TYPE_CHECKING:
-    from kvwire.session.prefill import Dest, Job, PoolLink, PrefillSide, SendRoom
+    from kvwire.session.prefill import PrefillSide
+    from kvwire.session.prefill_links import PoolLink
+    from kvwire.session.prefill_rooms import Dest, Job, SendRoom
 
 logger = logging.getLogger(__name__)
 
@@ -102,22 +105,7 @@ class _Tail:
     staged: bool = False
     groups_done: bool = False
     #: The head job's layer-wise posting, while its later layer groups are not computed.
-    layered: _Layered | None = None
-
-
-@dataclass(eq=False)
-class _Layered:
-    """A layer-wise chunk being posted group by group (:mod:`kvwire.session.layers`):
-    ``groups[g]`` are the segments of layer group ``g`` (None: the chunk cannot be cut by
-    layer and moves whole once every layer is computed)."""
-
-    plan: ChunkPlan
-    ref: _PlanRef
-    edges: NDArray[np.int64]
-    groups: list[list[Segment]] | None
-    parts: int
-    next: int = 0
-    part: int = 0
+    layered: LayeredChunk[_PlanRef] | None = None
 
 
 class Pipeline:
@@ -217,42 +205,30 @@ class Pipeline:
             if plan.empty:
                 return True
             lay = tail.layered = self._layered(job, plan, gate.edges)
-        groups = lay.groups
-        if groups is None:
+        if lay.groups is None:
             if ready < gate.end:
                 return False
             tail.layered = None
             self._post_plan(tail, key, job, lay.ref.strategy, lay.plan, t_start)
             return True
-        while lay.next < len(groups) and lay.edges[lay.next + 1] <= ready:
-            segs = groups[lay.next]
-            lay.next += 1
+        for segs, first in lay.due(ready):
             self._post_segments(
-                tail, key, job, lay.ref, lay.plan.what, segs, lay.parts, lay.part, t_start
+                tail, key, job, lay.ref, lay.plan.what, segs, lay.parts, first, t_start
             )
-            lay.part += len(segs)
-        if lay.next < len(groups):
+        if not lay.posted:
             return False
         tail.layered = None
         lay.ref.seal()
         return True
 
     def _gate_ready(self, job: Job) -> int:
-        """The first layer of a layer-wise job not computed yet; raises when the engine has
-        not marked every layer within ``transfer_timeout_s`` of the send()."""
-        gate = job.gate
-        assert gate is not None
-        ready = gate.ready_until()
-        limit = self.mgr.options.transfer_timeout_s
-        if ready < gate.end and time.monotonic() - gate.created > limit:
-            raise TransferError(
-                f"layer-wise chunk: {gate.missing()} were never marked computed "
-                f"(tx.layer_ready) within transfer_timeout_s={limit}",
-                room=job.room.room,
-            )
-        return ready
+        """The first layer of a layer-wise job not computed yet (raises past the deadline)."""
+        assert job.gate is not None
+        return job.gate.ready_by(self.mgr.options.transfer_timeout_s, job.room.room)
 
-    def _layered(self, job: Job, plan: ChunkPlan, edges: NDArray[np.int64]) -> _Layered:
+    def _layered(
+        self, job: Job, plan: ChunkPlan, edges: NDArray[np.int64]
+    ) -> LayeredChunk[_PlanRef]:
         """Cut a chunk's plan into layer groups of segments (each group split by memory kind
         like a whole chunk), or keep it whole when the rows are not the mapper's own."""
         ref = _PlanRef(job.target.strategy, plan, job.room.room, open=True)
@@ -260,12 +236,12 @@ class Pipeline:
         if plan.segments is None and plan.table == "kv":
             cut = job.target.mapper.split_layers(plan.src_idx, plan.dst_idx, edges)
         if cut is None:
-            return _Layered(plan, ref, edges, None, 0)
+            return LayeredChunk(plan, ref, edges, None)
         groups = [
             self._segments(job, ChunkPlan(plan.table, s, d, what=plan.what)) if s.size else []
             for s, d in cut
         ]
-        return _Layered(plan, ref, edges, groups, sum(len(g) for g in groups))
+        return LayeredChunk(plan, ref, edges, groups)
 
     def _segments(self, job: Job, plan: ChunkPlan) -> list[Segment]:
         """A plan's parts: the strategy's own segments, or its one row set; rows of a pair

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
@@ -50,12 +49,11 @@ from kvwire.session.early import EarlyBook
 from kvwire.session.groups import GROUPS_TABLE, group_rows, request_groups, send_groups
 from kvwire.session.layers import LayerGate
 from kvwire.session.manager import KVManager
-from kvwire.session.metrics import RequestMetrics
 from kvwire.session.peers import Peer
 from kvwire.session.pipeline import Pipeline
 from kvwire.session.poll import KVPoll
-from kvwire.session.prefill_links import DecodeLink, DecodeLinker
-from kvwire.session.prefill_links import PoolLink as PoolLink  # re-exported for pipeline.py
+from kvwire.session.prefill_links import DecodeLink, DecodeLinker, PoolLink
+from kvwire.session.prefill_rooms import Dest, Job, SendRoom
 from kvwire.session.registration import Registration
 from kvwire.session.workers import TransferWorkers
 from kvwire.staging.base import QueuedChunk
@@ -64,55 +62,6 @@ if TYPE_CHECKING:
     pass
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class Dest:
-    """One decode rank's part of a room."""
-
-    session: str
-    endpoint: str
-    dst_pages: NDArray[np.int64]
-    aux_index: int
-    #: Decode ranks this prefill rank feeds for the request (it waits for all of them).
-    fan_out: int
-    next_chunk: int = 0
-    done: bool = False
-    #: The decode pool the request goes to (a key of ``DecodeLink.pools``).
-    pool: str = "kv"
-    #: The request's buffer-group slots on that decode rank (see :mod:`kvwire.session.groups`).
-    group_dst: dict[str, NDArray[np.int64]] = field(default_factory=dict)
-    #: Prompt tokens decode keeps cached, when it said (``TransferRequest.cached_tokens``).
-    cached_tokens: int | None = None
-
-
-@dataclass
-class SendRoom:
-    """State of one request on this prefill rank; removed on clear()."""
-
-    room: int
-    t0: float = field(default_factory=time.perf_counter)
-    created: float = field(default_factory=time.monotonic)
-    num_pages: int | None = None
-    aux_index: int | None = None
-    dests: dict[str, Dest] = field(default_factory=dict)
-    expected: int | None = None
-    held: list[tuple[NDArray[np.int64], bool, LayerGate | None]] = field(default_factory=list)
-    #: The open layer-wise chunk (``send(..., layerwise=True)``) until every layer is marked.
-    gate: LayerGate | None = None
-    #: Synchronous mode: a layer-wise chunk waits here until every layer is marked.
-    deferred: tuple[NDArray[np.int64], bool] | None = None
-    #: Pages accepted from send() so far, and pages handed to workers so far.
-    pages_queued: int = 0
-    pages_dispatched: int = 0
-    last_queued: bool = False
-    #: Buffer groups: this rank's slots (given with the last chunk) and the pages sent so far.
-    group_src: dict[str, NDArray[np.int64]] = field(default_factory=dict)
-    sent_pages: list[NDArray[np.int64]] = field(default_factory=list)
-    ready: bool = False
-    error: BaseException | None = None
-    failed_at: float = 0.0
-    metrics: RequestMetrics = field(default_factory=RequestMetrics)
 
 
 class PrefillSide(Side[SendRoom]):
@@ -647,26 +596,3 @@ class PrefillSide(Side[SendRoom]):
         self.linker.close()
         if self.registration is not None:
             self.registration.close()
-
-
-@dataclass
-class Job:
-    """One chunk of one request for one destination, queued for that destination's worker."""
-
-    room: SendRoom
-    dest: Dest
-    link: DecodeLink
-    src: NDArray[np.int64]
-    dst: NDArray[np.int64]
-    chunk_id: int | None
-    last: bool
-    t_enqueued: float
-    #: Decode pool the chunk goes to (a key of ``DecodeLink.pools``).
-    pool: str = "kv"
-    #: A layer-wise chunk's computed layers (None: every layer is computed).
-    gate: LayerGate | None = None
-
-    @property
-    def target(self) -> PoolLink:
-        """The link's pool this job writes into (its mapper, table and strategy)."""
-        return self.link.pools[self.pool]

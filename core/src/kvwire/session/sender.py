@@ -6,7 +6,8 @@ from typing import Any
 
 from kvwire.session.common import RequestHandle
 from kvwire.session.poll import KVPoll
-from kvwire.session.prefill import PrefillSide, SendRoom
+from kvwire.session.prefill import PrefillSide
+from kvwire.session.prefill_rooms import SendRoom
 
 
 class KVSender(RequestHandle[SendRoom]):

@@ -1,0 +1,88 @@
+"""Prefill's per-request records: a room (:class:`SendRoom`), its destinations
+(:class:`Dest`, one per decode rank fed) and the chunk jobs queued for the transfer workers
+(:class:`Job`). Plain data: :class:`~kvwire.session.prefill.PrefillSide` guards rooms and
+destinations with the manager lock; a job belongs to the one worker that took it."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+from numpy.typing import NDArray
+
+from kvwire.session.layers import LayerGate
+from kvwire.session.metrics import RequestMetrics
+from kvwire.session.prefill_links import DecodeLink, PoolLink
+
+
+@dataclass
+class Dest:
+    """One decode rank's part of a room."""
+
+    session: str
+    endpoint: str
+    dst_pages: NDArray[np.int64]
+    aux_index: int
+    #: Decode ranks this prefill rank feeds for the request (it waits for all of them).
+    fan_out: int
+    next_chunk: int = 0
+    done: bool = False
+    #: The decode pool the request goes to (a key of ``DecodeLink.pools``).
+    pool: str = "kv"
+    #: The request's buffer-group slots on that decode rank (see :mod:`kvwire.session.groups`).
+    group_dst: dict[str, NDArray[np.int64]] = field(default_factory=dict)
+    #: Prompt tokens decode keeps cached, when it said (``TransferRequest.cached_tokens``).
+    cached_tokens: int | None = None
+
+
+@dataclass
+class SendRoom:
+    """State of one request on this prefill rank; removed on clear()."""
+
+    room: int
+    t0: float = field(default_factory=time.perf_counter)
+    created: float = field(default_factory=time.monotonic)
+    num_pages: int | None = None
+    aux_index: int | None = None
+    dests: dict[str, Dest] = field(default_factory=dict)
+    expected: int | None = None
+    held: list[tuple[NDArray[np.int64], bool, LayerGate | None]] = field(default_factory=list)
+    #: The open layer-wise chunk (``send(..., layerwise=True)``) until every layer is marked.
+    gate: LayerGate | None = None
+    #: Synchronous mode: a layer-wise chunk waits here until every layer is marked.
+    deferred: tuple[NDArray[np.int64], bool] | None = None
+    #: Pages accepted from send() so far, and pages handed to workers so far.
+    pages_queued: int = 0
+    pages_dispatched: int = 0
+    last_queued: bool = False
+    #: Buffer groups: this rank's slots (given with the last chunk) and the pages sent so far.
+    group_src: dict[str, NDArray[np.int64]] = field(default_factory=dict)
+    sent_pages: list[NDArray[np.int64]] = field(default_factory=list)
+    ready: bool = False
+    error: BaseException | None = None
+    failed_at: float = 0.0
+    metrics: RequestMetrics = field(default_factory=RequestMetrics)
+
+
+@dataclass
+class Job:
+    """One chunk of one request for one destination, queued for that destination's worker."""
+
+    room: SendRoom
+    dest: Dest
+    link: DecodeLink
+    src: NDArray[np.int64]
+    dst: NDArray[np.int64]
+    chunk_id: int | None
+    last: bool
+    t_enqueued: float
+    #: Decode pool the chunk goes to (a key of ``DecodeLink.pools``).
+    pool: str = "kv"
+    #: A layer-wise chunk's computed layers (None: every layer is computed).
+    gate: LayerGate | None = None
+
+    @property
+    def target(self) -> PoolLink:
+        """The link's pool this job writes into (its mapper, table and strategy)."""
+        return self.link.pools[self.pool]
