@@ -138,6 +138,9 @@ class RoomPlan(BaseModel):
     #: prefill page do not exist (a partial last page).
     hisparse: bool = False
     trim: int = 0
+    #: Prefill sends each chunk layer-wise (``send(..., layerwise=True)``, then marks this
+    #: rank's layers one by one with ``layer_ready``).
+    layerwise: bool = False
 
     def verified(self, spec: ClusterSpec) -> bool:
         """Whether this request is filled and checked."""
@@ -532,12 +535,16 @@ def _rank_main(
                 return False
             if a.next_chunk < len(chunks):
                 last = a.next_chunk == len(chunks) - 1
+                lw = a.plan.layerwise
                 if last and a.plan.stall_s and a.stall_until == 0.0:
                     a.stall_until = time.monotonic() + a.plan.stall_s
                 if last and time.monotonic() < a.stall_until:
                     return False
                 lo = sum(chunks[: a.next_chunk])
-                a.obj.send(a.pages[lo : lo + chunks[a.next_chunk]], last=last)
+                a.obj.send(a.pages[lo : lo + chunks[a.next_chunk]], last=last, layerwise=lw)
+                if lw:  # the "forward pass": every layer of this rank, one after the other
+                    for layer in range(mgr.layout.start_layer, mgr.layout.layer_end):
+                        a.obj.layer_ready(layer)
                 conn.send(("sent", a.next_chunk, a.plan.room))
                 a.next_chunk += 1
         return False
@@ -779,10 +786,11 @@ class Cluster:
         max_chunks: int = 3,
         cached_fraction: float = 0.0,
         seed: int | None = None,
+        layerwise_fraction: float = 0.0,
     ) -> list[RoomPlan]:
         """A random workload: ``n`` requests with random sizes, chunkings, prefill and decode
         instances; a ``cached_fraction`` of them have a random prefix (sometimes all) cached
-        on decode."""
+        on decode, a ``layerwise_fraction`` are sent layer-wise."""
         rng = np.random.default_rng(self.spec.seed if seed is None else seed)
         out = []
         for _ in range(n):
@@ -810,6 +818,8 @@ class Cluster:
                     cached_pages=cached,
                     decode_instance=decode_instance,
                     prefill_instance=prefill_instance,
+                    # drawn only when asked: other workloads stay as they were
+                    layerwise=bool(layerwise_fraction and rng.random() < layerwise_fraction),
                 )
             )
         return out

@@ -184,7 +184,9 @@ class ClusterConformance(_Base):
             yield c
 
     def test_workload_verified(self, cluster: Cluster) -> None:
-        plans = cluster.plans(self.requests, pages=(0, 8), max_chunks=3, cached_fraction=0.35)
+        plans = cluster.plans(
+            self.requests, pages=(0, 8), max_chunks=3, cached_fraction=0.35, layerwise_fraction=0.4
+        )
         plans.append(  # a request whose whole prefix is cached on decode
             RoomPlan(room=plans[0].room ^ 1, num_pages=3, chunks=[2, 1], cached_pages=3)
         )
