@@ -73,8 +73,9 @@ def test_split_layers_keeps_every_row_in_its_layer_group(mapper_cls: type, tp: t
     cut = mapper.split_layers(s_idx, d_idx, edges)
     assert cut is not None and len(cut) == 4
     # every row exactly once, pairs kept together
-    got = sorted(zip(np.concatenate([c[0] for c in cut]), np.concatenate([c[1] for c in cut])))
-    assert got == sorted(zip(s_idx, d_idx))
+    s_all = np.concatenate([c[0] for c in cut])
+    d_all = np.concatenate([c[1] for c in cut])
+    assert sorted(zip(s_all, d_all, strict=True)) == sorted(zip(s_idx, d_idx, strict=True))
     # each group's source rows lie in buffers of that group's layers
     bases = src.bases
     item = np.uint64(src.buffers[0].length)
@@ -191,3 +192,18 @@ def test_layer_ready_without_a_layerwise_chunk_is_refused() -> None:
         wait_for(lambda: r.poll() == KVPoll.Success)
         r.clear()
         s.clear()
+
+
+def test_mapper_without_pair_major_rows_is_never_cut() -> None:
+    """A mapper that does not declare its row order keeps layer-wise chunks whole (they move
+    once every layer is computed) instead of guessing which rows belong to which layer."""
+
+    class Opaque(EqualTPMapper):
+        pair_major_rows = False
+
+    src, _ = make_pool(MODEL8, RankPosition(), 8)
+    dst, _ = make_pool(MODEL8, RankPosition(), 8)
+    mapper = Opaque(src, dst)
+    s_idx, d_idx = mapper.map_chunk(np.array([1, 2]), np.array([3, 4]))
+    assert mapper.split_layers(s_idx, d_idx, group_edges(0, 8, 4)) is None
+    assert EqualTPMapper(src, dst).split_layers(s_idx, d_idx, group_edges(0, 8, 4)) is not None

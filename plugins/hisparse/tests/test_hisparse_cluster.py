@@ -40,6 +40,7 @@ def mixed_plans(n: int, units: int, seed: int) -> list[RoomPlan]:
                 hisparse=hisparse,
                 trim=int(rng.integers(0, units)) if hisparse else 0,
                 cached_pages=0 if hisparse else int(rng.integers(0, 2)),
+                layerwise=i % 4 < 2,  # both paths, layer-wise and per chunk
             )
         )
     return out

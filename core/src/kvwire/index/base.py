@@ -62,6 +62,11 @@ class IndexMapper(ABC):
     #: Who sends to whom for layouts this mapper serves (a mapper for another parallelism
     #: brings its own pairing rules; the session layer asks only the topology).
     topology: ClassVar[type[Topology]] = Topology
+    #: The mapper's index arrays are *pair-major*: the same number of rows for every buffer
+    #: pair, pairs in :attr:`src_buf` order (true of the core mappers). Declaring it lets
+    #: :meth:`split_layers` cut chunks by layer; a mapper that does not is never cut (its
+    #: layer-wise chunks move whole once every layer is computed).
+    pair_major_rows: ClassVar[bool] = False
 
     def __init__(self, src: KVLayout, dst: KVLayout, options: BaseModel | None = None) -> None:
         problems = [
@@ -166,12 +171,12 @@ class IndexMapper(ABC):
         chunk's index arrays (from :meth:`map_chunk`) cut into layer groups, group ``g``
         holding the rows of source layers ``[edges[g], edges[g+1])`` (model layer ids).
 
-        The default relies on the core mappers' row order: *pair-major*, the same number of
-        rows for every buffer pair, pairs in :attr:`src_buf` order. A mapper whose arrays are
-        ordered otherwise overrides this, or returns None: the chunk then moves whole once
-        every layer is computed (correct, without the overlap)."""
+        The default cuts arrays of a mapper that declares :attr:`pair_major_rows`; it
+        returns None otherwise (or when the sizes do not fit that order): the chunk then
+        moves whole once every layer is computed (correct, without the overlap). A mapper
+        with another row order may override it."""
         n = self.num_pairs
-        if n == 0 or src_idx.size != dst_idx.size or src_idx.size % n:
+        if not self.pair_major_rows or n == 0 or src_idx.size != dst_idx.size or src_idx.size % n:
             return None
         layer = self.src.buffer_keys[self.src_buf, 0]  # model layer of each pair
         group = np.searchsorted(edges, layer, side="right") - 1

@@ -48,6 +48,7 @@ class EqualTPMapper(IndexMapper):
     """Same TP on both sides (MHA/GQA): every page slot moves whole."""
 
     name = "equal_tp"
+    pair_major_rows = True
     relaxed_fields = ("page_size",)
 
     def __init__(self, src: KVLayout, dst: KVLayout, options: BaseModel | None = None) -> None:

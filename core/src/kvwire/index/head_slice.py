@@ -59,6 +59,7 @@ class HeadSliceMapper(IndexMapper):
     """Moves each token's head slice when prefill and decode TP differ (MHA/GQA)."""
 
     name = "head_slice"
+    pair_major_rows = True
     relaxed_fields = ("page_size",)
 
     def __init__(self, src: KVLayout, dst: KVLayout, options: BaseModel | None = None) -> None:

@@ -26,6 +26,7 @@ class HostPoolMapper(IndexMapper):
     """Prefill pages -> decode host-pool pages of a page size dividing prefill's."""
 
     name = "hisparse"
+    pair_major_rows = True  # _map: pair-major rows (layer-wise chunks are cut by layer)
     relaxed_fields = ("page_size",)
 
     def __init__(self, src: KVLayout, dst: KVLayout, options: BaseModel | None = None) -> None:
