@@ -217,6 +217,7 @@ def build_parser() -> argparse.ArgumentParser:
     """The argument parser of the ``kvwire`` command."""
     from kvwire import demo
     from kvwire.config import add_cli_args
+    from kvwire.testing import layerwise_bench
     from kvwire.testing.bench_cli import add_bench_args
 
     parser = argparse.ArgumentParser(prog="kvwire", description=__doc__)
@@ -237,6 +238,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_cli_args(p_cbench)
     add_bench_args(p_cbench)
+    p_lbench = sub.add_parser(
+        "bench-layerwise",
+        help="time to decode-ready: layer-wise vs per-chunk transfer behind a real forward pass",
+    )
+    layerwise_bench.add_args(p_lbench)
     p_boot = sub.add_parser(
         "bootstrap",
         help="run the bootstrap service in the foreground (secret from KVWIRE_SECRET)",
@@ -302,6 +308,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         from kvwire.testing import bench_cli
 
         return bench_cli.run(args, console, sys.argv[1:] if argv is None else argv)
+    if args.command == "bench-layerwise":
+        from kvwire.testing import layerwise_bench
+
+        return layerwise_bench.run(args, console)
     if args.command == "new-plugin":
         return cmd_new_plugin(args, console)
     if args.command == "bootstrap":
