@@ -71,6 +71,8 @@ class LayerGate:
         self._marked = start
         #: First layer not ready (marks whose events completed; worker view).
         self._ready = start
+        #: Idle workers waiting for this gate (set by :meth:`mark`).
+        self._wakers: set[threading.Event] = set()
 
     @property
     def fully_marked(self) -> bool:
@@ -100,6 +102,16 @@ class LayerGate:
                 )
             self._marked = upto
             self._marks.append((upto, event))
+            wakers = list(self._wakers)
+        for w in wakers:
+            w.set()
+
+    def watch(self, waker: threading.Event) -> bool:
+        """Transfer worker, before it idles on this gate: :meth:`mark` sets ``waker``.
+        Returns True when a marked layer still waits for its event (poll it soon)."""
+        with self._lock:
+            self._wakers.add(waker)
+            return any(ev is not None for _, ev in self._marks)
 
     def ready_until(self) -> int:
         """Transfer worker: the first layer not computed yet (``end`` when all are). Queries

@@ -13,6 +13,7 @@ needs no lock.
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -35,6 +36,11 @@ if TYPE_CHECKING:
     from kvwire.session.prefill_rooms import Dest, Job, SendRoom
 
 logger = logging.getLogger(__name__)
+
+#: An idle worker polls pending CUDA events of layer-wise chunks this often.
+GATE_EVENT_POLL_S = 0.0005
+#: ...and otherwise wakes on a mark, or after this long (to check deadlines).
+GATE_IDLE_S = 0.05
 
 
 @dataclass(eq=False)
@@ -118,6 +124,8 @@ class Pipeline:
         self.max_inflight = side.mgr.options.max_inflight_chunks
         self.posted: list[_Posted] = []
         self.tails: dict[tuple[int, str], _Tail] = {}
+        #: Set by a layer-wise chunk's gate when the engine marks layers (see :meth:`idle`).
+        self.wake = threading.Event()
 
     @property
     def busy(self) -> bool:
@@ -355,6 +363,24 @@ class Pipeline:
             if tail.queue and not self.full and self._advance(key, tail):
                 moved += 1
         return moved
+
+    def idle(self, sleep_s: float) -> None:
+        """Worker thread, when :meth:`progress` moved nothing: sleep ``sleep_s``; or, when
+        all that waits is layer-wise chunks whose layers are not computed (nothing in
+        flight), until the engine marks a layer (:meth:`LayerGate.watch`), polling pending
+        CUDA events every :data:`GATE_EVENT_POLL_S`. Keeps an idle worker from taking the
+        GIL thousands of times a second while the engine thread launches the forward pass."""
+        gates = [t.queue[0].gate for t in self.tails.values() if t.queue]
+        if self.posted or not gates or any(g is None for g in gates):
+            time.sleep(sleep_s)
+            return
+        events = [g.watch(self.wake) for g in gates if g is not None]
+        self.wake.wait(GATE_EVENT_POLL_S if any(events) else GATE_IDLE_S)
+        self.wake.clear()  # the caller's next progress() reads the gates afresh
+
+    def notify(self) -> None:
+        """Any thread (a job was queued for this worker): end an :meth:`idle` wait now."""
+        self.wake.set()
 
     def drain(self, poll_sleep_s: float) -> None:
         """Poll until nothing is in flight or waiting (synchronous mode)."""

@@ -12,7 +12,6 @@ from __future__ import annotations
 import logging
 import queue
 import threading
-import time
 import zlib
 from collections.abc import Callable
 from typing import Generic, Protocol, TypeVar
@@ -40,6 +39,10 @@ class Stage(Protocol[J_contra]):
 
     def progress(self) -> int: ...
 
+    def idle(self, sleep_s: float) -> None: ...
+
+    def notify(self) -> None: ...
+
     def drain(self, poll_sleep_s: float) -> None: ...
 
 
@@ -58,6 +61,7 @@ class TransferWorkers(Generic[J]):
         self._pending = 0
         self._count_lock = threading.Lock()
         self._queues: list[queue.SimpleQueue[J | None]] = []
+        self._stages: list[Stage[J]] = []
         self._threads: list[threading.Thread] = []
         self._inline_stage = make_stage(0) if inline else None
         self._inline_lock = threading.Lock()
@@ -65,10 +69,12 @@ class TransferWorkers(Generic[J]):
             return
         for i in range(n):
             q: queue.SimpleQueue[J | None] = queue.SimpleQueue()
+            stage = make_stage(i)
             t = threading.Thread(
-                target=self._loop, args=(q, make_stage(i)), name=f"{name}-w{i}", daemon=True
+                target=self._loop, args=(q, stage), name=f"{name}-w{i}", daemon=True
             )
             self._queues.append(q)
+            self._stages.append(stage)
             self._threads.append(t)
             t.start()
 
@@ -108,7 +114,7 @@ class TransferWorkers(Generic[J]):
                 if stage.progress():
                     sleep = MIN_POLL_SLEEP_S
                 elif stage.busy:
-                    time.sleep(sleep)
+                    stage.idle(sleep)
                     sleep = min(sleep * 2, MAX_POLL_SLEEP_S)
             except Exception:
                 logger.exception("transfer worker: unexpected error; the worker continues")
@@ -122,15 +128,19 @@ class TransferWorkers(Generic[J]):
             return
         with self._count_lock:
             self._pending += 1
-        self._queues[zlib.crc32(shard_key.encode()) % len(self._queues)].put(job)
+        i = zlib.crc32(shard_key.encode()) % len(self._queues)
+        self._queues[i].put(job)
+        self._stages[i].notify()  # an idle stage may be waiting on something else
 
     def stop(self, timeout_s: float = 5.0) -> None:
         """Let queued jobs finish (failed requests end fast), then stop every thread."""
-        for q in self._queues:
+        for q, stage in zip(self._queues, self._stages, strict=True):
             q.put(None)
+            stage.notify()
         for t in self._threads:
             t.join(timeout_s)
             if t.is_alive():
                 logger.warning("transfer worker %s did not stop within %.1fs", t.name, timeout_s)
         self._queues.clear()
+        self._stages.clear()
         self._threads.clear()
