@@ -207,3 +207,16 @@ def test_mapper_without_pair_major_rows_is_never_cut() -> None:
     s_idx, d_idx = mapper.map_chunk(np.array([1, 2]), np.array([3, 4]))
     assert mapper.split_layers(s_idx, d_idx, group_edges(0, 8, 4)) is None
     assert EqualTPMapper(src, dst).split_layers(s_idx, d_idx, group_edges(0, 8, 4)) is not None
+
+
+def test_bench_layerwise_runs_every_mode_with_bytes_checked(tmp_path: object) -> None:
+    """``kvwire bench-layerwise`` (small): both processes, every mode, decode's bytes equal
+    prefill's in every run."""
+    from rich.console import Console
+
+    from kvwire.testing.layerwise_bench import BenchArgs, measure
+
+    a = BenchArgs(layers=4, hidden=32, heads=2, head_dim=8, page_size=4, tokens=[64], repeat=1)
+    (row,) = measure(a, Console(quiet=True))
+    assert row.corrupt == 0 and row.failed == 0
+    assert min(row.compute_ms, row.chunk_ms, row.layer_ms) > 0
