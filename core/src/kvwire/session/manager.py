@@ -128,6 +128,12 @@ class KVManager:
         self.labels = {"role": self.role.value, "agent": self.agent_name}
         self.status = StatusTable()
         self.lock = threading.RLock()
+        #: Engine peer name -> the session that added it (prefill: decode ranks added to
+        #: the backend). Guarded by :attr:`engine_peers_lock`, which serialises adding and
+        #: removing peers in the engine (handshake threads, progress thread); never taken
+        #: together with :attr:`lock`.
+        self.engine_peers: dict[str, str] = {}
+        self.engine_peers_lock = threading.Lock()
         self.peers = PeerTable()
         self._chores: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
         self._stop = threading.Event()

@@ -253,11 +253,17 @@ class PrefillSide(Side[SendRoom]):
         for strategy in mgr.strategies:
             strategy.peer_lost(peer.session)
         link: DecodeLink | None = peer.link
-        if link is not None and link.backend_peer in mgr.backend.peers():
-            try:
-                mgr.backend.remove_peer(link.backend_peer)
-            except KVWireError as exc:
-                logger.warning("%s: remove_peer(%s): %s", mgr.agent_name, peer.agent, exc)
+        if link is None:
+            return
+        with mgr.engine_peers_lock:  # a restarted incarnation may own the name by now
+            if mgr.engine_peers.get(link.backend_peer) != peer.session:
+                return
+            del mgr.engine_peers[link.backend_peer]
+            if link.backend_peer in mgr.backend.peers():
+                try:
+                    mgr.backend.remove_peer(link.backend_peer)
+                except KVWireError as exc:
+                    logger.warning("%s: remove_peer(%s): %s", mgr.agent_name, peer.agent, exc)
 
     def check_deadlines(self, now: float) -> None:
         """Control thread: bootstrap timeouts and expiry of early requests."""

@@ -151,6 +151,7 @@ class DecodeLinker:
         # or the old incarnation went quiet. A live namesake is refused (the engines key
         # peers by name, so the two would evict each other).
         quiet_s = mgr.options.heartbeat_interval_s * 1.5
+        stale: list[str] = []
         for old in mgr.peers.by_agent(hello.agent):
             alive = time.monotonic() - old.last_seen < quiet_s
             if old.endpoint != hello.endpoint and alive:
@@ -165,10 +166,12 @@ class DecodeLinker:
                 )
                 return
             mgr.evict(old.session, "it restarted (new session)")
+            if old.link is not None:
+                stale.append(old.link.backend_peer)
         try:
             mapper = build_mapper(mgr.config, mgr.layout, hello.layout)
             extra = mgr.staging.link_tables(mapper, hello.staging)
-            name = mgr.backend.add_peer(hello.backend_metadata)
+            name = self._add_engine_peer(hello, stale)
             pairs = {
                 "aux": mgr.backend.prepare(
                     name, slot_table(mgr.aux_regions), slot_table(hello.aux_regions)
@@ -250,6 +253,23 @@ class DecodeLinker:
             ", staged" if extra else "",
         )
         self._ack(hello, link)
+
+    def _add_engine_peer(self, hello: Hello, stale: list[str]) -> str:
+        """Handshake thread: add the decode rank to the engine. ``stale``: the engine names
+        of the incarnations it replaces (a restart, usually under the same name): what they
+        left in the engine goes first, and the name's owner becomes the new session, so the
+        old incarnation's deferred release (:meth:`PrefillSide._release_peer`) cannot remove
+        the new one's state. Lock contract: ``mgr.engine_peers_lock`` around the engine's add
+        and remove of peers, never with ``mgr.lock``."""
+        mgr = self.mgr
+        with mgr.engine_peers_lock:
+            for n in stale:
+                owner = mgr.engine_peers.pop(n, hello.session)
+                if owner != hello.session and n in mgr.backend.peers():
+                    mgr.backend.remove_peer(n)
+            name = mgr.backend.add_peer(hello.backend_metadata)
+            mgr.engine_peers[name] = hello.session
+            return name
 
     def _prepare(
         self,

@@ -664,6 +664,8 @@ class Cluster:
         self.spec = spec
         self._ctx = mp.get_context("spawn")
         self.procs: list[RankProc] = []
+        #: Reports that :meth:`run` read for requests it did not start, by (rank, room).
+        self.stragglers: dict[tuple[str, int], RankReport] = {}
         # Every rank starts at once: each prefill instance's rank 0 is told which port its
         # bootstrap service takes, the others retry registration and lookups until it answers.
         prefill_config = spec.config_for("prefill")
@@ -778,6 +780,25 @@ class Cluster:
         p.proc.join(10)
         return t_kill
 
+    def restart(
+        self, role: str, inst: int = 0, tp: int = 0, pp: int = 0, timeout_s: float = 120.0
+    ) -> RankProc:
+        """SIGKILL one rank (if alive) and start a new process in its place (same role,
+        position, name and namespace; a new session), returning once it is ready. Not for
+        a prefill instance's rank 0 (it runs the bootstrap service the others use)."""
+        if role == "prefill" and (tp, pp) == (0, 0):
+            raise ValueError("prefill rank 0 runs its instance's bootstrap service")
+        old = self.rank(role, inst, tp, pp)
+        if old.proc.is_alive():
+            old.proc.kill()
+        old.proc.join(10)
+        addr = self.bootstrap_addr if role == "decode" else self.bootstrap_addrs[inst]
+        p = self._spawn(self.spec.model_dump_json(), role, inst, tp, pp, addr)
+        self.procs.remove(p)
+        self.procs[self.procs.index(old)] = p
+        _, _, p.endpoint, p.agent = self._expect(p, "ready", timeout_s)
+        return p
+
     def plans(
         self,
         n: int,
@@ -886,7 +907,9 @@ class Cluster:
                         continue
                     rep, room = msg[1], msg[2]
                     if room not in waiting or i not in waiting[room]:
-                        continue  # a straggler from a request started by hand
+                        # a straggler from a request started by hand: kept for the test
+                        self.stragglers[(p.name, room)] = rep
+                        continue
                     results[room].reports.append(rep)
                     waiting[room].discard(i)
                     if not waiting[room]:

@@ -249,3 +249,37 @@ class NetnsConformance:
             assert_tables_empty(c, timeout_s=TRANSFER_TIMEOUT_S + 5.0)
             stats = c.rank_stats()  # re-handshaken: each side knows its peer again
             assert all(s["peers"] == 1 for s in stats.values()), stats
+
+    @pytest.mark.slow
+    def test_peer_restarted_during_partition(self, bed: NetnsBed) -> None:
+        """The decode rank dies and a new incarnation (same name and address, new session)
+        starts while the link is down. Prefill's liveness bound is long here (10 s), so it
+        still counts the old rank as a peer when the link returns: the new rank's handshake
+        must be taken as a restart at once (the old session evicted, its rooms failed naming
+        the restart), and requests flow to the new rank without restarting prefill."""
+        spec = self.spec(bed, prefill={"heartbeat_misses": 50})
+        with Cluster(spec) as c:
+            assert_all_ok(c.run(c.plans(4, seed=1), concurrency=4, timeout_s=30))
+            rooms = {200 + i for i in range(3)}
+            for room in sorted(rooms):
+                plan = RoomPlan(room=room, num_pages=4, chunks=[2, 2], stall_s=60.0)
+                for p in c.ranks_of(plan):
+                    p.conn.send(("start", plan.model_dump()))
+            wait_first_chunks(c, rooms)
+            bed.partition("decode")
+            c.restart("decode")
+            bed.heal("decode")
+            t_heal = time.monotonic()
+            results = c.run(c.plans(8, seed=3), concurrency=4, timeout_s=30)
+            assert_all_ok(results)
+            took = time.monotonic() - t_heal
+            bound = self.heartbeat_interval_s * 50
+            assert took < bound, f"the new rank was served after {took:.1f}s (bound {bound}s)"
+            prefill = c.rank("prefill")
+            for room in rooms:  # failed while the run above read the pipes
+                rep = c.stragglers[(prefill.name, room)]
+                assert rep.status == int(KVPoll.Failed), rep
+                assert rep.error and "restarted" in rep.error, rep.error
+            stats = c.rank_stats()
+            assert stats[prefill.name]["peers"] == 1, stats
+            assert_tables_empty(c, timeout_s=TRANSFER_TIMEOUT_S + 5.0)
