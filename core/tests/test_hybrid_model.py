@@ -36,6 +36,14 @@ def test_decode_tokens_equal_single_process(
     assert out.tokens == reference
 
 
+@pytest.mark.parametrize(("tp_p", "tp_d"), [(2, 1), (1, 2)], ids=["tp2to1", "tp1to2"])
+def test_layerwise_chunks_give_the_same_tokens(reference: list[int], tp_p: int, tp_d: int) -> None:
+    """Every chunk sent layer-wise before its pass (state buffers and the draft layer too):
+    nothing may move before its layers are marked computed."""
+    out = run_pd(SPEC, PROMPT, N_GEN, tp_p, tp_d, chunk_pages=1, layerwise=True)
+    assert out.tokens == reference
+
+
 def test_only_the_window_moves_and_replicated_state_is_sent_once() -> None:
     """Bytes per prefill rank, TP 2 -> 1: each rank sends its half of every head-split buffer
     (4 prompt pages of KV and draft KV, but only the 2 pages of the 6-token window), the

@@ -318,10 +318,13 @@ def run_pd(
     cfg: KVWireConfig | None = None,
     corrupt: Corruption | None = None,
     slots: int = 16,
+    layerwise: bool = False,
 ) -> PDResult:
     """One request through kvwire: chunked prefill on ``prefill_tp`` ranks, transfer, then
     ``n_gen`` greedy tokens on ``decode_tp`` ranks. Returns decode's tokens (the first one
-    comes from prefill through the aux row)."""
+    comes from prefill through the aux row). ``layerwise``: each chunk is sent layer-wise
+    *before* it is computed, and its layers are marked after (a gate that let KV move early
+    would move pages not written yet, and the tokens would differ)."""
     cfg = cfg or config()
     model = HybridModel(spec)
     ps, n = spec.page_size, len(prompt)
@@ -350,16 +353,24 @@ def run_pd(
         step = chunk_pages * ps
         for start in range(0, n, step):
             end = min(n, start + step)
-            first = model.prefill(cache, prompt[start:end], start)
             last = end == n
             state: dict[str, Any] | None = None
             if last:
-                for r in pre:
-                    r.aux[5, 0] = first
                 state = {"state": p_slot, "window": [p_swa[p] for p in range(first_wp, num_pages)]}
             pages = p_pages[start // ps : math.ceil(end / ps)]
+            if layerwise:
+                for tx in txs:
+                    tx.send(pages, last=last, state_indices=state, layerwise=True)
+            first = model.prefill(cache, prompt[start:end], start)
+            if last:
+                for r in pre:
+                    r.aux[5, 0] = first
             for tx in txs:
-                tx.send(pages, last=last, state_indices=state)
+                if layerwise:  # the model's first KV layer, then the rest
+                    tx.layer_ready(KV_LAYERS["attn0"])
+                    tx.layer_ready(None)
+                else:
+                    tx.send(pages, last=last, state_indices=state)
         handles: list[KVReceiver | KVSender] = [*rxs, *txs]
         _wait(lambda: all(h.poll() in (KVPoll.Success, KVPoll.Failed) for h in handles), "done")
         for h in handles:
