@@ -79,6 +79,14 @@ def get_kv_class_hook(original: Callable[..., Any], transfer_backend: Any, class
     return kv_classes().get(kind)
 
 
+def _safe(obj: Any, name: str) -> Any:
+    """An attribute, or None (SGLang's runtime context raises for widths not published)."""
+    try:
+        return getattr(obj, name, None)
+    except Exception:
+        return None
+
+
 def facts_from_queue(queue: Any) -> EngineFacts:
     """The facts a queue's scheduler knows (best effort: missing fields stay unknown)."""
     scheduler = getattr(queue, "scheduler", None)
@@ -102,12 +110,10 @@ def facts_from_queue(queue: Any) -> EngineFacts:
     get_total = getattr(model, "get_total_num_kv_heads", None)
     total = get_total() if callable(get_total) else None
     return EngineFacts(
-        attn_tp_size=pick(
-            getattr(par, "attn_tp_size", None), getattr(scheduler, "attn_tp_size", None)
-        )
+        attn_tp_size=pick(_safe(par, "attn_tp_size"), getattr(scheduler, "attn_tp_size", None))
         or 1,
-        pp_size=pick(getattr(par, "pp_size", None), getattr(queue, "pp_size", None)) or 1,
-        dp_size=pick(getattr(par, "dp_size", None)) or 1,
+        pp_size=pick(_safe(par, "pp_size"), getattr(queue, "pp_size", None)) or 1,
+        dp_size=pick(_safe(par, "dp_size")) or 1,
         num_layers=pick(getattr(model, "num_hidden_layers", None)),
         total_kv_heads=pick(total),
         local_kv_heads=pick(getattr(pool, "head_num", None)),
