@@ -22,19 +22,15 @@ def sglang_utils(monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
 
     mod = real_utils_module()
     monkeypatch.setitem(sys.modules, plugin.UTILS, mod)
-    monkeypatch.setattr(
-        choices, "DISAGG_TRANSFER_BACKEND_CHOICES", list(choices.DISAGG_TRANSFER_BACKEND_CHOICES)
-    )
-    monkeypatch.setattr(
-        choices,
-        "add_disagg_transfer_backend_choices",
-        choices.DISAGG_TRANSFER_BACKEND_CHOICES.extend,
-    )
+    # SGLang's parser holds this very list: put its original contents back afterwards.
+    saved = [c for c in choices.DISAGG_TRANSFER_BACKEND_CHOICES if c != plugin.BACKEND]
+    choices.DISAGG_TRANSFER_BACKEND_CHOICES[:] = saved
     HookRegistry.reset()
     try:
         yield mod
     finally:
         HookRegistry.reset()
+        choices.DISAGG_TRANSFER_BACKEND_CHOICES[:] = saved
 
 
 def test_entry_point_is_found_by_sglangs_loader() -> None:
@@ -89,3 +85,19 @@ def test_init_kv_manager_hook_passes_engine_facts() -> None:
     assert seen[0].total_kv_heads == 8 and seen[0].local_kv_heads == 2
     assert seen[0].num_layers == 30 and seen[0].attn_tp_size == 4
     assert current_facts().total_kv_heads is None  # only while the manager is built
+
+
+def test_sglang_cli_accepts_the_backend_only_after_register(sglang_utils: Any) -> None:
+    """What an operator types, through SGLang's real argument parser."""
+    from sglang.srt.server_args import prepare_server_args
+
+    argv = ["--model-path", "m", "--disaggregation-mode", "prefill"]
+    argv += ["--disaggregation-transfer-backend", "kvwire"]
+    with pytest.raises(SystemExit):
+        prepare_server_args(argv)
+    plugin.register()
+    args = prepare_server_args(argv)
+    value = getattr(args, "disaggregation_transfer_backend", None)
+    if value is None:  # namespaced ServerArgs
+        value = args.disagg.disaggregation_transfer_backend
+    assert value == "kvwire"
