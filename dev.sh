@@ -62,7 +62,7 @@ case "$cmd" in
     exec "$UV" run --frozen --no-sync kvwire demo "$@" ;;
   test)
     ensure_env
-    log "ruff"; "$UV" run --frozen --no-sync ruff check core plugins tests scripts examples
+    log "ruff"; "$UV" run --frozen --no-sync ruff check core plugins integrations tests scripts examples
     log "mypy"; "$UV" run --frozen --no-sync mypy
     log "pytest"; exec "$UV" run --frozen --no-sync pytest "$@" ;;
   bench)

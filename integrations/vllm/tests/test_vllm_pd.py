@@ -17,7 +17,6 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
-
 from vllm_pd_model import reference
 
 pytestmark = pytest.mark.timeout(240)
@@ -74,8 +73,11 @@ def cluster() -> Iterator[tuple[Instance, Instance]]:
     pre = {
         name: {
             "layout": lay,
-            "extra": {"transfer_backend": "tcp", "bootstrap_port": _free_port(),
-                      "control": control},
+            "extra": {
+                "transfer_backend": "tcp",
+                "bootstrap_port": _free_port(),
+                "control": control,
+            },
         }
         for name, lay in LAYOUTS.items()
     }
@@ -103,14 +105,14 @@ def _wait_report(inst: Instance, engine: str, rid: str, key: str, timeout: float
     raise TimeoutError(f"{engine}/{rid}: no {key!r} in {inst.call(engine, 'status')}")
 
 
-def _pd(cluster: tuple[Instance, Instance], engine: str, rid: str, prompt: list[int],
-        **decode_kw: Any) -> tuple[dict[str, Any], dict[str, Any]]:
+def _pd(
+    cluster: tuple[Instance, Instance], engine: str, rid: str, prompt: list[int], **decode_kw: Any
+) -> tuple[dict[str, Any], dict[str, Any]]:
     """One request through both instances; returns (prefill answer, decode report)."""
     p, d = cluster
     pre = p.call(engine, "prefill", rid=rid, prompt=prompt)
     assert pre["delay_free"] is True  # prefill holds its blocks until the push is done
-    d.call(engine, "decode", rid=rid, prompt=prompt, params=pre["params"], n=N_DECODE,
-           **decode_kw)
+    d.call(engine, "decode", rid=rid, prompt=prompt, params=pre["params"], n=N_DECODE, **decode_kw)
     return pre, _wait_report(d, engine, rid, "failed")
 
 
@@ -127,16 +129,21 @@ def _idle(inst: Instance, engine: str, timeout: float = 15) -> dict[str, Any]:
     st: dict[str, Any] = {}
     while time.monotonic() < deadline:
         st = inst.call(engine, "status")
-        if (st["free_blocks"] == st["free0"] and not st["live"] and not st["pending"]
-                and not any(st["rooms"].values())):
+        if (
+            st["free_blocks"] == st["free0"]
+            and not st["live"]
+            and not st["pending"]
+            and not any(st["rooms"].values())
+        ):
             return st
         time.sleep(0.05)
     raise AssertionError(f"{engine} did not go idle: {st}")
 
 
 @pytest.mark.parametrize("engine", list(LAYOUTS))
-def test_decode_tokens_equal_single_process(cluster: tuple[Instance, Instance],
-                                            engine: str) -> None:
+def test_decode_tokens_equal_single_process(
+    cluster: tuple[Instance, Instance], engine: str
+) -> None:
     for i, n in enumerate((13, 16, 29)):  # partial last block, whole blocks, several blocks
         prompt = _prompt(100 + i, n)
         want = reference(prompt, N_DECODE)
@@ -190,8 +197,15 @@ def test_bad_decode_block_ids_fail_the_request(cluster: tuple[Instance, Instance
     p, d = cluster
     prompt = _prompt(31, 10)
     pre = p.call("nhd", "prefill", rid="nhd-badd", prompt=prompt)
-    d.call("nhd", "decode", rid="nhd-badd", prompt=prompt, params=pre["params"], n=N_DECODE,
-           bad_blocks=True)
+    d.call(
+        "nhd",
+        "decode",
+        rid="nhd-badd",
+        prompt=prompt,
+        params=pre["params"],
+        n=N_DECODE,
+        bad_blocks=True,
+    )
     rep = _wait_report(d, "nhd", "nhd-badd", "failed")
     assert rep["failed"] is True
     err = d.call("nhd", "status")["errors"]["nhd-badd"]

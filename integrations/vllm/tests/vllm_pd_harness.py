@@ -28,7 +28,6 @@ import traceback
 from typing import Any
 
 import numpy as np
-
 from vllm_pd_model import F32, Cache, GQAModel, GQASpec
 
 SPEC = GQASpec()
@@ -187,8 +186,15 @@ class Engine:
         return {"params": params, "first": first, "delay_free": delay}
 
     # ------------------------------------------------------------------ decode
-    def decode(self, rid: str, prompt: list[int], params: dict[str, Any], n: int,
-               corrupt: bool = False, bad_blocks: bool = False) -> dict[str, Any]:
+    def decode(
+        self,
+        rid: str,
+        prompt: list[int],
+        params: dict[str, Any],
+        n: int,
+        corrupt: bool = False,
+        bad_blocks: bool = False,
+    ) -> dict[str, Any]:
         """The router's second leg: admit the request with prefill's params; it waits for
         its KV (``WAITING_FOR_REMOTE_KVS``) and is finished by :meth:`step`."""
         from vllm.v1.request import RequestStatus
@@ -204,8 +210,9 @@ class Engine:
         if bad_blocks:
             meta = self.sched.scheduler_half._meta
             r = meta.recvs[-1]
-            meta.recvs[-1] = type(r)(r.req_id, r.room, r.bootstrap_addr, [-1, *r.block_ids[1:]],
-                                     r.cached_blocks)
+            meta.recvs[-1] = type(r)(
+                r.req_id, r.room, r.bootstrap_addr, [-1, *r.block_ids[1:]], r.cached_blocks
+            )
         req.status = RequestStatus.WAITING_FOR_REMOTE_KVS
         req.num_computed_tokens = local + ext
         self.reports[rid] = {"local_hit": local, "external": ext, "async": is_async}

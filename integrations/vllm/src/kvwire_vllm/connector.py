@@ -51,7 +51,7 @@ def _tp_rank(vllm_config: Any) -> RankPosition:
     return RankPosition(tp_size=tp, tp_rank=rank)
 
 
-class KVWireConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
+class KVWireConnector(KVConnectorBase_V1, SupportsHMA):
     """vLLM KV connector that pushes prefill's KV into decode's blocks through kvwire."""
 
     def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any) -> None:

@@ -130,8 +130,8 @@ def _regions(layers: list[LayerBlocks], num_blocks: int) -> tuple[list[MemoryReg
     """kvwire buffers covering every layer once, and how many layers each packs."""
     first = layers[0]
     if any(
-        (x.block_bytes, x.stride, x.kind, x.device_id) != (first.block_bytes, first.stride,
-                                                         first.kind, first.device_id)
+        (x.block_bytes, x.stride, x.kind, x.device_id)
+        != (first.block_bytes, first.stride, first.kind, first.device_id)
         for x in layers
     ):
         raise LayoutError(
@@ -167,9 +167,7 @@ def _regions(layers: list[LayerBlocks], num_blocks: int) -> tuple[list[MemoryReg
                 f"layer {chain[0].name!r}: {num_blocks} slots of {item} bytes run past the end "
                 "of its storage"
             )
-        out.append(
-            MemoryRegion.from_pointer(base, length, item, first.kind, first.device_id)
-        )
+        out.append(MemoryRegion.from_pointer(base, length, item, first.kind, first.device_id))
     return out, len(chains[0])
 
 

@@ -47,7 +47,7 @@ class RecvSpec:
 
 
 @dataclass
-class KVWireMetadata(KVConnectorMetadata):  # type: ignore[misc]
+class KVWireMetadata(KVConnectorMetadata):
     """One step's work for the worker half (scheduler -> every worker)."""
 
     sends: list[SendSpec] = field(default_factory=list)

@@ -29,9 +29,9 @@ from typing import Any
 
 from vllm.v1.request import RequestStatus
 
+from kvwire.config import KVWireConfig
 from kvwire.errors import ConfigError
 from kvwire_vllm.config import ConnectorOptions, bootstrap_address
-from kvwire.config import KVWireConfig
 from kvwire_vllm.metadata import (
     BLOCK_SIZE,
     BOOTSTRAP,
@@ -91,7 +91,9 @@ class SchedulerHalf:
         self.aborting: set[str] = set()
 
     # ---------------------------------------------------------------- decode side
-    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
+    def get_num_new_matched_tokens(
+        self, request: Any, num_computed_tokens: int
+    ) -> tuple[int, bool]:
         """Decode: how many prompt tokens prefill will push beyond the local prefix hit
         (loaded asynchronously), or ``(0, False)`` for requests that are not remote prefills.
         Side-effect free (vLLM may call it several times per request)."""
@@ -102,7 +104,10 @@ class SchedulerHalf:
         if num_tokens != request.num_prompt_tokens:
             logger.warning(
                 "request %s: prefill computed %d tokens, the prompt here has %d; computing it "
-                "locally", request.request_id, num_tokens, request.num_prompt_tokens,
+                "locally",
+                request.request_id,
+                num_tokens,
+                request.num_prompt_tokens,
             )
             return 0, False
         count = num_tokens - num_computed_tokens
@@ -170,7 +175,9 @@ class SchedulerHalf:
         if len(ids) * self.block_size < num_tokens:
             logger.error(
                 "request %s: %d blocks cannot hold its %d prompt tokens; not pushing",
-                rid, len(ids), num_tokens,
+                rid,
+                len(ids),
+                num_tokens,
             )
             return False, None
         room = secrets.randbits(63)

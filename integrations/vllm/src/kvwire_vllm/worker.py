@@ -104,7 +104,10 @@ class WorkerHalf:
         )
         logger.info(
             "kvwire-vllm %s rank tp%d: %s, backend %s",
-            self.role.value, self.rank.tp_rank, self.pool.summary, self.mgr.backend_name,
+            self.role.value,
+            self.rank.tp_rank,
+            self.pool.summary,
+            self.mgr.backend_name,
         )
 
     def _manager(self) -> KVManager:
@@ -150,10 +153,10 @@ class WorkerHalf:
             except Exception as exc:  # bad block ids: kvwire failed the room on both sides
                 self._note_error(r.req_id, exc)
         for rid in meta.aborts:
-            job = self.recvs.get(rid)
-            if job is not None and not job.aborted:
-                job.aborted = True
-                job.rx.abort()
+            live = self.recvs.get(rid)
+            if live is not None and not live.aborted:
+                live.aborted = True
+                live.rx.abort()
         self._advance_sends()
 
     def _advance_sends(self) -> None:
