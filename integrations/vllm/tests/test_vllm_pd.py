@@ -1,9 +1,10 @@
 """Prefill -> decode through ``KVWireConnector`` across two processes, checked by computation.
 
 One prefill process and one decode process (spawned) each host three vLLM "instances" that
-differ only in the KV cache layout vLLM resolved (``LBNHC`` = NHD, ``LBHNC`` = HND, and the
-block-major ``BLHNC``), each with its own connector halves and kvwire manager over the
-``tcp`` backend; see ``vllm_pd_harness``. Decode's greedy tokens must equal a single-process
+differ in the KV cache layout vLLM resolved (``LBNHC`` = NHD, ``LBHNC`` = HND, and the
+block-major ``BLHNC``) over kvwire's ``tcp`` backend, plus one ``LBNHC`` instance over
+``nixl`` (chosen through ``kv_connector_extra_config``), each with its own connector halves
+and kvwire manager; see ``vllm_pd_harness``. Decode's greedy tokens must equal a single-process
 run of the same random-weight GQA model (``vllm_pd_model.reference``), which holds only if
 every K/V element of the prompt arrived in the right block, head and token.
 """
@@ -21,7 +22,13 @@ from vllm_pd_model import reference
 
 pytestmark = pytest.mark.timeout(240)
 
-LAYOUTS = {"nhd": "LBNHC", "hnd": "LBHNC", "blk": "BLHNC"}
+#: engine name -> (vLLM KV cache layout, kvwire backend)
+ENGINES = {
+    "nhd": ("LBNHC", "tcp"),
+    "hnd": ("LBHNC", "tcp"),
+    "blk": ("BLHNC", "tcp"),
+    "nixl": ("LBNHC", "nixl"),
+}
 N_DECODE = 6
 
 
@@ -73,17 +80,13 @@ def cluster() -> Iterator[tuple[Instance, Instance]]:
     pre = {
         name: {
             "layout": lay,
-            "extra": {
-                "transfer_backend": "tcp",
-                "bootstrap_port": _free_port(),
-                "control": control,
-            },
+            "extra": {"transfer_backend": be, "bootstrap_port": _free_port(), "control": control},
         }
-        for name, lay in LAYOUTS.items()
+        for name, (lay, be) in ENGINES.items()
     }
     dec = {
-        name: {"layout": lay, "extra": {"transfer_backend": "tcp", "control": control}}
-        for name, lay in LAYOUTS.items()
+        name: {"layout": lay, "extra": {"transfer_backend": be, "control": control}}
+        for name, (lay, be) in ENGINES.items()
     }
     p, d = Instance(ctx, "prefill", pre), Instance(ctx, "decode", dec)
     try:
@@ -140,7 +143,7 @@ def _idle(inst: Instance, engine: str, timeout: float = 15) -> dict[str, Any]:
     raise AssertionError(f"{engine} did not go idle: {st}")
 
 
-@pytest.mark.parametrize("engine", list(LAYOUTS))
+@pytest.mark.parametrize("engine", list(ENGINES))
 def test_decode_tokens_equal_single_process(
     cluster: tuple[Instance, Instance], engine: str
 ) -> None:
@@ -153,7 +156,7 @@ def test_decode_tokens_equal_single_process(
         assert rep["failed"] is False and rep["external"] == n and rep["local_hit"] == 0
         assert rep["tokens"] == want, (engine, n)
     for inst in cluster:
-        _idle(inst, engine)
+        assert _idle(inst, engine)["backend"] == ENGINES[engine][1]
 
 
 def test_corrupted_kv_changes_tokens(cluster: tuple[Instance, Instance]) -> None:

@@ -303,6 +303,7 @@ class Engine:
             "errors": dict(wh.errors),
             "live": len(wh.sends) + len(wh.recvs),
             "rooms": wh.mgr.room_tables() if wh.mgr else {},
+            "backend": wh.mgr.backend_name if wh.mgr else None,
             "reports": self.reports,
         }
 
