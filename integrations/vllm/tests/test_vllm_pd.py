@@ -242,3 +242,23 @@ def test_abort_while_receiving_frees_blocks_only_when_reported(
     assert _wait_report(d, "blk", "blk-abort-src", "failed")["failed"] is False
     for inst in cluster:
         _idle(inst, "blk")
+
+
+def test_prompt_mismatch_computes_locally_and_releases_prefill(
+    cluster: tuple[Instance, Instance],
+) -> None:
+    """Decode gets params for a prompt of another length: it computes the prompt itself
+    (no load), and still tells prefill, which holds the blocks for it, to free them at once
+    (an empty receive), long before prefill's 20 s bootstrap timeout would."""
+    p, d = cluster
+    prompt = _prompt(51, 15)
+    pre = p.call("nhd", "prefill", rid="nhd-mismatch", prompt=prompt)
+    longer = [*prompt, 5]
+    t0 = time.monotonic()
+    d.call("nhd", "decode", rid="nhd-mismatch", prompt=longer, params=pre["params"], n=N_DECODE)
+    rep = d.call("nhd", "status")["reports"]["nhd-mismatch"]
+    assert rep["async"] is False and rep["tokens"] == reference(longer, N_DECODE)
+    assert _wait_report(p, "nhd", "nhd-mismatch", "sent", timeout=5)["sent"] is True
+    assert time.monotonic() - t0 < 5
+    for inst in cluster:
+        _idle(inst, "nhd")

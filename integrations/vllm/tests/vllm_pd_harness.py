@@ -202,6 +202,22 @@ class Engine:
         req = self._request(rid, prompt, dict(params), max_tokens=n + 1)
         blocks, local, *_ = self.kvm.get_computed_blocks(req)
         ext, is_async = self.sched.get_num_new_matched_tokens(req, local)
+        if not is_async:  # nothing to load: an ordinary local prefill (vLLM's normal path)
+            new = self.kvm.allocate_slots(req, len(prompt) + n - local, local, blocks)
+            assert new is not None, "out of blocks"
+            self.sched.update_state_after_alloc(req, self.kvm.get_blocks(rid), 0)
+            cache = self._cache(rid)
+            first = self.model.prefill(cache, prompt, start=local)
+            tokens = self.model.decode(cache, first, len(prompt), n)
+            self.reports[rid] = {
+                "local_hit": local,
+                "external": 0,
+                "async": False,
+                "failed": False,
+                "tokens": tokens,
+            }
+            self._finish(req, RequestStatus.FINISHED_LENGTH_CAPPED)
+            return {"local_hit": local, "external": 0}
         new = self.kvm.allocate_slots(
             req, 0, local, blocks, num_external_computed_tokens=ext, delay_cache_blocks=is_async
         )
