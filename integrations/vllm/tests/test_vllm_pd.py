@@ -22,12 +22,13 @@ from vllm_pd_model import reference
 
 pytestmark = pytest.mark.timeout(240)
 
-#: engine name -> (vLLM KV cache layout, kvwire backend)
+#: engine name -> (vLLM KV cache layout, kvwire backend, TP size of both instances)
 ENGINES = {
-    "nhd": ("LBNHC", "tcp"),
-    "hnd": ("LBHNC", "tcp"),
-    "blk": ("BLHNC", "tcp"),
-    "nixl": ("LBNHC", "nixl"),
+    "nhd": ("LBNHC", "tcp", 1),
+    "hnd": ("LBHNC", "tcp", 1),
+    "blk": ("BLHNC", "tcp", 1),
+    "nixl": ("LBNHC", "nixl", 1),
+    "tp2": ("LBNHC", "tcp", 2),
 }
 N_DECODE = 6
 
@@ -80,13 +81,14 @@ def cluster() -> Iterator[tuple[Instance, Instance]]:
     pre = {
         name: {
             "layout": lay,
+            "tp": tp,
             "extra": {"transfer_backend": be, "bootstrap_port": _free_port(), "control": control},
         }
-        for name, (lay, be) in ENGINES.items()
+        for name, (lay, be, tp) in ENGINES.items()
     }
     dec = {
-        name: {"layout": lay, "extra": {"transfer_backend": be, "control": control}}
-        for name, (lay, be) in ENGINES.items()
+        name: {"layout": lay, "tp": tp, "extra": {"transfer_backend": be, "control": control}}
+        for name, (lay, be, tp) in ENGINES.items()
     }
     p, d = Instance(ctx, "prefill", pre), Instance(ctx, "decode", dec)
     try:
@@ -156,7 +158,9 @@ def test_decode_tokens_equal_single_process(
         assert rep["failed"] is False and rep["external"] == n and rep["local_hit"] == 0
         assert rep["tokens"] == want, (engine, n)
     for inst in cluster:
-        assert _idle(inst, engine)["backend"] == ENGINES[engine][1]
+        st = _idle(inst, engine)
+        assert st["backend"] == ENGINES[engine][1]
+        assert st["ranks"] == list(range(ENGINES[engine][2]))
 
 
 def test_corrupted_kv_changes_tokens(cluster: tuple[Instance, Instance]) -> None:

@@ -37,31 +37,44 @@ MODEL_LEN = 128
 
 
 class BlockCache(Cache):
-    """One request's K/V in vLLM's per-layer ``[B, H, N, K|V]`` views, via its block ids."""
+    """One request's K/V in vLLM's per-layer ``[B, H, N, K|V]`` views of every TP rank (rank
+    ``r`` holds KV heads ``[r*h, (r+1)*h)``), via its block ids."""
 
-    def __init__(self, views: list[F32], block_ids: list[int]) -> None:
-        self.views, self.ids = views, np.asarray(block_ids, dtype=np.int64)
+    def __init__(self, rank_views: list[list[F32]], block_ids: list[int]) -> None:
+        self.rank_views, self.ids = rank_views, np.asarray(block_ids, dtype=np.int64)
+        self.h = SPEC.kv_heads // len(rank_views)
 
     def write(self, layer: int, pos: int, k: F32, v: F32) -> None:
-        d = SPEC.head_dim
+        d, h = SPEC.head_dim, self.h
         b, t = self.ids[pos // BLOCK], pos % BLOCK
-        self.views[layer][b, :, t, :d] = k
-        self.views[layer][b, :, t, d:] = v
+        for r, views in enumerate(self.rank_views):
+            views[layer][b, :, t, :d] = k[r * h : (r + 1) * h]
+            views[layer][b, :, t, d:] = v[r * h : (r + 1) * h]
 
     def read(self, layer: int, hi: int) -> tuple[F32, F32]:
         pos = np.arange(hi)
-        rows = self.views[layer][self.ids[pos // BLOCK], :, pos % BLOCK, :]  # [n, H, 2D]
+        rows = np.concatenate(  # [n, H, 2D]
+            [v[layer][self.ids[pos // BLOCK], :, pos % BLOCK, :] for v in self.rank_views], axis=1
+        )
         d = SPEC.head_dim
         return rows[..., :d], rows[..., d:]
 
 
 class Engine:
-    """One instance (scheduler + one worker) with its connector halves and KV pool."""
+    """One instance (scheduler + ``tp`` workers) with its connector halves and KV pools.
 
-    def __init__(self, role: str, layout_name: str, extra: dict[str, Any]) -> None:
+    vLLM's TP process group does not exist in these processes, so the rank a worker
+    connector would read from it (``kvwire_vllm.connector._tp_rank``) is patched in while
+    that worker's connector is built; everything else is as with real TP workers: one
+    connector and one kvwire manager per rank, each over its own pool holding its KV heads,
+    and their reports reduced by vLLM's ``KVOutputAggregator``.
+    """
+
+    def __init__(self, role: str, layout_name: str, extra: dict[str, Any], tp: int = 1) -> None:
         import torch
         from vllm.config import CacheConfig, KVTransferConfig, VllmConfig
         from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+        from vllm.distributed.kv_transfer.kv_connector.utils import KVOutputAggregator
         from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
         from vllm.utils.hashing import sha256
         from vllm.v1.core.kv_cache_manager import KVCacheManager
@@ -75,6 +88,9 @@ class Engine:
             create_kv_cache_views,
         )
 
+        import kvwire_vllm.connector as kc
+        from kvwire.layout import RankPosition
+
         self.role = role
         ktc = KVTransferConfig(
             kv_connector="KVWireConnector",
@@ -87,7 +103,7 @@ class Engine:
         )
         spec = FullAttentionSpec(
             block_size=BLOCK,
-            num_kv_heads=SPEC.kv_heads,
+            num_kv_heads=SPEC.kv_heads // tp,
             head_size=SPEC.head_dim,
             dtype=torch.float32,
         )
@@ -114,17 +130,26 @@ class Engine:
             kv_cache_groups=[KVCacheGroupSpec(names, spec)],
             kv_cache_layout=layout.name,
         )
-        self.raw = torch.zeros(tensor.size, dtype=torch.int8)
-        tviews = create_kv_cache_views(self.raw, spec, NUM_BLOCKS, layout, tensor)
-        self.kv_caches = dict(zip(names, tviews, strict=True))
-        self.views = [t.numpy() for t in tviews]  # same memory, [B, H, N, 2D] float32
         self.sched = KVConnectorFactory.create_connector(
             self.vllm_config, KVConnectorRole.SCHEDULER, self.kv_cache_config
         )
-        self.worker = KVConnectorFactory.create_connector(
-            self.vllm_config, KVConnectorRole.WORKER, self.kv_cache_config
-        )
-        self.worker.register_kv_caches(self.kv_caches)
+        self.raws, self.rank_views, self.workers = [], [], []
+        real_rank = kc._tp_rank
+        for r in range(tp):
+            raw = torch.zeros(tensor.size, dtype=torch.int8)
+            tviews = create_kv_cache_views(raw, spec, NUM_BLOCKS, layout, tensor)
+            kc._tp_rank = lambda _cfg, r=r: RankPosition(tp_size=tp, tp_rank=r)
+            try:
+                worker = KVConnectorFactory.create_connector(
+                    self.vllm_config, KVConnectorRole.WORKER, self.kv_cache_config
+                )
+            finally:
+                kc._tp_rank = real_rank
+            worker.register_kv_caches(dict(zip(names, tviews, strict=True)))
+            self.raws.append(raw)
+            self.rank_views.append([t.numpy() for t in tviews])  # same memory, float32
+            self.workers.append(worker)
+        self.aggregator = KVOutputAggregator(tp)
         init_none_hash(sha256)
         self.hasher = get_request_block_hasher(BLOCK, sha256)
         self.kvm = KVCacheManager(
@@ -151,7 +176,7 @@ class Engine:
         return req
 
     def _cache(self, rid: str) -> BlockCache:
-        return BlockCache(self.views, self.kvm.get_block_ids(rid)[0])
+        return BlockCache(self.rank_views, self.kvm.get_block_ids(rid)[0])
 
     def _finish(self, req: Any, status: Any) -> tuple[bool, dict[str, Any] | None]:
         req.status = status
@@ -252,8 +277,9 @@ class Engine:
         ids = self.kvm.get_block_ids(rid)[0]
         if job["corrupt"]:  # negative control: damage what arrived
             rng = np.random.default_rng(7)
-            for v in self.views:
-                v[ids] += rng.standard_normal(v[ids].shape).astype(np.float32)
+            for views in self.rank_views:
+                for v in views:
+                    v[ids] += rng.standard_normal(v[ids].shape).astype(np.float32)
         req.num_computed_tokens = n_prompt - 1  # a full hit recomputes the last token
         need = n_prompt + job["n"]
         grow = self.kvm.allocate_slots(req, need - req.num_computed_tokens)
@@ -278,22 +304,34 @@ class Engine:
     # ------------------------------------------------------------------ engine step
     def step(self) -> None:
         """One engine step's connector calls, in vLLM's order."""
+        from types import SimpleNamespace
+
         from vllm.v1.outputs import KVConnectorOutput
 
         meta = self.sched.build_connector_meta(None)
-        self.worker.bind_connector_metadata(meta)
-        self.worker.start_load_kv(None)
-        self.worker.wait_for_save()
-        res = self.worker.get_transfer_results(set())
-        bad = self.worker.get_block_ids_with_load_errors()
-        self.worker.clear_connector_metadata()
-        out = KVConnectorOutput(
-            finished_sending=res.finished_sending,
-            finished_recving=res.finished_recving,
-            failed_recving=res.failed_recving,
-            invalid_block_ids=bad,
-        )
+        outputs = []
+        for worker in self.workers:  # what each worker's model runner does this step
+            worker.bind_connector_metadata(meta)
+            worker.start_load_kv(None)
+            worker.wait_for_save()
+            res = worker.get_transfer_results(set())
+            bad = worker.get_block_ids_with_load_errors()
+            worker.clear_connector_metadata()
+            kv_out = KVConnectorOutput(
+                finished_sending=res.finished_sending,
+                finished_recving=res.finished_recving,
+                failed_recving=res.failed_recving,
+                invalid_block_ids=bad,
+            )
+            outputs.append(SimpleNamespace(kv_connector_output=kv_out))
+        out = self.aggregator.aggregate(outputs).kv_connector_output  # the executor's reduce
         self.sched.update_connector_output(out)
+        bad = out.invalid_block_ids
+        res = SimpleNamespace(
+            finished_sending=out.finished_sending or set(),
+            finished_recving=out.finished_recving or set(),
+            failed_recving=out.failed_recving,
+        )
         for rid in res.finished_sending:
             self.reports.setdefault(rid, {})["sent"] = True
             self.kvm.free(self.requests[rid])
@@ -310,16 +348,21 @@ class Engine:
         return bool(self.waiting) or self.sched.has_pending_push_work()
 
     def status(self) -> dict[str, Any]:
-        wh = self.worker.worker_half
+        halves = [w.worker_half for w in self.workers]
+        rooms: dict[str, int] = {}
+        for wh in halves:
+            for k, n in (wh.mgr.room_tables() if wh.mgr else {}).items():
+                rooms[k] = rooms.get(k, 0) + n
         return {
             "free_blocks": self.kvm.block_pool.get_num_free_blocks(),
             "free0": self.free0,
             "pending": self.sched.has_pending_push_work(),
             "waiting": sorted(self.waiting),
-            "errors": dict(wh.errors),
-            "live": len(wh.sends) + len(wh.recvs),
-            "rooms": wh.mgr.room_tables() if wh.mgr else {},
-            "backend": wh.mgr.backend_name if wh.mgr else None,
+            "errors": {k: v for wh in halves for k, v in wh.errors.items()},
+            "live": sum(len(wh.sends) + len(wh.recvs) for wh in halves),
+            "rooms": rooms,
+            "backend": halves[0].mgr.backend_name if halves[0].mgr else None,
+            "ranks": [wh.rank.tp_rank for wh in halves],
             "reports": self.reports,
         }
 
@@ -329,8 +372,11 @@ def serve(conn: Any, role: str, engines: dict[str, dict[str, Any]]) -> None:
     (as vLLM's engine core does) until told to stop."""
     os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
     try:
-        eng = {name: Engine(role, e["layout"], e["extra"]) for name, e in engines.items()}
-        conn.send(("ready", {n: e.worker.worker_half.pool.summary for n, e in eng.items()}))
+        eng = {
+            name: Engine(role, e["layout"], e["extra"], e.get("tp", 1))
+            for name, e in engines.items()
+        }
+        conn.send(("ready", {n: e.workers[0].worker_half.pool.summary for n, e in eng.items()}))
     except BaseException:
         conn.send(("error", traceback.format_exc()))
         return
@@ -339,7 +385,8 @@ def serve(conn: Any, role: str, engines: dict[str, dict[str, Any]]) -> None:
             name, cmd, kwargs = conn.recv()
             if cmd == "stop":
                 for e in eng.values():
-                    e.worker.shutdown()
+                    for w in e.workers:
+                        w.shutdown()
                 conn.send(("ok", None))
                 return
             try:
