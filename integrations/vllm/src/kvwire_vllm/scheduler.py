@@ -64,7 +64,7 @@ def flat_blocks(block_ids: Any) -> list[int]:
                 f"kvwire-vllm moves one KV cache group; this model has {len(block_ids)}"
             )
         block_ids = block_ids[0]
-    return [int(b) for b in block_ids]
+    return list(block_ids)
 
 
 class SchedulerHalf:
