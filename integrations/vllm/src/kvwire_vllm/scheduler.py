@@ -1,0 +1,213 @@
+"""Scheduler half of the connector (vLLM's engine-core process, scheduler thread).
+
+Push mode, one request, as vLLM's PD router drives it:
+
+1. The router sends the request to **prefill** with ``kv_transfer_params =
+   {"do_remote_decode": true}`` and ``max_tokens=1``. Prefill computes the prompt; when the
+   request finishes, :meth:`SchedulerHalf.request_finished` picks a random 63-bit room, keeps
+   the blocks (returns ``True``: vLLM frees them only when the worker reports the request in
+   ``finished_sending``), queues a :class:`~kvwire_vllm.metadata.SendSpec` for the workers,
+   and returns the params the router forwards to decode: ``do_remote_prefill``, the room,
+   the bootstrap address and the prompt length.
+2. The router sends the request with those params to **decode**.
+   :meth:`get_num_new_matched_tokens` answers "the prompt minus my local prefix hit, loaded
+   asynchronously"; vLLM allocates blocks and calls :meth:`update_state_after_alloc`, which
+   queues a :class:`~kvwire_vllm.metadata.RecvSpec` with the blocks after the cached prefix.
+   Decode's workers then ask prefill's workers (through kvwire) for the KV, prefill's workers
+   push it, and decode's workers report the request in ``finished_recving`` (and
+   ``failed_recving`` if it failed), after which vLLM schedules it (recomputing the last
+   prompt token, as for a full prefix hit).
+
+Nothing here touches the network: the workers do (``kvwire_vllm.worker``).
+"""
+
+from __future__ import annotations
+
+import logging
+import secrets
+from typing import Any
+
+from vllm.v1.request import RequestStatus
+
+from kvwire.config import KVWireConfig
+from kvwire.errors import ConfigError
+from kvwire_vllm.config import ConnectorOptions, bootstrap_address
+from kvwire_vllm.metadata import (
+    BLOCK_SIZE,
+    BOOTSTRAP,
+    DO_REMOTE_DECODE,
+    DO_REMOTE_PREFILL,
+    NUM_TOKENS,
+    ROOM,
+    KVWireMetadata,
+    RecvSpec,
+    SendSpec,
+    params_room,
+)
+
+logger = logging.getLogger(__name__)
+
+#: Finish states after which prefill's KV is complete and worth pushing.
+_PUSHABLE = (RequestStatus.FINISHED_LENGTH_CAPPED, RequestStatus.FINISHED_STOPPED)
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def flat_blocks(block_ids: Any) -> list[int]:
+    """The block ids of a request's one KV cache group (vLLM passes a list, or a tuple of one
+    list per group to HMA-aware connectors)."""
+    if isinstance(block_ids, tuple):
+        if len(block_ids) != 1:
+            raise ConfigError(
+                f"kvwire-vllm moves one KV cache group; this model has {len(block_ids)}"
+            )
+        block_ids = block_ids[0]
+    return list(block_ids)
+
+
+class SchedulerHalf:
+    """State of the scheduler-side connector; see the module docstring for the flow."""
+
+    def __init__(
+        self,
+        opts: ConnectorOptions,
+        config: KVWireConfig,
+        block_size: int,
+        is_producer: bool,
+        is_consumer: bool,
+    ) -> None:
+        self.block_size = block_size
+        self.is_producer = is_producer
+        self.is_consumer = is_consumer
+        self.bootstrap_addr = bootstrap_address(opts, config)
+        self._meta = KVWireMetadata()
+        #: Prefill: requests whose blocks are held until the workers report them sent.
+        self.sending: set[str] = set()
+        #: Decode: requests whose KV is arriving (reported in finished_recving).
+        self.receiving: set[str] = set()
+        #: Decode: requests aborted while receiving; vLLM holds their blocks until reported.
+        self.aborting: set[str] = set()
+
+    # ---------------------------------------------------------------- decode side
+    def get_num_new_matched_tokens(
+        self, request: Any, num_computed_tokens: int
+    ) -> tuple[int, bool]:
+        """Decode: how many prompt tokens prefill will push beyond the local prefix hit
+        (loaded asynchronously), or ``(0, False)`` for requests that are not remote prefills.
+        Side-effect free (vLLM may call it several times per request)."""
+        got = params_room(request.kv_transfer_params)
+        if got is None or not self.is_consumer:
+            return 0, False
+        _, _, num_tokens = got
+        if num_tokens != request.num_prompt_tokens:
+            logger.warning(
+                "request %s: prefill computed %d tokens, the prompt here has %d; computing it "
+                "locally",
+                request.request_id,
+                num_tokens,
+                request.num_prompt_tokens,
+            )
+            return 0, False
+        count = num_tokens - num_computed_tokens
+        return (count, True) if count > 0 else (0, False)
+
+    def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
+        """Decode: blocks are allocated for the request; queue the receive for the workers.
+        Only the first call per request acts (the params' ``do_remote_prefill`` is cleared, as
+        vLLM's own push connector does, so a re-entry after preemption does not re-register)."""
+        params = request.kv_transfer_params
+        got = params_room(params)
+        if got is None or not self.is_consumer:
+            return
+        room, addr, num_tokens = got
+        params[DO_REMOTE_PREFILL] = False
+        ids = flat_blocks(blocks.get_block_ids())
+        bs = self.block_size
+        if num_external_tokens <= 0:
+            # Nothing to load (prompt mismatch or a full local hit): still tell prefill, which
+            # holds the blocks for us, that it may free them (an empty page list succeeds).
+            self._meta.recvs.append(RecvSpec(request.request_id, room, addr, [], 0, report=False))
+            return
+        cached = num_tokens - num_external_tokens
+        first, last = cached // bs, _cdiv(num_tokens, bs)
+        if len(ids) < last:
+            raise ConfigError(
+                f"request {request.request_id}: {len(ids)} blocks allocated for a "
+                f"{num_tokens}-token prompt of {last} blocks"
+            )
+        self._meta.recvs.append(RecvSpec(request.request_id, room, addr, ids[first:last], first))
+        self.receiving.add(request.request_id)
+
+    # ---------------------------------------------------------------- both sides
+    def request_finished(self, request: Any, block_ids: Any) -> tuple[bool, dict[str, Any] | None]:
+        """Called once per request when it finishes, before vLLM frees its blocks.
+
+        Prefill: for a finished remote-decode request, hold the blocks and return the params
+        for decode. Decode: a request aborted while its KV arrives is aborted on the workers
+        too (vLLM keeps its blocks until the workers report it: they wait until no prefill
+        write is in flight); one aborted before it was scheduled releases prefill's blocks.
+        """
+        params = request.kv_transfer_params
+        rid = request.request_id
+        if not params:
+            return False, None
+        if self.is_consumer and params.get(DO_REMOTE_PREFILL):
+            got = params_room(params)
+            if got is not None:  # never allocated: release prefill's blocks
+                params[DO_REMOTE_PREFILL] = False
+                room, addr, _ = got
+                self._meta.recvs.append(RecvSpec(rid, room, addr, [], 0, report=False))
+            return False, None
+        if self.is_consumer and rid in self.receiving:
+            self.receiving.discard(rid)
+            self.aborting.add(rid)
+            self._meta.aborts.append(rid)
+            return False, None
+        if not (self.is_producer and params.get(DO_REMOTE_DECODE)):
+            return False, None
+        if request.status not in _PUSHABLE:
+            logger.info("request %s finished as %s; nothing to push", rid, request.status)
+            return False, None
+        num_tokens = int(request.num_prompt_tokens)
+        ids = flat_blocks(block_ids)[: _cdiv(num_tokens, self.block_size)]
+        if len(ids) * self.block_size < num_tokens:
+            logger.error(
+                "request %s: %d blocks cannot hold its %d prompt tokens; not pushing",
+                rid,
+                len(ids),
+                num_tokens,
+            )
+            return False, None
+        room = secrets.randbits(63)
+        self._meta.sends.append(SendSpec(rid, room, ids))
+        self.sending.add(rid)
+        return True, {
+            DO_REMOTE_PREFILL: True,
+            DO_REMOTE_DECODE: False,
+            ROOM: room,
+            BOOTSTRAP: self.bootstrap_addr,
+            NUM_TOKENS: num_tokens,
+            BLOCK_SIZE: self.block_size,
+        }
+
+    def build_connector_meta(self) -> KVWireMetadata:
+        """This step's work for the workers; the queue starts empty again."""
+        meta, self._meta = self._meta, KVWireMetadata()
+        return meta
+
+    def update_connector_output(
+        self, finished_sending: set[str] | None, finished_recving: set[str] | None
+    ) -> None:
+        """The workers' reports of the last step (already reduced over TP ranks by vLLM)."""
+        for rid in finished_sending or ():
+            self.sending.discard(rid)
+        for rid in finished_recving or ():
+            self.receiving.discard(rid)
+            self.aborting.discard(rid)
+
+    def has_pending_push_work(self) -> bool:
+        """Keep vLLM's engine loop stepping while the workers still owe a report that no
+        running request would otherwise wait for (pushes on prefill, aborts on decode)."""
+        return bool(self.sending or self.aborting or not self._meta.empty())
