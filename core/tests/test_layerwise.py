@@ -14,7 +14,7 @@ from kvwire.index.head_slice import HeadSliceMapper
 from kvwire.layout import ModelSpec, RankPosition
 from kvwire.session import KVPoll
 from kvwire.session.layers import LayerGate, group_edges
-from kvwire.testing.kvfill import fill_pages, make_pool, page_values
+from kvwire.testing.kvfill import make_pool, page_values
 from kvwire.testing.pair import Pair, config, no_rooms, pair, wait_for
 
 MODEL8 = ModelSpec(num_layers=8, total_kv_heads=2, head_dim=8, dtype="int32", page_size=2)
@@ -96,14 +96,7 @@ def _layer_arrived(p: Pair, layer: int, dst: np.ndarray) -> bool:
 
 
 def _start(p: Pair, room: int, pages: int, dst: np.ndarray) -> tuple:
-    r = p.decode.receiver(room, p.addr)
-    r.init()
-    r.send_metadata(dst, aux_index=1)
-    s = p.prefill.sender(room)
-    src = np.arange(pages)
-    fill_pages(p.play, p.parr, src, 0)
-    wait_for(lambda: s.poll() >= KVPoll.WaitingForInput)
-    s.init(pages, aux_index=2)
+    s, r, src, _ = p.start(room, pages, dst)
     return s, r, src
 
 

@@ -25,7 +25,7 @@ from kvwire.layout import MemKind, MemoryRegion
 from kvwire.session.poll import KVPoll
 from kvwire.session.segments import split_tables
 from kvwire.staging.base import ChunkPlan, Segment, StagingStrategy
-from kvwire.testing.kvfill import count_mismatches, fill_pages
+from kvwire.testing.kvfill import count_mismatches
 from kvwire.testing.pair import config, no_rooms, pair, wait_for
 
 
@@ -150,15 +150,7 @@ class _HalfCopied(StagingStrategy):
 
 
 def _start(p: Any, room: int, pages: int) -> tuple[Any, Any, Any]:
-    r = p.decode.receiver(room, p.addr)
-    r.init()
-    dst = np.arange(pages) + 10
-    r.send_metadata(dst, aux_index=1)
-    s = p.prefill.sender(room)
-    src = np.arange(pages)
-    fill_pages(p.play, p.parr, src, 0)
-    wait_for(lambda: s.poll() >= KVPoll.WaitingForInput)
-    s.init(pages, aux_index=2)
+    s, r, src, dst = p.start(room, pages)
     s.send(src[:2])
     s.send(src[2:], last=True)
     return r, s, dst

@@ -63,17 +63,23 @@ class Pair:
         self.decode.close()
         self.prefill.close()
 
-    def transfer(self, room: int, pages: int = 4, chunks: tuple[int, ...] = (2, 2)) -> None:
-        """A whole verified request."""
+    def start(self, room: int, pages: int, dst: Any = None) -> tuple[Any, Any, Any, Any]:
+        """A request up to ``init()`` on both sides: decode asked for ``dst`` (default: slots
+        10...), prefill filled slots 0... and was asked. Returns (sender, receiver, src, dst)."""
         r = self.decode.receiver(room, self.addr)
         r.init()
-        dst = np.arange(pages) + 10
+        dst = np.arange(pages) + 10 if dst is None else dst
         r.send_metadata(dst, aux_index=1)
         s = self.prefill.sender(room)
         src = np.arange(pages)
         fill_pages(self.play, self.parr, src, 0)
         wait_for(lambda: s.poll() >= KVPoll.WaitingForInput)
         s.init(pages, aux_index=2)
+        return s, r, src, dst
+
+    def transfer(self, room: int, pages: int = 4, chunks: tuple[int, ...] = (2, 2)) -> None:
+        """A whole verified request."""
+        s, r, src, dst = self.start(room, pages)
         off = 0
         for i, n in enumerate(chunks):
             s.send(src[off : off + n], last=i == len(chunks) - 1)
