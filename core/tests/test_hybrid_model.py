@@ -44,6 +44,19 @@ def test_layerwise_chunks_give_the_same_tokens(reference: list[int], tp_p: int, 
     assert out.tokens == reference
 
 
+@pytest.mark.parametrize(("tp_p", "tp_d"), [(2, 1), (1, 2)], ids=["tp2to1", "tp1to2"])
+def test_layerwise_through_the_staging_ring(reference: list[int], tp_p: int, tp_d: int) -> None:
+    """Bulk staging, every chunk sent layer-wise before its pass: each layer group's head
+    slices are gathered into the staging block once computed and the block goes out in one
+    write per group (more transfers than whole blocks); tokens still equal."""
+    cfg = config(staging="bulk")  # small units, so that each layer group owns some
+    cfg.staging_options = {"block_bytes": 64, "ring_bytes": 1 << 16, "buffer_bytes": 1 << 14}
+    out = run_pd(SPEC, PROMPT, N_GEN, tp_p, tp_d, chunk_pages=1, cfg=cfg, layerwise=True)
+    assert out.tokens == reference
+    whole = run_pd(SPEC, PROMPT, N_GEN, tp_p, tp_d, chunk_pages=1, cfg=cfg)
+    assert sum(out.transfers) > sum(whole.transfers), (out.transfers, whole.transfers)
+
+
 def test_only_the_window_moves_and_replicated_state_is_sent_once() -> None:
     """Bytes per prefill rank, TP 2 -> 1: each rank sends its half of every head-split buffer
     (4 prompt pages of KV and draft KV, but only the 2 pages of the 6-token window), the

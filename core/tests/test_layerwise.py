@@ -213,3 +213,26 @@ def test_bench_layerwise_runs_every_mode_with_bytes_checked(tmp_path: object) ->
     (row,) = measure(a, Console(quiet=True))
     assert row.corrupt == 0 and row.failed == 0
     assert min(row.compute_ms, row.chunk_ms, row.layer_ms) > 0
+
+
+@pytest.mark.parametrize("npages, block", [(1, 64), (3, 64), (2, 1000), (5, 4096)])
+def test_staged_block_units_go_with_the_last_group_that_writes_them(
+    npages: int, block: int
+) -> None:
+    """Bulk staging, layer-wise: a block unit shared by several layer groups' pairs is
+    written once, by the last of them (checked against a byte-by-byte reference)."""
+    from kvwire.staging.bulk_ring import block_bytes, unit_owners
+
+    model = ModelSpec(num_layers=5, total_kv_heads=4, head_dim=4, dtype="int32", page_size=2)
+    src, _ = make_pool(model, RankPosition(tp_size=2, tp_rank=1), 8)
+    dst, _ = make_pool(model, RankPosition(tp_size=1, tp_rank=0), 8)
+    mapper = HeadSliceMapper(src, dst)
+    edges = group_edges(0, 5, 3)
+    owner, pair_group = unit_owners(mapper, npages, block, edges)
+    per = block_bytes(mapper, npages) // mapper.num_pairs
+    byte_group = np.repeat(pair_group, per)  # the group of every byte of the block
+    want = [byte_group[u * block : (u + 1) * block].max() for u in range(owner.size)]
+    assert owner.tolist() == want
+    assert owner.size * block >= byte_group.size > (owner.size - 1) * block
+    layers = src.buffer_keys[mapper.src_buf, 0]
+    assert (edges[pair_group] <= layers).all() and (layers < edges[pair_group + 1]).all()

@@ -23,7 +23,7 @@ from __future__ import annotations
 import threading
 import time
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, Generic, Protocol, TypeVar
 
@@ -157,6 +157,9 @@ class LayeredChunk(Generic[R]):
     ref: R
     edges: NDArray[np.int64]
     groups: list[list[Segment]] | None
+    #: Stages group ``g``'s bytes before its rows are posted (a staging strategy's
+    #: :attr:`~kvwire.staging.base.LayerPlan.fill`); called for every group, in order.
+    fill: Callable[[int], None] | None = None
     next: int = 0
     part: int = 0
 
@@ -172,10 +175,14 @@ class LayeredChunk(Generic[R]):
 
     def due(self, ready: int) -> Iterator[tuple[list[Segment], int]]:
         """The groups whose layers are all computed (layers below ``ready``) and not handed
-        out yet, in order, each with the part number of its first segment."""
+        out yet, in order (each staged first, by :attr:`fill`), each with the part number of
+        its first segment."""
         groups = self.groups or []
         while self.next < len(groups) and self.edges[self.next + 1] <= ready:
-            segs = groups[self.next]
+            g = self.next
             self.next += 1
+            if self.fill is not None:
+                self.fill(g)
+            segs = groups[g]
             first, self.part = self.part, self.part + len(segs)
             yield segs, first

@@ -205,14 +205,21 @@ class Pipeline:
         ready = self._gate_ready(job)
         lay = tail.layered
         if lay is None:
-            if job.target.staged and ready < gate.end:
-                return False  # staging space is granted in write order: take it when ready
-            plan = self._plan(job)
-            if plan is None:
-                return False
-            if plan.empty:
-                return True
-            lay = tail.layered = self._layered(job, plan, gate.edges)
+            strategy = job.target.strategy
+            if job.target.staged and strategy.stages_layers:
+                lay = self._staged_layers(job, gate.edges)
+                if lay is None:
+                    return False  # waiting for staging space
+                tail.layered = lay
+            else:
+                if job.target.staged and ready < gate.end:
+                    return False  # space is granted in write order: take it once computed
+                plan = self._plan(job)
+                if plan is None:
+                    return False
+                if plan.empty:
+                    return True
+                lay = tail.layered = self._layered(job, plan, gate.edges)
         if lay.groups is None:
             if ready < gate.end:
                 return False
@@ -228,6 +235,24 @@ class Pipeline:
         tail.layered = None
         lay.ref.seal()
         return True
+
+    def _staged_layers(self, job: Job, edges: NDArray[np.int64]) -> LayeredChunk[_PlanRef] | None:
+        """A staging strategy's layer-wise plan (its space taken now, each group staged when
+        computed), or None while it waits for space."""
+        assert job.chunk_id is not None
+        strategy = job.target.strategy
+        lp = strategy.plan_layers(
+            job.room.room, job.chunk_id, job.target.mapper, job.src, job.dst, edges,
+            dest=job.dest.session, worker=self.index,
+        )  # fmt: skip
+        if lp is None:
+            return None
+        ref = _PlanRef(strategy, lp.plan, job.room.room, open=True)
+        groups = [
+            self._segments(job, ChunkPlan(lp.plan.table, s, d, what=lp.plan.what)) if s.size else []
+            for s, d in lp.rows
+        ]
+        return LayeredChunk(lp.plan, ref, edges, groups, fill=lp.fill)
 
     def _gate_ready(self, job: Job) -> int:
         """The first layer of a layer-wise job not computed yet (raises past the deadline)."""

@@ -151,6 +151,19 @@ class Segment:
 
 
 @dataclass
+class LayerPlan:
+    """A staged layer-wise chunk (:meth:`StagingStrategy.plan_layers`): ``plan`` is the whole
+    chunk's plan (its ``token`` comes back in :meth:`StagingStrategy.on_sent`, once); group
+    ``g``'s rows of ``plan.table`` are ``rows[g]`` (empty: its bytes travel with a later
+    group); ``fill(g)`` stages group ``g``'s bytes, called by the transfer worker once those
+    layers are computed, before group ``g``'s rows are posted (and only then)."""
+
+    plan: ChunkPlan
+    rows: list[tuple[IndexArray, IndexArray]]
+    fill: Callable[[int], None]
+
+
+@dataclass
 class ChunkPlan:
     """What the transfer worker submits for one chunk.
 
@@ -230,6 +243,31 @@ class StagingStrategy(ABC):
         (the decode session), before submit: decide the rows to move (and gather them into
         staging memory when the strategy stages). None means "not yet" (waiting for staging
         space): the worker asks again later, keeping the destination's chunks in order."""
+
+    def plan_layers(
+        self,
+        room: int,
+        chunk_id: int,
+        mapper: IndexMapper,
+        src_pages: Any,
+        dst_pages: Any,
+        edges: Any,
+        *,
+        dest: str = "",
+        worker: int = 0,
+    ) -> LayerPlan | None:
+        """Sending side, transfer worker, for a layer-wise chunk (``send(..., layerwise=True)``)
+        before its layers are computed: a plan whose rows are known now and whose staging
+        memory is filled one layer group at a time (:class:`LayerPlan`); None means "not yet"
+        (as :meth:`plan`). Layer group ``g`` is model layers ``[edges[g], edges[g+1])``.
+
+        The default raises ``NotImplementedError``: a strategy that stages stages a layer-wise
+        chunk whole, once every layer is computed (through :meth:`plan`). Core calls this only
+        on a strategy that sets :attr:`stages_layers`."""
+        raise NotImplementedError(f"the {self.name} strategy does not stage by layer group")
+
+    #: The strategy implements :meth:`plan_layers` (it stages layer-wise chunks group by group).
+    stages_layers: ClassVar[bool] = False
 
     def on_sent(self, room: int, plan: ChunkPlan, ok: bool) -> None:  # noqa: B027 - optional
         """Sending side, after the chunk's transfer is terminal (its buffer may be reused)."""

@@ -46,6 +46,7 @@ from kvwire.index.head_slice import HeadSliceMapper
 from kvwire.staging.base import (
     ArrivedChunk,
     ChunkPlan,
+    LayerPlan,
     QueuedChunk,
     StagingContext,
     StagingStrategy,
@@ -278,6 +279,26 @@ class BulkStaging(StagingStrategy):
             src_idx, dst_idx = mapper.map_chunk(src_pages, dst_pages)
             return ChunkPlan(table="kv", src_idx=src_idx, dst_idx=dst_idx)
         return self.writer.plan(room, chunk_id, mapper, src_pages, dst_pages, dest, worker)
+
+    stages_layers = True
+
+    def plan_layers(
+        self,
+        room: int,
+        chunk_id: int,
+        mapper: IndexMapper,
+        src_pages: Any,
+        dst_pages: Any,
+        edges: Any,
+        *,
+        dest: str = "",
+        worker: int = 0,
+    ) -> LayerPlan | None:
+        if self.writer is None:
+            raise ConfigError("plan_layers is called on the sending side only")
+        return self.writer.plan_layers(
+            room, chunk_id, mapper, src_pages, dst_pages, edges, dest, worker
+        )
 
     def on_sent(self, room: int, plan: ChunkPlan, ok: bool) -> None:
         if self.writer is not None:

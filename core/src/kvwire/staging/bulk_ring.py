@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+from numpy.typing import NDArray
 from prometheus_client import Counter
 from pydantic import ValidationError
 
@@ -42,6 +43,30 @@ def block_bytes(mapper: IndexMapper, npages: int) -> int:
     """Bytes of a staged block: every pair's head slice of every token of ``npages`` pages."""
     assert isinstance(mapper, HeadSliceMapper)
     return mapper.num_pairs * npages * mapper.src.model.page_size * mapper.slice_bytes
+
+
+def unit_owners(
+    mapper: IndexMapper, npages: int, block: int, edges: NDArray[np.int64]
+) -> tuple[NDArray[np.int64], NDArray[np.int64]]:
+    """For a staged block written layer group by layer group (``[pair, page, token, slice]``,
+    groups of model layers cut at ``edges``): the group that writes each ``block``-byte unit
+    (the last group with bytes in it: the unit is written once, complete) and the group of
+    each buffer pair. NumPy only."""
+    assert isinstance(mapper, HeadSliceMapper)
+    layer = mapper.src.buffer_keys[mapper.src_buf, 0]
+    pair_group = (np.searchsorted(edges, layer, side="right") - 1).astype(np.int64)
+    per = npages * mapper.src.model.page_size * mapper.slice_bytes  # bytes of one pair
+    n = mapper.num_pairs * per
+    units = -(-n // block)
+    first = np.arange(mapper.num_pairs, dtype=np.int64) * per // block
+    last = (np.arange(1, mapper.num_pairs + 1, dtype=np.int64) * per - 1) // block
+    counts = last - first + 1
+    offsets = np.arange(int(counts.sum()), dtype=np.int64) - np.repeat(
+        np.cumsum(counts) - counts, counts
+    )
+    owner = np.full(units, -1, dtype=np.int64)
+    np.maximum.at(owner, np.repeat(first, counts) + offsets, np.repeat(pair_group, counts))
+    return owner, pair_group
 
 
 @dataclass

@@ -24,8 +24,8 @@ from kvwire.errors import TransferError
 from kvwire.index.base import IndexMapper
 from kvwire.index.head_slice import HeadSliceMapper
 from kvwire.layout import MemoryRegion
-from kvwire.staging.base import ChunkPlan, QueuedChunk, StagingContext
-from kvwire.staging.bulk_ring import block_bytes
+from kvwire.staging.base import ChunkPlan, LayerPlan, QueuedChunk, StagingContext
+from kvwire.staging.bulk_ring import block_bytes, unit_owners
 from kvwire.staging.bulk_wire import MESSAGES, Ask, BulkMessage, Deny, Grant, Watermark
 from kvwire.staging.kernels import KVTensors, block_view
 from kvwire.staging.ring import Allocation, WatermarkView
@@ -153,6 +153,60 @@ class WriterSide:
             self._post(nxt.endpoint, nxt.msg)
 
     # ---------------------------------------------------------------- writing
+    def _acquire(self, ask: _Ask, dest: str, worker: int) -> tuple[int, int] | None:
+        """Transfer worker: for a staged chunk's ask, a free buffer of this worker and its
+        byte offset, once the space is granted and free (watermark); None: not yet."""
+        if ask.denied is not None:
+            raise TransferError(f"decode refused staging space: {ask.denied}", room=ask.msg.room)
+        now = time.monotonic()
+        if ask.grant is None:
+            if now > ask.deadline:
+                raise TransferError(
+                    f"no staging grant for chunk {ask.msg.chunk_id} within the transfer timeout",
+                    room=ask.msg.room,
+                    peer=dest,
+                )
+            if ask.sent and now - ask.sent > self._retry_s:
+                ask.sent = now
+                self._post(ask.endpoint, ask.msg)
+            return None
+        with self._lock:
+            if not self._views[dest].ready(ask.grant) or not self._free[worker]:
+                return None
+            slot = self._free[worker].pop()
+        return slot, (worker * self._per_worker + slot) * self._buffer_bytes
+
+    def _ask(self, room: int, dest: str, chunk_id: int) -> _Ask | None:
+        """The chunk's ask; None when the chunk is not staged (equal TP, MLA, an oversize
+        fallback)."""
+        with self._lock:
+            return self._asks.get((room, dest, chunk_id))
+
+    def _gather(self, mapper: HeadSliceMapper, pages: Any, start: int, pairs: Any = None) -> None:
+        """Gather the head slices of ``pages`` into the block at ``start`` (laid out
+        ``[pair, page, token, slice]``): every buffer pair, or the pairs ``pairs`` (sorted),
+        one contiguous run of pairs at a time; synchronised."""
+        ps = mapper.src.model.page_size
+        out = block_view(
+            self.buffers, start, (mapper.num_pairs, pages.size, ps, mapper.slice_bytes)
+        )
+        lo = mapper.src_start * mapper.bytes_per_head
+        hi = lo + mapper.slice_bytes
+        if pairs is None:
+            self.kv.gather(mapper.src_buf, pages, lo, hi, out)
+            return
+        cuts = np.flatnonzero(np.diff(pairs) != 1) + 1
+        for run in np.split(pairs, cuts):  # a layer group: its K run and its V run
+            if run.size:
+                a, b = int(run[0]), int(run[-1]) + 1
+                self.kv.gather(mapper.src_buf[a:b], pages, lo, hi, out[a:b])
+
+    def _rows(self, ask: _Ask, start: int, units: Any) -> tuple[Any, Any]:
+        """Source and destination rows (block units) of the staging table for ``units``."""
+        assert ask.grant is not None
+        b = self._block
+        return start // b + units, ask.grant.offset // b + units
+
     def plan(
         self,
         room: int,
@@ -165,50 +219,68 @@ class WriterSide:
     ) -> ChunkPlan | None:
         """Transfer worker: the chunk's rows; a staged chunk once granted, its space free
         (watermark) and a buffer of this worker's free; None means "not yet"."""
-        key = (room, dest, chunk_id)
-        with self._lock:
-            ask = self._asks.get(key)
+        ask = self._ask(room, dest, chunk_id)
         if ask is None:  # not staged (equal TP, MLA, or an oversize fallback)
             src_idx, dst_idx = mapper.map_chunk(src_pages, dst_pages)
             return ChunkPlan(table="kv", src_idx=src_idx, dst_idx=dst_idx)
-        if ask.denied is not None:
-            raise TransferError(f"decode refused staging space: {ask.denied}", room=room)
-        now = time.monotonic()
-        if ask.grant is None:
-            if now > ask.deadline:
-                raise TransferError(
-                    f"no staging grant for chunk {chunk_id} within the transfer timeout",
-                    room=room,
-                    peer=dest,
-                )
-            if ask.sent and now - ask.sent > self._retry_s:
-                ask.sent = now
-                self._post(ask.endpoint, ask.msg)
+        got = self._acquire(ask, dest, worker)
+        if got is None:
             return None
-        with self._lock:
-            if not self._views[dest].ready(ask.grant) or not self._free[worker]:
-                return None
-            slot = self._free[worker].pop()
+        slot, start = got
         assert isinstance(mapper, HeadSliceMapper)
         pages = np.asarray(src_pages, dtype=np.int64)
-        ps = mapper.src.model.page_size
-        n = block_bytes(mapper, pages.size)
-        start = (worker * self._per_worker + slot) * self._buffer_bytes
-        out = block_view(
-            self.buffers, start, (mapper.num_pairs, pages.size, ps, mapper.slice_bytes)
-        )
-        lo = mapper.src_start * mapper.bytes_per_head
         try:
-            self.kv.gather(mapper.src_buf, pages, lo, lo + mapper.slice_bytes, out)
+            self._gather(mapper, pages, start)
         except BaseException:
             with self._lock:
                 self._free[worker].append(slot)
             raise
-        b = self._block
-        nblocks = -(-n // b)
-        src_idx = start // b + np.arange(nblocks, dtype=np.int64)
-        dst_idx = ask.grant.offset // b + np.arange(nblocks, dtype=np.int64)
-        return ChunkPlan("staging", src_idx, dst_idx, token=(worker, slot, key), what="staged")
+        nblocks = -(-block_bytes(mapper, pages.size) // self._block)
+        src_idx, dst_idx = self._rows(ask, start, np.arange(nblocks, dtype=np.int64))
+        token = (worker, slot, (room, dest, chunk_id))
+        return ChunkPlan("staging", src_idx, dst_idx, token=token, what="staged")
+
+    def plan_layers(
+        self,
+        room: int,
+        chunk_id: int,
+        mapper: IndexMapper,
+        src_pages: Any,
+        dst_pages: Any,
+        edges: Any,
+        dest: str,
+        worker: int,
+    ) -> LayerPlan | None:
+        """Transfer worker: a staged layer-wise chunk. Its space and buffer are taken now;
+        each layer group's pairs are gathered when the worker calls ``fill(g)``, and each
+        block unit of the block goes with the last group that has bytes in it (a unit is
+        written once, complete). A chunk that is not staged is cut by the mapper."""
+        ask = self._ask(room, dest, chunk_id)
+        if ask is None:  # not staged: the mapper's rows, cut by layer
+            src_idx, dst_idx = mapper.map_chunk(src_pages, dst_pages)
+            plan = ChunkPlan(table="kv", src_idx=src_idx, dst_idx=dst_idx)
+            cut = mapper.split_layers(src_idx, dst_idx, edges)
+            if cut is None:  # all rows with the last group
+                empty = np.empty(0, dtype=np.int64)
+                cut = [(empty, empty)] * (edges.size - 2) + [(src_idx, dst_idx)]
+            return LayerPlan(plan, cut, lambda g: None)
+        got = self._acquire(ask, dest, worker)
+        if got is None:
+            return None
+        slot, start = got
+        assert isinstance(mapper, HeadSliceMapper)
+        pages = np.asarray(src_pages, dtype=np.int64)
+        owner, pair_group = unit_owners(mapper, pages.size, self._block, edges)
+        groups = edges.size - 1
+        rows = [self._rows(ask, start, np.flatnonzero(owner == g)) for g in range(groups)]
+        every = self._rows(ask, start, np.arange(owner.size, dtype=np.int64))
+        token = (worker, slot, (room, dest, chunk_id))
+        plan = ChunkPlan("staging", *every, token=token, what="staged")
+
+        def fill(g: int) -> None:
+            self._gather(mapper, pages, start, np.flatnonzero(pair_group == g))
+
+        return LayerPlan(plan, rows, fill)
 
     def on_sent(self, plan: ChunkPlan) -> None:
         """Transfer worker: the staged write ended; its buffer may be reused."""

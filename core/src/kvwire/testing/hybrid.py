@@ -306,6 +306,8 @@ class PDResult:
     #: Bytes and descriptors each prefill rank moved for the request (KV chunks, groups, aux).
     bytes_sent: list[int]
     descriptors: list[int]
+    #: Transfers each prefill rank posted (chunk parts, groups, aux).
+    transfers: list[int] = field(default_factory=list)
 
 
 def run_pd(
@@ -379,10 +381,11 @@ def run_pd(
         first_token = int(dec[0].aux[3, 0])
         sent = [t.metrics.bytes for t in txs]
         descs = [t.metrics.descriptors for t in txs]
+        transfers = [t.metrics.chunks for t in txs]
         view = DecodeView(dec, d_pages, d_swa, d_slot, n)
         if corrupt is not None:
             corrupt(view)
         for h in handles:
             h.clear()
         tokens = model.decode(ShardedCache(dec, d_pages, d_swa, d_slot), first_token, n, n_gen)
-        return PDResult(tokens, sent, descs)
+        return PDResult(tokens, sent, descs, transfers)
