@@ -1,8 +1,8 @@
 """Cross-host behaviour on the ``tcp`` backend: prefill and decode in separate network
 namespaces (needs root; skipped with the reason elsewhere)."""
 
-from kvwire.testing.netns_suite import NetnsConformance
+from kvwire.testing.netns_suite import DataPlaneLoopback
 
 
-class TestTcpNetns(NetnsConformance):
+class TestTcpNetns(DataPlaneLoopback):
     backend_name = "tcp"

@@ -247,6 +247,14 @@ class TransferBackend(ABC):
         may take the control lock :attr:`_lock` here (control path).
         """
 
+    def advertised_hosts(self, metadata: bytes) -> list[str]:
+        """The hosts a peer's :meth:`local_metadata` asks this side to connect to (its data
+        endpoints), for the handshake's reachability check: a peer on another host that
+        advertises loopback is refused at once, naming the setting, instead of failing at
+        the transfer deadline. The default (an engine that checks this itself, or metadata
+        without addresses) returns none. Threads: any thread (handshake threads); no lock."""
+        return []
+
     def add_peer(self, metadata: bytes) -> str:
         """Load a peer from its :meth:`local_metadata`; return its name. Called by the
         initiating side at handshake. Adding a peer again (e.g. after it restarted) replaces it

@@ -2,8 +2,8 @@
 network namespaces, the engine bound to the namespace addresses (needs root; skipped with the
 reason elsewhere)."""
 
-from kvwire.testing.netns_suite import NetnsConformance
+from kvwire.testing.netns_suite import DataPlaneLoopback
 
 
-class TestMooncakeNetns(NetnsConformance):
+class TestMooncakeNetns(DataPlaneLoopback):
     backend_name = "mooncake"

@@ -24,6 +24,7 @@ from kvwire.control.handshake import (
     slot_table,
     topology_for,
 )
+from kvwire.control.reach import endpoint_host, is_local, is_loopback
 from kvwire.control.wire import Hello, HelloAck, HelloReject, Message
 from kvwire.errors import KVWireError
 from kvwire.index.base import IndexMapper, TablePair
@@ -146,6 +147,10 @@ class DecodeLinker:
         if problems:
             self._reject(hello, "incompatible layouts", problems)
             return
+        unreachable = self._data_loopback(hello)
+        if unreachable is not None:
+            self._reject(hello, "unreachable data plane", [unreachable])
+            return
         # The same agent name with a new session: a restart, or two live instances sharing
         # an explicit name. A restart reuses nothing alive: its old endpoint is the new one,
         # or the old incarnation went quiet. A live namesake is refused (the engines key
@@ -253,6 +258,26 @@ class DecodeLinker:
             ", staged" if extra else "",
         )
         self._ack(hello, link)
+
+    def _data_loopback(self, hello: Hello) -> str | None:
+        """Handshake thread: why this rank could not reach the decode rank's data plane: its
+        engine metadata advertises loopback while the rank itself is on another host (its
+        control endpoint is not an address of this host). None when nothing is wrong that
+        this can tell (an engine that does not say, or one host)."""
+        try:
+            hosts = self.mgr.backend.advertised_hosts(hello.backend_metadata)
+        except Exception:
+            return None  # bad metadata: add_peer reports it with its own words
+        peer_host = endpoint_host(hello.endpoint)
+        bad = [h for h in hosts if is_loopback(h)]
+        if not bad or is_local(peer_host):
+            return None
+        return (
+            f"decode rank {hello.agent} at {peer_host} advertises its {self.mgr.backend_name} "
+            f"data endpoint on loopback ({bad[0]}), which this prefill rank on another host "
+            f"cannot reach: set the backend's address on decode "
+            f"(--transfer-backend-option host=ADDR or advertise_host=ADDR)"
+        )
 
     def _add_engine_peer(self, hello: Hello, stale: list[str]) -> str:
         """Handshake thread: add the decode rank to the engine. ``stale``: the engine names

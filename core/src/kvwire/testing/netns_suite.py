@@ -283,3 +283,35 @@ class NetnsConformance:
             stats = c.rank_stats()
             assert stats[prefill.name]["peers"] == 1, stats
             assert_tables_empty(c, timeout_s=TRANSFER_TIMEOUT_S + 5.0)
+
+
+class DataPlaneLoopback(NetnsConformance):
+    """For engines whose data endpoint is an option (``host``): tcp and mooncake. (NIXL's
+    data endpoints are UCX's, which it checks at handshake itself.)"""
+
+    @pytest.mark.slow
+    def test_data_plane_loopback_advertised(self, bed: NetnsBed) -> None:
+        """Decode's control plane is reachable but its engine advertises loopback: prefill
+        refuses the handshake at once, naming the data endpoint and the option, and the
+        request fails on both sides (before: only at the transfer deadline)."""
+        spec = self.spec(bed)
+        dcfg = spec.role_config["decode"]
+        wrong = dcfg.model_copy(update={"transfer_backend_options": {"host": "127.0.0.1"}})
+        spec = spec.model_copy(update={"role_config": {**spec.role_config, "decode": wrong}})
+        with Cluster(spec) as c:
+            plan = RoomPlan(room=31, num_pages=2, chunks=[2])
+            t0 = time.monotonic()
+            for p in c.ranks_of(plan):
+                p.conn.send(("start", plan.model_dump()))
+            decode = c.rank("decode")
+            rep = collect_reports(c, {31}, self.handshake_timeout_s, role="decode")[
+                (decode.name, 31)
+            ]
+            took = time.monotonic() - t0
+            assert rep.status == int(KVPoll.Failed)
+            assert rep.error and "data endpoint on loopback" in rep.error, rep.error
+            assert "host=ADDR" in rep.error, rep.error
+            assert took < self.handshake_timeout_s / 2, f"took {took:.1f}s: waited, not refused"
+            prefill = c.rank("prefill")
+            rep = collect_reports(c, {31}, 5.0, role="prefill")[(prefill.name, 31)]
+            assert rep.status == int(KVPoll.Failed), rep

@@ -66,6 +66,7 @@ from kvwire.backends.envelope import (
     unpack_metadata,
 )
 from kvwire.backends.memcopy import coalesce
+from kvwire.control.reach import endpoint_host
 from kvwire.descriptors import ADDR, DescTable
 from kvwire.layout import MemKind, MemoryRegion
 from kvwire_mooncake.engine import (
@@ -365,6 +366,12 @@ class MooncakeBackend(TransferBackend):
 
     def _peer_name(self, metadata: bytes) -> str:
         return str(self._decode_metadata(metadata)["name"])
+
+    def advertised_hosts(self, metadata: bytes) -> list[str]:
+        """The hosts of the peer's Mooncake segment (``host:port``) and its notification
+        endpoint."""
+        meta = self._decode_metadata(metadata)
+        return [endpoint_host(meta["segment"]), endpoint_host(meta["notify"])]
 
     def peers(self) -> list[str]:
         return list(self._peers)

@@ -52,6 +52,7 @@ from kvwire.backends.envelope import (
 from kvwire.backends.memcopy import HostMemory, coalesce
 from kvwire.backends.tcp import wire
 from kvwire.backends.tcp.auth import DataPlaneAuth
+from kvwire.control.reach import endpoint_host
 from kvwire.descriptors import ADDR, DescTable
 from kvwire.layout import MemoryRegion
 from kvwire.security import warn_if_exposed
@@ -252,6 +253,10 @@ class TcpBackend(TransferBackend):
 
     def _peer_name(self, metadata: bytes) -> str:
         return str(self._decode_metadata(metadata)["name"])
+
+    def advertised_hosts(self, metadata: bytes) -> list[str]:
+        """The host of the peer's data endpoint (``tcp://host:port``)."""
+        return [endpoint_host(self._decode_metadata(metadata)["endpoint"])]
 
     def peers(self) -> list[str]:
         return list(self._peers)
