@@ -102,6 +102,9 @@ class ClusterSpec(BaseModel):
     netns: dict[str, str] = Field(default_factory=dict)
     #: A role's own config in place of ``config`` (e.g. its addresses in a namespace).
     role_config: dict[str, KVWireConfig] = Field(default_factory=dict)
+    #: ``host:port`` of a standalone bootstrap service (``kvwire bootstrap``) that every
+    #: rank uses instead of one run by prefill rank 0 (one prefill instance only).
+    bootstrap_addr: str | None = None
 
     def config_for(self, role: str) -> KVWireConfig:
         """The config a rank of ``role`` runs with."""
@@ -671,7 +674,9 @@ class Cluster:
         prefill_config = spec.config_for("prefill")
         host = prefill_config.control.bootstrap_host
         ports: list[int] = []
-        for _ in range(spec.prefill_instances):
+        if spec.bootstrap_addr is not None and spec.prefill_instances != 1:
+            raise ClusterError("a standalone bootstrap service serves one prefill instance here")
+        for _ in range(spec.prefill_instances if spec.bootstrap_addr is None else 0):
             if spec.netns.get("prefill"):
                 from kvwire.testing.netns import in_netns
 
@@ -681,11 +686,15 @@ class Cluster:
             else:
                 ports.append(free_bootstrap_port(host, ports))
         #: Every prefill instance's bootstrap address (``host:port``), by instance.
-        self.bootstrap_addrs = [f"{host}:{port}" for port in ports]
+        self.bootstrap_addrs = [f"{host}:{port}" for port in ports] or [str(spec.bootstrap_addr)]
         self.bootstrap_addr = self.bootstrap_addrs[0]
         spec_json = spec.model_dump_json()
         self._secret = spec.config.secret.get_secret_value() if spec.config.secret else ""
         try:
+            if spec.bootstrap_addr is not None:  # every prefill rank registers with it
+                for pp in range(spec.prefill_pp):
+                    for tp in range(spec.prefill_tp):
+                        self._spawn(spec_json, "prefill", 0, tp, pp, spec.bootstrap_addr)
             for inst, port in enumerate(ports):
                 control = prefill_config.control.model_copy(update={"bootstrap_port": port})
                 first_config = prefill_config.model_copy(update={"control": control})

@@ -9,6 +9,10 @@ Subclass :class:`NetnsConformance` in a test module and set ``backend_name`` (an
 * ``test_loopback_advertised`` (prefill or decode): a rank whose ``control.host`` is loopback
   fails the request at handshake with an error that names the loopback endpoint and the
   setting to fix, well before the handshake timeout.
+* ``test_bootstrap_in_third_namespace``: a standalone ``kvwire bootstrap`` in its own
+  namespace; requests verified, and they keep flowing while the bootstrap host is cut off.
+* ``test_peer_restarted_during_partition``: a decode rank restarted while the link is down
+  is taken as a restart at once when it returns.
 * ``test_partition_then_recovery``: the decode namespace is cut off while requests are in
   flight; every one fails on both sides within ``heartbeat_interval_s x heartbeat_misses`` (plus
   a grace), naming the peer; after the link returns, new requests between the same ranks
@@ -19,7 +23,11 @@ Each test skips, with the reason, where namespaces cannot be built (not root, no
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import socket
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from typing import Any, ClassVar
@@ -29,9 +37,15 @@ import pytest
 from kvwire.config import ControlOptions, KVWireConfig
 from kvwire.layout import ModelSpec
 from kvwire.session.poll import KVPoll
-from kvwire.testing.cluster import Cluster, ClusterSpec, RankReport, RoomPlan
+from kvwire.testing.cluster import (
+    Cluster,
+    ClusterSpec,
+    RankReport,
+    RoomPlan,
+    free_bootstrap_port,
+)
 from kvwire.testing.cluster_suite import assert_all_ok, assert_tables_empty
-from kvwire.testing.netns import NetnsBed, unavailable_reason
+from kvwire.testing.netns import NetnsBed, in_netns, unavailable_reason
 
 logger = logging.getLogger(__name__)
 
@@ -283,6 +297,66 @@ class NetnsConformance:
             stats = c.rank_stats()
             assert stats[prefill.name]["peers"] == 1, stats
             assert_tables_empty(c, timeout_s=TRANSFER_TIMEOUT_S + 5.0)
+
+    @pytest.mark.slow
+    def test_bootstrap_in_third_namespace(self) -> None:
+        """A standalone ``kvwire bootstrap`` in its own namespace (a third host): every rank
+        registers and looks up there; requests are verified; with the bootstrap host cut
+        off, the prefill and decode ranks that know each other keep serving requests (the
+        bootstrap service is not on the request path once a decode rank has resolved its
+        prefill ranks), and after it returns they still do."""
+        reason = unavailable_reason()
+        if reason is not None:
+            pytest.skip(reason)
+        with (
+            NetnsBed(("prefill", "decode", "bootstrap")) as bed,
+            standalone_bootstrap(bed, "bootstrap") as addr,
+        ):
+            spec = self.spec(bed).model_copy(update={"bootstrap_addr": addr})
+            with Cluster(spec) as c:
+                assert c.bootstrap_addr == addr
+                assert_all_ok(c.run(c.plans(16, seed=4), concurrency=8, timeout_s=60))
+                bed.partition("bootstrap")
+                assert_all_ok(c.run(c.plans(8, seed=5), concurrency=8, timeout_s=30))
+                bed.heal("bootstrap")
+                assert_all_ok(c.run(c.plans(8, seed=6), concurrency=8, timeout_s=30))
+                assert_tables_empty(c)
+
+
+@contextlib.contextmanager
+def standalone_bootstrap(bed: NetnsBed, node: str, timeout_s: float = 30.0) -> Iterator[str]:
+    """Run ``kvwire bootstrap`` inside ``node``'s namespace on its address; yields
+    ``host:port`` once it answers (from ``node``'s namespace); stopped on exit."""
+    host = bed.addr[node]
+    port = in_netns(bed.ns[node], lambda: free_bootstrap_port(host, []))
+    argv = [sys.executable, "-m", "kvwire.cli", "bootstrap", "--host", host, "--port", str(port)]
+    proc = subprocess.Popen(
+        ["ip", "netns", "exec", bed.ns[node], *argv],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+    )
+    try:
+        deadline = time.monotonic() + timeout_s
+        while not in_netns(bed.ns[node], lambda: _answers(host, port)):
+            if proc.poll() is not None:
+                err = proc.stderr.read().decode() if proc.stderr else ""
+                raise RuntimeError(f"kvwire bootstrap exited ({proc.returncode}): {err[-2000:]}")
+            assert time.monotonic() < deadline, "kvwire bootstrap did not start"
+            time.sleep(0.1)
+        yield f"{host}:{port}"
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(5)
+
+
+def _answers(host: str, port: int) -> bool:
+    with contextlib.suppress(OSError), socket.create_connection((host, port), timeout=0.5):
+        return True
+    return False
 
 
 class DataPlaneLoopback(NetnsConformance):
