@@ -28,10 +28,12 @@ def run_demo(*args: str, fault: str | None = None) -> subprocess.CompletedProces
 SMALL = ("--layers", "3", "--kv-heads", "2", "--head-dim", "16", "--page-size", "4")
 
 
-@pytest.mark.parametrize("phases", ["2:1,1:2", "2x2:2"])
-def test_demo_moves_and_verifies(phases: str) -> None:
+@pytest.mark.parametrize(("phases", "layerwise"), [("2:1,1:2", "0"), ("2x2:2", "1.0")])
+def test_demo_moves_and_verifies(phases: str, layerwise: str) -> None:
     out = run_demo(
-        *SMALL, "--requests", "24", "--tokens", "33", "--phases", phases, "--concurrency", "8"
+        *SMALL,
+        *("--requests", "24", "--tokens", "33", "--phases", phases, "--concurrency", "8"),
+        *("--layerwise", layerwise),
     )
     assert out.returncode == 0, out.stdout + out.stderr
     assert "every element verified" in out.stdout

@@ -61,6 +61,14 @@ def add_demo_args(p: argparse.ArgumentParser) -> None:
         help="comma-separated prefill_tp:decode_tp pairs (default 2:1,2:2); "
         "TP x PP on either side as e.g. 2x2:1 or 2x2:1x2",
     )
+    p.add_argument(
+        "--layerwise",
+        type=float,
+        default=0.0,
+        metavar="FRACTION",
+        help="share of requests whose chunks are sent layer-wise (send(..., layerwise=True), "
+        "then layer_ready per layer); e.g. 1.0",
+    )
     p.add_argument("--device", default="cpu", help="KV pools on 'cpu' or 'cuda'")
     p.add_argument("--seed", type=int, default=0)
 
@@ -169,6 +177,7 @@ def run(args: argparse.Namespace, console: Console) -> int:
                         pages=(1, max_pages),
                         max_chunks=args.max_chunks,
                         cached_fraction=args.cached_fraction,
+                        layerwise_fraction=args.layerwise,
                     )
                     results = cluster.run(
                         plans,
