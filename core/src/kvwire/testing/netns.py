@@ -194,13 +194,22 @@ class NetnsBed:
         logger.info("test bed %s: %s", self.tag, self.addr)
 
     # ------------------------------------------------------------ faults
-    def _qdisc(self, node: str, netem: Sequence[str] | None) -> None:
-        """Put a netem qdisc (or none) on both ends of ``node``'s link: netem shapes egress
-        only, so each direction needs its own."""
+    def _qdisc(self, node: str, netem: Sequence[str] | None, kind: str = "netem") -> None:
+        """Put a ``kind`` qdisc with arguments ``netem`` (or none) on both ends of ``node``'s
+        link: a qdisc shapes egress only, so each direction needs its own."""
         for ns, dev in ((self.ns[node], self.dev[node]), (self.hub, self.hub_dev[node])):
             _run(["tc", "-n", ns, "qdisc", "del", "dev", dev, "root"], check=False)
             if netem:
-                _run(["tc", "-n", ns, "qdisc", "add", "dev", dev, "root", "netem", *netem])
+                _run(["tc", "-n", ns, "qdisc", "add", "dev", dev, "root", kind, *netem])
+
+    def throttle(self, node: str, rate_mbit: float, queue_kb: int = 64) -> None:
+        """Limit ``node``'s link to ``rate_mbit`` each way with a token bucket (``tbf``, in
+        every kernel, unlike netem) whose queue holds ``queue_kb``: packets beyond it are
+        dropped, so a burst larger than the queue loses packets and TCP retransmits (the loss
+        of a congested link, not netem's random loss)."""
+        burst = max(16, int(rate_mbit * 1000 / 8 / 250))  # KB: about 4 ms at the rate
+        args = ["rate", f"{rate_mbit}mbit", "burst", f"{burst}kb", "limit", f"{queue_kb}kb"]
+        self._qdisc(node, args, kind="tbf")
 
     def partition(self, node: str) -> None:
         """Cut ``node`` off silently: its veth's hub end leaves the bridge, so every packet to
@@ -229,7 +238,8 @@ class NetnsBed:
         self._qdisc(node, args)
 
     def heal(self, node: str) -> None:
-        """Undo :meth:`partition`, :meth:`degrade` and :meth:`link` on ``node``'s link."""
+        """Undo :meth:`partition`, :meth:`degrade`, :meth:`throttle` and :meth:`link` on
+        ``node``'s link."""
         _ip("-n", self.hub, "link", "set", self.hub_dev[node], "master", "br0")
         _run(["tc", "-n", self.ns[node], "qdisc", "del", "dev", self.dev[node], "root"], False)
         _run(["tc", "-n", self.hub, "qdisc", "del", "dev", self.hub_dev[node], "root"], False)

@@ -138,15 +138,19 @@ class NetnsConformance:
         bed: NetnsBed,
         prefill: dict[str, Any] | None = None,
         decode: dict[str, Any] | None = None,
+        model: ModelSpec | None = None,
+        slots: int = 128,
     ) -> ClusterSpec:
-        model = ModelSpec(num_layers=2, total_kv_heads=2, head_dim=8, dtype="int32", page_size=2)
+        model = model or ModelSpec(
+            num_layers=2, total_kv_heads=2, head_dim=8, dtype="int32", page_size=2
+        )
         role_config = {
             "prefill": self.role_config(bed, "prefill", **(prefill or {})),
             "decode": self.role_config(bed, "decode", **(decode or {})),
         }
         return ClusterSpec(
             model=model,
-            slots=128,
+            slots=slots,
             aux_slots=64,
             config=role_config["prefill"],
             role_config=role_config,
@@ -297,6 +301,34 @@ class NetnsConformance:
             stats = c.rank_stats()
             assert stats[prefill.name]["peers"] == 1, stats
             assert_tables_empty(c, timeout_s=TRANSFER_TIMEOUT_S + 5.0)
+
+    @pytest.mark.slow
+    def test_throttled_congested_link(self, bed: NetnsBed) -> None:
+        """The decode node's link limited to 200 Mbit/s each way with a 64 KB queue (a
+        congested link: bursts overflow the queue, packets are dropped and retransmitted):
+        every request still succeeds with every element verified, and each request's time
+        is at least its bytes at the link's rate (the throttle was in force)."""
+        big = ModelSpec(num_layers=4, total_kv_heads=4, head_dim=64, dtype="int32", page_size=16)
+        with Cluster(self.spec(bed, model=big, slots=256)) as c:  # 1-2 MiB per request
+            plans = c.plans(16, pages=(8, 16), max_chunks=3, seed=7)
+            t0 = time.monotonic()
+            assert_all_ok(c.run(plans, concurrency=8, timeout_s=60))
+            free = time.monotonic() - t0
+            bed.throttle("decode", rate_mbit=200, queue_kb=64)
+            t0 = time.monotonic()
+            results = c.run(c.plans(16, pages=(8, 16), max_chunks=3, seed=8), concurrency=8)
+            slow = time.monotonic() - t0
+            assert_all_ok(results)
+            moved = sum(r.bytes for r in results)
+            floor = moved * 8 / 200e6
+            assert slow >= floor * 0.9, (slow, floor)
+            logger.info(
+                "throttled link: %d requests, %.1f MB in %.2fs (%.0f Mbit/s; %.2fs unthrottled)",
+                len(results), moved / 1e6, slow, moved * 8 / slow / 1e6, free,
+            )  # fmt: skip
+            bed.heal("decode")
+            assert_all_ok(c.run(c.plans(8, seed=9), concurrency=8, timeout_s=30))
+            assert_tables_empty(c)
 
     @pytest.mark.slow
     def test_bootstrap_in_third_namespace(self) -> None:
