@@ -236,3 +236,41 @@ def test_staged_block_units_go_with_the_last_group_that_writes_them(
     assert owner.size * block >= byte_group.size > (owner.size - 1) * block
     layers = src.buffer_keys[mapper.src_buf, 0]
     assert (edges[pair_group] <= layers).all() and (layers < edges[pair_group + 1]).all()
+
+
+@pytest.mark.parametrize("side", ["prefill", "decode"])
+def test_abort_while_layers_are_computed(side: str) -> None:
+    """A request aborted on either side while its layer-wise chunk is half posted: both sides
+    fail at once, later marks are ignored (the engine's pass goes on), decode's pages are
+    released only once no write is in flight, and every table empties."""
+    with pair(config(layerwise_groups=4), model=MODEL8) as p:
+        dst = np.arange(4) + 10
+        s, r, src = _start(p, 21, 4, dst)
+        s.send(src, last=True, layerwise=True)
+        s.layer_ready(3)  # groups 0 and 1 posted
+        wait_for(lambda: _layer_arrived(p, 3, dst))
+        (s if side == "prefill" else r).abort()
+        wait_for(lambda: s.poll() == KVPoll.Failed and r.poll() == KVPoll.Failed, timeout=5)
+        s.layer_ready(5)  # the engine finishes its pass: ignored, nothing moves
+        s.layer_ready(None)
+        time.sleep(0.2)
+        assert not any(_layer_arrived(p, layer, dst) for layer in range(4, 8))
+        wait_for(r.writes_quiesced, timeout=5)
+        r.clear()
+        s.clear()
+        wait_for(lambda: no_rooms(p.prefill) and no_rooms(p.decode))
+
+
+def test_cleared_before_its_layers_are_marked() -> None:
+    """The engine gives up on a request (fails, aborts, clears) while a layer-wise chunk
+    waits for its layers: the worker drops the waiting job; the next request is served."""
+    with pair(config(), model=MODEL8) as p:
+        dst = np.arange(2) + 3
+        s, r, src = _start(p, 22, 2, dst)
+        s.send(src, last=True, layerwise=True)
+        s.abort()
+        s.clear()
+        wait_for(lambda: r.poll() == KVPoll.Failed, timeout=5)
+        r.clear()
+        wait_for(lambda: no_rooms(p.prefill) and no_rooms(p.decode))
+        p.transfer(23, pages=2, chunks=(2,))  # the worker is free for the next request
