@@ -340,6 +340,8 @@ class _Active:
     stage: int = 0
     next_chunk: int = 0
     stall_until: float = 0.0
+    #: A layer-wise last chunk was sent before its stall; its layers are marked after it.
+    marks_due: bool = False
 
 
 def _rank_main(
@@ -539,12 +541,17 @@ def _rank_main(
             if a.next_chunk < len(chunks):
                 last = a.next_chunk == len(chunks) - 1
                 lw = a.plan.layerwise
+                lo = sum(chunks[: a.next_chunk])
+                pages = a.pages[lo : lo + chunks[a.next_chunk]]
                 if last and a.plan.stall_s and a.stall_until == 0.0:
                     a.stall_until = time.monotonic() + a.plan.stall_s
+                    if lw:  # a slow layer-wise pass: sent now, its layers marked after the stall
+                        a.obj.send(pages, last=True, layerwise=True)
+                        a.marks_due = True
                 if last and time.monotonic() < a.stall_until:
                     return False
-                lo = sum(chunks[: a.next_chunk])
-                a.obj.send(a.pages[lo : lo + chunks[a.next_chunk]], last=last, layerwise=lw)
+                if not a.marks_due:
+                    a.obj.send(pages, last=last, layerwise=lw)
                 if lw:  # the "forward pass": every layer of this rank, one after the other
                     for layer in range(mgr.layout.start_layer, mgr.layout.layer_end):
                         a.obj.layer_ready(layer)

@@ -233,9 +233,14 @@ class ClusterFailures(_Base):
     def _report(res: RequestResult, role: str) -> Any:
         return next(r for r in res.reports if r.role == role)
 
-    def test_decode_killed_mid_transfer(self) -> None:
+    @pytest.mark.parametrize("layerwise", [False, True], ids=["per_chunk", "layerwise"])
+    def test_decode_killed_mid_transfer(self, layerwise: bool) -> None:
+        """Decode dies while prefill stalls before its last chunk (``layerwise``: the last
+        chunk is sent layer-wise and its pass is still running: its layers are not marked)."""
         with Cluster(self.spec(decode_instances=2)) as c:
-            victim = RoomPlan(room=11, num_pages=4, chunks=[2, 2], stall_s=60.0)
+            victim = RoomPlan(
+                room=11, num_pages=4, chunks=[2, 2], stall_s=60.0, layerwise=layerwise
+            )
             for p in c.ranks_of(victim):
                 p.conn.send(("start", victim.model_dump()))
             c.wait_sent(11)  # decode has asked; prefill sent the first chunk and stalls
