@@ -72,7 +72,7 @@ def test_builtins_register_through_entry_point() -> None:
         return [n for n in reg.names(kind) if reg.get(kind, n).builtin]
 
     assert builtin(Kind.BACKEND) == ["tcp"]
-    assert builtin(Kind.MAPPER) == ["equal_tp", "head_slice", "mla"]
+    assert builtin(Kind.MAPPER) == ["equal_tp", "head_rows", "head_slice", "mla"]
     assert builtin(Kind.STAGING) == ["bulk", "direct"]
     entry = reg.get(Kind.BACKEND, "tcp")
     assert entry.distribution == "kvwire" and entry.builtin

@@ -27,6 +27,11 @@ def kvwire_index_mappers() -> list[Implementation]:
         Implementation(
             "head_slice", "kvwire.index.head_slice:HeadSliceMapper", "hetero TP head slices"
         ),
+        Implementation(
+            "head_rows",
+            "kvwire.index.head_rows:HeadRowsMapper",
+            "head-major pages on either side: one row per (token, head)",
+        ),
     ]
 
 

@@ -396,13 +396,32 @@ class KVLayout(BaseModel):
     end_layer: int | None = None
     buffers: tuple[MemoryRegion, ...]
     groups: tuple[BufferGroup, ...] = ()
+    #: Pages are head-major, ``[slots, heads, page_size, head_dim]`` per buffer (a head's
+    #: tokens contiguous), instead of token-major ``[slots, page_size, heads, head_dim]``.
+    head_major: bool = False
 
     @model_serializer(mode="wrap")
-    def _omit_no_groups(self, handler: SerializerFunctionWrapHandler) -> Any:
+    def _omit_defaults(self, handler: SerializerFunctionWrapHandler) -> Any:
         data = handler(self)
-        if isinstance(data, dict) and not data.get("groups"):
-            data.pop("groups", None)  # pre-1.4 peers and fixtures see the layout they know
+        if isinstance(data, dict):  # older peers and fixtures see the layout they know
+            if not data.get("groups"):
+                data.pop("groups", None)
+            if not data.get("head_major"):
+                data.pop("head_major", None)
         return data
+
+    def byte_offsets(self, tokens: Any, heads: Any) -> NDArray[np.uint64]:
+        """Byte offset inside a page slot of (token ``tokens[i]``, local head ``heads[j]``),
+        shape ``[len(tokens), len(heads)]``, for this layout's page order."""
+        m = self.model
+        hb = np.uint64(m.head_dim * m.dtype_size)
+        t = np.asarray(tokens, dtype=np.uint64)[:, None]
+        h = np.asarray(heads, dtype=np.uint64)[None, :]
+        if self.head_major:
+            out: NDArray[np.uint64] = (h * np.uint64(m.page_size) + t) * hb
+        else:
+            out = (t * np.uint64(self.local_kv_heads) + h) * hb
+        return out
 
     @model_validator(mode="after")
     def _check(self) -> Self:
@@ -435,6 +454,11 @@ class KVLayout(BaseModel):
                     f"{row} bytes ({self.local_kv_heads} heads x {m.head_dim} x "
                     f"{m.dtype_size} B); check heads per rank, head_dim and dtype"
                 )
+        if self.head_major and m.is_mla:
+            raise LayoutError(
+                "head_major: an MLA pool has one latent head, so its pages are the same in "
+                "either order; leave head_major False"
+            )
         check_no_overlap(self.buffers, "KV buffers")
         if self.groups:
             self._check_groups()
@@ -549,10 +573,12 @@ class KVLayout(BaseModel):
         end_layer: int | None = None,
         groups: Sequence[BufferGroup] = (),
         group_tensors: Sequence[Any] = (),
+        head_major: bool = False,
     ) -> KVLayout:
         """Build a layout from the engine's KV tensors, ordered as :attr:`buffers` documents.
         ``groups`` (built with regions from ``group_tensors``, which are kept alive with the
-        layout) are the rank's other buffers (:class:`BufferGroup`)."""
+        layout) are the rank's other buffers (:class:`BufferGroup`). ``head_major``: the
+        tensors are ``[slots, heads, page_size, head_dim]`` (see :attr:`head_major`)."""
         regions = tuple(MemoryRegion.from_tensor(t) for t in tensors)
         layout = cls(
             model=model,
@@ -561,6 +587,7 @@ class KVLayout(BaseModel):
             end_layer=end_layer,
             buffers=regions,
             groups=tuple(groups),
+            head_major=head_major,
         )
         # The regions are raw addresses: keep the tensors alive as long as the layout (and so
         # every manager that registered it) exists, or a dropped tensor frees registered memory.

@@ -225,8 +225,15 @@ class IndexMapper(ABC):
 
 
 def default_mapper_name(src: KVLayout, dst: KVLayout) -> str:
-    """The core mapper that fits a layout pair: ``mla``, ``equal_tp`` or ``head_slice``."""
-    return core_mapper_name(src.model.is_mla, src.rank.tp_size, dst.rank.tp_size)
+    """The core mapper that fits a layout pair: ``mla``, ``equal_tp``, ``head_slice``, or
+    ``head_rows`` when a side's pages are head-major and whole pages cannot move."""
+    name = core_mapper_name(src.model.is_mla, src.rank.tp_size, dst.rank.tp_size)
+    if name == "mla" or not (src.head_major or dst.head_major):
+        return name
+    same_pages = src.model.page_size == dst.model.page_size
+    if name == "equal_tp" and src.head_major == dst.head_major and same_pages:
+        return name  # the same page order and size on both sides: whole pages
+    return "head_rows"
 
 
 def core_mapper_name(is_mla: bool, tp_src: int, tp_dst: int) -> str:

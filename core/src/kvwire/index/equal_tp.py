@@ -56,6 +56,11 @@ class EqualTPMapper(IndexMapper):
         self._check_shapes()
         pp, pd = src.model.page_size, dst.model.page_size
         if pp != pd:
+            if src.head_major or dst.head_major:
+                raise LayoutError(
+                    f"page sizes differ ({pp} -> {pd}) and pages are head-major: token runs "
+                    "are not contiguous; use the head_rows mapper (the default picks it)"
+                )
             self.paging = PageConversion(pp, pd, math.gcd(pp, pd))
 
     def _check_shapes(self) -> None:
@@ -63,6 +68,11 @@ class EqualTPMapper(IndexMapper):
             raise LayoutError(
                 f"equal_tp needs equal TP sizes (source {self.src.rank.tp_size}, destination "
                 f"{self.dst.rank.tp_size}); use the head_slice mapper"
+            )
+        if self.src.head_major != self.dst.head_major:
+            raise LayoutError(
+                "pages are head-major on one side and token-major on the other; whole pages "
+                "cannot move: use the head_rows mapper (the default picks it)"
             )
         if self.src.token_row_bytes != self.dst.token_row_bytes:
             raise LayoutError(

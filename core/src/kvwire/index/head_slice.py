@@ -61,11 +61,18 @@ class HeadSliceMapper(IndexMapper):
     name = "head_slice"
     pair_major_rows = True
     relaxed_fields = ("page_size",)
+    #: Rows are head runs of token rows: both sides' pages must be token-major.
+    requires_token_major = True
 
     def __init__(self, src: KVLayout, dst: KVLayout, options: BaseModel | None = None) -> None:
         super().__init__(src, dst, options)
         if src.model.is_mla:
             raise LayoutError("MLA layouts move whole pages; use the mla mapper")
+        if self.requires_token_major and (src.head_major or dst.head_major):
+            raise LayoutError(
+                "head_slice moves runs of token rows; a head-major side needs the head_rows "
+                "mapper (the default picks it)"
+            )
         tp_s, tp_d = src.rank.tp_size, dst.rank.tp_size
         if src.rank.tp_rank not in source_ranks(dst.rank.tp_rank, tp_s, tp_d):
             raise LayoutError(

@@ -200,6 +200,9 @@ class BulkStaging(StagingStrategy):
             not remote
             or remote.get("strategy") != "bulk"
             or not isinstance(mapper, HeadSliceMapper)
+            # the gather and scatter kernels read token-major pages
+            or mapper.src.head_major
+            or mapper.dst.head_major
             or mapper.is_dummy
             # page-size conversion moves token ranges: this link is not staged (direct rows)
             or mapper.paging is not None

@@ -102,6 +102,9 @@ class ClusterSpec(BaseModel):
     netns: dict[str, str] = Field(default_factory=dict)
     #: A role's own config in place of ``config`` (e.g. its addresses in a namespace).
     role_config: dict[str, KVWireConfig] = Field(default_factory=dict)
+    #: Roles whose KV pages are head-major (``[slots, heads, page, dim]``; see
+    #: :attr:`KVLayout.head_major <kvwire.layout.KVLayout.head_major>`).
+    head_major: tuple[str, ...] = ()
     #: ``host:port`` of a standalone bootstrap service (``kvwire bootstrap``) that every
     #: rank uses instead of one run by prefill rank 0 (one prefill instance only).
     bootstrap_addr: str | None = None
@@ -215,15 +218,24 @@ class _Pool:
     """A rank's verification pool: NumPy arrays, or torch tensors on a device."""
 
     def __init__(
-        self, spec: ClusterSpec, rank: RankPosition, start: int, end: int, model: ModelSpec
+        self,
+        spec: ClusterSpec,
+        rank: RankPosition,
+        start: int,
+        end: int,
+        model: ModelSpec,
+        head_major: bool = False,
     ) -> None:
         m = model
+        self.head_major = head_major
         heads = len(global_heads(m, rank))
         nbuf = (end - start) * (1 if m.is_mla else 2)
         #: Page slots per buffer: ``spec.slots`` prefill pages' worth of tokens, in this
         #: pool's pages (at least ``spec.slots``).
         self.slots = spec.slots * max(1, -(-spec.model.page_size // m.page_size))
         shape = (self.slots, m.page_size, heads, m.head_dim)
+        if head_major:
+            shape = (self.slots, heads, m.page_size, m.head_dim)
         self.torch = spec.device != "cpu"
         if self.torch:
             import torch
@@ -236,7 +248,9 @@ class _Pool:
             self.arrays: list[Any] = [_alloc(b) for b in range(nbuf)]
         else:
             self.arrays = [np.zeros(shape, dtype=np.int32) for _ in range(nbuf)]
-        self.layout = KVLayout.from_tensors(m, self.arrays, rank, start, end)
+        self.layout = KVLayout.from_tensors(
+            m, self.arrays, rank, start, end, head_major=head_major
+        )
         self.aux = np.zeros((spec.aux_slots, AUX_WORDS), dtype=np.int32)
         self.aux_region = MemoryRegion.from_tensor(self.aux)
         self.host_layout: KVLayout | None = None
@@ -277,7 +291,7 @@ class _Pool:
     def fill(self, pages: NDArray[np.int64], first_pos: int) -> None:
         for b, arr in enumerate(self.arrays):
             idx = self._index(pages, arr)
-            vals = page_values(self.layout, b, first_pos, len(pages))
+            vals = self._order(page_values(self.layout, b, first_pos, len(pages)))
             if self.torch:
                 import torch
 
@@ -288,6 +302,11 @@ class _Pool:
             import torch
 
             torch.cuda.synchronize()
+
+    def _order(self, pages: NDArray[np.int32]) -> NDArray[np.int32]:
+        """Pages ``[n, page, heads, dim]`` in this pool's order, or back (a head-major pool
+        swaps the two middle axes; the swap is its own inverse)."""
+        return np.ascontiguousarray(pages.transpose(0, 2, 1, 3)) if self.head_major else pages
 
     def poison(self, pages: NDArray[np.int64]) -> None:
         for arr in self.arrays:
@@ -301,7 +320,7 @@ class _Pool:
         bad = 0
         for b, arr in enumerate(self.arrays):
             got = arr[self._index(pages, arr)]
-            got = got.cpu().numpy() if self.torch else got
+            got = self._order(got.cpu().numpy() if self.torch else got)
             want = page_values(self.layout, b, first_pos, len(pages))
             if num_tokens is not None:
                 rows = (-1, *want.shape[2:])
@@ -392,7 +411,9 @@ def _rank_main(
         per = -(-m.num_layers // spec.decode_pp)
         first_layer, end = pp_rank * per, min(m.num_layers, (pp_rank + 1) * per)
     dm = spec.decode_model()
-    pool = _Pool(spec, rank, first_layer, end, m if role == "prefill" else dm)
+    pool = _Pool(
+        spec, rank, first_layer, end, m if role == "prefill" else dm, role in spec.head_major
+    )
     hook_events: dict[int, list[str]] = {}
     hooks = _Hooks(hook_events)
     if role == "decode" and spec.host_page_size:

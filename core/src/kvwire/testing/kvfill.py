@@ -41,19 +41,28 @@ def make_pool(
     num_slots: int,
     start_layer: int = 0,
     end_layer: int | None = None,
+    head_major: bool = False,
 ) -> tuple[KVLayout, list[NDArray[np.int32]]]:
-    """Allocate a zeroed ``int32`` pool shaped ``[slots, page_size, heads, head_dim]``."""
+    """Allocate a zeroed ``int32`` pool shaped ``[slots, page_size, heads, head_dim]`` (or
+    ``[slots, heads, page_size, head_dim]`` with ``head_major``)."""
     if model.dtype != "int32":
         raise ValueError("verification pools use dtype 'int32'")
     end = end_layer if end_layer is not None else model.num_layers
     heads = len(global_heads(model, rank))
     nbuf = (end - start_layer) * (1 if model.is_mla else 2)
-    arrays = [
-        np.zeros((num_slots, model.page_size, heads, model.head_dim), dtype=np.int32)
-        for _ in range(nbuf)
-    ]
-    layout = KVLayout.from_tensors(model, arrays, rank, start_layer, end_layer)
+    shape = (num_slots, model.page_size, heads, model.head_dim)
+    if head_major:
+        shape = (num_slots, heads, model.page_size, model.head_dim)
+    arrays = [np.zeros(shape, dtype=np.int32) for _ in range(nbuf)]
+    layout = KVLayout.from_tensors(
+        model, arrays, rank, start_layer, end_layer, head_major=head_major
+    )
     return layout, arrays
+
+
+def _page_order(layout: KVLayout, values: NDArray[np.int32]) -> NDArray[np.int32]:
+    """Token-major page values ``[pages, page, heads, dim]`` in the layout's page order."""
+    return values.transpose(0, 2, 1, 3) if layout.head_major else values
 
 
 def page_values(layout: KVLayout, buffer: int, first_pos: int, num_pages: int) -> NDArray[np.int32]:
@@ -76,7 +85,7 @@ def fill_pages(
 ) -> None:
     """Write the encoding of logical pages ``first_pos...`` into slots ``pages``."""
     for b, arr in enumerate(arrays):
-        arr[pages] = page_values(layout, b, first_pos, len(pages))
+        arr[pages] = _page_order(layout, page_values(layout, b, first_pos, len(pages)))
 
 
 def count_mismatches(
@@ -84,6 +93,8 @@ def count_mismatches(
 ) -> int:
     """Elements of slots ``pages`` that differ from the expected encoding."""
     return sum(
-        int((arr[pages] != page_values(layout, b, first_pos, len(pages))).sum())
+        int(
+            (arr[pages] != _page_order(layout, page_values(layout, b, first_pos, len(pages)))).sum()
+        )
         for b, arr in enumerate(arrays)
     )

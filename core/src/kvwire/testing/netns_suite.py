@@ -179,7 +179,7 @@ class NetnsConformance:
         """A rank that advertises a loopback control endpoint to a peer in another namespace
         fails the handshake at once, naming the endpoint and the setting."""
         wrong = {"host": "127.0.0.1"}
-        spec = self.spec(bed, **{side: wrong})
+        spec = self.spec(bed, prefill=wrong) if side == "prefill" else self.spec(bed, decode=wrong)
         with Cluster(spec) as c:
             plan = RoomPlan(room=21, num_pages=2, chunks=[2])
             t0 = time.monotonic()

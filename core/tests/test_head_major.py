@@ -1,0 +1,142 @@
+"""Head-major pages (``[slots, heads, page, dim]``) on either side (issue 16): the mapper
+choice, refusals, a property test against the element encoding (every head of every token
+must land where decode's own page order puts it), and real transfers across processes."""
+
+from __future__ import annotations
+
+import ctypes
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvwire.descriptors import ADDR, LEN, locate_rows
+from kvwire.errors import LayoutError
+from kvwire.index import EqualTPMapper, HeadSliceMapper, default_mapper_name, source_ranks
+from kvwire.index.head_rows import HeadRowsMapper
+from kvwire.layout import KVLayout, ModelSpec, RankPosition
+from kvwire.testing.cluster import Cluster, ClusterSpec, RoomPlan
+from kvwire.testing.cluster_suite import assert_all_ok, assert_tables_empty
+from kvwire.testing.kvfill import count_mismatches, fill_pages, make_pool
+from kvwire.testing.pair import config
+
+
+def _model(heads: int, page: int = 4, mla: bool = False) -> ModelSpec:
+    return ModelSpec(
+        num_layers=2, total_kv_heads=heads, head_dim=4, dtype="int32", page_size=page, is_mla=mla
+    )
+
+
+def test_mapper_choice_and_refusals() -> None:
+    m = _model(4)
+    tm, _ = make_pool(m, RankPosition(tp_size=2, tp_rank=0), 4)
+    hm, _ = make_pool(m, RankPosition(tp_size=2, tp_rank=0), 4, head_major=True)
+    hm1, _ = make_pool(m, RankPosition(), 4, head_major=True)
+    assert default_mapper_name(tm, tm) == "equal_tp"
+    assert default_mapper_name(hm, hm) == "equal_tp"  # same order: whole pages
+    assert default_mapper_name(tm, hm) == "head_rows"
+    assert default_mapper_name(hm, tm) == "head_rows"
+    assert default_mapper_name(hm, hm1) == "head_rows"  # TP 2 -> 1, head-major
+    hm8, _ = make_pool(_model(4, page=8), RankPosition(tp_size=2, tp_rank=0), 4, head_major=True)
+    assert default_mapper_name(hm, hm8) == "head_rows"  # another page size: token by token
+    with pytest.raises(LayoutError, match="head_rows"):
+        EqualTPMapper(hm, hm8)
+    with pytest.raises(LayoutError, match="head_rows"):
+        EqualTPMapper(tm, hm)
+    with pytest.raises(LayoutError, match="head_rows"):
+        HeadSliceMapper(hm, hm1)
+    with pytest.raises(ValueError, match="MLA"):  # pydantic wraps the LayoutError
+        make_pool(_model(1, mla=True), RankPosition(), 4, head_major=True)
+    # the same bytes as a serialised layout: the flag travels, and is absent when False
+    assert KVLayout.model_validate_json(hm.model_dump_json()).head_major
+    assert "head_major" not in tm.model_dump_json()
+
+
+def _move(mapper: HeadRowsMapper | EqualTPMapper, src: list, dst: list, sp: list, dp: list) -> None:
+    """A transfer without a backend: every row of the chunk copied at its table addresses,
+    each row first checked to lie inside the pools' arrays."""
+    tables = mapper.build_tables()
+    s_idx, d_idx = mapper.map_chunk(np.asarray(sp), np.asarray(dp))
+    for table, idx, arrays in ((tables.src, s_idx, src), (tables.dst, d_idx, dst)):
+        starts = np.array(sorted(a.ctypes.data for a in arrays), dtype=np.uint64)
+        size = {a.ctypes.data: a.nbytes for a in arrays}
+        ends = starts + np.array([size[int(a)] for a in starts], dtype=np.uint64)
+        rows = table[idx]
+        assert (locate_rows(starts, ends, rows[:, ADDR], rows[:, LEN]) >= 0).all()
+    for s, d in zip(tables.src[s_idx], tables.dst[d_idx], strict=True):
+        assert s[LEN] == d[LEN]
+        ctypes.memmove(int(d[ADDR]), int(s[ADDR]), int(s[LEN]))
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    heads=st.sampled_from([1, 2, 4]),
+    tp=st.sampled_from([(1, 1), (2, 1), (1, 2), (2, 2), (4, 2), (2, 4), (4, 1)]),
+    orders=st.sampled_from([(True, False), (False, True), (True, True)]),
+    pages=st.sampled_from([(4, 4), (4, 2), (2, 4)]),
+    npages=st.integers(1, 3),
+)
+def test_every_head_lands_in_decodes_page_order(
+    heads: int, tp: tuple[int, int], orders: tuple[bool, bool], pages: tuple[int, int], npages: int
+) -> None:
+    """Random TP pairs (GQA replication when heads < TP), page orders and page sizes: after
+    every source rank's rows are copied, each decode rank holds exactly its heads of every
+    token, in its own page order (checked against the position/head encoding)."""
+    tp_s, tp_d = tp
+    (hm_s, hm_d), (ps_s, ps_d) = orders, pages
+    tokens = npages * ps_s
+    dpages = -(-tokens // ps_d)
+    for dr in range(tp_d):
+        dlay, darr = make_pool(
+            _model(heads, ps_d), RankPosition(tp_size=tp_d, tp_rank=dr), 8, head_major=hm_d
+        )
+        for sr in source_ranks(dr, tp_s, tp_d):
+            slay, sarr = make_pool(
+                _model(heads, ps_s), RankPosition(tp_size=tp_s, tp_rank=sr), 8, head_major=hm_s
+            )
+            sp = np.arange(npages) + 2
+            fill_pages(slay, sarr, sp, 0)
+            name = default_mapper_name(slay, dlay)
+            cls = {"head_rows": HeadRowsMapper, "equal_tp": EqualTPMapper}[name]
+            mapper = cls(slay, dlay)
+            if mapper.is_dummy:
+                continue
+            dp = np.arange(dpages) + 1
+            src_units, lo, hi = mapper.chunk_slice(npages, dp, sp, 0, npages, 0)
+            _move(mapper, sarr, darr, src_units, dp[lo:hi])
+        full = tokens // ps_d
+        assert count_mismatches(dlay, darr, np.arange(full) + 1, 0) == 0, (dr, name)
+
+
+@pytest.mark.parametrize(
+    ("tp", "head_major", "decode_page", "staging"),
+    [
+        ((2, 1), ("decode",), None, "direct"),
+        ((1, 2), ("prefill",), None, "direct"),
+        ((2, 2), ("prefill",), 2, "direct"),
+        ((2, 1), ("prefill", "decode"), None, "bulk"),
+    ],
+    ids=["gather-decode-hm", "scatter-prefill-hm", "equal-prefill-hm-pages-4to2", "bulk-both-hm"],
+)
+def test_across_processes(
+    tp: tuple[int, int], head_major: tuple[str, ...], decode_page: int | None, staging: str
+) -> None:
+    """Real managers and the tcp backend, one process per rank, some requests layer-wise:
+    every element verified in decode's page order (``bulk``: a head-major link is not staged,
+    its gather kernels read token-major pages; it moves row by row instead)."""
+    spec = ClusterSpec(
+        model=ModelSpec(num_layers=2, total_kv_heads=4, head_dim=8, dtype="int32", page_size=4),
+        prefill_tp=tp[0],
+        decode_tp=tp[1],
+        slots=128,
+        aux_slots=64,
+        head_major=head_major,
+        decode_page_size=decode_page,
+        config=config().model_copy(update={"staging": staging}),
+    )
+    with Cluster(spec) as c:
+        plans = c.plans(16, pages=(1, 6), cached_fraction=0.3, layerwise_fraction=0.5)
+        plans.append(RoomPlan(room=plans[0].room ^ 1, num_pages=5, chunks=[2, 0, 3]))
+        assert_all_ok(c.run(plans, concurrency=8, timeout_s=90))
+        assert_tables_empty(c)
