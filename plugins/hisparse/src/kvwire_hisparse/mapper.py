@@ -32,6 +32,11 @@ class HostPoolMapper(IndexMapper):
     def __init__(self, src: KVLayout, dst: KVLayout, options: BaseModel | None = None) -> None:
         super().__init__(src, dst, options)
         pp, ph = src.model.page_size, dst.model.page_size
+        if src.head_major or dst.head_major:
+            raise LayoutError(
+                "the hisparse path moves token rows: both pools must be token-major "
+                "([slots, page, heads, dim]), not head_major"
+            )
         if pp % ph:
             raise LayoutError(
                 f"host pool page size {ph} must divide prefill's page size {pp} "
