@@ -25,6 +25,7 @@ def main() -> None:
     p.add_argument("--tp", default="2:1", help="prefill_tp:decode_tp")
     p.add_argument("--requests", type=int, default=96)
     p.add_argument("--concurrency", type=int, default=16)
+    p.add_argument("--staging", default="direct", help="direct or bulk")
     a = p.parse_args()
     tp_p, tp_d = (int(x) for x in a.tp.split(":"))
     model = ModelSpec(num_layers=8, total_kv_heads=8, head_dim=64, dtype="int32", page_size=16)
@@ -33,7 +34,7 @@ def main() -> None:
         spec = ClusterSpec(
             model=model, prefill_tp=tp_p, decode_tp=tp_d, slots=512, aux_slots=64,
             head_major=hm, config=KVWireConfig(
-                transfer_backend=a.transfer_backend, control=ControlOptions()
+                transfer_backend=a.transfer_backend, staging=a.staging, control=ControlOptions()
             ),
         )  # fmt: skip
         with Cluster(spec) as c:
@@ -48,7 +49,7 @@ def main() -> None:
         p50 = sorted(r.latency_s for r in res)[len(res) // 2] * 1e3
         rows.append((name, nbytes / took / 1e9, p50, descs))
     base = rows[0][1]
-    print(f"{a.transfer_backend} TP {a.tp}, {a.requests} requests, C={a.concurrency}")
+    print(f"{a.transfer_backend} TP {a.tp} {a.staging}, {a.requests} requests, C={a.concurrency}")
     print("| layouts | GB/s | p50 ms | descriptors/request | GB/s vs token->token |")
     print("| --- | ---: | ---: | ---: | ---: |")
     for name, gbs, p50, descs in rows:

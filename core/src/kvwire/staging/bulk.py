@@ -22,7 +22,9 @@ arrival, a writer's confirmation that its writes for a failed request ended
 resort — ``release_timeout_s`` after decode cleared the request. A chunk too big for a staging
 buffer or the ring takes the per-token path; that choice is made before any allocation and
 counted (``kvwire_staging_fallbacks_total``). Equal-TP and MLA links are never staged (their
-descriptors are whole pages already).
+descriptors are whole pages already), except a ``head_rows`` link (a head-major side whose
+pages cannot move whole): its head slices are gathered in token order and scattered into the
+destination's page order (:class:`~kvwire.staging.kernels.KVTensors`).
 
 The decode half lives in :mod:`kvwire.staging.bulk_ring`, the prefill half in
 :mod:`kvwire.staging.bulk_writer`; this class picks one by role and forwards the seam's hooks.
@@ -200,9 +202,6 @@ class BulkStaging(StagingStrategy):
             not remote
             or remote.get("strategy") != "bulk"
             or not isinstance(mapper, HeadSliceMapper)
-            # the gather and scatter kernels read token-major pages
-            or mapper.src.head_major
-            or mapper.dst.head_major
             or mapper.is_dummy
             # page-size conversion moves token ranges: this link is not staged (direct rows)
             or mapper.paging is not None

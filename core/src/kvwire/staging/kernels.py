@@ -43,7 +43,14 @@ class KVTensors:
 
     def __init__(self, layout: KVLayout, tensors: Any) -> None:
         row = layout.token_row_bytes
-        shape = (layout.num_slots, layout.model.page_size, row)
+        m = layout.model
+        #: Head-major pages: views are ``[slots, heads, page_size, head bytes]`` and a head
+        #: slice is gathered (scattered) with a transpose into (out of) token order.
+        self.head_major = layout.head_major
+        self.head_bytes = m.head_dim * m.dtype_size
+        shape: tuple[int, ...] = (layout.num_slots, m.page_size, row)
+        if self.head_major:
+            shape = (layout.num_slots, layout.local_kv_heads, m.page_size, self.head_bytes)
         nbuf = len(layout.buffers)
         items = [tensors] if _is_stacked(tensors, layout) else list(tensors)
         self.on_device = any(_is_cuda(t) for t in items)
@@ -94,15 +101,16 @@ class KVTensors:
         self, bufs: NDArray[np.int64], pages: NDArray[np.int64], lo: int, hi: int, out: Any
     ) -> None:
         """Copy bytes ``[lo, hi)`` of every token row of ``pages`` in buffers ``bufs`` into
-        ``out`` (bytes shaped ``[len(bufs), len(pages), page_size, hi - lo]``); synchronised."""
+        ``out`` (bytes shaped ``[len(bufs), len(pages), page_size, hi - lo]``, token order
+        whatever the pool's page order); synchronised."""
         with self._ctx():
             idx = self._index(pages)
             if self.stacked is not None:
                 b = self._index(bufs)
-                out[...] = self.stacked[:, :, :, lo:hi][b[:, None], idx[None, :]]
+                out[...] = self._tokens(self._part(self.stacked, lo, hi)[b[:, None], idx[None, :]])
             else:
                 for i, bi in enumerate(bufs.tolist()):
-                    out[i] = self.views[bi][idx, :, lo:hi]
+                    out[i] = self._tokens(self._part(self.views[bi], lo, hi)[idx])
         self.sync()
 
     def scatter(
@@ -114,11 +122,34 @@ class KVTensors:
             idx = self._index(pages)
             if self.stacked is not None:
                 b = self._index(bufs)
-                self.stacked[:, :, :, lo:hi][b[:, None], idx[None, :]] = block
+                part = self._part(self.stacked, lo, hi)
+                part[b[:, None], idx[None, :]] = self._pages(block, hi - lo)
             else:
                 for i, bi in enumerate(bufs.tolist()):
-                    self.views[bi][idx, :, lo:hi] = block[i]
+                    self._part(self.views[bi], lo, hi)[idx] = self._pages(block[i], hi - lo)
         self.sync()
+
+    def _part(self, view: Any, lo: int, hi: int) -> Any:
+        """The bytes ``[lo, hi)`` of each token row of a (stacked) view: a slice of the row,
+        or, head-major, the heads ``[lo, hi) / head bytes`` (``[..., n, page, head bytes]``)."""
+        if not self.head_major:
+            return view[..., lo:hi]
+        return view[..., lo // self.head_bytes : hi // self.head_bytes, :, :]
+
+    def _tokens(self, sel: Any) -> Any:
+        """Selected pages of :meth:`_part` in token order ``[..., page, bytes]``."""
+        if not self.head_major:
+            return sel
+        t = sel.swapaxes(-3, -2)  # [..., page, n, head bytes]
+        return t.reshape(*t.shape[:-2], t.shape[-2] * t.shape[-1])
+
+    def _pages(self, block: Any, nbytes: int) -> Any:
+        """A token-order block ``[..., page, bytes]`` in this pool's page order."""
+        if not self.head_major:
+            return block
+        n = nbytes // self.head_bytes
+        b = block.reshape(*block.shape[:-1], n, self.head_bytes)  # [..., page, n, hb]
+        return b.swapaxes(-3, -2)
 
     def alloc(self, nbytes: int) -> Any:
         """Zeroed staging memory next to the pool (a NumPy array on the host)."""
