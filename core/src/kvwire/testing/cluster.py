@@ -822,8 +822,9 @@ class Cluster:
     ) -> RankProc:
         """SIGKILL one rank (if alive) and start a new process in its place (same role,
         position, name and namespace; a new session), returning once it is ready. Not for
-        a prefill instance's rank 0 (it runs the bootstrap service the others use)."""
-        if role == "prefill" and (tp, pp) == (0, 0):
+        a prefill instance's rank 0 that runs its bootstrap service (unless the cluster uses
+        a standalone one, :attr:`ClusterSpec.bootstrap_addr`)."""
+        if role == "prefill" and (tp, pp) == (0, 0) and self.spec.bootstrap_addr is None:
             raise ValueError("prefill rank 0 runs its instance's bootstrap service")
         old = self.rank(role, inst, tp, pp)
         if old.proc.is_alive():

@@ -13,6 +13,10 @@ Subclass :class:`NetnsConformance` in a test module and set ``backend_name`` (an
   namespace; requests verified, and they keep flowing while the bootstrap host is cut off.
 * ``test_peer_restarted_during_partition``: a decode rank restarted while the link is down
   is taken as a restart at once when it returns.
+* ``test_prefill_restarted_during_partition``: a prefill rank that died during a partition
+  and came back after it serves decode's requests within a second, not at decode's bound.
+* ``test_throttled_congested_link``: a 200 Mbit/s link with a small queue (drops and
+  retransmits); every request still succeeds, verified.
 * ``test_partition_then_recovery``: the decode namespace is cut off while requests are in
   flight; every one fails on both sides within ``heartbeat_interval_s x heartbeat_misses`` (plus
   a grace), naming the peer; after the link returns, new requests between the same ranks
@@ -353,6 +357,48 @@ class NetnsConformance:
                 bed.heal("bootstrap")
                 assert_all_ok(c.run(c.plans(8, seed=6), concurrency=8, timeout_s=30))
                 assert_tables_empty(c)
+
+    @pytest.mark.slow
+    def test_prefill_restarted_during_partition(self) -> None:
+        """The prefill rank (bootstrap service standalone, in a third namespace) dies while its
+        link is down, and a new incarnation starts when the link returns (it must register);
+        decode's liveness bound is long (10 s). Decode's requests reach the new rank well
+        inside that bound (the old endpoint refuses, the new registration is found), and the
+        rooms that were in flight failed on decode."""
+        reason = unavailable_reason()
+        if reason is not None:
+            pytest.skip(reason)
+        with (
+            NetnsBed(("prefill", "decode", "bootstrap")) as bed,
+            standalone_bootstrap(bed, "bootstrap") as addr,
+        ):
+            spec = self.spec(bed, decode={"heartbeat_misses": 50})
+            spec = spec.model_copy(update={"bootstrap_addr": addr})
+            with Cluster(spec) as c:
+                assert_all_ok(c.run(c.plans(4, seed=1), concurrency=4, timeout_s=30))
+                rooms = {300 + i for i in range(3)}
+                for room in sorted(rooms):
+                    plan = RoomPlan(room=room, num_pages=4, chunks=[2, 2], stall_s=60.0)
+                    for p in c.ranks_of(plan):
+                        p.conn.send(("start", plan.model_dump()))
+                wait_first_chunks(c, rooms)
+                bed.partition("prefill")
+                c.kill("prefill")
+                time.sleep(0.5)
+                bed.heal("prefill")
+                t_heal = time.monotonic()
+                c.restart("prefill")
+                assert_all_ok(c.run(c.plans(8, seed=3), concurrency=4, timeout_s=30))
+                took = time.monotonic() - t_heal
+                bound = self.heartbeat_interval_s * 50
+                assert took < bound, f"served after {took:.1f}s (decode's bound {bound}s)"
+                decode = c.rank("decode")
+                for room in rooms:
+                    rep = c.stragglers.get((decode.name, room))
+                    if rep is None:  # not failed during the run above: it must fail now
+                        rep = collect_reports(c, {room}, bound, role="decode")[(decode.name, room)]
+                    assert rep.status == int(KVPoll.Failed), rep
+                assert_tables_empty(c, timeout_s=TRANSFER_TIMEOUT_S + 5.0)
 
 
 @contextlib.contextmanager
