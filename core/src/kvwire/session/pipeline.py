@@ -19,15 +19,13 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-import numpy as np
-from numpy.typing import NDArray
-
 from kvwire.backend import PreparedPair, TransferHandle, XferOp, XferState
 from kvwire.control.handshake import slot_rows
 from kvwire.control.wire import ChunkNote, Completion
 from kvwire.errors import KVWireError, TransferError
 from kvwire.session import metrics as m
 from kvwire.session.layers import LayeredChunk
+from kvwire.session.pipeline_layers import LayerwisePosting, PlanRef
 from kvwire.staging.base import ChunkPlan, LocalCopy, Segment, StagingStrategy
 
 if TYPE_CHECKING:
@@ -44,43 +42,13 @@ GATE_IDLE_S = 0.05
 
 
 @dataclass(eq=False)
-class _PlanRef:
-    """A chunk plan whose segments are in flight: the strategy hears :meth:`on_sent` once,
-    after the last of them is terminal."""
-
-    strategy: StagingStrategy
-    plan: ChunkPlan
-    room: int
-    remaining: int = 0
-    ok: bool = True
-    #: More segments will be posted (a layer-wise chunk whose later groups are not computed
-    #: yet): the strategy hears only once it is sealed.
-    open: bool = False
-
-    def ended(self, ok: bool) -> None:
-        """A posted segment is terminal."""
-        self.remaining -= 1
-        self.ok &= ok
-        if self.remaining == 0 and not self.open:
-            self.strategy.on_sent(self.room, self.plan, self.ok)
-
-    def seal(self, ok: bool = True) -> None:
-        """No more segments will be posted (``ok=False``: posting failed or was given up);
-        the strategy hears now when none is in flight any more."""
-        self.open = False
-        self.ok &= ok
-        if self.remaining == 0:
-            self.strategy.on_sent(self.room, self.plan, self.ok)
-
-
-@dataclass(eq=False)
 class _Posted:
     """One transfer (or one segment of a chunk) in flight."""
 
     handle: TransferHandle
     key: tuple[int, str]
     room: SendRoom
-    ref: _PlanRef | None
+    ref: PlanRef | None
     t_start: float
     t_posted: float
     t_enqueued: float | None
@@ -111,10 +79,10 @@ class _Tail:
     staged: bool = False
     groups_done: bool = False
     #: The head job's layer-wise posting, while its later layer groups are not computed.
-    layered: LayeredChunk[_PlanRef] | None = None
+    layered: LayeredChunk[PlanRef] | None = None
 
 
-class Pipeline:
+class Pipeline(LayerwisePosting):
     """Posts chunk transfers, polls them, and finishes each destination in order."""
 
     def __init__(self, side: PrefillSide, index: int = 0) -> None:
@@ -196,86 +164,6 @@ class Pipeline:
             worker=self.index,
         )
 
-    def _post_layers(self, tail: _Tail, key: tuple[int, str], job: Job, t_start: float) -> bool:
-        """A layer-wise chunk: post each layer group whose layers are computed (and whose
-        events completed); True once the whole chunk is posted. A strategy that stages, or a
-        plan that cannot be cut by layer, moves the chunk whole once every layer is ready."""
-        gate = job.gate
-        assert gate is not None
-        ready = self._gate_ready(job)
-        lay = tail.layered
-        if lay is None:
-            strategy = job.target.strategy
-            if job.target.staged and strategy.stages_layers:
-                lay = self._staged_layers(job, gate.edges)
-                if lay is None:
-                    return False  # waiting for staging space
-                tail.layered = lay
-            else:
-                if job.target.staged and ready < gate.end:
-                    return False  # space is granted in write order: take it once computed
-                plan = self._plan(job)
-                if plan is None:
-                    return False
-                if plan.empty:
-                    return True
-                lay = tail.layered = self._layered(job, plan, gate.edges)
-        if lay.groups is None:
-            if ready < gate.end:
-                return False
-            tail.layered = None
-            self._post_plan(tail, key, job, lay.ref.strategy, lay.plan, t_start)
-            return True
-        for segs, first in lay.due(ready):
-            self._post_segments(
-                tail, key, job, lay.ref, lay.plan.what, segs, lay.parts, first, t_start
-            )
-        if not lay.posted:
-            return False
-        tail.layered = None
-        lay.ref.seal()
-        return True
-
-    def _staged_layers(self, job: Job, edges: NDArray[np.int64]) -> LayeredChunk[_PlanRef] | None:
-        """A staging strategy's layer-wise plan (its space taken now, each group staged when
-        computed), or None while it waits for space."""
-        assert job.chunk_id is not None
-        strategy = job.target.strategy
-        lp = strategy.plan_layers(
-            job.room.room, job.chunk_id, job.target.mapper, job.src, job.dst, edges,
-            dest=job.dest.session, worker=self.index,
-        )  # fmt: skip
-        if lp is None:
-            return None
-        ref = _PlanRef(strategy, lp.plan, job.room.room, open=True)
-        groups = [
-            self._segments(job, ChunkPlan(lp.plan.table, s, d, what=lp.plan.what)) if s.size else []
-            for s, d in lp.rows
-        ]
-        return LayeredChunk(lp.plan, ref, edges, groups, fill=lp.fill)
-
-    def _gate_ready(self, job: Job) -> int:
-        """The first layer of a layer-wise job not computed yet (raises past the deadline)."""
-        assert job.gate is not None
-        return job.gate.ready_by(self.mgr.options.transfer_timeout_s, job.room.room)
-
-    def _layered(
-        self, job: Job, plan: ChunkPlan, edges: NDArray[np.int64]
-    ) -> LayeredChunk[_PlanRef]:
-        """Cut a chunk's plan into layer groups of segments (each group split by memory kind
-        like a whole chunk), or keep it whole when the rows are not the mapper's own."""
-        ref = _PlanRef(job.target.strategy, plan, job.room.room, open=True)
-        cut = None
-        if plan.segments is None and plan.table == "kv":
-            cut = job.target.mapper.split_layers(plan.src_idx, plan.dst_idx, edges)
-        if cut is None:
-            return LayeredChunk(plan, ref, edges, None)
-        groups = [
-            self._segments(job, ChunkPlan(plan.table, s, d, what=plan.what)) if s.size else []
-            for s, d in cut
-        ]
-        return LayeredChunk(plan, ref, edges, groups)
-
     def _segments(self, job: Job, plan: ChunkPlan) -> list[Segment]:
         """A plan's parts: the strategy's own segments, or its one row set; rows of a pair
         that mixes memory kinds split into one segment per (source kind, destination kind).
@@ -304,7 +192,7 @@ class Pipeline:
     ) -> None:
         """Post every segment of one chunk, each with its own note (``parts`` of them)."""
         segs = self._segments(job, plan)
-        ref = _PlanRef(strategy, plan, job.room.room)
+        ref = PlanRef(strategy, plan, job.room.room)
         self._post_segments(tail, key, job, ref, plan.what, segs, len(segs), 0, t_start)
 
     def _post_segments(
@@ -312,7 +200,7 @@ class Pipeline:
         tail: _Tail,
         key: tuple[int, str],
         job: Job,
-        ref: _PlanRef,
+        ref: PlanRef,
         what: str,
         segs: list[Segment],
         parts: int,
@@ -434,7 +322,7 @@ class Pipeline:
         copy: LocalCopy,
         note: ChunkNote,
         endpoint: str,
-        ref: _PlanRef,
+        ref: PlanRef,
         t_start: float,
         t_enqueued: float | None,
     ) -> None:
@@ -468,7 +356,7 @@ class Pipeline:
         tail: _Tail,
         key: tuple[int, str],
         pair: PreparedPair,
-        ref: _PlanRef | None,
+        ref: PlanRef | None,
         src_idx: Any,
         dst_idx: Any,
         note: bytes,
