@@ -83,39 +83,33 @@ class _Engine:
         self.a = a
         self.cuda = a.device == "cuda"
         shape = (a.slots, a.page_size, a.heads, a.head_dim)
-        rng = np.random.default_rng(1234)
-        scale = float(1.0 / np.sqrt(a.hidden))  # a Python float keeps the weights float32
-        w = [
-            rng.standard_normal((a.hidden, a.hidden), dtype=np.float32) * scale
-            for _ in range(a.layers)
-        ]
-        kv = a.heads * a.head_dim
-        wk = [
-            rng.standard_normal((a.hidden, kv), dtype=np.float32) * scale for _ in range(a.layers)
-        ]
-        wv = [
-            rng.standard_normal((a.hidden, kv), dtype=np.float32) * scale for _ in range(a.layers)
-        ]
-        self.kv: list[Any]
-        self.w: list[Any]
-        self.wk: list[Any]
-        self.wv: list[Any]
         self.torch: Any = None
+        self.w: list[Any] = []
+        self.wk: list[Any] = []
+        self.wv: list[Any] = []
         if self.cuda:
             import torch
 
             self.torch = torch
             dev = torch.device("cuda")
-            self.kv = [
+            self.kv: list[Any] = [
                 torch.zeros(shape, dtype=torch.float32, device=dev) for _ in range(2 * a.layers)
             ]
-            if with_model:
-                self.w = [torch.from_numpy(x).to(dev) for x in w]
-                self.wk = [torch.from_numpy(x).to(dev) for x in wk]
-                self.wv = [torch.from_numpy(x).to(dev) for x in wv]
         else:
             self.kv = [np.zeros(shape, dtype=np.float32) for _ in range(2 * a.layers)]
-            self.w, self.wk, self.wv = w, wk, wv
+        if with_model:  # random weights, fixed seed (prefill only)
+            rng = np.random.default_rng(1234)
+            scale = float(1.0 / np.sqrt(a.hidden))  # a Python float keeps them float32
+            kv = a.heads * a.head_dim
+
+            def weights(cols: int) -> list[Any]:
+                out = [
+                    rng.standard_normal((a.hidden, cols), dtype=np.float32) * scale
+                    for _ in range(a.layers)
+                ]
+                return [torch.from_numpy(x).to(dev) for x in out] if self.cuda else out
+
+            self.w, self.wk, self.wv = weights(a.hidden), weights(kv), weights(kv)
         self.layout = KVLayout.from_tensors(a.model, self.kv)
 
     def prompt(self, tokens: int) -> Any:
@@ -287,8 +281,11 @@ def measure(a: BenchArgs, console: Console) -> list[Row]:
                 pproc, pconn, bootstrap = _spawn(_prefill_main, a, backend)
                 dproc, dconn, _ = _spawn(_decode_main, a, backend)
             finally:
-                for k, v in saved.items():
-                    os.environ.pop(k, None) if v is None else os.environ.__setitem__(k, v)
+                for k, v in saved.items():  # the parent's own settings back
+                    if v is None:
+                        os.environ.pop(k, None)
+                    else:
+                        os.environ[k] = v
             try:
                 for tokens in a.tokens:
                     times: dict[str, list[float]] = {m: [] for m in MODES}

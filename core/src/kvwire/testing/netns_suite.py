@@ -14,7 +14,8 @@ Subclass :class:`NetnsConformance` in a test module and set ``backend_name`` (an
 * ``test_peer_restarted_during_partition``: a decode rank restarted while the link is down
   is taken as a restart at once when it returns.
 * ``test_prefill_restarted_during_partition``: a prefill rank that died during a partition
-  and came back after it serves decode's requests well inside decode's liveness bound.
+  and came back after it: decode evicts the old incarnation within its liveness bound and
+  then serves requests through the new one.
 * ``test_throttled_congested_link``: a 200 Mbit/s link with a small queue (drops and
   retransmits); every request still succeeds, verified.
 * ``test_partition_then_recovery``: the decode namespace is cut off while requests are in
@@ -96,6 +97,16 @@ def wait_first_chunks(c: Cluster, rooms: set[int], timeout_s: float = 20.0) -> N
                 seen.add(msg[2])
 
 
+def start_stalled(c: Cluster, rooms: set[int]) -> None:
+    """Start a request per room that stalls before its last chunk, and wait until each has
+    moved its first (decode asked, prefill sent chunk 0): requests in flight for a fault."""
+    for room in sorted(rooms):
+        plan = RoomPlan(room=room, num_pages=4, chunks=[2, 2], stall_s=60.0)
+        for p in c.ranks_of(plan):
+            p.conn.send(("start", plan.model_dump()))
+    wait_first_chunks(c, rooms)
+
+
 class NetnsConformance:
     """Prefill and decode in their own namespaces, joined by a bridge."""
 
@@ -116,6 +127,18 @@ class NetnsConformance:
             pytest.skip(reason)
         with NetnsBed(("prefill", "decode")) as bed:
             yield bed
+
+    @pytest.fixture
+    def bed3(self) -> Iterator[tuple[NetnsBed, str]]:
+        """Three nodes, a standalone ``kvwire bootstrap`` on the third: (bed, its address)."""
+        reason = unavailable_reason()
+        if reason is not None:
+            pytest.skip(reason)
+        with (
+            NetnsBed(("prefill", "decode", "bootstrap")) as bed,
+            standalone_bootstrap(bed, "bootstrap") as addr,
+        ):
+            yield bed, addr
 
     def role_config(self, bed: NetnsBed, node: str, **control: Any) -> KVWireConfig:
         addr = bed.addr[node]
@@ -214,11 +237,7 @@ class NetnsConformance:
             # a connection first, so that both sides know each other
             assert_all_ok(c.run(c.plans(4, seed=1), concurrency=4, timeout_s=30))
             rooms = {100 + i for i in range(6)}
-            for room in sorted(rooms):
-                plan = RoomPlan(room=room, num_pages=4, chunks=[2, 2], stall_s=60.0)
-                for p in c.ranks_of(plan):
-                    p.conn.send(("start", plan.model_dump()))
-            wait_first_chunks(c, rooms)
+            start_stalled(c, rooms)
             t_cut = time.monotonic()
             if how == "silent":
                 bed.partition("decode")
@@ -283,11 +302,7 @@ class NetnsConformance:
         with Cluster(spec) as c:
             assert_all_ok(c.run(c.plans(4, seed=1), concurrency=4, timeout_s=30))
             rooms = {200 + i for i in range(3)}
-            for room in sorted(rooms):
-                plan = RoomPlan(room=room, num_pages=4, chunks=[2, 2], stall_s=60.0)
-                for p in c.ranks_of(plan):
-                    p.conn.send(("start", plan.model_dump()))
-            wait_first_chunks(c, rooms)
+            start_stalled(c, rooms)
             bed.partition("decode")
             c.restart("decode")
             bed.heal("decode")
@@ -335,70 +350,56 @@ class NetnsConformance:
             assert_tables_empty(c)
 
     @pytest.mark.slow
-    def test_bootstrap_in_third_namespace(self) -> None:
+    def test_bootstrap_in_third_namespace(self, bed3: tuple[NetnsBed, str]) -> None:
         """A standalone ``kvwire bootstrap`` in its own namespace (a third host): every rank
         registers and looks up there; requests are verified; with the bootstrap host cut
         off, the prefill and decode ranks that know each other keep serving requests (the
         bootstrap service is not on the request path once a decode rank has resolved its
         prefill ranks), and after it returns they still do."""
-        reason = unavailable_reason()
-        if reason is not None:
-            pytest.skip(reason)
-        with (
-            NetnsBed(("prefill", "decode", "bootstrap")) as bed,
-            standalone_bootstrap(bed, "bootstrap") as addr,
-        ):
-            spec = self.spec(bed).model_copy(update={"bootstrap_addr": addr})
-            with Cluster(spec) as c:
-                assert c.bootstrap_addr == addr
-                assert_all_ok(c.run(c.plans(16, seed=4), concurrency=8, timeout_s=60))
-                bed.partition("bootstrap")
-                assert_all_ok(c.run(c.plans(8, seed=5), concurrency=8, timeout_s=30))
-                bed.heal("bootstrap")
-                assert_all_ok(c.run(c.plans(8, seed=6), concurrency=8, timeout_s=30))
-                assert_tables_empty(c)
+        bed, addr = bed3
+        spec = self.spec(bed).model_copy(update={"bootstrap_addr": addr})
+        with Cluster(spec) as c:
+            assert c.bootstrap_addr == addr
+            assert_all_ok(c.run(c.plans(16, seed=4), concurrency=8, timeout_s=60))
+            bed.partition("bootstrap")
+            assert_all_ok(c.run(c.plans(8, seed=5), concurrency=8, timeout_s=30))
+            bed.heal("bootstrap")
+            assert_all_ok(c.run(c.plans(8, seed=6), concurrency=8, timeout_s=30))
+            assert_tables_empty(c)
 
     @pytest.mark.slow
-    def test_prefill_restarted_during_partition(self) -> None:
+    def test_prefill_restarted_during_partition(self, bed3: tuple[NetnsBed, str]) -> None:
         """The prefill rank (bootstrap service standalone, in a third namespace) dies while its
         link is down, and a new incarnation starts when the link returns (it must register);
-        decode's liveness bound is long (10 s). Decode's requests reach the new rank well
-        inside that bound (the old endpoint refuses, the new registration is found), and the
-        rooms that were in flight failed on decode."""
-        reason = unavailable_reason()
-        if reason is not None:
-            pytest.skip(reason)
-        with (
-            NetnsBed(("prefill", "decode", "bootstrap")) as bed,
-            standalone_bootstrap(bed, "bootstrap") as addr,
-        ):
-            spec = self.spec(bed, decode={"heartbeat_misses": 50})
-            spec = spec.model_copy(update={"bootstrap_addr": addr})
-            with Cluster(spec) as c:
-                assert_all_ok(c.run(c.plans(4, seed=1), concurrency=4, timeout_s=30))
-                rooms = {300 + i for i in range(3)}
-                for room in sorted(rooms):
-                    plan = RoomPlan(room=room, num_pages=4, chunks=[2, 2], stall_s=60.0)
-                    for p in c.ranks_of(plan):
-                        p.conn.send(("start", plan.model_dump()))
-                wait_first_chunks(c, rooms)
-                bed.partition("prefill")
-                c.kill("prefill")
-                time.sleep(0.5)
-                bed.heal("prefill")
-                t_heal = time.monotonic()
-                c.restart("prefill")
-                assert_all_ok(c.run(c.plans(8, seed=3), concurrency=4, timeout_s=30))
-                took = time.monotonic() - t_heal
-                bound = self.heartbeat_interval_s * 50
-                assert took < bound, f"served after {took:.1f}s (decode's bound {bound}s)"
-                decode = c.rank("decode")
-                for room in rooms:
-                    rep = c.stragglers.get((decode.name, room))
-                    if rep is None:  # not failed during the run above: it must fail now
-                        rep = collect_reports(c, {room}, bound, role="decode")[(decode.name, room)]
-                    assert rep.status == int(KVPoll.Failed), rep
-                assert_tables_empty(c, timeout_s=TRANSFER_TIMEOUT_S + 5.0)
+        decode's liveness bound is long (10 s). Decode evicts the old incarnation within that
+        bound (at once when the dead endpoint's refusal reaches it; TCP's retransmission
+        backoff after the partition can delay that to the silence bound), the rooms that were
+        in flight fail on decode, and from then on decode's requests resolve and reach the
+        new incarnation: no restart of decode needed."""
+        bed, addr = bed3
+        spec = self.spec(bed, decode={"heartbeat_misses": 50})
+        spec = spec.model_copy(update={"bootstrap_addr": addr})
+        with Cluster(spec) as c:
+            assert_all_ok(c.run(c.plans(4, seed=1), concurrency=4, timeout_s=30))
+            rooms = {300 + i for i in range(3)}
+            start_stalled(c, rooms)
+            bed.partition("prefill")
+            c.kill("prefill")
+            time.sleep(0.5)
+            bed.heal("prefill")
+            t_heal = time.monotonic()
+            c.restart("prefill")
+            bound = self.heartbeat_interval_s * 50
+            decode = c.rank("decode")
+            reports = collect_reports(c, rooms, bound + GRACE_S, role="decode")
+            took = time.monotonic() - t_heal
+            for room in rooms:  # the old incarnation evicted: its rooms failed, naming it
+                rep = reports[(decode.name, room)]
+                assert rep.status == int(KVPoll.Failed), rep
+                assert rep.error and "prefill0-pp0-tp0" in rep.error, rep.error
+            assert took < bound + GRACE_S, f"old prefill evicted after {took:.1f}s"
+            assert_all_ok(c.run(c.plans(8, seed=3), concurrency=4, timeout_s=30))
+            assert_tables_empty(c, timeout_s=TRANSFER_TIMEOUT_S + 5.0)
 
 
 @contextlib.contextmanager
