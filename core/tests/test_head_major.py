@@ -4,21 +4,18 @@ must land where decode's own page order puts it), and real transfers across proc
 
 from __future__ import annotations
 
-import ctypes
-
 import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvwire.descriptors import ADDR, LEN, locate_rows
 from kvwire.errors import LayoutError
 from kvwire.index import EqualTPMapper, HeadSliceMapper, default_mapper_name, source_ranks
 from kvwire.index.head_rows import HeadRowsMapper
 from kvwire.layout import KVLayout, ModelSpec, RankPosition
 from kvwire.testing.cluster import Cluster, ClusterSpec, RoomPlan
 from kvwire.testing.cluster_suite import assert_all_ok, assert_tables_empty
-from kvwire.testing.kvfill import count_mismatches, fill_pages, make_pool
+from kvwire.testing.kvfill import count_mismatches, fill_pages, make_pool, move_chunk
 from kvwire.testing.pair import config
 
 
@@ -51,22 +48,6 @@ def test_mapper_choice_and_refusals() -> None:
     # the same bytes as a serialised layout: the flag travels, and is absent when False
     assert KVLayout.model_validate_json(hm.model_dump_json()).head_major
     assert "head_major" not in tm.model_dump_json()
-
-
-def _move(mapper: HeadRowsMapper | EqualTPMapper, src: list, dst: list, sp: list, dp: list) -> None:
-    """A transfer without a backend: every row of the chunk copied at its table addresses,
-    each row first checked to lie inside the pools' arrays."""
-    tables = mapper.build_tables()
-    s_idx, d_idx = mapper.map_chunk(np.asarray(sp), np.asarray(dp))
-    for table, idx, arrays in ((tables.src, s_idx, src), (tables.dst, d_idx, dst)):
-        starts = np.array(sorted(a.ctypes.data for a in arrays), dtype=np.uint64)
-        size = {a.ctypes.data: a.nbytes for a in arrays}
-        ends = starts + np.array([size[int(a)] for a in starts], dtype=np.uint64)
-        rows = table[idx]
-        assert (locate_rows(starts, ends, rows[:, ADDR], rows[:, LEN]) >= 0).all()
-    for s, d in zip(tables.src[s_idx], tables.dst[d_idx], strict=True):
-        assert s[LEN] == d[LEN]
-        ctypes.memmove(int(d[ADDR]), int(s[ADDR]), int(s[LEN]))
 
 
 @settings(max_examples=40, deadline=None)
@@ -104,7 +85,7 @@ def test_every_head_lands_in_decodes_page_order(
                 continue
             dp = np.arange(dpages) + 1
             src_units, lo, hi = mapper.chunk_slice(npages, dp, sp, 0, npages, 0)
-            _move(mapper, sarr, darr, src_units, dp[lo:hi])
+            move_chunk(mapper, sarr, darr, src_units, dp[lo:hi])
         full = tokens // ps_d
         assert count_mismatches(dlay, darr, np.arange(full) + 1, 0) == 0, (dr, name)
 

@@ -1,4 +1,4 @@
-"""KV layout and memory regions: what one rank owns and how its KV pool is shaped.
+"""KV layout: what one rank owns and how its KV pool is shaped (its regions: :mod:`kvwire.regions`).
 
 A :class:`KVLayout` is built once per rank at startup, by the engine that embeds kvwire, from
 its KV pool (torch tensors or raw pointers). It is exchanged with peers at handshake and is the
@@ -7,7 +7,6 @@ input of every :class:`~kvwire.index.base.IndexMapper`.
 
 from __future__ import annotations
 
-import enum
 import hashlib
 from collections.abc import Sequence
 from functools import cached_property
@@ -26,145 +25,29 @@ from pydantic import (
 )
 
 from kvwire.errors import LayoutError
+from kvwire.regions import (
+    ADDR_LIMIT,
+    DTYPE_SIZES,
+    MemKind,
+    MemoryRegion,
+    check_no_overlap,
+)
 
-ADDR_LIMIT = 1 << 64
-
-#: Bytes per element of the dtypes a KV pool may use.
-DTYPE_SIZES: dict[str, int] = {
-    "float64": 8,
-    "float32": 4,
-    "bfloat16": 2,
-    "float16": 2,
-    "float8_e4m3fn": 1,
-    "float8_e5m2": 1,
-    "int32": 4,
-    "int8": 1,
-    "uint8": 1,
-}
-
-
-class MemKind(enum.IntEnum):
-    """Where a region lives: host memory or device memory."""
-
-    DRAM = 0
-    VRAM = 1
-
+__all__ = [
+    "ADDR_LIMIT",
+    "DTYPE_SIZES",
+    "BufferGroup",
+    "KVLayout",
+    "MemKind",
+    "MemoryRegion",
+    "ModelSpec",
+    "RankPosition",
+    "check_no_overlap",
+    "compatibility_problems",
+    "group_problems",
+]
 
 _FROZEN = ConfigDict(frozen=True, extra="forbid")
-
-
-class MemoryRegion(BaseModel):
-    """One registered buffer: ``length`` bytes at ``addr``, cut into slots of ``item_len`` bytes.
-
-    Built by the engine side of either role (prefill or decode) when it describes its KV pool,
-    with :meth:`from_pointer` or :meth:`from_tensor`.
-    """
-
-    model_config = _FROZEN
-
-    addr: int = Field(ge=0, lt=ADDR_LIMIT, description="Base address (unsigned 64-bit).")
-    length: int = Field(description="Length in bytes.")
-    item_len: int = Field(description="Bytes per page slot.")
-    kind: MemKind = MemKind.DRAM
-    device_id: int = Field(default=0, ge=0)
-
-    @model_validator(mode="after")
-    def _check(self) -> Self:
-        if self.length <= 0:
-            raise LayoutError(f"region at {self.addr:#x} has length {self.length}; it must be > 0")
-        if self.item_len <= 0:
-            raise LayoutError(
-                f"region at {self.addr:#x} has item_len {self.item_len}; it must be > 0 "
-                "(item_len is the number of bytes of one page slot)"
-            )
-        if self.length % self.item_len:
-            raise LayoutError(
-                f"region at {self.addr:#x}: length {self.length} is not a multiple of "
-                f"item_len {self.item_len}; pass the slot size that divides the buffer"
-            )
-        if self.addr + self.length > ADDR_LIMIT:
-            raise LayoutError(f"region at {self.addr:#x} + {self.length} bytes overflows 64 bits")
-        return self
-
-    @property
-    def end(self) -> int:
-        """One past the last byte of the region."""
-        return self.addr + self.length
-
-    @property
-    def num_items(self) -> int:
-        """Number of page slots in the region."""
-        return self.length // self.item_len
-
-    @classmethod
-    def from_pointer(
-        cls,
-        addr: int,
-        length: int,
-        item_len: int,
-        kind: MemKind = MemKind.DRAM,
-        device_id: int = 0,
-    ) -> MemoryRegion:
-        """Describe a raw buffer (e.g. memory an engine allocated itself)."""
-        return cls(addr=addr, length=length, item_len=item_len, kind=kind, device_id=device_id)
-
-    @classmethod
-    def from_tensor(cls, tensor: Any, item_len: int | None = None) -> MemoryRegion:
-        """Describe a contiguous torch tensor (CPU or CUDA) or NumPy array.
-
-        ``item_len`` defaults to the bytes of one entry along the first dimension, which is the
-        page-slot dimension of a KV buffer shaped ``[num_slots, page_size, heads, head_dim]``.
-
-        The region records the address only: keep the tensor alive for as long as the region is
-        registered (an engine's KV pool lives as long as the process; a freed tensor would leave
-        the backend reading freed memory).
-        """
-        if hasattr(tensor, "data_ptr") and hasattr(tensor, "element_size"):
-            if not tensor.is_contiguous():
-                raise LayoutError("tensor is not contiguous; call .contiguous() before registering")
-            addr = int(tensor.data_ptr())
-            length = int(tensor.numel()) * int(tensor.element_size())
-            is_cuda = bool(getattr(tensor, "is_cuda", False))
-            kind = MemKind.VRAM if is_cuda else MemKind.DRAM
-            device_id = int(tensor.device.index or 0) if is_cuda else 0
-            first = int(tensor.shape[0]) if tensor.dim() > 0 else 1
-        elif isinstance(tensor, np.ndarray):
-            if not tensor.flags.c_contiguous:
-                raise LayoutError("array is not C-contiguous; use np.ascontiguousarray first")
-            addr = int(tensor.ctypes.data)
-            length = int(tensor.nbytes)
-            kind, device_id = MemKind.DRAM, 0
-            first = int(tensor.shape[0]) if tensor.ndim > 0 else 1
-        else:
-            raise LayoutError(
-                f"cannot build a region from {type(tensor).__name__}; "
-                "pass a torch tensor, a NumPy array, or use MemoryRegion.from_pointer"
-            )
-        if length == 0:
-            raise LayoutError("cannot register an empty tensor (0 bytes)")
-        if item_len is None:
-            item_len = length // max(first, 1)
-        return cls(addr=addr, length=length, item_len=item_len, kind=kind, device_id=device_id)
-
-
-def check_no_overlap(regions: Sequence[MemoryRegion], what: str = "regions") -> None:
-    """Raise :class:`LayoutError` if any two of ``regions`` share a byte (same memory space)."""
-    if len(regions) < 2:
-        return
-    keys = np.array([(int(r.kind), r.device_id) for r in regions], dtype=np.int64)
-    addr = np.array([r.addr for r in regions], dtype=np.uint64)
-    end = np.array([r.end for r in regions], dtype=np.uint64)
-    order = np.lexsort((addr, keys[:, 1], keys[:, 0]))
-    same_space = np.all(keys[order][1:] == keys[order][:-1], axis=1)
-    overlap = same_space & (addr[order][1:] < end[order][:-1])
-    if overlap.any():
-        i = int(np.argmax(overlap))
-        a, b = regions[int(order[i])], regions[int(order[i + 1])]
-        raise LayoutError(
-            f"{what} overlap: [{a.addr:#x}, {a.end:#x}) and [{b.addr:#x}, {b.end:#x}) "
-            f"({a.kind.name} device {a.device_id}); register each byte once"
-        )
-
 
 #: Kinds of buffer groups beyond the paged K/V of :class:`ModelSpec`'s attention layers.
 GroupKind = Literal["state", "window", "paged"]
@@ -378,17 +261,21 @@ class KVLayout(BaseModel):
     """The KV pool of one rank: model facts, its position, and its KV buffers.
 
     ``buffers`` are ordered ``[K_start .. K_end-1, V_start .. V_end-1]`` for MHA/GQA and
-    ``[L_start .. L_end-1]`` for MLA, where ``[start_layer, end_layer)`` are the layers this rank
-    holds (its PP stage). Every buffer has the same number of slots. ``groups`` are the rank's
-    other buffers (per-request state, sliding-window KV, draft-model layers; see
-    :class:`BufferGroup`); a layout without groups serialises and hashes exactly as before
-    protocol 1.4.
+    ``[L_start .. L_end-1]`` for MLA and for fused K|V pools (:attr:`kv_fused`), where
+    ``[start_layer, end_layer)`` are the layers this rank holds (its PP stage). Every buffer
+    has the same number of slots. ``groups`` are the rank's other buffers (per-request state,
+    sliding-window KV, draft-model layers; see :class:`BufferGroup`); a layout without groups
+    serialises and hashes exactly as before protocol 1.4.
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid")
     #: Objects owning the memory of :attr:`buffers` (the engine's tensors, when built with
     #: :meth:`from_tensors`); held so the memory outlives every registration of this layout.
     _owners: tuple[Any, ...] = PrivateAttr(default=())
+    #: Set only on a mapper's plane view of a fused pool (:func:`kvwire.index.planes.split_kv`):
+    #: bytes from one head of a token row to the next, and bytes of one head in a plane.
+    _pitch: int = PrivateAttr(default=0)
+    _plane: int = PrivateAttr(default=0)
 
     model: ModelSpec
     rank: RankPosition = RankPosition()
@@ -399,6 +286,10 @@ class KVLayout(BaseModel):
     #: Pages are head-major, ``[slots, heads, page_size, head_dim]`` per buffer (a head's
     #: tokens contiguous), instead of token-major ``[slots, page_size, heads, head_dim]``.
     head_major: bool = False
+    #: K and V of a head side by side in each row: one buffer per layer, pages
+    #: ``[slots, page_size, heads, 2, head_dim]`` (head-major: ``[slots, heads, page_size, 2,
+    #: head_dim]``), as vLLM keeps its FlashAttention cache. Not for MLA.
+    kv_fused: bool = False
 
     @model_serializer(mode="wrap")
     def _omit_defaults(self, handler: SerializerFunctionWrapHandler) -> Any:
@@ -406,15 +297,16 @@ class KVLayout(BaseModel):
         if isinstance(data, dict):  # older peers and fixtures see the layout they know
             if not data.get("groups"):
                 data.pop("groups", None)
-            if not data.get("head_major"):
-                data.pop("head_major", None)
+            for flag in ("head_major", "kv_fused"):
+                if not data.get(flag):
+                    data.pop(flag, None)
         return data
 
     def byte_offsets(self, tokens: Any, heads: Any) -> NDArray[np.uint64]:
         """Byte offset inside a page slot of (token ``tokens[i]``, local head ``heads[j]``),
         shape ``[len(tokens), len(heads)]``, for this layout's page order."""
         m = self.model
-        hb = np.uint64(m.head_dim * m.dtype_size)
+        hb = np.uint64(self.elem_pitch)
         t = np.asarray(tokens, dtype=np.uint64)[:, None]
         h = np.asarray(heads, dtype=np.uint64)[None, :]
         if self.head_major:
@@ -433,9 +325,21 @@ class KVLayout(BaseModel):
                 f"{m.num_layers} layers"
             )
         nl = end - self.start_layer
-        want = nl if m.is_mla else 2 * nl
+        if self.kv_fused and m.is_mla:
+            raise LayoutError(
+                "kv_fused: an MLA pool has no separate K and V (one latent buffer per layer); "
+                "leave kv_fused False"
+            )
+        one = m.is_mla or self.kv_fused
+        want = nl if one else 2 * nl
         if len(self.buffers) != want:
-            shape = "one buffer per layer (MLA)" if m.is_mla else "a K and a V buffer per layer"
+            shape = (
+                "one buffer per layer (MLA)"
+                if m.is_mla
+                else "one K|V buffer per layer (kv_fused)"
+                if self.kv_fused
+                else "a K and a V buffer per layer"
+            )
             raise LayoutError(
                 f"expected {want} buffers for layers [{self.start_layer}, {end}) ({shape}); "
                 f"got {len(self.buffers)}"
@@ -451,8 +355,9 @@ class KVLayout(BaseModel):
             if b.item_len != m.page_size * row:
                 raise LayoutError(
                     f"buffer {i}: item_len {b.item_len} != page_size {m.page_size} x token row "
-                    f"{row} bytes ({self.local_kv_heads} heads x {m.head_dim} x "
-                    f"{m.dtype_size} B); check heads per rank, head_dim and dtype"
+                    f"{row} bytes ({self.local_kv_heads} heads x {self.head_bytes} B"
+                    f"{' (K|V)' if self.kv_fused else ''}); check heads per rank, head_dim, "
+                    "dtype and kv_fused"
                 )
         if self.head_major and m.is_mla:
             raise LayoutError(
@@ -524,16 +429,35 @@ class KVLayout(BaseModel):
         return max(1, self.model.total_kv_heads // self.rank.tp_size)
 
     @property
+    def head_bytes(self) -> int:
+        """Bytes of one head of one token in one buffer (K and V together when fused)."""
+        if self._plane:
+            return self._plane
+        m = self.model
+        return m.head_dim * m.dtype_size * (2 if self.kv_fused else 1)
+
+    @property
+    def elem_pitch(self) -> int:
+        """Bytes from one head of a token row to the next (from one token of a head to the
+        next, head-major): :attr:`head_bytes`, except on a plane view of a fused pool."""
+        return self._pitch or self.head_bytes
+
+    @property
     def token_row_bytes(self) -> int:
         """Bytes of one token's row in one buffer."""
-        m = self.model
-        return self.local_kv_heads * m.head_dim * m.dtype_size
+        return self.local_kv_heads * self.elem_pitch
+
+    @property
+    def slot_bytes(self) -> int:
+        """Bytes from one page slot of a buffer to the next."""
+        return self.buffers[0].item_len
 
     @cached_property
     def buffer_keys(self) -> NDArray[np.int64]:
-        """``(layer, kv)`` of each buffer, shape ``[n, 2]``; kv is 0 for K (or MLA), 1 for V."""
+        """``(layer, kv)`` of each buffer, shape ``[n, 2]``; kv is 0 for K (or MLA, or a fused
+        K|V buffer), 1 for V."""
         layers = np.arange(self.start_layer, self.layer_end, dtype=np.int64)
-        if self.model.is_mla:
+        if self.model.is_mla or self.kv_fused:
             return np.stack([layers, np.zeros_like(layers)], axis=1)
         kv = np.repeat(np.array([0, 1], dtype=np.int64), len(layers))
         return np.stack([np.tile(layers, 2), kv], axis=1)
@@ -574,11 +498,13 @@ class KVLayout(BaseModel):
         groups: Sequence[BufferGroup] = (),
         group_tensors: Sequence[Any] = (),
         head_major: bool = False,
+        kv_fused: bool = False,
     ) -> KVLayout:
         """Build a layout from the engine's KV tensors, ordered as :attr:`buffers` documents.
         ``groups`` (built with regions from ``group_tensors``, which are kept alive with the
         layout) are the rank's other buffers (:class:`BufferGroup`). ``head_major``: the
-        tensors are ``[slots, heads, page_size, head_dim]`` (see :attr:`head_major`)."""
+        tensors are ``[slots, heads, page_size, head_dim]`` (see :attr:`head_major`);
+        ``kv_fused``: one tensor per layer holds K and V side by side (:attr:`kv_fused`)."""
         regions = tuple(MemoryRegion.from_tensor(t) for t in tensors)
         layout = cls(
             model=model,
@@ -588,6 +514,7 @@ class KVLayout(BaseModel):
             buffers=regions,
             groups=tuple(groups),
             head_major=head_major,
+            kv_fused=kv_fused,
         )
         # The regions are raw addresses: keep the tensors alive as long as the layout (and so
         # every manager that registered it) exists, or a dropped tensor frees registered memory.

@@ -20,6 +20,7 @@ from kvwire.backend import NoOptions
 from kvwire.descriptors import DescTable, IndexArray, check_indices
 from kvwire.errors import DescriptorError, LayoutError
 from kvwire.index.paging import PageConversion
+from kvwire.index.planes import split_kv
 from kvwire.index.topology import Topology
 from kvwire.layout import KVLayout, compatibility_problems
 
@@ -83,6 +84,12 @@ class IndexMapper(ABC):
             raise LayoutError(
                 "source and destination layouts cannot work together: " + "; ".join(problems) + hint
             )
+        #: One side keeps K and V side by side in its rows (``kv_fused``) and the other does
+        #: not: both are seen as K and V planes (:mod:`kvwire.index.planes`), so heads move one
+        #: by one; mappers that move longer runs refuse such a pair.
+        self.splits_kv = src.kv_fused != dst.kv_fused
+        if self.splits_kv:
+            src, dst = split_kv(src), split_kv(dst)
         self.src = src
         self.dst = dst
         self.options = options if options is not None else self.options_model()
@@ -226,9 +233,14 @@ class IndexMapper(ABC):
 
 def default_mapper_name(src: KVLayout, dst: KVLayout) -> str:
     """The core mapper that fits a layout pair: ``mla``, ``equal_tp``, ``head_slice``, or
-    ``head_rows`` when a side's pages are head-major and whole pages cannot move."""
+    ``head_rows`` when a side's pages are head-major and whole pages cannot move, or when one
+    side keeps K and V side by side in its rows and the other does not."""
     name = core_mapper_name(src.model.is_mla, src.rank.tp_size, dst.rank.tp_size)
-    if name == "mla" or not (src.head_major or dst.head_major):
+    if name == "mla":
+        return name
+    if src.kv_fused != dst.kv_fused:
+        return "head_rows"
+    if not (src.head_major or dst.head_major):
         return name
     same_pages = src.model.page_size == dst.model.page_size
     if name == "equal_tp" and src.head_major == dst.head_major and same_pages:

@@ -69,6 +69,11 @@ class EqualTPMapper(IndexMapper):
                 f"equal_tp needs equal TP sizes (source {self.src.rank.tp_size}, destination "
                 f"{self.dst.rank.tp_size}); use the head_slice mapper"
             )
+        if self.splits_kv:
+            raise LayoutError(
+                "K and V are side by side in each row on one side only (kv_fused): whole pages "
+                "cannot move; use the head_rows mapper (the default picks it)"
+            )
         if self.src.head_major != self.dst.head_major:
             raise LayoutError(
                 "pages are head-major on one side and token-major on the other; whole pages "

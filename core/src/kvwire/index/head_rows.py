@@ -29,8 +29,8 @@ def head_row_table(layout: KVLayout, bufs: NDArray[np.int64]) -> tuple[NDArray[n
     """(addr, len, dev) with one row per (buffer in ``bufs``, slot, token, local head)."""
     m = layout.model
     heads = layout.local_kv_heads
-    hb = m.head_dim * m.dtype_size
-    item = np.uint64(layout.buffers[0].item_len)
+    hb = layout.head_bytes
+    item = np.uint64(layout.slot_bytes)
     slots = np.arange(layout.num_slots, dtype=np.uint64) * item
     offs = layout.byte_offsets(np.arange(m.page_size), np.arange(heads))  # [ps, heads]
     addr = (

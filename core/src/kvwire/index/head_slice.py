@@ -41,7 +41,7 @@ def token_table(
     """Rows per (buffer, slot, token, offset): ``base + slot*item + t*row + offset``."""
     ps = layout.model.page_size
     row = np.uint64(layout.token_row_bytes)
-    item = np.uint64(layout.buffers[0].item_len)
+    item = np.uint64(layout.slot_bytes)
     slots = np.arange(layout.num_slots, dtype=np.uint64) * item
     toks = np.arange(ps, dtype=np.uint64) * row
     addr = (
@@ -73,6 +73,11 @@ class HeadSliceMapper(IndexMapper):
                 "head_slice moves runs of token rows; a head-major side needs the head_rows "
                 "mapper (the default picks it)"
             )
+        if self.requires_token_major and self.splits_kv:
+            raise LayoutError(
+                "K and V are side by side in each row on one side only (kv_fused): head runs "
+                "are not contiguous on both; use the head_rows mapper (the default picks it)"
+            )
         tp_s, tp_d = src.rank.tp_size, dst.rank.tp_size
         if src.rank.tp_rank not in source_ranks(dst.rank.tp_rank, tp_s, tp_d):
             raise LayoutError(
@@ -80,10 +85,9 @@ class HeadSliceMapper(IndexMapper):
                 f"{dst.rank.tp_rank} (TP {tp_s} -> {tp_d})"
             )
         h = src.model.total_kv_heads
-        m = src.model
         self.src_heads = max(1, h // tp_s)
         self.dst_heads = max(1, h // tp_d)
-        self.bytes_per_head = m.head_dim * m.dtype_size
+        self.bytes_per_head = self.src.head_bytes
         if tp_s > tp_d:  # gather: the whole source row lands at an offset of the dst row
             rep = max(1, tp_s // h)
             unique = src.rank.tp_rank // rep

@@ -203,6 +203,8 @@ class BulkStaging(StagingStrategy):
             or remote.get("strategy") != "bulk"
             or not isinstance(mapper, HeadSliceMapper)
             or mapper.is_dummy
+            # K|V fused on one side only: heads move one by one between planes (direct rows)
+            or mapper.splits_kv
             # page-size conversion moves token ranges: this link is not staged (direct rows)
             or mapper.paging is not None
             or self.writer is None

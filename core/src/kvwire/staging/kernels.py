@@ -47,7 +47,7 @@ class KVTensors:
         #: Head-major pages: views are ``[slots, heads, page_size, head bytes]`` and a head
         #: slice is gathered (scattered) with a transpose into (out of) token order.
         self.head_major = layout.head_major
-        self.head_bytes = m.head_dim * m.dtype_size
+        self.head_bytes = layout.head_bytes
         shape: tuple[int, ...] = (layout.num_slots, m.page_size, row)
         if self.head_major:
             shape = (layout.num_slots, layout.local_kv_heads, m.page_size, self.head_bytes)

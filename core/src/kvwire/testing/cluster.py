@@ -105,6 +105,9 @@ class ClusterSpec(BaseModel):
     #: Roles whose KV pages are head-major (``[slots, heads, page, dim]``; see
     #: :attr:`KVLayout.head_major <kvwire.layout.KVLayout.head_major>`).
     head_major: tuple[str, ...] = ()
+    #: Roles whose pools keep K and V side by side in one buffer per layer (see
+    #: :attr:`KVLayout.kv_fused <kvwire.layout.KVLayout.kv_fused>`).
+    kv_fused: tuple[str, ...] = ()
     #: ``host:port`` of a standalone bootstrap service (``kvwire bootstrap``) that every
     #: rank uses instead of one run by prefill rank 0 (one prefill instance only).
     bootstrap_addr: str | None = None
@@ -225,17 +228,19 @@ class _Pool:
         end: int,
         model: ModelSpec,
         head_major: bool = False,
+        kv_fused: bool = False,
     ) -> None:
         m = model
         self.head_major = head_major
         heads = len(global_heads(m, rank))
-        nbuf = (end - start) * (1 if m.is_mla else 2)
+        nbuf = (end - start) * (1 if m.is_mla or kv_fused else 2)
+        elem: tuple[int, ...] = (2, m.head_dim) if kv_fused else (m.head_dim,)
         #: Page slots per buffer: ``spec.slots`` prefill pages' worth of tokens, in this
         #: pool's pages (at least ``spec.slots``).
         self.slots = spec.slots * max(1, -(-spec.model.page_size // m.page_size))
-        shape = (self.slots, m.page_size, heads, m.head_dim)
+        shape = (self.slots, m.page_size, heads, *elem)
         if head_major:
-            shape = (self.slots, heads, m.page_size, m.head_dim)
+            shape = (self.slots, heads, m.page_size, *elem)
         self.torch = spec.device != "cpu"
         if self.torch:
             import torch
@@ -249,7 +254,7 @@ class _Pool:
         else:
             self.arrays = [np.zeros(shape, dtype=np.int32) for _ in range(nbuf)]
         self.layout = KVLayout.from_tensors(
-            m, self.arrays, rank, start, end, head_major=head_major
+            m, self.arrays, rank, start, end, head_major=head_major, kv_fused=kv_fused
         )
         self.aux = np.zeros((spec.aux_slots, AUX_WORDS), dtype=np.int32)
         self.aux_region = MemoryRegion.from_tensor(self.aux)
@@ -304,9 +309,9 @@ class _Pool:
             torch.cuda.synchronize()
 
     def _order(self, pages: NDArray[np.int32]) -> NDArray[np.int32]:
-        """Pages ``[n, page, heads, dim]`` in this pool's order, or back (a head-major pool
-        swaps the two middle axes; the swap is its own inverse)."""
-        return np.ascontiguousarray(pages.transpose(0, 2, 1, 3)) if self.head_major else pages
+        """Pages ``[n, page, heads, ...]`` in this pool's order, or back (a head-major pool
+        swaps the page and head axes; the swap is its own inverse)."""
+        return np.ascontiguousarray(pages.swapaxes(1, 2)) if self.head_major else pages
 
     def poison(self, pages: NDArray[np.int64]) -> None:
         for arr in self.arrays:
@@ -412,7 +417,13 @@ def _rank_main(
         first_layer, end = pp_rank * per, min(m.num_layers, (pp_rank + 1) * per)
     dm = spec.decode_model()
     pool = _Pool(
-        spec, rank, first_layer, end, m if role == "prefill" else dm, role in spec.head_major
+        spec,
+        rank,
+        first_layer,
+        end,
+        m if role == "prefill" else dm,
+        role in spec.head_major,
+        role in spec.kv_fused,
     )
     hook_events: dict[int, list[str]] = {}
     hooks = _Hooks(hook_events)

@@ -7,9 +7,14 @@ got without knowing what the sender did. Pools use the ``int32`` dtype.
 
 from __future__ import annotations
 
+import ctypes
+from typing import Any
+
 import numpy as np
 from numpy.typing import NDArray
 
+from kvwire.descriptors import ADDR, LEN, locate_rows
+from kvwire.index.base import IndexMapper
 from kvwire.layout import KVLayout, ModelSpec, RankPosition
 
 
@@ -42,27 +47,30 @@ def make_pool(
     start_layer: int = 0,
     end_layer: int | None = None,
     head_major: bool = False,
+    kv_fused: bool = False,
 ) -> tuple[KVLayout, list[NDArray[np.int32]]]:
     """Allocate a zeroed ``int32`` pool shaped ``[slots, page_size, heads, head_dim]`` (or
-    ``[slots, heads, page_size, head_dim]`` with ``head_major``)."""
+    ``[slots, heads, page_size, head_dim]`` with ``head_major``; ``kv_fused``: one buffer per
+    layer with ``[2, head_dim]`` (K, V) in place of ``head_dim``)."""
     if model.dtype != "int32":
         raise ValueError("verification pools use dtype 'int32'")
     end = end_layer if end_layer is not None else model.num_layers
     heads = len(global_heads(model, rank))
-    nbuf = (end - start_layer) * (1 if model.is_mla else 2)
-    shape = (num_slots, model.page_size, heads, model.head_dim)
+    nbuf = (end - start_layer) * (1 if model.is_mla or kv_fused else 2)
+    elem: tuple[int, ...] = (2, model.head_dim) if kv_fused else (model.head_dim,)
+    shape = (num_slots, model.page_size, heads, *elem)
     if head_major:
-        shape = (num_slots, heads, model.page_size, model.head_dim)
+        shape = (num_slots, heads, model.page_size, *elem)
     arrays = [np.zeros(shape, dtype=np.int32) for _ in range(nbuf)]
     layout = KVLayout.from_tensors(
-        model, arrays, rank, start_layer, end_layer, head_major=head_major
+        model, arrays, rank, start_layer, end_layer, head_major=head_major, kv_fused=kv_fused
     )
     return layout, arrays
 
 
 def _page_order(layout: KVLayout, values: NDArray[np.int32]) -> NDArray[np.int32]:
-    """Token-major page values ``[pages, page, heads, dim]`` in the layout's page order."""
-    return values.transpose(0, 2, 1, 3) if layout.head_major else values
+    """Token-major page values ``[pages, page, heads, ...]`` in the layout's page order."""
+    return values.swapaxes(1, 2) if layout.head_major else values
 
 
 def page_values(layout: KVLayout, buffer: int, first_pos: int, num_pages: int) -> NDArray[np.int32]:
@@ -71,6 +79,14 @@ def page_values(layout: KVLayout, buffer: int, first_pos: int, num_pages: int) -
     layer, kv = layout.buffer_keys[buffer]
     pos = first_pos + np.arange(num_pages * m.page_size).reshape(num_pages, m.page_size)
     heads = global_heads(m, layout.rank)
+    if layout.kv_fused:  # [pages, page, heads, K/V, dim]
+        return encode(
+            layer,
+            np.arange(2)[None, None, None, :, None],
+            heads[None, None, :, None, None],
+            pos[:, :, None, None, None],
+            np.arange(m.head_dim)[None, None, None, None, :],
+        )
     return encode(
         layer,
         kv,
@@ -98,3 +114,28 @@ def count_mismatches(
         )
         for b, arr in enumerate(arrays)
     )
+
+
+def move_chunk(
+    mapper: IndexMapper,
+    src: list[NDArray[np.int32]],
+    dst: list[NDArray[np.int32]],
+    src_pages: Any,
+    dst_pages: Any,
+) -> None:
+    """A transfer without a backend (mapper tests): every row of the chunk
+    ``mapper.map_chunk(src_pages, dst_pages)`` copied at its table addresses, each row first
+    checked to lie inside the pools' arrays and to pair rows of equal length."""
+    tables = mapper.build_tables()
+    s_idx, d_idx = mapper.map_chunk(np.asarray(src_pages), np.asarray(dst_pages))
+    for table, idx, arrays in ((tables.src, s_idx, src), (tables.dst, d_idx, dst)):
+        starts = np.array(sorted(a.ctypes.data for a in arrays), dtype=np.uint64)
+        size = {a.ctypes.data: a.nbytes for a in arrays}
+        ends = starts + np.array([size[int(a)] for a in starts], dtype=np.uint64)
+        rows = table[idx]
+        if (locate_rows(starts, ends, rows[:, ADDR], rows[:, LEN]) < 0).any():
+            raise AssertionError("a row lies outside the pools")
+    for s, d in zip(tables.src[s_idx], tables.dst[d_idx], strict=True):
+        if s[LEN] != d[LEN]:
+            raise AssertionError(f"paired rows differ in length: {s[LEN]} and {d[LEN]}")
+        ctypes.memmove(int(d[ADDR]), int(s[ADDR]), int(s[LEN]))
