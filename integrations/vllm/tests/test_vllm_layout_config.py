@@ -16,7 +16,7 @@ import torch
 from kvwire.errors import ConfigError, LayoutError
 from kvwire.layout import RankPosition, compatibility_problems
 from kvwire_vllm.config import DEFAULT_BOOTSTRAP_PORT, bootstrap_address, parse_extra_config
-from kvwire_vllm.layout import describe_kv_caches
+from kvwire_vllm.layout import HeadFacts, describe_kv_caches, head_facts
 
 B, H, N, D = 10, 2, 4, 8  # blocks, KV heads, tokens per block, head size (C = 2 * D)
 PHYS = {  # physical order of the logical [L, B, H, N, C] axes
@@ -121,3 +121,61 @@ def test_extra_config_refuses_secrets_and_unknown_keys() -> None:
         parse_extra_config({"transfer_backnd": "tcp"})
     with pytest.raises(ConfigError, match="num_workers"):
         parse_extra_config({"control": {"num_workers": 0}})
+
+
+def test_layer_major_layouts_with_head_facts_are_fused_kv_pages() -> None:
+    """With the model's head facts, a layer-major pool is described with its heads: K|V
+    rows, token-major (NHD) or head-major (HND) pages of a block's tokens; kernel blocks of
+    an NHD pool make one page of the scheduler block's tokens."""
+    facts = HeadFacts(head_size=D, total_kv_heads=2 * H)
+    rank = RankPosition(tp_size=2, tp_rank=1)
+    for name, head_major in (("LBNHC", False), ("LBHNC", True)):
+        raw, kv = views(name)
+        desc = describe_kv_caches(kv, B, rank, facts)
+        lay = desc.layout
+        assert desc.heads and lay.kv_fused and lay.head_major == head_major
+        m = lay.model
+        assert (m.is_mla, m.page_size, m.total_kv_heads, m.head_dim) == (False, N, 2 * H, D)
+        assert lay.local_kv_heads == H and lay.head_bytes == 2 * D * 4
+        assert [b.addr for b in lay.buffers] == [
+            raw.data_ptr() + i * B * H * N * 2 * D * 4 for i in range(3)
+        ]
+        # the element of (block 3, head 1, token 2) sits where kvwire's layout says
+        got = lay.buffers[0].addr + 3 * lay.slot_bytes + int(lay.byte_offsets([2], [1])[0, 0])
+        assert got == kv["layer.0"][3, 1, 2].data_ptr()
+    _raw, kv = views("LBNHC", blocks=2 * B, n=N // 2)
+    assert describe_kv_caches(kv, B, rank, facts).layout.model.page_size == N
+
+
+def test_layouts_that_cannot_carry_heads_fall_back_to_whole_blocks() -> None:
+    facts = HeadFacts(head_size=D, total_kv_heads=H)
+    for kv in (
+        views("BLHNC")[1],  # block-major: a block holds every layer's page
+        views("LBHNC", blocks=2 * B, n=N // 2)[1],  # HND kernel blocks: [2, H, N/2, C]
+    ):
+        desc = describe_kv_caches(kv, B, RankPosition(), facts)
+        assert not desc.heads and desc.layout.model.is_mla
+    other = HeadFacts(head_size=D // 2, total_kv_heads=H)  # C is not 2 x head size
+    assert not describe_kv_caches(views("LBNHC")[1], B, RankPosition(), other).heads
+    with pytest.raises(LayoutError, match="heads per rank"):
+        describe_kv_caches(views("LBNHC")[1], B, RankPosition(), HeadFacts(D, 3 * H))
+
+
+def test_head_facts_from_the_connector_options() -> None:
+    from types import SimpleNamespace
+
+    spec = SimpleNamespace(head_size=D, head_size_v=D, num_kv_heads=H)
+    kcc = SimpleNamespace(kv_cache_groups=[SimpleNamespace(kv_cache_spec=spec)])
+    opts, _ = parse_extra_config({})
+    assert head_facts(SimpleNamespace(model_config=None), kcc, opts, 2) == HeadFacts(D, 2 * H)
+    mc = SimpleNamespace(get_total_num_kv_heads=lambda: 1)  # replicated: 1 head over TP 2
+    assert head_facts(SimpleNamespace(model_config=mc), kcc, opts, 2) == HeadFacts(D, 1)
+    opts, _ = parse_extra_config({"total_kv_heads": 8})
+    assert head_facts(SimpleNamespace(model_config=mc), kcc, opts, 2) == HeadFacts(D, 8)
+    opts, _ = parse_extra_config({"kv_pool": "blocks"})
+    assert head_facts(SimpleNamespace(model_config=None), kcc, opts, 2) is None
+    spec_v = SimpleNamespace(head_size=D, head_size_v=D // 2, num_kv_heads=H)
+    kcc_v = SimpleNamespace(kv_cache_groups=[SimpleNamespace(kv_cache_spec=spec_v)])
+    assert (
+        head_facts(SimpleNamespace(model_config=None), kcc_v, parse_extra_config({})[0], 2) is None
+    )

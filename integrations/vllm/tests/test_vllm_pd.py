@@ -22,13 +22,18 @@ from vllm_pd_model import reference
 
 pytestmark = pytest.mark.timeout(240)
 
-#: engine name -> (vLLM KV cache layout, kvwire backend, TP size of both instances)
+#: engine name -> (vLLM KV cache layout of prefill, of decode, kvwire backend, prefill TP,
+#: decode TP). Layer-major pools are described with their heads (``kv_pool: heads``), so the
+#: two instances may differ in TP and page order; the block-major one moves whole blocks.
 ENGINES = {
-    "nhd": ("LBNHC", "tcp", 1),
-    "hnd": ("LBHNC", "tcp", 1),
-    "blk": ("BLHNC", "tcp", 1),
-    "nixl": ("LBNHC", "nixl", 1),
-    "tp2": ("LBNHC", "tcp", 2),
+    "nhd": ("LBNHC", "LBNHC", "tcp", 1, 1),
+    "hnd": ("LBHNC", "LBHNC", "tcp", 1, 1),
+    "blk": ("BLHNC", "BLHNC", "tcp", 1, 1),
+    "nixl": ("LBNHC", "LBNHC", "nixl", 1, 1),
+    "tp2": ("LBNHC", "LBNHC", "tcp", 2, 2),
+    "gather": ("LBNHC", "LBNHC", "tcp", 2, 1),
+    "scatter-hnd": ("LBHNC", "LBHNC", "tcp", 1, 2),
+    "nhd-to-hnd": ("LBNHC", "LBHNC", "nixl", 2, 1),
 }
 N_DECODE = 6
 
@@ -84,16 +89,19 @@ def cluster() -> Iterator[tuple[Instance, Instance]]:
             "tp": tp,
             "extra": {"transfer_backend": be, "bootstrap_port": _free_port(), "control": control},
         }
-        for name, (lay, be, tp) in ENGINES.items()
+        for name, (lay, _, be, tp, _) in ENGINES.items()
     }
     dec = {
         name: {"layout": lay, "tp": tp, "extra": {"transfer_backend": be, "control": control}}
-        for name, (lay, be, tp) in ENGINES.items()
+        for name, (_, lay, be, _, tp) in ENGINES.items()
     }
     p, d = Instance(ctx, "prefill", pre), Instance(ctx, "decode", dec)
     try:
-        p.ready()
-        d.ready()
+        for inst in (p, d):
+            pools = inst.ready()  # engine -> the worker's pool summary
+            for name, summary in pools.items():
+                heads = ENGINES[name][0] != "BLHNC"  # layer-major: described with heads
+                assert ("K|V rows" in summary) == heads, (name, summary)
         yield p, d
     finally:
         p.stop()
@@ -157,10 +165,10 @@ def test_decode_tokens_equal_single_process(
         assert pre["first"] == want[0]
         assert rep["failed"] is False and rep["external"] == n and rep["local_hit"] == 0
         assert rep["tokens"] == want, (engine, n)
-    for inst in cluster:
+    for inst, tp in zip(cluster, ENGINES[engine][3:], strict=True):
         st = _idle(inst, engine)
-        assert st["backend"] == ENGINES[engine][1]
-        assert st["ranks"] == list(range(ENGINES[engine][2]))
+        assert st["backend"] == ENGINES[engine][2]
+        assert st["ranks"] == list(range(tp))
 
 
 def test_corrupted_kv_changes_tokens(cluster: tuple[Instance, Instance]) -> None:

@@ -16,7 +16,7 @@ parse the same JSON with :func:`parse_extra_config`, so they agree on every valu
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
@@ -75,6 +75,18 @@ class ConnectorOptions(BaseModel):
         default=None,
         description="Host the router passes to decode in kv_transfer_params (default: "
         "control.bootstrap_host). Set it when the service binds 0.0.0.0.",
+    )
+    kv_pool: Literal["heads", "blocks"] = Field(
+        default="heads",
+        description="How workers describe the KV cache to kvwire: 'heads' (layer-major "
+        "layouts: head slices move, so prefill and decode may differ in TP, block size and "
+        "page order) or 'blocks' (whole blocks only: equal shapes on both sides).",
+    )
+    total_kv_heads: int | None = Field(
+        default=None,
+        ge=1,
+        description="The model's total KV heads, when vLLM's model config is not available "
+        "to the connector (default: from the model config, else heads per rank x TP).",
     )
 
 

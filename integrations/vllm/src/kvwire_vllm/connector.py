@@ -30,6 +30,7 @@ from kvwire.errors import ConfigError
 from kvwire.layout import RankPosition
 from kvwire.session import Role
 from kvwire_vllm.config import parse_extra_config
+from kvwire_vllm.layout import head_facts
 from kvwire_vllm.metadata import KVWireMetadata
 from kvwire_vllm.scheduler import SchedulerHalf, flat_blocks
 from kvwire_vllm.worker import WorkerHalf
@@ -83,12 +84,14 @@ class KVWireConnector(KVConnectorBase_V1, SupportsHMA):
                 self._opts, self._config, block_size, producer, not producer
             )
         else:
+            rank = _tp_rank(vllm_config)
             self._worker = WorkerHalf(
                 self._opts,
                 self._config,
                 Role.PREFILL if producer else Role.DECODE,
-                _tp_rank(vllm_config),
+                rank,
                 int(kv_cache_config.num_blocks),
+                head_facts(vllm_config, kv_cache_config, self._opts, rank.tp_size),
             )
 
     # ------------------------------------------------------------------ halves

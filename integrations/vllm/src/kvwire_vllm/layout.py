@@ -8,10 +8,19 @@ block-major ``BLNHC``/``BLHNC`` where one block holds the pages of every layer, 
 manager block may be split into several kernel blocks. kvwire's own MHA layout wants separate
 K and V buffers of ``[slots, page, heads, dim]``, which none of these is.
 
-What every supported layout does have is this: **the bytes of one block are one contiguous
-run** (of one layer, or of all layers for block-major layouts), and blocks sit a fixed stride
-apart. So the connector describes the pool by those runs, read from the tensors' real data
-pointers and strides, never from a layout name:
+**Layer-major layouts with real heads** (``LBNHC``, and ``LBHNC`` without kernel-block
+splitting), when the worker knows the model's KV head size and ``C = 2 x head_size``: each
+layer's tensor is a kvwire buffer of pages ``[block_size, heads, 2, head_size]`` (``LBNHC``)
+or ``[heads, block_size, 2, head_size]`` (``LBHNC``), described as such
+(:attr:`KVLayout.kv_fused <kvwire.layout.KVLayout.kv_fused>`, ``head_major``): kvwire's
+mappers then move head slices, so prefill and decode may differ in TP size (with GQA
+replication), block size and page order, like any kvwire pool (:func:`describe_kv_caches`,
+``heads`` given).
+
+Otherwise the connector falls back to whole blocks. What every supported layout does have is
+this: **the bytes of one block are one contiguous run** (of one layer, or of all layers for
+block-major layouts), and blocks sit a fixed stride apart. So the connector describes the pool
+by those runs, read from the tensors' real data pointers and strides, never from a layout name:
 
 * one kvwire buffer per layer when a layer's blocks are back to back (``LBNHC``, ``LBHNC``),
   or one buffer per packed group of layers when block-major (``BLNHC``, ``BLHNC``), with one
@@ -22,10 +31,10 @@ pointers and strides, never from a layout name:
   and a decode that differ in block size, KV heads per rank, head size, dtype or layout are
   refused at handshake (``head_dim: local=... remote=...``) instead of exchanging garbage.
 
-Consequences: prefill and decode need the same block size, the same layout and the same KV
-heads per rank (equal TP for GQA models; MLA latents are replicated, so any TP pair works as
-for kvwire's ``mla`` mapper). ``LHBNC`` (heads outside blocks) is refused: a block is not
-contiguous there.
+Consequences of whole blocks: prefill and decode need the same block size, the same layout
+and the same KV heads per rank (equal TP for GQA models; MLA latents are replicated, so any
+TP pair works as for kvwire's ``mla`` mapper). ``LHBNC`` (heads outside blocks) is refused:
+a block is not contiguous there.
 """
 
 from __future__ import annotations
@@ -37,6 +46,7 @@ from typing import Any
 
 from kvwire.errors import LayoutError
 from kvwire.layout import DTYPE_SIZES, KVLayout, MemKind, MemoryRegion, ModelSpec, RankPosition
+from kvwire_vllm.config import ConnectorOptions
 
 logger = logging.getLogger(__name__)
 
@@ -53,6 +63,9 @@ class LayerBlocks:
     device_id: int
     dtype: str
     end: int  # one past the last byte of the tensor's storage
+    shape: tuple[int, ...]  # the view's logical [B * ratio, H, N, C]
+    strides: tuple[int, ...]  # its element strides
+    ratio: int  # kernel blocks per manager block
 
 
 @dataclass(frozen=True)
@@ -65,9 +78,19 @@ class PoolDescription:
     packed_layers: int  # layers per kvwire buffer: 1 layer-major, >1 block-major
 
     @property
+    def heads(self) -> bool:
+        """Whether the pool is described with its heads (head slices can move), not as
+        opaque whole blocks."""
+        return self.layout.kv_fused
+
+    @property
     def summary(self) -> str:
         """One line for the logs."""
         kind = "layer-major" if self.packed_layers == 1 else f"block-major x{self.packed_layers}"
+        if self.heads:
+            m = self.layout
+            order = "HND" if m.head_major else "NHD"
+            kind += f", {m.local_kv_heads} of {m.model.total_kv_heads} KV heads, K|V rows, {order}"
         return (
             f"{len(self.layout.buffers)} buffers ({kind}), {self.num_blocks} blocks of "
             f"{self.layout.buffers[0].item_len} bytes"
@@ -123,6 +146,9 @@ def _layer_blocks(name: str, t: Any, num_blocks: int) -> LayerBlocks:
         device_id=int(t.device.index or 0) if is_cuda else 0,
         dtype=dtype if dtype in DTYPE_SIZES else "uint8",
         end=int(storage.data_ptr()) + int(storage.nbytes()),
+        shape=shape,
+        strides=strides,
+        ratio=ratio,
     )
 
 
@@ -171,13 +197,83 @@ def _regions(layers: list[LayerBlocks], num_blocks: int) -> tuple[list[MemoryReg
     return out, len(chains[0])
 
 
+@dataclass(frozen=True)
+class HeadFacts:
+    """Model facts that let the worker describe its pool with heads: the KV head size (K's
+    and V's, which must be equal) and the model's total KV heads (vLLM's
+    ``ModelConfig.get_total_num_kv_heads()``)."""
+
+    head_size: int
+    total_kv_heads: int
+
+
+def head_facts(
+    vllm_config: Any, kv_cache_config: Any, opts: ConnectorOptions, tp: int
+) -> HeadFacts | None:
+    """The model facts a worker needs to describe its pool with heads, or None (``kv_pool:
+    blocks``, MLA, K and V of different sizes: whole blocks then). Both roles, at
+    construction."""
+    groups = list(getattr(kv_cache_config, "kv_cache_groups", None) or [])
+    spec = groups[0].kv_cache_spec if groups else None
+    if opts.kv_pool != "heads" or spec is None or "MLA" in type(spec).__name__:
+        return None
+    head, head_v = getattr(spec, "head_size", None), getattr(spec, "head_size_v", None)
+    local = getattr(spec, "num_kv_heads", None)
+    if not isinstance(head, int) or head_v != head or not isinstance(local, int):
+        return None
+    total = opts.total_kv_heads
+    mc = getattr(vllm_config, "model_config", None)
+    if total is None and mc is not None:
+        total = int(mc.get_total_num_kv_heads())
+    return HeadFacts(head_size=head, total_kv_heads=total or local * tp)
+
+
+def _head_layout(
+    layers: list[LayerBlocks], regions: list[MemoryRegion], facts: HeadFacts, rank: RankPosition
+) -> KVLayout | None:
+    """The pool as fused K|V pages with heads, or None when its layout cannot be (block-major,
+    heads split across kernel blocks, K and V of other sizes, unknown dtype)."""
+    x = layers[0]
+    _, h, n, c = x.shape
+    s_h, s_n = x.strides[1], x.strides[2]
+    if x.dtype == "uint8" or c != 2 * facts.head_size:
+        return None
+    head_major = s_h > s_n
+    if head_major and x.ratio > 1:
+        return None  # [ratio, H, N, C]: a block is not one head-major page
+    if x.stride != x.block_bytes:
+        return None  # block-major: several layers' pages per block
+    tp = rank.tp_size
+    local = max(1, facts.total_kv_heads // tp)
+    if local != h:
+        raise LayoutError(
+            f"the KV cache holds {h} heads per rank, but the model's {facts.total_kv_heads} KV "
+            f"heads over TP {tp} give {local}; check the model's KV head count"
+        )
+    model = ModelSpec(
+        num_layers=len(regions),
+        total_kv_heads=facts.total_kv_heads,
+        head_dim=facts.head_size,
+        dtype=x.dtype,
+        page_size=n * x.ratio,
+    )
+    return KVLayout(
+        model=model, rank=rank, buffers=tuple(regions), kv_fused=True, head_major=head_major
+    )
+
+
 def describe_kv_caches(
-    kv_caches: Mapping[str, Any], num_blocks: int, rank: RankPosition
+    kv_caches: Mapping[str, Any],
+    num_blocks: int,
+    rank: RankPosition,
+    heads: HeadFacts | None = None,
 ) -> PoolDescription:
     """Describe vLLM's per-layer KV views (``register_kv_caches``' argument) to kvwire.
 
     Worker side, once at startup. ``num_blocks`` is ``KVCacheConfig.num_blocks`` (the
-    scheduler's block ids run over ``[0, num_blocks)``). Raises
+    scheduler's block ids run over ``[0, num_blocks)``). With ``heads``, a layer-major pool
+    is described with its heads (any TP pair, block size and page order can then move);
+    without, or for layouts that cannot be, as whole blocks. Raises
     :class:`~kvwire.errors.LayoutError` for a layout kvwire-vllm cannot move.
     """
     if not kv_caches:
@@ -186,6 +282,12 @@ def describe_kv_caches(
         raise LayoutError(f"num_blocks must be > 0, got {num_blocks}")
     layers = [_layer_blocks(name, t, num_blocks) for name, t in kv_caches.items()]
     regions, packed = _regions(layers, num_blocks)
+    fused = _head_layout(layers, regions, heads, rank) if heads is not None else None
+    if fused is not None:
+        fused._owners = tuple(kv_caches.values())
+        desc = PoolDescription(fused, num_blocks, layers[0].block_bytes, packed)
+        logger.info("kvwire-vllm: KV pool of %d layers as %s", len(layers), desc.summary)
+        return desc
     dtypes = {x.dtype for x in layers}
     dtype = dtypes.pop() if len(dtypes) == 1 else "uint8"
     dsize = DTYPE_SIZES[dtype]

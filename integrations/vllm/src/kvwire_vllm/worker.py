@@ -30,7 +30,7 @@ from kvwire.config import KVWireConfig
 from kvwire.layout import RankPosition
 from kvwire.session import KVManager, KVPoll, KVReceiver, KVSender, Role
 from kvwire_vllm.config import ConnectorOptions
-from kvwire_vllm.layout import PoolDescription, describe_kv_caches
+from kvwire_vllm.layout import HeadFacts, PoolDescription, describe_kv_caches
 from kvwire_vllm.metadata import KVWireMetadata, RecvSpec, SendSpec
 
 logger = logging.getLogger(__name__)
@@ -72,8 +72,10 @@ class WorkerHalf:
         role: Role,
         rank: RankPosition,
         num_blocks: int,
+        heads: HeadFacts | None = None,
     ) -> None:
         self.opts = opts
+        self.heads = heads
         self.config = config
         self.role = role
         self.rank = rank
@@ -92,7 +94,7 @@ class WorkerHalf:
         """Describe the pool and start this rank's kvwire manager (once, at startup).
         Prefill TP rank 0 runs the bootstrap service unless ``bootstrap_addr`` names one;
         the other ranks register with it."""
-        self.pool = describe_kv_caches(kv_caches, self.num_blocks, self.rank)
+        self.pool = describe_kv_caches(kv_caches, self.num_blocks, self.rank, self.heads)
         boot = self.opts.bootstrap_addr
         if self.role is Role.PREFILL and boot is None and self.rank.sender_id != 0:
             boot = f"{self.config.control.bootstrap_host}:{self.config.control.bootstrap_port}"
@@ -135,6 +137,9 @@ class WorkerHalf:
         if meta is None or meta.empty():
             return
         mgr = self._manager()
+        # kvwire's page unit in tokens (1 when whole blocks are the unit): decode's cached
+        # prefix is told in tokens
+        block_tokens = self.pool.layout.model.page_size if self.pool is not None else 1
         for s in meta.sends:
             if s.req_id in self.sends:
                 logger.warning("request %s: already sending; ignored", s.req_id)
@@ -148,7 +153,9 @@ class WorkerHalf:
             self.recvs[r.req_id] = job
             try:
                 job.rx.send_metadata(
-                    np.asarray(r.block_ids, dtype=np.int64), job.aux, cached_tokens=r.cached_blocks
+                    np.asarray(r.block_ids, dtype=np.int64),
+                    job.aux,
+                    cached_tokens=r.cached_blocks * block_tokens,
                 )
             except Exception as exc:  # bad block ids: kvwire failed the room on both sides
                 self._note_error(r.req_id, exc)
