@@ -34,7 +34,11 @@ ENGINES = {
     "gather": ("LBNHC", "LBNHC", "tcp", 2, 1),
     "scatter-hnd": ("LBHNC", "LBHNC", "tcp", 1, 2),
     "nhd-to-hnd": ("LBNHC", "LBHNC", "nixl", 2, 1),
+    "blocks-4to8": ("LBNHC", "LBHNC", "tcp", 2, 1),
+    "blocks-8to4": ("LBHNC", "LBNHC", "tcp", 1, 2),
 }
+#: vLLM block size (tokens) of prefill and decode where not 4 (kvwire moves token ranges)
+BLOCKS = {"blocks-4to8": (4, 8), "blocks-8to4": (8, 4)}
 N_DECODE = 6
 
 
@@ -87,12 +91,18 @@ def cluster() -> Iterator[tuple[Instance, Instance]]:
         name: {
             "layout": lay,
             "tp": tp,
+            "block": BLOCKS.get(name, (4, 4))[0],
             "extra": {"transfer_backend": be, "bootstrap_port": _free_port(), "control": control},
         }
         for name, (lay, _, be, tp, _) in ENGINES.items()
     }
     dec = {
-        name: {"layout": lay, "tp": tp, "extra": {"transfer_backend": be, "control": control}}
+        name: {
+            "layout": lay,
+            "tp": tp,
+            "block": BLOCKS.get(name, (4, 4))[1],
+            "extra": {"transfer_backend": be, "control": control},
+        }
         for name, (_, lay, be, _, tp) in ENGINES.items()
     }
     p, d = Instance(ctx, "prefill", pre), Instance(ctx, "decode", dec)

@@ -40,22 +40,24 @@ class BlockCache(Cache):
     """One request's K/V in vLLM's per-layer ``[B, H, N, K|V]`` views of every TP rank (rank
     ``r`` holds KV heads ``[r*h, (r+1)*h)``), via its block ids."""
 
-    def __init__(self, rank_views: list[list[F32]], block_ids: list[int]) -> None:
+    def __init__(
+        self, rank_views: list[list[F32]], block_ids: list[int], block: int = BLOCK
+    ) -> None:
         self.rank_views, self.ids = rank_views, np.asarray(block_ids, dtype=np.int64)
+        self.block = block
         self.h = SPEC.kv_heads // len(rank_views)
 
     def write(self, layer: int, pos: int, k: F32, v: F32) -> None:
         d, h = SPEC.head_dim, self.h
-        b, t = self.ids[pos // BLOCK], pos % BLOCK
+        b, t = self.ids[pos // self.block], pos % self.block
         for r, views in enumerate(self.rank_views):
             views[layer][b, :, t, :d] = k[r * h : (r + 1) * h]
             views[layer][b, :, t, d:] = v[r * h : (r + 1) * h]
 
     def read(self, layer: int, hi: int) -> tuple[F32, F32]:
         pos = np.arange(hi)
-        rows = np.concatenate(  # [n, H, 2D]
-            [v[layer][self.ids[pos // BLOCK], :, pos % BLOCK, :] for v in self.rank_views], axis=1
-        )
+        blk, tok = self.ids[pos // self.block], pos % self.block
+        rows = np.concatenate([v[layer][blk, :, tok, :] for v in self.rank_views], axis=1)
         d = SPEC.head_dim
         return rows[..., :d], rows[..., d:]
 
@@ -70,7 +72,9 @@ class Engine:
     and their reports reduced by vLLM's ``KVOutputAggregator``.
     """
 
-    def __init__(self, role: str, layout_name: str, extra: dict[str, Any], tp: int = 1) -> None:
+    def __init__(
+        self, role: str, layout_name: str, extra: dict[str, Any], tp: int = 1, block: int = BLOCK
+    ) -> None:
         import torch
         from vllm.config import CacheConfig, KVTransferConfig, VllmConfig
         from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
@@ -99,10 +103,10 @@ class Engine:
             kv_connector_extra_config=extra,
         )
         self.vllm_config = VllmConfig(
-            kv_transfer_config=ktc, cache_config=CacheConfig(block_size=BLOCK)
+            kv_transfer_config=ktc, cache_config=CacheConfig(block_size=block)
         )
         spec = FullAttentionSpec(
-            block_size=BLOCK,
+            block_size=block,
             num_kv_heads=SPEC.kv_heads // tp,
             head_size=SPEC.head_dim,
             dtype=torch.float32,
@@ -151,12 +155,13 @@ class Engine:
             self.workers.append(worker)
         self.aggregator = KVOutputAggregator(tp)
         init_none_hash(sha256)
-        self.hasher = get_request_block_hasher(BLOCK, sha256)
+        self.block = block
+        self.hasher = get_request_block_hasher(block, sha256)
         self.kvm = KVCacheManager(
             self.kv_cache_config,
             max_model_len=MODEL_LEN,
-            scheduler_block_size=BLOCK,
-            hash_block_size=BLOCK,
+            scheduler_block_size=block,
+            hash_block_size=block,
             enable_caching=True,
         )
         self.free0 = self.kvm.block_pool.get_num_free_blocks()
@@ -176,7 +181,7 @@ class Engine:
         return req
 
     def _cache(self, rid: str) -> BlockCache:
-        return BlockCache(self.rank_views, self.kvm.get_block_ids(rid)[0])
+        return BlockCache(self.rank_views, self.kvm.get_block_ids(rid)[0], self.block)
 
     def _finish(self, req: Any, status: Any) -> tuple[bool, dict[str, Any] | None]:
         req.status = status
@@ -373,7 +378,7 @@ def serve(conn: Any, role: str, engines: dict[str, dict[str, Any]]) -> None:
     os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
     try:
         eng = {
-            name: Engine(role, e["layout"], e["extra"], e.get("tp", 1))
+            name: Engine(role, e["layout"], e["extra"], e.get("tp", 1), e.get("block", BLOCK))
             for name, e in engines.items()
         }
         conn.send(("ready", {n: e.workers[0].worker_half.pool.summary for n, e in eng.items()}))
