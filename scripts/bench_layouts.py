@@ -1,8 +1,10 @@
-"""Cost of each page-order combination end to end: token-major and head-major pools on each
-side, the same workload through real managers (one process per rank, every element verified),
-in one run, with ratios to token-major on both sides.
+"""Cost of each layout combination end to end: token-major and head-major pools on each side
+(``--set order``), or K and V in separate buffers and side by side in one (``--set fused``,
+vLLM's cache), the same workload through real managers (one process per rank, every element
+verified), in one run, with ratios to token-major separate K/V on both sides.
 
     uv run python scripts/bench_layouts.py --transfer-backend tcp --tp 2:1 --requests 96
+    uv run python scripts/bench_layouts.py --set fused --transfer-backend nixl --tp 2:1
 """
 
 from __future__ import annotations
@@ -15,8 +17,15 @@ from kvwire.layout import ModelSpec
 from kvwire.testing.cluster import Cluster, ClusterSpec
 from kvwire.testing.cluster_suite import assert_all_ok
 
-CASES = {"token->token": (), "head->token": ("prefill",), "token->head": ("decode",),
-         "head->head": ("prefill", "decode")}  # fmt: skip
+BOTH = ("prefill", "decode")
+#: case -> (roles with head-major pages, roles with fused K|V rows)
+SETS: dict[str, dict[str, tuple[tuple[str, ...], tuple[str, ...]]]] = {
+    "order": {"token->token": ((), ()), "head->token": (("prefill",), ()),
+              "token->head": (("decode",), ()), "head->head": (BOTH, ())},
+    "fused": {"sep->sep": ((), ()), "fused->fused": ((), BOTH),
+              "fused->sep": ((), ("prefill",)), "sep->fused": ((), ("decode",)),
+              "fused-hnd->fused-hnd": (BOTH, BOTH), "fused->fused-hnd": (("decode",), BOTH)},
+}  # fmt: skip
 
 
 def main() -> None:
@@ -26,14 +35,15 @@ def main() -> None:
     p.add_argument("--requests", type=int, default=96)
     p.add_argument("--concurrency", type=int, default=16)
     p.add_argument("--staging", default="direct", help="direct or bulk")
+    p.add_argument("--set", default="order", choices=sorted(SETS))
     a = p.parse_args()
     tp_p, tp_d = (int(x) for x in a.tp.split(":"))
     model = ModelSpec(num_layers=8, total_kv_heads=8, head_dim=64, dtype="int32", page_size=16)
     rows = []
-    for name, hm in CASES.items():
+    for name, (hm, fused) in SETS[a.set].items():
         spec = ClusterSpec(
             model=model, prefill_tp=tp_p, decode_tp=tp_d, slots=512, aux_slots=64,
-            head_major=hm, config=KVWireConfig(
+            head_major=hm, kv_fused=fused, config=KVWireConfig(
                 transfer_backend=a.transfer_backend, staging=a.staging, control=ControlOptions()
             ),
         )  # fmt: skip
@@ -50,7 +60,7 @@ def main() -> None:
         rows.append((name, nbytes / took / 1e9, p50, descs))
     base = rows[0][1]
     print(f"{a.transfer_backend} TP {a.tp} {a.staging}, {a.requests} requests, C={a.concurrency}")
-    print("| layouts | GB/s | p50 ms | descriptors/request | GB/s vs token->token |")
+    print(f"| layouts | GB/s | p50 ms | descriptors/request | GB/s vs {rows[0][0]} |")
     print("| --- | ---: | ---: | ---: | ---: |")
     for name, gbs, p50, descs in rows:
         print(f"| {name} | {gbs:.3f} | {p50:.1f} | {descs:.0f} | {gbs / base:.2f}x |")

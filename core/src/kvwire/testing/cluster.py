@@ -93,6 +93,11 @@ class ClusterSpec(BaseModel):
     #: Prefill instances of the same shape, each with its own bootstrap service (run by its
     #: rank 0); a request picks one with ``RoomPlan.prefill_instance``.
     prefill_instances: int = Field(default=1, ge=1)
+    #: DP attention on the prefill instance: ``prefill_dp`` groups of ``prefill_tp x
+    #: prefill_pp`` ranks sharing its bootstrap service, registered with their ``dp_rank``. A
+    #: request goes to DP rank ``room % prefill_dp`` (decode's default pick); the ranks of DP
+    #: rank ``d`` are the harness's prefill "instance" ``d`` (:attr:`RoomPlan.prefill_instance`).
+    prefill_dp: int = Field(default=1, ge=1)
     #: A rank's engine loop period while it has requests in flight (the engine's scheduler
     #: step: it polls its requests, then sleeps this long; benchmarks use a short one). The
     #: default matches the earlier loop, whose 0.5 ms wait was rounded up to 1 ms.
@@ -405,7 +410,11 @@ def _rank_main(
     m = spec.model
     if role == "prefill":
         rank = RankPosition(
-            tp_size=spec.prefill_tp, tp_rank=tp_rank, pp_size=spec.prefill_pp, pp_rank=pp_rank
+            tp_size=spec.prefill_tp,
+            tp_rank=tp_rank,
+            pp_size=spec.prefill_pp,
+            pp_rank=pp_rank,
+            dp_rank=inst if spec.prefill_dp > 1 else 0,
         )
         per = -(-m.num_layers // spec.prefill_pp)
         first_layer, end = pp_rank * per, min(m.num_layers, (pp_rank + 1) * per)
@@ -439,6 +448,7 @@ def _rank_main(
         kv_tensors=pool.arrays,
         host_layout=pool.host_layout,
         hooks=hooks if pool.host_layout is not None else None,
+        dp_size=spec.prefill_dp if role == "prefill" else 1,
     )
     rng = np.random.default_rng(
         spec.seed * 7919 + (pp_rank * 64 + tp_rank) * 8 + inst + (0 if role == "prefill" else 4096)
@@ -715,6 +725,8 @@ class Cluster:
         ports: list[int] = []
         if spec.bootstrap_addr is not None and spec.prefill_instances != 1:
             raise ClusterError("a standalone bootstrap service serves one prefill instance here")
+        if spec.prefill_dp > 1 and (spec.prefill_instances != 1 or spec.bootstrap_addr):
+            raise ClusterError("prefill_dp: one prefill instance running its own bootstrap")
         for _ in range(spec.prefill_instances if spec.bootstrap_addr is None else 0):
             if spec.netns.get("prefill"):
                 from kvwire.testing.netns import in_netns
@@ -727,6 +739,8 @@ class Cluster:
         #: Every prefill instance's bootstrap address (``host:port``), by instance.
         self.bootstrap_addrs = [f"{host}:{port}" for port in ports] or [str(spec.bootstrap_addr)]
         self.bootstrap_addr = self.bootstrap_addrs[0]
+        # DP ranks share the instance's service (decode asks it for DP rank room % dp)
+        self.bootstrap_addrs *= spec.prefill_dp
         spec_json = spec.model_dump_json()
         self._secret = spec.config.secret.get_secret_value() if spec.config.secret else ""
         try:
@@ -744,11 +758,12 @@ class Cluster:
                     }
                 )
                 self._spawn(first_spec.model_dump_json(), "prefill", inst, 0, 0, "")
-                for pp in range(spec.prefill_pp):
-                    for tp in range(spec.prefill_tp):
-                        if (tp, pp) != (0, 0):
-                            addr = self.bootstrap_addrs[inst]
-                            self._spawn(spec_json, "prefill", inst, tp, pp, addr)
+                for rank_inst in range(inst, inst + spec.prefill_dp):  # DP ranks, if any
+                    for pp in range(spec.prefill_pp):
+                        for tp in range(spec.prefill_tp):
+                            if (rank_inst, tp, pp) != (inst, 0, 0):
+                                addr = self.bootstrap_addrs[inst]
+                                self._spawn(spec_json, "prefill", rank_inst, tp, pp, addr)
             for inst in range(spec.decode_instances):
                 for pp in range(spec.decode_pp):
                     for tp in range(spec.decode_tp):
@@ -880,9 +895,12 @@ class Cluster:
                 if self.spec.prefill_instances > 1
                 else 0
             )
+            room = secrets.randbits(63)
+            if self.spec.prefill_dp > 1:
+                prefill_instance = room % self.spec.prefill_dp
             out.append(
                 RoomPlan(
-                    room=secrets.randbits(63),
+                    room=room,
                     num_pages=num,
                     chunks=chunks,
                     cached_pages=cached,
