@@ -77,7 +77,7 @@ def test_mla_layout() -> None:
 @pytest.mark.parametrize(
     ("field", "value", "match"),
     [
-        ("state_types", ["swa"], r"state_types\[0\] = 'swa'"),
+        ("state_types", ["minimax_index_k"], r"state_types\[0\] = 'minimax_index_k'"),
         ("host_kv_data_ptrs", [1], "host_kv_data_ptrs"),
         ("kv_layout", "hnd", "kv_layout"),
         ("mla_compression_ratios", [0, 4], "mla_compression_ratios"),
