@@ -12,16 +12,27 @@ What maps, and how:
 * ``kv_data_ptrs/lens/item_lens`` (``[K_0..K_{L-1}, V_0..V_{L-1}]``; MLA: one per layer) ->
   ``KVLayout.buffers``; ``kv_cache_dtype_str`` -> ``ModelSpec.dtype`` (bytes when unknown);
   ``prefill_start_layer``/``prefill_end_layer`` -> the PP stage's layer range.
-* the draft model's KV appended to them (``num_draft_entries``) -> a ``paged`` group "draft".
+* the draft model's KV appended to them (``num_draft_entries``) -> a ``paged`` group "draft":
+  heads-sharded when :class:`EngineFacts` give the draft's heads, replicated for MLA, else
+  opaque pages (equal TP).
 * ``aux_data_*`` -> aux regions (one per metadata buffer, same rows).
-* ``state_types`` ``"mamba"`` and ``"request_row"`` (one slot per request) -> ``state`` groups,
-  one per slot size, addressed by ``state_indices`` entry ``"state{i}"`` (component ``i``).
+* ``state_types`` components (component ``i`` is addressed by ``state_indices`` entry
+  ``"state{i}"``):
 
-Extra groups (draft, states) are described as opaque bytes: they move whole slots, so prefill and
-decode need the same attention TP (a TP mismatch is refused at handshake, naming the group).
-Everything else in ``KVArgs`` that would change what must move (other state types, host
-destinations, KV layouts other than SGLang's default) raises :class:`UnsupportedKVArgsError` naming
-the field.
+  - ``"mamba"``: a ``state`` group per state tensor; from ``state_dim_per_tensor`` a tensor
+    TP splits in one contiguous run per rank is ``dim x tp`` heads (kvwire moves head slices
+    between TP sizes), dim 0 is replicated, and a tensor with ``state_slice_outer_counts`` > 1,
+    ``state_conv_shard_groups`` or no dims moves as opaque slots (equal TP).
+  - ``"request_row"``: opaque slots, one per slot size (equal TP).
+  - ``"swa"``: a ``window`` group (``window`` from :class:`EngineFacts`, heads as the KV's).
+  - ``"dsa"``: a ``paged`` group addressed by the KV pages (replicated; 0-row placeholder
+    layers left out); SGLang's payload for it is not passed on (kvwire uses the KV pages).
+
+A group described as opaque bytes has ``tp`` "heads" of its slot bytes, so it equals the peer's
+only when both have the same attention TP: a mismatch is refused at handshake, naming the
+group. Everything else in ``KVArgs`` that would change what must move (other state types, host
+destinations, KV layouts other than SGLang's default) raises :class:`UnsupportedKVArgsError`
+naming the field.
 """
 
 from __future__ import annotations
