@@ -101,3 +101,28 @@ def test_sglang_cli_accepts_the_backend_only_after_register(sglang_utils: Any) -
     if value is None:  # namespaced ServerArgs
         value = args.disagg.disaggregation_transfer_backend
     assert value == "kvwire"
+
+
+def test_facts_from_queue_reads_window_and_draft_heads() -> None:
+    """The hook's facts from a queue shaped like SGLang 0.5.23's: the scheduler's
+    ``sliding_window_size``, the draft pool's ``head_num`` and the draft worker's model config
+    (``draft_runner``); no draft pool: no draft facts."""
+    from types import SimpleNamespace as Ns
+
+    from kvwire_sglang.plugin import facts_from_queue
+
+    model = Ns(num_hidden_layers=4, get_total_num_kv_heads=lambda: 8)
+    draft = Ns(draft_runner=Ns(model_config=Ns(get_total_num_kv_heads=lambda: 4)))
+    scheduler = Ns(model_config=model, attn_tp_size=2, sliding_window_size=128, draft_worker=draft)
+    queue = Ns(
+        scheduler=scheduler,
+        token_to_kv_pool=Ns(head_num=4),
+        draft_token_to_kv_pool=Ns(head_num=2),
+        pp_size=1,
+    )
+    f = facts_from_queue(queue)
+    assert (f.attn_tp_size, f.num_layers, f.total_kv_heads, f.local_kv_heads) == (2, 4, 8, 4)
+    assert (f.sliding_window, f.draft_total_kv_heads, f.draft_local_kv_heads) == (128, 4, 2)
+    queue.draft_token_to_kv_pool = None
+    f = facts_from_queue(queue)
+    assert (f.draft_total_kv_heads, f.draft_local_kv_heads) == (None, None)

@@ -12,16 +12,27 @@ What maps, and how:
 * ``kv_data_ptrs/lens/item_lens`` (``[K_0..K_{L-1}, V_0..V_{L-1}]``; MLA: one per layer) ->
   ``KVLayout.buffers``; ``kv_cache_dtype_str`` -> ``ModelSpec.dtype`` (bytes when unknown);
   ``prefill_start_layer``/``prefill_end_layer`` -> the PP stage's layer range.
-* the draft model's KV appended to them (``num_draft_entries``) -> a ``paged`` group "draft".
+* the draft model's KV appended to them (``num_draft_entries``) -> a ``paged`` group "draft":
+  heads-sharded when :class:`EngineFacts` give the draft's heads, replicated for MLA, else
+  opaque pages (equal TP).
 * ``aux_data_*`` -> aux regions (one per metadata buffer, same rows).
-* ``state_types`` ``"mamba"`` and ``"request_row"`` (one slot per request) -> ``state`` groups,
-  one per slot size, addressed by ``state_indices`` entry ``"state{i}"`` (component ``i``).
+* ``state_types`` components (component ``i`` is addressed by ``state_indices`` entry
+  ``"state{i}"``):
 
-Extra groups (draft, states) are described as opaque bytes: they move whole slots, so prefill and
-decode need the same attention TP (a TP mismatch is refused at handshake, naming the group).
-Everything else in ``KVArgs`` that would change what must move (other state types, host
-destinations, KV layouts other than SGLang's default) raises :class:`UnsupportedKVArgsError` naming
-the field.
+  - ``"mamba"``: a ``state`` group per state tensor; from ``state_dim_per_tensor`` a tensor
+    TP splits in one contiguous run per rank is ``dim x tp`` heads (kvwire moves head slices
+    between TP sizes), dim 0 is replicated, and a tensor with ``state_slice_outer_counts`` > 1,
+    ``state_conv_shard_groups`` or no dims moves as opaque slots (equal TP).
+  - ``"request_row"``: opaque slots, one per slot size (equal TP).
+  - ``"swa"``: a ``window`` group (``window`` from :class:`EngineFacts`, heads as the KV's).
+  - ``"dsa"``: a ``paged`` group addressed by the KV pages (replicated; 0-row placeholder
+    layers left out); SGLang's payload for it is not passed on (kvwire uses the KV pages).
+
+A group described as opaque bytes has ``tp`` "heads" of its slot bytes, so it equals the peer's
+only when both have the same attention TP: a mismatch is refused at handshake, naming the
+group. Everything else in ``KVArgs`` that would change what must move (other state types, host
+destinations, KV layouts other than SGLang's default) raises :class:`UnsupportedKVArgsError`
+naming the field.
 """
 
 from __future__ import annotations
@@ -61,8 +72,8 @@ DTYPES: dict[str, str] = {
     "float8_e5m2": "float8_e5m2",
 }
 
-#: SGLang state types whose index payload is one slot per request (moved whole).
-SLOT_STATES = ("mamba", "request_row")
+#: SGLang ``state_types`` kvwire-sglang moves (see :func:`_state_groups`).
+SUPPORTED_STATES = ("mamba", "request_row", "swa", "dsa")
 
 
 class UnsupportedKVArgsError(ValueError):
@@ -81,6 +92,15 @@ class EngineFacts(BaseModel):
     num_layers: int | None = Field(default=None, ge=1, description="Layers of the whole model.")
     total_kv_heads: int | None = Field(default=None, ge=1)
     local_kv_heads: int | None = Field(default=None, ge=1, description="KV heads per rank.")
+    sliding_window: int | None = Field(
+        default=None, ge=1, description="SWA window in tokens (scheduler.sliding_window_size)."
+    )
+    draft_total_kv_heads: int | None = Field(
+        default=None, ge=1, description="KV heads of the whole draft model (heads-sharded draft)."
+    )
+    draft_local_kv_heads: int | None = Field(
+        default=None, ge=1, description="Draft KV heads per rank (the draft pool's head_num)."
+    )
 
 
 _FACTS: contextvars.ContextVar[EngineFacts | None] = contextvars.ContextVar(
@@ -137,12 +157,11 @@ def _bytes_group(
     tp: int,
     per_layer: int = 1,
     page_size: int = 1,
+    window: int | None = None,
 ) -> BufferGroup:
     """A group moved as whole opaque slots: ``tp`` heads of the slot's bytes, one per rank, so
     its description equals the peer's only when both have the same TP."""
-    item = regions[0].item_len
-    if any(r.item_len != item for r in regions):
-        raise UnsupportedKVArgsError(f"group {name!r}: buffers of different slot sizes")
+    item = _one_item_len(name, regions)
     return BufferGroup(
         name=name,
         kind=kind,  # type: ignore[arg-type]
@@ -153,45 +172,269 @@ def _bytes_group(
         head_elems=item // page_size,
         dtype="uint8",
         page_size=page_size,
+        window=window,
         buffers=tuple(regions),
     )
 
 
+def _sharded_group(
+    name: str,
+    index: str,
+    kind: str,
+    regions: Sequence[MemoryRegion],
+    tp: int,
+    local_heads: int,
+    total_heads: int | None,
+    per_layer: int = 1,
+    page_size: int = 1,
+    window: int | None = None,
+) -> BufferGroup:
+    """A group whose slot rows are ``local_heads`` equal runs of bytes, one per head
+    (``total_heads=None``: every rank holds all of them, ``sharding="replicated"``). kvwire
+    then moves head slices between different TP sizes."""
+    item = _one_item_len(name, regions)
+    return BufferGroup(
+        name=name,
+        kind=kind,  # type: ignore[arg-type]
+        index=index,
+        num_layers=len(regions) // per_layer,
+        per_layer=per_layer,
+        total_heads=local_heads if total_heads is None else total_heads,
+        sharding="replicated" if total_heads is None else "heads",
+        head_elems=item // (page_size * local_heads),
+        dtype="uint8",
+        page_size=page_size,
+        window=window,
+        buffers=tuple(regions),
+    )
+
+
+def _one_item_len(name: str, regions: Sequence[MemoryRegion]) -> int:
+    item = regions[0].item_len
+    if any(r.item_len != item for r in regions):
+        raise UnsupportedKVArgsError(
+            f"group {name!r}: buffers of different slot sizes "
+            f"{sorted({r.item_len for r in regions})}"
+        )
+    return item
+
+
+def _component_field(args: Any, name: str, i: int, n: int) -> list[Any]:
+    """``KVArgs.<name>[i]`` padded to ``n`` entries with None (SGLang leaves the per-tensor
+    lists empty when a pool does not report them)."""
+    rows = _get(args, name) or []
+    row = list(rows[i]) if i < len(rows) and rows[i] is not None else []
+    return row + [None] * (n - len(row)) if len(row) < n else row[:n]
+
+
+def _tensor_runs(
+    layer_ids: Sequence[Any], item_lens: Sequence[int], dims: Sequence[Any]
+) -> list[tuple[int, int]]:
+    """Split a Mamba component's entries (SGLang orders them tensor-major, then by layer) into
+    ``(start, end)`` runs of one state tensor each: ``len(set(layer_ids))`` layers per tensor
+    when SGLang reports layer ids, else maximal runs of equal slot size and slice dim."""
+    n = len(item_lens)
+    ids = [x for x in layer_ids if x is not None]
+    layers = len(set(ids)) if len(ids) == n and n else 0
+    if layers and n % layers == 0:
+        return [(s, s + layers) for s in range(0, n, layers)]
+    runs: list[tuple[int, int]] = []
+    for j in range(n):
+        if runs and (item_lens[j], dims[j]) == (item_lens[runs[-1][0]], dims[runs[-1][0]]):
+            runs[-1] = (runs[-1][0], j + 1)
+        else:
+            runs.append((j, j + 1))
+    return runs
+
+
+def _mamba_groups(
+    args: Any, i: int, regs: Sequence[MemoryRegion], tp: int, index: str
+) -> list[BufferGroup]:
+    """A ``"mamba"`` component: one ``state`` group per state tensor (conv, temporal, ...).
+
+    SGLang 0.5.23 reports per tensor (``MambaPool.get_state_dim_per_tensor``) the size of the
+    axis TP splits on this rank (0: replicated on every rank), the rows before that axis
+    (``state_slice_outer_counts``) and GDN's conv sub-blocks (``state_conv_shard_groups``).
+    A tensor split along its first per-slot axis into one contiguous run per rank is described
+    as ``dim * tp`` heads of ``item_len / dim`` bytes (kvwire moves head slices between TP
+    sizes); a replicated one as ``sharding="replicated"``; anything else (outer rows, conv
+    sub-blocks, no dims reported) as opaque slots, which need equal TP on both sides.
+    """
+    n = len(regs)
+    dims = _component_field(args, "state_dim_per_tensor", i, n)
+    outer = _component_field(args, "state_slice_outer_counts", i, n)
+    shards = _component_field(args, "state_conv_shard_groups", i, n)
+    layer_ids = _component_field(args, "state_layer_ids", i, n)
+    groups = []
+    for t, (a, b) in enumerate(_tensor_runs(layer_ids, [r.item_len for r in regs], dims)):
+        name = f"mamba{i}_{t}"
+        part, item = regs[a:b], regs[a].item_len
+        dim = dims[a]
+        if any(
+            (dims[j], outer[j] or 1, bool(shards[j])) != (dim, outer[a] or 1, bool(shards[a]))
+            for j in range(a, b)
+        ):
+            raise UnsupportedKVArgsError(
+                f"KVArgs.state_dim_per_tensor[{i}]/state_slice_outer_counts[{i}]: the entries "
+                f"{a}..{b - 1} of state tensor {t} differ between layers"
+            )
+        why = None
+        if dim is None:
+            why = "no state_dim_per_tensor"
+        elif (outer[a] or 1) != 1:
+            why = f"state_slice_outer_counts {outer[a]} (several runs per rank)"
+        elif shards[a]:
+            why = f"state_conv_shard_groups {shards[a]} (sub-blocks split separately)"
+        elif int(dim) and item % int(dim):
+            why = f"item_len {item} is not {dim} equal rows"
+        if why is None and int(dim) == 0:
+            groups.append(_sharded_group(name, index, "state", part, tp, 1, None))
+        elif why is None:
+            groups.append(_sharded_group(name, index, "state", part, tp, int(dim), int(dim) * tp))
+        else:
+            logger.info(
+                "kvwire: state tensor %s moves as opaque slots (equal TP only): %s", name, why
+            )
+            groups.append(_bytes_group(name, index, "state", part, tp))
+    return groups
+
+
 def _state_groups(
-    args: Any, kind: MemKind, dev: int, tp: int
+    args: Any,
+    kind: MemKind,
+    dev: int,
+    tp: int,
+    facts: EngineFacts,
+    kv_heads: tuple[int, int] | None,
+    page: int,
 ) -> tuple[list[BufferGroup], list[str | None]]:
-    """State components -> groups; returns the groups and, per component, its index name."""
+    """State components -> groups; returns the groups and, per component, its index name
+    (None: the component needs no ``state_indices`` on kvwire's side). ``kv_heads``:
+    (local, total) KV heads (None for MLA)."""
     types = [str(getattr(t, "value", t)) for t in (_get(args, "state_types") or [])]
     groups: list[BufferGroup] = []
     names: list[str | None] = []
     for i, st in enumerate(types):
-        if st not in SLOT_STATES:
+        if st not in SUPPORTED_STATES:
             raise UnsupportedKVArgsError(
                 f"KVArgs.state_types[{i}] = {st!r} is not supported by kvwire-sglang (supported: "
-                f"{', '.join(SLOT_STATES)}); use another --disaggregation-transfer-backend"
+                f"{', '.join(SUPPORTED_STATES)}); use another --disaggregation-transfer-backend"
             )
-        shard = (_get(args, "state_conv_shard_groups") or [[]] * len(types))[i]
-        if any(g for g in (shard or [])):
-            raise UnsupportedKVArgsError(
-                f"KVArgs.state_conv_shard_groups[{i}] is set (sub-block sharded conv state); "
-                "not supported by kvwire-sglang"
-            )
-        regs = _regions(
+        ptrs, lens, items = (
             args.state_data_ptrs[i],
             args.state_data_lens[i],
             args.state_item_lens[i],
-            kind,
-            dev,
-            f"state[{i}]",
         )
+        if st == "dsa":  # layers holding no index keys register 0-row placeholders
+            keep = [j for j in range(len(ptrs)) if int(lens[j]) > 0 and int(items[j]) > 0]
+            ptrs, lens, items = (
+                [ptrs[j] for j in keep],
+                [lens[j] for j in keep],
+                [items[j] for j in keep],
+            )
+        regs = _regions(ptrs, lens, items, kind, dev, f"state[{i}]")
         index = f"state{i}"
-        by_size: dict[int, list[MemoryRegion]] = {}
-        for r in regs:
-            by_size.setdefault(r.item_len, []).append(r)
-        for j, same in enumerate(by_size.values()):
-            groups.append(_bytes_group(f"{st}{i}_{j}", index, "state", same, tp))
-        names.append(index if regs else None)
+        if not regs:
+            names.append(None)
+            continue
+        if st == "mamba":
+            groups += _mamba_groups(args, i, regs, tp, index)
+        elif st == "request_row":
+            by_size: dict[int, list[MemoryRegion]] = {}
+            for r in regs:
+                by_size.setdefault(r.item_len, []).append(r)
+            for j, same in enumerate(by_size.values()):
+                groups.append(_bytes_group(f"{st}{i}_{j}", index, "state", same, tp))
+        elif st == "swa":
+            groups.append(_swa_group(args, i, regs, tp, facts, kv_heads, page, index))
+        else:  # dsa: the indexer's pages, addressed like the KV
+            groups.append(_dsa_group(i, regs, tp, page))
+            names.append(None)
+            continue
+        names.append(index)
     return groups, names
+
+
+def _swa_group(
+    args: Any,
+    i: int,
+    regs: Sequence[MemoryRegion],
+    tp: int,
+    facts: EngineFacts,
+    kv_heads: tuple[int, int] | None,
+    page: int,
+    index: str,
+) -> BufferGroup:
+    """A ``"swa"`` component (``SWAKVPool``: the window layers' own paged pool, ``[K..., V...]``
+    like the KV, addressed by that pool's pages of the request's window) -> a ``window`` group.
+    Heads as the full-attention KV's (``kv_head_num``; SGLang's own head-slice transfer of this
+    pool assumes the same), so heterogeneous TP works; MLA windows move whole (replicated)."""
+    layout = _get(args, "swa_kv_cache_layout")
+    if layout not in (None, "nhd", "NHD"):
+        raise UnsupportedKVArgsError(
+            f"KVArgs.swa_kv_cache_layout = {layout!r}; kvwire moves [slots, page, heads, dim] "
+            "pages only"
+        )
+    if facts.sliding_window is None:
+        raise UnsupportedKVArgsError(
+            f"KVArgs.state_types[{i}] = 'swa' needs the sliding window size, which KVArgs lacks "
+            "(the plugin's scheduler hook reads scheduler.sliding_window_size; in tests pass "
+            "EngineFacts(sliding_window=...))"
+        )
+    if len(regs) % 2:
+        raise UnsupportedKVArgsError(
+            f"KVArgs.state_data_ptrs[{i}]: {len(regs)} SWA buffers, not K and V pairs"
+        )
+    name, item, w = f"swa{i}", regs[0].item_len, facts.sliding_window
+    if kv_heads is None:
+        return _sharded_group(name, index, "window", regs, tp, 1, None, 2, page, w)
+    local, total = kv_heads
+    if item % (page * local):
+        raise UnsupportedKVArgsError(
+            f"KVArgs.state_item_lens[{i}]: an SWA page of {item} bytes is not {page} rows of "
+            f"{local} heads (kv_head_num)"
+        )
+    return _sharded_group(name, index, "window", regs, tp, local, total, 2, page, w)
+
+
+def _dsa_group(i: int, regs: Sequence[MemoryRegion], tp: int, page: int) -> BufferGroup:
+    """A ``"dsa"`` component (DeepSeek V3.2's indexer keys, one buffer per layer, addressed by
+    the KV's own pages on decode's page size) -> a ``paged`` group, whole pages, every rank
+    holding all of it (sent once). Layers holding no index keys (0-row placeholders) are left
+    out on both sides alike."""
+    item = _one_item_len(f"dsa{i}", regs)
+    if item % page:
+        raise UnsupportedKVArgsError(
+            f"KVArgs.state_item_lens[{i}]: a DSA indexer page of {item} bytes is not "
+            f"page_size {page} rows"
+        )
+    return _sharded_group(f"dsa{i}", "pages", "paged", regs, tp, 1, None, 1, page)
+
+
+def _draft_group(
+    regs: Sequence[MemoryRegion], tp: int, is_mla: bool, facts: EngineFacts, page: int
+) -> BufferGroup:
+    """The draft model's KV (``num_draft_entries`` appended to ``kv_data_ptrs``, same page
+    indices) -> a ``paged`` group "draft". MLA: one latent per layer every rank holds whole
+    (replicated). MHA/GQA: heads-sharded when the engine facts give the draft's heads (the
+    plugin reads them from the draft pool and draft model config), else opaque pages (equal TP
+    on both sides)."""
+    if is_mla:
+        return _sharded_group("draft", "pages", "paged", regs, tp, 1, None, 1, page)
+    if len(regs) % 2:
+        raise UnsupportedKVArgsError(
+            f"KVArgs.num_draft_entries = {len(regs)}: draft KV buffers are not K and V pairs"
+        )
+    local, total = facts.draft_local_kv_heads, facts.draft_total_kv_heads
+    if (
+        local is not None
+        and total is not None
+        and local == max(1, total // tp)
+        and not regs[0].item_len % (page * local)
+    ):
+        return _sharded_group("draft", "pages", "paged", regs, tp, local, total, 2, page)
+    logger.info("kvwire: draft KV moves as opaque pages (equal TP only): no draft head facts")
+    return _bytes_group("draft", "pages", "paged", regs, tp, 2, page)
 
 
 def build_layout(
@@ -281,12 +524,12 @@ def build_layout(
         pp_rank=int(_get(args, "pp_rank", 0) or 0),
         dp_rank=int(_get(args, "system_dp_rank", 0) or 0),
     )
-    groups, state_names = _state_groups(args, kind, dev, tp)
+    groups, state_names = _state_groups(
+        args, kind, dev, tp, facts, None if is_mla else (local, heads), page
+    )
     if n_draft:
         draft = _regions(ptrs[cut:], lens[cut:], items[cut:], kind, dev, "draft kv")
-        groups.insert(
-            0, _bytes_group("draft", "pages", "paged", draft, tp, 1 if is_mla else 2, page)
-        )
+        groups.insert(0, _draft_group(draft, tp, is_mla, facts, page))
     layout = KVLayout(
         model=model, rank=rank, start_layer=start, end_layer=end, buffers=kv, groups=tuple(groups)
     )

@@ -109,6 +109,8 @@ def facts_from_queue(queue: Any) -> EngineFacts:
 
     get_total = getattr(model, "get_total_num_kv_heads", None)
     total = get_total() if callable(get_total) else None
+    draft_pool = getattr(queue, "draft_token_to_kv_pool", None)
+    draft_total = _draft_total_kv_heads(scheduler) if draft_pool is not None else None
     return EngineFacts(
         attn_tp_size=pick(_safe(par, "attn_tp_size"), getattr(scheduler, "attn_tp_size", None))
         or 1,
@@ -117,7 +119,26 @@ def facts_from_queue(queue: Any) -> EngineFacts:
         num_layers=pick(getattr(model, "num_hidden_layers", None)),
         total_kv_heads=pick(total),
         local_kv_heads=pick(getattr(pool, "head_num", None)),
+        sliding_window=pick(getattr(scheduler, "sliding_window_size", None)),
+        draft_total_kv_heads=pick(draft_total),
+        draft_local_kv_heads=pick(getattr(draft_pool, "head_num", None)),
     )
+
+
+def _draft_total_kv_heads(scheduler: Any) -> Any:
+    """KV heads of the whole draft model, from the scheduler's draft worker (best effort: the
+    speculative workers of SGLang 0.5.23 name their draft runner differently; None when not
+    found, and the draft KV then moves as opaque pages, equal TP only)."""
+    worker = _safe(scheduler, "draft_worker")
+    for name in ("draft_model_runner", "draft_runner"):
+        runner = _safe(worker, name)
+        get = getattr(_safe(runner, "model_config"), "get_total_num_kv_heads", None)
+        if callable(get):
+            try:
+                return get()
+            except Exception:
+                return None
+    return None
 
 
 def init_kv_manager_hook(
