@@ -275,7 +275,7 @@ def _corrupt_state(v: DecodeView) -> None:
 def _corrupt_sections(v: DecodeView) -> None:
     """Damage the GDN conv state's last value head only (on the decode rank holding it)."""
     spec = v.ranks[0].spec
-    heads, dim = conv_sections(spec)[2]
+    dim = conv_sections(spec)[2][1]
     first = sum(h * d for h, d in conv_sections(spec)) - dim  # its first channel
     k1 = spec.conv_k - 1
     want = np.arange(first * k1, (first + dim) * k1)  # its logical elements
