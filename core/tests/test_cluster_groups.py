@@ -12,6 +12,8 @@ import numpy as np
 
 from kvwire.index.groups import GroupMapper
 from kvwire.layout import KVLayout, ModelSpec, RankPosition
+from kvwire.session import KVPoll
+from kvwire.testing.cluster import Cluster, RoomPlan
 from kvwire.testing.cluster_groups import GROUP_KINDS, RankGroups
 from kvwire.testing.cluster_suite import GroupsConformance
 from kvwire.testing.kvfill import make_pool
@@ -21,6 +23,20 @@ MODEL = ModelSpec(num_layers=2, total_kv_heads=4, head_dim=4, dtype="int32", pag
 
 class TestTcpClusterGroups(GroupsConformance):
     backend_name = "tcp"
+
+
+def test_decode_pp_with_groups_is_refused_naming_the_group() -> None:
+    """Decode ranks with pipeline stages hold a range of each group's layers (as an engine
+    would register them); the handshake refuses that, naming the group and its layer range,
+    and the request fails on every rank (the refusal is the same on every backend)."""
+    with Cluster(TestTcpClusterGroups.spec(1, 1, 4, decode_pp=2)) as c:
+        (res,) = c.run([RoomPlan(room=77, num_pages=2, chunks=[2])], timeout_s=60)
+    decode = sorted((r for r in res.reports if r.role == "decode"), key=lambda r: r.rank)
+    assert [r.status for r in decode] == [int(KVPoll.Failed)] * 2
+    for r, layers in zip(decode, ("[0, 1)", "[1, 2)"), strict=True):
+        want = f"group 'state_heads' layers {layers}: a decode rank must hold all 2 layers"
+        assert want in str(r.error), r.error
+    assert all(r.status == int(KVPoll.Failed) for r in res.reports if r.role == "prefill")
 
 
 def _rank(tp: int, r: int, seed: int) -> tuple[KVLayout, RankGroups]:

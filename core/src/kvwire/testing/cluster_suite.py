@@ -384,9 +384,6 @@ class GroupsConformance(_Base):
     * ``test_groups_verified``: ``requests`` requests with chunked prefill, cached prefixes and
       layer-wise sends; every element of every group slot (the request's state slot, only the
       window's last pages, the draft pages not cached) and of the KV is checked on decode.
-    * ``test_decode_pp_refused``: decode ranks with pipeline stages hold a range of each
-      group's layers, which the handshake refuses, naming the group and its layer range; the
-      request fails on every rank (no bytes move).
     """
 
     requests: ClassVar[int] = 12
@@ -428,14 +425,3 @@ class GroupsConformance(_Base):
         results = group_cluster.run(plans, concurrency=8, timeout_s=120)
         assert_all_ok(results)
         assert_tables_empty(group_cluster)
-
-    def test_decode_pp_refused(self) -> None:
-        with Cluster(self.spec(1, 1, 4, decode_pp=2)) as c:
-            (res,) = c.run([RoomPlan(room=77, num_pages=2, chunks=[2])], timeout_s=60)
-        decode = [r for r in res.reports if r.role == "decode"]
-        assert len(decode) == 2 and all(r.status == int(KVPoll.Failed) for r in decode)
-        for r in decode:
-            assert "layers [0, 1): a decode rank must hold all 2 layers" in str(r.error) or (
-                "layers [1, 2): a decode rank must hold all 2 layers" in str(r.error)
-            ), r.error
-        assert all(r.status == int(KVPoll.Failed) for r in res.reports if r.role == "prefill")

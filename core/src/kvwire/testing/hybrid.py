@@ -273,17 +273,14 @@ def _corrupt_state(v: DecodeView) -> None:
 
 
 def _corrupt_sections(v: DecodeView) -> None:
-    """Damage the GDN conv state's last value head only (on the decode rank holding it)."""
+    """Damage the GDN conv state's value section (every value head on decode rank 0)."""
     spec = v.ranks[0].spec
-    dim = conv_sections(spec)[2][1]
-    first = sum(h * d for h, d in conv_sections(spec)) - dim  # its first channel
     k1 = spec.conv_k - 1
-    want = np.arange(first * k1, (first + dim) * k1)  # its logical elements
-    for r in v.ranks:
-        hit = np.isin(r.state_idx["conv_qkv"], want)
-        if hit.any():
-            r.states["conv_qkv"][v.slot, hit] += 5.0
-            return
+    nq, nk, nv = spec.gdn_channels
+    want = np.arange((nq + nk) * k1, (nq + nk + nv) * k1)  # its logical elements
+    r = v.ranks[0]
+    hit = np.isin(r.state_idx["conv_qkv"], want)
+    r.states["conv_qkv"][v.slot, hit] = _noise((int(hit.sum()),))
 
 
 def _corrupt_kv(layer: str) -> Corruption:

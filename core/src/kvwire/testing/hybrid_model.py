@@ -124,7 +124,7 @@ class DenseCache(Cache):
 
 
 def _silu(x: F32) -> F32:
-    out: F32 = (x / (1.0 + np.exp(-x))).astype(np.float32)
+    out: F32 = (x * (0.5 + 0.5 * np.tanh(0.5 * x))).astype(np.float32)  # no overflow
     return out
 
 
@@ -151,7 +151,7 @@ class HybridModel:
         self.w_qkv = w(s.d, conv_dim)
         self.conv_qkv = w(conv_dim, s.conv_k, scale=0.7)
         self.w_beta, self.w_g = w(s.d, s.gdn_v_heads), w(s.d, s.gdn_v_heads)
-        self.w_go = w(s.gdn_v_heads * s.gdn_v_dim, s.d)
+        self.w_go = w(s.gdn_v_heads * s.gdn_v_dim, s.d, scale=1.5)  # a strong path to the logits
         self.out, self.draft_out = w(s.d, s.vocab), w(s.d, s.vocab)
 
     def _attention(self, cache: Cache, name: str, x: F32, pos: int, lo: int) -> F32:
