@@ -206,11 +206,11 @@ def test_section_heads_must_divide_tp_and_item_len_names_the_sections() -> None:
     with pytest.raises(ValueError, match="a section's total_heads=3 and tp_size=2"):
         make([(2, 1), (3, 1)], 2, 0)
     lay, arrs = make([(2, 4), (4, 3)], 1, 0)  # sized for TP 1 ...
+    kv = [np.zeros((SLOTS, 2, 4, 2), np.int32) for _ in range(2)]  # KV of a TP 2 rank
     with pytest.raises(ValueError, match=r"item_len 80 != page_size 1 x \(1x4 \+ 2x3\)"):
         KVLayout.from_tensors(  # ... registered on a rank of TP 2
-            MODEL, lay.buffers and [np.zeros((SLOTS, 2, 4, 2), np.int32) for _ in range(2)],
-            RankPosition(tp_size=2), groups=list(lay.groups), group_tensors=arrs,
-        )  # fmt: skip
+            MODEL, kv, RankPosition(tp_size=2), groups=list(lay.groups), group_tensors=arrs
+        )
 
 
 # ------------------------------------------------------------------------- wire and hash
