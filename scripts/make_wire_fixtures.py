@@ -33,7 +33,14 @@ from kvwire.control.wire import (
     WritesQuery,
     pages_to_bytes,
 )
-from kvwire.layout import BufferGroup, KVLayout, MemoryRegion, ModelSpec, RankPosition
+from kvwire.layout import (
+    BufferGroup,
+    GroupSection,
+    KVLayout,
+    MemoryRegion,
+    ModelSpec,
+    RankPosition,
+)
 
 SECRET = b"fixture-secret"
 
@@ -68,6 +75,17 @@ def samples() -> list[Message]:
                 MemoryRegion(addr=0x300000 + 0x10000 * i, length=128 * 8, item_len=128)
                 for i in range(2)
             ),
+        ),
+        BufferGroup(  # 1.6: a GDN conv state, q | k | v channels sharded separately
+            name="gdn_conv",
+            kind="state",
+            num_layers=1,
+            sections=(
+                GroupSection(total_heads=2, head_elems=24),
+                GroupSection(total_heads=2, head_elems=24),
+                GroupSection(total_heads=4, head_elems=24),
+            ),
+            buffers=(MemoryRegion(addr=0x400000, length=192 * 8, item_len=192),),
         ),
     )
     layout = KVLayout(model=model, rank=rank, buffers=bufs, groups=groups)

@@ -80,7 +80,6 @@ def test_layout_without_groups_hashes_and_serialises_as_before() -> None:
     ("kw", "match"),
     [
         ({"kind": "window", "page_size": 2, "per_layer": 2}, "window= is required"),
-        ({"kind": "state", "page_size": 2}, "page_size must be 1"),
         ({"kind": "paged", "index": "state", "page_size": 2}, "addressed by the KV page"),
         ({"kind": "paged", "page_size": 4}, "must equal the model's"),
         ({"total_heads": 3}, "one must divide the other"),

@@ -1,16 +1,21 @@
 """Proof by computation: a tiny hybrid model (GQA attention over paged KV, a Mamba-style layer
-with per-request conv and SSM state, a sliding-window layer, a draft layer) prefilled on one
+with per-request conv and SSM state, a gated-delta-net layer whose conv state has q, k and v
+sections of different head counts, a sliding-window layer, a draft layer) prefilled on one
 instance and decoded on another, its caches moved by kvwire over tcp. Decode's greedy tokens
 must equal a single process's, for heterogeneous TP both ways and chunked prefill; damaging
 one moved state slot or page must change them."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 import pytest
 
 from kvwire.errors import ConfigError, DescriptorError, KVWireError
+from kvwire.layout import BufferGroup
 from kvwire.session import KVPoll
+from kvwire.testing import hybrid
 from kvwire.testing.hybrid import CORRUPTIONS, RankPools, config, instances, run_pd
 from kvwire.testing.hybrid_model import HybridSpec, reference_tokens
 from kvwire.testing.pair import wait_for
@@ -34,6 +39,34 @@ def test_decode_tokens_equal_single_process(
 ) -> None:
     out = run_pd(SPEC, PROMPT, N_GEN, tp_p, tp_d, chunk_pages=chunk_pages)
     assert out.tokens == reference
+
+
+@pytest.mark.parametrize(("tp_p", "tp_d"), [(2, 1), (1, 2)], ids=["tp2to1", "tp1to2"])
+def test_gdn_conv_state_stored_row_by_row(tp_p: int, tp_d: int) -> None:
+    """The GDN conv state stored ``[k-1, channels]`` (a state of 2 rows, each q|k|v local
+    channels) instead of channel-major: the same tokens."""
+    spec = HybridSpec(conv_rows=True)
+    assert run_pd(spec, PROMPT, N_GEN, tp_p, tp_d).tokens == reference_tokens(spec, PROMPT, N_GEN)
+
+
+@pytest.mark.parametrize(("tp_p", "tp_d"), [(2, 1), (1, 2)], ids=["tp2to1", "tp1to2"])
+def test_gdn_conv_state_described_as_one_block_moves_wrongly(
+    reference: list[int], tp_p: int, tp_d: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Why sections exist: the same conv state registered as one run of 2 heads per slot
+    (sizes fit on every rank) is accepted, but heterogeneous TP then moves the q, k and v
+    channels to the wrong places and decode's tokens differ."""
+    real = hybrid.state_group
+
+    def one_block(spec: HybridSpec, name: str, buffers: Any) -> BufferGroup:
+        if name != "conv_qkv":
+            return real(spec, name, buffers)
+        elems = spec.state_shape(name)[0] * spec.state_shape(name)[1]
+        return BufferGroup(name=name, kind="state", num_layers=1, dtype="float32",
+                           total_heads=2, head_elems=elems // 2, buffers=buffers)  # fmt: skip
+
+    monkeypatch.setattr(hybrid, "state_group", one_block)
+    assert run_pd(SPEC, PROMPT, N_GEN, tp_p, tp_d).tokens != reference
 
 
 @pytest.mark.parametrize(("tp_p", "tp_d"), [(2, 1), (1, 2)], ids=["tp2to1", "tp1to2"])
@@ -67,8 +100,11 @@ def test_only_the_window_moves_and_replicated_state_is_sent_once() -> None:
     swa = 2 * 2 * page  # the window's 2 pages, K and V
     draft = 4 * 2 * page
     conv_x, ssm = 2 * 2 * 4 * 4, 2 * 16 * 4  # 2 of the 4 mamba heads each
+    # GDN conv state, [channels, 2] per rank: 1 of 2 q heads and 1 of 2 k heads (2 channels
+    # each), 2 of 4 v heads (3 channels each); delta state: 2 of 4 v heads of 3 x 2
+    conv_qkv, delta = (2 + 2 + 2 * 3) * 2 * 4, 2 * 6 * 4
     conv_bc, aux = 16 * 4, 64 + 64  # replicated conv state; stamp row + engine row
-    split = kv + swa + draft + conv_x + ssm
+    split = kv + swa + draft + conv_x + ssm + conv_qkv + delta
     assert out.bytes_sent == [split + conv_bc + aux, split]
 
 

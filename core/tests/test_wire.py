@@ -29,7 +29,15 @@ VERSIONS = sorted(p for p in FIXTURES.iterdir() if p.is_dir())
 
 
 def test_fixture_versions_exist() -> None:
-    assert [v.name for v in VERSIONS] == ["v1.0", "v1.1", "v1.2", "v1.3", "v1.4", "v1.5"]
+    assert [v.name for v in VERSIONS] == [
+        "v1.0",
+        "v1.1",
+        "v1.2",
+        "v1.3",
+        "v1.4",
+        "v1.5",
+        "v1.6",
+    ]
 
 
 @pytest.mark.parametrize("folder", VERSIONS, ids=lambda p: p.name)

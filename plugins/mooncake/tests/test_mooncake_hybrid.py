@@ -1,4 +1,5 @@
-"""The hybrid model (state slots, sliding window, draft layer) prefilled and decoded with its
+"""The hybrid model (state slots, a multi-section GDN conv state, sliding window, draft
+layer) prefilled and decoded with its
 caches moved over Mooncake Transfer Engine (TCP): decode's greedy tokens equal a single
 process's, both TP directions."""
 
@@ -7,6 +8,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from kvwire.testing.cluster_suite import GroupsConformance
 from kvwire.testing.hybrid import CORRUPTIONS, config, run_pd
 from kvwire.testing.hybrid_model import HybridSpec, reference_tokens
 
@@ -19,5 +21,13 @@ PROMPT = [int(t) for t in np.random.default_rng(5).integers(0, SPEC.vocab, 11)]
 def test_hybrid_model_over_mooncake(tp_p: int, tp_d: int) -> None:
     ref = reference_tokens(SPEC, PROMPT, 5)
     assert run_pd(SPEC, PROMPT, 5, tp_p, tp_d, cfg=config("mooncake")).tokens == ref
-    bad = run_pd(SPEC, PROMPT, 5, tp_p, tp_d, cfg=config("mooncake"), corrupt=CORRUPTIONS["state"])
-    assert bad.tokens != ref
+    for what in ("state", "sections"):  # an SSM state slot; the GDN conv state's v section
+        bad = run_pd(SPEC, PROMPT, 5, tp_p, tp_d, cfg=config("mooncake"), corrupt=CORRUPTIONS[what])
+        assert bad.tokens != ref, what
+
+
+class TestMooncakeClusterGroups(GroupsConformance):
+    """Buffer groups (head-sharded, replicated and multi-section states, a window, draft
+    pages) across real processes over Mooncake, every element checked on decode."""
+
+    backend_name = "mooncake"

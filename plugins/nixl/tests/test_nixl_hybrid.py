@@ -1,4 +1,5 @@
-"""The hybrid model (state slots, sliding window, draft layer) prefilled and decoded with its
+"""The hybrid model (state slots, a multi-section GDN conv state, sliding window, draft
+layer) prefilled and decoded with its
 caches moved over NIXL: decode's greedy tokens equal a single process's, both TP directions."""
 
 from __future__ import annotations
@@ -6,6 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from kvwire.testing.cluster_suite import GroupsConformance
 from kvwire.testing.hybrid import CORRUPTIONS, config, run_pd
 from kvwire.testing.hybrid_model import HybridSpec, reference_tokens
 
@@ -17,5 +19,13 @@ PROMPT = [int(t) for t in np.random.default_rng(5).integers(0, SPEC.vocab, 11)]
 def test_hybrid_model_over_nixl(tp_p: int, tp_d: int) -> None:
     ref = reference_tokens(SPEC, PROMPT, 5)
     assert run_pd(SPEC, PROMPT, 5, tp_p, tp_d, cfg=config("nixl")).tokens == ref
-    bad = run_pd(SPEC, PROMPT, 5, tp_p, tp_d, cfg=config("nixl"), corrupt=CORRUPTIONS["state"])
-    assert bad.tokens != ref
+    for what in ("state", "sections"):  # an SSM state slot; the GDN conv state's v section
+        bad = run_pd(SPEC, PROMPT, 5, tp_p, tp_d, cfg=config("nixl"), corrupt=CORRUPTIONS[what])
+        assert bad.tokens != ref, what
+
+
+class TestNixlClusterGroups(GroupsConformance):
+    """Buffer groups (head-sharded, replicated and multi-section states, a window, draft
+    pages) across real processes over Nixl, every element checked on decode."""
+
+    backend_name = "nixl"

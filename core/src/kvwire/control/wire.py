@@ -37,7 +37,14 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from kvwire.control.freshness import FreshnessError, ReplayGuard
 from kvwire.errors import ProtocolError
-from kvwire.layout import BufferGroup, KVLayout, MemoryRegion, ModelSpec, RankPosition
+from kvwire.layout import (
+    BufferGroup,
+    GroupSection,
+    KVLayout,
+    MemoryRegion,
+    ModelSpec,
+    RankPosition,
+)
 
 #: Protocol version spoken by this kvwire. Bump ``MINOR`` for added optional fields, ``MAJOR``
 #: for anything an older peer would misread. 1.1 added bulk staging (the ``staging_*`` messages,
@@ -49,9 +56,14 @@ from kvwire.layout import BufferGroup, KVLayout, MemoryRegion, ModelSpec, RankPo
 #: accept each other's frames (upgrade both sides together). 1.4 added buffer groups (hybrid
 #: and speculative models): ``KVLayout.groups``, ``TransferRequest.group_indices``,
 #: ``HelloAck.groups`` and ``ChunkNote(what="state")``; layouts without groups encode and hash
-#: as in 1.3. 1.5 added ``TransferRequest.cached_tokens`` (page-size conversion).
+#: as in 1.3. 1.5 added ``TransferRequest.cached_tokens`` (page-size conversion). 1.6 added
+#: ``BufferGroup.sections`` (separately TP-sharded head blocks of a row, e.g. a GDN conv
+#: state's q, k and v channels); a group without sections encodes and hashes as in 1.5. A
+#: 1.5 peer never moves a sectioned group: a 1.6 prefill refuses its layout naming
+#: ``sections``; a 1.5 prefill drops a 1.6 layout it cannot validate (decode's handshake then
+#: times out) or acknowledges a hash that decode refuses.
 PROTOCOL_MAJOR = 1
-PROTOCOL_MINOR = 5
+PROTOCOL_MINOR = 6
 
 #: Largest frame accepted (layouts of deep models with many buffers stay far below this).
 MAX_FRAME_BYTES = 16 << 20
@@ -106,7 +118,7 @@ _NESTED: dict[type[BaseModel], dict[str, type[BaseModel]]] = {
         "buffers": MemoryRegion,
         "groups": BufferGroup,
     },
-    BufferGroup: {"buffers": MemoryRegion},
+    BufferGroup: {"buffers": MemoryRegion, "sections": GroupSection},
 }
 
 

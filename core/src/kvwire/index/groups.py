@@ -21,10 +21,18 @@ Per group, with ``H`` = the group's total heads, ``Tp``/``Td`` the TP sizes and 
   ``r // max(1, Td // H)`` (integer division) and receives ``dst_heads`` heads starting at
   source head ``(unique * dst_heads) % src_heads``.
 
-Sliced rows are one per (buffer, slot, row): a state slot is one row, a window or paged slot
-``page_size`` rows. Index of row ``t`` of slot ``s`` of buffer pair ``p``:
-``offset + p * (slots * rows) + s * rows + t`` on each side. NumPy only; the Python loop is over
-groups (a handful), never over descriptors.
+A group with :attr:`~kvwire.layout.BufferGroup.sections` (a gated-delta-net conv state: q, k
+and v channel blocks each split by TP) applies these formulas to every section on its own
+(``H`` = the section's heads): each section is a *segment* of a row, at byte offset ``sum of
+the earlier sections' local heads x head bytes`` on each side, and a source may be a dummy for
+one section (its heads replicated on another source) and send another. A group without
+sections is one segment.
+
+Sliced rows are one per (buffer, slot, row, segment): a state slot has ``page_size`` rows
+(usually 1), a window or paged slot ``page_size`` token rows. Index of segment ``k`` of row
+``t`` of slot ``s`` of buffer pair ``p``: ``row0 + ((p * slots + s) * rows + t) * segments +
+k`` on each side. NumPy only; the Python loops are over groups and sections (a handful), never
+over descriptors.
 """
 
 from __future__ import annotations
@@ -51,25 +59,37 @@ class GroupPlan:
     #: Buffer indices (source, destination) holding the same (layer, part).
     src_buf: NDArray[np.int64]
     dst_buf: NDArray[np.int64]
-    #: Rows per slot moved (1: whole slots) and their byte geometry.
+    #: Rows per slot moved (1: whole slots) and each row's size on both sides.
     rows: int
     src_stride: int
     dst_stride: int
-    src_offset: int
-    dst_offset: int
-    length: int
+    #: Per segment of a row (a section's head slice; one for whole slots or a group without
+    #: sections): byte offsets in the source and destination row, and length.
+    src_offsets: NDArray[np.uint64]
+    dst_offsets: NDArray[np.uint64]
+    lengths: NDArray[np.uint64]
+    #: Segments this source writes (another source writes the same bytes of the others).
+    active: NDArray[np.bool_]
     #: First row of this group in the source and destination tables.
     src_row0: int
     dst_row0: int
     src_slots: int
     dst_slots: int
-    #: Another source rank sends the same bytes to this destination.
-    dummy: bool
 
     @property
     def pairs(self) -> int:
         """Buffer pairs moved per slot."""
         return int(self.src_buf.size)
+
+    @property
+    def segments(self) -> int:
+        """Segments per row (table rows per slot row, dummy ones included)."""
+        return int(self.lengths.size)
+
+    @property
+    def dummy(self) -> bool:
+        """Another source rank sends every byte of this group to this destination."""
+        return not bool(self.active.any())
 
 
 def _pair(src: BufferGroup, dst: BufferGroup) -> tuple[NDArray[np.int64], NDArray[np.int64]]:
@@ -105,7 +125,7 @@ class GroupMapper:
             assert d is not None
             plan = self._plan(g, d, srow, drow)
             self.plans.append(plan)
-            n = plan.pairs * plan.rows
+            n = plan.pairs * plan.rows * plan.segments
             srow += n * g.num_slots
             drow += n * d.num_slots
 
@@ -114,49 +134,62 @@ class GroupMapper:
         r_s, r_d = self.src.rank.tp_rank, self.dst.rank.tp_rank
         src_buf, dst_buf = _pair(g, d)
         item_s, item_d = g.item_len(tp_s), d.item_len(tp_d)
-        whole = tp_s == tp_d or g.sharding == "replicated"
-        dummy = False
-        if whole:
-            if tp_s > tp_d:
-                dummy = r_s % (tp_s // tp_d) != 0
+
+        def plan(
+            rows: int, strides: tuple[int, int], segs: list[tuple[int, int, int, bool]]
+        ) -> GroupPlan:
+            cols = np.array([s[:3] for s in segs], dtype=np.uint64).reshape(-1, 3)
             return GroupPlan(
-                g, src_buf, dst_buf, 1, item_s, item_d, 0, 0, item_s, srow, drow,
-                g.num_slots, d.num_slots, dummy,
+                g, src_buf, dst_buf, rows, strides[0], strides[1],
+                cols[:, 0], cols[:, 1], cols[:, 2], np.array([s[3] for s in segs], dtype=bool),
+                srow, drow, g.num_slots, d.num_slots,
             )  # fmt: skip
-        h = g.total_heads
-        src_heads, dst_heads = max(1, h // tp_s), max(1, h // tp_d)
-        if tp_s > tp_d:  # gather
-            rep = max(1, tp_s // h)
-            n, src_start = src_heads, 0
-            dst_start = ((r_s // rep) * src_heads) % dst_heads
-            dummy = r_s % min(rep, tp_s // tp_d) != 0
-        else:  # scatter
-            rep = max(1, tp_d // h)
-            n, dst_start = dst_heads, 0
-            src_start = ((r_d // rep) * dst_heads) % src_heads
-        hb = g.head_bytes
-        return GroupPlan(
-            g, src_buf, dst_buf, g.page_size,
-            src_heads * hb, dst_heads * hb, src_start * hb, dst_start * hb, n * hb,
-            srow, drow, g.num_slots, d.num_slots, dummy,
-        )  # fmt: skip
+
+        if tp_s == tp_d or g.sharding == "replicated":  # whole slots
+            send = tp_s <= tp_d or r_s % (tp_s // tp_d) == 0
+            return plan(1, (item_s, item_d), [(0, 0, item_s, send)])
+        segs = []
+        s_off = d_off = 0  # byte offset of the section in the source / destination row
+        for sec in g.head_sections:
+            h = sec.total_heads
+            src_heads, dst_heads = sec.local_heads(tp_s), sec.local_heads(tp_d)
+            if tp_s > tp_d:  # gather
+                rep = max(1, tp_s // h)
+                n, src_start = src_heads, 0
+                dst_start = ((r_s // rep) * src_heads) % dst_heads
+                send = r_s % min(rep, tp_s // tp_d) == 0
+            else:  # scatter
+                rep = max(1, tp_d // h)
+                n, dst_start, send = dst_heads, 0, True
+                src_start = ((r_d // rep) * dst_heads) % src_heads
+            hb = sec.head_elems * g.dtype_size
+            segs.append((s_off + src_start * hb, d_off + dst_start * hb, n * hb, send))
+            s_off += src_heads * hb
+            d_off += dst_heads * hb
+        rows = g.page_size
+        return plan(rows, (item_s // rows, item_d // rows), segs)
 
     # ------------------------------------------------------------------ tables
     @staticmethod
     def _rows(
-        g: BufferGroup, bufs: NDArray[np.int64], item: int, rows: int, stride: int, off: int
-    ) -> NDArray[np.uint64]:
+        g: BufferGroup, bufs: NDArray[np.int64], item: int, p: GroupPlan, stride: int,
+        offsets: NDArray[np.uint64],
+    ) -> NDArray[np.uint64]:  # fmt: skip
+        """Addresses of every (buffer, slot, row, segment), in table order."""
         slots = np.arange(g.num_slots, dtype=np.uint64) * np.uint64(item)
-        toks = np.arange(rows, dtype=np.uint64) * np.uint64(stride)
+        toks = np.arange(p.rows, dtype=np.uint64) * np.uint64(stride)
         addr = (
-            g.bases[bufs][:, None, None] + slots[None, :, None] + toks[None, None, :]
-        ) + np.uint64(off)
+            g.bases[bufs][:, None, None, None]
+            + slots[None, :, None, None]
+            + toks[None, None, :, None]
+            + offsets[None, None, None, :]
+        )
         out: NDArray[np.uint64] = addr.ravel()
         return out
 
     def build_tables(self) -> TablePair:
-        """Both tables, every group's rows (dummy groups included, so row offsets are fixed);
-        called once per peer on a handshake thread."""
+        """Both tables, every group's rows (dummy segments included, so row offsets are
+        fixed); called once per peer on a handshake thread."""
         tp_s, tp_d = self.src.rank.tp_size, self.dst.rank.tp_size
         src_cols: list[list[NDArray[np.uint64]]] = [[], [], []]
         dst_cols: list[list[NDArray[np.uint64]]] = [[], [], []]
@@ -164,14 +197,15 @@ class GroupMapper:
             g = p.group
             d = self.dst.group(g.name)
             assert d is not None
-            for grp, bufs, item, stride, off, cols in (
-                (g, p.src_buf, g.item_len(tp_s), p.src_stride, p.src_offset, src_cols),
-                (d, p.dst_buf, d.item_len(tp_d), p.dst_stride, p.dst_offset, dst_cols),
+            for grp, bufs, item, stride, offs, cols in (
+                (g, p.src_buf, g.item_len(tp_s), p.src_stride, p.src_offsets, src_cols),
+                (d, p.dst_buf, d.item_len(tp_d), p.dst_stride, p.dst_offsets, dst_cols),
             ):
-                addr = self._rows(grp, bufs, item, p.rows, stride, off)
+                addr = self._rows(grp, bufs, item, p, stride, offs)
+                per_buf = grp.num_slots * p.rows
                 cols[0].append(addr)
-                cols[1].append(np.full(addr.size, p.length, dtype=np.uint64))
-                cols[2].append(np.repeat(grp.devices[bufs], grp.num_slots * p.rows))
+                cols[1].append(np.tile(p.lengths, bufs.size * per_buf))
+                cols[2].append(np.repeat(grp.devices[bufs], per_buf * p.segments))
         if not self.plans:
             raise LayoutError("no buffer groups to map")
         return TablePair(
@@ -216,19 +250,21 @@ class GroupMapper:
                 )
             if ss.size == 0:
                 continue
-            pairs = np.arange(p.pairs, dtype=np.int64)[:, None, None]
-            toks = np.arange(p.rows, dtype=np.int64)[None, None, :]
-            s_parts.append(
-                (
-                    p.src_row0 + pairs * (p.src_slots * p.rows) + ss[None, :, None] * p.rows + toks
-                ).ravel()
-            )
-            d_parts.append(
-                (
-                    p.dst_row0 + pairs * (p.dst_slots * p.rows) + ds[None, :, None] * p.rows + toks
-                ).ravel()
-            )
+            s_parts.append(self._request_rows(p, p.src_row0, p.src_slots, ss))
+            d_parts.append(self._request_rows(p, p.dst_row0, p.dst_slots, ds))
         if not s_parts:
             empty = np.empty(0, dtype=np.int64)
             return empty, empty
         return np.concatenate(s_parts), np.concatenate(d_parts)
+
+    @staticmethod
+    def _request_rows(
+        p: GroupPlan, row0: int, slots: int, idx: NDArray[np.int64]
+    ) -> NDArray[np.int64]:
+        """Table rows of the active segments of every row of slots ``idx`` (one side)."""
+        pairs = np.arange(p.pairs, dtype=np.int64)[:, None, None, None]
+        toks = np.arange(p.rows, dtype=np.int64)[None, None, :, None]
+        segs = np.flatnonzero(p.active).astype(np.int64)[None, None, None, :]
+        rows = row0 + ((pairs * slots + idx[None, :, None, None]) * p.rows + toks) * p.segments
+        out: NDArray[np.int64] = (rows + segs).ravel()
+        return out

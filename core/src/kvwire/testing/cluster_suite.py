@@ -374,3 +374,54 @@ class BulkStagingFaults(_Base):
                 assert all(r.status == int(KVPoll.Failed) for r in res.reports), res.reports
             assert_tables_empty(c)
             assert_all_ok(c.run(c.plans(8), concurrency=8))
+
+
+class GroupsConformance(_Base):
+    """Buffer groups across real processes (:attr:`ClusterSpec.groups`): a state split by
+    heads, a replicated state, a multi-section (GDN conv) state, a sliding window and draft
+    pages, each rank its own process and backend agent, for TP 2 -> 1 and 1 -> 2.
+
+    * ``test_groups_verified``: ``requests`` requests with chunked prefill, cached prefixes and
+      layer-wise sends; every element of every group slot (the request's state slot, only the
+      window's last pages, the draft pages not cached) and of the KV is checked on decode.
+    """
+
+    requests: ClassVar[int] = 12
+    topologies: ClassVar[tuple[str, ...]] = ("gather-2to1", "scatter-1to2")
+    #: Group names (:data:`~kvwire.testing.cluster_groups.GROUP_KINDS`); all by default.
+    groups: ClassVar[tuple[str, ...]] = (
+        "state_heads",
+        "state_replicated",
+        "state_sections",
+        "window",
+        "draft",
+    )
+
+    def pytest_generate_tests(self, metafunc: pytest.Metafunc) -> None:
+        """One class-scoped cluster per selected topology."""
+        if "group_cluster" in metafunc.fixturenames:
+            metafunc.parametrize(
+                "group_cluster", self.topologies, indirect=True, scope="class", ids=self.topologies
+            )
+
+    @classmethod
+    def spec(cls, tp: int, td: int, heads: int, **kw: Any) -> ClusterSpec:
+        model = ModelSpec(num_layers=2, total_kv_heads=heads, head_dim=4, dtype="int32",
+                          page_size=4)  # fmt: skip
+        return ClusterSpec(model=model, prefill_tp=tp, decode_tp=td, slots=128, aux_slots=32,
+                           config=cls.config(), groups=cls.groups, **kw)  # fmt: skip
+
+    @pytest.fixture(scope="class")
+    @classmethod
+    def group_cluster(cls, request: pytest.FixtureRequest) -> Iterator[Cluster]:
+        tp, _, td, heads, _ = TOPOLOGIES[request.param]
+        with Cluster(cls.spec(tp, td, heads)) as c:
+            yield c
+
+    def test_groups_verified(self, group_cluster: Cluster) -> None:
+        plans = group_cluster.plans(
+            self.requests, pages=(1, 7), max_chunks=3, cached_fraction=0.3, layerwise_fraction=0.3
+        )
+        results = group_cluster.run(plans, concurrency=8, timeout_s=120)
+        assert_all_ok(results)
+        assert_tables_empty(group_cluster)

@@ -4,7 +4,9 @@ kvwire: sharded paged pools with buffer groups, real managers, real backends.
 Every TP rank of each instance holds its share of the model's caches the way an engine would
 register them: the attention layers' paged K/V (``KVLayout.buffers``), and as
 :class:`~kvwire.layout.BufferGroup` s the sliding-window KV (``window``), the Mamba conv and
-SSM states (``state``; ``conv_bc`` replicated) and the draft layer's KV (``paged``). All
+SSM states (``state``; ``conv_bc`` replicated), the GDN conv state (``state`` with three
+:class:`~kvwire.layout.GroupSection` s, q, k and v, of different head counts) and delta-rule
+state, and the draft layer's KV (``paged``). All
 managers live in this process (threads) and talk over the selected backend and real sockets.
 The instance's TP group is simulated by :class:`ShardedCache`: the model computes with every
 head and each rank's arrays keep the heads that rank owns (reads gather them back), so the
@@ -30,7 +32,14 @@ from numpy.typing import NDArray
 from pydantic import SecretStr
 
 from kvwire.config import ControlOptions, KVWireConfig
-from kvwire.layout import BufferGroup, KVLayout, MemoryRegion, ModelSpec, RankPosition
+from kvwire.layout import (
+    BufferGroup,
+    GroupSection,
+    KVLayout,
+    MemoryRegion,
+    ModelSpec,
+    RankPosition,
+)
 from kvwire.session import KVManager, KVPoll, KVReceiver, KVSender, Role
 from kvwire.testing.hybrid_model import F32, STATES, Cache, HybridModel, HybridSpec
 
@@ -48,6 +57,61 @@ def owned_heads(total: int, tp: int, rank: int, replicated: bool = False) -> NDA
     return np.arange(first, first + local, dtype=np.int64)
 
 
+def state_elems(spec: HybridSpec, name: str, tp: int, rank: int) -> NDArray[np.int64]:
+    """The elements of a state's logical array (:meth:`HybridSpec.state_shape`, flattened) a
+    TP rank holds, in the order of its slot in memory."""
+    heads, per = spec.state_shape(name)
+    if name == "conv_bc":  # replicated
+        return np.arange(heads * per, dtype=np.int64)
+    if name != "conv_qkv":
+        h = owned_heads(heads, tp, rank)
+        return (h[:, None] * per + np.arange(per)).ravel()
+    k1, off, chans = per, 0, []
+    for total, dim in conv_sections(spec):  # q, k, v: each split across TP on its own
+        h = owned_heads(total, tp, rank)
+        chans.append(off + (h[:, None] * dim + np.arange(dim)).ravel())
+        off += total * dim
+    c = np.concatenate(chans)
+    if spec.conv_rows:  # [k-1, local channels]
+        return (c[None, :] * k1 + np.arange(k1)[:, None]).ravel()
+    return (c[:, None] * k1 + np.arange(k1)[None, :]).ravel()  # [local channels, k-1]
+
+
+def conv_sections(spec: HybridSpec) -> list[tuple[int, int]]:
+    """(heads, channels per head) of the GDN conv state's q, k and v blocks."""
+    return [
+        (spec.gdn_k_heads, spec.gdn_k_dim),
+        (spec.gdn_k_heads, spec.gdn_k_dim),
+        (spec.gdn_v_heads, spec.gdn_v_dim),
+    ]
+
+
+def state_group(spec: HybridSpec, name: str, buffers: tuple[MemoryRegion, ...]) -> BufferGroup:
+    """How an engine registers one state buffer of the model: heads, replicated, or (the GDN
+    conv state) three sections, channel-major or row by row."""
+    heads, per = spec.state_shape(name)
+    common: dict[str, Any] = {"name": name, "kind": "state", "num_layers": 1, "dtype": "float32"}
+    if name == "conv_qkv":
+        k1 = spec.conv_k - 1
+        rows = spec.conv_rows
+        return BufferGroup(
+            **common,
+            page_size=k1 if rows else 1,
+            sections=tuple(
+                GroupSection(total_heads=h, head_elems=d if rows else d * k1)
+                for h, d in conv_sections(spec)
+            ),
+            buffers=buffers,
+        )
+    return BufferGroup(
+        **common,
+        total_heads=heads,
+        sharding="replicated" if name == "conv_bc" else "heads",
+        head_elems=per,
+        buffers=buffers,
+    )
+
+
 @dataclass
 class RankPools:
     """One TP rank's memory: KV pool, groups, aux rows, and its :class:`KVLayout`."""
@@ -60,7 +124,8 @@ class RankPools:
     aux: NDArray[np.int32]
     layout: KVLayout
     kv_heads: NDArray[np.int64]
-    state_heads: dict[str, NDArray[np.int64]]
+    #: Per state: the logical elements this rank holds, in memory order (:func:`state_elems`).
+    state_idx: dict[str, NDArray[np.int64]]
 
     @property
     def kv_tensors(self) -> list[F32]:
@@ -94,11 +159,8 @@ class RankPools:
             "swa": pool(swa_slots),
             "draft": pool(slots),
         }
-        sheads = {n: owned_heads(spec.state_shape(n)[0], tp, rank, n == "conv_bc") for n in STATES}
-        states = {
-            n: np.zeros((state_slots, sheads[n].size, spec.state_shape(n)[1]), np.float32)
-            for n in STATES
-        }
+        sidx = {n: state_elems(spec, n, tp, rank) for n in STATES}
+        states = {n: np.zeros((state_slots, sidx[n].size), np.float32) for n in STATES}
         model = ModelSpec(
             num_layers=2, total_kv_heads=spec.kv_heads, head_dim=hd, dtype="float32", page_size=ps
         )
@@ -124,19 +186,7 @@ class RankPools:
         groups = [
             kv_group("swa", kv["swa"], spec.window),
             *([kv_group("draft", kv["draft"], None)] if draft else []),
-            *(
-                BufferGroup(
-                    name=n,
-                    kind="state",
-                    num_layers=1,
-                    total_heads=spec.state_shape(n)[0],
-                    sharding="replicated" if n == "conv_bc" else "heads",
-                    head_elems=spec.state_shape(n)[1],
-                    dtype="float32",
-                    buffers=regions((states[n],)),
-                )
-                for n in STATES
-            ),
+            *(state_group(spec, n, regions((states[n],))) for n in STATES),
         ]
         kv_bufs = [kv["attn0"][0], kv["attn1"][0], kv["attn0"][1], kv["attn1"][1]]  # K.., V..
         layout = KVLayout.from_tensors(
@@ -147,7 +197,7 @@ class RankPools:
             group_tensors=[*kv["swa"], *(kv["draft"] if draft else ()), *states.values()],
         )
         aux = np.zeros((64, AUX_WORDS), np.int32)
-        return cls(spec, tp, rank, kv, states, aux, layout, kvh, sheads)
+        return cls(spec, tp, rank, kv, states, aux, layout, kvh, sidx)
 
 
 class ShardedCache(Cache):
@@ -186,14 +236,16 @@ class ShardedCache(Cache):
         return k, v
 
     def read_state(self, name: str) -> F32:
-        out = np.zeros(self.ranks[0].spec.state_shape(name), np.float32)
+        shape = self.ranks[0].spec.state_shape(name)
+        out = np.zeros(shape[0] * shape[1], np.float32)
         for r in self.ranks:
-            out[r.state_heads[name]] = r.states[name][self.slot]
-        return out
+            out[r.state_idx[name]] = r.states[name][self.slot]
+        return out.reshape(shape)
 
     def write_state(self, name: str, value: F32) -> None:
+        flat = value.ravel()
         for r in self.ranks:
-            r.states[name][self.slot] = value[r.state_heads[name]]
+            r.states[name][self.slot] = flat[r.state_idx[name]]
 
 
 @dataclass
@@ -220,6 +272,17 @@ def _corrupt_state(v: DecodeView) -> None:
     arr[v.slot] = _noise(arr[v.slot].shape)
 
 
+def _corrupt_sections(v: DecodeView) -> None:
+    """Damage the GDN conv state's value section (every value head on decode rank 0)."""
+    spec = v.ranks[0].spec
+    k1 = spec.conv_k - 1
+    nq, nk, nv = spec.gdn_channels
+    want = np.arange((nq + nk) * k1, (nq + nk + nv) * k1)  # its logical elements
+    r = v.ranks[0]
+    hit = np.isin(r.state_idx["conv_qkv"], want)
+    r.states["conv_qkv"][v.slot, hit] = _noise((int(hit.sum()),))
+
+
 def _corrupt_kv(layer: str) -> Corruption:
     def hit(v: DecodeView) -> None:
         page = (v.num_tokens - 1) // v.ranks[0].spec.page_size
@@ -233,6 +296,7 @@ def _corrupt_kv(layer: str) -> Corruption:
 #: Negative controls: damage one thing kvwire moved into decode's pools.
 CORRUPTIONS: dict[str, Corruption] = {
     "state": _corrupt_state,
+    "sections": _corrupt_sections,
     "page": _corrupt_kv("attn1"),
     "window": _corrupt_kv("swa"),
     "draft": _corrupt_kv("draft"),

@@ -8,9 +8,14 @@ Per token (NumPy, ``float32``, fixed seed), the residual stream goes through:
    over the last ``conv_k`` inputs (conv state ``conv_x`` split by heads, ``conv_bc`` for the
    B/C projections, replicated on every TP rank as with one SSM group) and a selective state
    ``S_h = a_h S_h + x_h B^T`` per head (``ssm``, split by heads), output ``S_h C``;
-3. ``swa``: sliding-window attention over the last ``window`` tokens (its own paged pool);
-4. ``attn1``: full attention (paged pool, model layer 1);
-5. ``draft``: a draft-model attention layer over the final hidden state (its KV is an extra
+3. ``gdn``: a gated-delta-net layer (Qwen3-Next style linear attention) with ``gdn_k_heads``
+   query/key heads and ``gdn_v_heads`` value heads: a causal depthwise conv over the q, k and v
+   channels (conv state ``conv_qkv``, ``[channels, conv_k-1]``: three blocks that TP splits
+   separately, a multi-section state) and a per-value-head delta-rule state ``delta``
+   (``S_h = a_h S_h + beta_h (v_h - S_h k) k^T``, output ``S_h q``, split by value heads);
+4. ``swa``: sliding-window attention over the last ``window`` tokens (its own paged pool);
+5. ``attn1``: full attention (paged pool, model layer 1);
+6. ``draft``: a draft-model attention layer over the final hidden state (its KV is an extra
    paged layer); its logits are added to the target's, so decode's tokens depend on it.
 
 The model reads and writes its caches through :class:`Cache` only; :class:`DenseCache` is the
@@ -29,7 +34,7 @@ F32 = NDArray[np.float32]
 
 #: Attention caches (K and V per token) and the state buffers of the model.
 ATTN = ("attn0", "swa", "attn1", "draft")
-STATES = ("conv_x", "conv_bc", "ssm")
+STATES = ("conv_x", "conv_bc", "ssm", "conv_qkv", "delta")
 
 
 @dataclass(frozen=True)
@@ -45,17 +50,33 @@ class HybridSpec:
     mamba_p: int = 4
     mamba_n: int = 4
     conv_k: int = 3
+    gdn_k_heads: int = 2
+    gdn_v_heads: int = 4
+    gdn_k_dim: int = 2
+    gdn_v_dim: int = 3
+    #: The GDN conv state is stored ``[conv_k-1, channels]`` (row by row, registered with
+    #: ``page_size=conv_k-1``) instead of channel-major ``[channels, conv_k-1]``.
+    conv_rows: bool = False
     window: int = 6
     page_size: int = 4
     seed: int = 1234
 
+    @property
+    def gdn_channels(self) -> tuple[int, int, int]:
+        """Channels of the GDN conv's q, k and v blocks."""
+        qk = self.gdn_k_heads * self.gdn_k_dim
+        return qk, qk, self.gdn_v_heads * self.gdn_v_dim
+
     def state_shape(self, name: str) -> tuple[int, int]:
-        """(heads, elements per head) of a state buffer, heads as split across TP ranks."""
+        """Logical shape of a state buffer: (heads, elements per head) as split across TP
+        ranks, or ``(channels, conv_k-1)`` for the GDN conv state (three sections)."""
         k1 = self.conv_k - 1
         return {
             "conv_x": (self.mamba_heads, k1 * self.mamba_p),
             "conv_bc": (1, k1 * 2 * self.mamba_n),
             "ssm": (self.mamba_heads, self.mamba_p * self.mamba_n),
+            "conv_qkv": (sum(self.gdn_channels), k1),
+            "delta": (self.gdn_v_heads, self.gdn_v_dim * self.gdn_k_dim),
         }[name]
 
 
@@ -103,7 +124,7 @@ class DenseCache(Cache):
 
 
 def _silu(x: F32) -> F32:
-    out: F32 = (x / (1.0 + np.exp(-x))).astype(np.float32)
+    out: F32 = (x * (0.5 + 0.5 * np.tanh(0.5 * x))).astype(np.float32)  # no overflow
     return out
 
 
@@ -126,6 +147,11 @@ class HybridModel:
         self.conv_x = w(s.conv_k, md, scale=0.7)
         self.conv_bc = w(s.conv_k, 2 * s.mamba_n, scale=0.7)
         self.w_my = w(md, s.d)
+        conv_dim = sum(s.gdn_channels)
+        self.w_qkv = w(s.d, conv_dim)
+        self.conv_qkv = w(conv_dim, s.conv_k, scale=0.7)
+        self.w_beta, self.w_g = w(s.d, s.gdn_v_heads), w(s.d, s.gdn_v_heads)
+        self.w_go = w(s.gdn_v_heads * s.gdn_v_dim, s.d, scale=1.5)  # a strong path to the logits
         self.out, self.draft_out = w(s.d, s.vocab), w(s.d, s.vocab)
 
     def _attention(self, cache: Cache, name: str, x: F32, pos: int, lo: int) -> F32:
@@ -172,12 +198,41 @@ class HybridModel:
         out: F32 = (y @ self.w_my).astype(np.float32)
         return out
 
+    def _gdn(self, cache: Cache, x: F32) -> F32:
+        """Gated delta net: conv over the q|k|v channels (channel-major state), then the
+        delta rule per value head (value heads share key heads, GQA-style)."""
+        s = self.spec
+        k1 = s.conv_k - 1
+        prev = cache.read_state("conv_qkv").reshape(-1, k1)  # [channels, k-1]
+        win = np.concatenate([prev, (x @ self.w_qkv)[:, None]], axis=1)  # [channels, k]
+        cache.write_state("conv_qkv", win[:, 1:])
+        qkv = _silu((win * self.conv_qkv).sum(axis=1).astype(np.float32))
+        nq, nk, _ = s.gdn_channels
+        q = qkv[:nq].reshape(s.gdn_k_heads, s.gdn_k_dim)
+        k = qkv[nq : nq + nk].reshape(s.gdn_k_heads, s.gdn_k_dim)
+        v = qkv[nq + nk :].reshape(s.gdn_v_heads, s.gdn_v_dim)
+        q = q / (np.linalg.norm(q, axis=1, keepdims=True) + 1e-6)
+        k = k / (np.linalg.norm(k, axis=1, keepdims=True) + 1e-6)
+        per = s.gdn_v_heads // s.gdn_k_heads
+        qq, kk = np.repeat(q, per, axis=0), np.repeat(k, per, axis=0)  # [v_heads, k_dim]
+        beta = (1.0 / (1.0 + np.exp(-(x @ self.w_beta)))).astype(np.float32)
+        a = np.exp(-np.logaddexp(0.0, x @ self.w_g)).astype(np.float32)
+        st = cache.read_state("delta").reshape(s.gdn_v_heads, s.gdn_v_dim, s.gdn_k_dim)
+        st = a[:, None, None] * st
+        err = v - np.einsum("hvk,hk->hv", st, kk)
+        st = st + beta[:, None, None] * err[:, :, None] * kk[:, None, :]
+        cache.write_state("delta", st.reshape(s.gdn_v_heads, -1).astype(np.float32))
+        o = np.einsum("hvk,hk->hv", st, qq).reshape(-1)
+        out: F32 = (o @ self.w_go).astype(np.float32)
+        return out
+
     def step(self, cache: Cache, token: int, pos: int) -> F32:
         """Run token ``token`` at position ``pos`` (updating ``cache``); returns the logits."""
         s = self.spec
         x = self.embed[token].copy()
         x = x + self._attention(cache, "attn0", x, pos, 0)
         x = x + self._mamba(cache, x)
+        x = x + self._gdn(cache, x)
         x = x + self._attention(cache, "swa", x, pos, max(0, pos - s.window + 1))
         x = x + self._attention(cache, "attn1", x, pos, 0)
         d = self._attention(cache, "draft", x, pos, 0)

@@ -1,0 +1,509 @@
+"""The rank processes of the multi-process cluster harness (:mod:`kvwire.testing.cluster`).
+
+:func:`rank_main` is the entry point :class:`~kvwire.testing.cluster.Cluster` spawns for each
+prefill and decode rank: it builds the rank's verification pool (:class:`RankPool`: a paged
+``int32`` KV pool whose elements encode where they belong, :mod:`kvwire.testing.kvfill`, and
+the buffer groups :attr:`ClusterSpec.groups <kvwire.testing.cluster.ClusterSpec.groups>`
+names, :mod:`kvwire.testing.cluster_groups`), a :class:`~kvwire.session.KVManager` over it,
+and then plays its engine: a scheduler loop over the requests the parent starts, calling
+exactly the engine API, filling (prefill) and checking (decode) every element.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import time
+from dataclasses import dataclass
+from multiprocessing.connection import Connection
+from typing import Any
+
+import numpy as np
+from numpy.typing import NDArray
+from pydantic import SecretStr
+
+from kvwire.layout import KVLayout, MemoryRegion, ModelSpec, RankPosition
+from kvwire.testing.cluster import (
+    AUX_WORDS,
+    FAULT_ENV,
+    QUARANTINE_S,
+    ClusterSpec,
+    RankReport,
+    RoomPlan,
+)
+from kvwire.testing.cluster_groups import GroupAlloc, RankGroups
+from kvwire.testing.kvfill import count_mismatches, global_heads, make_pool, page_values
+
+
+class RankPool:
+    """A rank's verification pool: NumPy arrays, or torch tensors on a device."""
+
+    def __init__(
+        self,
+        spec: ClusterSpec,
+        rank: RankPosition,
+        start: int,
+        end: int,
+        model: ModelSpec,
+        head_major: bool = False,
+        kv_fused: bool = False,
+    ) -> None:
+        m = model
+        self.head_major = head_major
+        heads = len(global_heads(m, rank))
+        nbuf = (end - start) * (1 if m.is_mla or kv_fused else 2)
+        elem: tuple[int, ...] = (2, m.head_dim) if kv_fused else (m.head_dim,)
+        #: Page slots per buffer: ``spec.slots`` prefill pages' worth of tokens, in this
+        #: pool's pages (at least ``spec.slots``).
+        self.slots = spec.slots * max(1, -(-spec.model.page_size // m.page_size))
+        shape = (self.slots, m.page_size, heads, *elem)
+        if head_major:
+            shape = (self.slots, heads, m.page_size, *elem)
+        self.torch = spec.device != "cpu"
+        if self.torch:
+            import torch
+
+            def _alloc(b: int) -> Any:
+                if spec.mixed_kinds and b % 2:
+                    return torch.zeros(shape, dtype=torch.int32, pin_memory=True)
+                return torch.zeros(shape, dtype=torch.int32, device=spec.device)
+
+            self.arrays: list[Any] = [_alloc(b) for b in range(nbuf)]
+        else:
+            self.arrays = [np.zeros(shape, dtype=np.int32) for _ in range(nbuf)]
+        #: The rank's buffer groups (:attr:`ClusterSpec.groups`), or None.
+        self.groups: RankGroups | None = None
+        if spec.groups:
+            seed = spec.seed * 7919 + rank.sender_id * 8 + 4_000_000
+            self.groups = RankGroups(
+                spec.groups, m, rank, (start, end), self.slots, spec.aux_slots, seed
+            )
+        self.layout = KVLayout.from_tensors(
+            m,
+            self.arrays,
+            rank,
+            start,
+            end,
+            head_major=head_major,
+            kv_fused=kv_fused,
+            groups=self.groups.groups if self.groups else (),
+            group_tensors=self.groups.tensors if self.groups else (),
+        )
+        self.aux = np.zeros((spec.aux_slots, AUX_WORDS), dtype=np.int32)
+        self.aux_region = MemoryRegion.from_tensor(self.aux)
+        self.host_layout: KVLayout | None = None
+        self.host_arrays: list[NDArray[np.int32]] = []
+        self.host_units = 1
+        self.shared: Any = None
+
+    def add_host_pool(self, spec: ClusterSpec, page_size: int) -> None:
+        """A host-memory pool with its own page size (decode, HiSparse path)."""
+        m = spec.model.model_copy(update={"page_size": page_size})
+        self.host_units = spec.model.page_size // page_size
+        slots = spec.slots * self.host_units
+        if not spec.host_shared:
+            self.host_layout, self.host_arrays = make_pool(m, self.layout.rank, slots)
+            return
+        from kvwire_hisparse.shm import SharedHostPool
+
+        heads = len(global_heads(m, self.layout.rank))
+        nbuf = len(self.layout.buffers)
+        shape = (slots, page_size, heads, m.head_dim)
+        per = int(np.prod(shape)) * 4
+        self.shared = SharedHostPool.create(per * nbuf)
+        raw = self.shared.array()
+        self.host_arrays = [
+            raw[b * per : (b + 1) * per].view(np.int32).reshape(shape) for b in range(nbuf)
+        ]
+        r = self.layout.rank
+        self.host_layout = KVLayout.from_tensors(m, self.host_arrays, r, 0, m.num_layers)
+
+    def _index(self, pages: NDArray[np.int64], arr: Any = None) -> Any:
+        if self.torch:
+            import torch
+
+            dev = (arr if arr is not None else self.arrays[0]).device
+            return torch.from_numpy(pages).to(dev)
+        return pages
+
+    def fill(self, pages: NDArray[np.int64], first_pos: int) -> None:
+        for b, arr in enumerate(self.arrays):
+            idx = self._index(pages, arr)
+            vals = self._order(page_values(self.layout, b, first_pos, len(pages)))
+            if self.torch:
+                import torch
+
+                arr[idx] = torch.from_numpy(vals).to(arr.device)
+            else:
+                arr[idx] = vals
+        if self.torch:
+            import torch
+
+            torch.cuda.synchronize()
+
+    def _order(self, pages: NDArray[np.int32]) -> NDArray[np.int32]:
+        """Pages ``[n, page, heads, dim]`` in this pool's order, or back (a head-major pool
+        swaps the two middle axes; the swap is its own inverse)."""
+        return np.ascontiguousarray(pages.swapaxes(1, 2)) if self.head_major else pages
+
+    def poison(self, pages: NDArray[np.int64]) -> None:
+        for arr in self.arrays:
+            arr[self._index(pages, arr)] = -1
+
+    def mismatches(
+        self, pages: NDArray[np.int64], first_pos: int, num_tokens: int | None = None
+    ) -> int:
+        """Elements of ``pages`` (tokens ``first_pos``...) that differ from their encoding;
+        only the first ``num_tokens`` token rows count when given (a partial last page)."""
+        bad = 0
+        for b, arr in enumerate(self.arrays):
+            got = arr[self._index(pages, arr)]
+            got = self._order(got.cpu().numpy() if self.torch else got)
+            want = page_values(self.layout, b, first_pos, len(pages))
+            if num_tokens is not None:
+                rows = (-1, *want.shape[2:])
+                got, want = got.reshape(rows)[:num_tokens], want.reshape(rows)[:num_tokens]
+            bad += int((got != want).sum())
+        return bad
+
+
+class _Hooks:
+    """Records the decode engine hooks a rank receives, per request."""
+
+    def __init__(self, events: dict[int, list[str]]) -> None:
+        self.events = events
+
+    def on_prealloc(self, room: int, num_units: int) -> None:
+        self.events.setdefault(room, []).append(f"prealloc:{num_units}")
+
+    def on_admit(self, room: int, num_tokens: int) -> None:
+        self.events.setdefault(room, []).append(f"admit:{num_tokens}")
+
+    def on_abandon(self, room: int) -> None:
+        self.events.setdefault(room, []).append("abandon")
+
+
+def aux_row(room: int) -> NDArray[np.int32]:
+    return (((room % 1_000_003) * 7_919 + np.arange(AUX_WORDS)) & 0x7FFFFFFF).astype(np.int32)
+
+
+@dataclass
+class _Active:
+    plan: RoomPlan
+    obj: Any
+    pages: NDArray[np.int64]
+    aux_index: int
+    t0: float
+    stage: int = 0
+    next_chunk: int = 0
+    stall_until: float = 0.0
+    #: A layer-wise last chunk was sent before its stall; its layers are marked after it.
+    marks_due: bool = False
+    #: The request's buffer-group slots (:attr:`ClusterSpec.groups`), or None.
+    groups: GroupAlloc | None = None
+
+    def state_indices(self, pool: RankPool, last: bool = True) -> dict[str, Any] | None:
+        """The ``state_indices`` the engine gives with the last chunk (and to decode)."""
+        if not last or pool.groups is None or self.groups is None:
+            return None
+        return pool.groups.state_indices(self.groups)
+
+
+def rank_main(
+    conn: Connection,
+    spec_json: str,
+    role: str,
+    tp_rank: int,
+    pp_rank: int,
+    inst: int,
+    addr: str,
+    secret: str,
+    bootstrap_addrs: list[str] | None = None,
+) -> None:
+    """Entry point of a rank process (spawned). ``secret`` travels apart from the spec (a
+    config serialised to JSON masks it). ``addr``: the bootstrap service a prefill rank
+    registers with ("" for the rank that runs it); ``bootstrap_addrs``: every prefill
+    instance's, for decode receivers (default ``[addr]``)."""
+    from kvwire.session import KVManager, KVPoll, Role
+
+    spec = ClusterSpec.model_validate_json(spec_json)
+    if spec.netns.get(role):  # first: every socket this process opens lives there
+        from kvwire.testing.netns import enter_netns
+
+        enter_netns(spec.netns[role])
+    spec.config = spec.config_for(role)
+    if secret:
+        spec.config = spec.config.model_copy(update={"secret": SecretStr(secret)})
+    fault = os.environ.get(FAULT_ENV)
+    if fault:
+        from kvwire.testing import faults
+
+        faults.apply(fault, role)
+    logging.basicConfig(
+        level=spec.log_level,
+        format=f"[{role}{inst}.{pp_rank}.{tp_rank}] %(levelname)s %(name)s: %(message)s",
+    )
+    m = spec.model
+    if role == "prefill":
+        rank = RankPosition(
+            tp_size=spec.prefill_tp,
+            tp_rank=tp_rank,
+            pp_size=spec.prefill_pp,
+            pp_rank=pp_rank,
+            dp_rank=inst if spec.prefill_dp > 1 else 0,
+        )
+        per = -(-m.num_layers // spec.prefill_pp)
+        first_layer, end = pp_rank * per, min(m.num_layers, (pp_rank + 1) * per)
+    else:
+        rank = RankPosition(
+            tp_size=spec.decode_tp, tp_rank=tp_rank, pp_size=spec.decode_pp, pp_rank=pp_rank
+        )
+        per = -(-m.num_layers // spec.decode_pp)
+        first_layer, end = pp_rank * per, min(m.num_layers, (pp_rank + 1) * per)
+    dm = spec.decode_model()
+    pool = RankPool(
+        spec,
+        rank,
+        first_layer,
+        end,
+        m if role == "prefill" else dm,
+        role in spec.head_major,
+        role in spec.kv_fused,
+    )
+    hook_events: dict[int, list[str]] = {}
+    hooks = _Hooks(hook_events)
+    if role == "decode" and spec.host_page_size:
+        pool.add_host_pool(spec, spec.host_page_size)
+    mgr = KVManager(
+        spec.config,
+        Role(role),
+        pool.layout,
+        aux_buffers=[pool.aux_region],
+        bootstrap_addr=addr or None,
+        agent_name=None if spec.default_names else f"{role}{inst}-pp{pp_rank}-tp{tp_rank}",
+        kv_tensors=pool.arrays,
+        host_layout=pool.host_layout,
+        hooks=hooks if pool.host_layout is not None else None,
+        dp_size=spec.prefill_dp if role == "prefill" else 1,
+    )
+    rng = np.random.default_rng(
+        spec.seed * 7919 + (pp_rank * 64 + tp_rank) * 8 + inst + (0 if role == "prefill" else 4096)
+    )
+    free = list(rng.permutation(pool.slots))
+    free_host = list(rng.permutation(spec.slots * pool.host_units))
+    free_aux = list(range(spec.aux_slots))
+    quarantine: list[tuple[float, NDArray[np.int64], int, Any, list[Any], _Active]] = []
+    active: dict[int, _Active] = {}
+    addrs = bootstrap_addrs or [addr]
+    conn.send(("ready", mgr.bootstrap_addr or "", mgr.channel.endpoint, mgr.agent_name))
+    rid = pp_rank * (spec.prefill_tp if role == "prefill" else spec.decode_tp) + tp_rank
+
+    def evictions() -> int:
+        from prometheus_client import REGISTRY
+
+        value = REGISTRY.get_sample_value("kvwire_peer_evictions_total", mgr.labels)
+        return int(value or 0)
+
+    def report(a: _Active, status: Any, t_done: float, mism: int = 0, aux_ok: bool = True) -> None:
+        err = None
+        if status == KVPoll.Failed:
+            try:
+                a.obj.failure_exception()
+                err = "failed (no exception recorded)"
+            except Exception as exc:
+                err = f"{type(exc).__name__}: {exc}"
+        mt = a.obj.metrics
+        conn.send(
+            (
+                "done",
+                RankReport(
+                    role,
+                    rid,
+                    int(status),
+                    err,
+                    mism,
+                    aux_ok,
+                    time.perf_counter() - a.t0,
+                    mt.bytes,
+                    mt.descriptors,
+                    tuple(hook_events.pop(a.plan.room, [])),
+                    inst,
+                    t_done,
+                    mt.queue_s,
+                    mt.post_s,
+                    mt.transfer_s,
+                ),
+                a.plan.room,
+            )
+        )
+        a.obj.clear()
+        slots = free_host if a.plan.hisparse and role == "decode" else free
+        if status == KVPoll.Success:
+            slots.extend(a.pages.tolist())
+            free_aux.append(a.aux_index)
+            release_groups(a)
+        else:  # a writer may still be busy with a failed room's slots: quarantine them
+            quarantine.append(
+                (time.monotonic() + QUARANTINE_S, a.pages, a.aux_index, a.obj, slots, a)
+            )
+
+    def release_groups(a: _Active) -> None:
+        if pool.groups is not None and a.groups is not None:
+            pool.groups.release(a.groups)
+
+    def start(plan: RoomPlan) -> None:
+        t0 = time.perf_counter()
+        galloc = None
+        aux_index = free_aux.pop()
+        if role == "prefill":
+            n = plan.num_pages
+            pages = np.array([free.pop() for _ in range(n)], dtype=np.int64)
+            if plan.verified(spec):
+                pool.fill(pages, 0)
+            if pool.groups is not None:
+                galloc = pool.groups.alloc(n)
+                if plan.verified(spec):
+                    pool.groups.fill(plan.room, galloc, pages)
+            pool.aux[aux_index] = aux_row(plan.room)
+            obj: Any = mgr.sender(plan.room)
+        elif plan.hisparse:
+            n = plan.num_pages * pool.host_units - plan.trim if plan.num_pages else 0
+            pages = np.array([free_host.pop() for _ in range(n)], dtype=np.int64)
+            if plan.verified(spec):
+                for harr in pool.host_arrays:
+                    harr[pages] = -1
+            pool.aux[aux_index] = 0
+            obj = mgr.receiver(plan.room, addrs[plan.prefill_instance])
+            obj.init()
+            obj.send_metadata(pages, aux_index, pool="host")
+        else:
+            # the prompt is num_pages whole prefill pages; decode keeps cached_pages of them
+            left = (plan.num_pages - plan.cached_pages) * m.page_size
+            n = -(-left // dm.page_size)
+            pages = np.array([free.pop() for _ in range(n)], dtype=np.int64)
+            if plan.verified(spec):
+                pool.poison(pages)
+            pool.aux[aux_index] = 0
+            obj = mgr.receiver(plan.room, addrs[plan.prefill_instance])
+            obj.init()
+            if pool.groups is not None:
+                galloc = pool.groups.alloc(plan.num_pages)
+                if plan.verified(spec):
+                    pool.groups.poison(galloc, pages)
+            state = pool.groups.state_indices(galloc) if pool.groups and galloc else None
+            obj.send_metadata(
+                pages, aux_index, cached_tokens=plan.cached_pages * m.page_size, state_indices=state
+            )
+        active[plan.room] = _Active(plan, obj, pages, aux_index, t0, groups=galloc)
+
+    def step(a: _Active) -> bool:
+        """Advance one request; True when it is finished (reported)."""
+        st = a.obj.poll()
+        t_done = time.monotonic()
+        if role == "decode":
+            if a.plan.decode_abort and a.stage == 0 and st >= KVPoll.WaitingForInput:
+                a.obj.abort()
+                a.stage = 1
+            if st == KVPoll.Success:
+                first = a.plan.cached_pages * m.page_size
+                if a.plan.hisparse:
+                    assert pool.host_layout is not None
+                    mism = (
+                        count_mismatches(pool.host_layout, pool.host_arrays, a.pages, 0)
+                        if a.plan.verified(spec)
+                        else 0
+                    )
+                else:
+                    left = (a.plan.num_pages - a.plan.cached_pages) * m.page_size
+                    mism = pool.mismatches(a.pages, first, left) if a.plan.verified(spec) else 0
+                    if pool.groups is not None and a.groups is not None and a.plan.verified(spec):
+                        mism += pool.groups.mismatches(
+                            a.plan.room, a.groups, a.pages, a.plan.cached_pages
+                        )
+                aux_ok = bool((pool.aux[a.aux_index] == aux_row(a.plan.room)).all())
+                report(a, st, t_done, mism, aux_ok)
+                return True
+            if st == KVPoll.Failed:
+                report(a, st, t_done)
+                return True
+            return False
+        if st in (KVPoll.Failed, KVPoll.Success):
+            report(a, st, t_done)
+            return True
+        if st >= KVPoll.WaitingForInput and a.stage == 0:
+            a.obj.init(a.plan.num_pages, a.aux_index)
+            a.stage = 1
+        if a.stage == 1:
+            chunks = a.plan.chunks
+            if a.plan.prefill_abort and a.next_chunk >= 1:
+                a.obj.abort()
+                a.stage = 2
+                return False
+            if a.next_chunk < len(chunks):
+                last = a.next_chunk == len(chunks) - 1
+                lw = a.plan.layerwise
+                lo = sum(chunks[: a.next_chunk])
+                pages = a.pages[lo : lo + chunks[a.next_chunk]]
+                if last and a.plan.stall_s and a.stall_until == 0.0:
+                    a.stall_until = time.monotonic() + a.plan.stall_s
+                    if lw:  # a slow layer-wise pass: sent now, its layers marked after the stall
+                        a.obj.send(
+                            pages, last=True, layerwise=True, state_indices=a.state_indices(pool)
+                        )
+                        a.marks_due = True
+                if last and time.monotonic() < a.stall_until:
+                    return False
+                if not a.marks_due:
+                    a.obj.send(
+                        pages, last=last, layerwise=lw, state_indices=a.state_indices(pool, last)
+                    )
+                if lw:  # the "forward pass": every layer of this rank, one after the other
+                    for layer in range(mgr.layout.start_layer, mgr.layout.layer_end):
+                        a.obj.layer_ready(layer)
+                conn.send(("sent", a.next_chunk, a.plan.room))
+                a.next_chunk += 1
+        return False
+
+    try:
+        while True:
+            # Connection.poll rounds a timeout up to whole milliseconds: with requests in
+            # flight, check without waiting and sleep one engine step instead.
+            if active:
+                ready = conn.poll(0)
+                if not ready:
+                    time.sleep(spec.engine_step_s)
+            else:
+                ready = conn.poll(0.01)
+            if ready:
+                msg = conn.recv()
+                if msg[0] == "start":
+                    start(RoomPlan.model_validate(msg[1]))
+                elif msg[0] == "tables":
+                    conn.send(("tables", mgr.room_tables(), mgr.dropped))
+                elif msg[0] == "stats":
+                    stats = {"evictions": evictions(), "peers": len(mgr.peers)}
+                    conn.send(("stats", stats, mgr.dropped))
+                elif msg[0] == "host_paths":
+                    paths: dict[str, str] = getattr(mgr.host_staging, "paths", dict)()
+                    conn.send(("host_paths", paths))
+                elif msg[0] == "stop":
+                    break
+            for room in list(active):
+                if step(active[room]):
+                    del active[room]
+            for entry in list(quarantine):
+                deadline, pages, aux_index, obj, slots, ended = entry
+                quiet = role == "prefill" or obj.writes_quiesced()
+                if quiet or time.monotonic() > deadline:
+                    quarantine.remove(entry)
+                    slots.extend(pages.tolist())
+                    free_aux.append(aux_index)
+                    release_groups(ended)
+    finally:
+        mgr.close()
+        if pool.shared is not None:
+            pool.host_arrays = []  # drop the views first, so the mapping can go too
+            pool.shared.close()
+        with contextlib.suppress(OSError):
+            conn.send(("closed", mgr.room_tables()))
