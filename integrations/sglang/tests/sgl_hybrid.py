@@ -51,12 +51,18 @@ from typing import Any
 import numpy as np
 from sgl_harness import real_utils_module, wait
 
-from kvwire.testing.hybrid import CORRUPTIONS, DecodeView, RankPools, ShardedCache
+from kvwire.testing.hybrid import (
+    CORRUPTIONS,
+    DecodeView,
+    RankPools,
+    ShardedCache,
+    conv_sections,
+)
 from kvwire.testing.hybrid_model import HybridModel, HybridSpec
 
 SPEC = HybridSpec()
 SLOTS, STATE_SLOTS = 16, 4
-MAMBA_LAYER = 1  # model layer ids: attn0 0, mamba 1, swa 2, attn1 3
+MAMBA_LAYER, GDN_LAYER = 1, 2  # model layer ids: attn0 0, mamba 1, gdn 2, swa 3, attn1 4
 P_SLOT, D_SLOT = 2, 1  # Mamba pool slots of the request on prefill and decode
 
 
@@ -113,22 +119,44 @@ def kv_args(setup: Setup, pools: RankPools, rank: int, prefill: bool) -> Any:
     a.state_slice_outer_counts, a.state_conv_shard_groups, a.state_layer_ids = [], [], []
     a.swa_kv_cache_layout = None
 
-    def component(st: Any, arrs: list[Any], dims: list[int], layer_ids: list[int]) -> None:
+    def component(
+        st: Any, arrs: list[Any], dims: list[int], layer_ids: list[int], shards: Any = None
+    ) -> None:
         a.state_types.append(st)
         a.state_data_ptrs.append([x.ctypes.data for x in arrs])
         a.state_data_lens.append([x.nbytes for x in arrs])
         a.state_item_lens.append([x[0].nbytes for x in arrs])
         a.state_dim_per_tensor.append(dims)
         a.state_slice_outer_counts.append([1] * len(dims))
-        a.state_conv_shard_groups.append([None] * len(dims))
+        a.state_conv_shard_groups.append(shards or [None] * len(dims))
         a.state_layer_ids.append(layer_ids)
 
     if setup.mode == "swa":
         component(StateType.SWA, list(pools.kv["swa"]), [], [])
         a.swa_kv_cache_layout = "nhd"
     s = pools.states
-    dims = [s["conv_x"].shape[1], 0, s["ssm"].shape[1]]  # conv_bc: replicated (dim 0)
+    k1 = SPEC.conv_k - 1
+    dims = [  # the split axis on this rank (heads); conv_bc: replicated (dim 0)
+        s["conv_x"][0].size // (k1 * SPEC.mamba_p),
+        0,
+        s["ssm"][0].size // (SPEC.mamba_p * SPEC.mamba_n),
+    ]
     component(StateType.MAMBA, [s["conv_x"], s["conv_bc"], s["ssm"]], dims, [MAMBA_LAYER] * 3)
+    # the gated-delta-net layer, as SGLang registers a GDN pool (its own component here: SGLang
+    # never has two kinds of linear-attention layers in one model): the conv state's channel
+    # axis is the q, k and v blocks, each split across TP (state_conv_shard_groups gives their
+    # full channel counts), then the delta-rule state split by v heads
+    full = [total * dim for total, dim in conv_sections(SPEC)]
+    component(
+        StateType.MAMBA,
+        [s["conv_qkv"], s["delta"]],
+        [  # the split axis on this rank: conv channels, delta v heads
+            s["conv_qkv"][0].size // k1,
+            s["delta"][0].size // (SPEC.gdn_v_dim * SPEC.gdn_k_dim),
+        ],
+        [GDN_LAYER] * 2,
+        [full, None],
+    )
     return a
 
 
@@ -189,10 +217,11 @@ class Rank:
         """SGLang's per-component payloads: window pages of the SWA pool, the Mamba slot."""
         n = len(req.prompt)
         mamba = [np.array([slot], dtype=np.int64)]
+        gdn = [np.array([slot], dtype=np.int64)]  # the GDN pool: same slot numbering
         if self.setup.mode == "mamba":
-            return mamba
+            return [mamba, gdn]
         first, last = window_start(n), math.ceil(n / SPEC.page_size)
-        return [np.array([swa[p] for p in range(first, last)], dtype=np.int64), mamba]
+        return [np.array([swa[p] for p in range(first, last)], dtype=np.int64), mamba, gdn]
 
     def describe(self) -> dict[str, Any]:
         """What kvwire-sglang built from ``KVArgs``: backend and ``{group: (kind, sharding,

@@ -15,6 +15,7 @@ import pytest
 from sgl_hybrid import SPEC, HybridCluster, Request, Setup
 from sglang.srt.disaggregation.base.conn import KVPoll
 
+from kvwire.testing.hybrid import conv_sections
 from kvwire.testing.hybrid_model import reference_tokens
 
 PROMPT = [int(t) for t in np.random.default_rng(11).integers(0, SPEC.vocab, 15)]  # 4 pages
@@ -58,16 +59,18 @@ def _ok(cluster: HybridCluster, setup: Setup, req: Request) -> list[int]:
 
 
 def test_mamba_draft_tp2_to_tp1_chunked(cluster: HybridCluster) -> None:
-    """Mamba conv/SSM state split by heads (state_dim_per_tensor) and the draft KV gathered
-    from two prefill ranks into one decode rank; chunks of 1 and of 2 pages."""
+    """Mamba conv/SSM state split by heads (state_dim_per_tensor), the GDN conv state's q, k
+    and v blocks each gathered on its own (state_conv_shard_groups), the delta-rule state, and
+    the draft KV, from two prefill ranks into one decode rank; chunks of 1 and of 2 pages."""
     assert _ok(cluster, MAMBA_TCP, Request(room=11, prompt=PROMPT, chunk_pages=2)) == REF
     assert _ok(cluster, MAMBA_TCP, Request(room=12, prompt=PROMPT, chunk_pages=1)) == REF
 
 
-@pytest.mark.parametrize("what", ["state", "draft"])
+@pytest.mark.parametrize("what", ["state", "draft", "sections"])
 def test_mamba_negative_controls(cluster: HybridCluster, what: str) -> None:
-    """A Mamba state slot or a draft page damaged on decode after the transfer: other tokens
-    (so the tokens above depend on the bytes kvwire moved)."""
+    """A Mamba state slot, a draft page, or the v section of the GDN conv state (moved from
+    state_conv_shard_groups as kvwire sections) damaged on decode after the transfer: other
+    tokens (so the tokens above depend on the bytes kvwire moved)."""
     req = Request(room=20 + len(what), prompt=PROMPT, corrupt=what)
     assert _ok(cluster, MAMBA_TCP, req) != REF
 
@@ -106,6 +109,8 @@ def test_groups_built_from_kvargs_and_bytes_moved(cluster: HybridCluster) -> Non
             "mamba1_0": ("state", "heads", SPEC.mamba_heads, "state1"),  # conv_x
             "mamba1_1": ("state", "replicated", 1, "state1"),  # conv_bc (dim 0)
             "mamba1_2": ("state", "heads", SPEC.mamba_heads, "state1"),  # ssm
+            "mamba2_0": ("state", "heads", 1, "state2"),  # GDN conv: q, k, v sections
+            "mamba2_1": ("state", "heads", SPEC.gdn_v_heads, "state2"),  # delta state
         }, (side["groups"], tp)
     page_head = SPEC.page_size * SPEC.head_dim * 4  # one KV head of one page, float32
     pages, window_pages = 4, 2  # 15 tokens; the window (6) starts in page 2
@@ -117,7 +122,9 @@ def test_groups_built_from_kvargs_and_bytes_moved(cluster: HybridCluster) -> Non
     ssm = (SPEC.mamba_heads // 2) * SPEC.mamba_p * SPEC.mamba_n * 4
     conv_bc = k1 * 2 * SPEC.mamba_n * 4
     aux = 16 * 4 + 64  # SGLang's metadata row and kvwire's room stamp row, by one rank
-    mine = kv + draft + window + conv_x + ssm
+    channels = sum(total * dim for total, dim in conv_sections(SPEC)) // 2  # this rank's
+    gdn = channels * k1 * 4 + (SPEC.gdn_v_heads // 2) * SPEC.gdn_v_dim * SPEC.gdn_k_dim * 4
+    mine = kv + draft + window + conv_x + ssm + gdn
     assert sorted(p["bytes"] for p in pre) == [mine, mine + conv_bc + aux], pre
     assert pre[0]["backend"] == "tcp"
     nixl_pre, _ = cluster.run(SWA_NIXL, Request(room=62, prompt=PROMPT))

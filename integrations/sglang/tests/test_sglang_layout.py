@@ -112,7 +112,8 @@ def _mamba(a: Any, arrs: list[Any], dims: list[Any], outer: list[int], shards: l
 
 def test_mamba_state_sharding_from_sglang_dims() -> None:
     """Per tensor (2 Mamba layers, tensor-major): a contiguous TP slice -> heads (dim x tp),
-    dim 0 -> replicated, outer rows or GDN conv sub-blocks -> opaque (equal TP)."""
+    dim 0 -> replicated, GDN conv sub-blocks -> sections, outer rows or sub-blocks that do not
+    split evenly -> opaque (equal TP)."""
     pool = Pool([0])  # TP rank 0 of 2: one of the 2 KV heads (kept alive: its addresses)
     a = pool.kv_args(0, True)
     conv = [np.zeros((5, 6, 2), np.float16) for _ in range(2)]  # [slots, dim, K-1]
@@ -128,10 +129,22 @@ def test_mamba_state_sharding_from_sglang_dims() -> None:
         "mamba0_1": ("replicated", 1, 32, 2),
         "mamba0_2": ("heads", 6, 64, 2),
     }
-    _mamba(a, [*conv, *bc, *ssm], [6, 6, 0, 0, 3, 3], [2, 2, 1, 1, 1, 1], [[2, 2, 2]] * 6)
+    # GDN conv: q, k and v blocks of 2, 2 and 4 channels in the whole model (1, 1, 2 per rank
+    # at TP 2), a channel row of K-1 = 2 fp16 per "head"
+    gdn = [np.zeros((5, 4, 2), np.float16) for _ in range(2)]  # [slots, channels, K-1]
+    _mamba(a, [*gdn, *ssm], [4, 4, 3, 3], [1] * 4, [[2, 2, 4]] * 2 + [None] * 2)
+    layout, _, _ = _build(a, facts=tp2)
+    g = {x.name: x for x in layout.groups}["mamba0_0"]
+    assert [(x.total_heads, x.head_elems) for x in g.sections] == [(2, 4), (2, 4), (4, 4)]
+    assert g.item_len(2) == 4 * 4 and g.item_len(1) == 8 * 4
+    # blocks that do not split evenly over the ranks (fewer heads than ranks): opaque
+    _mamba(a, [*gdn, *ssm], [4, 4, 3, 3], [1] * 4, [[1, 3, 4]] * 2 + [None] * 2)
+    layout, _, _ = _build(a, facts=tp2)
+    assert {x.name: x.total_heads for x in layout.groups}["mamba0_0"] == 2  # tp runs of bytes
+    _mamba(a, [*conv, *bc, *ssm], [6, 6, 0, 0, 3, 3], [2, 2, 1, 1, 1, 1], [None] * 6)
     layout, _, _ = _build(a, facts=tp2)
     opaque = {g.name: (g.sharding, g.total_heads) for g in layout.groups}
-    assert opaque["mamba0_0"] == opaque["mamba0_2"] == ("heads", 2)  # tp "heads" of bytes
+    assert opaque["mamba0_0"] == ("heads", 2)  # outer rows: tp "heads" of bytes
     a.state_dim_per_tensor = [[]]  # a pool that reports no dims: opaque too
     layout, _, _ = _build(a, facts=tp2)
     assert {g.total_heads for g in layout.groups} == {2}

@@ -21,8 +21,10 @@ What maps, and how:
 
   - ``"mamba"``: a ``state`` group per state tensor; from ``state_dim_per_tensor`` a tensor
     TP splits in one contiguous run per rank is ``dim x tp`` heads (kvwire moves head slices
-    between TP sizes), dim 0 is replicated, and a tensor with ``state_slice_outer_counts`` > 1,
-    ``state_conv_shard_groups`` or no dims moves as opaque slots (equal TP).
+    between TP sizes), dim 0 is replicated, GDN's conv state with ``state_conv_shard_groups``
+    (its q, k and v channel blocks) becomes a group with one kvwire section per block (each
+    sliced across TP on its own), and a tensor with ``state_slice_outer_counts`` > 1, blocks
+    that do not split evenly, or no dims moves as opaque slots (equal TP).
   - ``"request_row"``: opaque slots, one per slot size (equal TP).
   - ``"swa"``: a ``window`` group (``window`` from :class:`EngineFacts`, heads as the KV's).
   - ``"dsa"``: a ``paged`` group addressed by the KV pages (replicated; 0-row placeholder
@@ -48,6 +50,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from kvwire.layout import (
     DTYPE_SIZES,
     BufferGroup,
+    GroupSection,
     KVLayout,
     MemKind,
     MemoryRegion,
@@ -209,6 +212,37 @@ def _sharded_group(
     )
 
 
+def _conv_sections(
+    full: Sequence[Any], local: int, row_bytes: int, tp: int
+) -> tuple[GroupSection, ...] | None:
+    """GDN conv sub-blocks (``state_conv_shard_groups``: each block's channels in the whole
+    model, e.g. q, k, v) as kvwire sections of one channel row (``row_bytes``: ``K-1``
+    elements) per "head", or None when the blocks do not split evenly into the ``local``
+    channels this rank holds (a block with fewer heads than ranks is replicated by SGLang)."""
+    dims = [int(x) for x in full]
+    if len(dims) < 2 or any(d % tp for d in dims) or sum(d // tp for d in dims) != local:
+        return None
+    return tuple(GroupSection(total_heads=d, head_elems=row_bytes) for d in dims)
+
+
+def _sectioned_group(
+    name: str, index: str, regions: Sequence[MemoryRegion], sections: tuple[GroupSection, ...]
+) -> BufferGroup:
+    """A state group whose slot row is several separately TP-sharded blocks (GDN's conv
+    state: q, k and v channels, each a run of channel rows): kvwire slices each block across
+    TP sizes (:attr:`BufferGroup.sections <kvwire.layout.BufferGroup.sections>`)."""
+    _one_item_len(name, regions)
+    return BufferGroup(
+        name=name,
+        kind="state",
+        index=index,
+        num_layers=len(regions),
+        dtype="uint8",
+        sections=sections,
+        buffers=tuple(regions),
+    )
+
+
 def _one_item_len(name: str, regions: Sequence[MemoryRegion]) -> int:
     item = regions[0].item_len
     if any(r.item_len != item for r in regions):
@@ -257,8 +291,10 @@ def _mamba_groups(
     (``state_slice_outer_counts``) and GDN's conv sub-blocks (``state_conv_shard_groups``).
     A tensor split along its first per-slot axis into one contiguous run per rank is described
     as ``dim * tp`` heads of ``item_len / dim`` bytes (kvwire moves head slices between TP
-    sizes); a replicated one as ``sharding="replicated"``; anything else (outer rows, conv
-    sub-blocks, no dims reported) as opaque slots, which need equal TP on both sides.
+    sizes); a replicated one as ``sharding="replicated"``; a conv state with sub-blocks as
+    one section per block (:func:`_conv_sections`); anything else (outer rows, sub-blocks that
+    do not split evenly, no dims reported) as opaque slots, which need equal TP on both
+    sides.
     """
     n = len(regs)
     dims = _component_field(args, "state_dim_per_tensor", i, n)
@@ -283,10 +319,18 @@ def _mamba_groups(
             why = "no state_dim_per_tensor"
         elif (outer[a] or 1) != 1:
             why = f"state_slice_outer_counts {outer[a]} (several runs per rank)"
-        elif shards[a]:
-            why = f"state_conv_shard_groups {shards[a]} (sub-blocks split separately)"
         elif int(dim) and item % int(dim):
             why = f"item_len {item} is not {dim} equal rows"
+        elif shards[a] and int(dim):
+            sections = _conv_sections(shards[a], int(dim), item // int(dim), tp)
+            if sections is None:
+                why = (
+                    f"state_conv_shard_groups {shards[a]} do not split into {dim} channels "
+                    f"per rank at TP {tp} (sub-blocks with fewer heads than ranks)"
+                )
+            else:
+                groups.append(_sectioned_group(name, index, part, sections))
+                continue
         if why is None and int(dim) == 0:
             groups.append(_sharded_group(name, index, "state", part, tp, 1, None))
         elif why is None:
