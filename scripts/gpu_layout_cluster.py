@@ -90,7 +90,8 @@ def main() -> None:
     if a.json is not None:
         a.json.write_text(json.dumps(rows, indent=1))
     bad = [r["case"] for r in rows if not r["ok"]]
-    print(f"{len(rows) - len(bad)} of {len(rows)} layout cases verified on {a.device} ({a.backend})")
+    ok = len(rows) - len(bad)
+    print(f"{ok} of {len(rows)} layout cases verified on {a.device} ({a.backend})")
     if bad:
         raise SystemExit(f"failed: {bad}")
 
