@@ -175,7 +175,15 @@ def test_rank_killed_mid_transfer(backend: str, side: str) -> None:
                 who = "other side" if rep.role == other_side else "same side (TP peer)"
                 delays.setdefault(who, []).append(rep.t_done - t_kill[0])
                 if rep.role == other_side:
-                    assert victim.agent in (rep.error or ""), rep.error
+                    err = rep.error or ""
+                    # a request the dead decode rank had not yet asked this prefill rank for
+                    # has no peer to blame: only the bootstrap timeout can end it (as SGLang)
+                    never_asked = (
+                        side == "decode"
+                        and r.plan.room not in stalled
+                        and ("bootstrap timeout: 0 of" in err)
+                    )
+                    assert victim.agent in err or never_asked, err
         for who, d in sorted(delays.items()):
             print(
                 f"{backend}: {side} rank {victim.agent} killed; {who} rooms Failed after "

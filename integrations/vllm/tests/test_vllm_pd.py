@@ -12,13 +12,14 @@ every K/V element of the prompt arrived in the right block, head and token.
 from __future__ import annotations
 
 import multiprocessing as mp
-import socket
 import time
 from collections.abc import Iterator
 from typing import Any
 
 import pytest
 from vllm_pd_model import reference
+
+from kvwire.testing.cluster import free_bootstrap_port
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -40,12 +41,6 @@ ENGINES = {
 #: vLLM block size (tokens) of prefill and decode where not 4 (kvwire moves token ranges)
 BLOCKS = {"blocks-4to8": (4, 8), "blocks-8to4": (8, 4)}
 N_DECODE = 6
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 class Instance:
@@ -87,14 +82,19 @@ class Instance:
 def cluster() -> Iterator[tuple[Instance, Instance]]:
     ctx = mp.get_context("spawn")
     control = {"heartbeat_interval_s": 0.2, "bootstrap_timeout_s": 20}
+    # bootstrap ports outside the ephemeral range, distinct: a port picked in the ephemeral
+    # range here can be taken by another process's socket before the engine binds it
+    ports: list[int] = []
+    for _ in ENGINES:
+        ports.append(free_bootstrap_port("127.0.0.1", ports))
     pre = {
         name: {
             "layout": lay,
             "tp": tp,
             "block": BLOCKS.get(name, (4, 4))[0],
-            "extra": {"transfer_backend": be, "bootstrap_port": _free_port(), "control": control},
+            "extra": {"transfer_backend": be, "bootstrap_port": port, "control": control},
         }
-        for name, (lay, _, be, tp, _) in ENGINES.items()
+        for port, (name, (lay, _, be, tp, _)) in zip(ports, ENGINES.items(), strict=True)
     }
     dec = {
         name: {
