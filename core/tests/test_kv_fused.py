@@ -1,7 +1,9 @@
-"""K and V side by side in each row (``KVLayout.kv_fused``, vLLM's cache) on either side
-(issue 16): the mapper choice, refusals, the wire, a property test against the element
-encoding (every K and V element of every head of every token must land where decode's own
-layout puts it), and real transfers across processes."""
+"""K and V in one buffer per layer on either side (issue 16): side by side in each row
+(``KVLayout.kv_fused``, vLLM's cache) or K's page then V's page in each slot
+(``KVLayout.kv_in_slot``, FlashInfer / TensorRT-LLM style): the mapper choice, refusals, the
+wire, a property test against the element encoding (every K and V element of every head of
+every token must land where decode's own layout puts it), and real transfers across
+processes."""
 
 from __future__ import annotations
 
@@ -80,11 +82,41 @@ def test_plane_view() -> None:
     assert split_kv(split_kv(lay)) is not lay and split_kv(view) is view
 
 
-@settings(max_examples=60, deadline=None)
+#: how a side keeps K and V: separate buffers, side by side in rows, or two pages per slot
+KINDS = {"sep": {}, "rows": {"kv_fused": True}, "slot": {"kv_in_slot": True}}
+
+
+def test_in_slot_layout_and_refusals() -> None:
+    r2 = RankPosition(tp_size=2, tp_rank=0)
+    lay, arrays = make_pool(_model(), r2, 4, kv_in_slot=True)
+    assert len(lay.buffers) == 2 and arrays[0].shape == (4, 2, 4, 2, 4)
+    assert lay.slot_bytes == 2 * lay.page_bytes == 2 * 4 * 2 * 4 * 4
+    view = split_kv(lay)  # K page at the slot, V page one page later, ordinary rows
+    assert view.bases.tolist() == [
+        arrays[0].ctypes.data,
+        arrays[1].ctypes.data,
+        arrays[0].ctypes.data + lay.page_bytes,
+        arrays[1].ctypes.data + lay.page_bytes,
+    ]
+    assert view.elem_pitch == view.head_bytes == 16 and view.slot_bytes == lay.slot_bytes
+    sep, _ = make_pool(_model(), r2, 4)
+    assert default_mapper_name(lay, sep) == default_mapper_name(lay, lay) == "equal_tp"
+    mapper = EqualTPMapper(lay, sep)  # whole K and V pages, one page long each
+    assert mapper.splits_kv and not mapper.interleaved
+    assert set(mapper.build_tables().src[:, 1].tolist()) == {lay.page_bytes}
+    with pytest.raises(ValueError, match="pick one"):
+        make_pool(_model(), r2, 4, kv_in_slot=True, kv_fused=True)
+    with pytest.raises(ValueError, match="kv_in_slot"):
+        KVLayout(model=_model(), rank=r2, buffers=lay.buffers)  # 2 pages per slot, flag unset
+    assert KVLayout.model_validate_json(lay.model_dump_json()).kv_in_slot
+    assert "kv_in_slot" not in sep.model_dump_json()
+
+
+@settings(max_examples=80, deadline=None)
 @given(
     heads=st.sampled_from([1, 2, 4]),
     tp=st.sampled_from([(1, 1), (2, 1), (1, 2), (2, 2), (4, 2), (2, 4), (4, 1)]),
-    fused=st.sampled_from([(True, True), (True, False), (False, True)]),
+    kinds=st.tuples(st.sampled_from(sorted(KINDS)), st.sampled_from(sorted(KINDS))),
     orders=st.sampled_from([(False, False), (True, False), (False, True), (True, True)]),
     pages=st.sampled_from([(4, 4), (4, 2), (2, 4)]),
     npages=st.integers(1, 3),
@@ -92,17 +124,18 @@ def test_plane_view() -> None:
 def test_every_k_and_v_element_lands(
     heads: int,
     tp: tuple[int, int],
-    fused: tuple[bool, bool],
+    kinds: tuple[str, str],
     orders: tuple[bool, bool],
     pages: tuple[int, int],
     npages: int,
 ) -> None:
-    """Random TP pairs (GQA replication when heads < TP), fused or separate K/V on each side,
-    page orders and page sizes, with the default mapper: after every source rank's rows are
-    copied, each decode rank holds exactly its heads' K and V of every token, in its own
-    layout (checked against the layer/K-V/head/position encoding)."""
+    """Random TP pairs (GQA replication when heads < TP), K/V kept separately, side by side
+    in rows or as two pages per slot on each side, page orders and page sizes, with the
+    default mapper: after every source rank's rows are copied, each decode rank holds exactly
+    its heads' K and V of every token, in its own layout (checked against the
+    layer/K-V/head/position encoding)."""
     tp_s, tp_d = tp
-    (f_s, f_d), (hm_s, hm_d), (ps_s, ps_d) = fused, orders, pages
+    (k_s, k_d), (hm_s, hm_d), (ps_s, ps_d) = kinds, orders, pages
     tokens = npages * ps_s
     dpages = -(-tokens // ps_d)
     for dr in range(tp_d):
@@ -111,7 +144,7 @@ def test_every_k_and_v_element_lands(
             RankPosition(tp_size=tp_d, tp_rank=dr),
             8,
             head_major=hm_d,
-            kv_fused=f_d,
+            **KINDS[k_d],
         )
         for sr in source_ranks(dr, tp_s, tp_d):
             slay, sarr = make_pool(
@@ -119,7 +152,7 @@ def test_every_k_and_v_element_lands(
                 RankPosition(tp_size=tp_s, tp_rank=sr),
                 8,
                 head_major=hm_s,
-                kv_fused=f_s,
+                **KINDS[k_s],
             )
             sp = np.arange(npages) + 2
             fill_pages(slay, sarr, sp, 0)
@@ -137,6 +170,8 @@ def test_every_k_and_v_element_lands(
 @pytest.mark.parametrize(
     ("tp", "fused", "head_major", "decode_page", "staging"),
     [
+        ((2, 1), ("slot:prefill", "decode"), (), None, "direct"),
+        ((1, 2), ("slot:prefill", "slot:decode"), ("decode",), 2, "bulk"),
         ((2, 1), ("prefill", "decode"), (), None, "direct"),
         ((1, 2), ("prefill", "decode"), ("prefill", "decode"), None, "direct"),
         ((2, 1), ("decode",), (), None, "direct"),
@@ -145,6 +180,8 @@ def test_every_k_and_v_element_lands(
         ((1, 2), ("decode",), (), None, "bulk"),
     ],
     ids=[
+        "gather-prefill-in-slot-decode-fused",
+        "scatter-both-in-slot-decode-hm-pages-4to2-bulk-unstaged",
         "gather-both-fused",
         "scatter-both-fused-hm",
         "gather-decode-fused",
@@ -170,7 +207,8 @@ def test_across_processes(
         decode_tp=tp[1],
         slots=128,
         aux_slots=64,
-        kv_fused=fused,
+        kv_fused=tuple(r for r in fused if ":" not in r),
+        kv_in_slot=tuple(r.split(":")[1] for r in fused if ":" in r),
         head_major=head_major,
         decode_page_size=decode_page,
         config=config().model_copy(update={"staging": staging}),
@@ -180,8 +218,9 @@ def test_across_processes(
         results = c.run(plans, concurrency=8, timeout_s=90)
         assert_all_ok(results)
         descs, npages = sum(r.descriptors for r in results), sum(p.num_pages for p in plans)
-        if staging == "bulk" and len(fused) == 2:  # staged: a few block writes
+        in_slot = any(":" in r for r in fused)
+        if staging == "bulk" and len(fused) == 2 and not in_slot:  # staged: block writes
             assert descs < 8 * npages, (descs, npages)
-        elif len(fused) == 1:  # heads one by one: (layer, K/V, token, head) rows
-            assert descs >= 2 * 2 * 4 * npages, (descs, npages)
+        elif len(fused) == 1 or in_slot:  # rows of heads (or pages of K and of V)
+            assert descs >= 2 * 2 * npages, (descs, npages)
         assert_tables_empty(c)

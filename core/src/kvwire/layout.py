@@ -374,7 +374,8 @@ class KVLayout(BaseModel):
     """The KV pool of one rank: model facts, its position, and its KV buffers.
 
     ``buffers`` are ordered ``[K_start .. K_end-1, V_start .. V_end-1]`` for MHA/GQA and
-    ``[L_start .. L_end-1]`` for MLA and for fused K|V pools (:attr:`kv_fused`), where
+    ``[L_start .. L_end-1]`` for MLA and for pools holding K and V in one buffer per layer
+    (:attr:`kv_fused`, :attr:`kv_in_slot`), where
     ``[start_layer, end_layer)`` are the layers this rank holds (its PP stage). Every buffer
     has the same number of slots. ``groups`` are the rank's other buffers (per-request state,
     sliding-window KV, draft-model layers; see :class:`BufferGroup`); a layout without groups
@@ -385,10 +386,12 @@ class KVLayout(BaseModel):
     #: Objects owning the memory of :attr:`buffers` (the engine's tensors, when built with
     #: :meth:`from_tensors`); held so the memory outlives every registration of this layout.
     _owners: tuple[Any, ...] = PrivateAttr(default=())
-    #: Set only on a mapper's plane view of a fused pool (:func:`kvwire.index.planes.split_kv`):
-    #: bytes from one head of a token row to the next, and bytes of one head in a plane.
+    #: Set only on a mapper's plane view of a pool holding K and V in one buffer
+    #: (:func:`kvwire.index.planes.split_kv`): bytes from one head of a token row to the next,
+    #: bytes of one head in a plane, and bytes of one plane's page.
     _pitch: int = PrivateAttr(default=0)
     _plane: int = PrivateAttr(default=0)
+    _page: int = PrivateAttr(default=0)
 
     model: ModelSpec
     rank: RankPosition = RankPosition()
@@ -403,6 +406,10 @@ class KVLayout(BaseModel):
     #: ``[slots, page_size, heads, 2, head_dim]`` (head-major: ``[slots, heads, page_size, 2,
     #: head_dim]``), as vLLM keeps its FlashAttention cache. Not for MLA.
     kv_fused: bool = False
+    #: K's page then V's page inside each slot: one buffer per layer, ``[slots, 2, page_size,
+    #: heads, head_dim]`` (head-major: ``[slots, 2, heads, page_size, head_dim]``), as
+    #: FlashInfer-style and TensorRT-LLM caches keep them. Not for MLA, not with kv_fused.
+    kv_in_slot: bool = False
 
     @model_serializer(mode="wrap")
     def _omit_defaults(self, handler: SerializerFunctionWrapHandler) -> Any:
@@ -410,7 +417,7 @@ class KVLayout(BaseModel):
         if isinstance(data, dict):  # older peers and fixtures see the layout they know
             if not data.get("groups"):
                 data.pop("groups", None)
-            for flag in ("head_major", "kv_fused"):
+            for flag in ("head_major", "kv_fused", "kv_in_slot"):
                 if not data.get(flag):
                     data.pop(flag, None)
         return data
@@ -443,7 +450,12 @@ class KVLayout(BaseModel):
                 "kv_fused: an MLA pool has no separate K and V (one latent buffer per layer); "
                 "leave kv_fused False"
             )
-        one = m.is_mla or self.kv_fused
+        if self.kv_in_slot and (m.is_mla or self.kv_fused):
+            raise LayoutError(
+                "kv_in_slot: K's page then V's page in each slot; not for MLA (one latent "
+                "buffer) nor with kv_fused (K and V side by side in each row): pick one"
+            )
+        one = m.is_mla or self.kv_fused or self.kv_in_slot
         want = nl if one else 2 * nl
         if len(self.buffers) != want:
             shape = (
@@ -451,6 +463,8 @@ class KVLayout(BaseModel):
                 if m.is_mla
                 else "one K|V buffer per layer (kv_fused)"
                 if self.kv_fused
+                else "one buffer per layer with K's then V's page (kv_in_slot)"
+                if self.kv_in_slot
                 else "a K and a V buffer per layer"
             )
             raise LayoutError(
@@ -464,13 +478,14 @@ class KVLayout(BaseModel):
         if len(slots) != 1:
             raise LayoutError(f"all KV buffers must have the same number of slots; got {slots}")
         row = self.token_row_bytes
+        pages = 2 if self.kv_in_slot else 1
         for i, b in enumerate(self.buffers):
-            if b.item_len != m.page_size * row:
+            if b.item_len != pages * m.page_size * row:
                 raise LayoutError(
-                    f"buffer {i}: item_len {b.item_len} != page_size {m.page_size} x token row "
-                    f"{row} bytes ({self.local_kv_heads} heads x {self.head_bytes} B"
-                    f"{' (K|V)' if self.kv_fused else ''}); check heads per rank, head_dim, "
-                    "dtype and kv_fused"
+                    f"buffer {i}: item_len {b.item_len} != {'2 pages x ' * (pages - 1)}"
+                    f"page_size {m.page_size} x token row {row} bytes ({self.local_kv_heads} "
+                    f"heads x {self.head_bytes} B{' (K|V)' if self.kv_fused else ''}); check "
+                    "heads per rank, head_dim, dtype, kv_fused and kv_in_slot"
                 )
         if self.head_major and m.is_mla:
             raise LayoutError(
@@ -567,12 +582,20 @@ class KVLayout(BaseModel):
         """Bytes from one page slot of a buffer to the next."""
         return self.buffers[0].item_len
 
+    @property
+    def page_bytes(self) -> int:
+        """Bytes of one page of one buffer (of K or of V in a :attr:`kv_in_slot` slot): the
+        slot, except where a slot holds two pages."""
+        if self._page:
+            return self._page
+        return self.slot_bytes // 2 if self.kv_in_slot else self.slot_bytes
+
     @cached_property
     def buffer_keys(self) -> NDArray[np.int64]:
         """``(layer, kv)`` of each buffer, shape ``[n, 2]``; kv is 0 for K (or MLA, or a fused
         K|V buffer), 1 for V."""
         layers = np.arange(self.start_layer, self.layer_end, dtype=np.int64)
-        if self.model.is_mla or self.kv_fused:
+        if self.model.is_mla or self.kv_fused or self.kv_in_slot:
             return np.stack([layers, np.zeros_like(layers)], axis=1)
         kv = np.repeat(np.array([0, 1], dtype=np.int64), len(layers))
         return np.stack([np.tile(layers, 2), kv], axis=1)
@@ -614,12 +637,14 @@ class KVLayout(BaseModel):
         group_tensors: Sequence[Any] = (),
         head_major: bool = False,
         kv_fused: bool = False,
+        kv_in_slot: bool = False,
     ) -> KVLayout:
         """Build a layout from the engine's KV tensors, ordered as :attr:`buffers` documents.
         ``groups`` (built with regions from ``group_tensors``, which are kept alive with the
         layout) are the rank's other buffers (:class:`BufferGroup`). ``head_major``: the
         tensors are ``[slots, heads, page_size, head_dim]`` (see :attr:`head_major`);
-        ``kv_fused``: one tensor per layer holds K and V side by side (:attr:`kv_fused`)."""
+        ``kv_fused``: one tensor per layer holds K and V side by side (:attr:`kv_fused`);
+        ``kv_in_slot``: one tensor per layer holds K's page then V's in each slot."""
         regions = tuple(MemoryRegion.from_tensor(t) for t in tensors)
         layout = cls(
             model=model,
@@ -630,6 +655,7 @@ class KVLayout(BaseModel):
             groups=tuple(groups),
             head_major=head_major,
             kv_fused=kv_fused,
+            kv_in_slot=kv_in_slot,
         )
         # The regions are raw addresses: keep the tensors alive as long as the layout (and so
         # every manager that registered it) exists, or a dropped tensor frees registered memory.

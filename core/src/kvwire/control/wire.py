@@ -62,7 +62,7 @@ from kvwire.layout import (
 #: 1.5 peer never moves a sectioned group: a 1.6 prefill refuses its layout naming
 #: ``sections``; a 1.5 prefill drops a 1.6 layout it cannot validate (decode's handshake then
 #: times out) or acknowledges a hash that decode refuses. 1.6 also carries ``KVLayout.kv_fused``
-#: (K and V side by side in each row; omitted when unset).
+#: and ``KVLayout.kv_in_slot`` (K and V in one buffer per layer; omitted when unset).
 PROTOCOL_MAJOR = 1
 PROTOCOL_MINOR = 6
 

@@ -85,11 +85,14 @@ class IndexMapper(ABC):
                 "source and destination layouts cannot work together: " + "; ".join(problems) + hint
             )
         #: One side keeps K and V side by side in its rows (``kv_fused``) and the other does
-        #: not: both are seen as K and V planes (:mod:`kvwire.index.planes`), so heads move one
-        #: by one; mappers that move longer runs refuse such a pair.
-        self.splits_kv = src.kv_fused != dst.kv_fused
+        #: not, or a side keeps K's and V's page in one slot (``kv_in_slot``): both are seen
+        #: as K and V planes (:mod:`kvwire.index.planes`).
+        self.splits_kv = src.kv_fused != dst.kv_fused or src.kv_in_slot or dst.kv_in_slot
         if self.splits_kv:
             src, dst = split_kv(src), split_kv(dst)
+        #: A side's planes interleave K and V heads in each row (a fused side paired with an
+        #: unfused one): heads move one by one; mappers that move longer runs refuse the pair.
+        self.interleaved = src.elem_pitch != src.head_bytes or dst.elem_pitch != dst.head_bytes
         self.src = src
         self.dst = dst
         self.options = options if options is not None else self.options_model()

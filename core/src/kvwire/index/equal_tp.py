@@ -40,7 +40,8 @@ def page_table(
         + slots[None, :, None] * item[:, None, None]
         + units[None, None, :]
     ).ravel()
-    lens = np.repeat(item, rows) if per == 1 else np.full(addr.shape, unit, dtype=np.uint64)
+    whole = np.uint64(layout.page_bytes)  # a slot may hold two pages (K's, V's): one moves
+    lens = np.full(addr.shape, whole if per == 1 else unit, dtype=np.uint64)
     return addr, lens, np.repeat(layout.devices[bufs], rows)
 
 
@@ -69,7 +70,7 @@ class EqualTPMapper(IndexMapper):
                 f"equal_tp needs equal TP sizes (source {self.src.rank.tp_size}, destination "
                 f"{self.dst.rank.tp_size}); use the head_slice mapper"
             )
-        if self.splits_kv:
+        if self.interleaved:
             raise LayoutError(
                 "K and V are side by side in each row on one side only (kv_fused): whole pages "
                 "cannot move; use the head_rows mapper (the default picks it)"

@@ -73,7 +73,7 @@ class HeadSliceMapper(IndexMapper):
                 "head_slice moves runs of token rows; a head-major side needs the head_rows "
                 "mapper (the default picks it)"
             )
-        if self.requires_token_major and self.splits_kv:
+        if self.requires_token_major and self.interleaved:
             raise LayoutError(
                 "K and V are side by side in each row on one side only (kv_fused): head runs "
                 "are not contiguous on both; use the head_rows mapper (the default picks it)"

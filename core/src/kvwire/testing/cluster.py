@@ -113,6 +113,9 @@ class ClusterSpec(BaseModel):
     #: Roles whose pools keep K and V side by side in one buffer per layer (see
     #: :attr:`KVLayout.kv_fused <kvwire.layout.KVLayout.kv_fused>`).
     kv_fused: tuple[str, ...] = ()
+    #: Roles whose pools keep K's page then V's page in each slot of one buffer per layer
+    #: (see :attr:`KVLayout.kv_in_slot <kvwire.layout.KVLayout.kv_in_slot>`).
+    kv_in_slot: tuple[str, ...] = ()
     #: ``host:port`` of a standalone bootstrap service (``kvwire bootstrap``) that every
     #: rank uses instead of one run by prefill rank 0 (one prefill instance only).
     bootstrap_addr: str | None = None

@@ -33,7 +33,15 @@ from kvwire.testing.cluster import (
     RoomPlan,
 )
 from kvwire.testing.cluster_groups import GroupAlloc, RankGroups
-from kvwire.testing.kvfill import count_mismatches, global_heads, make_pool, page_values
+from kvwire.testing.kvfill import (
+    count_mismatches,
+    from_pool_order,
+    global_heads,
+    make_pool,
+    page_values,
+    pool_shape,
+    to_pool_order,
+)
 
 
 class RankPool:
@@ -48,18 +56,16 @@ class RankPool:
         model: ModelSpec,
         head_major: bool = False,
         kv_fused: bool = False,
+        kv_in_slot: bool = False,
     ) -> None:
         m = model
         self.head_major = head_major
         heads = len(global_heads(m, rank))
-        nbuf = (end - start) * (1 if m.is_mla or kv_fused else 2)
-        elem: tuple[int, ...] = (2, m.head_dim) if kv_fused else (m.head_dim,)
+        nbuf = (end - start) * (1 if m.is_mla or kv_fused or kv_in_slot else 2)
         #: Page slots per buffer: ``spec.slots`` prefill pages' worth of tokens, in this
         #: pool's pages (at least ``spec.slots``).
         self.slots = spec.slots * max(1, -(-spec.model.page_size // m.page_size))
-        shape = (self.slots, m.page_size, heads, *elem)
-        if head_major:
-            shape = (self.slots, heads, m.page_size, *elem)
+        shape = pool_shape(m, self.slots, heads, head_major, kv_fused, kv_in_slot)
         self.torch = spec.device != "cpu"
         if self.torch:
             import torch
@@ -87,6 +93,7 @@ class RankPool:
             end,
             head_major=head_major,
             kv_fused=kv_fused,
+            kv_in_slot=kv_in_slot,
             groups=self.groups.groups if self.groups else (),
             group_tensors=self.groups.tensors if self.groups else (),
         )
@@ -130,7 +137,9 @@ class RankPool:
     def fill(self, pages: NDArray[np.int64], first_pos: int) -> None:
         for b, arr in enumerate(self.arrays):
             idx = self._index(pages, arr)
-            vals = self._order(page_values(self.layout, b, first_pos, len(pages)))
+            vals = np.ascontiguousarray(
+                to_pool_order(self.layout, page_values(self.layout, b, first_pos, len(pages)))
+            )
             if self.torch:
                 import torch
 
@@ -141,11 +150,6 @@ class RankPool:
             import torch
 
             torch.cuda.synchronize()
-
-    def _order(self, pages: NDArray[np.int32]) -> NDArray[np.int32]:
-        """Pages ``[n, page, heads, dim]`` in this pool's order, or back (a head-major pool
-        swaps the two middle axes; the swap is its own inverse)."""
-        return np.ascontiguousarray(pages.swapaxes(1, 2)) if self.head_major else pages
 
     def poison(self, pages: NDArray[np.int64]) -> None:
         for arr in self.arrays:
@@ -159,7 +163,7 @@ class RankPool:
         bad = 0
         for b, arr in enumerate(self.arrays):
             got = arr[self._index(pages, arr)]
-            got = self._order(got.cpu().numpy() if self.torch else got)
+            got = from_pool_order(self.layout, got.cpu().numpy() if self.torch else got)
             want = page_values(self.layout, b, first_pos, len(pages))
             if num_tokens is not None:
                 rows = (-1, *want.shape[2:])
@@ -270,6 +274,7 @@ def rank_main(
         m if role == "prefill" else dm,
         role in spec.head_major,
         role in spec.kv_fused,
+        role in spec.kv_in_slot,
     )
     hook_events: dict[int, list[str]] = {}
     hooks = _Hooks(hook_events)

@@ -48,29 +48,64 @@ def make_pool(
     end_layer: int | None = None,
     head_major: bool = False,
     kv_fused: bool = False,
+    kv_in_slot: bool = False,
 ) -> tuple[KVLayout, list[NDArray[np.int32]]]:
     """Allocate a zeroed ``int32`` pool shaped ``[slots, page_size, heads, head_dim]`` (or
     ``[slots, heads, page_size, head_dim]`` with ``head_major``; ``kv_fused``: one buffer per
-    layer with ``[2, head_dim]`` (K, V) in place of ``head_dim``)."""
+    layer with ``[2, head_dim]`` (K, V) in place of ``head_dim``; ``kv_in_slot``: one buffer
+    per layer of ``[slots, 2, page_size, heads, head_dim]``, K's page then V's)."""
     if model.dtype != "int32":
         raise ValueError("verification pools use dtype 'int32'")
     end = end_layer if end_layer is not None else model.num_layers
     heads = len(global_heads(model, rank))
-    nbuf = (end - start_layer) * (1 if model.is_mla or kv_fused else 2)
-    elem: tuple[int, ...] = (2, model.head_dim) if kv_fused else (model.head_dim,)
-    shape = (num_slots, model.page_size, heads, *elem)
-    if head_major:
-        shape = (num_slots, heads, model.page_size, *elem)
+    nbuf = (end - start_layer) * (1 if model.is_mla or kv_fused or kv_in_slot else 2)
+    shape = pool_shape(model, num_slots, heads, head_major, kv_fused, kv_in_slot)
     arrays = [np.zeros(shape, dtype=np.int32) for _ in range(nbuf)]
     layout = KVLayout.from_tensors(
-        model, arrays, rank, start_layer, end_layer, head_major=head_major, kv_fused=kv_fused
+        model,
+        arrays,
+        rank,
+        start_layer,
+        end_layer,
+        head_major=head_major,
+        kv_fused=kv_fused,
+        kv_in_slot=kv_in_slot,
     )
     return layout, arrays
 
 
-def _page_order(layout: KVLayout, values: NDArray[np.int32]) -> NDArray[np.int32]:
-    """Token-major page values ``[pages, page, heads, ...]`` in the layout's page order."""
+def pool_shape(
+    model: ModelSpec,
+    slots: int,
+    heads: int,
+    head_major: bool = False,
+    kv_fused: bool = False,
+    kv_in_slot: bool = False,
+) -> tuple[int, ...]:
+    """Shape of one buffer of a pool: ``[slots, page, heads, (2,) dim]`` (the page and head
+    axes swapped head-major), or ``[slots, 2, page, heads, dim]`` with ``kv_in_slot``."""
+    page: tuple[int, int] = (heads, model.page_size) if head_major else (model.page_size, heads)
+    if kv_in_slot:
+        return (slots, 2, *page, model.head_dim)
+    return (slots, *page, *((2,) if kv_fused else ()), model.head_dim)
+
+
+def to_pool_order(layout: KVLayout, values: NDArray[np.int32]) -> NDArray[np.int32]:
+    """Page values in the canonical order :func:`page_values` gives (``[pages, page, heads,
+    (K/V,) dim]``) laid out as the layout's buffers hold them."""
+    if layout.kv_in_slot:  # [pages, page, heads, 2, dim] -> [pages, 2, page, heads, dim]
+        values = np.moveaxis(values, 3, 1)
+        return values.swapaxes(2, 3) if layout.head_major else values
     return values.swapaxes(1, 2) if layout.head_major else values
+
+
+def from_pool_order(layout: KVLayout, values: NDArray[np.int32]) -> NDArray[np.int32]:
+    """The inverse of :func:`to_pool_order`: a buffer's pages in the canonical order."""
+    if layout.kv_in_slot:
+        values = values.swapaxes(2, 3) if layout.head_major else values
+        return np.moveaxis(values, 1, 3)
+    return values.swapaxes(1, 2) if layout.head_major else values
+
 
 
 def page_values(layout: KVLayout, buffer: int, first_pos: int, num_pages: int) -> NDArray[np.int32]:
@@ -79,7 +114,7 @@ def page_values(layout: KVLayout, buffer: int, first_pos: int, num_pages: int) -
     layer, kv = layout.buffer_keys[buffer]
     pos = first_pos + np.arange(num_pages * m.page_size).reshape(num_pages, m.page_size)
     heads = global_heads(m, layout.rank)
-    if layout.kv_fused:  # [pages, page, heads, K/V, dim]
+    if layout.kv_fused or layout.kv_in_slot:  # [pages, page, heads, K/V, dim]
         return encode(
             layer,
             np.arange(2)[None, None, None, :, None],
@@ -101,7 +136,7 @@ def fill_pages(
 ) -> None:
     """Write the encoding of logical pages ``first_pos...`` into slots ``pages``."""
     for b, arr in enumerate(arrays):
-        arr[pages] = _page_order(layout, page_values(layout, b, first_pos, len(pages)))
+        arr[pages] = to_pool_order(layout, page_values(layout, b, first_pos, len(pages)))
 
 
 def count_mismatches(
@@ -110,7 +145,7 @@ def count_mismatches(
     """Elements of slots ``pages`` that differ from the expected encoding."""
     return sum(
         int(
-            (arr[pages] != _page_order(layout, page_values(layout, b, first_pos, len(pages)))).sum()
+            (arr[pages] != to_pool_order(layout, page_values(layout, b, first_pos, len(pages)))).sum()
         )
         for b, arr in enumerate(arrays)
     )
