@@ -106,8 +106,10 @@ def test_in_slot_layout_and_refusals() -> None:
     assert set(mapper.build_tables().src[:, 1].tolist()) == {lay.page_bytes}
     with pytest.raises(ValueError, match="pick one"):
         make_pool(_model(), r2, 4, kv_in_slot=True, kv_fused=True)
-    with pytest.raises(ValueError, match="kv_in_slot"):
-        KVLayout(model=_model(), rank=r2, buffers=lay.buffers)  # 2 pages per slot, flag unset
+    one = _model().model_copy(update={"num_layers": 1})
+    k_v = (make_pool(one, r2, 4, kv_in_slot=True)[0], make_pool(one, r2, 4, kv_in_slot=True)[0])
+    with pytest.raises(ValueError, match="kv_in_slot"):  # 2 pages per slot, flag unset
+        KVLayout(model=one, rank=r2, buffers=(k_v[0].buffers[0], k_v[1].buffers[0]))
     assert KVLayout.model_validate_json(lay.model_dump_json()).kv_in_slot
     assert "kv_in_slot" not in sep.model_dump_json()
 

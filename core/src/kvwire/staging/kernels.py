@@ -48,9 +48,13 @@ class KVTensors:
         #: slice is gathered (scattered) with a transpose into (out of) token order.
         self.head_major = layout.head_major
         self.head_bytes = layout.head_bytes
-        shape: tuple[int, ...] = (layout.num_slots, m.page_size, row)
+        #: K's and V's page in one slot: links from or to such a pool are never staged
+        #: (their K and V planes move by descriptors); the views only span its bytes.
+        self.in_slot = layout.kv_in_slot
+        pages = 2 if self.in_slot else 1
+        shape: tuple[int, ...] = (layout.num_slots, pages * m.page_size, row)
         if self.head_major:
-            shape = (layout.num_slots, layout.local_kv_heads, m.page_size, self.head_bytes)
+            shape = (layout.num_slots, pages * layout.local_kv_heads, m.page_size, self.head_bytes)
         nbuf = len(layout.buffers)
         items = [tensors] if _is_stacked(tensors, layout) else list(tensors)
         self.on_device = any(_is_cuda(t) for t in items)
@@ -103,6 +107,7 @@ class KVTensors:
         """Copy bytes ``[lo, hi)`` of every token row of ``pages`` in buffers ``bufs`` into
         ``out`` (bytes shaped ``[len(bufs), len(pages), page_size, hi - lo]``, token order
         whatever the pool's page order); synchronised."""
+        self._check_staged()
         with self._ctx():
             idx = self._index(pages)
             if self.stacked is not None:
@@ -118,6 +123,7 @@ class KVTensors:
     ) -> None:
         """The inverse of :meth:`gather`: write ``block`` into bytes ``[lo, hi)`` of the token
         rows of ``pages`` in buffers ``bufs``; synchronised before returning."""
+        self._check_staged()
         with self._ctx():
             idx = self._index(pages)
             if self.stacked is not None:
@@ -128,6 +134,13 @@ class KVTensors:
                 for i, bi in enumerate(bufs.tolist()):
                     self._part(self.views[bi], lo, hi)[idx] = self._pages(block[i], hi - lo)
         self.sync()
+
+    def _check_staged(self) -> None:
+        if self.in_slot:
+            raise ConfigError(
+                "bulk staging does not gather or scatter a kv_in_slot pool; its links move "
+                "by descriptors (the staging strategy leaves them unstaged)"
+            )
 
     def _part(self, view: Any, lo: int, hi: int) -> Any:
         """The bytes ``[lo, hi)`` of each token row of a (stacked) view: a slice of the row,

@@ -107,7 +107,6 @@ def from_pool_order(layout: KVLayout, values: NDArray[np.int32]) -> NDArray[np.i
     return values.swapaxes(1, 2) if layout.head_major else values
 
 
-
 def page_values(layout: KVLayout, buffer: int, first_pos: int, num_pages: int) -> NDArray[np.int32]:
     """Expected content of ``num_pages`` consecutive logical pages starting at ``first_pos``."""
     m = layout.model
@@ -143,12 +142,11 @@ def count_mismatches(
     layout: KVLayout, arrays: list[NDArray[np.int32]], pages: NDArray[np.int64], first_pos: int
 ) -> int:
     """Elements of slots ``pages`` that differ from the expected encoding."""
-    return sum(
-        int(
-            (arr[pages] != to_pool_order(layout, page_values(layout, b, first_pos, len(pages)))).sum()
-        )
-        for b, arr in enumerate(arrays)
-    )
+    bad = 0
+    for b, arr in enumerate(arrays):
+        want = to_pool_order(layout, page_values(layout, b, first_pos, len(pages)))
+        bad += int((arr[pages] != want).sum())
+    return bad
 
 
 def move_chunk(
