@@ -114,7 +114,7 @@ def test_in_slot_layout_and_refusals() -> None:
     assert "kv_in_slot" not in sep.model_dump_json()
 
 
-@settings(max_examples=80, deadline=None)
+@settings(max_examples=120, deadline=None)
 @given(
     heads=st.sampled_from([1, 2, 4]),
     tp=st.sampled_from([(1, 1), (2, 1), (1, 2), (2, 2), (4, 2), (2, 4), (4, 1)]),

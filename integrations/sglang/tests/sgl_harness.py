@@ -237,6 +237,16 @@ def rank_main(role: str, tp: int, rank: int, addr: str, conn: Any) -> None:
         conn.send(("error", traceback.format_exc()))
 
 
+def answer(c: Any, timeout: float) -> Any:
+    """A rank process's next reply on pipe ``c``; its traceback raised when it failed."""
+    if not c.poll(timeout):
+        raise TimeoutError("rank process did not answer")
+    kind, value = c.recv()
+    if kind == "error":
+        raise RuntimeError(value)
+    return value
+
+
 class Cluster:
     """A prefill instance (``prefill_tp`` processes) and a decode instance (1 process), plus
     SGLang's bootstrap server object (kvwire's service) in this process."""
@@ -256,22 +266,13 @@ class Cluster:
             p.start()
             self.procs.append((p, parent, role))
         for _, c, _ in self.procs:
-            self._recv(c, 120)
-
-    @staticmethod
-    def _recv(c: Any, timeout: float) -> Any:
-        if not c.poll(timeout):
-            raise TimeoutError("rank process did not answer")
-        kind, value = c.recv()
-        if kind == "error":
-            raise RuntimeError(value)
-        return value
+            answer(c, 120)
 
     def run(self, req: Request) -> tuple[list[dict[str, Any]], dict[str, Any]]:
         """One request through every rank; returns (prefill results, decode result)."""
         for _, c, _ in self.procs:
             c.send(req)
-        results = [self._recv(c, 60) for _, c, _ in self.procs]
+        results = [answer(c, 60) for _, c, _ in self.procs]
         return results[:-1], results[-1]
 
     def close(self) -> None:

@@ -49,7 +49,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-from sgl_harness import real_utils_module, wait
+from sgl_harness import answer, real_utils_module, wait
 
 from kvwire.testing.hybrid import (
     CORRUPTIONS,
@@ -337,16 +337,7 @@ class HybridCluster:
             self.procs.append((p, parent))
         self.n_prefill = prefill_tp
         for _, c in self.procs:
-            self._recv(c, 180)
-
-    @staticmethod
-    def _recv(c: Any, timeout: float) -> Any:
-        if not c.poll(timeout):
-            raise TimeoutError("rank process did not answer")
-        kind, value = c.recv()
-        if kind == "error":
-            raise RuntimeError(value)
-        return value
+            answer(c, 180)
 
     def run(self, setup: Setup, req: Request) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
         """One request through every rank; returns (prefill results, decode results)."""
@@ -356,7 +347,7 @@ class HybridCluster:
             self.servers[setup] = KvwireKVBootstrapServer("127.0.0.1", setup.port)
         for _, c in self.procs:
             c.send((setup, req))
-        results = [self._recv(c, 90) for _, c in self.procs]
+        results = [answer(c, 90) for _, c in self.procs]
         return results[: self.n_prefill], results[self.n_prefill :]
 
     def close(self) -> None:

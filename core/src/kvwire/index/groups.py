@@ -46,6 +46,7 @@ from numpy.typing import NDArray
 from kvwire.descriptors import IndexArray, make_table
 from kvwire.errors import DescriptorError, LayoutError
 from kvwire.index.base import TablePair
+from kvwire.index.ranks import head_slice
 from kvwire.layout import BufferGroup, KVLayout, group_problems
 
 __all__ = ["GroupMapper", "GroupPlan"]
@@ -151,21 +152,13 @@ class GroupMapper:
         segs = []
         s_off = d_off = 0  # byte offset of the section in the source / destination row
         for sec in g.head_sections:
-            h = sec.total_heads
-            src_heads, dst_heads = sec.local_heads(tp_s), sec.local_heads(tp_d)
-            if tp_s > tp_d:  # gather
-                rep = max(1, tp_s // h)
-                n, src_start = src_heads, 0
-                dst_start = ((r_s // rep) * src_heads) % dst_heads
-                send = r_s % min(rep, tp_s // tp_d) == 0
-            else:  # scatter
-                rep = max(1, tp_d // h)
-                n, dst_start, send = dst_heads, 0, True
-                src_start = ((r_d // rep) * dst_heads) % src_heads
+            cut = head_slice(sec.total_heads, tp_s, tp_d, r_s, r_d)  # KV heads' rule
             hb = sec.head_elems * g.dtype_size
-            segs.append((s_off + src_start * hb, d_off + dst_start * hb, n * hb, send))
-            s_off += src_heads * hb
-            d_off += dst_heads * hb
+            segs.append(
+                (s_off + cut.src_start * hb, d_off + cut.dst_start * hb, cut.count * hb, cut.sends)
+            )
+            s_off += cut.src_heads * hb
+            d_off += cut.dst_heads * hb
         rows = g.page_size
         return plan(rows, (item_s // rows, item_d // rows), segs)
 

@@ -31,7 +31,7 @@ from kvwire.descriptors import IndexArray, make_table
 from kvwire.errors import LayoutError
 from kvwire.index.base import IndexMapper, TablePair
 from kvwire.index.paging import PageConversion
-from kvwire.index.ranks import source_ranks
+from kvwire.index.ranks import head_slice, source_ranks
 from kvwire.layout import KVLayout
 
 
@@ -84,26 +84,11 @@ class HeadSliceMapper(IndexMapper):
                 f"prefill TP rank {src.rank.tp_rank} does not feed decode TP rank "
                 f"{dst.rank.tp_rank} (TP {tp_s} -> {tp_d})"
             )
-        h = src.model.total_kv_heads
-        self.src_heads = max(1, h // tp_s)
-        self.dst_heads = max(1, h // tp_d)
+        cut = head_slice(src.model.total_kv_heads, tp_s, tp_d, src.rank.tp_rank, dst.rank.tp_rank)
+        self.src_heads, self.dst_heads = cut.src_heads, cut.dst_heads
+        self.num_heads, self.src_start, self.dst_start = cut.count, cut.src_start, cut.dst_start
+        self._dummy = not cut.sends
         self.bytes_per_head = self.src.head_bytes
-        if tp_s > tp_d:  # gather: the whole source row lands at an offset of the dst row
-            rep = max(1, tp_s // h)
-            unique = src.rank.tp_rank // rep
-            self.num_heads = self.src_heads
-            self.src_start = 0
-            self.dst_start = (unique * self.src_heads) % self.dst_heads
-            self._dummy = not (
-                src.rank.tp_rank % rep == 0 or src.rank.tp_rank % (tp_s // tp_d) == 0
-            )
-        else:  # scatter: a slice of the source row fills the dst row
-            rep = max(1, tp_d // h)
-            unique = dst.rank.tp_rank // rep
-            self.num_heads = self.dst_heads
-            self.src_start = (unique * self.dst_heads) % self.src_heads
-            self.dst_start = 0
-            self._dummy = False
         self.groups = self.src_heads // self.num_heads
         self.group = self.src_start // self.num_heads
         self.slice_bytes = self.num_heads * self.bytes_per_head

@@ -10,6 +10,8 @@ control plane's business, keyed by :attr:`kvwire.layout.RankPosition.sender_id`.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from kvwire.errors import LayoutError
 
 
@@ -40,3 +42,40 @@ def target_ranks(src_rank: int, tp_src: int, tp_dst: int) -> list[int]:
         k = tp_dst // tp_src
         return list(range(src_rank * k, (src_rank + 1) * k))
     return [src_rank // (tp_src // tp_dst)]
+
+
+@dataclass(frozen=True)
+class HeadSlice:
+    """Which of ``total`` heads split across TP one (prefill rank, decode rank) pair moves:
+    ``count`` heads from local head ``src_start`` of the source rank into local head
+    ``dst_start`` of the destination rank, or nothing when ``sends`` is false (another source
+    rank holds the same replicated heads and sends them)."""
+
+    src_heads: int
+    dst_heads: int
+    count: int
+    src_start: int
+    dst_start: int
+    sends: bool
+
+
+def head_slice(total: int, tp_src: int, tp_dst: int, src_rank: int, dst_rank: int) -> HeadSlice:
+    """The head slice of a TP pair, with GQA replication (fewer heads than ranks) on either
+    side: the one rule for KV heads (:class:`~kvwire.index.head_slice.HeadSliceMapper`) and
+    for the heads of buffer groups and their sections (:mod:`kvwire.index.groups`).
+
+    * gather (``tp_src > tp_dst``): the source sends all its heads into offset
+      ``(unique * src_heads) % dst_heads``, ``unique = src_rank // max(1, tp_src // total)``;
+      of the source ranks holding the same replicated heads only the first sends;
+    * scatter (otherwise): the destination receives ``dst_heads`` heads from source head
+      ``(unique * dst_heads) % src_heads``, ``unique = dst_rank // max(1, tp_dst // total)``.
+    """
+    src_heads, dst_heads = max(1, total // tp_src), max(1, total // tp_dst)
+    if tp_src > tp_dst:
+        rep = max(1, tp_src // total)
+        dst_start = ((src_rank // rep) * src_heads) % dst_heads
+        sends = src_rank % min(rep, tp_src // tp_dst) == 0
+        return HeadSlice(src_heads, dst_heads, src_heads, 0, dst_start, sends)
+    rep = max(1, tp_dst // total)
+    src_start = ((dst_rank // rep) * dst_heads) % src_heads
+    return HeadSlice(src_heads, dst_heads, dst_heads, src_start, 0, True)

@@ -184,6 +184,12 @@ class ChunkPlan:
     #: ``dst_idx`` are then unused).
     segments: list[Segment] | None = None
 
+    @classmethod
+    def direct(cls, mapper: IndexMapper, src_pages: Any, dst_pages: Any) -> ChunkPlan:
+        """The chunk's rows in the mapper's KV tables, moved in place (no staging)."""
+        src_idx, dst_idx = mapper.map_chunk(src_pages, dst_pages)
+        return cls(table="kv", src_idx=src_idx, dst_idx=dst_idx)
+
     @property
     def empty(self) -> bool:
         """No rows to move (dummy sender, or a chunk of zero pages)."""

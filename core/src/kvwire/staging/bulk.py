@@ -280,8 +280,7 @@ class BulkStaging(StagingStrategy):
         worker: int = 0,
     ) -> ChunkPlan | None:
         if self.writer is None:
-            src_idx, dst_idx = mapper.map_chunk(src_pages, dst_pages)
-            return ChunkPlan(table="kv", src_idx=src_idx, dst_idx=dst_idx)
+            return ChunkPlan.direct(mapper, src_pages, dst_pages)
         return self.writer.plan(room, chunk_id, mapper, src_pages, dst_pages, dest, worker)
 
     stages_layers = True

@@ -221,8 +221,7 @@ class WriterSide:
         (watermark) and a buffer of this worker's free; None means "not yet"."""
         ask = self._ask(room, dest, chunk_id)
         if ask is None:  # not staged (equal TP, MLA, or an oversize fallback)
-            src_idx, dst_idx = mapper.map_chunk(src_pages, dst_pages)
-            return ChunkPlan(table="kv", src_idx=src_idx, dst_idx=dst_idx)
+            return ChunkPlan.direct(mapper, src_pages, dst_pages)
         got = self._acquire(ask, dest, worker)
         if got is None:
             return None

@@ -24,5 +24,4 @@ class DirectStaging(StagingStrategy):
         dest: str = "",
         worker: int = 0,
     ) -> ChunkPlan:
-        src_idx, dst_idx = mapper.map_chunk(src_pages, dst_pages)
-        return ChunkPlan(table="kv", src_idx=src_idx, dst_idx=dst_idx)
+        return ChunkPlan.direct(mapper, src_pages, dst_pages)
