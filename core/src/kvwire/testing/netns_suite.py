@@ -316,7 +316,11 @@ class NetnsConformance:
             for room in rooms:  # failed while the run above read the pipes
                 rep = c.stragglers[(prefill.name, room)]
                 assert rep.status == int(KVPoll.Failed), rep
-                assert rep.error and "restarted" in rep.error, rep.error
+                # the restart ends the room, or, when its chunk-0 write was still in flight at
+                # the kill ("sent" is the engine's send(), not the write's completion; seen
+                # on Mooncake under load), that write's failure to the dead rank does first
+                err = rep.error or ""
+                assert "restarted" in err or ("op=kv write" in err and "decode" in err), err
             stats = c.rank_stats()
             assert stats[prefill.name]["peers"] == 1, stats
             assert_tables_empty(c, timeout_s=TRANSFER_TIMEOUT_S + 5.0)
