@@ -14,6 +14,7 @@ opened through CUDA IPC once peer access from the launching device is enabled.
 
 from __future__ import annotations
 
+import threading
 from typing import Any
 
 import numpy as np
@@ -57,15 +58,17 @@ def plan_table(plan: TilePlan) -> np.ndarray:
     return np.stack([plan.src, plan.dst, plan.elems * scale])
 
 
-def launch_plan(plan: TilePlan, device: Any, stream: Any = None, num_warps: int = 4) -> None:
+def launch_plan(plan: TilePlan, device: Any, stream: Any = None, num_warps: int = 4) -> Any:
     """Enqueue the copy of ``plan`` on ``stream`` (default: ``device``'s current stream).
 
     The plan table travels through pinned host memory with a non-blocking copy on that
     stream (torch's caching host allocator keeps the block until the copy ran), so the call
     never waits for the GPU. On a CPU device (Triton's interpreter) it runs synchronously.
+    Returns what Triton's launch returns (the compiled kernel on a GPU: its ``asm`` holds
+    the PTX), or None for an empty plan.
     """
     if plan.num_tiles == 0:
-        return
+        return None
     dev = torch.device(device)
     table = plan_table(plan)
     elem_bytes = _ELEM_BYTES[plan.width]
@@ -77,22 +80,22 @@ def launch_plan(plan: TilePlan, device: Any, stream: Any = None, num_warps: int 
     }
     grid = (plan.num_tiles,)
     if dev.type != "cuda":
-        _copy_tiles[grid](torch.from_numpy(table), plan.num_tiles, **meta)
-        return
+        return _copy_tiles[grid](torch.from_numpy(table), plan.num_tiles, **meta)
     host = torch.empty(table.shape, dtype=torch.int64, pin_memory=True)
     host.numpy()[...] = table
     stream = stream if stream is not None else torch.cuda.current_stream(dev)
     with torch.cuda.device(dev), torch.cuda.stream(stream):
         dtable = host.to(dev, non_blocking=True)
-        _copy_tiles[grid](dtable, plan.num_tiles, num_warps=num_warps, **meta)
+        return _copy_tiles[grid](dtable, plan.num_tiles, num_warps=num_warps, **meta)
 
 
 class RunCopier:
     """Copies run lists on one device with one launch per call.
 
-    Built by a backend for the device that launches the copies (the writer). Stateless apart
-    from its settings: any thread may call :meth:`copy` (Triton's launcher and torch's
-    stream calls are thread-safe); ordering between calls is the stream's.
+    Built by a backend for the device that launches the copies (the writer). Any thread may
+    call :meth:`copy`: planning runs unlocked, launches are serialised by a lock of its own
+    (held for the launch only, never while the GPU works; it keeps Triton's first-launch
+    compilation and cache fill single-threaded). Ordering between calls is the stream's.
     """
 
     def __init__(
@@ -101,9 +104,13 @@ class RunCopier:
         self.device = torch.device(device)
         self.tile_bytes = tile_bytes
         self.num_warps = num_warps
+        self._lock = threading.Lock()
+        #: The kernel of the last launch (its ``asm`` holds the PTX), for checks.
+        self.last_kernel: Any = None
 
     def copy(self, src: Any, dst: Any, nbytes: Any, stream: Any = None) -> TilePlan:
         """Plan and enqueue the copy of runs ``(src, dst, nbytes)``; returns the plan."""
         plan = plan_tiles(src, dst, nbytes, self.tile_bytes)
-        launch_plan(plan, self.device, stream, self.num_warps)
+        with self._lock:
+            self.last_kernel = launch_plan(plan, self.device, stream, self.num_warps)
         return plan

@@ -68,6 +68,10 @@ class ClusterSpec(BaseModel):
     slots: int = Field(default=256, ge=1, description="Page slots per KV buffer per rank.")
     aux_slots: int = Field(default=128, ge=1)
     device: str = Field(default="cpu", description="'cpu' (NumPy) or 'cuda' (torch tensors).")
+    #: A role's device when it differs from ``device`` (e.g. ``{"prefill": "cuda:0",
+    #: "decode": "cuda:1"}``): its ranks' pools live there and it is their current CUDA
+    #: device, so a move crosses the link between two GPUs instead of staying in one.
+    role_device: dict[str, str] = Field(default_factory=dict)
     config: KVWireConfig = Field(default_factory=KVWireConfig)
     seed: int = 0
     log_level: str = "WARNING"

@@ -237,6 +237,12 @@ def rank_main(
 
         enter_netns(spec.netns[role])
     spec.config = spec.config_for(role)
+    if spec.role_device.get(role):
+        spec.device = spec.role_device[role]
+        if spec.device.startswith("cuda"):
+            import torch
+
+            torch.cuda.set_device(torch.device(spec.device))
     if secret:
         spec.config = spec.config.model_copy(update={"secret": SecretStr(secret)})
     fault = os.environ.get(FAULT_ENV)

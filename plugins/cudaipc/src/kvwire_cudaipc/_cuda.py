@@ -51,13 +51,7 @@ def _check(result: Any, call: str) -> Any:
     """Unpack a cuda-bindings result tuple ``(err, *values)``; raise on an error."""
     err, *values = result if isinstance(result, tuple) else (result,)
     if int(err) != 0:
-        drv = _driver()
-        try:
-            _, name = drv.cuGetErrorName(err)
-            why = name.decode() if isinstance(name, bytes) else str(name)
-        except Exception:
-            why = str(err)
-        raise ConfigError(f"{call} failed: {why}")
+        raise ConfigError(f"{call} failed: {getattr(err, 'name', err)}")
     if not values:
         return None
     return values[0] if len(values) == 1 else tuple(values)
@@ -137,6 +131,8 @@ def enable_peer_access(writer: int, owner: int) -> None:
 
     with torch.cuda.device(writer):
         torch.cuda.current_stream()
+        # The bindings' runtime keeps its own current device: name the writer there too.
+        _check(runtime.cudaSetDevice(writer), "cudaSetDevice")
         (err,) = runtime.cudaDeviceEnablePeerAccess(owner, 0)
     if int(err) not in (0, int(runtime.cudaError_t.cudaErrorPeerAccessAlreadyEnabled)):
         raise ConfigError(f"cudaDeviceEnablePeerAccess(cuda:{writer} -> cuda:{owner}): {err}")
@@ -162,7 +158,7 @@ class OpenedHandles:
                 return entry[0]
             torch = _torch()
             drv = _driver()
-            flags = drv.CUipcMem_flags.CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS
+            flags = int(drv.CUipcMem_flags.CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS)
             with torch.cuda.device(ordinal):
                 torch.cuda.current_stream()
                 ptr = int(
