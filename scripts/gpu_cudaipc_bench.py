@@ -62,7 +62,7 @@ def mover_check(devices: tuple[int, int]) -> list[dict[str, Any]]:
     rng = np.random.default_rng(11)
     out = []
     span = 8 * MiB
-    copier = RunCopier(src_dev, tile_bytes=16 << 10)
+    copier = RunCopier(src_dev, tile_bytes=16 << 10)  # many tiles per run
     for dev in (src_dev, dst_dev):
         for align in (16, 8, 4, 2, 1):
             src = torch.randint(0, 256, (span,), dtype=torch.uint8, device=f"cuda:{src_dev}")
@@ -146,7 +146,7 @@ def mover_vs_peer(sizes_mib: list[int], devices: tuple[int, int], repeat: int) -
         0, 1 << 30, (max(sizes_mib) * MiB // 4,), dtype=torch.int32, device=f"cuda:{s_dev}"
     )
     flat_dst = torch.empty_like(flat_src, device=f"cuda:{d_dev}")
-    copier = RunCopier(s_dev, tile_bytes=16 << 10)
+    copier = RunCopier(s_dev)
     rng = np.random.default_rng(5)
     out = []
     for mib in sizes_mib:
@@ -155,6 +155,7 @@ def mover_vs_peer(sizes_mib: list[int], devices: tuple[int, int], repeat: int) -
         dp = rng.permutation(slots)[:pages].astype(np.int64)
         s, d, n = page_runs(src_pool.data_ptr(), dst_pool.data_ptr(), slots, sp, dp)
         dst_pool.fill_(-1)
+        torch.cuda.synchronize(d_dev)  # the fill runs on GPU 1's stream, the mover on GPU 0's
         copier.copy(s, d, n)
         torch.cuda.synchronize(s_dev)
         # check: every page of every buffer landed where it should

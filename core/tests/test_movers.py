@@ -126,6 +126,9 @@ def test_plan_of_a_large_run_list_is_vectorised() -> None:
     plan = plan_tiles(src, dst, np.full(runs, 32 << 10), 16 << 10)
     assert plan.width == 16 and plan.num_tiles == 2 * runs
     assert plan.total_bytes == runs * (32 << 10)
+    # With the default 64 KiB tiles every 32 KiB run is one tile: no expansion at all.
+    whole = plan_tiles(src, dst, np.full(runs, 32 << 10))
+    assert whole.num_tiles == runs and np.array_equal(whole.src, src)
 
 
 _KERNEL_CHECK = textwrap.dedent(
@@ -146,6 +149,16 @@ _KERNEL_CHECK = textwrap.dedent(
         plan = RunCopier("cpu", tile_bytes=256).copy(src + base, dst + base, n)
         assert plan.width == min(align, 16), (plan.width, align)
         assert np.array_equal(mem.numpy(), want), align
+    # Default tiles (64 KiB): runs up to 20 KB are one tile each, copied in 8 KiB steps.
+    mem = torch.from_numpy(rng.integers(0, 256, 1 << 20, dtype=np.uint8))
+    want = mem.numpy().copy()
+    src = rng.permutation(24) * 20480 + 16
+    dst = (1 << 19) + rng.permutation(24) * 20480 + 48
+    n = rng.integers(1, 20000 // 16, 24) * 16
+    copy_runs_reference(want, src, dst, n)
+    plan = RunCopier("cpu").copy(src + mem.data_ptr(), dst + mem.data_ptr(), n)
+    assert plan.num_tiles == 24 and int(n.max()) > 8192
+    assert np.array_equal(mem.numpy(), want)
     print("KERNEL-OK")
     """
 )

@@ -69,6 +69,7 @@ def test_peer_on_another_host_is_refused(agents: tuple) -> None:
     [
         ({"host": "x"}, "host must be"),
         ({"pid": 0}, "pid"),
+        ({"scratch": "x"}, "scratch"),
         ({"exports": [[1 << 40, b"x" * 63, 0, "GPU-1"]]}, "64 bytes"),
         ({"exports": [[1 << 40, b"x" * 64, -1, "GPU-1"]]}, "offset"),
         ({"exports": [[1 << 40, b"x" * 64, 0, ""]]}, "UUID"),

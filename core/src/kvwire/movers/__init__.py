@@ -7,6 +7,7 @@ per tile), imported only where torch sees a GPU.
 """
 
 from kvwire.movers.plan import (
+    BLOCK_BYTES,
     DEFAULT_TILE_BYTES,
     MAX_WIDTH,
     TilePlan,
@@ -19,6 +20,7 @@ from kvwire.movers.plan import (
 )
 
 __all__ = [
+    "BLOCK_BYTES",
     "DEFAULT_TILE_BYTES",
     "MAX_WIDTH",
     "TilePlan",

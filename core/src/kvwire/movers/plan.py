@@ -24,8 +24,11 @@ from numpy.typing import ArrayLike, NDArray
 
 #: Widest element a tile is copied in (a 16-byte vector load/store per thread).
 MAX_WIDTH = 16
-#: Default tile: 16 KiB, a Triton program of 4 warps moving 8 16-byte vectors per thread.
-DEFAULT_TILE_BYTES = 16 << 10
+#: Default tile: 64 KiB, the most one GPU program copies (in steps of ``BLOCK_BYTES``); a run
+#: of at most this size (a KV page of one layer) is one tile, planned without expansion.
+DEFAULT_TILE_BYTES = 64 << 10
+#: Bytes a GPU program copies per loop step: 4 warps x 32 threads x 4 16-byte vectors.
+BLOCK_BYTES = 8 << 10
 
 I64 = NDArray[np.int64]
 
@@ -120,6 +123,8 @@ def plan_tiles(
         keep = n > 0
         s, d, n = s[keep], d[keep], n[keep]
     width = element_width(s, d, n, max_width)
+    if not s.size or int(n.max()) <= tile_bytes:  # every run is one tile: nothing to cut
+        return TilePlan(src=s, dst=d, elems=n // width, width=width, tile_bytes=tile_bytes)
     per = (n + (tile_bytes - 1)) // tile_bytes
     total = int(per.sum())
     run = np.repeat(np.arange(s.size, dtype=np.int64), per)

@@ -3,10 +3,13 @@
 Imported only where it runs (a CUDA device, or Triton's interpreter on the CPU with
 ``TRITON_INTERPRET=1`` set before import, as the CPU tests do). One program per tile: it
 loads the tile's source and destination addresses and its length (elements) from the plan
-table, turns the addresses into pointers of the plan's element type and copies the tile with
-masked loads and stores. Alignment hints (every address and length divides by the plan's
-width, :func:`~kvwire.movers.plan.element_width`) let Triton emit 16-byte vector accesses
-(``ld.global.v4.b32``/``st.global.v4.b32``, checked in the compiled PTX) when the width is 16.
+table, turns the addresses into pointers of the plan's element type and copies the tile
+(at most ``tile_bytes``, 64 KiB by default) in steps of :data:`~kvwire.movers.plan.BLOCK_BYTES`
+with masked loads and stores. A run of at most one tile (a KV page of one layer) is its own
+tile, so the host plans such run lists without expanding them. Alignment hints (every
+address and length divides by the plan's width, :func:`~kvwire.movers.plan.element_width`)
+let Triton emit 16-byte vector accesses (``ld.global.v4.b32``/``st.global.v4.b32``, checked
+in the compiled PTX) when the width is 16.
 
 Destinations may be any memory the launching device can store to: its own, or a peer GPU's
 opened through CUDA IPC once peer access from the launching device is enabled.
@@ -22,7 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kvwire.movers.plan import DEFAULT_TILE_BYTES, TilePlan, plan_tiles
+from kvwire.movers.plan import BLOCK_BYTES, DEFAULT_TILE_BYTES, TilePlan, plan_tiles
 
 #: Element type of each width (wider than 4 bytes: int32 vectors of width/4 lanes).
 _ELEM = {1: tl.int8, 2: tl.int16, 4: tl.int32, 8: tl.int32, 16: tl.int32}
@@ -30,9 +33,9 @@ _ELEM_BYTES = {1: 1, 2: 2, 4: 4, 8: 4, 16: 4}
 
 
 @triton.jit  # type: ignore[untyped-decorator]
-def _copy_tiles(
-    table_ptr: Any,
-    num_tiles: Any,
+def _copy_tiles(  # type: ignore[no-untyped-def]  # Triton 3.6 rejects non-Triton annotations
+    table_ptr,
+    num_tiles,
     block: tl.constexpr,
     elem: tl.constexpr,
     align: tl.constexpr,
@@ -46,9 +49,11 @@ def _copy_tiles(
     sp = tl.multiple_of(s.to(tl.pointer_type(elem)), align)
     dp = tl.multiple_of(d.to(tl.pointer_type(elem)), align)
     offs = tl.arange(0, block)
-    mask = offs < n
-    v = tl.load(sp + offs, mask=mask)
-    tl.store(dp + offs, v, mask=mask)
+    for start in range(0, n, block):
+        o = start + offs
+        mask = o < n
+        v = tl.load(sp + o, mask=mask)
+        tl.store(dp + o, v, mask=mask)
 
 
 def plan_table(plan: TilePlan) -> np.ndarray:
@@ -73,7 +78,7 @@ def launch_plan(plan: TilePlan, device: Any, stream: Any = None, num_warps: int 
     table = plan_table(plan)
     elem_bytes = _ELEM_BYTES[plan.width]
     meta = {
-        "block": plan.tile_bytes // elem_bytes,
+        "block": min(plan.tile_bytes, BLOCK_BYTES) // elem_bytes,
         "elem": _ELEM[plan.width],
         "align": plan.width,
         "vec": plan.width // elem_bytes,

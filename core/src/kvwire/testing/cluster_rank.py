@@ -154,6 +154,10 @@ class RankPool:
     def poison(self, pages: NDArray[np.int64]) -> None:
         for arr in self.arrays:
             arr[self._index(pages, arr)] = -1
+        if self.torch:  # before a peer's kernel may write these pages (another stream)
+            import torch
+
+            torch.cuda.synchronize()
 
     def mismatches(
         self, pages: NDArray[np.int64], first_pos: int, num_tokens: int | None = None

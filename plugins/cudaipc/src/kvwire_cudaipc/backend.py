@@ -58,6 +58,7 @@ from kvwire_cudaipc.meta import IpcExport, PeerInfo, parse_peer
 logger = logging.getLogger(__name__)
 
 METADATA_VERSION = 1
+SCRATCH_BYTES = 8
 
 
 class CudaIpcOptions(TcpOptions):
@@ -129,6 +130,11 @@ class CudaIpcBackend(TcpBackend):
         self._writer: int | None = None
         self._stream: Any = None
         self._copier: Any = None
+        #: 8 bytes a notification-only message writes on the target (the side channel's
+        #: messages carry at least one row); in every HostMemory, never in ``_regions``.
+        self._scratch = np.zeros(SCRATCH_BYTES, dtype=np.uint8)
+        self._scratch_region = MemoryRegion.from_tensor(self._scratch, item_len=SCRATCH_BYTES)
+        self._memory = HostMemory([self._scratch_region])
 
     # ---------------------------------------------------------------- memory
     def _register(self, regions: list[MemoryRegion]) -> None:
@@ -146,7 +152,8 @@ class CudaIpcBackend(TcpBackend):
 
     def _deregister(self, regions: list[MemoryRegion]) -> None:
         self._memory = HostMemory(
-            [r for r in self._regions if r not in regions and r.kind == MemKind.DRAM]
+            [self._scratch_region]
+            + [r for r in self._regions if r not in regions and r.kind == MemKind.DRAM]
         )
         for r in regions:
             self._exports.pop(r.addr, None)
@@ -183,6 +190,7 @@ class CudaIpcBackend(TcpBackend):
             host=self._host,
             pid=_cuda.pid(),
             exports=exports,
+            scratch=self._scratch_region.addr,
         )
 
     def _decode_metadata(self, metadata: bytes) -> dict[str, Any]:
@@ -343,9 +351,12 @@ class CudaIpcBackend(TcpBackend):
                 st.remote_addr[remote_idx[host]],
                 lens[host],
             )
-        elif notification is not None:
-            empty = np.zeros(0, dtype=np.uint64)
-            x.follow = (empty, empty, empty)
+        elif notification is not None:  # the message writes the peer's scratch word
+            x.follow = (
+                np.array([self._scratch_region.addr], dtype=np.uint64),
+                np.array([st.peer.info.scratch], dtype=np.uint64),
+                np.array([SCRATCH_BYTES], dtype=np.uint64),
+            )
         if lv.any():
             self._launch(x, st, local_idx[lv], remote_idx[lv], lens[lv])
         if x.event is None and x.follow is not None:

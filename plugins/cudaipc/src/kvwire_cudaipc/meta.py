@@ -2,7 +2,8 @@
 
 A peer publishes (msgpack, in kvwire's metadata envelope): its agent name, the side
 channel's ``tcp://`` endpoint, its registered regions, its host identity (boot id and
-hostname), its process id, and one export per VRAM region: ``[addr, handle (64 bytes),
+hostname), its process id, the address of its 8-byte scratch word (which a notification
+without host rows writes), and one export per VRAM region: ``[addr, handle (64 bytes),
 offset inside the allocation, GPU UUID]``. :func:`parse_peer` checks every field and raises
 ``ValueError`` naming what is wrong (the template turns it into a ``PeerError``);
 :meth:`PeerInfo.check_same_host` refuses a peer on another host with a
@@ -62,6 +63,8 @@ class PeerInfo:
     host: dict[str, str]
     pid: int
     exports: tuple[IpcExport, ...]
+    #: Address of the peer's scratch word (notification-only messages write it).
+    scratch: int
     raw: dict[str, Any]
 
     def check_same_host(self, local: dict[str, str]) -> None:
@@ -79,7 +82,7 @@ class PeerInfo:
 def parse_peer(metadata: bytes, backend: str, version: int) -> PeerInfo:
     """Validate a peer's metadata; ``ValueError`` naming what is wrong."""
     meta = unpack_metadata(metadata, backend, version, "kvwire-cudaipc")
-    for key in ("name", "endpoint", "regions", "host", "pid", "exports"):
+    for key in ("name", "endpoint", "regions", "host", "pid", "exports", "scratch"):
         if key not in meta:
             raise ValueError(f"cudaipc metadata lacks {key!r}")
     name, endpoint = meta["name"], meta["endpoint"]
@@ -96,6 +99,8 @@ def parse_peer(metadata: bytes, backend: str, version: int) -> PeerInfo:
         raise ValueError("cudaipc metadata host must be {boot_id, hostname} strings")
     if type(meta["pid"]) is not int or meta["pid"] <= 0:
         raise ValueError(f"cudaipc metadata pid {meta['pid']!r} is invalid")
+    if type(meta["scratch"]) is not int or meta["scratch"] <= 0:
+        raise ValueError(f"cudaipc metadata scratch {meta['scratch']!r} is not an address")
     regions = tuple(regions_from_rows(meta["regions"], backend, name))
     if not isinstance(meta["exports"], list | tuple):
         raise ValueError("cudaipc metadata exports must be a list")
@@ -114,5 +119,6 @@ def parse_peer(metadata: bytes, backend: str, version: int) -> PeerInfo:
         host=dict(host),
         pid=meta["pid"],
         exports=exports,
+        scratch=meta["scratch"],
         raw=meta,
     )
