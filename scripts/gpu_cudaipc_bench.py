@@ -186,6 +186,19 @@ def mover_vs_peer(sizes_mib: list[int], devices: tuple[int, int], repeat: int) -
             copier.copy(s, d, n)
             torch.cuda.synchronize(s_dev)
             wall_ms.append((time.perf_counter() - t) * 1e3)
+        from kvwire.movers import plan_tiles
+        from kvwire.movers.triton_copy import launch_plan
+
+        plan_us, launch_us = [], []
+        for _ in range(repeat):
+            torch.cuda.synchronize(s_dev)
+            t = time.perf_counter()
+            plan = plan_tiles(s, d, n)
+            t1 = time.perf_counter()
+            launch_plan(plan, s_dev)
+            t2 = time.perf_counter()
+            plan_us.append((t1 - t) * 1e6)
+            launch_us.append((t2 - t1) * 1e6)
         peer_ms = _events_ms(lambda w=words: flat_dst[:w].copy_(flat_src[:w]), repeat, s_dev)
         ok_peer = bool(torch.equal(flat_dst[:words].to(f"cuda:{s_dev}"), flat_src[:words]))
         nb = mib * MiB
@@ -196,6 +209,8 @@ def mover_vs_peer(sizes_mib: list[int], devices: tuple[int, int], repeat: int) -
             "mover_gbps": nb / statistics.median(mover_ms) / 1e6,
             "mover_wall_gbps": nb / statistics.median(wall_ms) / 1e6,
             "mover_host_us": statistics.median(host_us),
+            "plan_us": statistics.median(plan_us),
+            "upload_launch_us": statistics.median(launch_us),
             "mover_wall_ms": statistics.median(wall_ms),
             "peer_gbps": nb / statistics.median(peer_ms) / 1e6,
         }
@@ -375,7 +390,9 @@ def main(argv: list[str] | None = None) -> int:
         for r in report["mover"]:
             print(
                 f"  {r['mib']:>4} MiB: mover {r['mover_gbps']:.0f} GB/s (wall "
-                f"{r['mover_wall_gbps']:.0f}, host {r['mover_host_us']:.0f} us), peer "
+                f"{r['mover_wall_gbps']:.0f}, host {r['mover_host_us']:.0f} us: plan "
+                f"{r.get('plan_us', 0):.0f} + upload/launch {r.get('upload_launch_us', 0):.0f}), "
+                "peer "
                 f"{r['peer_gbps']:.0f} GB/s, ratio {r['mover_over_peer']:.2f}"
             )
     if "engine" in report:

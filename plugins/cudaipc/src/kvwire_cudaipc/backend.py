@@ -147,7 +147,10 @@ class CudaIpcBackend(TcpBackend):
                 f"cudaipc: a rank's VRAM regions must be on one GPU, got devices {sorted(devices)}"
             )
         exports = {r.addr: self._export(r) for r in vram}
-        self._memory = HostMemory([r for r in [*self._regions, *regions] if r.kind == MemKind.DRAM])
+        self._memory = HostMemory(
+            [self._scratch_region]
+            + [r for r in [*self._regions, *regions] if r.kind == MemKind.DRAM]
+        )
         self._exports.update(exports)
 
     def _deregister(self, regions: list[MemoryRegion]) -> None:
