@@ -221,6 +221,175 @@ def mover_vs_peer(sizes_mib: list[int], devices: tuple[int, int], repeat: int) -
     return out
 
 
+# ------------------------------------------------------------------------- phase 2b
+def _pattern(torch: Any, words: int, start: int, device: str) -> Any:
+    """int32 words ``(w * 2654435761 + 12345) & 0x7fffffff`` for w in [start, start+words)."""
+    w = torch.arange(start, start + words, dtype=torch.int64, device=device)
+    return ((w * 2654435761 + 12345) & 0x7FFFFFFF).to(torch.int32)
+
+
+def _backend_target(conn: Any, dev: int, slots: int) -> None:
+    """Spawned: a cudaipc agent on GPU ``dev`` holding a poisoned pool ``[64, slots, 32 KiB]``;
+    checks pages on request and counts notifications."""
+    import torch
+
+    from kvwire.config import KVWireConfig
+    from kvwire.layout import MemoryRegion
+    from kvwire.selection import create_backend
+
+    torch.cuda.set_device(dev)
+    words = RUNS_PER_PAGE * slots * RUN // 4
+    pool = torch.full((words,), -1, dtype=torch.int32, device=f"cuda:{dev}")
+    b = create_backend(KVWireConfig(transfer_backend="cudaipc"), "bench-target", need=())
+    b.register([MemoryRegion.from_tensor(pool, item_len=RUN)])
+    conn.send(("ready", b.local_metadata()))
+    notes = 0
+    try:
+        while True:
+            notes += len(b.get_notifications())
+            if not conn.poll(0.0002):
+                continue
+            msg = conn.recv()
+            if msg[0] == "stop":  # notifications may still be on their way: drain a while
+                end = time.monotonic() + 2.0
+                while time.monotonic() < end:
+                    notes += len(b.get_notifications())
+                    time.sleep(0.01)
+                break
+            if msg[0] == "poison":
+                pool.fill_(-1)
+                torch.cuda.synchronize()
+                conn.send(("ok",))
+            elif msg[0] == "check":  # (src_slots, dst_slots, src_slots_total) per request
+                _, pairs, src_slots = msg
+                view = pool.view(RUNS_PER_PAGE, slots, RUN // 4)
+                bad = 0
+                for sp, dp in pairs:
+                    sp = torch.as_tensor(sp, device=pool.device)
+                    dp = torch.as_tensor(dp, device=pool.device)
+                    rows = torch.arange(RUNS_PER_PAGE, device=pool.device)[:, None] * src_slots
+                    first = (rows + sp[None, :]) * (RUN // 4)  # word index of each source run
+                    idx = first[..., None] + torch.arange(RUN // 4, device=pool.device)
+                    want = ((idx * 2654435761 + 12345) & 0x7FFFFFFF).to(torch.int32)
+                    bad += int((view[:, dp] != want).sum())
+                untouched = torch.ones(slots, dtype=torch.bool, device=pool.device)
+                for _, dp in pairs:
+                    untouched[torch.as_tensor(dp, device=pool.device)] = False
+                bad += int((view[:, untouched] != -1).sum())  # nothing else was written
+                conn.send(("checked", bad, notes))
+    finally:
+        b.close()
+        conn.send(("notes", notes))
+
+
+def backend_api(sizes_mib: list[int], devices: tuple[int, int], repeat: int) -> list[dict]:
+    """kvwire's TransferBackend API over cudaipc across two processes (prepare once; submit
+    with a notification, poll until DONE, release), C=1 and C=8 concurrent submits; first
+    request and first batch of each size checked element by element on the target."""
+    import multiprocessing as mp
+
+    import torch
+
+    from kvwire.backend import XferOp, XferState
+    from kvwire.config import KVWireConfig
+    from kvwire.descriptors import make_table
+    from kvwire.layout import MemoryRegion
+    from kvwire.selection import create_backend
+
+    s_dev, d_dev = devices
+    pages_max = max(sizes_mib) * MiB // (RUN * RUNS_PER_PAGE)
+    src_slots, dst_slots = 2 * pages_max, 8 * pages_max + 8
+    torch.cuda.set_device(s_dev)
+    src = _pattern(torch, RUNS_PER_PAGE * src_slots * RUN // 4, 0, f"cuda:{s_dev}")
+    torch.cuda.synchronize()
+    ctx = mp.get_context("spawn")
+    parent, child = ctx.Pipe()
+    proc = ctx.Process(target=_backend_target, args=(child, d_dev, dst_slots), daemon=True)
+    proc.start()
+    out: list[dict] = []
+    a = create_backend(KVWireConfig(transfer_backend="cudaipc"), "bench-initiator", need=())
+    try:
+        if not parent.poll(180):
+            raise RuntimeError("backend target did not start")
+        _, meta = parent.recv()
+        a.register([MemoryRegion.from_tensor(src, item_len=RUN)])
+        peer = a.add_peer(meta)
+        from kvwire_cudaipc.meta import parse_peer
+
+        dst_base = parse_peer(meta, "cudaipc", 1).regions[0].addr
+        rows_s = RUNS_PER_PAGE * src_slots
+        rows_d = RUNS_PER_PAGE * dst_slots
+        pair = a.prepare(
+            peer,
+            make_table(src.data_ptr() + np.arange(rows_s) * RUN, RUN, s_dev),
+            make_table(dst_base + np.arange(rows_d) * RUN, RUN, d_dev),
+        )
+        rng = np.random.default_rng(9)
+        buf = np.arange(RUNS_PER_PAGE, dtype=np.int64)[:, None]
+
+        def request(pages: int, slot0: int) -> tuple[np.ndarray, np.ndarray]:
+            sp = rng.permutation(src_slots)[:pages].astype(np.int64)
+            dp = slot0 + rng.permutation(pages).astype(np.int64)
+            return sp, dp
+
+        def submit(sp: np.ndarray, dp: np.ndarray) -> Any:
+            li = (buf * src_slots + sp[None, :]).ravel()
+            ri = (buf * dst_slots + dp[None, :]).ravel()
+            return a.submit(XferOp.WRITE, pair, li, ri, notification=b"req")
+
+        def wait(hs: list[Any]) -> None:
+            for h in hs:
+                while (st := a.poll(h)) is XferState.PENDING:
+                    pass
+                assert st is XferState.DONE, h.error
+                a.release(h)
+
+        def check(reqs: list[tuple[np.ndarray, np.ndarray]]) -> int:
+            parent.send(("check", [(sp, dp) for sp, dp in reqs], src_slots))
+            _, bad, _ = parent.recv()
+            return int(bad)
+
+        submitted = 0
+        for mib in sizes_mib:
+            pages = mib * MiB // (RUN * RUNS_PER_PAGE)
+            for conc in (1, 8):
+                parent.send(("poison",))
+                parent.recv()
+                reqs = [request(pages, i * pages) for i in range(conc)]
+                wait([submit(sp, dp) for sp, dp in reqs])
+                submitted += conc
+                bad = check(reqs)
+                times = []
+                for _ in range(repeat):
+                    reqs = [request(pages, i * pages) for i in range(conc)]
+                    t = time.perf_counter()
+                    wait([submit(sp, dp) for sp, dp in reqs])
+                    times.append(time.perf_counter() - t)
+                    submitted += conc
+                med = statistics.median(times)
+                row = {
+                    "mib": mib,
+                    "concurrency": conc,
+                    "descriptors_per_request": pages * RUNS_PER_PAGE,
+                    "mismatches": bad,
+                    "gbps": conc * mib * MiB / med / 1e9,
+                    "ms": med * 1e3,
+                }
+                log(f"backend api {row}")
+                out.append(row)
+                assert bad == 0, row
+        a.remove_peer(peer)
+    finally:
+        a.close()
+        parent.send(("stop",))
+        notes = parent.recv()[1] if parent.poll(30) else -1
+        proc.join(30)
+    log(f"backend api: {submitted} requests submitted, {notes} notifications received")
+    for r in out:
+        r["notifications_ok"] = notes == submitted
+    return out
+
+
 # ----------------------------------------------------------------------------- phase 3
 def engine(a: argparse.Namespace) -> dict[str, Any]:
     from kvwire.config import KVWireConfig
@@ -235,7 +404,7 @@ def engine(a: argparse.Namespace) -> dict[str, Any]:
     page_mib = m.num_layers * 2 * m.page_size * m.total_kv_heads * m.head_dim * 4 / MiB
     sizes = a.sizes
     pages = {m: max(1, round(m / page_mib)) for m in sizes}
-    slots = max(a.concurrency) * max(pages.values()) + 64
+    slots = max(2, *a.concurrency) * max(pages.values()) + 64
     role_device = {}
     if a.device == "cuda":
         role_device = {"prefill": f"cuda:{a.gpus[0]}", "decode": f"cuda:{a.gpus[1]}"}
@@ -246,7 +415,7 @@ def engine(a: argparse.Namespace) -> dict[str, Any]:
         device=a.device,
         role_device=role_device,
         engine_step_s=a.engine_step,
-        config=KVWireConfig(transfer_backend="cudaipc"),
+        config=KVWireConfig(transfer_backend=a.backend),
     )
     rng = np.random.default_rng(3)
 
@@ -295,6 +464,10 @@ def engine(a: argparse.Namespace) -> dict[str, Any]:
                     "p50_ms": 1e3 * lat[len(lat) // 2],
                     "p90_ms": 1e3 * lat[int(len(lat) * 0.9)],
                 }
+                pre = [x for r in res for x in r.reports if x.role == "prefill"]
+                for k in ("queue_s", "post_s", "transfer_s", "latency_s"):
+                    vals = sorted(getattr(x, k) for x in pre)
+                    cell[f"prefill_{k[:-2]}_ms"] = 1e3 * vals[len(vals) // 2]
                 report["cells"].append(cell)
                 log(f"engine {cell}")
         assert_tables_empty(c)
@@ -355,8 +528,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--timeout", type=float, default=300.0)
     p.add_argument("--skip-engine", action="store_true")
     p.add_argument("--skip-mover", action="store_true")
+    p.add_argument("--skip-backend-api", action="store_true")
     p.add_argument("--mover-json", default="", help="mover results of an earlier run to merge")
     p.add_argument("--nixl-json", default="")
+    p.add_argument("--backend", default="cudaipc", help="transfer backend of the engine phase")
     p.add_argument("--json", default="")
     a = p.parse_args(argv)
     command = " ".join(
@@ -365,7 +540,8 @@ def main(argv: list[str] | None = None) -> int:
     report: dict[str, Any] = {"command": command, "host": platform.node()}
     if a.mover_json and Path(a.mover_json).exists():
         earlier = json.loads(Path(a.mover_json).read_text())
-        report.update({k: earlier[k] for k in ("mover_check", "mover") if k in earlier})
+        keys = ("mover_check", "mover", "backend_api")
+        report.update({k: earlier[k] for k in keys if k in earlier})
     if a.device == "cuda":
         import torch
 
@@ -377,6 +553,8 @@ def main(argv: list[str] | None = None) -> int:
         if not a.skip_mover:
             report["mover_check"] = mover_check((a.gpus[0], a.gpus[1]))
             report["mover"] = mover_vs_peer(a.sizes, (a.gpus[0], a.gpus[1]), a.repeat)
+        if not a.skip_backend_api:
+            report["backend_api"] = backend_api(a.sizes, (a.gpus[0], a.gpus[1]), a.repeat)
     if a.json:
         Path(a.json).write_text(json.dumps(report, indent=2) + "\n")
     if not a.skip_engine:

@@ -17,8 +17,10 @@
   an event. Host-memory rows (an engine's aux rows) and the notification travel over the
   built-in ``tcp`` backend's side channel (ZeroMQ, CURVE-authenticated with a secret), which
   this class extends: they are posted only once the kernel's event completed, so a
-  notification always reaches the peer after the data. A transfer with VRAM rows only and no
-  notification is DONE when its event is.
+  notification always reaches the peer after the data. A transfer with VRAM rows only is
+  DONE when its event is (its data has landed): its notification, if any, is then on its way
+  (handed to the side channel; the peer's ACK is not awaited, as with NIXL's notifications).
+  A transfer with host rows is DONE when the peer acknowledged them (they land there).
 
 Locks: the template's contract (kvwire.backend). Besides, each peer has a lock held while a
 kernel that stores into its mappings is enqueued and while the mappings are closed (after
@@ -106,6 +108,9 @@ class _IpcXfer:
     #: Host rows and notification, posted over the side channel once ``event`` completed.
     follow: tuple[NDArray[np.uint64], NDArray[np.uint64], NDArray[np.uint64]] | None = None
     notification: bytes | None = None
+    #: The follow-up carries the notification alone (VRAM rows only): the transfer is DONE
+    #: once the kernel's event completed and the message was handed to the side channel.
+    notify_only: bool = False
     tcp: _Xfer | None = None
     failed: str | None = None
     lock: threading.Lock = field(default_factory=threading.Lock)
@@ -355,6 +360,7 @@ class CudaIpcBackend(TcpBackend):
                 lens[host],
             )
         elif notification is not None:  # the message writes the peer's scratch word
+            x.notify_only = True
             x.follow = (
                 np.array([self._scratch_region.addr], dtype=np.uint64),
                 np.array([st.peer.info.scratch], dtype=np.uint64),
@@ -424,7 +430,7 @@ class CudaIpcBackend(TcpBackend):
             with x.lock:
                 if x.follow is not None and x.tcp is None:
                     self._post_follow(x, handle.peer)
-        if x.tcp is not None:
+        if x.tcp is not None and not x.notify_only:
             if x.tcp.status is XferState.FAILED and handle.error is None:
                 handle.error = x.tcp.error
             return x.tcp.status
