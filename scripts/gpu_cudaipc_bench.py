@@ -186,6 +186,16 @@ def mover_vs_peer(sizes_mib: list[int], devices: tuple[int, int], repeat: int) -
             copier.copy(s, d, n)
             torch.cuda.synchronize(s_dev)
             wall_ms.append((time.perf_counter() - t) * 1e3)
+        gpu_ms = []  # GPU time alone: a sleep kernel holds the stream while the host launches
+        for _ in range(repeat):
+            start = torch.cuda.Event(enable_timing=True)
+            end = torch.cuda.Event(enable_timing=True)
+            torch.cuda._sleep(3_000_000)
+            start.record()
+            copier.copy(s, d, n)
+            end.record()
+            end.synchronize()
+            gpu_ms.append(start.elapsed_time(end))
         from kvwire.movers import plan_tiles
         from kvwire.movers.triton_copy import launch_plan
 
@@ -210,6 +220,7 @@ def mover_vs_peer(sizes_mib: list[int], devices: tuple[int, int], repeat: int) -
             "mover_wall_gbps": nb / statistics.median(wall_ms) / 1e6,
             "mover_host_us": statistics.median(host_us),
             "plan_us": statistics.median(plan_us),
+            "gpu_only_gbps": nb / statistics.median(gpu_ms) / 1e6,
             "upload_launch_us": statistics.median(launch_us),
             "mover_wall_ms": statistics.median(wall_ms),
             "peer_gbps": nb / statistics.median(peer_ms) / 1e6,
@@ -282,7 +293,9 @@ def _backend_target(conn: Any, dev: int, slots: int) -> None:
         conn.send(("notes", notes))
 
 
-def backend_api(sizes_mib: list[int], devices: tuple[int, int], repeat: int) -> list[dict]:
+def backend_api(
+    sizes_mib: list[int], devices: tuple[int, int], repeat: int, profile: str = ""
+) -> list[dict]:
     """kvwire's TransferBackend API over cudaipc across two processes (prepare once; submit
     with a notification, poll until DONE, release), C=1 and C=8 concurrent submits; first
     request and first batch of each size checked element by element on the target."""
@@ -366,6 +379,23 @@ def backend_api(sizes_mib: list[int], devices: tuple[int, int], repeat: int) -> 
                     wait([submit(sp, dp) for sp, dp in reqs])
                     times.append(time.perf_counter() - t)
                     submitted += conc
+                if profile and mib == sizes_mib[0] and conc == 1:
+                    import cProfile
+                    import io
+                    import pstats
+
+                    prof = cProfile.Profile()
+                    prof.enable()
+                    for _ in range(100):
+                        sp, dp = request(pages, 0)
+                        wait([submit(sp, dp)])
+                    prof.disable()
+                    submitted += 100
+                    text = io.StringIO()
+                    st = pstats.Stats(prof, stream=text)
+                    st.sort_stats("tottime").print_stats(25)
+                    st.sort_stats("cumulative").print_stats(40)
+                    Path(profile).write_text(text.getvalue())
                 med = statistics.median(times)
                 row = {
                     "mib": mib,
@@ -529,6 +559,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--skip-engine", action="store_true")
     p.add_argument("--skip-mover", action="store_true")
     p.add_argument("--skip-backend-api", action="store_true")
+    p.add_argument("--profile", default="", help="cProfile of the backend API at the first size")
     p.add_argument("--mover-json", default="", help="mover results of an earlier run to merge")
     p.add_argument("--nixl-json", default="")
     p.add_argument("--backend", default="cudaipc", help="transfer backend of the engine phase")
@@ -554,7 +585,9 @@ def main(argv: list[str] | None = None) -> int:
             report["mover_check"] = mover_check((a.gpus[0], a.gpus[1]))
             report["mover"] = mover_vs_peer(a.sizes, (a.gpus[0], a.gpus[1]), a.repeat)
         if not a.skip_backend_api:
-            report["backend_api"] = backend_api(a.sizes, (a.gpus[0], a.gpus[1]), a.repeat)
+            report["backend_api"] = backend_api(
+                a.sizes, (a.gpus[0], a.gpus[1]), a.repeat, a.profile
+            )
     if a.json:
         Path(a.json).write_text(json.dumps(report, indent=2) + "\n")
     if not a.skip_engine:
@@ -568,7 +601,8 @@ def main(argv: list[str] | None = None) -> int:
         for r in report["mover"]:
             print(
                 f"  {r['mib']:>4} MiB: mover {r['mover_gbps']:.0f} GB/s (wall "
-                f"{r['mover_wall_gbps']:.0f}, host {r['mover_host_us']:.0f} us: plan "
+                f"{r['mover_wall_gbps']:.0f}, GPU alone {r.get('gpu_only_gbps', 0):.0f}, "
+                f"host {r['mover_host_us']:.0f} us: plan "
                 f"{r.get('plan_us', 0):.0f} + upload/launch {r.get('upload_launch_us', 0):.0f}), "
                 "peer "
                 f"{r['peer_gbps']:.0f} GB/s, ratio {r['mover_over_peer']:.2f}"
