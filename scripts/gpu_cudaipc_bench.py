@@ -445,6 +445,8 @@ def engine(a: argparse.Namespace) -> dict[str, Any]:
         device=a.device,
         role_device=role_device,
         engine_step_s=a.engine_step,
+        prefill_tp=a.prefill_tp,
+        decode_tp=a.decode_tp,
         config=KVWireConfig(transfer_backend=a.backend),
     )
     rng = np.random.default_rng(3)
@@ -460,7 +462,13 @@ def engine(a: argparse.Namespace) -> dict[str, Any]:
             )
         return out
 
-    report: dict[str, Any] = {"verified": [], "cells": [], "slots": slots, "pages": pages}
+    report: dict[str, Any] = {
+        "verified": [],
+        "cells": [],
+        "slots": slots,
+        "pages": pages,
+        "tp": f"{a.prefill_tp}->{a.decode_tp}",
+    }
     t0 = time.perf_counter()
     with Cluster(spec) as c:
         log(f"cluster up in {time.perf_counter() - t0:.1f}s (slots {slots})")
@@ -563,6 +571,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--mover-json", default="", help="mover results of an earlier run to merge")
     p.add_argument("--nixl-json", default="")
     p.add_argument("--backend", default="cudaipc", help="transfer backend of the engine phase")
+    p.add_argument("--prefill-tp", type=int, default=1, help="engine phase: prefill ranks")
+    p.add_argument("--decode-tp", type=int, default=1, help="engine phase: decode ranks")
     p.add_argument("--json", default="")
     a = p.parse_args(argv)
     command = " ".join(

@@ -19,12 +19,14 @@ for s in $STAGES; do
   echo "=== stage $s $(date +%T)"
   case $s in
     mover) timeout 240 python3 src/scripts/gpu_cudaipc_bench.py --skip-engine --json $OUT/mover.json > $OUT/mover.log 2>&1; echo rc=$?; tail -8 $OUT/mover.log ;;
-    engine) timeout ${ENGINE_S:-270} python3 src/scripts/gpu_cudaipc_bench.py --skip-mover --mover-json $OUT/mover.json --nixl-json $OUT/nixl.json --json $OUT/cudaipc_bench.json ${ENGINE_ARGS:---requests 32 --verify-requests 6} > $OUT/engine.log 2>&1; echo rc=$?; tail -25 $OUT/engine.log ;;
+    engine) timeout ${ENGINE_S:-270} python3 src/scripts/gpu_cudaipc_bench.py --skip-mover --skip-backend-api --mover-json $OUT/mover.json --nixl-json $OUT/nixl.json --json $OUT/cudaipc_bench.json ${ENGINE_ARGS:---requests 32 --verify-requests 6} > $OUT/engine.log 2>&1; echo rc=$?; tail -25 $OUT/engine.log ;;
     nixl) timeout 100 python3 -m kvwire_nixl.gpu_bench --cases 64x32KiB,512x32KiB,4096x32KiB,16384x32KiB --chunks "" --repeat 10 --json $OUT/nixl.json > $OUT/nixl.log 2>&1; echo rc=$?; tail -12 $OUT/nixl.log ;;
     diag) B="timeout 100 python3 src/scripts/gpu_cudaipc_bench.py --skip-mover --concurrency 1 --requests 16 --verify-requests 2"
       $B --sizes 2,16,128 --json $OUT/diag_a.json > $OUT/diag_a.log 2>&1; echo a rc=$?; grep ^engine $OUT/diag_a.log
       KVWIRE_SWITCH_INTERVAL=0.0002 $B --sizes 2,16,128 --json $OUT/diag_b.json > $OUT/diag_b.log 2>&1; echo b rc=$?; grep ^engine $OUT/diag_b.log
       $B --sizes 2,16 --backend nixl --json $OUT/diag_c.json > $OUT/diag_c.log 2>&1; echo c rc=$?; grep ^engine $OUT/diag_c.log ;;
+    tp) for t in "1 1" "2 1" "1 2"; do set -- $t
+        timeout 150 python3 src/scripts/gpu_cudaipc_bench.py --skip-mover --skip-backend-api --sizes 16,128 --requests 24 --verify-requests 4 --prefill-tp $1 --decode-tp $2 --json $OUT/tp_$1_$2.json > $OUT/tp_$1_$2.log 2>&1; echo tp $1-$2 rc=$?; grep "^engine\|^verified" $OUT/tp_$1_$2.log | cut -c1-260; done ;;
     pytest) (cd src && timeout 90 python3 -m pytest plugins/cudaipc/tests -x -q -p no:cacheprovider) > $OUT/pytest.log 2>&1; echo rc=$?; tail -3 $OUT/pytest.log ;;
   esac
 done

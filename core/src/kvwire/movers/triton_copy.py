@@ -17,6 +17,7 @@ opened through CUDA IPC once peer access from the launching device is enabled.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from typing import Any
 
@@ -89,7 +90,9 @@ def launch_plan(plan: TilePlan, device: Any, stream: Any = None, num_warps: int 
     host = torch.empty(table.shape, dtype=torch.int64, pin_memory=True)
     host.numpy()[...] = table
     stream = stream if stream is not None else torch.cuda.current_stream(dev)
-    with torch.cuda.device(dev), torch.cuda.stream(stream):
+    index = dev.index if dev.index is not None else torch.cuda.current_device()
+    same = torch.cuda.current_device() == index
+    with contextlib.nullcontext() if same else torch.cuda.device(dev), torch.cuda.stream(stream):
         dtable = host.to(dev, non_blocking=True)
         return _copy_tiles[grid](dtable, plan.num_tiles, num_warps=num_warps, **meta)
 
