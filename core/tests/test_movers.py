@@ -52,9 +52,12 @@ def run_lists(draw: st.DrawFn) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     dst = MEM // 2 + dst_slots * slot + draw(st.integers(0, 31 // align)) * align
     # Sometimes make runs continue each other on both sides (they get merged).
     if count >= 2 and draw(st.booleans()):
+        # Both runs inside the first slot of each side (shift <= 31 + two halves <= slot - 32).
+        half = (slot - 32) // 2 // align * align
+        lens = np.minimum(lens[:2], half)
+        src, dst = src[:2], dst[:2]
         src[1] = src[0] + lens[0]
         dst[1] = dst[0] + lens[0]
-        src, dst, lens = src[:2], dst[:2], lens[:2]
     return src, dst, lens
 
 
