@@ -23,7 +23,7 @@ from rich.table import Table
 from kvwire.config import KVWireConfig, config_from_args
 from kvwire.errors import KVWireError
 from kvwire.layout import ModelSpec
-from kvwire.progress import progress_bar
+from kvwire.cli_progress import progress_bar
 from kvwire.selection import auto_backend_name
 from kvwire.testing.bench_common import (
     DEFAULT_PAGE_KIB,

@@ -39,7 +39,7 @@ from rich.table import Table
 
 from kvwire.config import ControlOptions, KVWireConfig
 from kvwire.layout import KVLayout, ModelSpec
-from kvwire.progress import progress_bar
+from kvwire.cli_progress import progress_bar
 from kvwire.session import KVManager, KVPoll, Role
 
 MODES = ("compute", "chunk", "layer")
