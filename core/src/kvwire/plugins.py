@@ -4,8 +4,8 @@ Plugins are distributions that declare an entry point in the ``kvwire`` group po
 light module (it must not import a native engine). pluggy registers that module and calls its
 hooks (specified in :mod:`kvwire.hookspecs`), which return :class:`Implementation` records: a
 name and an import path. The import path is resolved only when that name is selected, so a
-broken native install never breaks ``kvwire --help`` or another backend. kvwire's own built-ins register through the same hooks
-(entry point ``core`` -> :mod:`kvwire.builtin`).
+broken native install never breaks ``kvwire --help`` or another backend. kvwire's own
+built-ins register through the same hooks (entry point ``core`` -> :mod:`kvwire.builtin`).
 """
 
 from __future__ import annotations

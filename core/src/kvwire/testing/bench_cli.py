@@ -20,10 +20,10 @@ from rich.markup import escape
 from rich.progress import Progress
 from rich.table import Table
 
+from kvwire.cli_progress import progress_bar
 from kvwire.config import KVWireConfig, config_from_args
 from kvwire.errors import KVWireError
 from kvwire.layout import ModelSpec
-from kvwire.cli_progress import progress_bar
 from kvwire.selection import auto_backend_name
 from kvwire.testing.bench_common import (
     DEFAULT_PAGE_KIB,
