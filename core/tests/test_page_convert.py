@@ -25,13 +25,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from numpy.typing import NDArray
 
-from kvwire.control.handshake import handshake_problems
 from kvwire.errors import DescriptorError, KVWireError, LayoutError
 from kvwire.index import EqualTPMapper, HeadSliceMapper, IndexMapper, MLAMapper, source_ranks
 from kvwire.index.base import default_mapper_name
 from kvwire.index.paging import PageConversion
 from kvwire.layout import BufferGroup, KVLayout, MemoryRegion, ModelSpec, RankPosition
 from kvwire.session import KVPoll
+from kvwire.session.handshake import handshake_problems
 from kvwire.testing.kvfill import count_mismatches, fill_pages
 from kvwire.testing.pair import MODEL, config, no_rooms, pair, wait_for
 

@@ -18,10 +18,10 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from kvwire.control.bootstrap import BootstrapClient, RankInfo
-from kvwire.control.handshake import build_mapper, topology_for
 from kvwire.control.wire import Hello, HelloAck, HelloReject, Message
 from kvwire.errors import HandshakeError, KVWireError
 from kvwire.index.topology import Topology
+from kvwire.session.handshake import build_mapper, topology_for
 from kvwire.session.peers import Peer
 
 if TYPE_CHECKING:

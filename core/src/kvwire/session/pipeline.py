@@ -20,10 +20,10 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from kvwire.backend import PreparedPair, TransferHandle, XferOp, XferState
-from kvwire.control.handshake import slot_rows
 from kvwire.control.wire import ChunkNote, Completion
 from kvwire.errors import KVWireError, TransferError
 from kvwire.session import metrics as m
+from kvwire.session.handshake import slot_rows
 from kvwire.session.layers import LayeredChunk
 from kvwire.session.pipeline_layers import LayerwisePosting, PlanRef
 from kvwire.staging.base import ChunkPlan, LocalCopy, Segment, StagingStrategy

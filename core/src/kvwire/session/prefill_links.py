@@ -17,13 +17,6 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from kvwire.backend import PreparedPair
-from kvwire.control.handshake import (
-    aux_problems,
-    build_mapper,
-    handshake_problems,
-    slot_table,
-    topology_for,
-)
 from kvwire.control.reach import endpoint_host, is_local, is_loopback
 from kvwire.control.wire import Hello, HelloAck, HelloReject, Message
 from kvwire.errors import KVWireError
@@ -33,6 +26,13 @@ from kvwire.index.topology import Topology
 from kvwire.layout import MemoryRegion
 from kvwire.selection import select_host_mapper
 from kvwire.session.groups import GROUPS_TABLE
+from kvwire.session.handshake import (
+    aux_problems,
+    build_mapper,
+    handshake_problems,
+    slot_table,
+    topology_for,
+)
 from kvwire.session.peers import Peer
 from kvwire.session.segments import KindSplit, split_tables
 from kvwire.staging.base import StagingStrategy
