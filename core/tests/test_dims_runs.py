@@ -254,8 +254,11 @@ def test_mla_runs_move_what_the_mla_mapper_moves(
         sent = 0
         for sr in source_ranks(dr, tp_s, tp_d):
             spool = Pool(
-                _model(1, pages[0], mla=True), RankPosition(tp_size=tp_s, tp_rank=sr), "sep",
-                False, range(0, 2),
+                _model(1, pages[0], mla=True),
+                RankPosition(tp_size=tp_s, tp_rank=sr),
+                "sep",
+                False,
+                range(0, 2),
             )
             spool.fill(sp)
             sent += move_both(spool, dmap, drun, sp, dp) == "mla"
@@ -347,7 +350,10 @@ def test_layer_and_kv_selections_partition_the_move() -> None:
     union = set().union(*(spans(p) for p in parts))
     assert union == spans(whole)
     assert sum(p.total_bytes for p in parts) == whole.total_bytes
-    assert byte_runs(a.dims, b.dims, Selection(np.arange(2), np.arange(2), layers=(5, 6))).nbytes.size == 0
+    assert (
+        byte_runs(a.dims, b.dims, Selection(np.arange(2), np.arange(2), layers=(5, 6))).nbytes.size
+        == 0
+    )
 
 
 # --------------------------------------------------------------------------------------------
@@ -381,8 +387,18 @@ def test_dims_of_every_layout_flag() -> None:
     assert dims_of(lay).is_latent and dims_of(lay).heads == 1
 
 
-def _buf(names: tuple[str, ...], sizes: tuple[int, ...], strides: tuple[int, ...], **kw: int) -> BufferDims:
-    return BufferDims(names, sizes, strides, elem=kw.pop("elem", 2), addr=0, length=kw.pop("length", 1 << 20), **kw)
+def _buf(
+    names: tuple[str, ...], sizes: tuple[int, ...], strides: tuple[int, ...], **kw: int
+) -> BufferDims:
+    return BufferDims(
+        names,
+        sizes,
+        strides,
+        elem=kw.pop("elem", 2),
+        addr=0,
+        length=kw.pop("length", 1 << 20),
+        **kw,
+    )
 
 
 @pytest.mark.parametrize(
@@ -393,14 +409,26 @@ def _buf(names: tuple[str, ...], sizes: tuple[int, ...], strides: tuple[int, ...
         (_buf(("slot", "page", "dim", "head"), (4, 4, 8, 2), (128, 32, 4, 2)), "end in 'dim'"),
         (_buf(("slot", "page", "latent", "dim"), (4, 4, 8, 2), (128, 32, 4, 2)), "end in"),
         (_buf(("slot", "page", "head", "latent"), (4, 4, 2, 8), (256, 32, 16, 2)), "no 'head'"),
-        (_buf(("slot", "page", "head", "kv", "dim"), (4, 4, 2, 3, 8), (768, 96, 48, 16, 2)), "size 2"),
+        (
+            _buf(("slot", "page", "head", "kv", "dim"), (4, 4, 2, 3, 8), (768, 96, 48, 16, 2)),
+            "size 2",
+        ),
         (_buf(("slot", "page", "head", "dim"), (4, 4, 2, 8), (128, 32, 16, 4)), "contiguous"),
         (_buf(("slot", "page", "head", "dim"), (4, 4, 2, 8), (128, 16, 16, 2)), "overlap"),
         (_buf(("slot", "page", "head", "dim"), (4, 4, 0, 8), (128, 32, 16, 2)), "positive"),
-        (_buf(("slot", "page", "head", "dim"), (64, 4, 2, 8), (128, 32, 16, 2), length=4096), "past"),
-        (_buf(("slot", "page", "head", "dim", "dim"), (4, 4, 2, 8, 1), (128, 32, 16, 2, 2)), "distinct"),
+        (
+            _buf(("slot", "page", "head", "dim"), (64, 4, 2, 8), (128, 32, 16, 2), length=4096),
+            "past",
+        ),
+        (
+            _buf(("slot", "page", "head", "dim", "dim"), (4, 4, 2, 8, 1), (128, 32, 16, 2, 2)),
+            "distinct",
+        ),
         (_buf(("slot", "page", "head", "dims"), (4, 4, 2, 8), (128, 32, 16, 2)), "unknown"),
-        (_buf(("slot", "page", "head", "dim"), (4, 4, 2, 8), (128, 32, 16, 2), kv=2), "K \\(0\\) or V"),
+        (
+            _buf(("slot", "page", "head", "dim"), (4, 4, 2, 8), (128, 32, 16, 2), kv=2),
+            "K \\(0\\) or V",
+        ),
     ],
 )
 def test_validation_rule(buf: BufferDims, match: str) -> None:

@@ -126,7 +126,9 @@ class BufferDims:
         at least the extent of the dims inside it); everything inside the region."""
         names, sizes, strides = self.names, self.sizes, self.strides
         if not (len(names) == len(sizes) == len(strides)):
-            raise LayoutError(f"{where}: {len(names)} names, {len(sizes)} sizes, {len(strides)} strides")
+            raise LayoutError(
+                f"{where}: {len(names)} names, {len(sizes)} sizes, {len(strides)} strides"
+            )
         unknown = [n for n in names if n not in DIM_NAMES]
         if unknown or len(set(names)) != len(names):
             raise LayoutError(

@@ -130,8 +130,10 @@ def _fold(axes: list[_Axis], unit_stride: int) -> _Shape:
     kept = sorted((a for a in axes if a.count > 1), key=lambda a: -a.src)
     folded: list[_Axis] = []
     for a in reversed(kept):  # innermost first
-        if folded and a.src == folded[-1].count * folded[-1].src and (
-            a.dst == folded[-1].count * folded[-1].dst
+        if (
+            folded
+            and a.src == folded[-1].count * folded[-1].src
+            and (a.dst == folded[-1].count * folded[-1].dst)
         ):
             inner = folded.pop()
             a = _Axis(a.count * inner.count, inner.src, inner.dst)
@@ -203,8 +205,11 @@ class RunPlan:
         self.src, self.dst, self.granule, self.sends = src, dst, g, heads.sends
         lo, hi = layers if layers is not None else (0, 1 << 62)
         shapes: dict[_Shape, list[tuple[int, int, int, int]]] = {}
+        owner = {(la, k): j for j, d in enumerate(dst.buffers) for la in d.layers for k in d.kvs}
         for i, s in enumerate(src.buffers):
-            for j, d in enumerate(dst.buffers):
+            near = {owner.get((la, k), -1) for la in s.layers for k in s.kvs} - {-1}
+            for j in sorted(near):
+                d = dst.buffers[j]
                 lay = _overlap(s.layers, d.layers, lo, hi)
                 kvr = _overlap(s.kvs, d.kvs, kv[0], kv[-1] + 1)
                 if not lay or not kvr:
@@ -254,8 +259,8 @@ class RunPlan:
 def _base(b: BufferDims, layer: int, kv: int, head: int) -> int:
     """Byte offset of (layer, kv, head) inside a slot of ``b``."""
     k = kv - b.kvs.start
-    return (layer - b.first_layer) * b.stride("layer") + k * b.stride("kv") + head * b.stride(
-        "head"
+    return (
+        (layer - b.first_layer) * b.stride("layer") + k * b.stride("kv") + head * b.stride("head")
     )
 
 
@@ -315,7 +320,5 @@ def _coalesce(
 def byte_runs(src: LayoutDims, dst: LayoutDims, selection: Selection) -> Runs:
     """The byte runs moving ``selection`` from ``src`` to ``dst`` (see the module docstring):
     a one-off :class:`RunPlan`; a mover that moves many chunks keeps the plan."""
-    plan = RunPlan(
-        src, dst, selection.heads, selection.layers, selection.kv, selection.granule
-    )
+    plan = RunPlan(src, dst, selection.heads, selection.layers, selection.kv, selection.granule)
     return plan.runs(selection.src_units, selection.dst_units)
