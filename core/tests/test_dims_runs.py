@@ -14,6 +14,7 @@ elements.
 
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import replace
 
@@ -29,9 +30,8 @@ from kvwire.index.base import IndexMapper
 from kvwire.index.dims import LAYOUTS, BufferDims, LayoutDims, cross_layer_dims, dims_of
 from kvwire.index.dims_runs import RunPlan, Runs, Selection, byte_runs, tp_heads
 from kvwire.index.head_rows import HeadRowsMapper
-from kvwire.index.paging import PageConversion
 from kvwire.index.ranks import HeadSlice, source_ranks
-from kvwire.layout import KVLayout, ModelSpec, RankPosition
+from kvwire.layout import ModelSpec, RankPosition
 from kvwire.regions import MemoryRegion
 from kvwire.testing.kvfill import count_mismatches, fill_pages, make_pool, move_chunk
 
@@ -135,39 +135,44 @@ def copy_runs(runs: Runs, src: list[NDArray[np.int32]], dst: list[NDArray[np.int
         b[...] = d_flat[lo : lo + b.size]
 
 
-def selection_for(
-    src: KVLayout, dst: KVLayout, sp: NDArray[np.int64], dp: NDArray[np.int64], npages: int
-) -> Selection:
-    """The selection moving request pages ``sp`` (all ``npages``, none cached) into decode
-    pages ``dp``: page slots, or granules of the common divisor of the page sizes."""
-    heads = tp_heads(src.model.total_kv_heads, src.model.is_mla, src.rank, dst.rank)
-    ps, pd = src.model.page_size, dst.model.page_size
-    if ps == pd:
-        return Selection(sp, dp, heads=heads)
-    conv = PageConversion(ps, pd, math.gcd(ps, pd))
-    stream, lo, hi = conv.chunk_stream(npages, dp, sp, 0, npages, 0)
-    sg, dg = conv.stream_granules(stream, dp[lo:hi], src.num_slots, dst.num_slots)
-    return Selection(sg, dg, granule=conv.granule, heads=heads)
-
-
 def move_both(
-    spool: Pool, dpool_map: Pool, dpool_run: Pool, sp: NDArray[np.int64], dp: NDArray[np.int64]
+    spool: Pool,
+    dpool_map: Pool,
+    dpool_run: Pool,
+    sp: NDArray[np.int64],
+    dp: NDArray[np.int64],
+    cuts: tuple[int, ...] = (),
+    cached: int = 0,
 ) -> str | None:
-    """One source rank's pages into a decode rank, by the default mapper (into
-    ``dpool_map``) and by the runs (into ``dpool_run``); the mapper's name, or None when
-    this source sends nothing (replicated heads, MLA's extra senders, no common layer)."""
+    """One source rank's request (pages ``sp``) into a decode rank's pages ``dp`` (after a
+    cached prefix of ``cached`` tokens), in chunks of chunked prefill cut at request pages
+    ``cuts``, by the default mapper (into ``dpool_map``) and by the runs (into
+    ``dpool_run``). The runs' selection per chunk is the chunk's units as the session hands
+    them to a mapper (``chunk_slice``: pages, or with different page sizes a granule stream,
+    :mod:`kvwire.index.paging`), the head slice of the TP pair (``tp_heads``). Returns the
+    mapper's name, or None when this source sends nothing (replicated heads, MLA's extra
+    senders, no layer in common)."""
     npages = sp.size
-    (slay, sarr), (dlay, darr) = (spool.layout, spool.arrays), (dpool_map.layout, dpool_map.arrays)
+    slay, dlay = spool.layout, dpool_map.layout
     name = default_mapper_name(slay, dlay)
     mapper = MAPPERS[name](slay, dlay)
-    sel = selection_for(slay, dlay, sp, dp, npages)
-    plan = RunPlan(spool.dims, dpool_run.dims, sel.heads, granule=sel.granule)
+    heads = tp_heads(slay.model.total_kv_heads, slay.model.is_mla, slay.rank, dlay.rank)
+    granule = mapper.paging.granule if mapper.paging is not None else 0
+    plan = RunPlan(spool.dims, dpool_run.dims, heads, granule=granule)
     assert plan.is_empty == mapper.is_dummy, (name, plan.is_empty, mapper.is_dummy)
     if mapper.is_dummy:
         return None
-    units, lo, hi = mapper.chunk_slice(npages, dp, sp, 0, npages, 0)
-    move_chunk(mapper, sarr, darr, units, dp[lo:hi])
-    copy_runs(plan.runs(sel.src_units, sel.dst_units), spool.buffers, dpool_run.buffers)
+    edges = [0, *cuts, npages]
+    for start, end in itertools.pairwise(edges):
+        units, lo, hi = mapper.chunk_slice(npages, dp, sp[start:end], start, end, cached)
+        if hi <= lo:
+            continue
+        move_chunk(mapper, spool.arrays, dpool_map.arrays, units, dp[lo:hi])
+        if mapper.paging is None:
+            su, du = np.asarray(units), dp[lo:hi]
+        else:
+            su, du = mapper.paging.stream_granules(units, dp[lo:hi], slay.num_slots, dlay.num_slots)
+        copy_runs(plan.runs(su, du), spool.buffers, dpool_run.buffers)
     return name
 
 
@@ -201,9 +206,14 @@ def test_runs_move_what_the_mappers_move(
     (k_s, k_d), (hm_s, hm_d), (ps_s, ps_d) = kinds, orders, pages
     st_s = data.draw(st.sampled_from(STAGES[layers]), "prefill stage")
     st_d = data.draw(st.sampled_from(STAGES[layers]), "decode stage")
-    npages = data.draw(st.integers(1, 3), "pages")
+    npages = data.draw(st.integers(1, 4), "pages")
     tokens = npages * ps_s
-    dpages = -(-tokens // ps_d)
+    # a prefix decode keeps cached: whole pages of both sides; chunks cut at request pages
+    span = math.lcm(ps_s, ps_d)
+    cached = span * data.draw(st.integers(0, (tokens - 1) // span), "cached spans")
+    cut_at = st.sets(st.integers(1, npages - 1)) if npages > 1 else st.just(set[int]())
+    cuts = tuple(sorted(data.draw(cut_at, "chunk cuts")))
+    dpages = -(-(tokens - cached) // ps_d)
     slots = st.lists(st.integers(0, SLOTS - 1), min_size=npages, max_size=npages, unique=True)
     sp = np.array(data.draw(slots, "prefill slots"), dtype=np.int64)
     dslots = st.lists(st.integers(0, SLOTS - 1), min_size=dpages, max_size=dpages, unique=True)
@@ -219,12 +229,12 @@ def test_runs_move_what_the_mappers_move(
             srank = RankPosition(tp_size=tp_s, tp_rank=sr)
             spool = Pool(_model(heads, ps_s, layers), srank, k_s, hm_s, st_s)
             spool.fill(sp)
-            names.add(move_both(spool, dmap, drun, sp, dp))
+            names.add(move_both(spool, dmap, drun, sp, dp, cuts, cached))
         for i, (a, b) in enumerate(zip(dmap.arrays, drun.views, strict=True)):
             assert np.array_equal(a, b), (dr, names, i, int((a != b).sum()))
-        full = tokens // ps_d
+        full = (tokens - cached) // ps_d
         if st_s.start <= st_d.start and st_d.stop <= st_s.stop and full:
-            mism = count_mismatches(drun.layout, drun.views, dp[:full], 0)
+            mism = count_mismatches(drun.layout, drun.views, dp[:full], cached)
             assert mism == 0, (dr, names)
 
 
@@ -305,6 +315,9 @@ def test_cross_layer_moves_one_run_per_block() -> None:
     runs = byte_runs(a.dims, b.dims, Selection(np.array([5, 1, 3, 6]), np.array([0, 2, 4, 6])))
     assert len(runs) == 4 and runs.nbytes.tolist() == [block] * 4
     assert (runs.src_off // block).tolist() == [5, 1, 3, 6]
+    src_addr, dst_addr = runs.addresses(a.dims, b.dims)
+    assert src_addr.tolist() == [a.block.ctypes.data + s * block for s in (5, 1, 3, 6)]
+    assert dst_addr.tolist() == [b.block.ctypes.data + s * block for s in (0, 2, 4, 6)]
     assert len(byte_runs(a.dims, b.dims, Selection(np.arange(4), np.arange(3, 7)))) == 1
     # into per-layer buffers: one run per (layer, K/V, page): a layer's pages of
     # consecutive blocks are a block apart on the source
