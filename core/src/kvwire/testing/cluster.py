@@ -5,7 +5,8 @@ bootstrap service in-process, as in production) and ``decode_instances * decode_
 processes; with ``prefill_instances`` above 1, several prefill instances of that shape, each
 with its own bootstrap service on its rank 0. Every rank builds a paged ``int32`` KV pool whose
 elements encode (layer, K/V, global head, token position, dim) (:mod:`kvwire.testing.kvfill`) —
-NumPy on the CPU, or torch tensors on a GPU when ``device="cuda"`` — with the buffer groups
+NumPy on the CPU, or torch tensors on a GPU when ``device="cuda"`` (ranks spread over the
+GPUs, prefill first: :func:`rank_gpu`, :attr:`ClusterSpec.gpus`) — with the buffer groups
 :attr:`ClusterSpec.groups` names (:mod:`kvwire.testing.cluster_groups`), and a
 :class:`~kvwire.session.KVManager` over it, and then plays its engine: it runs a scheduler loop
 over its requests, calling exactly the engine API (the rank processes:
