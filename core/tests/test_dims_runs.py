@@ -28,7 +28,7 @@ from kvwire.errors import DescriptorError, LayoutError
 from kvwire.index import EqualTPMapper, HeadSliceMapper, MLAMapper, default_mapper_name
 from kvwire.index.base import IndexMapper
 from kvwire.index.dims import LAYOUTS, BufferDims, LayoutDims, cross_layer_dims, dims_of
-from kvwire.index.dims_runs import RunPlan, Runs, Selection, byte_runs, tp_heads
+from kvwire.index.dims_runs import RunPlan, Runs, Selection, byte_runs, token_units, tp_heads
 from kvwire.index.head_rows import HeadRowsMapper
 from kvwire.index.ranks import HeadSlice, source_ranks
 from kvwire.layout import ModelSpec, RankPosition
@@ -367,6 +367,46 @@ def test_layer_and_kv_selections_partition_the_move() -> None:
         byte_runs(a.dims, b.dims, Selection(np.arange(2), np.arange(2), layers=(5, 6))).nbytes.size
         == 0
     )
+
+
+@pytest.mark.parametrize(("kind", "head_major"), [("sep", False), ("rows", True), ("cross", False)])
+def test_token_range(kind: str, head_major: bool) -> None:
+    """Tokens [3, 10) of a request of 4-token pages into 2-token pages (token-granular
+    units): exactly those tokens land, each where the whole move puts it; the rest of the
+    decode pool stays untouched."""
+    m4, m2 = _model(2, 4), _model(2, 2)
+    src = Pool(m4, RankPosition(), kind, head_major, range(0, 2))
+    sp = np.array([5, 0, 3])
+    src.fill(sp)
+    dp = np.array([7, 1, 2, 9, 4, 11])
+    whole, part = (Pool(m2, RankPosition(), "sep", False, range(0, 2)) for _ in range(2))
+    for pool in (whole, part):
+        pool.fill_junk()
+    copy_runs(
+        byte_runs(
+            src.dims,
+            whole.dims,
+            Selection(token_units(sp, 4, 0, 12), token_units(dp, 2, 0, 12), granule=1),
+        ),
+        src.buffers,
+        whole.buffers,
+    )
+    assert count_mismatches(whole.layout, whole.arrays, dp, 0) == 0
+    sel = Selection(token_units(sp, 4, 3, 10), token_units(dp, 2, 3, 10), granule=1)
+    copy_runs(byte_runs(src.dims, part.dims, sel), src.buffers, part.buffers)
+    for w, p in zip(whole.arrays, part.arrays, strict=True):  # [slots, page, heads, dim]
+        tok = np.arange(12)
+        slot, off = dp[tok // 2], tok % 2
+        inside = (tok >= 3) & (tok < 10)
+        assert (p[slot[inside], off[inside]] == w[slot[inside], off[inside]]).all()
+        assert (p[slot[~inside], off[~inside]] == JUNK).all()
+        others = np.setdiff1d(np.arange(SLOTS), dp)
+        assert (p[others] == JUNK).all()
+    assert token_units(np.array([2, 6]), 4, 2, 8, 2).tolist() == [2 * 2 + 1, 6 * 2, 6 * 2 + 1]
+    with pytest.raises(LayoutError, match="granule"):
+        token_units(sp, 4, 1, 4, 2)
+    with pytest.raises(LayoutError, match="not inside"):
+        token_units(sp, 4, 0, 13)
 
 
 # --------------------------------------------------------------------------------------------

@@ -38,7 +38,7 @@ from kvwire.index.dims import BufferDims, LayoutDims
 from kvwire.index.ranks import HeadSlice, head_slice
 from kvwire.layout import RankPosition
 
-__all__ = ["RunPlan", "Runs", "Selection", "byte_runs", "tp_heads"]
+__all__ = ["RunPlan", "Runs", "Selection", "byte_runs", "token_units", "tp_heads"]
 
 I64 = np.int64
 
@@ -96,6 +96,27 @@ class Selection:
     heads: HeadSlice | None = None
     layers: tuple[int, int] | None = None
     kv: tuple[int, ...] = (0, 1)
+
+
+def token_units(
+    pages: object, page_size: int, start: int, end: int, granule: int = 1
+) -> NDArray[np.int64]:
+    """Units of tokens ``[start, end)`` of a request whose pages are the slots ``pages``
+    (``page_size`` tokens each), in granules of ``granule`` tokens (``start`` and ``end`` on a
+    granule; ``granule`` dividing ``page_size``): ``slot * (page_size / granule) + k``, the
+    units of a :class:`Selection` with that ``granule``. Pair it with the other side's units
+    of the same tokens (its own pages and page size) to move a token range, e.g. one side of
+    a page-size conversion or the tail of a partly cached page."""
+    if granule < 1 or page_size % granule or start % granule or end % granule:
+        raise LayoutError(
+            f"tokens [{start}, {end}) in granules of {granule} of pages of {page_size}: the "
+            "granule must divide the page size and both ends"
+        )
+    p = np.asarray(pages, dtype=I64)
+    if not 0 <= start <= end <= p.size * page_size:
+        raise LayoutError(f"tokens [{start}, {end}) are not inside {p.size} pages of {page_size}")
+    t = np.arange(start, end, granule, dtype=I64)
+    return p[t // page_size] * (page_size // granule) + (t % page_size) // granule
 
 
 def tp_heads(total_kv_heads: int, is_mla: bool, src: RankPosition, dst: RankPosition) -> HeadSlice:
