@@ -13,7 +13,8 @@ run). Phases, every one on fresh random data with the destination poisoned first
    number of contiguous bytes GPU 0 -> GPU 1 (the link's limit); CUDA-event medians, every
    run's bytes checked once.
 3. **engine API** (:class:`kvwire.testing.cluster.Cluster`: a prefill and a decode rank
-   process, ``KVManager`` sender/receiver, the ``cudaipc`` backend): verified requests of
+   process on GPU 0 and GPU 1 (the harness's ``gpus`` round robin), ``KVManager``
+   sender/receiver, the ``cudaipc`` backend): verified requests of
    every size (two chunks, every element and aux row checked on decode), then timed requests
    at each concurrency: GB/s over the wall time of the batch and p50 latency (decode's
    receiver creation to Success).
@@ -435,15 +436,12 @@ def engine(a: argparse.Namespace) -> dict[str, Any]:
     sizes = a.sizes
     pages = {m: max(1, round(m / page_mib)) for m in sizes}
     slots = max(2, *a.concurrency) * max(pages.values()) + 64
-    role_device = {}
-    if a.device == "cuda":
-        role_device = {"prefill": f"cuda:{a.gpus[0]}", "decode": f"cuda:{a.gpus[1]}"}
     spec = ClusterSpec(
         model=model,
         slots=slots,
         aux_slots=256,
         device=a.device,
-        role_device=role_device,
+        gpus=tuple(a.gpus) if a.device == "cuda" else None,
         engine_step_s=a.engine_step,
         prefill_tp=a.prefill_tp,
         decode_tp=a.decode_tp,

@@ -476,6 +476,7 @@ class PrefillSide(Side[SendRoom]):
                 time.perf_counter(),
                 pool=dest.pool,
                 gate=gate,
+                span=(start, end),
             )
             # order matters only within one request to one destination: other requests to
             # the same rank go to other workers (a staged link keeps one queue per
