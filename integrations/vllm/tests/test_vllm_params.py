@@ -400,3 +400,34 @@ def test_bad_params_fail_the_request_and_the_instance_serves_on(
     ok_prompt = prompt_of(999, 17)
     _, ok = pd(cluster, "nhd", rid + "-next", ok_prompt)
     assert ok["failed"] is False and ok["tokens"] == reference(ok_prompt, N_DECODE)
+
+
+def test_a_room_prefill_does_not_hold_fails_fast_naming_it(
+    cluster: tuple[Instance, Instance],
+) -> None:
+    """Decode given a room this prefill instance served already (replayed params) or never
+    issued (another instance's room): prefill answers at once that it does not hold it, and
+    the request fails within a couple of seconds (it used to wait decode's 60 s waiting
+    timeout), naming the room."""
+    p, d = cluster
+    prompt = prompt_of(61, 12)
+    pre, ok = pd(cluster, "nhd", "room-served", prompt)
+    assert ok["failed"] is False
+    assert wait_report(p, "nhd", "room-served", "sent")["sent"] is True
+    room = pre["params"]["kvwire_room"]
+    cases = [
+        ("room-replayed", room, "served or released"),
+        ("room-foreign", room ^ (1 << 61), "never issued"),
+    ]
+    for rid, bad_room, why in cases:
+        t0 = time.monotonic()
+        params = {**pre["params"], "kvwire_room": bad_room}
+        d.call("nhd", "decode", rid=rid, prompt=prompt, params=params, n=N_DECODE)
+        rep = wait_report(d, "nhd", rid, "failed", timeout=30)
+        took = time.monotonic() - t0
+        assert rep["failed"] is True
+        assert took < 5.0, took
+        err = d.call("nhd", "status")["errors"][rid]
+        assert f"does not hold room {bad_room}" in err and why in err, err
+    for inst in cluster:
+        idle(inst, "nhd")

@@ -20,6 +20,7 @@ from vllm_pd_client import N_DECODE, Instance, idle, pd, prompt_of, wait_report
 from vllm_pd_model import reference
 
 from kvwire.testing.cluster import free_bootstrap_port
+from kvwire_vllm.rooms import SEQ_BITS
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -162,13 +163,16 @@ def test_bad_decode_block_ids_fail_the_request(cluster: tuple[Instance, Instance
 def test_abort_while_receiving_frees_blocks_only_when_reported(
     cluster: tuple[Instance, Instance],
 ) -> None:
-    """A decode request whose prefill never pushes (a room prefill does not know) is aborted
-    by the client: vLLM holds its blocks until the connector reports it, which it does once
-    no prefill write can land; then every block is free again."""
+    """A decode request whose prefill does not push (a room this prefill instance may still
+    issue, far ahead of its latest: kept as an early request) is aborted by the client: vLLM
+    holds its blocks until the connector reports it, which it does once no prefill write can
+    land; then every block is free again."""
     p, d = cluster
     prompt = prompt_of(41, 18)
     pre = p.call("blk", "prefill", rid="blk-abort-src", prompt=prompt)
-    params = dict(pre["params"], kvwire_room=pre["params"]["kvwire_room"] ^ 0x5A5A)
+    room = pre["params"]["kvwire_room"]
+    ahead = (room >> SEQ_BITS) << SEQ_BITS | (room + 10**6) % (1 << SEQ_BITS)
+    params = dict(pre["params"], kvwire_room=ahead)
     d.call("blk", "decode", rid="blk-abort", prompt=prompt, params=params, n=N_DECODE)
     time.sleep(0.3)
     st = d.call("blk", "status")

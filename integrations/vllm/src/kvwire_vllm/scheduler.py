@@ -4,7 +4,8 @@ Push mode, one request, as vLLM's PD router drives it:
 
 1. The router sends the request to **prefill** with ``kv_transfer_params =
    {"do_remote_decode": true}`` and ``max_tokens=1``. Prefill computes the prompt; when the
-   request finishes, :meth:`SchedulerHalf.request_finished` picks a random 63-bit room, keeps
+   request finishes, :meth:`SchedulerHalf.request_finished` picks the next room id
+   (:mod:`kvwire_vllm.rooms`), keeps
    the blocks (returns ``True``: vLLM frees them only when the worker reports the request in
    ``finished_sending``), queues a :class:`~kvwire_vllm.metadata.SendSpec` for the workers,
    and returns the params the router forwards to decode: ``do_remote_prefill``, the room,
@@ -32,7 +33,6 @@ Nothing here touches the network: the workers do (``kvwire_vllm.worker``).
 from __future__ import annotations
 
 import logging
-import secrets
 from typing import Any
 
 from vllm.v1.request import RequestStatus
@@ -58,6 +58,7 @@ from kvwire_vllm.params import (
     read_decode_params,
     read_prefill_request,
 )
+from kvwire_vllm.rooms import RoomCounter
 
 logger = logging.getLogger(__name__)
 
@@ -105,8 +106,11 @@ class SchedulerHalf:
         block_size: int,
         is_producer: bool,
         is_consumer: bool,
+        room_prefix: int = 0,
     ) -> None:
         self.block_size = block_size
+        #: Prefill: issues room ids in order (see :mod:`kvwire_vllm.rooms`).
+        self.rooms = RoomCounter(room_prefix)
         self.is_producer = is_producer
         self.is_consumer = is_consumer
         self.bootstrap_addr = bootstrap_address(opts, config)
@@ -269,7 +273,7 @@ class SchedulerHalf:
                 num_tokens,
             )
             return False, None
-        room = secrets.randbits(63)
+        room = self.rooms.next()
         self._meta.sends.append(SendSpec(rid, room, ids))
         self.sending.add(rid)
         return True, {

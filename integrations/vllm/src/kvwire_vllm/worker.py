@@ -35,6 +35,7 @@ from kvwire.session import KVManager, KVPoll, KVReceiver, KVSender, Role
 from kvwire_vllm.config import ConnectorOptions
 from kvwire_vllm.layout import HeadFacts, PoolDescription, describe_kv_caches
 from kvwire_vllm.metadata import FailSpec, KVWireMetadata, RecvSpec, SendSpec
+from kvwire_vllm.rooms import IssuedRooms
 
 logger = logging.getLogger(__name__)
 
@@ -76,8 +77,11 @@ class WorkerHalf:
         rank: RankPosition,
         num_blocks: int,
         heads: HeadFacts | None = None,
+        room_prefix: int = 0,
     ) -> None:
         self.opts = opts
+        #: Prefill: the rooms of this instance (decode asking for any other is refused).
+        self.room_prefix = room_prefix
         self.heads = heads
         self.config = config
         self.role = role
@@ -110,6 +114,7 @@ class WorkerHalf:
             self.role,
             self.pool.layout,
             bootstrap_addr=boot if self.role is Role.PREFILL else None,
+            room_issuer=IssuedRooms(self.room_prefix) if self.role is Role.PREFILL else None,
         )
         logger.info(
             "kvwire-vllm %s rank tp%d: %s, backend %s",
