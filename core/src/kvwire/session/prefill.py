@@ -186,15 +186,15 @@ class PrefillSide(Side[SendRoom]):
                 mgr.send(peer.endpoint, Failure(room=msg.room, session=mgr.session, reason=failed))
                 return
             if room is None:
-                why = self.issuer.never(msg.room) if self.issuer is not None else None
-                if why is None:
+                never = self.issuer.never(msg.room) if self.issuer is not None else None
+                if never is None:
                     self.early.add_request(msg.room, msg.session, dest, time.monotonic())
                 else:
-                    self._refuse_unknown(msg.room, peer.endpoint, why)
+                    self._refuse_unknown(msg.room, peer.endpoint, never)
                 return
             if room.ready and msg.session not in room.dests:  # e.g. replayed params
-                why = "every decode rank it feeds asked for it already"
-                self._refuse_unknown(msg.room, peer.endpoint, why)
+                served = "every decode rank it feeds asked for it already"
+                self._refuse_unknown(msg.room, peer.endpoint, served)
                 return
             self._add_dest(room, dest)
 
