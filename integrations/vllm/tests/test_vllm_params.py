@@ -33,6 +33,7 @@ from kvwire_vllm.params import (
     Refusal,
     RemotePrefill,
     check_host_port,
+    prompt_hash,
     read_decode_params,
     read_prefill_request,
 )
@@ -46,6 +47,7 @@ GOOD: dict[str, Any] = {
     "kvwire_bootstrap_addr": "127.0.0.1:8998",
     "remote_num_tokens": 10,
     "kvwire_block_size": 4,
+    "kvwire_prompt_hash": prompt_hash(list(range(10))),
 }
 
 
@@ -117,6 +119,9 @@ def test_bad_bootstrap_addresses_are_named(addr: str, why: str) -> None:
         (_with(do_remote_decode=None), "do_remote_decode"),
         (_with(kvwire_block_size=0), "kvwire_block_size"),
         (_with(kvwire_from_the_future=1), "kvwire_from_the_future"),
+        (_with(kvwire_prompt_hash="xyz"), "kvwire_prompt_hash"),
+        (_with(kvwire_prompt_hash=12), "kvwire_prompt_hash"),
+        (_with(kvwire_prompt_hash=_DROP), "kvwire_prompt_hash"),
     ],
 )
 def test_malformed_decode_params_are_refused_naming_the_field(
@@ -211,12 +216,35 @@ def test_bad_token_count_still_releases_prefill(rigs: dict[str, Any]) -> None:
 
 def test_good_params_queue_a_receive(rigs: dict[str, Any]) -> None:
     rig = rigs["decode"]
-    got = rig.admit("good", list(range(100, 110)), dict(GOOD))
+    prompt = list(range(100, 110))
+    got = rig.admit("good", prompt, {**GOOD, "kvwire_prompt_hash": prompt_hash(prompt)})
     assert (got.external, got.is_async) == (10, True) and not got.meta.fails
     (recv,) = got.meta.recvs
     assert (recv.room, recv.report, len(recv.block_ids)) == (12345, True, 3)
     assert got.request.kv_transfer_params["do_remote_prefill"] is False
     rig.release(got.request)
+
+
+def test_kv_of_another_prompt_is_refused_naming_both_hashes(rigs: dict[str, Any]) -> None:
+    """Prefill computed prompt A; the router sends decode prompt B (same length) with A's
+    params: decode refuses the KV before any transfer (a failure, and a release of
+    prefill's blocks), naming both hashes."""
+    a, b = list(range(300, 312)), list(range(400, 412))
+    pre = rigs["prefill"].admit("hash-a", a, {"do_remote_decode": True})
+    delay, params = rigs["prefill"].finish(pre.request, _finished_status("FINISHED_STOPPED"))
+    assert delay is True and params is not None
+    assert params["kvwire_prompt_hash"] == prompt_hash(a) != prompt_hash(b)
+    rigs["prefill"].conn.build_connector_meta(None)
+    rigs["prefill"].conn.update_connector_output(_Out({"hash-a"}, set()))
+    rigs["prefill"].release(pre.request)
+    got = rigs["decode"].admit("hash-b", b, params)
+    (fail,) = got.meta.fails
+    assert prompt_hash(a) in fail.reason and prompt_hash(b) in fail.reason, fail.reason
+    assert [r.report for r in got.meta.recvs] == [False]  # only the release
+    rigs["decode"].release(got.request)
+    ok = rigs["decode"].admit("hash-a-ok", a, dict(params, do_remote_prefill=True))
+    assert not ok.meta.fails and [r.report for r in ok.meta.recvs] == [True]
+    rigs["decode"].release(ok.request)
 
 
 def test_malformed_prefill_request_is_computed_but_not_pushed(rigs: dict[str, Any]) -> None:
@@ -295,6 +323,11 @@ def _fuzz_one(
     rig: Any, role: str, rid: str, prompt: list[int], params: Any, status: str, abort: bool
 ) -> None:
     n = len(prompt)
+    if isinstance(params, dict):  # GOOD's values made to fit this prompt, when kept
+        if params.get("kvwire_prompt_hash") == GOOD["kvwire_prompt_hash"]:
+            params["kvwire_prompt_hash"] = prompt_hash(prompt)
+        if params.get("remote_num_tokens") == GOOD["remote_num_tokens"]:
+            params["remote_num_tokens"] = n
     verdict = read_decode_params(params) if role == "decode" else None
     got = rig.admit(rid, prompt, params)
     try:
@@ -307,7 +340,11 @@ def _fuzz_one(
             assert meta.empty()
         else:
             assert (got.external, got.is_async) == (n - got.local, True)
-            usable = isinstance(verdict, RemotePrefill) and verdict.remote_num_tokens == n
+            usable = (
+                isinstance(verdict, RemotePrefill)
+                and verdict.remote_num_tokens == n
+                and verdict.kvwire_prompt_hash == prompt_hash(prompt)
+            )
             assert [r.report for r in meta.recvs if r.report] == ([True] if usable else [])
             assert [f.req_id for f in meta.fails] == ([] if usable else [rid])
         if role == "decode" and got.is_async:
@@ -429,5 +466,25 @@ def test_a_room_prefill_does_not_hold_fails_fast_naming_it(
         assert took < 5.0, took
         err = d.call("nhd", "status")["errors"][rid]
         assert f"does not hold room {bad_room}" in err and why in err, err
+    for inst in cluster:
+        idle(inst, "nhd")
+
+
+def test_kv_of_another_prompt_fails_the_request_before_any_transfer(
+    cluster: tuple[Instance, Instance],
+) -> None:
+    """Two processes: decode's request for prompt B carries prompt A's params (same length):
+    it fails naming both hashes, prefill's blocks are released at once, nothing is moved."""
+    p, d = cluster
+    a, b = prompt_of(71, 13), prompt_of(72, 13)
+    pre = p.call("nhd", "prefill", rid="pair-a", prompt=a)
+    t0 = time.monotonic()
+    d.call("nhd", "decode", rid="pair-b", prompt=b, params=pre["params"], n=N_DECODE)
+    rep = wait_report(d, "nhd", "pair-b", "failed", timeout=10)
+    assert rep["failed"] is True and "tokens" not in rep
+    err = d.call("nhd", "status")["errors"]["pair-b"]
+    assert prompt_hash(a) in err and prompt_hash(b) in err, err
+    assert wait_report(p, "nhd", "pair-a", "sent", timeout=10)["sent"] is True
+    assert time.monotonic() - t0 < 5
     for inst in cluster:
         idle(inst, "nhd")

@@ -31,6 +31,7 @@ from kvwire.layout import RankPosition
 from kvwire.session import Role
 from kvwire_vllm.config import parse_extra_config
 from kvwire_vllm.layout import head_facts
+from kvwire_vllm.logs import adopt_vllm_logging
 from kvwire_vllm.metadata import KVWireMetadata
 from kvwire_vllm.rooms import instance_prefix
 from kvwire_vllm.scheduler import SchedulerHalf, flat_blocks
@@ -58,6 +59,7 @@ class KVWireConnector(KVConnectorBase_V1, SupportsHMA):
 
     def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
+        adopt_vllm_logging()  # kvwire's records in vLLM's log, with its format and level
         ktc = self._kv_transfer_config
         if ktc.kv_role not in ("kv_producer", "kv_consumer"):
             raise ConfigError(

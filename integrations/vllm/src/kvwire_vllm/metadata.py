@@ -18,6 +18,7 @@ from kvwire_vllm.params import (
     DO_REMOTE_DECODE,
     DO_REMOTE_PREFILL,
     NUM_TOKENS,
+    PROMPT_HASH,
     ROOM,
 )
 
@@ -27,6 +28,7 @@ __all__ = [
     "DO_REMOTE_DECODE",
     "DO_REMOTE_PREFILL",
     "NUM_TOKENS",
+    "PROMPT_HASH",
     "ROOM",
     "FailSpec",
     "KVWireMetadata",

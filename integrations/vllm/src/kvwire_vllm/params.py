@@ -13,6 +13,9 @@ Keys (prefill's ``request_finished`` -> router -> decode's request):
 * ``kvwire_bootstrap_addr`` (``host:port``; IPv6 hosts in brackets, ``[::1]:8998``).
 * ``remote_num_tokens`` (int >= 1): the prompt tokens prefill computed.
 * ``kvwire_block_size`` (int, optional): prefill's vLLM block size (informational).
+* ``kvwire_prompt_hash`` (16 hex digits): :func:`prompt_hash` of the prompt prefill
+  computed; decode refuses the KV when its own request's prompt hashes differently (a router
+  that paired the wrong prompts would otherwise get silently wrong output).
 
 The router's request to prefill carries ``do_remote_decode`` (bool). Keys of other
 connectors or routers are ignored; a ``kvwire_*`` key this version does not know is refused
@@ -21,12 +24,14 @@ connectors or routers are ignored; a ``kvwire_*`` key this version does not know
 
 from __future__ import annotations
 
+import hashlib
 import ipaddress
 import re
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Annotated, Any
 
+import numpy as np
 from pydantic import (
     AfterValidator,
     BaseModel,
@@ -41,12 +46,13 @@ ROOM = "kvwire_room"
 BOOTSTRAP = "kvwire_bootstrap_addr"
 NUM_TOKENS = "remote_num_tokens"
 BLOCK_SIZE = "kvwire_block_size"
+PROMPT_HASH = "kvwire_prompt_hash"
 #: The router's request to prefill, and what prefill returns for decode (vLLM's own keys).
 DO_REMOTE_DECODE = "do_remote_decode"
 DO_REMOTE_PREFILL = "do_remote_prefill"
 
 #: Every ``kvwire_*`` key this version reads or writes.
-KVWIRE_KEYS = frozenset({ROOM, BOOTSTRAP, BLOCK_SIZE})
+KVWIRE_KEYS = frozenset({ROOM, BOOTSTRAP, BLOCK_SIZE, PROMPT_HASH})
 _PREFIX = "kvwire_"
 
 #: Largest prompt length accepted (vLLM's max_model_len is far below).
@@ -129,6 +135,7 @@ class RemotePrefill(_Params):
     kvwire_bootstrap_addr: HostPort
     remote_num_tokens: int = Field(ge=1, le=MAX_TOKENS)
     kvwire_block_size: int | None = Field(default=None, ge=1, le=1 << 20)
+    kvwire_prompt_hash: str = Field(pattern=r"^[0-9a-f]{16}$")
 
     @property
     def target(self) -> tuple[int, str]:
@@ -153,6 +160,13 @@ class Refusal:
 
     reason: str
     target: tuple[int, str] | None = None
+
+
+def prompt_hash(token_ids: Sequence[int] | None) -> str:
+    """Short identity of a prompt: BLAKE2b (8 bytes, hex) of its token ids as int64.
+    Computed by prefill when the request finishes, and by decode for its own request."""
+    data = np.asarray(token_ids if token_ids is not None else [], dtype=np.int64).tobytes()
+    return hashlib.blake2b(data, digest_size=8).hexdigest()
 
 
 def describe(exc: ValidationError) -> str:

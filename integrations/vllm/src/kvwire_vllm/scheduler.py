@@ -46,6 +46,7 @@ from kvwire_vllm.metadata import (
     DO_REMOTE_DECODE,
     DO_REMOTE_PREFILL,
     NUM_TOKENS,
+    PROMPT_HASH,
     ROOM,
     FailSpec,
     KVWireMetadata,
@@ -55,6 +56,7 @@ from kvwire_vllm.metadata import (
 from kvwire_vllm.params import (
     Refusal,
     RemotePrefill,
+    prompt_hash,
     read_decode_params,
     read_prefill_request,
 )
@@ -143,7 +145,8 @@ class SchedulerHalf:
         return (count, True) if count > 0 else (0, False)
 
     def _verdict(self, request: Any, got: RemotePrefill | Refusal) -> RemotePrefill | Refusal:
-        """Whether valid params fit this request (its prompt)."""
+        """Whether valid params fit this request: its prompt's length and hash (a hash of
+        up to a few thousand token ids: once per request, in update_state_after_alloc)."""
         if isinstance(got, Refusal):
             return got
         n = int(request.num_prompt_tokens)
@@ -151,6 +154,14 @@ class SchedulerHalf:
             return Refusal(
                 f"prefill computed {got.remote_num_tokens} prompt tokens "
                 f"({NUM_TOKENS}), this request's prompt has {n}",
+                got.target,
+            )
+        ours = prompt_hash(request.prompt_token_ids)
+        if got.kvwire_prompt_hash != ours:
+            return Refusal(
+                f"the KV is of another prompt: prefill's prompt hashes to "
+                f"{got.kvwire_prompt_hash} ({PROMPT_HASH}), this request's to {ours} (did the "
+                "router pair the wrong prompts?)",
                 got.target,
             )
         return got
@@ -283,6 +294,7 @@ class SchedulerHalf:
             BOOTSTRAP: self.bootstrap_addr,
             NUM_TOKENS: num_tokens,
             BLOCK_SIZE: self.block_size,
+            PROMPT_HASH: prompt_hash(request.prompt_token_ids),
         }
 
     def build_connector_meta(self) -> KVWireMetadata:

@@ -116,12 +116,20 @@ class WorkerHalf:
             bootstrap_addr=boot if self.role is Role.PREFILL else None,
             room_issuer=IssuedRooms(self.room_prefix) if self.role is Role.PREFILL else None,
         )
+        cfg = self.config
+        mapper = cfg.index_mapper
         logger.info(
-            "kvwire-vllm %s rank tp%d: %s, backend %s",
+            "kvwire-vllm %s rank tp%d/%d: backend %s, layout %s (kv_pool=%s), mapper %s, "
+            "staging %s, bootstrap %s",
             self.role.value,
             self.rank.tp_rank,
-            self.pool.summary,
+            self.rank.tp_size,
             self.mgr.backend_name,
+            self.pool.summary,
+            self.opts.kv_pool,
+            f"{mapper} (per decode peer)" if mapper == "auto" else mapper,
+            cfg.staging,
+            self.mgr.bootstrap_addr if self.role is Role.PREFILL else "per request",
         )
 
     def _manager(self) -> KVManager:
