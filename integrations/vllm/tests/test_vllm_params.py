@@ -490,3 +490,18 @@ def test_kv_of_another_prompt_fails_the_request_before_any_transfer(
     assert time.monotonic() - t0 < 5
     for inst in cluster:
         idle(inst, "nhd")
+
+
+def test_prefill_advertises_a_valid_bootstrap_address() -> None:
+    """What prefill writes into the params passes decode's check: an IPv6 host gets its
+    brackets; a bad operator setting is refused at startup, not on every request."""
+    from kvwire.errors import ConfigError
+    from kvwire_vllm.config import bootstrap_address, parse_extra_config
+
+    opts, cfg = parse_extra_config({"advertise_host": "::1", "bootstrap_port": 9000})
+    assert bootstrap_address(opts, cfg) == "[::1]:9000"
+    opts, cfg = parse_extra_config({"advertise_host": "prefill 0"})
+    with pytest.raises(ConfigError, match="advertise_host"):
+        bootstrap_address(opts, cfg)
+    with pytest.raises(ConfigError, match="bootstrap_addr"):
+        parse_extra_config({"bootstrap_addr": "10.0.0.1"})
