@@ -22,7 +22,9 @@ MODEL = ModelSpec(num_layers=2, total_kv_heads=2, head_dim=8, dtype="int32", pag
 
 
 def config(secret: str | None = None, **control: Any) -> KVWireConfig:
-    opts = {"heartbeat_interval_s": 0.1, "handshake_timeout_s": 3.0, **control}
+    # 0.5 s beats (eviction after 1.5 s of silence): 0.1 s evicted live managers whose
+    # threads were starved for 0.3 s on a loaded 2-core host. Tests of liveness set their own.
+    opts = {"heartbeat_interval_s": 0.5, "handshake_timeout_s": 3.0, **control}
     return KVWireConfig(
         transfer_backend="tcp",
         control=ControlOptions(**opts),
