@@ -461,7 +461,7 @@ class DecodeSide(Side[RecvRoom]):
         with self.mgr.lock:
             asks = self.quarantine.due_queries(now, list(self.rooms.values()))
         for endpoint, room_id in asks:
-            self.mgr.send(endpoint, WritesQuery(room=room_id, session=self.mgr.session))
+            self.mgr.tell(endpoint, WritesQuery(room=room_id, session=self.mgr.session))
 
     def run_hooks(self, room: RecvRoom, status: KVPoll) -> None:
         """Engine thread, the first time a host-pool request is seen terminal (poll or clear):
@@ -611,7 +611,7 @@ class DecodeSide(Side[RecvRoom]):
             cached_tokens=room.cached_tokens,
         )
         for s in room.sources:
-            mgr.send(s.info.endpoint, msg)
+            mgr.tell(s.info.endpoint, msg)
         room.requested = True
         room.last_progress = time.monotonic()
         mgr.status.update(room.room, KVPoll.Transferring)
@@ -638,7 +638,7 @@ class DecodeSide(Side[RecvRoom]):
         else:
             endpoints = list(room.contacts)
         for ep in endpoints:
-            mgr.send(ep, msg)
+            mgr.tell(ep, msg)
 
     def clear(self, room: RecvRoom) -> None:
         """Engine thread: forget the room. A failed room whose sources have not all confirmed

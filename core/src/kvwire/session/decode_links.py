@@ -147,7 +147,7 @@ class SourceLinks:
                 host_staging=mgr.host_staging.describe(),
                 checksum=mgr.options.kv_checksum,
             )
-            mgr.send(info.endpoint, hello)
+            mgr.tell(info.endpoint, hello)
         ok = pending.event.wait(timeout_s)
         with self._lock:
             if first:

@@ -178,7 +178,7 @@ class KVManager:
                 role=self.role.value,
                 num_workers=self.options.num_workers,
                 kv_tensors=kv_tensors,
-                send_fn=lambda endpoint, msg: self.send(endpoint, msg),
+                send_fn=lambda endpoint, msg: self.tell(endpoint, msg),
                 session=self.session,
                 room_pages=self._room_pages,
             )
@@ -479,8 +479,10 @@ class KVManager:
         """The KV pool's staging strategy and the host pool's (release, leak checks, peers)."""
         return self.staging, self.host_staging
 
-    def send(self, endpoint: str, msg: Message) -> bool:
-        """Send a control message (non-blocking, bounded)."""
+    def tell(self, endpoint: str, msg: Message) -> bool:
+        """Tell a peer's control endpoint ``msg`` (non-blocking, bounded; False when the
+        peer's queue is full and it was dropped). Any thread. Named apart from
+        :meth:`KVSender.send <kvwire.session.sender.KVSender.send>`, which queues KV."""
         ok = self.channel.send(endpoint, msg)
         if not ok:
             m.DROPPED.labels(**self.labels, reason="send_full").inc()

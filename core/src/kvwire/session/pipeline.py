@@ -446,7 +446,7 @@ class Pipeline(LayerwisePosting):
             state is XferState.DONE
             and p.note is not None
             and not self.side.is_dead(p.room)
-            and not mgr.send(p.endpoint, p.note)
+            and not mgr.tell(p.endpoint, p.note)
         ):
             h.error = "the control channel to decode is full (note not sent)"
             state = XferState.FAILED
@@ -500,7 +500,7 @@ class Pipeline(LayerwisePosting):
         if not tail.aux_posted:
             mgr = self.mgr
             if job.chunk_id is None:  # the last chunk moved no KV: say how many did
-                mgr.send(
+                mgr.tell(
                     dest.endpoint,
                     Completion(
                         room=room.room,
@@ -552,7 +552,7 @@ class Pipeline(LayerwisePosting):
                     room=room.room, sender_id=self.side.sender_id, session=self.mgr.session,
                     what="state",
                 )  # fmt: skip
-                self.mgr.send(tail.dest.endpoint, note)
+                self.mgr.tell(tail.dest.endpoint, note)
                 return False
             pair = job.link.pairs[self.side.GROUPS_TABLE]
             note_bytes = self._note(room.room, "state")

@@ -163,7 +163,7 @@ class PrefillSide(Side[SendRoom]):
                     )
                 group_dst = request_groups(link.groups, msg)
             except KVWireError as exc:
-                mgr.send(
+                mgr.tell(
                     peer.endpoint,
                     Failure(room=msg.room, session=mgr.session, reason=f"refused: {exc}"),
                 )
@@ -183,7 +183,7 @@ class PrefillSide(Side[SendRoom]):
             if room is not None and room.error is not None:
                 failed = str(room.error)
             if failed is not None:  # the request already failed here: tell decode now
-                mgr.send(peer.endpoint, Failure(room=msg.room, session=mgr.session, reason=failed))
+                mgr.tell(peer.endpoint, Failure(room=msg.room, session=mgr.session, reason=failed))
                 return
             if room is None:
                 never = self.issuer.never(msg.room) if self.issuer is not None else None
@@ -203,7 +203,7 @@ class PrefillSide(Side[SendRoom]):
         mgr = self.mgr
         reason = f"prefill rank {mgr.agent_name} does not hold room {room_id}: {why}"
         logger.warning("%s", reason)
-        mgr.send(endpoint, Failure(room=room_id, session=mgr.session, reason=reason))
+        mgr.tell(endpoint, Failure(room=room_id, session=mgr.session, reason=reason))
 
     def _add_dest(self, room: SendRoom, dest: Dest) -> None:
         """Under the manager lock: a decode rank's request joins its room."""
@@ -552,7 +552,7 @@ class PrefillSide(Side[SendRoom]):
                 return  # a write is still in flight; decode asks again
             peer = self.mgr.peers.get(msg.session)
         if peer is not None:
-            self.mgr.send(
+            self.mgr.tell(
                 peer.endpoint,
                 WritesDone(room=msg.room, sender_id=self.sender_id, session=self.mgr.session),
             )
@@ -597,7 +597,7 @@ class PrefillSide(Side[SendRoom]):
         msg = Failure(room=room.room, session=mgr.session, reason=str(exc), aborted=aborted)
         for d in room.dests.values():
             if d.session != skip:
-                mgr.send(d.endpoint, msg)
+                mgr.tell(d.endpoint, msg)
 
     def clear(self, room: SendRoom) -> None:
         """Engine thread: forget the room (every terminal path ends here)."""

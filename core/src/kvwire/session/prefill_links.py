@@ -343,7 +343,7 @@ class DecodeLinker:
 
     def _ack(self, hello: Hello, link: DecodeLink) -> None:
         mgr = self.mgr
-        mgr.send(
+        mgr.tell(
             hello.endpoint,
             HelloAck(
                 session=mgr.session,
@@ -369,7 +369,7 @@ class DecodeLinker:
             reason,
             problems,
         )
-        self.mgr.send(
+        self.mgr.tell(
             hello.endpoint,
             HelloReject(
                 session=self.mgr.session,
