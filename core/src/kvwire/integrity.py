@@ -27,8 +27,10 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from functools import lru_cache
+from typing import Any
 
 import numpy as np
+from numpy.lib.stride_tricks import as_strided
 from numpy.typing import NDArray
 
 from kvwire.backends.memcopy import region_array
@@ -118,16 +120,21 @@ class RowHasher:
     def _terms(
         view: NDArray[np.uint8], off: NDArray[np.int64], n: int, dst: NDArray[np.uint64]
     ) -> NDArray[np.uint64]:
-        """One checksum term per row of ``n`` bytes at ``off`` in ``view``."""
+        """One checksum term per row of ``n`` bytes at ``off`` in ``view``: the rows are
+        picked from a strided view (one row per possible start), so the gather is a copy of
+        whole rows, and the weighted sum an ``einsum`` without temporaries."""
+        cells: NDArray[np.unsignedinteger[Any]] = view
+        start, k = off, n
         if n % 8 == 0 and not (off % 8).any():
-            words = view.view(np.uint64)
-            k = n // 8
-            data = words[(off // 8)[:, None] + np.arange(k, dtype=np.int64)]
-        else:
-            k = n
-            data = view[off[:, None] + np.arange(n, dtype=np.int64)].astype(np.uint64)
+            cells, start, k = view[: view.size // 8 * 8].view(np.uint64), off // 8, n // 8
+        windows = as_strided(
+            cells, shape=(cells.size - k + 1, k), strides=(cells.strides[0],) * 2, writeable=False
+        )
+        data = windows[start]
         with np.errstate(over="ignore"):
-            body = (data * _weights(k)).sum(axis=1, dtype=np.uint64)
+            if data.dtype != np.uint64:
+                data = data.astype(np.uint64)
+            body = np.einsum("ij,j->i", data, _weights(k))
             out: NDArray[np.uint64] = (body ^ _mix(dst.astype(np.uint64))) * _ODD
         return out
 
