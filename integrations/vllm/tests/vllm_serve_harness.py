@@ -146,14 +146,24 @@ def _build(env: Path) -> None:
     run(str(env / "bin" / "python"), "-c", MODEL_SCRIPT, str(env / "model"))
 
 
+def _die_with_parent() -> None:
+    """In the child before exec: SIGKILL it if the test process dies (a server must never
+    outlive its test, even when pytest itself is killed)."""
+    import ctypes
+
+    ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
 
 
-def kvwire_config(role: str, backend: str, bootstrap_port: int) -> dict[str, Any]:
-    """``--kv-transfer-config`` for kvwire (``role``: kv_producer or kv_consumer)."""
+def kvwire_config(role: str, backend: str, bootstrap_port: int,
+                  control: dict[str, Any] | None = None) -> dict[str, Any]:
+    """``--kv-transfer-config`` for kvwire (``role``: kv_producer or kv_consumer;
+    ``control``: more kvwire ControlOptions)."""
     return {
         "kv_connector": "KVWireConnector",
         "kv_connector_module_path": "kvwire_vllm.connector",
@@ -161,7 +171,7 @@ def kvwire_config(role: str, backend: str, bootstrap_port: int) -> dict[str, Any
         "kv_connector_extra_config": {
             "transfer_backend": backend,
             "bootstrap_port": bootstrap_port,
-            "control": {"host": "127.0.0.1", "bootstrap_host": "127.0.0.1"},
+            "control": {"host": "127.0.0.1", "bootstrap_host": "127.0.0.1", **(control or {})},
         },
     }
 
@@ -216,7 +226,8 @@ class Server:
         ]
         self._log = open(self.log_path, "wb")  # noqa: SIM115 - closed in stop()
         self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT,
-                                     env=env, start_new_session=True)
+                                     env=env, start_new_session=True,
+                                     preexec_fn=_die_with_parent)
 
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
@@ -274,12 +285,81 @@ class Server:
         self._log.close()
 
 
-def start_all(servers: list[Server]) -> None:
-    """Start every server at once and wait for all (their starts overlap)."""
-    for s in servers:
-        s.start()
-    for s in servers:
-        s.wait_ready()
+class Router:
+    """``python -m kvwire_vllm.router`` in front of one prefill and one decode server, run
+    with the interpreter of the caller (the workspace's: the router needs only aiohttp)."""
+
+    def __init__(self, prefill: Server, decode: Server, log_dir: Path) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log_path = log_dir / "router.log"
+        self.args = ["--prefill", prefill.url, "--decode", decode.url, "--port", str(self.port),
+                     "--health-interval", "1", "--prefill-timeout", "120",
+                     "--read-timeout", "120"]
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def start(self, timeout: float = 60.0) -> None:
+        """Spawn it and wait until its /health answers 200 (both legs up)."""
+        with open(self.log_path, "wb") as log:
+            self.proc = subprocess.Popen([sys.executable, "-m", "kvwire_vllm.router", *self.args],
+                                         stdout=log, stderr=subprocess.STDOUT,
+                                         start_new_session=True, preexec_fn=_die_with_parent)
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                with urllib.request.urlopen(f"{self.url}/health", timeout=2) as r:
+                    if r.status == 200:
+                        return
+            except (urllib.error.URLError, OSError):
+                pass
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"router not up (exit {self.proc.returncode})\n{self.tail()}")
+            time.sleep(0.3)
+
+    def tail(self, lines: int = 30) -> str:
+        try:
+            text = self.log_path.read_text(errors="replace").splitlines()
+        except OSError:
+            return ""
+        return "--- router log ---\n" + "\n".join(text[-lines:])
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(10)
+
+
+class Deployment:
+    """A prefill and a decode server (each pinned to its own core) and the router: started
+    together by :meth:`start`, stopped by :meth:`stop` (the caller's finally)."""
+
+    def __init__(self, env: Path, name: str, prefill_kv: dict[str, Any],
+                 decode_kv: dict[str, Any], log_dir: Path,
+                 prefill_env: dict[str, str] | None = None,
+                 decode_env: dict[str, str] | None = None) -> None:
+        self.name, self.logs = name, log_dir
+        self.prefill = Server(env, f"prefill-{name}", prefill_kv, 0, log_dir, prefill_env)
+        self.decode = Server(env, f"decode-{name}", decode_kv, 1, log_dir, decode_env)
+        self.router = Router(self.prefill, self.decode, log_dir)
+        self.model = self.prefill.model
+        self.ready_s = 0.0
+
+    def start(self) -> None:
+        t0 = time.monotonic()
+        self.prefill.start()
+        self.decode.start()
+        self.prefill.wait_ready()
+        self.decode.wait_ready()
+        self.ready_s = time.monotonic() - t0
+        self.router.start()
+
+    def stop(self) -> None:
+        self.router.stop()
+        self.prefill.stop()
+        self.decode.stop()
+
+    def tails(self) -> str:
+        return "\n".join([self.prefill.tail(), self.decode.tail(), self.router.tail()])
 
 
 if __name__ == "__main__":  # build the environment by hand: python vllm_serve_harness.py

@@ -175,7 +175,7 @@ class Router:
                                     content_type=resp.content_type)
         except NoBackendError as exc:
             return web.json_response({"error": {"message": str(exc)}}, status=503)
-        except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+        except (TimeoutError, aiohttp.ClientError) as exc:
             return web.json_response(
                 LegError("decode", backend.url, f"GET /v1/models failed: {exc!r}").payload(),
                 status=502,
@@ -233,7 +233,7 @@ class Router:
                         raise LegError("prefill", backend.url, f"disconnected: {exc!r}") from exc
                     self.prefill.mark_down(backend, repr(exc))
                     continue  # not sent: the next instance may take it
-                except asyncio.TimeoutError as exc:
+                except TimeoutError as exc:
                     raise LegError("prefill", backend.url,
                                    f"no answer in {self.opts.prefill_timeout}s") from exc
                 except aiohttp.ClientError as exc:
@@ -270,7 +270,7 @@ class Router:
                 except aiohttp.ClientConnectorError as exc:
                     self.decode.mark_down(backend, repr(exc))
                     continue  # never reached the instance: the next may take it
-                except asyncio.TimeoutError as exc:
+                except TimeoutError as exc:
                     raise LegError("decode", backend.url,
                                    f"no answer in {self.opts.read_timeout}s") from exc
                 except aiohttp.ClientError as exc:
@@ -290,7 +290,7 @@ class Router:
         try:
             async for chunk in resp.content.iter_any():
                 await out.write(chunk)
-        except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+        except (TimeoutError, aiohttp.ClientError) as exc:
             err = LegError("decode", backend.url, f"failed mid-answer: {exc!r}")
             logger.warning("%s", err)
             await out.write(f"data: {json.dumps(err.payload())}\n\n".encode())

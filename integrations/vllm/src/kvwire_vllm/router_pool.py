@@ -87,7 +87,7 @@ class Pool:
                     f"{b.url}/health", timeout=aiohttp.ClientTimeout(total=timeout)
                 ) as resp:
                     ok, reason = resp.status == 200, f"/health answered {resp.status}"
-            except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+            except (TimeoutError, aiohttp.ClientError) as exc:
                 ok, reason = False, f"/health failed: {exc!r}"
             if ok and not b.healthy:
                 logger.info("%s instance %s is up", self.leg, b.url)
