@@ -228,11 +228,9 @@ class Router:
                                                  timeout=timeout) as resp:
                         text = await resp.text()
                         status = resp.status
-                except aiohttp.ClientConnectionError as exc:
-                    if isinstance(exc, aiohttp.ServerDisconnectedError):
-                        raise LegError("prefill", backend.url, f"disconnected: {exc!r}") from exc
+                except aiohttp.ClientConnectorError as exc:
                     self.prefill.mark_down(backend, repr(exc))
-                    continue  # not sent: the next instance may take it
+                    continue  # never reached the instance: the next may take it
                 except TimeoutError as exc:
                     raise LegError("prefill", backend.url,
                                    f"no answer in {self.opts.prefill_timeout}s") from exc
