@@ -30,7 +30,7 @@ class Fake:
     def __init__(self, role: str, name: str) -> None:
         self.role, self.name = role, name
         self.bodies: list[dict[str, Any]] = []
-        self.mode = "ok"  # ok | error | cut | unhealthy | slow
+        self.mode = "ok"  # ok | error | cut | unhealthy | slow | noparams
         app = web.Application()
         app.router.add_get("/health", self.health)
         app.router.add_post("/v1/completions", self.generate)
@@ -55,6 +55,8 @@ class Fake:
             return web.json_response({"error": f"{self.name} refuses"}, status=400)
         if self.mode == "slow":
             await asyncio.sleep(30)
+        if self.role == "prefill" and self.mode == "noparams":
+            return web.json_response({"choices": [{"text": "x"}], "kv_transfer_params": None})
         if self.role == "prefill":
             assert body["kv_transfer_params"] == {"do_remote_decode": True}
             assert body["max_tokens"] == 1 and body["stream"] is False
@@ -165,6 +167,13 @@ def test_failing_leg_is_a_named_502() -> None:
             assert err["upstream_status"] == 400 and "refuses" in err["upstream_body"]
             fake.mode = "ok"
         # a prefill answer without kv_transfer_params (no producer connector) is named too
+        p[0].mode = "noparams"
+        async with s.post(f"{url}/v1/completions", json={"prompt": "np"}) as r:
+            assert r.status == 502
+            err = (await r.json())["error"]
+        assert err["leg"] == "prefill" and "no kv_transfer_params" in err["message"]
+        assert all(b["prompt"] != "np" for b in d[0].bodies)  # decode was never asked
+        # a body that is not a JSON object is the client's error
         async with s.post(f"{url}/v1/completions", json=[1, 2]) as r:
             assert r.status == 400
 
