@@ -134,7 +134,11 @@ def _build(env: Path) -> None:
     def run(*args: str) -> None:
         subprocess.run(args, check=True, env=run_env, cwd=REPO)
 
-    run(uv, "venv", "--quiet", "--python", PYTHON, str(env))
+    # the suite's own interpreter when it is the version the requirements are pinned for
+    # (nothing to download), else any Python of that version uv finds
+    here = f"{sys.version_info.major}.{sys.version_info.minor}"
+    python = sys.executable if here == PYTHON else PYTHON
+    run(uv, "venv", "--quiet", "--python", python, str(env))
     run(uv, "pip", "install", "--quiet", "-r", str(REQUIREMENTS), "--override", str(OVERRIDES))
     run(uv, "pip", "install", "--quiet", "--no-deps", *[str(REPO / d) for d in DISTS])
     (site,) = (env / "lib").glob("python3.*/site-packages")
@@ -207,21 +211,21 @@ class Server:
             "VLLM_TARGET_DEVICE": "cpu",
             "VLLM_CPU_OMP_THREADS_BIND": str(self.core),
             "VLLM_CPU_KVCACHE_SPACE": "1",
-            # engine core and worker inside the API server's process: one import of vLLM
-            # and torch instead of three (the start time on this machine is imports)
-            "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
             "VLLM_NO_USAGE_STATS": "1",
             "HF_HUB_OFFLINE": "1",
             "KVWIRE_LOG_LEVEL": "INFO",
-            **self.extra_env,
         }
         for key in ("VIRTUAL_ENV", "PYTHONPATH", "UV_PROJECT_ENVIRONMENT"):
             env.pop(key, None)
+        env.update(self.extra_env)
         cmd = [
             str(self.env / "bin" / "python"), "-m", "vllm.entrypoints.cli.main", "serve",
             self.model, "--host", "127.0.0.1", "--port", str(self.port),
             "--max-model-len", "1024", "--enforce-eager", "--dtype", "float32", "--seed", "0",
-            "--max-num-seqs", str(self.max_num_seqs), "--distributed-executor-backend", "uni",
+            "--max-num-seqs", str(self.max_num_seqs),
+            # the worker inside the engine-core process: two imports of vLLM and torch instead
+            # of three (most of the start time on this machine is imports)
+            "--distributed-executor-backend", "uni",
             "--kv-transfer-config", json.dumps(self.kv_config),
         ]
         self._log = open(self.log_path, "wb")  # noqa: SIM115 - closed in stop()
