@@ -15,8 +15,9 @@ Nothing here is specific to kvwire: any connector that follows vLLM's
 ``kv_transfer_params`` convention (vLLM's own NixlConnector too) works behind it.
 
 Instances are picked least-loaded (requests in flight; round-robin among equals) among those
-up; each instance's ``GET /health`` is probed every ``--health-interval`` seconds and one a
-request cannot connect to is marked down at once (the leg is then tried on the next instance).
+up; each instance's ``GET /health`` is probed every ``--health-interval`` seconds (down after
+``--health-misses`` failed probes in a row) and one a request cannot connect to is marked down
+at once (the leg is then tried on the next instance).
 A leg that fails answers the client **HTTP 502** with a JSON error naming the leg, the
 instance and what it answered; no instance up for a leg: **503**. Every network wait is
 bounded (``--connect-timeout``, ``--prefill-timeout``, ``--read-timeout``).
@@ -62,6 +63,10 @@ class RouterOptions(BaseModel):
     host: str = "127.0.0.1"
     port: int = Field(default=8000, ge=0, lt=65536)
     health_interval: float = Field(default=5.0, gt=0, description="Seconds between probes.")
+    health_timeout: float = Field(default=5.0, gt=0, description="One /health probe.")
+    health_misses: int = Field(
+        default=2, ge=1, description="Failed probes in a row before an instance is down."
+    )
     connect_timeout: float = Field(default=5.0, gt=0, description="Connecting to an instance.")
     prefill_timeout: float = Field(
         default=300.0, gt=0, description="Whole prefill leg (computing the prompt)."
@@ -114,8 +119,8 @@ class Router:
 
     def __init__(self, opts: RouterOptions) -> None:
         self.opts = opts
-        self.prefill = Pool("prefill", opts.prefill)
-        self.decode = Pool("decode", opts.decode)
+        self.prefill = Pool("prefill", opts.prefill, opts.health_misses)
+        self.decode = Pool("decode", opts.decode, opts.health_misses)
         self._session: aiohttp.ClientSession | None = None
         self._health: asyncio.Task[None] | None = None
 
@@ -143,7 +148,7 @@ class Router:
             await self._session.close()
 
     async def _check(self) -> None:
-        t = min(self.opts.connect_timeout, self.opts.health_interval * 2)
+        t = self.opts.health_timeout
         await asyncio.gather(
             self.prefill.check(self.session, t), self.decode.check(self.session, t)
         )
@@ -318,6 +323,8 @@ def parse_args(argv: list[str] | None = None) -> RouterOptions:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--health-interval", type=float, default=5.0)
+    p.add_argument("--health-timeout", type=float, default=5.0)
+    p.add_argument("--health-misses", type=int, default=2)
     p.add_argument("--connect-timeout", type=float, default=5.0)
     p.add_argument("--prefill-timeout", type=float, default=300.0)
     p.add_argument("--read-timeout", type=float, default=300.0)

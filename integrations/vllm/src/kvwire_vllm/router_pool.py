@@ -4,8 +4,9 @@ One :class:`Pool` per leg (prefill, decode). The router's request handlers call
 :meth:`Pool.pick` and hold the returned :class:`Backend` for the leg (``with
 pool.use(backend)``) so its in-flight count stays right; :meth:`Pool.check` (called by the
 router's health loop, every ``interval`` seconds) marks each backend up or down from its
-``GET /health``. A handler that cannot connect to a backend marks it down at once
-(:meth:`Pool.mark_down`); the next successful health check brings it back.
+``GET /health``: down after ``misses`` failed probes in a row (a busy instance may answer one
+probe late), up at the first passing one. A handler that cannot connect to a backend marks it
+down at once (:meth:`Pool.mark_down`).
 
 Lock contract: everything runs on the router's one asyncio event loop, so no lock is needed;
 no method awaits between reading and updating a backend's state except :meth:`check`, which
@@ -34,6 +35,8 @@ class Backend:
     inflight: int = 0
     #: Why it was last marked down (shown by the router's /health).
     reason: str = ""
+    #: Health probes failed in a row.
+    misses: int = 0
 
 
 class NoBackendError(Exception):
@@ -43,10 +46,11 @@ class NoBackendError(Exception):
 class Pool:
     """The backends of one leg, picked least-loaded (round-robin among equals)."""
 
-    def __init__(self, leg: str, urls: list[str]) -> None:
+    def __init__(self, leg: str, urls: list[str], misses: int = 2) -> None:
         if not urls:
             raise ValueError(f"no {leg} instance given")
         self.leg = leg
+        self.misses = misses
         self.backends = [Backend(u.rstrip("/")) for u in urls]
         self._next = 0
 
@@ -89,11 +93,15 @@ class Pool:
                     ok, reason = resp.status == 200, f"/health answered {resp.status}"
             except (TimeoutError, aiohttp.ClientError) as exc:
                 ok, reason = False, f"/health failed: {exc!r}"
-            if ok and not b.healthy:
-                logger.info("%s instance %s is up", self.leg, b.url)
-                b.healthy, b.reason = True, ""
-            elif not ok:
-                self.mark_down(b, reason)
+            if ok:
+                b.misses = 0
+                if not b.healthy:
+                    logger.info("%s instance %s is up", self.leg, b.url)
+                    b.healthy, b.reason = True, ""
+            else:
+                b.misses += 1
+                if b.misses >= self.misses:
+                    self.mark_down(b, reason)
 
         await asyncio.gather(*(probe(b) for b in self.backends))
 
