@@ -8,7 +8,8 @@ builds and caches the environment and the tiny random-weight model). Checks:
 * decode's greedy tokens equal a single server's (the prefill instance serving the plain
   request: its connector leaves requests without ``kv_transfer_params`` alone) for short and
   long prompts (1 to 7 blocks of 128 tokens), 1 and 8 in flight, streaming and not;
-* negative control: decode handed another prompt's KV (same length) fails or differs;
+* negative control: decode handed another prompt's KV (same length) fails or differs, and
+  leaves no trace (the prompt with its own KV is then served right);
 * fuzz: random and hostile ``kv_transfer_params`` sent straight to both instances crash
   neither (0 crashes) and every later normal request is served right;
 * fast failures: a wrong bootstrap address and an unknown room fail the request (or compute
@@ -224,9 +225,18 @@ def test_negative_control_other_prompts_kv(pair: Pair) -> None:
     assert status != 200 or tokens(ans) != ref_b or moved == 0, (
         "decode took another prompt's KV and still produced the reference tokens: the "
         "token checks could not see a mixup")
-    # then b with its own KV must be right: a mixup must not leave a's KV in decode's prefix
-    # cache under b's tokens (it does on a decode that took a's KV: the next request for b
-    # hits that cache for its first full block and gets a's KV silently)
+    assert pair.decode.alive()
+
+
+@pytest.mark.parametrize("pair", ["tcp"], indirect=True)
+def test_kv_mixup_leaves_no_trace_in_prefix_cache(pair: Pair) -> None:
+    """After decode was handed another prompt's KV, the prompt with its own KV is served
+    right: the mixup must not leave a's KV in decode's prefix cache under b's tokens (a decode
+    that takes a's KV caches b's first full block with a's content, and every later request
+    for b hits it and gets a's KV silently)."""
+    a, b = _prompt(SWAP_LEN, 3), _prompt(SWAP_LEN, 4)
+    ref_b = pair.reference(b)
+    post(f"{pair.decode.url}/v1/completions", pair.body(b, kv_transfer_params=pair.prefill_leg(a)))
     status, ans = post(f"{pair.decode.url}/v1/completions",
                        pair.body(b, kv_transfer_params=pair.prefill_leg(b)))
     assert status == 200, ans
