@@ -16,8 +16,8 @@ builds and caches the environment and the tiny random-weight model). Checks:
   it locally) within ``FAST_FAIL_S``;
 * decode killed mid-stream: prefill releases every block it held and serves the next requests.
 
-Wall time with the environment cached: two server pairs starting (~60-120 s each on this
-2-core machine) plus ~60 s of requests.
+Wall time with the environment cached: two server pairs starting (66 s each on this 2-core
+machine idle, 200-275 s at a load average of 20) plus ~1 min of requests.
 """
 
 from __future__ import annotations
