@@ -1,6 +1,6 @@
 """Bulk staging vs the per-token path vs equal TP, with every KV pool on one device.
 
-:func:`kvwire.testing.staging_bench.compare` with the pools' ``device`` and the model chosen
+:func:`kvwire.bench.staging.compare` with the pools' ``device`` and the model chosen
 here, printed without ``rich``: three clusters on loopback, one after another
 
 * ``per-token``: prefill TP 2 -> decode TP 1, ``staging=direct`` (one descriptor per layer,
@@ -28,9 +28,9 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+from kvwire.bench.staging import COLUMNS, MODES, StagingCell, compare, rows
 from kvwire.config import KVWireConfig
 from kvwire.layout import ModelSpec
-from kvwire.testing.staging_bench import COLUMNS, MODES, StagingCell, compare, rows
 
 
 def table(cells: list[StagingCell]) -> str:

@@ -103,6 +103,7 @@ def samples() -> list[Message]:
             aux_regions=aux,
             host_layout=layout,
             host_staging={"identity": "boot-id:1000", "pools": [{"path": "/dev/shm/x"}]},
+            checksum=True,
         ),
         HelloAck(
             session="p-session",
@@ -116,6 +117,7 @@ def samples() -> list[Message]:
             layout=layout,
             staged=True,
             groups=True,
+            checksum=True,
         ),
         HelloReject(
             session="p-session",
@@ -143,11 +145,15 @@ def samples() -> list[Message]:
             room=42,
             sender_id=1,
             session="p-session",
-            what="state",
+            what="kv",
             chunk_id=2,
             last=True,
             parts=2,
             part=1,
+            span=(4, 6),
+            num_pages=6,
+            sum_layers=[0, 1],
+            sums=[(1 << 64) - 1, 7],
         ),
         StagingMessage(
             session="d",

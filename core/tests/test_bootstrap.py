@@ -119,26 +119,24 @@ def test_lookup_waits_for_late_rank(server: BootstrapServer) -> None:
     assert server.stats["lookups"] > 2  # it did poll repeatedly
 
 
-def test_lookup_waits_for_service_to_start() -> None:
-    port = free_port()
-    client = BootstrapClient(f"127.0.0.1:{port}")
-    holder: list[BootstrapServer] = []
+def test_lookup_fails_at_once_where_nothing_listens() -> None:
+    """Connection refused is an answer (a wrong address, or a prefill instance that is
+    gone): the lookup fails at once naming the address, not after its timeout. Retrying is
+    for a service that answers while ranks are still registering (the tests above)."""
+    address = f"127.0.0.1:{free_port()}"
+    t0 = time.monotonic()
+    with pytest.raises(BootstrapError, match="unreachable at " + re.escape(address)) as ei:
+        BootstrapClient(address).lookup(0, timeout_s=30.0)
+    assert time.monotonic() - t0 < 2.0
+    assert "refused" in str(ei.value)
 
-    def start_late() -> None:
-        time.sleep(0.3)
-        srv = BootstrapServer(port=port).start()
-        holder.append(srv)
-        BootstrapClient(srv.address).register(rank(0, tp_size=1))
 
-    t = threading.Thread(target=start_late)
-    t.start()
-    try:
-        got = client.lookup(0, timeout_s=3.0)
-        assert [r.agent for r in got] == ["agent-0-0-0"]
-    finally:
-        t.join()
-        for srv in holder:
-            srv.stop()
+def test_lookup_fails_at_once_for_a_name_that_does_not_resolve() -> None:
+    address = "no-such-prefill.invalid:8998"
+    t0 = time.monotonic()
+    with pytest.raises(BootstrapError, match="unreachable at " + re.escape(address)):
+        BootstrapClient(address).lookup(0, timeout_s=30.0)
+    assert time.monotonic() - t0 < 10.0  # the resolver's own answer; no retries on top
 
 
 def test_lookup_timeout_names_missing_ranks(server: BootstrapServer) -> None:

@@ -12,7 +12,6 @@ import numpy as np
 import pytest
 from numpy.typing import NDArray
 
-from kvwire.control.handshake import handshake_problems
 from kvwire.control.wire import Codec, Hello, TransferRequest
 from kvwire.errors import ConfigError, DescriptorError, LayoutError
 from kvwire.index.equal_tp import EqualTPMapper
@@ -27,6 +26,7 @@ from kvwire.layout import (
     RankPosition,
 )
 from kvwire.session.groups import check_state_indices, from_wire, to_wire
+from kvwire.session.handshake import handshake_problems
 
 MODEL = ModelSpec(num_layers=1, total_kv_heads=4, head_dim=2, dtype="int32", page_size=2)
 SLOTS = 4

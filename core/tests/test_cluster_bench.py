@@ -8,8 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from kvwire.cli import main
-from kvwire.testing.bench_cli import (
+from kvwire.bench.cli import (
     QUICK_CONCURRENCY,
     QUICK_FANOUT_CONCURRENCY,
     QUICK_PAGE_KIB,
@@ -17,7 +16,8 @@ from kvwire.testing.bench_cli import (
     QUICK_REQUESTS,
     QUICK_SIZES,
 )
-from kvwire.testing.bench_common import (
+from kvwire.bench.cluster import MODES
+from kvwire.bench.common import (
     cell_of,
     model_for,
     page_bytes,
@@ -26,8 +26,8 @@ from kvwire.testing.bench_common import (
     requests_for,
     run_of,
 )
+from kvwire.cli import main
 from kvwire.testing.cluster import RankReport, RequestResult, RoomPlan
-from kvwire.testing.cluster_bench import MODES
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 

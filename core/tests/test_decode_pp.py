@@ -18,11 +18,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from numpy.typing import NDArray
 
-from kvwire.control.handshake import handshake_problems, layout_topology
 from kvwire.index import EqualTPMapper, HeadSliceMapper, IndexMapper, MLAMapper
 from kvwire.index.base import default_mapper_name
 from kvwire.index.topology import Topology
 from kvwire.layout import KVLayout, ModelSpec, RankPosition
+from kvwire.session.handshake import handshake_problems, layout_topology
 
 MAPPERS: dict[str, type[IndexMapper]] = {
     "equal_tp": EqualTPMapper,

@@ -15,7 +15,6 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from numpy.typing import NDArray
 
-from kvwire.control.handshake import handshake_problems
 from kvwire.control.wire import Codec, Hello
 from kvwire.index.groups import GroupMapper
 from kvwire.index.topology import Topology
@@ -28,6 +27,7 @@ from kvwire.layout import (
     ModelSpec,
     RankPosition,
 )
+from kvwire.session.handshake import handshake_problems
 
 MODEL = ModelSpec(num_layers=1, total_kv_heads=8, head_dim=2, dtype="int32", page_size=2)
 SLOTS = 4

@@ -213,7 +213,8 @@ def test_across_processes(
         kv_in_slot=tuple(r.split(":")[1] for r in fused if ":" in r),
         head_major=head_major,
         decode_page_size=decode_page,
-        config=config().model_copy(update={"staging": staging}),
+        # 0.5 s beats: eviction after 0.3 s evicted live ranks on a loaded 2-core host
+        config=config(heartbeat_interval_s=0.5).model_copy(update={"staging": staging}),
     )
     with Cluster(spec) as c:
         plans = c.plans(16, pages=(1, 6), cached_fraction=0.3, layerwise_fraction=0.5)

@@ -207,7 +207,7 @@ def test_bench_layerwise_runs_every_mode_with_bytes_checked(tmp_path: object) ->
     prefill's in every run."""
     from rich.console import Console
 
-    from kvwire.testing.layerwise_bench import BenchArgs, measure
+    from kvwire.bench.layerwise import BenchArgs, measure
 
     a = BenchArgs(layers=4, hidden=32, heads=2, head_dim=8, page_size=4, tokens=[64], repeat=1)
     (row,) = measure(a, Console(quiet=True))

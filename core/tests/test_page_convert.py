@@ -13,6 +13,7 @@ decode pages may change.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import math
 import time
@@ -24,13 +25,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from numpy.typing import NDArray
 
-from kvwire.control.handshake import handshake_problems
 from kvwire.errors import DescriptorError, KVWireError, LayoutError
 from kvwire.index import EqualTPMapper, HeadSliceMapper, IndexMapper, MLAMapper, source_ranks
 from kvwire.index.base import default_mapper_name
 from kvwire.index.paging import PageConversion
 from kvwire.layout import BufferGroup, KVLayout, MemoryRegion, ModelSpec, RankPosition
 from kvwire.session import KVPoll
+from kvwire.session.handshake import handshake_problems
 from kvwire.testing.kvfill import count_mismatches, fill_pages
 from kvwire.testing.pair import MODEL, config, no_rooms, pair, wait_for
 
@@ -466,4 +467,33 @@ def test_a_prefix_not_on_both_page_sizes_is_placed_by_cached_tokens() -> None:
                         side.failure_exception()
             r.clear()
             s.clear()
+        wait_for(lambda: no_rooms(p.prefill) and no_rooms(p.decode))
+
+
+@pytest.mark.parametrize(("pages", "cached"), [(0, 0), (0, 4), (1, 0)])
+def test_too_few_decode_pages_are_refused_at_once(pages: int, cached: int) -> None:
+    """Prefill pages of 2 tokens, decode pages of 4, a prompt of 4 prefill pages (7-8 tokens).
+    Decode asking for too few pages for the tokens it does not keep (none at all included:
+    that once "completed" with no KV moved) fails on both sides at once, naming the page
+    counts and sizes, and leaves no room behind."""
+    dmodel = MODEL.model_copy(update={"page_size": 4})
+    with pair(config(), dmodel=dmodel) as p:
+        n = 4
+        r = p.decode.receiver(11, p.addr)
+        r.init()
+        r.send_metadata(np.arange(pages) + 5, aux_index=1, cached_tokens=cached)
+        s = p.prefill.sender(11)
+        wait_for(lambda: s.poll() >= KVPoll.WaitingForInput)
+        t0 = time.monotonic()
+        s.init(n, aux_index=2)
+        with contextlib.suppress(KVWireError):  # may already be raised on the engine thread
+            s.send(np.arange(n) + 3, last=True)
+        wait_for(lambda: r.poll() == KVPoll.Failed == s.poll())
+        assert time.monotonic() - t0 < 2.0
+        want = f"asks for {pages} pages of 4 tokens, which no prompt of 4 prefill pages of 2"
+        for side in (r, s):
+            with pytest.raises(KVWireError, match=want):
+                side.failure_exception()
+        r.clear()
+        s.clear()
         wait_for(lambda: no_rooms(p.prefill) and no_rooms(p.decode))

@@ -37,6 +37,7 @@ def test_fixture_versions_exist() -> None:
         "v1.4",
         "v1.5",
         "v1.6",
+        "v1.7",
     ]
 
 

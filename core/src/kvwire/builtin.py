@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from kvwire.plugins import DoctorCheck, Implementation, hookimpl
+from kvwire.hookspecs import DoctorCheck, Implementation, hookimpl
 
 
 @hookimpl

@@ -216,9 +216,9 @@ def cmd_bootstrap(args: argparse.Namespace, console: Console) -> int:
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of the ``kvwire`` command."""
     from kvwire import demo
+    from kvwire.bench import layerwise as layerwise_bench
+    from kvwire.bench.cli import add_bench_args
     from kvwire.config import add_cli_args
-    from kvwire.testing import layerwise_bench
-    from kvwire.testing.bench_cli import add_bench_args
 
     parser = argparse.ArgumentParser(prog="kvwire", description=__doc__)
     parser.add_argument("-v", "--verbose", action="count", default=0, help="more logging")
@@ -301,15 +301,15 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         return demo.run(args, console)
     if args.command == "bench-backend":
-        from kvwire.testing import backend_bench
+        from kvwire.bench import backend as backend_bench
 
         return backend_bench.run(args, console)
     if args.command == "bench":
-        from kvwire.testing import bench_cli
+        from kvwire.bench import cli as bench_cli
 
         return bench_cli.run(args, console, sys.argv[1:] if argv is None else argv)
     if args.command == "bench-layerwise":
-        from kvwire.testing import layerwise_bench
+        from kvwire.bench import layerwise as layerwise_bench
 
         return layerwise_bench.run(args, console)
     if args.command == "new-plugin":

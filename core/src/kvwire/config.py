@@ -55,6 +55,12 @@ class ControlOptions(BaseModel):
         "True (backpressure the engine can check before admitting requests; nothing is refused "
         "or timed out for it).",
     )
+    kv_checksum: bool = Field(
+        default=False,
+        description="Decode asks every prefill rank for a checksum of each KV chunk it sends "
+        "and checks the bytes that landed before reporting success (docs/integrity.md). Host "
+        "(DRAM) KV pools only, for now; set on decode (prefill answers what decode asks).",
+    )
     layerwise_groups: int = Field(
         default=4,
         ge=1,

@@ -24,10 +24,10 @@ from rich.progress import (
 )
 from rich.table import Table
 
+from kvwire.cli_progress import progress_bar
 from kvwire.config import AUTO, config_from_args
 from kvwire.errors import KVWireError
 from kvwire.layout import ModelSpec
-from kvwire.progress import progress_bar
 from kvwire.selection import auto_backend_name, select_backend
 from kvwire.testing.cluster import Cluster, ClusterError, ClusterSpec, RequestResult
 

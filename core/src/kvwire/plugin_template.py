@@ -72,7 +72,7 @@ packages = ["src/{pkg}"]
 It names the backend and never imports the engine: a broken engine install must not break
 ``kvwire --help`` or the other backends."""
 
-from kvwire.plugins import Implementation, hookimpl
+from kvwire.hookspecs import Implementation, hookimpl
 
 #: The kvwire plugin API this plugin is written for (kvwire refuses to load it
 #: when it is not compatible, naming both versions).

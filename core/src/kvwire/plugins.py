@@ -1,11 +1,11 @@
-"""Plugin discovery: pluggy hookspecs, entry points, and the name -> implementation registry.
+"""Plugin discovery: entry points and the name -> implementation registry.
 
 Plugins are distributions that declare an entry point in the ``kvwire`` group pointing at a
 light module (it must not import a native engine). pluggy registers that module and calls its
-hooks, which return :class:`Implementation` records: a name and an import path. The import
-path is resolved only when that name is selected, so a broken native install never breaks
-``kvwire --help`` or another backend. kvwire's own built-ins register through the same hooks
-(entry point ``core`` -> :mod:`kvwire.builtin`).
+hooks (specified in :mod:`kvwire.hookspecs`), which return :class:`Implementation` records: a
+name and an import path. The import path is resolved only when that name is selected, so a
+broken native install never breaks ``kvwire --help`` or another backend. kvwire's own
+built-ins register through the same hooks (entry point ``core`` -> :mod:`kvwire.builtin`).
 """
 
 from __future__ import annotations
@@ -25,12 +25,28 @@ import pluggy
 from kvwire import plugin_api
 from kvwire.errors import PluginError, UnknownNameError
 
+# Re-exported: plugins written before the hook specifications had their own module import
+# these names from here.
+from kvwire.hookspecs import PROJECT, DoctorCheck, Implementation, KVWireSpecs, hookimpl, hookspec
+
 logger = logging.getLogger(__name__)
 
-PROJECT = "kvwire"
+__all__ = [
+    "ENTRY_POINT_GROUP",
+    "PROJECT",
+    "DoctorCheck",
+    "Entry",
+    "Implementation",
+    "KVWireSpecs",
+    "Kind",
+    "PluginRegistry",
+    "get_registry",
+    "hookimpl",
+    "hookspec",
+    "reset_registry",
+]
+
 ENTRY_POINT_GROUP = "kvwire"
-hookspec = pluggy.HookspecMarker(PROJECT)
-hookimpl = pluggy.HookimplMarker(PROJECT)
 
 #: Distributions that provide well-known names, for install hints.
 KNOWN_DISTRIBUTIONS = {
@@ -46,64 +62,6 @@ class Kind(enum.StrEnum):
     BACKEND = "transfer backend"
     MAPPER = "index mapper"
     STAGING = "staging strategy"
-
-
-@dataclass(frozen=True)
-class Implementation:
-    """What a hook returns: a name and the ``module:attribute`` that implements it.
-
-    ``priority`` orders backends for ``--transfer-backend auto`` (highest usable wins), and
-    host-pool mappers and strategies for ``host_mapper``/``host_staging`` ``auto``. ``pools``
-    says which decode pools a mapper or staging strategy serves: ``"kv"`` (the KV pool) and/or
-    ``"host"`` (a decode host pool of finer pages, ``KVManager(host_layout=...)``).
-    """
-
-    name: str
-    target: str
-    description: str = ""
-    priority: int = 0
-    pools: tuple[str, ...] = ("kv",)
-
-
-class KVWireSpecs:
-    """Hook specifications. A plugin module implements any of them with ``@hookimpl``."""
-
-    #: The version of these specifications (and of the seams' contracts): a plugin's hook
-    #: module declares the one it was written for as ``KVWIRE_PLUGIN_API``.
-    VERSION = plugin_api.PLUGIN_API
-
-    @hookspec
-    def kvwire_transfer_backends(self) -> list[Implementation]:  # type: ignore[empty-body]
-        """Return the transfer backends this plugin provides."""
-
-    @hookspec
-    def kvwire_index_mappers(self) -> list[Implementation]:  # type: ignore[empty-body]
-        """Return the index mappers this plugin provides."""
-
-    @hookspec
-    def kvwire_staging_strategies(self) -> list[Implementation]:  # type: ignore[empty-body]
-        """Return the staging strategies this plugin provides."""
-
-    @hookspec
-    def kvwire_engine_benchmarks(self) -> list[Implementation]:  # type: ignore[empty-body]
-        """Return engine-level benchmarks: ``Implementation(backend name, "module:main")``
-        where ``main(argv: list[str]) -> int`` compares the backend with raw engine calls
-        (run by ``kvwire bench --engine --transfer-backend NAME``)."""
-
-    @hookspec
-    def kvwire_doctor_checks(self) -> list[DoctorCheck]:  # type: ignore[empty-body]
-        """Report what the plugin's engine needs and whether it is there (for `kvwire
-        doctor`). Must not fail when the engine is missing: report it instead."""
-
-
-@dataclass(frozen=True)
-class DoctorCheck:
-    """One line of `kvwire doctor`: what was checked, whether it is usable, and the fix."""
-
-    subject: str
-    ok: bool
-    detail: str
-    fix: str = ""
 
 
 _HOOKS = {

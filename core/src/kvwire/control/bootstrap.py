@@ -30,12 +30,14 @@ requests that change state (PUT, DELETE), a nonce it has already seen within tha
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import hmac
 import http.client
 import json
 import logging
 import secrets
+import socket
 import time
 import urllib.error
 import urllib.parse
@@ -122,7 +124,24 @@ def _format_address(host: str, port: int) -> str:
 
 
 class _UnreachableError(Exception):
-    """The service did not answer (refused, timed out, reset): worth retrying."""
+    """The service did not answer (timed out, reset, cut off): worth retrying."""
+
+
+class _NoServiceError(_UnreachableError):
+    """Nothing serves at the address: the connection was refused, the name does not
+    resolve, or the host or network is unreachable. An answer, not a reason to retry: a
+    decode rank given a wrong address fails the request at once."""
+
+
+#: OS errors that say no service is at the address (as opposed to a slow or busy one).
+_NO_SERVICE = (ConnectionRefusedError, socket.gaierror)
+_NO_ROUTE = {errno.ENETUNREACH, errno.EHOSTUNREACH, errno.EADDRNOTAVAIL}
+
+
+def _no_service(reason: object) -> bool:
+    if isinstance(reason, _NO_SERVICE):
+        return True
+    return isinstance(reason, OSError) and reason.errno in _NO_ROUTE
 
 
 class BootstrapClient:
@@ -169,10 +188,12 @@ class BootstrapClient:
     ) -> list[RankInfo]:
         """All prefill ranks of ``dp_rank``, sorted by ``(pp_rank, tp_rank)``.
 
-        Called by decode ranks before their first transfer from that dp rank. Retries while the
-        service is unreachable or not every rank has registered, until ``timeout_s`` passes;
-        then raises :class:`BootstrapError` saying what was missing. Refusals (bad secret,
-        bad request) are raised at once.
+        Called by decode ranks before their first transfer from that dp rank. Retries while
+        the service answers but not every rank has registered, or does not answer in time
+        (a busy service), until ``timeout_s`` passes; then raises :class:`BootstrapError`
+        saying what was missing. Refusals (bad secret, bad request) and an address where
+        nothing serves (connection refused, a name that does not resolve, no route) are
+        raised at once, naming the address.
         """
         deadline = time.monotonic() + timeout_s
         path = f"/v1/ranks?{urllib.parse.urlencode({'dp_rank': dp_rank})}"
@@ -182,6 +203,11 @@ class BootstrapClient:
             remaining = deadline - time.monotonic()
             try:
                 reply = self._request("GET", path, b"", min(self._timeout, max(remaining, 0.05)))
+            except _NoServiceError as e:
+                raise BootstrapError(
+                    f"bootstrap service unreachable at {self.address}: {e} (nothing serves "
+                    "there: is the bootstrap address right, and the prefill instance up?)"
+                ) from e
             except _UnreachableError as e:
                 unreachable, last = str(e), None
             else:
@@ -262,7 +288,8 @@ class BootstrapClient:
         except (urllib.error.URLError, OSError, http.client.HTTPException) as e:
             # refused, timed out, reset, or cut off mid-reply: worth retrying
             reason = e.reason if isinstance(e, urllib.error.URLError) else e
-            raise _UnreachableError(str(reason) or type(reason).__name__) from e
+            kind = _NoServiceError if _no_service(reason) else _UnreachableError
+            raise kind(str(reason) or type(reason).__name__) from e
         try:
             reply = json.loads(payload)
         except ValueError as e:

@@ -28,12 +28,19 @@ import itertools
 import secrets
 import time
 from collections.abc import Callable
-from typing import Any, ClassVar, Literal
+from typing import Any, ClassVar, Literal, Self
 
 import msgpack
 import numpy as np
 from numpy.typing import NDArray
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 from kvwire.control.freshness import FreshnessError, ReplayGuard
 from kvwire.errors import ProtocolError
@@ -64,7 +71,7 @@ from kvwire.layout import (
 #: times out) or acknowledges a hash that decode refuses. 1.6 also carries ``KVLayout.kv_fused``
 #: and ``KVLayout.kv_in_slot`` (K and V in one buffer per layer; omitted when unset).
 PROTOCOL_MAJOR = 1
-PROTOCOL_MINOR = 6
+PROTOCOL_MINOR = 7
 
 #: Largest frame accepted (layouts of deep models with many buffers stay far below this).
 MAX_FRAME_BYTES = 16 << 20
@@ -144,6 +151,8 @@ class Hello(Message):
     #: The host-pool strategy's decode-side description (e.g. a shared-memory pool that a
     #: prefill rank on the same host may map); None when there is nothing to share. (1.2)
     host_staging: dict[str, Any] | None = None
+    #: Decode asks for a checksum of every KV chunk (``ControlOptions.kv_checksum``). (1.7)
+    checksum: bool = False
 
     @field_validator("layout", "host_layout", mode="before")
     @classmethod
@@ -183,6 +192,9 @@ class HelloAck(Message):
     #: Whether this prefill rank moves buffer-group bytes (state, sliding window, draft
     #: layers) to that decode rank: one ``ChunkNote(what="state")`` per request. (1.4)
     groups: bool = False
+    #: This prefill rank will send per-layer checksums with its KV chunks, as decode asked.
+    #: A decode rank that asked and reads False (an older prefill) refuses the link. (1.7)
+    checksum: bool = False
 
     @field_validator("rank", mode="before")
     @classmethod
@@ -280,6 +292,24 @@ class ChunkNote(Message):
     #: arrived. (1.2)
     parts: int = Field(ge=1, le=64, default=1)
     part: int = Field(ge=0, default=0)
+    #: With checksums (1.7): the chunk's request pages ``[start, end)`` and the request's page
+    #: count, so decode can find the rows the chunk wrote; and the per-layer sums of the rows
+    #: this note's part covers (each part carries the sums of the layers it completed, or
+    #: none: decode adds them up over the chunk's parts).
+    span: tuple[int, int] | None = None
+    num_pages: int | None = Field(default=None, ge=0)
+    sum_layers: list[int] = Field(default_factory=list, max_length=4096)
+    sums: list[int] = Field(default_factory=list, max_length=4096)
+
+    @model_validator(mode="after")
+    def _check_sums(self) -> Self:
+        if len(self.sum_layers) != len(self.sums):
+            raise ValueError("sum_layers and sums differ in length")
+        if any(not 0 <= s < 1 << 64 for s in self.sums):
+            raise ValueError("a checksum is not a 64-bit unsigned value")
+        if self.span is not None and not 0 <= self.span[0] <= self.span[1]:
+            raise ValueError(f"chunk span {self.span} is not a page range")
+        return self
 
 
 class StagingMessage(Message):

@@ -9,36 +9,21 @@ page indices into index arrays into those tables: NumPy only, no per-descriptor 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import Any, ClassVar
 
 import numpy as np
 from numpy.typing import NDArray
 from pydantic import BaseModel
 
 from kvwire.backend import NoOptions
-from kvwire.descriptors import DescTable, IndexArray, check_indices
+from kvwire.descriptors import IndexArray, check_indices
 from kvwire.errors import DescriptorError, LayoutError
+from kvwire.index.groups import GroupMapper
 from kvwire.index.paging import PageConversion
 from kvwire.index.planes import split_kv
+from kvwire.index.tables import TablePair as TablePair  # re-exported: importers name it here
 from kvwire.index.topology import Topology
 from kvwire.layout import KVLayout, compatibility_problems
-
-if TYPE_CHECKING:
-    from kvwire.index.groups import GroupMapper
-
-
-@dataclass(frozen=True)
-class TablePair:
-    """Source and destination descriptor tables for one (source rank, destination rank)."""
-
-    src: DescTable
-    dst: DescTable
-
-    @property
-    def nbytes(self) -> int:
-        """Host memory both tables take."""
-        return int(self.src.nbytes + self.dst.nbytes)
 
 
 def check_pages(pages: Any, num_slots: int, what: str) -> NDArray[np.int64]:
@@ -128,8 +113,6 @@ class IndexMapper(ABC):
         KV heads; a mapper for another parallelism may return its own."""
         if not self.src.groups and not self.dst.groups:
             return None
-        from kvwire.index.groups import GroupMapper
-
         return GroupMapper(self.src, self.dst)
 
     @abstractmethod

@@ -45,8 +45,8 @@ from numpy.typing import NDArray
 
 from kvwire.descriptors import IndexArray, make_table
 from kvwire.errors import DescriptorError, LayoutError
-from kvwire.index.base import TablePair
 from kvwire.index.ranks import head_slice
+from kvwire.index.tables import TablePair
 from kvwire.layout import BufferGroup, KVLayout, group_problems
 
 __all__ = ["GroupMapper", "GroupPlan"]

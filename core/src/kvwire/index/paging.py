@@ -132,9 +132,11 @@ class PageConversion:
         checked against the counts and the granule."""
         pp, pd, g = self.src_page, self.dst_page, self.granule
         m = int(dst_units.size)
+        # Checked before anything else, also when decode asks for no page at all: a decode
+        # keeping too short a prefix in zero pages must be refused, not "complete" with no KV.
+        c = self.prefix_of(num_pages, m, cached_tokens)
         if m == 0:
             return pages[:0], 0, 0
-        c = self.prefix_of(num_pages, m, cached_tokens)
         s = max(start * pp, c)
         e = min(end * pp, num_pages * pp, c + m * pd)
         if e <= s:

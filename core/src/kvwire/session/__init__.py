@@ -1,6 +1,7 @@
 """The engine-facing API: :class:`KVManager`, :class:`KVSender`, :class:`KVReceiver`,
 :class:`KVPoll`."""
 
+from kvwire.session.early import RoomIssuer
 from kvwire.session.manager import KVManager, Role
 from kvwire.session.metrics import RequestMetrics
 from kvwire.session.poll import KVPoll, reduce_polls
@@ -14,5 +15,6 @@ __all__ = [
     "KVSender",
     "RequestMetrics",
     "Role",
+    "RoomIssuer",
     "reduce_polls",
 ]

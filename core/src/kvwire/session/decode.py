@@ -51,6 +51,7 @@ from kvwire.errors import (
     TransferError,
 )
 from kvwire.index.base import check_pages
+from kvwire.integrity import add_sums, layer_ranges, mismatched_layers
 from kvwire.session.common import Side
 from kvwire.session.decode_links import PrefillLink, SourceLinks
 from kvwire.session.groups import check_state_indices, to_wire
@@ -86,6 +87,9 @@ class RecvRoom:
     expected: dict[int, int] = field(default_factory=dict)
     #: Segments of chunks still missing some: (sender id, chunk id) -> segments arrived.
     partial: dict[tuple[int, int], int] = field(default_factory=dict)
+    #: With checksums: per-layer sums the parts of a chunk carried so far, by (sender id,
+    #: chunk id); dropped once the chunk is checked.
+    sent_sums: dict[tuple[int, int], dict[int, int]] = field(default_factory=dict)
     aux_done: bool = False
     #: Buffer groups: this rank's slots for the request, and the senders whose group
     #: transfer landed.
@@ -302,6 +306,12 @@ class DecodeSide(Side[RecvRoom]):
             elif msg.what == "state":  # the sender's buffer groups landed (after its KV)
                 room.groups_from.add(msg.sender_id)
             else:
+                key = (msg.sender_id, msg.chunk_id)
+                if msg.sums:
+                    add_sums(
+                        room.sent_sums.setdefault(key, {}),
+                        dict(zip(msg.sum_layers, msg.sums, strict=True)),
+                    )
                 if msg.parts > 1:
                     if msg.part >= msg.parts:
                         logger.warning(
@@ -312,7 +322,6 @@ class DecodeSide(Side[RecvRoom]):
                             msg.parts,
                         )
                         return
-                    key = (msg.sender_id, msg.chunk_id)
                     got = room.partial.get(key, 0) + 1
                     if got < msg.parts:
                         room.partial[key] = got
@@ -323,6 +332,7 @@ class DecodeSide(Side[RecvRoom]):
                 )
                 try:
                     self._strategy(room).on_arrival(arrived)
+                    self._check_sums(room, msg, room.sent_sums.pop(key, {}))
                 except KVWireError as exc:
                     self._fail(room, exc)
                     return
@@ -330,6 +340,42 @@ class DecodeSide(Side[RecvRoom]):
                 if msg.last:
                     room.expected[msg.sender_id] = msg.chunk_id + 1
             self._check_done(room)
+
+    def _check_sums(self, room: RecvRoom, msg: ChunkNote, sent: dict[int, int]) -> None:
+        """Progress thread, under the lock, once a KV chunk is complete (every part arrived,
+        staged blocks scattered): when its source sends checksums, compare the sums its
+        notes carried with those of the rows that landed; raise naming the chunk, the layers
+        and the peer when they differ."""
+        assert room.sources is not None and room.dst_pages is not None
+        link = next(
+            s
+            for s in room.sources
+            if s.info.session == msg.session and s.sender_id == msg.sender_id
+        )
+        if link.checksums is None or room.pool != "kv":
+            return
+        if msg.span is None or msg.num_pages is None:
+            raise TransferError(
+                f"chunk {msg.chunk_id} from {link.info.agent} (sender {msg.sender_id}) came "
+                "without its checksum, which this rank asked for",
+                room=room.room,
+            )
+        try:
+            landed = link.checksums.chunk(
+                msg.num_pages, room.dst_pages, room.cached_tokens, msg.span
+            )
+        except Exception as exc:  # a note that names no chunk of this request
+            raise TransferError(
+                f"cannot check chunk {msg.chunk_id} from {link.info.agent}: {exc}", room=room.room
+            ) from exc
+        bad = mismatched_layers(sent, landed)
+        if bad:
+            raise TransferError(
+                f"KV checksum mismatch in chunk {msg.chunk_id} (request pages "
+                f"[{msg.span[0]}, {msg.span[1]})) from {link.info.agent} (sender "
+                f"{msg.sender_id}): layers {layer_ranges(bad)} differ from what it sent",
+                room=room.room,
+            )
 
     def awaiting_data(self) -> bool:
         """Control thread: some request asked for its KV and is not complete yet."""

@@ -18,10 +18,11 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from kvwire.control.bootstrap import BootstrapClient, RankInfo
-from kvwire.control.handshake import build_mapper, topology_for
 from kvwire.control.wire import Hello, HelloAck, HelloReject, Message
 from kvwire.errors import HandshakeError, KVWireError
 from kvwire.index.topology import Topology
+from kvwire.session.checksums import LandedSums
+from kvwire.session.handshake import build_mapper, topology_for
 from kvwire.session.peers import Peer
 
 if TYPE_CHECKING:
@@ -39,6 +40,8 @@ class PrefillLink:
     dummy: bool
     #: It moves buffer-group bytes to this rank: one ``ChunkNote(what="state")`` per request.
     groups: bool = False
+    #: Checks the per-layer sums its chunks carry (``ControlOptions.kv_checksum``).
+    checksums: LandedSums | None = None
 
 
 @dataclass
@@ -142,6 +145,7 @@ class SourceLinks:
                 staging=mgr.staging.describe(),
                 host_layout=mgr.host_layout,
                 host_staging=mgr.host_staging.describe(),
+                checksum=mgr.options.kv_checksum,
             )
             mgr.send(info.endpoint, hello)
         ok = pending.event.wait(timeout_s)
@@ -210,11 +214,22 @@ class SourceLinks:
                 mgr.staging.on_link(msg.session, msg.endpoint, mapper)
             except KVWireError as exc:
                 error = f"cannot take staged chunks from {msg.agent}: {exc}"
+        checksums = None
+        if error is None and mgr.options.kv_checksum and not msg.dummy:
+            try:
+                if not msg.checksum or msg.layout is None:
+                    raise HandshakeError(
+                        "this decode rank checks KV checksums (kv_checksum) and that prefill "
+                        "rank does not send them (kvwire older than protocol 1.7?)"
+                    )
+                checksums = LandedSums(mgr.config, msg.layout, mgr.layout)
+            except KVWireError as exc:
+                error = f"cannot check the KV of {msg.agent}: {exc}"
         if error is not None or info is None:
             pending.error = error
             pending.event.set()
             return
-        link = PrefillLink(info, msg.sender_id, msg.dummy, msg.groups)
+        link = PrefillLink(info, msg.sender_id, msg.dummy, msg.groups, checksums)
         with self._lock:
             self.links[msg.session] = link
         mgr.add_peer(Peer(msg.session, msg.agent, msg.endpoint, time.monotonic(), link=link))

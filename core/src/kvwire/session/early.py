@@ -10,6 +10,15 @@
 Every entry expires after ``limit_s`` (the bootstrap timeout), and the failure tables are
 bounded (a flood of failures for unknown rooms cannot grow memory).
 
+Unknown rooms: by default a request for a room with no sender is kept as an early request
+(in SGLang's flow decode may ask before prefill has even scheduled the request). An engine
+that knows which rooms it will still create gives the manager a :class:`RoomIssuer`; a
+request for a room it says will never exist here is answered with a failure at once. In
+vLLM's push flow, for instance, prefill picks the room when the request finishes and hands
+it to decode only after that, so a room the issuer has not issued (another instance's, or
+one already served) is unknown for good; one issued but whose sender the worker has not
+created yet (a step later) is still an early request. See docs/control-plane.md.
+
 Lock contract: no lock of its own; every method is called under the prefill side's
 ``mgr.lock``.
 """
@@ -17,12 +26,28 @@ Lock contract: no lock of its own; every method is called under the prefill side
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import Generic, TypeVar
+from typing import Generic, Protocol, TypeVar
 
 #: Failures kept at most per table.
 MAX_EARLY_FAILURES = 65536
 
 D = TypeVar("D")
+
+
+class RoomIssuer(Protocol):
+    """Engine-provided (prefill): which rooms this rank will still create senders for.
+
+    Both methods are called by the prefill side under ``mgr.lock``; they must be quick and
+    must not call back into the manager.
+    """
+
+    def created(self, room: int) -> None:
+        """Engine thread: the engine created the sender of ``room`` (``mgr.sender``)."""
+
+    def never(self, room: int) -> str | None:
+        """Liveness or engine thread: why no sender for ``room`` (which has none here now)
+        will ever be created on this rank, or None when one may still be (the decode
+        request is then kept as an early request)."""
 
 
 class EarlyBook(Generic[D]):
@@ -89,6 +114,17 @@ class EarlyBook(Generic[D]):
             for room, (_reason, t) in list(table.items()):
                 if now - t > self.limit_s:
                     del table[room]
+
+    def refuse(self, never: RoomIssuer) -> list[tuple[int, str, D, str]]:
+        """Remove early requests for rooms ``never`` now says will not exist; returns
+        ``(room, decode session, destination, why)`` for the caller to answer."""
+        out: list[tuple[int, str, D, str]] = []
+        for room in list(self.requests):
+            why = never.never(room)
+            if why is not None:
+                for s, (dest, _t) in self.requests.pop(room).items():
+                    out.append((room, s, dest, why))
+        return out
 
     def __len__(self) -> int:
         """Rooms with early requests (the leak check's ``early_requests``)."""

@@ -173,10 +173,10 @@ class LayeredChunk(Generic[R]):
         """Every group was handed out by :meth:`due`."""
         return self.groups is not None and self.next >= len(self.groups)
 
-    def due(self, ready: int) -> Iterator[tuple[list[Segment], int]]:
+    def due(self, ready: int) -> Iterator[tuple[list[Segment], int, tuple[int, int]]]:
         """The groups whose layers are all computed (layers below ``ready``) and not handed
         out yet, in order (each staged first, by :attr:`fill`), each with the part number of
-        its first segment."""
+        its first segment and its layers ``[a, b)``."""
         groups = self.groups or []
         while self.next < len(groups) and self.edges[self.next + 1] <= ready:
             g = self.next
@@ -185,4 +185,4 @@ class LayeredChunk(Generic[R]):
                 self.fill(g)
             segs = groups[g]
             first, self.part = self.part, self.part + len(segs)
-            yield segs, first
+            yield segs, first, (int(self.edges[g]), int(self.edges[g + 1]))

@@ -41,6 +41,7 @@ from kvwire.layout import KVLayout, MemoryRegion
 from kvwire.security import enforce_secret_policy
 from kvwire.selection import select_backend, select_host_staging, select_staging
 from kvwire.session import metrics as m
+from kvwire.session.early import RoomIssuer
 from kvwire.session.peers import Peer, PeerTable
 from kvwire.session.poll import KVPoll, StatusTable
 from kvwire.staging.base import StagingContext, StagingStrategy
@@ -92,6 +93,10 @@ class KVManager:
     size, e.g. 1) that requests can choose per request (``send_metadata(..., pool="host")``);
     ``hooks`` (a :class:`~kvwire.session.receiver.DecodeHooks`) is told when such a request is
     preallocated and when it is admitted or abandoned.
+
+    Prefill only: ``room_issuer`` (a :class:`~kvwire.session.early.RoomIssuer`) says which
+    rooms the engine will still create senders for; a decode request for any other room is
+    refused at once instead of waiting as an early request (see :mod:`kvwire.session.early`).
     """
 
     def __init__(
@@ -107,6 +112,7 @@ class KVManager:
         kv_tensors: Any = None,
         host_layout: KVLayout | None = None,
         hooks: Any = None,
+        room_issuer: RoomIssuer | None = None,
     ) -> None:
         enforce_secret_policy(config.require_secret, config.secret_bytes, "this kvwire rank")
         self.config = config
@@ -153,6 +159,8 @@ class KVManager:
             *aux_buffers,
         ]
 
+        if room_issuer is not None and self.role is not Role.PREFILL:
+            raise ConfigError("room_issuer (which rooms prefill will create) is for prefill")
         if host_layout is not None and self.role is not Role.DECODE:
             raise ConfigError("host_layout (a decode host pool) is for decode managers")
         host_buffers = tuple(host_layout.buffers) if host_layout is not None else ()
@@ -199,7 +207,7 @@ class KVManager:
             if self.role is Role.PREFILL:
                 from kvwire.session.prefill import PrefillSide
 
-                self.side = PrefillSide(self, bootstrap_addr)
+                self.side = PrefillSide(self, bootstrap_addr, room_issuer)
             else:
                 from kvwire.session.decode import DecodeSide
 

@@ -20,10 +20,11 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from kvwire.backend import PreparedPair, TransferHandle, XferOp, XferState
-from kvwire.control.handshake import slot_rows
 from kvwire.control.wire import ChunkNote, Completion
 from kvwire.errors import KVWireError, TransferError
+from kvwire.integrity import add_sums
 from kvwire.session import metrics as m
+from kvwire.session.handshake import slot_rows
 from kvwire.session.layers import LayeredChunk
 from kvwire.session.pipeline_layers import LayerwisePosting, PlanRef
 from kvwire.staging.base import ChunkPlan, LocalCopy, Segment, StagingStrategy
@@ -206,13 +207,29 @@ class Pipeline(LayerwisePosting):
         parts: int,
         first_part: int,
         t_start: float,
+        layers: tuple[int, int] | None = None,
     ) -> None:
-        """Post ``segs`` (parts ``first_part...`` of a chunk of ``parts``), each with its note;
-        on a failure the posted ones end first and the strategy hears after the last."""
+        """Post ``segs`` (parts ``first_part...`` of a chunk of ``parts``; the rows of layers
+        ``[a, b)`` when ``layers`` is given), each with its note; on a failure the posted ones
+        end first and the strategy hears after the last. With checksums, the first note
+        carries the per-layer sums of those layers (computed before any row is posted); a
+        call with no segment (a staged layer group whose bytes a later group's block units
+        carry) leaves its sums to the next note of the chunk."""
         room = job.room.room
         assert job.chunk_id is not None
+        check = job.link.checksums if job.pool == "kv" else None
         try:
+            sums: dict[int, int] = {}
+            if check is not None:
+                add_sums(job.unsent_sums, check.chunk(job.src, job.dst, layers))
+                if segs:
+                    sums, job.unsent_sums = job.unsent_sums, {}
             for i, seg in enumerate(segs):
+                extra: dict[str, Any] = {}
+                if check is not None:
+                    extra = {"span": job.span, "num_pages": job.room.num_pages}
+                    if i == 0:
+                        extra.update(sum_layers=list(sums), sums=list(sums.values()))
                 note = ChunkNote(
                     room=room,
                     sender_id=self.side.sender_id,
@@ -222,6 +239,7 @@ class Pipeline(LayerwisePosting):
                     last=job.last,
                     parts=parts,
                     part=first_part + i,
+                    **extra,
                 )
                 if seg.copy is not None:
                     self._post_copy(

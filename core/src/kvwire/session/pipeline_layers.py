@@ -91,8 +91,10 @@ class LayerwisePosting(ABC):
         parts: int,
         first_part: int,
         t_start: float,
+        layers: tuple[int, int] | None = None,
     ) -> None:
-        """Post some segments of a chunk of ``parts``."""
+        """Post some segments of a chunk of ``parts`` (those of layers ``[a, b)`` when
+        ``layers`` is given: one layer-wise group)."""
 
     def _post_layers(self, tail: _Tail, key: tuple[int, str], job: Job, t_start: float) -> bool:
         """A layer-wise chunk: post each layer group whose layers are computed (and whose
@@ -124,9 +126,9 @@ class LayerwisePosting(ABC):
             tail.layered = None
             self._post_plan(tail, key, job, lay.ref.strategy, lay.plan, t_start)
             return True
-        for segs, first in lay.due(ready):
+        for segs, first, layers in lay.due(ready):
             self._post_segments(
-                tail, key, job, lay.ref, lay.plan.what, segs, lay.parts, first, t_start
+                tail, key, job, lay.ref, lay.plan.what, segs, lay.parts, first, t_start, layers
             )
         if not lay.posted:
             return False

@@ -45,7 +45,7 @@ from kvwire.errors import (
 from kvwire.index.base import check_pages
 from kvwire.session import metrics as m
 from kvwire.session.common import Side
-from kvwire.session.early import EarlyBook
+from kvwire.session.early import EarlyBook, RoomIssuer
 from kvwire.session.groups import GROUPS_TABLE, group_rows, request_groups, send_groups
 from kvwire.session.layers import LayerGate
 from kvwire.session.manager import KVManager
@@ -89,8 +89,12 @@ class PrefillSide(Side[SendRoom]):
     GROUPS_TABLE = GROUPS_TABLE
     group_rows = staticmethod(group_rows)
 
-    def __init__(self, mgr: KVManager, bootstrap_addr: str | None) -> None:
+    def __init__(
+        self, mgr: KVManager, bootstrap_addr: str | None, issuer: RoomIssuer | None = None
+    ) -> None:
         super().__init__(mgr)
+        #: The engine's word on which rooms will still get a sender (None: any may).
+        self.issuer = issuer
         #: Requests and failures for rooms whose sender does not exist yet, and failures of
         #: cleared rooms (see :mod:`kvwire.session.early`).
         self.early: EarlyBook[Dest] = EarlyBook(mgr.options.bootstrap_timeout_s)
@@ -182,9 +186,24 @@ class PrefillSide(Side[SendRoom]):
                 mgr.send(peer.endpoint, Failure(room=msg.room, session=mgr.session, reason=failed))
                 return
             if room is None:
-                self.early.add_request(msg.room, msg.session, dest, time.monotonic())
+                never = self.issuer.never(msg.room) if self.issuer is not None else None
+                if never is None:
+                    self.early.add_request(msg.room, msg.session, dest, time.monotonic())
+                else:
+                    self._refuse_unknown(msg.room, peer.endpoint, never)
+                return
+            if room.ready and msg.session not in room.dests:  # e.g. replayed params
+                served = "every decode rank it feeds asked for it already"
+                self._refuse_unknown(msg.room, peer.endpoint, served)
                 return
             self._add_dest(room, dest)
+
+    def _refuse_unknown(self, room_id: int, endpoint: str, why: str) -> None:
+        """Under the manager lock: tell a decode rank this rank will never hold ``room_id``."""
+        mgr = self.mgr
+        reason = f"prefill rank {mgr.agent_name} does not hold room {room_id}: {why}"
+        logger.warning("%s", reason)
+        mgr.send(endpoint, Failure(room=room_id, session=mgr.session, reason=reason))
 
     def _add_dest(self, room: SendRoom, dest: Dest) -> None:
         """Under the manager lock: a decode rank's request joins its room."""
@@ -301,6 +320,10 @@ class PrefillSide(Side[SendRoom]):
             for s, dest in requests:
                 if s in self.mgr.peers:
                     self._add_dest(room, dest)
+            if self.issuer is not None:
+                self.issuer.created(room_id)
+                for other, _s, dest, why in self.early.refuse(self.issuer):
+                    self._refuse_unknown(other, dest.endpoint, why)
             return room
 
     def init(self, room: SendRoom, num_pages: int, aux_index: int) -> None:
@@ -476,6 +499,7 @@ class PrefillSide(Side[SendRoom]):
                 time.perf_counter(),
                 pool=dest.pool,
                 gate=gate,
+                span=(start, end),
             )
             # order matters only within one request to one destination: other requests to
             # the same rank go to other workers (a staged link keeps one queue per

@@ -17,13 +17,6 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from kvwire.backend import PreparedPair
-from kvwire.control.handshake import (
-    aux_problems,
-    build_mapper,
-    handshake_problems,
-    slot_table,
-    topology_for,
-)
 from kvwire.control.reach import endpoint_host, is_local, is_loopback
 from kvwire.control.wire import Hello, HelloAck, HelloReject, Message
 from kvwire.errors import KVWireError
@@ -32,7 +25,15 @@ from kvwire.index.groups import GroupMapper
 from kvwire.index.topology import Topology
 from kvwire.layout import MemoryRegion
 from kvwire.selection import select_host_mapper
+from kvwire.session.checksums import SentSums
 from kvwire.session.groups import GROUPS_TABLE
+from kvwire.session.handshake import (
+    aux_problems,
+    build_mapper,
+    handshake_problems,
+    slot_table,
+    topology_for,
+)
 from kvwire.session.peers import Peer
 from kvwire.session.segments import KindSplit, split_tables
 from kvwire.staging.base import StagingStrategy
@@ -84,6 +85,8 @@ class DecodeLink:
     #: The layouts' buffer groups (state, sliding window, draft layers), moved after a
     #: request's last chunk through pair ``"state"``; None when the layouts have none.
     groups: GroupMapper | None = None
+    #: Per-layer checksums of KV chunks, when decode asked for them (``Hello.checksum``).
+    checksums: SentSums | None = None
 
     @property
     def sends_groups(self) -> bool:
@@ -200,6 +203,9 @@ class DecodeLinker:
                     )
                 gt = groups.build_tables()
                 pairs[GROUPS_TABLE] = mgr.backend.prepare(name, gt.src, gt.dst)
+            checksums = None
+            if hello.checksum and not mapper.is_dummy:
+                checksums = SentSums(mapper, mgr.layout)
             host_mapper, host_problem = self._host_mapper(hello)
             host_extra: dict[str, Any] = {}
             if host_mapper is not None:
@@ -241,6 +247,7 @@ class DecodeLinker:
                 pool_problems={} if host_mapper is not None else {"host": host_problem},
                 splits=splits,
                 groups=groups,
+                checksums=checksums,
             )
         except Exception as exc:  # a plugin's error included: decode must hear why, now
             if not isinstance(exc, KVWireError):
@@ -350,6 +357,7 @@ class DecodeLinker:
                 layout=mgr.layout,
                 staged=link.pools["kv"].staged,
                 groups=link.sends_groups,
+                checksum=hello.checksum and (link.dummy or link.checksums is not None),
             ),
         )
 

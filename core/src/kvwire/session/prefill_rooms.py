@@ -81,6 +81,12 @@ class Job:
     pool: str = "kv"
     #: A layer-wise chunk's computed layers (None: every layer is computed).
     gate: LayerGate | None = None
+    #: The chunk's request pages ``[start, end)`` (for decode to find its rows when it
+    #: checks a checksum).
+    span: tuple[int, int] = (0, 0)
+    #: Checksums of layers posted with no row of their own yet (see
+    #: ``Pipeline._post_segments``): carried by the chunk's next note.
+    unsent_sums: dict[int, int] = field(default_factory=dict)
 
     @property
     def target(self) -> PoolLink:

@@ -5,7 +5,8 @@ bootstrap service in-process, as in production) and ``decode_instances * decode_
 processes; with ``prefill_instances`` above 1, several prefill instances of that shape, each
 with its own bootstrap service on its rank 0. Every rank builds a paged ``int32`` KV pool whose
 elements encode (layer, K/V, global head, token position, dim) (:mod:`kvwire.testing.kvfill`) —
-NumPy on the CPU, or torch tensors on a GPU when ``device="cuda"`` — with the buffer groups
+NumPy on the CPU, or torch tensors on a GPU when ``device="cuda"`` (ranks spread over the
+GPUs, prefill first: :func:`rank_gpu`, :attr:`ClusterSpec.gpus`) — with the buffer groups
 :attr:`ClusterSpec.groups` names (:mod:`kvwire.testing.cluster_groups`), and a
 :class:`~kvwire.session.KVManager` over it, and then plays its engine: it runs a scheduler loop
 over its requests, calling exactly the engine API (the rank processes:
@@ -68,6 +69,12 @@ class ClusterSpec(BaseModel):
     slots: int = Field(default=256, ge=1, description="Page slots per KV buffer per rank.")
     aux_slots: int = Field(default=128, ge=1)
     device: str = Field(default="cpu", description="'cpu' (NumPy) or 'cuda' (torch tensors).")
+    #: With ``device='cuda'``: the CUDA device indices ranks are placed on, round robin,
+    #: prefill ranks first and decode ranks after them (:func:`rank_gpu`), so a 1P1D pair
+    #: lands on the first two. None: every device the rank processes see
+    #: (``torch.cuda.device_count()``); one device: every rank on it. ``device='cuda:N'``
+    #: puts every rank on device N instead.
+    gpus: tuple[int, ...] | None = None
     config: KVWireConfig = Field(default_factory=KVWireConfig)
     seed: int = 0
     log_level: str = "WARNING"
@@ -139,6 +146,17 @@ class ClusterSpec(BaseModel):
             raise ValueError("groups: the harness builds group pools in host memory (device cpu)")
         return self
 
+    @model_validator(mode="after")
+    def _check_gpus(self) -> Self:
+        if self.gpus is not None and (not self.gpus or min(self.gpus) < 0):
+            raise ValueError(f"gpus: CUDA device indices (>= 0), at least one; got {self.gpus}")
+        return self
+
+    @property
+    def prefill_ranks(self) -> int:
+        """Prefill rank processes: ``max(instances, DP) x PP x TP``."""
+        return max(self.prefill_instances, self.prefill_dp) * self.prefill_pp * self.prefill_tp
+
     def config_for(self, role: str) -> KVWireConfig:
         """The config a rank of ``role`` runs with."""
         return self.role_config.get(role, self.config)
@@ -148,6 +166,32 @@ class ClusterSpec(BaseModel):
         if self.decode_page_size is None:
             return self.model
         return self.model.model_copy(update={"page_size": self.decode_page_size})
+
+
+def rank_gpu(
+    spec: ClusterSpec, role: str, inst: int, tp: int, pp: int, device_count: int
+) -> int | None:
+    """The CUDA device index of a rank (``inst`` is its prefill instance or DP rank, or its
+    decode instance), or None when ranks are not placed (``device`` is not ``'cuda'``).
+
+    Ranks are numbered prefill first (instance, then PP stage, then TP rank), decode after
+    them, and take ``spec.gpus`` (default ``range(device_count)``) round robin: with two GPUs
+    a 1P1D pair is on GPU 0 and GPU 1, a TP 2 prefill and TP 2 decode on 0, 1, 0, 1. Called in
+    each rank process (:func:`~kvwire.testing.cluster_rank.rank_main`) with the devices it
+    sees, before it allocates anything on a GPU."""
+    if spec.device != "cuda":
+        return None
+    gpus = spec.gpus if spec.gpus is not None else tuple(range(device_count))
+    if not gpus:
+        raise ClusterError("device='cuda' but no CUDA device is visible")
+    bad = [g for g in gpus if g >= device_count]
+    if bad:
+        raise ClusterError(f"gpus {list(spec.gpus or ())}: {bad} not among {device_count} devices")
+    if role == "prefill":
+        n = (inst * spec.prefill_pp + pp) * spec.prefill_tp + tp
+    else:
+        n = spec.prefill_ranks + (inst * spec.decode_pp + pp) * spec.decode_tp + tp
+    return gpus[n % len(gpus)]
 
 
 class RoomPlan(BaseModel):

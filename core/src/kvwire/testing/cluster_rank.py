@@ -31,6 +31,7 @@ from kvwire.testing.cluster import (
     ClusterSpec,
     RankReport,
     RoomPlan,
+    rank_gpu,
 )
 from kvwire.testing.cluster_groups import GroupAlloc, RankGroups
 from kvwire.testing.kvfill import (
@@ -57,8 +58,10 @@ class RankPool:
         head_major: bool = False,
         kv_fused: bool = False,
         kv_in_slot: bool = False,
+        device: str | None = None,
     ) -> None:
         m = model
+        device = device or spec.device
         self.head_major = head_major
         heads = len(global_heads(m, rank))
         nbuf = (end - start) * (1 if m.is_mla or kv_fused or kv_in_slot else 2)
@@ -73,7 +76,7 @@ class RankPool:
             def _alloc(b: int) -> Any:
                 if spec.mixed_kinds and b % 2:
                     return torch.zeros(shape, dtype=torch.int32, pin_memory=True)
-                return torch.zeros(shape, dtype=torch.int32, device=spec.device)
+                return torch.zeros(shape, dtype=torch.int32, device=device)
 
             self.arrays: list[Any] = [_alloc(b) for b in range(nbuf)]
         else:
@@ -154,6 +157,10 @@ class RankPool:
     def poison(self, pages: NDArray[np.int64]) -> None:
         for arr in self.arrays:
             arr[self._index(pages, arr)] = -1
+        if self.torch:  # before a peer's kernel may write these pages (another stream)
+            import torch
+
+            torch.cuda.synchronize()
 
     def mismatches(
         self, pages: NDArray[np.int64], first_pos: int, num_tokens: int | None = None
@@ -266,6 +273,14 @@ def rank_main(
         per = -(-m.num_layers // spec.decode_pp)
         first_layer, end = pp_rank * per, min(m.num_layers, (pp_rank + 1) * per)
     dm = spec.decode_model()
+    device = spec.device
+    if spec.device == "cuda":  # ranks spread over the GPUs (spec.gpus), this one first
+        import torch
+
+        gpu = rank_gpu(spec, role, inst, tp_rank, pp_rank, torch.cuda.device_count())
+        assert gpu is not None
+        torch.cuda.set_device(gpu)
+        device = f"cuda:{gpu}"
     pool = RankPool(
         spec,
         rank,
@@ -275,6 +290,7 @@ def rank_main(
         role in spec.head_major,
         role in spec.kv_fused,
         role in spec.kv_in_slot,
+        device,
     )
     hook_events: dict[int, list[str]] = {}
     hooks = _Hooks(hook_events)

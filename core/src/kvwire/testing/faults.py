@@ -90,7 +90,33 @@ def _aux_submit_fails(role: str) -> None:
     TransferBackend.submit = refusing  # type: ignore[method-assign]
 
 
+def _flip_after_sum(role: str) -> None:
+    """Prefill flips one bit of each chunk's first source row right after it computed the
+    chunk's KV checksums (before the transfer reads the row): the corruption a transport or
+    a copy would cause, which only decode's checksum check can see."""
+    if role != "prefill":
+        return
+    import ctypes
+
+    from kvwire.descriptors import ADDR
+    from kvwire.session.checksums import SentSums
+
+    original = SentSums.chunk
+
+    def flipping(self: SentSums, src: Any, dst: Any, layers: Any = None) -> Any:
+        sums = original(self, src, dst, layers)
+        src_idx, _ = self.mapper.map_chunk(src, dst)
+        if len(src_idx):
+            addr = int(self.tables.src[int(src_idx[0]), ADDR])
+            byte = ctypes.c_uint8.from_address(addr)
+            byte.value ^= 0x01
+        return sums
+
+    SentSums.chunk = flipping  # type: ignore[method-assign,assignment]
+
+
 FAULTS = {
+    "flip_after_sum": _flip_after_sum,
     "head_slice_offset": _head_slice_offset,
     "lossy_staging": _lossy_staging,
     "aux_submit_fails": _aux_submit_fails,

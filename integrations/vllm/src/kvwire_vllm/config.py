@@ -22,6 +22,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from kvwire.config import KVWireConfig
 from kvwire.errors import ConfigError
+from kvwire_vllm.params import HostPort, check_host_port
 
 #: Port of prefill rank 0's bootstrap service when the operator names none. The scheduler
 #: process must know it (it hands the address to the router in ``kv_transfer_params``)
@@ -58,7 +59,7 @@ class ConnectorOptions(BaseModel):
         default=None, description="kvwire ControlOptions (host, timeouts, workers, ...)."
     )
     require_secret: bool | None = None
-    bootstrap_addr: str | None = Field(
+    bootstrap_addr: HostPort | None = Field(
         default=None,
         description="Prefill: 'host:port' of an already running bootstrap service (a "
         "standalone `kvwire bootstrap`); every prefill rank registers there and no rank runs "
@@ -128,4 +129,13 @@ def bootstrap_address(opts: ConnectorOptions, config: KVWireConfig) -> str:
     if opts.bootstrap_addr is not None:
         return opts.bootstrap_addr
     host = opts.advertise_host or config.control.bootstrap_host
-    return f"{host}:{config.control.bootstrap_port}"
+    if ":" in host and not host.startswith("["):
+        host = f"[{host}]"  # an IPv6 address
+    addr = f"{host}:{config.control.bootstrap_port}"
+    try:
+        return check_host_port(addr)
+    except ValueError as exc:
+        raise ConfigError(
+            f"kvwire-vllm: the bootstrap address for kv_transfer_params is not host:port "
+            f"({exc}); check advertise_host / control.bootstrap_host"
+        ) from None

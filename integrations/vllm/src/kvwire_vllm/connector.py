@@ -31,7 +31,9 @@ from kvwire.layout import RankPosition
 from kvwire.session import Role
 from kvwire_vllm.config import parse_extra_config
 from kvwire_vllm.layout import head_facts
+from kvwire_vllm.logs import adopt_vllm_logging
 from kvwire_vllm.metadata import KVWireMetadata
+from kvwire_vllm.rooms import instance_prefix
 from kvwire_vllm.scheduler import SchedulerHalf, flat_blocks
 from kvwire_vllm.worker import WorkerHalf
 
@@ -57,6 +59,7 @@ class KVWireConnector(KVConnectorBase_V1, SupportsHMA):
 
     def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
+        adopt_vllm_logging()  # kvwire's records in vLLM's log, with its format and level
         ktc = self._kv_transfer_config
         if ktc.kv_role not in ("kv_producer", "kv_consumer"):
             raise ConfigError(
@@ -77,11 +80,13 @@ class KVWireConnector(KVConnectorBase_V1, SupportsHMA):
         self._opts, self._config = parse_extra_config(ktc.kv_connector_extra_config)
         producer = ktc.kv_role == "kv_producer"
         block_size = int(vllm_config.cache_config.block_size)
+        # both halves derive the instance's room prefix from the one engine_id they share
+        prefix = instance_prefix(str(ktc.engine_id))
         self._sched: SchedulerHalf | None = None
         self._worker: WorkerHalf | None = None
         if role == KVConnectorRole.SCHEDULER:
             self._sched = SchedulerHalf(
-                self._opts, self._config, block_size, producer, not producer
+                self._opts, self._config, block_size, producer, not producer, prefix
             )
         else:
             rank = _tp_rank(vllm_config)
@@ -92,6 +97,7 @@ class KVWireConnector(KVConnectorBase_V1, SupportsHMA):
                 rank,
                 int(kv_cache_config.num_blocks),
                 head_facts(vllm_config, kv_cache_config, self._opts, rank.tp_size),
+                room_prefix=prefix,
             )
 
     # ------------------------------------------------------------------ halves

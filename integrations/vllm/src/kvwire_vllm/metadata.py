@@ -3,24 +3,38 @@
 The scheduler process builds one :class:`KVWireMetadata` per step (``build_connector_meta``);
 vLLM serialises it to every worker, which acts on it in ``start_load_kv``. The request's
 ``kv_transfer_params`` carry the room and the bootstrap address from prefill, through the
-router, to decode (keys below).
+router, to decode (keys and their validation: :mod:`kvwire_vllm.params`).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
 
-#: kv_transfer_params keys (prefill's request_finished -> router -> decode's request).
-ROOM = "kvwire_room"
-BOOTSTRAP = "kvwire_bootstrap_addr"
-NUM_TOKENS = "remote_num_tokens"
-BLOCK_SIZE = "kvwire_block_size"
-#: The router's request to prefill, and what prefill returns for decode (vLLM's own keys).
-DO_REMOTE_DECODE = "do_remote_decode"
-DO_REMOTE_PREFILL = "do_remote_prefill"
+from kvwire_vllm.params import (
+    BLOCK_SIZE,
+    BOOTSTRAP,
+    DO_REMOTE_DECODE,
+    DO_REMOTE_PREFILL,
+    NUM_TOKENS,
+    PROMPT_HASH,
+    ROOM,
+)
+
+__all__ = [
+    "BLOCK_SIZE",
+    "BOOTSTRAP",
+    "DO_REMOTE_DECODE",
+    "DO_REMOTE_PREFILL",
+    "NUM_TOKENS",
+    "PROMPT_HASH",
+    "ROOM",
+    "FailSpec",
+    "KVWireMetadata",
+    "RecvSpec",
+    "SendSpec",
+]
 
 
 @dataclass(frozen=True)
@@ -46,6 +60,17 @@ class RecvSpec:
     report: bool = True
 
 
+@dataclass(frozen=True)
+class FailSpec:
+    """Decode: a request whose KV load the scheduler refused (bad params, another prompt's
+    KV): the workers report it failed at once, with ``block_ids`` as load errors, and vLLM's
+    ``kv_load_failure_policy`` fails or recomputes it."""
+
+    req_id: str
+    reason: str
+    block_ids: list[int]
+
+
 @dataclass
 class KVWireMetadata(KVConnectorMetadata):
     """One step's work for the worker half (scheduler -> every worker)."""
@@ -54,15 +79,9 @@ class KVWireMetadata(KVConnectorMetadata):
     recvs: list[RecvSpec] = field(default_factory=list)
     #: Decode: requests finished (aborted) while their KV was still arriving.
     aborts: list[str] = field(default_factory=list)
+    #: Decode: loads refused by the scheduler (reported failed by the workers).
+    fails: list[FailSpec] = field(default_factory=list)
 
     def empty(self) -> bool:
         """Whether there is nothing to do this step."""
-        return not (self.sends or self.recvs or self.aborts)
-
-
-def params_room(params: dict[str, Any] | None) -> tuple[int, str, int] | None:
-    """``(room, bootstrap address, prompt tokens)`` from decode's ``kv_transfer_params``, or
-    None when the request is not a kvwire remote prefill."""
-    if not params or not params.get(DO_REMOTE_PREFILL) or ROOM not in params:
-        return None
-    return int(params[ROOM]), str(params[BOOTSTRAP]), int(params[NUM_TOKENS])
+        return not (self.sends or self.recvs or self.aborts or self.fails)

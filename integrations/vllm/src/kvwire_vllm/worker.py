@@ -14,7 +14,10 @@ Each worker owns one kvwire :class:`~kvwire.session.KVManager` over its own KV p
 Failure rules: a failed or aborted receive is reported only once ``writes_quiesced()`` (no
 prefill write for it may still land), so vLLM never hands out blocks a late write could
 corrupt; its blocks are also reported by :meth:`get_block_ids_with_load_errors` in the same
-step. A failed send is reported as finished so prefill frees its blocks.
+step. A failed send is reported as finished so prefill frees its blocks. A load the
+scheduler refused (:class:`~kvwire_vllm.metadata.FailSpec`) and a request that cannot be
+opened here (no free aux row, a bad room) fail alone, at the next report: nothing a request
+carries raises out of this module into vLLM's model runner.
 """
 
 from __future__ import annotations
@@ -31,7 +34,8 @@ from kvwire.layout import RankPosition
 from kvwire.session import KVManager, KVPoll, KVReceiver, KVSender, Role
 from kvwire_vllm.config import ConnectorOptions
 from kvwire_vllm.layout import HeadFacts, PoolDescription, describe_kv_caches
-from kvwire_vllm.metadata import KVWireMetadata, RecvSpec, SendSpec
+from kvwire_vllm.metadata import FailSpec, KVWireMetadata, RecvSpec, SendSpec
+from kvwire_vllm.rooms import IssuedRooms
 
 logger = logging.getLogger(__name__)
 
@@ -73,8 +77,11 @@ class WorkerHalf:
         rank: RankPosition,
         num_blocks: int,
         heads: HeadFacts | None = None,
+        room_prefix: int = 0,
     ) -> None:
         self.opts = opts
+        #: Prefill: the rooms of this instance (decode asking for any other is refused).
+        self.room_prefix = room_prefix
         self.heads = heads
         self.config = config
         self.role = role
@@ -86,6 +93,10 @@ class WorkerHalf:
         self.recvs: dict[str, _Recv] = {}
         self._free_aux: deque[int] = deque(range(config.control.aux_slots))
         self._load_errors: set[int] = set()
+        #: Loads failed before a receiver existed (refused by the scheduler, or not opened
+        #: here), and sends not opened here: reported at the next get_transfer_results.
+        self._failed_now: dict[str, FailSpec] = {}
+        self._sent_now: set[str] = set()
         #: Why requests failed here (request id -> message), newest last; bounded.
         self.errors: dict[str, str] = {}
 
@@ -103,13 +114,22 @@ class WorkerHalf:
             self.role,
             self.pool.layout,
             bootstrap_addr=boot if self.role is Role.PREFILL else None,
+            room_issuer=IssuedRooms(self.room_prefix) if self.role is Role.PREFILL else None,
         )
+        cfg = self.config
+        mapper = cfg.index_mapper
         logger.info(
-            "kvwire-vllm %s rank tp%d: %s, backend %s",
+            "kvwire-vllm %s rank tp%d/%d: backend %s, layout %s (kv_pool=%s), mapper %s, "
+            "staging %s, bootstrap %s",
             self.role.value,
             self.rank.tp_rank,
-            self.pool.summary,
+            self.rank.tp_size,
             self.mgr.backend_name,
+            self.pool.summary,
+            self.opts.kv_pool,
+            f"{mapper} (per decode peer)" if mapper == "auto" else mapper,
+            cfg.staging,
+            self.mgr.bootstrap_addr if self.role is Role.PREFILL else "per request",
         )
 
     def _manager(self) -> KVManager:
@@ -124,6 +144,32 @@ class WorkerHalf:
                 "use; raise control.aux_slots"
             )
         return self._free_aux.popleft()
+
+    def _open_send(self, mgr: KVManager, s: SendSpec) -> None:
+        aux = self._take_aux(s.req_id)
+        try:
+            self.sends[s.req_id] = _Send(s, mgr.sender(s.room), aux)
+        except BaseException:
+            self._free_aux.append(aux)
+            raise
+
+    def _open_recv(self, mgr: KVManager, r: RecvSpec, block_tokens: int) -> None:
+        aux = self._take_aux(r.req_id)
+        try:
+            rx = mgr.receiver(r.room, r.bootstrap_addr)
+        except BaseException:
+            self._free_aux.append(aux)
+            raise
+        job = _Recv(r, rx, aux)
+        self.recvs[r.req_id] = job
+        try:
+            job.rx.send_metadata(
+                np.asarray(r.block_ids, dtype=np.int64),
+                job.aux,
+                cached_tokens=r.cached_blocks * block_tokens,
+            )
+        except Exception as exc:  # bad block ids: kvwire failed the room on both sides
+            self._note_error(r.req_id, exc)
 
     def _note_error(self, req_id: str, exc: BaseException) -> None:
         logger.error("kvwire-vllm: request %s failed: %s", req_id, exc)
@@ -144,24 +190,28 @@ class WorkerHalf:
             if s.req_id in self.sends:
                 logger.warning("request %s: already sending; ignored", s.req_id)
                 continue
-            self.sends[s.req_id] = _Send(s, mgr.sender(s.room), self._take_aux(s.req_id))
+            try:
+                self._open_send(mgr, s)
+            except Exception as exc:  # reported as sent: vLLM frees its blocks
+                self._note_error(s.req_id, exc)
+                self._sent_now.add(s.req_id)
+        for f in meta.fails:
+            self._note_error(f.req_id, RuntimeError(f.reason))
+            self._failed_now[f.req_id] = f
         for r in meta.recvs:
             if r.req_id in self.recvs:
                 logger.warning("request %s: already receiving; ignored", r.req_id)
                 continue
-            job = _Recv(r, mgr.receiver(r.room, r.bootstrap_addr), self._take_aux(r.req_id))
-            self.recvs[r.req_id] = job
             try:
-                job.rx.send_metadata(
-                    np.asarray(r.block_ids, dtype=np.int64),
-                    job.aux,
-                    cached_tokens=r.cached_blocks * block_tokens,
-                )
-            except Exception as exc:  # bad block ids: kvwire failed the room on both sides
+                self._open_recv(mgr, r, block_tokens)
+            except Exception as exc:
                 self._note_error(r.req_id, exc)
+                if r.report:
+                    self._failed_now[r.req_id] = FailSpec(r.req_id, str(exc), r.block_ids)
         for rid in meta.aborts:
             live = self.recvs.get(rid)
-            if live is not None and not live.aborted:
+            # a release (report=False) shares the request id of a load that already failed
+            if live is not None and live.spec.report and not live.aborted:
                 live.aborted = True
                 live.rx.abort()
         self._advance_sends()
@@ -186,6 +236,14 @@ class WorkerHalf:
     def get_transfer_results(self) -> TransferReport:
         """Advance and poll every live request; clear and report the terminal ones."""
         out = TransferReport()
+        for rid in self._sent_now:
+            out.finished_sending.add(rid)
+        self._sent_now.clear()
+        for rid, f in self._failed_now.items():
+            out.finished_recving.add(rid)
+            out.failed_recving.add(rid)
+            self._load_errors.update(f.block_ids)
+        self._failed_now.clear()
         if self.mgr is None:
             return out
         self._advance_sends()
@@ -212,7 +270,7 @@ class WorkerHalf:
             rjob.rx.clear()
             self._free_aux.append(rjob.aux)
             del self.recvs[rid]
-            if not rjob.spec.report and not rjob.aborted:
+            if not rjob.spec.report:
                 continue
             out.finished_recving.add(rid)
             if status is KVPoll.Failed and not rjob.aborted:

@@ -3,7 +3,7 @@ the ``hisparse`` mapper and the ``hisparse`` host staging strategy."""
 
 from __future__ import annotations
 
-from kvwire.plugins import Implementation, hookimpl
+from kvwire.hookspecs import Implementation, hookimpl
 
 #: The kvwire plugin API this plugin is written for (see kvwire.plugin_api).
 KVWIRE_PLUGIN_API = "2.0"

@@ -30,11 +30,11 @@ import msgpack
 import numpy as np
 
 from kvwire.backend import TransferBackend, XferOp, XferState
+from kvwire.bench.backend import CASES, await_reply, target_main
 from kvwire.config import KVWireConfig
 from kvwire.descriptors import make_table
 from kvwire.layout import MemoryRegion
 from kvwire.selection import create_backend
-from kvwire.testing.backend_bench import CASES, _await, _target_main
 from kvwire_mooncake.engine import EngineSettings, create_engine, import_engine
 
 MODES = ("raw", "kvwire", "kvwire+notify")
@@ -59,16 +59,16 @@ def _kvwire_once(
     if st is not XferState.DONE:
         raise RuntimeError(f"kvwire WRITE failed: {h.error}")
     if notify:
-        _await(conn, "notified")
+        await_reply(conn, "notified")
 
 
 def measure(repeat: int, options: dict[str, Any]) -> list[dict[str, Any]]:
-    """Every case of :data:`kvwire.testing.backend_bench.CASES`, WRITE, three modes."""
+    """Every case of :data:`kvwire.bench.backend.CASES`, WRITE, three modes."""
     config = KVWireConfig(transfer_backend="mooncake", transfer_backend_options=options)
     span = max(n * size for _, n, size in CASES)
     ctx = mp.get_context("spawn")
     conn, child = ctx.Pipe()
-    proc = ctx.Process(target=_target_main, args=(child, config.model_dump_json(), 2 * span))
+    proc = ctx.Process(target=target_main, args=(child, config.model_dump_json(), 2 * span))
     proc.start()
     backend = create_backend(config, "bench-initiator")
     rows: list[dict[str, Any]] = []
@@ -118,10 +118,10 @@ def measure(repeat: int, options: dict[str, Any]) -> list[dict[str, Any]]:
             verified = {}
             for mode in MODES:  # one verified warm-up run per mode, on a scrambled target
                 conn.send(("fill", 3))
-                _await(conn, "filled")
+                await_reply(conn, "filled")
                 runs[mode]()
                 conn.send(("digest", remote_offs.tolist(), size))
-                verified[mode] = _await(conn, "digest")[1] == want
+                verified[mode] = await_reply(conn, "digest")[1] == want
             times: dict[str, list[float]] = {m: [] for m in MODES}
             for _ in range(repeat):
                 for mode in MODES:

@@ -11,7 +11,7 @@ import os
 from importlib.util import find_spec
 from pathlib import Path
 
-from kvwire.plugins import DoctorCheck, Implementation, hookimpl
+from kvwire.hookspecs import DoctorCheck, Implementation, hookimpl
 
 #: The kvwire plugin API this plugin is written for (see kvwire.plugin_api).
 KVWIRE_PLUGIN_API = "2.0"

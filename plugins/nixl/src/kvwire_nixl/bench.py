@@ -1,7 +1,7 @@
 """``python -m kvwire_nixl.bench``: kvwire's ``nixl`` backend against raw NIXL calls.
 
 Two processes: a spawned target runs a kvwire ``nixl`` agent (the target loop of
-:mod:`kvwire.testing.backend_bench`: it drives progress, drains notifications and digests
+:mod:`kvwire.bench.backend`: it drives progress, drains notifications and digests
 its buffer on request). This process holds a kvwire ``nixl`` agent *and* a raw NIXL agent
 created with the same configuration (progress thread off); both register the same source
 buffer and address the same target rows, so every figure compares like with like.
@@ -39,11 +39,11 @@ from rich.console import Console
 from rich.table import Table
 
 from kvwire.backend import TransferBackend, XferOp, XferState
+from kvwire.bench.backend import await_reply, target_main
 from kvwire.config import KVWireConfig, parse_options
 from kvwire.descriptors import make_table
 from kvwire.layout import MemoryRegion
 from kvwire.selection import create_backend
-from kvwire.testing.backend_bench import _await, _target_main
 from kvwire_nixl.backend import ENGINE, NOTIF_TAG
 
 #: (label, descriptor count, bytes per descriptor)
@@ -149,7 +149,7 @@ def measure(
     span = max(n * size for _, n, size in THROUGHPUT_CASES)
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe()
-    proc = ctx.Process(target=_target_main, args=(child, config.model_dump_json(), 2 * span))
+    proc = ctx.Process(target=target_main, args=(child, config.model_dump_json(), 2 * span))
     proc.start()
     backend = create_backend(config, "bench-initiator")
     raw: _Raw | None = None
@@ -206,13 +206,13 @@ def _throughput_case(
     del dst
     if op is XferOp.READ:
         conn.send(("fill", 3))
-        _await(conn, "filled")
+        await_reply(conn, "filled")
     note = b"bench" if op is XferOp.WRITE else None
 
     def kv() -> None:
         _kv_wait(backend, backend.submit(op, pair, idx, idx, note))
         if note is not None:
-            _await(conn, "notified")
+            await_reply(conn, "notified")
 
     def rw() -> None:
         msg = b"" if note is None else NOTIF_TAG + note
@@ -221,14 +221,14 @@ def _throughput_case(
         raw.wait(h)
         h.release()
         if note is not None:
-            _await(conn, "notified")
+            await_reply(conn, "notified")
 
     try:
         kv()  # warm-up: connection and page faults
         rw()
         best_kv, best_raw = _best_pair(kv, rw, repeat)
         conn.send(("digest", remote_offs.tolist(), size))
-        remote_digest = _await(conn, "digest")[1]
+        remote_digest = await_reply(conn, "digest")[1]
     finally:
         rl.release()
         rr.release()

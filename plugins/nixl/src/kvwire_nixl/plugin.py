@@ -9,7 +9,7 @@ from __future__ import annotations
 import glob
 import os
 
-from kvwire.plugins import DoctorCheck, Implementation, hookimpl
+from kvwire.hookspecs import DoctorCheck, Implementation, hookimpl
 
 #: The kvwire plugin API this plugin is written for (see kvwire.plugin_api).
 KVWIRE_PLUGIN_API = "2.0"

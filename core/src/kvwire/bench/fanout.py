@@ -16,9 +16,8 @@ import contextlib
 import logging
 from collections.abc import Callable, Sequence
 
-from kvwire.config import KVWireConfig
-from kvwire.layout import ModelSpec
-from kvwire.testing.bench_common import (
+from kvwire.bench.cluster import boot, cluster_spec
+from kvwire.bench.common import (
     MODEL,
     Advance,
     BenchError,
@@ -32,7 +31,8 @@ from kvwire.testing.bench_common import (
     requests_for,
     verified_pass,
 )
-from kvwire.testing.cluster_bench import boot, cluster_spec
+from kvwire.config import KVWireConfig
+from kvwire.layout import ModelSpec
 
 logger = logging.getLogger(__name__)
 

@@ -1,7 +1,7 @@
 """The ``kvwire bench`` command: options, the tables, the plot and the entry point.
 
-The measurement itself is :func:`kvwire.testing.cluster_bench.measure` (1 prefill -> 1 decode,
-kvwire vs raw vs sync) and :func:`kvwire.testing.bench_fanout.measure_fanout` (``--fanout``).
+The measurement itself is :func:`kvwire.bench.cluster.measure` (1 prefill -> 1 decode,
+kvwire vs raw vs sync) and :func:`kvwire.bench.fanout.measure_fanout` (``--fanout``).
 """
 
 from __future__ import annotations
@@ -20,12 +20,8 @@ from rich.markup import escape
 from rich.progress import Progress
 from rich.table import Table
 
-from kvwire.config import KVWireConfig, config_from_args
-from kvwire.errors import KVWireError
-from kvwire.layout import ModelSpec
-from kvwire.progress import progress_bar
-from kvwire.selection import auto_backend_name
-from kvwire.testing.bench_common import (
+from kvwire.bench.cluster import MODES, BenchReport, measure
+from kvwire.bench.common import (
     DEFAULT_PAGE_KIB,
     MIN_WAVES,
     BenchError,
@@ -33,15 +29,19 @@ from kvwire.testing.bench_common import (
     model_for,
     page_bytes,
 )
-from kvwire.testing.bench_fanout import (
+from kvwire.bench.fanout import (
     DEFAULT_FANOUT_CONCURRENCY,
     DEFAULT_FANOUT_SIZES,
     fanout_requests,
     measure_fanout,
     sync_vs_async,
 )
+from kvwire.cli_progress import progress_bar
+from kvwire.config import KVWireConfig, config_from_args
+from kvwire.errors import KVWireError
+from kvwire.layout import ModelSpec
+from kvwire.selection import auto_backend_name
 from kvwire.testing.cluster import ClusterError
-from kvwire.testing.cluster_bench import MODES, BenchReport, measure
 from kvwire.testing.remote import RemoteAgentError
 
 logger = logging.getLogger(__name__)
@@ -363,7 +363,7 @@ def run(args: argparse.Namespace, console: Console, argv: Sequence[str] | None =
             return 1
         return int(bench(list(args.engine)))
     if args.compare_staging:
-        from kvwire.testing import staging_bench
+        from kvwire.bench import staging as staging_bench
 
         try:
             return staging_bench.run(args, config, console, command)

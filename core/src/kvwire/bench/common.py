@@ -3,7 +3,7 @@
 A batch (:class:`Run`) is one mode moving ``requests`` requests of ``pages`` pages with
 ``concurrency`` in flight; a :class:`Cell` combines the batches of one (mode, size,
 concurrency). Cluster batches come from :func:`cluster_batch`; the raw backend's from
-:mod:`kvwire.testing.bench_raw`.
+:mod:`kvwire.bench.raw`.
 """
 
 from __future__ import annotations

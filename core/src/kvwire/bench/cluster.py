@@ -15,14 +15,14 @@ every request size and concurrency level asked for:
     The same cluster workload with ``sync_transfers=True``: each transfer runs on the engine's
     thread inside ``send()`` (the single-thread baseline).
 ``raw``
-    The backend alone (:mod:`kvwire.testing.bench_raw`): the same descriptors, mapped by the
+    The backend alone (:mod:`kvwire.bench.raw`): the same descriptors, mapped by the
     same mapper, WRITE from this process into a spawned target, ``concurrency`` in flight.
 
 All three are up at once and each (size, concurrency) is measured mode after mode, ``repeat``
 times (the order rotating), so the ratios ``kvwire / raw`` and ``kvwire / sync`` compare
 batches run seconds apart; a cell's GB/s is its best batch.
 
-With ``--fanout N`` the run ends with a second table (:mod:`kvwire.testing.bench_fanout`):
+With ``--fanout N`` the run ends with a second table (:mod:`kvwire.bench.fanout`):
 1 prefill rank -> ``N`` decode instances at ``--fanout-concurrency`` in flight, async workers vs
 the synchronous mode.
 
@@ -44,9 +44,7 @@ from typing import Any
 
 from rich.progress import Progress
 
-from kvwire.config import KVWireConfig
-from kvwire.layout import ModelSpec
-from kvwire.testing.bench_common import (
+from kvwire.bench.common import (
     MODEL,
     BenchError,
     Cell,
@@ -64,7 +62,9 @@ from kvwire.testing.bench_common import (
     run_of,
     verified_pass,
 )
-from kvwire.testing.bench_raw import RawBench
+from kvwire.bench.raw import RawBench
+from kvwire.config import KVWireConfig
+from kvwire.layout import ModelSpec
 from kvwire.testing.cluster import Cluster, ClusterSpec
 
 __all__ = [

@@ -54,7 +54,7 @@ class BenchRow:
     raw_gbps: float | None = None
 
 
-def _target_main(conn: Connection, config_json: str, nbytes: int) -> None:
+def target_main(conn: Connection, config_json: str, nbytes: int) -> None:
     config = KVWireConfig.model_validate_json(config_json)
     buf = np.zeros(nbytes, dtype=np.uint8)
     backend = create_backend(config, "bench-target")
@@ -102,7 +102,7 @@ def raw_zmq_gbps(conn: Connection, payload: np.ndarray, part: int, repeat: int) 
     view = payload.data  # a memoryview: zero-copy frames
     frames = [view[i : i + part] for i in range(0, payload.size, part)]
     conn.send(("sink", len(frames), repeat))
-    endpoint = _await(conn, "sink_ready")[1]
+    endpoint = await_reply(conn, "sink_ready")[1]
     sock: zmq.Socket[Any] = zmq.Context.instance().socket(zmq.PUSH)
     sock.setsockopt(zmq.LINGER, 0)
     sock.connect(endpoint)
@@ -112,7 +112,7 @@ def raw_zmq_gbps(conn: Connection, payload: np.ndarray, part: int, repeat: int) 
             t0 = time.perf_counter()
             for f in frames:
                 sock.send(f, 0, copy=False)
-            if _await(conn, "sunk")[1] != payload.size:
+            if await_reply(conn, "sunk")[1] != payload.size:
                 raise RuntimeError("raw ZeroMQ baseline lost bytes")
             best = min(best, time.perf_counter() - t0)
     finally:
@@ -120,7 +120,7 @@ def raw_zmq_gbps(conn: Connection, payload: np.ndarray, part: int, repeat: int) 
     return payload.size / best / 1e9
 
 
-def _await(conn: Connection, kind: str, timeout: float = 120.0) -> tuple[Any, ...]:
+def await_reply(conn: Connection, kind: str, timeout: float = 120.0) -> tuple[Any, ...]:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if conn.poll(0.1):
@@ -136,7 +136,7 @@ def measure(config: KVWireConfig, repeat: int, progress: Progress | None = None)
     span = max(n * size for _, n, size in CASES)
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe()
-    proc = ctx.Process(target=_target_main, args=(child, config.model_dump_json(), 2 * span))
+    proc = ctx.Process(target=target_main, args=(child, config.model_dump_json(), 2 * span))
     proc.start()
     rows: list[BenchRow] = []
     backend = create_backend(config, "bench-initiator")
@@ -172,7 +172,7 @@ def measure(config: KVWireConfig, repeat: int, progress: Progress | None = None)
             for op in ops:
                 if op is XferOp.READ:
                     parent.send(("fill", 3))
-                    _await(parent, "filled")
+                    await_reply(parent, "filled")
                 times = []
                 for _ in range(repeat):
                     t0 = time.perf_counter()
@@ -180,13 +180,13 @@ def measure(config: KVWireConfig, repeat: int, progress: Progress | None = None)
                     while (st := backend.poll(h)) is XferState.PENDING:
                         time.sleep(0.0001)
                     if op is XferOp.WRITE:
-                        _await(parent, "notified")
+                        await_reply(parent, "notified")
                     times.append(time.perf_counter() - t0)
                     backend.release(h)
                     if st is not XferState.DONE:
                         raise RuntimeError(f"{op.value} {label} failed: {h.error}")
                 parent.send(("digest", remote_offs.tolist(), size))
-                remote_digest = _await(parent, "digest")[1]
+                remote_digest = await_reply(parent, "digest")[1]
                 local = b"".join(src[int(o) : int(o) + size].tobytes() for o in local_offs.tolist())
                 verified = hashlib.blake2b(local).hexdigest() == remote_digest
                 best = min(times)

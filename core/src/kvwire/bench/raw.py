@@ -18,11 +18,11 @@ from typing import Any
 import numpy as np
 
 from kvwire.backend import XferOp, XferState
+from kvwire.bench.common import MODEL, Advance, BenchError, Check, Run
 from kvwire.config import KVWireConfig
-from kvwire.control.handshake import build_mapper
 from kvwire.layout import KVLayout, MemoryRegion, ModelSpec, RankPosition
 from kvwire.selection import create_backend
-from kvwire.testing.bench_common import MODEL, Advance, BenchError, Check, Run
+from kvwire.session.handshake import build_mapper
 from kvwire.testing.kvfill import make_pool
 from kvwire.testing.remote import RemoteAgent, digest
 

@@ -37,9 +37,9 @@ from pydantic import BaseModel, Field
 from rich.console import Console
 from rich.table import Table
 
+from kvwire.cli_progress import progress_bar
 from kvwire.config import ControlOptions, KVWireConfig
 from kvwire.layout import KVLayout, ModelSpec
-from kvwire.progress import progress_bar
 from kvwire.session import KVManager, KVPoll, Role
 
 MODES = ("compute", "chunk", "layer")

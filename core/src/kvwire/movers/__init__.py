@@ -1,0 +1,33 @@
+"""Fused run movers: copy a list of byte runs ``(src, dst, nbytes)`` in one kernel launch.
+
+:mod:`kvwire.movers.plan` cuts runs into fixed-size tiles with NumPy (no per-run Python loop)
+and holds the CPU reference movers that are the oracle of the property tests;
+:mod:`kvwire.movers.triton_copy` is the CUDA mover (one Triton launch per call, one program
+per tile), imported only where torch sees a GPU.
+"""
+
+from kvwire.movers.plan import (
+    BLOCK_BYTES,
+    DEFAULT_TILE_BYTES,
+    MAX_WIDTH,
+    TilePlan,
+    as_runs,
+    copy_runs_reference,
+    copy_tiles_reference,
+    element_width,
+    merge_adjacent,
+    plan_tiles,
+)
+
+__all__ = [
+    "BLOCK_BYTES",
+    "DEFAULT_TILE_BYTES",
+    "MAX_WIDTH",
+    "TilePlan",
+    "as_runs",
+    "copy_runs_reference",
+    "copy_tiles_reference",
+    "element_width",
+    "merge_adjacent",
+    "plan_tiles",
+]

@@ -1,0 +1,78 @@
+"""KV checksums on a link (:mod:`kvwire.integrity`): what each side computes, and the check.
+
+Prefill: a :class:`SentSums` per decode link that asked (``Hello.checksum``), built at
+handshake; the transfer worker asks it for the per-layer sums of the rows it is about to post
+(the whole chunk, or one layer-wise group) and puts them in the first note of those rows.
+
+Decode: a :class:`LandedSums` per prefill link, built when the acknowledgement arrives; once
+a chunk is complete (every part arrived, staged blocks scattered) the progress thread asks it
+for the sums of the rows that chunk wrote, found the way prefill found them (the same mapper,
+built from both layouts, and the chunk's page span from the note), and compares.
+
+Only the KV pool (``"kv"``) is covered: aux rows carry their own room stamp, and buffer
+groups and host pools are not checksummed yet (docs/integrity.md).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from numpy.typing import NDArray
+
+from kvwire.config import KVWireConfig
+from kvwire.descriptors import ADDR
+from kvwire.index.base import IndexMapper
+from kvwire.integrity import LayerSums, RowHasher
+from kvwire.layout import KVLayout
+from kvwire.session.handshake import build_mapper
+
+
+class SentSums:
+    """Prefill side of one link: sums of source rows, keyed by where they land on decode.
+    Built on a handshake thread; :meth:`chunk` is called by transfer workers (read-only)."""
+
+    def __init__(self, mapper: IndexMapper, local: KVLayout) -> None:
+        self.mapper = mapper
+        self.tables = mapper.build_tables()
+        self.hasher = RowHasher(local)
+
+    def chunk(
+        self,
+        src_units: NDArray[np.int64],
+        dst_units: NDArray[np.int64],
+        layers: tuple[int, int] | None = None,
+    ) -> LayerSums:
+        """Per-layer sums of a chunk's rows (``src_units``/``dst_units`` as the job holds
+        them), only of layers ``[a, b)`` when given (one layer-wise group)."""
+        src_idx, dst_idx = self.mapper.map_chunk(src_units, dst_units)
+        keys = self.tables.dst[np.asarray(dst_idx, dtype=np.int64), ADDR]
+        only = None if layers is None else range(*layers)
+        return self.hasher.sums(self.tables.src, src_idx, keys, only)
+
+
+class LandedSums:
+    """Decode side of one link: sums of the destination rows a chunk from that prefill rank
+    wrote. Built on the thread that handles the acknowledgement; :meth:`chunk` is called by
+    the progress thread."""
+
+    def __init__(self, config: KVWireConfig, remote: KVLayout, local: KVLayout) -> None:
+        self.mapper = build_mapper(config, remote, local)
+        self.dst = self.mapper.build_tables().dst
+        self.hasher = RowHasher(local)
+
+    def chunk(
+        self,
+        num_pages: int,
+        dst_pages: NDArray[np.int64],
+        cached_tokens: int | None,
+        span: tuple[int, int],
+    ) -> LayerSums:
+        """Per-layer sums of what landed for request pages ``[start, end)`` of a request of
+        ``num_pages`` pages, into ``dst_pages`` (the request's destination pages)."""
+        start, end = span
+        placeholder = np.zeros(end - start, dtype=np.int64)  # source slots are not needed
+        src_units, lo, hi = self.mapper.chunk_slice(
+            num_pages, dst_pages, placeholder, start, end, cached_tokens
+        )
+        _, dst_idx = self.mapper.map_chunk(src_units, dst_pages[lo:hi])
+        idx = np.asarray(dst_idx, dtype=np.int64)
+        return self.hasher.sums(self.dst, idx, self.dst[idx, ADDR])

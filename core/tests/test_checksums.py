@@ -1,0 +1,246 @@
+"""End-to-end KV checksums (issue 26 item 1): the sum itself, then two managers over tcp.
+
+The negative control flips one byte of a source page *after* prefill computed the chunk's
+sums and before the transfer reads it: the byte travels, decode's check must catch it and
+both sides must fail naming the chunk, the layer and the sender. The cluster tests in
+``tests/test_checksums_cluster.py`` do the same across processes on every backend.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import numpy as np
+import pytest
+
+from kvwire.config import ControlOptions, KVWireConfig
+from kvwire.descriptors import make_table
+from kvwire.errors import DescriptorError, KVWireError
+from kvwire.integrity import RowHasher, add_sums, layer_ranges, mismatched_layers
+from kvwire.layout import KVLayout, RankPosition
+from kvwire.session import KVPoll
+from kvwire.session.checksums import SentSums
+from kvwire.testing.kvfill import count_mismatches, fill_pages, make_pool
+from kvwire.testing.pair import MODEL, config, no_rooms, pair, wait_for
+
+
+def _pool(seed: int) -> tuple[KVLayout, list[np.ndarray]]:
+    """A verification pool of MODEL (K and V buffers per layer) filled with random bytes."""
+    layout, arrs = make_pool(MODEL, RankPosition(), 32)  # 4 KiB buffers
+    rng = np.random.default_rng(seed)
+    for a in arrs:
+        a.view(np.uint8)[...] = rng.integers(0, 256, a.nbytes, dtype=np.uint8).reshape(
+            a.view(np.uint8).shape
+        )
+    return layout, [a.reshape(-1).view(np.uint8) for a in arrs]
+
+
+def _rows(layout: KVLayout, picks: list[tuple[int, int, int]]) -> np.ndarray:
+    """A table of rows (buffer, offset, length)."""
+    base = np.array([layout.buffers[b].addr for b, _, _ in picks], dtype=np.uint64)
+    return make_table(
+        base + np.array([o for _, o, _ in picks], dtype=np.uint64),
+        np.array([n for _, _, n in picks], dtype=np.uint64),
+    )
+
+
+def test_sums_add_over_any_split_and_catch_flips_and_misplaced_rows() -> None:
+    layout, arrs = _pool(1)
+    h = RowHasher(layout)
+    n = MODEL.num_layers
+    k0, v0, k1, v1 = 0, n, 1, n + 1  # buffer b: K of layer b (b < n), else V of layer b - n
+    picks = [(k0, 0, 256), (v0, 512, 256), (k1, 64, 128), (v1, 8, 24), (k0, 1024, 7)]
+    picks.append((k1, 1000, 256))
+    table = _rows(layout, picks)
+    keys = np.arange(len(picks), dtype=np.uint64) * np.uint64(4096) + np.uint64(1 << 40)
+    idx = np.arange(len(picks))
+    whole = h.sums(table, idx, keys)
+    assert set(whole) == {0, 1}
+    parts: dict[int, int] = {}
+    for sel in (np.array([4, 1]), np.array([0, 2, 5]), np.array([3])):
+        add_sums(parts, h.sums(table, idx[sel], keys[sel]))
+    assert parts == whole, "the sum must not depend on how rows are split into parts"
+    assert h.sums(table, idx, keys, layers=[1]) == {1: whole[1]}
+    # one flipped bit, anywhere, in aligned or unaligned rows
+    for b, off, layer in ((k0, 100, 0), (v1, 20, 1), (k0, 1030, 0)):
+        arrs[b][off] ^= 0x10
+        assert mismatched_layers(whole, h.sums(table, idx, keys)) == [layer]
+        arrs[b][off] ^= 0x10
+    # the same bytes keyed to another destination (a row written to the wrong place)
+    swapped = keys.copy()
+    swapped[[0, 5]] = swapped[[5, 0]]
+    assert mismatched_layers(whole, h.sums(table, idx, swapped)) == [0, 1]
+    assert layer_ranges([3, 7, 8, 9, 1]) == "1, 3, 7-9"
+
+
+def test_gpu_pools_are_refused_clearly() -> None:
+    layout, _ = _pool(2)
+    vram = layout.model_copy(
+        update={"buffers": tuple(b.model_copy(update={"kind": 1}) for b in layout.buffers)}
+    )
+    with pytest.raises(DescriptorError, match="GPU memory"):
+        RowHasher(vram)
+
+
+def _checked() -> KVWireConfig:
+    return config(kv_checksum=True)
+
+
+@pytest.mark.parametrize(("dst_page", "chunks"), [(None, (1, 3)), (4, (3, 1)), (1, (2, 2))])
+def test_checked_transfers_succeed(dst_page: int | None, chunks: tuple[int, ...]) -> None:
+    """Decode asks for checksums: chunked requests, with and without page conversion, land
+    verified, and every chunk was checked (each note that completed a chunk carried sums)."""
+    dmodel = None if dst_page is None else MODEL.model_copy(update={"page_size": dst_page})
+    with pair(config(), _checked(), dmodel=dmodel) as p:
+        checked: list[Any] = []
+        side = p.decode.side
+        original = side._check_sums
+
+        def spy(room: Any, msg: Any, sent: dict[int, int]) -> None:
+            checked.append((msg.chunk_id, dict(sent)))
+            original(room, msg, sent)
+
+        side._check_sums = spy  # type: ignore[method-assign]
+        n = 4
+        m = n * MODEL.page_size // (dst_page or MODEL.page_size)
+        r = p.decode.receiver(5, p.addr)
+        r.init()
+        dst = np.arange(m) + 3
+        r.send_metadata(dst, aux_index=1, cached_tokens=0)
+        s = p.prefill.sender(5)
+        src = np.arange(n) + 2
+        fill_pages(p.play, p.parr, src, 0)
+        wait_for(lambda: s.poll() >= KVPoll.WaitingForInput)
+        s.init(n, aux_index=2)
+        off = 0
+        for i, k in enumerate(chunks):
+            s.send(src[off : off + k], last=i == len(chunks) - 1)
+            off += k
+        wait_for(lambda: r.poll() == KVPoll.Success == s.poll())
+        assert count_mismatches(p.dlay, p.darr, dst, 0) == 0
+        assert sorted(c for c, _ in checked) == list(range(len(chunks)))
+        layers = set(range(MODEL.num_layers))
+        assert all(set(sums) == layers for _, sums in checked), "every layer summed"
+        r.clear()
+        s.clear()
+
+
+def _flip_after_summing(monkeypatch: pytest.MonkeyPatch, arrs: list[np.ndarray]) -> None:
+    """Prefill's sums are taken, then one byte of the chunk's first source page changes
+    before the transfer reads it (what a transport corrupting a byte looks like to decode)."""
+    original = SentSums.chunk
+
+    def chunk(self: SentSums, src: Any, dst: Any, layers: Any = None) -> Any:
+        sums = original(self, src, dst, layers)
+        page = int(np.asarray(src).ravel()[0])
+        flat = arrs[1].reshape(arrs[1].shape[0], -1).view(np.uint8)  # buffer 1: K of layer 1
+        flat[page, 5] ^= 0x01
+        return sums
+
+    monkeypatch.setattr(SentSums, "chunk", chunk)
+
+
+def test_a_byte_flipped_in_flight_fails_the_request_naming_chunk_layer_sender(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    with pair(config(), _checked()) as p:
+        _flip_after_summing(monkeypatch, p.parr)
+        s, r, src, _ = p.start(9, 4)
+        t0 = time.monotonic()
+        s.send(src, last=True)
+        wait_for(lambda: r.poll() == KVPoll.Failed)
+        assert time.monotonic() - t0 < 5.0
+        want = r"KV checksum mismatch in chunk 0 \(request pages \[0, 4\)\) from .* layers 1 differ"
+        with pytest.raises(KVWireError, match=want):
+            r.failure_exception()
+        # Prefill hears it unless its side of the request had already succeeded (its writes
+        # completed before decode checked them): then it has nothing left to fail.
+        wait_for(lambda: s.poll() in (KVPoll.Failed, KVPoll.Success))
+        if s.poll() == KVPoll.Failed:
+            with pytest.raises(KVWireError, match=want):
+                s.failure_exception()
+        r.clear()
+        s.clear()
+        wait_for(lambda: no_rooms(p.prefill) and no_rooms(p.decode))
+
+
+def test_the_flip_is_real_corruption_only_the_check_catches(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Negative control: with decode's check switched off, the same flip lands and the
+    request succeeds with wrong KV (the element check sees it), so the flip reaches decode
+    and it is the checksum that fails the request above."""
+    from kvwire.session.decode import DecodeSide
+
+    monkeypatch.setattr(DecodeSide, "_check_sums", lambda *a: None)
+    with pair(config(), _checked()) as p:
+        _flip_after_summing(monkeypatch, p.parr)
+        s, r, src, dst = p.start(10, 4)
+        s.send(src, last=True)
+        wait_for(lambda: r.poll() == KVPoll.Success == s.poll())
+        assert count_mismatches(p.dlay, p.darr, dst, 0) > 0
+        r.clear()
+        s.clear()
+
+
+def test_a_prefill_that_sends_no_checksums_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Decode asks; a prefill that acknowledges without checksums (an older kvwire) is
+    refused at the handshake, naming the option, and the request fails fast."""
+    from kvwire.session import prefill_links
+
+    monkeypatch.setattr(prefill_links, "SentSums", None)
+    original = prefill_links.DecodeLinker.handshake
+
+    def handshake(self: Any, hello: Any) -> None:
+        original(self, hello.model_copy(update={"checksum": False}))
+
+    monkeypatch.setattr(prefill_links.DecodeLinker, "handshake", handshake)
+    with pair(config(), _checked()) as p:
+        r = p.decode.receiver(4, p.addr)
+        r.init()
+        wait_for(lambda: r.poll() == KVPoll.Failed)
+        with pytest.raises(KVWireError, match="kv_checksum"):
+            r.failure_exception()
+        r.clear()
+
+
+def test_the_option_is_a_control_option() -> None:
+    assert ControlOptions(kv_checksum=True).kv_checksum
+    assert not ControlOptions().kv_checksum
+
+
+@pytest.mark.parametrize("flip", [False, True])
+def test_layerwise_groups_carry_their_layers_sums(
+    monkeypatch: pytest.MonkeyPatch, flip: bool
+) -> None:
+    """A layer-wise chunk is posted group by group (one group per layer here), each group's
+    note carrying the sums of its layers only; decode adds them up and checks the chunk once
+    every group landed. A byte flipped after summing fails it naming that layer."""
+    dcfg = _checked()
+    with pair(config(layerwise_groups=2), dcfg) as p:
+        if flip:
+            _flip_after_summing(monkeypatch, p.parr)
+        seen: list[list[int]] = []
+        original = SentSums.chunk
+
+        def spy(self: SentSums, src: Any, dst: Any, layers: Any = None) -> Any:
+            sums = original(self, src, dst, layers)
+            seen.append(sorted(sums))
+            return sums
+
+        monkeypatch.setattr(SentSums, "chunk", spy)
+        s, r, src, dst = p.start(12, 4)
+        s.send(src, last=True, layerwise=True)
+        for layer in range(MODEL.num_layers):
+            s.layer_ready(layer)
+        if flip:
+            wait_for(lambda: r.poll() == KVPoll.Failed)
+            with pytest.raises(KVWireError, match=r"chunk 0 .* layers 1 differ"):
+                r.failure_exception()
+        else:
+            wait_for(lambda: r.poll() == KVPoll.Success == s.poll())
+            assert count_mismatches(p.dlay, p.darr, dst, 0) == 0
+        assert seen[:2] == [[0], [1]], "each group summed only its own layers"
+        r.clear()
+        s.clear()

@@ -1,0 +1,449 @@
+"""The ``cudaipc`` backend: prefill and decode on GPUs of one host, over CUDA IPC.
+
+* **Regions.** Every registered VRAM region is exported at registration as the CUDA IPC
+  handle of the allocation that holds it plus its offset inside (``cuMemGetAddressRange``,
+  ``cuIpcGetMemHandle``); :meth:`CudaIpcBackend.local_metadata` publishes them with the host's
+  identity (boot id and hostname), the process id and the UUID of each GPU.
+* **Peers.** :meth:`~kvwire.backend.TransferBackend.add_peer` refuses a peer on another host, a
+  peer GPU this process cannot see or reach peer to peer, or handles that do not open
+  (:class:`~kvwire.errors.ConfigError` naming the reason); otherwise it enables peer access
+  from the writing GPU (the one holding this rank's VRAM regions) to the peer's GPU and opens
+  the handles on the writing GPU (``cuIpcOpenMemHandle``, lazy peer access), once per
+  allocation per process.
+* **Transfers (WRITE only).** ``prepare`` translates the remote table's VRAM rows into this
+  process's mapping of the peer's memory, once. ``submit`` turns the two index arrays into a
+  run list with NumPy fancy indexing and enqueues **one** fused mover launch
+  (:class:`kvwire.movers.triton_copy.RunCopier`) on the backend's private stream, then records
+  an event. Host-memory rows (an engine's aux rows) and the notification travel over the
+  built-in ``tcp`` backend's side channel (ZeroMQ, CURVE-authenticated with a secret), which
+  this class extends: they are posted only once the kernel's event completed, so a
+  notification always reaches the peer after the data. A transfer with VRAM rows only is
+  DONE when its event is (its data has landed): its notification, if any, is then on its way
+  (handed to the side channel; the peer's ACK is not awaited, as with NIXL's notifications).
+  A transfer with host rows is DONE when the peer acknowledged them (they land there).
+
+Locks: the template's contract (kvwire.backend). Besides, each peer has a lock held while a
+kernel that stores into its mappings is enqueued and while the mappings are closed (after
+the stream is synchronised), so a removal never unmaps memory under a launch.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import weakref
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+from numpy.typing import NDArray
+from pydantic import BaseModel, Field
+
+from kvwire.backend import (
+    BackendCapabilities,
+    PreparedPair,
+    TransferHandle,
+    XferOp,
+    XferState,
+)
+from kvwire.backends.envelope import pack_metadata, region_rows
+from kvwire.backends.memcopy import HostMemory, coalesce
+from kvwire.backends.tcp.backend import TcpBackend, TcpOptions, _split_rows, _Xfer
+from kvwire.descriptors import ADDR, LEN, DescTable, locate_rows
+from kvwire.errors import ConfigError, DescriptorError, PeerError
+from kvwire.layout import MemKind, MemoryRegion
+from kvwire.movers.plan import DEFAULT_TILE_BYTES
+from kvwire_cudaipc import _cuda
+from kvwire_cudaipc.meta import IpcExport, PeerInfo, parse_peer
+
+logger = logging.getLogger(__name__)
+
+METADATA_VERSION = 1
+SCRATCH_BYTES = 8
+
+
+class CudaIpcOptions(TcpOptions):
+    """Options of the ``cudaipc`` backend: the side channel's (``tcp``'s) and the mover's."""
+
+    tile_bytes: int = Field(
+        default=DEFAULT_TILE_BYTES, ge=16, description="Bytes per mover tile (power of two)."
+    )
+    num_warps: int = Field(default=4, ge=1, le=32, description="Warps per mover program.")
+
+
+@dataclass(eq=False)
+class _Peer:
+    """What this side opened of one peer (owned by the control path)."""
+
+    info: PeerInfo
+    #: Per remote region (in ``info.regions`` order): address delta to this process's mapping
+    #: (VRAM regions), or None (host regions, which travel over the side channel).
+    delta: list[int | None]
+    opened: list[tuple[bytes, int]]
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    closed: bool = False
+    pending: weakref.WeakSet[_IpcXfer] = field(default_factory=weakref.WeakSet)
+
+
+@dataclass(eq=False)
+class _Pair:
+    """Prepared state: per-row addresses and kinds of both tables."""
+
+    peer: _Peer
+    local_addr: NDArray[np.uint64]
+    remote_addr: NDArray[np.uint64]
+    local_vram: NDArray[np.bool_]
+    remote_vram: NDArray[np.bool_]
+    #: Remote VRAM rows translated into this process's mapping (0 for host rows).
+    remote_mapped: NDArray[np.int64]
+
+
+@dataclass(eq=False)
+class _IpcXfer:
+    """Initiator-side state of one transfer."""
+
+    peer: _Peer
+    event: Any = None
+    #: Host rows and notification, posted over the side channel once ``event`` completed.
+    follow: tuple[NDArray[np.uint64], NDArray[np.uint64], NDArray[np.uint64]] | None = None
+    notification: bytes | None = None
+    #: The follow-up carries the notification alone (VRAM rows only): the transfer is DONE
+    #: once the kernel's event completed and the message was handed to the side channel.
+    notify_only: bool = False
+    tcp: _Xfer | None = None
+    failed: str | None = None
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+
+class CudaIpcBackend(TcpBackend):
+    """Same-host VRAM -> VRAM WRITEs through CUDA IPC and one fused kernel per transfer."""
+
+    name = "cudaipc"
+    capabilities = BackendCapabilities(
+        write=True, read=False, notifications=True, dram=True, vram=True, cross_host=False
+    )
+    options_model = CudaIpcOptions
+    options: CudaIpcOptions
+
+    def __init__(self, agent_name: str, options: BaseModel | None = None) -> None:
+        super().__init__(agent_name, options)
+        self._host = _cuda.host_identity()
+        self._exports: dict[int, IpcExport] = {}  # region addr -> export
+        self._ipc_peers: dict[str, _Peer] = {}
+        self._gpu_lock = threading.Lock()
+        self._writer: int | None = None
+        self._stream: Any = None
+        self._copier: Any = None
+        #: 8 bytes a notification-only message writes on the target (the side channel's
+        #: messages carry at least one row); in every HostMemory, never in ``_regions``.
+        self._scratch = np.zeros(SCRATCH_BYTES, dtype=np.uint8)
+        self._scratch_region = MemoryRegion.from_tensor(self._scratch, item_len=SCRATCH_BYTES)
+        self._memory = HostMemory([self._scratch_region])
+
+    # ---------------------------------------------------------------- memory
+    def _register(self, regions: list[MemoryRegion]) -> None:
+        vram = [r for r in regions if r.kind == MemKind.VRAM]
+        devices = {r.device_id for r in vram} | {
+            r.device_id for r in self._regions if r.kind == MemKind.VRAM
+        }
+        if len(devices) > 1:
+            raise ConfigError(
+                f"cudaipc: a rank's VRAM regions must be on one GPU, got devices {sorted(devices)}"
+            )
+        exports = {r.addr: self._export(r) for r in vram}
+        self._memory = HostMemory(
+            [self._scratch_region]
+            + [r for r in [*self._regions, *regions] if r.kind == MemKind.DRAM]
+        )
+        self._exports.update(exports)
+
+    def _deregister(self, regions: list[MemoryRegion]) -> None:
+        self._memory = HostMemory(
+            [self._scratch_region]
+            + [r for r in self._regions if r not in regions and r.kind == MemKind.DRAM]
+        )
+        for r in regions:
+            self._exports.pop(r.addr, None)
+
+    def _export(self, region: MemoryRegion) -> IpcExport:
+        handle, offset, size = _cuda.export(region.device_id, region.addr)
+        if offset + region.length > size:
+            raise ConfigError(
+                f"cudaipc: VRAM region at {region.addr:#x} (+{region.length}) spans more than "
+                "one CUDA allocation; register each allocation as its own region"
+            )
+        return IpcExport(
+            addr=region.addr,
+            handle=handle,
+            offset=offset,
+            uuid=_cuda.device_uuid(region.device_id),
+        )
+
+    # ----------------------------------------------------------------- peers
+    def local_metadata(self) -> bytes:
+        """Name, side-channel endpoint, regions, host identity and the IPC exports of every
+        VRAM region. Any thread; takes the control lock (registrations must not change under
+        it)."""
+        with self._lock:
+            regions = list(self._regions)
+            exports = [self._exports[r.addr].to_row() for r in regions if r.kind == MemKind.VRAM]
+        return pack_metadata(
+            self.name,
+            METADATA_VERSION,
+            name=self.agent_name,
+            endpoint=self.endpoint,
+            incarnation=self.incarnation,
+            regions=region_rows(regions),
+            host=self._host,
+            pid=_cuda.pid(),
+            exports=exports,
+            scratch=self._scratch_region.addr,
+        )
+
+    def _decode_metadata(self, metadata: bytes) -> dict[str, Any]:
+        return parse_peer(metadata, self.name, METADATA_VERSION).raw
+
+    def _add_peer(self, name: str, metadata: bytes) -> None:
+        info = parse_peer(metadata, self.name, METADATA_VERSION)
+        info.check_same_host(self._host)
+        peer = self._open_peer(info)
+        try:
+            super()._add_peer(name, metadata)
+        except BaseException:
+            self._close_peer(peer)
+            raise
+        self._ipc_peers[name] = peer
+
+    def _open_peer(self, info: PeerInfo) -> _Peer:
+        """Enable peer access and open the peer's handles on the writing GPU (control lock
+        held). Nothing is opened for a peer without VRAM regions, or by a rank without any
+        (its VRAM rows are then refused at prepare)."""
+        delta: list[int | None] = [None] * len(info.regions)
+        peer = _Peer(info=info, delta=delta, opened=[])
+        writer = self._writer_device()
+        if not info.exports or writer is None:
+            return peer
+        same_process = info.pid == _cuda.pid()
+        uuids = _cuda.visible_uuids()
+        by_addr = {e.addr: e for e in info.exports}
+        try:
+            for i, r in enumerate(info.regions):
+                if r.kind != MemKind.VRAM:
+                    continue
+                e = by_addr[r.addr]
+                if same_process:
+                    delta[i] = 0
+                    continue
+                owner = uuids.get(e.uuid)
+                if owner is None:
+                    raise ConfigError(
+                        f"cudaipc: peer {info.name!r} holds its KV on GPU {e.uuid}, which this "
+                        "process cannot see (CUDA_VISIBLE_DEVICES must list both GPUs of a "
+                        "link); use another backend or make the GPU visible"
+                    )
+                _cuda.enable_peer_access(writer, owner)
+                base = _cuda.OPENED.open(e.handle, writer)
+                peer.opened.append((e.handle, writer))
+                delta[i] = base + e.offset - r.addr
+        except BaseException:
+            self._close_peer(peer)
+            raise
+        return peer
+
+    def _close_peer(self, peer: _Peer) -> None:
+        """Fail the peer's pending transfers, wait for kernels that may store into its
+        mappings, then unmap them."""
+        with peer.lock:
+            peer.closed = True
+            for x in list(peer.pending):
+                x.failed = x.failed or f"peer {peer.info.name!r} was removed"
+            if peer.opened and self._stream is not None:
+                self._stream.synchronize()
+            for raw, dev in peer.opened:
+                try:
+                    _cuda.OPENED.close(raw, dev)
+                except ConfigError as exc:
+                    logger.warning("%s: %s", self.agent_name, exc)
+            peer.opened.clear()
+
+    def _remove_peer(self, peer: str) -> None:
+        p = self._ipc_peers.pop(peer, None)
+        if p is not None:
+            self._close_peer(p)
+        super()._remove_peer(peer)
+
+    def _peer_regions(self, peer: str) -> list[MemoryRegion] | None:
+        p = self._ipc_peers.get(peer)
+        return None if p is None else list(p.info.regions)
+
+    # -------------------------------------------------------------- transfer
+    def _writer_device(self) -> int | None:
+        devs = [r.device_id for r in self._regions if r.kind == MemKind.VRAM]
+        return devs[0] if devs else None
+
+    def _kinds(self, table: DescTable, regions: Sequence[MemoryRegion]) -> NDArray[np.int64]:
+        order = sorted(range(len(regions)), key=lambda i: regions[i].addr)
+        starts = np.array([regions[i].addr for i in order], dtype=np.uint64)
+        ends = np.array([regions[i].end for i in order], dtype=np.uint64)
+        pos = locate_rows(starts, ends, table[:, ADDR], table[:, LEN])
+        return np.asarray(order, dtype=np.int64)[pos]  # inside: checked by the template
+
+    def _prepare(self, pair: PreparedPair, local: DescTable, remote: DescTable) -> Any:
+        peer = self._ipc_peers[pair.peer]
+        lregions = list(self._regions)
+        lk = np.array([r.kind == MemKind.VRAM for r in lregions])[self._kinds(local, lregions)]
+        rregions = peer.info.regions
+        ridx = self._kinds(remote, rregions)
+        rk = np.array([r.kind == MemKind.VRAM for r in rregions])[ridx]
+        mapped = np.zeros(remote.shape[0], dtype=np.int64)
+        if rk.any():
+            if self._writer_device() is None:
+                raise DescriptorError(
+                    "cudaipc: the remote table has VRAM rows but this rank registered no VRAM; "
+                    "a kernel on a GPU of this rank writes them"
+                )
+            delta = np.array([d if d is not None else 0 for d in peer.delta], dtype=np.int64)
+            mapped = np.where(rk, remote[:, ADDR].astype(np.int64) + delta[ridx], 0)
+        self._ensure_gpu()
+        return _Pair(
+            peer=peer,
+            local_addr=local[:, ADDR].copy(),
+            remote_addr=remote[:, ADDR].copy(),
+            local_vram=lk,
+            remote_vram=rk,
+            remote_mapped=mapped,
+        )
+
+    def _ensure_gpu(self) -> None:
+        """The private stream and the mover, on the writing GPU (first prepare with VRAM)."""
+        writer = self._writer_device()
+        if writer is None or self._copier is not None:
+            return
+        from kvwire.movers.triton_copy import RunCopier
+
+        torch = _cuda._torch()
+
+        with self._gpu_lock:
+            if self._copier is None:
+                self._stream = torch.cuda.Stream(device=writer)
+                self._writer = writer
+                self._copier = RunCopier(
+                    writer, self.options.tile_bytes, num_warps=self.options.num_warps
+                )
+
+    def _submit(
+        self,
+        op: XferOp,
+        pair: PreparedPair,
+        local_idx: np.ndarray,
+        remote_idx: np.ndarray,
+        notification: bytes | None,
+        handle: TransferHandle,
+    ) -> Any:
+        st: _Pair = pair.state
+        lv, rv = st.local_vram[local_idx], st.remote_vram[remote_idx]
+        if not np.array_equal(lv, rv):
+            i = int(np.argmax(lv != rv))
+            raise DescriptorError(
+                f"cudaipc moves VRAM->VRAM and DRAM->DRAM rows; position {i} pairs local row "
+                f"{int(local_idx[i])} ({'VRAM' if lv[i] else 'DRAM'}) with remote row "
+                f"{int(remote_idx[i])} ({'VRAM' if rv[i] else 'DRAM'})"
+            )
+        lens = pair.local_lens[local_idx]
+        x = _IpcXfer(peer=st.peer, notification=notification)
+        host = ~lv
+        if host.any():
+            x.follow = (
+                st.local_addr[local_idx[host]],
+                st.remote_addr[remote_idx[host]],
+                lens[host],
+            )
+        elif notification is not None:  # the message writes the peer's scratch word
+            x.notify_only = True
+            x.follow = (
+                np.array([self._scratch_region.addr], dtype=np.uint64),
+                np.array([st.peer.info.scratch], dtype=np.uint64),
+                np.array([SCRATCH_BYTES], dtype=np.uint64),
+            )
+        if lv.any():
+            self._launch(x, st, local_idx[lv], remote_idx[lv], lens[lv])
+        if x.event is None and x.follow is not None:
+            self._post_follow(x, pair.peer)
+        return x
+
+    def _launch(
+        self,
+        x: _IpcXfer,
+        st: _Pair,
+        li: NDArray[np.int64],
+        ri: NDArray[np.int64],
+        lens: NDArray[np.uint64],
+    ) -> None:
+        """Enqueue one fused mover launch for the VRAM rows and record its event. Holds the
+        peer's lock only while enqueueing (never waits for the GPU)."""
+        torch = _cuda._torch()
+        src = st.local_addr[li].astype(np.int64)
+        dst = st.remote_mapped[ri]
+        n = lens.astype(np.int64)
+        with st.peer.lock:
+            if st.peer.closed:
+                raise PeerError(f"peer {st.peer.info.name!r} was removed")
+            self._copier.copy(src, dst, n, stream=self._stream)
+            ev = torch.cuda.Event()
+            ev.record(self._stream)
+            x.event = ev
+            st.peer.pending.add(x)
+
+    def _post_follow(self, x: _IpcXfer, peer: str) -> None:
+        """Post the host rows and notification over the side channel (after the data)."""
+        assert x.follow is not None
+        la, ra, lens = coalesce(*x.follow)
+        tx = _Xfer(
+            xid=next(self._xfer_ids),
+            peer=peer,
+            op=XferOp.WRITE,
+            parts=_split_rows(la, ra, lens, self.options.max_part_bytes),
+            notification=x.notification,
+            deadline=_deadline(self.options.transfer_timeout_s),
+        )
+
+        def enqueue() -> None:
+            p = self._peers.get(tx.peer)
+            if p is None:
+                self._finish(tx, XferState.FAILED, f"peer {tx.peer!r} was removed")
+                return
+            p.outq.append(tx)
+            p.inflight[tx.xid] = tx
+
+        self._post(enqueue)
+        x.tcp = tx
+
+    def _poll(self, handle: TransferHandle) -> XferState:
+        x: _IpcXfer = handle.state
+        if x.failed is not None:
+            handle.error = handle.error or x.failed
+            return XferState.FAILED
+        if x.tcp is None and x.event is not None:
+            if not x.event.query():
+                return XferState.PENDING
+            with x.lock:
+                if x.follow is not None and x.tcp is None:
+                    self._post_follow(x, handle.peer)
+        if x.tcp is not None and not x.notify_only:
+            if x.tcp.status is XferState.FAILED and handle.error is None:
+                handle.error = x.tcp.error
+            return x.tcp.status
+        return XferState.DONE
+
+    def _close(self) -> None:
+        for p in list(self._ipc_peers.values()):
+            self._close_peer(p)
+        self._ipc_peers.clear()
+        super()._close()
+
+
+def _deadline(timeout_s: float) -> float:
+    import time
+
+    return time.monotonic() + timeout_s

@@ -1,0 +1,244 @@
+"""What of the ``cudaipc`` backend runs without a GPU: metadata validation, the host
+identity check and the refusals that need no device.
+
+Only on a GPU machine (``scripts/gpu_cudaipc_bench.py``): exporting and opening IPC handles,
+enabling peer access, the fused mover writing into a peer GPU, and the refusal of a peer GPU
+this process cannot see or reach peer to peer."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import msgpack
+import numpy as np
+import pytest
+
+from kvwire.backend import TransferBackend
+from kvwire.config import KVWireConfig
+from kvwire.descriptors import make_table
+from kvwire.errors import ConfigError, DescriptorError, PeerError
+from kvwire.layout import MemKind, MemoryRegion
+from kvwire.selection import create_backend
+from kvwire_cudaipc import _cuda
+from kvwire_cudaipc.meta import IpcExport, parse_peer
+
+
+@pytest.fixture
+def agents() -> Iterator[tuple[TransferBackend, TransferBackend, np.ndarray]]:
+    cfg = KVWireConfig(transfer_backend="cudaipc")
+    a = create_backend(cfg, "prefill-a", need=())
+    b = create_backend(cfg, "decode-b", need=())
+    buf = np.zeros(1 << 16, dtype=np.uint8)
+    b.register([MemoryRegion.from_tensor(buf, item_len=4096)])
+    yield a, b, buf
+    a.close()
+    b.close()
+
+
+def _edit(meta: bytes, **changes: object) -> bytes:
+    d = msgpack.unpackb(meta, raw=False)
+    d.update(changes)
+    out: bytes = msgpack.packb(d, use_bin_type=True)
+    return out
+
+
+def test_metadata_carries_host_identity_and_parses(agents: tuple) -> None:
+    a, b, buf = agents
+    info = parse_peer(b.local_metadata(), "cudaipc", 1)
+    assert info.name == "decode-b"
+    assert info.host == _cuda.host_identity()
+    assert info.host["boot_id"] and info.host["hostname"]
+    assert [r.addr for r in info.regions] == [buf.ctypes.data]
+    assert info.exports == ()
+    assert a.add_peer(b.local_metadata()) == "decode-b"
+
+
+def test_peer_on_another_host_is_refused(agents: tuple) -> None:
+    a, b, _ = agents
+    host = {**_cuda.host_identity(), "boot_id": "00000000-0000-0000-0000-000000000000"}
+    with pytest.raises(ConfigError, match=r"another host.*nixl or mooncake"):
+        a.add_peer(_edit(b.local_metadata(), host=host))
+    host = {**_cuda.host_identity(), "hostname": "elsewhere"}
+    with pytest.raises(ConfigError, match="another host"):
+        a.add_peer(_edit(b.local_metadata(), host=host))
+    assert a.peers() == []
+
+
+@pytest.mark.parametrize(
+    ("changes", "match"),
+    [
+        ({"host": "x"}, "host must be"),
+        ({"pid": 0}, "pid"),
+        ({"scratch": "x"}, "scratch"),
+        ({"exports": [[1 << 40, b"x" * 63, 0, "GPU-1"]]}, "64 bytes"),
+        ({"exports": [[1 << 40, b"x" * 64, -1, "GPU-1"]]}, "offset"),
+        ({"exports": [[1 << 40, b"x" * 64, 0, ""]]}, "UUID"),
+        ({"exports": [[1 << 40, b"x" * 64, 0, "GPU-1"]]}, "each VRAM region once"),
+        ({"endpoint": "ipc://x"}, "tcp://"),
+        ({"backend": "tcp"}, "not produced by a cudaipc"),
+        ({"v": 99}, "version"),
+    ],
+)
+def test_malformed_metadata_is_refused(agents: tuple, changes: dict, match: str) -> None:
+    a, b, _ = agents
+    with pytest.raises(PeerError, match=match):
+        a.add_peer(_edit(b.local_metadata(), **changes))
+    assert a.peers() == []
+
+
+def test_export_rows_round_trip() -> None:
+    e = IpcExport(addr=1 << 40, handle=bytes(range(64)), offset=4096, uuid="GPU-abc")
+    assert IpcExport.from_row(e.to_row()) == e
+    meta = msgpack.unpackb(msgpack.packb(e.to_row(), use_bin_type=True), raw=False)
+    assert IpcExport.from_row(meta) == e
+
+
+def test_remote_vram_rows_need_local_vram(agents: tuple) -> None:
+    """A peer that published a VRAM region (here: fabricated, no GPU needed to parse it): a
+    rank without VRAM of its own opens nothing and refuses VRAM rows at prepare, naming why."""
+    a, b, _ = agents
+    local = np.zeros(1 << 14, dtype=np.uint8)
+    a.register([MemoryRegion.from_tensor(local, item_len=4096)])
+    vaddr = 1 << 44
+    meta = msgpack.unpackb(b.local_metadata(), raw=False)
+    meta["regions"].append([vaddr, 1 << 20, 0, int(MemKind.VRAM)])
+    meta["exports"] = [[vaddr, b"h" * 64, 0, "GPU-00000000"]]
+    peer = a.add_peer(msgpack.packb(meta, use_bin_type=True))
+    with pytest.raises(DescriptorError, match="registered no VRAM"):
+        a.prepare(peer, make_table([local.ctypes.data], 4096), make_table([vaddr], 4096))
+
+
+def test_vram_registration_without_a_gpu_is_a_config_error() -> None:
+    torch = pytest.importorskip("torch")
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU: the refusal is for machines without one")
+    a = create_backend(KVWireConfig(transfer_backend="cudaipc"), "x", need=())
+    try:
+        with pytest.raises(ConfigError, match="no CUDA device"):
+            a.register([MemoryRegion.from_pointer(1 << 44, 1 << 20, 4096, kind=MemKind.VRAM)])
+        assert a.registered_regions == []
+    finally:
+        a.close()
+
+
+class _HostEvent:
+    """Stands in for a CUDA event (the stand-in copier below finishes synchronously)."""
+
+    def record(self, stream: object) -> None:
+        pass
+
+    def query(self) -> bool:
+        return True
+
+
+class _HostCopier:
+    """Stands in for the Triton mover: copies runs with memmove (host memory). Only the GPU
+    calls are replaced; everything else is the backend's own VRAM path."""
+
+    def __init__(self) -> None:
+        self.launches = 0
+
+    def copy(self, src: np.ndarray, dst: np.ndarray, n: np.ndarray, stream: object = None) -> None:
+        import ctypes
+
+        self.launches += 1
+        for s, d, k in zip(src.tolist(), dst.tolist(), n.tolist(), strict=True):
+            ctypes.memmove(d, s, k)
+
+
+def test_vram_path_control_flow_with_host_stand_ins(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The VRAM path without a GPU: CUDA calls (export, UUIDs, event, the kernel) replaced
+    by host stand-ins, regions flagged VRAM over host memory, two agents in one process (no
+    IPC open: same process). A WRITE of VRAM rows with a notification is ONE copier call,
+    the notification travels alone (it writes the peer's scratch word) and arrives after
+    the data; a WRITE mixing VRAM and host rows moves each kind its way; pairing a VRAM row
+    with a host row is refused."""
+    import time
+
+    import kvwire_cudaipc.backend as backend_mod
+    from kvwire.backend import XferOp, XferState
+
+    torch = pytest.importorskip("torch")
+    monkeypatch.setattr(
+        _cuda, "export", lambda dev, addr: (addr.to_bytes(8, "little") * 8, 0, 1 << 46)
+    )
+    monkeypatch.setattr(_cuda, "device_uuid", lambda i: "GPU-stand-in")
+    monkeypatch.setattr(_cuda, "visible_uuids", lambda: {"GPU-stand-in": 0})
+    copier = _HostCopier()
+
+    def ensure(self: backend_mod.CudaIpcBackend) -> None:
+        self._copier = copier
+
+    monkeypatch.setattr(backend_mod.CudaIpcBackend, "_ensure_gpu", ensure)
+    monkeypatch.setattr(torch.cuda, "Event", _HostEvent)
+
+    rng = np.random.default_rng(4)
+    cfg = KVWireConfig(transfer_backend="cudaipc")
+    a = create_backend(cfg, "prefill", need=())
+    b = create_backend(cfg, "decode", need=())
+    try:
+        av = rng.integers(0, 256, 1 << 16, dtype=np.uint8)
+        bv = np.zeros(1 << 16, np.uint8)
+        aa = rng.integers(0, 256, 256, dtype=np.uint8)
+        ba = np.zeros(256, np.uint8)
+
+        def vram(x: np.ndarray) -> MemoryRegion:
+            return MemoryRegion.from_pointer(x.ctypes.data, x.nbytes, 4096, MemKind.VRAM, 0)
+
+        ah = np.zeros(4096, np.uint8)  # a host row as long as a VRAM row
+        a.register([vram(av), MemoryRegion.from_tensor(aa, item_len=64)])
+        a.register([MemoryRegion.from_tensor(ah, item_len=4096)])
+        b.register([vram(bv), MemoryRegion.from_tensor(ba, item_len=64)])
+        peer = a.add_peer(b.local_metadata())
+        local = np.concatenate(
+            [
+                make_table(av.ctypes.data + np.arange(16) * 4096, 4096),
+                make_table(aa.ctypes.data + np.arange(4) * 64, 64),
+                make_table([ah.ctypes.data], 4096),
+            ]
+        )
+        remote = np.concatenate(
+            [
+                make_table(bv.ctypes.data + np.arange(16) * 4096, 4096),
+                make_table(ba.ctypes.data + np.arange(4) * 64, 64),
+            ]
+        )
+        pair = a.prepare(peer, local, remote)
+
+        def finish(h: object) -> None:
+            for _ in range(2000):
+                state = a.poll(h)  # type: ignore[arg-type]
+                if state is not XferState.PENDING:
+                    break
+                time.sleep(0.005)
+            assert state is XferState.DONE, h
+            a.release(h)  # type: ignore[arg-type]
+
+        def notes() -> list:
+            for _ in range(2000):
+                got = b.get_notifications()
+                if got:
+                    return got
+                time.sleep(0.005)
+            return []
+
+        perm = rng.permutation(16)
+        finish(a.submit(XferOp.WRITE, pair, np.arange(16), perm, notification=b"kv"))
+        assert copier.launches == 1
+        assert np.array_equal(bv.reshape(16, 4096)[perm], av.reshape(16, 4096))
+        assert [n.payload for n in notes()] == [b"kv"]
+
+        bv[:] = 0
+        mixed_l, mixed_r = np.array([3, 17, 5, 16]), np.array([9, 19, 2, 18])
+        finish(a.submit(XferOp.WRITE, pair, mixed_l, mixed_r, notification=b"mixed"))
+        assert copier.launches == 2
+        assert np.array_equal(bv[9 * 4096 : 10 * 4096], av[3 * 4096 : 4 * 4096])
+        assert np.array_equal(bv[2 * 4096 : 3 * 4096], av[5 * 4096 : 6 * 4096])
+        assert np.array_equal(ba[192:256], aa[64:128]) and np.array_equal(ba[128:192], aa[0:64])
+        assert [n.payload for n in notes()] == [b"mixed"]
+
+        with pytest.raises(DescriptorError, match="pairs local row 20 \\(DRAM\\)"):
+            a.submit(XferOp.WRITE, pair, np.array([20]), np.array([0]))
+    finally:
+        a.close()
+        b.close()
