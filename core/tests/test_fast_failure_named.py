@@ -149,6 +149,8 @@ def test_decode_ahead_of_prefill_still_works_with_an_issuer(
     dst = np.array([20, 21, 22])
     r.send_metadata(dst, aux_index=1)
     wait_for(lambda: 50 in mark.asked)
+    # decode marks the room Transferring once its request left (prefill may see it first)
+    wait_for(lambda: r.poll() is KVPoll.Transferring)
     time.sleep(0.3)
     assert r.poll() is KVPoll.Transferring  # waiting, not refused
     s = _serve(pre, 50, 3)
@@ -169,7 +171,7 @@ def test_early_request_refused_once_the_engine_moves_past_its_room(
     r.init()
     r.send_metadata(np.array([14, 15]), aux_index=1)
     wait_for(lambda: 60 in mark.asked)
-    assert r.poll() is KVPoll.Transferring
+    wait_for(lambda: r.poll() is KVPoll.Transferring)  # set once the request left decode
     t0 = time.monotonic()
     later = pre.sender(61)
     took, err = _failure(r, 5.0)
