@@ -121,6 +121,8 @@ def raw_zmq_gbps(conn: Connection, payload: np.ndarray, part: int, repeat: int) 
 
 
 def await_reply(conn: Connection, kind: str, timeout: float = 120.0) -> tuple[Any, ...]:
+    """The next message of ``kind`` from a benchmark's target process (others are dropped);
+    TimeoutError after ``timeout`` seconds."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if conn.poll(0.1):

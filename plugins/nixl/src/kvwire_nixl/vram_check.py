@@ -19,6 +19,7 @@ from typing import Any
 import numpy as np
 
 from kvwire.backend import TransferBackend, XferOp, XferState
+from kvwire.bench.backend import await_reply
 from kvwire.config import KVWireConfig, parse_options
 from kvwire.descriptors import make_table
 from kvwire.errors import DescriptorError
@@ -62,16 +63,6 @@ def _target(conn: Connection, options: dict[str, Any], nbytes: int, device: int)
                     conn.send(("filled",))
     finally:
         backend.close()
-
-
-def _await(conn: Connection, kind: str, timeout: float = 120.0) -> tuple[Any, ...]:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if conn.poll(0.05):
-            msg: tuple[Any, ...] = conn.recv()
-            if msg[0] == kind:
-                return msg
-    raise TimeoutError(f"target did not answer {kind!r}")
 
 
 def _run(backend: TransferBackend, op: XferOp, pair: Any, li: Any, ri: Any, note: Any) -> float:
@@ -231,7 +222,7 @@ def main(argv: list[str] | None = None) -> int:
 
     def remote_bytes(off: int, length: int) -> torch.Tensor:
         conn.send(("fetch", off, length))
-        data = _await(conn, "data")[1]
+        data = await_reply(conn, "data")[1]
         return torch.frombuffer(bytearray(data), dtype=torch.uint8)
 
     try:
@@ -251,7 +242,7 @@ def main(argv: list[str] | None = None) -> int:
         same = torch.equal(remote_bytes(0, n), src.cpu())
         check(f"WRITE VRAM->VRAM 1 x {args.mib} MiB", same, f"{n / best / 1e9:.1f} GB/s")
         conn.send(("fill", 7))
-        _await(conn, "filled")
+        await_reply(conn, "filled")
         best = min(_run(backend, XferOp.READ, pair, [0], [0], None) for _ in range(args.repeat))
         same = torch.equal(remote_bytes(0, n), src.cpu())
         check(f"READ VRAM<-VRAM 1 x {args.mib} MiB", same, f"{n / best / 1e9:.1f} GB/s")
@@ -271,7 +262,7 @@ def main(argv: list[str] | None = None) -> int:
         idx = np.arange(rows)
         best = min(_run(backend, XferOp.WRITE, pair, idx, idx, None) for _ in range(args.repeat))
         conn.send(("gather", (roff // np.uint64(row)).astype(np.int64).tolist(), row))
-        got = torch.frombuffer(bytearray(_await(conn, "data")[1]), dtype=torch.uint8)
+        got = torch.frombuffer(bytearray(await_reply(conn, "data")[1]), dtype=torch.uint8)
         same = torch.equal(got, src.cpu())
         check(f"WRITE VRAM->VRAM {rows} x {row // 1024} KiB", same, f"{n / best / 1e9:.1f} GB/s")
         backend.release_prepared(pair)
@@ -283,7 +274,7 @@ def main(argv: list[str] | None = None) -> int:
             peer, make_table([host.data_ptr()], m), make_table([rbase + n], m, tdev)
         )
         secs = _run(backend, XferOp.WRITE, pair, [0], [0], b"host-done")
-        note = _await(conn, "notified")[1]
+        note = await_reply(conn, "notified")[1]
         same = torch.equal(remote_bytes(n, m), host)
         check(
             "WRITE pinned DRAM->VRAM 64 MiB + notification",
