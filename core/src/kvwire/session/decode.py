@@ -307,21 +307,21 @@ class DecodeSide(Side[RecvRoom]):
                 room.groups_from.add(msg.sender_id)
             else:
                 key = (msg.sender_id, msg.chunk_id)
-                if msg.sums:
+                if msg.parts > 1 and msg.part >= msg.parts:
+                    logger.warning(
+                        "%s: room %d: dropped a note for segment %d of %d",
+                        mgr.agent_name,
+                        room.room,
+                        msg.part,
+                        msg.parts,
+                    )
+                    return
+                if msg.sums:  # after the check above: a dropped note adds nothing
                     add_sums(
                         room.sent_sums.setdefault(key, {}),
                         dict(zip(msg.sum_layers, msg.sums, strict=True)),
                     )
                 if msg.parts > 1:
-                    if msg.part >= msg.parts:
-                        logger.warning(
-                            "%s: room %d: dropped a note for segment %d of %d",
-                            mgr.agent_name,
-                            room.room,
-                            msg.part,
-                            msg.parts,
-                        )
-                        return
                     got = room.partial.get(key, 0) + 1
                     if got < msg.parts:
                         room.partial[key] = got
