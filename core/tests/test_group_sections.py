@@ -15,13 +15,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from numpy.typing import NDArray
 
+from kvwire.buffer_groups import GROUP_COMPAT_FIELDS, BufferGroup, GroupSection
 from kvwire.control.wire import Codec, Hello
 from kvwire.index.groups import GroupMapper
 from kvwire.index.topology import Topology
 from kvwire.layout import (
-    GROUP_COMPAT_FIELDS,
-    BufferGroup,
-    GroupSection,
     KVLayout,
     MemoryRegion,
     ModelSpec,
