@@ -272,13 +272,13 @@ def _own_pinned_scatter(torch: Any, cfg: dict[str, Any]) -> dict[str, Any]:
     """Diagnostic: the b rows gathered from one CUDA buffer and scattered with index_copy_ into
     this process's own torch-pinned (cudaHostAlloc) buffer through a CUDA alias: the kernel path
     without shared memory, to tell the memory from the method."""
-    from kvwire_hisparse.copier import _CudaPtr
+    from kvwire_hisparse.pointers import CudaPtr
 
     rl = cfg["row"]
     n = cfg["mib"] * MiB // rl
     src = torch.randint(0, 256, (2 * n * rl,), dtype=torch.uint8, device="cuda")
     host = torch.zeros(2 * n * rl, dtype=torch.uint8, pin_memory=True)
-    alias = torch.as_tensor(_CudaPtr(host.data_ptr(), (2 * n, rl // 8), "<i8"))
+    alias = torch.as_tensor(CudaPtr(host.data_ptr(), (2 * n, rl // 8), "<i8"))
     rng = np.random.default_rng(3)
     s_idx = torch.from_numpy(rng.choice(2 * n, n, replace=False)).cuda()
     d_idx = torch.from_numpy(rng.choice(2 * n, n, replace=False)).cuda()

@@ -352,10 +352,10 @@ def test_copier_refuses_overlaps_and_vram_without_cuda(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("max_buckets", [1 << 22, 1])  # bucket table, then searchsorted
 def test_range_lookup_matches_a_plain_search(max_buckets: int) -> None:
-    from kvwire_hisparse.copier import _Ranges, _Scratch
+    from kvwire_hisparse.rows import Ranges, Scratch
 
     rng = np.random.default_rng(5)
-    sc = _Scratch()
+    sc = Scratch()
     for _ in range(200):
         n = int(rng.integers(1, 9))
         starts, ends, a = [], [], int(rng.integers(0, 10_000))
@@ -364,7 +364,7 @@ def test_range_lookup_matches_a_plain_search(max_buckets: int) -> None:
             starts.append(a)
             a += int(rng.integers(1, 5000))
             ends.append(a)
-        ranges = _Ranges(starts, ends, max_buckets=max_buckets)
+        ranges = Ranges(starts, ends, max_buckets=max_buckets)
         addr = rng.integers(0, a + 6000, 500).astype(np.int64)
         addr[:2] = [-1, np.iinfo(np.int64).min]  # addresses >= 2**63, seen as int64
         row_len = int(rng.integers(1, 300))

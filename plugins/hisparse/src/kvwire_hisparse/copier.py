@@ -15,8 +15,8 @@ How rows move:
   of the pool. Rows whose offsets are not multiples of ``row_len`` are grouped by their
   residue, each residue getting its own shifted view, so no alignment is required.
 - Validation and planning are vectorised over all rows before anything is written (a refused
-  call writes nothing): a bucket table finds each row's region (:class:`_Ranges`), and the
-  per-row work arrays are reused per thread (:class:`_Scratch`), ~20 ns a row on an H200 host.
+  call writes nothing): a bucket table finds each row's region (:class:`Ranges`), and the
+  per-row work arrays are reused per thread (:class:`Scratch`), ~20 ns a row on an H200 host.
 - DRAM rows: NumPy, synchronously in :meth:`RowCopier.start`, on a small thread pool (NumPy
   releases the GIL while copying): slice copies for long runs of consecutive rows, gather and
   scatter (fancy indexing) otherwise.
@@ -35,7 +35,6 @@ writing them, as for any backend): the copier's stream does not wait for the eng
 
 from __future__ import annotations
 
-import ctypes
 import itertools
 import logging
 import os
@@ -51,6 +50,8 @@ from numpy.typing import NDArray
 
 from kvwire.errors import ConfigError, DescriptorError, LayoutError, TransferError
 from kvwire.layout import MemKind, MemoryRegion
+from kvwire_hisparse.pointers import CudaPtr, HostPtr, device_pointer
+from kvwire_hisparse.rows import Ranges, Scratch, Span
 from kvwire_hisparse.shm import SharedHostPool
 
 logger = logging.getLogger(__name__)
@@ -60,187 +61,10 @@ logger = logging.getLogger(__name__)
 _TYPESTR = {8: "<i8", 4: "<i4", 2: "<i2", 1: "|u1"}
 
 
-class _CudaPtr:
-    """A raw CUDA pointer with a shape, for ``torch.as_tensor`` (``__cuda_array_interface__``
-    v2: no stream synchronisation is requested)."""
-
-    def __init__(self, addr: int, shape: tuple[int, ...], typestr: str) -> None:
-        self.__cuda_array_interface__ = {
-            "shape": shape,
-            "typestr": typestr,
-            "data": (addr, False),
-            "strides": None,
-            "version": 2,
-        }
-
-
-class _HostPtr:
-    """A raw host pointer with a shape, for ``numpy.asarray`` (``__array_interface__``)."""
-
-    def __init__(self, addr: int, shape: tuple[int, ...], typestr: str) -> None:
-        self.__array_interface__ = {
-            "shape": shape,
-            "typestr": typestr,
-            "data": (addr, False),
-            "strides": None,
-            "version": 3,
-        }
-
-
-def _cudart_lib() -> ctypes.CDLL | None:
-    """The CUDA runtime library this process (torch) loaded, or None if it cannot be found."""
-    try:
-        with open("/proc/self/maps", encoding="utf-8") as f:
-            for line in f:
-                path = line.rsplit(" ", 1)[-1].strip()
-                if "/libcudart.so" in path:
-                    return ctypes.CDLL(path)
-    except OSError:
-        pass
-    return None
-
-
-def _device_pointer(host_addr: int) -> tuple[int, str]:
-    """Device address of registered host memory: ``cudaHostGetDevicePointer`` through the
-    runtime library when reachable ("device-pointer", or "uva" when it equals the host
-    address), else the host address itself ("uva-assumed")."""
-    lib = _cudart_lib()
-    if lib is None:
-        return host_addr, "uva-assumed"
-    fn = lib.cudaHostGetDevicePointer
-    fn.argtypes = [ctypes.POINTER(ctypes.c_void_p), ctypes.c_void_p, ctypes.c_uint]
-    fn.restype = ctypes.c_int
-    out = ctypes.c_void_p()
-    err = fn(ctypes.byref(out), ctypes.c_void_p(host_addr), 0)
-    if err != 0 or out.value is None:
-        raise ConfigError(f"cudaHostGetDevicePointer({host_addr:#x}) failed with CUDA error {err}")
-    dev = int(out.value)
-    return dev, ("uva" if dev == host_addr else "device-pointer")
-
-
 #: Scattered DRAM rows go to the thread pool in pieces of at least this many bytes.
 _DRAM_MIN_PIECE = 4 << 20
 _I64_MAX = np.iinfo(np.int64).max
 _U64 = (1 << 64) - 1
-
-
-class _Scratch(threading.local):
-    """Per-thread work arrays reused across calls: planning makes a dozen passes over arrays
-    of one entry per row, and fresh allocations of that size cost page faults each time (more
-    than the arithmetic). Views handed out live until the same thread asks again."""
-
-    #: Arrays larger than this many entries are not kept.
-    KEEP_MAX = 1 << 22
-
-    def __init__(self) -> None:
-        self.bufs: dict[tuple[str, str], NDArray[Any]] = {}
-
-    def get(self, name: str, n: int, dtype: Any) -> NDArray[Any]:
-        dt = np.dtype(dtype)
-        if n > self.KEEP_MAX:
-            return np.empty(n, dtype=dt)
-        key = (name, dt.str)
-        buf = self.bufs.get(key)
-        if buf is None or buf.size < n:
-            buf = np.empty(max(n, 4096), dtype=dt)
-            self.bufs[key] = buf
-        return buf[:n]
-
-
-class _Ranges:
-    """Which of a few sorted, non-overlapping address ranges holds each of many rows.
-
-    Addresses are handled as int64 (user-space addresses are below 2**63; larger ones, negative
-    here, are never inside a range). ``np.searchsorted`` with unsorted keys costs ~40 ns a row,
-    more than the rest of a copy's planning together; when the ranges allow it, a bucket table
-    is used instead: buckets no longer than the shortest range hold at most one range start
-    each, so a row's range is its bucket's last range (``table``) or the next one, a few gathers
-    and compares a row. Falls back to ``searchsorted`` when the table would exceed
-    ``max_buckets`` entries.
-    """
-
-    def __init__(
-        self, starts: Sequence[int], ends: Sequence[int], max_buckets: int = 1 << 22
-    ) -> None:
-        if int(ends[-1]) > _I64_MAX:
-            raise ConfigError(f"address range ending at {int(ends[-1]):#x} is above 2**63")
-        n = len(starts)
-        self.starts = np.array(starts, dtype=np.int64)
-        self.ends = np.array(ends, dtype=np.int64)
-        self.next_start = np.append(self.starts[1:], np.int64(_I64_MAX))
-        self.base = int(starts[0])
-        shortest = min(int(e) - int(s) for s, e in zip(starts, ends, strict=True))
-        self.shift = max(0, shortest.bit_length() - 1)  # 2**shift <= shortest
-        self.nbuckets = ((int(ends[-1]) - self.base) >> self.shift) + 1
-        self.table: NDArray[np.intp] | None = None
-        if n > 1 and self.nbuckets <= max_buckets:
-            firsts = self.base + (np.arange(self.nbuckets, dtype=np.int64) << self.shift)
-            table = np.searchsorted(self.starts, firsts, side="right").astype(np.intp) - 1
-            # one more bucket for every address outside [base, last end]: clamped there
-            self.table = np.append(table, np.intp(n - 1))
-
-    def locate(
-        self, addr: NDArray[np.int64], row_len: int, sc: _Scratch, tag: str
-    ) -> tuple[NDArray[np.intp], NDArray[np.bool_]]:
-        """(range index of each row, mask of rows entirely inside that range); both are
-        scratch arrays of ``sc`` named after ``tag``."""
-        n = addr.size
-        lengths = self.ends - self.starts
-        first = np.where(lengths >= row_len, self.starts, _I64_MAX)  # too short: holds no row
-        last = self.ends - row_len
-        ok = sc.get(tag + "ok", n, np.bool_)
-        ok2 = sc.get(tag + "ok2", n, np.bool_)
-        pos = sc.get(tag + "pos", n, np.intp)
-        if self.starts.size == 1:
-            np.greater_equal(addr, first[0], out=ok)
-            np.less_equal(addr, last[0], out=ok2)
-            ok &= ok2
-            pos.fill(0)
-            return pos, ok
-        tmp = sc.get(tag + "tmp", n, np.int64)
-        if self.table is not None:
-            np.subtract(addr, self.base, out=tmp)
-            np.right_shift(tmp, self.shift, out=tmp)
-            np.clip(tmp, 0, self.nbuckets, out=tmp)
-            np.take(self.table, tmp, out=pos, mode="clip")
-            np.take(self.next_start, pos, out=tmp, mode="clip")
-            np.greater_equal(addr, tmp, out=ok)
-            pos += ok
-        else:
-            pos[:] = np.searchsorted(self.starts, addr, side="right")
-            pos -= 1
-            np.maximum(pos, 0, out=pos)
-        np.take(first, pos, out=tmp, mode="clip")
-        np.greater_equal(addr, tmp, out=ok)
-        np.take(last, pos, out=tmp, mode="clip")
-        np.less_equal(addr, tmp, out=ok2)
-        ok &= ok2
-        return pos, ok
-
-
-@dataclass(frozen=True)
-class _Span:
-    """The source regions of one memory kind and device, as one address range."""
-
-    kind: MemKind
-    device: int
-    base: int
-    end: int
-    #: (start, end) of each region in the span, sorted.
-    regions: tuple[tuple[int, int], ...]
-
-    def first_row(self, residue: int, row_len: int) -> int:
-        """Lowest address ``base + residue + k * row_len`` inside a region (views start there,
-        so that their base pointer is always valid memory)."""
-        first = self.base + residue
-        for start, end in self.regions:
-            if end <= first:
-                continue
-            lo = max(start, first)
-            q = first + -(-(lo - first) // row_len) * row_len
-            if q + row_len <= end:
-                return q
-        return first
 
 
 @dataclass
@@ -352,7 +176,7 @@ class RowCopier:
         self.max_piece_bytes = max(1, int(max_piece_bytes))
         self.dram_threads = max(1, dram_threads or min(8, os.cpu_count() or 1))
         self._executor: ThreadPoolExecutor | None = None
-        self._scratch = _Scratch()
+        self._scratch = Scratch()
         self._lock = threading.Lock()
         self._closed = False
 
@@ -362,15 +186,15 @@ class RowCopier:
                 raise LayoutError(
                     f"source regions overlap: {a.addr:#x} (+{a.length}) and {b.addr:#x}"
                 )
-        self._src_ranges = _Ranges([r.addr for r in regs], [r.end for r in regs])
+        self._src_ranges = Ranges([r.addr for r in regs], [r.end for r in regs])
         keys = sorted({(r.kind, r.device_id if r.kind is MemKind.VRAM else 0) for r in regs})
-        spans: list[_Span] = []
+        spans: list[Span] = []
         for kind, dev in keys:
             mine = [
                 r for r in regs if r.kind is kind and (kind is MemKind.DRAM or r.device_id == dev)
             ]
             spans.append(
-                _Span(
+                Span(
                     kind,
                     dev,
                     mine[0].addr,
@@ -395,7 +219,7 @@ class RowCopier:
                 raise LayoutError(f"destination pools overlap at remote address {bb:#x}")
         self._pools = [p for _, p in pools]
         self._pool_rstart = np.array([b for b, _ in pools], dtype=np.int64)
-        self._dst_ranges = _Ranges([b for b, _ in pools], [b + p.nbytes for b, p in pools])
+        self._dst_ranges = Ranges([b for b, _ in pools], [b + p.nbytes for b, p in pools])
 
         self._views: dict[tuple[Any, ...], tuple[Any, int]] = {}
         self._torch: Any = None
@@ -427,7 +251,7 @@ class RowCopier:
         modes = set()
         for pool in self._pools:
             pool.pin(device)
-            ptr, mode = _device_pointer(pool.addr)
+            ptr, mode = device_pointer(pool.addr)
             modes.add(mode)
             self._pool_devptr.append(ptr)
             view = self._cuda_alias(ptr, (pool.nbytes,), 1)
@@ -447,7 +271,7 @@ class RowCopier:
         torch = self._torch
         dev = self._device
         try:
-            t = torch.as_tensor(_CudaPtr(ptr, shape, _TYPESTR[width]))
+            t = torch.as_tensor(CudaPtr(ptr, shape, _TYPESTR[width]))
         except Exception as exc:
             raise ConfigError(f"cannot view address {ptr:#x} as CUDA memory: {exc}") from exc
         if t.device != torch.device("cuda", dev):
@@ -474,7 +298,7 @@ class RowCopier:
             if span.kind is MemKind.VRAM:
                 view = self._cuda_alias(first, shape, width)
             else:
-                view = np.asarray(_HostPtr(first, shape, _TYPESTR[width]))
+                view = np.asarray(HostPtr(first, shape, _TYPESTR[width]))
             self._views[key] = (view, k0)
             return view, k0
 

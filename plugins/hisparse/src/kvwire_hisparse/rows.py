@@ -1,0 +1,140 @@
+"""Vectorised row planning for the row copier (:mod:`kvwire_hisparse.copier`): which source
+region holds each row (:class:`Ranges`), per-thread reusable work arrays (:class:`Scratch`)
+and the address span of one memory kind and device (:class:`Span`). Called on a transfer
+worker's thread per chunk; nothing here is shared between threads except read-only tables."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+from numpy.typing import NDArray
+
+from kvwire.errors import ConfigError
+from kvwire.layout import MemKind
+
+__all__ = ["I64_MAX", "Ranges", "Scratch", "Span"]
+
+I64_MAX = np.iinfo(np.int64).max
+
+
+class Scratch(threading.local):
+    """Per-thread work arrays reused across calls: planning makes a dozen passes over arrays
+    of one entry per row, and fresh allocations of that size cost page faults each time (more
+    than the arithmetic). Views handed out live until the same thread asks again."""
+
+    #: Arrays larger than this many entries are not kept.
+    KEEP_MAX = 1 << 22
+
+    def __init__(self) -> None:
+        self.bufs: dict[tuple[str, str], NDArray[Any]] = {}
+
+    def get(self, name: str, n: int, dtype: Any) -> NDArray[Any]:
+        dt = np.dtype(dtype)
+        if n > self.KEEP_MAX:
+            return np.empty(n, dtype=dt)
+        key = (name, dt.str)
+        buf = self.bufs.get(key)
+        if buf is None or buf.size < n:
+            buf = np.empty(max(n, 4096), dtype=dt)
+            self.bufs[key] = buf
+        return buf[:n]
+
+
+class Ranges:
+    """Which of a few sorted, non-overlapping address ranges holds each of many rows.
+
+    Addresses are handled as int64 (user-space addresses are below 2**63; larger ones, negative
+    here, are never inside a range). ``np.searchsorted`` with unsorted keys costs ~40 ns a row,
+    more than the rest of a copy's planning together; when the ranges allow it, a bucket table
+    is used instead: buckets no longer than the shortest range hold at most one range start
+    each, so a row's range is its bucket's last range (``table``) or the next one, a few gathers
+    and compares a row. Falls back to ``searchsorted`` when the table would exceed
+    ``max_buckets`` entries.
+    """
+
+    def __init__(
+        self, starts: Sequence[int], ends: Sequence[int], max_buckets: int = 1 << 22
+    ) -> None:
+        if int(ends[-1]) > I64_MAX:
+            raise ConfigError(f"address range ending at {int(ends[-1]):#x} is above 2**63")
+        n = len(starts)
+        self.starts = np.array(starts, dtype=np.int64)
+        self.ends = np.array(ends, dtype=np.int64)
+        self.next_start = np.append(self.starts[1:], np.int64(I64_MAX))
+        self.base = int(starts[0])
+        shortest = min(int(e) - int(s) for s, e in zip(starts, ends, strict=True))
+        self.shift = max(0, shortest.bit_length() - 1)  # 2**shift <= shortest
+        self.nbuckets = ((int(ends[-1]) - self.base) >> self.shift) + 1
+        self.table: NDArray[np.intp] | None = None
+        if n > 1 and self.nbuckets <= max_buckets:
+            firsts = self.base + (np.arange(self.nbuckets, dtype=np.int64) << self.shift)
+            table = np.searchsorted(self.starts, firsts, side="right").astype(np.intp) - 1
+            # one more bucket for every address outside [base, last end]: clamped there
+            self.table = np.append(table, np.intp(n - 1))
+
+    def locate(
+        self, addr: NDArray[np.int64], row_len: int, sc: Scratch, tag: str
+    ) -> tuple[NDArray[np.intp], NDArray[np.bool_]]:
+        """(range index of each row, mask of rows entirely inside that range); both are
+        scratch arrays of ``sc`` named after ``tag``."""
+        n = addr.size
+        lengths = self.ends - self.starts
+        first = np.where(lengths >= row_len, self.starts, I64_MAX)  # too short: holds no row
+        last = self.ends - row_len
+        ok = sc.get(tag + "ok", n, np.bool_)
+        ok2 = sc.get(tag + "ok2", n, np.bool_)
+        pos = sc.get(tag + "pos", n, np.intp)
+        if self.starts.size == 1:
+            np.greater_equal(addr, first[0], out=ok)
+            np.less_equal(addr, last[0], out=ok2)
+            ok &= ok2
+            pos.fill(0)
+            return pos, ok
+        tmp = sc.get(tag + "tmp", n, np.int64)
+        if self.table is not None:
+            np.subtract(addr, self.base, out=tmp)
+            np.right_shift(tmp, self.shift, out=tmp)
+            np.clip(tmp, 0, self.nbuckets, out=tmp)
+            np.take(self.table, tmp, out=pos, mode="clip")
+            np.take(self.next_start, pos, out=tmp, mode="clip")
+            np.greater_equal(addr, tmp, out=ok)
+            pos += ok
+        else:
+            pos[:] = np.searchsorted(self.starts, addr, side="right")
+            pos -= 1
+            np.maximum(pos, 0, out=pos)
+        np.take(first, pos, out=tmp, mode="clip")
+        np.greater_equal(addr, tmp, out=ok)
+        np.take(last, pos, out=tmp, mode="clip")
+        np.less_equal(addr, tmp, out=ok2)
+        ok &= ok2
+        return pos, ok
+
+
+@dataclass(frozen=True)
+class Span:
+    """The source regions of one memory kind and device, as one address range."""
+
+    kind: MemKind
+    device: int
+    base: int
+    end: int
+    #: (start, end) of each region in the span, sorted.
+    regions: tuple[tuple[int, int], ...]
+
+    def first_row(self, residue: int, row_len: int) -> int:
+        """Lowest address ``base + residue + k * row_len`` inside a region (views start there,
+        so that their base pointer is always valid memory)."""
+        first = self.base + residue
+        for start, end in self.regions:
+            if end <= first:
+                continue
+            lo = max(start, first)
+            q = first + -(-(lo - first) // row_len) * row_len
+            if q + row_len <= end:
+                return q
+        return first
