@@ -8,6 +8,10 @@ both sides must fail naming the chunk, the layer and the sender. The cluster tes
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+import textwrap
 import time
 from typing import Any
 
@@ -20,7 +24,7 @@ from kvwire.errors import DescriptorError, KVWireError
 from kvwire.integrity import RowHasher, add_sums, layer_ranges, mismatched_layers
 from kvwire.layout import KVLayout, RankPosition
 from kvwire.session import KVPoll
-from kvwire.session.checksums import SentSums
+from kvwire.session.checksums import SentSums, hasher_for
 from kvwire.testing.kvfill import count_mismatches, fill_pages, make_pool
 from kvwire.testing.pair import MODEL, config, no_rooms, pair, wait_for
 
@@ -74,13 +78,91 @@ def test_sums_add_over_any_split_and_catch_flips_and_misplaced_rows() -> None:
     assert layer_ranges([3, 7, 8, 9, 1]) == "1, 3, 7-9"
 
 
-def test_gpu_pools_are_refused_clearly() -> None:
+def test_each_hasher_refuses_the_other_memory_kind_and_gpu_needs_cuda() -> None:
     layout, _ = _pool(2)
     vram = layout.model_copy(
         update={"buffers": tuple(b.model_copy(update={"kind": 1}) for b in layout.buffers)}
     )
-    with pytest.raises(DescriptorError, match="GPU memory"):
+    with pytest.raises(DescriptorError, match=r"reads DRAM buffers.*VRAM"):
         RowHasher(vram)
+    assert type(hasher_for(layout)) is RowHasher
+    torch = pytest.importorskip("torch")
+    if torch.cuda.is_available():  # the GPU machine: a device hasher for the GPU pool
+        assert type(hasher_for(vram)).__name__ == "DeviceRowHasher"
+        return
+    with pytest.raises(DescriptorError, match=r"no CUDA device|need torch and triton"):
+        hasher_for(vram)
+
+
+def test_unaligned_rows_of_word_length_sum_like_aligned_ones() -> None:
+    """Whether a row is read as words depends on its length only, so a row at an odd offset
+    on one side and an aligned one on the other (head slices, other pools) agree."""
+    layout, arrs = _pool(3)
+    h = RowHasher(layout)
+    arrs[1][8:72] = arrs[0][3:67]  # the same 64 bytes, aligned in buffer 1, odd in buffer 0
+    key = np.array([1 << 41], dtype=np.uint64)
+    layer0 = h.sums(_rows(layout, [(0, 3, 64)]), [0], key)
+    layer1 = h.sums(_rows(layout, [(1, 8, 64)]), [0], key)
+    assert list(layer0.values()) == list(layer1.values())
+    # ...and the same row split into a mixed chunk adds up the same
+    both = h.sums(_rows(layout, [(0, 3, 64), (0, 8, 64)]), [0, 1], np.r_[key, key + 64])
+    alone = h.sums(_rows(layout, [(0, 8, 64)]), [0], key + 64)
+    assert both[0] == (layer0[0] + alone[0]) % (1 << 64)
+
+
+_DEVICE_CHECK = textwrap.dedent(
+    """
+    import numpy as np
+    from kvwire.descriptors import make_table
+    from kvwire.integrity import RowHasher
+    from kvwire.integrity_device import DeviceRowHasher
+    from kvwire.layout import RankPosition
+    from kvwire.testing.kvfill import make_pool
+    from kvwire.testing.pair import MODEL
+    layout, arrs = make_pool(MODEL, RankPosition(), 32)
+    rng = np.random.default_rng(5)
+    for a in arrs:
+        a.view(np.uint8).reshape(-1)[:] = rng.integers(0, 256, a.nbytes, dtype=np.uint8)
+    vram = layout.model_copy(
+        update={"buffers": tuple(b.model_copy(update={"kind": 1}) for b in layout.buffers)}
+    )
+    host, dev = RowHasher(layout), DeviceRowHasher(vram, device="cpu")
+    nbuf = len(layout.buffers)
+    size = layout.buffers[0].length
+    for trial in range(4):
+        count = 24
+        b = rng.integers(0, nbuf, count)
+        n = rng.choice([8, 64, 256, 24, 7, 1, 130, 2048], count)
+        off = np.array([rng.integers(0, size - k + 1) for k in n])
+        if trial % 2:
+            off -= off % 8  # aligned rows too
+        base = np.array([layout.buffers[i].addr for i in b], dtype=np.uint64)
+        table = make_table(base + off.astype(np.uint64), n.astype(np.uint64))
+        keys = rng.integers(0, 1 << 62, count).astype(np.uint64)
+        idx = np.arange(count)
+        want = host.sums(table, idx, keys)
+        got = dev.sums(table, idx, keys)
+        assert got == want, (trial, got, want)
+        assert dev.sums(table, idx, keys, layers=[1]) == host.sums(table, idx, keys, layers=[1])
+    print("DEVICE-HASH-OK")
+    """
+)
+
+
+def test_device_hasher_kernel_equals_the_host_hasher_in_the_interpreter() -> None:
+    """The Triton checksum kernel itself, run by Triton's CPU interpreter over host memory:
+    aligned words, unaligned words and byte rows give the host hasher's sums bit for bit."""
+    pytest.importorskip("triton")
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    out = subprocess.run(
+        [sys.executable, "-c", _DEVICE_CHECK],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "DEVICE-HASH-OK" in out.stdout
 
 
 def _checked() -> KVWireConfig:

@@ -2,7 +2,8 @@
 
 A checksum here is a sum, modulo 2**64, of one term per moved row:
 ``mix(dst_addr) ^ (Σ_j word_j * P_j)``, multiplied by an odd constant, where ``word_j`` are the
-row's 64-bit little-endian words (bytes when a row is not 8-byte aligned), ``P`` a fixed
+row's 64-bit little-endian words (bytes when the row's length does not divide by 8; the
+choice depends on the length only, which both sides share), ``P`` a fixed
 sequence of odd weights and ``dst_addr`` the row's address *on decode*. Because the terms are
 keyed by the destination address and added, the sum does not depend on how a chunk was cut
 into transfers: segments by memory kind, layer-wise groups, staging blocks or chunk
@@ -17,10 +18,11 @@ This is an integrity check against faults (a transport or a copy kernel deliveri
 bytes), not a cryptographic MAC: a peer that wants to forge KV is the business of the
 handshake's secret (docs/security.md).
 
-Host (DRAM) pools only: rows are read through NumPy views of the registered memory. Called by
-prefill's transfer workers (:func:`layer_sums` before posting a chunk) and by decode's progress
-thread once a chunk is complete. NumPy throughout; loops run over the few buffers a chunk
-touches, never over rows or pages.
+Host (DRAM) pools are read through NumPy views of the registered memory (:class:`RowHasher`);
+GPU pools with one Triton launch per call (:mod:`kvwire.integrity_device`), the same terms.
+Called by prefill's transfer workers (before posting a chunk) and by decode's progress thread
+once a chunk is complete. Loops run over the few buffers a chunk touches, never over rows or
+pages.
 """
 
 from __future__ import annotations
@@ -39,26 +41,26 @@ from kvwire.errors import DescriptorError
 from kvwire.layout import KVLayout, MemKind
 
 _GOLDEN = np.uint64(0x9E3779B97F4A7C15)
-_MIX1 = np.uint64(0xBF58476D1CE4E5B9)
-_MIX2 = np.uint64(0x94D049BB133111EB)
-_ODD = np.uint64(0xD6E8FEB86659FD93)
+MIX1 = np.uint64(0xBF58476D1CE4E5B9)
+MIX2 = np.uint64(0x94D049BB133111EB)
+ODD = np.uint64(0xD6E8FEB86659FD93)
 
 #: Per-layer sums: global layer index -> sum modulo 2**64.
 LayerSums = dict[int, int]
 
 
-def _mix(x: NDArray[np.uint64]) -> NDArray[np.uint64]:
+def mix(x: NDArray[np.uint64]) -> NDArray[np.uint64]:
     """A 64-bit finaliser (splitmix64's): distinct inputs give well-spread outputs."""
-    x = (x ^ (x >> np.uint64(30))) * _MIX1
-    x = (x ^ (x >> np.uint64(27))) * _MIX2
+    x = (x ^ (x >> np.uint64(30))) * MIX1
+    x = (x ^ (x >> np.uint64(27))) * MIX2
     out: NDArray[np.uint64] = x ^ (x >> np.uint64(31))
     return out
 
 
 @lru_cache(maxsize=64)
-def _weights(n: int) -> NDArray[np.uint64]:
+def weights(n: int) -> NDArray[np.uint64]:
     """``n`` odd position weights, the same on every host (a fixed sequence)."""
-    w = _mix((np.arange(n, dtype=np.uint64) + np.uint64(1)) * _GOLDEN) | np.uint64(1)
+    w = mix((np.arange(n, dtype=np.uint64) + np.uint64(1)) * _GOLDEN) | np.uint64(1)
     w.setflags(write=False)
     return w
 
@@ -68,21 +70,34 @@ class RowHasher:
 
     ``layout``: the rank's KV layout (its buffers are the memory rows are read from, and
     each buffer's layer comes from :meth:`KVLayout.buffer_keys`). Built once per link;
-    :meth:`sums` may be called from several threads at once (it only reads)."""
+    :meth:`sums` may be called from several threads at once (it only reads). This class reads
+    host (DRAM) buffers with NumPy; :class:`kvwire.integrity_device.DeviceRowHasher` computes
+    the same terms for buffers in GPU memory with one kernel launch.
+    """
+
+    #: Memory kind of the buffers this hasher reads.
+    KIND = MemKind.DRAM
 
     def __init__(self, layout: KVLayout) -> None:
         buffers = list(layout.buffers)
-        if any(b.kind is not MemKind.DRAM for b in buffers):
+        if any(MemKind(b.kind) is not self.KIND for b in buffers):
             raise DescriptorError(
-                "KV checksums read the pool's bytes on the host: this rank's KV buffers are "
-                "in GPU memory, which the checksum does not cover yet (turn kv_checksum off)"
+                f"KV checksums: {type(self).__name__} reads {self.KIND.name} buffers, but "
+                f"this rank's KV buffers are in {sorted({MemKind(b.kind).name for b in buffers})} "
+                "(a pool split across host and GPU memory is not checksummed; turn "
+                "kv_checksum off)"
             )
         order = np.argsort([b.addr for b in buffers], kind="stable")
         self._regions = [buffers[i] for i in order]
         self._starts = np.array([r.addr for r in self._regions], dtype=np.uint64)
         self._ends = np.array([r.end for r in self._regions], dtype=np.uint64)
         self._layers = layout.buffer_keys[order, 0]
-        self._views = [region_array(r) for r in self._regions]
+        self._views = self._open_views()
+
+    def _open_views(self) -> list[NDArray[np.uint8]]:
+        """Views of the buffers (sorted by address) the rows are read through; called once at
+        construction."""
+        return [region_array(r) for r in self._regions]
 
     def sums(
         self,
@@ -100,33 +115,50 @@ class RowHasher:
         if (pos < 0).any():
             raise DescriptorError("a checksummed row lies outside the rank's KV buffers")
         row_layer = self._layers[pos]
-        keep = np.ones(pos.shape, dtype=bool)
         if layers is not None:
             keep = np.isin(row_layer, np.asarray(list(layers), dtype=np.int64))
-        out: LayerSums = {}
-        # One pass per (buffer, row length) present: a chunk touches each buffer once.
-        combo = pos.astype(np.int64) * (1 << 32) + lens.astype(np.int64)
-        for c in np.unique(combo[keep]).tolist():
-            sel = keep & (combo == c)
-            b, n = c >> 32, c & 0xFFFFFFFF
-            off = (addr[sel] - self._starts[b]).astype(np.int64)
-            term = self._terms(self._views[b], off, int(n), dst_addr[sel])
-            layer = int(self._layers[b])
-            total = (int(term.sum(dtype=np.uint64)) + out.get(layer, 0)) & 0xFFFFFFFFFFFFFFFF
-            out[layer] = total
+            addr, lens, pos, row_layer = addr[keep], lens[keep], pos[keep], row_layer[keep]
+            dst_addr = np.asarray(dst_addr)[keep]
+        if not pos.size:
+            return {}
+        terms = self._row_terms(addr, lens, pos, np.asarray(dst_addr, dtype=np.uint64))
+        return per_layer(row_layer, terms)
+
+    def _row_terms(
+        self,
+        addr: NDArray[np.uint64],
+        lens: NDArray[np.uint64],
+        pos: NDArray[np.int64],
+        dst: NDArray[np.uint64],
+    ) -> NDArray[np.uint64]:
+        """One checksum term per row (rows of buffer ``pos[i]`` at ``addr[i]``, ``lens[i]``
+        bytes, keyed by ``dst[i]``). One pass per (buffer, row length, offset modulo 8)
+        present: a chunk touches each buffer once."""
+        out = np.empty(pos.shape, dtype=np.uint64)
+        off = (addr - self._starts[pos]).astype(np.int64)
+        combo = (pos.astype(np.int64) << 35) | ((off & 7) << 32) | lens.astype(np.int64)
+        for c in np.unique(combo).tolist():
+            sel = combo == c
+            b, n = c >> 35, c & 0xFFFFFFFF
+            out[sel] = self._terms(self._views[b], off[sel], int(n), dst[sel])
         return out
 
     @staticmethod
     def _terms(
         view: NDArray[np.uint8], off: NDArray[np.int64], n: int, dst: NDArray[np.uint64]
     ) -> NDArray[np.uint64]:
-        """One checksum term per row of ``n`` bytes at ``off`` in ``view``: the rows are
-        picked from a strided view (one row per possible start), so the gather is a copy of
-        whole rows, and the weighted sum an ``einsum`` without temporaries."""
+        """One checksum term per row of ``n`` bytes at ``off`` in ``view`` (every offset the
+        same modulo 8): the rows are picked from a strided view (one row per possible start),
+        so the gather is a copy of whole rows, and the weighted sum an ``einsum`` without
+        temporaries. Rows whose length divides by 8 are summed as 64-bit little-endian words
+        (read through a view shifted to their offset modulo 8), others as bytes."""
         cells: NDArray[np.unsignedinteger[Any]] = view
         start, k = off, n
-        if n % 8 == 0 and not (off % 8).any():
-            cells, start, k = view[: view.size // 8 * 8].view(np.uint64), off // 8, n // 8
+        if n % 8 == 0 and off.size:
+            shift = int(off[0]) % 8
+            shifted = view[shift:]
+            cells = shifted[: shifted.size // 8 * 8].view(np.uint64)
+            start, k = (off - shift) // 8, n // 8
         windows = as_strided(
             cells, shape=(cells.size - k + 1, k), strides=(cells.strides[0],) * 2, writeable=False
         )
@@ -134,9 +166,19 @@ class RowHasher:
         with np.errstate(over="ignore"):
             if data.dtype != np.uint64:
                 data = data.astype(np.uint64)
-            body = np.einsum("ij,j->i", data, _weights(k))
-            out: NDArray[np.uint64] = (body ^ _mix(dst.astype(np.uint64))) * _ODD
+            body = np.einsum("ij,j->i", data, weights(k))
+            out: NDArray[np.uint64] = (body ^ mix(dst.astype(np.uint64))) * ODD
         return out
+
+
+def per_layer(row_layer: NDArray[np.int64], terms: NDArray[np.uint64]) -> LayerSums:
+    """Sum (modulo 2**64) the rows' terms per layer."""
+    order = np.argsort(row_layer, kind="stable")
+    layer_sorted = row_layer[order]
+    starts = np.flatnonzero(np.r_[True, layer_sorted[1:] != layer_sorted[:-1]])
+    with np.errstate(over="ignore"):
+        totals = np.add.reduceat(terms[order], starts, dtype=np.uint64)
+    return {int(layer_sorted[i]): int(t) for i, t in zip(starts, totals, strict=True)}
 
 
 def add_sums(into: dict[int, int], more: Mapping[int, int]) -> None:

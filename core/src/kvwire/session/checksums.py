@@ -9,8 +9,9 @@ a chunk is complete (every part arrived, staged blocks scattered) the progress t
 for the sums of the rows that chunk wrote, found the way prefill found them (the same mapper,
 built from both layouts, and the chunk's page span from the note), and compares.
 
-Only the KV pool (``"kv"``) is covered: aux rows carry their own room stamp, and buffer
-groups and host pools are not checksummed yet (docs/integrity.md).
+KV pools in host and in GPU memory alike (:func:`hasher_for`). Only the KV pool (``"kv"``) is
+covered: aux rows carry their own room stamp, and buffer groups and a decode's second pool
+(HiSparse's ``"host"``) are not checksummed yet (docs/integrity.md).
 """
 
 from __future__ import annotations
@@ -20,10 +21,27 @@ from numpy.typing import NDArray
 
 from kvwire.config import KVWireConfig
 from kvwire.descriptors import ADDR
+from kvwire.errors import DescriptorError
 from kvwire.index.base import IndexMapper
 from kvwire.integrity import LayerSums, RowHasher
-from kvwire.layout import KVLayout
+from kvwire.layout import KVLayout, MemKind
 from kvwire.session.handshake import build_mapper
+
+
+def hasher_for(layout: KVLayout) -> RowHasher:
+    """The row hasher for this rank's KV buffers, by their memory kind: NumPy over host
+    memory, or one Triton launch per call over GPU memory (imported only then). Called at
+    handshake, once per link, by either side."""
+    if layout.buffers and all(MemKind(b.kind) is MemKind.VRAM for b in layout.buffers):
+        try:
+            from kvwire.integrity_device import DeviceRowHasher
+        except ImportError as err:
+            raise DescriptorError(
+                f"KV checksums of GPU pools need torch and triton here ({err}); turn "
+                "kv_checksum off or install them"
+            ) from err
+        return DeviceRowHasher(layout)
+    return RowHasher(layout)
 
 
 class SentSums:
@@ -33,7 +51,7 @@ class SentSums:
     def __init__(self, mapper: IndexMapper, local: KVLayout) -> None:
         self.mapper = mapper
         self.tables = mapper.build_tables()
-        self.hasher = RowHasher(local)
+        self.hasher = hasher_for(local)
 
     def chunk(
         self,
@@ -57,7 +75,7 @@ class LandedSums:
     def __init__(self, config: KVWireConfig, remote: KVLayout, local: KVLayout) -> None:
         self.mapper = build_mapper(config, remote, local)
         self.dst = self.mapper.build_tables().dst
-        self.hasher = RowHasher(local)
+        self.hasher = hasher_for(local)
 
     def chunk(
         self,
