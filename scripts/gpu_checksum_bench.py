@@ -1,0 +1,145 @@
+"""GPU check and timing of KV checksums over GPU pools (issue 26 item 1).
+
+Run on the GPU machine (two GPUs: the peer copy crosses the link; one: it stays on the GPU):
+    PYTHONPATH=core/src python3 scripts/gpu_checksum_bench.py [--json PATH]
+
+The model of issue 27 (32 layers x K/V, 8 KV heads x 128 dims, bf16, 16-token pages: a page
+is 64 rows of 32 KiB). For each request size it:
+1. checks the device hasher's per-layer sums against the host hasher's over a host copy of
+   the same pool (every layer, bit for bit), and that one flipped byte changes its layer's sum;
+2. times the device hasher (median of repeats, wall clock around the call: launch, wait and
+   the per-layer sum on the host, what a transfer worker pays) and a torch peer copy of the
+   same number of contiguous bytes from GPU 0 to the last GPU (the link's time);
+3. prints the checksum time as a share of the peer copy's time: prefill and decode each pay
+   one such call per chunk, so twice this share is the added time where the hash is not
+   overlapped with the transfer.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+import numpy as np
+import torch
+
+from kvwire.descriptors import make_table
+from kvwire.integrity import RowHasher
+from kvwire.integrity_device import DeviceRowHasher
+from kvwire.layout import KVLayout, ModelSpec, RankPosition
+
+MODEL = ModelSpec(num_layers=32, total_kv_heads=8, head_dim=128, dtype="bfloat16", page_size=16)
+PAGE_BYTES = 2 << 20  # all layers, K and V
+
+
+def rows_of(layout: KVLayout, pages: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Rows (one per buffer and page) of ``pages`` and a destination key per row."""
+    item = layout.buffers[0].item_len
+    base = np.array([b.addr for b in layout.buffers], dtype=np.uint64)
+    addr = (base[:, None] + pages[None, :].astype(np.uint64) * np.uint64(item)).reshape(-1)
+    table = make_table(addr, np.full(addr.size, item, dtype=np.uint64))
+    keys = (np.uint64(1 << 44) + np.arange(addr.size, dtype=np.uint64) * np.uint64(item)).astype(
+        np.uint64
+    )
+    return table, keys
+
+
+def timed(fn: object, repeat: int) -> float:
+    """Median seconds of ``fn()`` (which must wait for its own work)."""
+    out = []
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        fn()  # type: ignore[operator]
+        out.append(time.perf_counter() - t0)
+    return statistics.median(out)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--mib", default="2,16,128,512")
+    ap.add_argument("--repeat", type=int, default=15)
+    ap.add_argument("--json", default="")
+    args = ap.parse_args()
+    sizes = [int(x) for x in args.mib.split(",")]
+    dev0 = torch.device("cuda", 0)
+    dev1 = torch.device("cuda", torch.cuda.device_count() - 1)
+    slots = max(sizes) * (1 << 20) // PAGE_BYTES + 8
+    shape = (slots, MODEL.page_size, MODEL.total_kv_heads, MODEL.head_dim)
+    tensors = [torch.randn(shape, dtype=torch.bfloat16, device=dev0) for _ in range(64)]
+    layout = KVLayout.from_tensors(MODEL, tensors, RankPosition())
+    hasher = DeviceRowHasher(layout)
+    host_t = [t.cpu() for t in tensors]
+    host_layout = KVLayout.from_tensors(MODEL, host_t, RankPosition())
+    host = RowHasher(host_layout)
+    dev_addr = np.array([b.addr for b in layout.buffers], dtype=np.uint64)
+    host_addr = np.array([b.addr for b in host_layout.buffers], dtype=np.uint64)
+    order = np.argsort(dev_addr)
+    results = []
+    rng = np.random.default_rng(0)
+    print(f"GPU: {torch.cuda.get_device_name(dev0)}; peer copy GPU{dev0.index} -> GPU{dev1.index}")
+    for mib in sizes:
+        n_pages = mib * (1 << 20) // PAGE_BYTES
+        pages = rng.permutation(slots)[:n_pages]
+        table, keys = rows_of(layout, pages)
+        idx = np.arange(table.shape[0])
+        got = hasher.sums(table, idx, keys)
+        # the same rows in the host copy: each address moves from its device tensor to the
+        # host copy of that tensor, at the same offset
+        htable = table.copy()
+        ti = order[np.searchsorted(dev_addr[order], htable[:, 0], side="right") - 1]
+        htable[:, 0] = htable[:, 0] - dev_addr[ti] + host_addr[ti]
+        want = host.sums(htable, idx, keys)
+        equal = got == want and len(got) == MODEL.num_layers
+        # one flipped byte of layer 7's V at the first page changes layer 7's sum only
+        t = tensors[32 + 7]
+        flat = t.view(torch.uint8).view(-1)
+        at = int(pages[0]) * (t.numel() // slots) * 2 + 100
+        flat[at] ^= 0x01
+        flipped = hasher.sums(table, idx, keys)
+        flat[at] ^= 0x01
+        caught = [k for k in got if got[k] != flipped.get(k)] == [7]
+        hash_s = timed(lambda t=table, i=idx, k=keys: hasher.sums(t, i, k), args.repeat)
+        nbytes = n_pages * PAGE_BYTES
+        a = torch.empty(nbytes, dtype=torch.uint8, device=dev0)
+        b = torch.empty(nbytes, dtype=torch.uint8, device=dev1)
+
+        def copy(a: torch.Tensor = a, b: torch.Tensor = b) -> None:
+            b.copy_(a, non_blocking=True)
+            torch.cuda.synchronize(dev0)
+            torch.cuda.synchronize(dev1)
+
+        copy()
+        copy_s = timed(copy, args.repeat)
+        row = {
+            "mib": mib,
+            "rows": int(table.shape[0]),
+            "sums_equal_host": bool(equal),
+            "flip_caught_in_its_layer": bool(caught),
+            "checksum_ms": hash_s * 1e3,
+            "checksum_gbs": nbytes / hash_s / 1e9,
+            "peer_copy_ms": copy_s * 1e3,
+            "peer_copy_gbs": nbytes / copy_s / 1e9,
+            "share_of_peer_copy": hash_s / copy_s,
+        }
+        results.append(row)
+        del a, b
+    print(
+        f"{'MiB':>5} {'rows':>6} {'equal':>5} {'flip':>5} {'sum ms':>8} {'sum GB/s':>9} "
+        f"{'copy ms':>8} {'copy GB/s':>9} {'sum/copy':>8}"
+    )
+    for r in results:
+        print(
+            f"{r['mib']:>5} {r['rows']:>6} {r['sums_equal_host']!s:>5} "
+            f"{r['flip_caught_in_its_layer']!s:>5} {r['checksum_ms']:>8.3f} "
+            f"{r['checksum_gbs']:>9.1f} {r['peer_copy_ms']:>8.3f} {r['peer_copy_gbs']:>9.1f} "
+            f"{r['share_of_peer_copy']:>8.3f}"
+        )
+    if args.json:
+        with open(args.json, "w", encoding="utf-8") as f:
+            json.dump({"gpu": torch.cuda.get_device_name(dev0), "results": results}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
