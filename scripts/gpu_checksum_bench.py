@@ -21,6 +21,7 @@ import argparse
 import json
 import statistics
 import time
+from typing import Any
 
 import numpy as np
 import torch
@@ -56,11 +57,46 @@ def timed(fn: object, repeat: int) -> float:
     return statistics.median(out)
 
 
+def breakdown(
+    hasher: DeviceRowHasher, table: np.ndarray, keys: np.ndarray, repeat: int
+) -> dict[str, float]:
+    """Where a call's time goes: the whole call, the terms (table build, copies, launch,
+    wait) and the kernel alone (CUDA events around a launch on a prepared table)."""
+    import kvwire.integrity_device as dev_mod
+
+    addr, lens = table[:, 0], table[:, 1]
+    pos = np.zeros(addr.size, dtype=np.int64)
+    idx = np.arange(addr.size)
+    whole = timed(lambda: hasher.sums(table, idx, keys), repeat)
+    terms = timed(lambda: hasher._row_terms(addr, lens, pos, keys), repeat)
+    words = lens.astype(np.int64) // 8
+    dtab = torch.from_numpy(
+        np.stack([addr.view(np.int64), keys.view(np.int64), words, np.zeros_like(words)])
+    ).to(hasher.device)
+    out = torch.empty(addr.size, dtype=torch.int64, device=hasher.device)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
+    kernel = []
+    for _ in range(repeat):
+        start.record()
+        dev_mod._row_terms[(addr.size,)](
+            dtab, hasher._consts, out, addr.size, block=hasher.block, inline_weights=False
+        )
+        end.record()
+        end.synchronize()
+        kernel.append(start.elapsed_time(end))
+    return {"call": whole * 1e3, "terms": terms * 1e3, "kernel": statistics.median(kernel)}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--mib", default="2,16,128,512")
     ap.add_argument("--repeat", type=int, default=15)
     ap.add_argument("--json", default="")
+    ap.add_argument(
+        "--variants",
+        default="1024:4:0,1024:4:1,2048:8:0,2048:8:1,512:4:0,4096:8:1",
+        help="kernel variants block:num_warps:inline_weights, timed beside the default",
+    )
     args = ap.parse_args()
     sizes = [int(x) for x in args.mib.split(",")]
     dev0 = torch.device("cuda", 0)
@@ -112,7 +148,7 @@ def main() -> None:
 
         copy()
         copy_s = timed(copy, args.repeat)
-        row = {
+        row: dict[str, Any] = {
             "mib": mib,
             "rows": int(table.shape[0]),
             "sums_equal_host": bool(equal),
@@ -123,6 +159,13 @@ def main() -> None:
             "peer_copy_gbs": nbytes / copy_s / 1e9,
             "share_of_peer_copy": hash_s / copy_s,
         }
+        row["breakdown_ms"] = breakdown(hasher, table, keys, args.repeat)
+        for v in args.variants.split(","):
+            blk, warps, inline = (int(x) for x in v.split(":"))
+            alt = DeviceRowHasher(layout, block=blk, num_warps=warps, inline_weights=bool(inline))
+            same = alt.sums(table, idx, keys) == want
+            alt_s = timed(lambda t=table, i=idx, k=keys, h=alt: h.sums(t, i, k), args.repeat)
+            row[f"variant {v}"] = {"equal": same, "ms": alt_s * 1e3, "share": alt_s / copy_s}
         results.append(row)
         del a, b
     print(
@@ -136,6 +179,18 @@ def main() -> None:
             f"{r['checksum_gbs']:>9.1f} {r['peer_copy_ms']:>8.3f} {r['peer_copy_gbs']:>9.1f} "
             f"{r['share_of_peer_copy']:>8.3f}"
         )
+    print("breakdown ms: whole call / terms (table, copies, launch, wait) / kernel alone")
+    for r in results:
+        b = r["breakdown_ms"]
+        print(f"{r['mib']:>5} {b['call']:.3f} / {b['terms']:.3f} / {b['kernel']:.3f}")
+    print("variants (block:warps:inline) ms and share of the peer copy")
+    for r in results:
+        cells = [
+            f"{k[8:]}={v['ms']:.3f}/{v['share']:.2f}{'' if v['equal'] else ' WRONG'}"
+            for k, v in r.items()
+            if k.startswith("variant ")
+        ]
+        print(f"{r['mib']:>5} " + " ".join(cells))
     if args.json:
         with open(args.json, "w", encoding="utf-8") as f:
             json.dump({"gpu": torch.cuda.get_device_name(dev0), "results": results}, f, indent=1)

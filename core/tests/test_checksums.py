@@ -126,7 +126,9 @@ _DEVICE_CHECK = textwrap.dedent(
     vram = layout.model_copy(
         update={"buffers": tuple(b.model_copy(update={"kind": 1}) for b in layout.buffers)}
     )
-    host, dev = RowHasher(layout), DeviceRowHasher(vram, device="cpu")
+    host = RowHasher(layout)
+    dev = DeviceRowHasher(vram, device="cpu")
+    inline = DeviceRowHasher(vram, device="cpu", block=256, inline_weights=True)
     nbuf = len(layout.buffers)
     size = layout.buffers[0].length
     for trial in range(4):
@@ -143,6 +145,7 @@ _DEVICE_CHECK = textwrap.dedent(
         want = host.sums(table, idx, keys)
         got = dev.sums(table, idx, keys)
         assert got == want, (trial, got, want)
+        assert inline.sums(table, idx, keys) == want, trial
         assert dev.sums(table, idx, keys, layers=[1]) == host.sums(table, idx, keys, layers=[1])
     print("DEVICE-HASH-OK")
     """

@@ -40,7 +40,7 @@ from kvwire.descriptors import ADDR, LEN, DescTable, IndexArray, locate_rows
 from kvwire.errors import DescriptorError
 from kvwire.layout import KVLayout, MemKind
 
-_GOLDEN = np.uint64(0x9E3779B97F4A7C15)
+GOLDEN = np.uint64(0x9E3779B97F4A7C15)
 MIX1 = np.uint64(0xBF58476D1CE4E5B9)
 MIX2 = np.uint64(0x94D049BB133111EB)
 ODD = np.uint64(0xD6E8FEB86659FD93)
@@ -60,7 +60,7 @@ def mix(x: NDArray[np.uint64]) -> NDArray[np.uint64]:
 @lru_cache(maxsize=64)
 def weights(n: int) -> NDArray[np.uint64]:
     """``n`` odd position weights, the same on every host (a fixed sequence)."""
-    w = mix((np.arange(n, dtype=np.uint64) + np.uint64(1)) * _GOLDEN) | np.uint64(1)
+    w = mix((np.arange(n, dtype=np.uint64) + np.uint64(1)) * GOLDEN) | np.uint64(1)
     w.setflags(write=False)
     return w
 
@@ -172,13 +172,20 @@ class RowHasher:
 
 
 def per_layer(row_layer: NDArray[np.int64], terms: NDArray[np.uint64]) -> LayerSums:
-    """Sum (modulo 2**64) the rows' terms per layer."""
-    order = np.argsort(row_layer, kind="stable")
-    layer_sorted = row_layer[order]
-    starts = np.flatnonzero(np.r_[True, layer_sorted[1:] != layer_sorted[:-1]])
+    """Sum (modulo 2**64) the rows' terms per layer, in O(rows): the terms are cut into four
+    16-bit limbs, each summed per layer by ``bincount`` (exact in float64 up to 2**37 rows),
+    and the limbs' sums are shifted back and added modulo 2**64."""
+    if not terms.size:
+        return {}
+    bins = int(row_layer.max()) + 1
+    total = np.zeros(bins, dtype=np.uint64)
     with np.errstate(over="ignore"):
-        totals = np.add.reduceat(terms[order], starts, dtype=np.uint64)
-    return {int(layer_sorted[i]): int(t) for i, t in zip(starts, totals, strict=True)}
+        for i in range(4):
+            limb = ((terms >> np.uint64(16 * i)) & np.uint64(0xFFFF)).astype(np.float64)
+            part = np.bincount(row_layer, weights=limb, minlength=bins).astype(np.uint64)
+            total += part << np.uint64(16 * i)
+    present = np.flatnonzero(np.bincount(row_layer, minlength=bins))
+    return {int(layer): int(total[layer]) for layer in present}
 
 
 def add_sums(into: dict[int, int], more: Mapping[int, int]) -> None:

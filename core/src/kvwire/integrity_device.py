@@ -10,8 +10,7 @@ The terms (8 bytes a row) come back to the host through pinned memory; the call 
 own stream only.
 
 Rows whose length divides by 8 are read as 64-bit words (straight loads when the address is
-8-byte aligned, otherwise assembled from bytes), other rows as bytes: at most three launches
-per call, one per class present.
+8-byte aligned, otherwise assembled from bytes), other rows as bytes; one launch per call.
 
 The source rows must be final when :meth:`DeviceRowHasher.sums` is called (prefill: the engine
 finished writing them, as for any transfer; decode: the chunk's writes completed, which the
@@ -33,14 +32,14 @@ import triton.language as tl
 from numpy.typing import NDArray
 
 from kvwire.errors import DescriptorError
-from kvwire.integrity import MIX1, MIX2, ODD, RowHasher, weights
+from kvwire.integrity import GOLDEN, MIX1, MIX2, ODD, RowHasher, weights
 from kvwire.layout import KVLayout, MemKind
 
 __all__ = ["DeviceRowHasher"]
 
 #: Cells a program handles per loop step.
 _BLOCK = 1024
-#: Row classes: how a row's cells are read.
+#: How a row's cells are read (the table's fourth column).
 _WORDS, _WORDS_UNALIGNED, _BYTES = 0, 1, 2
 
 
@@ -51,35 +50,43 @@ def _row_terms(  # type: ignore[no-untyped-def]  # Triton rejects non-Triton ann
     out_ptr,
     num_rows,
     block: tl.constexpr,
-    mode: tl.constexpr,
+    inline_weights: tl.constexpr,
 ) -> None:
-    # table: int64 [3, rows] = row address, destination key, cells; consts: int64 bits of
-    # MIX1, MIX2, ODD, then the position weights.
+    # table: int64 [4, rows] = row address, destination key, cells, how cells are read
+    # (_WORDS, _WORDS_UNALIGNED, _BYTES); consts: int64 bits of MIX1, MIX2, ODD, GOLDEN,
+    # then the position weights (unless computed inline).
     pid = tl.program_id(0).to(tl.int64)
     addr = tl.load(table_ptr + pid)
     key = tl.load(table_ptr + num_rows + pid).to(tl.uint64, bitcast=True)
     k = tl.load(table_ptr + 2 * num_rows + pid)
+    mode = tl.load(table_ptr + 3 * num_rows + pid)
     mix1 = tl.load(consts_ptr).to(tl.uint64, bitcast=True)
     mix2 = tl.load(consts_ptr + 1).to(tl.uint64, bitcast=True)
     odd = tl.load(consts_ptr + 2).to(tl.uint64, bitcast=True)
+    golden = tl.load(consts_ptr + 3).to(tl.uint64, bitcast=True)
+    words = addr.to(tl.pointer_type(tl.uint64))
+    raw = addr.to(tl.pointer_type(tl.uint8))
     offs = tl.arange(0, block)
     acc = tl.zeros([block], dtype=tl.uint64)
     for start in range(0, k, block):
         o = start + offs
         m = o < k
-        w = tl.load(consts_ptr + 3 + o, mask=m, other=0).to(tl.uint64, bitcast=True)
+        if inline_weights:  # weights(k)[j] = mix((j + 1) * GOLDEN) | 1, computed here
+            w = (o + 1).to(tl.uint64) * golden
+            w = (w ^ (w >> 30)) * mix1
+            w = (w ^ (w >> 27)) * mix2
+            w = (w ^ (w >> 31)) | 1
+        else:
+            w = tl.load(consts_ptr + 4 + o, mask=m, other=0).to(tl.uint64, bitcast=True)
         if mode == 0:
-            p = addr.to(tl.pointer_type(tl.uint64))
-            cell = tl.load(p + o, mask=m, other=0)
+            cell = tl.load(words + o, mask=m, other=0)
         elif mode == 1:
-            b = addr.to(tl.pointer_type(tl.uint8))
             cell = tl.zeros([block], dtype=tl.uint64)
             for i in tl.static_range(8):
-                byte = tl.load(b + o * 8 + i, mask=m, other=0).to(tl.uint64)
+                byte = tl.load(raw + o * 8 + i, mask=m, other=0).to(tl.uint64)
                 cell = cell | (byte << (8 * i))
         else:
-            b = addr.to(tl.pointer_type(tl.uint8))
-            cell = tl.load(b + o, mask=m, other=0).to(tl.uint64)
+            cell = tl.load(raw + o, mask=m, other=0).to(tl.uint64)
         acc += cell * w
     body = tl.sum(acc, axis=0)
     x = key
@@ -92,15 +99,24 @@ def _row_terms(  # type: ignore[no-untyped-def]  # Triton rejects non-Triton ann
 class DeviceRowHasher(RowHasher):
     """Checksum terms of rows in one GPU's memory (see the module docstring).
 
-    ``device``: where the kernels run (default: the buffers' CUDA device; ``"cpu"`` runs
-    Triton's interpreter over host memory, for tests). :meth:`sums` may be called from
-    several threads at once: a lock of its own serialises the launches and the wait for
-    their results (held while the device hashes one call's rows, never across calls).
+    ``device``: where the kernel runs (default: the buffers' CUDA device; ``"cpu"`` runs
+    Triton's interpreter over host memory, for tests). ``block``, ``num_warps`` and
+    ``inline_weights`` (compute the position weights in the kernel instead of loading them)
+    tune the kernel. :meth:`sums` may be called from several threads at once: a lock of its
+    own serialises the launch and the wait for its result (held while the device hashes one
+    call's rows, never across calls); it also owns the reused pinned and device buffers.
     """
 
     KIND = MemKind.VRAM
 
-    def __init__(self, layout: KVLayout, device: Any = None) -> None:
+    def __init__(
+        self,
+        layout: KVLayout,
+        device: Any = None,
+        block: int = _BLOCK,
+        num_warps: int = 4,
+        inline_weights: bool = False,
+    ) -> None:
         super().__init__(layout)
         devices = {int(r.device_id) for r in self._regions}
         if device is None:
@@ -116,18 +132,25 @@ class DeviceRowHasher(RowHasher):
                 )
             device = f"cuda:{devices.pop()}"
         self.device = torch.device(device)
+        self.block = block
+        self.num_warps = num_warps
+        self.inline_weights = inline_weights
         self._lock = threading.Lock()
         self._consts = self._constants(0)
         cuda = self.device.type == "cuda"
         self._stream = torch.cuda.Stream(self.device) if cuda else None  # type: ignore[no-untyped-call]
+        self._pinned: Any = None  # int64 [5 * capacity]: the table, then the terms
+        self._host: NDArray[np.int64] = np.empty((4, 0), dtype=np.int64)  # interpreter
+        self._on_device: Any = None  # the same on the device
 
     def _open_views(self) -> list[NDArray[np.uint8]]:
         return []  # rows are read by the kernel from their addresses
 
     def _constants(self, cells: int) -> Any:
-        """MIX1, MIX2, ODD and the first ``cells`` weights as an int64 tensor on the device."""
+        """MIX1, MIX2, ODD, GOLDEN and the first ``cells`` weights as an int64 tensor on the
+        device."""
         host = np.concatenate(
-            [np.array([MIX1, MIX2, ODD], dtype=np.uint64), weights(max(cells, 1))]
+            [np.array([MIX1, MIX2, ODD, GOLDEN], dtype=np.uint64), weights(max(cells, 1))]
         ).view(np.int64)
         return torch.from_numpy(host.copy()).to(self.device)
 
@@ -138,42 +161,53 @@ class DeviceRowHasher(RowHasher):
         pos: NDArray[np.int64],
         dst: NDArray[np.uint64],
     ) -> NDArray[np.uint64]:
+        n = addr.size
         lens64 = lens.astype(np.int64)
-        words = lens64 % 8 == 0
-        mode = np.where(words, np.where(addr % np.uint64(8) == 0, _WORDS, _WORDS_UNALIGNED), _BYTES)
-        cells = np.where(words, lens64 // 8, lens64)
-        out = np.empty(addr.shape, dtype=np.uint64)
         with self._lock:
-            need = int(cells.max()) + 3
-            if self._consts.numel() < need:
-                self._consts = self._constants(need - 3)
-            for m in np.unique(mode).tolist():
-                sel = mode == m
-                table = np.stack([addr[sel].view(np.int64), dst[sel].view(np.int64), cells[sel]])
-                out[sel] = self._launch(table, int(m))
+            longest = int(lens64.max())  # cells of a row never exceed its bytes
+            if not self.inline_weights and self._consts.numel() < longest + 4:
+                self._consts = self._constants(longest)
+            table = self._table(n)
+            table[0] = addr.view(np.int64)
+            table[1] = dst.view(np.int64)
+            if not (lens64 & 7).any() and not (addr & np.uint64(7)).any():
+                np.right_shift(lens64, 3, out=table[2])  # the usual case: aligned words
+                table[3] = _WORDS
+            else:
+                words = lens64 % 8 == 0
+                aligned = addr % np.uint64(8) == 0
+                table[2] = np.where(words, lens64 // 8, lens64)
+                table[3] = np.where(words, np.where(aligned, _WORDS, _WORDS_UNALIGNED), _BYTES)
+            return self._launch(n)
+
+    def _table(self, n: int) -> NDArray[np.int64]:
+        """The ``[4, n]`` table of a call, written in place into the reused pinned buffer
+        (a plain array on the interpreter). Caller holds the lock."""
+        if self._stream is None:
+            self._host = np.empty((4, n), dtype=np.int64)
+            return self._host
+        if self._pinned is None or self._pinned.numel() < 5 * n:
+            cap = max(5 * n, 5 * 4096)
+            self._pinned = torch.empty(cap, dtype=torch.int64, pin_memory=True)
+            self._on_device = torch.empty(cap, dtype=torch.int64, device=self.device)
+        out: NDArray[np.int64] = self._pinned.numpy()[: 4 * n].reshape(4, n)
         return out
 
-    def _launch(self, table: NDArray[np.int64], mode: int) -> NDArray[np.uint64]:
-        """Terms of the rows of ``table`` (one class), waited for. Caller holds the lock."""
-        n = table.shape[1]
+    def _launch(self, n: int) -> NDArray[np.uint64]:
+        """Terms of the ``n`` rows of the table :meth:`_table` returned, waited for. Caller
+        holds the lock."""
         grid = (n,)
+        meta = {"block": self.block, "inline_weights": self.inline_weights}
         if self._stream is None:  # Triton's interpreter: host memory, synchronous
             terms = torch.empty(n, dtype=torch.int64)
-            _row_terms[grid](
-                torch.from_numpy(np.ascontiguousarray(table)),
-                self._consts,
-                terms,
-                n,
-                block=_BLOCK,
-                mode=mode,
-            )
+            _row_terms[grid](torch.from_numpy(self._host), self._consts, terms, n, **meta)
             return terms.numpy().view(np.uint64).copy()
-        host = torch.from_numpy(np.ascontiguousarray(table)).pin_memory()
-        result = torch.empty(n, dtype=torch.int64, pin_memory=True)
         with torch.cuda.device(self.device), torch.cuda.stream(self._stream):
-            dtable = host.to(self.device, non_blocking=True)
-            terms = torch.empty(n, dtype=torch.int64, device=self.device)
-            _row_terms[grid](dtable, self._consts, terms, n, block=_BLOCK, mode=mode)
-            result.copy_(terms, non_blocking=True)
+            dtable = self._on_device[: 4 * n]
+            dtable.copy_(self._pinned[: 4 * n], non_blocking=True)
+            terms = self._on_device[4 * n : 5 * n]
+            _row_terms[grid](dtable, self._consts, terms, n, num_warps=self.num_warps, **meta)
+            self._pinned[4 * n : 5 * n].copy_(terms, non_blocking=True)
         self._stream.synchronize()
-        return result.numpy().view(np.uint64).copy()
+        out: NDArray[np.uint64] = self._pinned.numpy()[4 * n : 5 * n].view(np.uint64).copy()
+        return out
