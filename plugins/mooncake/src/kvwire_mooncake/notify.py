@@ -11,17 +11,14 @@ transfer completed (the data is in place), and the target acknowledges it:
   this acknowledgement, so DONE means the target holds the notification.
 
 Each notification is sent once and queued once by the target, so it is delivered exactly once
-to a live peer. One I/O thread owns every socket; other threads post commands to it.
+to a live peer. One I/O thread owns every socket; other threads post commands to it
+(:class:`kvwire.owner_loop.OwnerLoop`).
 """
 
 from __future__ import annotations
 
 import collections
-import contextlib
 import logging
-import os
-import queue
-import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -31,6 +28,7 @@ import msgpack
 import zmq
 
 from kvwire.backend import Notification
+from kvwire.owner_loop import OwnerLoop
 
 logger = logging.getLogger(__name__)
 
@@ -103,26 +101,17 @@ class NotifyChannel:
         self._dealers: dict[str, zmq.Socket[Any]] = {}
         self._pending: dict[int, _Pending] = {}
         self._inbox: collections.deque[Notification] = collections.deque()
-        self._commands: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
-        self._wake_r, self._wake_w = os.pipe()
-        os.set_blocking(self._wake_r, False)
-        os.set_blocking(self._wake_w, False)
         #: Inbound messages dropped as malformed.
         self.refused_messages = 0
+        self._loop = OwnerLoop(f"kvwire-mooncake-notify-{agent_name}", self._loop_once)
         self._poller = zmq.Poller()
         self._poller.register(self._router, zmq.POLLIN)
-        self._poller.register(self._wake_r, zmq.POLLIN)
-        self._stop = False
-        self._thread = threading.Thread(
-            target=self._run, name=f"kvwire-mooncake-notify-{agent_name}", daemon=True
-        )
-        self._thread.start()
+        self._poller.register(self._loop.wake_fd, zmq.POLLIN)
+        self._loop.start()
 
     # ------------------------------------------------------------ other threads
     def _post(self, job: Callable[[], None]) -> None:
-        self._commands.put(job)
-        with contextlib.suppress(OSError):  # full pipe: the loop wakes on its timeout anyway
-            os.write(self._wake_w, b"x")
+        self._loop.post(job)
 
     def connect(self, peer: str, endpoint: str) -> None:
         """Open (or replace) the outbound socket to ``peer``."""
@@ -148,12 +137,7 @@ class NotifyChannel:
     def close(self, timeout: float = 2.0) -> None:
         """Stop the I/O thread, fail pending notifications and close every socket."""
 
-        def stop() -> None:
-            self._stop = True
-
-        if self._thread.is_alive():
-            self._post(stop)
-            self._thread.join(timeout)
+        self._loop.stop(timeout)
         for xid in list(self._pending):
             self._fail(xid, "agent closed before the notification was acknowledged")
         for sock in self._dealers.values():
@@ -161,9 +145,6 @@ class NotifyChannel:
         self._dealers.clear()
         self._router.close(linger=0)
         self._ctx.term()
-        for fd in (self._wake_r, self._wake_w):
-            with contextlib.suppress(OSError):
-                os.close(fd)
 
     # --------------------------------------------------------------- I/O thread
     def _connect(self, peer: str, endpoint: str) -> None:
@@ -213,28 +194,11 @@ class NotifyChannel:
             return
         self._pending[xid] = _Pending(peer, deadline, callback)
 
-    def _run(self) -> None:
-        while not self._stop:
-            try:
-                self._loop_once()
-            except Exception:  # the I/O thread must never die
-                logger.exception("%s: mooncake notification loop error", self.agent_name)
-        logger.debug("%s: mooncake notification thread stopped", self.agent_name)
-
     def _loop_once(self) -> None:
-        while True:
-            try:
-                job = self._commands.get_nowait()
-            except queue.Empty:
-                break
-            job()
-        if self._stop:
-            return
+        """One step of the owner loop (commands already ran): wait up to 0.1 s for inbound
+        messages, acknowledgements or a command, serve them, expire overdue notifications."""
         dealers = list(self._dealers.items())
         events = dict(self._poller.poll(100))
-        if events.get(self._wake_r):
-            with contextlib.suppress(OSError):
-                os.read(self._wake_r, 4096)
         if events.get(self._router):
             self._serve()
         for peer, sock in dealers:

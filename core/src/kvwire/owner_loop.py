@@ -1,0 +1,120 @@
+"""One thread owns some state; other threads hand it commands.
+
+Several parts of kvwire keep sockets or tables that only one thread touches (the tcp backend's
+I/O thread, Mooncake's notification channel, the manager's chores): any other thread that
+wants something done posts a command (a callable) and wakes the owner. :class:`OwnerLoop` is
+that pattern once: a command queue, a self-pipe whose read end a ``zmq.Poller`` (or
+``select``) can wait on beside the owner's sockets, and the thread that runs the owner's step
+function until stopped, logging (never dying of) an exception.
+
+Contract: :meth:`OwnerLoop.post` may be called from any thread, also from the owner (the
+command then runs on the next step). Commands and the step run on the owner thread only, in
+the order posted; state they touch needs no lock as long as nothing else touches it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import queue
+import threading
+from collections.abc import Callable
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["OwnerLoop"]
+
+
+class OwnerLoop:
+    """A thread that runs ``step`` (which should wait at most a short while, e.g. polling
+    :attr:`wake_fd` and its sockets) after running the commands posted to it.
+
+    Built by the owner of the state (the backend or channel) in its constructor;
+    :meth:`start` starts the thread, :meth:`stop` ends it (from any other thread).
+    """
+
+    def __init__(self, name: str, step: Callable[[], None]) -> None:
+        self.name = name
+        self._step = step
+        self._commands: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
+        self._wake_r, self._wake_w = os.pipe()
+        os.set_blocking(self._wake_r, False)
+        os.set_blocking(self._wake_w, False)
+        self._stopped = False
+        self._closed = False
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+
+    @property
+    def wake_fd(self) -> int:
+        """File descriptor that becomes readable when a command is posted; register it with
+        the owner's poller (reading it is this class's business, in :meth:`run_commands`)."""
+        return self._wake_r
+
+    @property
+    def stopped(self) -> bool:
+        """True once :meth:`stop` was asked for (the step may check it to return early)."""
+        return self._stopped
+
+    def start(self) -> None:
+        """Start the owner thread; called once by the owner after its state is built."""
+        self._thread.start()
+
+    def on_owner_thread(self) -> bool:
+        """Whether the caller is the owner thread."""
+        return threading.current_thread() is self._thread
+
+    def post(self, command: Callable[[], None]) -> None:
+        """Queue ``command`` for the owner thread and wake it. Any thread."""
+        self._commands.put(command)
+        if self._closed:  # the descriptors are gone (their numbers may be reused)
+            return
+        with contextlib.suppress(OSError):  # a full pipe is already a wake-up
+            os.write(self._wake_w, b"x")
+
+    def run_commands(self) -> int:
+        """Run every command posted so far; called by the step (owner thread). Returns how
+        many ran. A command that raises is logged and the next one runs."""
+        if not self._closed:
+            with contextlib.suppress(OSError):
+                while os.read(self._wake_r, 4096):
+                    pass
+        ran = 0
+        while True:
+            try:
+                command = self._commands.get_nowait()
+            except queue.Empty:
+                return ran
+            ran += 1
+            try:
+                command()
+            except Exception:  # a command must not take the owner thread down
+                logger.exception("%s: command failed", self.name)
+
+    def stop(self, timeout: float = 2.0) -> bool:
+        """Ask the owner thread to end after its current step and wait up to ``timeout``
+        seconds for it. Any thread but the owner. Returns whether it ended; the pipe is closed
+        once it did (a thread still stuck in its step keeps it open)."""
+        self._stopped = True
+        self.post(lambda: None)
+        if self._thread.is_alive():
+            self._thread.join(timeout)
+        ended = not self._thread.is_alive()
+        if ended and not self._closed:
+            self._closed = True
+            for fd in (self._wake_r, self._wake_w):
+                with contextlib.suppress(OSError):
+                    os.close(fd)
+        return ended
+
+    def _run(self) -> None:
+        while not self._stopped:
+            try:
+                self.run_commands()
+                if self.stopped:  # asked while the commands ran
+                    break
+                self._step()
+            except Exception:  # the owner thread must never die
+                logger.exception("%s: loop error", self.name)
+        self.run_commands()  # commands posted before stop still run, on this thread
+        logger.debug("%s: stopped", self.name)
