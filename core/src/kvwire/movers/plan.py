@@ -62,12 +62,7 @@ class TilePlan:
 
 def _i64(x: ArrayLike) -> I64:
     """``x`` as a 1-D contiguous ``int64`` array (no copy when it already is one)."""
-    if (
-        isinstance(x, np.ndarray)
-        and x.dtype == np.int64
-        and x.ndim == 1
-        and x.flags.c_contiguous
-    ):
+    if isinstance(x, np.ndarray) and x.dtype == np.int64 and x.ndim == 1 and x.flags.c_contiguous:
         return x
     return np.ascontiguousarray(np.asarray(x).astype(np.int64, copy=False).ravel())
 

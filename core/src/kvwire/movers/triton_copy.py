@@ -146,7 +146,7 @@ class _TableSlots:
     def launched(self, i: int, stream: Any) -> None:
         ev = self.events[i]
         if ev is None:
-            ev = self.events[i] = torch.cuda.Event()
+            ev = self.events[i] = torch.cuda.Event()  # type: ignore[no-untyped-call]
         ev.record(stream)
 
 
