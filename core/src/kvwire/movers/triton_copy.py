@@ -171,8 +171,8 @@ class RunCopier:
         tile_bytes: int = DEFAULT_TILE_BYTES,
         num_warps: int = 4,
         *,
-        slots: int = 64,
-        slot_tiles: int = 4096,
+        slots: int = 16,
+        slot_tiles: int = 16384,
     ) -> None:
         self.device = torch.device(device)
         self.tile_bytes = tile_bytes
