@@ -18,6 +18,7 @@ opened through CUDA IPC once peer access from the launching device is enabled.
 from __future__ import annotations
 
 import contextlib
+import logging
 import threading
 from typing import Any
 
@@ -27,6 +28,8 @@ import triton
 import triton.language as tl
 
 from kvwire.movers.plan import BLOCK_BYTES, DEFAULT_TILE_BYTES, TilePlan, plan_tiles
+
+logger = logging.getLogger(__name__)
 
 #: Element type of each width (wider than 4 bytes: int32 vectors of width/4 lanes).
 _ELEM = {1: tl.int8, 2: tl.int16, 4: tl.int32, 8: tl.int32, 16: tl.int32}
@@ -182,6 +185,8 @@ class RunCopier:
         self._slots: _TableSlots | None = None
         #: Compiled kernels by (block, elem, align, vec), launched directly after the first.
         self._compiled: dict[tuple[Any, ...], Any] = {}
+        #: Launch compiled kernels directly (off once this Triton refused it).
+        self._direct = True
         #: The kernel of the last launch (its ``asm`` holds the PTX), for checks.
         self.last_kernel: Any = None
 
@@ -217,11 +222,17 @@ class RunCopier:
         addr = slots.addr(i)
         with _on(self.device):
             kernel = self._compiled.get(key)
-            if kernel is None:
+            launched = False
+            if kernel is not None and self._direct:
+                try:
+                    kernel[(n, 1, 1)](addr, n, *key, stream=stream.cuda_stream)
+                    launched = True
+                except Exception as exc:  # another Triton's launcher: bind arguments again
+                    logger.warning("mover: direct launch refused (%s); using Triton's", exc)
+                    self._direct = False
+            if not launched:  # first launch of this variant (Triton compiles it), or fallback
                 with torch.cuda.stream(stream):
                     kernel = _copy_tiles[(n,)](addr, n, num_warps=self.num_warps, **meta)
-                self._compiled[key] = kernel
-            else:
-                kernel[(n, 1, 1)](addr, n, *key, stream=stream.cuda_stream)
+                self._compiled.setdefault(key, kernel)
             slots.launched(i, stream)
         self.last_kernel = kernel
