@@ -89,6 +89,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--chunk-pages", type=int, default=16, help="pages per chunk at most")
     p.add_argument("--block-mib", type=int, default=2, help="staging block (one descriptor)")
     p.add_argument("--ring-mib", type=int, default=512)
+    p.add_argument("--buffers", type=int, default=2, help="staging buffers per worker")
     p.add_argument("--per-page-sizes", type=_ints, default=[2, 16, 128])
     p.add_argument("--skip-mover", action="store_true")
     p.add_argument("--skip-per-page", action="store_true")
@@ -125,7 +126,7 @@ def main(argv: list[str] | None = None) -> int:
         "ring_bytes": a.ring_mib * MiB,
         "block_bytes": block,
         "buffer_bytes": max(block, -(-a.chunk_pages * 2 * MiB // block) * block),
-        "buffers_per_worker": 2,
+        "buffers_per_worker": a.buffers,
     }
     if a.device == "cpu":  # dry run: small pages on host memory, staged by force
         opts = {"ring_bytes": 4 * MiB, "block_bytes": 64 << 10, "buffer_bytes": MiB}

@@ -104,6 +104,28 @@ def test_the_rule_stages_equal_tp_on_gpu_pools_with_small_pages_only() -> None:
     assert never.link_tables(mapper, vram) == {}
 
 
+def test_auto_sends_small_equal_tp_chunks_per_page() -> None:
+    """Under ``equal_tp="auto"`` a chunk below ``equal_tp_min_chunk_bytes`` asks for no ring
+    space: the worker's plan is the mapper's own rows (per page)."""
+    sent: list[tuple[str, Message]] = []
+    one_page = 2 * 2 * 2 * 4 * 32  # pairs x page bytes
+    opts = {**OPTS, "equal_tp_min_chunk_bytes": 2 * one_page}
+    pre, play, _ = _make("prefill", sent, "p", opts)
+    _, dlay, _ = _make("decode", [], "d", OPTS)
+    mapper = EqualTPMapper(play, dlay)
+    assert pre.small_whole_pages(mapper, 1) and not pre.small_whole_pages(mapper, 2)
+    pre.on_queued(QueuedChunk(7, 0, mapper, 1, 0, "d", "ep-d", 0, "p", 60.0))
+    assert sent == []  # no ask
+    plan = pre.plan(7, 0, mapper, np.array([3]), DST[:1], dest="d")
+    assert plan is not None and plan.table == "kv" and plan.src_idx.size == 2 * 2
+    pre.on_queued(QueuedChunk(7, 1, mapper, 2, 1, "d", "ep-d", 0, "p", 60.0))
+    assert len(sent) == 1  # big enough: staged
+    always, _, _ = _make("prefill", [], "p", {**opts, "equal_tp": "always"})
+    assert not always.small_whole_pages(mapper, 1)
+    hetero, _ = make_pool(MODEL, RankPosition(tp_size=2, tp_rank=0), 16)
+    assert not pre.small_whole_pages(HeadSliceMapper(hetero, dlay), 1)  # not equal TP
+
+
 def test_equal_tp_round_trip_through_the_ring() -> None:
     to_d: list[tuple[str, Message]] = []
     to_p: list[tuple[str, Message]] = []

@@ -27,7 +27,8 @@ counted (``kvwire_staging_fallbacks_total``). What a link stages is its mapper's
 ``head_rows`` link's head-major side is gathered in token order and scattered into the
 destination's page order, :class:`~kvwire.staging.kernels.KVTensors`), or whole rows for
 equal TP, staged by the rule of :meth:`BulkStaging.stages_whole_pages` (GPU pools with pages
-under ``equal_tp_below_bytes``; host pools keep the per-page path). MLA links, dummies and
+under ``equal_tp_below_bytes``, chunks of at least ``equal_tp_min_chunk_bytes``; host pools
+keep the per-page path). MLA links, dummies and
 page-size conversions move by descriptors. On GPU pools the gather and the scatter are one
 fused mover launch per chunk (:mod:`kvwire.movers`).
 
@@ -108,6 +109,12 @@ class BulkOptions(BaseModel):
         default=1 << 20,
         gt=0,
         description="'auto' stages equal-TP links whose per-page descriptors are smaller.",
+    )
+    equal_tp_min_chunk_bytes: int = Field(
+        default=8 << 20,
+        ge=0,
+        description="'auto' sends an equal-TP chunk smaller than this per page (a staged "
+        "chunk pays a grant round trip, a gather and a scatter: slower for small chunks).",
     )
     fallback_oversize: bool = Field(
         default=True,
@@ -288,8 +295,20 @@ class BulkStaging(StagingStrategy):
         return False
 
     def on_queued(self, chunk: QueuedChunk) -> None:
-        if self.writer is not None:
+        if self.writer is not None and not self.small_whole_pages(chunk.mapper, chunk.npages):
             self.writer.on_queued(chunk, self.fits)
+
+    def small_whole_pages(self, mapper: IndexMapper, npages: int) -> bool:
+        """Prefill, engine thread: an equal-TP chunk (of a link that stages) too small to
+        gain from staging under ``equal_tp="auto"`` (below ``equal_tp_min_chunk_bytes``);
+        it moves per page (no ask is sent, so the worker's plan is the mapper's rows)."""
+        sl = mapper.staged_slice()
+        return (
+            sl is not None
+            and sl.whole_rows
+            and self.opts.equal_tp == "auto"
+            and block_bytes(mapper, npages) < self.opts.equal_tp_min_chunk_bytes
+        )
 
     def on_message(self, peer_endpoint: str, msg: StagingMessage) -> None:
         side = self.ring or self.writer
