@@ -91,12 +91,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--ring-mib", type=int, default=512)
     p.add_argument("--buffers", type=int, default=2, help="staging buffers per worker")
     p.add_argument("--per-page-sizes", type=_ints, default=[2, 16, 128])
+    p.add_argument("--prefill-tp", type=int, default=1)
+    p.add_argument("--decode-tp", type=int, default=1)
     p.add_argument("--skip-mover", action="store_true")
     p.add_argument("--skip-per-page", action="store_true")
     p.add_argument("--nixl-json", default="")
     p.add_argument("--json", default="")
     a = p.parse_args(argv)
-    a.prefill_tp = a.decode_tp = 1
     command = " ".join(["scripts/gpu_staged_bench.py", *(argv or sys.argv[1:])])
     report: dict[str, Any] = {"command": command, "host": platform.node()}
     t0 = time.monotonic()
