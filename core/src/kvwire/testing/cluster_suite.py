@@ -56,8 +56,8 @@ from kvwire.testing.cluster import FAULT_ENV, Cluster, ClusterSpec, RequestResul
 __all__ = [
     "HETERO_TOPOLOGIES",
     "TOPOLOGIES",
-    "BulkStagingConformance",
     "BulkEqualTPConformance",
+    "BulkStagingConformance",
     "BulkStagingFaults",
     "ClusterConformance",
     "ClusterFailures",
