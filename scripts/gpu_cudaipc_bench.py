@@ -3,7 +3,9 @@
 Prefill on GPU 0 and decode on GPU 1, the model of issue 27 (32 layers x 8 KV heads x 128
 dims bf16, 16-token pages: a page is 2 MiB in 64 runs of 32 KiB, one per layer and K/V; the
 harness encodes elements as int32, so it uses 64 int32 dims per head: the same bytes per
-run). Phases, every one on fresh random data with the destination poisoned first:
+run). Phases (1, 2 and 3 live in :mod:`kvwire.bench.gpu_mover` and
+:mod:`kvwire.bench.gpu_engine`), every one on fresh random data with the destination poisoned
+first:
 
 1. **mover check** (this process): the fused Triton mover copies random run lists of every
    element width (1-16 bytes) inside GPU 0 and from GPU 0 into GPU 1 (peer access);
@@ -31,7 +33,6 @@ from __future__ import annotations
 import argparse
 import json
 import platform
-import secrets
 import statistics
 import sys
 import time
@@ -40,197 +41,8 @@ from typing import Any
 
 import numpy as np
 
-MiB = 1 << 20
-RUN = 32 << 10  # bytes per (layer, K/V, page) run
-RUNS_PER_PAGE = 64  # 32 layers x K/V
-
-
-def log(line: str) -> None:
-    print(line, flush=True)
-
-
-# ----------------------------------------------------------------------------- phase 1
-def mover_check(devices: tuple[int, int]) -> list[dict[str, Any]]:
-    """Random run lists of every width, GPU 0 -> GPU 0 and GPU 0 -> GPU 1, byte-checked."""
-    import torch
-
-    from kvwire.movers import copy_runs_reference
-    from kvwire.movers.triton_copy import RunCopier
-    from kvwire_cudaipc import _cuda
-
-    src_dev, dst_dev = devices
-    _cuda.enable_peer_access(src_dev, dst_dev)
-    rng = np.random.default_rng(11)
-    out = []
-    span = 8 * MiB
-    copier = RunCopier(src_dev, tile_bytes=16 << 10)  # many tiles per run
-    for dev in (src_dev, dst_dev):
-        for align in (16, 8, 4, 2, 1):
-            src = torch.randint(0, 256, (span,), dtype=torch.uint8, device=f"cuda:{src_dev}")
-            dst = torch.randint(0, 256, (span,), dtype=torch.uint8, device=f"cuda:{dev}")
-            count = 700
-            slot = span // 1024
-            s = rng.permutation(1024)[:count] * slot + align
-            d = rng.permutation(1024)[:count] * slot + 3 * align
-            n = rng.integers(1, (slot - 4 * align) // align, count) * align
-            mem = np.concatenate([src.cpu().numpy(), dst.cpu().numpy()])
-            copy_runs_reference(mem, s, d + span, n)
-            plan = copier.copy(s + src.data_ptr(), d + dst.data_ptr(), n)
-            torch.cuda.synchronize(src_dev)
-            ok = bool(np.array_equal(dst.cpu().numpy(), mem[span:]))
-            asm = getattr(copier.last_kernel, "asm", {}) or {}
-            ptx = asm.get("ptx", "")
-            vec = "v4.b32" if "st.global.v4.b32" in ptx else ("v2" if ".v2." in ptx else "scalar")
-            ok_src = bool(np.array_equal(src.cpu().numpy(), mem[:span]))
-            out.append(
-                {
-                    "dst": f"cuda:{dev}",
-                    "align": align,
-                    "width": plan.width,
-                    "tiles": plan.num_tiles,
-                    "bytes": int(n.sum()),
-                    "ok": ok and ok_src,
-                    "stores": vec,
-                }
-            )
-            log(f"mover check cuda:{src_dev}->cuda:{dev} align {align}: {out[-1]}")
-            assert ok and ok_src, out[-1]
-    return out
-
-
-# ----------------------------------------------------------------------------- phase 2
-def page_runs(
-    src_base: int, dst_base: int, slots: int, src_pages: np.ndarray, dst_pages: np.ndarray
-) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Runs of ``pages`` in pools ``[64 buffers, slots, 32 KiB]``: buffer-major, as the
-    mappers order them."""
-    buf = np.repeat(np.arange(RUNS_PER_PAGE, dtype=np.int64), src_pages.size)
-    sp = np.tile(src_pages, RUNS_PER_PAGE)
-    dp = np.tile(dst_pages, RUNS_PER_PAGE)
-    src = src_base + (buf * slots + sp) * RUN
-    dst = dst_base + (buf * slots + dp) * RUN
-    return src, dst, np.full(src.size, RUN, dtype=np.int64)
-
-
-def _events_ms(fn: Any, repeat: int, device: int) -> list[float]:
-    import torch
-
-    times = []
-    for _ in range(repeat):
-        a = torch.cuda.Event(enable_timing=True)
-        b = torch.cuda.Event(enable_timing=True)
-        a.record(torch.cuda.current_stream(device))
-        fn()
-        b.record(torch.cuda.current_stream(device))
-        b.synchronize()
-        times.append(a.elapsed_time(b))
-    return times
-
-
-def mover_vs_peer(sizes_mib: list[int], devices: tuple[int, int], repeat: int) -> list[dict]:
-    """One mover launch of page runs GPU0 -> GPU1 vs a torch peer copy of as many contiguous
-    bytes; also the host-side time of planning + launching."""
-    import torch
-
-    from kvwire.movers.triton_copy import RunCopier
-
-    s_dev, d_dev = devices
-    pages_max = max(sizes_mib) * MiB // (RUN * RUNS_PER_PAGE)
-    slots = 2 * pages_max
-    nbytes_pool = RUNS_PER_PAGE * slots * RUN
-    torch.cuda.set_device(s_dev)
-    src_pool = torch.randint(
-        -(2**31), 2**31 - 1, (nbytes_pool // 4,), dtype=torch.int32, device=f"cuda:{s_dev}"
-    )
-    dst_pool = torch.full((nbytes_pool // 4,), -1, dtype=torch.int32, device=f"cuda:{d_dev}")
-    flat_src = torch.randint(
-        0, 1 << 30, (max(sizes_mib) * MiB // 4,), dtype=torch.int32, device=f"cuda:{s_dev}"
-    )
-    flat_dst = torch.empty_like(flat_src, device=f"cuda:{d_dev}")
-    copier = RunCopier(s_dev)
-    rng = np.random.default_rng(5)
-    out = []
-    for mib in sizes_mib:
-        pages = mib * MiB // (RUN * RUNS_PER_PAGE)
-        sp = rng.permutation(slots)[:pages].astype(np.int64)
-        dp = rng.permutation(slots)[:pages].astype(np.int64)
-        s, d, n = page_runs(src_pool.data_ptr(), dst_pool.data_ptr(), slots, sp, dp)
-        dst_pool.fill_(-1)
-        torch.cuda.synchronize(d_dev)  # the fill runs on GPU 1's stream, the mover on GPU 0's
-        copier.copy(s, d, n)
-        torch.cuda.synchronize(s_dev)
-        # check: every page of every buffer landed where it should
-        sv = src_pool.view(RUNS_PER_PAGE, slots, RUN // 4)
-        dv = dst_pool.view(RUNS_PER_PAGE, slots, RUN // 4)
-        ok = bool(
-            torch.equal(
-                sv[:, torch.from_numpy(sp).to(sv.device)].to(dv.device),
-                dv[:, torch.from_numpy(dp).to(dv.device)],
-            )
-        )
-        untouched = torch.ones(slots, dtype=torch.bool, device=dv.device)
-        untouched[torch.from_numpy(dp).to(dv.device)] = False
-        ok = ok and bool((dv[:, untouched] == -1).all())
-        words = mib * MiB // 4
-        mover_ms = _events_ms(lambda s=s, d=d, n=n: copier.copy(s, d, n), repeat, s_dev)
-        host_us = []
-        for _ in range(repeat):
-            torch.cuda.synchronize(s_dev)
-            t = time.perf_counter()
-            copier.copy(s, d, n)
-            host_us.append((time.perf_counter() - t) * 1e6)
-            torch.cuda.synchronize(s_dev)
-        wall_ms = []
-        for _ in range(repeat):
-            torch.cuda.synchronize(s_dev)
-            t = time.perf_counter()
-            copier.copy(s, d, n)
-            torch.cuda.synchronize(s_dev)
-            wall_ms.append((time.perf_counter() - t) * 1e3)
-        gpu_ms = []  # GPU time alone: a sleep kernel holds the stream while the host launches
-        for _ in range(repeat):
-            start = torch.cuda.Event(enable_timing=True)
-            end = torch.cuda.Event(enable_timing=True)
-            torch.cuda._sleep(3_000_000)
-            start.record()
-            copier.copy(s, d, n)
-            end.record()
-            end.synchronize()
-            gpu_ms.append(start.elapsed_time(end))
-        from kvwire.movers import plan_tiles
-        from kvwire.movers.triton_copy import launch_plan
-
-        plan_us, launch_us = [], []
-        for _ in range(repeat):
-            torch.cuda.synchronize(s_dev)
-            t = time.perf_counter()
-            plan = plan_tiles(s, d, n)
-            t1 = time.perf_counter()
-            launch_plan(plan, s_dev)
-            t2 = time.perf_counter()
-            plan_us.append((t1 - t) * 1e6)
-            launch_us.append((t2 - t1) * 1e6)
-        peer_ms = _events_ms(lambda w=words: flat_dst[:w].copy_(flat_src[:w]), repeat, s_dev)
-        ok_peer = bool(torch.equal(flat_dst[:words].to(f"cuda:{s_dev}"), flat_src[:words]))
-        nb = mib * MiB
-        row = {
-            "mib": mib,
-            "runs": int(n.size),
-            "verified": ok and ok_peer,
-            "mover_gbps": nb / statistics.median(mover_ms) / 1e6,
-            "mover_wall_gbps": nb / statistics.median(wall_ms) / 1e6,
-            "mover_host_us": statistics.median(host_us),
-            "plan_us": statistics.median(plan_us),
-            "gpu_only_gbps": nb / statistics.median(gpu_ms) / 1e6,
-            "upload_launch_us": statistics.median(launch_us),
-            "mover_wall_ms": statistics.median(wall_ms),
-            "peer_gbps": nb / statistics.median(peer_ms) / 1e6,
-        }
-        row["mover_over_peer"] = row["mover_gbps"] / row["peer_gbps"]
-        log(f"mover vs peer {row}")
-        assert row["verified"], row
-        out.append(row)
-    return out
+from kvwire.bench.gpu_engine import engine
+from kvwire.bench.gpu_mover import RUN, RUNS_PER_PAGE, MiB, log, mover_check, mover_vs_peer
 
 
 # ------------------------------------------------------------------------- phase 2b
@@ -421,95 +233,6 @@ def backend_api(
     return out
 
 
-# ----------------------------------------------------------------------------- phase 3
-def engine(a: argparse.Namespace) -> dict[str, Any]:
-    from kvwire.config import KVWireConfig
-    from kvwire.layout import ModelSpec
-    from kvwire.testing.cluster import Cluster, ClusterSpec, RoomPlan
-    from kvwire.testing.cluster_suite import assert_all_ok, assert_tables_empty
-
-    model = ModelSpec(num_layers=32, total_kv_heads=8, head_dim=64, dtype="int32", page_size=16)
-    if a.device == "cpu":  # dry run: small pages on host memory
-        model = ModelSpec(num_layers=4, total_kv_heads=2, head_dim=16, dtype="int32", page_size=4)
-    m = model
-    page_mib = m.num_layers * 2 * m.page_size * m.total_kv_heads * m.head_dim * 4 / MiB
-    sizes = a.sizes
-    pages = {m: max(1, round(m / page_mib)) for m in sizes}
-    slots = max(2, *a.concurrency) * max(pages.values()) + 64
-    spec = ClusterSpec(
-        model=model,
-        slots=slots,
-        aux_slots=256,
-        device=a.device,
-        gpus=tuple(a.gpus) if a.device == "cuda" else None,
-        engine_step_s=a.engine_step,
-        prefill_tp=a.prefill_tp,
-        decode_tp=a.decode_tp,
-        config=KVWireConfig(transfer_backend=a.backend),
-    )
-    rng = np.random.default_rng(3)
-
-    def plans(n: int, p: int, verify: bool) -> list[RoomPlan]:
-        out = []
-        for _ in range(n):
-            cut = int(rng.integers(0, p + 1)) if verify else p
-            out.append(
-                RoomPlan(
-                    room=secrets.randbits(62), num_pages=p, chunks=[cut, p - cut], verify=verify
-                )
-            )
-        return out
-
-    report: dict[str, Any] = {
-        "verified": [],
-        "cells": [],
-        "slots": slots,
-        "pages": pages,
-        "tp": f"{a.prefill_tp}->{a.decode_tp}",
-    }
-    t0 = time.perf_counter()
-    with Cluster(spec) as c:
-        log(f"cluster up in {time.perf_counter() - t0:.1f}s (slots {slots})")
-        for mib in sizes:
-            n = a.verify_requests if mib < 512 else max(2, a.verify_requests // 2)
-            res = c.run(
-                plans(n, pages[mib], True), concurrency=max(a.concurrency), timeout_s=a.timeout
-            )
-            assert_all_ok(res)
-            cell = {"mib": mib, "requests": len(res), "mismatches": sum(r.mismatches for r in res)}
-            report["verified"].append(cell)
-            log(f"verified {cell}")
-        c.run(plans(4, pages[sizes[0]], False), concurrency=2, timeout_s=a.timeout)  # warm-up
-        for mib in sizes:
-            for conc in a.concurrency:
-                n = a.requests if mib < 512 else max(conc * 2, a.requests // 4)
-                n = max(n, conc * 2)
-                res = c.run(plans(n, pages[mib], False), concurrency=conc, timeout_s=a.timeout)
-                failed = [r for r in res if any(x.status != 4 for x in r.reports)]
-                span = max(r.t_end for r in res) - min(r.t_start for r in res)
-                nbytes = sum(r.bytes for r in res)
-                lat = sorted(r.latency_s for r in res)
-                cell = {
-                    "mib": mib,
-                    "concurrency": conc,
-                    "requests": len(res),
-                    "failed": len(failed),
-                    "bytes_per_request": nbytes // len(res),
-                    "descriptors_per_request": res[0].descriptors,
-                    "gbps": nbytes / span / 1e9,
-                    "p50_ms": 1e3 * lat[len(lat) // 2],
-                    "p90_ms": 1e3 * lat[int(len(lat) * 0.9)],
-                }
-                pre = [x for r in res for x in r.reports if x.role == "prefill"]
-                for k in ("queue_s", "post_s", "transfer_s", "latency_s"):
-                    vals = sorted(getattr(x, k) for x in pre)
-                    cell[f"prefill_{k[:-2]}_ms"] = 1e3 * vals[len(vals) // 2]
-                report["cells"].append(cell)
-                log(f"engine {cell}")
-        assert_tables_empty(c)
-    return report
-
-
 # ------------------------------------------------------------------------------ output
 def nixl_rows(path: str) -> dict[int, dict[str, float]]:
     """Raw per-page NIXL (``raw_prepped``) and kvwire-over-nixl GB/s by MiB, from
@@ -590,7 +313,9 @@ def main(argv: list[str] | None = None) -> int:
 
         report["triton"] = triton.__version__
         if not a.skip_mover:
-            report["mover_check"] = mover_check((a.gpus[0], a.gpus[1]))
+            from kvwire_cudaipc._cuda import enable_peer_access
+
+            report["mover_check"] = mover_check((a.gpus[0], a.gpus[1]), enable_peer_access)
             report["mover"] = mover_vs_peer(a.sizes, (a.gpus[0], a.gpus[1]), a.repeat)
         if not a.skip_backend_api:
             report["backend_api"] = backend_api(

@@ -6,6 +6,8 @@
 #              typing-inspection (pip download ... --platform manylinux_2_28_x86_64, cp312)
 #   whl-nixl/  nixl-cu13 1.5.1 (its nixl_ep_cu13 folder may be dropped: the bench does not use it)
 #   src/scripts/gpu_cudaipc_bench.py, src/plugins/cudaipc/tests, src/pyproject.toml
+#   (the bench's phases live in kvwire.bench.gpu_mover and kvwire.bench.gpu_engine: the kvwire
+#   wheel must come from this tree, or put core/src first on PYTHONPATH)
 # then run `bash run.sh` there with $OUT set; STAGES picks stages (mover nixl engine pytest diag).
 cd "$(dirname "$0")"
 export UCX_MODULES=^efa NCCL_NVLS_ENABLE=0 PYTHONUNBUFFERED=1 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1

@@ -1,6 +1,10 @@
 """Bulk staging end to end on the ``tcp`` backend (real processes, every element verified)."""
 
-from kvwire.testing.cluster_suite import BulkStagingConformance, BulkStagingFaults
+from kvwire.testing.cluster_suite import (
+    BulkEqualTPConformance,
+    BulkStagingConformance,
+    BulkStagingFaults,
+)
 
 
 class TestTcpBulkStaging(BulkStagingConformance):
@@ -8,4 +12,8 @@ class TestTcpBulkStaging(BulkStagingConformance):
 
 
 class TestTcpBulkStagingFaults(BulkStagingFaults):
+    backend_name = "tcp"
+
+
+class TestTcpBulkEqualTP(BulkEqualTPConformance):
     backend_name = "tcp"

@@ -3,6 +3,7 @@ element verified): equal TP, both heterogeneous directions, MLA, chunked prefill
 prefixes, dead peers and aborts."""
 
 from kvwire.testing.cluster_suite import (
+    BulkEqualTPConformance,
     BulkStagingConformance,
     ClusterConformance,
     ClusterFailures,
@@ -24,3 +25,9 @@ class TestNixlBulkStaging(BulkStagingConformance):
 
     backend_name = "nixl"
     topologies = ("gather-replicated-4to2-h2", "scatter-replicated-1to4-h2")
+
+
+class TestNixlBulkEqualTP(BulkEqualTPConformance):
+    """Equal-TP links staged over Nixl (whole pages gathered into ring blocks)."""
+
+    backend_name = "nixl"

@@ -9,6 +9,7 @@ page indices into index arrays into those tables: NumPy only, no per-descriptor 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import numpy as np
@@ -29,6 +30,20 @@ from kvwire.layout import KVLayout, compatibility_problems
 def check_pages(pages: Any, num_slots: int, what: str) -> NDArray[np.int64]:
     """Coerce page indices to ``int64`` and check they address existing slots."""
     return check_indices(pages, num_slots, what, unit="page slots in the pool")
+
+
+@dataclass(frozen=True)
+class StagedSlice:
+    """What a staging strategy gathers of each token row of a link (see
+    :meth:`IndexMapper.staged_slice`): bytes ``[src_lo, src_lo + nbytes)`` of a source row go
+    to bytes ``[dst_lo, dst_lo + nbytes)`` of the destination row. ``whole_rows``: the slice is
+    the whole row on both sides (equal TP: pages move whole, staging only makes the
+    descriptors larger)."""
+
+    src_lo: int
+    dst_lo: int
+    nbytes: int
+    whole_rows: bool
 
 
 class IndexMapper(ABC):
@@ -105,6 +120,19 @@ class IndexMapper(ABC):
         identical bytes (MLA, replicated heads; subclasses add those rules), or the two hold
         no layer in common (pipeline stages on both sides). It still reports completion."""
         return self.num_pairs == 0
+
+    def staged_slice(self) -> StagedSlice | None:
+        """Prefill (``link_tables``) and decode (``on_link``), at handshake: the part of each
+        token row a staging strategy may gather into a contiguous block for this link, or None
+        when the link moves by descriptors only. The default is None; a mapper whose chunks
+        move the same byte range of every token row of every buffer pair overrides it. Never
+        stageable: a dummy sender, K and V seen as planes (:attr:`splits_kv`), different page
+        sizes (:attr:`paging`): :meth:`_stageable` checks those."""
+        return None
+
+    def _stageable(self) -> bool:
+        """The conditions every :meth:`staged_slice` override shares."""
+        return not (self.is_dummy or self.splits_kv or self.paging is not None)
 
     def group_mapper(self) -> GroupMapper | None:
         """The mapper of the layouts' buffer groups (state, sliding window, draft layers), or

@@ -17,7 +17,7 @@ from pydantic import BaseModel
 
 from kvwire.descriptors import IndexArray, make_table
 from kvwire.errors import LayoutError
-from kvwire.index.base import IndexMapper, TablePair
+from kvwire.index.base import IndexMapper, StagedSlice, TablePair
 from kvwire.index.paging import PageConversion
 from kvwire.layout import KVLayout
 
@@ -86,6 +86,12 @@ class EqualTPMapper(IndexMapper):
                 f"{self.dst.token_row_bytes} B"
             )
 
+    def staged_slice(self) -> StagedSlice | None:
+        """Whole token rows on both sides (see :meth:`IndexMapper.staged_slice`)."""
+        if not self._stageable():
+            return None
+        return StagedSlice(0, 0, self.src.token_row_bytes, whole_rows=True)
+
     def build_tables(self) -> TablePair:
         g = self.paging.granule if self.paging is not None else 0
         return TablePair(
@@ -121,6 +127,10 @@ class MLAMapper(EqualTPMapper):
     """
 
     name = "mla"
+
+    def staged_slice(self) -> StagedSlice | None:
+        """None: MLA pages move by descriptors (never staged)."""
+        return None
 
     def _check_shapes(self) -> None:
         if not (self.src.model.is_mla and self.dst.model.is_mla):

@@ -29,7 +29,7 @@ from pydantic import BaseModel
 
 from kvwire.descriptors import IndexArray, make_table
 from kvwire.errors import LayoutError
-from kvwire.index.base import IndexMapper, TablePair
+from kvwire.index.base import IndexMapper, StagedSlice, TablePair
 from kvwire.index.paging import PageConversion
 from kvwire.index.ranks import head_slice, source_ranks
 from kvwire.layout import KVLayout
@@ -99,6 +99,15 @@ class HeadSliceMapper(IndexMapper):
     @property
     def is_dummy(self) -> bool:
         return super().is_dummy or self._dummy
+
+    def staged_slice(self) -> StagedSlice | None:
+        """This rank's head slice of each row (see :meth:`IndexMapper.staged_slice`)."""
+        if not self._stageable():
+            return None
+        lo = self.dst_start * self.bytes_per_head
+        return StagedSlice(
+            self.src_start * self.bytes_per_head, lo, self.slice_bytes, whole_rows=False
+        )
 
     def build_tables(self) -> TablePair:
         src_offsets = np.arange(self.groups, dtype=np.uint64) * np.uint64(self.slice_bytes)

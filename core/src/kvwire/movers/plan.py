@@ -60,17 +60,23 @@ class TilePlan:
         return self.tile_bytes // self.width
 
 
+def _i64(x: ArrayLike) -> I64:
+    """``x`` as a 1-D contiguous ``int64`` array (no copy when it already is one)."""
+    if isinstance(x, np.ndarray) and x.dtype == np.int64 and x.ndim == 1 and x.flags.c_contiguous:
+        return x
+    return np.ascontiguousarray(np.asarray(x).astype(np.int64, copy=False).ravel())
+
+
 def as_runs(src: ArrayLike, dst: ArrayLike, nbytes: ArrayLike) -> tuple[I64, I64, I64]:
     """Validate and coerce a run list to three 1-D ``int64`` arrays of one length.
 
     Raises ``ValueError`` for mismatched shapes, negative lengths or negative addresses.
     """
-    s = np.ascontiguousarray(np.asarray(src).astype(np.int64, copy=False).ravel())
-    d = np.ascontiguousarray(np.asarray(dst).astype(np.int64, copy=False).ravel())
-    n = np.ascontiguousarray(np.asarray(nbytes).astype(np.int64, copy=False).ravel())
+    s, d, n = _i64(src), _i64(dst), _i64(nbytes)
     if not (s.size == d.size == n.size):
         raise ValueError(f"run arrays differ in length ({s.size}, {d.size}, {n.size})")
-    if s.size and (n.min() < 0 or s.min() < 0 or d.min() < 0):
+    # One reduction: the OR of all values is negative iff one of them is.
+    if s.size and int(np.bitwise_or.reduce(s | d | n)) < 0:
         raise ValueError("runs need non-negative addresses and lengths")
     return s, d, n
 

@@ -1,7 +1,8 @@
-"""``bulk``: stage heterogeneous-TP head slices through one contiguous write per chunk.
+"""``bulk``: stage a chunk through one contiguous write per (source rank, destination rank).
 
 Without staging, a head-sliced (Tp != Td, MHA/GQA) chunk is one descriptor per (layer, K/V,
-page, token). With ``bulk``, for every (prefill rank, decode rank, chunk):
+page, token), and an equal-TP chunk one per (layer, K/V, page). With ``bulk``, for every
+(prefill rank, decode rank, chunk):
 
 1. prefill asks decode for ring space (an ``ask``, sent when the engine calls ``send()``,
    retried until granted, so a lost message costs a retry);
@@ -21,10 +22,15 @@ arrival, a writer's confirmation that its writes for a failed request ended
 (:meth:`~kvwire.staging.base.StagingStrategy.writes_ended`), a writer's eviction, or — the last
 resort — ``release_timeout_s`` after decode cleared the request. A chunk too big for a staging
 buffer or the ring takes the per-token path; that choice is made before any allocation and
-counted (``kvwire_staging_fallbacks_total``). Equal-TP and MLA links are never staged (their
-descriptors are whole pages already), except a ``head_rows`` link (a head-major side whose
-pages cannot move whole): its head slices are gathered in token order and scattered into the
-destination's page order (:class:`~kvwire.staging.kernels.KVTensors`).
+counted (``kvwire_staging_fallbacks_total``). What a link stages is its mapper's
+:meth:`~kvwire.index.base.IndexMapper.staged_slice`: head slices (heterogeneous TP; a
+``head_rows`` link's head-major side is gathered in token order and scattered into the
+destination's page order, :class:`~kvwire.staging.kernels.KVTensors`), or whole rows for
+equal TP, staged by the rule of :meth:`BulkStaging.stages_whole_pages` (GPU pools with pages
+under ``equal_tp_below_bytes``, chunks of at least ``equal_tp_min_chunk_bytes``; host pools
+keep the per-page path). MLA links, dummies and
+page-size conversions move by descriptors. On GPU pools the gather and the scatter are one
+fused mover launch per chunk (:mod:`kvwire.movers`).
 
 The decode half lives in :mod:`kvwire.staging.bulk_ring`, the prefill half in
 :mod:`kvwire.staging.bulk_writer`; this class picks one by role and forwards the seam's hooks.
@@ -34,7 +40,7 @@ The only backend-specific part is memory registration, through ``register_fn``.
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 from prometheus_client import Counter
@@ -44,7 +50,7 @@ from kvwire.control.wire import StagingMessage
 from kvwire.descriptors import make_table
 from kvwire.errors import ConfigError
 from kvwire.index.base import IndexMapper, TablePair
-from kvwire.index.head_slice import HeadSliceMapper
+from kvwire.regions import MemKind
 from kvwire.staging.base import (
     ArrivedChunk,
     ChunkPlan,
@@ -92,6 +98,24 @@ class BulkOptions(BaseModel):
     watermark_every_s: float = Field(
         default=1.0, gt=0, description="Decode re-broadcasts its ring watermark this often."
     )
+    equal_tp: Literal["auto", "always", "never"] = Field(
+        default="auto",
+        description="Stage equal-TP links (whole pages): 'auto' does where it is faster -- "
+        "prefill's KV pool and decode's ring both in GPU memory and one page of one buffer "
+        "below equal_tp_below_bytes; 'always' also on host pools (tests); 'never' keeps "
+        "every equal-TP link per page.",
+    )
+    equal_tp_below_bytes: int = Field(
+        default=1 << 20,
+        gt=0,
+        description="'auto' stages equal-TP links whose per-page descriptors are smaller.",
+    )
+    equal_tp_min_chunk_bytes: int = Field(
+        default=8 << 20,
+        ge=0,
+        description="'auto' sends an equal-TP chunk smaller than this per page (a staged "
+        "chunk pays a grant round trip, a gather and a scatter: slower for small chunks).",
+    )
     fallback_oversize: bool = Field(
         default=True,
         description="Send a chunk too big to stage per token (counted) instead of failing it.",
@@ -112,9 +136,9 @@ class BulkOptions(BaseModel):
 
 
 class BulkStaging(StagingStrategy):
-    """Bulk staging for heterogeneous TP (MHA/GQA); see the module docstring. Decode managers
-    hold a :class:`~kvwire.staging.bulk_ring.RingSide` (``ring``), prefill managers a
-    :class:`~kvwire.staging.bulk_writer.WriterSide` (``writer``)."""
+    """Bulk staging (heterogeneous TP, and equal TP on GPUs); see the module docstring.
+    Decode managers hold a :class:`~kvwire.staging.bulk_ring.RingSide` (``ring``), prefill
+    managers a :class:`~kvwire.staging.bulk_writer.WriterSide` (``writer``)."""
 
     name = "bulk"
     options_model = BulkOptions
@@ -198,16 +222,13 @@ class BulkStaging(StagingStrategy):
         session: str = "",
         tables: TablePair | None = None,
     ) -> dict[str, Any]:
+        sl = mapper.staged_slice()
         if (
             not remote
             or remote.get("strategy") != "bulk"
-            or not isinstance(mapper, HeadSliceMapper)
-            or mapper.is_dummy
-            # K|V fused on one side only: heads move one by one between planes (direct rows)
-            or mapper.splits_kv
-            # page-size conversion moves token ranges: this link is not staged (direct rows)
-            or mapper.paging is not None
+            or sl is None  # MLA, dummies, K|V planes, page-size conversion: direct rows
             or self.writer is None
+            or (sl.whole_rows and not self.stages_whole_pages(mapper, remote))
         ):
             return {}
         if remote.get("wire") != WIRE_VERSION:
@@ -238,6 +259,20 @@ class BulkStaging(StagingStrategy):
             )
         }
 
+    def stages_whole_pages(self, mapper: IndexMapper, remote: dict[str, Any]) -> bool:
+        """Prefill, at handshake: does an equal-TP link (pages move whole) go through the
+        ring? The rule (``equal_tp="auto"``): where per-descriptor costs dominate -- this
+        rank's KV pool and decode's ring in GPU memory (a GPU link posts one copy per
+        descriptor, ~6 us each over UCX cuda_ipc) and one page of one buffer smaller than
+        ``equal_tp_below_bytes`` (1 MiB) -- and never for host pools, where a page descriptor
+        is cheap and gather + scatter would only add copies."""
+        mode = self.opts.equal_tp
+        if mode != "auto":
+            return mode == "always"
+        assert self.writer is not None
+        gpu = self.writer.kv.on_device and int(remote.get("kind", 0)) == int(MemKind.VRAM)
+        return gpu and mapper.src.page_bytes < self.opts.equal_tp_below_bytes
+
     def on_link(self, session: str, endpoint: str, mapper: IndexMapper) -> None:
         if self.ring is None:
             raise ConfigError("this decode rank has no staging ring (run --staging bulk here)")
@@ -260,8 +295,20 @@ class BulkStaging(StagingStrategy):
         return False
 
     def on_queued(self, chunk: QueuedChunk) -> None:
-        if self.writer is not None:
+        if self.writer is not None and not self.small_whole_pages(chunk.mapper, chunk.npages):
             self.writer.on_queued(chunk, self.fits)
+
+    def small_whole_pages(self, mapper: IndexMapper, npages: int) -> bool:
+        """Prefill, engine thread: an equal-TP chunk (of a link that stages) too small to
+        gain from staging under ``equal_tp="auto"`` (below ``equal_tp_min_chunk_bytes``);
+        it moves per page (no ask is sent, so the worker's plan is the mapper's rows)."""
+        sl = mapper.staged_slice()
+        return (
+            sl is not None
+            and sl.whole_rows
+            and self.opts.equal_tp == "auto"
+            and block_bytes(mapper, npages) < self.opts.equal_tp_min_chunk_bytes
+        )
 
     def on_message(self, peer_endpoint: str, msg: StagingMessage) -> None:
         side = self.ring or self.writer

@@ -23,8 +23,7 @@ from pydantic import ValidationError
 
 from kvwire.control.wire import StagingMessage, WritesQuery
 from kvwire.errors import KVWireError, TransferError
-from kvwire.index.base import IndexMapper
-from kvwire.index.head_slice import HeadSliceMapper
+from kvwire.index.base import IndexMapper, StagedSlice
 from kvwire.layout import MemoryRegion
 from kvwire.staging.base import ArrivedChunk, StagingContext
 from kvwire.staging.bulk_wire import Ask, BulkMessage, Deny, Grant, Watermark
@@ -39,10 +38,18 @@ STAGED = Counter("kvwire_staged_chunks", "Chunks moved through the staging ring"
 Key = tuple[int, str, int]
 
 
+def staged(mapper: IndexMapper) -> StagedSlice:
+    """The mapper's staged slice; a link that reached staging has one."""
+    sl = mapper.staged_slice()
+    if sl is None:
+        raise TransferError(f"the {mapper.name} mapper's links are not staged")
+    return sl
+
+
 def block_bytes(mapper: IndexMapper, npages: int) -> int:
-    """Bytes of a staged block: every pair's head slice of every token of ``npages`` pages."""
-    assert isinstance(mapper, HeadSliceMapper)
-    return mapper.num_pairs * npages * mapper.src.model.page_size * mapper.slice_bytes
+    """Bytes of a staged block: every pair's slice (head slice, or whole row for equal TP)
+    of every token of ``npages`` pages."""
+    return mapper.num_pairs * npages * mapper.src.model.page_size * staged(mapper).nbytes
 
 
 def unit_owners(
@@ -52,10 +59,9 @@ def unit_owners(
     groups of model layers cut at ``edges``): the group that writes each ``block``-byte unit
     (the last group with bytes in it: the unit is written once, complete) and the group of
     each buffer pair. NumPy only."""
-    assert isinstance(mapper, HeadSliceMapper)
     layer = mapper.src.buffer_keys[mapper.src_buf, 0]
     pair_group = (np.searchsorted(edges, layer, side="right") - 1).astype(np.int64)
-    per = npages * mapper.src.model.page_size * mapper.slice_bytes  # bytes of one pair
+    per = npages * mapper.src.model.page_size * staged(mapper).nbytes  # bytes of one pair
     n = mapper.num_pairs * per
     units = -(-n // block)
     first = np.arange(mapper.num_pairs, dtype=np.int64) * per // block
@@ -85,7 +91,7 @@ class _Writer:
     """A prefill rank that stages into this ring."""
 
     endpoint: str
-    mapper: HeadSliceMapper
+    mapper: IndexMapper
 
 
 class RingSide:
@@ -122,10 +128,10 @@ class RingSide:
     # ------------------------------------------------------------------ links
     def on_link(self, session: str, endpoint: str, mapper: IndexMapper) -> None:
         """Liveness thread, at handshake: ``session`` stages into this ring."""
-        if not isinstance(mapper, HeadSliceMapper):
+        if mapper.staged_slice() is None:
             raise TransferError(
-                f"bulk staging scatters head slices; the {type(mapper).__name__} mapper of "
-                f"{session} has none"
+                f"bulk staging scatters row slices; the {mapper.name} mapper of {session} "
+                "moves by descriptors only"
             )
         with self._lock:
             self._writers[session] = _Writer(endpoint, mapper)
@@ -213,9 +219,9 @@ class RingSide:
             space.dst_start : space.dst_start + space.npages
         ]
         a = space.alloc
-        block = block_view(self.mem, a.offset, (m.num_pairs, pages.size, ps, m.slice_bytes))
-        lo = m.dst_start * m.bytes_per_head
-        self.kv.scatter(m.dst_buf, pages, lo, lo + m.slice_bytes, block)
+        sl = staged(m)
+        block = block_view(self.mem, a.offset, (m.num_pairs, pages.size, ps, sl.nbytes))
+        self.kv.scatter(m.dst_buf, pages, sl.dst_lo, sl.dst_lo + sl.nbytes, block)
         STAGED.inc()
         with self._lock:
             self._space.pop(key, None)

@@ -22,10 +22,9 @@ from pydantic import ValidationError
 from kvwire.control.wire import StagingMessage, WritesDone
 from kvwire.errors import TransferError
 from kvwire.index.base import IndexMapper
-from kvwire.index.head_slice import HeadSliceMapper
 from kvwire.layout import MemoryRegion
 from kvwire.staging.base import ChunkPlan, LayerPlan, QueuedChunk, StagingContext
-from kvwire.staging.bulk_ring import block_bytes, unit_owners
+from kvwire.staging.bulk_ring import block_bytes, staged, unit_owners
 from kvwire.staging.bulk_wire import MESSAGES, Ask, BulkMessage, Deny, Grant, Watermark
 from kvwire.staging.kernels import KVTensors, block_view
 from kvwire.staging.ring import Allocation, WatermarkView
@@ -182,16 +181,15 @@ class WriterSide:
         with self._lock:
             return self._asks.get((room, dest, chunk_id))
 
-    def _gather(self, mapper: HeadSliceMapper, pages: Any, start: int, pairs: Any = None) -> None:
-        """Gather the head slices of ``pages`` into the block at ``start`` (laid out
+    def _gather(self, mapper: IndexMapper, pages: Any, start: int, pairs: Any = None) -> None:
+        """Gather the row slices of ``pages`` into the block at ``start`` (laid out
         ``[pair, page, token, slice]``): every buffer pair, or the pairs ``pairs`` (sorted),
         one contiguous run of pairs at a time; synchronised."""
         ps = mapper.src.model.page_size
-        out = block_view(
-            self.buffers, start, (mapper.num_pairs, pages.size, ps, mapper.slice_bytes)
-        )
-        lo = mapper.src_start * mapper.bytes_per_head
-        hi = lo + mapper.slice_bytes
+        sl = staged(mapper)
+        out = block_view(self.buffers, start, (mapper.num_pairs, pages.size, ps, sl.nbytes))
+        lo = sl.src_lo
+        hi = lo + sl.nbytes
         if pairs is None:
             self.kv.gather(mapper.src_buf, pages, lo, hi, out)
             return
@@ -226,7 +224,6 @@ class WriterSide:
         if got is None:
             return None
         slot, start = got
-        assert isinstance(mapper, HeadSliceMapper)
         pages = np.asarray(src_pages, dtype=np.int64)
         try:
             self._gather(mapper, pages, start)
@@ -267,7 +264,6 @@ class WriterSide:
         if got is None:
             return None
         slot, start = got
-        assert isinstance(mapper, HeadSliceMapper)
         pages = np.asarray(src_pages, dtype=np.int64)
         owner, pair_group = unit_owners(mapper, pages.size, self._block, edges)
         groups = edges.size - 1

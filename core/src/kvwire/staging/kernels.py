@@ -3,10 +3,14 @@
 A staged block holds, for one chunk and one (prefill rank, decode rank) pair, the head slice of
 every token of every page of every buffer pair, laid out ``[pair, page, token, slice bytes]``.
 Prefill gathers it from its pool; decode scatters it into its pool. Both run where the pool is:
-NumPy views of host memory (no torch thread pool spinning beside the engine), or torch on a
-private CUDA stream that is synchronised before the transfer reads the block and before its ring
-space is freed. One indexed copy per buffer, vectorised over pages and tokens, or a single one
-when the engine hands its pool over as one stacked tensor.
+NumPy views of host memory (no torch thread pool spinning beside the engine), or a private CUDA
+stream that is synchronised before the transfer reads the block and before its ring space is
+freed. On a GPU with token-major pages the copy is **one** launch of the fused run mover
+(:class:`~kvwire.movers.triton_copy.RunCopier`) per gather or scatter, whatever the number of
+buffers: one run per (buffer, page) for whole rows, one per (buffer, page, token) for a head
+slice, computed with NumPy. Elsewhere (host pools, head-major pages, no Triton) one indexed copy
+per buffer, vectorised over pages and tokens, or a single one when the engine hands its pool
+over as one stacked tensor.
 """
 
 from __future__ import annotations
@@ -78,9 +82,18 @@ class KVTensors:
             )
         self.device: Any = self.views[0].device if self.on_device else "cpu"
         self.stream: Any = None
+        #: Buffer start addresses, bytes from one slot to the next, one token row.
+        self.addrs = np.asarray(addrs, dtype=np.int64)
+        self.slot_bytes = int(np.prod(shape[1:]))
+        self.row = row
+        self.page_size = m.page_size
+        #: The fused mover of a GPU pool with token-major pages (None: indexed copies).
+        self.mover: Any = None
         if self.on_device:
             self.torch = _torch()
             self.stream = self.torch.cuda.Stream(device=self.device)
+            if not self.head_major:
+                self.mover = _mover(self.device)
 
     def _index(self, arr: NDArray[np.int64]) -> Any:
         arr = np.ascontiguousarray(arr, dtype=np.int64)
@@ -108,6 +121,11 @@ class KVTensors:
         ``out`` (bytes shaped ``[len(bufs), len(pages), page_size, hi - lo]``, token order
         whatever the pool's page order); synchronised."""
         self._check_staged()
+        if self.mover is not None:
+            pool, blk, lens = self.runs(bufs, pages, lo, hi, _addr(out))
+            self.mover.copy(pool, blk, lens, self.stream)
+            self.sync()
+            return
         with self._ctx():
             idx = self._index(pages)
             if self.stacked is not None:
@@ -124,6 +142,11 @@ class KVTensors:
         """The inverse of :meth:`gather`: write ``block`` into bytes ``[lo, hi)`` of the token
         rows of ``pages`` in buffers ``bufs``; synchronised before returning."""
         self._check_staged()
+        if self.mover is not None:
+            pool, blk, lens = self.runs(bufs, pages, lo, hi, _addr(block))
+            self.mover.copy(blk, pool, lens, self.stream)
+            self.sync()
+            return
         with self._ctx():
             idx = self._index(pages)
             if self.stacked is not None:
@@ -134,6 +157,26 @@ class KVTensors:
                 for i, bi in enumerate(bufs.tolist()):
                     self._part(self.views[bi], lo, hi)[idx] = self._pages(block[i], hi - lo)
         self.sync()
+
+    def runs(
+        self, bufs: NDArray[np.int64], pages: NDArray[np.int64], lo: int, hi: int, block: int
+    ) -> tuple[NDArray[np.int64], NDArray[np.int64], NDArray[np.int64]]:
+        """Byte runs between bytes ``[lo, hi)`` of the token rows of ``pages`` in buffers
+        ``bufs`` (token-major pages) and the contiguous block at address ``block`` laid out
+        ``[buffer, page, token, hi - lo]``: (pool addresses, block addresses, lengths), NumPy
+        only. Whole rows give one run per (buffer, page), a slice one per token."""
+        b = np.asarray(bufs, dtype=np.int64)
+        p = np.asarray(pages, dtype=np.int64)
+        start = self.addrs[b][:, None] + p[None, :] * self.slot_bytes  # [buffer, page]
+        if hi - lo == self.row:
+            pool = start.ravel()
+            n = self.page_size * self.row
+        else:
+            tok = np.arange(self.page_size, dtype=np.int64) * self.row + lo
+            pool = (start[:, :, None] + tok[None, None, :]).ravel()
+            n = hi - lo
+        blk = block + np.arange(pool.size, dtype=np.int64) * n
+        return pool, blk, np.full(pool.size, n, dtype=np.int64)
 
     def _check_staged(self) -> None:
         if self.in_slot:
@@ -169,6 +212,16 @@ class KVTensors:
         if not self.on_device:
             return np.zeros(nbytes, dtype=np.uint8)
         return self.torch.zeros(nbytes, dtype=self.torch.uint8, device=self.device)
+
+
+def _mover(device: Any) -> Any:
+    """The fused run mover for ``device``, or None where Triton is not installed (the
+    indexed copies then serve)."""
+    try:
+        from kvwire.movers.triton_copy import RunCopier
+    except ImportError:
+        return None
+    return RunCopier(device)
 
 
 def block_view(buf: Any, start: int, shape: tuple[int, ...]) -> Any:

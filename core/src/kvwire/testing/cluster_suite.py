@@ -56,6 +56,7 @@ from kvwire.testing.cluster import FAULT_ENV, Cluster, ClusterSpec, RequestResul
 __all__ = [
     "HETERO_TOPOLOGIES",
     "TOPOLOGIES",
+    "BulkEqualTPConformance",
     "BulkStagingConformance",
     "BulkStagingFaults",
     "ClusterConformance",
@@ -83,6 +84,10 @@ HETERO_TOPOLOGIES = (
     "gather-replicated-4to2-h2",
     "scatter-replicated-1to4-h2",
 )
+
+#: Equal-TP topologies (whole pages), which bulk staging stages on GPU pools by its rule, and
+#: everywhere with ``equal_tp="always"``.
+EQUAL_TOPOLOGIES = ("equal-2to2", "pp2-1to1")
 
 #: Bulk staging sizes small enough that a workload wraps the ring many times.
 SMALL_RING = {"ring_bytes": 256 * 1024, "buffer_bytes": 64 * 1024, "block_bytes": 4096}
@@ -311,6 +316,28 @@ class BulkStagingConformance(ClusterConformance):
         per_token = m.num_layers * 2 * 8 * m.page_size  # rows of the per-token path
         for r in results:
             assert r.descriptors < per_token / 4, (r.descriptors, per_token)
+        moved = sum(r.bytes for r in results)
+        assert moved > 3 * SMALL_RING["ring_bytes"], "the workload must wrap the ring"
+
+
+class BulkEqualTPConformance(ClusterConformance):
+    """The cluster workload with ``--staging bulk`` on equal-TP topologies, staged on host
+    pools too (``equal_tp="always"``; the default rule stages them only on GPUs) through a
+    ring that wraps many times: every element verified, and each request moved through a few
+    block descriptors instead of one per (layer, K/V, page)."""
+
+    staging = "bulk"
+    staging_options = {**SMALL_RING, "equal_tp": "always"}
+    topologies = EQUAL_TOPOLOGIES
+
+    def test_staged_not_per_page(self, cluster: Cluster) -> None:
+        plans = [RoomPlan(room=(1 << 41) + i, num_pages=8, chunks=[3, 5]) for i in range(24)]
+        results = cluster.run(plans, concurrency=24, timeout_s=120)
+        assert_all_ok(results)
+        spec = cluster.spec  # rows of the per-page path, summed over the prefill ranks
+        per_page = spec.model.num_layers * 2 * 8 * spec.prefill_tp
+        for r in results:
+            assert r.descriptors < per_page / 3, (r.descriptors, per_page)
         moved = sum(r.bytes for r in results)
         assert moved > 3 * SMALL_RING["ring_bytes"], "the workload must wrap the ring"
 

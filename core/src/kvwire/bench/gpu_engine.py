@@ -1,0 +1,129 @@
+"""The engine-API phase of the GPU benchmarks (``scripts/gpu_cudaipc_bench.py``,
+``scripts/gpu_staged_bench.py``): prefill and decode rank processes of
+:class:`kvwire.testing.cluster.Cluster` on two GPUs moving the model of issue 27 through any
+backend and staging strategy, every element of the verified batches checked on decode.
+"""
+
+from __future__ import annotations
+
+import secrets
+import time
+from typing import Any
+
+import numpy as np
+
+from kvwire.bench.gpu_mover import MiB, log
+
+
+def engine(
+    a: Any,
+    *,
+    staging: str = "direct",
+    staging_options: dict[str, Any] | None = None,
+    max_chunk_pages: int = 0,
+) -> dict[str, Any]:
+    """The engine API between a prefill and a decode rank process on two GPUs (the harness's
+    ``gpus`` round robin): verified requests of every size first (every element and aux row
+    checked on decode), then timed requests at each concurrency. ``a`` carries the settings
+    (``device``, ``gpus``, ``sizes`` MiB, ``concurrency``, ``requests``, ``verify_requests``,
+    ``engine_step``, ``timeout``, ``backend``, ``prefill_tp``, ``decode_tp``); ``staging``
+    and its options pick the strategy; ``max_chunk_pages`` > 0 cuts every request into
+    chunks of at most that many pages (chunked prefill; a staged chunk must fit a staging
+    buffer)."""
+    from kvwire.config import KVWireConfig
+    from kvwire.layout import ModelSpec
+    from kvwire.testing.cluster import Cluster, ClusterSpec, RoomPlan
+    from kvwire.testing.cluster_suite import assert_all_ok, assert_tables_empty
+
+    model = ModelSpec(num_layers=32, total_kv_heads=8, head_dim=64, dtype="int32", page_size=16)
+    if a.device == "cpu":  # dry run: small pages on host memory
+        model = ModelSpec(num_layers=4, total_kv_heads=2, head_dim=16, dtype="int32", page_size=4)
+    m = model
+    page_mib = m.num_layers * 2 * m.page_size * m.total_kv_heads * m.head_dim * 4 / MiB
+    sizes = a.sizes
+    pages = {m: max(1, round(m / page_mib)) for m in sizes}
+    slots = max(2, *a.concurrency) * max(pages.values()) + 64
+    spec = ClusterSpec(
+        model=model,
+        slots=slots,
+        aux_slots=256,
+        device=a.device,
+        gpus=tuple(a.gpus) if a.device == "cuda" else None,
+        engine_step_s=a.engine_step,
+        prefill_tp=a.prefill_tp,
+        decode_tp=a.decode_tp,
+        config=KVWireConfig(
+            transfer_backend=a.backend,
+            staging=staging,
+            staging_options=dict(staging_options or {}),
+        ),
+    )
+    rng = np.random.default_rng(3)
+
+    def chunks(p: int, verify: bool) -> list[int]:
+        cut = int(rng.integers(0, p + 1)) if verify else p
+        if max_chunk_pages <= 0:
+            return [cut, p - cut]
+        k = max_chunk_pages
+        return [min(k, p - i) for i in range(0, p, k)] or [0]
+
+    def plans(n: int, p: int, verify: bool) -> list[RoomPlan]:
+        return [
+            RoomPlan(
+                room=secrets.randbits(62), num_pages=p, chunks=chunks(p, verify), verify=verify
+            )
+            for _ in range(n)
+        ]
+
+    report: dict[str, Any] = {
+        "verified": [],
+        "cells": [],
+        "slots": slots,
+        "pages": pages,
+        "tp": f"{a.prefill_tp}->{a.decode_tp}",
+        "backend": a.backend,
+        "staging": staging,
+        "staging_options": dict(staging_options or {}),
+        "max_chunk_pages": max_chunk_pages,
+    }
+    t0 = time.perf_counter()
+    with Cluster(spec) as c:
+        log(f"cluster up in {time.perf_counter() - t0:.1f}s (slots {slots})")
+        for mib in sizes:
+            n = a.verify_requests if mib < 512 else max(2, a.verify_requests // 2)
+            res = c.run(
+                plans(n, pages[mib], True), concurrency=max(a.concurrency), timeout_s=a.timeout
+            )
+            assert_all_ok(res)
+            cell = {"mib": mib, "requests": len(res), "mismatches": sum(r.mismatches for r in res)}
+            report["verified"].append(cell)
+            log(f"verified {cell}")
+        c.run(plans(4, pages[sizes[0]], False), concurrency=2, timeout_s=a.timeout)  # warm-up
+        for mib in sizes:
+            for conc in a.concurrency:
+                n = a.requests if mib < 512 else max(conc * 2, a.requests // 4)
+                n = max(n, conc * 2)
+                res = c.run(plans(n, pages[mib], False), concurrency=conc, timeout_s=a.timeout)
+                failed = [r for r in res if any(x.status != 4 for x in r.reports)]
+                span = max(r.t_end for r in res) - min(r.t_start for r in res)
+                nbytes = sum(r.bytes for r in res)
+                lat = sorted(r.latency_s for r in res)
+                cell = {
+                    "mib": mib,
+                    "concurrency": conc,
+                    "requests": len(res),
+                    "failed": len(failed),
+                    "bytes_per_request": nbytes // len(res),
+                    "descriptors_per_request": res[0].descriptors,
+                    "gbps": nbytes / span / 1e9,
+                    "p50_ms": 1e3 * lat[len(lat) // 2],
+                    "p90_ms": 1e3 * lat[int(len(lat) * 0.9)],
+                }
+                pre = [x for r in res for x in r.reports if x.role == "prefill"]
+                for k in ("queue_s", "post_s", "transfer_s", "latency_s"):
+                    vals = sorted(getattr(x, k) for x in pre)
+                    cell[f"prefill_{k[:-2]}_ms"] = 1e3 * vals[len(vals) // 2]
+                report["cells"].append(cell)
+                log(f"engine {cell}")
+        assert_tables_empty(c)
+    return report
