@@ -52,6 +52,7 @@ from kvwire.errors import (
 )
 from kvwire.index.base import check_pages
 from kvwire.integrity import add_sums, layer_ranges, mismatched_layers
+from kvwire.session import metrics as m
 from kvwire.session.common import Side
 from kvwire.session.decode_links import PrefillLink, SourceLinks
 from kvwire.session.groups import check_state_indices, to_wire
@@ -122,6 +123,8 @@ class RecvRoom:
     cause: FailureCause = "protocol"
     fault_peer: str | None = None
     fault_chunk: ChunkFault | None = None
+    #: The failure report, built once (the room stops listening when it fails).
+    report: FailureReport | None = None
 
 
 class DecodeSide(Side[RecvRoom]):
@@ -692,8 +695,8 @@ class DecodeSide(Side[RecvRoom]):
         this rank and what is missing (:mod:`kvwire.session.report`); None unless it failed.
         Chunks arriving after the failure are not counted (the room stopped listening)."""
         with self.mgr.lock:
-            if room.error is None:
-                return None
+            if room.error is None or room.report is not None:
+                return room.report
             states = [
                 SourceState(
                     s.sender_id,
@@ -704,7 +707,7 @@ class DecodeSide(Side[RecvRoom]):
                 )
                 for s in room.sources or ()
             ]
-            return build_report(
+            room.report = build_report(
                 room.room,
                 room.cause,
                 str(room.error),
@@ -718,6 +721,10 @@ class DecodeSide(Side[RecvRoom]):
                 peer=room.fault_peer,
                 chunk=room.fault_chunk,
             )
+        kept, lost = int(room.report.good_pages.size), int(room.report.missing_pages.size)
+        m.FAILED_PAGES.labels(**self.mgr.labels, result="kept").inc(kept)
+        m.FAILED_PAGES.labels(**self.mgr.labels, result="missing").inc(lost)
+        return room.report
 
     def room_tables(self) -> dict[str, int]:
         """Per-room table sizes (leak check)."""
