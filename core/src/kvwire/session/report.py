@@ -177,12 +177,12 @@ class FailureReport:
         return self.first_token + self.good_prefix_pages * self.page_size
 
     def summary(self) -> str:
-        """One line for logs: cause, good and missing pages."""
+        """One line for logs and error messages (the reason is :attr:`reason`): cause, good
+        and missing pages."""
         n, good = int(self.slots.size), int(self.good_pages.size)
         return (
-            f"room {self.room}: {self.cause}; {good} of {n} pages landed "
-            f"(good prefix {self.good_prefix_pages}), {n - good} to recompute; "
-            f"aux {'landed' if self.aux_landed else 'missing'}: {self.reason}"
+            f"{self.cause}; {good} of {n} pages landed (good prefix {self.good_prefix_pages}), "
+            f"{n - good} to recompute; aux {'landed' if self.aux_landed else 'missing'}"
         )
 
 
