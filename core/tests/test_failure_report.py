@@ -199,3 +199,25 @@ def test_a_failure_before_any_request_reports_every_page_missing() -> None:
         rep = _report(r)
         assert rep.cause == "bad_input" and rep.good_pages.size == 0
         r.clear()
+
+
+def test_a_protocol_violation_proves_nothing() -> None:
+    """Pages that landed are still reported missing when a peer broke the protocol."""
+    from kvwire.session.report import build_report
+
+    landed = LandedChunks()
+    landed.add(0, (0, 4), 4, 2)
+    slots = np.arange(4, dtype=np.int64) + 10
+    args: dict[str, Any] = {
+        "reason": "x",
+        "slots": slots,
+        "landed": landed,
+        "sources": [_src(0)],
+        "page_size": 2,
+        "cached_tokens": 0,
+        "aux_landed": False,
+        "judged": True,
+    }
+    assert build_report(1, "timeout", **args).good_pages.tolist() == [0, 1, 2, 3]
+    assert build_report(1, "protocol", **args).good_pages.size == 0
+    assert build_report(1, "timeout", **{**args, "judged": False}).good_pages.size == 0

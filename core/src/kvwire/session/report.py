@@ -21,9 +21,12 @@ How a page is judged (conservative: "good" is proven, "missing" is the default):
   (protocol 1.7 peers send them on every KV note); a sender whose notes lack them (an older
   kvwire) proves nothing: every page it writes to stays missing.
 * Only the KV pool is judged: a request sent to the host pool (``pool="host"``) reports every
-  page missing. Buffer groups (state, window, draft) and the aux row are reported as landed
-  or not (``groups_landed``, ``aux_landed``); an engine whose model needs its state groups
-  must recompute the whole request when ``groups_landed`` is False.
+  page missing, and so does a request failed for a protocol violation (an aux row written by
+  the wrong sender or stamped for another room, more chunks than announced, a staging error):
+  the notes of a peer that broke the protocol prove nothing.
+* Buffer groups (state, window, draft) and the aux row are reported as landed or not
+  (``groups_landed``, ``aux_landed``); an engine whose model needs its state groups must
+  recompute the whole request when ``groups_landed`` is False.
 
 Lock contract: :class:`LandedChunks` is part of a room's state (``RecvRoom.landed``), updated
 under the manager's lock by the progress thread; :func:`build_report` runs under that lock
@@ -245,9 +248,10 @@ def build_report(
     chunk: ChunkFault | None = None,
 ) -> FailureReport:
     """The report of a failed room (decode side, under the manager's lock). ``judged`` False
-    (a host-pool request) reports every page missing."""
+    (a host-pool request), or a peer that broke the protocol (its notes are not trusted),
+    reports every page missing."""
     dst = np.zeros(0, dtype=np.int64) if slots is None else np.asarray(slots, dtype=np.int64)
-    if judged and sources:
+    if judged and sources and cause != "protocol":
         mask, first, covered = good_page_mask(
             landed, sources, int(dst.size), page_size, cached_tokens
         )
