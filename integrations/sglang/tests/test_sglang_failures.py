@@ -5,6 +5,7 @@ on both sides, without raising into the scheduler's call."""
 from __future__ import annotations
 
 import socket
+import time
 import types
 from collections.abc import Iterator
 
@@ -80,8 +81,6 @@ def test_decode_abort_fails_both_sides(pair: tuple[KvwireKVManager, KvwireKVMana
 
 
 def wait_quiesced(rx: KvwireKVReceiver) -> bool:
-    import time
-
     end = time.monotonic() + 10
     while not rx.is_abort_release_safe():
         if time.monotonic() > end:
@@ -160,3 +159,32 @@ def test_host_destination_refused(pair: tuple[KvwireKVManager, KvwireKVManager, 
         rx.failure_exception()
     rx.clear()
     assert dec.supports_host_destination is False
+
+
+def test_partial_failure_is_reported_in_the_abort_message(
+    pair: tuple[KvwireKVManager, KvwireKVManager, str],
+) -> None:
+    """Prefill aborts after its first chunk landed: SGLang's decode cannot keep part of a
+    load, so the failure message carries kvwire's report (what landed, what is missing)."""
+    pre, dec, addr = pair
+    rx = KvwireKVReceiver(dec, addr, 12)
+    rx.init(0)
+    rx.send_metadata(np.arange(4, dtype=np.int32) + 4, 5, None, decode_prefix_len=0)
+    tx = KvwireKVSender(pre, addr, 12)
+    wait(tx, (KVPoll.WaitingForInput,))
+    tx.init(4, 5)
+    assert rx.failure_report() is None
+    tx.send(np.arange(2, dtype=np.int32), None)
+    end = time.monotonic() + 10
+    while sum(rx.rx._state.received.values()) < 1:  # the first chunk landed on decode
+        assert time.monotonic() < end
+        time.sleep(0.005)
+    tx.abort()
+    assert wait(rx, DONE) == KVPoll.Failed
+    report = rx.failure_report()
+    assert report is not None and report.cause == "prefill_aborted"
+    assert report.good_pages.tolist() == [0, 1] and report.missing_slots.tolist() == [6, 7]
+    with pytest.raises(Exception, match=r"abort.*kvwire failure report: prefill_aborted; 2 of 4"):
+        rx.failure_exception()
+    tx.clear()
+    rx.clear()

@@ -14,7 +14,13 @@ builds and caches the environment and the tiny random-weight model). Checks:
   neither (0 crashes) and every later normal request is served right;
 * fast failures: a wrong bootstrap address and an unknown room fail the request (or compute
   it locally) within ``FAST_FAIL_S``;
-* decode killed mid-stream: prefill releases every block it held and serves the next requests.
+* decode killed mid-stream: prefill releases every block it held and serves the next requests;
+* prefill killed mid-push (tcp pair, last): the tcp pair pushes one block per chunk, its decode
+  runs vLLM's ``kv_load_failure_policy="recompute"``, and its prefill carries the test fault
+  ``slow_pushes`` (1 s before each chunk while a flag file exists; installed by
+  ``fault_site/sitecustomize.py``). Prefill is SIGKILLed once it posted the 4th of a long
+  prompt's 8 chunks: the request completes with the single server's tokens, decode's kvwire
+  metrics count the blocks kept (landed) and recomputed, and its log says so.
 
 Wall time with the environment cached: two server pairs starting (66 s each on this 2-core
 machine idle, 200-275 s at a load average of 20) plus ~1 min of requests.
@@ -99,9 +105,23 @@ class Pair:
         # asked for after BOOTSTRAP_TIMEOUT_S (the tcp pair keeps the defaults its
         # fast-failure test measures)
         control = {"bootstrap_timeout_s": BOOTSTRAP_TIMEOUT_S} if backend == "nixl" else {}
+        prefill_kv = kvwire_config("kv_producer", backend, free_port(), control)
+        decode_kv = kvwire_config("kv_consumer", backend, free_port(), control)
+        prefill_env = None
+        #: tcp: decode's kvwire metrics port, and the file that slows prefill's pushes
+        self.metrics_port = free_port()
+        self.slow_flag = logs / "slow-pushes"
+        if backend == "tcp":  # the prefill-killed test's setup (see the module docstring)
+            prefill_kv["kv_connector_extra_config"]["push_chunk_blocks"] = 1
+            decode_kv["kv_load_failure_policy"] = "recompute"
+            decode_kv["kv_connector_extra_config"]["control"]["metrics_port"] = self.metrics_port
+            prefill_env = {
+                "PYTHONPATH": str(Path(__file__).resolve().parent / "fault_site"),
+                "KVWIRE_TESTING_FAULT": "slow_pushes",
+                "KVWIRE_TESTING_SLOW_FLAG": str(self.slow_flag),
+            }
         self.deployment = Deployment(
-            ensure_env(), backend, kvwire_config("kv_producer", backend, free_port(), control),
-            kvwire_config("kv_consumer", backend, free_port(), control), logs)
+            ensure_env(), backend, prefill_kv, decode_kv, logs, prefill_env=prefill_env)
         self.prefill, self.decode = self.deployment.prefill, self.deployment.decode
         self.router_url = self.deployment.router.url
         self.model = self.deployment.model
@@ -222,7 +242,10 @@ def test_negative_control_other_prompts_kv(pair: Pair) -> None:
     moved = pair.prompt_tokens_by_source()["external_kv_transfer"] - before["external_kv_transfer"]
     print(f"[{pair.backend}] b's request with a's KV: HTTP {status}, {moved:.0f} tokens moved: "
           f"{str(ans)[:200]}")
-    assert status != 200 or tokens(ans) != ref_b or moved == 0, (
+    # with kv_load_failure_policy=recompute (tcp) vLLM counts the refused load as moved and
+    # computes the prompt itself: decode's log must then say it refused the KV
+    refused = "the KV is of another prompt" in pair.decode.log_path.read_text(errors="replace")
+    assert status != 200 or tokens(ans) != ref_b or moved == 0 or refused, (
         "decode took another prompt's KV and still produced the reference tokens: the "
         "token checks could not see a mixup")
     assert pair.decode.alive()
@@ -392,3 +415,58 @@ def _prefill_usage(pair: Pair) -> float:
         if line.startswith("vllm:kv_cache_usage_perc"):
             return float(line.rsplit(" ", 1)[1])
     raise AssertionError("no vllm:kv_cache_usage_perc in prefill's /metrics")
+
+
+def kvwire_metric(pair: Pair, name: str, **labels: str) -> float:
+    """A sample of decode's kvwire metrics (its worker serves them on ``metrics_port``)."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{pair.metrics_port}/metrics", timeout=10) as r:
+        lines = r.read().decode().splitlines()
+    want = [f'{k}="{v}"' for k, v in labels.items()]
+    total = 0.0
+    for line in lines:
+        if line.startswith(name + "{") and all(w in line for w in want):
+            total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+#: The prefill-killed test's prompt: 8 blocks of 128 tokens (the last one partial).
+KILL_LEN = 1000
+#: Kill prefill once it posts this chunk (0-based): the chunks before it have landed.
+KILL_AT_CHUNK = 3
+
+
+@pytest.mark.parametrize("pair", ["tcp"], indirect=True)
+def test_prefill_killed_mid_push_decode_recomputes_the_rest(pair: Pair) -> None:
+    """Runs last on the tcp pair: it kills the pair's prefill instance."""
+    prompt = _prompt(KILL_LEN, 5)
+    ref = pair.reference(prompt)  # the single server's tokens, before prefill dies
+    params = pair.prefill_leg(prompt)
+    kept0 = kvwire_metric(pair, "kvwire_failed_request_pages_total", result="kept")
+    lost0 = kvwire_metric(pair, "kvwire_failed_request_pages_total", result="missing")
+    log = pair.prefill.log_path
+    mark = f"posting chunk {KILL_AT_CHUNK} of room {params['kvwire_room']}"
+    pair.slow_flag.touch()
+    try:
+        with ThreadPoolExecutor(1) as pool:
+            fut = pool.submit(post, f"{pair.decode.url}/v1/completions",
+                              pair.body(prompt, kv_transfer_params=params), 300)
+            # bounded by progress: prefill alive, posting a chunk a second
+            deadline = time.monotonic() + 120
+            while mark not in log.read_text(errors="replace"):
+                assert pair.prefill.alive() and not fut.done(), pair.tails()
+                assert time.monotonic() < deadline, pair.tails()
+                time.sleep(0.05)
+            os.killpg(pair.prefill.proc.pid, signal.SIGKILL)  # type: ignore[union-attr]
+            status, ans = fut.result(timeout=300)
+    finally:
+        pair.slow_flag.unlink(missing_ok=True)
+    assert status == 200, ans
+    assert tokens(ans) == ref, "recompute after a partial load gave other tokens"
+    kept = kvwire_metric(pair, "kvwire_failed_request_pages_total", result="kept") - kept0
+    lost = kvwire_metric(pair, "kvwire_failed_request_pages_total", result="missing") - lost0
+    print(f"[{pair.backend}] prefill killed at chunk {KILL_AT_CHUNK}: {kept:.0f} blocks kept "
+          f"(by transfer), {lost:.0f} recomputed")
+    blocks = -(-KILL_LEN // 128)
+    assert kept + lost == blocks and KILL_AT_CHUNK <= kept < blocks, (kept, lost)
+    assert "KV partly lost (sender_lost)" in pair.decode.log_path.read_text(errors="replace")
+    assert pair.decode.alive() and pair.decode.healthy()

@@ -298,6 +298,10 @@ class ChunkNote(Message):
     #: none: decode adds them up over the chunk's parts).
     span: tuple[int, int] | None = None
     num_pages: int | None = Field(default=None, ge=0)
+    #: Prefill's page size in tokens. With ``span`` and ``num_pages`` (sent on every KV note
+    #: since 1.7, checksums or not) it tells decode which tokens a complete chunk wrote: the
+    #: failure report of a request that failed part-way (:mod:`kvwire.session.report`).
+    page_size: int | None = Field(default=None, ge=1)
     sum_layers: list[int] = Field(default_factory=list, max_length=4096)
     sums: list[int] = Field(default_factory=list, max_length=4096)
 

@@ -52,6 +52,7 @@ from kvwire.errors import (
 )
 from kvwire.index.base import check_pages
 from kvwire.integrity import add_sums, layer_ranges, mismatched_layers
+from kvwire.session import metrics as m
 from kvwire.session.common import Side
 from kvwire.session.decode_links import PrefillLink, SourceLinks
 from kvwire.session.groups import check_state_indices, to_wire
@@ -60,6 +61,14 @@ from kvwire.session.metrics import RequestMetrics
 from kvwire.session.peers import Peer
 from kvwire.session.poll import KVPoll
 from kvwire.session.quiesce import WriteQuarantine
+from kvwire.session.report import (
+    ChunkFault,
+    FailureCause,
+    FailureReport,
+    LandedChunks,
+    SourceState,
+    build_report,
+)
 from kvwire.staging.base import ArrivedChunk, StagingStrategy
 
 logger = logging.getLogger(__name__)
@@ -107,6 +116,15 @@ class RecvRoom:
     cached_tokens: int | None = None
     error: BaseException | None = None
     metrics: RequestMetrics = field(default_factory=RequestMetrics)
+    #: What complete chunks wrote, per sender (the failure report's evidence).
+    landed: LandedChunks = field(default_factory=LandedChunks)
+    #: Why the room failed (set with ``error``), the peer it names, the chunk a checksum
+    #: mismatch names.
+    cause: FailureCause = "protocol"
+    fault_peer: str | None = None
+    fault_chunk: ChunkFault | None = None
+    #: The failure report, built once (the room stops listening when it fails).
+    report: FailureReport | None = None
 
 
 class DecodeSide(Side[RecvRoom]):
@@ -170,8 +188,8 @@ class DecodeSide(Side[RecvRoom]):
             sources = self._sources(room, dp)
         except KVWireError as exc:
             with self.mgr.lock:
-                if not self._terminal(room):
-                    self._fail(room, exc)  # pushed to the contacts bootstrap listed, if any
+                if not self._terminal(room):  # pushed to the contacts bootstrap listed
+                    self._fail(room, exc, cause="bootstrap")
             return
         self._resolved(room, sources)
 
@@ -332,11 +350,17 @@ class DecodeSide(Side[RecvRoom]):
                 )
                 try:
                     self._strategy(room).on_arrival(arrived)
-                    self._check_sums(room, msg, room.sent_sums.pop(key, {}))
                 except KVWireError as exc:
                     self._fail(room, exc)
                     return
+                try:
+                    self._check_sums(room, msg, room.sent_sums.pop(key, {}))
+                except KVWireError as exc:
+                    self._fail(room, exc, cause="checksum_mismatch")
+                    return
                 room.received[msg.sender_id] = room.received.get(msg.sender_id, 0) + 1
+                if room.pool == "kv":
+                    room.landed.add(msg.sender_id, msg.span, msg.num_pages, msg.page_size)
                 if msg.last:
                     room.expected[msg.sender_id] = msg.chunk_id + 1
             self._check_done(room)
@@ -370,6 +394,10 @@ class DecodeSide(Side[RecvRoom]):
             ) from exc
         bad = mismatched_layers(sent, landed)
         if bad:
+            room.fault_peer = link.info.agent
+            room.fault_chunk = ChunkFault(
+                link.info.agent, msg.sender_id, msg.chunk_id, msg.span, layer_ranges(bad)
+            )
             raise TransferError(
                 f"KV checksum mismatch in chunk {msg.chunk_id} (request pages "
                 f"[{msg.span[0]}, {msg.span[1]})) from {link.info.agent} (sender "
@@ -453,6 +481,7 @@ class DecodeSide(Side[RecvRoom]):
                 room,
                 TransferError(f"prefill {what} the request: {msg.reason}", room=room.room),
                 skip=msg.session,
+                cause="prefill_aborted" if msg.aborted else "prefill_failed",
             )
 
     def _query_failed_writers(self, now: float) -> None:
@@ -506,7 +535,9 @@ class DecodeSide(Side[RecvRoom]):
                             peer=peer.agent,
                         ),
                         skip=peer.session,
+                        cause="sender_lost",
                     )
+                    room.fault_peer = room.fault_peer or peer.agent
 
     def check_deadlines(self, now: float) -> None:
         """Progress thread (after draining notifications): ask the sources of failed requests
@@ -532,6 +563,7 @@ class DecodeSide(Side[RecvRoom]):
                             f"{'arrived' if room.aux_done else 'missing'})",
                             room=room.room,
                         ),
+                        cause="timeout",
                     )
 
     # --------------------------------------------------------------- engine thread
@@ -578,7 +610,9 @@ class DecodeSide(Side[RecvRoom]):
         except KVWireError as exc:
             with mgr.lock:
                 self._fail(
-                    room, TransferError(f"bad input to send_metadata(): {exc}", room=room.room)
+                    room,
+                    TransferError(f"bad input to send_metadata(): {exc}", room=room.room),
+                    cause="bad_input",
                 )
             raise
         with mgr.lock:
@@ -617,12 +651,18 @@ class DecodeSide(Side[RecvRoom]):
         mgr.status.update(room.room, KVPoll.Transferring)
 
     def _fail(
-        self, room: RecvRoom, exc: BaseException, skip: str | None = None, aborted: bool = False
+        self,
+        room: RecvRoom,
+        exc: BaseException,
+        skip: str | None = None,
+        aborted: bool = False,
+        cause: FailureCause = "protocol",
     ) -> None:
-        """Under the lock: fail the room once, record why, tell its sources (but ``skip``, the
-        one that reported it or is gone)."""
+        """Under the lock: fail the room once, record why (``cause``: for its failure report),
+        tell its sources (but ``skip``, the one that reported it or is gone)."""
         if not self._mark_failed(room, exc):
             return
+        room.cause = "aborted" if aborted else cause
         logger.warning("%s: room %d failed: %s", self.mgr.agent_name, room.room, exc)
         self._push_failure(room, exc, skip, aborted)
 
@@ -650,6 +690,42 @@ class DecodeSide(Side[RecvRoom]):
         for strategy in self.mgr.strategies:
             strategy.release(room.room)
 
+    def failure_report(self, room: RecvRoom) -> FailureReport | None:
+        """Engine thread (``KVReceiver.failure_report``): what of a failed request landed on
+        this rank and what is missing (:mod:`kvwire.session.report`); None unless it failed.
+        Chunks arriving after the failure are not counted (the room stopped listening)."""
+        with self.mgr.lock:
+            if room.error is None or room.report is not None:
+                return room.report
+            states = [
+                SourceState(
+                    s.sender_id,
+                    s.dummy,
+                    s.sender_id in room.expected
+                    and room.received.get(s.sender_id, 0) == room.expected[s.sender_id],
+                    not s.groups or s.sender_id in room.groups_from,
+                )
+                for s in room.sources or ()
+            ]
+            room.report = build_report(
+                room.room,
+                room.cause,
+                str(room.error),
+                room.dst_pages,
+                room.landed,
+                states,
+                self.mgr.layout.model.page_size,
+                room.cached_tokens,
+                room.aux_done,
+                judged=room.pool == "kv" and room.requested,
+                peer=room.fault_peer,
+                chunk=room.fault_chunk,
+            )
+        kept, lost = int(room.report.good_pages.size), int(room.report.missing_pages.size)
+        m.FAILED_PAGES.labels(**self.mgr.labels, result="kept").inc(kept)
+        m.FAILED_PAGES.labels(**self.mgr.labels, result="missing").inc(lost)
+        return room.report
+
     def room_tables(self) -> dict[str, int]:
         """Per-room table sizes (leak check)."""
         with self.mgr.lock:
@@ -663,6 +739,9 @@ class DecodeSide(Side[RecvRoom]):
     def close(self) -> None:
         """Manager shutdown: fail live rooms and stop the bootstrap threads."""
         with self.mgr.lock:
-            self._fail_live("decode manager closed")
+            for room in list(self.rooms.values()):
+                if not self._terminal(room):
+                    err = TransferError("decode manager closed", room=room.room)
+                    self._fail(room, err, cause="closed")
         self.sources.close("decode manager closed")
         self.bootstraps.shutdown(wait=False, cancel_futures=True)

@@ -22,6 +22,12 @@ CHUNKS = Counter("kvwire_chunks", "Chunk transfers by result", (*_LABELS, "resul
 REQUESTS = Counter("kvwire_requests", "Requests by terminal status", (*_LABELS, "result"))
 DROPPED = Counter("kvwire_control_dropped", "Control frames dropped", (*_LABELS, "reason"))
 EVICTIONS = Counter("kvwire_peer_evictions", "Peers evicted (dead or gone)", _LABELS)
+FAILED_PAGES = Counter(
+    "kvwire_failed_request_pages",
+    "Decode pages of failed receives, by their failure report: 'kept' (landed whole from every "
+    "source) or 'missing' (to recompute)",
+    (*_LABELS, "result"),
+)
 ACTIVE_ROOMS = Gauge("kvwire_active_rooms", "Rooms currently tracked", _LABELS)
 QUEUED_CHUNKS = Gauge(
     "kvwire_queued_chunks", "Chunks queued for or in the transfer workers (prefill)", _LABELS

@@ -224,12 +224,17 @@ class Pipeline(LayerwisePosting):
                 add_sums(job.unsent_sums, check.chunk(job.src, job.dst, layers))
                 if segs:
                     sums, job.unsent_sums = job.unsent_sums, {}
+            # where the chunk goes, on every note: decode's checksum check and its failure
+            # report (which tokens landed) read it
+            where = {
+                "span": job.span,
+                "num_pages": job.room.num_pages,
+                "page_size": self.mgr.layout.model.page_size,
+            }
             for i, seg in enumerate(segs):
-                extra: dict[str, Any] = {}
-                if check is not None:
-                    extra = {"span": job.span, "num_pages": job.room.num_pages}
-                    if i == 0:
-                        extra.update(sum_layers=list(sums), sums=list(sums.values()))
+                extra: dict[str, Any] = dict(where)
+                if check is not None and i == 0:
+                    extra.update(sum_layers=list(sums), sums=list(sums.values()))
                 note = ChunkNote(
                     room=room,
                     sender_id=self.side.sender_id,

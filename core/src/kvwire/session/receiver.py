@@ -8,6 +8,7 @@ from typing import Any, Protocol
 from kvwire.session.common import RequestHandle
 from kvwire.session.decode import DecodeSide, RecvRoom
 from kvwire.session.poll import KVPoll
+from kvwire.session.report import FailureReport
 
 
 class DecodeHooks(Protocol):
@@ -92,6 +93,15 @@ class KVReceiver(RequestHandle[RecvRoom]):
         self._side.send_metadata(
             self._state, dst_page_indices, aux_index, pool, state_indices, cached_tokens
         )
+
+    def failure_report(self) -> FailureReport | None:
+        """Engine thread, once :meth:`poll` returned ``Failed`` (before or after
+        :meth:`clear`): which of this rank's pages landed whole (every source's share, and
+        verified when checksums are on) and which must be recomputed, with the failure's cause
+        (:class:`~kvwire.session.report.FailureReport`). None while the request has not failed.
+        Read it once ``writes_quiesced()`` is True: no late write can then change a page."""
+        report: FailureReport | None = self._side.failure_report(self._state)
+        return report
 
     def poll(self) -> KVPoll:
         status = super().poll()

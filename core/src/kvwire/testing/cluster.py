@@ -253,6 +253,13 @@ class RankReport:
     queue_s: float = 0.0
     post_s: float = 0.0
     transfer_s: float = 0.0
+    #: A failed decode request's :class:`~kvwire.session.FailureReport`: its cause, the
+    #: positions of the pages it calls good and missing, and the elements of the good pages
+    #: that differ from their encoding (must be 0). Empty cause: no report (not failed).
+    cause: str = ""
+    good_pages: tuple[int, ...] = ()
+    missing_pages: tuple[int, ...] = ()
+    good_mismatches: int = 0
 
 
 @dataclass

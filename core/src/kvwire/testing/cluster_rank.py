@@ -335,6 +335,7 @@ def rank_main(
             except Exception as exc:
                 err = f"{type(exc).__name__}: {exc}"
         mt = a.obj.metrics
+        recovery = recovery_of(a) if status == KVPoll.Failed and role == "decode" else ()
         conn.send(
             (
                 "done",
@@ -354,6 +355,7 @@ def rank_main(
                     mt.queue_s,
                     mt.post_s,
                     mt.transfer_s,
+                    *recovery,
                 ),
                 a.plan.room,
             )
@@ -368,6 +370,20 @@ def rank_main(
             quarantine.append(
                 (time.monotonic() + QUARANTINE_S, a.pages, a.aux_index, a.obj, slots, a)
             )
+
+    def recovery_of(a: _Active) -> tuple[Any, ...]:
+        """A failed KV-pool request's failure report, and its good pages checked element
+        by element: (cause, good positions, missing positions, mismatches in good pages)."""
+        rep = a.obj.failure_report()
+        if rep is None or a.plan.hisparse:
+            return ()
+        bad = 0
+        first = a.plan.cached_pages * m.page_size
+        left = (a.plan.num_pages - a.plan.cached_pages) * m.page_size
+        for j in rep.good_pages.tolist() if a.plan.verified(spec) else ():
+            rows = min(dm.page_size, left - j * dm.page_size)
+            bad += pool.mismatches(a.pages[j : j + 1], first + j * dm.page_size, rows)
+        return rep.cause, tuple(rep.good_pages.tolist()), tuple(rep.missing_pages.tolist()), bad
 
     def release_groups(a: _Active) -> None:
         if pool.groups is not None and a.groups is not None:

@@ -115,7 +115,43 @@ def _flip_after_sum(role: str) -> None:
     SentSums.chunk = flipping  # type: ignore[method-assign,assignment]
 
 
+#: ``slow_pushes``: the file whose existence turns the delay on (unset: always on).
+SLOW_FLAG_ENV = "KVWIRE_TESTING_SLOW_FLAG"
+#: ``slow_pushes``: seconds before each KV chunk is posted.
+SLOW_PUSH_S = 1.0
+
+
+def _slow_pushes(role: str) -> None:
+    """Prefill's transfer workers wait :data:`SLOW_PUSH_S` before posting each KV chunk while
+    the file named by :data:`SLOW_FLAG_ENV` exists, and say on stderr which chunk they post:
+    a push slow enough for a test to kill prefill between two chunks, at a chunk it saw
+    posted (e.g. a real ``vllm serve``, where the fault is installed by a ``sitecustomize``)."""
+    if role != "prefill":
+        return
+    import os
+    import sys
+
+    from kvwire.session.pipeline import Pipeline
+
+    flag = os.environ.get(SLOW_FLAG_ENV)
+    original = Pipeline._post_segments
+
+    def slow(self: Pipeline, tail: Any, key: Any, job: Any, *args: Any, **kwargs: Any) -> None:
+        first_part = args[4] if len(args) > 4 else kwargs.get("first_part", 0)
+        if job.pool == "kv" and first_part == 0 and (flag is None or os.path.exists(flag)):
+            time.sleep(SLOW_PUSH_S)
+            print(
+                f"kvwire fault slow_pushes: posting chunk {job.chunk_id} of room {job.room.room}",
+                file=sys.stderr,
+                flush=True,
+            )
+        original(self, tail, key, job, *args, **kwargs)
+
+    Pipeline._post_segments = slow  # type: ignore[method-assign]
+
+
 FAULTS = {
+    "slow_pushes": _slow_pushes,
     "flip_after_sum": _flip_after_sum,
     "head_slice_offset": _head_slice_offset,
     "lossy_staging": _lossy_staging,

@@ -32,6 +32,13 @@ Prefill always sends the whole prompt's pages (``pop_decode_prefix_len`` returns
 skips the pages decode keeps cached itself, from ``decode_prefix_len``. Bad indices or state
 payloads fail the request on both sides (``poll()`` -> ``KVPoll.Failed``, ``failure_exception()``
 re-raises the error naming the problem) instead of raising into SGLang's scheduler loop.
+
+Partial failures: SGLang's decode has no hook to keep part of a failed load and recompute the
+rest (a ``KVPoll.Failed`` request is aborted with ``failure_exception()``'s message; its
+``submit_prefill_recompute`` re-runs a whole prefill). :meth:`KvwireKVReceiver.failure_report`
+returns kvwire's :class:`~kvwire.session.FailureReport` (pages landed and verified, pages
+missing, cause), and ``failure_exception()`` appends its summary to the error, so the abort
+message says what was lost and why.
 """
 
 from __future__ import annotations
@@ -56,7 +63,7 @@ from kvwire.config import KVWireConfig
 from kvwire.control.bootstrap_server import BootstrapServer
 from kvwire.errors import ConfigError, KVWireError
 from kvwire.layout import MemKind
-from kvwire.session import KVManager, KVPoll, KVReceiver, KVSender, Role
+from kvwire.session import FailureReport, KVManager, KVPoll, KVReceiver, KVSender, Role
 from kvwire_sglang.layout import build_layout, current_facts
 
 logger = logging.getLogger(__name__)
@@ -393,6 +400,23 @@ class KvwireKVReceiver(_Handle, BaseKVReceiver):  # type: ignore[misc]
             state_indices=self.kv_mgr.state_map(state_indices),
             cached_tokens=None if decode_prefix_len is None else int(decode_prefix_len),
         )
+
+    def failure_report(self) -> FailureReport | None:
+        """Scheduler thread, after ``KVPoll.Failed``: which of this rank's pages landed whole
+        (and verified, with checksums) and which are missing, and why (None unless kvwire
+        failed the request; see :mod:`kvwire.session.report`)."""
+        return self.rx.failure_report()
+
+    def failure_exception(self) -> None:
+        """Scheduler thread, after ``KVPoll.Failed``: raises why, with kvwire's failure
+        report (pages kept and missing, cause) appended to the message."""
+        try:
+            super().failure_exception()
+        except KVWireError as exc:
+            report = self.rx.failure_report()
+            if report is None:
+                raise
+            raise type(exc)(f"{exc} [kvwire failure report: {report.summary()}]") from exc
 
     def ensure_abort_notified(self, force_arm: bool = False) -> None:
         """SGLang's deferred release: kvwire already asks prefill for quiescence."""

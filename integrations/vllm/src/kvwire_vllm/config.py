@@ -77,6 +77,14 @@ class ConnectorOptions(BaseModel):
         description="Host the router passes to decode in kv_transfer_params (default: "
         "control.bootstrap_host). Set it when the service binds 0.0.0.0.",
     )
+    push_chunk_blocks: int | None = Field(
+        default=None,
+        ge=1,
+        description="Prefill: push a request's blocks in chunks of this many blocks, each "
+        "landing and noted on its own, so a push that breaks part-way (prefill died, a chunk "
+        "failed its checksum) keeps the chunks that landed and decode recomputes only the rest "
+        "(with vLLM's kv_load_failure_policy='recompute'). Unset: one chunk per request.",
+    )
     kv_pool: Literal["heads", "blocks"] = Field(
         default="heads",
         description="How workers describe the KV cache to kvwire: 'heads' (layer-major "

@@ -98,6 +98,7 @@ class KVWireConnector(KVConnectorBase_V1, SupportsHMA):
                 int(kv_cache_config.num_blocks),
                 head_facts(vllm_config, kv_cache_config, self._opts, rank.tp_size),
                 room_prefix=prefix,
+                recompute=getattr(ktc, "kv_load_failure_policy", "fail") == "recompute",
             )
 
     # ------------------------------------------------------------------ halves
@@ -151,7 +152,8 @@ class KVWireConnector(KVConnectorBase_V1, SupportsHMA):
         return r.finished_sending or None, r.finished_recving or None
 
     def get_block_ids_with_load_errors(self) -> set[int]:
-        """Worker, every step after the transfer results: blocks of failed receives."""
+        """Worker, every step after the transfer results: blocks of failed receives (with
+        ``kv_load_failure_policy="recompute"``, only those that did not land whole)."""
         return self.worker_half.take_load_errors()
 
     def shutdown(self) -> None:

@@ -13,8 +13,15 @@ Each worker owns one kvwire :class:`~kvwire.session.KVManager` over its own KV p
 
 Failure rules: a failed or aborted receive is reported only once ``writes_quiesced()`` (no
 prefill write for it may still land), so vLLM never hands out blocks a late write could
-corrupt; its blocks are also reported by :meth:`get_block_ids_with_load_errors` in the same
-step. A failed send is reported as finished so prefill frees its blocks. A load the
+corrupt. With vLLM's ``kv_load_failure_policy="fail"`` (the default) a failed receive is
+reported in ``failed_recving`` and all its blocks by :meth:`get_block_ids_with_load_errors` in
+the same step. With ``"recompute"`` it is reported as finished, and only the blocks its kvwire
+:class:`~kvwire.session.FailureReport` calls missing are load errors: vLLM 0.32 truncates the
+request's computed tokens at its first invalid block, keeps (and caches) the blocks before it
+and recomputes from there (``Scheduler._update_requests_with_invalid_blocks``). A request
+reported in ``failed_recving`` would be recomputed whole (vLLM sets its computed tokens to 0).
+
+A failed send is reported as finished so prefill frees its blocks. A load the
 scheduler refused (:class:`~kvwire_vllm.metadata.FailSpec`) and a request that cannot be
 opened here (no free aux row, a bad room) fail alone, at the next report: nothing a request
 carries raises out of this module into vLLM's model runner.
@@ -78,8 +85,11 @@ class WorkerHalf:
         num_blocks: int,
         heads: HeadFacts | None = None,
         room_prefix: int = 0,
+        recompute: bool = False,
     ) -> None:
         self.opts = opts
+        #: vLLM's kv_load_failure_policy is "recompute": failed loads report missing blocks only.
+        self.recompute = recompute
         #: Prefill: the rooms of this instance (decode asking for any other is refused).
         self.room_prefix = room_prefix
         self.heads = heads
@@ -99,6 +109,9 @@ class WorkerHalf:
         self._sent_now: set[str] = set()
         #: Why requests failed here (request id -> message), newest last; bounded.
         self.errors: dict[str, str] = {}
+        #: Failed loads recovered by recompute (request id -> (loaded blocks kept, blocks
+        #: recomputed)), newest last; bounded.
+        self.recovered: dict[str, tuple[int, int]] = {}
 
     # ---------------------------------------------------------------- startup
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
@@ -227,9 +240,12 @@ class WorkerHalf:
             elif status >= KVPoll.WaitingForInput:
                 job.started = True
                 pages = np.asarray(job.spec.block_ids, dtype=np.int64)
+                step = self.opts.push_chunk_blocks or max(len(pages), 1)
                 try:
                     job.tx.init(len(pages), job.aux)
-                    job.tx.send(pages, last=True)
+                    for start in range(0, max(len(pages), 1), step):
+                        last = start + step >= len(pages)
+                        job.tx.send(pages[start : start + step], last=last)
                 except Exception as exc:  # bad block ids: the room failed on both sides
                     self._note_error(rid, exc)
 
@@ -274,9 +290,35 @@ class WorkerHalf:
                 continue
             out.finished_recving.add(rid)
             if status is KVPoll.Failed and not rjob.aborted:
-                out.failed_recving.add(rid)
-                self._load_errors.update(rjob.spec.block_ids)
+                self._load_failed(rid, rjob, out)
         return out
+
+    def _load_failed(self, rid: str, rjob: _Recv, out: TransferReport) -> None:
+        """A receive failed (not aborted) and no write can still land: report its load
+        errors. Recompute policy: only the blocks its failure report calls missing, the
+        request itself as finished (vLLM keeps the blocks before the first missing one);
+        otherwise (or without a usable report) the request as failed with all its blocks."""
+        report = rjob.rx.failure_report() if self.recompute else None
+        if report is None or not report.groups_landed:
+            out.failed_recving.add(rid)
+            self._load_errors.update(rjob.spec.block_ids)
+            return
+        missing = report.missing_slots.tolist()
+        self._load_errors.update(missing)
+        kept = report.good_prefix_pages
+        logger.warning(
+            "kvwire-vllm: request %s: KV partly lost (%s): %d of %d blocks landed; vLLM keeps "
+            "the first %d (%d tokens with the cached prefix) and recomputes from there",
+            rid,
+            report.cause,
+            int(report.good_pages.size),
+            int(report.slots.size),
+            kept,
+            report.good_prefix_tokens,
+        )
+        self.recovered[rid] = (kept, len(rjob.spec.block_ids) - kept)
+        while len(self.recovered) > 1024:
+            self.recovered.pop(next(iter(self.recovered)))
 
     def _note_failure(self, rid: str, handle: KVSender | KVReceiver) -> None:
         try:
