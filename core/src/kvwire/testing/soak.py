@@ -18,18 +18,19 @@ through batches of random requests (:meth:`Cluster.plans`: random sizes, chunkin
 * ``freeze``: a decode rank is stopped (SIGSTOP) for longer than the liveness bound, then
   resumed (SIGCONT): a silent peer, a partition without root.
 * ``partition``: with ``netns`` (root): the decode namespace is cut off from the bridge for
-  ``partition_s`` (:meth:`NetnsBed.partition <kvwire.testing.netns.NetnsBed.partition>`).
+  ``silence_s`` (:meth:`NetnsBed.partition <kvwire.testing.netns.NetnsBed.partition>`).
 
 Besides, every prefill rank runs fault ``aux_submit_fails`` (its backend refuses the aux
 write of the rooms from :data:`~kvwire.testing.faults.AUX_FAIL_ROOMS` on): a
 ``victim_fraction`` of the requests use such a room and must fail naming the refusal.
 
-The ledger (:class:`SoakReport`) counts every request as ``ok``, ``expected`` (failed in a
-fault's batch and on an instance it touched, every failed rank naming a cause that fault
-explains, or a refused room), ``unexpected`` or ``corrupt`` (a rank reported wrong elements
-or aux rows). Each rank's fds (``/proc/<pid>/fd``), threads and RSS are sampled after every
-batch; :meth:`SoakReport.growth` compares each process's first sample after the warm-up
-with its last.
+The ledger (:class:`~kvwire.testing.soak_ledger.SoakReport`) counts every request as
+``ok``, ``expected`` (failed in a fault's batch on an instance it hit, or started within
+``recovery_s`` after it ended, every failed rank naming a cause that fault explains; or a
+refused room, naming the refusal), ``unexpected`` or ``corrupt`` (a rank reported wrong
+elements or aux rows). Each rank's fds (``/proc/<pid>/fd``), threads and RSS are sampled
+after every batch; ``SoakReport.growth`` compares each process's first sample after the
+warm-up (a restarted one: after its first batch) with its last.
 
 Run: ``python -m kvwire.testing.soak --requests 10000 --json soak.json``.
 """
@@ -46,9 +47,7 @@ import signal
 import sys
 import threading
 import time
-from collections import Counter
 from collections.abc import Callable, Iterator
-from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -64,23 +63,15 @@ from kvwire.testing.cluster import (
     RoomPlan,
 )
 from kvwire.testing.faults import AUX_FAIL_ROOMS
+from kvwire.testing.soak_ledger import (
+    FAULT_KINDS,
+    FaultEvent,
+    SoakReport,
+    classify,
+    sample_all,
+)
 
 logger = logging.getLogger(__name__)
-
-FAULT_KINDS = ("kill_decode", "kill_prefill", "flip", "freeze", "partition")
-#: Words a failed rank's error must contain for a request in a fault's batch to count as
-#: failed by that fault (besides the old incarnation's agent name for kills and freezes).
-CAUSES: dict[str, tuple[str, ...]] = {
-    # a decode rank that died (or went silent) before asking for a request's KV: prefill
-    # waits for it until its bootstrap timeout
-    "kill_decode": ("lost", "restarted", "evicted", "closed", "disconnect", "bootstrap timeout"),
-    "kill_prefill": ("lost", "restarted", "evicted", "closed", "disconnect"),
-    "flip": ("checksum mismatch",),
-    "freeze": ("lost", "evicted", "restarted", "no heartbeat", "bootstrap timeout"),
-    "partition": ("lost", "evicted", "restarted", "no heartbeat", "bootstrap timeout"),
-}
-#: A refused room's error names the refusal.
-REFUSED = "refused"
 
 
 class SoakSpec(BaseModel):
@@ -128,178 +119,6 @@ class SoakSpec(BaseModel):
             raise ValueError("partition needs netns (network namespaces, root)")
 
 
-@dataclass
-class FaultEvent:
-    """One injected fault: what, where, when, and the requests it failed."""
-
-    kind: str
-    batch: int
-    role: str
-    inst: int
-    tp: int = 0
-    #: Agent names of the incarnation the fault hit (a kill's dead rank).
-    agents: tuple[str, ...] = ()
-    #: ``time.perf_counter()`` (the clock of :attr:`RequestResult.t_start`): when the fault
-    #: hit, and when it ended (the rank restarted and ready, resumed, the link healed).
-    t_start: float = 0.0
-    t_end: float = 0.0
-    #: Requests of its batch it failed, and requests started after it ended (within the
-    #: recovery window) that it failed.
-    failed: int = 0
-    failed_after: int = 0
-
-    def touches(self, plan: RoomPlan) -> bool:
-        """Whether ``plan`` ran on the instance this fault hit (a partition: every one)."""
-        if self.kind == "partition":
-            return True
-        inst = plan.prefill_instance if self.role == "prefill" else plan.decode_instance
-        return inst == self.inst
-
-    def explains(self, error: str) -> bool:
-        return any(a and a in error for a in self.agents) or any(
-            w in error.lower() for w in CAUSES[self.kind]
-        )
-
-
-@dataclass
-class Sample:
-    """One process's resources at one moment."""
-
-    name: str
-    pid: int
-    batch: int
-    fds: int
-    threads: int
-    rss_kib: int
-
-
-@dataclass
-class Entry:
-    """One request in the ledger."""
-
-    room: int
-    batch: int
-    prefill: int
-    decode: int
-    pages: int
-    outcome: str  # ok | expected | unexpected | corrupt
-    errors: list[str] = field(default_factory=list)
-
-
-@dataclass
-class SoakReport:
-    """The ledger, the faults and the resource samples of a soak."""
-
-    spec: dict[str, Any]
-    entries: list[Entry] = field(default_factory=list)
-    faults: list[FaultEvent] = field(default_factory=list)
-    samples: list[Sample] = field(default_factory=list)
-    warmup_batches: int = 1
-    elapsed_s: float = 0.0
-    leftover_tables: dict[str, dict[str, int]] = field(default_factory=dict)
-
-    @property
-    def counts(self) -> Counter[str]:
-        return Counter(e.outcome for e in self.entries)
-
-    def unexpected(self) -> list[Entry]:
-        return [e for e in self.entries if e.outcome in ("unexpected", "corrupt")]
-
-    def growth(self) -> dict[str, dict[str, int]]:
-        """Per process (name:pid) alive for at least 3 samples after the warm-up: growth of
-        fds, threads and RSS (KiB) from its first sample after the warm-up to its last."""
-        by: dict[str, list[Sample]] = {}
-        for s in self.samples:
-            by.setdefault(f"{s.name}:{s.pid}", []).append(s)
-        out = {}
-        for key, ss in by.items():
-            if ss[0].batch > 0:  # started by a restart: its first sample was taken before it
-                ss = ss[1:]  # served anything
-            ss = [s for s in ss if s.batch >= self.warmup_batches]
-            if len(ss) >= 3:
-                a, b = ss[0], ss[-1]
-                out[key] = {
-                    "fds": b.fds - a.fds,
-                    "threads": b.threads - a.threads,
-                    "rss_kib": b.rss_kib - a.rss_kib,
-                    "rss_start_kib": a.rss_kib,
-                    "batches": b.batch - a.batch,
-                }
-        return out
-
-    def not_flat(
-        self, fds: int = 4, threads: int = 2, rss_mib: float = 48.0, rss_frac: float = 0.25
-    ) -> dict[str, dict[str, int]]:
-        """Processes whose fds, threads or RSS grew past the bounds (RSS: ``rss_mib`` or
-        ``rss_frac`` of its first sample, whichever is larger)."""
-        bad = {}
-        for key, g in self.growth().items():
-            rss_bound = max(rss_mib * 1024, rss_frac * g["rss_start_kib"])
-            if g["fds"] > fds or g["threads"] > threads or g["rss_kib"] > rss_bound:
-                bad[key] = g
-        return bad
-
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "spec": self.spec,
-            "counts": dict(self.counts),
-            "elapsed_s": round(self.elapsed_s, 1),
-            "faults": [asdict(f) for f in self.faults],
-            "unexpected": [asdict(e) for e in self.unexpected()][:50],
-            "growth": self.growth(),
-            "not_flat": self.not_flat(),
-            "leftover_tables": self.leftover_tables,
-            "samples": [asdict(s) for s in self.samples],
-        }
-
-    def summary(self) -> str:
-        c = self.counts
-        lines = [
-            f"{len(self.entries)} requests in {self.elapsed_s:.0f}s: ok {c['ok']}, failed as "
-            f"expected {c['expected']}, unexpected {c['unexpected']}, corrupt {c['corrupt']}",
-        ]
-        for kind in FAULT_KINDS:
-            fs = [f for f in self.faults if f.kind == kind]
-            if fs:
-                lines.append(
-                    f"  {kind} x{len(fs)}: {sum(f.failed for f in fs)} requests failed in its "
-                    f"batches, {sum(f.failed_after for f in fs)} after it ended"
-                )
-        for e in self.unexpected()[:5]:
-            lines.append(f"  UNEXPECTED {e}")
-        g = self.growth()
-        if g:
-            worst = {k: max(v[k] for v in g.values()) for k in ("fds", "threads", "rss_kib")}
-            lines.append(f"  max growth after warm-up over {len(g)} processes: {worst}")
-        lines.append(f"  not flat: {self.not_flat() or 'none'}")
-        if self.leftover_tables:
-            lines.append(f"  per-request state left: {self.leftover_tables}")
-        return "\n".join(lines)
-
-
-# ------------------------------------------------------------------------ resources
-def sample_proc(name: str, pid: int, batch: int) -> Sample | None:
-    """fds, threads and RSS of a live process from /proc (None if it is gone)."""
-    try:
-        fds = len(os.listdir(f"/proc/{pid}/fd"))
-        status = open(f"/proc/{pid}/status").read()  # noqa: SIM115 - one read
-    except (FileNotFoundError, ProcessLookupError, PermissionError):
-        return None
-    vals = {}
-    for line in status.splitlines():
-        key, _, value = line.partition(":")
-        if value.split():
-            vals[key] = value.split()[0]
-    return Sample(name, pid, batch, fds, int(vals.get("Threads", 0)), int(vals.get("VmRSS", 0)))
-
-
-def sample_all(c: Cluster, batch: int) -> list[Sample]:
-    """A sample of every live rank and of this (the driving) process."""
-    out = [sample_proc(p.name, p.proc.pid, batch) for p in c.procs if p.proc.is_alive()]
-    out.append(sample_proc("driver", os.getpid(), batch))
-    return [s for s in out if s is not None]
-
-
 # ------------------------------------------------------------------------ faults
 @contextlib.contextmanager
 def _fault_env(extra: str | None) -> Iterator[None]:
@@ -327,7 +146,9 @@ class _Injector:
         #: Requests on the target instance not yet asked for by decode nor finished: the fault
         #: fires once there are none (a decode rank that dies before asking for a request
         #: leaves prefill waiting for it until its bootstrap timeout).
-        self.pending = {p.room for p in plans if ev.touches(p)}
+        self.pending = {
+            (p.room, tp) for p in plans if ev.touches(p) for tp in range(spec.prefill_tp)
+        }
         self._timer: threading.Timer | None = None
 
     def _target(self) -> RankProc:
@@ -342,9 +163,11 @@ class _Injector:
                 self.c.restart("prefill", ev.inst, ev.tp)
             self.fired = True
 
-    def seen(self, room: int) -> None:
-        """A request was asked for (a chunk sent) or finished: fire once all were."""
-        self.pending.discard(room)
+    def seen(self, room: int, tp: int | None = None) -> None:
+        """Prefill rank ``tp`` was asked for a request (it sent a chunk), or the request
+        finished (``tp`` None): fire once every rank was asked for every request."""
+        for t in range(self.spec.prefill_tp) if tp is None else (tp,):
+            self.pending.discard((room, t))
         if not self.pending and not self.fired:
             self.fire()
 
@@ -361,7 +184,9 @@ class _Injector:
             assert target is not None
             pid = target.proc.pid
             os.kill(pid, signal.SIGSTOP)
-            self._timer = threading.Timer(self.spec.silence_s, self._end, (os.kill, pid, signal.SIGCONT))
+            self._timer = threading.Timer(
+                self.spec.silence_s, self._end, (os.kill, pid, signal.SIGCONT)
+            )
             self._timer.start()
         elif ev.kind == "partition":
             self.bed.partition("decode")
@@ -401,59 +226,13 @@ def fault_schedule(spec: SoakSpec, batches: int) -> dict[int, FaultEvent]:
     return out
 
 
-# ------------------------------------------------------------------------ ledger
-def classify(
-    res: RequestResult, ranks: int, batch: int, ev: FaultEvent | None, recent: list[FaultEvent]
-) -> Entry:
-    """One request's ledger entry. ``ranks``: how many ranks took part; ``ev``: the fault of
-    its batch; ``recent``: faults whose recovery window it started in."""
-    plan = res.plan
-    errors = [r.error or "" for r in res.reports if r.status != 4]
-    entry = Entry(
-        plan.room, batch, plan.prefill_instance, plan.decode_instance, plan.num_pages, "ok"
-    )
-    entry.errors = errors
-    if any(r.mismatches or (r.status == 4 and not r.aux_ok) for r in res.reports):
-        entry.outcome = "corrupt"
-        return entry
-    complete = len(res.reports) == ranks
-    if complete and not errors:
-        if _refused(plan):  # the refusal did not happen: the fault is not live
-            entry.outcome = "unexpected"
-            entry.errors = ["a refused room succeeded"]
-        return entry
-    if ev is not None and ev.touches(plan):
-        # every rank that failed names a cause the fault explains (a rank that did not report
-        # is the one killed), or the room was refused anyway
-        if all(ev.explains(e) or (_refused(plan) and REFUSED in e) for e in errors):
-            entry.outcome = "expected"
-            ev.failed += 1
-            return entry
-    if _refused(plan) and complete and errors and all(REFUSED in e for e in errors):
-        entry.outcome = "expected"
-        return entry
-    for old in recent:
-        if old.touches(plan) and all(old.explains(e) for e in errors):
-            entry.outcome = "expected"
-            old.failed_after += 1
-            return entry
-    entry.outcome = "unexpected"
-    return entry
-
-
-def _refused(plan: RoomPlan) -> bool:
-    return 0 <= plan.room - AUX_FAIL_ROOMS < 1 << 16
-
-
 # ------------------------------------------------------------------------ driver
 def soak_cluster_spec(spec: SoakSpec, bed: Any = None) -> ClusterSpec:
     """The cluster a soak runs: default control settings with ``kv_checksum`` on, default
     agent names; in namespaces, each role's address and the prefill bootstrap host."""
     model = ModelSpec(num_layers=2, total_kv_heads=4, head_dim=16, dtype="int32", page_size=4)
     shape: dict[str, Any] = {}
-    config = KVWireConfig(
-        transfer_backend=spec.backend, control=ControlOptions(kv_checksum=True)
-    )
+    config = KVWireConfig(transfer_backend=spec.backend, control=ControlOptions(kv_checksum=True))
     if bed is not None:
         role_config = {
             role: KVWireConfig(
@@ -480,6 +259,28 @@ def soak_cluster_spec(spec: SoakSpec, bed: Any = None) -> ClusterSpec:
         seed=spec.seed,
         **shape,
     )
+
+
+def _fault_batch(
+    c: Cluster, plans: list[RoomPlan], ev: FaultEvent, spec: SoakSpec, bed: Any
+) -> list[RequestResult]:
+    """Run one batch with fault ``ev``. Every request is started before the fault fires
+    (none is started on a dead rank: its peers would wait for it until their timeouts);
+    requests on the target stall 1 s before their last chunk, so some are in flight."""
+    if ev.kind != "flip":
+        plans = [p.model_copy(update={"stall_s": 1.0}) if ev.touches(p) else p for p in plans]
+    inj = _Injector(c, ev, spec, bed, plans)
+    inj.before()
+    results = c.run(
+        plans,
+        concurrency=len(plans),
+        timeout_s=spec.batch_timeout_s,
+        ignore_dead=True,
+        on_sent=lambda p, room, _chunk: inj.seen(room, p.tp),
+        on_result=lambda res: inj.seen(res.plan.room),
+    )
+    inj.after()
+    return results
 
 
 def run_soak(
@@ -509,37 +310,21 @@ def run_soak(
         done = 0
         for b in range(batches):
             n = min(spec.batch, spec.requests - done)
-            plans = c.plans(n, pages=spec.pages, max_chunks=spec.max_chunks, seed=rng.getrandbits(32))
+            plans = c.plans(
+                n, pages=spec.pages, max_chunks=spec.max_chunks, seed=rng.getrandbits(32)
+            )
             for i, plan in enumerate(plans):
                 if rng.random() < spec.victim_fraction:
                     plans[i] = plan.model_copy(update={"room": AUX_FAIL_ROOMS + victims})
                     victims += 1
-            by_room = {p.room: p for p in plans}
             ranks = {p.room: len(c.ranks_of(p)) for p in plans}
             ev = schedule.get(b)
-            if ev is not None and ev.kind != "flip":
-                # requests on the target stall before their last chunk: in flight at the fault
-                plans = [
-                    p.model_copy(update={"stall_s": 1.0}) if ev.touches(p) else p for p in plans
-                ]
-                by_room = {p.room: p for p in plans}
-            inj = _Injector(c, ev, spec, bed, plans) if ev else None
-            if inj is not None:
-                assert ev is not None
-                report.faults.append(ev)
-                inj.before()
-                # every request is started before the fault fires: none is started on a
-                # dead rank (its peers would wait for it until their timeouts)
-                conc = len(plans)
-
-                results = c.run(
-                    plans, concurrency=conc, timeout_s=spec.batch_timeout_s, ignore_dead=True,
-                    on_sent=lambda _p, room, _chunk: inj.seen(room),  # type: ignore[union-attr]
-                    on_result=lambda res: inj.seen(res.plan.room),  # type: ignore[union-attr]
-                )  # fmt: skip
-                inj.after()
-            else:
+            t_batch = time.monotonic()
+            if ev is None:
                 results = c.run(plans, concurrency=spec.concurrency, timeout_s=spec.batch_timeout_s)
+            else:
+                report.faults.append(ev)
+                results = _fault_batch(c, plans, ev, spec, bed)
             for res in results:
                 recent = [
                     f for f in report.faults
@@ -547,6 +332,7 @@ def run_soak(
                 ]  # fmt: skip
                 report.entries.append(classify(res, ranks[res.plan.room], b, ev, recent))
             done += n
+            report.batch_s.append(round(time.monotonic() - t_batch, 2))
             report.samples.extend(sample_all(c, b))
             if on_batch is not None:
                 on_batch(done, spec.requests)
