@@ -403,7 +403,14 @@ def main(argv: list[str] | None = None) -> int:
     console = Console(stderr=True)
     with progress_bar(console) as bar:
         task = bar.add_task("soak", total=spec.requests)
-        report = run_soak(spec, on_batch=lambda d, _t: bar.update(task, completed=d))
+        t0 = time.monotonic()
+
+        def on_batch(done: int, total: int) -> None:
+            bar.update(task, completed=done)
+            if not console.is_terminal and done % 1000 < spec.batch:  # a log, not a bar
+                print(f"{done}/{total} requests, {time.monotonic() - t0:.0f}s", file=sys.stderr)
+
+        report = run_soak(spec, on_batch=on_batch)
     print(report.summary())
     if args.json:
         with open(args.json, "w") as f:
