@@ -351,13 +351,30 @@ class ClusterError(RuntimeError):
     """A rank process died or the workload did not finish in time."""
 
 
+#: Modules the fork server of CPU rank processes imports once (:func:`rank_context`).
+RANK_PRELOAD = ("kvwire.testing.cluster_rank", "kvwire.session")
+
+
+def rank_context(spec: ClusterSpec) -> Any:
+    """The multiprocessing context rank processes start from: on the CPU a fork server that
+    imported :data:`RANK_PRELOAD` once (a fresh interpreter per rank spent seconds importing
+    them on a loaded 2-core host, most of a small test's time), so each rank is a fork of it;
+    ``spawn`` for GPU ranks (a fork must not inherit any CUDA state). Either way a rank starts
+    from a clean interpreter state, never from a fork of the test process."""
+    if spec.device != "cpu":
+        return mp.get_context("spawn")
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(list(RANK_PRELOAD))
+    return ctx
+
+
 class Cluster:
     """Spawned prefill and decode ranks (on loopback, or in the network namespaces
     :attr:`ClusterSpec.netns` names). Use as a context manager."""
 
     def __init__(self, spec: ClusterSpec, start_timeout_s: float = 120.0) -> None:
         self.spec = spec
-        self._ctx = mp.get_context("spawn")
+        self._ctx = rank_context(spec)
         self.procs: list[RankProc] = []
         #: Reports that :meth:`run` read for requests it did not start, by (rank, room).
         self.stragglers: dict[tuple[str, int], RankReport] = {}
@@ -424,6 +441,9 @@ class Cluster:
         proc = self._ctx.Process(
             target=rank_main,
             args=(child, spec_json, role, tp, pp, inst, addr, self._secret, self.bootstrap_addrs),
+            # the rank runs with this process's environment as it is now (a fork server's
+            # children would inherit the server's, taken when it started)
+            kwargs={"env": dict(os.environ)},
             name=f"kvwire-{role}{inst}-pp{pp}-tp{tp}",
             daemon=True,
         )

@@ -110,7 +110,10 @@ class SoakReport:
 
     def growth(self) -> dict[str, dict[str, int]]:
         """Per process (name:pid) alive for at least 3 samples after the warm-up: growth of
-        fds, threads and RSS (KiB) from its first sample after the warm-up to its last."""
+        fds, threads and RSS (KiB) from the start of its life to its end, each end being the
+        median of a third of its samples (one sample each with 3 to 5). A transient after a
+        fault (a peer's sockets held until its failed rooms' writes are known to have ended)
+        is not growth; a leak moves the median."""
         by: dict[str, list[Sample]] = {}
         for s in self.samples:
             by.setdefault(f"{s.name}:{s.pid}", []).append(s)
@@ -119,15 +122,21 @@ class SoakReport:
             if ss[0].batch > 0:  # started by a restart: its first sample was taken before it
                 ss = ss[1:]  # served anything
             ss = [s for s in ss if s.batch >= self.warmup_batches]
-            if len(ss) >= 3:
-                a, b = ss[0], ss[-1]
-                out[key] = {
-                    "fds": b.fds - a.fds,
-                    "threads": b.threads - a.threads,
-                    "rss_kib": b.rss_kib - a.rss_kib,
-                    "rss_start_kib": a.rss_kib,
-                    "batches": b.batch - a.batch,
-                }
+            if len(ss) < 3:
+                continue
+            k = len(ss) // 3
+            head, tail = ss[:k], ss[-k:]
+
+            def med(xs: list[Sample], attr: str) -> int:
+                return sorted(int(getattr(x, attr)) for x in xs)[len(xs) // 2]
+
+            out[key] = {
+                "fds": med(tail, "fds") - med(head, "fds"),
+                "threads": med(tail, "threads") - med(head, "threads"),
+                "rss_kib": med(tail, "rss_kib") - med(head, "rss_kib"),
+                "rss_start_kib": med(head, "rss_kib"),
+                "batches": ss[-1].batch - ss[0].batch,
+            }
         return out
 
     def not_flat(
