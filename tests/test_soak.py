@@ -20,7 +20,17 @@ rooms throughout. The ledger must show:
 
 from __future__ import annotations
 
-from kvwire.testing.soak import SoakSpec, run_soak
+import os
+import signal
+import time
+
+import pytest
+
+from kvwire.session.poll import KVPoll
+from kvwire.testing.cluster import Cluster, RankProc
+from kvwire.testing.cluster_suite import assert_all_ok
+from kvwire.testing.netns_suite import collect_reports
+from kvwire.testing.soak import SoakSpec, run_soak, soak_cluster_spec
 from kvwire.testing.soak_ledger import FaultEvent
 
 
@@ -53,3 +63,48 @@ def test_soak_with_faults() -> None:
     assert not report.not_flat(fds=4, threads=2), report.summary()
     assert len(report.growth()) >= 6, report.growth()  # the ranks never restarted, at least
     assert not report.leftover_tables, report.summary()
+
+
+def _peers(p: RankProc, timeout_s: float = 30.0) -> int:
+    """How many peers one (live, running) rank tracks now."""
+    p.conn.send(("stats",))
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if p.conn.poll(0.05):
+            msg = p.conn.recv()
+            if msg[0] == "stats":
+                return int(msg[1]["peers"])
+    raise AssertionError(f"{p.name}: no stats within {timeout_s}s")
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="found by the soak (freeze): an eviction is one-sided. Prefill evicts a decode rank "
+    "that was silent past the liveness bound and stops beating to it; the resumed decode rank "
+    "still counts prefill as a peer, so its next requests go to a prefill that drops them "
+    "('transfer request ... from unknown session ... dropped'): they fail on decode once its "
+    "own liveness bound runs out ('prefill peer ... lost: no heartbeat'), and prefill's share "
+    "waits for its bootstrap timeout (30 s).",
+)
+def test_requests_right_after_a_frozen_decode_resumes() -> None:
+    """A decode rank frozen (SIGSTOP) until prefill has evicted it, then resumed: the next
+    requests between them succeed (decode learns it was evicted and handshakes again)."""
+    shape = SoakSpec(prefill_instances=1, decode_instances=1, prefill_tp=1, faults=())
+    with Cluster(soak_cluster_spec(shape)) as c:
+        assert_all_ok(c.run(c.plans(4), concurrency=4, timeout_s=60))
+        prefill, decode = c.rank("prefill"), c.rank("decode")
+        os.kill(decode.proc.pid, signal.SIGSTOP)
+        try:
+            deadline = time.monotonic() + 60
+            while _peers(prefill):  # evicted for silence (1 s x 3 misses by default)
+                assert time.monotonic() < deadline, "prefill never evicted the frozen decode"
+                time.sleep(0.2)
+        finally:
+            os.kill(decode.proc.pid, signal.SIGCONT)
+        plans = c.plans(4, seed=1)
+        for plan in plans:
+            for p in c.ranks_of(plan):
+                p.conn.send(("start", plan.model_dump()))
+        reports = collect_reports(c, {p.room for p in plans}, timeout_s=60, role="decode")
+        failed = [r for r in reports.values() if r.status != int(KVPoll.Success)]
+        assert not failed, failed
