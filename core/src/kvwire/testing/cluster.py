@@ -359,9 +359,12 @@ def rank_context(spec: ClusterSpec) -> Any:
     """The multiprocessing context rank processes start from: on the CPU a fork server that
     imported :data:`RANK_PRELOAD` once (a fresh interpreter per rank spent seconds importing
     them on a loaded 2-core host, most of a small test's time), so each rank is a fork of it;
-    ``spawn`` for GPU ranks (a fork must not inherit any CUDA state). Either way a rank starts
-    from a clean interpreter state, never from a fork of the test process."""
-    if spec.device != "cpu":
+    ``spawn`` for GPU ranks (a fork must not inherit any CUDA state) and for ranks in network
+    namespaces (their tests, with 0.2 s heartbeats, lost peers to starvation in 2 of 3 runs
+    at load 25-35 with forked ranks and in none of 3 with spawned ones; cause not
+    established). Either way a rank starts from a clean interpreter state, never from a fork
+    of the test process."""
+    if spec.device != "cpu" or spec.netns:
         return mp.get_context("spawn")
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(list(RANK_PRELOAD))
@@ -686,6 +689,15 @@ class Cluster:
             p.conn.send(("stats",))
             msg = self._expect(p, "stats", 30)
             out[p.proc.name] = {**msg[1], **{f"dropped_{k}": v for k, v in msg[2].items()}}
+        return out
+
+    def peer_agents(self) -> dict[str, list[str]]:
+        """Every live rank's peers now, by agent name."""
+        out = {}
+        for p in self.procs:
+            if p.proc.is_alive():
+                p.conn.send(("peer_agents",))
+                out[p.proc.name] = self._expect(p, "peer_agents", 30)[1]
         return out
 
     def host_paths(self) -> dict[str, dict[str, str]]:

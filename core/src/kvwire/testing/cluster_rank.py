@@ -509,6 +509,8 @@ def rank_main(
                 elif msg[0] == "stats":
                     stats = {"evictions": evictions(), "peers": len(mgr.peers)}
                     conn.send(("stats", stats, mgr.dropped))
+                elif msg[0] == "peer_agents":
+                    conn.send(("peer_agents", sorted(p.agent for p in mgr.peers.snapshot())))
                 elif msg[0] == "host_paths":
                     paths: dict[str, str] = getattr(mgr.host_staging, "paths", dict)()
                     conn.send(("host_paths", paths))

@@ -159,9 +159,24 @@ class _Injector:
         if ev.kind == "flip":  # the rank is restarted flipping bits: live for the whole batch
             ev.agents = (self._target().agent,)
             ev.t_start = time.perf_counter()
-            with _fault_env("flip_after_sum"):
-                self.c.restart("prefill", ev.inst, ev.tp)
+            self._replace("flip_after_sum")
             self.fired = True
+
+    def _replace(self, fault: str | None) -> None:
+        """SIGKILL the target rank (if alive), wait until no live rank counts it as a peer,
+        and start a new one (with ``fault``). Without the wait, a request started at once
+        could still be routed to the dead incarnation by a peer that has not noticed yet."""
+        ev, c = self.ev, self.c
+        old = self._target()
+        if old.proc.is_alive():
+            c.kill(ev.role, ev.inst, ev.tp)
+        deadline = time.monotonic() + 120
+        while any(old.agent in agents for agents in c.peer_agents().values()):
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"peers still count {old.agent} 120 s after its death")
+            time.sleep(0.05)
+        with _fault_env(fault):
+            c.restart(ev.role, ev.inst, ev.tp)
 
     def seen(self, room: int, tp: int | None = None) -> None:
         """Prefill rank ``tp`` was asked for a request (it sent a chunk), or the request
@@ -204,8 +219,7 @@ class _Injector:
         if self._timer is not None:
             self._timer.join()
         if ev.kind in ("kill_decode", "kill_prefill", "flip"):
-            with _fault_env(None):
-                self.c.restart(ev.role, ev.inst, ev.tp)
+            self._replace(None)
             ev.t_end = time.perf_counter()
 
 

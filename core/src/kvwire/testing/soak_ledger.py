@@ -25,6 +25,8 @@ CAUSES: dict[str, tuple[str, ...]] = {
     "freeze": ("lost", "evicted", "restarted", "no heartbeat", "bootstrap timeout"),
     "partition": ("lost", "evicted", "restarted", "no heartbeat", "bootstrap timeout"),
 }
+#: A prefill rank that decode never asked for a request's KV fails it with this.
+BOOTSTRAP_TIMEOUT = "bootstrap timeout"
 #: A refused room's error names the refusal.
 REFUSED = "refused"
 
@@ -56,9 +58,19 @@ class FaultEvent:
         inst = plan.prefill_instance if self.role == "prefill" else plan.decode_instance
         return inst == self.inst
 
-    def explains(self, error: str) -> bool:
-        return any(a and a in error for a in self.agents) or any(
+    def explains(self, error: str, others: list[str] | None = None) -> bool:
+        """Whether ``error`` names a cause of this fault; or, among the errors ``others`` of
+        the same request, is a prefill rank's bootstrap timeout while another error names the
+        cause (decode failed the request on a dead peer before asking this rank, which then
+        waits for its bootstrap timeout)."""
+        if any(a and a in error for a in self.agents) or any(
             w in error.lower() for w in CAUSES[self.kind]
+        ):
+            return True
+        return (
+            others is not None
+            and BOOTSTRAP_TIMEOUT in error
+            and any(self.explains(o) for o in others if o is not error)
         )
 
 
@@ -239,7 +251,7 @@ def classify(
     if (
         ev is not None
         and ev.touches(plan)
-        and all(ev.explains(e) or (_refused(plan) and REFUSED in e) for e in errors)
+        and all(ev.explains(e, errors) or (_refused(plan) and REFUSED in e) for e in errors)
     ):
         entry.outcome = "expected"
         ev.failed += 1
@@ -248,7 +260,7 @@ def classify(
         entry.outcome = "expected"
         return entry
     for old in recent:
-        if old.touches(plan) and all(old.explains(e) for e in errors):
+        if old.touches(plan) and all(old.explains(e, errors) for e in errors):
             entry.outcome = "expected"
             old.failed_after += 1
             return entry
