@@ -47,7 +47,8 @@ logger = logging.getLogger(__name__)
 
 #: int32 values per engine aux row (a stand-in for first token, logprobs, ...).
 AUX_WORDS = 16
-#: Environment variable naming a fault to inject in every rank (see :mod:`kvwire.testing.faults`).
+#: Environment variable naming faults to inject in every rank, comma-separated (see
+#: :mod:`kvwire.testing.faults`).
 FAULT_ENV = "KVWIRE_TESTING_FAULT"
 #: Longest a failed request's page slots stay unused while its writers have not confirmed that
 #: their writes ended (``KVReceiver.writes_quiesced``); a late write must not hit a new request.
