@@ -77,8 +77,11 @@ def _peers(p: RankProc, timeout_s: float = 30.0) -> int:
     raise AssertionError(f"{p.name}: no stats within {timeout_s}s")
 
 
+# Not strict: the failure needs decode to resume within ~2 s of prefill's eviction (prefill's
+# last heartbeats, queued while decode was stopped, then keep decode from evicting prefill at
+# once); a test process starved longer than that sees it pass (once in ~8 runs at load 18).
 @pytest.mark.xfail(
-    strict=True,
+    strict=False,
     reason="found by the soak (freeze): an eviction is one-sided. Prefill evicts a decode rank "
     "that was silent past the liveness bound and stops beating to it; the resumed decode rank "
     "still counts prefill as a peer, so its next requests go to a prefill that drops them "
@@ -98,7 +101,7 @@ def test_requests_right_after_a_frozen_decode_resumes() -> None:
             deadline = time.monotonic() + 60
             while _peers(prefill):  # evicted for silence (1 s x 3 misses by default)
                 assert time.monotonic() < deadline, "prefill never evicted the frozen decode"
-                time.sleep(0.2)
+                time.sleep(0.02)
         finally:
             os.kill(decode.proc.pid, signal.SIGCONT)
         plans = c.plans(4, seed=1)
