@@ -47,7 +47,8 @@ logger = logging.getLogger(__name__)
 
 #: int32 values per engine aux row (a stand-in for first token, logprobs, ...).
 AUX_WORDS = 16
-#: Environment variable naming a fault to inject in every rank (see :mod:`kvwire.testing.faults`).
+#: Environment variable naming faults to inject in every rank, comma-separated (see
+#: :mod:`kvwire.testing.faults`).
 FAULT_ENV = "KVWIRE_TESTING_FAULT"
 #: Longest a failed request's page slots stay unused while its writers have not confirmed that
 #: their writes ended (``KVReceiver.writes_quiesced``); a late write must not hit a new request.
@@ -358,13 +359,33 @@ class ClusterError(RuntimeError):
     """A rank process died or the workload did not finish in time."""
 
 
+#: Modules the fork server of CPU rank processes imports once (:func:`rank_context`).
+RANK_PRELOAD = ("kvwire.testing.cluster_rank", "kvwire.session")
+
+
+def rank_context(spec: ClusterSpec) -> Any:
+    """The multiprocessing context rank processes start from: on the CPU a fork server that
+    imported :data:`RANK_PRELOAD` once (a fresh interpreter per rank spent seconds importing
+    them on a loaded 2-core host, most of a small test's time), so each rank is a fork of it;
+    ``spawn`` for GPU ranks (a fork must not inherit any CUDA state) and for ranks in network
+    namespaces (their tests, with 0.2 s heartbeats, lost peers to starvation in 2 of 3 runs
+    at load 25-35 with forked ranks and in none of 3 with spawned ones; cause not
+    established). Either way a rank starts from a clean interpreter state, never from a fork
+    of the test process."""
+    if spec.device != "cpu" or spec.netns:
+        return mp.get_context("spawn")
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(list(RANK_PRELOAD))
+    return ctx
+
+
 class Cluster:
     """Spawned prefill and decode ranks (on loopback, or in the network namespaces
     :attr:`ClusterSpec.netns` names). Use as a context manager."""
 
     def __init__(self, spec: ClusterSpec, start_timeout_s: float = 120.0) -> None:
         self.spec = spec
-        self._ctx = mp.get_context("spawn")
+        self._ctx = rank_context(spec)
         self.procs: list[RankProc] = []
         #: Reports that :meth:`run` read for requests it did not start, by (rank, room).
         self.stragglers: dict[tuple[str, int], RankReport] = {}
@@ -431,6 +452,9 @@ class Cluster:
         proc = self._ctx.Process(
             target=rank_main,
             args=(child, spec_json, role, tp, pp, inst, addr, self._secret, self.bootstrap_addrs),
+            # the rank runs with this process's environment as it is now (a fork server's
+            # children would inherit the server's, taken when it started)
+            kwargs={"env": dict(os.environ)},
             name=f"kvwire-{role}{inst}-pp{pp}-tp{tp}",
             daemon=True,
         )
@@ -673,6 +697,15 @@ class Cluster:
             p.conn.send(("stats",))
             msg = self._expect(p, "stats", 30)
             out[p.proc.name] = {**msg[1], **{f"dropped_{k}": v for k, v in msg[2].items()}}
+        return out
+
+    def peer_agents(self) -> dict[str, list[str]]:
+        """Every live rank's peers now, by agent name."""
+        out = {}
+        for p in self.procs:
+            if p.proc.is_alive():
+                p.conn.send(("peer_agents",))
+                out[p.proc.name] = self._expect(p, "peer_agents", 30)[1]
         return out
 
     def host_paths(self) -> dict[str, dict[str, str]]:

@@ -231,11 +231,15 @@ def rank_main(
     addr: str,
     secret: str,
     bootstrap_addrs: list[str] | None = None,
+    env: dict[str, str] | None = None,
 ) -> None:
     """Entry point of a rank process (spawned). ``secret`` travels apart from the spec (a
     config serialised to JSON masks it). ``addr``: the bootstrap service a prefill rank
     registers with ("" for the rank that runs it); ``bootstrap_addrs``: every prefill
     instance's, for decode receivers (default ``[addr]``)."""
+    if env is not None:  # first: the parent's environment as it was when it started us
+        os.environ.clear()
+        os.environ.update(env)
     from kvwire.session import KVManager, KVPoll, Role
 
     spec = ClusterSpec.model_validate_json(spec_json)
@@ -521,6 +525,8 @@ def rank_main(
                 elif msg[0] == "stats":
                     stats = {"evictions": evictions(), "peers": len(mgr.peers)}
                     conn.send(("stats", stats, mgr.dropped))
+                elif msg[0] == "peer_agents":
+                    conn.send(("peer_agents", sorted(p.agent for p in mgr.peers.snapshot())))
                 elif msg[0] == "host_paths":
                     paths: dict[str, str] = getattr(mgr.host_staging, "paths", dict)()
                     conn.send(("host_paths", paths))

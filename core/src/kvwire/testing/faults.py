@@ -160,11 +160,12 @@ FAULTS = {
 
 
 def apply(name: str, role: str) -> None:
-    """Install fault ``name`` in this process (a rank of ``role``)."""
-    try:
-        FAULTS[name](role)
-    except KeyError:
-        raise ValueError(f"unknown fault {name!r}; known: {sorted(FAULTS)}") from None
+    """Install fault ``name`` in this process (a rank of ``role``); several faults are
+    separated by commas (``aux_submit_fails,flip_after_sum``)."""
+    for one in filter(None, name.split(",")):
+        if one not in FAULTS:
+            raise ValueError(f"unknown fault {one!r}; known: {sorted(FAULTS)}")
+        FAULTS[one](role)
 
 
 # ------------------------------------------------------------------ control-endpoint garbage

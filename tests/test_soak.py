@@ -1,0 +1,113 @@
+"""A bounded soak with faults (issue 26 item 4; the long run: docs/integrity.md).
+
+Two prefill instances (TP 2) and two decode instances (TP 1), default control settings with
+``kv_checksum`` on and kvwire's default agent names, 240 random requests with every element
+verified, in batches; every other batch carries a fault, in turn: SIGKILL of a decode rank
+and of a prefill rank mid-transfer (each restarted after its batch), a prefill rank
+restarted flipping one bit per chunk after the checksum is taken, and a decode rank frozen
+(SIGSTOP) past the liveness bound. Prefill's backend refuses the aux write of a share of the
+rooms throughout. The ledger must show:
+
+* 0 unexpected failures and 0 corrupt requests (a failure counts as expected only in a
+  fault's batch, on an instance it hit, with every failing rank naming a cause the fault
+  explains; or within the recovery window after it; or for a refused room, naming the
+  refusal);
+* every fault hit requests (it was live), the flipped bit caught by the checksum, refused
+  rooms refused, requests succeeding before and after every fault;
+* fds and threads of every rank flat after the warm-up batch (RSS within bounds), and no
+  per-request state left behind.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+
+from kvwire.session.poll import KVPoll
+from kvwire.testing.cluster import Cluster, RankProc
+from kvwire.testing.cluster_suite import assert_all_ok
+from kvwire.testing.netns_suite import collect_reports
+from kvwire.testing.soak import SoakSpec, run_soak, soak_cluster_spec
+from kvwire.testing.soak_ledger import FaultEvent
+
+
+def test_soak_with_faults() -> None:
+    spec = SoakSpec(
+        requests=240,
+        batch=24,
+        fault_every=2,
+        faults=("kill_decode", "kill_prefill", "flip", "freeze"),
+        victim_fraction=0.05,
+        seed=26,
+    )
+    report = run_soak(spec, stop_on_unexpected=True)
+    counts = report.counts
+    assert not report.unexpected(), report.summary()
+    assert counts["corrupt"] == 0 and len(report.entries) == spec.requests, report.summary()
+    kinds = {f.kind: f for f in report.faults}
+    assert set(kinds) == set(spec.faults), report.summary()
+    hit: list[FaultEvent] = [f for f in report.faults if f.failed]
+    assert hit == report.faults, f"a fault failed no request: {report.summary()}"
+    # kills and the flipped bit do not outlive the restart
+    assert all(f.failed_after == 0 for f in report.faults if f.kind != "freeze"), report.summary()
+    errors = [e for entry in report.entries for e in entry.errors]
+    assert any("KV checksum mismatch" in e for e in errors), report.summary()
+    assert any("refused" in e for e in errors), report.summary()
+    assert counts["ok"] >= spec.requests // 2, report.summary()
+    # every batch after a fault's recovery served requests again
+    last = max(f.batch for f in report.faults)
+    assert any(e.outcome == "ok" and e.batch > last for e in report.entries), report.summary()
+    assert not report.not_flat(fds=4, threads=2), report.summary()
+    assert len(report.growth()) >= 6, report.growth()  # the ranks never restarted, at least
+    assert not report.leftover_tables, report.summary()
+
+
+def _peers(p: RankProc, timeout_s: float = 30.0) -> int:
+    """How many peers one (live, running) rank tracks now."""
+    p.conn.send(("stats",))
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if p.conn.poll(0.05):
+            msg = p.conn.recv()
+            if msg[0] == "stats":
+                return int(msg[1]["peers"])
+    raise AssertionError(f"{p.name}: no stats within {timeout_s}s")
+
+
+# Not strict: the failure needs decode to resume within ~2 s of prefill's eviction (prefill's
+# last heartbeats, queued while decode was stopped, then keep decode from evicting prefill at
+# once); a test process starved longer than that sees it pass (once in ~8 runs at load 18).
+@pytest.mark.xfail(
+    strict=False,
+    reason="found by the soak (freeze): an eviction is one-sided. Prefill evicts a decode rank "
+    "that was silent past the liveness bound and stops beating to it; the resumed decode rank "
+    "still counts prefill as a peer, so its next requests go to a prefill that drops them "
+    "('transfer request ... from unknown session ... dropped'): they fail on decode once its "
+    "own liveness bound runs out ('prefill peer ... lost: no heartbeat'), and prefill's share "
+    "waits for its bootstrap timeout (30 s).",
+)
+def test_requests_right_after_a_frozen_decode_resumes() -> None:
+    """A decode rank frozen (SIGSTOP) until prefill has evicted it, then resumed: the next
+    requests between them succeed (decode learns it was evicted and handshakes again)."""
+    shape = SoakSpec(prefill_instances=1, decode_instances=1, prefill_tp=1, faults=())
+    with Cluster(soak_cluster_spec(shape)) as c:
+        assert_all_ok(c.run(c.plans(4), concurrency=4, timeout_s=60))
+        prefill, decode = c.rank("prefill"), c.rank("decode")
+        os.kill(decode.proc.pid, signal.SIGSTOP)
+        try:
+            deadline = time.monotonic() + 60
+            while _peers(prefill):  # evicted for silence (1 s x 3 misses by default)
+                assert time.monotonic() < deadline, "prefill never evicted the frozen decode"
+                time.sleep(0.02)
+        finally:
+            os.kill(decode.proc.pid, signal.SIGCONT)
+        plans = c.plans(4, seed=1)
+        for plan in plans:
+            for p in c.ranks_of(plan):
+                p.conn.send(("start", plan.model_dump()))
+        reports = collect_reports(c, {p.room for p in plans}, timeout_s=60, role="decode")
+        failed = [r for r in reports.values() if r.status != int(KVPoll.Success)]
+        assert not failed, failed
