@@ -280,6 +280,7 @@ class DecodeSide(Side[RecvRoom]):
             if room is None:
                 return
             room.last_progress = now
+            room.metrics.marks["noted"] = time.perf_counter()
             if msg.what == "aux":
                 if room.aux_sender != msg.sender_id:
                     self._fail(
@@ -613,6 +614,7 @@ class DecodeSide(Side[RecvRoom]):
         for s in room.sources:
             mgr.tell(s.info.endpoint, msg)
         room.requested = True
+        room.metrics.marks["requested"] = time.perf_counter()
         room.last_progress = time.monotonic()
         mgr.status.update(room.room, KVPoll.Transferring)
 

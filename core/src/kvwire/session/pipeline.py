@@ -114,6 +114,8 @@ class Pipeline(LayerwisePosting):
         if tail is None:
             tail = self.tails[key] = _Tail(job.room, job.dest, job.target)
         tail.queue.append(job)
+        if job.last:
+            job.room.metrics.marks["taken"] = time.perf_counter()
         tail.staged |= job.target.staged
         self._advance(key, tail)
 
@@ -383,7 +385,7 @@ class Pipeline(LayerwisePosting):
         t_enqueued: float | None,
     ) -> None:
         handle = self.mgr.backend.submit(XferOp.WRITE, pair, src_idx, dst_idx, note)
-        now = time.perf_counter()
+        now = tail.room.metrics.marks["posted"] = time.perf_counter()
         self._track(
             _Posted(
                 handle,
@@ -470,6 +472,7 @@ class Pipeline(LayerwisePosting):
                 p.what,
             )
         else:
+            p.room.metrics.marks["done"] = t_done
             self.side.record(p.room, h, p.t_start, p.t_posted, t_done, p.t_enqueued)
         if tail is not None and self.side.is_dead(p.room):
             self._drop(p.key, tail)
