@@ -3,7 +3,8 @@
 Used by backends that move bytes through sockets (the ``tcp`` reference backend). Rows are
 grouped by (region, length) with NumPy; rows shorter than :data:`LOOP_MIN_BYTES` are copied by
 vectorised fancy indexing (when their groups hold :data:`LOOP_MIN_ROWS_PER_GROUP` rows on
-average; else by one ``memmove`` each), longer rows by one ``memmove`` each, where the copy itself dominates
+average; else by one ``memmove`` each), longer rows by one ``memmove`` each, where the copy
+itself dominates
 (measured in docs/benchmarks.md: NumPy's per-element fancy copy runs at ~1.4 GB/s on this class
 of machine, ``memmove`` of a large row at the machine's memory bandwidth).
 """

@@ -359,11 +359,13 @@ def _measure(args: argparse.Namespace, config: KVWireConfig, progress: Progress)
 def render_latency(report: LatencyReport) -> Table:
     """The ``--latency`` table: every stage's p50, p99 and mean, then the totals."""
     m = report.machine
+    cpu = ", ".join(f"{k} {v:.3f}" for k, v in report.cpu_ms.items() if v >= 0.0005)
     table = Table(
         title=f"kvwire bench --latency: {report.backend}, 1 prefill -> 1 decode, C=1, "
         f"{report.pages} page(s) of {report.page_bytes >> 10} KiB, {m.get('cpu_count')} CPUs",
         caption=f"{report.verified}/{report.requests} timed requests verified element by "
-        f"element; engine loops poll every {report.engine_step_us:g} us; ms",
+        f"element; engine loops poll every {report.engine_step_us:g} us; ms. CPU ms per "
+        f"request by thread: {cpu}",
     )
     for col in ("stage", "from -> to", "p50", "p99", "mean"):
         table.add_column(col, justify="left" if col in ("stage", "from -> to") else "right")

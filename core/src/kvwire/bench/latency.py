@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import logging
 import multiprocessing as mp
+import threading
 import time
 from dataclasses import asdict, dataclass, field
 from multiprocessing.connection import Connection
@@ -89,6 +90,12 @@ class LatencyReport:
     command: str = ""
     #: Stage name -> {"p50": ms, "p99": ms, "mean": ms}.
     summary: dict[str, dict[str, float]] = field(default_factory=dict)
+    #: CPU time per timed request, ms, by ``<side>.<thread role>`` (``engine``: the engine
+    #: loop, polls included; ``worker``, ``progress``, ``liveness``, ``tcp``: kvwire's
+    #: threads; ``native``: the process's threads outside Python, e.g. ZeroMQ's and UCX's;
+    #: ``process``: all): what the request path costs whatever the machine's load (the
+    #: stages above also wait for a CPU on a busy host).
+    cpu_ms: dict[str, float] = field(default_factory=dict)
 
     @property
     def ok_all(self) -> bool:
@@ -137,6 +144,40 @@ def _config(config_json: str, secret: str) -> KVWireConfig:
     return config
 
 
+def _thread_label(name: str) -> str:
+    """A thread's role from its name (agent names stripped)."""
+    if name == "MainThread":
+        return "engine"
+    if "-w" in name and not name.startswith("kvwire-"):
+        return "worker"  # transfer workers are named <agent>-w<i>
+    parts = name.split("-")
+    return parts[1] if name.startswith("kvwire-") and len(parts) > 1 else "other"
+
+
+def _cpu_snapshot() -> dict[str, float]:
+    """CPU seconds so far of this process (``process``) and of each Python thread role; the
+    native threads (ZeroMQ's, UCX's) are the process total minus the Python threads."""
+    out: dict[str, float] = {"process": time.process_time()}
+    for t in threading.enumerate():
+        if t.ident is None:
+            continue
+        try:
+            clock = time.pthread_getcpuclockid(t.ident)
+            used = time.clock_gettime(clock)
+        except (OSError, AttributeError):  # the thread ended, or no such clock here
+            continue
+        label = _thread_label(t.name)
+        out[label] = out.get(label, 0.0) + used
+    return out
+
+
+def _cpu_used(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+    used = {k: after[k] - before.get(k, 0.0) for k in after}
+    python = sum(v for k, v in used.items() if k != "process")
+    used["native"] = max(0.0, used["process"] - python)
+    return used
+
+
 def _wait(poll: Any, want: Any, step_s: float, what: str) -> float:
     """Engine loop: poll until the status is at least ``want`` (or Failed); the time of the
     poll that saw it. A step of 0 yields the GIL between polls without sleeping."""
@@ -164,6 +205,7 @@ def _prefill_main(
     pages: int,
     total: int,
     step_s: float,
+    warmup: int,
 ) -> None:
     """Prefill process: the sender side of every request."""
     from kvwire.session import KVManager, KVPoll, Role
@@ -176,7 +218,10 @@ def _prefill_main(
         conn.send(("ready", mgr.bootstrap_addr))
         src = np.arange(pages, dtype=np.int64)
         records = []
+        cpu: dict[str, float] = {}
         for i in range(total):
+            if i == warmup:
+                cpu = _cpu_snapshot()
             room = 1000 + i
             fill_pages(layout, arrays, src, i * pages)
             sender = mgr.sender(room)
@@ -196,7 +241,7 @@ def _prefill_main(
             records.append(rec)
             if peer.recv() != i:  # decode finished (and checked) request i
                 raise BenchError("decode lost step")
-        conn.send(("records", records))
+        conn.send(("records", (records, _cpu_used(cpu, _cpu_snapshot()))))
     finally:
         mgr.close()
 
@@ -210,6 +255,7 @@ def _decode_main(
     pages: int,
     total: int,
     step_s: float,
+    warmup: int,
     addr: str,
 ) -> None:
     """Decode process: the receiver side of every request, every element checked."""
@@ -222,7 +268,10 @@ def _decode_main(
     try:
         conn.send(("ready", ""))
         records = []
+        cpu: dict[str, float] = {}
         for i in range(total):
+            if i == warmup:
+                cpu = _cpu_snapshot()
             dst = np.arange(pages, dtype=np.int64) + (pages if i % 2 else 1)
             for a in arrays:
                 a[dst] = -1
@@ -243,7 +292,7 @@ def _decode_main(
             recv.clear()
             records.append(rec)
             peer.send(i)
-        conn.send(("records", records))
+        conn.send(("records", (records, _cpu_used(cpu, _cpu_snapshot()))))
     finally:
         mgr.close()
 
@@ -282,7 +331,7 @@ def measure_latency(
     step = engine_step_s
     pre = ctx.Process(
         target=_prefill_main,
-        args=(p_child, pd_a, cfg, secret, page_kib, pages, total, step),
+        args=(p_child, pd_a, cfg, secret, page_kib, pages, total, step, warmup),
         name="kvwire-latency-prefill",
         daemon=True,
     )
@@ -292,7 +341,7 @@ def measure_latency(
         addr = _expect(p_conn, pre, "ready", 120.0)
         dec = ctx.Process(
             target=_decode_main,
-            args=(d_child, pd_b, cfg, secret, page_kib, pages, total, step, addr),
+            args=(d_child, pd_b, cfg, secret, page_kib, pages, total, step, warmup, addr),
             name="kvwire-latency-decode",
             daemon=True,
         )
@@ -300,8 +349,8 @@ def measure_latency(
         dec.start()
         _expect(d_conn, dec, "ready", 120.0)
         budget = 60.0 + total * 0.5
-        p_recs = _expect(p_conn, pre, "records", budget)
-        d_recs = _expect(d_conn, dec, "records", budget)
+        p_recs, p_cpu = _expect(p_conn, pre, "records", budget)
+        d_recs, d_cpu = _expect(d_conn, dec, "records", budget)
     finally:
         for p in procs:
             p.join(10.0)
@@ -338,4 +387,9 @@ def measure_latency(
         failures=failures,
         machine=machine_info(config.transfer_backend),
         summary=summarise(samples),
+        cpu_ms={
+            f"{side}.{k}": round(v * 1e3 / requests, 4)
+            for side, used in (("prefill", p_cpu), ("decode", d_cpu))
+            for k, v in sorted(used.items())
+        },
     )
