@@ -62,6 +62,7 @@ QUICK_FANOUT_CONCURRENCY = 8
 #: ``--latency``: timed requests, and pages of one token of the bench model (16 rows of 2 KiB).
 LATENCY_REQUESTS = 300
 LATENCY_PAGE_KIB = 32
+LATENCY_WARMUP = 20
 PLOT_HINT = "--plot needs matplotlib: pip install kvwire[plot]"
 
 
@@ -179,6 +180,13 @@ def add_bench_args(parser: argparse.ArgumentParser) -> None:
         metavar="US",
         help="--latency: the rank processes' engine loops sleep this long between polls "
         "(default 50; 0 yields without sleeping)",
+    )
+    g.add_argument(
+        "--warmup",
+        type=int,
+        default=LATENCY_WARMUP,
+        metavar="N",
+        help=f"--latency: requests run first and not timed (default {LATENCY_WARMUP})",
     )
     g.add_argument("--json", metavar="PATH", help="write every figure and the machine as JSON")
     g.add_argument("--plot", metavar="PATH.png", help="draw GB/s vs concurrency (matplotlib)")
@@ -397,6 +405,7 @@ def _run_latency(
             sizes[0],
             args.page_kib or LATENCY_PAGE_KIB,
             args.engine_step_us / 1e6,
+            args.warmup,
         )
     except (BenchError, KVWireError) as exc:
         console.print(f"[red]error[/]: {type(exc).__name__}: {escape(str(exc))}", highlight=False)

@@ -241,7 +241,9 @@ def _prefill_main(
             records.append(rec)
             if peer.recv() != i:  # decode finished (and checked) request i
                 raise BenchError("decode lost step")
-        conn.send(("records", (records, _cpu_used(cpu, _cpu_snapshot()))))
+        used = _cpu_used(cpu, _cpu_snapshot())
+        peer.send(-1)  # decode may close now: every write of this side has ended
+        conn.send(("records", (records, used)))
     finally:
         mgr.close()
 
@@ -292,7 +294,9 @@ def _decode_main(
             recv.clear()
             records.append(rec)
             peer.send(i)
-        conn.send(("records", (records, _cpu_used(cpu, _cpu_snapshot()))))
+        used = _cpu_used(cpu, _cpu_snapshot())
+        peer.recv()  # closing earlier would evict prefill's view of us before its Success
+        conn.send(("records", (records, used)))
     finally:
         mgr.close()
 
@@ -319,8 +323,8 @@ def measure_latency(
 ) -> LatencyReport:
     """Run ``warmup + requests`` requests one at a time between two spawned rank processes;
     returns the timed ones' stages. Raises :class:`BenchError` when the ranks cannot run."""
-    if requests < 1 or pages < 1:
-        raise BenchError("--requests and the pages per request must be >= 1")
+    if requests < 1 or pages < 1 or warmup < 0:
+        raise BenchError("--requests and the pages per request must be >= 1, --warmup >= 0")
     ctx = mp.get_context("spawn")
     total = warmup + requests
     cfg = config.model_dump_json()

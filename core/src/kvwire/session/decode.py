@@ -611,10 +611,10 @@ class DecodeSide(Side[RecvRoom]):
             group_indices=to_wire(room.group_dst),
             cached_tokens=room.cached_tokens,
         )
+        room.metrics.marks["requested"] = time.perf_counter()
         for s in room.sources:
             mgr.tell(s.info.endpoint, msg)
         room.requested = True
-        room.metrics.marks["requested"] = time.perf_counter()
         room.last_progress = time.monotonic()
         mgr.status.update(room.room, KVPoll.Transferring)
 

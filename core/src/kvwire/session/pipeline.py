@@ -316,12 +316,7 @@ class Pipeline(LayerwisePosting):
         completion and its next step. ``wake`` is cleared after the wait and the caller
         polls next, so a wake-up that comes in between is not lost."""
         gates = [t.queue[0].gate for t in self.tails.values() if t.queue]
-        if (
-            self.evented
-            and self.posted
-            and not gates
-            and all(p.copy is None for p in self.posted)
-        ):
+        if self.evented and self.posted and not gates and all(p.copy is None for p in self.posted):
             self.wake.wait(EVENT_IDLE_S)
             self.wake.clear()
             return
