@@ -481,3 +481,44 @@ def test_invalid_metadata_rejected(make_backend: MakeBackend, case: str) -> None
     closer.start()
     closer.join(timeout=5)
     assert not closer.is_alive(), "close() hangs after a failed add_peer (leaked socket)"
+
+
+def test_wakers_fire_on_completion_failure_and_notification(make_backend: MakeBackend) -> None:
+    """tcp pushes events: a write's ``wake`` is called once when it ends (done or failed,
+    with the handle already terminal), and the target's notification waker once its
+    notification is queued: owners sleep on these instead of polling on a timer."""
+    assert TcpBackend.pushes_events
+    initiator = make_backend("initiator")
+    target = make_backend("target")
+    src = np.arange(4096, dtype=np.uint8)
+    dst = np.zeros(4096, dtype=np.uint8)
+    initiator.register([MemoryRegion.from_tensor(src)])
+    target.register([MemoryRegion.from_tensor(dst)])
+    noted = threading.Event()
+    target.set_notification_waker(noted.set)
+    peer = initiator.add_peer(target.local_metadata())
+    pair = initiator.prepare(
+        peer, make_table([addr_of(src)], [4096]), make_table([addr_of(dst)], [4096])
+    )
+    calls: list[int] = []
+    done = threading.Event()
+
+    def wake() -> None:
+        calls.append(1)
+        done.set()
+
+    handle = initiator.submit(XferOp.WRITE, pair, [0], [0], b"n", wake=wake)
+    assert done.wait(10), "the submitter was not woken when its write ended"
+    assert noted.wait(10), "the notification waker was not called"
+    assert initiator.poll(handle) is XferState.DONE  # terminal by the time it is woken
+    assert [n.payload for n in drain_notifications(target, 1)] == [b"n"]
+    assert (dst == src).all()
+    initiator.release(handle)
+    # a write that fails (its peer is removed while it cannot be delivered) wakes too
+    failed = threading.Event()
+    target.close()
+    h = initiator.submit(XferOp.WRITE, pair, [0], [0], wake=failed.set)
+    initiator.remove_peer(peer)
+    assert failed.wait(10), "a failed write did not wake its submitter"
+    assert initiator.poll(h) is XferState.FAILED
+    assert calls == [1]  # once per write

@@ -49,7 +49,7 @@ import itertools
 import logging
 import threading
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, NamedTuple, Self
 
@@ -140,6 +140,10 @@ class TransferHandle:
     released: bool = False
     #: Why the transfer failed, set by the backend when it reports FAILED.
     error: str | None = None
+    #: Given to :meth:`TransferBackend.submit` by the submitter: a backend that
+    #: :attr:`~TransferBackend.pushes_events` calls it (any thread, once) when the transfer
+    #: becomes terminal, so the submitter may sleep until then instead of polling on a timer.
+    wake: Callable[[], None] | None = field(default=None, repr=False)
 
 
 class TransferBackend(ABC):
@@ -174,6 +178,12 @@ class TransferBackend(ABC):
     CONTRACT_VERSION: ClassVar[str] = PLUGIN_API
     capabilities: ClassVar[BackendCapabilities] = BackendCapabilities()
     options_model: ClassVar[type[BaseModel]] = NoOptions
+    #: True when the backend itself says when something happened: it calls a handle's
+    #: ``wake`` once the transfer is terminal and the notification waker (see
+    #: :meth:`set_notification_waker`) after queueing a notification. Its owners then sleep
+    #: until woken (with a long timeout) instead of polling on a short timer. False (the
+    #: default): the backend must be polled (e.g. NIXL, whose polls drive UCX progress).
+    pushes_events: ClassVar[bool] = False
 
     def __init__(self, agent_name: str, options: BaseModel | None = None) -> None:
         if not agent_name:
@@ -190,6 +200,7 @@ class TransferBackend(ABC):
         self._pairs: dict[int, PreparedPair] = {}
         self._handles: dict[int, TransferHandle] = {}
         self._closed = False
+        self._notification_waker: Callable[[], None] | None = None
 
     # ---------------------------------------------------------------- memory
     @property
@@ -374,12 +385,15 @@ class TransferBackend(ABC):
         local_idx: Any,
         remote_idx: Any,
         notification: bytes | None = None,
+        wake: Callable[[], None] | None = None,
     ) -> TransferHandle:
         """Start a transfer of rows ``local_idx`` <-> rows ``remote_idx`` of a prepared pair.
 
         WRITE copies local rows to remote rows, READ the other way. ``notification`` (if any) is
         delivered to the peer's :meth:`get_notifications` after all the data has landed. Never
-        blocks on the transfer itself: poll the returned handle.
+        blocks on the transfer itself: poll the returned handle. ``wake`` (optional, must not
+        block) is called once the transfer is terminal by a backend that
+        :attr:`pushes_events` (possibly before ``submit`` returns); poll the handle after it.
 
         Threads: called concurrently by several worker threads, on the same or different pairs
         and peers; data path. Arguments are validated without a lock and ``_submit`` runs with
@@ -421,6 +435,7 @@ class TransferBackend(ABC):
             op=op,
             num_descs=int(li.size),
             num_bytes=int(llen.sum()),
+            wake=wake,
         )
         handle.state = self._submit(op, pair, li, ri, notification, handle)
         with self._handles_lock:
@@ -480,6 +495,18 @@ class TransferBackend(ABC):
         possibly alternating with :meth:`progress`), concurrently with the data path and
         control-path hooks; no template lock is held.
         """
+
+    def set_notification_waker(self, wake: Callable[[], None] | None) -> None:
+        """Owner loop's setup (the session manager, once, before peers exist): ``wake`` is
+        called after a notification is queued, by a backend that :attr:`pushes_events`
+        (through :meth:`_notified`); others never call it. Any thread."""
+        self._notification_waker = wake
+
+    def _notified(self) -> None:
+        """A pushing backend, after queueing a notification (any thread; never blocks)."""
+        wake = self._notification_waker
+        if wake is not None:
+            wake()
 
     def progress(self) -> None:  # noqa: B027 - optional hook
         """Drive the engine if it needs an owner loop to make progress (default: nothing).

@@ -2,7 +2,9 @@
 
 Used by backends that move bytes through sockets (the ``tcp`` reference backend). Rows are
 grouped by (region, length) with NumPy; rows shorter than :data:`LOOP_MIN_BYTES` are copied by
-vectorised fancy indexing, longer rows by one ``memmove`` each, where the copy itself dominates
+vectorised fancy indexing (when their groups hold :data:`LOOP_MIN_ROWS_PER_GROUP` rows on
+average; else by one ``memmove`` each), longer rows by one ``memmove`` each, where the copy
+itself dominates
 (measured in docs/benchmarks.md: NumPy's per-element fancy copy runs at ~1.4 GB/s on this class
 of machine, ``memmove`` of a large row at the machine's memory bandwidth).
 """
@@ -21,6 +23,10 @@ from kvwire.layout import MemoryRegion
 
 #: Rows at least this long are copied with one memmove each instead of fancy indexing.
 LOOP_MIN_BYTES = 8 * 1024
+#: Short rows are copied by one vectorised copy per (region, row length) group only when the
+#: groups average at least this many rows; a group's views cost ~20 memmoves (a request of one
+#: small page has a row per layer and K/V, each in its own region: a group per row).
+LOOP_MIN_ROWS_PER_GROUP = 16
 
 
 def region_array(region: MemoryRegion) -> NDArray[np.uint8]:
@@ -92,6 +98,16 @@ class HostMemory:
             raise ValueError("rows outside registered memory")
         pos = np.cumsum(lens) - lens  # payload offset of each row
         big = lens >= LOOP_MIN_BYTES
+        small = ~big
+        s_len = lens[small]
+        keys: list[int] = []
+        if s_len.size:
+            s_r = ridx[small]
+            # One vectorised copy per (region, row length) group: few groups, not per row.
+            key = s_r * (1 << 40) + s_len.astype(np.int64)
+            keys = np.unique(key).tolist()
+            if s_len.size < LOOP_MIN_ROWS_PER_GROUP * len(keys):
+                big, keys = np.ones_like(big), []  # groups of a few rows: memmove each row
         if big.any():
             pay_base = payload.ctypes.data
             for a, p, n in zip(
@@ -101,15 +117,11 @@ class HostMemory:
                     ctypes.memmove(pay_base + p, a, n)
                 else:
                     ctypes.memmove(a, pay_base + p, n)
-        small = ~big
-        if not small.any():
+        if not keys:
             return
-        s_r, s_len = ridx[small], lens[small]
         s_off = (addr[small] - self.bases[s_r]).astype(np.int64)
         s_pos = pos[small].astype(np.int64)
-        # One vectorised copy per (region, row length) group: few groups, not per row.
-        key = s_r * (1 << 40) + s_len.astype(np.int64)
-        for k in np.unique(key).tolist():
+        for k in keys:
             sel = key == k
             r, n = k >> 40, k & ((1 << 40) - 1)
             mem = sliding_window_view(self.arrays[r], n, writeable=not to_payload)

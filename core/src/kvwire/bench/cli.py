@@ -36,6 +36,7 @@ from kvwire.bench.fanout import (
     measure_fanout,
     sync_vs_async,
 )
+from kvwire.bench.latency import STAGES, TOTALS, LatencyReport, measure_latency
 from kvwire.cli_progress import progress_bar
 from kvwire.config import KVWireConfig, config_from_args
 from kvwire.errors import KVWireError
@@ -58,6 +59,10 @@ QUICK_CONCURRENCY = (1, 4)
 QUICK_REQUESTS = 8
 QUICK_REPEAT = 1
 QUICK_FANOUT_CONCURRENCY = 8
+#: ``--latency``: timed requests, and pages of one token of the bench model (16 rows of 2 KiB).
+LATENCY_REQUESTS = 300
+LATENCY_PAGE_KIB = 32
+LATENCY_WARMUP = 20
 PLOT_HINT = "--plot needs matplotlib: pip install kvwire[plot]"
 
 
@@ -159,6 +164,29 @@ def add_bench_args(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="instead: bulk staging vs the per-token path vs equal TP (TP 2->1 and 1->1; "
         "--sizes gives pages per request, --concurrency the levels)",
+    )
+    g.add_argument(
+        "--latency",
+        action="store_true",
+        help="instead: one request at a time, timed stage by stage (decode asks -> prefill "
+        "sees it -> send -> posted -> decode notified -> Success on both sides), p50/p99 per "
+        "stage; --requests timed requests (default 300), --sizes pages per request (one "
+        "size; default 1), --page-kib (default 32: one token of the bench model)",
+    )
+    g.add_argument(
+        "--engine-step-us",
+        type=float,
+        default=50.0,
+        metavar="US",
+        help="--latency: the rank processes' engine loops sleep this long between polls "
+        "(default 50; 0 yields without sleeping)",
+    )
+    g.add_argument(
+        "--warmup",
+        type=int,
+        default=LATENCY_WARMUP,
+        metavar="N",
+        help=f"--latency: requests run first and not timed (default {LATENCY_WARMUP})",
     )
     g.add_argument("--json", metavar="PATH", help="write every figure and the machine as JSON")
     g.add_argument("--plot", metavar="PATH.png", help="draw GB/s vs concurrency (matplotlib)")
@@ -336,6 +364,66 @@ def _measure(args: argparse.Namespace, config: KVWireConfig, progress: Progress)
     return report
 
 
+def render_latency(report: LatencyReport) -> Table:
+    """The ``--latency`` table: every stage's p50, p99 and mean, then the totals."""
+    m = report.machine
+    cpu = ", ".join(f"{k} {v:.3f}" for k, v in report.cpu_ms.items() if v >= 0.0005)
+    table = Table(
+        title=f"kvwire bench --latency: {report.backend}, 1 prefill -> 1 decode, C=1, "
+        f"{report.pages} page(s) of {report.page_bytes >> 10} KiB, {m.get('cpu_count')} CPUs",
+        caption=f"{report.verified}/{report.requests} timed requests verified element by "
+        f"element; engine loops poll every {report.engine_step_us:g} us; ms. CPU ms per "
+        f"request by thread: {cpu}",
+    )
+    for col in ("stage", "from -> to", "p50", "p99", "mean"):
+        table.add_column(col, justify="left" if col in ("stage", "from -> to") else "right")
+    for i, (name, a, b) in enumerate((*STAGES, *TOTALS)):
+        s = report.summary.get(name, {})
+        table.add_row(
+            name,
+            f"{a} -> {b}",
+            f"{s.get('p50', 0):.3f}",
+            f"{s.get('p99', 0):.3f}",
+            f"{s.get('mean', 0):.3f}",
+            end_section=i == len(STAGES) - 1,
+        )
+    return table
+
+
+def _run_latency(
+    args: argparse.Namespace, config: KVWireConfig, console: Console, command: str
+) -> int:
+    """``kvwire bench --latency``."""
+    sizes = _sizes(args, model_for(args.page_kib or LATENCY_PAGE_KIB)) if args.sizes else [1]
+    if len(sizes) != 1:
+        console.print("[red]error[/]: --latency takes one size (--sizes N)", highlight=False)
+        return 1
+    try:
+        report = measure_latency(
+            config,
+            args.requests or LATENCY_REQUESTS,
+            sizes[0],
+            args.page_kib or LATENCY_PAGE_KIB,
+            args.engine_step_us / 1e6,
+            args.warmup,
+        )
+    except (BenchError, KVWireError) as exc:
+        console.print(f"[red]error[/]: {type(exc).__name__}: {escape(str(exc))}", highlight=False)
+        return 1
+    report.command = command
+    if args.json:
+        Path(args.json).write_text(json.dumps(report.to_json(), indent=2) + "\n")
+    if not console.is_terminal:
+        console.width = max(console.width, 120)
+    for line in report.failures[:10]:
+        console.print(f"[red]failed[/]: {escape(line)}", highlight=False)
+    console.print(render_latency(report))
+    if not report.ok_all:
+        console.print("[red]kvwire bench --latency FAILED[/]", highlight=False)
+        return 1
+    return 0
+
+
 def run(args: argparse.Namespace, console: Console, argv: Sequence[str] | None = None) -> int:
     """Entry point of ``kvwire bench``."""
     config = config_from_args(args)
@@ -362,6 +450,8 @@ def run(args: argparse.Namespace, console: Console, argv: Sequence[str] | None =
             )
             return 1
         return int(bench(list(args.engine)))
+    if args.latency:
+        return _run_latency(args, config, console, command)
     if args.compare_staging:
         from kvwire.bench import staging as staging_bench
 

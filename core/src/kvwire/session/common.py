@@ -99,7 +99,9 @@ class Side(Generic[R]):
 
     def succeed(self, room: R) -> None:
         """Under the lock: the request is complete on this rank."""
-        room.metrics.total_s = time.perf_counter() - room.t0
+        now = time.perf_counter()
+        room.metrics.total_s = now - room.t0
+        room.metrics.marks["success"] = now
         self.mgr.status.update(room.room, KVPoll.Success)
         self.mgr.finish(room.room, KVPoll.Success, room.t0)
 

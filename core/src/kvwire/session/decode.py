@@ -298,6 +298,7 @@ class DecodeSide(Side[RecvRoom]):
             if room is None:
                 return
             room.last_progress = now
+            room.metrics.marks["noted"] = time.perf_counter()
             if msg.what == "aux":
                 if room.aux_sender != msg.sender_id:
                     self._fail(
@@ -644,6 +645,7 @@ class DecodeSide(Side[RecvRoom]):
             group_indices=to_wire(room.group_dst),
             cached_tokens=room.cached_tokens,
         )
+        room.metrics.marks["requested"] = time.perf_counter()
         for s in room.sources:
             mgr.tell(s.info.endpoint, msg)
         room.requested = True

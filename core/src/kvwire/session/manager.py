@@ -169,6 +169,10 @@ class KVManager:
         sel = select_backend(config, kinds=kinds)
         self.backend_name = sel.name
         self.backend: TransferBackend = sel.cls(self.agent_name, sel.options)
+        #: Ends the progress thread's wait early: set by the backend when a notification is
+        #: queued (a backend that pushes events), by :meth:`later` and by :meth:`close`.
+        self._progress_wake = threading.Event()
+        self.backend.set_notification_waker(self._progress_wake.set)
         try:
             self.backend.register([*layout.buffers, *groups, *host_buffers, *self.aux_regions])
             context = StagingContext(
@@ -297,6 +301,7 @@ class KVManager:
         for p in self.peers.snapshot():
             self.channel.send(p.endpoint, Goodbye(session=self.session))
         self._stop.set()
+        self._progress_wake.set()
         for t in self._threads:
             t.join(5.0)
         self.side.close()
@@ -416,12 +421,22 @@ class KVManager:
     def _progress_loop(self) -> None:
         """Progress thread: drive the engine (``progress``), drain its notifications, run
         queued chores (engine cleanup of evicted peers), then check deadlines (after the
-        drain, so a notification that arrived is never taken for a timeout)."""
+        drain, so a notification that arrived is never taken for a timeout; at most every
+        :data:`CONTROL_TICK_S`: they are seconds long, and a turn while data is awaited
+        should cost a poll, not a walk over every room).
+
+        Between turns: with a backend that :attr:`~kvwire.backend.TransferBackend.pushes_events`
+        it sleeps until a notification is queued (or a chore, or :data:`CONTROL_TICK_S`);
+        with one that must be polled, :data:`CONTROL_TICK_BUSY_S` while a request waits on
+        data, :data:`CONTROL_TICK_S` otherwise."""
+        backend, side, wake = self.backend, self.side, self._progress_wake
+        evented = backend.pushes_events
+        next_check = 0.0
         while not self._stop.is_set():
             try:
-                self.backend.progress()
-                for note in self.backend.get_notifications():
-                    self.side.on_notification(note)
+                backend.progress()
+                for note in backend.get_notifications():
+                    side.on_notification(note)
                 while True:
                     try:
                         chore = self._chores.get_nowait()
@@ -429,11 +444,19 @@ class KVManager:
                         break
                     chore()
                 now = time.monotonic()
-                self.side.check_deadlines(now)
+                if now >= next_check:
+                    side.check_deadlines(now)
+                    next_check = now + CONTROL_TICK_S
                 for strategy in self.strategies:
                     strategy.tick(now)
-                busy = self.side.awaiting_data()
-                self._stop.wait(CONTROL_TICK_BUSY_S if busy else CONTROL_TICK_S)
+                if evented:
+                    # cleared after the wait, and the next turn drains: a wake-up that
+                    # comes in between is never lost
+                    wake.wait(CONTROL_TICK_S)
+                    wake.clear()
+                else:
+                    wake.wait(CONTROL_TICK_BUSY_S if side.awaiting_data() else CONTROL_TICK_S)
+                    wake.clear()
             except Exception:
                 logger.exception("%s: progress loop error; continuing", self.agent_name)
                 time.sleep(CONTROL_TICK_S)
@@ -442,6 +465,7 @@ class KVManager:
         """Run ``chore`` on the progress thread (engine calls the liveness thread must not
         make, such as removing an evicted peer from the engine). Any thread."""
         self._chores.put(chore)
+        self._progress_wake.set()
 
     def add_peer(self, peer: Peer) -> None:
         """Start tracking a peer's liveness (after a successful handshake)."""

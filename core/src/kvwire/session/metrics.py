@@ -8,7 +8,7 @@ several managers in one process stay apart. :func:`serve_metrics` exposes them o
 from __future__ import annotations
 
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from prometheus_client import Counter, Gauge, Histogram, start_http_server
@@ -103,3 +103,11 @@ class RequestMetrics:
     transfer_s: float = 0.0
     #: Start (sender/receiver creation) to terminal status; 0 until terminal.
     total_s: float = 0.0
+    #: When the request last reached each stage on this rank, as ``time.perf_counter()``
+    #: values (CLOCK_MONOTONIC on Linux: comparable across the processes of one host).
+    #: Prefill: ``asked`` (every decode rank's request is in), ``taken`` (a worker took the
+    #: last chunk), ``posted`` (last write submitted), ``done`` (last write completed),
+    #: ``success``. Decode: ``requested`` (the transfer request left), ``noted`` (the last
+    #: chunk or aux note was handled), ``success``. Written by whichever thread reaches the
+    #: stage (one dict store each); read by the engine once the request is terminal.
+    marks: dict[str, float] = field(default_factory=dict)

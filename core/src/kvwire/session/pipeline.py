@@ -40,6 +40,9 @@ logger = logging.getLogger(__name__)
 GATE_EVENT_POLL_S = 0.0005
 #: ...and otherwise wakes on a mark, or after this long (to check deadlines).
 GATE_IDLE_S = 0.05
+#: With a backend that pushes events, a worker whose posted writes are all the backend's
+#: waits for a completion (or a new job) this long at most before polling again.
+EVENT_IDLE_S = 0.005
 
 
 @dataclass(eq=False)
@@ -91,6 +94,8 @@ class Pipeline(LayerwisePosting):
         self.index = index
         self.mgr = side.mgr
         self.max_inflight = side.mgr.options.max_inflight_chunks
+        #: The backend calls a write's ``wake`` when it ends (see :meth:`idle`).
+        self.evented = side.mgr.backend.pushes_events
         self.posted: list[_Posted] = []
         self.tails: dict[tuple[int, str], _Tail] = {}
         #: Set by a layer-wise chunk's gate when the engine marks layers (see :meth:`idle`).
@@ -114,6 +119,8 @@ class Pipeline(LayerwisePosting):
         if tail is None:
             tail = self.tails[key] = _Tail(job.room, job.dest, job.target)
         tail.queue.append(job)
+        if job.last:
+            job.room.metrics.marks["taken"] = time.perf_counter()
         tail.staged |= job.target.staged
         self._advance(key, tail)
 
@@ -305,8 +312,19 @@ class Pipeline(LayerwisePosting):
         all that waits is layer-wise chunks whose layers are not computed (nothing in
         flight), until the engine marks a layer (:meth:`LayerGate.watch`), polling pending
         CUDA events every :data:`GATE_EVENT_POLL_S`. Keeps an idle worker from taking the
-        GIL thousands of times a second while the engine thread launches the forward pass."""
+        GIL thousands of times a second while the engine thread launches the forward pass.
+
+        With a backend that pushes events, while every write in flight is the backend's
+        (no copy the strategy runs, no job waiting for staging space) the worker sleeps until
+        one of them ends or a job comes (:attr:`wake`, set by the backend and by
+        :meth:`notify`), :data:`EVENT_IDLE_S` at most: no polling timer between a write's
+        completion and its next step. ``wake`` is cleared after the wait and the caller
+        polls next, so a wake-up that comes in between is not lost."""
         gates = [t.queue[0].gate for t in self.tails.values() if t.queue]
+        if self.evented and self.posted and not gates and all(p.copy is None for p in self.posted):
+            self.wake.wait(EVENT_IDLE_S)
+            self.wake.clear()
+            return
         if self.posted or not gates or any(g is None for g in gates):
             time.sleep(sleep_s)
             return
@@ -387,8 +405,10 @@ class Pipeline(LayerwisePosting):
         t_start: float,
         t_enqueued: float | None,
     ) -> None:
-        handle = self.mgr.backend.submit(XferOp.WRITE, pair, src_idx, dst_idx, note)
-        now = time.perf_counter()
+        handle = self.mgr.backend.submit(
+            XferOp.WRITE, pair, src_idx, dst_idx, note, wake=self.wake.set
+        )
+        now = tail.room.metrics.marks["posted"] = time.perf_counter()
         self._track(
             _Posted(
                 handle,
@@ -475,6 +495,7 @@ class Pipeline(LayerwisePosting):
                 p.what,
             )
         else:
+            p.room.metrics.marks["done"] = t_done
             self.side.record(p.room, h, p.t_start, p.t_posted, t_done, p.t_enqueued)
         if tail is not None and self.side.is_dead(p.room):
             self._drop(p.key, tail)

@@ -224,6 +224,7 @@ class PrefillSide(Side[SendRoom]):
         if room.ready or room.expected is None or len(room.dests) < room.expected:
             return
         room.ready = True
+        room.metrics.marks["asked"] = time.perf_counter()
         self.mgr.status.update(room.room, KVPoll.WaitingForInput)
         held, room.held = room.held, []
         for pages, last, gate in held:

@@ -105,6 +105,8 @@ class _Xfer:
     pending_frames: list[Any] | None = None
     status: XferState = XferState.PENDING
     error: str | None = None
+    #: The submitter's waker (:attr:`TransferHandle.wake`), called once the status is final.
+    wake: Callable[[], None] | None = None
 
 
 @dataclass(eq=False)
@@ -150,6 +152,8 @@ class TcpBackend(TransferBackend):
     )
     options_model = TcpOptions
     options: TcpOptions
+    #: Completions and notifications happen on the I/O thread, which wakes their owners.
+    pushes_events = True
 
     def __init__(self, agent_name: str, options: BaseModel | None = None) -> None:
         super().__init__(agent_name, options)
@@ -193,6 +197,12 @@ class TcpBackend(TransferBackend):
         #: Inbound messages dropped as malformed or refused (out-of-region rows, bad sizes).
         self.refused_messages = 0
         self._stop = False
+        #: The I/O thread's poller: the ROUTER and the wake pipe, and each peer's DEALER with
+        #: the flags it is watched for (kept across turns; changed only when they change).
+        self._poller = zmq.Poller()
+        self._poller.register(self._router, zmq.POLLIN)
+        self._poller.register(self._wake_r, zmq.POLLIN)
+        self._watched: dict[zmq.Socket[Any], int] = {}
         self._thread = threading.Thread(
             target=self._run, name=f"kvwire-tcp-{agent_name}", daemon=True
         )
@@ -293,6 +303,8 @@ class TcpBackend(TransferBackend):
             for x in [*p.outq, *p.inflight.values()]:
                 self._finish(x, XferState.FAILED, why)
             if p.sock is not None:
+                if self._watched.pop(p.sock, None) is not None:
+                    self._poller.unregister(p.sock)
                 p.sock.close(linger=0)
 
         self._call(close_socket)
@@ -325,6 +337,7 @@ class TcpBackend(TransferBackend):
             parts=_split_rows(la, ra, lens, self.options.max_part_bytes),
             notification=notification,
             deadline=time.monotonic() + self.options.transfer_timeout_s,
+            wake=handle.wake,
         )
 
         def enqueue() -> None:
@@ -377,6 +390,8 @@ class TcpBackend(TransferBackend):
         if x.status is XferState.PENDING:
             x.error = error
             x.status = state
+            if x.wake is not None:
+                x.wake()
 
     def _run(self) -> None:
         while not self._stop:
@@ -395,12 +410,17 @@ class TcpBackend(TransferBackend):
             job()
         for p in self._peers.values():
             self._pump(p)
-        poller = zmq.Poller()
-        poller.register(self._router, zmq.POLLIN)
-        poller.register(self._wake_r, zmq.POLLIN)
-        for p in self._peers.values():
+        poller = self._poller
+        watched = self._watched
+        for p in self._peers.values():  # only what changed: a new peer, POLLOUT on or off
             assert p.sock is not None
-            poller.register(p.sock, zmq.POLLIN | (zmq.POLLOUT if p.outq else 0))
+            flags = zmq.POLLIN | (zmq.POLLOUT if p.outq else 0)
+            old = watched.get(p.sock)
+            if old is None:
+                poller.register(p.sock, flags)
+            elif old != flags:
+                poller.modify(p.sock, flags)
+            watched[p.sock] = flags
         events = dict(poller.poll(timeout=50))
         if self._wake_r in events:
             try:
@@ -553,6 +573,7 @@ class TcpBackend(TransferBackend):
         if not isinstance(payload, bytes):
             raise wire.MalformedMessageError("notification payload must be bytes")
         self._notifs.append(Notification(sender, payload))
+        self._notified()
 
     def _reply(self, ident: bytes, header: dict[str, Any], data: Any = None) -> None:
         header["v"] = wire.VERSION
