@@ -22,6 +22,16 @@ CHUNKS = Counter("kvwire_chunks", "Chunk transfers by result", (*_LABELS, "resul
 REQUESTS = Counter("kvwire_requests", "Requests by terminal status", (*_LABELS, "result"))
 DROPPED = Counter("kvwire_control_dropped", "Control frames dropped", (*_LABELS, "reason"))
 EVICTIONS = Counter("kvwire_peer_evictions", "Peers evicted (dead or gone)", _LABELS)
+FAILOVERS = Counter(
+    "kvwire_transport_failovers",
+    "Links moved from a failed backend to a fallback (docs/failover.md)",
+    (*_LABELS, "src", "dst"),
+)
+RECOVERIES = Counter(
+    "kvwire_transport_recoveries",
+    "Links moved back to a backend that reconnected after a failure",
+    (*_LABELS, "backend"),
+)
 ACTIVE_ROOMS = Gauge("kvwire_active_rooms", "Rooms currently tracked", _LABELS)
 QUEUED_CHUNKS = Gauge(
     "kvwire_queued_chunks", "Chunks queued for or in the transfer workers (prefill)", _LABELS
