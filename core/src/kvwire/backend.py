@@ -295,7 +295,7 @@ class TransferBackend(ABC):
         why = self.link_problem(PeerFacts(host, mine))
         if why is not None:
             raise PeerError(f"backend {self.name!r} cannot serve this link: {why}")
-        skipped = {n: "not available on this rank" for n, _ in offers if n != self.name}
+        skipped = {n: "not configured on this rank" for n, _ in offers if n != self.name}
         return LinkChoice(self.add_peer(mine), self.name, (), skipped)
 
     def add_peer(self, metadata: bytes) -> str:
