@@ -76,7 +76,7 @@ def test_plan_skips_unusable_backends_with_reasons(registry: PluginRegistry) -> 
     assert "nosuch" in plan.skipped and "nosuch" in plan.skipped["nosuch"]
     with pytest.raises(ConfigError, match="none of the transfer backends.*nosuch"):
         plan_backends(KVWireConfig(transfer_backend="nosuch,other"), registry=registry)
-    with pytest.raises(ConfigError, match="not an option of any of flaky, tcp"):
+    with pytest.raises(ConfigError, match=r"not an option of any of flaky, tcp"):
         plan_backends(
             KVWireConfig(transfer_backend="flaky,tcp", transfer_backend_options={"nope": 1}),
             registry=registry,
@@ -217,3 +217,23 @@ def test_a_link_without_fallback_fails_cleanly(registry: PluginRegistry) -> None
     finally:
         flaky.heal_agent(agent)
         p.close()
+
+
+# ---------------------------------------------------------------------------------- doctor
+def test_doctor_shows_the_plan_for_the_given_flags() -> None:
+    """``kvwire doctor`` takes an engine's flags and says which backends a rank would use,
+    in which order, and why the others are not used."""
+    import subprocess
+    import sys
+
+    out = subprocess.run(
+        [sys.executable, "-m", "kvwire.cli", "doctor", "--transfer-backend", "nosuch,tcp"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**__import__("os").environ, "COLUMNS": "200"},
+    )
+    text = out.stdout
+    assert "Backends for this configuration" in text, out.stderr
+    assert "tcp (first choice)" in text
+    assert "nosuch: not used here:" in text and "nosuch" in text.split("not used here:")[1]

@@ -176,6 +176,8 @@ class TransferBackend(ABC):
     CONTRACT_VERSION: ClassVar[str] = PLUGIN_API
     capabilities: ClassVar[BackendCapabilities] = BackendCapabilities()
     options_model: ClassVar[type[BaseModel]] = NoOptions
+    #: Which links it serves, in words (``kvwire doctor``); :meth:`link_problem` decides.
+    link_rule: ClassVar[str] = "any peer that announces it"
 
     def __init__(self, agent_name: str, options: BaseModel | None = None) -> None:
         if not agent_name:

@@ -303,9 +303,10 @@ class DecodeLinker:
         sides have that can serve the link: :meth:`~kvwire.backend.TransferBackend.add_link`).
         ``stale``: the engine names of the incarnations it replaces (a restart, usually under
         the same name): what they left in the engine goes first, and the name's owner becomes
-        the new session, so the old incarnation's deferred release (:meth:`PrefillSide._release_peer`) cannot remove
-        the new one's state. Lock contract: ``mgr.engine_peers_lock`` around the engine's add
-        and remove of peers, never with ``mgr.lock``."""
+        the new session, so the old incarnation's deferred release
+        (:meth:`PrefillSide._release_peer`) cannot remove the new one's state. Lock contract:
+        ``mgr.engine_peers_lock`` around the engine's add and remove of peers, never with
+        ``mgr.lock``."""
         mgr = self.mgr
         with mgr.engine_peers_lock:
             for n in stale:

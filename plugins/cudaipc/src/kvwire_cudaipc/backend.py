@@ -126,6 +126,11 @@ class CudaIpcBackend(TcpBackend):
     )
     options_model = CudaIpcOptions
     options: CudaIpcOptions
+    link_rule = (
+        "peers on this host (boot id and hostname match) whose GPU this process sees and "
+        "reaches peer to peer, from a rank with CUDA and a VRAM pool; other links take the "
+        "next backend"
+    )
 
     def __init__(self, agent_name: str, options: BaseModel | None = None) -> None:
         super().__init__(agent_name, options)
