@@ -74,7 +74,7 @@ def test_plan_skips_unusable_backends_with_reasons(registry: PluginRegistry) -> 
     plan = plan_backends(KVWireConfig(transfer_backend="nosuch,flaky,tcp"), registry=registry)
     assert plan.names == ["flaky", "tcp"]
     assert "nosuch" in plan.skipped and "nosuch" in plan.skipped["nosuch"]
-    with pytest.raises(ConfigError, match="none of the transfer backends.*nosuch"):
+    with pytest.raises(ConfigError, match=r"none of the transfer backends.*nosuch"):
         plan_backends(KVWireConfig(transfer_backend="nosuch,other"), registry=registry)
     with pytest.raises(ConfigError, match=r"not an option of any of flaky, tcp"):
         plan_backends(
