@@ -237,3 +237,30 @@ def test_doctor_shows_the_plan_for_the_given_flags() -> None:
     assert "Backends for this configuration" in text, out.stderr
     assert "tcp (first choice)" in text
     assert "nosuch: not used here:" in text and "nosuch" in text.split("not used here:")[1]
+
+
+def test_a_transfer_failed_after_delivery_is_counted_once(registry: PluginRegistry) -> None:
+    """The primary delivers a chunk (data and notification) but reports it FAILED, as an
+    engine whose acknowledgement was lost: the fallback resends it and decode sees its note
+    twice. It is counted once, so the request (3 chunks) completes, verified; counted twice,
+    decode would see 4 chunks of 3 announced and fail the request."""
+    c = cfg("flaky,tcp", failover_probe_s=30.0)
+    p = Pair(c, c, slots=64)
+    agent = p.prefill.agent_name
+    try:
+        p.transfer(1)
+        backend = p.prefill.backend
+        s, r, src, dst = _start(p, 2, 6)
+        flaky.break_agent(agent, delivered=True)
+        s.send(src[:2], last=False)
+        wait_for(lambda: backend.failovers == 1 and backend.live_handles == 0)
+        assert flaky.swallowed.get(agent, 0) == 1  # sent (and reported failed) once
+        s.send(src[2:4], last=False)
+        s.send(src[4:], last=True)
+        wait_for(lambda: r.poll() == KVPoll.Success and s.poll() == KVPoll.Success)
+        assert count_mismatches(p.dlay, p.darr, dst, 2000) == 0
+        r.clear()
+        s.clear()
+    finally:
+        flaky.heal_agent(agent)
+        p.close()

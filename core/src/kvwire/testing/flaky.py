@@ -7,7 +7,10 @@
   byte, no notification reaches the peer) and each such transfer polls FAILED after
   ``fail_after_s``, with an error naming the injected fault, as an engine reports a broken
   endpoint after its own timeout; adding a peer (a reconnection) is refused.
-  Transfers posted before the break complete as they would.
+  Transfers posted before the break complete as they would. With ``delivered=True`` the
+  posts are sent and land (data and notification) but poll FAILED once done: an engine
+  whose acknowledgement was lost after delivery (the peer then sees the notification twice
+  when the transfer is resent elsewhere).
 * :func:`heal_agent` — back to a working ``tcp``.
 
 This module is a hook module: tests build a registry with
@@ -31,15 +34,15 @@ from kvwire.hookspecs import Implementation, hookimpl
 KVWIRE_PLUGIN_API = "2.0"
 
 _lock = threading.Lock()
-_broken: dict[str, float] = {}  # agent name -> seconds before a swallowed post fails
+_broken: dict[str, tuple[float, bool]] = {}  # agent -> (fail after s, delivered)
 #: Posts swallowed so far, per agent (a test checks the fault was hit).
 swallowed: dict[str, int] = {}
 
 
-def break_agent(agent: str, fail_after_s: float = 0.05) -> None:
+def break_agent(agent: str, fail_after_s: float = 0.05, delivered: bool = False) -> None:
     """Break agent ``agent``'s ``flaky`` backend (see the module docstring). Any thread."""
     with _lock:
-        _broken[agent] = fail_after_s
+        _broken[agent] = (fail_after_s, delivered)
 
 
 def heal_agent(agent: str) -> None:
@@ -48,7 +51,7 @@ def heal_agent(agent: str) -> None:
         _broken.pop(agent, None)
 
 
-def _fault(agent: str) -> float | None:
+def _fault(agent: str) -> tuple[float, bool] | None:
     with _lock:
         return _broken.get(agent)
 
@@ -58,6 +61,13 @@ class _Swallowed:
     """A post that was never sent: FAILED from ``fail_at`` on."""
 
     fail_at: float
+
+
+@dataclass
+class _Delivered:
+    """A post that was sent (``inner``: the tcp transfer) and reports FAILED once done."""
+
+    inner: Any
 
 
 class FlakyTcpBackend(TcpBackend):
@@ -79,12 +89,16 @@ class FlakyTcpBackend(TcpBackend):
         notification: bytes | None,
         handle: TransferHandle,
     ) -> Any:
-        delay = _fault(self.agent_name)
-        if delay is None:
+        fault = _fault(self.agent_name)
+        if fault is None:
             return super()._submit(op, pair, local_idx, remote_idx, notification, handle)
         with _lock:
             swallowed[self.agent_name] = swallowed.get(self.agent_name, 0) + 1
-        return _Swallowed(time.monotonic() + delay)
+        if fault[1]:
+            return _Delivered(
+                super()._submit(op, pair, local_idx, remote_idx, notification, handle)
+            )
+        return _Swallowed(time.monotonic() + fault[0])
 
     def _poll(self, handle: TransferHandle) -> XferState:
         if isinstance(handle.state, _Swallowed):
@@ -92,10 +106,20 @@ class FlakyTcpBackend(TcpBackend):
                 return XferState.PENDING
             handle.error = "injected fault: endpoint broken (nothing was sent)"
             return XferState.FAILED
+        if isinstance(handle.state, _Delivered):
+            x = handle.state.inner  # the tcp transfer (its status is set by tcp's I/O thread)
+            if x.status is XferState.PENDING:
+                return XferState.PENDING
+            handle.error = (
+                "injected fault: reported failed after delivery"
+                if x.status is XferState.DONE
+                else x.error
+            )
+            return XferState.FAILED
         return super()._poll(handle)
 
     def _release(self, handle: TransferHandle) -> None:
-        if not isinstance(handle.state, _Swallowed):
+        if not isinstance(handle.state, _Swallowed | _Delivered):
             super()._release(handle)
 
 
