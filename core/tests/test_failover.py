@@ -264,3 +264,35 @@ def test_a_transfer_failed_after_delivery_is_counted_once(registry: PluginRegist
     finally:
         flaky.heal_agent(agent)
         p.close()
+
+
+def test_a_member_that_refuses_the_memory_is_disabled_not_fatal() -> None:
+    """At startup, a backend of a list that cannot register the rank's memory (``cudaipc``
+    with VRAM on two GPUs, say) is disabled with its reason; the rank runs on the others and
+    no longer announces it. Refused when it is the last one."""
+    from kvwire.backends.tcp import TcpBackend
+    from kvwire.errors import ConfigError as _ConfigError
+    from kvwire.layout import MemoryRegion
+
+    class Refusing(TcpBackend):
+        name = "refusing"
+
+        def _register(self, regions: list[MemoryRegion]) -> None:
+            raise _ConfigError("cannot register this memory (test)")
+
+    buf = np.zeros(1 << 12, dtype=np.uint8)
+    region = MemoryRegion.from_tensor(buf, item_len=4096)
+    multi = MultiBackend("agent-r", [Refusing("agent-r"), TcpBackend("agent-r")])
+    try:
+        multi.register([region])
+        assert multi.member_names == ["tcp"]
+        assert "cannot register this memory" in multi.disabled[0]
+        assert [n for n, _ in multi.offers()] == ["tcp"]
+    finally:
+        multi.close()
+    alone = MultiBackend("agent-s", [Refusing("agent-s")])
+    try:
+        with pytest.raises(_ConfigError, match="cannot register"):
+            alone.register([region])
+    finally:
+        alone.close()

@@ -137,21 +137,42 @@ class MultiBackend(TransferBackend):
         self._routes_lock = threading.Lock()
         self._wake = threading.Event()
         self._prober: threading.Thread | None = None
+        #: Members that refused this rank's memory at startup, with why (never used).
+        self.disabled: dict[int, str] = {}
         #: Switches away from a failed member, and moves back after a probe (all links).
         self.failovers = 0
         self.recoveries = 0
 
     @property
     def member_names(self) -> list[str]:
-        """The members' names, in preference order."""
-        return [m.name for m in self.members]
+        """The enabled members' names, in preference order."""
+        return [m.name for i, m in enumerate(self.members) if i not in self.disabled]
 
     # ---------------------------------------------------------------- memory
     def _register(self, regions: list[MemoryRegion]) -> None:
+        """Register with every enabled member. Before any link exists, a member that refuses
+        the memory (e.g. ``cudaipc`` with VRAM on two GPUs) is disabled with its reason
+        logged, as long as another member is left; afterwards a refusal is raised (links
+        already count on every member)."""
         done: list[TransferBackend] = []
         try:
-            for m in self.members:
-                m.register(regions)
+            for i, m in enumerate(self.members):
+                if i in self.disabled:
+                    continue
+                try:
+                    m.register(regions)
+                except KVWireError as exc:
+                    left = len(self.members) - len(self.disabled) - 1
+                    if self._routes or left < 1:
+                        raise
+                    self.disabled[i] = f"refused this rank's memory: {exc}"
+                    logger.warning(
+                        "%s: transfer backend %s disabled: it %s",
+                        self.agent_name,
+                        m.name,
+                        self.disabled[i],
+                    )
+                    continue
                 done.append(m)
         except BaseException:
             for m in done:
@@ -159,17 +180,22 @@ class MultiBackend(TransferBackend):
             raise
 
     def _deregister(self, regions: list[MemoryRegion]) -> None:
-        for m in self.members:
-            m.deregister(regions)
+        for i, m in enumerate(self.members):
+            if i not in self.disabled:
+                m.deregister(regions)
 
     # ----------------------------------------------------------------- peers
     def local_metadata(self) -> bytes:
-        """The first member's metadata (what a peer that knows one backend reads)."""
-        return self.members[0].local_metadata()
+        """The first enabled member's metadata (what a peer that knows one backend reads)."""
+        return self.offers()[0][1]
 
     def offers(self) -> list[tuple[str, bytes]]:
-        """Every member's name and metadata, in preference order (decode's hello)."""
-        return [(m.name, m.local_metadata()) for m in self.members]
+        """Every enabled member's name and metadata, in preference order (decode's hello)."""
+        return [
+            (m.name, m.local_metadata())
+            for i, m in enumerate(self.members)
+            if i not in self.disabled
+        ]
 
     def advertised_hosts(self, metadata: bytes) -> list[str]:
         """The hosts in ``metadata`` as the member whose metadata it is reads them (each
@@ -192,6 +218,9 @@ class MultiBackend(TransferBackend):
         }
         usable: list[int] = []
         for i, m in enumerate(self.members):
+            if i in self.disabled:
+                skipped[m.name] = self.disabled[i]
+                continue
             meta = theirs.get(m.name)
             if meta is None:
                 skipped[m.name] = "the peer does not announce it"
