@@ -363,7 +363,10 @@ class MultiBackend(TransferBackend):
             )
         x = _Xfer(op, pair.state, local_idx, remote_idx, notification)
         if not self._post(x, first=True):
-            raise PeerError(f"no transfer backend could post to {pair.peer}: {x.errors}")
+            why = "; ".join(x.errors) or (
+                "every backend of the link failed and is being reconnected in the background"
+            )
+            raise PeerError(f"no transfer backend could post to {pair.peer}: {why}")
         assert x.inner is not None
         handle = TransferHandle(
             id=next(self._ids),
@@ -433,7 +436,9 @@ class MultiBackend(TransferBackend):
             self._member_failed(x.pair.route, x.member, why)
             if self._post(x):
                 return XferState.PENDING
-            handle.error = "; ".join(x.errors)
+            handle.error = "; ".join(x.errors) + (
+                "" if len(x.tried) > 1 else " (no healthy fallback on this link)"
+            )
             return XferState.FAILED
         finally:
             x.lock.release()
