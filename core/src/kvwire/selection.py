@@ -111,20 +111,25 @@ def plan_backends(
     kinds = set(kinds)
     need = tuple(need)
     names = config.backend_list
+    selected: list[Selected] = []
+    skipped: dict[str, str] = {}
     if names == [AUTO]:
-        general = auto_backend_name(reg)
+        # the general backend is checked as a named one (its errors raised as before); the
+        # link-only ones ahead of it only where usable
+        general = _select_one(config, auto_backend_name(reg), need, kinds, reg, strict=True)
         extra = sorted(
             (e for e in reg.entries[Kind.BACKEND].values() if e.impl.link_only),
             key=lambda e: -e.impl.priority,
         )
-        names = [e.name for e in extra] + [general]
-        strict = False
-    else:
-        strict = len(names) == 1
-    if strict:
+        for entry in extra:
+            try:
+                selected.append(_select_one(config, entry.name, need, kinds, reg, strict=False))
+            except KVWireError as exc:
+                skipped[entry.name] = str(exc)
+                logger.info("auto: transfer backend %r is not usable here: %s", entry.name, exc)
+        return BackendPlan([*selected, general], skipped)
+    if len(names) == 1:
         return BackendPlan([_select_one(config, names[0], need, kinds, reg, strict=True)], {})
-    selected: list[Selected] = []
-    skipped: dict[str, str] = {}
     for name in names:
         try:
             selected.append(_select_one(config, name, need, kinds, reg, strict=False))
