@@ -17,6 +17,7 @@ import numpy as np
 from kvwire.control.wire import (
     PROTOCOL_MAJOR,
     PROTOCOL_MINOR,
+    BackendOffer,
     ChunkNote,
     Codec,
     Completion,
@@ -104,6 +105,11 @@ def samples() -> list[Message]:
             host_layout=layout,
             host_staging={"identity": "boot-id:1000", "pools": [{"path": "/dev/shm/x"}]},
             checksum=True,
+            backends=[
+                BackendOffer(name="tcp", metadata=b"\x01meta"),
+                BackendOffer(name="nixl", metadata=b"\x02nixl-meta"),
+            ],
+            host={"boot_id": "0f1e2d3c", "hostname": "decode-host"},
         ),
         HelloAck(
             session="p-session",
@@ -118,6 +124,8 @@ def samples() -> list[Message]:
             staged=True,
             groups=True,
             checksum=True,
+            backend="tcp",
+            fallbacks=["nixl"],
         ),
         HelloReject(
             session="p-session",

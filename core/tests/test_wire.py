@@ -38,7 +38,22 @@ def test_fixture_versions_exist() -> None:
         "v1.5",
         "v1.6",
         "v1.7",
+        "v1.8",
     ]
+
+
+def test_hello_offers_old_and_new() -> None:
+    """A 1.7 hello (one backend, no ``backends``) reads as one offer; a 1.8 hello lists every
+    backend, and still carries its first in ``backend``/``backend_metadata`` for 1.7 prefills."""
+    plain = Codec()
+    old = plain.decode((FIXTURES / "v1.7" / "hello.bin").read_bytes())
+    assert isinstance(old, Hello)
+    assert old.offers() == [(old.backend, old.backend_metadata)] and old.host == {}
+    new = plain.decode((FIXTURES / "v1.8" / "hello.bin").read_bytes())
+    assert isinstance(new, Hello)
+    assert [n for n, _ in new.offers()] == ["tcp", "nixl"]
+    assert (new.backend, new.backend_metadata) == new.offers()[0]
+    assert new.host["hostname"] == "decode-host"
 
 
 @pytest.mark.parametrize("folder", VERSIONS, ids=lambda p: p.name)

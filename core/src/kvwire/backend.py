@@ -59,6 +59,8 @@ from pydantic import BaseModel, ConfigDict
 from kvwire.descriptors import LEN, DescTable, check_indices, check_table, require_inside
 from kvwire.errors import CapabilityError, DescriptorError, HandleError, KVWireError, PeerError
 from kvwire.layout import MemKind, MemoryRegion, check_no_overlap
+from kvwire.link_choice import LinkChoice as LinkChoice  # re-exported: the backend seam
+from kvwire.link_choice import PeerFacts as PeerFacts
 from kvwire.plugin_api import PLUGIN_API
 
 logger = logging.getLogger(__name__)
@@ -184,6 +186,8 @@ class TransferBackend(ABC):
     #: until woken (with a long timeout) instead of polling on a short timer. False (the
     #: default): the backend must be polled (e.g. NIXL, whose polls drive UCX progress).
     pushes_events: ClassVar[bool] = False
+    #: Which links it serves, in words (``kvwire doctor``); :meth:`link_problem` decides.
+    link_rule: ClassVar[str] = "any peer that announces it"
 
     def __init__(self, agent_name: str, options: BaseModel | None = None) -> None:
         if not agent_name:
@@ -265,6 +269,47 @@ class TransferBackend(ABC):
         the transfer deadline. The default (an engine that checks this itself, or metadata
         without addresses) returns none. Threads: any thread (handshake threads); no lock."""
         return []
+
+    @classmethod
+    def rank_problem(cls, kinds: frozenset[MemKind]) -> str | None:
+        """Why this backend cannot serve any link of a rank whose pools are of memory
+        ``kinds`` (e.g. no GPU, or no VRAM pool, for a GPU-only path), or None. Asked for
+        ``auto`` and for each backend of a list before it is constructed (a backend named
+        alone is constructed regardless and fails in its own words). Any thread; must not
+        fail when the engine is missing: say so instead."""
+        return None
+
+    def link_problem(self, peer: PeerFacts) -> str | None:
+        """Why this backend cannot serve the link to ``peer`` (another host, no P2P between
+        the two GPUs, ...), or None when it can. Asked by the prefill side at handshake, for
+        each backend both sides announced, before :meth:`add_peer`; the reason is logged and
+        shown by ``kvwire doctor``. The default accepts every peer. Threads: handshake
+        threads; no template lock held; must not change state."""
+        return None
+
+    def offers(self) -> list[tuple[str, bytes]]:
+        """``(backend name, metadata)`` of every backend this rank announces in the
+        handshake, in preference order (one here; several for
+        :class:`~kvwire.backends.multi.MultiBackend`). Called by decode when it builds its
+        hello. Threads: as :meth:`local_metadata`."""
+        return [(self.name, self.local_metadata())]
+
+    def add_link(self, offers: Sequence[tuple[str, bytes]], host: dict[str, str]) -> LinkChoice:
+        """Prefill, at handshake: add the peer that announced ``offers`` (name, metadata) over
+        the first backend both sides have and whose :meth:`link_problem` accepts it; return the
+        choice. :class:`PeerError` naming every reason when none fits. Threads: handshake
+        threads; control path (as :meth:`add_peer`)."""
+        mine = dict(offers).get(self.name)
+        if mine is None:
+            raise PeerError(
+                f"no shared transfer backend: this rank has {self.name!r}, the peer offers "
+                f"{', '.join(repr(n) for n, _ in offers) or 'none'}"
+            )
+        why = self.link_problem(PeerFacts(host, mine))
+        if why is not None:
+            raise PeerError(f"backend {self.name!r} cannot serve this link: {why}")
+        skipped = {n: "not configured on this rank" for n, _ in offers if n != self.name}
+        return LinkChoice(self.add_peer(mine), self.name, (), skipped)
 
     def add_peer(self, metadata: bytes) -> str:
         """Load a peer from its :meth:`local_metadata`; return its name. Called by the

@@ -113,6 +113,9 @@ def cmd_doctor(args: argparse.Namespace, console: Console) -> int:
     for b in reg.broken:
         console.print(f"  [red]✗[/] plugin {b.plugin} ({b.distribution} {b.version}): {b.error}")
         advice.append(f"reinstall or remove {b.distribution}: its entry point does not import")
+    from kvwire.doctor_links import links_section
+
+    advice += links_section(args, console)
     advice += _doctor_security(console)
     if "nixl" not in reg.entries[Kind.BACKEND]:
         advice.append("for NIXL: install the kvwire-nixl plugin (pip install kvwire-nixl)")
@@ -219,12 +222,19 @@ def build_parser() -> argparse.ArgumentParser:
     from kvwire.bench import layerwise as layerwise_bench
     from kvwire.bench.cli import add_bench_args
     from kvwire.config import add_cli_args
+    from kvwire.doctor_links import add_doctor_args
 
     parser = argparse.ArgumentParser(prog="kvwire", description=__doc__)
     parser.add_argument("-v", "--verbose", action="count", default=0, help="more logging")
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("plugins", help="list backends, mappers and staging strategies")
-    sub.add_parser("doctor", help="check what is installed and usable")
+    p_doctor = sub.add_parser(
+        "doctor",
+        help="check what is installed and usable, and which backends a rank configured with "
+        "the same flags would use per link",
+    )
+    add_cli_args(p_doctor)
+    add_doctor_args(p_doctor)
     p_demo = sub.add_parser("demo", help="run a real cross-process KV transfer and verify it")
     add_cli_args(p_demo)
     demo.add_demo_args(p_demo)

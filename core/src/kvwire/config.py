@@ -14,7 +14,7 @@ import json
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from kvwire.errors import ConfigError
@@ -68,6 +68,13 @@ class ControlOptions(BaseModel):
         description="Layer-wise chunks (send(..., layerwise=True)): the rank's layers are "
         "posted in this many groups as they are computed (one transfer and note each).",
     )
+    failover_probe_s: float = Field(
+        default=0.5,
+        gt=0,
+        description="Several backends (--transfer-backend nixl,tcp): first wait before a "
+        "backend that failed a link is reconnected in the background; doubled after each "
+        "failed probe, up to 30 s (docs/failover.md).",
+    )
     sync_transfers: bool = Field(
         default=False,
         description="Transfer on the caller's thread inside send() (benchmark baseline).",
@@ -105,7 +112,12 @@ class KVWireConfig(BaseSettings):
         env_prefix="KVWIRE_", env_nested_delimiter="__", extra="forbid"
     )
 
-    transfer_backend: str = Field(default=AUTO, description="Backend name, or 'auto'.")
+    transfer_backend: str = Field(
+        default=AUTO,
+        description="'auto', a backend name, or a comma-separated list in preference order "
+        "('nixl,tcp'): each link uses the first backend both sides have that can serve it, "
+        "and fails over to the next (docs/failover.md).",
+    )
     transfer_backend_options: dict[str, Any] = Field(default_factory=dict)
     index_mapper: str = Field(default=AUTO, description="Mapper name, or 'auto' per layout.")
     index_mapper_options: dict[str, Any] = Field(default_factory=dict)
@@ -137,6 +149,58 @@ class KVWireConfig(BaseSettings):
         "deployment that must not run unauthenticated fails at startup instead of warning.",
     )
 
+    @field_validator("transfer_backend")
+    @classmethod
+    def _backend_list(cls, v: str) -> str:
+        names = [n.strip() for n in v.split(",")]
+        if any(not n for n in names):
+            raise ValueError(
+                f"transfer_backend {v!r}: empty backend name (expected 'auto', a name, or a "
+                "comma-separated list such as 'nixl,tcp')"
+            )
+        if len(names) > 1 and AUTO in names:
+            raise ValueError(
+                f"transfer_backend {v!r}: 'auto' cannot be part of a list (it is a list itself)"
+            )
+        dup = sorted({n for n in names if names.count(n) > 1})
+        if dup:
+            raise ValueError(f"transfer_backend {v!r}: {', '.join(dup)} listed twice")
+        return ",".join(names)
+
+    @property
+    def backend_list(self) -> list[str]:
+        """The configured backends in preference order (``['auto']`` for auto)."""
+        return self.transfer_backend.split(",")
+
+    def backend_options(self, name: str) -> tuple[dict[str, Any], dict[str, Any]]:
+        """``(own, shared)`` options of backend ``name`` from ``transfer_backend_options``.
+        With one backend every option is its own. With a list, ``NAME.KEY`` entries (or a
+        ``NAME`` entry holding a mapping) are that backend's own; plain ``KEY`` entries are
+        shared: each listed backend whose options model has the field takes them (the
+        selection refuses one that none has)."""
+        opts = self.transfer_backend_options
+        if len(self.backend_list) == 1:
+            return dict(opts), {}
+        listed = set(self.backend_list)
+        own: dict[str, Any] = {}
+        shared: dict[str, Any] = {}
+        for key, value in opts.items():
+            head, dot, rest = key.partition(".")
+            if dot and head in listed:
+                if head == name:
+                    own[rest] = value
+            elif key in listed:
+                if not isinstance(value, dict):
+                    raise ConfigError(
+                        f"transfer_backend_options[{key!r}] must be a mapping of that "
+                        f"backend's options, got {value!r}"
+                    )
+                if key == name:
+                    own.update(value)
+            else:
+                shared[key] = value
+        return own, shared
+
     @property
     def secret_bytes(self) -> bytes | None:
         """The shared secret as bytes, or None."""
@@ -163,14 +227,17 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--transfer-backend",
         metavar="NAME",
-        help="transfer engine: 'auto' (best usable), 'tcp', or a plugin name such as 'nixl' "
-        "(env KVWIRE_TRANSFER_BACKEND; see `kvwire plugins`)",
+        help="transfer engine: 'auto' (best usable per link), 'tcp', a plugin name such as "
+        "'nixl', or a list in preference order such as 'nixl,tcp' (each link takes the first "
+        "both sides can use and fails over to the next; env KVWIRE_TRANSFER_BACKEND; see "
+        "`kvwire plugins` and `kvwire doctor`)",
     )
     g.add_argument(
         "--transfer-backend-option",
         metavar="KEY=VALUE",
         action="append",
-        help="option of the selected backend; repeatable (JSON values accepted)",
+        help="option of the selected backend; repeatable (JSON values accepted); with a list "
+        "of backends, NAME.KEY=VALUE sets one backend's option (a plain KEY goes to each)",
     )
     g.add_argument("--index-mapper", metavar="NAME", help="index mapper (default: auto)")
     g.add_argument("--index-mapper-option", metavar="KEY=VALUE", action="append")

@@ -27,6 +27,10 @@ class Implementation:
     host-pool mappers and strategies for ``host_mapper``/``host_staging`` ``auto``. ``pools``
     says which decode pools a mapper or staging strategy serves: ``"kv"`` (the KV pool) and/or
     ``"host"`` (a decode host pool of finer pages, ``KVManager(host_layout=...)``).
+    ``link_only`` (backends): it serves some links only (e.g. GPUs of one host): ``auto``
+    puts it ahead of the best general backend when it is usable on this rank
+    (``rank_problem``), and each link takes it only where its ``link_problem`` accepts the
+    peer, falling back to the general one elsewhere.
     """
 
     name: str
@@ -34,6 +38,7 @@ class Implementation:
     description: str = ""
     priority: int = 0
     pools: tuple[str, ...] = ("kv",)
+    link_only: bool = False
 
 
 class KVWireSpecs:

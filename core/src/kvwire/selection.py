@@ -7,7 +7,7 @@ declared capabilities are checked against what the caller needs, here and only h
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -15,7 +15,7 @@ from pydantic import BaseModel, ValidationError
 
 from kvwire.backend import TransferBackend
 from kvwire.config import AUTO, KVWireConfig
-from kvwire.errors import CapabilityError, ConfigError, PluginError
+from kvwire.errors import CapabilityError, ConfigError, KVWireError, PluginError
 from kvwire.index.base import IndexMapper
 from kvwire.layout import MemKind
 from kvwire.plugins import Entry, Kind, PluginRegistry, get_registry
@@ -64,15 +64,133 @@ def _select(
 
 
 def auto_backend_name(registry: PluginRegistry | None = None) -> str:
-    """The highest-priority backend that imports in this environment."""
+    """The highest-priority general backend (not ``link_only``) that imports here."""
     reg = registry or get_registry()
     ranked = sorted(reg.entries[Kind.BACKEND].values(), key=lambda e: -e.impl.priority)
     for entry in ranked:
+        if entry.impl.link_only:
+            continue
         obj, err = reg.try_resolve(Kind.BACKEND, entry.name)
         if obj is not None:
             return entry.name
         logger.info("auto backend: skipping %r: %s", entry.name, err)
     raise PluginError("no usable transfer backend is installed; run `kvwire doctor`")
+
+
+@dataclass(frozen=True)
+class BackendPlan:
+    """The backends a rank constructs, in preference order, and why the others are not
+    (``{name: reason}``). Built by :func:`plan_backends`; shown by ``kvwire doctor``."""
+
+    selected: list[Selected]
+    skipped: dict[str, str]
+
+    @property
+    def names(self) -> list[str]:
+        return [s.name for s in self.selected]
+
+
+def plan_backends(
+    config: KVWireConfig,
+    *,
+    need: Iterable[str] = ("write", "notifications"),
+    kinds: Iterable[MemKind] = (MemKind.DRAM,),
+    registry: PluginRegistry | None = None,
+) -> BackendPlan:
+    """Resolve ``--transfer-backend`` into the backends this rank would construct.
+
+    * one name: that backend, its options validated and its capabilities checked (errors
+      raised, as they always were);
+    * a list (``nixl,tcp``): each backend that imports, has the capabilities and whose
+      ``rank_problem`` is None, in the listed order; the others are skipped with their reason
+      (:class:`ConfigError` naming every reason when none is left);
+    * ``auto``: the highest-priority general backend that imports, preceded by every
+      ``link_only`` backend (``cudaipc``) usable here.
+    """
+    reg = registry or get_registry()
+    kinds = set(kinds)
+    need = tuple(need)
+    names = config.backend_list
+    selected: list[Selected] = []
+    skipped: dict[str, str] = {}
+    if names == [AUTO]:
+        # the general backend is checked as a named one (its errors raised as before); the
+        # link-only ones ahead of it only where usable
+        general = _select_one(config, auto_backend_name(reg), need, kinds, reg, strict=True)
+        extra = sorted(
+            (e for e in reg.entries[Kind.BACKEND].values() if e.impl.link_only),
+            key=lambda e: -e.impl.priority,
+        )
+        for entry in extra:
+            try:
+                selected.append(_select_one(config, entry.name, need, kinds, reg, strict=False))
+            except KVWireError as exc:
+                skipped[entry.name] = str(exc)
+                logger.info("auto: transfer backend %r is not usable here: %s", entry.name, exc)
+        return BackendPlan([*selected, general], skipped)
+    if len(names) == 1:
+        return BackendPlan([_select_one(config, names[0], need, kinds, reg, strict=True)], {})
+    for name in names:
+        try:
+            selected.append(_select_one(config, name, need, kinds, reg, strict=False))
+        except KVWireError as exc:
+            skipped[name] = str(exc)
+            logger.info("transfer backend %r is not usable on this rank: %s", name, exc)
+    if not selected:
+        raise ConfigError(
+            f"none of the transfer backends {config.transfer_backend!r} is usable here: "
+            + "; ".join(f"{k}: {v}" for k, v in skipped.items())
+            + " (run `kvwire doctor`)"
+        )
+    _check_shared_options(config, selected, reg)
+    return BackendPlan(selected, skipped)
+
+
+def _select_one(
+    config: KVWireConfig,
+    name: str,
+    need: tuple[str, ...],
+    kinds: set[MemKind],
+    reg: PluginRegistry,
+    *,
+    strict: bool,
+) -> Selected:
+    """One backend of the plan: resolved, options validated, capabilities checked, and (not
+    ``strict``: part of a list or of auto) its ``rank_problem`` asked."""
+    own, shared = config.backend_options(name)
+    cls = reg.resolve(Kind.BACKEND, name)
+    model = getattr(cls, "options_model", None)
+    options = {k: v for k, v in shared.items() if _has_field(model, k)} | own
+    if config.secret is not None and "secret" not in options and _has_field(model, "secret"):
+        options["secret"] = config.secret
+    sel = _select(Kind.BACKEND, TransferBackend, name, options, reg)
+    caps = sel.cls.capabilities
+    missing = [c for c in need if not getattr(caps, c)]
+    missing += [f"{k.name} memory" for k in kinds if not caps.supports_kind(k)]
+    if missing:
+        raise CapabilityError(
+            f"transfer backend {name!r} lacks {', '.join(missing)}; choose another with "
+            "--transfer-backend (see `kvwire plugins`)"
+        )
+    if not strict:
+        why = sel.cls.rank_problem(frozenset(kinds))
+        if why is not None:
+            raise CapabilityError(f"transfer backend {name!r}: {why}")
+    return sel
+
+
+def _check_shared_options(
+    config: KVWireConfig, selected: list[Selected], reg: PluginRegistry
+) -> None:
+    """A plain option key (no ``NAME.``) given with a list must be a field of at least one
+    listed backend's options model."""
+    _, shared = config.backend_options(selected[0].name)
+    for key in shared:
+        if not any(_has_field(s.cls.options_model, key) for s in selected):
+            raise ConfigError(
+                f"transfer backend option {key!r} is not an option of any of "
+                f"{', '.join(s.name for s in selected)}; set NAME.{key}=... for one of them"
+            )
 
 
 def select_backend(
@@ -82,33 +200,12 @@ def select_backend(
     kinds: Iterable[MemKind] = (MemKind.DRAM,),
     registry: PluginRegistry | None = None,
 ) -> Selected:
-    """Resolve the configured backend, validate its options and check its capabilities.
-
-    Called first thing when a manager starts, so it also enforces ``require_secret``
-    (:class:`ConfigError` naming the fix). A backend whose options model has a ``secret``
-    field (the ``tcp`` backend authenticates its data plane with it) receives the shared
-    secret there unless its options set one.
-    """
+    """The first backend of :func:`plan_backends` (its options validated, its capabilities
+    checked); also enforces ``require_secret`` (:class:`ConfigError` naming the fix). A
+    backend whose options model has a ``secret`` field (the ``tcp`` backend authenticates
+    its data plane with it) receives the shared secret there unless its options set one."""
     enforce_secret_policy(config.require_secret, config.secret_bytes, "this kvwire rank")
-    reg = registry or get_registry()
-    name = config.transfer_backend
-    if name == AUTO:
-        name = auto_backend_name(reg)
-    options = dict(config.transfer_backend_options)
-    cls = reg.resolve(Kind.BACKEND, name)
-    model = getattr(cls, "options_model", None)
-    if config.secret is not None and "secret" not in options and _has_field(model, "secret"):
-        options["secret"] = config.secret
-    sel = _select(Kind.BACKEND, TransferBackend, name, options, reg)
-    caps = sel.cls.capabilities
-    missing = [c for c in need if not getattr(caps, c)]
-    missing += [f"{k.name} memory" for k in set(kinds) if not caps.supports_kind(k)]
-    if missing:
-        raise CapabilityError(
-            f"transfer backend {name!r} lacks {', '.join(missing)}; choose another with "
-            "--transfer-backend (see `kvwire plugins`)"
-        )
-    return sel
+    return plan_backends(config, need=need, kinds=kinds, registry=registry).selected[0]
 
 
 def _has_field(model: object, name: str) -> bool:
@@ -116,10 +213,55 @@ def _has_field(model: object, name: str) -> bool:
 
 
 def create_backend(config: KVWireConfig, agent_name: str, **kwargs: Any) -> TransferBackend:
-    """Select and instantiate the configured backend for one agent."""
+    """Select and instantiate the configured backend for one agent (the first of a list)."""
     sel = select_backend(config, **kwargs)
     backend: TransferBackend = sel.cls(agent_name, sel.options)
     return backend
+
+
+def create_backends(
+    config: KVWireConfig,
+    agent_name: str,
+    *,
+    kinds: Iterable[MemKind] = (MemKind.DRAM,),
+    on_failover: Callable[[str, str, str, str], None] | None = None,
+    on_recovery: Callable[[str, str], None] | None = None,
+    registry: PluginRegistry | None = None,
+) -> tuple[TransferBackend, BackendPlan]:
+    """Build a rank's backend: the one planned backend itself, or a
+    :class:`~kvwire.backends.multi.MultiBackend` over every planned backend that constructs
+    (one that raises is skipped with its reason, logged). Called once by the manager."""
+    enforce_secret_policy(config.require_secret, config.secret_bytes, "this kvwire rank")
+    plan = plan_backends(config, kinds=kinds, registry=registry)
+    if len(plan.selected) == 1:
+        sel = plan.selected[0]
+        return sel.cls(agent_name, sel.options), plan
+    members: list[TransferBackend] = []
+    skipped = dict(plan.skipped)
+    for sel in plan.selected:
+        try:
+            members.append(sel.cls(agent_name, sel.options))
+        except Exception as exc:  # a plugin's engine failing to start: the others may do
+            skipped[sel.name] = f"failed to start: {type(exc).__name__}: {exc}"
+            logger.warning("%s: transfer backend %s failed to start: %s", agent_name, sel.name, exc)
+    if not members:
+        raise ConfigError(
+            "no transfer backend could start: " + "; ".join(f"{k}: {v}" for k, v in skipped.items())
+        )
+    kept = [s for s in plan.selected if s.name in {m.name for m in members}]
+    plan = BackendPlan(kept, skipped)
+    if len(members) == 1:
+        return members[0], plan
+    from kvwire.backends.multi import MultiBackend
+
+    multi = MultiBackend(
+        agent_name,
+        members,
+        probe_s=config.control.failover_probe_s,
+        on_failover=on_failover,
+        on_recovery=on_recovery,
+    )
+    return multi, plan
 
 
 def select_staging(config: KVWireConfig, registry: PluginRegistry | None = None) -> Selected:

@@ -13,11 +13,12 @@ import msgpack
 import numpy as np
 import pytest
 
-from kvwire.backend import TransferBackend
+from kvwire.backend import PeerFacts, TransferBackend
 from kvwire.config import KVWireConfig
 from kvwire.descriptors import make_table
 from kvwire.errors import ConfigError, DescriptorError, PeerError
 from kvwire.layout import MemKind, MemoryRegion
+from kvwire.link_choice import host_identity
 from kvwire.selection import create_backend
 from kvwire_cudaipc import _cuda
 from kvwire_cudaipc.meta import IpcExport, parse_peer
@@ -239,6 +240,61 @@ def test_vram_path_control_flow_with_host_stand_ins(monkeypatch: pytest.MonkeyPa
 
         with pytest.raises(DescriptorError, match="pairs local row 20 \\(DRAM\\)"):
             a.submit(XferOp.WRITE, pair, np.array([20]), np.array([0]))
+    finally:
+        a.close()
+        b.close()
+
+
+# ------------------------------------------------------------ the per-link check (link_problem)
+def test_link_problem_names_another_host(agents: tuple) -> None:
+    """Prefill asks each backend whether it can serve a link before adding the peer: cudaipc
+    refuses a peer whose handshake names another host (and one whose metadata does)."""
+    a, b, _ = agents
+    elsewhere = {"boot_id": "00000000-0000-0000-0000-000000000000", "hostname": "elsewhere"}
+    why = a.link_problem(PeerFacts(elsewhere, b.local_metadata()))
+    assert why is not None and why.startswith("different hosts") and "'elsewhere'" in why
+    why = a.link_problem(PeerFacts({}, _edit(b.local_metadata(), host=elsewhere)))
+    assert why is not None and why.startswith("different hosts")
+    assert "unreadable cudaipc metadata" in (a.link_problem(PeerFacts({}, b"junk")) or "")
+
+
+def test_link_problem_on_one_host_without_cuda(agents: tuple) -> None:
+    """Same host: on a machine without a GPU the reason is "no CUDA"; with one (and no VRAM
+    registered here) it is the missing VRAM."""
+    a, b, _ = agents
+    why = a.link_problem(PeerFacts(host_identity(), b.local_metadata()))
+    assert why is not None
+    if _cuda.cuda_problem() is None:
+        assert "registered no VRAM" in why
+    else:
+        assert "no CUDA" in why
+        cls = type(a)
+        assert "no CUDA" in (cls.rank_problem(frozenset({MemKind.VRAM})) or "")
+    assert "no VRAM pool" in (type(a).rank_problem(frozenset({MemKind.DRAM})) or "")
+
+
+def test_add_link_falls_back_past_cudaipc_with_its_reason() -> None:
+    """A rank with ``cudaipc,tcp`` adds a peer that announces both over tcp when cudaipc
+    cannot serve the link, and names why (no CUDA here, or another host)."""
+    from kvwire.backends.multi import MultiBackend
+
+    def multi(agent: str) -> MultiBackend:
+        cfg = KVWireConfig(transfer_backend="cudaipc")
+        members = [
+            create_backend(cfg, agent, need=()),
+            create_backend(KVWireConfig(transfer_backend="tcp"), agent),
+        ]
+        return MultiBackend(agent, members)
+
+    a, b = multi("prefill-m"), multi("decode-m")
+    try:
+        buf = np.zeros(1 << 12, dtype=np.uint8)
+        b.register([MemoryRegion.from_tensor(buf, item_len=4096)])
+        choice = a.add_link(b.offers(), host_identity())
+        assert choice.backend == "tcp" and choice.fallbacks == ()
+        assert set(choice.skipped) == {"cudaipc"}
+        far = a.add_link(b.offers(), {"boot_id": "x", "hostname": "far"})
+        assert far.skipped["cudaipc"].startswith("different hosts")
     finally:
         a.close()
         b.close()

@@ -70,8 +70,13 @@ from kvwire.layout import (
 #: ``sections``; a 1.5 prefill drops a 1.6 layout it cannot validate (decode's handshake then
 #: times out) or acknowledges a hash that decode refuses. 1.6 also carries ``KVLayout.kv_fused``
 #: and ``KVLayout.kv_in_slot`` (K and V in one buffer per layer; omitted when unset).
+#: 1.8 added several backends per rank: ``Hello.backends`` (every backend decode announces,
+#: in its order, with its metadata; ``backend``/``backend_metadata`` still carry the first, so
+#: a 1.7 prefill reads a 1.8 hello as before), ``Hello.host`` (the rank's host identity, for
+#: per-link checks such as CUDA IPC's) and ``HelloAck.backend``/``HelloAck.fallbacks`` (the
+#: link's choice, for decode's log). A 1.8 prefill reads a 1.7 hello as one offer.
 PROTOCOL_MAJOR = 1
-PROTOCOL_MINOR = 7
+PROTOCOL_MINOR = 8
 
 #: Largest frame accepted (layouts of deep models with many buffers stay far below this).
 MAX_FRAME_BYTES = 16 << 20
@@ -130,6 +135,14 @@ _NESTED: dict[type[BaseModel], dict[str, type[BaseModel]]] = {
 }
 
 
+class BackendOffer(BaseModel):
+    """One backend a decode rank announces: its name and its metadata. (1.8)"""
+
+    model_config = ConfigDict(extra="ignore", frozen=True)
+    name: str = Field(min_length=1)
+    metadata: bytes
+
+
 class Hello(Message):
     """Decode rank -> prefill rank, once per (decode rank, prefill rank) incarnation pair:
     who the decode rank is, its KV layout, its aux rows and its backend's metadata."""
@@ -153,6 +166,16 @@ class Hello(Message):
     host_staging: dict[str, Any] | None = None
     #: Decode asks for a checksum of every KV chunk (``ControlOptions.kv_checksum``). (1.7)
     checksum: bool = False
+    #: Every backend decode has, in its preference order (the first is ``backend``). (1.8)
+    backends: list[BackendOffer] = Field(default_factory=list)
+    #: The decode rank's host identity (``{"boot_id", "hostname"}``). (1.8)
+    host: dict[str, str] = Field(default_factory=dict)
+
+    def offers(self) -> list[tuple[str, bytes]]:
+        """``(name, metadata)`` of each backend decode announced (a 1.7 hello: its one)."""
+        if self.backends:
+            return [(b.name, b.metadata) for b in self.backends]
+        return [(self.backend, self.backend_metadata)]
 
     @field_validator("layout", "host_layout", mode="before")
     @classmethod
@@ -195,6 +218,10 @@ class HelloAck(Message):
     #: This prefill rank will send per-layer checksums with its KV chunks, as decode asked.
     #: A decode rank that asked and reads False (an older prefill) refuses the link. (1.7)
     checksum: bool = False
+    #: The backend prefill chose for this link, and its fallbacks in order ("" and [] from a
+    #: 1.7 prefill: the one both had). (1.8)
+    backend: str = ""
+    fallbacks: list[str] = Field(default_factory=list)
 
     @field_validator("rank", mode="before")
     @classmethod

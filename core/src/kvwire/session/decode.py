@@ -96,6 +96,9 @@ class RecvRoom:
     expected: dict[int, int] = field(default_factory=dict)
     #: Segments of chunks still missing some: (sender id, chunk id) -> segments arrived.
     partial: dict[tuple[int, int], int] = field(default_factory=dict)
+    #: Notes of KV segments counted: (what, sender id, chunk id, part). A segment resent
+    #: over a fallback backend after failover is counted once (docs/failover.md).
+    notes_seen: set[tuple[str, int, int, int]] = field(default_factory=set)
     #: With checksums: per-layer sums the parts of a chunk carried so far, by (sender id,
     #: chunk id); dropped once the chunk is checked.
     sent_sums: dict[tuple[int, int], dict[int, int]] = field(default_factory=dict)
@@ -335,6 +338,10 @@ class DecodeSide(Side[RecvRoom]):
                         msg.parts,
                     )
                     return
+                seen = (msg.what, msg.sender_id, msg.chunk_id, msg.part)
+                if seen in room.notes_seen:  # resent after failover: its data landed again
+                    return
+                room.notes_seen.add(seen)
                 if msg.sums:  # after the check above: a dropped note adds nothing
                     add_sums(
                         room.sent_sums.setdefault(key, {}),

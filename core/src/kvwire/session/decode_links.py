@@ -18,9 +18,10 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from kvwire.control.bootstrap import BootstrapClient, RankInfo
-from kvwire.control.wire import Hello, HelloAck, HelloReject, Message
+from kvwire.control.wire import BackendOffer, Hello, HelloAck, HelloReject, Message
 from kvwire.errors import HandshakeError, KVWireError
 from kvwire.index.topology import Topology
+from kvwire.link_choice import host_identity
 from kvwire.session.checksums import LandedSums
 from kvwire.session.handshake import build_mapper, topology_for
 from kvwire.session.peers import Peer
@@ -42,6 +43,9 @@ class PrefillLink:
     groups: bool = False
     #: Checks the per-layer sums its chunks carry (``ControlOptions.kv_checksum``).
     checksums: LandedSums | None = None
+    #: The backend prefill chose for the link and its fallbacks ("" from a 1.7 prefill).
+    backend: str = ""
+    fallbacks: tuple[str, ...] = ()
 
 
 @dataclass
@@ -132,6 +136,7 @@ class SourceLinks:
             if pending is None:
                 pending = self.pending[info.session] = _Pending()
         if first:
+            offers = mgr.backend.offers()
             hello = Hello(
                 session=mgr.session,
                 agent=mgr.agent_name,
@@ -139,8 +144,10 @@ class SourceLinks:
                 rank=mgr.layout.rank,
                 layout=mgr.layout,
                 layout_hash=mgr.layout.compatibility_hash(),
-                backend=mgr.backend_name,
-                backend_metadata=mgr.backend.local_metadata(),
+                backend=offers[0][0],
+                backend_metadata=offers[0][1],
+                backends=[BackendOffer(name=n, metadata=b) for n, b in offers],
+                host=host_identity(),
                 aux_regions=mgr.aux_regions,
                 staging=mgr.staging.describe(),
                 host_layout=mgr.host_layout,
@@ -229,7 +236,22 @@ class SourceLinks:
             pending.error = error
             pending.event.set()
             return
-        link = PrefillLink(info, msg.sender_id, msg.dummy, msg.groups, checksums)
+        link = PrefillLink(
+            info,
+            msg.sender_id,
+            msg.dummy,
+            msg.groups,
+            checksums,
+            msg.backend,
+            tuple(msg.fallbacks),
+        )
+        logger.info(
+            "%s: link from %s: backend %s%s",
+            mgr.agent_name,
+            msg.agent,
+            msg.backend or mgr.backend_names[0],
+            f" (fallbacks: {', '.join(msg.fallbacks)})" if msg.fallbacks else "",
+        )
         with self._lock:
             self.links[msg.session] = link
         mgr.add_peer(Peer(msg.session, msg.agent, msg.endpoint, time.monotonic(), link=link))

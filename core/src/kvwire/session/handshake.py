@@ -22,7 +22,10 @@ from kvwire.selection import select_mapper
 
 
 def handshake_problems(
-    prefill: KVLayout, decode: KVLayout, prefill_backend: str, decode_backend: str
+    prefill: KVLayout,
+    decode: KVLayout,
+    prefill_backends: Sequence[str],
+    decode_backends: Sequence[str],
 ) -> list[str]:
     """Every reason a prefill layout and a decode layout cannot work together, each naming
     the field and both values; empty when they can.
@@ -30,7 +33,9 @@ def handshake_problems(
     Page sizes may differ (the core mappers move token ranges, :mod:`kvwire.index.paging`)
     unless a buffer group is addressed by the KV page indices (kind ``paged``: draft or MTP
     layers); a configured mapper that does not convert page sizes refuses in its constructor,
-    naming both."""
+    naming both. The two sides must share at least one transfer backend (each side's list in
+    its preference order; which one a link uses is decided when the peer is added,
+    :meth:`~kvwire.backend.TransferBackend.add_link`)."""
     out = [
         f"{f}: prefill={getattr(prefill.model, f)!r} decode={getattr(decode.model, f)!r}"
         for f in COMPAT_FIELDS
@@ -45,8 +50,11 @@ def handshake_problems(
             for g in layout.groups
             if g.kind == "paged"
         ]
-    if prefill_backend != decode_backend:
-        out.append(f"transfer backend: prefill={prefill_backend!r} decode={decode_backend!r}")
+    if not set(prefill_backends) & set(decode_backends):
+        out.append(
+            f"transfer backend: prefill={','.join(prefill_backends)!r} "
+            f"decode={','.join(decode_backends)!r}: none in common"
+        )
     out += layout_topology(prefill, decode).problems()
     if decode.rank.pp_size == 1 and (
         decode.start_layer != 0 or decode.layer_end != decode.model.num_layers

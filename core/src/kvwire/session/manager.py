@@ -39,7 +39,7 @@ from kvwire.control.wire import MESSAGE_TYPES, Codec, Goodbye, Heartbeat, Messag
 from kvwire.errors import ConfigError, LayoutError
 from kvwire.layout import KVLayout, MemoryRegion
 from kvwire.security import enforce_secret_policy
-from kvwire.selection import select_backend, select_host_staging, select_staging
+from kvwire.selection import create_backends, select_host_staging, select_staging
 from kvwire.session import metrics as m
 from kvwire.session.early import RoomIssuer
 from kvwire.session.peers import Peer, PeerTable
@@ -166,9 +166,17 @@ class KVManager:
         host_buffers = tuple(host_layout.buffers) if host_layout is not None else ()
         groups = layout.group_regions  # state, sliding-window and draft-layer buffers
         kinds = {b.kind for b in (*layout.buffers, *groups, *aux_buffers, *host_buffers)}
-        sel = select_backend(config, kinds=kinds)
-        self.backend_name = sel.name
-        self.backend: TransferBackend = sel.cls(self.agent_name, sel.options)
+        self.backend: TransferBackend
+        self.backend, self.backend_plan = create_backends(
+            config,
+            self.agent_name,
+            kinds=kinds,
+            on_failover=self._on_failover,
+            on_recovery=self._on_recovery,
+        )
+        #: This rank's backends in preference order (one, or a MultiBackend's members).
+        self.backend_names = self.backend_plan.names
+        self.backend_name = ",".join(self.backend_names)
         #: Ends the progress thread's wait early: set by the backend when a notification is
         #: queued (a backend that pushes events), by :meth:`later` and by :meth:`close`.
         self._progress_wake = threading.Event()
@@ -460,6 +468,14 @@ class KVManager:
             except Exception:
                 logger.exception("%s: progress loop error; continuing", self.agent_name)
                 time.sleep(CONTROL_TICK_S)
+
+    def _on_failover(self, peer: str, src: str, dst: str, why: str) -> None:
+        """A link's backend failed and its transfers moved to ``dst`` (any thread)."""
+        m.FAILOVERS.labels(**self.labels, src=src, dst=dst).inc()
+
+    def _on_recovery(self, peer: str, backend: str) -> None:
+        """A link's failed backend reconnected and takes its transfers again (probe thread)."""
+        m.RECOVERIES.labels(**self.labels, backend=backend).inc()
 
     def later(self, chore: Callable[[], None]) -> None:
         """Run ``chore`` on the progress thread (engine calls the liveness thread must not

@@ -28,6 +28,16 @@ FAILED_PAGES = Counter(
     "source) or 'missing' (to recompute)",
     (*_LABELS, "result"),
 )
+FAILOVERS = Counter(
+    "kvwire_transport_failovers",
+    "Links moved from a failed backend to a fallback (docs/failover.md)",
+    (*_LABELS, "src", "dst"),
+)
+RECOVERIES = Counter(
+    "kvwire_transport_recoveries",
+    "Links moved back to a backend that reconnected after a failure",
+    (*_LABELS, "backend"),
+)
 ACTIVE_ROOMS = Gauge("kvwire_active_rooms", "Rooms currently tracked", _LABELS)
 QUEUED_CHUNKS = Gauge(
     "kvwire_queued_chunks", "Chunks queued for or in the transfer workers (prefill)", _LABELS

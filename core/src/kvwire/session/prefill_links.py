@@ -16,7 +16,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from kvwire.backend import PreparedPair
+from kvwire.backend import LinkChoice, PreparedPair
 from kvwire.control.reach import endpoint_host, is_local, is_loopback
 from kvwire.control.wire import Hello, HelloAck, HelloReject, Message
 from kvwire.errors import KVWireError
@@ -87,6 +87,8 @@ class DecodeLink:
     groups: GroupMapper | None = None
     #: Per-layer checksums of KV chunks, when decode asked for them (``Hello.checksum``).
     checksums: SentSums | None = None
+    #: The backend the link uses, its fallbacks, and why other offers were passed over.
+    choice: LinkChoice | None = None
 
     @property
     def sends_groups(self) -> bool:
@@ -145,7 +147,8 @@ class DecodeLinker:
         if known is not None:  # a retried hello: answer again
             self._ack(hello, known.link)
             return
-        problems = handshake_problems(mgr.layout, hello.layout, mgr.backend_name, hello.backend)
+        theirs = [n for n, _ in hello.offers()]
+        problems = handshake_problems(mgr.layout, hello.layout, mgr.backend_names, theirs)
         problems += aux_problems(mgr.aux_regions, hello.aux_regions)
         if problems:
             self._reject(hello, "incompatible layouts", problems)
@@ -179,7 +182,8 @@ class DecodeLinker:
         try:
             mapper = build_mapper(mgr.config, mgr.layout, hello.layout)
             extra = mgr.staging.link_tables(mapper, hello.staging)
-            name = self._add_engine_peer(hello, stale)
+            choice = self._add_engine_peer(hello, stale)
+            name = choice.peer
             pairs = {
                 "aux": mgr.backend.prepare(
                     name, slot_table(mgr.aux_regions), slot_table(hello.aux_regions)
@@ -248,6 +252,7 @@ class DecodeLinker:
                 splits=splits,
                 groups=groups,
                 checksums=checksums,
+                choice=choice,
             )
         except Exception as exc:  # a plugin's error included: decode must hear why, now
             if not isinstance(exc, KVWireError):
@@ -257,51 +262,60 @@ class DecodeLinker:
             return
         mgr.add_peer(Peer(hello.session, hello.agent, hello.endpoint, time.monotonic(), link=link))
         logger.info(
-            "%s: handshake with %s (%s mapper%s%s)",
+            "%s: handshake with %s (%s mapper%s%s); %s",
             mgr.agent_name,
             hello.agent,
             mapper.name,
             ", dummy" if mapper.is_dummy else "",
             ", staged" if extra else "",
+            choice.describe(),
         )
         self._ack(hello, link)
 
     def _data_loopback(self, hello: Hello) -> str | None:
-        """Handshake thread: why this rank could not reach the decode rank's data plane: its
-        engine metadata advertises loopback while the rank itself is on another host (its
-        control endpoint is not an address of this host). None when nothing is wrong that
-        this can tell (an engine that does not say, or one host)."""
-        try:
-            hosts = self.mgr.backend.advertised_hosts(hello.backend_metadata)
-        except Exception:
-            return None  # bad metadata: add_peer reports it with its own words
+        """Handshake thread: why this rank could not reach the decode rank's data plane: the
+        engine metadata of a backend both sides have advertises loopback while the rank
+        itself is on another host (its control endpoint is not an address of this host).
+        None when nothing is wrong that this can tell (engines that do not say, or one
+        host)."""
         peer_host = endpoint_host(hello.endpoint)
-        bad = [h for h in hosts if is_loopback(h)]
-        if not bad or is_local(peer_host):
+        if is_local(peer_host):
             return None
-        return (
-            f"decode rank {hello.agent} at {peer_host} advertises its {self.mgr.backend_name} "
-            f"data endpoint on loopback ({bad[0]}), which this prefill rank on another host "
-            f"cannot reach: set the backend's address on decode "
-            f"(--transfer-backend-option host=ADDR or advertise_host=ADDR)"
-        )
+        for name, metadata in hello.offers():
+            if name not in self.mgr.backend_names:
+                continue
+            try:
+                hosts = self.mgr.backend.advertised_hosts(metadata)
+            except Exception:
+                continue  # bad metadata: add_link reports it with its own words
+            bad = [h for h in hosts if is_loopback(h)]
+            if bad:
+                return (
+                    f"decode rank {hello.agent} at {peer_host} advertises its {name} data "
+                    f"endpoint on loopback ({bad[0]}), which this prefill rank on another host "
+                    f"cannot reach: set the backend's address on decode "
+                    f"(--transfer-backend-option host=ADDR or advertise_host=ADDR)"
+                )
+        return None
 
-    def _add_engine_peer(self, hello: Hello, stale: list[str]) -> str:
-        """Handshake thread: add the decode rank to the engine. ``stale``: the engine names
-        of the incarnations it replaces (a restart, usually under the same name): what they
-        left in the engine goes first, and the name's owner becomes the new session, so the
-        old incarnation's deferred release (:meth:`PrefillSide._release_peer`) cannot remove
-        the new one's state. Lock contract: ``mgr.engine_peers_lock`` around the engine's add
-        and remove of peers, never with ``mgr.lock``."""
+    def _add_engine_peer(self, hello: Hello, stale: list[str]) -> LinkChoice:
+        """Handshake thread: add the decode rank to the engine (over the first backend both
+        sides have that can serve the link: :meth:`~kvwire.backend.TransferBackend.add_link`).
+        ``stale``: the engine names of the incarnations it replaces (a restart, usually under
+        the same name): what they left in the engine goes first, and the name's owner becomes
+        the new session, so the old incarnation's deferred release
+        (:meth:`PrefillSide._release_peer`) cannot remove the new one's state. Lock contract:
+        ``mgr.engine_peers_lock`` around the engine's add and remove of peers, never with
+        ``mgr.lock``."""
         mgr = self.mgr
         with mgr.engine_peers_lock:
             for n in stale:
                 owner = mgr.engine_peers.pop(n, hello.session)
                 if owner != hello.session and n in mgr.backend.peers():
                     mgr.backend.remove_peer(n)
-            name = mgr.backend.add_peer(hello.backend_metadata)
-            mgr.engine_peers[name] = hello.session
-            return name
+            choice = mgr.backend.add_link(hello.offers(), hello.host)
+            mgr.engine_peers[choice.peer] = hello.session
+            return choice
 
     def _prepare(
         self,
@@ -329,7 +343,9 @@ class DecodeLinker:
             return None, "the decode rank has no host pool"
         problems = [
             p
-            for p in handshake_problems(self.mgr.layout, host, self.mgr.backend_name, hello.backend)
+            for p in handshake_problems(
+                self.mgr.layout, host, self.mgr.backend_names, [n for n, _ in hello.offers()]
+            )
             if not p.startswith(("page_size", "group "))  # groups move on the KV link
         ]
         if problems:
@@ -358,6 +374,8 @@ class DecodeLinker:
                 staged=link.pools["kv"].staged,
                 groups=link.sends_groups,
                 checksum=hello.checksum and (link.dummy or link.checksums is not None),
+                backend=link.choice.backend if link.choice is not None else "",
+                fallbacks=list(link.choice.fallbacks) if link.choice is not None else [],
             ),
         )
 

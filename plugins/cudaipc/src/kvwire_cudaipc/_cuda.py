@@ -85,6 +85,29 @@ def host_identity() -> dict[str, str]:
     return {"boot_id": boot, "hostname": socket.gethostname()}
 
 
+def cuda_problem() -> str | None:
+    """Why this process cannot use a CUDA device, or None. Cheap where there is no GPU (no
+    ``/dev/nvidia*`` device node: torch is not imported)."""
+    if not any(os.path.exists(f"/dev/{d}") for d in ("nvidiactl", "nvidia0", "dxg")):
+        return "no CUDA device on this host (no /dev/nvidia* device node)"
+    try:
+        torch = _torch()
+    except ConfigError as exc:
+        return str(exc)
+    if not torch.cuda.is_available():
+        return "no CUDA device visible to this process (torch.cuda.is_available() is False)"
+    return None
+
+
+def p2p_problem(writer: int, owner: int) -> str | None:
+    """Why device ``writer`` cannot store into device ``owner`` peer to peer, or None."""
+    if writer == owner:
+        return None
+    if not _torch().cuda.can_device_access_peer(writer, owner):
+        return f"no P2P from cuda:{writer} to cuda:{owner} (no NVLink/PCIe peer access)"
+    return None
+
+
 def device_uuid(ordinal: int) -> str:
     """The UUID of visible CUDA device ``ordinal`` (as torch reports it)."""
     torch = _torch()

@@ -42,6 +42,7 @@ from pydantic import BaseModel, Field
 
 from kvwire.backend import (
     BackendCapabilities,
+    PeerFacts,
     PreparedPair,
     TransferHandle,
     XferOp,
@@ -125,6 +126,11 @@ class CudaIpcBackend(TcpBackend):
     )
     options_model = CudaIpcOptions
     options: CudaIpcOptions
+    link_rule = (
+        "peers on this host (boot id and hostname match) whose GPU this process sees and "
+        "reaches peer to peer, from a rank with CUDA and a VRAM pool; other links take the "
+        "next backend"
+    )
 
     def __init__(self, agent_name: str, options: BaseModel | None = None) -> None:
         super().__init__(agent_name, options)
@@ -200,6 +206,49 @@ class CudaIpcBackend(TcpBackend):
             exports=exports,
             scratch=self._scratch_region.addr,
         )
+
+    @classmethod
+    def rank_problem(cls, kinds: frozenset[MemKind]) -> str | None:
+        """``auto`` offers cudaipc only on a rank with a VRAM pool and a usable CUDA device."""
+        if MemKind.VRAM not in kinds:
+            return "no VRAM pool on this rank (CUDA IPC moves GPU memory)"
+        return _cuda.cuda_problem()
+
+    def link_problem(self, peer: PeerFacts) -> str | None:
+        """Prefill, at handshake: cudaipc serves a link only to a peer on this host (the
+        handshake's host identity, else the metadata's), from a rank with CUDA and VRAM, to
+        GPUs this process sees and reaches peer to peer. The first reason that applies, in
+        that order."""
+        try:
+            info = parse_peer(peer.metadata, self.name, METADATA_VERSION)
+        except ValueError as exc:
+            return f"unreadable cudaipc metadata: {exc}"
+        host = peer.host or info.host
+        if host != self._host:
+            return (
+                f"different hosts (peer on {host.get('hostname')!r} boot "
+                f"{host.get('boot_id', '')[:8]!r}, this rank on {self._host.get('hostname')!r} "
+                f"boot {self._host.get('boot_id', '')[:8]!r}): CUDA IPC works within one host"
+            )
+        why = _cuda.cuda_problem()
+        if why is not None:
+            return why
+        writer = self._writer_device()
+        if writer is None:
+            return "this rank registered no VRAM (CUDA IPC moves GPU memory)"
+        if not info.exports:
+            return "the peer registered no VRAM"
+        if info.pid == _cuda.pid():
+            return None
+        uuids = _cuda.visible_uuids()
+        for e in info.exports:
+            owner = uuids.get(e.uuid)
+            if owner is None:
+                return f"the peer's GPU {e.uuid} is not visible here (CUDA_VISIBLE_DEVICES)"
+            why = _cuda.p2p_problem(writer, owner)
+            if why is not None:
+                return why
+        return None
 
     def _decode_metadata(self, metadata: bytes) -> dict[str, Any]:
         return parse_peer(metadata, self.name, METADATA_VERSION).raw

@@ -9,8 +9,9 @@ from kvwire.plugins import Implementation, hookimpl
 #: The kvwire plugin API this plugin is written for (see kvwire.plugin_api).
 KVWIRE_PLUGIN_API = "2.0"
 
-#: Below the built-in ``tcp`` (0): ``--transfer-backend auto`` does not pick it (it serves
-#: same-host GPU links only); name it with ``--transfer-backend cudaipc``.
+#: Below the built-in ``tcp`` (0): never auto's general backend. It is ``link_only``: where
+#: CUDA is usable, ``auto`` offers it ahead of the general backend and each link takes it only
+#: when its peer is on this host with P2P between the two GPUs (``link_problem``).
 PRIORITY = -10
 
 
@@ -24,5 +25,6 @@ def kvwire_transfer_backends() -> list[Implementation]:
             "CUDA IPC between GPUs of one host: one fused Triton mover launch per transfer "
             "(VRAM), ZeroMQ side channel for host rows and notifications; WRITE only",
             priority=PRIORITY,
+            link_only=True,
         )
     ]

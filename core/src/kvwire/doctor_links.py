@@ -1,0 +1,50 @@
+"""``kvwire doctor``'s "Backends for this configuration" section: which transfer backends a
+rank configured like this would construct here, why the others are not, and the rule each
+applies per link (docs/failover.md). Called by :func:`kvwire.cli.cmd_doctor` only."""
+
+from __future__ import annotations
+
+import argparse
+
+from rich.console import Console
+from rich.markup import escape
+
+from kvwire.config import config_from_args
+from kvwire.errors import KVWireError
+from kvwire.layout import MemKind
+from kvwire.selection import plan_backends
+
+
+def add_doctor_args(parser: argparse.ArgumentParser) -> None:
+    """``kvwire doctor``'s own flags (besides an engine's, :func:`kvwire.config.add_cli_args`)."""
+    parser.add_argument(
+        "--pool",
+        choices=("dram", "vram"),
+        default="dram",
+        help="memory of the KV pool of the rank to check (default: dram)",
+    )
+
+
+def links_section(args: argparse.Namespace, console: Console) -> list[str]:
+    """Print the plan for the configuration in ``args`` (and ``KVWIRE_*``); return advice."""
+    console.print("\n[bold]Backends for this configuration[/] (per link: docs/failover.md)")
+    kinds = {MemKind.VRAM if getattr(args, "pool", "dram") == "vram" else MemKind.DRAM}
+    try:
+        config = config_from_args(args)
+        plan = plan_backends(config, kinds=kinds)
+    except KVWireError as exc:
+        console.print(f"  [red]✗[/] {escape(str(exc))}", highlight=False)
+        return [f"transfer backend: {exc}"]
+    console.print(f"  --transfer-backend {config.transfer_backend}", highlight=False)
+    for i, sel in enumerate(plan.selected):
+        role = "first choice" if i == 0 else "fallback"
+        console.print(f"  [green]✓[/] {sel.name} ({role})", highlight=False)
+        console.print(f"      per link: {escape(sel.cls.link_rule)}", highlight=False)
+    for name, why in plan.skipped.items():
+        console.print(f"  [yellow]-[/] {name}: not used here: {escape(why)}", highlight=False)
+    console.print(
+        "  each link takes the first of these that the peer also announces and whose per-link "
+        "check passes; the next ones are its fallbacks (failover)",
+        highlight=False,
+    )
+    return []
