@@ -37,13 +37,6 @@ class Rig:
     def __init__(self, role: str, extra: dict[str, Any] | None = None) -> None:
         # vLLM's platform detection (CUDA/ROCm/...) finds none here: it is a CPU host
         os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
-        import vllm.platforms as platforms
-
-        # vLLM resolves its platform once per process: if something in this test process
-        # resolved it before the variable was set (to no platform at all), resolve it again.
-        resolved = platforms._current_platform
-        if resolved is not None and not getattr(resolved, "device_type", ""):
-            platforms._current_platform = None
         import torch
         from vllm.config import CacheConfig, KVTransferConfig, VllmConfig
         from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
