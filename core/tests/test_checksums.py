@@ -8,9 +8,6 @@ both sides must fail naming the chunk, the layer and the sender. The cluster tes
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 import textwrap
 import time
 from typing import Any
@@ -25,6 +22,7 @@ from kvwire.integrity import RowHasher, add_sums, layer_ranges, mismatched_layer
 from kvwire.layout import KVLayout, RankPosition
 from kvwire.session import KVPoll
 from kvwire.session.checksums import SentSums, hasher_for
+from kvwire.testing.interpreted import run_interpreted
 from kvwire.testing.kvfill import count_mismatches, fill_pages, make_pool
 from kvwire.testing.pair import MODEL, config, no_rooms, pair, wait_for
 
@@ -156,16 +154,7 @@ def test_device_hasher_kernel_equals_the_host_hasher_in_the_interpreter() -> Non
     """The Triton checksum kernel itself, run by Triton's CPU interpreter over host memory:
     aligned words, unaligned words and byte rows give the host hasher's sums bit for bit."""
     pytest.importorskip("triton")
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    out = subprocess.run(
-        [sys.executable, "-c", _DEVICE_CHECK],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert out.returncode == 0, out.stderr[-3000:]
-    assert "DEVICE-HASH-OK" in out.stdout
+    run_interpreted(_DEVICE_CHECK, "DEVICE-HASH-OK")
 
 
 def _checked() -> KVWireConfig:

@@ -7,9 +7,6 @@ unwritten or misplaced byte shows.
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 import textwrap
 
 import numpy as np
@@ -25,6 +22,7 @@ from kvwire.movers import (
     merge_adjacent,
     plan_tiles,
 )
+from kvwire.testing.interpreted import run_interpreted
 
 MEM = 1 << 16
 
@@ -171,13 +169,4 @@ def test_triton_kernel_in_interpreter_copies_every_byte() -> None:
     """The Triton kernel itself (not a stand-in), run by Triton's CPU interpreter over host
     memory for every element width; compared with the reference mover."""
     pytest.importorskip("triton")
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    out = subprocess.run(
-        [sys.executable, "-c", _KERNEL_CHECK],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert out.returncode == 0, out.stderr[-3000:]
-    assert "KERNEL-OK" in out.stdout
+    run_interpreted(_KERNEL_CHECK, "KERNEL-OK")
