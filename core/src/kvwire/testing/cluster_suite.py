@@ -211,7 +211,7 @@ class ClusterConformance(_Base):
 class ClusterFailures(_Base):
     """Failure handling across processes: dead peers, aborts."""
 
-    heartbeat_interval_s: ClassVar[float] = 0.2
+    heartbeat_interval_s: ClassVar[float] = 0.5  # 0.2 s evicted live ranks at load 25-35
     heartbeat_misses: ClassVar[int] = 3
 
     def spec(self, decode_instances: int = 1) -> ClusterSpec:
@@ -349,7 +349,7 @@ class BulkStagingFaults(_Base):
 
     staging = "bulk"
     staging_options = SMALL_RING
-    heartbeat_interval_s: ClassVar[float] = 0.2
+    heartbeat_interval_s: ClassVar[float] = 0.5  # 0.2 s evicted live ranks at load 25-35
 
     def spec(self, decode_instances: int = 1) -> ClusterSpec:
         model = ModelSpec(num_layers=2, total_kv_heads=4, head_dim=8, dtype="int32", page_size=4)
