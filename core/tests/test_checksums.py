@@ -64,6 +64,7 @@ def test_sums_add_over_any_split_and_catch_flips_and_misplaced_rows() -> None:
         add_sums(parts, h.sums(table, idx[sel], keys[sel]))
     assert parts == whole, "the sum must not depend on how rows are split into parts"
     assert h.sums(table, idx, keys, layers=[1]) == {1: whole[1]}
+    assert h.row_layers(table, idx).tolist() == [0, 0, 1, 1, 0, 1]
     # one flipped bit, anywhere, in aligned or unaligned rows
     for b, off, layer in ((k0, 100, 0), (v1, 20, 1), (k0, 1030, 0)):
         arrs[b][off] ^= 0x10

@@ -109,11 +109,7 @@ class RowHasher:
         """Per-layer checksum of rows ``table[idx]`` (rows of this rank's buffers), each keyed
         by its destination address ``dst_addr[i]``. ``layers``: only rows of these layers
         count (a layer-wise group); None: every row."""
-        rows = table[np.asarray(idx, dtype=np.int64)]
-        addr, lens = rows[:, ADDR], rows[:, LEN]
-        pos = locate_rows(self._starts, self._ends, addr, lens)
-        if (pos < 0).any():
-            raise DescriptorError("a checksummed row lies outside the rank's KV buffers")
+        addr, lens, pos = self._locate(table, idx)
         row_layer = self._layers[pos]
         if layers is not None:
             keep = np.isin(row_layer, np.asarray(list(layers), dtype=np.int64))
@@ -123,6 +119,22 @@ class RowHasher:
             return {}
         terms = self._row_terms(addr, lens, pos, np.asarray(dst_addr, dtype=np.uint64))
         return per_layer(row_layer, terms)
+
+    def row_layers(self, table: DescTable, idx: IndexArray) -> NDArray[np.int64]:
+        """The layer of each row ``table[idx]`` (rows of this rank's buffers)."""
+        return np.asarray(self._layers[self._locate(table, idx)[2]], dtype=np.int64)
+
+    def _locate(
+        self, table: DescTable, idx: IndexArray
+    ) -> tuple[NDArray[np.uint64], NDArray[np.uint64], NDArray[np.int64]]:
+        """Addresses, lengths and buffer (in address order) of rows ``table[idx]``; refuses a
+        row outside this rank's buffers."""
+        rows = table[np.asarray(idx, dtype=np.int64)]
+        addr, lens = rows[:, ADDR], rows[:, LEN]
+        pos = locate_rows(self._starts, self._ends, addr, lens)
+        if (pos < 0).any():
+            raise DescriptorError("a checksummed row lies outside the rank's KV buffers")
+        return addr, lens, pos
 
     def _row_terms(
         self,

@@ -91,12 +91,15 @@ def _aux_submit_fails(role: str) -> None:
 
 
 def _flip_after_sum(role: str) -> None:
-    """Prefill flips one bit of each chunk's first source row right after it computed the
-    chunk's KV checksums (before the transfer reads the row): the corruption a transport or
-    a copy would cause, which only decode's checksum check can see."""
+    """Prefill flips one bit of the first source row of each chunk (of each layer-wise group
+    of it, when layer-wise) right after it computed the sums (before the transfer reads the
+    row): the corruption a transport or a copy would cause, which only decode's checksum
+    check can see."""
     if role != "prefill":
         return
     import ctypes
+
+    import numpy as np
 
     from kvwire.descriptors import ADDR
     from kvwire.session.checksums import SentSums
@@ -106,8 +109,12 @@ def _flip_after_sum(role: str) -> None:
     def flipping(self: SentSums, src: Any, dst: Any, layers: Any = None) -> Any:
         sums = original(self, src, dst, layers)
         src_idx, _ = self.mapper.map_chunk(src, dst)
-        if len(src_idx):
-            addr = int(self.tables.src[int(src_idx[0]), ADDR])
+        idx = np.asarray(src_idx, dtype=np.int64)
+        if layers is not None and idx.size:  # a layer-wise group: a row it sends, so that
+            # no later group of the chunk flips the same byte back while it is in flight
+            idx = idx[np.isin(self.hasher.row_layers(self.tables.src, idx), range(*layers))]
+        if idx.size:
+            addr = int(self.tables.src[int(idx[0]), ADDR])
             byte = ctypes.c_uint8.from_address(addr)
             byte.value ^= 0x01
         return sums
