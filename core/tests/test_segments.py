@@ -160,7 +160,7 @@ def test_request_completes_only_when_every_segment_has() -> None:
     gate = threading.Event()
     with pair(config()) as p:
         strategy = _HalfCopied(gate)
-        p.prefill.staging = strategy
+        p.prefill.ctx.staging = strategy  # before the handshake: links take it from the context
         r, s, dst = _start(p, 5, pages=4)
         # The engine halves land (and the aux row is held back behind the copies).
         wait_for(lambda: p.prefill.room_tables()["writes_inflight"] > 0)
@@ -181,7 +181,7 @@ def test_a_failing_segment_fails_the_request_on_both_sides() -> None:
     gate = threading.Event()
     with pair(config()) as p:
         strategy = _HalfCopied(gate, fail=True)
-        p.prefill.staging = strategy
+        p.prefill.ctx.staging = strategy  # before the handshake: links take it from the context
         r, s, _ = _start(p, 6, pages=4)
         gate.set()
         wait_for(lambda: r.poll() == KVPoll.Failed and s.poll() == KVPoll.Failed)

@@ -2,7 +2,7 @@
 
 Flow of one request on a decode rank:
 
-1. The engine creates ``mgr.receiver(room, bootstrap_addr)`` and calls ``init()``: the room is
+1. The engine creates ``ctx.receiver(room, bootstrap_addr)`` and calls ``init()``: the room is
    ``Bootstrapping`` while a background thread looks the prefill instance up in its bootstrap
    service (retrying while registration is incomplete) and handshakes once with every prefill
    rank that feeds this rank (cached across requests). Then ``WaitingForInput``.
@@ -54,9 +54,9 @@ from kvwire.index.base import check_pages
 from kvwire.integrity import add_sums, layer_ranges, mismatched_layers
 from kvwire.session import metrics as m
 from kvwire.session.common import Side
+from kvwire.session.context import RankContext
 from kvwire.session.decode_links import PrefillLink, SourceLinks
 from kvwire.session.groups import check_state_indices, to_wire
-from kvwire.session.manager import KVManager
 from kvwire.session.metrics import RequestMetrics
 from kvwire.session.peers import Peer
 from kvwire.session.poll import KVPoll
@@ -69,6 +69,7 @@ from kvwire.session.report import (
     SourceState,
     build_report,
 )
+from kvwire.session.rooms import RoomTable
 from kvwire.staging.base import ArrivedChunk, StagingStrategy
 
 logger = logging.getLogger(__name__)
@@ -129,14 +130,20 @@ class RecvRoom:
     #: The failure report, built once (the room stops listening when it fails).
     report: FailureReport | None = None
 
+    def pages_in(self, pool: str) -> Any:
+        """Under the room lock (strategies, through ``StagingContext.room_pages``): the
+        destination pages of this request when its KV goes to ``pool``, else None."""
+        return self.dst_pages if self.pool == pool else None
+
 
 class DecodeSide(Side[RecvRoom]):
-    """The decode role of a :class:`~kvwire.session.manager.KVManager`.
+    """The decode role of a rank (built by the façade,
+    :class:`~kvwire.session.manager.KVManager`, with the rank context and the room table).
 
     Lock contract: room tables, the quarantine and source progress are guarded by
-    ``mgr.lock``, held for table updates (and a staged chunk's placement by the strategy),
+    ``self.rooms.lock``, held for table updates (and a staged chunk's placement by the strategy),
     never across an engine call or a wait. The prefill ranks known (lookups, handshakes) are
-    :attr:`sources`' (its own lock, taken after ``mgr.lock`` when both are held). Message
+    :attr:`sources`' (its own lock, taken after ``self.rooms.lock`` when both are held). Message
     handlers run on the liveness thread, notification handling and deadlines on the progress
     thread.
     """
@@ -154,26 +161,26 @@ class DecodeSide(Side[RecvRoom]):
         "writes_query": "not_for_role",
     }
 
-    def __init__(self, mgr: KVManager) -> None:
-        super().__init__(mgr)
+    def __init__(self, ctx: RankContext, rooms: RoomTable[RecvRoom]) -> None:
+        super().__init__(ctx, rooms)
         #: The prefill ranks looked up and handshaken with.
-        self.sources = SourceLinks(mgr)
+        self.sources = SourceLinks(ctx)
         #: Failed rooms whose sources may still be writing (see :mod:`kvwire.session.quiesce`).
         self.quarantine = WriteQuarantine(
-            self.sources, mgr.options.transfer_timeout_s, mgr.agent_name
+            self.sources, ctx.options.transfer_timeout_s, ctx.agent_name
         )
         #: When each prefill session last delivered anything (deadlines are on progress: a
         #: request queued behind others lives while its sources advance).
         self.source_progress: dict[str, float] = {}
         self.bootstraps = concurrent.futures.ThreadPoolExecutor(
-            4, thread_name_prefix=f"kvwire-bs-{mgr.agent_name}"
+            4, thread_name_prefix=f"kvwire-bs-{ctx.agent_name}"
         )
 
     # ------------------------------------------------------------ bootstrapping
     def create_room(self, room_id: int, bootstrap_addr: str) -> RecvRoom:
         """Engine thread (KVReceiver creation)."""
-        with self.mgr.lock:
-            return self._add_room(RecvRoom(room_id, bootstrap_addr))
+        with self.rooms.lock:
+            return self.rooms.create(RecvRoom(room_id, bootstrap_addr))
 
     def start(self, room: RecvRoom, prefill_dp_rank: int | None) -> None:
         """Engine thread (``init``): resolve and handshake. When the prefill instance was looked
@@ -190,18 +197,18 @@ class DecodeSide(Side[RecvRoom]):
         try:
             sources = self._sources(room, dp)
         except KVWireError as exc:
-            with self.mgr.lock:
-                if not self._terminal(room):  # pushed to the contacts bootstrap listed
+            with self.rooms.lock:
+                if not self.rooms.terminal(room):  # pushed to the contacts bootstrap listed
                     self._fail(room, exc, cause="bootstrap")
             return
         self._resolved(room, sources)
 
     def _resolved(self, room: RecvRoom, sources: list[PrefillLink]) -> None:
         """The room's source ranks are known and handshaken: WaitingForInput."""
-        r = self.mgr.layout.rank
+        r = self.ctx.layout.rank
         aux = self.sources.topology(sources[0].info).aux_sender(r.tp_rank)
-        with self.mgr.lock:
-            if self._terminal(room):
+        with self.rooms.lock:
+            if self.rooms.terminal(room):
                 if room.error is not None and not room.contacts:
                     # failed before its sources were known: they learn of it now
                     room.sources = sources
@@ -209,18 +216,18 @@ class DecodeSide(Side[RecvRoom]):
                 return
             room.sources = sources
             room.aux_sender = aux
-            self.mgr.status.update(room.room, KVPoll.WaitingForInput)
+            self.rooms.status.update(room.room, KVPoll.WaitingForInput)
             if room.dst_pages is not None:
                 self._request(room)
 
     def _sources(self, room: RecvRoom, dp: int | None) -> list[PrefillLink]:
         addr, room_id = room.bootstrap_addr, room.room
-        opts = self.mgr.options
-        client = BootstrapClient(addr, self.mgr.config.secret_bytes)
+        opts = self.ctx.options
+        client = BootstrapClient(addr, self.ctx.config.secret_bytes)
         ranks = self.sources.lookup(client, addr, 0 if dp is None else dp)
         if dp is None and ranks[0].dp_size > 1:
             ranks = self.sources.lookup(client, addr, room_id % ranks[0].dp_size)
-        r = self.mgr.layout.rank
+        r = self.ctx.layout.rank
         try:
             wanted = set(self.sources.topology(ranks[0]).sources(r.tp_rank))
         except KVWireError as exc:
@@ -231,12 +238,12 @@ class DecodeSide(Side[RecvRoom]):
                 f"bootstrap at {addr} lists {len(chosen)} of the {len(wanted)} prefill ranks "
                 "this decode rank needs"
             )
-        with self.mgr.lock:
+        with self.rooms.lock:
             room.contacts = [x.endpoint for x in chosen]
             if room.error is not None:  # failed while we looked its sources up
                 self._push_failure(room, room.error, None, False)
                 raise TransferError("request failed during bootstrap", room=room_id)
-        own = self.mgr.channel.endpoint
+        own = self.ctx.channel.endpoint
         for x in chosen:  # a loopback address across hosts would wait for the timeout
             problem = loopback_problem(own, x.endpoint, x.agent, addr)
             if problem is not None:
@@ -259,15 +266,15 @@ class DecodeSide(Side[RecvRoom]):
     def _on_writes_done(self, msg: Message) -> None:
         """Liveness thread: a source confirms none of its writes for a failed room remains."""
         assert isinstance(msg, WritesDone)
-        with self.mgr.lock:
+        with self.rooms.lock:
             self.quarantine.confirmed(self.rooms.get(msg.room), msg.room, msg.session)
-        for strategy in self.mgr.strategies:
+        for strategy in self.ctx.strategies:
             strategy.writes_ended(msg.room, msg.session)
 
     def _on_completion(self, msg: Message) -> None:
         """Liveness thread: a sender's last chunk moved no KV; it says how many did."""
         assert isinstance(msg, Completion)
-        with self.mgr.lock:
+        with self.rooms.lock:
             room = self._room_for(msg.room, msg.session, msg.sender_id)
             if room is not None:
                 room.expected[msg.sender_id] = msg.data_chunks
@@ -276,26 +283,26 @@ class DecodeSide(Side[RecvRoom]):
 
     def on_notification(self, note: Notification) -> None:
         """Control thread: a data-plane notification (data already landed)."""
-        mgr = self.mgr
+        ctx = self.ctx
         try:
-            msg = mgr.codec.decode(note.payload)
+            msg = ctx.codec.decode(note.payload)
         except ProtocolError as exc:
-            mgr.channel.dropped[
+            ctx.channel.dropped[
                 "note_" + ("unauthenticated" if "authentic" in str(exc) else "malformed")
             ] += 1
-            logger.warning("%s: dropped a notification from %s: %s", mgr.agent_name, note.peer, exc)
+            logger.warning("%s: dropped a notification from %s: %s", ctx.agent_name, note.peer, exc)
             return
         if isinstance(msg, ChunkNote):
-            mgr.peers.touch(msg.session)
+            ctx.peers.touch(msg.session)
             self._on_note(msg)
 
     def _on_note(self, msg: Message) -> None:
         """Progress thread (a backend notification) or liveness thread (the control message
         of a copy prefill made itself): one chunk segment, or the aux row, landed."""
         assert isinstance(msg, ChunkNote)
-        mgr = self.mgr
+        ctx = self.ctx
         now = time.monotonic()
-        with mgr.lock:
+        with self.rooms.lock:
             self.source_progress[msg.session] = now
             room = self._room_for(msg.room, msg.session, msg.sender_id)
             if room is None:
@@ -313,7 +320,7 @@ class DecodeSide(Side[RecvRoom]):
                         ),
                     )
                     return
-                stamp = int(mgr.stamps[room.aux_index, 0])
+                stamp = int(ctx.stamps[room.aux_index, 0])
                 if stamp != room.room:
                     self._fail(
                         room,
@@ -332,7 +339,7 @@ class DecodeSide(Side[RecvRoom]):
                 if msg.parts > 1 and msg.part >= msg.parts:
                     logger.warning(
                         "%s: room %d: dropped a note for segment %d of %d",
-                        mgr.agent_name,
+                        ctx.agent_name,
                         room.room,
                         msg.part,
                         msg.parts,
@@ -415,7 +422,7 @@ class DecodeSide(Side[RecvRoom]):
 
     def awaiting_data(self) -> bool:
         """Control thread: some request asked for its KV and is not complete yet."""
-        status = self.mgr.status
+        status = self.rooms.status
         return any(
             status.get(r.room, KVPoll.Failed) is KVPoll.Transferring
             for r in list(self.rooms.values())
@@ -423,26 +430,17 @@ class DecodeSide(Side[RecvRoom]):
 
     def _strategy(self, room: RecvRoom) -> StagingStrategy:
         """The strategy of the pool the room's KV goes to."""
-        return self.mgr.host_staging if room.pool == "host" else self.mgr.staging
-
-    def room_pages(self, room_id: int, pool: str) -> Any:
-        """Any thread (strategies, through ``StagingContext.room_pages``): the destination
-        pages of a live request whose KV goes to ``pool``, else None."""
-        with self.mgr.lock:
-            room = self.rooms.get(room_id)
-            if room is None or room.dst_pages is None or self._terminal(room):
-                return None
-            return room.dst_pages if room.pool == pool else None
+        return self.ctx.host_staging if room.pool == "host" else self.ctx.staging
 
     def _room_for(self, room_id: int, session: str, sender_id: int) -> RecvRoom | None:
         """The live room a message is for, if it comes from one of the room's sources."""
         room = self.rooms.get(room_id)
-        if room is None or room.sources is None or self._terminal(room):
+        if room is None or room.sources is None or self.rooms.terminal(room):
             return None
         if not any(s.info.session == session and s.sender_id == sender_id for s in room.sources):
             logger.warning(
                 "%s: room %d: message from a non-source (%s, sender %d) dropped",
-                self.mgr.agent_name,
+                self.ctx.agent_name,
                 room_id,
                 session,
                 sender_id,
@@ -471,14 +469,14 @@ class DecodeSide(Side[RecvRoom]):
                 )
                 return
         room.metrics.chunks = sum(room.received.values())
-        self.succeed(room)
+        self.rooms.succeed(room)
 
     def on_failure(self, msg: Message) -> None:
         """Liveness thread: a prefill rank failed or aborted a room."""
         assert isinstance(msg, Failure)
-        with self.mgr.lock:
+        with self.rooms.lock:
             room = self.rooms.get(msg.room)
-            if room is None or self._terminal(room):
+            if room is None or self.rooms.terminal(room):
                 return
             if room.sources is not None and not any(
                 s.info.session == msg.session for s in room.sources
@@ -495,42 +493,42 @@ class DecodeSide(Side[RecvRoom]):
     def _query_failed_writers(self, now: float) -> None:
         """Progress thread: ask the sources of failed requests, until each answers, whether
         any of their writes is still in flight (the engine must not reuse the pages before)."""
-        with self.mgr.lock:
+        with self.rooms.lock:
             asks = self.quarantine.due_queries(now, list(self.rooms.values()))
         for endpoint, room_id in asks:
-            self.mgr.tell(endpoint, WritesQuery(room=room_id, session=self.mgr.session))
+            self.ctx.tell(endpoint, WritesQuery(room=room_id, session=self.ctx.session))
 
     def run_hooks(self, room: RecvRoom, status: KVPoll) -> None:
         """Engine thread, the first time a host-pool request is seen terminal (poll or clear):
         admit it with its token count, or abandon it — exactly once per request."""
-        hooks = self.mgr.hooks
-        with self.mgr.lock:
+        hooks = self.ctx.hooks
+        with self.rooms.lock:
             if room.pool != "host" or room.hooked or hooks is None:
                 return
             room.hooked = True
         if status is KVPoll.Success:
-            assert self.mgr.host_layout is not None and room.dst_pages is not None
+            assert self.ctx.host_layout is not None and room.dst_pages is not None
             hooks.on_admit(
-                room.room, int(room.dst_pages.size) * self.mgr.host_layout.model.page_size
+                room.room, int(room.dst_pages.size) * self.ctx.host_layout.model.page_size
             )
         else:
             hooks.on_abandon(room.room)
 
     def writes_quiesced(self, room: RecvRoom) -> bool:
         """Engine thread: whether no source can still write into this request's pages."""
-        with self.mgr.lock:
+        with self.rooms.lock:
             if room.sources is None or not room.requested:
                 return True  # no source was ever told where to write
             if room.error is None:
-                return self.mgr.status.get(room.room, KVPoll.Failed) is KVPoll.Success
+                return self.rooms.status.get(room.room, KVPoll.Failed) is KVPoll.Success
             return self.quarantine.quiesced(room, room.room in self.rooms, time.monotonic())
 
     def on_peer_lost(self, peer: Peer, why: str) -> None:
         """Control thread: a prefill rank is dead or gone; fail the rooms it feeds and free the
         ring space it held."""
-        for strategy in self.mgr.strategies:
-            self.mgr.later(functools.partial(strategy.peer_lost, peer.session))
-        with self.mgr.lock:
+        for strategy in self.ctx.strategies:
+            self.ctx.later(functools.partial(strategy.peer_lost, peer.session))
+        with self.rooms.lock:
             self.source_progress.pop(peer.session, None)
             self.sources.forget(peer.session, peer.silent_loss, time.monotonic())
             for room in list(self.rooms.values()):
@@ -551,10 +549,10 @@ class DecodeSide(Side[RecvRoom]):
         """Progress thread (after draining notifications): ask the sources of failed requests
         whether their writes ended, and the waiting timeout (on progress)."""
         self._query_failed_writers(now)
-        limit = self.mgr.options.waiting_timeout_s
-        with self.mgr.lock:
+        limit = self.ctx.options.waiting_timeout_s
+        with self.rooms.lock:
             for room in list(self.rooms.values()):
-                if not room.requested or room.sources is None or self._terminal(room):
+                if not room.requested or room.sources is None or self.rooms.terminal(room):
                     continue
                 last = max(
                     room.last_progress,
@@ -587,26 +585,26 @@ class DecodeSide(Side[RecvRoom]):
         """Engine thread: where the request's KV goes on this rank (the KV pool, or with
         ``pool="host"`` the host pool, in its page units), its buffer-group slots, and the
         prompt tokens kept cached here."""
-        mgr = self.mgr
-        target = mgr.layout
+        ctx = self.ctx
+        target = ctx.layout
         if pool not in ("kv", "host"):
             raise ConfigError(f"pool must be 'kv' or 'host', not {pool!r}")
         if pool == "host":
-            if mgr.host_layout is None:
+            if ctx.host_layout is None:
                 raise ConfigError(
                     "pool='host' needs a host pool: build the decode manager with "
                     "KVManager(..., host_layout=<the host KV pool's layout>)"
                 )
-            target = mgr.host_layout
+            target = ctx.host_layout
         try:
             arr = check_pages(pages, target.num_slots, "destination page indices")
             if np.unique(arr).size != arr.size:
                 raise DescriptorError(
                     "destination page indices repeat a slot; each page needs its own slot"
                 )
-            if not 0 <= aux_index < mgr.aux_slots:
-                raise DescriptorError(f"aux_index {aux_index} is outside [0, {mgr.aux_slots})")
-            groups = check_state_indices(mgr.layout, state_indices, "send_metadata()")
+            if not 0 <= aux_index < ctx.aux_slots:
+                raise DescriptorError(f"aux_index {aux_index} is outside [0, {ctx.aux_slots})")
+            groups = check_state_indices(ctx.layout, state_indices, "send_metadata()")
             if cached_tokens is not None and (
                 isinstance(cached_tokens, bool)
                 or not isinstance(cached_tokens, int | np.integer)
@@ -616,19 +614,19 @@ class DecodeSide(Side[RecvRoom]):
                     f"cached_tokens must be a non-negative int, not {cached_tokens!r}"
                 )
         except KVWireError as exc:
-            with mgr.lock:
+            with self.rooms.lock:
                 self._fail(
                     room,
                     TransferError(f"bad input to send_metadata(): {exc}", room=room.room),
                     cause="bad_input",
                 )
             raise
-        with mgr.lock:
+        with self.rooms.lock:
             if room.dst_pages is not None:
                 raise ConfigError(f"room {room.room}: send_metadata() was already called")
-            if self._terminal(room):
+            if self.rooms.terminal(room):
                 return
-            mgr.stamps[aux_index, 0] = 0
+            ctx.stamps[aux_index, 0] = 0
             room.dst_pages = arr
             room.aux_index = aux_index
             room.pool = pool
@@ -636,16 +634,16 @@ class DecodeSide(Side[RecvRoom]):
             room.cached_tokens = None if cached_tokens is None else int(cached_tokens)
             if room.sources is not None:
                 self._request(room)
-        if pool == "host" and mgr.hooks is not None:
-            mgr.hooks.on_prealloc(room.room, int(arr.size))
+        if pool == "host" and ctx.hooks is not None:
+            ctx.hooks.on_prealloc(room.room, int(arr.size))
 
     def _request(self, room: RecvRoom) -> None:
         """Under the lock: send the transfer request to every source rank."""
         assert room.sources is not None and room.dst_pages is not None
-        mgr = self.mgr
+        ctx = self.ctx
         msg = TransferRequest(
             room=room.room,
-            session=mgr.session,
+            session=ctx.session,
             dst_pages=pages_to_bytes(room.dst_pages),
             aux_index=room.aux_index,
             pool="host" if room.pool == "host" else "kv",  # typed Literal on the wire
@@ -654,10 +652,10 @@ class DecodeSide(Side[RecvRoom]):
         )
         room.metrics.marks["requested"] = time.perf_counter()
         for s in room.sources:
-            mgr.tell(s.info.endpoint, msg)
+            ctx.tell(s.info.endpoint, msg)
         room.requested = True
         room.last_progress = time.monotonic()
-        mgr.status.update(room.room, KVPoll.Transferring)
+        self.rooms.status.update(room.room, KVPoll.Transferring)
 
     def _fail(
         self,
@@ -669,10 +667,10 @@ class DecodeSide(Side[RecvRoom]):
     ) -> None:
         """Under the lock: fail the room once, record why (``cause``: for its failure report),
         tell its sources (but ``skip``, the one that reported it or is gone)."""
-        if not self._mark_failed(room, exc):
+        if not self.rooms.fail(room, exc):
             return
         room.cause = "aborted" if aborted else cause
-        logger.warning("%s: room %d failed: %s", self.mgr.agent_name, room.room, exc)
+        logger.warning("%s: room %d failed: %s", self.ctx.agent_name, room.room, exc)
         self._push_failure(room, exc, skip, aborted)
 
     def _push_failure(
@@ -680,30 +678,30 @@ class DecodeSide(Side[RecvRoom]):
     ) -> None:
         """Under the lock: tell the room's prefill ranks it failed: its handshaken sources,
         or, before (or without) a handshake, the control endpoints bootstrap listed."""
-        mgr = self.mgr
-        msg = Failure(room=room.room, session=mgr.session, reason=str(exc), aborted=aborted)
+        ctx = self.ctx
+        msg = Failure(room=room.room, session=ctx.session, reason=str(exc), aborted=aborted)
         if room.sources is not None:
             endpoints = [s.info.endpoint for s in room.sources if s.info.session != skip]
         else:
             endpoints = list(room.contacts)
         for ep in endpoints:
-            mgr.tell(ep, msg)
+            ctx.tell(ep, msg)
 
     def clear(self, room: RecvRoom) -> None:
         """Engine thread: forget the room. A failed room whose sources have not all confirmed
         that their writes ended stays in ``quarantine`` (asked again until they do)."""
-        with self.mgr.lock:
-            if self._forget(room) and room.aux_index >= 0:
-                self.mgr.stamps[room.aux_index, 0] = 0
+        with self.rooms.lock:
+            if self.rooms.forget(room) and room.aux_index >= 0:
+                self.ctx.stamps[room.aux_index, 0] = 0
             self.quarantine.hold(room)
-        for strategy in self.mgr.strategies:
+        for strategy in self.ctx.strategies:
             strategy.release(room.room)
 
     def failure_report(self, room: RecvRoom) -> FailureReport | None:
         """Engine thread (``KVReceiver.failure_report``): what of a failed request landed on
         this rank and what is missing (:mod:`kvwire.session.report`); None unless it failed.
         Chunks arriving after the failure are not counted (the room stopped listening)."""
-        with self.mgr.lock:
+        with self.rooms.lock:
             if room.error is None or room.report is not None:
                 return room.report
             states = [
@@ -723,7 +721,7 @@ class DecodeSide(Side[RecvRoom]):
                 room.dst_pages,
                 room.landed,
                 states,
-                self.mgr.layout.model.page_size,
+                self.ctx.layout.model.page_size,
                 room.cached_tokens,
                 room.aux_done,
                 judged=room.pool == "kv" and room.requested,
@@ -731,25 +729,25 @@ class DecodeSide(Side[RecvRoom]):
                 chunk=room.fault_chunk,
             )
         kept, lost = int(room.report.good_pages.size), int(room.report.missing_pages.size)
-        m.FAILED_PAGES.labels(**self.mgr.labels, result="kept").inc(kept)
-        m.FAILED_PAGES.labels(**self.mgr.labels, result="missing").inc(lost)
+        m.FAILED_PAGES.labels(**self.ctx.labels, result="kept").inc(kept)
+        m.FAILED_PAGES.labels(**self.ctx.labels, result="missing").inc(lost)
         return room.report
 
     def room_tables(self) -> dict[str, int]:
         """Per-room table sizes (leak check)."""
-        with self.mgr.lock:
+        with self.rooms.lock:
             return {
                 "recv_rooms": len(self.rooms),
                 "quarantine": len(self.quarantine),
                 "handshakes_pending": self.sources.pending_count(),
-                **{k: v for st in self.mgr.strategies for k, v in st.room_tables().items()},
+                **{k: v for st in self.ctx.strategies for k, v in st.room_tables().items()},
             }
 
     def close(self) -> None:
         """Manager shutdown: fail live rooms and stop the bootstrap threads."""
-        with self.mgr.lock:
+        with self.rooms.lock:
             for room in list(self.rooms.values()):
-                if not self._terminal(room):
+                if not self.rooms.terminal(room):
                     err = TransferError("decode manager closed", room=room.room)
                     self._fail(room, err, cause="closed")
         self.sources.close("decode manager closed")

@@ -3,8 +3,8 @@ instance and DP rank) and handshakes (one per prefill rank, cached across reques
 
 Lock contract: :class:`SourceLinks` guards ``links``, ``pending`` and ``instances`` with its
 own plain lock, held only for dictionary operations: never across a lookup, a send, a wait or
-a call into the engine, and never while taking ``mgr.lock`` (callers may hold ``mgr.lock``
-when they call in: the order is ``mgr.lock`` -> this lock). ``lookup`` and ``handshake`` run
+a call into the engine, and never while taking the room lock (callers may hold the room lock
+when they call in: the order is the room lock -> this lock). ``lookup`` and ``handshake`` run
 on the engine thread (cache hits) or a bootstrap thread; the message handlers on the liveness
 thread.
 """
@@ -27,7 +27,7 @@ from kvwire.session.handshake import build_mapper, topology_for
 from kvwire.session.peers import Peer
 
 if TYPE_CHECKING:
-    from kvwire.session.manager import KVManager
+    from kvwire.session.context import RankContext
 
 logger = logging.getLogger(__name__)
 
@@ -61,8 +61,8 @@ class SourceLinks:
     """The prefill instances looked up and the prefill ranks handshaken with, for one decode
     rank (see the module docstring for the lock contract)."""
 
-    def __init__(self, mgr: KVManager) -> None:
-        self.mgr = mgr
+    def __init__(self, ctx: RankContext) -> None:
+        self.ctx = ctx
         self._lock = threading.Lock()
         self.pending: dict[str, _Pending] = {}
         self.links: dict[str, PrefillLink] = {}
@@ -81,10 +81,10 @@ class SourceLinks:
     # ---------------------------------------------------------------- lookups
     def topology(self, prefill: RankInfo) -> Topology:
         """Who sends to whom between a prefill instance (as bootstrap lists it) and us."""
-        mgr = self.mgr
-        r = mgr.layout.rank
+        ctx = self.ctx
+        r = ctx.layout.rank
         return topology_for(
-            mgr.config, mgr.layout, prefill.tp_size, prefill.pp_size, r.tp_size, r.pp_size
+            ctx.config, ctx.layout, prefill.tp_size, prefill.pp_size, r.tp_size, r.pp_size
         )
 
     def cached_sources(self, addr: str, room_id: int, dp: int | None) -> list[PrefillLink] | None:
@@ -97,7 +97,7 @@ class SourceLinks:
         if ranks is None:
             return None
         try:
-            want = self.topology(ranks[0]).source_tp_ranks(self.mgr.layout.rank.tp_rank)
+            want = self.topology(ranks[0]).source_tp_ranks(self.ctx.layout.rank.tp_rank)
         except KVWireError:
             return None
         with self._lock:
@@ -117,7 +117,7 @@ class SourceLinks:
                 cached = self.instances.get(key)
             if cached is not None:
                 return cached
-            ranks = client.lookup(dp, timeout_s=self.mgr.options.bootstrap_timeout_s)
+            ranks = client.lookup(dp, timeout_s=self.ctx.options.bootstrap_timeout_s)
             with self._lock:
                 self.instances[key] = ranks
             return ranks
@@ -126,7 +126,7 @@ class SourceLinks:
     def handshake(self, info: RankInfo, timeout_s: float) -> PrefillLink:
         """Bootstrap thread: the link to one prefill rank, handshaking once (concurrent
         callers wait on the same hello)."""
-        mgr = self.mgr
+        ctx = self.ctx
         with self._lock:
             link = self.links.get(info.session)
             if link is not None:
@@ -136,25 +136,25 @@ class SourceLinks:
             if pending is None:
                 pending = self.pending[info.session] = _Pending()
         if first:
-            offers = mgr.backend.offers()
+            offers = ctx.backend.offers()
             hello = Hello(
-                session=mgr.session,
-                agent=mgr.agent_name,
-                endpoint=mgr.channel.endpoint,
-                rank=mgr.layout.rank,
-                layout=mgr.layout,
-                layout_hash=mgr.layout.compatibility_hash(),
+                session=ctx.session,
+                agent=ctx.agent_name,
+                endpoint=ctx.channel.endpoint,
+                rank=ctx.layout.rank,
+                layout=ctx.layout,
+                layout_hash=ctx.layout.compatibility_hash(),
                 backend=offers[0][0],
                 backend_metadata=offers[0][1],
                 backends=[BackendOffer(name=n, metadata=b) for n, b in offers],
                 host=host_identity(),
-                aux_regions=mgr.aux_regions,
-                staging=mgr.staging.describe(),
-                host_layout=mgr.host_layout,
-                host_staging=mgr.host_staging.describe(),
-                checksum=mgr.options.kv_checksum,
+                aux_regions=ctx.aux_regions,
+                staging=ctx.staging.describe(),
+                host_layout=ctx.host_layout,
+                host_staging=ctx.host_staging.describe(),
+                checksum=ctx.options.kv_checksum,
             )
-            mgr.tell(info.endpoint, hello)
+            ctx.tell(info.endpoint, hello)
         ok = pending.event.wait(timeout_s)
         with self._lock:
             if first:
@@ -175,7 +175,7 @@ class SourceLinks:
         assert isinstance(msg, HelloReject)
         with self._lock:
             pending = (
-                self.pending.get(msg.session) if msg.peer_session == self.mgr.session else None
+                self.pending.get(msg.session) if msg.peer_session == self.ctx.session else None
             )
         if pending is not None:
             pending.error = f"{msg.reason}: " + "; ".join(msg.problems)
@@ -185,7 +185,7 @@ class SourceLinks:
         """Liveness thread: an answer to our (signed) hello came without a MAC: the prefill
         rank has no shared secret. Fail that handshake at once, naming the secret (an
         unsigned frame can end a handshake early, never complete one)."""
-        if not isinstance(msg, HelloAck | HelloReject) or msg.peer_session != self.mgr.session:
+        if not isinstance(msg, HelloAck | HelloReject) or msg.peer_session != self.ctx.session:
             return
         with self._lock:
             pending = self.pending.get(msg.session)
@@ -200,8 +200,8 @@ class SourceLinks:
         """Liveness thread: a prefill rank accepted our handshake. When it stages its chunks
         for us, our KV pool's strategy takes the link (and may refuse it)."""
         assert isinstance(msg, HelloAck)
-        mgr = self.mgr
-        if msg.peer_session != mgr.session:
+        ctx = self.ctx
+        if msg.peer_session != ctx.session:
             return  # an answer to an earlier incarnation of this rank
         with self._lock:
             pending = self.pending.get(msg.session)
@@ -209,7 +209,7 @@ class SourceLinks:
         if pending is None:
             return
         error = None
-        if msg.layout_hash != mgr.layout.compatibility_hash():
+        if msg.layout_hash != ctx.layout.compatibility_hash():
             error = "layout compatibility hash differs"
         elif info is None:
             error = "acknowledged by a rank bootstrap does not list"
@@ -217,19 +217,19 @@ class SourceLinks:
             try:
                 if msg.layout is None:
                     raise HandshakeError("it stages but sent no layout")
-                mapper = build_mapper(mgr.config, msg.layout, mgr.layout)
-                mgr.staging.on_link(msg.session, msg.endpoint, mapper)
+                mapper = build_mapper(ctx.config, msg.layout, ctx.layout)
+                ctx.staging.on_link(msg.session, msg.endpoint, mapper)
             except KVWireError as exc:
                 error = f"cannot take staged chunks from {msg.agent}: {exc}"
         checksums = None
-        if error is None and mgr.options.kv_checksum and not msg.dummy:
+        if error is None and ctx.options.kv_checksum and not msg.dummy:
             try:
                 if not msg.checksum or msg.layout is None:
                     raise HandshakeError(
                         "this decode rank checks KV checksums (kv_checksum) and that prefill "
                         "rank does not send them (kvwire older than protocol 1.7?)"
                     )
-                checksums = LandedSums(mgr.config, msg.layout, mgr.layout)
+                checksums = LandedSums(ctx.config, msg.layout, ctx.layout)
             except KVWireError as exc:
                 error = f"cannot check the KV of {msg.agent}: {exc}"
         if error is not None or info is None:
@@ -247,14 +247,14 @@ class SourceLinks:
         )
         logger.info(
             "%s: link from %s: backend %s%s",
-            mgr.agent_name,
+            ctx.agent_name,
             msg.agent,
-            msg.backend or mgr.backend_names[0],
+            msg.backend or ctx.backend_names[0],
             f" (fallbacks: {', '.join(msg.fallbacks)})" if msg.fallbacks else "",
         )
         with self._lock:
             self.links[msg.session] = link
-        mgr.add_peer(Peer(msg.session, msg.agent, msg.endpoint, time.monotonic(), link=link))
+        ctx.add_peer(Peer(msg.session, msg.agent, msg.endpoint, time.monotonic(), link=link))
         pending.link = link
         pending.event.set()
 

@@ -20,7 +20,7 @@ one already served) is unknown for good; one issued but whose sender the worker 
 created yet (a step later) is still an early request. See docs/control-plane.md.
 
 Lock contract: no lock of its own; every method is called under the prefill side's
-``mgr.lock``.
+the room lock.
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ D = TypeVar("D")
 class RoomIssuer(Protocol):
     """Engine-provided (prefill): which rooms this rank will still create senders for.
 
-    Both methods are called by the prefill side under ``mgr.lock``; they must be quick and
+    Both methods are called by the prefill side under the room lock; they must be quick and
     must not call back into the manager.
     """
 

@@ -1,74 +1,69 @@
-"""The per-rank :class:`KVManager`: what an inference engine builds once per rank.
+"""The per-rank :class:`KVManager`: the engine-facing façade an inference engine builds once
+per rank.
 
-A manager owns, for one rank:
+The façade builds, in this order, and owns:
 
-* the transfer backend (selected from the config), with the KV pool and the aux rows registered;
-* the control channel (a ZeroMQ endpoint) and one *control thread* that receives control
-  messages, drives the backend (``progress`` and notifications), sends heartbeats, evicts dead
-  peers and enforces deadlines — in that order, so notifications are always drained before a
-  deadline is checked;
-* the role's side: :class:`~kvwire.session.prefill.PrefillSide` (transfer workers, the
+* the :class:`~kvwire.session.rooms.RoomTable` (live requests, their status, the room lock);
+* the :class:`~kvwire.session.context.RankContext` (identity, layouts, aux rows, backend,
+  codec and control channel, staging strategies, peers; the ``tell``/``later``/``evict``
+  verbs and the progress thread);
+* the role's side: :class:`~kvwire.session.prefill.side.PrefillSide` (transfer workers, the
   bootstrap registration, and the bootstrap service itself on prefill rank 0) or
-  :class:`~kvwire.session.decode.DecodeSide` (bootstrap lookups and handshakes);
-* the room status table.
+  :class:`~kvwire.session.decode.side.DecodeSide` (bootstrap lookups and handshakes);
+* the two lanes: the *liveness* thread (control messages, heartbeats, eviction; never an
+  engine call) and the *progress* step run on the context's progress thread (engine progress,
+  notifications, chores, deadlines, in that order, so notifications are always drained before
+  a deadline is checked).
 
-Engines create one :class:`~kvwire.session.sender.KVSender` or
+Nothing below the façade imports this module: sides, links and workers get the context and
+the room table. Engines create one :class:`~kvwire.session.sender.KVSender` or
 :class:`~kvwire.session.receiver.KVReceiver` per request from it (:meth:`KVManager.sender`,
 :meth:`KVManager.receiver`).
 """
 
 from __future__ import annotations
 
-import dataclasses
-import enum
 import logging
-import queue
-import secrets
 import threading
 import time
-from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any
-
-import numpy as np
-from numpy.typing import NDArray
+from collections.abc import Sequence
+from typing import Any
 
 from kvwire.backend import TransferBackend
 from kvwire.config import KVWireConfig
 from kvwire.control.channel import ControlChannel
-from kvwire.control.wire import MESSAGE_TYPES, Codec, Goodbye, Heartbeat, Message, StagingMessage
-from kvwire.errors import ConfigError, LayoutError
+from kvwire.control.wire import (
+    MESSAGE_TYPES,
+    Codec,
+    Goodbye,
+    Heartbeat,
+    Message,
+    StagingMessage,
+)
+from kvwire.errors import ConfigError
 from kvwire.layout import KVLayout, MemoryRegion
-from kvwire.security import enforce_secret_policy
-from kvwire.selection import create_backends, select_host_staging, select_staging
 from kvwire.session import metrics as m
+from kvwire.session.context import STAMP_ROW_BYTES, RankContext, Role
+from kvwire.session.decode import DecodeSide
 from kvwire.session.early import RoomIssuer
-from kvwire.session.peers import Peer, PeerTable
-from kvwire.session.poll import KVPoll, StatusTable
-from kvwire.staging.base import StagingContext, StagingStrategy
-
-if TYPE_CHECKING:
-    from kvwire.session.decode import DecodeSide
-    from kvwire.session.prefill import PrefillSide
-    from kvwire.session.receiver import KVReceiver
-    from kvwire.session.sender import KVSender
+from kvwire.session.peers import PeerTable
+from kvwire.session.poll import StatusTable
+from kvwire.session.prefill import PrefillSide
+from kvwire.session.receiver import KVReceiver
+from kvwire.session.rooms import RoomTable
+from kvwire.session.sender import KVSender
+from kvwire.staging.base import StagingStrategy
 
 logger = logging.getLogger(__name__)
 
-#: Bytes of kvwire's own aux row (the room stamp, padded to 64 bytes for RDMA).
-STAMP_ROW_BYTES = 64
+__all__ = ["STAMP_ROW_BYTES", "KVManager", "Role", "dispatch_table"]
+
 #: Longest the liveness thread waits for a message, and the progress thread's period while no
 #: request waits on a notification (and while some do).
 CONTROL_TICK_S = 0.001
 CONTROL_TICK_BUSY_S = 0.0002
 #: Longest the liveness thread waits for a message before checking its peers again.
 LIVENESS_TICK_S = 0.02
-
-
-class Role(enum.StrEnum):
-    """Which side of the disaggregated pair a manager serves."""
-
-    PREFILL = "prefill"
-    DECODE = "decode"
 
 
 class KVManager:
@@ -114,148 +109,61 @@ class KVManager:
         hooks: Any = None,
         room_issuer: RoomIssuer | None = None,
     ) -> None:
-        enforce_secret_policy(config.require_secret, config.secret_bytes, "this kvwire rank")
-        self.config = config
-        self.role = Role(role)
-        self.layout = layout
-        self.host_layout = host_layout
-        self.hooks = hooks
-        self.options = config.control
-        self.session = secrets.token_hex(8)
-        r = layout.rank
-        # Unique by default: two instances of the same shape must never share a name (the
-        # engines key peers by it). The session id makes it unique per incarnation too.
-        self.agent_name = agent_name or (
-            f"{self.role.value}-dp{r.dp_rank}-pp{r.pp_rank}-tp{r.tp_rank}-{self.session[:8]}"
-        )
-        if dp_size < 1 or r.dp_rank >= dp_size:
-            raise LayoutError(f"dp_rank {r.dp_rank} is not below dp_size {dp_size}")
-        self.dp_size = dp_size
-        self.labels = {"role": self.role.value, "agent": self.agent_name}
-        self.status = StatusTable()
-        self.lock = threading.RLock()
-        #: Engine peer name -> the session that added it (prefill: decode ranks added to
-        #: the backend). Guarded by :attr:`engine_peers_lock`, which serialises adding and
-        #: removing peers in the engine (handshake threads, progress thread); never taken
-        #: together with :attr:`lock`.
-        self.engine_peers: dict[str, str] = {}
-        self.engine_peers_lock = threading.Lock()
-        self.peers = PeerTable()
-        self._chores: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
-        self._stop = threading.Event()
-        self._closed = False
-        self._cleanup: list[Any] = []
-        self._exported_drops: dict[str, int] = {}
-
-        slots = {b.num_items for b in aux_buffers}
-        if len(slots) > 1:
-            raise LayoutError(f"aux buffers must have the same number of rows; got {sorted(slots)}")
-        self.aux_slots = slots.pop() if slots else self.options.aux_slots
-        self.stamps: NDArray[np.uint64] = np.zeros(
-            (self.aux_slots, STAMP_ROW_BYTES // 8), dtype=np.uint64
-        )
-        self.aux_regions = [
-            MemoryRegion.from_pointer(self.stamps.ctypes.data, self.stamps.nbytes, STAMP_ROW_BYTES),
-            *aux_buffers,
-        ]
-
-        if room_issuer is not None and self.role is not Role.PREFILL:
+        if room_issuer is not None and Role(role) is not Role.PREFILL:
             raise ConfigError("room_issuer (which rooms prefill will create) is for prefill")
-        if host_layout is not None and self.role is not Role.DECODE:
-            raise ConfigError("host_layout (a decode host pool) is for decode managers")
-        host_buffers = tuple(host_layout.buffers) if host_layout is not None else ()
-        groups = layout.group_regions  # state, sliding-window and draft-layer buffers
-        kinds = {b.kind for b in (*layout.buffers, *groups, *aux_buffers, *host_buffers)}
-        self.backend: TransferBackend
-        self.backend, self.backend_plan = create_backends(
+        self._closed = False
+        self._next_check = 0.0
+        self._exported_drops: dict[str, int] = {}
+        labels: dict[str, str] = {}  # filled once the context named the rank
+        rooms: RoomTable[Any] = RoomTable(labels)
+        self.ctx = ctx = RankContext(
             config,
-            self.agent_name,
-            kinds=kinds,
-            on_failover=self._on_failover,
-            on_recovery=self._on_recovery,
+            role,
+            layout,
+            room_pages=rooms.pages,
+            aux_buffers=aux_buffers,
+            dp_size=dp_size,
+            agent_name=agent_name,
+            kv_tensors=kv_tensors,
+            host_layout=host_layout,
+            hooks=hooks,
         )
-        #: This rank's backends in preference order (one, or a MultiBackend's members).
-        self.backend_names = self.backend_plan.names
-        self.backend_name = ",".join(self.backend_names)
-        #: Ends the progress thread's wait early: set by the backend when a notification is
-        #: queued (a backend that pushes events), by :meth:`later` and by :meth:`close`.
-        self._progress_wake = threading.Event()
-        self.backend.set_notification_waker(self._progress_wake.set)
-        try:
-            self.backend.register([*layout.buffers, *groups, *host_buffers, *self.aux_regions])
-            context = StagingContext(
-                layout,
-                self.backend.register,
-                self.backend.deregister,
-                role=self.role.value,
-                num_workers=self.options.num_workers,
-                kv_tensors=kv_tensors,
-                send_fn=lambda endpoint, msg: self.tell(endpoint, msg),
-                session=self.session,
-                room_pages=self._room_pages,
-            )
-            ssel = select_staging(config)
-            self.staging: StagingStrategy = ssel.cls(ssel.options)
-            self.staging.setup(context)
-            hsel = select_host_staging(config)
-            #: Strategy for chunks into a decode host pool; see
-            #: ``KVWireConfig.host_staging``.
-            self.host_staging: StagingStrategy = hsel.cls(hsel.options)
-            self.host_staging.setup(
-                dataclasses.replace(
-                    context, host_layout=host_layout, pool="host", room_pages=self._host_room_pages
-                )
-            )
-            self.codec = Codec(config.secret_bytes)
-            self.channel = ControlChannel(self.codec, self.options.host, self.options.send_hwm)
-        except BaseException:
-            self.backend.close()
-            raise
-        if self.options.metrics_port is not None:
-            m.serve_metrics(self.options.metrics_port)
-
+        labels.update(ctx.labels)
+        #: The room table (live requests, their status and the room lock).
+        self.rooms = rooms
         self.side: PrefillSide | DecodeSide
         try:
-            if self.role is Role.PREFILL:
-                from kvwire.session.prefill import PrefillSide
-
-                self.side = PrefillSide(self, bootstrap_addr, room_issuer)
+            if ctx.role is Role.PREFILL:
+                self.side = PrefillSide(ctx, rooms, bootstrap_addr, room_issuer)
             else:
-                from kvwire.session.decode import DecodeSide
-
-                self.side = DecodeSide(self)
+                self.side = DecodeSide(ctx, rooms)
         except BaseException:
-            self._release_resources()
+            ctx.close()
             raise
+        ctx.watch_peers(self.side.on_peer_lost)
         #: kind -> (object, method name); looked up per message so a handler can be wrapped.
         self._handlers = dispatch_table(self, self.side)
-        self._threads = [
-            threading.Thread(target=fn, name=f"kvwire-{what}-{self.agent_name}", daemon=True)
-            for what, fn in (("liveness", self._liveness_loop), ("progress", self._progress_loop))
-        ]
-        for t in self._threads:
-            t.start()
+        self._liveness = threading.Thread(
+            target=self._liveness_loop, name=f"kvwire-liveness-{ctx.agent_name}", daemon=True
+        )
+        self._liveness.start()
+        ctx.start(self._progress_step)
         logger.info(
             "%s: %s manager up (backend %s, endpoint %s)",
-            self.agent_name,
-            self.role.value,
-            self.backend_name,
-            self.channel.endpoint,
+            ctx.agent_name,
+            ctx.role.value,
+            ctx.backend_name,
+            ctx.channel.endpoint,
         )
 
     # ------------------------------------------------------------------ engine API
     @property
     def bootstrap_addr(self) -> str | None:
         """Prefill: the bootstrap service this rank registered with (``host:port``)."""
-        from kvwire.session.prefill import PrefillSide
-
         return self.side.bootstrap_addr if isinstance(self.side, PrefillSide) else None
 
     def sender(self, room: int) -> KVSender:
         """Prefill: the sender of request ``room`` (called when the request arrives)."""
-        from kvwire.session.prefill import PrefillSide
-        from kvwire.session.sender import KVSender
-
         if not isinstance(self.side, PrefillSide):
             raise ConfigError("sender() is for prefill managers; this one is decode")
         return KVSender(self.side, room)
@@ -265,16 +173,13 @@ class KVManager:
     ) -> KVReceiver:
         """Decode: the receiver of request ``room`` whose prefill instance registered at
         ``bootstrap_addr``; bootstrapping (lookup and handshakes) starts in the background."""
-        from kvwire.session.decode import DecodeSide
-        from kvwire.session.receiver import KVReceiver
-
         if not isinstance(self.side, DecodeSide):
             raise ConfigError("receiver() is for decode managers; this one is prefill")
         return KVReceiver(self.side, room, bootstrap_addr, prefill_dp_rank)
 
     def room_tables(self) -> dict[str, int]:
         """Sizes of every per-room table (a leak check: all zero once every room is cleared)."""
-        out = {"status": len(self.status)}
+        out = {"status": len(self.rooms.status)}
         out.update(self.side.room_tables())
         return out
 
@@ -285,41 +190,120 @@ class KVManager:
         are not failed for waiting (deadlines are on progress); watch this, or
         :attr:`saturated`, to apply backpressure."""
         queued = self.side.queued_chunks()
-        m.QUEUED_CHUNKS.labels(**self.labels).set(queued)
-        return {"queued_chunks": queued, "live_rooms": len(self.status)}
+        m.QUEUED_CHUNKS.labels(**self.ctx.labels).set(queued)
+        return {"queued_chunks": queued, "live_rooms": len(self.rooms.status)}
 
     @property
     def saturated(self) -> bool:
         """Prefill: the workers' queues hold ``control.max_queued_chunks`` chunks or more; an
         engine should hold back new requests until this clears (nothing is refused for it)."""
-        return self.side.queued_chunks() >= self.options.max_queued_chunks
+        return self.side.queued_chunks() >= self.ctx.options.max_queued_chunks
 
     @property
     def dropped(self) -> dict[str, int]:
         """Control frames dropped, by reason (unauthenticated, malformed, version, ...)."""
-        return dict(self.channel.dropped)
+        return dict(self.ctx.channel.dropped)
+
+    # The rank's identity and parts, read-only, for engines, tools and tests (the session
+    # layer below reads them from the context).
+    @property
+    def config(self) -> KVWireConfig:
+        """The configuration this rank was built with."""
+        return self.ctx.config
+
+    @property
+    def role(self) -> Role:
+        """Prefill or decode."""
+        return self.ctx.role
+
+    @property
+    def layout(self) -> KVLayout:
+        """The KV pool's layout."""
+        return self.ctx.layout
+
+    @property
+    def host_layout(self) -> KVLayout | None:
+        """Decode: the host pool's layout, if any."""
+        return self.ctx.host_layout
+
+    @property
+    def session(self) -> str:
+        """This incarnation's session id (peers key it)."""
+        return self.ctx.session
+
+    @property
+    def agent_name(self) -> str:
+        """This rank's agent name (unique per incarnation)."""
+        return self.ctx.agent_name
+
+    @property
+    def labels(self) -> dict[str, str]:
+        """This rank's metric labels."""
+        return self.ctx.labels
+
+    @property
+    def backend(self) -> TransferBackend:
+        """The transfer backend (a ``MultiBackend`` when several are configured)."""
+        return self.ctx.backend
+
+    @property
+    def backend_names(self) -> list[str]:
+        """This rank's backends in preference order."""
+        return self.ctx.backend_names
+
+    @property
+    def backend_name(self) -> str:
+        """The backends' names, comma-separated."""
+        return self.ctx.backend_name
+
+    @property
+    def staging(self) -> StagingStrategy:
+        """The KV pool's staging strategy."""
+        return self.ctx.staging
+
+    @property
+    def host_staging(self) -> StagingStrategy:
+        """The host pool's staging strategy."""
+        return self.ctx.host_staging
+
+    @property
+    def peers(self) -> PeerTable:
+        """The peers this rank has handshaken with."""
+        return self.ctx.peers
+
+    @property
+    def channel(self) -> ControlChannel:
+        """The control channel."""
+        return self.ctx.channel
+
+    @property
+    def codec(self) -> Codec:
+        """The control messages' codec (MACs with the shared secret)."""
+        return self.ctx.codec
+
+    @property
+    def status(self) -> StatusTable:
+        """Every live room's status."""
+        return self.rooms.status
+
+    def tell(self, endpoint: str, msg: Message) -> bool:
+        """Tell a peer's control endpoint ``msg`` (see :meth:`RankContext.tell`)."""
+        return self.ctx.tell(endpoint, msg)
 
     def close(self) -> None:
         """Stop threads, tell peers goodbye, fail live rooms and free everything. Idempotent;
         called by the engine at shutdown."""
-        with self.lock:
+        with self.rooms.lock:
             if self._closed:
                 return
             self._closed = True
-        for p in self.peers.snapshot():
-            self.channel.send(p.endpoint, Goodbye(session=self.session))
-        self._stop.set()
-        self._progress_wake.set()
-        for t in self._threads:
-            t.join(5.0)
+        ctx = self.ctx
+        for p in ctx.peers.snapshot():
+            ctx.channel.send(p.endpoint, Goodbye(session=ctx.session))
+        ctx.stop(5.0)
+        self._liveness.join(5.0)
         self.side.close()
-        self._release_resources()
-
-    def _release_resources(self) -> None:
-        for strategy in self.strategies:
-            strategy.close()
-        self.backend.close()
-        self.channel.close()
+        ctx.close()
 
     def __enter__(self) -> KVManager:
         return self
@@ -333,15 +317,16 @@ class KVManager:
         them, send heartbeats, and evict peers that are silent or whose connection closed.
         Never calls the transfer engine and never takes a lock held across an engine call:
         handlers only update tables and queue work."""
-        opts = self.options
+        ctx = self.ctx
+        opts = ctx.options
         next_beat = 0.0
-        while not self._stop.is_set():
+        while not ctx.stopping:
             try:
                 # sleep until a message arrives or the next duty is due (no busy ticking)
                 wait = min(LIVENESS_TICK_S, max(0.0, next_beat - time.monotonic()))
-                for msg in self.channel.receive(wait):
+                for msg in ctx.channel.receive(wait):
                     self._dispatch(msg)
-                for msg in self.channel.take_unsigned():
+                for msg in ctx.channel.take_unsigned():
                     self.side.on_unsigned(msg)
                 now = time.monotonic()
                 if now >= next_beat:
@@ -349,7 +334,7 @@ class KVManager:
                     next_beat = now + opts.heartbeat_interval_s
                 self._check_peers(now)
             except Exception:
-                logger.exception("%s: liveness loop error; continuing", self.agent_name)
+                logger.exception("%s: liveness loop error; continuing", ctx.agent_name)
                 time.sleep(CONTROL_TICK_S)
 
     def _dispatch(self, msg: Message) -> None:
@@ -358,15 +343,15 @@ class KVManager:
         ``HANDLERS``)."""
         session = getattr(msg, "session", None)
         if isinstance(session, str):
-            self.peers.touch(session)
+            self.ctx.peers.touch(session)
         entry = self._handlers.get(msg.kind)
         if entry is None:  # every kind has one (a test checks); a defensive drop
-            logger.debug("%s: no handler for %s", self.agent_name, msg.kind)
+            logger.debug("%s: no handler for %s", self.ctx.agent_name, msg.kind)
             return
         try:
             getattr(entry[0], entry[1])(msg)
         except Exception:
-            logger.exception("%s: handling %s failed", self.agent_name, msg.kind)
+            logger.exception("%s: handling %s failed", self.ctx.agent_name, msg.kind)
 
     def _on_heartbeat(self, msg: Message) -> None:
         """A peer's heartbeat: the touch in :meth:`_dispatch` is all it does."""
@@ -376,14 +361,15 @@ class KVManager:
         strategy of the named pool when it comes from a handshaken peer and that strategy has
         the sender's name; dropped (and counted) otherwise."""
         assert isinstance(msg, StagingMessage)
-        strategy = self.host_staging if msg.pool == "host" else self.staging
-        peer = self.peers.get(msg.session)
+        ctx = self.ctx
+        strategy = ctx.host_staging if msg.pool == "host" else ctx.staging
+        peer = ctx.peers.get(msg.session)
         if peer is None or strategy.name != msg.strategy:
             reason = "staging_unknown_peer" if peer is None else "staging_other_strategy"
-            self.channel.dropped[reason] += 1
+            ctx.channel.dropped[reason] += 1
             logger.debug(
                 "%s: dropped a %s/%s staging message from %s (%s)",
-                self.agent_name,
+                ctx.agent_name,
                 msg.strategy,
                 msg.type,
                 msg.session,
@@ -394,42 +380,45 @@ class KVManager:
 
     def _on_goodbye(self, msg: Message) -> None:
         assert isinstance(msg, Goodbye)
-        self.evict(msg.session, "it closed (goodbye)")
+        self.ctx.evict(msg.session, "it closed (goodbye)")
 
     def _beat(self) -> None:
-        beat = Heartbeat(session=self.session, sent_at=time.time())
-        for p in self.peers.snapshot():
-            self.channel.send(p.endpoint, beat)
+        ctx = self.ctx
+        beat = Heartbeat(session=ctx.session, sent_at=time.time())
+        for p in ctx.peers.snapshot():
+            ctx.channel.send(p.endpoint, beat)
         self._export_drops()
 
     def _export_drops(self) -> None:
         """Liveness thread, each heartbeat: received frames the channel dropped (malformed,
         unauthenticated, replayed, ...) reach ``kvwire_control_dropped_total`` by reason
-        (``send_full`` is counted where it happens, in :meth:`send`)."""
-        for reason, n in list(self.channel.dropped.items()):
+        (``send_full`` is counted where it happens, in :meth:`RankContext.tell`)."""
+        for reason, n in list(self.ctx.channel.dropped.items()):
             seen = self._exported_drops.get(reason, 0)
             if reason != "send_full" and n > seen:
-                m.DROPPED.labels(**self.labels, reason=reason).inc(n - seen)
+                m.DROPPED.labels(**self.ctx.labels, reason=reason).inc(n - seen)
             self._exported_drops[reason] = n
 
     def _check_peers(self, now: float) -> None:
         # closed connections first: a peer that is both silent and disconnected is gone (its
         # writes cannot still arrive), not merely behind a partition
-        for ep in self.channel.lost_endpoints(now):
-            gone = self.peers.by_endpoint(ep)
+        ctx = self.ctx
+        for ep in ctx.channel.lost_endpoints(now):
+            gone = ctx.peers.by_endpoint(ep)
             if not gone:
-                self.channel.disconnect(ep)
+                ctx.channel.disconnect(ep)
             for p in gone:
-                self.evict(p.session, "its control connection closed (process gone?)")
-        limit = self.options.heartbeat_interval_s * self.options.heartbeat_misses
-        for p in self.peers.silent(now, limit):
-            self.evict(p.session, f"no heartbeat for {limit:.1f}s", silent=True)
+                ctx.evict(p.session, "its control connection closed (process gone?)")
+        limit = ctx.options.heartbeat_interval_s * ctx.options.heartbeat_misses
+        for p in ctx.peers.silent(now, limit):
+            ctx.evict(p.session, f"no heartbeat for {limit:.1f}s", silent=True)
 
     # -------------------------------------------------------------- progress lane
-    def _progress_loop(self) -> None:
-        """Progress thread: drive the engine (``progress``), drain its notifications, run
-        queued chores (engine cleanup of evicted peers), then check deadlines (after the
-        drain, so a notification that arrived is never taken for a timeout; at most every
+    def _progress_step(self) -> None:
+        """Progress thread (the context's :class:`~kvwire.owner_loop.OwnerLoop`, which runs
+        the chores :meth:`RankContext.later` queued before each step): drive the engine
+        (``progress``), drain its notifications, then check deadlines (after the drain, so a
+        notification that arrived is never taken for a timeout; at most every
         :data:`CONTROL_TICK_S`: they are seconds long, and a turn while data is awaited
         should cost a poll, not a walk over every room).
 
@@ -437,101 +426,28 @@ class KVManager:
         it sleeps until a notification is queued (or a chore, or :data:`CONTROL_TICK_S`);
         with one that must be polled, :data:`CONTROL_TICK_BUSY_S` while a request waits on
         data, :data:`CONTROL_TICK_S` otherwise."""
-        backend, side, wake = self.backend, self.side, self._progress_wake
-        evented = backend.pushes_events
-        next_check = 0.0
-        while not self._stop.is_set():
-            try:
-                backend.progress()
-                for note in backend.get_notifications():
-                    side.on_notification(note)
-                while True:
-                    try:
-                        chore = self._chores.get_nowait()
-                    except queue.Empty:
-                        break
-                    chore()
-                now = time.monotonic()
-                if now >= next_check:
-                    side.check_deadlines(now)
-                    next_check = now + CONTROL_TICK_S
-                for strategy in self.strategies:
-                    strategy.tick(now)
-                if evented:
-                    # cleared after the wait, and the next turn drains: a wake-up that
-                    # comes in between is never lost
-                    wake.wait(CONTROL_TICK_S)
-                    wake.clear()
-                else:
-                    wake.wait(CONTROL_TICK_BUSY_S if side.awaiting_data() else CONTROL_TICK_S)
-                    wake.clear()
-            except Exception:
-                logger.exception("%s: progress loop error; continuing", self.agent_name)
-                time.sleep(CONTROL_TICK_S)
-
-    def _on_failover(self, peer: str, src: str, dst: str, why: str) -> None:
-        """A link's backend failed and its transfers moved to ``dst`` (any thread)."""
-        m.FAILOVERS.labels(**self.labels, src=src, dst=dst).inc()
-
-    def _on_recovery(self, peer: str, backend: str) -> None:
-        """A link's failed backend reconnected and takes its transfers again (probe thread)."""
-        m.RECOVERIES.labels(**self.labels, backend=backend).inc()
-
-    def later(self, chore: Callable[[], None]) -> None:
-        """Run ``chore`` on the progress thread (engine calls the liveness thread must not
-        make, such as removing an evicted peer from the engine). Any thread."""
-        self._chores.put(chore)
-        self._progress_wake.set()
-
-    def add_peer(self, peer: Peer) -> None:
-        """Start tracking a peer's liveness (after a successful handshake)."""
-        self.peers.add(peer)
-
-    def evict(self, session: str, why: str, silent: bool = False) -> None:
-        """Forget a dead or departed peer everywhere: its rooms fail (both sides told), its
-        socket is dropped, and its engine state is removed on the progress thread. Called by
-        the liveness thread (heartbeats, closed connections, goodbye) or a handshake thread
-        (a restart). ``silent``: evicted for silence alone (it may be alive behind a
-        partition, with writes still on the way)."""
-        peer = self.peers.pop(session)
-        if peer is None:
-            return
-        peer.silent_loss = silent
-        level = logging.INFO if "goodbye" in why else logging.WARNING
-        logger.log(level, "%s: evicting %s (%s): %s", self.agent_name, peer.agent, session, why)
-        m.EVICTIONS.labels(**self.labels).inc()
-        self.side.on_peer_lost(peer, why)
-        self.channel.disconnect(peer.endpoint)
-
-    def _room_pages(self, room: int) -> Any:
-        """Strategies of the KV pool (any thread): a live request's destination pages (none
-        while the side is being built: no peer can have asked yet)."""
-        side = getattr(self, "side", None)
-        return side.room_pages(room, "kv") if side is not None else None
-
-    def _host_room_pages(self, room: int) -> Any:
-        """Strategies of the host pool (any thread): as :meth:`_room_pages`."""
-        side = getattr(self, "side", None)
-        return side.room_pages(room, "host") if side is not None else None
-
-    @property
-    def strategies(self) -> tuple[StagingStrategy, StagingStrategy]:
-        """The KV pool's staging strategy and the host pool's (release, leak checks, peers)."""
-        return self.staging, self.host_staging
-
-    def tell(self, endpoint: str, msg: Message) -> bool:
-        """Tell a peer's control endpoint ``msg`` (non-blocking, bounded; False when the
-        peer's queue is full and it was dropped). Any thread. Named apart from
-        :meth:`KVSender.send <kvwire.session.sender.KVSender.send>`, which queues KV."""
-        ok = self.channel.send(endpoint, msg)
-        if not ok:
-            m.DROPPED.labels(**self.labels, reason="send_full").inc()
-        return ok
-
-    def finish(self, room: int, status: KVPoll, t0: float) -> None:
-        """Record a room's terminal status in the process metrics."""
-        m.REQUESTS.labels(**self.labels, result=status.name).inc()
-        m.REQUEST_SECONDS.labels(**self.labels).observe(time.perf_counter() - t0)
+        ctx, side = self.ctx, self.side
+        backend, wake = ctx.backend, ctx.wake
+        try:
+            backend.progress()
+            for note in backend.get_notifications():
+                side.on_notification(note)
+            now = time.monotonic()
+            if now >= self._next_check:
+                side.check_deadlines(now)
+                self._next_check = now + CONTROL_TICK_S
+            for strategy in ctx.strategies:
+                strategy.tick(now)
+            # cleared after the wait, and the next turn drains: a wake-up that comes in
+            # between is never lost
+            if backend.pushes_events or not side.awaiting_data():
+                wake.wait(CONTROL_TICK_S)
+            else:
+                wake.wait(CONTROL_TICK_BUSY_S)
+            wake.clear()
+        except Exception:
+            logger.exception("%s: progress loop error; continuing", ctx.agent_name)
+            time.sleep(CONTROL_TICK_S)
 
 
 #: Handlers the manager itself runs, whatever its role (kind -> method of :class:`KVManager`).

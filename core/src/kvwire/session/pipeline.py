@@ -92,10 +92,10 @@ class Pipeline(LayerwisePosting):
     def __init__(self, side: PrefillSide, index: int = 0) -> None:
         self.side = side
         self.index = index
-        self.mgr = side.mgr
-        self.max_inflight = side.mgr.options.max_inflight_chunks
+        self.ctx = side.ctx
+        self.max_inflight = side.ctx.options.max_inflight_chunks
         #: The backend calls a write's ``wake`` when it ends (see :meth:`idle`).
-        self.evented = side.mgr.backend.pushes_events
+        self.evented = side.ctx.backend.pushes_events
         self.posted: list[_Posted] = []
         self.tails: dict[tuple[int, str], _Tail] = {}
         #: Set by a layer-wise chunk's gate when the engine marks layers (see :meth:`idle`).
@@ -236,7 +236,7 @@ class Pipeline(LayerwisePosting):
             where = {
                 "span": job.span,
                 "num_pages": job.room.num_pages,
-                "page_size": self.mgr.layout.model.page_size,
+                "page_size": self.ctx.layout.model.page_size,
             }
             for i, seg in enumerate(segs):
                 extra: dict[str, Any] = dict(where)
@@ -245,7 +245,7 @@ class Pipeline(LayerwisePosting):
                 note = ChunkNote(
                     room=room,
                     sender_id=self.side.sender_id,
-                    session=self.mgr.session,
+                    session=self.ctx.session,
                     what=what,  # type: ignore[arg-type]
                     chunk_id=job.chunk_id,
                     last=job.last,
@@ -268,7 +268,7 @@ class Pipeline(LayerwisePosting):
                         ref,
                         seg.src_idx,
                         seg.dst_idx,
-                        self.mgr.codec.encode(note),
+                        self.ctx.codec.encode(note),
                         what,
                         t_start,
                         job.t_enqueued,
@@ -344,12 +344,12 @@ class Pipeline(LayerwisePosting):
 
     # --------------------------------------------------------------- internals
     def _note(self, room: int, what: str, chunk_id: int = 0, last: bool = False) -> bytes:
-        mgr = self.mgr
-        return mgr.codec.encode(
+        ctx = self.ctx
+        return ctx.codec.encode(
             ChunkNote(
                 room=room,
                 sender_id=self.side.sender_id,
-                session=mgr.session,
+                session=ctx.session,
                 what=what,  # type: ignore[arg-type]
                 chunk_id=chunk_id,
                 last=last,
@@ -378,7 +378,7 @@ class Pipeline(LayerwisePosting):
                 t_start,
                 time.perf_counter(),
                 t_enqueued,
-                time.monotonic() + self.mgr.options.transfer_timeout_s,
+                time.monotonic() + self.ctx.options.transfer_timeout_s,
                 note.what,
                 copy=copy,
                 note=note,
@@ -405,7 +405,7 @@ class Pipeline(LayerwisePosting):
         t_start: float,
         t_enqueued: float | None,
     ) -> None:
-        handle = self.mgr.backend.submit(
+        handle = self.ctx.backend.submit(
             XferOp.WRITE, pair, src_idx, dst_idx, note, wake=self.wake.set
         )
         now = tail.room.metrics.marks["posted"] = time.perf_counter()
@@ -418,7 +418,7 @@ class Pipeline(LayerwisePosting):
                 t_start,
                 now,
                 t_enqueued,
-                time.monotonic() + self.mgr.options.transfer_timeout_s,
+                time.monotonic() + self.ctx.options.transfer_timeout_s,
                 what,
             ),
             tail,
@@ -439,7 +439,7 @@ class Pipeline(LayerwisePosting):
                 p.room,
                 TransferError(
                     f"{p.what} copy not done within transfer_timeout_s="
-                    f"{self.mgr.options.transfer_timeout_s}",
+                    f"{self.ctx.options.transfer_timeout_s}",
                     room=p.room.room,
                     operation=f"{p.what} copy",
                 ),
@@ -450,28 +450,28 @@ class Pipeline(LayerwisePosting):
     def _state(self, p: _Posted) -> XferState:
         if p.copy is not None:
             return self._copy_state(p)
-        state = self.mgr.backend.poll(p.handle)
+        state = self.ctx.backend.poll(p.handle)
         if state is not XferState.PENDING:
             return state
         # A write of a failed request is not abandoned early: decode reuses the destination
         # pages (and ring space) only once this side says nothing is in flight (WritesDone).
         if time.monotonic() > p.deadline:
             p.handle.error = (
-                f"no completion within transfer_timeout_s={self.mgr.options.transfer_timeout_s}"
+                f"no completion within transfer_timeout_s={self.ctx.options.transfer_timeout_s}"
             )
             return XferState.FAILED
         return XferState.PENDING
 
     def _complete(self, p: _Posted, state: XferState) -> None:
-        mgr, h = self.mgr, p.handle
+        ctx, h = self.ctx, p.handle
         t_done = time.perf_counter()
         if p.copy is None:
-            mgr.backend.release(h)
+            ctx.backend.release(h)
         elif (
             state is XferState.DONE
             and p.note is not None
             and not self.side.is_dead(p.room)
-            and not mgr.tell(p.endpoint, p.note)
+            and not ctx.tell(p.endpoint, p.note)
         ):
             h.error = "the control channel to decode is full (note not sent)"
             state = XferState.FAILED
@@ -483,7 +483,7 @@ class Pipeline(LayerwisePosting):
             tail.inflight -= 1
         self.side.writes_posted(p.key[0], p.key[1], -1)
         if state is not XferState.DONE:
-            m.CHUNKS.labels(**mgr.labels, result="failed").inc()
+            m.CHUNKS.labels(**ctx.labels, result="failed").inc()
             self._failed(
                 p.room,
                 TransferError(
@@ -524,14 +524,14 @@ class Pipeline(LayerwisePosting):
             if self._post_groups(tail, key, job):
                 return  # back here once the group transfer is terminal
         if not tail.aux_posted:
-            mgr = self.mgr
+            ctx = self.ctx
             if job.chunk_id is None:  # the last chunk moved no KV: say how many did
-                mgr.tell(
+                ctx.tell(
                     dest.endpoint,
                     Completion(
                         room=room.room,
                         sender_id=self.side.sender_id,
-                        session=mgr.session,
+                        session=ctx.session,
                         data_chunks=dest.next_chunk,
                         dummy=job.link.dummy,
                     ),
@@ -540,7 +540,7 @@ class Pipeline(LayerwisePosting):
             link = job.link
             aux_pair = link.pairs.get("aux")
             if link.sends_aux and aux_pair is not None and room.aux_index is not None:
-                mgr.stamps[room.aux_index, 0] = room.room
+                ctx.stamps[room.aux_index, 0] = room.room
                 n = link.aux_rows
                 try:
                     self._post(
@@ -548,8 +548,8 @@ class Pipeline(LayerwisePosting):
                         key,
                         aux_pair,
                         None,
-                        slot_rows(n, mgr.aux_slots, room.aux_index),
-                        slot_rows(n, mgr.aux_slots, dest.aux_index),
+                        slot_rows(n, ctx.aux_slots, room.aux_index),
+                        slot_rows(n, ctx.aux_slots, dest.aux_index),
                         self._note(room.room, "aux"),
                         "aux",
                         time.perf_counter(),
@@ -575,10 +575,10 @@ class Pipeline(LayerwisePosting):
                 return False
             if rows[0].size == 0:  # nothing to move: decode still counts the group note
                 note = ChunkNote(
-                    room=room.room, sender_id=self.side.sender_id, session=self.mgr.session,
+                    room=room.room, sender_id=self.side.sender_id, session=self.ctx.session,
                     what="state",
                 )  # fmt: skip
-                self.mgr.tell(tail.dest.endpoint, note)
+                self.ctx.tell(tail.dest.endpoint, note)
                 return False
             pair = job.link.pairs[self.side.GROUPS_TABLE]
             note_bytes = self._note(room.room, "state")

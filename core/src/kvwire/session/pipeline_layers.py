@@ -17,7 +17,7 @@ from kvwire.session.layers import LayeredChunk
 from kvwire.staging.base import ChunkPlan, Segment, StagingStrategy
 
 if TYPE_CHECKING:
-    from kvwire.session.manager import KVManager
+    from kvwire.session.context import RankContext
     from kvwire.session.pipeline import _Tail
     from kvwire.session.prefill_rooms import Job
 
@@ -57,7 +57,7 @@ class LayerwisePosting(ABC):
     pipeline provides the whole-chunk primitives below)."""
 
     index: int
-    mgr: KVManager
+    ctx: RankContext
 
     @abstractmethod
     def _plan(self, job: Job) -> ChunkPlan | None:
@@ -157,7 +157,7 @@ class LayerwisePosting(ABC):
     def _gate_ready(self, job: Job) -> int:
         """The first layer of a layer-wise job not computed yet (raises past the deadline)."""
         assert job.gate is not None
-        return job.gate.ready_by(self.mgr.options.transfer_timeout_s, job.room.room)
+        return job.gate.ready_by(self.ctx.options.transfer_timeout_s, job.room.room)
 
     def _layered(
         self, job: Job, plan: ChunkPlan, edges: NDArray[np.int64]

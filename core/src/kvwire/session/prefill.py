@@ -2,7 +2,7 @@
 
 Flow of one request on a prefill rank:
 
-1. The engine creates ``mgr.sender(room)``; the room is ``Bootstrapping``.
+1. The engine creates ``ctx.sender(room)``; the room is ``Bootstrapping``.
 2. Each decode rank fed by this rank sends a :class:`~kvwire.control.wire.TransferRequest`
    (destination pages and aux row). A request may arrive before the sender exists; it is kept
    for ``bootstrap_timeout_s`` at most. Once every expected decode rank has asked (``Td/Tp`` of
@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import Any, ClassVar
 
 import numpy as np
 from numpy.typing import NDArray
@@ -45,30 +45,29 @@ from kvwire.errors import (
 from kvwire.index.base import check_pages
 from kvwire.session import metrics as m
 from kvwire.session.common import Side
+from kvwire.session.context import RankContext
 from kvwire.session.early import EarlyBook, RoomIssuer
 from kvwire.session.groups import GROUPS_TABLE, group_rows, request_groups, send_groups
 from kvwire.session.layers import LayerGate
-from kvwire.session.manager import KVManager
 from kvwire.session.peers import Peer
 from kvwire.session.pipeline import Pipeline
 from kvwire.session.poll import KVPoll
 from kvwire.session.prefill_links import DecodeLink, DecodeLinker, PoolLink
 from kvwire.session.prefill_rooms import Dest, Job, SendRoom
 from kvwire.session.registration import Registration
+from kvwire.session.rooms import RoomTable
 from kvwire.session.workers import TransferWorkers
 from kvwire.staging.base import QueuedChunk
-
-if TYPE_CHECKING:
-    pass
 
 logger = logging.getLogger(__name__)
 
 
 class PrefillSide(Side[SendRoom]):
-    """The prefill role of a :class:`~kvwire.session.manager.KVManager`.
+    """The prefill role of a rank (built by the façade,
+    :class:`~kvwire.session.manager.KVManager`, with the rank context and the room table).
 
     Lock contract: room tables (``rooms``, ``early``,
-    ``writes_inflight``) are guarded by ``mgr.lock``, held only for table updates and queue
+    ``writes_inflight``) are guarded by ``self.rooms.lock``, held only for table updates and queue
     puts, never across an engine call or a wait. Handlers run on the liveness thread.
     """
 
@@ -90,32 +89,36 @@ class PrefillSide(Side[SendRoom]):
     group_rows = staticmethod(group_rows)
 
     def __init__(
-        self, mgr: KVManager, bootstrap_addr: str | None, issuer: RoomIssuer | None = None
+        self,
+        ctx: RankContext,
+        rooms: RoomTable[SendRoom],
+        bootstrap_addr: str | None,
+        issuer: RoomIssuer | None = None,
     ) -> None:
-        super().__init__(mgr)
+        super().__init__(ctx, rooms)
         #: The engine's word on which rooms will still get a sender (None: any may).
         self.issuer = issuer
         #: Requests and failures for rooms whose sender does not exist yet, and failures of
         #: cleared rooms (see :mod:`kvwire.session.early`).
-        self.early: EarlyBook[Dest] = EarlyBook(mgr.options.bootstrap_timeout_s)
+        self.early: EarlyBook[Dest] = EarlyBook(ctx.options.bootstrap_timeout_s)
         #: Writes posted and not ended, per (room, decode session).
         self.writes_inflight: dict[tuple[int, str], int] = {}
-        self.sender_id = mgr.layout.rank.sender_id
+        self.sender_id = ctx.layout.rank.sender_id
         #: This rank's labelled metric children (a ``labels()`` lookup per chunk costs more).
-        self._metrics = m.ChunkMetrics.for_labels(mgr.labels)
-        opts = mgr.options
+        self._metrics = m.ChunkMetrics.for_labels(ctx.labels)
+        opts = ctx.options
         self.workers: TransferWorkers[Job] = TransferWorkers(
             opts.num_workers,
-            mgr.agent_name,
+            ctx.agent_name,
             lambda i: Pipeline(self, i),
             inline=opts.sync_transfers,
         )
         #: Answers decode ranks' hellos (handshake threads).
-        self.linker = DecodeLinker(mgr, self.sender_id)
+        self.linker = DecodeLinker(ctx, self.sender_id)
         #: This rank's bootstrap registration (and the service, on prefill rank 0).
         self.registration: Registration | None = None
         try:
-            self.registration = Registration(mgr, bootstrap_addr)
+            self.registration = Registration(ctx, bootstrap_addr)
             self.registration.register(opts.bootstrap_timeout_s)
         except BaseException:
             self.close()  # the workers and handshake threads started above stop too
@@ -136,13 +139,13 @@ class PrefillSide(Side[SendRoom]):
         self.linker.on_unsigned(msg)
 
     def _on_request(self, msg: TransferRequest) -> None:
-        mgr = self.mgr
-        with mgr.lock:
-            peer = mgr.peers.get(msg.session)
+        ctx = self.ctx
+        with self.rooms.lock:
+            peer = ctx.peers.get(msg.session)
             if peer is None:
                 logger.warning(
                     "%s: transfer request for room %d from unknown session %s dropped",
-                    mgr.agent_name,
+                    ctx.agent_name,
                     msg.room,
                     msg.session,
                 )
@@ -157,15 +160,15 @@ class PrefillSide(Side[SendRoom]):
                 pages = check_pages(
                     pages_from_bytes(msg.dst_pages), target.slots, "decode's page indices"
                 )
-                if not 0 <= msg.aux_index < mgr.aux_slots:
+                if not 0 <= msg.aux_index < ctx.aux_slots:
                     raise DescriptorError(
-                        f"decode's aux index {msg.aux_index} is outside [0, {mgr.aux_slots})"
+                        f"decode's aux index {msg.aux_index} is outside [0, {ctx.aux_slots})"
                     )
                 group_dst = request_groups(link.groups, msg)
             except KVWireError as exc:
-                mgr.tell(
+                ctx.tell(
                     peer.endpoint,
-                    Failure(room=msg.room, session=mgr.session, reason=f"refused: {exc}"),
+                    Failure(room=msg.room, session=ctx.session, reason=f"refused: {exc}"),
                 )
                 return
             dest = Dest(
@@ -173,7 +176,7 @@ class PrefillSide(Side[SendRoom]):
                 peer.endpoint,
                 pages,
                 msg.aux_index,
-                link.topology.fan_out(mgr.layout.rank.tp_rank),
+                link.topology.fan_out(ctx.layout.rank.tp_rank),
                 pool=msg.pool,
                 group_dst=group_dst,
                 cached_tokens=msg.cached_tokens,
@@ -183,7 +186,7 @@ class PrefillSide(Side[SendRoom]):
             if room is not None and room.error is not None:
                 failed = str(room.error)
             if failed is not None:  # the request already failed here: tell decode now
-                mgr.tell(peer.endpoint, Failure(room=msg.room, session=mgr.session, reason=failed))
+                ctx.tell(peer.endpoint, Failure(room=msg.room, session=ctx.session, reason=failed))
                 return
             if room is None:
                 never = self.issuer.never(msg.room) if self.issuer is not None else None
@@ -200,14 +203,14 @@ class PrefillSide(Side[SendRoom]):
 
     def _refuse_unknown(self, room_id: int, endpoint: str, why: str) -> None:
         """Under the manager lock: tell a decode rank this rank will never hold ``room_id``."""
-        mgr = self.mgr
-        reason = f"prefill rank {mgr.agent_name} does not hold room {room_id}: {why}"
+        ctx = self.ctx
+        reason = f"prefill rank {ctx.agent_name} does not hold room {room_id}: {why}"
         logger.warning("%s", reason)
-        mgr.tell(endpoint, Failure(room=room_id, session=mgr.session, reason=reason))
+        ctx.tell(endpoint, Failure(room=room_id, session=ctx.session, reason=reason))
 
     def _add_dest(self, room: SendRoom, dest: Dest) -> None:
         """Under the manager lock: a decode rank's request joins its room."""
-        if self.mgr.status.get(room.room, KVPoll.Bootstrapping) is KVPoll.Failed:
+        if self.rooms.status.get(room.room, KVPoll.Bootstrapping) is KVPoll.Failed:
             return
         expected = dest.fan_out
         if room.expected is not None and room.expected != expected:
@@ -225,14 +228,14 @@ class PrefillSide(Side[SendRoom]):
             return
         room.ready = True
         room.metrics.marks["asked"] = time.perf_counter()
-        self.mgr.status.update(room.room, KVPoll.WaitingForInput)
+        self.rooms.status.update(room.room, KVPoll.WaitingForInput)
         held, room.held = room.held, []
         for pages, last, gate in held:
             self._dispatch(room, pages, last, gate)
 
     def on_notification(self, note: Notification) -> None:
         """Prefill receives no data-plane notifications in WRITE mode; ignore strays."""
-        logger.debug("%s: unexpected notification from %s", self.mgr.agent_name, note.peer)
+        logger.debug("%s: unexpected notification from %s", self.ctx.agent_name, note.peer)
 
     def on_failure(self, msg: Message) -> None:
         """Liveness thread: a decode rank failed or aborted a room. Accepted from a room's
@@ -242,7 +245,7 @@ class PrefillSide(Side[SendRoom]):
         like early requests) and fails the sender when the engine creates it."""
         assert isinstance(msg, Failure)
         what = "aborted" if msg.aborted else "failed"
-        with self.mgr.lock:
+        with self.rooms.lock:
             self.early.drop_request(msg.room, msg.session)
             room = self.rooms.get(msg.room)
             if room is None:
@@ -256,46 +259,46 @@ class PrefillSide(Side[SendRoom]):
 
     def on_peer_lost(self, peer: Peer, why: str) -> None:
         """Control thread: a decode rank is dead or gone; fail its rooms, drop its tables."""
-        mgr = self.mgr
-        with mgr.lock:
+        ctx = self.ctx
+        with self.rooms.lock:
             self.early.drop_session(peer.session)
             for room in list(self.rooms.values()):
-                if peer.session in room.dests and not self._terminal(room):
+                if peer.session in room.dests and not self.rooms.terminal(room):
                     err = TransferError(
                         f"decode peer {peer.agent} lost: {why}", room=room.room, peer=peer.agent
                     )
                     self._fail(room, err, skip=peer.session)
-        mgr.later(lambda: self._release_peer(peer))
+        ctx.later(lambda: self._release_peer(peer))
 
     def _release_peer(self, peer: Peer) -> None:
         """Progress thread: drop an evicted decode rank's engine and strategy state."""
-        mgr = self.mgr
-        for strategy in mgr.strategies:
+        ctx = self.ctx
+        for strategy in ctx.strategies:
             strategy.peer_lost(peer.session)
         link: DecodeLink | None = peer.link
         if link is None:
             return
-        with mgr.engine_peers_lock:  # a restarted incarnation may own the name by now
-            if mgr.engine_peers.get(link.backend_peer) != peer.session:
+        with ctx.engine_peers_lock:  # a restarted incarnation may own the name by now
+            if ctx.engine_peers.get(link.backend_peer) != peer.session:
                 return
-            del mgr.engine_peers[link.backend_peer]
-            if link.backend_peer in mgr.backend.peers():
+            del ctx.engine_peers[link.backend_peer]
+            if link.backend_peer in ctx.backend.peers():
                 try:
-                    mgr.backend.remove_peer(link.backend_peer)
+                    ctx.backend.remove_peer(link.backend_peer)
                 except KVWireError as exc:
-                    logger.warning("%s: remove_peer(%s): %s", mgr.agent_name, peer.agent, exc)
+                    logger.warning("%s: remove_peer(%s): %s", ctx.agent_name, peer.agent, exc)
 
     def check_deadlines(self, now: float) -> None:
         """Control thread: bootstrap timeouts and expiry of early requests."""
-        limit = self.mgr.options.bootstrap_timeout_s
-        with self.mgr.lock:
+        limit = self.ctx.options.bootstrap_timeout_s
+        with self.rooms.lock:
             self.early.expire(now)
             for room in list(self.rooms.values()):
-                if not room.ready and now - room.created > limit and not self._terminal(room):
+                if not room.ready and now - room.created > limit and not self.rooms.terminal(room):
                     got = len(room.dests)
                     want = "?" if room.expected is None else str(room.expected)
                     hint = ""
-                    unsigned = self.mgr.channel.dropped.get("unauthenticated", 0)
+                    unsigned = self.ctx.channel.dropped.get("unauthenticated", 0)
                     if unsigned:
                         hint = (
                             f"; {unsigned} control frames were dropped as unauthenticated "
@@ -313,13 +316,13 @@ class PrefillSide(Side[SendRoom]):
     # --------------------------------------------------------------- engine thread
     def create_room(self, room_id: int) -> SendRoom:
         """Engine thread (KVSender creation): a new room, picking up early requests."""
-        with self.mgr.lock:
-            room = self._add_room(SendRoom(room_id))
+        with self.rooms.lock:
+            room = self.rooms.create(SendRoom(room_id))
             early_failure, requests = self.early.take(room_id)
             if early_failure is not None:
                 self._fail(room, TransferError(early_failure, room=room_id))
             for s, dest in requests:
-                if s in self.mgr.peers:
+                if s in self.ctx.peers:
                     self._add_dest(room, dest)
             if self.issuer is not None:
                 self.issuer.created(room_id)
@@ -331,12 +334,12 @@ class PrefillSide(Side[SendRoom]):
         """Engine thread: the request's page count and aux row are known."""
         if num_pages < 0:
             raise ConfigError(f"num_pages must be >= 0, got {num_pages}")
-        if not 0 <= aux_index < self.mgr.aux_slots:
+        if not 0 <= aux_index < self.ctx.aux_slots:
             raise DescriptorError(
-                f"aux_index {aux_index} is outside [0, {self.mgr.aux_slots}) (the aux rows "
+                f"aux_index {aux_index} is outside [0, {self.ctx.aux_slots}) (the aux rows "
                 "this manager was built with)"
             )
-        with self.mgr.lock:
+        with self.rooms.lock:
             room.num_pages = num_pages
             room.aux_index = aux_index
 
@@ -352,9 +355,9 @@ class PrefillSide(Side[SendRoom]):
         (this rank's buffer-group slots) come with the last chunk. ``layerwise``: the chunk's
         layers are computed after this call and marked with :meth:`layer_ready`
         (:mod:`kvwire.session.layers`)."""
-        mgr = self.mgr
-        with mgr.lock:
-            status = mgr.status.get(room.room, KVPoll.Failed)
+        ctx = self.ctx
+        with self.rooms.lock:
+            status = self.rooms.status.get(room.room, KVPoll.Failed)
             if status is KVPoll.Success:
                 raise ConfigError(
                     f"room {room.room}: send() after the request succeeded (every chunk was "
@@ -362,15 +365,15 @@ class PrefillSide(Side[SendRoom]):
                 )
         what = "pages"
         try:
-            arr = check_pages(pages, mgr.layout.num_slots, "page indices")
+            arr = check_pages(pages, ctx.layout.num_slots, "page indices")
             what = "state_indices"
-            groups = send_groups(mgr.layout, state_indices, last)
+            groups = send_groups(ctx.layout, state_indices, last)
         except KVWireError as exc:
-            with mgr.lock:
+            with self.rooms.lock:
                 self._fail(room, TransferError(f"bad {what} in send(): {exc}", room=room.room))
             raise
-        with mgr.lock:
-            if self._terminal(room):
+        with self.rooms.lock:
+            if self.rooms.terminal(room):
                 return
             problem = None
             if room.num_pages is None or room.aux_index is None:
@@ -402,9 +405,9 @@ class PrefillSide(Side[SendRoom]):
             room.sent_pages.append(arr)
             gate = None
             if layerwise:
-                lay = mgr.layout
+                lay = ctx.layout
                 gate = room.gate = LayerGate(
-                    lay.start_layer, lay.layer_end, mgr.options.layerwise_groups
+                    lay.start_layer, lay.layer_end, ctx.options.layerwise_groups
                 )
                 if self.workers.inline:  # a synchronous send cannot wait for the layers
                     room.deferred = (arr, last)
@@ -424,9 +427,9 @@ class PrefillSide(Side[SendRoom]):
         """Engine thread: layers up to ``layer`` of the open layer-wise chunk are computed
         (once ``event`` completes, when given). Raises ``ConfigError`` without an open
         layer-wise chunk or for a layer out of order."""
-        with self.mgr.lock:
+        with self.rooms.lock:
             gate = room.gate
-            if self._terminal(room):
+            if self.rooms.terminal(room):
                 return
             if gate is None:
                 raise ConfigError(
@@ -450,12 +453,12 @@ class PrefillSide(Side[SendRoom]):
     ) -> None:
         """Under the lock: split a chunk per destination and hand it to that worker."""
         assert room.num_pages is not None
-        mgr = self.mgr
+        ctx = self.ctx
         start = room.pages_dispatched
         end = room.pages_dispatched = start + pages.size
-        mgr.status.update(room.room, KVPoll.Transferring)
+        self.rooms.status.update(room.room, KVPoll.Transferring)
         for dest in room.dests.values():
-            peer = mgr.peers.get(dest.session)
+            peer = ctx.peers.get(dest.session)
             if peer is None:
                 continue
             link: DecodeLink = peer.link
@@ -481,8 +484,8 @@ class PrefillSide(Side[SendRoom]):
                         dest.session,
                         dest.endpoint,
                         self.sender_id,
-                        mgr.session,
-                        mgr.options.transfer_timeout_s,
+                        ctx.session,
+                        ctx.options.transfer_timeout_s,
                     )
                     try:
                         target.strategy.on_queued(chunk)
@@ -511,8 +514,8 @@ class PrefillSide(Side[SendRoom]):
     # ------------------------------------------------------------------ workers
     def is_dead(self, room: SendRoom) -> bool:
         """Worker thread: the request is terminal or was cleared (its work is skipped)."""
-        with self.mgr.lock:
-            return self._terminal(room) or self.rooms.get(room.room) is not room
+        with self.rooms.lock:
+            return self.rooms.terminal(room) or self.rooms.get(room.room) is not room
 
     def record(
         self,
@@ -525,7 +528,7 @@ class PrefillSide(Side[SendRoom]):
     ) -> None:
         """Worker thread: account a completed transfer in the request's and process metrics."""
         mt = room.metrics
-        with self.mgr.lock:
+        with self.rooms.lock:
             mt.bytes += handle.num_bytes
             mt.descriptors += handle.num_descs
             mt.chunks += 1
@@ -545,23 +548,23 @@ class PrefillSide(Side[SendRoom]):
     def _on_writes_query(self, msg: WritesQuery) -> None:
         """Control thread: decode asks whether it may reuse a failed request's pages (or a
         cleared request's ring space): answer once no write of ours is in flight."""
-        with self.mgr.lock:
+        with self.rooms.lock:
             room = self.rooms.get(msg.room)
-            if room is not None and not self._terminal(room):
+            if room is not None and not self.rooms.terminal(room):
                 return  # still live here: its tail releases the space when it ends
             if self.writes_inflight.get((msg.room, msg.session), 0):
                 return  # a write is still in flight; decode asks again
-            peer = self.mgr.peers.get(msg.session)
+            peer = self.ctx.peers.get(msg.session)
         if peer is not None:
-            self.mgr.tell(
+            self.ctx.tell(
                 peer.endpoint,
-                WritesDone(room=msg.room, sender_id=self.sender_id, session=self.mgr.session),
+                WritesDone(room=msg.room, sender_id=self.sender_id, session=self.ctx.session),
             )
 
     def writes_posted(self, room: int, dest: str, delta: int) -> None:
         """Worker thread: count writes in flight per (request, destination)."""
         key = (room, dest)
-        with self.mgr.lock:
+        with self.rooms.lock:
             n = self.writes_inflight.get(key, 0) + delta
             if n > 0:
                 self.writes_inflight[key] = n
@@ -571,57 +574,57 @@ class PrefillSide(Side[SendRoom]):
     def abandon(self, room: SendRoom, dest: Dest, target: PoolLink) -> None:
         """Worker thread: nothing more will be written to ``dest`` for this request."""
         target.strategy.on_abandoned(
-            room.room, dest.session, dest.endpoint, self.sender_id, self.mgr.session
+            room.room, dest.session, dest.endpoint, self.sender_id, self.ctx.session
         )
 
     def fail(self, room: SendRoom, exc: BaseException) -> None:
         """Any thread: fail the request (once), tell its destinations."""
-        with self.mgr.lock:
+        with self.rooms.lock:
             self._fail(room, exc)
 
     def dest_done(self, room: SendRoom, dest: Dest) -> None:
         """Worker thread: a destination has every chunk and its aux row."""
-        with self.mgr.lock:
+        with self.rooms.lock:
             dest.done = True
-            if all(d.done for d in room.dests.values()) and not self._terminal(room):
-                self.succeed(room)
+            if all(d.done for d in room.dests.values()) and not self.rooms.terminal(room):
+                self.rooms.succeed(room)
 
     # ---------------------------------------------------------------- failures
     def _fail(
         self, room: SendRoom, exc: BaseException, skip: str | None = None, aborted: bool = False
     ) -> None:
         """Under the lock: fail a room once, record why, tell every other destination."""
-        mgr = self.mgr
-        if not self._mark_failed(room, exc):
+        ctx = self.ctx
+        if not self.rooms.fail(room, exc):
             return
-        logger.warning("%s: room %d failed: %s", mgr.agent_name, room.room, exc)
-        msg = Failure(room=room.room, session=mgr.session, reason=str(exc), aborted=aborted)
+        logger.warning("%s: room %d failed: %s", ctx.agent_name, room.room, exc)
+        msg = Failure(room=room.room, session=ctx.session, reason=str(exc), aborted=aborted)
         for d in room.dests.values():
             if d.session != skip:
-                mgr.tell(d.endpoint, msg)
+                ctx.tell(d.endpoint, msg)
 
     def clear(self, room: SendRoom) -> None:
         """Engine thread: forget the room (every terminal path ends here)."""
-        with self.mgr.lock:
-            if self._forget(room) and room.error is not None:
+        with self.rooms.lock:
+            if self.rooms.forget(room) and room.error is not None:
                 self.early.remember_failed(room.room, str(room.error), time.monotonic())
             self.early.drop_room(room.room)
-        for strategy in self.mgr.strategies:
+        for strategy in self.ctx.strategies:
             strategy.release(room.room)
 
     def room_tables(self) -> dict[str, int]:
         """Per-room table sizes (leak check)."""
-        with self.mgr.lock:
+        with self.rooms.lock:
             return {
                 "send_rooms": len(self.rooms),
                 "early_requests": len(self.early),
                 "writes_inflight": len(self.writes_inflight),
-                **{k: v for st in self.mgr.strategies for k, v in st.room_tables().items()},
+                **{k: v for st in self.ctx.strategies for k, v in st.room_tables().items()},
             }
 
     def close(self) -> None:
         """Manager shutdown: fail live rooms, stop workers and the bootstrap service."""
-        with self.mgr.lock:
+        with self.rooms.lock:
             self._fail_live("prefill manager closed")
         self.workers.stop()
         self.linker.close()

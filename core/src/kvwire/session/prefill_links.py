@@ -39,7 +39,7 @@ from kvwire.session.segments import KindSplit, split_tables
 from kvwire.staging.base import StagingStrategy
 
 if TYPE_CHECKING:
-    from kvwire.session.manager import KVManager
+    from kvwire.session.context import RankContext
 
 logger = logging.getLogger(__name__)
 
@@ -100,12 +100,12 @@ class DecodeLinker:
     """Answers decode ranks' hellos for one prefill rank: validates, adds the engine peer,
     prepares every table pair, acks (or rejects, naming every problem)."""
 
-    def __init__(self, mgr: KVManager, sender_id: int) -> None:
-        self.mgr = mgr
+    def __init__(self, ctx: RankContext, sender_id: int) -> None:
+        self.ctx = ctx
         self.sender_id = sender_id
         self._unsigned_replies: list[float] = []
         self.handshakes = concurrent.futures.ThreadPoolExecutor(
-            2, thread_name_prefix=f"kvwire-hs-{mgr.agent_name}"
+            2, thread_name_prefix=f"kvwire-hs-{ctx.agent_name}"
         )
 
     def on_hello(self, msg: Message) -> None:
@@ -129,27 +129,26 @@ class DecodeLinker:
             "KVWIRE_SECRET, is set on prefill) but this decode rank sent none: set the "
             "same KVWIRE_SECRET on both sides"
         )
-        logger.warning("%s: refused an unsigned hello from %s", self.mgr.agent_name, msg.agent)
+        logger.warning("%s: refused an unsigned hello from %s", self.ctx.agent_name, msg.agent)
         reject = HelloReject(
-            session=self.mgr.session,
+            session=self.ctx.session,
             peer_session=msg.session,
             reason=reason,
             problems=["secret: prefill=set decode=unset"],
         )
         # a stranger: no socket is kept for its (possibly made-up) endpoint
-        self.mgr.channel.send_once(msg.endpoint, reject)
+        self.ctx.channel.send_once(msg.endpoint, reject)
 
     def handshake(self, hello: Hello) -> None:
         """Handshake thread: validate a decode rank, add it to the backend, prepare tables."""
-        mgr = self.mgr
-        with mgr.lock:
-            known = mgr.peers.get(hello.session)
+        ctx = self.ctx
+        known = ctx.peers.get(hello.session)
         if known is not None:  # a retried hello: answer again
             self._ack(hello, known.link)
             return
         theirs = [n for n, _ in hello.offers()]
-        problems = handshake_problems(mgr.layout, hello.layout, mgr.backend_names, theirs)
-        problems += aux_problems(mgr.aux_regions, hello.aux_regions)
+        problems = handshake_problems(ctx.layout, hello.layout, ctx.backend_names, theirs)
+        problems += aux_problems(ctx.aux_regions, hello.aux_regions)
         if problems:
             self._reject(hello, "incompatible layouts", problems)
             return
@@ -161,9 +160,9 @@ class DecodeLinker:
         # an explicit name. A restart reuses nothing alive: its old endpoint is the new one,
         # or the old incarnation went quiet. A live namesake is refused (the engines key
         # peers by name, so the two would evict each other).
-        quiet_s = mgr.options.heartbeat_interval_s * 1.5
+        quiet_s = ctx.options.heartbeat_interval_s * 1.5
         stale: list[str] = []
-        for old in mgr.peers.by_agent(hello.agent):
+        for old in ctx.peers.by_agent(hello.agent):
             alive = time.monotonic() - old.last_seen < quiet_s
             if old.endpoint != hello.endpoint and alive:
                 self._reject(
@@ -176,40 +175,40 @@ class DecodeLinker:
                     ],
                 )
                 return
-            mgr.evict(old.session, "it restarted (new session)")
+            ctx.evict(old.session, "it restarted (new session)")
             if old.link is not None:
                 stale.append(old.link.backend_peer)
         try:
-            mapper = build_mapper(mgr.config, mgr.layout, hello.layout)
-            extra = mgr.staging.link_tables(mapper, hello.staging)
+            mapper = build_mapper(ctx.config, ctx.layout, hello.layout)
+            extra = ctx.staging.link_tables(mapper, hello.staging)
             choice = self._add_engine_peer(hello, stale)
             name = choice.peer
             pairs = {
-                "aux": mgr.backend.prepare(
-                    name, slot_table(mgr.aux_regions), slot_table(hello.aux_regions)
+                "aux": ctx.backend.prepare(
+                    name, slot_table(ctx.aux_regions), slot_table(hello.aux_regions)
                 )
             }
             splits: dict[str, KindSplit] = {}
-            local = mgr.layout.buffers
+            local = ctx.layout.buffers
             if not mapper.is_dummy:
                 self._prepare(
                     name, "kv", mapper.build_tables(), local, hello.layout.buffers, pairs, splits
                 )
             for table_name, tp in extra.items():
-                pairs[table_name] = mgr.backend.prepare(name, tp.src, tp.dst)
+                pairs[table_name] = ctx.backend.prepare(name, tp.src, tp.dst)
             groups = mapper.group_mapper()
             if groups is not None and groups.sends:
-                kinds = {r.kind for r in (*mgr.layout.group_regions, *hello.layout.group_regions)}
+                kinds = {r.kind for r in (*ctx.layout.group_regions, *hello.layout.group_regions)}
                 if len(kinds) > 1:
                     raise KVWireError(
                         "buffer groups that mix VRAM and DRAM regions are not supported yet; "
                         "keep every group buffer in one memory kind"
                     )
                 gt = groups.build_tables()
-                pairs[GROUPS_TABLE] = mgr.backend.prepare(name, gt.src, gt.dst)
+                pairs[GROUPS_TABLE] = ctx.backend.prepare(name, gt.src, gt.dst)
             checksums = None
             if hello.checksum and not mapper.is_dummy:
-                checksums = SentSums(mapper, mgr.layout)
+                checksums = SentSums(mapper, ctx.layout)
             host_mapper, host_problem = self._host_mapper(hello)
             host_extra: dict[str, Any] = {}
             if host_mapper is not None:
@@ -219,30 +218,30 @@ class DecodeLinker:
                     name, "host", host_tables, local, hello.host_layout.buffers, pairs, splits
                 )
                 # last: the strategy may map decode's pool for this link
-                host_extra = mgr.host_staging.link_tables(
+                host_extra = ctx.host_staging.link_tables(
                     host_mapper, hello.host_staging, session=hello.session, tables=host_tables
                 )
                 for table_name, tp in host_extra.items():
-                    pairs[table_name] = mgr.backend.prepare(name, tp.src, tp.dst)
-            r = mgr.layout.rank
+                    pairs[table_name] = ctx.backend.prepare(name, tp.src, tp.dst)
+            r = ctx.layout.rank
             topo = topology_for(
-                mgr.config, mgr.layout, r.tp_size, r.pp_size, hello.rank.tp_size, hello.rank.pp_size
+                ctx.config, ctx.layout, r.tp_size, r.pp_size, hello.rank.tp_size, hello.rank.pp_size
             )
-            pools = {"kv": PoolLink(mapper, hello.layout.num_slots, "kv", mgr.staging, bool(extra))}
+            pools = {"kv": PoolLink(mapper, hello.layout.num_slots, "kv", ctx.staging, bool(extra))}
             if host_mapper is not None:
                 assert hello.host_layout is not None
                 pools["host"] = PoolLink(
                     host_mapper,
                     hello.host_layout.num_slots,
                     "host",
-                    mgr.host_staging,
+                    ctx.host_staging,
                     bool(host_extra),
                 )
             link = DecodeLink(
                 mapper=mapper,
                 backend_peer=name,
                 pairs=pairs,
-                aux_rows=len(mgr.aux_regions),
+                aux_rows=len(ctx.aux_regions),
                 topology=topo,
                 decode_tp_rank=hello.rank.tp_rank,
                 sends_aux=topo.aux_sender(hello.rank.tp_rank) == self.sender_id,
@@ -256,14 +255,14 @@ class DecodeLinker:
             )
         except Exception as exc:  # a plugin's error included: decode must hear why, now
             if not isinstance(exc, KVWireError):
-                logger.exception("%s: handshake with %s failed", mgr.agent_name, hello.agent)
-            mgr.host_staging.peer_lost(hello.session)  # unmap what link_tables may have mapped
+                logger.exception("%s: handshake with %s failed", ctx.agent_name, hello.agent)
+            ctx.host_staging.peer_lost(hello.session)  # unmap what link_tables may have mapped
             self._reject(hello, f"handshake failed on prefill: {exc}", [])
             return
-        mgr.add_peer(Peer(hello.session, hello.agent, hello.endpoint, time.monotonic(), link=link))
+        ctx.add_peer(Peer(hello.session, hello.agent, hello.endpoint, time.monotonic(), link=link))
         logger.info(
             "%s: handshake with %s (%s mapper%s%s); %s",
-            mgr.agent_name,
+            ctx.agent_name,
             hello.agent,
             mapper.name,
             ", dummy" if mapper.is_dummy else "",
@@ -282,10 +281,10 @@ class DecodeLinker:
         if is_local(peer_host):
             return None
         for name, metadata in hello.offers():
-            if name not in self.mgr.backend_names:
+            if name not in self.ctx.backend_names:
                 continue
             try:
-                hosts = self.mgr.backend.advertised_hosts(metadata)
+                hosts = self.ctx.backend.advertised_hosts(metadata)
             except Exception:
                 continue  # bad metadata: add_link reports it with its own words
             bad = [h for h in hosts if is_loopback(h)]
@@ -305,16 +304,16 @@ class DecodeLinker:
         the same name): what they left in the engine goes first, and the name's owner becomes
         the new session, so the old incarnation's deferred release
         (:meth:`PrefillSide._release_peer`) cannot remove the new one's state. Lock contract:
-        ``mgr.engine_peers_lock`` around the engine's add and remove of peers, never with
-        ``mgr.lock``."""
-        mgr = self.mgr
-        with mgr.engine_peers_lock:
+        ``ctx.engine_peers_lock`` around the engine's add and remove of peers, never with
+        the room lock."""
+        ctx = self.ctx
+        with ctx.engine_peers_lock:
             for n in stale:
-                owner = mgr.engine_peers.pop(n, hello.session)
-                if owner != hello.session and n in mgr.backend.peers():
-                    mgr.backend.remove_peer(n)
-            choice = mgr.backend.add_link(hello.offers(), hello.host)
-            mgr.engine_peers[choice.peer] = hello.session
+                owner = ctx.engine_peers.pop(n, hello.session)
+                if owner != hello.session and n in ctx.backend.peers():
+                    ctx.backend.remove_peer(n)
+            choice = ctx.backend.add_link(hello.offers(), hello.host)
+            ctx.engine_peers[choice.peer] = hello.session
             return choice
 
     def _prepare(
@@ -331,7 +330,7 @@ class DecodeLinker:
         destination kind) when either side mixes VRAM and DRAM regions."""
         parts, split = split_tables(name, tables, src_regions, dst_regions)
         for table_name, tp in parts.items():
-            pairs[table_name] = self.mgr.backend.prepare(peer, tp.src, tp.dst)
+            pairs[table_name] = self.ctx.backend.prepare(peer, tp.src, tp.dst)
         if split is not None:
             splits[name] = split
 
@@ -344,33 +343,33 @@ class DecodeLinker:
         problems = [
             p
             for p in handshake_problems(
-                self.mgr.layout, host, self.mgr.backend_names, [n for n, _ in hello.offers()]
+                self.ctx.layout, host, self.ctx.backend_names, [n for n, _ in hello.offers()]
             )
             if not p.startswith(("page_size", "group "))  # groups move on the KV link
         ]
         if problems:
             return None, "host pool incompatible: " + "; ".join(problems)
         try:
-            sel = select_host_mapper(self.mgr.config)
-            mapper: IndexMapper = sel.cls(self.mgr.layout, host, sel.options)
+            sel = select_host_mapper(self.ctx.config)
+            mapper: IndexMapper = sel.cls(self.ctx.layout, host, sel.options)
         except KVWireError as exc:
             return None, f"no usable host pool mapper: {exc}"
         return mapper, ""
 
     def _ack(self, hello: Hello, link: DecodeLink) -> None:
-        mgr = self.mgr
-        mgr.tell(
+        ctx = self.ctx
+        ctx.tell(
             hello.endpoint,
             HelloAck(
-                session=mgr.session,
-                agent=mgr.agent_name,
-                endpoint=mgr.channel.endpoint,
-                rank=mgr.layout.rank,
+                session=ctx.session,
+                agent=ctx.agent_name,
+                endpoint=ctx.channel.endpoint,
+                rank=ctx.layout.rank,
                 sender_id=self.sender_id,
-                layout_hash=mgr.layout.compatibility_hash(hello.layout.model.page_size),
+                layout_hash=ctx.layout.compatibility_hash(hello.layout.model.page_size),
                 dummy=link.dummy,
                 peer_session=hello.session,
-                layout=mgr.layout,
+                layout=ctx.layout,
                 staged=link.pools["kv"].staged,
                 groups=link.sends_groups,
                 checksum=hello.checksum and (link.dummy or link.checksums is not None),
@@ -382,15 +381,15 @@ class DecodeLinker:
     def _reject(self, hello: Hello, reason: str, problems: list[str]) -> None:
         logger.warning(
             "%s: refused handshake from %s: %s %s",
-            self.mgr.agent_name,
+            self.ctx.agent_name,
             hello.agent,
             reason,
             problems,
         )
-        self.mgr.tell(
+        self.ctx.tell(
             hello.endpoint,
             HelloReject(
-                session=self.mgr.session,
+                session=self.ctx.session,
                 peer_session=hello.session,
                 reason=reason,
                 problems=problems,

@@ -64,6 +64,10 @@ class SendRoom:
     failed_at: float = 0.0
     metrics: RequestMetrics = field(default_factory=RequestMetrics)
 
+    def pages_in(self, pool: str) -> None:
+        """A prefill room holds no destination pages of this rank (see ``RoomState``)."""
+        return None
+
 
 @dataclass
 class Job:

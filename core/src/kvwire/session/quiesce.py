@@ -14,9 +14,9 @@ them up as failed while the bytes sit in a socket buffer): it does not count as 
 it confirms after it comes back, until the transfer timeout has passed since it was lost. A
 late write from a partition that heals after that can still land: see docs/across-hosts.md.
 
-Lock contract: no lock of its own; every method is called under the decode side's
-``mgr.lock``. What must be sent (the queries) is returned, for the caller to send after it
-released the lock.
+Lock contract: no lock of its own; every method is called under the room lock (the decode
+side's :class:`~kvwire.session.rooms.RoomTable`). What must be sent (the queries) is returned,
+for the caller to send after it released the lock.
 """
 
 from __future__ import annotations

@@ -17,7 +17,7 @@ from kvwire.errors import BootstrapError, ConfigError
 
 if TYPE_CHECKING:
     from kvwire.control.bootstrap_server import BootstrapServer
-    from kvwire.session.manager import KVManager
+    from kvwire.session.context import RankContext
 
 logger = logging.getLogger(__name__)
 
@@ -26,9 +26,9 @@ class Registration:
     """Registers a prefill rank with its bootstrap service, starting the service first when
     this is prefill rank 0 and no address was given (``control.run_bootstrap``)."""
 
-    def __init__(self, mgr: KVManager, bootstrap_addr: str | None) -> None:
-        opts = mgr.options
-        r = mgr.layout.rank
+    def __init__(self, ctx: RankContext, bootstrap_addr: str | None) -> None:
+        opts = ctx.options
+        r = ctx.layout.rank
         self.server: BootstrapServer | None = None
         if bootstrap_addr is None:
             if not (opts.run_bootstrap and r.tp_rank == 0 and r.pp_rank == 0 and r.dp_rank == 0):
@@ -39,7 +39,7 @@ class Registration:
             from kvwire.control.bootstrap_server import BootstrapServer
 
             self.server = BootstrapServer(
-                opts.bootstrap_host, opts.bootstrap_port, mgr.config.secret_bytes
+                opts.bootstrap_host, opts.bootstrap_port, ctx.config.secret_bytes
             ).start()
             bootstrap_addr = self.server.address
         #: Where this rank registered (``host:port``).
@@ -50,13 +50,13 @@ class Registration:
             dp_rank=r.dp_rank,
             tp_size=r.tp_size,
             pp_size=r.pp_size,
-            dp_size=mgr.dp_size,
-            endpoint=mgr.channel.endpoint,
-            agent=mgr.agent_name,
-            session=mgr.session,
+            dp_size=ctx.dp_size,
+            endpoint=ctx.channel.endpoint,
+            agent=ctx.agent_name,
+            session=ctx.session,
             protocol=PROTOCOL_MAJOR,
         )
-        self.client = BootstrapClient(bootstrap_addr, mgr.config.secret_bytes)
+        self.client = BootstrapClient(bootstrap_addr, ctx.config.secret_bytes)
 
     def register(self, timeout_s: float) -> None:
         """Register, retrying while the service is not up yet (other ranks start at once)."""
