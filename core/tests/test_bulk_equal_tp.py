@@ -18,7 +18,7 @@ from kvwire.index.head_slice import HeadSliceMapper
 from kvwire.layout import KVLayout, ModelSpec, RankPosition
 from kvwire.movers import copy_runs_reference
 from kvwire.regions import MemKind
-from kvwire.staging.base import ArrivedChunk, QueuedChunk, StagingContext
+from kvwire.staging.base import ArrivedChunk, PlanRequest, QueuedChunk, StagingContext
 from kvwire.staging.bulk import BulkOptions, BulkStaging, block_bytes
 from kvwire.staging.kernels import KVTensors, block_view
 from kvwire.testing.kvfill import fill_pages, make_pool, page_values
@@ -116,7 +116,7 @@ def test_auto_sends_small_equal_tp_chunks_per_page() -> None:
     assert pre.small_whole_pages(mapper, 1) and not pre.small_whole_pages(mapper, 2)
     pre.on_queued(QueuedChunk(7, 0, mapper, 1, 0, "d", "ep-d", 0, "p", 60.0))
     assert sent == []  # no ask
-    plan = pre.plan(7, 0, mapper, np.array([3]), DST[:1], dest="d")
+    plan = pre.plan(PlanRequest(7, 0, mapper, np.array([3]), DST[:1], dest="d"))
     assert plan is not None and plan.table == "kv" and plan.src_idx.size == 2 * 2
     pre.on_queued(QueuedChunk(7, 1, mapper, 2, 1, "d", "ep-d", 0, "p", 60.0))
     assert len(sent) == 1  # big enough: staged
@@ -139,7 +139,7 @@ def test_equal_tp_round_trip_through_the_ring() -> None:
     pre.on_queued(QueuedChunk(7, 0, mapper, 3, 0, "d", "ep-d", 0, "p", 60.0))
     _relay(to_d, dec, "ep-p")
     _relay(to_p, pre, "ep-d")
-    plan = pre.plan(7, 0, mapper, src, dst, dest="d")
+    plan = pre.plan(PlanRequest(7, 0, mapper, src, dst, dest="d"))
     assert plan is not None and plan.what == "staged"
     b = OPTS["block_bytes"]
     assert block_bytes(mapper, 3) == 2 * 2 * 3 * 2 * 4 * 32  # pairs x pages x page bytes

@@ -15,7 +15,7 @@ from kvwire.control.wire import Message, StagingMessage, WritesQuery
 from kvwire.errors import ConfigError, TransferError
 from kvwire.index.head_slice import HeadSliceMapper
 from kvwire.layout import MemoryRegion, ModelSpec, RankPosition
-from kvwire.staging.base import ArrivedChunk, QueuedChunk, StagingContext
+from kvwire.staging.base import ArrivedChunk, PlanRequest, QueuedChunk, StagingContext
 from kvwire.staging.bulk import FALLBACKS, BulkOptions, BulkStaging, block_bytes
 from kvwire.staging.bulk_wire import Deny, Grant, Watermark
 from kvwire.testing.kvfill import fill_pages, make_pool, page_values
@@ -120,11 +120,11 @@ def test_gather_write_scatter_round_trip_and_buffer_reuse() -> None:
     fill_pages(play, parr, src, 0)
     pre.on_queued(queued(mapper, 0, 2))
     assert asks(to_d) == [0] and to_d[0][0] == "ep-d"
-    assert pre.plan(7, 0, mapper, src, dst, dest="d") is None  # no grant yet
+    assert pre.plan(PlanRequest(7, 0, mapper, src, dst, dest="d")) is None  # no grant yet
     assert relay(to_d, dec, "ep-p") == 1  # decode grants ...
     assert [m.type for _, m in to_p] == ["grant"]
     relay(to_p, pre, "ep-d")  # ... prefill takes it
-    plan = pre.plan(7, 0, mapper, src, dst, dest="d")
+    plan = pre.plan(PlanRequest(7, 0, mapper, src, dst, dest="d"))
     assert plan is not None and plan.table == "staging" and plan.what == "staged"
     assert plan.src_idx.size == -(-block_bytes(mapper, 2) // OPTS["block_bytes"])
     # the "transfer": copy the gathered blocks into the ring
@@ -150,9 +150,11 @@ def test_gather_write_scatter_round_trip_and_buffer_reuse() -> None:
     pre.on_queued(queued(mapper, 1, 2))
     relay(to_d, dec, "ep-p")
     relay(to_p, pre, "ep-d")
-    assert pre.plan(7, 1, mapper, src, dst, dest="d") is None  # the only buffer is in use
+    assert (
+        pre.plan(PlanRequest(7, 1, mapper, src, dst, dest="d")) is None
+    )  # the only buffer is in use
     pre.on_sent(7, plan, True)
-    assert pre.plan(7, 1, mapper, src, dst, dest="d") is not None
+    assert pre.plan(PlanRequest(7, 1, mapper, src, dst, dest="d")) is not None
 
 
 def test_decode_refuses_bad_asks_naming_why() -> None:
@@ -163,7 +165,7 @@ def test_decode_refuses_bad_asks_naming_why() -> None:
     assert deny.type == "deny" and "outside the 4 destination pages" in deny.body["reason"]
     relay(to_p, pre, "ep-d")
     with pytest.raises(TransferError, match="refused staging space: pages"):
-        pre.plan(7, 0, mapper, [1, 2, 3], DST[2:], dest="d")
+        pre.plan(PlanRequest(7, 0, mapper, [1, 2, 3], DST[2:], dest="d"))
     # a room decode does not know, and a sender it never linked with
     pre.on_queued(QueuedChunk(8, 0, mapper, 1, 0, "d", "ep-d", 0, "p", 60.0))
     relay(to_d, dec, "ep-p")
@@ -190,10 +192,10 @@ def test_a_buffer_comes_back_when_the_write_was_never_posted() -> None:
         pre.on_queued(queued(mapper, chunk, 1))
         relay(to_d, dec, "ep-p")
         relay(to_p, pre, "ep-d")
-    plan = pre.plan(7, 0, mapper, [1], [1], dest="d")
+    plan = pre.plan(PlanRequest(7, 0, mapper, [1], [1], dest="d"))
     assert plan is not None
     pre.on_sent(7, plan, False)  # what the pipeline does when submit raises
-    assert pre.plan(7, 1, mapper, [1], [1], dest="d") is not None
+    assert pre.plan(PlanRequest(7, 1, mapper, [1], [1], dest="d")) is not None
 
 
 def test_requests_of_a_room_go_out_in_order_and_are_retried() -> None:
@@ -202,7 +204,7 @@ def test_requests_of_a_room_go_out_in_order_and_are_retried() -> None:
         pre.on_queued(queued(mapper, chunk, 1))
     assert asks(to_d) == [0]  # later chunks wait for grant 0
     time.sleep(0.06)
-    assert pre.plan(7, 0, mapper, [1], [1], dest="d") is None
+    assert pre.plan(PlanRequest(7, 0, mapper, [1], [1], dest="d")) is None
     assert asks(to_d) == [0, 0]  # retried
     relay(to_d, dec, "ep-p")  # both copies reach decode: the same allocation twice
     grants = [m for _, m in to_p]
@@ -220,9 +222,9 @@ def test_readiness_waits_for_the_watermark() -> None:
     pre.on_queued(queued(mapper, 0, 1))
     g = Grant(room=7, chunk_id=0, alloc_id=9, round=2, offset=0, end=1024, wm_round=1, wm_tail=0)
     pre.on_message("ep-d", answer(g))
-    assert pre.plan(7, 0, mapper, [1], [1], dest="d") is None  # round 1 still holds it
+    assert pre.plan(PlanRequest(7, 0, mapper, [1], [1], dest="d")) is None  # round 1 still holds it
     pre.on_message("ep-d", answer(Watermark(round=1, tail=1024)))
-    assert pre.plan(7, 0, mapper, [1], [1], dest="d") is not None
+    assert pre.plan(PlanRequest(7, 0, mapper, [1], [1], dest="d")) is not None
 
 
 def test_deny_and_missing_grant_fail_the_chunk() -> None:
@@ -230,10 +232,10 @@ def test_deny_and_missing_grant_fail_the_chunk() -> None:
     pre.on_queued(queued(mapper, 0, 1))
     pre.on_message("ep-d", answer(Deny(room=7, chunk_id=0, reason="gone")))
     with pytest.raises(TransferError, match="refused staging space: gone"):
-        pre.plan(7, 0, mapper, [1], [1], dest="d")
+        pre.plan(PlanRequest(7, 0, mapper, [1], [1], dest="d"))
     pre.on_queued(queued(mapper, 1, 1, timeout_s=0.0))
     with pytest.raises(TransferError, match="no staging grant"):
-        pre.plan(7, 1, mapper, [1], [1], dest="d")
+        pre.plan(PlanRequest(7, 1, mapper, [1], [1], dest="d"))
 
 
 def test_space_of_a_failed_request_is_freed_by_the_writer_or_by_its_eviction() -> None:

@@ -22,6 +22,7 @@ from kvwire.integrity import RowHasher, add_sums, layer_ranges, mismatched_layer
 from kvwire.layout import KVLayout, RankPosition
 from kvwire.session import KVPoll
 from kvwire.session.checksums import SentSums, hasher_for
+from kvwire.session.decode.rooms import RecvRoom
 from kvwire.testing.interpreted import run_interpreted
 from kvwire.testing.kvfill import count_mismatches, fill_pages, make_pool
 from kvwire.testing.pair import MODEL, config, no_rooms, pair, wait_for
@@ -163,20 +164,21 @@ def _checked() -> KVWireConfig:
 
 
 @pytest.mark.parametrize(("dst_page", "chunks"), [(None, (1, 3)), (4, (3, 1)), (1, (2, 2))])
-def test_checked_transfers_succeed(dst_page: int | None, chunks: tuple[int, ...]) -> None:
+def test_checked_transfers_succeed(
+    dst_page: int | None, chunks: tuple[int, ...], monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Decode asks for checksums: chunked requests, with and without page conversion, land
     verified, and every chunk was checked (each note that completed a chunk carried sums)."""
     dmodel = None if dst_page is None else MODEL.model_copy(update={"page_size": dst_page})
     with pair(config(), _checked(), dmodel=dmodel) as p:
         checked: list[Any] = []
-        side = p.decode.side
-        original = side._check_sums
+        original = RecvRoom.check_sums
 
-        def spy(room: Any, msg: Any, sent: dict[int, int]) -> None:
+        def spy(room: RecvRoom, msg: Any, sent: dict[int, int]) -> None:
             checked.append((msg.chunk_id, dict(sent)))
             original(room, msg, sent)
 
-        side._check_sums = spy  # type: ignore[method-assign]
+        monkeypatch.setattr(RecvRoom, "check_sums", spy)
         n = 4
         m = n * MODEL.page_size // (dst_page or MODEL.page_size)
         r = p.decode.receiver(5, p.addr)
@@ -246,9 +248,7 @@ def test_the_flip_is_real_corruption_only_the_check_catches(
     """Negative control: with decode's check switched off, the same flip lands and the
     request succeeds with wrong KV (the element check sees it), so the flip reaches decode
     and it is the checksum that fails the request above."""
-    from kvwire.session.decode import DecodeSide
-
-    monkeypatch.setattr(DecodeSide, "_check_sums", lambda *a: None)
+    monkeypatch.setattr(RecvRoom, "check_sums", lambda *a: None)
     with pair(config(), _checked()) as p:
         _flip_after_summing(monkeypatch, p.parr)
         s, r, src, dst = p.start(10, 4)
@@ -262,7 +262,7 @@ def test_the_flip_is_real_corruption_only_the_check_catches(
 def test_a_prefill_that_sends_no_checksums_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
     """Decode asks; a prefill that acknowledges without checksums (an older kvwire) is
     refused at the handshake, naming the option, and the request fails fast."""
-    from kvwire.session import prefill_links
+    from kvwire.session.prefill import links as prefill_links
 
     monkeypatch.setattr(prefill_links, "SentSums", None)
     original = prefill_links.DecodeLinker.handshake

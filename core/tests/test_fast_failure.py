@@ -18,9 +18,9 @@ from kvwire.control.wire import MESSAGE_TYPES
 from kvwire.errors import ConfigError, DescriptorError, KVWireError
 from kvwire.layout import KVLayout, ModelSpec, RankPosition
 from kvwire.session import KVManager, KVPoll, Role
-from kvwire.session.decode import DecodeSide
+from kvwire.session.decode.side import DecodeSide
 from kvwire.session.manager import COMMON_HANDLERS, dispatch_table
-from kvwire.session.prefill import PrefillSide
+from kvwire.session.prefill.side import PrefillSide
 from kvwire.testing.kvfill import make_pool
 from kvwire.testing.pair import MODEL, config, no_rooms, pair, wait_for
 

@@ -6,7 +6,8 @@ The graph is read from the sources with :mod:`ast` (nothing is imported), module
 packages alike, and reduced to strongly connected components (Tarjan). Circles that existed
 when this test was written are listed in :data:`KNOWN`: the test fails on any other circle,
 and on a listed one that has grown or that is gone (so the list only shrinks, and is emptied
-by the session-layer redesign of issue 25).
+by the session-layer redesign of issue 25). Nothing in the session layer imports its façade
+(:data:`FACADE`): sides, links and workers get the rank context and the room table instead.
 """
 
 from __future__ import annotations
@@ -17,16 +18,18 @@ from pathlib import Path
 
 SRC = Path(__file__).resolve().parents[1] / "src"
 
-#: Circles still to dissolve (issue 25): the session layer around KVManager, and two pairs.
+#: Circles outside the session layer that another branch ("shape") removes; the lead deletes
+#: this list (leaving it empty) once that branch is merged. The session layer has none.
 KNOWN: frozenset[frozenset[str]] = frozenset(
     {
-        frozenset(f"kvwire.session.{m}" for m in ("groups", "prefill_links", "prefill_rooms")),
-        frozenset(f"kvwire.session.{m}" for m in ("decode", "quiesce")),
-        frozenset(f"kvwire.session.{m}" for m in ("pipeline", "pipeline_layers", "prefill")),
         frozenset({"kvwire.control.bootstrap", "kvwire.control.bootstrap_server"}),
         frozenset({"kvwire.testing.cluster", "kvwire.testing.cluster_rank"}),
     }
 )
+
+#: The session layer's façade: the only module that builds the sides, and the only one
+#: (with the package's ``__init__``, which re-exports the engine API) that may import it.
+FACADE = "kvwire.session.manager"
 
 
 def module_files(src: Path, package: str) -> dict[str, Path]:
@@ -151,3 +154,39 @@ def test_the_checker_sees_every_kind_of_import(tmp_path: Path) -> None:
     (pkg / "c.py").write_text("import demo.a\n")
     found = circles(import_edges(module_files(tmp_path, "demo")))
     assert found == [frozenset({"demo.a", "demo.b"})]
+
+
+def test_no_session_module_reaches_into_the_facade() -> None:
+    """Below the façade, no session module imports ``manager.py`` (in any form: module level,
+    ``TYPE_CHECKING``, inside a function), nor names ``KVManager`` in its code: state is
+    passed down (``RankContext``, ``RoomTable``), never reached up for."""
+    modules = module_files(SRC, "kvwire")
+    edges = import_edges(modules)
+    below = [m for m in modules if m.startswith("kvwire.session.") and m != FACADE]
+    assert below, "no session modules found"
+    importers = sorted(m for m in below if FACADE in edges[m])
+    assert not importers, f"session modules importing the façade {FACADE}: {importers}"
+    naming = []
+    for mod in below:
+        tree = ast.parse(modules[mod].read_text())
+        names = {n.id for n in ast.walk(tree) if isinstance(n, ast.Name)}
+        names |= {n.attr for n in ast.walk(tree) if isinstance(n, ast.Attribute)}
+        if "KVManager" in names or "mgr" in names:
+            naming.append(mod)
+    assert not naming, f"session modules naming KVManager (or a `mgr`) in code: {naming}"
+
+
+def test_the_facade_check_sees_a_type_only_import(tmp_path: Path) -> None:
+    """The façade check counts a ``TYPE_CHECKING`` import of the façade as a reach."""
+    pkg = tmp_path / "kvwire" / "session"
+    pkg.mkdir(parents=True)
+    (tmp_path / "kvwire" / "__init__.py").write_text("")
+    (pkg / "__init__.py").write_text("from kvwire.session.manager import KVManager\n")
+    (pkg / "manager.py").write_text("from kvwire.session.side import Side\n")
+    (pkg / "side.py").write_text(
+        "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n"
+        "    from kvwire.session.manager import KVManager\n"
+    )
+    edges = import_edges(module_files(tmp_path, "kvwire"))
+    assert FACADE in edges["kvwire.session.side"]
+    assert FACADE in edges["kvwire.session"]  # allowed: the package re-exports the engine API

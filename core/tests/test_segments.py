@@ -20,11 +20,11 @@ import pytest
 
 from kvwire.descriptors import ADDR, LEN, make_table
 from kvwire.errors import TransferError
-from kvwire.index.base import IndexMapper, TablePair
+from kvwire.index.base import TablePair
 from kvwire.layout import MemKind, MemoryRegion
 from kvwire.session.poll import KVPoll
 from kvwire.session.segments import split_tables
-from kvwire.staging.base import ChunkPlan, Segment, StagingStrategy
+from kvwire.staging.base import ChunkPlan, PlanRequest, Segment, StagingStrategy
 from kvwire.testing.kvfill import count_mismatches
 from kvwire.testing.pair import config, no_rooms, pair, wait_for
 
@@ -115,21 +115,12 @@ class _HalfCopied(StagingStrategy):
         self.sent: list[bool] = []
         self._tables: TablePair | None = None
 
-    def plan(
-        self,
-        room: int,
-        chunk_id: int,
-        mapper: IndexMapper,
-        src_pages: Any,
-        dst_pages: Any,
-        *,
-        dest: str = "",
-        worker: int = 0,
-    ) -> ChunkPlan:
+    def plan(self, req: PlanRequest) -> ChunkPlan:
+        mapper = req.mapper
         if self._tables is None:
             self._tables = mapper.build_tables()
         t = self._tables
-        s, d = mapper.map_chunk(src_pages, dst_pages)
+        s, d = mapper.map_chunk(req.src_pages, req.dst_pages)
         h = s.size // 2
         rows = [
             (int(t.dst[j, ADDR]), int(t.src[i, ADDR]), int(t.src[i, LEN]))

@@ -12,9 +12,8 @@ from kvwire.backend import XferOp, XferState
 from kvwire.backends.tcp import TcpBackend
 from kvwire.descriptors import make_table
 from kvwire.index import EqualTPMapper
-from kvwire.index.base import IndexMapper
 from kvwire.layout import MemoryRegion, ModelSpec, RankPosition
-from kvwire.staging import ChunkPlan, DirectStaging, StagingContext, StagingStrategy
+from kvwire.staging import ChunkPlan, DirectStaging, PlanRequest, StagingContext, StagingStrategy
 from kvwire.testing.kvfill import make_pool
 
 MODEL = ModelSpec(num_layers=2, total_kv_heads=2, head_dim=4, dtype="int32", page_size=2)
@@ -24,11 +23,11 @@ def test_direct_plan_is_the_mappers_index_arrays() -> None:
     src, _ = make_pool(MODEL, RankPosition(), 8)
     dst, _ = make_pool(MODEL, RankPosition(), 8)
     mapper = EqualTPMapper(src, dst)
-    plan = DirectStaging().plan(7, 0, mapper, [1, 5], [2, 3])
+    plan = DirectStaging().plan(PlanRequest(7, 0, mapper, [1, 5], [2, 3]))
     s_idx, d_idx = mapper.map_chunk([1, 5], [2, 3])
     assert plan.table == "kv" and not plan.empty
     assert np.array_equal(plan.src_idx, s_idx) and np.array_equal(plan.dst_idx, d_idx)
-    assert DirectStaging().plan(7, 1, mapper, [], []).empty
+    assert DirectStaging().plan(PlanRequest(7, 1, mapper, [], [])).empty
 
 
 class _RingStrategy(StagingStrategy):
@@ -43,9 +42,7 @@ class _RingStrategy(StagingStrategy):
         context.register_fn([self.region])
         context.publish_fn()
 
-    def plan(
-        self, room: int, chunk_id: int, mapper: IndexMapper, src_pages: Any, dst_pages: Any
-    ) -> ChunkPlan:
+    def plan(self, req: PlanRequest) -> ChunkPlan:
         raise NotImplementedError
 
     def close(self) -> None:
@@ -144,11 +141,11 @@ class Consent(StagingStrategy):
             with self.lock:
                 self.granted.add(key)
 
-    def plan(self, room, chunk_id, mapper, src_pages, dst_pages, *, dest="", worker=0):
+    def plan(self, req):
         with self.lock:
-            if (room, chunk_id) not in self.granted:
+            if (req.room, req.chunk_id) not in self.granted:
                 return None
-        src, dst = mapper.map_chunk(src_pages, dst_pages)
+        src, dst = req.mapper.map_chunk(req.src_pages, req.dst_pages)
         return ChunkPlan(table="consent", src_idx=src, dst_idx=dst)
 
 

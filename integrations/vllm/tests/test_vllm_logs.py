@@ -30,7 +30,7 @@ configure_logging(LoggingConfig())
 from vllm_pd_harness import Engine
 eng = Engine("decode", "LBNHC", {{"transfer_backend": "tcp", "control": {{"host": "127.0.0.1"}}}})
 logging.getLogger("kvwire_nixl.backend").warning("a plugin warning")
-logging.getLogger("kvwire.session.decode").debug("a debug line")
+logging.getLogger("kvwire.session.decode.side").debug("a debug line")
 for w in eng.workers:
     w.shutdown()
 """

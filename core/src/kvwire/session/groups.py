@@ -9,31 +9,22 @@ KV page indices and need nothing. A mapping ``{index name: slots}`` always works
 or sequence is accepted when the layout has exactly one index set.
 
 Called on the engine thread (checking the engine's input), the liveness thread (checking
-decode's request on prefill) and transfer workers (:func:`group_rows`).
+decode's request on prefill); prefill's request checks and the rows of a group transfer are
+in :mod:`kvwire.session.prefill.groups`.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 from numpy.typing import NDArray
 
 from kvwire.control.wire import pages_from_bytes, pages_to_bytes
-from kvwire.descriptors import IndexArray
 from kvwire.errors import ConfigError, DescriptorError
 from kvwire.index.base import check_pages
 from kvwire.layout import KVLayout
-
-if TYPE_CHECKING:
-    from kvwire.control.wire import TransferRequest
-    from kvwire.index.groups import GroupMapper
-    from kvwire.session.prefill_links import DecodeLink
-    from kvwire.session.prefill_rooms import Dest, SendRoom
-
-#: Prepared pair name of a link's buffer-group tables.
-GROUPS_TABLE = "state"
 
 Indices = dict[str, NDArray[np.int64]]
 
@@ -127,41 +118,3 @@ def send_groups(layout: KVLayout, state_indices: Any, last: bool) -> Indices:
             )
         return {}
     return check_state_indices(layout, state_indices, "send()")
-
-
-def request_groups(groups: GroupMapper | None, msg: TransferRequest) -> Indices:
-    """Liveness thread, prefill: decode's group slots from its transfer request, checked
-    against decode's layout (``groups.dst``). Raises ``ConfigError``/``DescriptorError``."""
-    if msg.state_indices:
-        raise ConfigError("state_indices is reserved; protocol 1.4 sends group_indices")
-    if groups is None:
-        if msg.group_indices:
-            raise ConfigError("group indices sent, but the layouts have no buffer groups")
-        return {}
-    if msg.pool != "kv" and "pages" in groups.index_names:
-        raise ConfigError(
-            "paged buffer groups (e.g. draft layers) use the KV pool's pages; a request into "
-            f"decode pool {msg.pool!r} cannot carry them"
-        )
-    return check_state_indices(groups.dst, from_wire(msg.group_indices), "decode")
-
-
-def group_rows(
-    room: SendRoom, dest: Dest, link: DecodeLink
-) -> tuple[IndexArray, IndexArray] | None:
-    """Transfer worker, after a request's last KV chunk to ``dest``: the rows of its group
-    transfer (state slots, window pages, draft-layer pages; empty when there is nothing to
-    move, e.g. a prefix fully cached on decode), or None when this rank moves no group bytes
-    to that decode rank (decode then expects no group note from it)."""
-    gm = link.groups
-    if gm is None or not gm.sends:
-        return None
-    assert room.num_pages is not None
-    src: Indices = dict(room.group_src)
-    dst: Indices = dict(dest.group_dst)
-    if "pages" in gm.index_names:
-        pages = np.concatenate(room.sent_pages) if room.sent_pages else np.empty(0, np.int64)
-        skip = room.num_pages - dest.dst_pages.size
-        src["pages"] = pages[skip:]
-        dst["pages"] = dest.dst_pages
-    return gm.map_request(src, dst)

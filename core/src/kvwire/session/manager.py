@@ -44,11 +44,11 @@ from kvwire.errors import ConfigError
 from kvwire.layout import KVLayout, MemoryRegion
 from kvwire.session import metrics as m
 from kvwire.session.context import STAMP_ROW_BYTES, RankContext, Role
-from kvwire.session.decode import DecodeSide
-from kvwire.session.early import RoomIssuer
+from kvwire.session.decode.side import DecodeSide
 from kvwire.session.peers import PeerTable
 from kvwire.session.poll import StatusTable
-from kvwire.session.prefill import PrefillSide
+from kvwire.session.prefill.early import RoomIssuer
+from kvwire.session.prefill.side import PrefillSide
 from kvwire.session.receiver import KVReceiver
 from kvwire.session.rooms import RoomTable
 from kvwire.session.sender import KVSender
@@ -89,9 +89,10 @@ class KVManager:
     ``hooks`` (a :class:`~kvwire.session.receiver.DecodeHooks`) is told when such a request is
     preallocated and when it is admitted or abandoned.
 
-    Prefill only: ``room_issuer`` (a :class:`~kvwire.session.early.RoomIssuer`) says which
-    rooms the engine will still create senders for; a decode request for any other room is
-    refused at once instead of waiting as an early request (see :mod:`kvwire.session.early`).
+    Prefill only: ``room_issuer`` (a :class:`~kvwire.session.prefill.early.RoomIssuer`) says
+    which rooms the engine will still create senders for; a decode request for any other room
+    is refused at once instead of waiting as an early request (see
+    :mod:`kvwire.session.prefill.early`).
     """
 
     def __init__(

@@ -88,6 +88,25 @@ class ChunkMetrics:
             TRANSFER_SECONDS.labels(**labels),
         )
 
+    def observe(
+        self,
+        num_bytes: int,
+        num_descs: int,
+        t_start: float,
+        t_posted: float,
+        t_done: float,
+        t_enqueued: float | None,
+    ) -> None:
+        """Transfer worker: one completed chunk transfer (no lock: the children are
+        thread-safe)."""
+        self.bytes.inc(num_bytes)
+        self.descriptors.inc(num_descs)
+        self.chunks_ok.inc()
+        if t_enqueued is not None:
+            self.queue_s.observe(t_start - t_enqueued)
+        self.post_s.observe(t_posted - t_start)
+        self.transfer_s.observe(t_done - t_posted)
+
 
 def serve_metrics(port: int, addr: str = "127.0.0.1") -> None:
     """Serve the process's metrics at ``http://addr:port/metrics`` (once per port)."""
@@ -121,3 +140,21 @@ class RequestMetrics:
     #: chunk or aux note was handled), ``success``. Written by whichever thread reaches the
     #: stage (one dict store each); read by the engine once the request is terminal.
     marks: dict[str, float] = field(default_factory=dict)
+
+    def add_transfer(
+        self,
+        num_bytes: int,
+        num_descs: int,
+        t_start: float,
+        t_posted: float,
+        t_done: float,
+        t_enqueued: float | None,
+    ) -> None:
+        """Transfer worker, under the room lock: account one completed chunk transfer."""
+        self.bytes += num_bytes
+        self.descriptors += num_descs
+        self.chunks += 1
+        if t_enqueued is not None:
+            self.queue_s += t_start - t_enqueued
+        self.post_s += t_posted - t_start
+        self.transfer_s += t_done - t_posted

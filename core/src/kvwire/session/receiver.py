@@ -6,7 +6,8 @@ from __future__ import annotations
 from typing import Any, Protocol
 
 from kvwire.session.common import RequestHandle
-from kvwire.session.decode import DecodeSide, RecvRoom
+from kvwire.session.decode.rooms import RecvRoom
+from kvwire.session.decode.side import DecodeSide
 from kvwire.session.poll import KVPoll
 from kvwire.session.report import FailureReport
 

@@ -29,7 +29,7 @@ How a page is judged (conservative: "good" is proven, "missing" is the default):
   recompute the whole request when ``groups_landed`` is False.
 
 Lock contract: :class:`LandedChunks` is part of a room's state (``RecvRoom.landed``), updated
-under the manager's lock by the progress thread; :func:`build_report` runs under that lock
+under the room lock by the progress thread; :func:`build_report` runs under that lock
 (engine thread) and returns an immutable report.
 """
 
@@ -75,7 +75,7 @@ class ChunkFault:
 @dataclass
 class LandedChunks:
     """Per sender, the request token ranges its complete chunks wrote (progress thread,
-    under the manager's lock)."""
+    under the room lock)."""
 
     #: sender id -> token ranges ``[a, b)`` (request token positions), unmerged.
     ranges: dict[int, _Ranges] = field(default_factory=dict)
@@ -247,7 +247,7 @@ def build_report(
     peer: str | None = None,
     chunk: ChunkFault | None = None,
 ) -> FailureReport:
-    """The report of a failed room (decode side, under the manager's lock). ``judged`` False
+    """The report of a failed room (decode side, under the room lock). ``judged`` False
     (a host-pool request), or a peer that broke the protocol (its notes are not trusted),
     reports every page missing."""
     dst = np.zeros(0, dtype=np.int64) if slots is None else np.asarray(slots, dtype=np.int64)

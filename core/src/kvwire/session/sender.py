@@ -6,8 +6,8 @@ from typing import Any
 
 from kvwire.session.common import RequestHandle
 from kvwire.session.poll import KVPoll
-from kvwire.session.prefill import PrefillSide
-from kvwire.session.prefill_rooms import SendRoom
+from kvwire.session.prefill.rooms import SendRoom
+from kvwire.session.prefill.side import PrefillSide
 
 
 class KVSender(RequestHandle[SendRoom]):

@@ -2,10 +2,18 @@
 
 from kvwire.staging.base import (
     ChunkPlan,
+    PlanRequest,
     RegisterFn,
     StagingContext,
     StagingStrategy,
 )
 from kvwire.staging.direct import DirectStaging
 
-__all__ = ["ChunkPlan", "DirectStaging", "RegisterFn", "StagingContext", "StagingStrategy"]
+__all__ = [
+    "ChunkPlan",
+    "DirectStaging",
+    "PlanRequest",
+    "RegisterFn",
+    "StagingContext",
+    "StagingStrategy",
+]

@@ -218,6 +218,27 @@ class QueuedChunk:
     timeout_s: float
 
 
+@dataclass(frozen=True)
+class PlanRequest:
+    """One chunk to plan (sending side, transfer worker): what :meth:`StagingStrategy.plan`
+    and :meth:`StagingStrategy.plan_layers` are asked about.
+
+    ``room`` and ``chunk_id`` name the chunk; ``mapper`` is the link's mapper of the pool;
+    ``src_pages``/``dst_pages`` the chunk's pages on both sides; ``dest`` the destination
+    (decode session); ``worker`` the transfer worker asking (strategies keep staging space per
+    worker); ``edges`` (layer-wise chunks only) the first layer of each layer group and the
+    end: group ``g`` is model layers ``[edges[g], edges[g+1])``."""
+
+    room: int
+    chunk_id: int
+    mapper: IndexMapper
+    src_pages: Any
+    dst_pages: Any
+    dest: str = ""
+    worker: int = 0
+    edges: Any = None
+
+
 class StagingStrategy(ABC):
     """How a chunk's bytes reach the wire. One instance per :class:`~kvwire.KVManager`."""
 
@@ -234,38 +255,19 @@ class StagingStrategy(ABC):
         self.context = context
 
     @abstractmethod
-    def plan(
-        self,
-        room: int,
-        chunk_id: int,
-        mapper: IndexMapper,
-        src_pages: Any,
-        dst_pages: Any,
-        *,
-        dest: str = "",
-        worker: int = 0,
-    ) -> ChunkPlan | None:
-        """Sending side, transfer worker ``worker`` thread, per chunk for destination ``dest``
-        (the decode session), before submit: decide the rows to move (and gather them into
-        staging memory when the strategy stages). None means "not yet" (waiting for staging
-        space): the worker asks again later, keeping the destination's chunks in order."""
+    def plan(self, req: PlanRequest) -> ChunkPlan | None:
+        """Sending side, transfer worker ``req.worker`` thread, per chunk for destination
+        ``req.dest`` (the decode session), before submit: decide the rows to move (and
+        gather them into staging memory when the strategy stages). None means "not yet"
+        (waiting for staging space): the worker asks again later, keeping the destination's
+        chunks in order."""
 
-    def plan_layers(
-        self,
-        room: int,
-        chunk_id: int,
-        mapper: IndexMapper,
-        src_pages: Any,
-        dst_pages: Any,
-        edges: Any,
-        *,
-        dest: str = "",
-        worker: int = 0,
-    ) -> LayerPlan | None:
+    def plan_layers(self, req: PlanRequest) -> LayerPlan | None:
         """Sending side, transfer worker, for a layer-wise chunk (``send(..., layerwise=True)``)
         before its layers are computed: a plan whose rows are known now and whose staging
         memory is filled one layer group at a time (:class:`LayerPlan`); None means "not yet"
-        (as :meth:`plan`). Layer group ``g`` is model layers ``[edges[g], edges[g+1])``.
+        (as :meth:`plan`). Layer group ``g`` is model layers
+        ``[req.edges[g], req.edges[g+1])``.
 
         The default raises ``NotImplementedError``: a strategy that stages stages a layer-wise
         chunk whole, once every layer is computed (through :meth:`plan`). Core calls this only

@@ -55,6 +55,7 @@ from kvwire.staging.base import (
     ArrivedChunk,
     ChunkPlan,
     LayerPlan,
+    PlanRequest,
     QueuedChunk,
     StagingContext,
     StagingStrategy,
@@ -315,39 +316,27 @@ class BulkStaging(StagingStrategy):
         if side is not None:
             side.on_message(peer_endpoint, msg)
 
-    def plan(
-        self,
-        room: int,
-        chunk_id: int,
-        mapper: IndexMapper,
-        src_pages: Any,
-        dst_pages: Any,
-        *,
-        dest: str = "",
-        worker: int = 0,
-    ) -> ChunkPlan | None:
+    def plan(self, req: PlanRequest) -> ChunkPlan | None:
         if self.writer is None:
-            return ChunkPlan.direct(mapper, src_pages, dst_pages)
-        return self.writer.plan(room, chunk_id, mapper, src_pages, dst_pages, dest, worker)
+            return ChunkPlan.direct(req.mapper, req.src_pages, req.dst_pages)
+        return self.writer.plan(
+            req.room, req.chunk_id, req.mapper, req.src_pages, req.dst_pages, req.dest, req.worker
+        )
 
     stages_layers = True
 
-    def plan_layers(
-        self,
-        room: int,
-        chunk_id: int,
-        mapper: IndexMapper,
-        src_pages: Any,
-        dst_pages: Any,
-        edges: Any,
-        *,
-        dest: str = "",
-        worker: int = 0,
-    ) -> LayerPlan | None:
+    def plan_layers(self, req: PlanRequest) -> LayerPlan | None:
         if self.writer is None:
             raise ConfigError("plan_layers is called on the sending side only")
         return self.writer.plan_layers(
-            room, chunk_id, mapper, src_pages, dst_pages, edges, dest, worker
+            req.room,
+            req.chunk_id,
+            req.mapper,
+            req.src_pages,
+            req.dst_pages,
+            req.edges,
+            req.dest,
+            req.worker,
         )
 
     def on_sent(self, room: int, plan: ChunkPlan, ok: bool) -> None:

@@ -2,10 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any
-
-from kvwire.index.base import IndexMapper
-from kvwire.staging.base import ChunkPlan, StagingStrategy
+from kvwire.staging.base import ChunkPlan, PlanRequest, StagingStrategy
 
 
 class DirectStaging(StagingStrategy):
@@ -13,15 +10,5 @@ class DirectStaging(StagingStrategy):
 
     name = "direct"
 
-    def plan(
-        self,
-        room: int,
-        chunk_id: int,
-        mapper: IndexMapper,
-        src_pages: Any,
-        dst_pages: Any,
-        *,
-        dest: str = "",
-        worker: int = 0,
-    ) -> ChunkPlan:
-        return ChunkPlan.direct(mapper, src_pages, dst_pages)
+    def plan(self, req: PlanRequest) -> ChunkPlan:
+        return ChunkPlan.direct(req.mapper, req.src_pages, req.dst_pages)

@@ -138,23 +138,24 @@ def _slow_pushes(role: str) -> None:
     import os
     import sys
 
-    from kvwire.session.pipeline import Pipeline
+    from kvwire.session.prefill.pipeline import Pipeline
+    from kvwire.session.prefill.posting import SegmentPost
 
     flag = os.environ.get(SLOW_FLAG_ENV)
-    original = Pipeline._post_segments
+    original = Pipeline.post_segments
 
-    def slow(self: Pipeline, tail: Any, key: Any, job: Any, *args: Any, **kwargs: Any) -> None:
-        first_part = args[4] if len(args) > 4 else kwargs.get("first_part", 0)
-        if job.pool == "kv" and first_part == 0 and (flag is None or os.path.exists(flag)):
+    def slow(self: Pipeline, post: SegmentPost) -> None:
+        job = post.job
+        if job.pool == "kv" and post.first_part == 0 and (flag is None or os.path.exists(flag)):
             time.sleep(SLOW_PUSH_S)
             print(
                 f"kvwire fault slow_pushes: posting chunk {job.chunk_id} of room {job.room.room}",
                 file=sys.stderr,
                 flush=True,
             )
-        original(self, tail, key, job, *args, **kwargs)
+        original(self, post)
 
-    Pipeline._post_segments = slow  # type: ignore[method-assign]
+    Pipeline.post_segments = slow  # type: ignore[method-assign]
 
 
 FAULTS = {

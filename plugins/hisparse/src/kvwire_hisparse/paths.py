@@ -43,7 +43,7 @@ from kvwire.errors import ConfigError, KVWireError
 from kvwire.index.base import IndexMapper, TablePair
 from kvwire.layout import MemKind
 from kvwire.session.segments import row_kinds, segment_label
-from kvwire.staging.base import ChunkPlan, Segment, StagingStrategy
+from kvwire.staging.base import ChunkPlan, PlanRequest, Segment, StagingStrategy
 from kvwire_hisparse.copier import CopyJob, RowCopier
 from kvwire_hisparse.shm import SharedHostPool, host_identity
 
@@ -219,22 +219,12 @@ class HostPathStrategy(StagingStrategy):
             pools=[p for _, p in pools],
         )
 
-    def plan(
-        self,
-        room: int,
-        chunk_id: int,
-        mapper: IndexMapper,
-        src_pages: Any,
-        dst_pages: Any,
-        *,
-        dest: str = "",
-        worker: int = 0,
-    ) -> ChunkPlan:
+    def plan(self, req: PlanRequest) -> ChunkPlan:
         """Transfer worker: map the chunk; on a ``mapped`` link start one copy per source
         memory kind now (the pipeline polls them), else leave the rows to the engine."""
-        s_idx, d_idx = mapper.map_chunk(src_pages, dst_pages)
+        s_idx, d_idx = req.mapper.map_chunk(req.src_pages, req.dst_pages)
         with self._lock:
-            link = self._links.get(dest)
+            link = self._links.get(req.dest)
             if link is None or link.path != "mapped" or link.closing or s_idx.size == 0:
                 return ChunkPlan(table="kv", src_idx=s_idx, dst_idx=d_idx)
             link.inflight += 1
@@ -255,7 +245,7 @@ class HostPathStrategy(StagingStrategy):
                 try:
                     j.wait(self.opts.abort_wait_s)
                 except KVWireError as exc:
-                    logger.warning("room %d: an aborted chunk's copy failed too: %s", room, exc)
+                    logger.warning("room %d: an aborted chunk's copy failed too: %s", req.room, exc)
             self._done(link)
             raise
         return ChunkPlan(table="kv", src_idx=s_idx, dst_idx=d_idx, token=link, segments=segments)

@@ -2,7 +2,7 @@
 
 Flow of one request on a prefill rank:
 
-1. The engine creates ``ctx.sender(room)``; the room is ``Bootstrapping``.
+1. The engine creates ``mgr.sender(room)`` on the façade; the room is ``Bootstrapping``.
 2. Each decode rank fed by this rank sends a :class:`~kvwire.control.wire.TransferRequest`
    (destination pages and aux row). A request may arrive before the sender exists; it is kept
    for ``bootstrap_timeout_s`` at most. Once every expected decode rank has asked (``Td/Tp`` of
@@ -46,17 +46,18 @@ from kvwire.index.base import check_pages
 from kvwire.session import metrics as m
 from kvwire.session.common import Side
 from kvwire.session.context import RankContext
-from kvwire.session.early import EarlyBook, RoomIssuer
-from kvwire.session.groups import GROUPS_TABLE, group_rows, request_groups, send_groups
+from kvwire.session.groups import send_groups
 from kvwire.session.layers import LayerGate
 from kvwire.session.peers import Peer
-from kvwire.session.pipeline import Pipeline
 from kvwire.session.poll import KVPoll
-from kvwire.session.prefill_links import DecodeLink, DecodeLinker, PoolLink
-from kvwire.session.prefill_rooms import Dest, Job, SendRoom
-from kvwire.session.registration import Registration
+from kvwire.session.prefill.early import EarlyBook, RoomIssuer
+from kvwire.session.prefill.groups import request_groups
+from kvwire.session.prefill.links import DecodeLink, DecodeLinker, PoolLink
+from kvwire.session.prefill.pipeline import Pipeline
+from kvwire.session.prefill.registration import Registration
+from kvwire.session.prefill.rooms import Dest, Job, SendRoom
+from kvwire.session.prefill.workers import TransferWorkers
 from kvwire.session.rooms import RoomTable
-from kvwire.session.workers import TransferWorkers
 from kvwire.staging.base import QueuedChunk
 
 logger = logging.getLogger(__name__)
@@ -84,10 +85,6 @@ class PrefillSide(Side[SendRoom]):
         "writes_done": "not_for_role",
     }
 
-    #: Prepared pair of a link's buffer groups (the pipeline posts it after the last chunk).
-    GROUPS_TABLE = GROUPS_TABLE
-    group_rows = staticmethod(group_rows)
-
     def __init__(
         self,
         ctx: RankContext,
@@ -99,7 +96,7 @@ class PrefillSide(Side[SendRoom]):
         #: The engine's word on which rooms will still get a sender (None: any may).
         self.issuer = issuer
         #: Requests and failures for rooms whose sender does not exist yet, and failures of
-        #: cleared rooms (see :mod:`kvwire.session.early`).
+        #: cleared rooms (see :mod:`kvwire.session.prefill.early`).
         self.early: EarlyBook[Dest] = EarlyBook(ctx.options.bootstrap_timeout_s)
         #: Writes posted and not ended, per (room, decode session).
         self.writes_inflight: dict[tuple[int, str], int] = {}
@@ -110,7 +107,7 @@ class PrefillSide(Side[SendRoom]):
         self.workers: TransferWorkers[Job] = TransferWorkers(
             opts.num_workers,
             ctx.agent_name,
-            lambda i: Pipeline(self, i),
+            lambda i: Pipeline(ctx, self, i),
             inline=opts.sync_transfers,
         )
         #: Answers decode ranks' hellos (handshake threads).
@@ -202,14 +199,14 @@ class PrefillSide(Side[SendRoom]):
             self._add_dest(room, dest)
 
     def _refuse_unknown(self, room_id: int, endpoint: str, why: str) -> None:
-        """Under the manager lock: tell a decode rank this rank will never hold ``room_id``."""
+        """Under the room lock: tell a decode rank this rank will never hold ``room_id``."""
         ctx = self.ctx
         reason = f"prefill rank {ctx.agent_name} does not hold room {room_id}: {why}"
         logger.warning("%s", reason)
         ctx.tell(endpoint, Failure(room=room_id, session=ctx.session, reason=reason))
 
     def _add_dest(self, room: SendRoom, dest: Dest) -> None:
-        """Under the manager lock: a decode rank's request joins its room."""
+        """Under the room lock: a decode rank's request joins its room."""
         if self.rooms.status.get(room.room, KVPoll.Bootstrapping) is KVPoll.Failed:
             return
         expected = dest.fan_out
@@ -375,26 +372,7 @@ class PrefillSide(Side[SendRoom]):
         with self.rooms.lock:
             if self.rooms.terminal(room):
                 return
-            problem = None
-            if room.num_pages is None or room.aux_index is None:
-                problem = "send() before init(num_pages, aux_index)"
-            elif room.gate is not None:
-                problem = (
-                    f"send() while the previous layer-wise chunk still misses "
-                    f"{room.gate.missing()} (mark them with layer_ready first)"
-                )
-            elif room.last_queued:
-                problem = "send() after the last chunk was sent"
-            elif room.pages_queued + arr.size > room.num_pages:
-                problem = (
-                    f"chunks add up to {room.pages_queued + arr.size} pages but init() "
-                    f"declared {room.num_pages}"
-                )
-            elif last and room.pages_queued + arr.size != room.num_pages:
-                problem = (
-                    f"last chunk ends at page {room.pages_queued + arr.size} of the "
-                    f"{room.num_pages} declared by init(); KV would be missing on decode"
-                )
+            problem = room.send_problem(arr.size, last)
             if problem is not None:
                 err = ConfigError(f"room {room.room}: {problem}")
                 self._fail(room, err)
@@ -527,23 +505,13 @@ class PrefillSide(Side[SendRoom]):
         t_enqueued: float | None,
     ) -> None:
         """Worker thread: account a completed transfer in the request's and process metrics."""
-        mt = room.metrics
         with self.rooms.lock:
-            mt.bytes += handle.num_bytes
-            mt.descriptors += handle.num_descs
-            mt.chunks += 1
-            if t_enqueued is not None:
-                mt.queue_s += t_start - t_enqueued
-            mt.post_s += t_posted - t_start
-            mt.transfer_s += t_done - t_posted
-        pm = self._metrics
-        pm.bytes.inc(handle.num_bytes)
-        pm.descriptors.inc(handle.num_descs)
-        pm.chunks_ok.inc()
-        if t_enqueued is not None:
-            pm.queue_s.observe(t_start - t_enqueued)
-        pm.post_s.observe(t_posted - t_start)
-        pm.transfer_s.observe(t_done - t_posted)
+            room.metrics.add_transfer(
+                handle.num_bytes, handle.num_descs, t_start, t_posted, t_done, t_enqueued
+            )
+        self._metrics.observe(
+            handle.num_bytes, handle.num_descs, t_start, t_posted, t_done, t_enqueued
+        )
 
     def _on_writes_query(self, msg: WritesQuery) -> None:
         """Control thread: decode asks whether it may reuse a failed request's pages (or a

@@ -1,19 +1,21 @@
 """Prefill's per-request records: a room (:class:`SendRoom`), its destinations
 (:class:`Dest`, one per decode rank fed) and the chunk jobs queued for the transfer workers
-(:class:`Job`). Plain data: :class:`~kvwire.session.prefill.PrefillSide` guards rooms and
-destinations with the manager lock; a job belongs to the one worker that took it."""
+(:class:`Job`). Plain data: :class:`~kvwire.session.prefill.side.PrefillSide` guards rooms and
+destinations with the room lock; a job belongs to the one worker that took it."""
 
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 from numpy.typing import NDArray
 
 from kvwire.session.layers import LayerGate
 from kvwire.session.metrics import RequestMetrics
-from kvwire.session.prefill_links import DecodeLink, PoolLink
+from kvwire.session.prefill.links import DecodeLink, PoolLink
+from kvwire.staging.base import PlanRequest
 
 
 @dataclass
@@ -64,6 +66,30 @@ class SendRoom:
     failed_at: float = 0.0
     metrics: RequestMetrics = field(default_factory=RequestMetrics)
 
+    def send_problem(self, size: int, last: bool) -> str | None:
+        """Engine thread, under the room lock (``send()``): why a chunk of ``size`` pages
+        (the last one when ``last``) cannot be sent now, or None."""
+        if self.num_pages is None or self.aux_index is None:
+            return "send() before init(num_pages, aux_index)"
+        if self.gate is not None:
+            return (
+                f"send() while the previous layer-wise chunk still misses "
+                f"{self.gate.missing()} (mark them with layer_ready first)"
+            )
+        if self.last_queued:
+            return "send() after the last chunk was sent"
+        if self.pages_queued + size > self.num_pages:
+            return (
+                f"chunks add up to {self.pages_queued + size} pages but init() "
+                f"declared {self.num_pages}"
+            )
+        if last and self.pages_queued + size != self.num_pages:
+            return (
+                f"last chunk ends at page {self.pages_queued + size} of the "
+                f"{self.num_pages} declared by init(); KV would be missing on decode"
+            )
+        return None
+
     def pages_in(self, pool: str) -> None:
         """A prefill room holds no destination pages of this rank (see ``RoomState``)."""
         return None
@@ -89,10 +115,26 @@ class Job:
     #: checks a checksum).
     span: tuple[int, int] = (0, 0)
     #: Checksums of layers posted with no row of their own yet (see
-    #: ``Pipeline._post_segments``): carried by the chunk's next note.
+    #: ``Pipeline.post_segments``): carried by the chunk's next note.
     unsent_sums: dict[int, int] = field(default_factory=dict)
 
     @property
     def target(self) -> PoolLink:
         """The link's pool this job writes into (its mapper, table and strategy)."""
         return self.link.pools[self.pool]
+
+    def plan_request(self, worker: int, edges: Any = None) -> PlanRequest:
+        """Transfer worker ``worker``: what its pool's strategy is asked to plan for this
+        job's chunk (``edges``: a layer-wise chunk's layer groups)."""
+        assert self.chunk_id is not None
+        target = self.target
+        return PlanRequest(
+            self.room.room,
+            self.chunk_id,
+            target.mapper,
+            self.src,
+            self.dst,
+            dest=self.dest.session,
+            worker=worker,
+            edges=edges,
+        )

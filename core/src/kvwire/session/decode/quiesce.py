@@ -23,12 +23,9 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterable
-from typing import TYPE_CHECKING
 
-from kvwire.session.decode_links import SourceLinks
-
-if TYPE_CHECKING:
-    from kvwire.session.decode import RecvRoom
+from kvwire.session.decode.links import SourceLinks
+from kvwire.session.decode.rooms import RecvRoom
 
 logger = logging.getLogger(__name__)
 

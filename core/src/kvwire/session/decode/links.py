@@ -70,7 +70,8 @@ class SourceLinks:
         self.instances: dict[tuple[str, int], list[RankInfo]] = {}
         self._instance_locks: dict[tuple[str, int], threading.Lock] = {}
         #: Prefill sessions evicted for silence, and when: they may be alive behind a
-        #: partition, so their writes are not taken as ended (see :mod:`kvwire.session.quiesce`).
+        #: partition, so their writes are not taken as ended (see
+        #: :mod:`kvwire.session.decode.quiesce`).
         self._lost_silently: dict[str, float] = {}
 
     def __contains__(self, session: object) -> bool:

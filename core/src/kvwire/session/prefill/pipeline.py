@@ -15,24 +15,21 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections import deque
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass
+from typing import Any
 
 from kvwire.backend import PreparedPair, TransferHandle, XferOp, XferState
 from kvwire.control.wire import ChunkNote, Completion
 from kvwire.errors import KVWireError, TransferError
 from kvwire.integrity import add_sums
 from kvwire.session import metrics as m
+from kvwire.session.context import RankContext
 from kvwire.session.handshake import slot_rows
-from kvwire.session.layers import LayeredChunk
-from kvwire.session.pipeline_layers import LayerwisePosting, PlanRef
-from kvwire.staging.base import ChunkPlan, LocalCopy, Segment, StagingStrategy
-
-if TYPE_CHECKING:
-    from kvwire.session.prefill import PrefillSide
-    from kvwire.session.prefill_links import PoolLink
-    from kvwire.session.prefill_rooms import Dest, Job, SendRoom
+from kvwire.session.prefill.groups import GROUPS_TABLE, group_rows
+from kvwire.session.prefill.layerwise import LayerPosting
+from kvwire.session.prefill.posting import PlanRef, SegmentPost, Tail, WorkerSide
+from kvwire.session.prefill.rooms import Job, SendRoom
+from kvwire.staging.base import ChunkPlan, LocalCopy, Segment
 
 logger = logging.getLogger(__name__)
 
@@ -68,36 +65,24 @@ class _Posted:
     overdue: bool = False
 
 
-@dataclass
-class _Tail:
-    """Per (request, destination) on this worker: jobs not posted yet (in order), chunks in
-    flight, and the last job."""
+class Pipeline:
+    """Posts chunk transfers, polls them, and finishes each destination in order.
 
-    room: SendRoom
-    dest: Dest
-    target: PoolLink
-    queue: deque[Job] = field(default_factory=deque)
-    inflight: int = 0
-    last: Job | None = None
-    aux_posted: bool = False
-    staged: bool = False
-    groups_done: bool = False
-    #: The head job's layer-wise posting, while its later layer groups are not computed.
-    layered: LayeredChunk[PlanRef] | None = None
+    Built by the prefill side per worker thread with the rank context and the side's
+    worker-facing interface (:class:`~kvwire.session.prefill.posting.WorkerSide`); composes a
+    :class:`~kvwire.session.prefill.layerwise.LayerPosting` for layer-wise chunks."""
 
-
-class Pipeline(LayerwisePosting):
-    """Posts chunk transfers, polls them, and finishes each destination in order."""
-
-    def __init__(self, side: PrefillSide, index: int = 0) -> None:
+    def __init__(self, ctx: RankContext, side: WorkerSide, index: int = 0) -> None:
         self.side = side
         self.index = index
-        self.ctx = side.ctx
-        self.max_inflight = side.ctx.options.max_inflight_chunks
+        self.ctx = ctx
+        self.max_inflight = ctx.options.max_inflight_chunks
         #: The backend calls a write's ``wake`` when it ends (see :meth:`idle`).
-        self.evented = side.ctx.backend.pushes_events
+        self.evented = ctx.backend.pushes_events
+        #: Posts layer-wise chunks group by group through this pipeline's primitives.
+        self.layers = LayerPosting(self, index, ctx.options.transfer_timeout_s)
         self.posted: list[_Posted] = []
-        self.tails: dict[tuple[int, str], _Tail] = {}
+        self.tails: dict[tuple[int, str], Tail] = {}
         #: Set by a layer-wise chunk's gate when the engine marks layers (see :meth:`idle`).
         self.wake = threading.Event()
 
@@ -117,14 +102,14 @@ class Pipeline(LayerwisePosting):
         key = (job.room.room, job.dest.session)
         tail = self.tails.get(key)
         if tail is None:
-            tail = self.tails[key] = _Tail(job.room, job.dest, job.target)
+            tail = self.tails[key] = Tail(job.room, job.dest, job.target)
         tail.queue.append(job)
         if job.last:
             job.room.metrics.marks["taken"] = time.perf_counter()
         tail.staged |= job.target.staged
         self._advance(key, tail)
 
-    def _advance(self, key: tuple[int, str], tail: _Tail) -> bool:
+    def _advance(self, key: tuple[int, str], tail: Tail) -> bool:
         """Post the tail's queued jobs in order until one must wait; True if any was posted."""
         moved = False
         while tail.queue:
@@ -136,18 +121,17 @@ class Pipeline(LayerwisePosting):
             t_start = time.perf_counter()
             try:
                 if job.gate is not None and job.chunk_id is None:
-                    if self._gate_ready(job) < job.gate.end:
+                    if self.layers.gate_ready(job) < job.gate.end:
                         return moved  # no KV here, but the aux row follows the last layer
                 elif job.gate is not None:
-                    if not self._post_layers(tail, key, job, t_start):
+                    if not self.layers.post(tail, job, t_start):
                         return moved  # later layers are not computed yet
                 elif job.chunk_id is not None:
-                    strategy = job.target.strategy
-                    plan = self._plan(job)
+                    plan = self.plan(job)
                     if plan is None:
                         return moved  # waiting for staging space; asked again on progress()
                     if not plan.empty:
-                        self._post_plan(tail, key, job, strategy, plan, t_start)
+                        self.post_plan(tail, job, plan, t_start)
                 tail.queue.popleft()
                 moved = True
                 if job.last:
@@ -159,20 +143,11 @@ class Pipeline(LayerwisePosting):
                 return moved
         return moved
 
-    def _plan(self, job: Job) -> ChunkPlan | None:
+    def plan(self, job: Job) -> ChunkPlan | None:
         """The strategy's plan for a job's chunk (None: wait for staging space)."""
-        assert job.chunk_id is not None
-        return job.target.strategy.plan(
-            job.room.room,
-            job.chunk_id,
-            job.target.mapper,
-            job.src,
-            job.dst,
-            dest=job.dest.session,
-            worker=self.index,
-        )
+        return job.target.strategy.plan(job.plan_request(self.index))
 
-    def _segments(self, job: Job, plan: ChunkPlan) -> list[Segment]:
+    def segments(self, job: Job, plan: ChunkPlan) -> list[Segment]:
         """A plan's parts: the strategy's own segments, or its one row set; rows of a pair
         that mixes memory kinds split into one segment per (source kind, destination kind).
         Copies the strategy already started come first (they are running)."""
@@ -189,39 +164,21 @@ class Pipeline(LayerwisePosting):
         out.sort(key=lambda sg: sg.copy is None)
         return out
 
-    def _post_plan(
-        self,
-        tail: _Tail,
-        key: tuple[int, str],
-        job: Job,
-        strategy: StagingStrategy,
-        plan: ChunkPlan,
-        t_start: float,
-    ) -> None:
+    def post_plan(self, tail: Tail, job: Job, plan: ChunkPlan, t_start: float) -> None:
         """Post every segment of one chunk, each with its own note (``parts`` of them)."""
-        segs = self._segments(job, plan)
-        ref = PlanRef(strategy, plan, job.room.room)
-        self._post_segments(tail, key, job, ref, plan.what, segs, len(segs), 0, t_start)
+        segs = self.segments(job, plan)
+        ref = PlanRef(job.target.strategy, plan, job.room.room)
+        self.post_segments(SegmentPost(tail, job, ref, plan.what, segs, len(segs), 0, t_start))
 
-    def _post_segments(
-        self,
-        tail: _Tail,
-        key: tuple[int, str],
-        job: Job,
-        ref: PlanRef,
-        what: str,
-        segs: list[Segment],
-        parts: int,
-        first_part: int,
-        t_start: float,
-        layers: tuple[int, int] | None = None,
-    ) -> None:
-        """Post ``segs`` (parts ``first_part...`` of a chunk of ``parts``; the rows of layers
-        ``[a, b)`` when ``layers`` is given), each with its note; on a failure the posted ones
-        end first and the strategy hears after the last. With checksums, the first note
+    def post_segments(self, post: SegmentPost) -> None:
+        """Post ``post.segs`` (parts ``first_part...`` of a chunk of ``parts``; the rows of
+        layers ``[a, b)`` when ``layers`` is given), each with its note; on a failure the
+        posted ones end first and the strategy hears after the last. With checksums, the first note
         carries the per-layer sums of those layers (computed before any row is posted); a
         call with no segment (a staged layer group whose bytes a later group's block units
         carry) leaves its sums to the next note of the chunk."""
+        tail, job, ref, what, segs = post.tail, post.job, post.ref, post.what, post.segs
+        key, t_start, layers = tail.key, post.t_start, post.layers
         room = job.room.room
         assert job.chunk_id is not None
         check = job.link.checksums if job.pool == "kv" else None
@@ -249,8 +206,8 @@ class Pipeline(LayerwisePosting):
                     what=what,  # type: ignore[arg-type]
                     chunk_id=job.chunk_id,
                     last=job.last,
-                    parts=parts,
-                    part=first_part + i,
+                    parts=post.parts,
+                    part=post.first_part + i,
                     **extra,
                 )
                 if seg.copy is not None:
@@ -278,7 +235,7 @@ class Pipeline(LayerwisePosting):
             ref.seal(ok=False)  # nothing in flight: the strategy gets its buffer back now
             raise
 
-    def _drop(self, key: tuple[int, str], tail: _Tail) -> None:
+    def _drop(self, key: tuple[int, str], tail: Tail) -> None:
         """A dead request's tail: forget its queued jobs; once nothing is in flight, tell a
         staging destination that no write will come."""
         tail.queue.clear()
@@ -358,7 +315,7 @@ class Pipeline(LayerwisePosting):
 
     def _post_copy(
         self,
-        tail: _Tail,
+        tail: Tail,
         key: tuple[int, str],
         copy: LocalCopy,
         note: ChunkNote,
@@ -387,14 +344,14 @@ class Pipeline(LayerwisePosting):
             tail,
         )
 
-    def _track(self, p: _Posted, tail: _Tail) -> None:
+    def _track(self, p: _Posted, tail: Tail) -> None:
         self.posted.append(p)
         tail.inflight += 1
         self.side.writes_posted(p.key[0], p.key[1], +1)
 
     def _post(
         self,
-        tail: _Tail,
+        tail: Tail,
         key: tuple[int, str],
         pair: PreparedPair,
         ref: PlanRef | None,
@@ -565,12 +522,12 @@ class Pipeline(LayerwisePosting):
         del self.tails[key]
         self.side.dest_done(room, dest)
 
-    def _post_groups(self, tail: _Tail, key: tuple[int, str], job: Job) -> bool:
+    def _post_groups(self, tail: Tail, key: tuple[int, str], job: Job) -> bool:
         """After the last KV chunk: the request's buffer groups (state, window, draft layers)
         in one transfer, before the aux row; True when a transfer was posted (or failed)."""
         room = tail.room
         try:
-            rows = self.side.group_rows(room, tail.dest, job.link)
+            rows = group_rows(room, tail.dest, job.link)
             if rows is None:
                 return False
             if rows[0].size == 0:  # nothing to move: decode still counts the group note
@@ -580,7 +537,7 @@ class Pipeline(LayerwisePosting):
                 )  # fmt: skip
                 self.ctx.tell(tail.dest.endpoint, note)
                 return False
-            pair = job.link.pairs[self.side.GROUPS_TABLE]
+            pair = job.link.pairs[GROUPS_TABLE]
             note_bytes = self._note(room.room, "state")
             self._post(
                 tail, key, pair, None, rows[0], rows[1], note_bytes, "state",

@@ -2,7 +2,7 @@
 
 Flow of one request on a decode rank:
 
-1. The engine creates ``ctx.receiver(room, bootstrap_addr)`` and calls ``init()``: the room is
+1. The engine creates ``mgr.receiver(room, bootstrap_addr)`` and calls ``init()``: the room is
    ``Bootstrapping`` while a background thread looks the prefill instance up in its bootstrap
    service (retrying while registration is incomplete) and handshakes once with every prefill
    rank that feeds this rank (cached across requests). Then ``WaitingForInput``.
@@ -22,11 +22,9 @@ import concurrent.futures
 import functools
 import logging
 import time
-from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 import numpy as np
-from numpy.typing import NDArray
 
 from kvwire.backend import Notification
 from kvwire.control.bootstrap import BootstrapClient
@@ -51,89 +49,23 @@ from kvwire.errors import (
     TransferError,
 )
 from kvwire.index.base import check_pages
-from kvwire.integrity import add_sums, layer_ranges, mismatched_layers
 from kvwire.session import metrics as m
 from kvwire.session.common import Side
 from kvwire.session.context import RankContext
-from kvwire.session.decode_links import PrefillLink, SourceLinks
+from kvwire.session.decode.links import PrefillLink, SourceLinks
+from kvwire.session.decode.quiesce import WriteQuarantine
+from kvwire.session.decode.rooms import RecvRoom
 from kvwire.session.groups import check_state_indices, to_wire
-from kvwire.session.metrics import RequestMetrics
 from kvwire.session.peers import Peer
 from kvwire.session.poll import KVPoll
-from kvwire.session.quiesce import WriteQuarantine
 from kvwire.session.report import (
-    ChunkFault,
     FailureCause,
     FailureReport,
-    LandedChunks,
-    SourceState,
-    build_report,
 )
 from kvwire.session.rooms import RoomTable
 from kvwire.staging.base import ArrivedChunk, StagingStrategy
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class RecvRoom:
-    """State of one request on this decode rank; removed on clear()."""
-
-    room: int
-    bootstrap_addr: str
-    t0: float = field(default_factory=time.perf_counter)
-    sources: list[PrefillLink] | None = None
-    aux_sender: int = -1
-    dst_pages: NDArray[np.int64] | None = None
-    aux_index: int = -1
-    requested: bool = False
-    #: When the room last advanced (requested, or a part of it landed).
-    last_progress: float = 0.0
-    #: Control endpoints of the prefill ranks this room needs, known from the bootstrap
-    #: lookup before (or without) a handshake: a failure is pushed there when the room has
-    #: no handshaken sources (e.g. the handshake was refused).
-    contacts: list[str] = field(default_factory=list)
-    received: dict[int, int] = field(default_factory=dict)
-    expected: dict[int, int] = field(default_factory=dict)
-    #: Segments of chunks still missing some: (sender id, chunk id) -> segments arrived.
-    partial: dict[tuple[int, int], int] = field(default_factory=dict)
-    #: Notes of KV segments counted: (what, sender id, chunk id, part). A segment resent
-    #: over a fallback backend after failover is counted once (docs/failover.md).
-    notes_seen: set[tuple[str, int, int, int]] = field(default_factory=set)
-    #: With checksums: per-layer sums the parts of a chunk carried so far, by (sender id,
-    #: chunk id); dropped once the chunk is checked.
-    sent_sums: dict[tuple[int, int], dict[int, int]] = field(default_factory=dict)
-    aux_done: bool = False
-    #: Buffer groups: this rank's slots for the request, and the senders whose group
-    #: transfer landed.
-    group_dst: dict[str, NDArray[np.int64]] = field(default_factory=dict)
-    groups_from: set[int] = field(default_factory=set)
-    #: Source sessions that confirmed (or are gone) that none of their writes for this failed
-    #: request is in flight; and when they were last asked.
-    quiet: set[str] = field(default_factory=set)
-    queried_at: float = 0.0
-    failed_at: float = 0.0
-    #: The pool the KV goes to ("kv" or "host"); for "host", whether the engine hooks ran.
-    pool: str = "kv"
-    hooked: bool = False
-    #: Prompt tokens decode keeps cached (``send_metadata(cached_tokens=)``), if given.
-    cached_tokens: int | None = None
-    error: BaseException | None = None
-    metrics: RequestMetrics = field(default_factory=RequestMetrics)
-    #: What complete chunks wrote, per sender (the failure report's evidence).
-    landed: LandedChunks = field(default_factory=LandedChunks)
-    #: Why the room failed (set with ``error``), the peer it names, the chunk a checksum
-    #: mismatch names.
-    cause: FailureCause = "protocol"
-    fault_peer: str | None = None
-    fault_chunk: ChunkFault | None = None
-    #: The failure report, built once (the room stops listening when it fails).
-    report: FailureReport | None = None
-
-    def pages_in(self, pool: str) -> Any:
-        """Under the room lock (strategies, through ``StagingContext.room_pages``): the
-        destination pages of this request when its KV goes to ``pool``, else None."""
-        return self.dst_pages if self.pool == pool else None
 
 
 class DecodeSide(Side[RecvRoom]):
@@ -165,7 +97,8 @@ class DecodeSide(Side[RecvRoom]):
         super().__init__(ctx, rooms)
         #: The prefill ranks looked up and handshaken with.
         self.sources = SourceLinks(ctx)
-        #: Failed rooms whose sources may still be writing (see :mod:`kvwire.session.quiesce`).
+        #: Failed rooms whose sources may still be writing (see
+        #: :mod:`kvwire.session.decode.quiesce`).
         self.quarantine = WriteQuarantine(
             self.sources, ctx.options.transfer_timeout_s, ctx.agent_name
         )
@@ -336,30 +269,8 @@ class DecodeSide(Side[RecvRoom]):
                 room.groups_from.add(msg.sender_id)
             else:
                 key = (msg.sender_id, msg.chunk_id)
-                if msg.parts > 1 and msg.part >= msg.parts:
-                    logger.warning(
-                        "%s: room %d: dropped a note for segment %d of %d",
-                        ctx.agent_name,
-                        room.room,
-                        msg.part,
-                        msg.parts,
-                    )
-                    return
-                seen = (msg.what, msg.sender_id, msg.chunk_id, msg.part)
-                if seen in room.notes_seen:  # resent after failover: its data landed again
-                    return
-                room.notes_seen.add(seen)
-                if msg.sums:  # after the check above: a dropped note adds nothing
-                    add_sums(
-                        room.sent_sums.setdefault(key, {}),
-                        dict(zip(msg.sum_layers, msg.sums, strict=True)),
-                    )
-                if msg.parts > 1:
-                    got = room.partial.get(key, 0) + 1
-                    if got < msg.parts:
-                        room.partial[key] = got
-                        return
-                    room.partial.pop(key, None)
+                if not room.take_part(msg):
+                    return  # a part of the chunk is still on its way (or the note is stale)
                 arrived = ArrivedChunk(
                     room.room, msg.session, msg.chunk_id, msg.what, room.dst_pages
                 )
@@ -369,56 +280,12 @@ class DecodeSide(Side[RecvRoom]):
                     self._fail(room, exc)
                     return
                 try:
-                    self._check_sums(room, msg, room.sent_sums.pop(key, {}))
+                    room.check_sums(msg, room.sent_sums.pop(key, {}))
                 except KVWireError as exc:
                     self._fail(room, exc, cause="checksum_mismatch")
                     return
-                room.received[msg.sender_id] = room.received.get(msg.sender_id, 0) + 1
-                if room.pool == "kv":
-                    room.landed.add(msg.sender_id, msg.span, msg.num_pages, msg.page_size)
-                if msg.last:
-                    room.expected[msg.sender_id] = msg.chunk_id + 1
+                room.chunk_landed(msg)
             self._check_done(room)
-
-    def _check_sums(self, room: RecvRoom, msg: ChunkNote, sent: dict[int, int]) -> None:
-        """Progress thread, under the lock, once a KV chunk is complete (every part arrived,
-        staged blocks scattered): when its source sends checksums, compare the sums its
-        notes carried with those of the rows that landed; raise naming the chunk, the layers
-        and the peer when they differ."""
-        assert room.sources is not None and room.dst_pages is not None
-        link = next(
-            s
-            for s in room.sources
-            if s.info.session == msg.session and s.sender_id == msg.sender_id
-        )
-        if link.checksums is None or room.pool != "kv":
-            return
-        if msg.span is None or msg.num_pages is None:
-            raise TransferError(
-                f"chunk {msg.chunk_id} from {link.info.agent} (sender {msg.sender_id}) came "
-                "without its checksum, which this rank asked for",
-                room=room.room,
-            )
-        try:
-            landed = link.checksums.chunk(
-                msg.num_pages, room.dst_pages, room.cached_tokens, msg.span
-            )
-        except Exception as exc:  # a note that names no chunk of this request
-            raise TransferError(
-                f"cannot check chunk {msg.chunk_id} from {link.info.agent}: {exc}", room=room.room
-            ) from exc
-        bad = mismatched_layers(sent, landed)
-        if bad:
-            room.fault_peer = link.info.agent
-            room.fault_chunk = ChunkFault(
-                link.info.agent, msg.sender_id, msg.chunk_id, msg.span, layer_ranges(bad)
-            )
-            raise TransferError(
-                f"KV checksum mismatch in chunk {msg.chunk_id} (request pages "
-                f"[{msg.span[0]}, {msg.span[1]})) from {link.info.agent} (sender "
-                f"{msg.sender_id}): layers {layer_ranges(bad)} differ from what it sent",
-                room=room.room,
-            )
 
     def awaiting_data(self) -> bool:
         """Control thread: some request asked for its KV and is not complete yet."""
@@ -704,30 +571,7 @@ class DecodeSide(Side[RecvRoom]):
         with self.rooms.lock:
             if room.error is None or room.report is not None:
                 return room.report
-            states = [
-                SourceState(
-                    s.sender_id,
-                    s.dummy,
-                    s.sender_id in room.expected
-                    and room.received.get(s.sender_id, 0) == room.expected[s.sender_id],
-                    not s.groups or s.sender_id in room.groups_from,
-                )
-                for s in room.sources or ()
-            ]
-            room.report = build_report(
-                room.room,
-                room.cause,
-                str(room.error),
-                room.dst_pages,
-                room.landed,
-                states,
-                self.ctx.layout.model.page_size,
-                room.cached_tokens,
-                room.aux_done,
-                judged=room.pool == "kv" and room.requested,
-                peer=room.fault_peer,
-                chunk=room.fault_chunk,
-            )
+            room.report = room.build_report(self.ctx.layout.model.page_size)
         kept, lost = int(room.report.good_pages.size), int(room.report.missing_pages.size)
         m.FAILED_PAGES.labels(**self.ctx.labels, result="kept").inc(kept)
         m.FAILED_PAGES.labels(**self.ctx.labels, result="missing").inc(lost)

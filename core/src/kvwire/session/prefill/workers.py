@@ -1,10 +1,10 @@
 """Transfer worker threads with queues sharded by destination.
 
 ``send()`` on the engine's thread only enqueues; a worker posts, polls and finishes transfers
-through its own :class:`~kvwire.session.pipeline.Pipeline`. All chunks for one destination go to
-the same worker (``shard = crc32(destination) % N``), so a request's chunks to a destination are
-posted in order. A worker never dies: failures are recorded per request by the pipeline;
-anything that still escapes is logged and the worker goes on.
+through its own :class:`~kvwire.session.prefill.pipeline.Pipeline`. All chunks for one
+destination go to the same worker (``shard = crc32(destination) % N``), so a request's chunks
+to a destination are posted in order. A worker never dies: failures are recorded per request
+by the pipeline; anything that still escapes is logged and the worker goes on.
 """
 
 from __future__ import annotations

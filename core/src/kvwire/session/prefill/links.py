@@ -26,7 +26,6 @@ from kvwire.index.topology import Topology
 from kvwire.layout import MemoryRegion
 from kvwire.selection import select_host_mapper
 from kvwire.session.checksums import SentSums
-from kvwire.session.groups import GROUPS_TABLE
 from kvwire.session.handshake import (
     aux_problems,
     build_mapper,
@@ -42,6 +41,9 @@ if TYPE_CHECKING:
     from kvwire.session.context import RankContext
 
 logger = logging.getLogger(__name__)
+
+#: Prepared pair name of a link's buffer-group tables.
+GROUPS_TABLE = "state"
 
 #: Answers to unsigned hellos (a decode rank without the secret) per second, at most.
 UNSIGNED_REPLIES_PER_S = 20

@@ -1,0 +1,198 @@
+"""Decode's per-request record (:class:`RecvRoom`): what one request expects and has
+received on this rank, and the checks made on it (a chunk's checksums, the failure report).
+
+Plain data with methods that read and update only the record: every one is called under the
+room lock (:class:`~kvwire.session.rooms.RoomTable`) by the decode side.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+from numpy.typing import NDArray
+
+from kvwire.control.wire import ChunkNote
+from kvwire.errors import TransferError
+from kvwire.integrity import add_sums, layer_ranges, mismatched_layers
+from kvwire.session.decode.links import PrefillLink
+from kvwire.session.metrics import RequestMetrics
+from kvwire.session.report import (
+    ChunkFault,
+    FailureCause,
+    FailureReport,
+    LandedChunks,
+    SourceState,
+    build_report,
+)
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class RecvRoom:
+    """State of one request on this decode rank; removed on clear()."""
+
+    room: int
+    bootstrap_addr: str
+    t0: float = field(default_factory=time.perf_counter)
+    sources: list[PrefillLink] | None = None
+    aux_sender: int = -1
+    dst_pages: NDArray[np.int64] | None = None
+    aux_index: int = -1
+    requested: bool = False
+    #: When the room last advanced (requested, or a part of it landed).
+    last_progress: float = 0.0
+    #: Control endpoints of the prefill ranks this room needs, known from the bootstrap
+    #: lookup before (or without) a handshake: a failure is pushed there when the room has
+    #: no handshaken sources (e.g. the handshake was refused).
+    contacts: list[str] = field(default_factory=list)
+    received: dict[int, int] = field(default_factory=dict)
+    expected: dict[int, int] = field(default_factory=dict)
+    #: Segments of chunks still missing some: (sender id, chunk id) -> segments arrived.
+    partial: dict[tuple[int, int], int] = field(default_factory=dict)
+    #: Notes of KV segments counted: (what, sender id, chunk id, part). A segment resent
+    #: over a fallback backend after failover is counted once (docs/failover.md).
+    notes_seen: set[tuple[str, int, int, int]] = field(default_factory=set)
+    #: With checksums: per-layer sums the parts of a chunk carried so far, by (sender id,
+    #: chunk id); dropped once the chunk is checked.
+    sent_sums: dict[tuple[int, int], dict[int, int]] = field(default_factory=dict)
+    aux_done: bool = False
+    #: Buffer groups: this rank's slots for the request, and the senders whose group
+    #: transfer landed.
+    group_dst: dict[str, NDArray[np.int64]] = field(default_factory=dict)
+    groups_from: set[int] = field(default_factory=set)
+    #: Source sessions that confirmed (or are gone) that none of their writes for this failed
+    #: request is in flight; and when they were last asked.
+    quiet: set[str] = field(default_factory=set)
+    queried_at: float = 0.0
+    failed_at: float = 0.0
+    #: The pool the KV goes to ("kv" or "host"); for "host", whether the engine hooks ran.
+    pool: str = "kv"
+    hooked: bool = False
+    #: Prompt tokens decode keeps cached (``send_metadata(cached_tokens=)``), if given.
+    cached_tokens: int | None = None
+    error: BaseException | None = None
+    metrics: RequestMetrics = field(default_factory=RequestMetrics)
+    #: What complete chunks wrote, per sender (the failure report's evidence).
+    landed: LandedChunks = field(default_factory=LandedChunks)
+    #: Why the room failed (set with ``error``), the peer it names, the chunk a checksum
+    #: mismatch names.
+    cause: FailureCause = "protocol"
+    fault_peer: str | None = None
+    fault_chunk: ChunkFault | None = None
+    #: The failure report, built once (the room stops listening when it fails).
+    report: FailureReport | None = None
+
+    def pages_in(self, pool: str) -> Any:
+        """Under the room lock (strategies, through ``StagingContext.room_pages``): the
+        destination pages of this request when its KV goes to ``pool``, else None."""
+        return self.dst_pages if self.pool == pool else None
+
+    def build_report(self, page_size: int) -> FailureReport:
+        """Under the room lock, engine thread, once the room failed: what of it landed on
+        this rank and what is missing (:mod:`kvwire.session.report`)."""
+        states = [
+            SourceState(
+                s.sender_id,
+                s.dummy,
+                s.sender_id in self.expected
+                and self.received.get(s.sender_id, 0) == self.expected[s.sender_id],
+                not s.groups or s.sender_id in self.groups_from,
+            )
+            for s in self.sources or ()
+        ]
+        return build_report(
+            self.room,
+            self.cause,
+            str(self.error),
+            self.dst_pages,
+            self.landed,
+            states,
+            page_size,
+            self.cached_tokens,
+            self.aux_done,
+            judged=self.pool == "kv" and self.requested,
+            peer=self.fault_peer,
+            chunk=self.fault_chunk,
+        )
+
+    def take_part(self, msg: ChunkNote) -> bool:
+        """Progress or liveness thread, under the lock: count one KV segment's note; True
+        when it completes its chunk (every part arrived). A note for a part the chunk does not
+        have, or one counted before (resent after failover: its data landed again), is
+        dropped. The sums a part carries are kept for :meth:`check_sums`."""
+        key = (msg.sender_id, msg.chunk_id)
+        if msg.parts > 1 and msg.part >= msg.parts:
+            logger.warning(
+                "room %d: dropped a note for segment %d of %d", self.room, msg.part, msg.parts
+            )
+            return False
+        seen = (msg.what, msg.sender_id, msg.chunk_id, msg.part)
+        if seen in self.notes_seen:
+            return False
+        self.notes_seen.add(seen)
+        if msg.sums:  # after the checks above: a dropped note adds nothing
+            add_sums(
+                self.sent_sums.setdefault(key, {}),
+                dict(zip(msg.sum_layers, msg.sums, strict=True)),
+            )
+        if msg.parts > 1:
+            got = self.partial.get(key, 0) + 1
+            if got < msg.parts:
+                self.partial[key] = got
+                return False
+            self.partial.pop(key, None)
+        return True
+
+    def chunk_landed(self, msg: ChunkNote) -> None:
+        """Under the lock: a complete chunk passed its checks; count it (and, for the KV
+        pool, what it wrote: the failure report's evidence)."""
+        self.received[msg.sender_id] = self.received.get(msg.sender_id, 0) + 1
+        if self.pool == "kv":
+            self.landed.add(msg.sender_id, msg.span, msg.num_pages, msg.page_size)
+        if msg.last:
+            self.expected[msg.sender_id] = msg.chunk_id + 1
+
+    def check_sums(self, msg: ChunkNote, sent: dict[int, int]) -> None:
+        """Progress thread, under the lock, once a KV chunk is complete (every part arrived,
+        staged blocks scattered): when its source sends checksums, compare the sums its
+        notes carried with those of the rows that landed; raise naming the chunk, the layers
+        and the peer when they differ."""
+        assert self.sources is not None and self.dst_pages is not None
+        link = next(
+            s
+            for s in self.sources
+            if s.info.session == msg.session and s.sender_id == msg.sender_id
+        )
+        if link.checksums is None or self.pool != "kv":
+            return
+        if msg.span is None or msg.num_pages is None:
+            raise TransferError(
+                f"chunk {msg.chunk_id} from {link.info.agent} (sender {msg.sender_id}) came "
+                "without its checksum, which this rank asked for",
+                room=self.room,
+            )
+        try:
+            landed = link.checksums.chunk(
+                msg.num_pages, self.dst_pages, self.cached_tokens, msg.span
+            )
+        except Exception as exc:  # a note that names no chunk of this request
+            raise TransferError(
+                f"cannot check chunk {msg.chunk_id} from {link.info.agent}: {exc}", room=self.room
+            ) from exc
+        bad = mismatched_layers(sent, landed)
+        if bad:
+            self.fault_peer = link.info.agent
+            self.fault_chunk = ChunkFault(
+                link.info.agent, msg.sender_id, msg.chunk_id, msg.span, layer_ranges(bad)
+            )
+            raise TransferError(
+                f"KV checksum mismatch in chunk {msg.chunk_id} (request pages "
+                f"[{msg.span[0]}, {msg.span[1]})) from {link.info.agent} (sender "
+                f"{msg.sender_id}): layers {layer_ranges(bad)} differ from what it sent",
+                room=self.room,
+            )

@@ -1,0 +1,149 @@
+"""What a prefill transfer worker's parts hand each other, and the narrow interfaces between
+them.
+
+* :class:`WorkerSide` is all a worker's :class:`~kvwire.session.prefill.pipeline.Pipeline`
+  needs from the prefill side (a Protocol that
+  :class:`~kvwire.session.prefill.side.PrefillSide` satisfies): liveness of a request,
+  failing it, accounting, and the end of a destination. The worker never reaches further.
+* :class:`ChunkPoster` is what layer-wise posting
+  (:class:`~kvwire.session.prefill.layerwise.LayerPosting`) needs from the pipeline that
+  composes it: a chunk's plan, its segments, and posting them.
+* :class:`Tail` (per request and destination on one worker), :class:`PlanRef` (a plan whose
+  segments are in flight) and :class:`SegmentPost` (some segments of one chunk, to post) are
+  the values passed between them.
+
+Everything here belongs to one worker thread (no lock), except what :class:`WorkerSide`'s
+methods document.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from kvwire.backend import TransferHandle
+from kvwire.session.layers import LayeredChunk
+from kvwire.session.prefill.links import PoolLink
+from kvwire.session.prefill.rooms import Dest, Job, SendRoom
+from kvwire.staging.base import ChunkPlan, Segment, StagingStrategy
+
+
+@dataclass(eq=False)
+class PlanRef:
+    """A chunk plan whose segments are in flight: the strategy hears :meth:`on_sent` once,
+    after the last of them is terminal."""
+
+    strategy: StagingStrategy
+    plan: ChunkPlan
+    room: int
+    remaining: int = 0
+    ok: bool = True
+    #: More segments will be posted (a layer-wise chunk whose later groups are not computed
+    #: yet): the strategy hears only once it is sealed.
+    open: bool = False
+
+    def ended(self, ok: bool) -> None:
+        """A posted segment is terminal."""
+        self.remaining -= 1
+        self.ok &= ok
+        if self.remaining == 0 and not self.open:
+            self.strategy.on_sent(self.room, self.plan, self.ok)
+
+    def seal(self, ok: bool = True) -> None:
+        """No more segments will be posted (``ok=False``: posting failed or was given up);
+        the strategy hears now when none is in flight any more."""
+        self.open = False
+        self.ok &= ok
+        if self.remaining == 0:
+            self.strategy.on_sent(self.room, self.plan, self.ok)
+
+
+@dataclass
+class Tail:
+    """Per (request, destination) on one worker: jobs not posted yet (in order), chunks in
+    flight, and the last job."""
+
+    room: SendRoom
+    dest: Dest
+    target: PoolLink
+    queue: deque[Job] = field(default_factory=deque)
+    inflight: int = 0
+    last: Job | None = None
+    aux_posted: bool = False
+    staged: bool = False
+    groups_done: bool = False
+    #: The head job's layer-wise posting, while its later layer groups are not computed.
+    layered: LayeredChunk[PlanRef] | None = None
+
+    @property
+    def key(self) -> tuple[int, str]:
+        """The worker's key of this tail: (room, destination session)."""
+        return (self.room.room, self.dest.session)
+
+
+@dataclass(frozen=True)
+class SegmentPost:
+    """Some segments of one chunk to post: parts ``first_part...`` of a chunk of ``parts``
+    (the rows of layers ``[a, b)`` when ``layers`` is given: one layer-wise group)."""
+
+    tail: Tail
+    job: Job
+    ref: PlanRef
+    what: str
+    segs: list[Segment]
+    parts: int
+    first_part: int
+    t_start: float
+    layers: tuple[int, int] | None = None
+
+
+class WorkerSide(Protocol):
+    """What a transfer worker needs from the prefill side. Every method may be called from
+    any worker thread; each takes the room lock itself where it needs it."""
+
+    @property
+    def sender_id(self) -> int:
+        """This rank's sender id (on every note)."""
+
+    def is_dead(self, room: SendRoom) -> bool:
+        """The request is terminal or was cleared (its work is skipped)."""
+
+    def fail(self, room: SendRoom, exc: BaseException) -> None:
+        """Fail the request (once) and tell its destinations."""
+
+    def record(
+        self,
+        room: SendRoom,
+        handle: TransferHandle,
+        t_start: float,
+        t_posted: float,
+        t_done: float,
+        t_enqueued: float | None,
+    ) -> None:
+        """Account a completed transfer."""
+
+    def writes_posted(self, room: int, dest: str, delta: int) -> None:
+        """Count writes in flight per (request, destination)."""
+
+    def abandon(self, room: SendRoom, dest: Dest, target: PoolLink) -> None:
+        """Nothing more will be written to ``dest`` for this request."""
+
+    def dest_done(self, room: SendRoom, dest: Dest) -> None:
+        """A destination has every chunk and its aux row."""
+
+
+class ChunkPoster(Protocol):
+    """What layer-wise posting needs from the pipeline that composes it (worker thread)."""
+
+    def plan(self, job: Job) -> ChunkPlan | None:
+        """The strategy's plan for a job's whole chunk (None: wait for staging space)."""
+
+    def segments(self, job: Job, plan: ChunkPlan) -> list[Segment]:
+        """A plan's rows as segments (split by memory kind)."""
+
+    def post_plan(self, tail: Tail, job: Job, plan: ChunkPlan, t_start: float) -> None:
+        """Post a whole chunk's plan."""
+
+    def post_segments(self, post: SegmentPost) -> None:
+        """Post some segments of a chunk, each with its note."""
