@@ -149,7 +149,7 @@ class DecodeSide(Side[RecvRoom]):
                 return
             room.sources = sources
             room.aux_sender = aux
-            self.rooms.status.update(room.room, KVPoll.WaitingForInput)
+            self.rooms.advance(room, KVPoll.WaitingForInput)
             if room.dst_pages is not None:
                 self._request(room)
 
@@ -522,7 +522,7 @@ class DecodeSide(Side[RecvRoom]):
             ctx.tell(s.info.endpoint, msg)
         room.requested = True
         room.last_progress = time.monotonic()
-        self.rooms.status.update(room.room, KVPoll.Transferring)
+        self.rooms.advance(room, KVPoll.Transferring)
 
     def _fail(
         self,

@@ -225,7 +225,7 @@ class PrefillSide(Side[SendRoom]):
             return
         room.ready = True
         room.metrics.marks["asked"] = time.perf_counter()
-        self.rooms.status.update(room.room, KVPoll.WaitingForInput)
+        self.rooms.advance(room, KVPoll.WaitingForInput)
         held, room.held = room.held, []
         for pages, last, gate in held:
             self._dispatch(room, pages, last, gate)
@@ -434,7 +434,7 @@ class PrefillSide(Side[SendRoom]):
         ctx = self.ctx
         start = room.pages_dispatched
         end = room.pages_dispatched = start + pages.size
-        self.rooms.status.update(room.room, KVPoll.Transferring)
+        self.rooms.advance(room, KVPoll.Transferring)
         for dest in room.dests.values():
             peer = ctx.peers.get(dest.session)
             if peer is None:
