@@ -34,7 +34,6 @@ from kvwire.control.wire import (
     TransferRequest,
     WritesDone,
     WritesQuery,
-    pages_from_bytes,
 )
 from kvwire.errors import (
     ConfigError,
@@ -51,10 +50,10 @@ from kvwire.session.layers import LayerGate
 from kvwire.session.peers import Peer
 from kvwire.session.poll import KVPoll
 from kvwire.session.prefill.early import EarlyBook, RoomIssuer
-from kvwire.session.prefill.groups import request_groups
 from kvwire.session.prefill.links import DecodeLink, DecodeLinker, PoolLink
 from kvwire.session.prefill.pipeline import Pipeline
 from kvwire.session.prefill.registration import Registration
+from kvwire.session.prefill.requests import dest_for
 from kvwire.session.prefill.rooms import Dest, Job, SendRoom
 from kvwire.session.prefill.workers import TransferWorkers
 from kvwire.session.rooms import RoomTable
@@ -148,36 +147,14 @@ class PrefillSide(Side[SendRoom]):
                 )
                 return
             peer.last_seen = time.monotonic()
-            link: DecodeLink = peer.link
             try:
-                target = link.pools.get(msg.pool)
-                if target is None:
-                    why = link.pool_problems.get(msg.pool, "no such pool")
-                    raise ConfigError(f"cannot write into decode pool {msg.pool!r}: {why}")
-                pages = check_pages(
-                    pages_from_bytes(msg.dst_pages), target.slots, "decode's page indices"
-                )
-                if not 0 <= msg.aux_index < ctx.aux_slots:
-                    raise DescriptorError(
-                        f"decode's aux index {msg.aux_index} is outside [0, {ctx.aux_slots})"
-                    )
-                group_dst = request_groups(link.groups, msg)
+                dest = dest_for(msg, peer, ctx.aux_slots, ctx.layout.rank.tp_rank)
             except KVWireError as exc:
                 ctx.tell(
                     peer.endpoint,
                     Failure(room=msg.room, session=ctx.session, reason=f"refused: {exc}"),
                 )
                 return
-            dest = Dest(
-                msg.session,
-                peer.endpoint,
-                pages,
-                msg.aux_index,
-                link.topology.fan_out(ctx.layout.rank.tp_rank),
-                pool=msg.pool,
-                group_dst=group_dst,
-                cached_tokens=msg.cached_tokens,
-            )
             room = self.rooms.get(msg.room)
             failed = self.early.failed_recently(msg.room)
             if room is not None and room.error is not None:
