@@ -48,6 +48,10 @@ class Side(Generic[R]):
         """Liveness thread: a handshake message that lacked the MAC this side requires; only
         used to explain a failure. Default: nothing."""
 
+    def on_stranger(self, session: str) -> None:
+        """Liveness thread: a heartbeat from ``session``, which is not a peer here (prefill
+        tells a decode rank it evicted so). Default: nothing."""
+
     def room_pages(self, room_id: int, pool: str) -> Any:
         """Any thread: the destination pages of live request ``room_id`` in ``pool`` on this
         rank (decode overrides it; prefill has none)."""

@@ -34,6 +34,7 @@ from kvwire.control.reach import loopback_problem
 from kvwire.control.wire import (
     ChunkNote,
     Completion,
+    Evicted,
     Failure,
     Message,
     TransferRequest,
@@ -61,6 +62,7 @@ from kvwire.session.metrics import RequestMetrics
 from kvwire.session.peers import Peer
 from kvwire.session.poll import KVPoll
 from kvwire.session.quiesce import WriteQuarantine
+from kvwire.session.rejoin import Rejoin
 from kvwire.session.report import (
     ChunkFault,
     FailureCause,
@@ -128,6 +130,8 @@ class RecvRoom:
     fault_chunk: ChunkFault | None = None
     #: The failure report, built once (the room stops listening when it fails).
     report: FailureReport | None = None
+    #: Prefill sessions asked again after they dropped the request unread (:mod:`.rejoin`).
+    asked_again: set[str] = field(default_factory=set)
 
 
 class DecodeSide(Side[RecvRoom]):
@@ -149,6 +153,7 @@ class DecodeSide(Side[RecvRoom]):
         "note": "_on_note",
         "completion": "_on_completion",
         "writes_done": "_on_writes_done",
+        "evicted": "_on_evicted",
         "hello": "not_for_role",
         "transfer_request": "not_for_role",
         "writes_query": "not_for_role",
@@ -168,6 +173,8 @@ class DecodeSide(Side[RecvRoom]):
         self.bootstraps = concurrent.futures.ThreadPoolExecutor(
             4, thread_name_prefix=f"kvwire-bs-{mgr.agent_name}"
         )
+        #: Prefill ranks that evicted this rank: links dropped, unheard requests repeated.
+        self.rejoin = Rejoin(self)
 
     # ------------------------------------------------------------ bootstrapping
     def create_room(self, room_id: int, bootstrap_addr: str) -> RecvRoom:
@@ -226,16 +233,16 @@ class DecodeSide(Side[RecvRoom]):
         except KVWireError as exc:
             raise HandshakeError(f"cannot pair with the prefill instance at {addr}: {exc}") from exc
         chosen = [x for x in ranks if (x.tp_rank, x.pp_rank) in wanted]
+        with self.mgr.lock:  # the ranks found hear of a failure from here on
+            room.contacts = [x.endpoint for x in chosen]
+            if room.error is not None:  # failed while we looked its sources up
+                self._push_failure(room, room.error, None, False)
+                raise TransferError("request failed during bootstrap", room=room_id)
         if len(chosen) != len(wanted):
             raise BootstrapError(
                 f"bootstrap at {addr} lists {len(chosen)} of the {len(wanted)} prefill ranks "
                 "this decode rank needs"
             )
-        with self.mgr.lock:
-            room.contacts = [x.endpoint for x in chosen]
-            if room.error is not None:  # failed while we looked its sources up
-                self._push_failure(room, room.error, None, False)
-                raise TransferError("request failed during bootstrap", room=room_id)
         own = self.mgr.channel.endpoint
         for x in chosen:  # a loopback address across hosts would wait for the timeout
             problem = loopback_problem(own, x.endpoint, x.agent, addr)
@@ -255,6 +262,11 @@ class DecodeSide(Side[RecvRoom]):
     def on_unsigned(self, msg: Message) -> None:
         """Liveness thread: an unsigned answer to our signed hello (names the secret)."""
         self.sources.on_unsigned(msg)
+
+    def _on_evicted(self, msg: Message) -> None:
+        """Liveness thread: a prefill rank evicted this rank (see :mod:`.rejoin`)."""
+        assert isinstance(msg, Evicted)
+        self.rejoin.on_evicted(msg)
 
     def _on_writes_done(self, msg: Message) -> None:
         """Liveness thread: a source confirms none of its writes for a failed room remains."""
@@ -474,8 +486,12 @@ class DecodeSide(Side[RecvRoom]):
         self.succeed(room)
 
     def on_failure(self, msg: Message) -> None:
-        """Liveness thread: a prefill rank failed or aborted a room."""
+        """Liveness thread: a prefill rank failed or aborted a room (or did not accept its
+        request: it evicted this rank, :mod:`.rejoin`)."""
         assert isinstance(msg, Failure)
+        if msg.unheard:
+            self.rejoin.on_unheard(msg)
+            return
         with self.mgr.lock:
             room = self.rooms.get(msg.room)
             if room is None or self._terminal(room):
@@ -641,23 +657,28 @@ class DecodeSide(Side[RecvRoom]):
 
     def _request(self, room: RecvRoom) -> None:
         """Under the lock: send the transfer request to every source rank."""
-        assert room.sources is not None and room.dst_pages is not None
+        assert room.sources is not None
         mgr = self.mgr
-        msg = TransferRequest(
-            room=room.room,
-            session=mgr.session,
-            dst_pages=pages_to_bytes(room.dst_pages),
-            aux_index=room.aux_index,
-            pool="host" if room.pool == "host" else "kv",  # typed Literal on the wire
-            group_indices=to_wire(room.group_dst),
-            cached_tokens=room.cached_tokens,
-        )
+        msg = self.request_message(room)
         room.metrics.marks["requested"] = time.perf_counter()
         for s in room.sources:
             mgr.tell(s.info.endpoint, msg)
         room.requested = True
         room.last_progress = time.monotonic()
         mgr.status.update(room.room, KVPoll.Transferring)
+
+    def request_message(self, room: RecvRoom) -> TransferRequest:
+        """Under the lock: the room's transfer request (the same to every source rank)."""
+        assert room.dst_pages is not None
+        return TransferRequest(
+            room=room.room,
+            session=self.mgr.session,
+            dst_pages=pages_to_bytes(room.dst_pages),
+            aux_index=room.aux_index,
+            pool="host" if room.pool == "host" else "kv",  # typed Literal on the wire
+            group_indices=to_wire(room.group_dst),
+            cached_tokens=room.cached_tokens,
+        )
 
     def _fail(
         self,
@@ -684,8 +705,8 @@ class DecodeSide(Side[RecvRoom]):
         msg = Failure(room=room.room, session=mgr.session, reason=str(exc), aborted=aborted)
         if room.sources is not None:
             endpoints = [s.info.endpoint for s in room.sources if s.info.session != skip]
-        else:
-            endpoints = list(room.contacts)
+        else:  # the ranks bootstrap listed, but those known dead
+            endpoints = [ep for ep in room.contacts if not self.sources.gone_endpoint(ep)]
         for ep in endpoints:
             mgr.tell(ep, msg)
 

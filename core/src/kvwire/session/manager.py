@@ -146,6 +146,8 @@ class KVManager:
         self._closed = False
         self._cleanup: list[Any] = []
         self._exported_drops: dict[str, int] = {}
+        #: When the liveness thread last checked its peers (a late turn: this process stalled).
+        self._last_check = time.monotonic()
 
         slots = {b.num_items for b in aux_buffers}
         if len(slots) > 1:
@@ -369,7 +371,11 @@ class KVManager:
             logger.exception("%s: handling %s failed", self.agent_name, msg.kind)
 
     def _on_heartbeat(self, msg: Message) -> None:
-        """A peer's heartbeat: the touch in :meth:`_dispatch` is all it does."""
+        """A peer's heartbeat: the touch in :meth:`_dispatch` is all it does. One from a
+        session that is not a peer goes to the side (:meth:`Side.on_stranger`)."""
+        assert isinstance(msg, Heartbeat)
+        if msg.session not in self.peers:
+            self.side.on_stranger(msg.session)
 
     def _on_staging(self, msg: Message) -> None:
         """Liveness thread: a staging strategy's own message. Routed, unread, to this rank's
@@ -413,6 +419,19 @@ class KVManager:
             self._exported_drops[reason] = n
 
     def _check_peers(self, now: float) -> None:
+        # silence counts only while this thread listens: when its turn comes late (this
+        # process was stopped or starved), the gap is not held against the peers, who get
+        # their heartbeats heard (or say they evicted this rank) before any is evicted
+        gap = now - self._last_check
+        self._last_check = now
+        if gap > self.options.heartbeat_interval_s:
+            logger.warning(
+                "%s: liveness thread stalled for %.1fs (process stopped or starved); peers' "
+                "silence over that time is not held against them",
+                self.agent_name,
+                gap,
+            )
+            self.peers.defer(gap, now)
         # closed connections first: a peer that is both silent and disconnected is gone (its
         # writes cannot still arrive), not merely behind a partition
         for ep in self.channel.lost_endpoints(now):

@@ -46,6 +46,7 @@ from kvwire.index.base import check_pages
 from kvwire.session import metrics as m
 from kvwire.session.common import Side
 from kvwire.session.early import EarlyBook, RoomIssuer
+from kvwire.session.evictions import EvictionBook
 from kvwire.session.groups import GROUPS_TABLE, group_rows, request_groups, send_groups
 from kvwire.session.layers import LayerGate
 from kvwire.session.manager import KVManager
@@ -83,6 +84,7 @@ class PrefillSide(Side[SendRoom]):
         "completion": "not_for_role",
         "note": "not_for_role",
         "writes_done": "not_for_role",
+        "evicted": "not_for_role",
     }
 
     #: Prepared pair of a link's buffer groups (the pipeline posts it after the last chunk).
@@ -110,8 +112,10 @@ class PrefillSide(Side[SendRoom]):
             lambda i: Pipeline(self, i),
             inline=opts.sync_transfers,
         )
+        #: Decode sessions this rank evicted: their later frames are answered, not dropped.
+        self.evictions = EvictionBook(mgr)
         #: Answers decode ranks' hellos (handshake threads).
-        self.linker = DecodeLinker(mgr, self.sender_id)
+        self.linker = DecodeLinker(mgr, self.sender_id, self.evictions, self._release_first)
         #: This rank's bootstrap registration (and the service, on prefill rank 0).
         self.registration: Registration | None = None
         try:
@@ -140,12 +144,14 @@ class PrefillSide(Side[SendRoom]):
         with mgr.lock:
             peer = mgr.peers.get(msg.session)
             if peer is None:
-                logger.warning(
-                    "%s: transfer request for room %d from unknown session %s dropped",
-                    mgr.agent_name,
-                    msg.room,
-                    msg.session,
-                )
+                if not self.evictions.answer(msg.session, msg.room, time.monotonic()):
+                    logger.warning(
+                        "%s: transfer request for room %d from unknown session %s dropped "
+                        "(never handshaken here: no endpoint to answer)",
+                        mgr.agent_name,
+                        msg.room,
+                        msg.session,
+                    )
                 return
             peer.last_seen = time.monotonic()
             link: DecodeLink = peer.link
@@ -255,21 +261,45 @@ class PrefillSide(Side[SendRoom]):
             self._fail(room, err, skip=msg.session)
 
     def on_peer_lost(self, peer: Peer, why: str) -> None:
-        """Control thread: a decode rank is dead or gone; fail its rooms, drop its tables."""
+        """Control thread: a decode rank is dead or gone; fail its rooms, drop its tables,
+        remember the eviction (:mod:`kvwire.session.evictions`)."""
         mgr = self.mgr
         with mgr.lock:
+            early = [r for r, by in self.early.requests.items() if peer.session in by]
             self.early.drop_session(peer.session)
+            failed: dict[int, str] = {}
             for room in list(self.rooms.values()):
                 if peer.session in room.dests and not self._terminal(room):
                     err = TransferError(
                         f"decode peer {peer.agent} lost: {why}", room=room.room, peer=peer.agent
                     )
                     self._fail(room, err, skip=peer.session)
+                    failed[room.room] = str(err)
+            self.evictions.evicted(peer, why, failed, early)
         mgr.later(lambda: self._release_peer(peer))
 
+    def on_stranger(self, session: str) -> None:
+        """Liveness thread: a heartbeat from a session that is not a peer: an evicted decode
+        rank is told so (:meth:`EvictionBook.answer`)."""
+        with self.mgr.lock:
+            self.evictions.answer(session, None, time.monotonic())
+
+    def _release_first(self, session: str) -> None:
+        """Handshake thread, before a decode session evicted earlier is linked again: release
+        what its eviction left in the engine now (the deferred release then does nothing, so
+        it cannot remove the new link's state)."""
+        with self.mgr.lock:
+            peer = self.evictions.unreleased(session)
+        if peer is not None:
+            self._release_peer(peer)
+
     def _release_peer(self, peer: Peer) -> None:
-        """Progress thread: drop an evicted decode rank's engine and strategy state."""
+        """Progress thread (or a handshake thread, :meth:`_release_first`): drop an evicted
+        decode rank's engine and strategy state, once."""
         mgr = self.mgr
+        with mgr.lock:
+            if not self.evictions.take_release(peer):
+                return
         for strategy in mgr.strategies:
             strategy.peer_lost(peer.session)
         link: DecodeLink | None = peer.link
@@ -552,9 +582,11 @@ class PrefillSide(Side[SendRoom]):
             if self.writes_inflight.get((msg.room, msg.session), 0):
                 return  # a write is still in flight; decode asks again
             peer = self.mgr.peers.get(msg.session)
-        if peer is not None:
+            # an evicted decode rank still waits for the answer before reusing the pages
+            endpoint = peer.endpoint if peer else self.evictions.endpoint(msg.session)
+        if endpoint is not None:
             self.mgr.tell(
-                peer.endpoint,
+                endpoint,
                 WritesDone(room=msg.room, sender_id=self.sender_id, session=self.mgr.session),
             )
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import concurrent.futures
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -26,6 +26,7 @@ from kvwire.index.topology import Topology
 from kvwire.layout import MemoryRegion
 from kvwire.selection import select_host_mapper
 from kvwire.session.checksums import SentSums
+from kvwire.session.evictions import EvictionBook
 from kvwire.session.groups import GROUPS_TABLE
 from kvwire.session.handshake import (
     aux_problems,
@@ -100,9 +101,19 @@ class DecodeLinker:
     """Answers decode ranks' hellos for one prefill rank: validates, adds the engine peer,
     prepares every table pair, acks (or rejects, naming every problem)."""
 
-    def __init__(self, mgr: KVManager, sender_id: int) -> None:
+    def __init__(
+        self,
+        mgr: KVManager,
+        sender_id: int,
+        evictions: EvictionBook,
+        release_first: Callable[[str], None],
+    ) -> None:
         self.mgr = mgr
         self.sender_id = sender_id
+        #: The decode sessions this rank evicted (a rejoining one is forgotten there).
+        self.evictions = evictions
+        #: Releases what an earlier eviction of a session left in the engine, now.
+        self.release_first = release_first
         self._unsigned_replies: list[float] = []
         self.handshakes = concurrent.futures.ThreadPoolExecutor(
             2, thread_name_prefix=f"kvwire-hs-{mgr.agent_name}"
@@ -180,6 +191,7 @@ class DecodeLinker:
             if old.link is not None:
                 stale.append(old.link.backend_peer)
         try:
+            self.release_first(hello.session)  # evicted earlier (silent) and back
             mapper = build_mapper(mgr.config, mgr.layout, hello.layout)
             extra = mgr.staging.link_tables(mapper, hello.staging)
             choice = self._add_engine_peer(hello, stale)
@@ -260,7 +272,11 @@ class DecodeLinker:
             mgr.host_staging.peer_lost(hello.session)  # unmap what link_tables may have mapped
             self._reject(hello, f"handshake failed on prefill: {exc}", [])
             return
-        mgr.add_peer(Peer(hello.session, hello.agent, hello.endpoint, time.monotonic(), link=link))
+        with mgr.lock:  # a request from it is now served, or answered before the ack goes out
+            mgr.add_peer(
+                Peer(hello.session, hello.agent, hello.endpoint, time.monotonic(), link=link)
+            )
+            self.evictions.rejoined(hello.session)
         logger.info(
             "%s: handshake with %s (%s mapper%s%s); %s",
             mgr.agent_name,
