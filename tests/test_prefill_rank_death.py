@@ -55,6 +55,12 @@ def _reports(
     return got
 
 
+def _print_delays(what: str, got: dict[tuple[str, int], RankReport], t0: float) -> None:
+    for name in sorted({n for n, _ in got}):
+        d = [rep.t_done - t0 for (n, _), rep in got.items() if n == name]
+        print(f"{what}: {name} reported Failed {min(d):.3f}-{max(d):.3f}s ({len(d)} requests)")
+
+
 @pytest.mark.timeout(240)
 def test_surviving_prefill_ranks_are_told_when_one_dies() -> None:
     config = KVWireConfig(
@@ -78,6 +84,7 @@ def test_surviving_prefill_ranks_are_told_when_one_dies() -> None:
             assert rep.status == int(KVPoll.Failed), (name, room, rep)
             assert victim.agent in (rep.error or ""), (name, room, rep.error)
             assert rep.t_done - t_kill <= TOLD_S, (name, room, rep.t_done - t_kill)
+        _print_delays("in flight, after the kill", got, t_kill)
 
         # decode has lost the rank (its rooms failed); bootstrap still lists it
         after = set(range(200, 204))
@@ -92,6 +99,7 @@ def test_surviving_prefill_ranks_are_told_when_one_dies() -> None:
             assert victim.agent in (rep.error or ""), (name, room, rep.error)
             assert "gone" in (rep.error or ""), (name, room, rep.error)
             assert rep.t_done - t_start <= TOLD_S, (name, room, rep.t_done - t_start)
+        _print_delays("started after it, after their start", got, t_start)
 
         # every share ended: nothing per request is left on the survivor (only room tables:
         # the dropped_* counters are the channel's)
