@@ -337,6 +337,7 @@ class KVManager:
         handlers only update tables and queue work."""
         opts = self.options
         next_beat = 0.0
+        self._last_check = time.monotonic()
         while not self._stop.is_set():
             try:
                 # sleep until a message arrives or the next duty is due (no busy ticking)
@@ -424,7 +425,7 @@ class KVManager:
         # their heartbeats heard (or say they evicted this rank) before any is evicted
         gap = now - self._last_check
         self._last_check = now
-        if gap > self.options.heartbeat_interval_s:
+        if gap > self.options.heartbeat_interval_s and len(self.peers):
             logger.warning(
                 "%s: liveness thread stalled for %.1fs (process stopped or starved); peers' "
                 "silence over that time is not held against them",
