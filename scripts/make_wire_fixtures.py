@@ -21,6 +21,7 @@ from kvwire.control.wire import (
     ChunkNote,
     Codec,
     Completion,
+    Evicted,
     Failure,
     Goodbye,
     Heartbeat,
@@ -146,7 +147,10 @@ def samples() -> list[Message]:
             cached_tokens=16,
         ),
         Completion(room=42, sender_id=1, session="p-session", data_chunks=3, dummy=True),
-        Failure(room=42, session="p-session", reason="aborted by prefill", aborted=True),
+        Failure(  # 1.9: a request dropped unread (the sender evicted the requester)
+            room=42, session="p-session", reason="not accepted: evicted", unheard=True
+        ),
+        Evicted(session="p-session", peer_session="d-session", reason="no heartbeat for 3.0s"),
         Heartbeat(session="p-session", sent_at=1700000000.5),
         Goodbye(session="p-session"),
         ChunkNote(

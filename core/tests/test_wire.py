@@ -39,6 +39,7 @@ def test_fixture_versions_exist() -> None:
         "v1.6",
         "v1.7",
         "v1.8",
+        "v1.9",
     ]
 
 

@@ -75,8 +75,12 @@ from kvwire.layout import (
 #: a 1.7 prefill reads a 1.8 hello as before), ``Hello.host`` (the rank's host identity, for
 #: per-link checks such as CUDA IPC's) and ``HelloAck.backend``/``HelloAck.fallbacks`` (the
 #: link's choice, for decode's log). A 1.8 prefill reads a 1.7 hello as one offer.
+#: 1.9 answers frames from a session the receiver evicted instead of dropping them:
+#: ``Failure.unheard`` (a request dropped unread: handshake again and ask again; a 1.8 decode
+#: fails the request at once, reading the reason) and the ``evicted`` kind (a 1.8 decode drops
+#: it as an unknown kind and learns of the eviction from its own liveness bound, as before).
 PROTOCOL_MAJOR = 1
-PROTOCOL_MINOR = 8
+PROTOCOL_MINOR = 9
 
 #: Largest frame accepted (layouts of deep models with many buffers stay far below this).
 MAX_FRAME_BYTES = 16 << 20
@@ -287,6 +291,10 @@ class Failure(Message):
     session: str
     reason: str
     aborted: bool = False
+    #: The room's transfer request was dropped unread: the sender (a prefill rank) does not
+    #: count the requesting session as a peer (it evicted it). Nothing of the request was
+    #: done there; a 1.9 decode rank handshakes again and repeats the request. (1.9)
+    unheard: bool = False
 
 
 class Heartbeat(Message):
@@ -302,6 +310,20 @@ class Goodbye(Message):
 
     kind: ClassVar[str] = "goodbye"
     session: str
+
+
+class Evicted(Message):
+    """Prefill rank -> a decode rank it evicted (silent past the liveness bound: frozen,
+    starved or cut off), answering a frame that session sent afterwards: "I no longer count
+    you as a peer, nor any request of yours I held" (those were failed, and their failures
+    are sent again with this). The decode rank drops its link to the sender and handshakes
+    again before its next request to it. (1.9)"""
+
+    kind: ClassVar[str] = "evicted"
+    session: str
+    #: The evicted session (a later incarnation of the receiver ignores the message).
+    peer_session: str
+    reason: str
 
 
 class ChunkNote(Message):
@@ -395,6 +417,7 @@ MESSAGE_TYPES: dict[str, type[Message]] = {
         Failure,
         Heartbeat,
         Goodbye,
+        Evicted,
         ChunkNote,
         StagingMessage,
         WritesDone,

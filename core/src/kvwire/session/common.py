@@ -36,6 +36,10 @@ class Side(Generic[R]):
         """Liveness thread: a handshake message that lacked the MAC this side requires; only
         used to explain a failure. Default: nothing."""
 
+    def on_stranger(self, session: str) -> None:
+        """Liveness thread: a heartbeat from ``session``, which is not a peer here (prefill
+        tells a decode rank it evicted so). Default: nothing."""
+
     def queued_chunks(self) -> int:
         """Chunks queued for transfer workers and not yet taken (prefill overrides it)."""
         return 0

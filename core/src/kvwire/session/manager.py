@@ -114,6 +114,8 @@ class KVManager:
             raise ConfigError("room_issuer (which rooms prefill will create) is for prefill")
         self._closed = False
         self._next_check = 0.0
+        #: When the liveness thread last checked its peers (a late turn: this process stalled).
+        self._last_check = time.monotonic()
         self._exported_drops: dict[str, int] = {}
         labels: dict[str, str] = {}  # filled once the context named the rank
         rooms: RoomTable[Any] = RoomTable(labels)
@@ -321,6 +323,7 @@ class KVManager:
         ctx = self.ctx
         opts = ctx.options
         next_beat = 0.0
+        self._last_check = time.monotonic()
         while not ctx.stopping:
             try:
                 # sleep until a message arrives or the next duty is due (no busy ticking)
@@ -355,7 +358,11 @@ class KVManager:
             logger.exception("%s: handling %s failed", self.ctx.agent_name, msg.kind)
 
     def _on_heartbeat(self, msg: Message) -> None:
-        """A peer's heartbeat: the touch in :meth:`_dispatch` is all it does."""
+        """A peer's heartbeat: the touch in :meth:`_dispatch` is all it does. One from a
+        session that is not a peer goes to the side (:meth:`Side.on_stranger`)."""
+        assert isinstance(msg, Heartbeat)
+        if msg.session not in self.ctx.peers:
+            self.side.on_stranger(msg.session)
 
     def _on_staging(self, msg: Message) -> None:
         """Liveness thread: a staging strategy's own message. Routed, unread, to this rank's
@@ -401,9 +408,22 @@ class KVManager:
             self._exported_drops[reason] = n
 
     def _check_peers(self, now: float) -> None:
+        # silence counts only while this thread listens: when its turn comes late (this
+        # process was stopped or starved), the gap is not held against the peers, who get
+        # their heartbeats heard (or say they evicted this rank) before any is evicted
+        ctx = self.ctx
+        gap = now - self._last_check
+        self._last_check = now
+        if gap > ctx.options.heartbeat_interval_s and len(ctx.peers):
+            logger.warning(
+                "%s: liveness thread stalled for %.1fs (process stopped or starved); peers' "
+                "silence over that time is not held against them",
+                ctx.agent_name,
+                gap,
+            )
+            ctx.peers.defer(gap, now)
         # closed connections first: a peer that is both silent and disconnected is gone (its
         # writes cannot still arrive), not merely behind a partition
-        ctx = self.ctx
         for ep in ctx.channel.lost_endpoints(now):
             gone = ctx.peers.by_endpoint(ep)
             if not gone:

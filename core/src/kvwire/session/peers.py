@@ -62,6 +62,13 @@ class PeerTable:
             if p is not None:
                 p.last_seen = time.monotonic() if now is None else now
 
+    def defer(self, gap_s: float, now: float) -> None:
+        """Move every peer's last sign of life ``gap_s`` later (not past ``now``): this side
+        did not listen for that long (liveness thread)."""
+        with self._lock:
+            for p in self._peers.values():
+                p.last_seen = min(now, p.last_seen + gap_s)
+
     def by_agent(self, agent: str) -> list[Peer]:
         """Peers known under agent name ``agent`` (a restart, or a name collision)."""
         with self._lock:

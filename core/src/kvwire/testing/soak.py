@@ -16,7 +16,8 @@ through batches of random requests (:meth:`Cluster.plans`: random sizes, chunkin
   request through its instance in the batch must fail naming a checksum mismatch (the
   cluster runs with ``kv_checksum`` on); it is restarted clean afterwards.
 * ``freeze``: a decode rank is stopped (SIGSTOP) for longer than the liveness bound, then
-  resumed (SIGCONT): a silent peer, a partition without root.
+  resumed (SIGCONT): a silent peer, a partition without root. Its batch's requests of several
+  chunks on that rank stall for as long, so prefill evicts the rank while it holds them.
 * ``partition``: with ``netns`` (root): the decode namespace is cut off from the bridge for
   ``silence_s`` (:meth:`NetnsBed.partition <kvwire.testing.netns.NetnsBed.partition>`).
 
@@ -280,9 +281,16 @@ def _fault_batch(
 ) -> list[RequestResult]:
     """Run one batch with fault ``ev``. Every request is started before the fault fires
     (none is started on a dead rank: its peers would wait for it until their timeouts);
-    requests on the target stall 1 s before their last chunk, so some are in flight."""
+    requests on the target stall 1 s before their last chunk, so some are in flight. In a
+    freeze, those of several chunks stall for as long as the rank is stopped, so that prefill
+    still holds them when it evicts the silent rank (with 1 s they were done before it, and
+    the resumed rank completed them)."""
+
+    def stall(p: RoomPlan) -> float:
+        return spec.silence_s if ev.kind == "freeze" and len(p.chunks) > 1 else 1.0
+
     if ev.kind != "flip":
-        plans = [p.model_copy(update={"stall_s": 1.0}) if ev.touches(p) else p for p in plans]
+        plans = [p.model_copy(update={"stall_s": stall(p)}) if ev.touches(p) else p for p in plans]
     inj = _Injector(c, ev, spec, bed, plans)
     inj.before()
     results = c.run(

@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -30,6 +31,9 @@ if TYPE_CHECKING:
     from kvwire.session.context import RankContext
 
 logger = logging.getLogger(__name__)
+
+#: Gone prefill sessions remembered (see ``SourceLinks._gone``).
+MAX_GONE = 256
 
 
 @dataclass
@@ -73,6 +77,10 @@ class SourceLinks:
         #: partition, so their writes are not taken as ended (see
         #: :mod:`kvwire.session.decode.quiesce`).
         self._lost_silently: dict[str, float] = {}
+        #: Prefill sessions known gone (connection closed, goodbye, restarted), by control
+        #: endpoint, the last :data:`MAX_GONE`: bootstrap lists a dead rank until it
+        #: restarts, and a handshake with one fails at once instead of at its timeout.
+        self._gone: OrderedDict[str, str] = OrderedDict()
 
     def __contains__(self, session: object) -> bool:
         """Whether a handshake with prefill session ``session`` holds (any thread)."""
@@ -132,6 +140,13 @@ class SourceLinks:
             link = self.links.get(info.session)
             if link is not None:
                 return link
+            if info.session in self._gone:
+                raise HandshakeError(
+                    f"prefill rank tp={info.tp_rank} pp={info.pp_rank} ({info.agent} at "
+                    f"{info.endpoint}) is gone (this rank lost it: its control connection "
+                    "closed or it left); its bootstrap service still lists it, so it has not "
+                    "restarted yet"
+                )
             pending = self.pending.get(info.session)
             first = pending is None
             if pending is None:
@@ -272,12 +287,28 @@ class SourceLinks:
         """A prefill rank was lost: drop its link and every lookup that lists it (the next
         request looks its instance up again); ``silent``: lost to silence at ``now``."""
         with self._lock:
-            self.links.pop(session, None)
+            link = self.links.pop(session, None)
             if silent:
                 self._lost_silently[session] = now
+            elif link is not None:
+                self._gone[session] = link.info.endpoint
+                while len(self._gone) > MAX_GONE:
+                    self._gone.popitem(last=False)
             for key, ranks in list(self.instances.items()):
                 if any(x.session == session for x in ranks):
                     del self.instances[key]
+
+    def gone_endpoint(self, endpoint: str) -> bool:
+        """Whether ``endpoint`` is the control endpoint of a prefill rank known gone (nothing
+        is sent there: a socket to it would only retry). Any thread."""
+        with self._lock:
+            return endpoint in self._gone.values()
+
+    def unlink(self, session: str) -> None:
+        """Liveness thread: prefill session ``session`` evicted this rank: drop its link (the
+        next request handshakes again), keep its lookup (it is alive and still listed)."""
+        with self._lock:
+            self.links.pop(session, None)
 
     def lost_silently(self, session: str) -> bool:
         """Whether prefill session ``session`` was lost to silence (and not yet expired):

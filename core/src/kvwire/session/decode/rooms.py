@@ -86,6 +86,9 @@ class RecvRoom:
     fault_chunk: ChunkFault | None = None
     #: The failure report, built once (the room stops listening when it fails).
     report: FailureReport | None = None
+    #: Prefill sessions asked again after they dropped the request unread
+    #: (:mod:`kvwire.session.decode.rejoin`).
+    asked_again: set[str] = field(default_factory=set)
 
     def pages_in(self, pool: str) -> Any:
         """Under the room lock (strategies, through ``StagingContext.room_pages``): the

@@ -24,14 +24,13 @@ import logging
 import time
 from typing import Any, ClassVar
 
-import numpy as np
-
 from kvwire.backend import Notification
 from kvwire.control.bootstrap import BootstrapClient
 from kvwire.control.reach import loopback_problem
 from kvwire.control.wire import (
     ChunkNote,
     Completion,
+    Evicted,
     Failure,
     Message,
     TransferRequest,
@@ -42,20 +41,20 @@ from kvwire.control.wire import (
 from kvwire.errors import (
     BootstrapError,
     ConfigError,
-    DescriptorError,
     HandshakeError,
     KVWireError,
     ProtocolError,
     TransferError,
 )
-from kvwire.index.base import check_pages
 from kvwire.session import metrics as m
 from kvwire.session.common import Side
 from kvwire.session.context import RankContext
 from kvwire.session.decode.links import PrefillLink, SourceLinks
+from kvwire.session.decode.metadata import check_metadata, check_pool
 from kvwire.session.decode.quiesce import WriteQuarantine
+from kvwire.session.decode.rejoin import Rejoin
 from kvwire.session.decode.rooms import RecvRoom
-from kvwire.session.groups import check_state_indices, to_wire
+from kvwire.session.groups import to_wire
 from kvwire.session.peers import Peer
 from kvwire.session.poll import KVPoll
 from kvwire.session.report import (
@@ -88,6 +87,7 @@ class DecodeSide(Side[RecvRoom]):
         "note": "_on_note",
         "completion": "_on_completion",
         "writes_done": "_on_writes_done",
+        "evicted": "_on_evicted",
         "hello": "not_for_role",
         "transfer_request": "not_for_role",
         "writes_query": "not_for_role",
@@ -107,6 +107,10 @@ class DecodeSide(Side[RecvRoom]):
         self.source_progress: dict[str, float] = {}
         self.bootstraps = concurrent.futures.ThreadPoolExecutor(
             4, thread_name_prefix=f"kvwire-bs-{ctx.agent_name}"
+        )
+        #: Prefill ranks that evicted this rank: links dropped, unheard requests repeated.
+        self.rejoin = Rejoin(
+            ctx, rooms, self.sources, self.bootstraps.submit, self._fail, self.request_message
         )
 
     # ------------------------------------------------------------ bootstrapping
@@ -166,16 +170,16 @@ class DecodeSide(Side[RecvRoom]):
         except KVWireError as exc:
             raise HandshakeError(f"cannot pair with the prefill instance at {addr}: {exc}") from exc
         chosen = [x for x in ranks if (x.tp_rank, x.pp_rank) in wanted]
+        with self.rooms.lock:  # the ranks found hear of a failure from here on
+            room.contacts = [x.endpoint for x in chosen]
+            if room.error is not None:  # failed while we looked its sources up
+                self._push_failure(room, room.error, None, False)
+                raise TransferError("request failed during bootstrap", room=room_id)
         if len(chosen) != len(wanted):
             raise BootstrapError(
                 f"bootstrap at {addr} lists {len(chosen)} of the {len(wanted)} prefill ranks "
                 "this decode rank needs"
             )
-        with self.rooms.lock:
-            room.contacts = [x.endpoint for x in chosen]
-            if room.error is not None:  # failed while we looked its sources up
-                self._push_failure(room, room.error, None, False)
-                raise TransferError("request failed during bootstrap", room=room_id)
         own = self.ctx.channel.endpoint
         for x in chosen:  # a loopback address across hosts would wait for the timeout
             problem = loopback_problem(own, x.endpoint, x.agent, addr)
@@ -195,6 +199,11 @@ class DecodeSide(Side[RecvRoom]):
     def on_unsigned(self, msg: Message) -> None:
         """Liveness thread: an unsigned answer to our signed hello (names the secret)."""
         self.sources.on_unsigned(msg)
+
+    def _on_evicted(self, msg: Message) -> None:
+        """Liveness thread: a prefill rank evicted this rank (see :mod:`.rejoin`)."""
+        assert isinstance(msg, Evicted)
+        self.rejoin.on_evicted(msg)
 
     def _on_writes_done(self, msg: Message) -> None:
         """Liveness thread: a source confirms none of its writes for a failed room remains."""
@@ -339,8 +348,12 @@ class DecodeSide(Side[RecvRoom]):
         self.rooms.succeed(room)
 
     def on_failure(self, msg: Message) -> None:
-        """Liveness thread: a prefill rank failed or aborted a room."""
+        """Liveness thread: a prefill rank failed or aborted a room (or did not accept its
+        request: it evicted this rank, :mod:`.rejoin`)."""
         assert isinstance(msg, Failure)
+        if msg.unheard:
+            self.rejoin.on_unheard(msg)
+            return
         with self.rooms.lock:
             room = self.rooms.get(msg.room)
             if room is None or self.rooms.terminal(room):
@@ -453,33 +466,9 @@ class DecodeSide(Side[RecvRoom]):
         ``pool="host"`` the host pool, in its page units), its buffer-group slots, and the
         prompt tokens kept cached here."""
         ctx = self.ctx
-        target = ctx.layout
-        if pool not in ("kv", "host"):
-            raise ConfigError(f"pool must be 'kv' or 'host', not {pool!r}")
-        if pool == "host":
-            if ctx.host_layout is None:
-                raise ConfigError(
-                    "pool='host' needs a host pool: build the decode manager with "
-                    "KVManager(..., host_layout=<the host KV pool's layout>)"
-                )
-            target = ctx.host_layout
+        check_pool(ctx, pool)
         try:
-            arr = check_pages(pages, target.num_slots, "destination page indices")
-            if np.unique(arr).size != arr.size:
-                raise DescriptorError(
-                    "destination page indices repeat a slot; each page needs its own slot"
-                )
-            if not 0 <= aux_index < ctx.aux_slots:
-                raise DescriptorError(f"aux_index {aux_index} is outside [0, {ctx.aux_slots})")
-            groups = check_state_indices(ctx.layout, state_indices, "send_metadata()")
-            if cached_tokens is not None and (
-                isinstance(cached_tokens, bool)
-                or not isinstance(cached_tokens, int | np.integer)
-                or cached_tokens < 0
-            ):
-                raise DescriptorError(
-                    f"cached_tokens must be a non-negative int, not {cached_tokens!r}"
-                )
+            md = check_metadata(ctx, pages, aux_index, pool, state_indices, cached_tokens)
         except KVWireError as exc:
             with self.rooms.lock:
                 self._fail(
@@ -494,35 +483,40 @@ class DecodeSide(Side[RecvRoom]):
             if self.rooms.terminal(room):
                 return
             ctx.stamps[aux_index, 0] = 0
-            room.dst_pages = arr
-            room.aux_index = aux_index
-            room.pool = pool
-            room.group_dst = groups
-            room.cached_tokens = None if cached_tokens is None else int(cached_tokens)
+            room.dst_pages = md.pages
+            room.aux_index = md.aux_index
+            room.pool = md.pool
+            room.group_dst = md.groups
+            room.cached_tokens = md.cached_tokens
             if room.sources is not None:
                 self._request(room)
         if pool == "host" and ctx.hooks is not None:
-            ctx.hooks.on_prealloc(room.room, int(arr.size))
+            ctx.hooks.on_prealloc(room.room, int(md.pages.size))
 
     def _request(self, room: RecvRoom) -> None:
         """Under the lock: send the transfer request to every source rank."""
-        assert room.sources is not None and room.dst_pages is not None
+        assert room.sources is not None
         ctx = self.ctx
-        msg = TransferRequest(
-            room=room.room,
-            session=ctx.session,
-            dst_pages=pages_to_bytes(room.dst_pages),
-            aux_index=room.aux_index,
-            pool="host" if room.pool == "host" else "kv",  # typed Literal on the wire
-            group_indices=to_wire(room.group_dst),
-            cached_tokens=room.cached_tokens,
-        )
+        msg = self.request_message(room)
         room.metrics.marks["requested"] = time.perf_counter()
         for s in room.sources:
             ctx.tell(s.info.endpoint, msg)
         room.requested = True
         room.last_progress = time.monotonic()
         self.rooms.advance(room, KVPoll.Transferring)
+
+    def request_message(self, room: RecvRoom) -> TransferRequest:
+        """Under the lock: the room's transfer request (the same to every source rank)."""
+        assert room.dst_pages is not None
+        return TransferRequest(
+            room=room.room,
+            session=self.ctx.session,
+            dst_pages=pages_to_bytes(room.dst_pages),
+            aux_index=room.aux_index,
+            pool="host" if room.pool == "host" else "kv",  # typed Literal on the wire
+            group_indices=to_wire(room.group_dst),
+            cached_tokens=room.cached_tokens,
+        )
 
     def _fail(
         self,
@@ -549,8 +543,8 @@ class DecodeSide(Side[RecvRoom]):
         msg = Failure(room=room.room, session=ctx.session, reason=str(exc), aborted=aborted)
         if room.sources is not None:
             endpoints = [s.info.endpoint for s in room.sources if s.info.session != skip]
-        else:
-            endpoints = list(room.contacts)
+        else:  # the ranks bootstrap listed, but those known dead
+            endpoints = [ep for ep in room.contacts if not self.sources.gone_endpoint(ep)]
         for ep in endpoints:
             ctx.tell(ep, msg)
 

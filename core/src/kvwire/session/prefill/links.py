@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import concurrent.futures
 import logging
+import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -34,6 +35,7 @@ from kvwire.session.handshake import (
     topology_for,
 )
 from kvwire.session.peers import Peer
+from kvwire.session.prefill.evictions import EvictionBook
 from kvwire.session.segments import KindSplit, split_tables
 from kvwire.staging.base import StagingStrategy
 
@@ -102,9 +104,23 @@ class DecodeLinker:
     """Answers decode ranks' hellos for one prefill rank: validates, adds the engine peer,
     prepares every table pair, acks (or rejects, naming every problem)."""
 
-    def __init__(self, ctx: RankContext, sender_id: int) -> None:
+    def __init__(
+        self,
+        ctx: RankContext,
+        lock: threading.RLock,
+        sender_id: int,
+        evictions: EvictionBook,
+        release_first: Callable[[str], None],
+    ) -> None:
         self.ctx = ctx
+        #: The room lock (:class:`~kvwire.session.rooms.RoomTable`): a new peer and the end
+        #: of its eviction are one step for the liveness thread's request handling.
+        self.lock = lock
         self.sender_id = sender_id
+        #: The decode sessions this rank evicted (a rejoining one is forgotten there).
+        self.evictions = evictions
+        #: Releases what an earlier eviction of a session left in the engine, now.
+        self.release_first = release_first
         self._unsigned_replies: list[float] = []
         self.handshakes = concurrent.futures.ThreadPoolExecutor(
             2, thread_name_prefix=f"kvwire-hs-{ctx.agent_name}"
@@ -181,6 +197,7 @@ class DecodeLinker:
             if old.link is not None:
                 stale.append(old.link.backend_peer)
         try:
+            self.release_first(hello.session)  # evicted earlier (silent) and back
             mapper = build_mapper(ctx.config, ctx.layout, hello.layout)
             extra = ctx.staging.link_tables(mapper, hello.staging)
             choice = self._add_engine_peer(hello, stale)
@@ -261,7 +278,11 @@ class DecodeLinker:
             ctx.host_staging.peer_lost(hello.session)  # unmap what link_tables may have mapped
             self._reject(hello, f"handshake failed on prefill: {exc}", [])
             return
-        ctx.add_peer(Peer(hello.session, hello.agent, hello.endpoint, time.monotonic(), link=link))
+        with self.lock:  # a request from it is now served, or answered before the ack goes out
+            ctx.add_peer(
+                Peer(hello.session, hello.agent, hello.endpoint, time.monotonic(), link=link)
+            )
+            self.evictions.rejoined(hello.session)
         logger.info(
             "%s: handshake with %s (%s mapper%s%s); %s",
             ctx.agent_name,
@@ -317,6 +338,21 @@ class DecodeLinker:
             choice = ctx.backend.add_link(hello.offers(), hello.host)
             ctx.engine_peers[choice.peer] = hello.session
             return choice
+
+    def remove_engine_peer(self, peer: Peer) -> None:
+        """Progress thread (or a handshake thread): remove an evicted decode rank's peer from
+        the engine, unless a restarted incarnation owns the name by now. Takes
+        ``engine_peers_lock``, never with the room lock."""
+        ctx, link = self.ctx, peer.link
+        with ctx.engine_peers_lock:
+            if ctx.engine_peers.get(link.backend_peer) != peer.session:
+                return
+            del ctx.engine_peers[link.backend_peer]
+            if link.backend_peer in ctx.backend.peers():
+                try:
+                    ctx.backend.remove_peer(link.backend_peer)
+                except KVWireError as exc:
+                    logger.warning("%s: remove_peer(%s): %s", ctx.agent_name, peer.agent, exc)
 
     def _prepare(
         self,

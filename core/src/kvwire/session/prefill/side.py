@@ -50,6 +50,7 @@ from kvwire.session.layers import LayerGate
 from kvwire.session.peers import Peer
 from kvwire.session.poll import KVPoll
 from kvwire.session.prefill.early import EarlyBook, RoomIssuer
+from kvwire.session.prefill.evictions import EvictionBook
 from kvwire.session.prefill.links import DecodeLink, DecodeLinker, PoolLink
 from kvwire.session.prefill.pipeline import Pipeline
 from kvwire.session.prefill.registration import Registration
@@ -82,6 +83,7 @@ class PrefillSide(Side[SendRoom]):
         "completion": "not_for_role",
         "note": "not_for_role",
         "writes_done": "not_for_role",
+        "evicted": "not_for_role",
     }
 
     def __init__(
@@ -109,8 +111,12 @@ class PrefillSide(Side[SendRoom]):
             lambda i: Pipeline(ctx, self, i),
             inline=opts.sync_transfers,
         )
+        #: Decode sessions this rank evicted: their later frames are answered, not dropped.
+        self.evictions = EvictionBook(ctx)
         #: Answers decode ranks' hellos (handshake threads).
-        self.linker = DecodeLinker(ctx, self.sender_id)
+        self.linker = DecodeLinker(
+            ctx, rooms.lock, self.sender_id, self.evictions, self._release_first
+        )
         #: This rank's bootstrap registration (and the service, on prefill rank 0).
         self.registration: Registration | None = None
         try:
@@ -139,12 +145,14 @@ class PrefillSide(Side[SendRoom]):
         with self.rooms.lock:
             peer = ctx.peers.get(msg.session)
             if peer is None:
-                logger.warning(
-                    "%s: transfer request for room %d from unknown session %s dropped",
-                    ctx.agent_name,
-                    msg.room,
-                    msg.session,
-                )
+                if not self.evictions.answer(msg.session, msg.room, time.monotonic()):
+                    logger.warning(
+                        "%s: transfer request for room %d from unknown session %s dropped "
+                        "(never handshaken here: no endpoint to answer)",
+                        ctx.agent_name,
+                        msg.room,
+                        msg.session,
+                    )
                 return
             peer.last_seen = time.monotonic()
             try:
@@ -232,35 +240,48 @@ class PrefillSide(Side[SendRoom]):
             self._fail(room, err, skip=msg.session)
 
     def on_peer_lost(self, peer: Peer, why: str) -> None:
-        """Control thread: a decode rank is dead or gone; fail its rooms, drop its tables."""
-        ctx = self.ctx
+        """Control thread: a decode rank is dead or gone; fail its rooms, drop its tables,
+        remember the eviction (:mod:`kvwire.session.prefill.evictions`)."""
         with self.rooms.lock:
+            early = [r for r, by in self.early.requests.items() if peer.session in by]
             self.early.drop_session(peer.session)
+            failed: dict[int, str] = {}
             for room in list(self.rooms.values()):
                 if peer.session in room.dests and not self.rooms.terminal(room):
                     err = TransferError(
                         f"decode peer {peer.agent} lost: {why}", room=room.room, peer=peer.agent
                     )
                     self._fail(room, err, skip=peer.session)
-        ctx.later(lambda: self._release_peer(peer))
+                    failed[room.room] = str(err)
+            self.evictions.evicted(peer, why, failed, early)
+        self.ctx.later(lambda: self._release_peer(peer))
+
+    def on_stranger(self, session: str) -> None:
+        """Liveness thread: a heartbeat from a session that is not a peer: an evicted decode
+        rank is told so (:meth:`EvictionBook.answer`)."""
+        with self.rooms.lock:
+            self.evictions.answer(session, None, time.monotonic())
+
+    def _release_first(self, session: str) -> None:
+        """Handshake thread, before a decode session evicted earlier is linked again: release
+        what its eviction left in the engine now (the deferred release then does nothing, so
+        it cannot remove the new link's state)."""
+        with self.rooms.lock:
+            peer = self.evictions.unreleased(session)
+        if peer is not None:
+            self._release_peer(peer)
 
     def _release_peer(self, peer: Peer) -> None:
-        """Progress thread: drop an evicted decode rank's engine and strategy state."""
+        """Progress thread (or a handshake thread, :meth:`_release_first`): drop an evicted
+        decode rank's engine and strategy state, once."""
         ctx = self.ctx
+        with self.rooms.lock:
+            if not self.evictions.take_release(peer):
+                return
         for strategy in ctx.strategies:
             strategy.peer_lost(peer.session)
-        link: DecodeLink | None = peer.link
-        if link is None:
-            return
-        with ctx.engine_peers_lock:  # a restarted incarnation may own the name by now
-            if ctx.engine_peers.get(link.backend_peer) != peer.session:
-                return
-            del ctx.engine_peers[link.backend_peer]
-            if link.backend_peer in ctx.backend.peers():
-                try:
-                    ctx.backend.remove_peer(link.backend_peer)
-                except KVWireError as exc:
-                    logger.warning("%s: remove_peer(%s): %s", ctx.agent_name, peer.agent, exc)
+        if peer.link is not None:
+            self.linker.remove_engine_peer(peer)
 
     def check_deadlines(self, now: float) -> None:
         """Control thread: bootstrap timeouts and expiry of early requests."""
@@ -500,9 +521,11 @@ class PrefillSide(Side[SendRoom]):
             if self.writes_inflight.get((msg.room, msg.session), 0):
                 return  # a write is still in flight; decode asks again
             peer = self.ctx.peers.get(msg.session)
-        if peer is not None:
+            # an evicted decode rank still waits for the answer before reusing the pages
+            endpoint = peer.endpoint if peer else self.evictions.endpoint(msg.session)
+        if endpoint is not None:
             self.ctx.tell(
-                peer.endpoint,
+                endpoint,
                 WritesDone(room=msg.room, sender_id=self.sender_id, session=self.ctx.session),
             )
 

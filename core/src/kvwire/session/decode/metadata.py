@@ -1,0 +1,69 @@
+"""What the decode engine says of a request (``send_metadata``), checked before the room takes
+it: the destination pages in the chosen pool, the aux row, the buffer-group slots, and the
+prompt tokens kept cached. Engine thread; no lock (nothing shared is read but the context)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+from numpy.typing import NDArray
+
+from kvwire.errors import ConfigError, DescriptorError
+from kvwire.index.base import check_pages
+from kvwire.session.context import RankContext
+from kvwire.session.groups import Indices, check_state_indices
+
+
+@dataclass(frozen=True)
+class Metadata:
+    """A request's destination on this decode rank, checked (see :func:`check_metadata`)."""
+
+    pages: NDArray[np.int64]
+    aux_index: int
+    pool: str
+    groups: Indices
+    cached_tokens: int | None
+
+
+def check_pool(ctx: RankContext, pool: str) -> None:
+    """Raise ``ConfigError`` unless ``pool`` is one this rank has (``"kv"``, or ``"host"``
+    when it was built with a host pool): a mistake of the engine, not of the request."""
+    if pool not in ("kv", "host"):
+        raise ConfigError(f"pool must be 'kv' or 'host', not {pool!r}")
+    if pool == "host" and ctx.host_layout is None:
+        raise ConfigError(
+            "pool='host' needs a host pool: build the decode manager with "
+            "KVManager(..., host_layout=<the host KV pool's layout>)"
+        )
+
+
+def check_metadata(
+    ctx: RankContext,
+    pages: Any,
+    aux_index: int,
+    pool: str,
+    state_indices: Any,
+    cached_tokens: Any,
+) -> Metadata:
+    """The engine's ``send_metadata`` arguments for a ``pool`` :func:`check_pool` accepted,
+    checked; raises a ``KVWireError`` naming what is wrong (the request then fails)."""
+    target = ctx.host_layout if pool == "host" else ctx.layout
+    assert target is not None
+    arr = check_pages(pages, target.num_slots, "destination page indices")
+    if np.unique(arr).size != arr.size:
+        raise DescriptorError(
+            "destination page indices repeat a slot; each page needs its own slot"
+        )
+    if not 0 <= aux_index < ctx.aux_slots:
+        raise DescriptorError(f"aux_index {aux_index} is outside [0, {ctx.aux_slots})")
+    groups = check_state_indices(ctx.layout, state_indices, "send_metadata()")
+    if cached_tokens is not None and (
+        isinstance(cached_tokens, bool)
+        or not isinstance(cached_tokens, int | np.integer)
+        or cached_tokens < 0
+    ):
+        raise DescriptorError(f"cached_tokens must be a non-negative int, not {cached_tokens!r}")
+    kept = None if cached_tokens is None else int(cached_tokens)
+    return Metadata(arr, aux_index, pool, groups, kept)
