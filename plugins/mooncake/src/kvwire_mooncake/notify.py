@@ -200,6 +200,8 @@ class NotifyChannel:
         messages, acknowledgements or a command, serve them, expire overdue notifications."""
         dealers = list(self._dealers.items())
         events = dict(self._poller.poll(100))
+        if self._loop.wake_fd in events:
+            self._loop.drain_wake()
         if events.get(self._router):
             self._serve()
         for peer, sock in dealers:
