@@ -63,8 +63,9 @@ from kvwire.link_choice import LinkChoice as LinkChoice  # re-exported: the back
 from kvwire.link_choice import PeerFacts as PeerFacts
 from kvwire.plugin_api import PLUGIN_API
 
-# Re-exported: a plugin implements its hooks against these, and kvwire.backend is the plugin
-# seam's public import path (docs/writing-a-backend-plugin.md); they live in kvwire.transfers.
+# Re-exported: a plugin declares and implements its hooks with these, and kvwire.backend is the
+# plugin seam's public import path (docs/writing-a-backend-plugin.md); they live in kvwire.transfers.
+from kvwire.transfers import BackendCapabilities as BackendCapabilities
 from kvwire.transfers import Notification as Notification
 from kvwire.transfers import PreparedPair as PreparedPair
 from kvwire.transfers import TransferHandle as TransferHandle
@@ -73,23 +74,6 @@ from kvwire.transfers import XferState as XferState
 from kvwire.transfers import check_rows
 
 logger = logging.getLogger(__name__)
-
-
-class BackendCapabilities(BaseModel):
-    """What a backend can do; checked once, when the backend is selected."""
-
-    model_config = ConfigDict(frozen=True, extra="forbid")
-
-    write: bool = True
-    read: bool = False
-    notifications: bool = True
-    dram: bool = True
-    vram: bool = False
-    cross_host: bool = True
-
-    def supports_kind(self, kind: MemKind) -> bool:
-        """Whether regions of memory ``kind`` can be registered."""
-        return self.vram if kind == MemKind.VRAM else self.dram
 
 
 class NoOptions(BaseModel):

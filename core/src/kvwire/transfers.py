@@ -1,7 +1,8 @@
 """What one transfer is, on both sides of the :class:`~kvwire.backend.TransferBackend` seam:
 its direction and state, the prepared pair of descriptor tables it indexes, the handle a
-submit returns, the notification the target receives, and the checks a submit's index arrays
-pass before a backend sees them.
+submit returns, the notification the target receives, the checks a submit's index arrays
+pass before a backend sees them, and which transfers a backend can do at all
+(:class:`BackendCapabilities`).
 
 These are values: the backend template creates pairs and handles and owns their lifetimes
 (:mod:`kvwire.backend`); a plugin keeps its engine state on them (``state``). They are
@@ -16,9 +17,11 @@ from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 import numpy as np
+from pydantic import BaseModel, ConfigDict
 
 from kvwire.descriptors import LEN, DescTable, check_indices
 from kvwire.errors import DescriptorError
+from kvwire.layout import MemKind
 
 
 class XferOp(enum.Enum):
@@ -41,6 +44,23 @@ class Notification(NamedTuple):
 
     peer: str
     payload: bytes
+
+
+class BackendCapabilities(BaseModel):
+    """What a backend can do; checked once, when the backend is selected."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    write: bool = True
+    read: bool = False
+    notifications: bool = True
+    dram: bool = True
+    vram: bool = False
+    cross_host: bool = True
+
+    def supports_kind(self, kind: MemKind) -> bool:
+        """Whether regions of memory ``kind`` can be registered."""
+        return self.vram if kind == MemKind.VRAM else self.dram
 
 
 @dataclass(eq=False)
