@@ -63,8 +63,9 @@ from kvwire.link_choice import LinkChoice as LinkChoice  # re-exported: the back
 from kvwire.link_choice import PeerFacts as PeerFacts
 from kvwire.plugin_api import PLUGIN_API
 
-# Re-exported: a plugin declares and implements its hooks with these, and kvwire.backend is the
-# plugin seam's public import path (docs/writing-a-backend-plugin.md); they live in kvwire.transfers.
+# Re-exported: a plugin declares and implements its hooks with these, and kvwire.backend is
+# the plugin seam's public import path (docs/writing-a-backend-plugin.md); they live in
+# kvwire.transfers.
 from kvwire.transfers import BackendCapabilities as BackendCapabilities
 from kvwire.transfers import Notification as Notification
 from kvwire.transfers import PreparedPair as PreparedPair
