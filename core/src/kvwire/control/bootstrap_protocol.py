@@ -21,6 +21,7 @@ SIGNATURE_HEADER = "X-KVWire-Signature"
 MAX_CLOCK_SKEW_S = 300.0
 #: Largest request body the server accepts.
 MAX_BODY_BYTES = 64 * 1024
+
 RankKey = tuple[int, int, int]  # (dp_rank, tp_rank, pp_rank)
 
 
