@@ -17,7 +17,7 @@ from pathlib import Path
 
 SRC = Path(__file__).resolve().parents[1] / "src"
 
-#: Circles still to dissolve (issue 25): the session layer around KVManager, and two pairs.
+#: Circles still to dissolve (issue 25): the session layer around KVManager.
 KNOWN: frozenset[frozenset[str]] = frozenset(
     {
         frozenset(
@@ -39,8 +39,6 @@ KNOWN: frozenset[frozenset[str]] = frozenset(
                 "sender",
             )
         ),
-        frozenset({"kvwire.control.bootstrap", "kvwire.control.bootstrap_server"}),
-        frozenset({"kvwire.testing.cluster", "kvwire.testing.cluster_rank"}),
     }
 )
 

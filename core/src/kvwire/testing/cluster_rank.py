@@ -3,7 +3,7 @@
 :func:`rank_main` is the entry point :class:`~kvwire.testing.cluster.Cluster` spawns for each
 prefill and decode rank: it builds the rank's verification pool (:class:`RankPool`: a paged
 ``int32`` KV pool whose elements encode where they belong, :mod:`kvwire.testing.kvfill`, and
-the buffer groups :attr:`ClusterSpec.groups <kvwire.testing.cluster.ClusterSpec.groups>`
+the buffer groups :attr:`ClusterSpec.groups <kvwire.testing.cluster_spec.ClusterSpec.groups>`
 names, :mod:`kvwire.testing.cluster_groups`), a :class:`~kvwire.session.KVManager` over it,
 and then plays its engine: a scheduler loop over the requests the parent starts, calling
 exactly the engine API, filling (prefill) and checking (decode) every element.
@@ -24,7 +24,8 @@ from numpy.typing import NDArray
 from pydantic import SecretStr
 
 from kvwire.layout import KVLayout, MemoryRegion, ModelSpec, RankPosition
-from kvwire.testing.cluster import (
+from kvwire.testing.cluster_groups import GroupAlloc, RankGroups
+from kvwire.testing.cluster_spec import (
     AUX_WORDS,
     FAULT_ENV,
     QUARANTINE_S,
@@ -33,7 +34,6 @@ from kvwire.testing.cluster import (
     RoomPlan,
     rank_gpu,
 )
-from kvwire.testing.cluster_groups import GroupAlloc, RankGroups
 from kvwire.testing.kvfill import (
     count_mismatches,
     from_pool_order,
