@@ -18,11 +18,14 @@ link-only backend such as ``cudaipc`` is usable here) holds one :class:`MultiBac
   PENDING, so workers never see the failure. Writes are idempotent (same source bytes into
   the same destination rows), and a member that failed a transfer did not deliver its
   notification (notifications follow the data), so decode counts each chunk once.
-* **Recovery.** A probe thread reconnects an unhealthy member in the background (the peer
-  removed from it and added again from the metadata it announced, the link's tables prepared
-  again) after a back-off that doubles on each failed probe (``probe_s`` .. ``probe_max_s``).
-  A member whose reconnection succeeds is healthy again and takes the link's next transfers
-  (``on_recovery``); if it fails again, the link falls back again.
+* **Recovery.** A probe thread reconnects an unhealthy member in the background after a
+  back-off that doubles on each failed probe (``probe_s`` .. ``probe_max_s``): the member's
+  ``link_problem`` is asked again first (``tcp`` opens a connection to the peer's data
+  endpoint, so a link whose network is still down is not taken back), then the peer is
+  removed from it and added again from the metadata it announced, and the link's tables are
+  prepared again. A member whose probe succeeds is healthy again and takes the link's next
+  transfers (``on_recovery``); if it fails again within ``probe_max_s`` of that (a flapping
+  link), its next probe waits twice as long as the last one did.
 
 Lock contract (on top of the template's): the routes and their health live under
 ``_routes_lock``, a plain lock held only for dictionary and flag updates, never across a
@@ -74,8 +77,10 @@ class _Route:
     names: dict[int, str]
     metadata: dict[int, bytes]
     healthy: dict[int, bool]
+    host: dict[str, str] = field(default_factory=dict)
     next_probe: dict[int, float] = field(default_factory=dict)
     backoff: dict[int, float] = field(default_factory=dict)
+    recovered_at: dict[int, float] = field(default_factory=dict)
     pairs: list[PreparedPair] = field(default_factory=list)
 
 
@@ -253,6 +258,7 @@ class MultiBackend(TransferBackend):
                 names=names,
                 metadata={i: theirs[self.members[i].name] for i in order},
                 healthy={i: True for i in order},
+                host=dict(host),
             )
             with self._routes_lock:
                 self._routes[peer] = route
@@ -477,8 +483,11 @@ class MultiBackend(TransferBackend):
             if not route.healthy.get(i, False):
                 return
             route.healthy[i] = False
-            route.backoff[i] = self.probe_s
-            route.next_probe[i] = now + self.probe_s
+            last = route.backoff.get(i)
+            flapping = now - route.recovered_at.get(i, -self.probe_max_s) < self.probe_max_s
+            back = min(last * 2, self.probe_max_s) if last and flapping else self.probe_s
+            route.backoff[i] = back
+            route.next_probe[i] = now + back
             to = next((j for j in route.order if route.healthy[j]), None)
             if route.peer not in self._routes:
                 return  # the peer went away: nothing to switch
@@ -536,6 +545,9 @@ class MultiBackend(TransferBackend):
         failure. Holds the control lock across the member's control-path calls."""
         m = self.members[i]
         try:
+            why = m.link_problem(PeerFacts(route.host, route.metadata[i]))
+            if why is not None:
+                raise PeerError(why)
             with self._lock:
                 if self._closed or route.peer not in self.peers():
                     return
@@ -565,6 +577,7 @@ class MultiBackend(TransferBackend):
             return
         with self._routes_lock:
             route.healthy[i] = True
+            route.recovered_at[i] = time.monotonic()
         self.recoveries += 1
         logger.warning(
             "%s: link to %s: backend %s reconnected; moving back to it",
