@@ -60,10 +60,13 @@ from kvwire.descriptors import LEN, DescTable, check_indices, check_table, requi
 from kvwire.errors import CapabilityError, DescriptorError, HandleError, KVWireError, PeerError
 from kvwire.layout import MemKind, MemoryRegion, check_no_overlap
 from kvwire.link_choice import LinkChoice as LinkChoice  # re-exported: the backend seam
+from kvwire.link_choice import LinkFacts, choose_link_path, host_identity
 from kvwire.link_choice import PeerFacts as PeerFacts
 from kvwire.plugin_api import PLUGIN_API
 
 logger = logging.getLogger(__name__)
+
+_DRAM = frozenset({MemKind.DRAM})
 
 
 class XferOp(enum.Enum):
@@ -188,6 +191,10 @@ class TransferBackend(ABC):
     pushes_events: ClassVar[bool] = False
     #: Which links it serves, in words (``kvwire doctor``); :meth:`link_problem` decides.
     link_rule: ClassVar[str] = "any peer that announces it"
+    #: Whether ``--transfer-backend auto`` picked this backend (set on the instance by
+    #: :func:`kvwire.selection.create_backends`): the per-link rule then explains its links
+    #: as auto's choice (:func:`kvwire.link_choice.choose_link_path`).
+    auto: bool = False
 
     def __init__(self, agent_name: str, options: BaseModel | None = None) -> None:
         if not agent_name:
@@ -309,7 +316,15 @@ class TransferBackend(ABC):
         if why is not None:
             raise PeerError(f"backend {self.name!r} cannot serve this link: {why}")
         skipped = {n: "not configured on this rank" for n, _ in offers if n != self.name}
-        return LinkChoice(self.add_peer(mine), self.name, (), skipped)
+        path = choose_link_path(
+            LinkFacts(
+                [(self.name, None)],
+                local_kinds=frozenset(r.kind for r in self.registered_regions) or _DRAM,
+                same_host=(host == host_identity()) if host else None,
+                auto=self.auto,
+            )
+        )
+        return LinkChoice(self.add_peer(mine), self.name, (), skipped, path.why, path.staging)
 
     def add_peer(self, metadata: bytes) -> str:
         """Load a peer from its :meth:`local_metadata`; return its name. Called by the

@@ -42,7 +42,7 @@ import contextlib
 import logging
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -58,13 +58,15 @@ from kvwire.backend import (
 )
 from kvwire.descriptors import DescTable
 from kvwire.errors import HandleError, KVWireError, PeerError
-from kvwire.layout import MemoryRegion
+from kvwire.layout import MemKind, MemoryRegion
+from kvwire.link_choice import LinkFacts, choose_link_path, host_identity
 
 logger = logging.getLogger(__name__)
 
 #: Failures that mean "this member cannot reach the peer now" (a fallback may): anything
 #: else a member raises on submit (bad indices, a capability) is the caller's error.
 LINK_ERRORS = (PeerError, HandleError)
+_DRAM = frozenset({MemKind.DRAM})
 
 
 @dataclass
@@ -126,6 +128,8 @@ class MultiBackend(TransferBackend):
         probe_max_s: float = 30.0,
         on_failover: Callable[[str, str, str, str], None] | None = None,
         on_recovery: Callable[[str, str], None] | None = None,
+        auto: bool = False,
+        link_only: Iterable[str] = (),
     ) -> None:
         super().__init__(agent_name)
         if not members:
@@ -134,6 +138,10 @@ class MultiBackend(TransferBackend):
         if len(set(names)) != len(names):
             raise ValueError(f"member backends must differ, got {names}")
         self.members = list(members)
+        #: ``--transfer-backend auto`` (the per-link rule picks) or a list (its order does).
+        self.auto = auto
+        #: Members that serve only some links (``cudaipc``), for the per-link rule.
+        self.link_only = frozenset(link_only)
         self.probe_s = probe_s
         self.probe_max_s = probe_max_s
         self._on_failover = on_failover
@@ -221,7 +229,7 @@ class MultiBackend(TransferBackend):
         skipped: dict[str, str] = {
             n: "not configured on this rank" for n in theirs if n not in self.member_names
         }
-        usable: list[int] = []
+        candidates: list[tuple[str, str | None]] = []
         for i, m in enumerate(self.members):
             if i in self.disabled:
                 skipped[m.name] = self.disabled[i]
@@ -230,11 +238,19 @@ class MultiBackend(TransferBackend):
             if meta is None:
                 skipped[m.name] = "the peer does not announce it"
                 continue
-            why = m.link_problem(PeerFacts(host, meta))
-            if why is not None:
-                skipped[m.name] = why
-                continue
-            usable.append(i)
+            candidates.append((m.name, m.link_problem(PeerFacts(host, meta))))
+        path = choose_link_path(
+            LinkFacts(
+                candidates,
+                link_only=self.link_only,
+                local_kinds=frozenset(r.kind for r in self.registered_regions) or _DRAM,
+                same_host=(host == host_identity()) if host else None,
+                auto=self.auto,
+            )
+        )
+        skipped.update(path.skipped)
+        index = {m.name: i for i, m in enumerate(self.members)}
+        usable = [index[n] for n in ([path.backend, *path.fallbacks] if path.backend else [])]
         with self._lock:
             self._check_open()
             names: dict[int, str] = {}
@@ -262,11 +278,14 @@ class MultiBackend(TransferBackend):
             )
             with self._routes_lock:
                 self._routes[peer] = route
+        first = self.members[order[0]].name
         return LinkChoice(
             peer,
-            self.members[order[0]].name,
+            first,
             tuple(self.members[i].name for i in order[1:]),
             skipped,
+            why=path.why if first == path.backend else f"{path.why}; {path.backend} refused",
+            staging=path.staging if first == path.backend else "configured",
         )
 
     def _forget_old(self, peer: str, kept: dict[int, str]) -> None:
