@@ -1,6 +1,7 @@
 """``kvwire doctor``'s "Backends for this configuration" section: which transfer backends a
 rank configured like this would construct here, why the others are not, and the rule each
-applies per link (docs/failover.md). Called by :func:`kvwire.cli.cmd_doctor` only."""
+applies per link (docs/failover.md); with ``--peer``, the links to a prefill instance
+(:mod:`kvwire.doctor_peer`). Called by :func:`kvwire.cli.cmd_doctor` only."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from rich.console import Console
 from rich.markup import escape
 
 from kvwire.config import config_from_args
+from kvwire.doctor_peer import add_peer_args, peer_section
 from kvwire.errors import KVWireError
 from kvwire.layout import MemKind
 from kvwire.selection import plan_backends
@@ -23,6 +25,7 @@ def add_doctor_args(parser: argparse.ArgumentParser) -> None:
         default="dram",
         help="memory of the KV pool of the rank to check (default: dram)",
     )
+    add_peer_args(parser)
 
 
 def links_section(args: argparse.Namespace, console: Console) -> list[str]:
@@ -48,3 +51,26 @@ def links_section(args: argparse.Namespace, console: Console) -> list[str]:
         highlight=False,
     )
     return []
+
+
+def peer_links_section(args: argparse.Namespace, console: Console) -> list[str]:
+    """With ``--peer``: the links from a rank configured like ``args`` to that prefill
+    instance (:func:`kvwire.doctor_peer.peer_section`); the problems found (empty: every
+    link has a backend, or no ``--peer``)."""
+    if not getattr(args, "peer", None):
+        return []
+    kinds = frozenset({MemKind.VRAM if getattr(args, "pool", "dram") == "vram" else MemKind.DRAM})
+    try:
+        config = config_from_args(args)
+        plan = plan_backends(config, kinds=kinds)
+    except KVWireError as exc:
+        return [f"peer {args.peer}: not asked, this configuration is unusable: {exc}"]
+    return peer_section(
+        args.peer,
+        plan,
+        kinds,
+        config.secret_bytes,
+        console,
+        dp_rank=args.peer_dp_rank,
+        timeout_s=args.peer_timeout,
+    )
