@@ -155,6 +155,7 @@ class TcpBackend(TransferBackend):
     options: TcpOptions
     #: Completions and notifications happen on the I/O thread, which wakes their owners.
     pushes_events = True
+    link_rule = "any peer whose data endpoint accepts a TCP connection from here"
 
     def __init__(self, agent_name: str, options: BaseModel | None = None) -> None:
         super().__init__(agent_name, options)
