@@ -341,7 +341,7 @@ def test_a_flapping_member_waits_longer_each_time() -> None:
     its last probe had; one that stayed healthy long starts again from ``probe_s``."""
     import time
 
-    from kvwire.backends.multi import _Route
+    from kvwire.backends.multi_routes import Route
     from kvwire.backends.tcp import TcpBackend
 
     class Other(TcpBackend):
@@ -349,7 +349,7 @@ def test_a_flapping_member_waits_longer_each_time() -> None:
 
     m = MultiBackend("a", [TcpBackend("a"), Other("a")], probe_s=0.5, probe_max_s=30.0)
     m._start_prober = lambda: None  # type: ignore[method-assign]  # the wait is what is tested
-    route = _Route("p", [0, 1], {0: "p", 1: "p"}, {}, {0: True, 1: True})
+    route = Route("p", [0, 1], {0: "p", 1: "p"}, {}, {0: True, 1: True})
     m._routes["p"] = route
     try:
         m._member_failed(route, 0, "first")

@@ -43,7 +43,6 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 from kvwire.backend import (
@@ -56,6 +55,9 @@ from kvwire.backend import (
     XferOp,
     XferState,
 )
+from kvwire.backends.multi_routes import Pair as _Pair
+from kvwire.backends.multi_routes import Route as _Route
+from kvwire.backends.multi_routes import Xfer as _Xfer
 from kvwire.descriptors import DescTable
 from kvwire.errors import HandleError, KVWireError, PeerError
 from kvwire.layout import MemKind, MemoryRegion
@@ -67,50 +69,6 @@ logger = logging.getLogger(__name__)
 #: else a member raises on submit (bad indices, a capability) is the caller's error.
 LINK_ERRORS = (PeerError, HandleError)
 _DRAM = frozenset({MemKind.DRAM})
-
-
-@dataclass
-class _Route:
-    """One peer's link: its members (indices into ``MultiBackend.members``, in order), the
-    peer's name in each, the metadata it announced for each (to reconnect), and health."""
-
-    peer: str
-    order: list[int]
-    names: dict[int, str]
-    metadata: dict[int, bytes]
-    healthy: dict[int, bool]
-    host: dict[str, str] = field(default_factory=dict)
-    next_probe: dict[int, float] = field(default_factory=dict)
-    backoff: dict[int, float] = field(default_factory=dict)
-    recovered_at: dict[int, float] = field(default_factory=dict)
-    pairs: list[PreparedPair] = field(default_factory=list)
-
-
-@dataclass(eq=False)
-class _Pair:
-    """Backend state of a composite prepared pair: the inner pair per member, and the tables
-    (to prepare again after a reconnection)."""
-
-    route: _Route
-    inner: dict[int, PreparedPair]
-    local: DescTable
-    remote: DescTable
-
-
-@dataclass(eq=False)
-class _Xfer:
-    """Backend state of a composite handle: what to post again, and where it is now."""
-
-    op: XferOp
-    pair: _Pair
-    local_idx: Any
-    remote_idx: Any
-    notification: bytes | None
-    member: int = -1
-    inner: TransferHandle | None = None
-    tried: list[int] = field(default_factory=list)
-    errors: list[str] = field(default_factory=list)
-    lock: threading.Lock = field(default_factory=threading.Lock)
 
 
 class MultiBackend(TransferBackend):
