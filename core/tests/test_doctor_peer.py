@@ -181,3 +181,19 @@ def test_link_only_backend_on_another_host_is_passed_over() -> None:
                       here=here)  # fmt: skip
     assert same.same_host is True and same.path is not None
     assert same.path.backend == "cudaipc" and same.path.staging == "direct", same.path
+
+
+def test_local_plan_states_the_auto_rule(monkeypatch: Any) -> None:
+    """Without ``--peer``, doctor's plan for ``auto`` states the per-link rule with the
+    general backend it would use; a list states its order rule instead."""
+    from kvwire.doctor_links import links_section
+
+    monkeypatch.delenv("KVWIRE_SECRET", raising=False)
+    for flag, words in (
+        ("auto", f"host pools -> {auto_backend_name()} with the configured staging"),
+        ("tcp,nixl", "the next ones are its fallbacks"),
+    ):
+        out = io.StringIO()
+        args = build_parser().parse_args(["doctor", "--transfer-backend", flag])
+        assert links_section(args, Console(file=out, width=400, color_system=None)) == []
+        assert words in out.getvalue(), out.getvalue()

@@ -45,11 +45,20 @@ def links_section(args: argparse.Namespace, console: Console) -> list[str]:
         console.print(f"      per link: {escape(sel.cls.link_rule)}", highlight=False)
     for name, why in plan.skipped.items():
         console.print(f"  [yellow]-[/] {name}: not used here: {escape(why)}", highlight=False)
-    console.print(
-        "  each link takes the first of these that the peer also announces and whose per-link "
-        "check passes; the next ones are its fallbacks (failover)",
-        highlight=False,
-    )
+    if plan.auto:
+        general = plan.names[-1]
+        console.print(
+            "  auto picks per link: GPU pools on one host with P2P -> the link-only backend "
+            f"(cudaipc) if usable; GPU pools across hosts -> staged bulk writes over {general}; "
+            f"host pools -> {general} with the configured staging (--peer shows a peer's links)",
+            highlight=False,
+        )
+    else:
+        console.print(
+            "  each link takes the first of these that the peer also announces and whose "
+            "per-link check passes; the next ones are its fallbacks (failover)",
+            highlight=False,
+        )
     return []
 
 
