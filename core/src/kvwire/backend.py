@@ -60,6 +60,7 @@ from kvwire.descriptors import DescTable, check_table, require_inside
 from kvwire.errors import CapabilityError, HandleError, KVWireError, PeerError
 from kvwire.layout import MemKind, MemoryRegion, check_no_overlap
 from kvwire.link_choice import LinkChoice as LinkChoice  # re-exported: the backend seam
+from kvwire.link_choice import LinkFacts, choose_link_path, host_identity
 from kvwire.link_choice import PeerFacts as PeerFacts
 from kvwire.plugin_api import PLUGIN_API
 
@@ -75,6 +76,8 @@ from kvwire.transfers import XferState as XferState
 from kvwire.transfers import check_rows
 
 logger = logging.getLogger(__name__)
+
+_DRAM = frozenset({MemKind.DRAM})
 
 
 class NoOptions(BaseModel):
@@ -107,6 +110,10 @@ class TransferBackend(ABC):
     pushes_events: ClassVar[bool] = False
     #: Which links it serves, in words (``kvwire doctor``); :meth:`link_problem` decides.
     link_rule: ClassVar[str] = "any peer that announces it"
+    #: Whether ``--transfer-backend auto`` picked this backend (set on the instance by
+    #: :func:`kvwire.selection.create_backends`): the per-link rule then explains its links
+    #: as auto's choice (:func:`kvwire.link_choice.choose_link_path`).
+    auto: bool = False
 
     def __init__(self, agent_name: str, options: BaseModel | None = None) -> None:
         if not agent_name:
@@ -228,7 +235,15 @@ class TransferBackend(ABC):
         if why is not None:
             raise PeerError(f"backend {self.name!r} cannot serve this link: {why}")
         skipped = {n: "not configured on this rank" for n, _ in offers if n != self.name}
-        return LinkChoice(self.add_peer(mine), self.name, (), skipped)
+        path = choose_link_path(
+            LinkFacts(
+                [(self.name, None)],
+                local_kinds=frozenset(r.kind for r in self.registered_regions) or _DRAM,
+                same_host=(host == host_identity()) if host else None,
+                auto=self.auto,
+            )
+        )
+        return LinkChoice(self.add_peer(mine), self.name, (), skipped, path.why, path.staging)
 
     def add_peer(self, metadata: bytes) -> str:
         """Load a peer from its :meth:`local_metadata`; return its name. Called by the

@@ -43,6 +43,16 @@ class RankInfo(pydantic.BaseModel):
     #: Random id of this process incarnation; a restarted rank has a new one.
     session: str = pydantic.Field(min_length=1)
     protocol: int = 1
+    #: What the rank announces for ``kvwire doctor --peer`` (read-only; absent from ranks
+    #: and services older than protocol 1.8, whose entries read as None and empty here):
+    #: its control protocol's minor version,
+    protocol_minor: int | None = None
+    #: its transfer backends in preference order (the order its links follow),
+    backends: list[str] = pydantic.Field(default_factory=list)
+    #: whether ``--transfer-backend auto`` chose them (the per-link rule then picks),
+    backend_auto: bool = False
+    #: and its host identity (``{"boot_id", "hostname"}``).
+    host: dict[str, str] = pydantic.Field(default_factory=dict)
 
     @pydantic.model_validator(mode="after")
     def _ranks_in_range(self) -> RankInfo:

@@ -458,10 +458,12 @@ class Cluster:
             out[p.proc.name] = {**msg[1], **{f"dropped_{k}": v for k, v in msg[2].items()}}
         return out
 
-    def rank_stats(self) -> dict[str, dict[str, int]]:
+    def rank_stats(self) -> dict[str, dict[str, Any]]:
         """Every live rank's liveness figures: ``evictions`` (peers it evicted, any reason),
-        ``peers`` (peers it tracks now) and ``dropped_<reason>`` (control frames it dropped:
-        unauthenticated, malformed, version, send_full)."""
+        ``peers`` (peers it tracks now), ``dropped_<reason>`` (control frames it dropped:
+        unauthenticated, malformed, version, send_full), ``failovers`` and ``recoveries``
+        (its transport failover metrics) and, for a rank with several backends, ``links``
+        (``{engine peer: the backend its next transfer takes}``)."""
         out = {}
         for p in self.procs:
             if not p.proc.is_alive():

@@ -330,6 +330,28 @@ def rank_main(
         value = REGISTRY.get_sample_value("kvwire_peer_evictions_total", mgr.labels)
         return int(value or 0)
 
+    def transport_switches() -> dict[str, Any]:
+        """This rank's failover metrics (summed over their labels) and each link's current
+        backend (docs/failover.md)."""
+        from prometheus_client import REGISTRY
+
+        out: dict[str, Any] = {"failovers": 0, "recoveries": 0}
+        for metric, key in (
+            ("kvwire_transport_failovers", "failovers"),
+            ("kvwire_transport_recoveries", "recoveries"),
+        ):
+            for fam in REGISTRY.collect():
+                if fam.name != metric:
+                    continue
+                for sample in fam.samples:
+                    own = all(sample.labels.get(k) == v for k, v in mgr.labels.items())
+                    if sample.name.endswith("_total") and own:
+                        out[key] += int(sample.value)
+        link_backend = getattr(mgr.backend, "link_backend", None)
+        if link_backend is not None:
+            out["links"] = {p: link_backend(p) for p in mgr.backend.peers()}
+        return out
+
     def report(a: _Active, status: Any, t_done: float, mism: int = 0, aux_ok: bool = True) -> None:
         err = None
         if status == KVPoll.Failed:
@@ -524,6 +546,7 @@ def rank_main(
                     conn.send(("tables", mgr.room_tables(), mgr.dropped))
                 elif msg[0] == "stats":
                     stats = {"evictions": evictions(), "peers": len(mgr.peers)}
+                    stats.update(transport_switches())
                     conn.send(("stats", stats, mgr.dropped))
                 elif msg[0] == "peer_agents":
                     conn.send(("peer_agents", sorted(p.agent for p in mgr.peers.snapshot())))

@@ -34,6 +34,7 @@ from pydantic import BaseModel, ConfigDict, Field, SecretStr
 from kvwire.backend import (
     BackendCapabilities,
     Notification,
+    PeerFacts,
     PreparedPair,
     TransferBackend,
     TransferHandle,
@@ -49,7 +50,7 @@ from kvwire.backends.envelope import (
 from kvwire.backends.memcopy import HostMemory, coalesce
 from kvwire.backends.tcp import wire
 from kvwire.backends.tcp.auth import DataPlaneAuth
-from kvwire.control.reach import endpoint_host
+from kvwire.control.reach import connect_problem, endpoint_host
 from kvwire.descriptors import ADDR, DescTable
 from kvwire.layout import MemoryRegion
 from kvwire.owner_loop import OwnerLoop
@@ -152,6 +153,7 @@ class TcpBackend(TransferBackend):
     options: TcpOptions
     #: Completions and notifications happen on the I/O thread, which wakes their owners.
     pushes_events = True
+    link_rule = "any peer whose data endpoint accepts a TCP connection from here"
 
     def __init__(self, agent_name: str, options: BaseModel | None = None) -> None:
         super().__init__(agent_name, options)
@@ -259,6 +261,19 @@ class TcpBackend(TransferBackend):
     def advertised_hosts(self, metadata: bytes) -> list[str]:
         """The host of the peer's data endpoint (``tcp://host:port``)."""
         return [endpoint_host(self._decode_metadata(metadata)["endpoint"])]
+
+    def link_problem(self, peer: PeerFacts) -> str | None:
+        """The peer's data endpoint must accept a TCP connection from here (opened and
+        closed at once; nothing is sent): asked by prefill at handshake, and by
+        :class:`~kvwire.backends.multi.MultiBackend` before it reconnects this backend after
+        a failover, so a link whose network is down is not taken back too early (ZeroMQ's
+        own connect never fails: it retries in the background). Blocks up to 2 s when the
+        endpoint is silent. Handshake and probe threads; no lock."""
+        try:
+            endpoint = self._decode_metadata(peer.metadata)["endpoint"]
+        except ValueError as exc:
+            return f"unreadable tcp metadata: {exc}"
+        return connect_problem(endpoint)
 
     def peers(self) -> list[str]:
         return list(self._peers)
