@@ -17,11 +17,11 @@ from collections.abc import Iterator
 
 import pytest
 
-from kvwire.control.bootstrap import (
+from kvwire.control.bootstrap import BootstrapClient
+from kvwire.control.bootstrap_protocol import (
     NONCE_HEADER,
     SIGNATURE_HEADER,
     TIMESTAMP_HEADER,
-    BootstrapClient,
     RankInfo,
     sign_request,
 )

@@ -110,6 +110,52 @@ def test_unaligned_rows_of_word_length_sum_like_aligned_ones() -> None:
     assert both[0] == (layer0[0] + alone[0]) % (1 << 64)
 
 
+def _naive_term(row: np.ndarray, key: int) -> int:
+    """One row's checksum term, word by word in Python integers (the definition in
+    kvwire.integrity's docstring, written independently of its vectorised passes)."""
+    from kvwire.integrity import MIX1, MIX2, ODD, weights
+
+    cells = row.view("<u8") if row.size % 8 == 0 else row
+    w = weights(cells.size)
+    m = (1 << 64) - 1
+    body = sum(int(c) * int(p) for c, p in zip(cells, w, strict=True)) & m
+    x = key
+    x = ((x ^ (x >> 30)) * int(MIX1)) & m
+    x = ((x ^ (x >> 27)) * int(MIX2)) & m
+    x ^= x >> 31
+    return ((body ^ x) * int(ODD)) & m
+
+
+@pytest.mark.parametrize(
+    "rows",
+    [
+        "neighbours",  # a chunk's pages side by side in each buffer: read through a view
+        "gaps",  # every other row: still one view, the rows between summed and dropped
+        "scattered",  # far apart: gathered
+        "shuffled",  # neighbours in another order, one row twice
+    ],
+)
+def test_the_vectorised_passes_equal_a_row_by_row_sum(rows: str) -> None:
+    layout, arrs = _pool(7)
+    h = RowHasher(layout)
+    n = 128  # bytes per row (16 words); buffers of 4 KiB hold 32 such rows
+    slots = {
+        "neighbours": [3, 4, 5, 6],
+        "gaps": [2, 4, 6, 8],
+        "scattered": [0, 31, 17],
+        "shuffled": [9, 7, 8, 7, 10],
+    }[rows]
+    picks = [(b, s * n, n) for b in (0, 1, 2) for s in slots] + [(3, 5, 13), (3, 40, 13)]
+    table = _rows(layout, picks)
+    keys = (np.arange(len(picks), dtype=np.uint64) * np.uint64(977)) + np.uint64(1 << 33)
+    want: dict[int, int] = {}
+    layers = h.row_layers(table, np.arange(len(picks)))
+    for (b, off, length), key, layer in zip(picks, keys, layers, strict=True):
+        term = _naive_term(arrs[b][off : off + length], int(key))
+        want[int(layer)] = (want.get(int(layer), 0) + term) % (1 << 64)
+    assert h.sums(table, np.arange(len(picks)), keys) == want
+
+
 _DEVICE_CHECK = textwrap.dedent(
     """
     import numpy as np

@@ -296,3 +296,71 @@ def test_a_member_that_refuses_the_memory_is_disabled_not_fatal() -> None:
             alone.register([region])
     finally:
         alone.close()
+
+
+# ------------------------------------------------------------------------------ probing
+def test_probe_does_not_take_back_a_backend_whose_peer_cannot_be_reached() -> None:
+    """The probe asks ``link_problem`` before reconnecting: a ``tcp`` member whose peer's
+    data endpoint refuses connections (decode's tcp engine closed) stays unhealthy, its
+    back-off doubles; the other member keeps the link. Real tcp engines on loopback."""
+    import time
+
+    from kvwire.backends.tcp import TcpBackend
+    from kvwire.layout import MemoryRegion
+    from kvwire.link_choice import host_identity
+
+    class Other(TcpBackend):
+        name = "other"
+
+    buf = np.zeros(1 << 14, dtype=np.uint8)
+    region = MemoryRegion.from_tensor(buf, item_len=4096)
+    pre = MultiBackend("p", [TcpBackend("p"), Other("p")], probe_s=0.05, probe_max_s=0.4)
+    dec = MultiBackend("d", [TcpBackend("d"), Other("d")])
+    try:
+        for m in (pre, dec):
+            m.register([region])
+        choice = pre.add_link(dec.offers(), host_identity())
+        assert choice.backend == "tcp"
+        route = pre._routes[choice.peer]
+        dec.members[0].close()  # decode's tcp endpoint is gone: connections are refused
+        pre._member_failed(route, 0, "test: transfer failed")
+        assert pre.link_backend(choice.peer) == "other"
+        deadline = time.monotonic() + 30
+        while route.backoff[0] < 0.4:  # probes ran and failed, each doubling the wait
+            assert time.monotonic() < deadline, route.backoff
+            time.sleep(0.02)
+        assert pre.recoveries == 0 and not route.healthy[0]
+        assert pre.link_backend(choice.peer) == "other"
+    finally:
+        pre.close()
+        dec.close()
+
+
+def test_a_flapping_member_waits_longer_each_time() -> None:
+    """A member that fails again soon after its recovery is probed after twice the wait
+    its last probe had; one that stayed healthy long starts again from ``probe_s``."""
+    import time
+
+    from kvwire.backends.multi_routes import Route
+    from kvwire.backends.tcp import TcpBackend
+
+    class Other(TcpBackend):
+        name = "other"
+
+    m = MultiBackend("a", [TcpBackend("a"), Other("a")], probe_s=0.5, probe_max_s=30.0)
+    m._start_prober = lambda: None  # type: ignore[method-assign]  # the wait is what is tested
+    route = Route("p", [0, 1], {0: "p", 1: "p"}, {}, {0: True, 1: True})
+    m._routes["p"] = route
+    try:
+        m._member_failed(route, 0, "first")
+        assert route.backoff[0] == 0.5
+        route.backoff[0] = 2.0  # its probes failed twice before one succeeded
+        route.healthy[0], route.recovered_at[0] = True, time.monotonic()
+        m._member_failed(route, 0, "again, soon after")
+        assert route.backoff[0] == 4.0
+        route.healthy[0], route.recovered_at[0] = True, time.monotonic() - 60.0
+        m._member_failed(route, 0, "again, a minute later")
+        assert route.backoff[0] == 0.5
+        assert m.failovers == 3
+    finally:
+        m.close()

@@ -213,6 +213,22 @@ def test_bench_layerwise_runs_every_mode_with_bytes_checked(tmp_path: object) ->
     (row,) = measure(a, Console(quiet=True))
     assert row.corrupt == 0 and row.failed == 0
     assert min(row.compute_ms, row.chunk_ms, row.layer_ms) > 0
+    assert row.peer_ms is None and row.decode_gpu is None  # CPU: no GPUs, no link to time
+    # the same through bulk staging (layer groups staged, scattered on decode)
+    (staged,) = measure(a.model_copy(update={"staging": "bulk"}), Console(quiet=True))
+    assert staged.corrupt == 0 and staged.failed == 0
+
+
+def test_bench_layerwise_puts_decode_on_the_second_gpu() -> None:
+    """On CUDA the move crosses the link: decode on GPU 1 when two are visible."""
+    from kvwire.bench.layerwise import BenchArgs, decode_gpu
+
+    a = BenchArgs(device="cuda")
+    assert decode_gpu(a, 2) == 1 and decode_gpu(a, 8) == 1
+    assert decode_gpu(a, 1) == 0  # one GPU: both sides on it (the figures say so)
+    assert decode_gpu(a.model_copy(update={"decode_gpu": 0}), 2) == 0
+    with pytest.raises(ValueError, match="only 2 GPUs"):
+        decode_gpu(a.model_copy(update={"decode_gpu": 3}), 2)
 
 
 @pytest.mark.parametrize("npages, block", [(1, 64), (3, 64), (2, 1000), (5, 4096)])

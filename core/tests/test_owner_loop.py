@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import select
 import threading
+import time
 
 from kvwire.owner_loop import OwnerLoop
 
@@ -58,4 +59,40 @@ def test_a_post_wakes_a_poller_at_once() -> None:
     assert waiting.wait(30)
     loop.post(lambda: None)
     assert woke.wait(30)
+    assert loop.stop(35)
+
+
+def test_a_step_that_drains_the_pipe_loses_no_wake_up_and_does_not_spin() -> None:
+    """A step that waits on the wake descriptor and drains it itself (as the tcp backend's
+    I/O loop does): commands posted from four threads at once all run, each promptly (a lost
+    wake-up would leave one waiting for the 30 s select timeout), and once they ran the loop
+    waits instead of spinning on a stale byte."""
+    turns = [0]
+
+    def step() -> None:
+        turns[0] += 1
+        if select.select([loop.wake_fd], [], [], 30)[0]:
+            loop.drain_wake()
+
+    loop = OwnerLoop("test-drain", step)
+    loop.start()
+    ran: list[int] = []
+    per_thread = 500
+
+    def poster() -> None:
+        for _ in range(per_thread):
+            loop.post(lambda: ran.append(1))
+
+    posters = [threading.Thread(target=poster) for _ in range(4)]
+    for t in posters:
+        t.start()
+    for t in posters:
+        t.join()
+    deadline = time.monotonic() + 20  # below select's 30 s: a lost wake-up fails here
+    while len(ran) < 4 * per_thread and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert len(ran) == 4 * per_thread
+    idle_from = turns[0]
+    time.sleep(0.3)
+    assert turns[0] - idle_from <= 1, "the loop spins on a drained pipe"
     assert loop.stop(35)

@@ -18,11 +18,11 @@ import pytest
 import zmq
 
 from kvwire.control import freshness
-from kvwire.control.bootstrap import (
+from kvwire.control.bootstrap import BootstrapClient
+from kvwire.control.bootstrap_protocol import (
     NONCE_HEADER,
     SIGNATURE_HEADER,
     TIMESTAMP_HEADER,
-    BootstrapClient,
     RankInfo,
     sign_request,
 )

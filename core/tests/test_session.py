@@ -98,8 +98,8 @@ def test_unauthenticated_control_messages_are_dropped_and_counted() -> None:
         forger = ControlChannel(Codec(b"not-the-secret"))
         plain = ControlChannel(Codec())
         try:
-            forger.send(p.prefill.channel.endpoint, Failure(room=9, session="x", reason="forged"))
-            plain.send(p.prefill.channel.endpoint, Heartbeat(session="x"))
+            forger.tell(p.prefill.channel.endpoint, Failure(room=9, session="x", reason="forged"))
+            plain.tell(p.prefill.channel.endpoint, Heartbeat(session="x"))
             wait_for(lambda: p.prefill.dropped.get("unauthenticated", 0) >= 2)
         finally:
             forger.close()

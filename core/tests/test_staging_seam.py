@@ -176,7 +176,7 @@ def test_a_third_party_strategy_with_its_own_request_grant_messages(make_dist: A
         from kvwire.control.wire import StagingMessage
 
         before = p.decode.dropped.get("staging_unknown_peer", 0)
-        p.prefill.channel.send(
+        p.prefill.channel.tell(
             p.decode.channel.endpoint,
             StagingMessage(session="stranger", strategy="consent", type="may_i", body={}),
         )

@@ -224,7 +224,7 @@ def test_malformed_requests_dropped_counted_and_io_thread_survives(
     nacked = sorted(wire.unpack(recv(sock)[1])["x"] for _ in [x for _, x in garbage if x])
     assert nacked == sorted(x for _, x in garbage if x is not None)
     assert not sock.poll(100, zmq.POLLIN), "unexpected extra reply"
-    assert target.backend._thread.is_alive(), "the I/O thread died"
+    assert target.backend._loop.is_alive(), "the I/O thread died"
     assert target.untouched()
     assert target.backend.get_notifications() == []
     # A well-formed transfer still works.
@@ -320,7 +320,7 @@ def test_malformed_replies_dropped_counted_and_transfer_completes(
     fake.reply(ident, wire.ACK, wire.pack({"v": 1, "x": h["x"], "p": h["np"] - 1, "ok": True}))
     assert wait_terminal(initiator, handle, 10) is XferState.DONE
     assert initiator.refused_messages == len(bad_replies)
-    assert initiator._thread.is_alive()
+    assert initiator._loop.is_alive()
 
 
 def test_nack_fails_transfer_with_target_reason(write_to_fake: Callable[..., Any]) -> None:

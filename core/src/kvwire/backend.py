@@ -38,64 +38,46 @@ other (different handles), with the owner loop and with control-path hooks. In p
 ``_remove_peer``, ``_release_prepared`` and ``_close`` may run while another thread is inside
 ``_submit``/``_poll``/``_release`` on a handle or pair they invalidate: the plugin must then
 fail those transfers (FAILED, or ``PeerError``/``HandleError`` from ``_submit``) and free each
-engine object exactly once, never while another thread still uses it. An engine that is not
+engine object exactly once, never while another thread still uses it. A plugin guards its
+own state with locks of its own, never held across an engine call that can block or copy (or
+workers, handshakes and the owner loop wait for one another); an engine that is not
 thread-safe must be serialised by the plugin itself, with a lock of its own.
 """
 
 from __future__ import annotations
 
-import enum
 import itertools
 import logging
 import threading
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
-from typing import Any, ClassVar, NamedTuple, Self
+from typing import Any, ClassVar, Self
 
 import numpy as np
 from pydantic import BaseModel, ConfigDict
 
-from kvwire.descriptors import LEN, DescTable, check_indices, check_table, require_inside
-from kvwire.errors import CapabilityError, DescriptorError, HandleError, KVWireError, PeerError
+from kvwire.descriptors import DescTable, check_table, require_inside
+from kvwire.errors import CapabilityError, HandleError, KVWireError, PeerError
 from kvwire.layout import MemKind, MemoryRegion, check_no_overlap
 from kvwire.link_choice import LinkChoice as LinkChoice  # re-exported: the backend seam
+from kvwire.link_choice import LinkFacts, choose_link_path, host_identity
 from kvwire.link_choice import PeerFacts as PeerFacts
 from kvwire.plugin_api import PLUGIN_API
 
+# Re-exported: a plugin declares and implements its hooks with these, and kvwire.backend is
+# the plugin seam's public import path (docs/writing-a-backend-plugin.md); they live in
+# kvwire.transfers.
+from kvwire.transfers import BackendCapabilities as BackendCapabilities
+from kvwire.transfers import Notification as Notification
+from kvwire.transfers import PreparedPair as PreparedPair
+from kvwire.transfers import TransferHandle as TransferHandle
+from kvwire.transfers import XferOp as XferOp
+from kvwire.transfers import XferState as XferState
+from kvwire.transfers import check_rows
+
 logger = logging.getLogger(__name__)
 
-
-class XferOp(enum.Enum):
-    """Direction of a transfer, seen from the initiator."""
-
-    WRITE = "write"
-    READ = "read"
-
-
-class XferState(enum.IntEnum):
-    """State of a transfer handle. ``DONE`` and ``FAILED`` are terminal."""
-
-    PENDING = 0
-    DONE = 1
-    FAILED = 2
-
-
-class BackendCapabilities(BaseModel):
-    """What a backend can do; checked once, when the backend is selected."""
-
-    model_config = ConfigDict(frozen=True, extra="forbid")
-
-    write: bool = True
-    read: bool = False
-    notifications: bool = True
-    dram: bool = True
-    vram: bool = False
-    cross_host: bool = True
-
-    def supports_kind(self, kind: MemKind) -> bool:
-        """Whether regions of memory ``kind`` can be registered."""
-        return self.vram if kind == MemKind.VRAM else self.dram
+_DRAM = frozenset({MemKind.DRAM})
 
 
 class NoOptions(BaseModel):
@@ -104,74 +86,14 @@ class NoOptions(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
 
-class Notification(NamedTuple):
-    """A notification delivered to the target after the data of its transfer landed."""
-
-    peer: str
-    payload: bytes
-
-
-@dataclass(eq=False)
-class PreparedPair:
-    """A local and a remote descriptor table prepared once for one peer.
-
-    Created by :meth:`TransferBackend.prepare` on the initiating side; ``state`` belongs to the
-    backend. Invalid after :meth:`TransferBackend.release_prepared` or peer removal.
-    """
-
-    id: int
-    peer: str
-    local_rows: int
-    remote_rows: int
-    local_lens: np.ndarray = field(repr=False)
-    remote_lens: np.ndarray = field(repr=False)
-    state: Any = field(default=None, repr=False)
-    released: bool = False
-
-
-@dataclass(eq=False)
-class TransferHandle:
-    """One submitted transfer. Poll until terminal, then release exactly once."""
-
-    id: int
-    peer: str
-    op: XferOp
-    num_descs: int
-    num_bytes: int
-    state: Any = field(default=None, repr=False)
-    released: bool = False
-    #: Why the transfer failed, set by the backend when it reports FAILED.
-    error: str | None = None
-    #: Given to :meth:`TransferBackend.submit` by the submitter: a backend that
-    #: :attr:`~TransferBackend.pushes_events` calls it (any thread, once) when the transfer
-    #: becomes terminal, so the submitter may sleep until then instead of polling on a timer.
-    wake: Callable[[], None] | None = field(default=None, repr=False)
-
-
 class TransferBackend(ABC):
     """Abstract transfer engine. One instance per rank ("agent"), named ``agent_name``.
 
     Subclasses set :attr:`name`, :attr:`capabilities` and :attr:`options_model` and implement the
-    ``_``-prefixed hooks. All public methods may be called from any thread. Lock contract:
-
-    * ``submit``/``poll``/``release`` (data path): called concurrently by several worker
-      threads; ``_submit``/``_poll``/``_release`` run **without** any template lock,
-      concurrently with each other (different handles, often the same pair and peer), with
-      the owner loop and with control-path hooks.
-    * ``register``/``deregister``/``add_peer``/``remove_peer``/``prepare``/
-      ``release_prepared``/``close`` (control path): serialised by :attr:`_lock` (re-entrant),
-      which the template holds while it calls ``_register``, ``_deregister``, ``_add_peer``,
-      ``_remove_peer``, ``_peer_regions``, ``_prepare``, ``_release_prepared`` and ``_close``.
-      A plugin may take it in its own control-path methods (e.g. ``local_metadata``), but
-      must never take it on the data path or in the owner loop.
-    * ``progress``/``get_notifications`` (owner loop): called by the session manager's control
-      thread (one thread at a time), concurrently with both of the above; no template lock.
-
-    The template keeps its handle table under a second, private lock that is never held
-    across a hook. A plugin guards its own state with locks of its own, which it should not
-    hold across an engine call that can block or copy (or workers, handshakes and the owner
-    loop end up waiting for one another); an engine that is not thread-safe must be
-    serialised by the plugin.
+    ``_``-prefixed hooks. All public methods may be called from any thread. The lock contract
+    (data path, control path under :attr:`_lock`, owner loop) is the module docstring's; each
+    method's docstring repeats its own case. The template's handle table has a second,
+    private lock, never held across a hook.
     """
 
     name: ClassVar[str] = "abstract"
@@ -188,6 +110,10 @@ class TransferBackend(ABC):
     pushes_events: ClassVar[bool] = False
     #: Which links it serves, in words (``kvwire doctor``); :meth:`link_problem` decides.
     link_rule: ClassVar[str] = "any peer that announces it"
+    #: Whether ``--transfer-backend auto`` picked this backend (set on the instance by
+    #: :func:`kvwire.selection.create_backends`): the per-link rule then explains its links
+    #: as auto's choice (:func:`kvwire.link_choice.choose_link_path`).
+    auto: bool = False
 
     def __init__(self, agent_name: str, options: BaseModel | None = None) -> None:
         if not agent_name:
@@ -309,7 +235,15 @@ class TransferBackend(ABC):
         if why is not None:
             raise PeerError(f"backend {self.name!r} cannot serve this link: {why}")
         skipped = {n: "not configured on this rank" for n, _ in offers if n != self.name}
-        return LinkChoice(self.add_peer(mine), self.name, (), skipped)
+        path = choose_link_path(
+            LinkFacts(
+                [(self.name, None)],
+                local_kinds=frozenset(r.kind for r in self.registered_regions) or _DRAM,
+                same_host=(host == host_identity()) if host else None,
+                auto=self.auto,
+            )
+        )
+        return LinkChoice(self.add_peer(mine), self.name, (), skipped, path.why, path.staging)
 
     def add_peer(self, metadata: bytes) -> str:
         """Load a peer from its :meth:`local_metadata`; return its name. Called by the
@@ -392,14 +326,7 @@ class TransferBackend(ABC):
             remote_regions = self._peer_regions(peer)
             if remote_regions is not None:
                 require_inside(remote_table, remote_regions, f"remote table for peer {peer!r}")
-            pair = PreparedPair(
-                id=next(self._ids),
-                peer=peer,
-                local_rows=local_table.shape[0],
-                remote_rows=remote_table.shape[0],
-                local_lens=local_table[:, LEN].copy(),
-                remote_lens=remote_table[:, LEN].copy(),
-            )
+            pair = PreparedPair.of_tables(next(self._ids), peer, local_table, remote_table)
             pair.state = self._prepare(pair, local_table, remote_table)
             self._pairs[pair.id] = pair
             return pair
@@ -459,27 +386,13 @@ class TransferBackend(ABC):
                 f"prepared pair {pair.id} for peer {pair.peer!r} was released "
                 "(peer removed or tables rebuilt); prepare again"
             )
-        li = check_indices(local_idx, pair.local_rows, "local index array")
-        ri = check_indices(remote_idx, pair.remote_rows, "remote index array")
-        if li.shape != ri.shape:
-            raise DescriptorError(
-                f"local and remote index arrays differ in length ({li.size} vs {ri.size})"
-            )
-        if li.size == 0:
-            raise DescriptorError("empty transfer: index arrays hold no rows")
-        llen, rlen = pair.local_lens[li], pair.remote_lens[ri]
-        if not np.array_equal(llen, rlen):
-            i = int(np.argmax(llen != rlen))
-            raise DescriptorError(
-                f"row lengths differ at position {i}: local row {int(li[i])} has "
-                f"{int(llen[i])} bytes, remote row {int(ri[i])} has {int(rlen[i])}"
-            )
+        li, ri, nbytes = check_rows(pair, local_idx, remote_idx)
         handle = TransferHandle(
             id=next(self._ids),
             peer=pair.peer,
             op=op,
             num_descs=int(li.size),
-            num_bytes=int(llen.sum()),
+            num_bytes=nbytes,
             wake=wake,
         )
         handle.state = self._submit(op, pair, li, ri, notification, handle)

@@ -113,9 +113,11 @@ def cmd_doctor(args: argparse.Namespace, console: Console) -> int:
     for b in reg.broken:
         console.print(f"  [red]✗[/] plugin {b.plugin} ({b.distribution} {b.version}): {b.error}")
         advice.append(f"reinstall or remove {b.distribution}: its entry point does not import")
-    from kvwire.doctor_links import links_section
+    from kvwire.doctor_links import links_section, peer_links_section
 
     advice += links_section(args, console)
+    peer_problems = peer_links_section(args, console)
+    advice += peer_problems
     advice += _doctor_security(console)
     if "nixl" not in reg.entries[Kind.BACKEND]:
         advice.append("for NIXL: install the kvwire-nixl plugin (pip install kvwire-nixl)")
@@ -127,7 +129,7 @@ def cmd_doctor(args: argparse.Namespace, console: Console) -> int:
         console.print("\n[bold]What to do[/]")
         for line in advice:
             console.print(f"  - {line}")
-    return 0 if usable else 1
+    return 0 if usable and not peer_problems else 1
 
 
 def _doctor_security(console: Console) -> list[str]:

@@ -1,6 +1,7 @@
 """``kvwire doctor``'s "Backends for this configuration" section: which transfer backends a
 rank configured like this would construct here, why the others are not, and the rule each
-applies per link (docs/failover.md). Called by :func:`kvwire.cli.cmd_doctor` only."""
+applies per link (docs/failover.md); with ``--peer``, the links to a prefill instance
+(:mod:`kvwire.doctor_peer`). Called by :func:`kvwire.cli.cmd_doctor` only."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from rich.console import Console
 from rich.markup import escape
 
 from kvwire.config import config_from_args
+from kvwire.doctor_peer import add_peer_args, peer_section
 from kvwire.errors import KVWireError
 from kvwire.layout import MemKind
 from kvwire.selection import plan_backends
@@ -23,6 +25,7 @@ def add_doctor_args(parser: argparse.ArgumentParser) -> None:
         default="dram",
         help="memory of the KV pool of the rank to check (default: dram)",
     )
+    add_peer_args(parser)
 
 
 def links_section(args: argparse.Namespace, console: Console) -> list[str]:
@@ -42,9 +45,41 @@ def links_section(args: argparse.Namespace, console: Console) -> list[str]:
         console.print(f"      per link: {escape(sel.cls.link_rule)}", highlight=False)
     for name, why in plan.skipped.items():
         console.print(f"  [yellow]-[/] {name}: not used here: {escape(why)}", highlight=False)
-    console.print(
-        "  each link takes the first of these that the peer also announces and whose per-link "
-        "check passes; the next ones are its fallbacks (failover)",
-        highlight=False,
-    )
+    if plan.auto:
+        general = plan.names[-1]
+        console.print(
+            "  auto picks per link: GPU pools on one host with P2P -> the link-only backend "
+            f"(cudaipc) if usable; GPU pools across hosts -> staged bulk writes over {general}; "
+            f"host pools -> {general} with the configured staging (--peer shows a peer's links)",
+            highlight=False,
+        )
+    else:
+        console.print(
+            "  each link takes the first of these that the peer also announces and whose "
+            "per-link check passes; the next ones are its fallbacks (failover)",
+            highlight=False,
+        )
     return []
+
+
+def peer_links_section(args: argparse.Namespace, console: Console) -> list[str]:
+    """With ``--peer``: the links from a rank configured like ``args`` to that prefill
+    instance (:func:`kvwire.doctor_peer.peer_section`); the problems found (empty: every
+    link has a backend, or no ``--peer``)."""
+    if not getattr(args, "peer", None):
+        return []
+    kinds = frozenset({MemKind.VRAM if getattr(args, "pool", "dram") == "vram" else MemKind.DRAM})
+    try:
+        config = config_from_args(args)
+        plan = plan_backends(config, kinds=kinds)
+    except KVWireError as exc:
+        return [f"peer {args.peer}: not asked, this configuration is unusable: {exc}"]
+    return peer_section(
+        args.peer,
+        plan,
+        kinds,
+        config.secret_bytes,
+        console,
+        dp_rank=args.peer_dp_rank,
+        timeout_s=args.peer_timeout,
+    )

@@ -93,6 +93,7 @@ class RowHasher:
         self._ends = np.array([r.end for r in self._regions], dtype=np.uint64)
         self._layers = layout.buffer_keys[order, 0]
         self._views = self._open_views()
+        self._word_views: dict[tuple[int, int], NDArray[np.uint64]] = {}
 
     def _open_views(self) -> list[NDArray[np.uint8]]:
         """Views of the buffers (sorted by address) the rows are read through; called once at
@@ -144,44 +145,67 @@ class RowHasher:
         dst: NDArray[np.uint64],
     ) -> NDArray[np.uint64]:
         """One checksum term per row (rows of buffer ``pos[i]`` at ``addr[i]``, ``lens[i]``
-        bytes, keyed by ``dst[i]``). One pass per (buffer, row length, offset modulo 8)
-        present: a chunk touches each buffer once."""
-        out = np.empty(pos.shape, dtype=np.uint64)
+        bytes, keyed by ``dst[i]``). One product per (buffer, row length, offset modulo 8)
+        present (a chunk touches each buffer once), then one vectorised pass keys every row.
+        Rows whose length divides by 8 are summed as 64-bit little-endian words (read through
+        a view shifted to their offset modulo 8), others as bytes."""
+        body = np.empty(pos.shape, dtype=np.uint64)
         off = (addr - self._starts[pos]).astype(np.int64)
         combo = (pos.astype(np.int64) << 35) | ((off & 7) << 32) | lens.astype(np.int64)
-        for c in np.unique(combo).tolist():
-            sel = combo == c
-            b, n = c >> 35, c & 0xFFFFFFFF
-            out[sel] = self._terms(self._views[b], off[sel], int(n), dst[sel])
-        return out
-
-    @staticmethod
-    def _terms(
-        view: NDArray[np.uint8], off: NDArray[np.int64], n: int, dst: NDArray[np.uint64]
-    ) -> NDArray[np.uint64]:
-        """One checksum term per row of ``n`` bytes at ``off`` in ``view`` (every offset the
-        same modulo 8): the rows are picked from a strided view (one row per possible start),
-        so the gather is a copy of whole rows, and the weighted sum one matrix-vector product
-        (NumPy's integer ``dot``, which wraps modulo 2**64). Rows whose length divides by 8
-        are summed as 64-bit little-endian words (read through a view shifted to their offset
-        modulo 8), others as bytes."""
-        cells: NDArray[np.unsignedinteger[Any]] = view
-        start, k = off, n
-        if n % 8 == 0 and off.size:
-            shift = int(off[0]) % 8
-            shifted = view[shift:]
-            cells = shifted[: shifted.size // 8 * 8].view(np.uint64)
-            start, k = (off - shift) // 8, n // 8
-        windows = as_strided(
-            cells, shape=(cells.size - k + 1, k), strides=(cells.strides[0],) * 2, writeable=False
-        )
-        data = windows[start]
+        order = np.argsort(combo, kind="stable")
+        ordered = combo[order]
+        cuts = np.flatnonzero(ordered[1:] != ordered[:-1]) + 1
         with np.errstate(over="ignore"):
-            if data.dtype != np.uint64:
-                data = data.astype(np.uint64)
-            body = data.dot(weights(k))  # ~20x einsum's speed on uint64, same wrap-around sum
+            for a, b in zip([0, *cuts.tolist()], [*cuts.tolist(), order.size], strict=True):
+                sel = order[a:b]
+                c = int(ordered[a])
+                buf, shift, n = c >> 35, (c >> 32) & 7, c & 0xFFFFFFFF
+                if n % 8:
+                    body[sel] = _weighted_rows(self._views[buf], off[sel], n)
+                else:
+                    body[sel] = _weighted_rows(self._words(buf, shift), off[sel] >> 3, n // 8)
             out: NDArray[np.uint64] = (body ^ mix(dst.astype(np.uint64))) * ODD
         return out
+
+    def _words(self, buf: int, shift: int) -> NDArray[np.uint64]:
+        """Buffer ``buf`` (in address order) read as 64-bit words from byte ``shift``
+        (``0 <= shift < 8``) on; made once per (buffer, shift) and kept (views only; two
+        threads making the same one at once store equal views, so no lock)."""
+        key = (buf, shift)
+        words = self._word_views.get(key)
+        if words is None:
+            shifted = self._views[buf][shift:]
+            words = shifted[: shifted.size // 8 * 8].view(np.uint64)
+            self._word_views[key] = words
+        return words
+
+
+def _weighted_rows(
+    cells: NDArray[np.unsignedinteger[Any]], start: NDArray[np.int64], k: int
+) -> NDArray[np.uint64]:
+    """``Σ_j cell_j * P_j`` (modulo 2**64) of each row of ``k`` cells at ``start[i]``: one
+    matrix-vector product (NumPy's integer ``dot``, which wraps modulo 2**64).
+
+    Word rows that lie on one grid of ``k`` cells and cover at least half of the span from
+    the first to the last (a chunk's pages in one buffer are mostly neighbours) are summed
+    through a view of that span, with no copy, the rows between them summed for nothing and
+    dropped; other rows are first gathered into a copy, from a strided view with one row per
+    possible start. The view halves the memory traffic of a pass (2x the speed at 8 MiB)."""
+    w = weights(k)
+    if cells.dtype == np.uint64 and start.size:
+        lo, hi = int(start.min()), int(start.max())
+        span = (hi - lo) // k + 1
+        if span <= 2 * start.size and not ((start - lo) % k).any():
+            body: NDArray[np.uint64] = cells[lo : hi + k].reshape(span, k).dot(w)
+            return body[(start - lo) // k]
+    windows = as_strided(
+        cells, shape=(cells.size - k + 1, k), strides=(cells.strides[0],) * 2, writeable=False
+    )
+    data = windows[start]
+    if data.dtype != np.uint64:
+        data = data.astype(np.uint64)
+    gathered: NDArray[np.uint64] = data.dot(w)
+    return gathered
 
 
 def per_layer(row_layer: NDArray[np.int64], terms: NDArray[np.uint64]) -> LayerSums:

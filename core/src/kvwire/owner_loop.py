@@ -8,8 +8,12 @@ that pattern once: a command queue, a self-pipe whose read end a ``zmq.Poller`` 
 function until stopped, logging (never dying of) an exception.
 
 Contract: :meth:`OwnerLoop.post` may be called from any thread, also from the owner (the
-command then runs on the next step). Commands and the step run on the owner thread only, in
-the order posted; state they touch needs no lock as long as nothing else touches it.
+command then runs on the next step). A step that waits on :attr:`OwnerLoop.wake_fd` itself
+calls :meth:`OwnerLoop.drain_wake` when its wait reports it readable; the loop then stops
+reading the pipe on every turn (a system call, which releases the GIL, on turns that socket
+traffic woke: the tcp backend's latency path measured it). Commands and the step run on the
+owner thread only, in the order posted; state they touch needs no lock as long as nothing else
+touches it.
 """
 
 from __future__ import annotations
@@ -43,6 +47,8 @@ class OwnerLoop:
         os.set_blocking(self._wake_w, False)
         self._stopped = False
         self._closed = False
+        #: Set by the first drain_wake(): the step reads the pipe when its wait saw it readable.
+        self._step_drains = False
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
 
     @property
@@ -60,6 +66,10 @@ class OwnerLoop:
         """Start the owner thread; called once by the owner after its state is built."""
         self._thread.start()
 
+    def is_alive(self) -> bool:
+        """Whether the owner thread is running (started and not ended). Any thread."""
+        return self._thread.is_alive()
+
     def on_owner_thread(self) -> bool:
         """Whether the caller is the owner thread."""
         return threading.current_thread() is self._thread
@@ -72,10 +82,22 @@ class OwnerLoop:
         with contextlib.suppress(OSError):  # a full pipe is already a wake-up
             os.write(self._wake_w, b"x")
 
-    def run_commands(self) -> int:
-        """Run every command posted so far; called by the step (owner thread). Returns how
-        many ran. A command that raises is logged and the next one runs."""
+    def drain_wake(self) -> None:
+        """Owner thread, in a step that waits on :attr:`wake_fd`: read the wake-up bytes, once
+        the wait reported the descriptor readable. After the first call :meth:`run_commands`
+        no longer reads the pipe itself (a byte written after a turn's commands ran keeps the
+        descriptor readable, so the next wait returns and this drains it: no wake-up is lost,
+        and the wait never spins on a stale byte)."""
+        self._step_drains = True
         if not self._closed:
+            with contextlib.suppress(OSError):
+                while os.read(self._wake_r, 4096):
+                    pass
+
+    def run_commands(self) -> int:
+        """Run every command posted so far; called by the loop before each step (owner
+        thread). Returns how many ran. A command that raises is logged and the next one runs."""
+        if not self._closed and not self._step_drains:
             with contextlib.suppress(OSError):
                 while os.read(self._wake_r, 4096):
                     pass

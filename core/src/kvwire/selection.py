@@ -84,6 +84,14 @@ class BackendPlan:
 
     selected: list[Selected]
     skipped: dict[str, str]
+    #: ``--transfer-backend auto``: each link takes the per-link rule's pick
+    #: (:func:`kvwire.link_choice.choose_link_path`), not the list's order.
+    auto: bool = False
+
+    @property
+    def link_only(self) -> frozenset[str]:
+        """The planned backends that serve only some links (``cudaipc``)."""
+        return frozenset(s.name for s in self.selected if s.entry.impl.link_only)
 
     @property
     def names(self) -> list[str]:
@@ -127,7 +135,7 @@ def plan_backends(
             except KVWireError as exc:
                 skipped[entry.name] = str(exc)
                 logger.info("auto: transfer backend %r is not usable here: %s", entry.name, exc)
-        return BackendPlan([*selected, general], skipped)
+        return BackendPlan([*selected, general], skipped, auto=True)
     if len(names) == 1:
         return BackendPlan([_select_one(config, names[0], need, kinds, reg, strict=True)], {})
     for name in names:
@@ -235,7 +243,9 @@ def create_backends(
     plan = plan_backends(config, kinds=kinds, registry=registry)
     if len(plan.selected) == 1:
         sel = plan.selected[0]
-        return sel.cls(agent_name, sel.options), plan
+        one: TransferBackend = sel.cls(agent_name, sel.options)
+        one.auto = plan.auto
+        return one, plan
     members: list[TransferBackend] = []
     skipped = dict(plan.skipped)
     for sel in plan.selected:
@@ -249,8 +259,9 @@ def create_backends(
             "no transfer backend could start: " + "; ".join(f"{k}: {v}" for k, v in skipped.items())
         )
     kept = [s for s in plan.selected if s.name in {m.name for m in members}]
-    plan = BackendPlan(kept, skipped)
+    plan = BackendPlan(kept, skipped, auto=plan.auto)
     if len(members) == 1:
+        members[0].auto = plan.auto
         return members[0], plan
     from kvwire.backends.multi import MultiBackend
 
@@ -260,6 +271,8 @@ def create_backends(
         probe_s=config.control.failover_probe_s,
         on_failover=on_failover,
         on_recovery=on_recovery,
+        auto=plan.auto,
+        link_only=plan.link_only,
     )
     return multi, plan
 

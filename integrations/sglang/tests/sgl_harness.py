@@ -213,7 +213,7 @@ def rank_main(role: str, tp: int, rank: int, addr: str, conn: Any) -> None:
     """A rank process: build the manager, then serve requests from ``conn`` until None."""
     try:
         from kvwire_sglang.conn import KvwireKVManager
-        from kvwire_sglang.layout import EngineFacts, engine_facts
+        from kvwire_sglang.facts import EngineFacts, engine_facts
 
         heads = list(range(KVH)) if tp == 1 else [rank * (KVH // tp) + h for h in range(KVH // tp)]
         pool = Pool(heads)

@@ -162,7 +162,7 @@ def kv_args(setup: Setup, pools: RankPools, rank: int, prefill: bool) -> Any:
 
 def facts(setup: Setup, tp: int, pools: RankPools) -> Any:
     """What the plugin's scheduler hook reads for this rank."""
-    from kvwire_sglang.layout import EngineFacts
+    from kvwire_sglang.facts import EngineFacts
 
     heads = int(pools.kv_heads.size)
     return EngineFacts(
@@ -187,7 +187,7 @@ class Rank:
 
     def __init__(self, setup: Setup, role: str, tp: int, rank: int) -> None:
         from kvwire_sglang.conn import KvwireKVManager
-        from kvwire_sglang.layout import engine_facts
+        from kvwire_sglang.facts import engine_facts
 
         os.environ["KVWIRE_TRANSFER_BACKEND"] = setup.backend  # read by KVWireConfig()
         self.setup, self.role, self.tp, self.rank = setup, role, tp, rank

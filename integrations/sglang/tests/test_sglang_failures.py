@@ -20,7 +20,7 @@ from kvwire_sglang.conn import (
     KvwireKVReceiver,
     KvwireKVSender,
 )
-from kvwire_sglang.layout import EngineFacts, engine_facts
+from kvwire_sglang.facts import EngineFacts, engine_facts
 
 DONE = (KVPoll.Success, KVPoll.Failed)
 

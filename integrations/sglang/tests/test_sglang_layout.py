@@ -10,7 +10,8 @@ import pytest
 from sgl_harness import KVH, LAYERS, PS, SLOTS, Pool
 
 from kvwire.layout import MemKind
-from kvwire_sglang.layout import EngineFacts, UnsupportedKVArgsError, build_layout
+from kvwire_sglang.facts import EngineFacts
+from kvwire_sglang.layout import UnsupportedKVArgsError, build_layout
 
 FACTS = EngineFacts(num_layers=LAYERS, total_kv_heads=KVH, local_kv_heads=KVH)
 

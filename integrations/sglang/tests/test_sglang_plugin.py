@@ -65,7 +65,7 @@ def test_register_selects_kvwire_and_keeps_the_others(sglang_utils: Any) -> None
 
 
 def test_init_kv_manager_hook_passes_engine_facts() -> None:
-    from kvwire_sglang.layout import current_facts
+    from kvwire_sglang.facts import current_facts
 
     seen: list[Any] = []
 

@@ -16,7 +16,9 @@ from typing import Any
 import numpy as np
 import pytest
 from kvwire_nixl import _engine
-from kvwire_nixl.backend import ENGINE, NixlBackend, NixlOptions, apply_env
+from kvwire_nixl.agent import ENGINE
+from kvwire_nixl.backend import NixlBackend
+from kvwire_nixl.options import NixlOptions, apply_env
 from pydantic import ValidationError
 
 from kvwire.backend import TransferBackend, TransferHandle, XferOp, XferState

@@ -9,6 +9,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 from kvwire_nixl import gpu_bench as gb
+from kvwire_nixl import gpu_bench_args as gba
+from kvwire_nixl import gpu_bench_report as gbr
 
 torch = pytest.importorskip("torch")
 
@@ -25,17 +27,17 @@ torch = pytest.importorskip("torch")
     ],
 )
 def test_parse_size(text: str, value: int) -> None:
-    assert gb.parse_size(text) == value
+    assert gba.parse_size(text) == value
 
 
 @pytest.mark.parametrize("text", ["", "0", "KiB", "1.5GiB", "12 parsecs", "-4"])
 def test_parse_size_rejects(text: str) -> None:
     with pytest.raises(ValueError):
-        gb.parse_size(text)
+        gba.parse_size(text)
 
 
 def test_format_size() -> None:
-    assert [gb.format_size(n) for n in (1 << 30, 256 << 10, 3 << 20, 12)] == [
+    assert [gba.format_size(n) for n in (1 << 30, 256 << 10, 3 << 20, 12)] == [
         "1 GiB",
         "256 KiB",
         "3 MiB",
@@ -44,7 +46,7 @@ def test_format_size() -> None:
 
 
 def test_parse_cases_default() -> None:
-    cases = gb.parse_cases(gb.DEFAULT_CASES)
+    cases = gba.parse_cases(gba.DEFAULT_CASES)
     assert [(c.count, c.size) for c in cases] == [
         (1, 1 << 30),
         (4096, 256 << 10),
@@ -57,20 +59,20 @@ def test_parse_cases_default() -> None:
 @pytest.mark.parametrize("text", ["", "1", "x1GiB", "0x4KiB", "4x12", "2x", "ax4KiB"])
 def test_parse_cases_rejects(text: str) -> None:
     with pytest.raises(ValueError):
-        gb.parse_cases(text)
+        gba.parse_cases(text)
 
 
 def test_parse_chunks() -> None:
-    assert gb.parse_chunks("1, 64,1024") == [1, 64, 1024]
-    assert gb.parse_chunks("") == []
+    assert gba.parse_chunks("1, 64,1024") == [1, 64, 1024]
+    assert gba.parse_chunks("") == []
     with pytest.raises(ValueError):
-        gb.parse_chunks("1,0")
+        gba.parse_chunks("1,0")
     with pytest.raises(ValueError):
-        gb.parse_chunks("many")
+        gba.parse_chunks("many")
 
 
 def test_parse_args_defaults() -> None:
-    st = gb.parse_args([])
+    st = gba.parse_args([])
     assert (st.device, st.local_device, st.target_device) == ("cuda", "cuda:0", "cuda:1")
     assert st.chunk_row == 16 << 10 and st.chunks == [1, 64, 1024, 8192, 65536]
     # The largest case and the chunk table are both 1 GiB.
@@ -89,7 +91,7 @@ def test_rotated() -> None:
 
 
 def test_parse_args_cpu_and_options() -> None:
-    st = gb.parse_args(
+    st = gba.parse_args(
         [
             *("--device", "cpu", "--cases", "2x8KiB", "--chunks", "64", "--chunk-row", "1KiB"),
             *("--option", "progress=thread", "--option", 'ucx_env={"UCX_TLS": "cma,tcp"}'),
@@ -113,28 +115,28 @@ def test_parse_args_cpu_and_options() -> None:
 )
 def test_parse_args_rejects(argv: list[str]) -> None:
     with pytest.raises(SystemExit) as info:
-        gb.parse_args(argv)
+        gba.parse_args(argv)
     assert info.value.code == 2
 
 
 def test_chunk_reps() -> None:
-    assert gb.chunk_reps(1, 50) == 50
-    assert gb.chunk_reps(1024, 50) == 50
-    assert gb.chunk_reps(8192, 50) == 10
-    assert gb.chunk_reps(65536, 50) == 10
-    assert gb.chunk_reps(2048, 100) == 50
+    assert gba.chunk_reps(1, 50) == 50
+    assert gba.chunk_reps(1024, 50) == 50
+    assert gba.chunk_reps(8192, 50) == 10
+    assert gba.chunk_reps(65536, 50) == 10
+    assert gba.chunk_reps(2048, 100) == 50
 
 
 # ------------------------------------------------------------------------------- figures
-def _case_result(case: gb.Case, secs: dict[str, float], ok: bool = True) -> gb.CaseResult:
+def _case_result(case: gba.Case, secs: dict[str, float], ok: bool = True) -> gbr.CaseResult:
     times = {}
     for name, t in secs.items():
-        mt = gb.MethodTimes()
+        mt = gbr.MethodTimes()
         for k in (3.0, 1.0, 2.0):  # best is t, median is 2t
             mt.add(t * k, 1e-5 * k)
         times[name] = mt
     verified = {name: ok or name != "raw_oneshot" for name in secs}
-    return gb.summarize(case, times, verified)
+    return gbr.summarize(case, times, verified)
 
 
 def _meta() -> dict[str, object]:
@@ -150,7 +152,7 @@ def _meta() -> dict[str, object]:
 
 
 def test_summarize_and_ratios() -> None:
-    case = gb.Case(1, 1 << 30)
+    case = gba.Case(1, 1 << 30)
     r = _case_result(
         case, {"kvwire": 0.004, "raw_prepped": 0.0036, "raw_oneshot": 0.0037, "torch_peer": 0.0027}
     )
@@ -166,25 +168,25 @@ def test_summarize_and_ratios() -> None:
 
 def test_large_case_is_the_largest_descriptor() -> None:
     secs = {"kvwire": 1.0, "raw_prepped": 1.0, "raw_oneshot": 1.0, "torch_peer": 1.0}
-    rs = [_case_result(gb.Case(n, s), secs) for n, s in ((4096, 256 << 10), (1, 1 << 30))]
-    big = gb.large_case(rs)
+    rs = [_case_result(gba.Case(n, s), secs) for n, s in ((4096, 256 << 10), (1, 1 << 30))]
+    big = gbr.large_case(rs)
     assert big is not None and big.case == "1 x 1 GiB"
-    assert gb.large_case([]) is None
+    assert gbr.large_case([]) is None
 
 
 def test_render_and_json() -> None:
     results = [
         _case_result(
-            gb.Case(1, 1 << 30),
+            gba.Case(1, 1 << 30),
             {"kvwire": 0.0036, "raw_prepped": 0.0036, "raw_oneshot": 0.0037, "torch_peer": 0.0027},
         ),
         _case_result(
-            gb.Case(65536, 16 << 10),
+            gba.Case(65536, 16 << 10),
             {"kvwire": 0.005, "raw_prepped": 0.0048, "raw_oneshot": 0.009, "torch_peer": 0.0027},
             ok=False,
         ),
     ]
-    chunk = gb.ChunkResult(
+    chunk = gbr.ChunkResult(
         rows=64,
         bytes=64 << 14,
         reps=50,
@@ -193,7 +195,7 @@ def test_render_and_json() -> None:
     )
     assert chunk.kvwire_overhead_us == pytest.approx(10.0)
     assert chunk.oneshot_over_prepped == pytest.approx(3.0)
-    text = gb.render(results, [chunk], _meta())
+    text = gbr.render(results, [chunk], _meta())
     lines = text.splitlines()
     row = next(line for line in lines if line.startswith("| 1 x 1 GiB"))
     assert "| 0.75 | 1.00 |" in row and row.endswith("| yes |")
@@ -201,22 +203,22 @@ def test_render_and_json() -> None:
     assert "(1 x 1 GiB): 0.75x, NOT met" in text
     assert "| 64 | 30.0 | 20.0 | 60.0 | 3.00 | 45.0 | 35.0 | 80.0 | +10.0 |" in text
 
-    data = json.loads(json.dumps(gb.to_json(results, [chunk], _meta())))
+    data = json.loads(json.dumps(gbr.to_json(results, [chunk], _meta())))
     assert data["target"]["case"] == "1 x 1 GiB" and data["target"]["met"] is False
     assert data["target"]["ratio"] == pytest.approx(0.75)
     first, second = data["cases"]
     assert first["kvwire_over_torch"] == pytest.approx(0.75)
     assert first["verified"] is True and second["verified"] is False
-    assert set(first["methods"]) == set(gb.METHODS)
+    assert set(first["methods"]) == set(gba.METHODS)
     assert data["chunks"][0]["kvwire_overhead_us"] == pytest.approx(10.0)
 
 
 def test_render_met_without_chunks() -> None:
     r = _case_result(
-        gb.Case(1, 1 << 30),
+        gba.Case(1, 1 << 30),
         {"kvwire": 0.003, "raw_prepped": 0.003, "raw_oneshot": 0.003, "torch_peer": 0.0027},
     )
-    text = gb.render([r], [], _meta())
+    text = gbr.render([r], [], _meta())
     assert "0.90x, met" in text and "chunks of" not in text
 
 

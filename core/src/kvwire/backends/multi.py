@@ -18,11 +18,14 @@ link-only backend such as ``cudaipc`` is usable here) holds one :class:`MultiBac
   PENDING, so workers never see the failure. Writes are idempotent (same source bytes into
   the same destination rows), and a member that failed a transfer did not deliver its
   notification (notifications follow the data), so decode counts each chunk once.
-* **Recovery.** A probe thread reconnects an unhealthy member in the background (the peer
-  removed from it and added again from the metadata it announced, the link's tables prepared
-  again) after a back-off that doubles on each failed probe (``probe_s`` .. ``probe_max_s``).
-  A member whose reconnection succeeds is healthy again and takes the link's next transfers
-  (``on_recovery``); if it fails again, the link falls back again.
+* **Recovery.** A probe thread reconnects an unhealthy member in the background after a
+  back-off that doubles on each failed probe (``probe_s`` .. ``probe_max_s``): the member's
+  ``link_problem`` is asked again first (``tcp`` opens a connection to the peer's data
+  endpoint, so a link whose network is still down is not taken back), then the peer is
+  removed from it and added again from the metadata it announced, and the link's tables are
+  prepared again. A member whose probe succeeds is healthy again and takes the link's next
+  transfers (``on_recovery``); if it fails again within ``probe_max_s`` of that (a flapping
+  link), its next probe waits twice as long as the last one did.
 
 Lock contract (on top of the template's): the routes and their health live under
 ``_routes_lock``, a plain lock held only for dictionary and flag updates, never across a
@@ -39,8 +42,7 @@ import contextlib
 import logging
 import threading
 import time
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 from kvwire.backend import (
@@ -53,57 +55,20 @@ from kvwire.backend import (
     XferOp,
     XferState,
 )
+from kvwire.backends.multi_routes import Pair as _Pair
+from kvwire.backends.multi_routes import Route as _Route
+from kvwire.backends.multi_routes import Xfer as _Xfer
 from kvwire.descriptors import DescTable
 from kvwire.errors import HandleError, KVWireError, PeerError
-from kvwire.layout import MemoryRegion
+from kvwire.layout import MemKind, MemoryRegion
+from kvwire.link_choice import LinkFacts, choose_link_path, host_identity
 
 logger = logging.getLogger(__name__)
 
 #: Failures that mean "this member cannot reach the peer now" (a fallback may): anything
 #: else a member raises on submit (bad indices, a capability) is the caller's error.
 LINK_ERRORS = (PeerError, HandleError)
-
-
-@dataclass
-class _Route:
-    """One peer's link: its members (indices into ``MultiBackend.members``, in order), the
-    peer's name in each, the metadata it announced for each (to reconnect), and health."""
-
-    peer: str
-    order: list[int]
-    names: dict[int, str]
-    metadata: dict[int, bytes]
-    healthy: dict[int, bool]
-    next_probe: dict[int, float] = field(default_factory=dict)
-    backoff: dict[int, float] = field(default_factory=dict)
-    pairs: list[PreparedPair] = field(default_factory=list)
-
-
-@dataclass(eq=False)
-class _Pair:
-    """Backend state of a composite prepared pair: the inner pair per member, and the tables
-    (to prepare again after a reconnection)."""
-
-    route: _Route
-    inner: dict[int, PreparedPair]
-    local: DescTable
-    remote: DescTable
-
-
-@dataclass(eq=False)
-class _Xfer:
-    """Backend state of a composite handle: what to post again, and where it is now."""
-
-    op: XferOp
-    pair: _Pair
-    local_idx: Any
-    remote_idx: Any
-    notification: bytes | None
-    member: int = -1
-    inner: TransferHandle | None = None
-    tried: list[int] = field(default_factory=list)
-    errors: list[str] = field(default_factory=list)
-    lock: threading.Lock = field(default_factory=threading.Lock)
+_DRAM = frozenset({MemKind.DRAM})
 
 
 class MultiBackend(TransferBackend):
@@ -121,6 +86,8 @@ class MultiBackend(TransferBackend):
         probe_max_s: float = 30.0,
         on_failover: Callable[[str, str, str, str], None] | None = None,
         on_recovery: Callable[[str, str], None] | None = None,
+        auto: bool = False,
+        link_only: Iterable[str] = (),
     ) -> None:
         super().__init__(agent_name)
         if not members:
@@ -129,6 +96,10 @@ class MultiBackend(TransferBackend):
         if len(set(names)) != len(names):
             raise ValueError(f"member backends must differ, got {names}")
         self.members = list(members)
+        #: ``--transfer-backend auto`` (the per-link rule picks) or a list (its order does).
+        self.auto = auto
+        #: Members that serve only some links (``cudaipc``), for the per-link rule.
+        self.link_only = frozenset(link_only)
         self.probe_s = probe_s
         self.probe_max_s = probe_max_s
         self._on_failover = on_failover
@@ -216,7 +187,7 @@ class MultiBackend(TransferBackend):
         skipped: dict[str, str] = {
             n: "not configured on this rank" for n in theirs if n not in self.member_names
         }
-        usable: list[int] = []
+        candidates: list[tuple[str, str | None]] = []
         for i, m in enumerate(self.members):
             if i in self.disabled:
                 skipped[m.name] = self.disabled[i]
@@ -225,11 +196,19 @@ class MultiBackend(TransferBackend):
             if meta is None:
                 skipped[m.name] = "the peer does not announce it"
                 continue
-            why = m.link_problem(PeerFacts(host, meta))
-            if why is not None:
-                skipped[m.name] = why
-                continue
-            usable.append(i)
+            candidates.append((m.name, m.link_problem(PeerFacts(host, meta))))
+        path = choose_link_path(
+            LinkFacts(
+                candidates,
+                link_only=self.link_only,
+                local_kinds=frozenset(r.kind for r in self.registered_regions) or _DRAM,
+                same_host=(host == host_identity()) if host else None,
+                auto=self.auto,
+            )
+        )
+        skipped.update(path.skipped)
+        index = {m.name: i for i, m in enumerate(self.members)}
+        usable = [index[n] for n in ([path.backend, *path.fallbacks] if path.backend else [])]
         with self._lock:
             self._check_open()
             names: dict[int, str] = {}
@@ -253,14 +232,18 @@ class MultiBackend(TransferBackend):
                 names=names,
                 metadata={i: theirs[self.members[i].name] for i in order},
                 healthy={i: True for i in order},
+                host=dict(host),
             )
             with self._routes_lock:
                 self._routes[peer] = route
+        first = self.members[order[0]].name
         return LinkChoice(
             peer,
-            self.members[order[0]].name,
+            first,
             tuple(self.members[i].name for i in order[1:]),
             skipped,
+            why=path.why if first == path.backend else f"{path.why}; {path.backend} refused",
+            staging=path.staging if first == path.backend else "configured",
         )
 
     def _forget_old(self, peer: str, kept: dict[int, str]) -> None:
@@ -477,8 +460,11 @@ class MultiBackend(TransferBackend):
             if not route.healthy.get(i, False):
                 return
             route.healthy[i] = False
-            route.backoff[i] = self.probe_s
-            route.next_probe[i] = now + self.probe_s
+            last = route.backoff.get(i)
+            flapping = now - route.recovered_at.get(i, -self.probe_max_s) < self.probe_max_s
+            back = min(last * 2, self.probe_max_s) if last and flapping else self.probe_s
+            route.backoff[i] = back
+            route.next_probe[i] = now + back
             to = next((j for j in route.order if route.healthy[j]), None)
             if route.peer not in self._routes:
                 return  # the peer went away: nothing to switch
@@ -536,6 +522,9 @@ class MultiBackend(TransferBackend):
         failure. Holds the control lock across the member's control-path calls."""
         m = self.members[i]
         try:
+            why = m.link_problem(PeerFacts(route.host, route.metadata[i]))
+            if why is not None:
+                raise PeerError(why)
             with self._lock:
                 if self._closed or route.peer not in self.peers():
                     return
@@ -565,6 +554,7 @@ class MultiBackend(TransferBackend):
             return
         with self._routes_lock:
             route.healthy[i] = True
+            route.recovered_at[i] = time.monotonic()
         self.recoveries += 1
         logger.warning(
             "%s: link to %s: backend %s reconnected; moving back to it",

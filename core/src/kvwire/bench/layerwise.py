@@ -12,8 +12,12 @@ request's KV. Per prompt length and backend, in one run and interleaved, three m
   on GPU; the engine thread never synchronises).
 
 Time to decode-ready is from the start of the pass to the moment decode's ``poll()`` says
-``Success`` (both processes read the same monotonic clock). Decode's K/V bytes are hashed and
-compared with prefill's after every run: a run whose bytes differ is reported as corrupt.
+``Success`` (both processes read the same monotonic clock). On CUDA, prefill runs on GPU 0
+and decode on GPU 1 when two are visible (``--decode-gpu``), so the KV crosses the link
+between them, and a fourth column times a plain torch copy of the same bytes from prefill's
+GPU to decode's (``peer``: the link's limit, one contiguous block). Decode's K/V bytes are
+hashed and compared with prefill's after every run: a run whose bytes differ is reported as
+corrupt.
 Prefill runs with one BLAS thread (like an engine's compute stream, it must not take the
 cores kvwire's threads use).
 """
@@ -58,6 +62,10 @@ class BenchArgs(BaseModel):
     groups: int = Field(default=4, ge=1, le=16)
     device: str = "cpu"
     backends: list[str] = Field(default_factory=lambda: ["tcp"])
+    staging: str = "direct"
+    decode_gpu: int | None = Field(
+        default=None, ge=0, description="decode's CUDA device; None: 1 when two are visible, else 0"
+    )
 
     @property
     def model(self) -> ModelSpec:
@@ -76,6 +84,16 @@ class BenchArgs(BaseModel):
         return -(-max(self.tokens) // self.page_size)
 
 
+def decode_gpu(a: BenchArgs, device_count: int) -> int:
+    """Decode's CUDA device: ``a.decode_gpu``, or GPU 1 when two are visible (prefill is on
+    GPU 0), so that the move crosses the link between GPUs rather than one GPU's memory."""
+    if a.decode_gpu is not None:
+        if a.decode_gpu >= device_count:
+            raise ValueError(f"--decode-gpu {a.decode_gpu}: only {device_count} GPUs visible")
+        return a.decode_gpu
+    return 1 if device_count > 1 else 0
+
+
 class _Engine:
     """One side's KV pool and (prefill) the model writing it, in NumPy or torch."""
 
@@ -87,11 +105,14 @@ class _Engine:
         self.w: list[Any] = []
         self.wk: list[Any] = []
         self.wv: list[Any] = []
+        self.gpu = 0
         if self.cuda:
             import torch
 
             self.torch = torch
-            dev = torch.device("cuda")
+            self.gpu = 0 if with_model else decode_gpu(a, torch.cuda.device_count())
+            torch.cuda.set_device(self.gpu)  # events, streams and IPC handles of this GPU
+            dev = torch.device("cuda", self.gpu)
             self.kv: list[Any] = [
                 torch.zeros(shape, dtype=torch.float32, device=dev) for _ in range(2 * a.layers)
             ]
@@ -115,7 +136,7 @@ class _Engine:
     def prompt(self, tokens: int) -> Any:
         """The embedded prompt (fixed per length)."""
         x = np.random.default_rng(tokens).standard_normal((tokens, self.a.hidden), dtype=np.float32)
-        return self.torch.from_numpy(x).cuda() if self.cuda else x
+        return self.torch.from_numpy(x).to(f"cuda:{self.gpu}") if self.cuda else x
 
     def layer(self, i: int, h: Any, pages: int) -> Any:
         """Layer ``i`` over every token: its K and V into pages ``[0, pages)``; the next h."""
@@ -138,6 +159,24 @@ class _Engine:
         ev.record()
         return ev
 
+    def peer_copy_ms(self, nbytes: int, to_gpu: int, repeat: int = 5) -> float:
+        """Median ms of one torch copy of ``nbytes`` contiguous bytes from this GPU to
+        ``to_gpu`` (the link's limit for the request's KV); prefill side, CUDA only."""
+        torch = self.torch
+        src = torch.empty(nbytes, dtype=torch.uint8, device=f"cuda:{self.gpu}")
+        dst = torch.empty(nbytes, dtype=torch.uint8, device=f"cuda:{to_gpu}")
+        times = []
+        for _ in range(repeat + 1):
+            torch.cuda.synchronize(self.gpu)
+            torch.cuda.synchronize(to_gpu)
+            t0 = time.perf_counter()
+            dst.copy_(src)
+            torch.cuda.synchronize(to_gpu)
+            torch.cuda.synchronize(self.gpu)
+            times.append(time.perf_counter() - t0)
+        del src, dst
+        return statistics.median(times[1:]) * 1e3
+
     def digest(self, pages: int) -> str:
         """Hash of every layer's K and V in pages ``[0, pages)``."""
         h = hashlib.blake2b(digest_size=16)
@@ -153,19 +192,27 @@ class _Engine:
         return h.hexdigest()
 
 
-def _config(backend: str) -> KVWireConfig:
-    return KVWireConfig(transfer_backend=backend, control=ControlOptions(heartbeat_interval_s=0.5))
+def _config(backend: str, staging: str) -> KVWireConfig:
+    return KVWireConfig(
+        transfer_backend=backend,
+        staging=staging,
+        control=ControlOptions(heartbeat_interval_s=0.5),
+    )
 
 
 def _prefill_main(conn: Connection, args: dict[str, Any], backend: str) -> None:
     a = BenchArgs(**args)
     eng = _Engine(a, with_model=True)
-    cfg = _config(backend)
+    cfg = _config(backend, a.staging)
     cfg.control = cfg.control.model_copy(update={"layerwise_groups": a.groups})
-    mgr = KVManager(cfg, Role.PREFILL, eng.layout)
+    mgr = KVManager(cfg, Role.PREFILL, eng.layout, kv_tensors=eng.kv)
     conn.send(("ready", mgr.bootstrap_addr))
     try:
-        while (cmd := conn.recv())[0] == "run":
+        while (cmd := conn.recv())[0] in ("run", "peer"):
+            if cmd[0] == "peer":
+                _, nbytes, to_gpu = cmd
+                conn.send(("peer", eng.peer_copy_ms(nbytes, to_gpu)))
+                continue
             _, mode, tokens, room = cmd
             pages = -(-tokens // a.page_size)
             x = eng.prompt(tokens)
@@ -205,8 +252,8 @@ def _prefill_main(conn: Connection, args: dict[str, Any], backend: str) -> None:
 def _decode_main(conn: Connection, args: dict[str, Any], backend: str) -> None:
     a = BenchArgs(**args)
     eng = _Engine(a, with_model=False)
-    mgr = KVManager(_config(backend), Role.DECODE, eng.layout)
-    conn.send(("ready", ""))
+    mgr = KVManager(_config(backend, a.staging), Role.DECODE, eng.layout, kv_tensors=eng.kv)
+    conn.send(("ready", str(eng.gpu)))
     try:
         while (cmd := conn.recv())[0] == "recv":
             _, tokens, room, addr = cmd
@@ -238,10 +285,15 @@ def _spawn(target: Any, args: BenchArgs, backend: str) -> tuple[Any, Connection,
     parent, child = ctx.Pipe()
     proc = ctx.Process(target=target, args=(child, args.model_dump(), backend), daemon=True)
     proc.start()
-    msg = parent.recv() if parent.poll(120) else None
+    msg = None
+    deadline = time.monotonic() + 300  # a CUDA + NIXL start takes a while on a loaded host
+    while proc.is_alive() and time.monotonic() < deadline:
+        if parent.poll(0.2):
+            msg = parent.recv()
+            break
     if msg is None or msg[0] != "ready":
         proc.kill()
-        raise RuntimeError(f"{target.__name__} did not start")
+        raise RuntimeError(f"{target.__name__} did not start (exit code {proc.exitcode})")
     return proc, parent, str(msg[1])
 
 
@@ -254,6 +306,9 @@ class Row(BaseModel):
     compute_ms: float
     chunk_ms: float
     layer_ms: float
+    peer_ms: float | None = None
+    prefill_gpu: int | None = None
+    decode_gpu: int | None = None
     corrupt: int = 0
     failed: int = 0
 
@@ -279,7 +334,7 @@ def measure(a: BenchArgs, console: Console) -> list[Row]:
             os.environ.update(one_blas)  # the children read it at start
             try:
                 pproc, pconn, bootstrap = _spawn(_prefill_main, a, backend)
-                dproc, dconn, _ = _spawn(_decode_main, a, backend)
+                dproc, dconn, d_gpu = _spawn(_decode_main, a, backend)
             finally:
                 for k, v in saved.items():  # the parent's own settings back
                     if v is None:
@@ -309,16 +364,23 @@ def measure(a: BenchArgs, console: Console) -> list[Row]:
                                 times[mode].append(t_ready - t0)
                             progress.advance(task)
                     pages = -(-tokens // a.page_size)
-                    mb = pages * a.page_size * a.heads * a.head_dim * 4 * 2 * a.layers / 1e6
+                    nbytes = pages * a.page_size * a.heads * a.head_dim * 4 * 2 * a.layers
                     med = {m: statistics.median(v) * 1e3 for m, v in times.items()}
+                    peer = None
+                    if a.device == "cuda":
+                        pconn.send(("peer", nbytes, int(d_gpu)))
+                        peer = float(pconn.recv()[1])
                     rows.append(
                         Row(
                             backend=backend,
                             tokens=tokens,
-                            mb=mb,
+                            mb=nbytes / 1e6,
                             compute_ms=med["compute"],
                             chunk_ms=med["chunk"],
                             layer_ms=med["layer"],
+                            peer_ms=peer,
+                            prefill_gpu=0 if a.device == "cuda" else None,
+                            decode_gpu=int(d_gpu) if a.device == "cuda" else None,
                             corrupt=corrupt,
                             failed=failed,
                         )
@@ -336,18 +398,21 @@ def measure(a: BenchArgs, console: Console) -> list[Row]:
 def render(rows: Sequence[Row]) -> Table:
     """The results table with its ratios."""
     t = Table(title="time to decode-ready: layer-wise vs per-chunk (medians)")
-    for col in ("backend", "tokens", "KV MB", "compute ms", "chunk ms", "layer ms"):
+    for col in ("backend", "GPUs", "tokens", "KV MB", "compute ms", "chunk ms", "layer ms"):
         t.add_column(col, justify="right")
+    t.add_column("peer ms", justify="right")
     for col in ("chunk/compute", "layer/compute", "chunk/layer", "corrupt", "failed"):
         t.add_column(col, justify="right")
     for r in rows:
         t.add_row(
             r.backend,
+            "-" if r.decode_gpu is None else f"{r.prefill_gpu}->{r.decode_gpu}",
             str(r.tokens),
             f"{r.mb:.1f}",
             f"{r.compute_ms:.1f}",
             f"{r.chunk_ms:.1f}",
             f"{r.layer_ms:.1f}",
+            "-" if r.peer_ms is None else f"{r.peer_ms:.1f}",
             f"{r.chunk_vs_compute:.2f}x",
             f"{r.layer_vs_compute:.2f}x",
             f"{r.chunk_ms / r.layer_ms:.2f}x",
@@ -370,6 +435,13 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--repeat", type=int, default=d.repeat, help="runs per mode (median)")
     p.add_argument("--groups", type=int, default=d.groups, help="layerwise_groups option")
     p.add_argument("--device", choices=("cpu", "cuda"), default=d.device)
+    p.add_argument(
+        "--decode-gpu",
+        type=int,
+        default=None,
+        help="decode's CUDA device (default: 1 when two GPUs are visible, else 0; prefill: 0)",
+    )
+    p.add_argument("--staging", default=d.staging, help="staging strategy of both sides")
     p.add_argument("--json", metavar="PATH", help="write the rows as JSON")
 
 
@@ -386,6 +458,8 @@ def run(args: argparse.Namespace, console: Console) -> int:
         groups=args.groups,
         device=args.device,
         backends=args.backends.split(","),
+        staging=args.staging,
+        decode_gpu=args.decode_gpu,
     )
     rows = measure(a, console)
     console.print(render(rows))

@@ -31,8 +31,6 @@ requests that change state (PUT, DELETE), a nonce it has already seen within tha
 from __future__ import annotations
 
 import errno
-import hashlib
-import hmac
 import http.client
 import json
 import logging
@@ -44,83 +42,24 @@ import urllib.parse
 import urllib.request
 from typing import Any
 
-import pydantic
-
+from kvwire.control.bootstrap_protocol import (
+    NONCE_HEADER,
+    SIGNATURE_HEADER,
+    TIMESTAMP_HEADER,
+    RankInfo,
+    sign_request,
+)
 from kvwire.errors import BootstrapError
 
-logger = logging.getLogger(__name__)
+# RankInfo is the client's argument and answer: engines' code imports it with the client.
+__all__ = ["BootstrapClient", "RankInfo"]
 
-#: Header carrying the request's Unix time (seconds, decimal) when a secret is configured.
-TIMESTAMP_HEADER = "X-KVWire-Timestamp"
-#: Header carrying a random nonce, new for every signed request (replay protection).
-NONCE_HEADER = "X-KVWire-Nonce"
-#: Header carrying the hex HMAC-SHA256 signature of the request.
-SIGNATURE_HEADER = "X-KVWire-Signature"
-#: Requests whose timestamp is further than this from the server's clock are refused.
-MAX_CLOCK_SKEW_S = 300.0
-#: Largest request body the server accepts.
-MAX_BODY_BYTES = 64 * 1024
-#: How long :meth:`BootstrapServer.start` waits for the socket to be bound.
-_START_TIMEOUT_S = 10.0
-#: How long :meth:`BootstrapServer.stop` waits for the server thread.
-_STOP_TIMEOUT_S = 5.0
+logger = logging.getLogger(__name__)
 
 _SECRET_HINT = (
     "the bootstrap service at {address} refused the shared secret "
     "(check KVWIRE_SECRET on both sides)"
 )
-
-RankKey = tuple[int, int, int]  # (dp_rank, tp_rank, pp_rank)
-
-
-class RankInfo(pydantic.BaseModel):
-    """How to reach one prefill rank: published by that rank, read by decode ranks."""
-
-    model_config = pydantic.ConfigDict(extra="ignore", frozen=True)
-
-    tp_rank: int = pydantic.Field(ge=0)
-    pp_rank: int = pydantic.Field(default=0, ge=0)
-    dp_rank: int = pydantic.Field(default=0, ge=0)
-    tp_size: int = pydantic.Field(ge=1)
-    pp_size: int = pydantic.Field(default=1, ge=1)
-    dp_size: int = pydantic.Field(default=1, ge=1)
-    #: The rank's control-plane ZeroMQ endpoint, e.g. ``"tcp://127.0.0.1:5555"``.
-    endpoint: str = pydantic.Field(min_length=1)
-    #: The rank's transfer-agent name.
-    agent: str = pydantic.Field(min_length=1)
-    #: Random id of this process incarnation; a restarted rank has a new one.
-    session: str = pydantic.Field(min_length=1)
-    protocol: int = 1
-
-    @pydantic.model_validator(mode="after")
-    def _ranks_in_range(self) -> RankInfo:
-        for name in ("tp", "pp", "dp"):
-            rank, size = getattr(self, f"{name}_rank"), getattr(self, f"{name}_size")
-            if rank >= size:
-                raise ValueError(f"{name}_rank={rank} is out of range for {name}_size={size}")
-        return self
-
-    @property
-    def key(self) -> RankKey:
-        """``(dp_rank, tp_rank, pp_rank)``: identifies the rank across incarnations."""
-        return (self.dp_rank, self.tp_rank, self.pp_rank)
-
-    def describe(self) -> str:
-        """Short human-readable name of the rank, for logs and error messages."""
-        return f"dp={self.dp_rank} tp={self.tp_rank} pp={self.pp_rank}"
-
-
-def sign_request(
-    secret: bytes, method: str, path_qs: str, timestamp: str, body: bytes, nonce: str = ""
-) -> str:
-    """Hex HMAC-SHA256 of a request; used by the client to sign and the server to verify."""
-    parts = [method.upper().encode(), path_qs.encode(), timestamp.encode(), nonce.encode(), body]
-    msg = b"\n".join(parts)
-    return hmac.new(secret, msg, hashlib.sha256).hexdigest()
-
-
-def _format_address(host: str, port: int) -> str:
-    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
 class _UnreachableError(Exception):
@@ -312,13 +251,3 @@ def _server_message(payload: bytes) -> str:
     if isinstance(data, dict) and isinstance(error := data.get("error"), str):
         return error
     return str(data)
-
-
-def __getattr__(name: str) -> Any:
-    # The server needs aiohttp, which only prefill rank 0 and `kvwire bootstrap` load: importing
-    # it lazily keeps every other rank's start-up light.
-    if name == "BootstrapServer":
-        from kvwire.control.bootstrap_server import BootstrapServer
-
-        return BootstrapServer
-    raise AttributeError(name)

@@ -16,9 +16,7 @@ import pydantic
 from aiohttp import web
 from aiohttp.typedefs import Handler
 
-from kvwire.control.bootstrap import (
-    _START_TIMEOUT_S,
-    _STOP_TIMEOUT_S,
+from kvwire.control.bootstrap_protocol import (
     MAX_BODY_BYTES,
     MAX_CLOCK_SKEW_S,
     NONCE_HEADER,
@@ -26,13 +24,18 @@ from kvwire.control.bootstrap import (
     TIMESTAMP_HEADER,
     RankInfo,
     RankKey,
-    _format_address,
+    format_address,
     sign_request,
 )
 from kvwire.errors import BootstrapError
 from kvwire.security import warn_if_exposed
 
 logger = logging.getLogger("kvwire.control.bootstrap")
+
+#: How long :meth:`BootstrapServer.start` waits for the socket to be bound.
+_START_TIMEOUT_S = 10.0
+#: How long :meth:`BootstrapServer.stop` waits for the server thread.
+_STOP_TIMEOUT_S = 5.0
 
 #: Signed state-changing requests (PUT, DELETE) remembered for replay detection at once; more
 #: within the window are refused with 503 (far above what registrations need).
@@ -96,13 +99,13 @@ class BootstrapServer:
         if not self._ready.wait(_START_TIMEOUT_S):
             raise BootstrapError(
                 f"the bootstrap server did not start listening on "
-                f"{_format_address(self._host, self._port)} within {_START_TIMEOUT_S:.0f} s"
+                f"{format_address(self._host, self._port)} within {_START_TIMEOUT_S:.0f} s"
             )
         if self._start_error is not None:
             self._thread.join(_STOP_TIMEOUT_S)
             raise BootstrapError(
                 f"the bootstrap server could not listen on "
-                f"{_format_address(self._host, self._port)}: {self._start_error}"
+                f"{format_address(self._host, self._port)}: {self._start_error}"
             ) from self._start_error
         logger.info("bootstrap service listening on %s", self.address)
         return self
@@ -115,7 +118,7 @@ class BootstrapServer:
         """
         if self._bound is None:
             raise BootstrapError("the bootstrap server is not listening (call start() first)")
-        return _format_address(*self._bound)
+        return format_address(*self._bound)
 
     def stop(self) -> None:
         """Stop serving, close the socket and join the thread (bounded time).

@@ -1,9 +1,11 @@
 """The control channel: framed messages between managers over ZeroMQ.
 
 Each manager binds one PULL socket (its *endpoint*, published through bootstrap and the
-handshake) and keeps one PUSH socket per peer endpoint for what it sends. Every send is
-non-blocking and bounded by the socket's high-water mark: a dead or slow peer costs a dropped
-message (counted), never a blocked thread. Sockets to an evicted peer are closed with linger 0.
+handshake) and keeps one PUSH socket per peer endpoint for what it tells them ("tell" is
+kvwire's verb for a control message, as in :meth:`KVManager.tell
+<kvwire.session.KVManager.tell>`; "send" is for KV). Every message is queued without blocking,
+bounded by the socket's high-water mark: a dead or slow peer costs a dropped message
+(counted), never a blocked thread. Sockets to an evicted peer are closed with linger 0.
 
 Why ZeroMQ and not a socket layer of our own: PULL fair-queues between its connected peers (a
 flooding connection cannot starve the others), sends never block with ``NOBLOCK`` + HWM, and a
@@ -14,7 +16,8 @@ Threads and locks:
 
 * :meth:`ControlChannel.receive`, :meth:`lost_endpoints` and :meth:`take_unsigned` are called
   only by the manager's liveness thread (it owns the PULL socket).
-* :meth:`ControlChannel.send` and :meth:`disconnect` may be called from any thread. The PUSH
+* :meth:`ControlChannel.tell`, :meth:`tell_once` and :meth:`disconnect` may be called from
+  any thread. The PUSH
   sockets and their monitors are guarded by ``_lock`` (ZeroMQ sockets must not be used by two
   threads at once); the lock is held only for a non-blocking send or a socket operation, never
   across a wait.
@@ -98,10 +101,10 @@ class ControlChannel:
         self._last_log: dict[str, float] = {}
         self._unsigned: collections.deque[Message] = collections.deque(maxlen=UNSIGNED_KEPT)
 
-    # ------------------------------------------------------------------ sending
-    def send(self, endpoint: str, msg: Message) -> bool:
-        """Queue ``msg`` for ``endpoint`` without blocking; False if it had to be dropped.
-        Any thread."""
+    # ------------------------------------------------------------------ telling
+    def tell(self, endpoint: str, msg: Message) -> bool:
+        """Queue control message ``msg`` for ``endpoint`` without blocking; False if it had to
+        be dropped. Any thread."""
         frame = self.codec.encode(msg, to=endpoint)
         with self._lock:
             if self._closed:
@@ -123,8 +126,8 @@ class ControlChannel:
         self._log_drop("send_full", f"control send to {endpoint} dropped: its queue is full")
         return False
 
-    def send_once(self, endpoint: str, msg: Message, linger_s: float = 0.5) -> None:
-        """Send ``msg`` on a socket of its own that is closed right away (ZeroMQ still tries to
+    def tell_once(self, endpoint: str, msg: Message, linger_s: float = 0.5) -> None:
+        """Tell ``msg`` on a socket of its own that is closed right away (ZeroMQ still tries to
         deliver it for ``linger_s``): for answers to strangers (an unsigned hello), whose
         endpoint may not exist, so that no socket or monitor is kept for them. Any thread."""
         frame = self.codec.encode(msg, to=endpoint)
@@ -140,6 +143,16 @@ class ControlChannel:
                 logger.debug("one-shot send to %s failed: %s", endpoint, exc)
             finally:
                 sock.close(linger=int(linger_s * 1000))
+
+    # session/ still calls the old names (the redesign branch restructures it): these go once
+    # its call sites say tell/tell_once (manager.py, prefill_links.py).
+    def send(self, endpoint: str, msg: Message) -> bool:
+        """Old name of :meth:`tell`."""
+        return self.tell(endpoint, msg)
+
+    def send_once(self, endpoint: str, msg: Message, linger_s: float = 0.5) -> None:
+        """Old name of :meth:`tell_once`."""
+        self.tell_once(endpoint, msg, linger_s)
 
     def disconnect(self, endpoint: str) -> None:
         """Close the socket to an evicted peer (pending frames are discarded). Any thread."""

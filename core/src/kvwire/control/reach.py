@@ -73,3 +73,20 @@ def loopback_problem(own: str, peer: str, peer_name: str, bootstrap_addr: str) -
             f"control.host on decode to an address of this host that prefill can reach ({FIX})"
         )
     return None
+
+
+def connect_problem(endpoint: str, timeout_s: float = 2.0) -> str | None:
+    """Why a TCP connection to ``endpoint`` (``tcp://host:port`` or ``host:port``) cannot be
+    opened from here now (refused, no route, interface down, silence for ``timeout_s``), or
+    None when one opens (it is closed at once; nothing is sent). Blocks up to ``timeout_s``.
+    Used by backends whose data endpoint is a TCP listener to tell, at handshake and before a
+    failover probe reconnects, whether the path to the peer works at all."""
+    url = urlsplit(endpoint if "://" in endpoint else f"tcp://{endpoint}")
+    if url.hostname is None or url.port is None:
+        return f"endpoint {endpoint!r} is not host:port"
+    try:
+        with socket.create_connection((url.hostname, url.port), timeout=timeout_s):
+            return None
+    except OSError as exc:
+        why = "no answer" if isinstance(exc, TimeoutError) else str(exc)
+        return f"its data endpoint {endpoint} cannot be reached from here ({why})"

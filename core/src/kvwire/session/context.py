@@ -205,7 +205,7 @@ class RankContext:
         """Tell a peer's control endpoint ``msg`` (non-blocking, bounded; False when the
         peer's queue is full and it was dropped). Any thread. Named apart from
         :meth:`KVSender.send <kvwire.session.sender.KVSender.send>`, which queues KV."""
-        ok = self.channel.send(endpoint, msg)
+        ok = self.channel.tell(endpoint, msg)
         if not ok:
             m.DROPPED.labels(**self.labels, reason="send_full").inc()
         return ok

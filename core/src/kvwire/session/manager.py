@@ -302,7 +302,7 @@ class KVManager:
             self._closed = True
         ctx = self.ctx
         for p in ctx.peers.snapshot():
-            ctx.channel.send(p.endpoint, Goodbye(session=ctx.session))
+            ctx.channel.tell(p.endpoint, Goodbye(session=ctx.session))
         ctx.stop(5.0)
         self._liveness.join(5.0)
         self.side.close()
@@ -394,7 +394,7 @@ class KVManager:
         ctx = self.ctx
         beat = Heartbeat(session=ctx.session, sent_at=time.time())
         for p in ctx.peers.snapshot():
-            ctx.channel.send(p.endpoint, beat)
+            ctx.channel.tell(p.endpoint, beat)
         self._export_drops()
 
     def _export_drops(self) -> None:

@@ -1,7 +1,7 @@
 """Buffer groups in the multi-process cluster harness: a rank's group pools, filled with a
 verifiable encoding on prefill and checked element by element on decode.
 
-:attr:`ClusterSpec.groups <kvwire.testing.cluster.ClusterSpec.groups>` names groups from
+:attr:`ClusterSpec.groups <kvwire.testing.cluster_spec.ClusterSpec.groups>` names groups from
 :data:`GROUP_KINDS`; every rank process (:mod:`kvwire.testing.cluster_rank`) builds them with
 :class:`RankGroups` beside its KV pool, the way an engine registers a hybrid model's caches:
 

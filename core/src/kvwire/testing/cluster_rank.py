@@ -3,7 +3,7 @@
 :func:`rank_main` is the entry point :class:`~kvwire.testing.cluster.Cluster` spawns for each
 prefill and decode rank: it builds the rank's verification pool (:class:`RankPool`: a paged
 ``int32`` KV pool whose elements encode where they belong, :mod:`kvwire.testing.kvfill`, and
-the buffer groups :attr:`ClusterSpec.groups <kvwire.testing.cluster.ClusterSpec.groups>`
+the buffer groups :attr:`ClusterSpec.groups <kvwire.testing.cluster_spec.ClusterSpec.groups>`
 names, :mod:`kvwire.testing.cluster_groups`), a :class:`~kvwire.session.KVManager` over it,
 and then plays its engine: a scheduler loop over the requests the parent starts, calling
 exactly the engine API, filling (prefill) and checking (decode) every element.
@@ -24,7 +24,8 @@ from numpy.typing import NDArray
 from pydantic import SecretStr
 
 from kvwire.layout import KVLayout, MemoryRegion, ModelSpec, RankPosition
-from kvwire.testing.cluster import (
+from kvwire.testing.cluster_groups import GroupAlloc, RankGroups
+from kvwire.testing.cluster_spec import (
     AUX_WORDS,
     FAULT_ENV,
     QUARANTINE_S,
@@ -33,7 +34,6 @@ from kvwire.testing.cluster import (
     RoomPlan,
     rank_gpu,
 )
-from kvwire.testing.cluster_groups import GroupAlloc, RankGroups
 from kvwire.testing.kvfill import (
     count_mismatches,
     from_pool_order,
@@ -330,6 +330,28 @@ def rank_main(
         value = REGISTRY.get_sample_value("kvwire_peer_evictions_total", mgr.labels)
         return int(value or 0)
 
+    def transport_switches() -> dict[str, Any]:
+        """This rank's failover metrics (summed over their labels) and each link's current
+        backend (docs/failover.md)."""
+        from prometheus_client import REGISTRY
+
+        out: dict[str, Any] = {"failovers": 0, "recoveries": 0}
+        for metric, key in (
+            ("kvwire_transport_failovers", "failovers"),
+            ("kvwire_transport_recoveries", "recoveries"),
+        ):
+            for fam in REGISTRY.collect():
+                if fam.name != metric:
+                    continue
+                for sample in fam.samples:
+                    own = all(sample.labels.get(k) == v for k, v in mgr.labels.items())
+                    if sample.name.endswith("_total") and own:
+                        out[key] += int(sample.value)
+        link_backend = getattr(mgr.backend, "link_backend", None)
+        if link_backend is not None:
+            out["links"] = {p: link_backend(p) for p in mgr.backend.peers()}
+        return out
+
     def report(a: _Active, status: Any, t_done: float, mism: int = 0, aux_ok: bool = True) -> None:
         err = None
         if status == KVPoll.Failed:
@@ -524,6 +546,7 @@ def rank_main(
                     conn.send(("tables", mgr.room_tables(), mgr.dropped))
                 elif msg[0] == "stats":
                     stats = {"evictions": evictions(), "peers": len(mgr.peers)}
+                    stats.update(transport_switches())
                     conn.send(("stats", stats, mgr.dropped))
                 elif msg[0] == "peer_agents":
                     conn.send(("peer_agents", sorted(p.agent for p in mgr.peers.snapshot())))

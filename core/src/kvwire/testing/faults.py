@@ -48,7 +48,7 @@ def _lossy_staging(role: str) -> None:
         wire.WritesQuery,
     )
     rng = random.Random(f"lossy-{role}")
-    original = ControlChannel.send
+    original = ControlChannel.tell
 
     def lossy(self: ControlChannel, endpoint: str, msg: wire.Message) -> bool:
         if isinstance(msg, kinds):
@@ -59,7 +59,7 @@ def _lossy_staging(role: str) -> None:
                 original(self, endpoint, msg)  # delivered twice
         return original(self, endpoint, msg)
 
-    ControlChannel.send = lossy  # type: ignore[method-assign]
+    ControlChannel.tell = lossy  # type: ignore[method-assign]
 
 
 #: Rooms from here on (65,536 of them) are the victims of ``aux_submit_fails``.

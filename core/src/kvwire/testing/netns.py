@@ -8,6 +8,11 @@ between them never touches a loopback interface, and :meth:`NetnsBed.partition`,
 :meth:`NetnsBed.degrade` and :meth:`NetnsBed.link` act on one node's link (it leaves the
 bridge; ``tc netem`` on both ends of its veth pair; the link's state).
 
+``extra_subnets`` gives every node more interfaces, one per subnet (``eth1``, ``eth2``...),
+each joined to a bridge of its own in the hub: two networks between the same hosts, so a
+test can take one interface down (:meth:`NetnsBed.link` with ``iface``) while the other
+carries on, and count what crossed each (:meth:`NetnsBed.iface_bytes`).
+
 Processes join a node with :func:`enter_netns` (``setns(2)`` on ``/var/run/netns/NAME``):
 called first thing in a freshly spawned process, before any socket or thread exists, every
 socket it opens lives in that namespace. :class:`~kvwire.testing.cluster.Cluster` does this for
@@ -27,6 +32,7 @@ import atexit
 import contextlib
 import ctypes
 import ctypes.util
+import json
 import logging
 import os
 import re
@@ -154,10 +160,17 @@ class NetnsBed:
 
     ``nodes``: node names (e.g. ``("prefill", "decode")``); node ``i`` gets address
     ``{subnet}.{i + 1}``. :attr:`ns` maps each node to its namespace name (for
-    :attr:`ClusterSpec.netns`), :attr:`addr` to its address.
+    :attr:`ClusterSpec.netns`), :attr:`addr` to its address. With ``extra_subnets``, node
+    ``i`` also gets ``eth{k}`` with address ``{extra_subnets[k - 1]}.{i + 1}`` on a bridge of
+    its own (:attr:`addrs` and :attr:`devs` list every interface's, ``eth0``'s first).
     """
 
-    def __init__(self, nodes: Sequence[str] = ("prefill", "decode"), subnet: str = "10.77.0"):
+    def __init__(
+        self,
+        nodes: Sequence[str] = ("prefill", "decode"),
+        subnet: str = "10.77.0",
+        extra_subnets: Sequence[str] = (),
+    ):
         reason = unavailable_reason()
         if reason is not None:
             raise NetnsUnavailableError(reason)
@@ -169,6 +182,12 @@ class NetnsBed:
         #: The veth end inside each node's namespace, and its peer on the hub's bridge.
         self.dev = dict.fromkeys(nodes, "eth0")  # every namespace has its own eth0
         self.hub_dev = {node: f"h{i}" for i, node in enumerate(nodes)}
+        self.subnets = [subnet, *extra_subnets]
+        #: Every interface of each node (index k: ``eth{k}`` on subnet ``subnets[k]``).
+        self.addrs = {
+            node: [f"{net}.{i + 1}" for net in self.subnets] for i, node in enumerate(nodes)
+        }
+        self.devs = {node: [f"eth{k}" for k in range(len(self.subnets))] for node in nodes}
         self._closed = False
         atexit.register(self.close)
         try:
@@ -191,7 +210,18 @@ class NetnsBed:
             _ip("-n", self.hub, "link", "set", hub_dev, "up")
             _ip("-n", ns, "addr", "add", f"{self.addr[node]}/24", "dev", dev)
             _ip("-n", ns, "link", "set", dev, "up")
-        logger.info("test bed %s: %s", self.tag, self.addr)
+        for k in range(1, len(self.subnets)):
+            _ip("-n", self.hub, "link", "add", f"br{k}", "type", "bridge")
+            _ip("-n", self.hub, "link", "set", f"br{k}", "up")
+            for node, ns in self.ns.items():
+                hub_dev, dev = f"{self.hub_dev[node]}n{k}", self.devs[node][k]
+                _ip("-n", self.hub, "link", "add", hub_dev, "type", "veth", "peer", "name",
+                    dev, "netns", ns)  # fmt: skip
+                _ip("-n", self.hub, "link", "set", hub_dev, "master", f"br{k}")
+                _ip("-n", self.hub, "link", "set", hub_dev, "up")
+                _ip("-n", ns, "addr", "add", f"{self.addrs[node][k]}/24", "dev", dev)
+                _ip("-n", ns, "link", "set", dev, "up")
+        logger.info("test bed %s: %s", self.tag, self.addrs)
 
     # ------------------------------------------------------------ faults
     def _qdisc(self, node: str, netem: Sequence[str] | None, kind: str = "netem") -> None:
@@ -245,9 +275,17 @@ class NetnsBed:
         _run(["tc", "-n", self.hub, "qdisc", "del", "dev", self.hub_dev[node], "root"], False)
         self.link(node, up=True)
 
-    def link(self, node: str, up: bool) -> None:
-        """Set ``node``'s link (its veth end in the namespace) up or down."""
-        _ip("-n", self.ns[node], "link", "set", self.dev[node], "up" if up else "down")
+    def link(self, node: str, up: bool, iface: int = 0) -> None:
+        """Set ``node``'s link (its veth end ``eth{iface}`` in the namespace) up or down."""
+        dev = self.devs[node][iface]
+        _ip("-n", self.ns[node], "link", "set", dev, "up" if up else "down")
+
+    def iface_bytes(self, node: str, iface: int = 0) -> int:
+        """Bytes sent plus received so far by ``node``'s interface ``eth{iface}`` (the
+        kernel's counters: what actually crossed that network)."""
+        out = _ip("-n", self.ns[node], "-j", "-s", "link", "show", "dev", self.devs[node][iface])
+        stats = json.loads(out.stdout)[0]["stats64"]
+        return int(stats["rx"]["bytes"]) + int(stats["tx"]["bytes"])
 
     def exec(self, node: str, argv: Sequence[str]) -> subprocess.CompletedProcess[str]:
         """Run a command inside ``node``'s namespace (``ip netns exec``)."""

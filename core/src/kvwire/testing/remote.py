@@ -32,26 +32,54 @@ parent with their original type when they can be pickled (e.g. ``DescriptorError
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import itertools
 import logging
 import multiprocessing
 import os
-import pickle
 import signal
 import threading
 import time
-import traceback
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass
 from multiprocessing.connection import Connection
-from typing import Any, NamedTuple, Self
+from typing import Any, Self
 
 import numpy as np
 from numpy.typing import NDArray
 
-from kvwire.layout import MemoryRegion
+from kvwire.testing.remote_child import agent_main
+from kvwire.testing.remote_common import (
+    POLL_INTERVAL_S,
+    Fill,
+    RemoteAgentDiedError,
+    RemoteAgentError,
+    RemoteAgentTimeoutError,
+    RemoteBuffer,
+    RemoteCallError,
+    RemoteNotification,
+    digest,
+    fill_bytes,
+    sampled_digest,
+)
+
+# The harness's public import path: the conformance suite, the benches and plugins' tests take
+# the agent together with its errors, buffers and digests from here (their definitions live in
+# kvwire.testing.remote_common, shared with the child process).
+__all__ = [
+    "DEFAULT_CALL_TIMEOUT_S",
+    "DEFAULT_START_TIMEOUT_S",
+    "Fill",
+    "RemoteAgent",
+    "RemoteAgentDiedError",
+    "RemoteAgentError",
+    "RemoteAgentTimeoutError",
+    "RemoteBuffer",
+    "RemoteCallError",
+    "RemoteNotification",
+    "digest",
+    "fill_bytes",
+    "sampled_digest",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -59,328 +87,6 @@ logger = logging.getLogger(__name__)
 DEFAULT_CALL_TIMEOUT_S = 30.0
 #: Default seconds the child may take to import kvwire and create its backend.
 DEFAULT_START_TIMEOUT_S = 60.0
-#: How often the child drives ``progress()`` / ``get_notifications()`` while idle.
-POLL_INTERVAL_S = 0.001
-
-#: How a buffer is initialised: ``None`` zeros, an ``int`` seeds random bytes, ``bytes`` repeat.
-Fill = int | bytes | None
-
-
-class RemoteAgentError(RuntimeError):
-    """The remote agent process could not serve a call."""
-
-
-class RemoteAgentDiedError(RemoteAgentError):
-    """The remote agent process is gone (it crashed, exited or was killed)."""
-
-
-class RemoteAgentTimeoutError(RemoteAgentError):
-    """The remote agent process did not answer in time (it may be stuck or suspended)."""
-
-
-class RemoteCallError(RemoteAgentError):
-    """A command failed in the child with an exception that could not be sent back as is."""
-
-
-def fill_bytes(nbytes: int, fill: Fill = None) -> NDArray[np.uint8]:
-    """A new writable ``uint8`` array of ``nbytes`` initialised as ``fill`` says.
-
-    The same ``(nbytes, fill)`` gives the same bytes in every process, so a test can model a
-    remote buffer's content without copying it over the pipe.
-    """
-    if nbytes <= 0:
-        raise ValueError(f"nbytes must be > 0, got {nbytes}")
-    if fill is None:
-        return np.zeros(nbytes, dtype=np.uint8)
-    if isinstance(fill, bool):
-        raise TypeError("fill must be None, an int seed or a bytes pattern, not bool")
-    if isinstance(fill, int):
-        rng = np.random.default_rng(fill)
-        return np.frombuffer(bytearray(rng.bytes(nbytes)), dtype=np.uint8)
-    if isinstance(fill, bytes | bytearray):
-        if not fill:
-            raise ValueError("a fill pattern must not be empty")
-        pattern = np.frombuffer(bytes(fill), dtype=np.uint8)
-        return np.tile(pattern, -(-nbytes // pattern.size))[:nbytes].copy()
-    raise TypeError(f"fill must be None, an int seed or a bytes pattern, got {type(fill).__name__}")
-
-
-def digest(data: Any) -> str:
-    """Hex BLAKE2b digest (16 bytes) of a bytes-like object or contiguous array."""
-    view = memoryview(data)
-    if not view.c_contiguous:
-        view = memoryview(bytes(view))
-    return hashlib.blake2b(view.cast("B"), digest_size=16).hexdigest()
-
-
-def sampled_digest(data: NDArray[np.uint8], stride: int = 1) -> str:
-    """The digest a notification snapshot holds for ``data`` watched with ``stride``."""
-    return digest(np.ascontiguousarray(data[::stride]))
-
-
-@dataclass(frozen=True)
-class RemoteBuffer:
-    """A buffer held by the child: ``nbytes`` at ``addr``, of which ``region`` is registered."""
-
-    name: str
-    addr: int
-    nbytes: int
-    region: MemoryRegion | None
-
-    @property
-    def end(self) -> int:
-        """One past the buffer's last byte."""
-        return self.addr + self.nbytes
-
-
-class RemoteNotification(NamedTuple):
-    """A notification drained by the child, with digests of its watched buffers taken then."""
-
-    peer: str
-    payload: bytes
-    #: ``{buffer name: digest}`` of every watched buffer, snapshotted when the notification
-    #: was drained: :func:`digest` of ``buf[offset:offset + length:stride]`` as watched
-    #: (:func:`sampled_digest` computes the expected value).
-    digests: dict[str, str]
-
-
-# ----------------------------------------------------------------------------- child side
-class _AgentServer:
-    """Runs in the child: owns the backend and the buffers, serves pipe commands."""
-
-    def __init__(self, conn: Connection, backend: Any) -> None:
-        self.conn = conn
-        self.backend = backend
-        self.buffers: dict[str, NDArray[np.uint8]] = {}
-        self.regions: dict[str, MemoryRegion | None] = {}
-        self.watched: dict[str, tuple[int, int | None, int]] = {}
-        self.pairs: dict[int, Any] = {}
-        self.handles: dict[int, Any] = {}
-        self.notes: list[RemoteNotification] = []
-
-    def serve(self) -> None:
-        while True:
-            try:
-                ready = self.conn.poll(POLL_INTERVAL_S)
-            except (EOFError, OSError):
-                return
-            if ready:
-                try:
-                    seq, cmd, args, kwargs = self.conn.recv()
-                except (EOFError, OSError):
-                    return  # parent gone
-                if cmd == "close":
-                    self._close_backend()
-                    self._send((seq, "ok", None))
-                    return
-                self._send((seq, *self._dispatch(cmd, args, kwargs)))
-            self._tick()
-
-    def _send(self, msg: tuple[Any, ...]) -> None:
-        try:
-            self.conn.send(msg)
-        except (OSError, ValueError):
-            logger.debug("remote agent: could not send a reply (parent gone?)")
-
-    def _dispatch(self, cmd: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, ...]:
-        fn = getattr(self, f"cmd_{cmd}", None)
-        if fn is None:
-            return ("err", None, "RemoteCallError", f"unknown command {cmd!r}", "")
-        try:
-            return ("ok", fn(*args, **kwargs))
-        except BaseException as exc:
-            return _error_reply(exc)
-
-    def _tick(self) -> None:
-        self.backend.progress()
-        notes = self.backend.get_notifications()
-        if notes:
-            # Copy first (fast, sampled), hash afterwards: the hash is slow for big buffers.
-            copies = {
-                n: self._span(n, off, length)[::stride].copy()
-                for n, (off, length, stride) in self.watched.items()
-            }
-            digests = {n: digest(c) for n, c in copies.items()}
-            for n in notes:
-                self.notes.append(RemoteNotification(str(n.peer), bytes(n.payload), digests))
-
-    def _close_backend(self) -> None:
-        try:
-            self.backend.close()
-        except Exception:
-            logger.exception("remote agent: backend close failed")
-
-    def _buf(self, name: str) -> NDArray[np.uint8]:
-        try:
-            return self.buffers[name]
-        except KeyError:
-            raise KeyError(f"no remote buffer named {name!r}") from None
-
-    def _span(self, name: str, offset: int, length: int | None) -> NDArray[np.uint8]:
-        buf = self._buf(name)
-        if length is None:
-            length = buf.size - offset
-        if offset < 0 or length < 0 or offset + length > buf.size:
-            raise IndexError(
-                f"span [{offset}, {offset + length}) is outside buffer {name!r} of {buf.size} B"
-            )
-        return buf[offset : offset + length]
-
-    # commands ---------------------------------------------------------------------------
-    def cmd_ping(self) -> int:
-        return os.getpid()
-
-    def cmd_allocate(
-        self,
-        name: str,
-        nbytes: int,
-        fill: Fill,
-        register: bool,
-        region_offset: int,
-        region_length: int | None,
-        watch: bool,
-    ) -> RemoteBuffer:
-        if name in self.buffers:
-            raise ValueError(f"a remote buffer named {name!r} already exists")
-        buf = fill_bytes(nbytes, fill)
-        addr = int(buf.ctypes.data)
-        region = None
-        if register:
-            length = nbytes - region_offset if region_length is None else region_length
-            if region_offset < 0 or length <= 0 or region_offset + length > nbytes:
-                raise ValueError(
-                    f"registered span [{region_offset}, {region_offset + length}) is not inside "
-                    f"the {nbytes} B buffer"
-                )
-            region = MemoryRegion.from_pointer(addr + region_offset, length, item_len=1)
-            self.backend.register([region])
-        self.buffers[name] = buf
-        self.regions[name] = region
-        if watch:
-            self.watched[name] = (0, None, 1)
-        return RemoteBuffer(name, addr, nbytes, region)
-
-    def cmd_free(self, name: str) -> None:
-        self._buf(name)
-        region = self.regions.pop(name)
-        if region is not None:
-            self.backend.deregister([region])
-        self.watched.pop(name, None)
-        del self.buffers[name]
-
-    def cmd_watch(
-        self, name: str, enabled: bool, offset: int, length: int | None, stride: int
-    ) -> None:
-        self._span(name, offset, length)  # validates the span
-        if stride < 1:
-            raise ValueError(f"stride must be >= 1, got {stride}")
-        if enabled:
-            self.watched[name] = (offset, length, stride)
-        else:
-            self.watched.pop(name, None)
-
-    def cmd_metadata(self) -> bytes:
-        return bytes(self.backend.local_metadata())
-
-    def cmd_read(self, name: str, offset: int, length: int | None) -> bytes:
-        return self._span(name, offset, length).tobytes()
-
-    def cmd_digest(self, name: str, offset: int, length: int | None) -> str:
-        return digest(self._span(name, offset, length))
-
-    def cmd_write(self, name: str, data: bytes, offset: int) -> None:
-        self._span(name, offset, len(data))[:] = np.frombuffer(data, dtype=np.uint8)
-
-    def cmd_notifications(self) -> list[RemoteNotification]:
-        self._tick()
-        out, self.notes = self.notes, []
-        return out
-
-    def cmd_add_peer(self, metadata: bytes) -> str:
-        return str(self.backend.add_peer(metadata))
-
-    def cmd_remove_peer(self, peer: str) -> None:
-        self.backend.remove_peer(peer)
-
-    def cmd_peers(self) -> list[str]:
-        return list(self.backend.peers())
-
-    def cmd_prepare(self, peer: str, local_table: Any, remote_table: Any) -> int:
-        pair = self.backend.prepare(peer, local_table, remote_table)
-        self.pairs[pair.id] = pair
-        return int(pair.id)
-
-    def cmd_release_prepared(self, pair_id: int) -> None:
-        self.backend.release_prepared(self._pair(pair_id))
-
-    def _pair(self, pair_id: int) -> Any:
-        try:
-            return self.pairs[pair_id]
-        except KeyError:
-            raise KeyError(f"no prepared pair {pair_id} in the remote agent") from None
-
-    def cmd_submit(
-        self, op: Any, pair_id: int, local_idx: Any, remote_idx: Any, notification: bytes | None
-    ) -> int:
-        handle = self.backend.submit(op, self._pair(pair_id), local_idx, remote_idx, notification)
-        self.handles[handle.id] = handle
-        return int(handle.id)
-
-    def _handle(self, handle_id: int) -> Any:
-        try:
-            return self.handles[handle_id]
-        except KeyError:
-            raise KeyError(f"no transfer handle {handle_id} in the remote agent") from None
-
-    def cmd_poll(self, handle_id: int) -> tuple[Any, str | None]:
-        handle = self._handle(handle_id)
-        self.backend.progress()
-        state = self.backend.poll(handle)
-        return state, handle.error
-
-    def cmd_release(self, handle_id: int) -> None:
-        self.backend.release(self._handle(handle_id))
-
-    def cmd_attribute(self, name: str) -> Any:
-        return getattr(self.backend, name)
-
-
-def _error_reply(exc: BaseException) -> tuple[Any, ...]:
-    tb = "".join(traceback.format_exception(exc))
-    try:
-        payload: BaseException | None = pickle.loads(pickle.dumps(exc))
-    except Exception:
-        payload = None
-    return ("err", payload, type(exc).__name__, str(exc), tb)
-
-
-def _agent_main(
-    conn: Connection, backend_name: str, options: dict[str, Any], agent_name: str
-) -> None:
-    """Entry point of the child process (must stay importable at module level for spawn)."""
-    from kvwire.config import KVWireConfig
-    from kvwire.selection import create_backend
-
-    try:
-        config = KVWireConfig(transfer_backend=backend_name, transfer_backend_options=options)
-        backend = create_backend(config, agent_name, need=())
-    except BaseException as exc:
-        conn.send((0, *_error_reply(exc)))
-        return
-    info = {
-        "pid": os.getpid(),
-        "backend": backend.name,
-        "agent_name": backend.agent_name,
-        "capabilities": backend.capabilities.model_dump(),
-    }
-    conn.send((0, "ok", info))
-    server = _AgentServer(conn, backend)
-    try:
-        server.serve()
-    finally:
-        if not backend.closed:
-            server._close_backend()
-        logger.debug("remote agent %s: exiting", agent_name)
 
 
 # ---------------------------------------------------------------------------- parent side
@@ -422,7 +128,7 @@ class RemoteAgent:
             return self
         parent_conn, child_conn = self._mp.Pipe(duplex=True)
         self._proc = self._mp.Process(
-            target=_agent_main,
+            target=agent_main,
             args=(child_conn, self.backend_name, self.options, self.agent_name),
             name=f"kvwire-remote-{self.agent_name}",
             daemon=True,

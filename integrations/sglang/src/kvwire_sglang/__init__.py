@@ -10,7 +10,8 @@ kvwire's options come from ``KVWIRE_*`` environment variables (``KVWIRE_TRANSFER
 :mod:`kvwire_sglang.layout`. Operator guide: ``docs/engines/sglang.md``.
 """
 
-from kvwire_sglang.layout import EngineFacts, UnsupportedKVArgsError, build_layout, engine_facts
+from kvwire_sglang.facts import EngineFacts, engine_facts
+from kvwire_sglang.layout import UnsupportedKVArgsError, build_layout
 from kvwire_sglang.plugin import BACKEND, register
 
 __all__ = [

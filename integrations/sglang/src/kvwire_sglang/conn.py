@@ -64,7 +64,8 @@ from kvwire.control.bootstrap_server import BootstrapServer
 from kvwire.errors import ConfigError, KVWireError
 from kvwire.layout import MemKind
 from kvwire.session import FailureReport, KVManager, KVPoll, KVReceiver, KVSender, Role
-from kvwire_sglang.layout import build_layout, current_facts
+from kvwire_sglang.facts import current_facts
+from kvwire_sglang.layout import build_layout
 
 logger = logging.getLogger(__name__)
 

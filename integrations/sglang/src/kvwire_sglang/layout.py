@@ -4,8 +4,9 @@ Both roles build their kvwire layout from the ``KVArgs`` SGLang fills at schedul
 (``PrefillBootstrapQueue._init_kv_manager`` / ``DecodePreallocQueue._init_kv_manager``), in
 :class:`~kvwire_sglang.conn.KvwireKVManager`'s constructor. ``KVArgs`` carries raw pointers and
 byte sizes only; the model facts kvwire also needs (total KV heads, layers, TP/PP/DP shape) come
-from :class:`EngineFacts`, which the plugin's hooks read from SGLang's scheduler while it builds
-the manager (:func:`engine_facts` sets them explicitly, e.g. in tests).
+from :class:`~kvwire_sglang.facts.EngineFacts`, which the plugin's hooks read from SGLang's
+scheduler while it builds the manager (:func:`~kvwire_sglang.facts.engine_facts` sets them
+explicitly, e.g. in tests).
 
 What maps, and how:
 
@@ -39,13 +40,9 @@ naming the field.
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
 import logging
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from typing import Any
-
-from pydantic import BaseModel, ConfigDict, Field
 
 from kvwire.layout import (
     DTYPE_SIZES,
@@ -57,6 +54,7 @@ from kvwire.layout import (
     ModelSpec,
     RankPosition,
 )
+from kvwire_sglang.facts import EngineFacts
 
 logger = logging.getLogger(__name__)
 
@@ -81,50 +79,6 @@ SUPPORTED_STATES = ("mamba", "request_row", "swa", "dsa")
 
 class UnsupportedKVArgsError(ValueError):
     """A ``KVArgs`` field describes something kvwire-sglang cannot move; names the field."""
-
-
-class EngineFacts(BaseModel):
-    """Model and parallel facts ``KVArgs`` does not carry (both roles, built at manager
-    construction). ``None``: unknown (taken from ``KVArgs`` where it has them)."""
-
-    model_config = ConfigDict(frozen=True, extra="forbid")
-
-    attn_tp_size: int = Field(default=1, ge=1)
-    pp_size: int = Field(default=1, ge=1)
-    dp_size: int = Field(default=1, ge=1)
-    num_layers: int | None = Field(default=None, ge=1, description="Layers of the whole model.")
-    total_kv_heads: int | None = Field(default=None, ge=1)
-    local_kv_heads: int | None = Field(default=None, ge=1, description="KV heads per rank.")
-    sliding_window: int | None = Field(
-        default=None, ge=1, description="SWA window in tokens (scheduler.sliding_window_size)."
-    )
-    draft_total_kv_heads: int | None = Field(
-        default=None, ge=1, description="KV heads of the whole draft model (heads-sharded draft)."
-    )
-    draft_local_kv_heads: int | None = Field(
-        default=None, ge=1, description="Draft KV heads per rank (the draft pool's head_num)."
-    )
-
-
-_FACTS: contextvars.ContextVar[EngineFacts | None] = contextvars.ContextVar(
-    "kvwire_sglang_facts", default=None
-)
-
-
-@contextlib.contextmanager
-def engine_facts(facts: EngineFacts) -> Iterator[EngineFacts]:
-    """Make ``facts`` what managers built inside the block use (the plugin's scheduler hooks
-    do this around SGLang's ``_init_kv_manager``; tests call it directly)."""
-    token = _FACTS.set(facts)
-    try:
-        yield facts
-    finally:
-        _FACTS.reset(token)
-
-
-def current_facts() -> EngineFacts:
-    """The facts set by :func:`engine_facts`, or defaults (TP 1, no PP, no DP)."""
-    return _FACTS.get() or EngineFacts()
 
 
 def _get(args: Any, name: str, default: Any = None) -> Any:

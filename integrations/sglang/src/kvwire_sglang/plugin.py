@@ -26,7 +26,7 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
-from kvwire_sglang.layout import EngineFacts, engine_facts
+from kvwire_sglang.facts import EngineFacts, engine_facts
 
 logger = logging.getLogger(__name__)
 

@@ -541,7 +541,7 @@ class MooncakeBackend(TransferBackend):
             else:
                 self._finish(x, XferState.FAILED, f"data landed but notification failed: {error}")
 
-        self._notify.send(x.peer, x.xid, x.notification, x.deadline, acked)
+        self._notify.tell(x.peer, x.xid, x.notification, x.deadline, acked)
 
     def _finish(self, x: _Xfer, state: XferState, error: str | None = None) -> None:
         with self._state_lock:

@@ -121,11 +121,12 @@ class NotifyChannel:
         """Close the socket to ``peer``; its unacknowledged notifications fail with ``reason``."""
         self._post(lambda: self._disconnect(peer, reason))
 
-    def send(
+    def tell(
         self, peer: str, xid: int, payload: bytes, deadline: float, callback: AckCallback
     ) -> None:
-        """Send a notification; ``callback`` reports its acknowledgement or failure."""
-        self._post(lambda: self._send(peer, xid, payload, deadline, callback))
+        """Tell ``peer`` a notification (a control frame of its own, after the data);
+        ``callback`` reports its acknowledgement or failure. Any thread."""
+        self._post(lambda: self._tell(peer, xid, payload, deadline, callback))
 
     def drain(self) -> list[Notification]:
         """Notifications received since the last call, each exactly once."""
@@ -179,7 +180,7 @@ class NotifyChannel:
         if pending is not None:
             pending.callback(False, reason)
 
-    def _send(
+    def _tell(
         self, peer: str, xid: int, payload: bytes, deadline: float, callback: AckCallback
     ) -> None:
         sock = self._dealers.get(peer)
@@ -199,6 +200,8 @@ class NotifyChannel:
         messages, acknowledgements or a command, serve them, expire overdue notifications."""
         dealers = list(self._dealers.items())
         events = dict(self._poller.poll(100))
+        if self._loop.wake_fd in events:
+            self._loop.drain_wake()
         if events.get(self._router):
             self._serve()
         for peer, sock in dealers:

@@ -41,21 +41,17 @@ Design (one NIXL agent per kvwire agent, i.e. per rank):
 
 from __future__ import annotations
 
-import atexit
 import collections
 import contextlib
 import logging
-import os
 import threading
 import time
-import weakref
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any
 
 import numpy as np
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel
 
 from kvwire.backend import (
     BackendCapabilities,
@@ -66,259 +62,29 @@ from kvwire.backend import (
     XferOp,
     XferState,
 )
-from kvwire.backends.envelope import (
-    pack_metadata,
-    region_rows,
-    regions_from_rows,
-    unpack_metadata,
+from kvwire.descriptors import DescTable
+from kvwire.errors import HandleError, KVWireError, PeerError
+from kvwire.layout import MemoryRegion
+from kvwire_nixl.agent import (
+    ENGINE,
+    MEM_TYPES,
+    convert_error,
+    create_agent,
+    describe,
+    fork_generation,
+    table_mem,
+    track,
+    untrack,
 )
-from kvwire.descriptors import ADDR, LEN, DescTable, locate_rows
-from kvwire.errors import (
-    ConfigError,
-    DescriptorError,
-    HandleError,
-    KVWireError,
-    PeerError,
-    TransferError,
-)
-from kvwire.layout import MemKind, MemoryRegion
-from kvwire_nixl import _engine
+from kvwire_nixl.metadata import pack_agent_metadata, peer_regions, unpack_peer_metadata
+from kvwire_nixl.options import RW_UCX_ENV_DEFAULTS, NixlOptions, apply_env
+from kvwire_nixl.records import PairRecord, PeerRecord, XferRecord
 
 logger = logging.getLogger(__name__)
 
-#: The NIXL build, imported when this module is (so a missing NIXL makes ``nixl`` unusable
-#: for ``--transfer-backend auto`` instead of failing later).
-ENGINE = _engine.load()
-
-METADATA_VERSION = 2
 #: Prefix of every notification kvwire sends through NIXL.
 NOTIF_TAG = b"\x6b"  # "k"
 _OPS = {XferOp.WRITE: "WRITE", XferOp.READ: "READ"}
-_MEM = {MemKind.DRAM: "DRAM", MemKind.VRAM: "VRAM"}
-_SYNC = {
-    "none": "NIXL_THREAD_SYNC_NONE",
-    "strict": "NIXL_THREAD_SYNC_STRICT",
-    "rw": "NIXL_THREAD_SYNC_RW",
-}
-_ENV_PREFIXES = ("UCX_", "NIXL_")
-
-
-def _scalar_to_str(value: object, what: str) -> str:
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, str | int | float):
-        return str(value)
-    raise ValueError(f"{what} must be a string, number or boolean, got {type(value).__name__}")
-
-
-class NixlOptions(BaseModel):
-    """Options of the ``nixl`` backend (``--transfer-backend-option key=value``, JSON values)."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    backends: list[str] = Field(
-        default_factory=lambda: ["UCX"],
-        min_length=1,
-        description="NIXL backend plugins to create, in order (e.g. UCX, LIBFABRIC).",
-    )
-    backend_params: dict[str, dict[str, str]] = Field(
-        default_factory=dict,
-        description='Init parameters per backend, e.g. {"UCX": {"ucx_error_handling_mode": '
-        '"none"}}; values are passed to NIXL as strings.',
-    )
-    ucx_env: dict[str, str] = Field(
-        default_factory=dict,
-        description="UCX_*/NIXL_* environment variables set before the agent is created, only "
-        "where not already set (the process environment wins).",
-    )
-    num_threads: int = Field(
-        default=0, ge=0, le=1024, description="Worker threads of multi-threaded backends."
-    )
-    progress: Literal["owner", "thread"] = Field(
-        default="owner",
-        description="owner: kvwire's owner loop drives progress (NIXL's thread off); "
-        "thread: NIXL's own progress thread (busy-spins one core).",
-    )
-    sync_mode: Literal["none", "strict", "rw"] = Field(
-        default="rw",
-        description="NIXL's internal thread sync. rw: transfers post and complete "
-        "concurrently (shared lock; peers, lists and memory take it exclusively); strict: "
-        "NIXL serialises every call on one mutex; none: NIXL does not lock, so kvwire "
-        "serialises every NIXL call of the agent on one lock of its own.",
-    )
-    transfer_timeout_s: float | None = Field(
-        default=120.0, gt=0, description="A transfer not finished by then fails (None: never)."
-    )
-
-    @field_validator("backends", mode="before")
-    @classmethod
-    def _split_backends(cls, value: object) -> object:
-        if isinstance(value, str):
-            return [b.strip() for b in value.split(",") if b.strip()]
-        return value
-
-    @field_validator("backends")
-    @classmethod
-    def _unique_backends(cls, value: list[str]) -> list[str]:
-        if any(not b for b in value):
-            raise ValueError("backend names must be non-empty")
-        if len(set(value)) != len(value):
-            raise ValueError(f"backends are listed twice: {value}")
-        return value
-
-    @field_validator("backend_params", mode="before")
-    @classmethod
-    def _stringify_params(cls, value: object) -> object:
-        if not isinstance(value, Mapping):
-            return value
-        out: dict[object, object] = {}
-        for backend, params in value.items():
-            if isinstance(params, Mapping):
-                out[backend] = {
-                    k: _scalar_to_str(v, f"backend_params[{backend!r}][{k!r}]")
-                    for k, v in params.items()
-                }
-            else:
-                out[backend] = params
-        return out
-
-    @field_validator("ucx_env", mode="before")
-    @classmethod
-    def _stringify_env(cls, value: object) -> object:
-        if not isinstance(value, Mapping):
-            return value
-        return {k: _scalar_to_str(v, f"ucx_env[{k!r}]") for k, v in value.items()}
-
-    @field_validator("ucx_env")
-    @classmethod
-    def _env_names(cls, value: dict[str, str]) -> dict[str, str]:
-        for key in value:
-            if not key.startswith(_ENV_PREFIXES) or not key.replace("_", "").isalnum():
-                raise ValueError(
-                    f"ucx_env key {key!r} is not a UCX_* or NIXL_* environment variable name"
-                )
-        return value
-
-    @model_validator(mode="after")
-    def _params_for_known_backends(self) -> NixlOptions:
-        unknown = sorted(set(self.backend_params) - set(self.backends))
-        if unknown:
-            raise ValueError(
-                f"backend_params names backends {unknown} that are not in backends {self.backends}"
-            )
-        return self
-
-    def init_params(self, backend: str) -> dict[str, str]:
-        """Init parameters passed to ``create_backend`` for ``backend``."""
-        params = dict(self.backend_params.get(backend, {}))
-        if self.num_threads and backend in ("UCX", "OBJ", "LIBFABRIC"):
-            params.setdefault("num_threads", str(self.num_threads))
-        elif self.num_threads and backend == "GDS_MT":
-            params.setdefault("thread_count", str(self.num_threads))
-        return params
-
-
-def apply_env(env: Mapping[str, str]) -> dict[str, str]:
-    """Set each variable of ``env`` not already in the environment; return those set."""
-    applied = {}
-    for key, value in env.items():
-        if key not in os.environ:
-            os.environ[key] = value
-            applied[key] = value
-    return applied
-
-
-#: UCX settings an agent with ``sync_mode="rw"`` applies before it is created, unless already
-#: set (by the environment or ``ucx_env``). In that mode UCX runs its worker in multi-thread
-#: mode, guarded by a spinlock by default; over ``cma`` the copy of a ``transfer`` runs inside
-#: that lock, so other threads posting or checking transfers spin for milliseconds on cores
-#: the copies need (measured on 2 vCPUs: 4 posting threads took ~40% longer). A mutex lets
-#: them sleep. UCX reads it per context; it does not affect single-threaded workers.
-RW_UCX_ENV_DEFAULTS = {"UCX_USE_MT_MUTEX": "y"}
-
-
-# ----------------------------------------------------------------------------- state
-# Locks, in the order they may be taken: a transfer's ``_Xfer.lock``, then the backend's
-# bookkeeping lock (``NixlBackend._state``), then (with sync_mode="none" only) the engine
-# lock around one NIXL call. The bookkeeping lock is never held across a NIXL call.
-@dataclass(eq=False)
-class _Peer:
-    name: str
-    regions: list[MemoryRegion]
-    #: Transfers posted to this peer whose NIXL handle is not freed yet.
-    xfers: set[_Xfer] = field(default_factory=set)
-    #: Submits to this peer between their first check and publishing (or freeing) the handle.
-    busy: int = 0
-    #: Set (under the bookkeeping lock) when the peer is removed or the agent closes.
-    removed: bool = False
-
-
-@dataclass(eq=False)
-class _Prepared:
-    """Backend state of a :class:`PreparedPair`: the two prepared NIXL descriptor lists."""
-
-    peer: _Peer
-    local: Any  # None once freed
-    remote: Any
-    local_mem: str
-    remote_mem: str
-    #: Submits inside ``make_prepped_xfer`` with these lists right now.
-    users: int = 0
-    released: bool = False
-
-
-@dataclass(eq=False)
-class _Xfer:
-    """Backend state of a :class:`TransferHandle`.
-
-    ``lock`` is held by whichever thread posts, checks or frees ``nixl`` (and only then):
-    state changes happen under it, so the handle is freed exactly once and never in use.
-    """
-
-    peer: _Peer
-    nixl: Any  # nixl_xfer_handle; None once freed
-    deadline: float | None
-    state: XferState = XferState.PENDING
-    error: str | None = None
-    lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
-
-    def finish(self, state: XferState, error: str | None = None) -> None:
-        if self.state is XferState.PENDING:
-            self.state = state
-            self.error = error
-
-
-def _describe(exc: BaseException) -> str:
-    text = str(exc).strip()
-    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
-
-
-def _is_nixl_error(exc: BaseException, *names: str) -> bool:
-    return type(exc).__name__ in names and isinstance(exc, ENGINE.errors)
-
-
-# Backends still open, closed at interpreter exit (a NIXL agent torn down by the garbage
-# collector during finalisation can crash the process).
-_live: weakref.WeakSet[NixlBackend] = weakref.WeakSet()
-_fork_generation = 0
-
-
-def _after_fork_in_child() -> None:
-    global _fork_generation
-    _fork_generation += 1
-
-
-os.register_at_fork(after_in_child=_after_fork_in_child)
-
-
-@atexit.register
-def _close_all_at_exit() -> None:
-    for backend in list(_live):
-        if backend._generation == _fork_generation:
-            try:
-                backend.close()
-            except Exception:  # exit must go on
-                logger.debug("closing %s at exit failed", backend.agent_name, exc_info=True)
 
 
 # ---------------------------------------------------------------------------- backend
@@ -341,7 +107,7 @@ class NixlBackend(TransferBackend):
     def __init__(self, agent_name: str, options: BaseModel | None = None) -> None:
         super().__init__(agent_name, options)
         opts = self.options
-        self._generation = _fork_generation
+        self._generation = fork_generation()
         self._agent: Any = None
         #: Bookkeeping lock: peers, their pending transfers and busy counts, pair users,
         #: deferred releases, ``_closing``. Never held across a NIXL call.
@@ -353,7 +119,7 @@ class NixlBackend(TransferBackend):
             threading.RLock() if opts.sync_mode == "none" else contextlib.nullcontext()
         )
         self._closing = False
-        self._peers: dict[str, _Peer] = {}
+        self._peers: dict[str, PeerRecord] = {}
         self._reg: dict[MemoryRegion, Any] = {}
         self._notes: collections.deque[Notification] = collections.deque()
         self._deferred: list[Any] = []  # NIXL xfer handles whose release failed; retried
@@ -363,38 +129,8 @@ class NixlBackend(TransferBackend):
         self.applied_env = apply_env(opts.ucx_env)
         #: Environment variables this agent set from :data:`RW_UCX_ENV_DEFAULTS`.
         self.applied_defaults = apply_env(RW_UCX_ENV_DEFAULTS) if opts.sync_mode == "rw" else {}
-        api = ENGINE.api
-        conf = api.nixl_agent_config(
-            enable_prog_thread=opts.progress == "thread",
-            enable_listen_thread=False,
-            backends=[],
-            sync_mode=api.nixl_thread_sync_t[_SYNC[opts.sync_mode]],
-        )
-        try:
-            agent = api.nixl_agent(agent_name, conf)
-        except Exception as exc:
-            raise TransferError(
-                f"NIXL agent {agent_name!r} could not be created ({ENGINE.distribution} "
-                f"{ENGINE.version}): {_describe(exc)}"
-            ) from exc
-        available = list(agent.get_plugin_list())
-        for b in opts.backends:
-            if b not in available:
-                raise ConfigError(
-                    f"NIXL backend plugin {b!r} is not available in {ENGINE.distribution} "
-                    f"{ENGINE.version}; available: {', '.join(sorted(available)) or 'none'}"
-                )
-            params = opts.init_params(b)
-            try:
-                agent.create_backend(b, params)
-            except Exception as exc:
-                raise ConfigError(
-                    f"NIXL could not create backend {b!r} with parameters {params}: "
-                    f"{_describe(exc)}. Accepted parameters and defaults: "
-                    f"{agent.get_plugin_params(b)}"
-                ) from exc
-        self._agent = agent
-        _live.add(self)
+        self._agent = create_agent(agent_name, opts)
+        track(self)
         logger.debug(
             "%s: NIXL agent created (%s %s, backends %s, progress %s, sync %s)",
             agent_name,
@@ -408,7 +144,7 @@ class NixlBackend(TransferBackend):
     # ----------------------------------------------------------------- engine glue
     def _require_agent(self) -> Any:
         """The NIXL agent (any thread; the caller keeps a reference while it uses it)."""
-        if self._generation != _fork_generation:
+        if self._generation != fork_generation():
             raise PeerError(
                 f"nixl agent {self.agent_name!r} was created in a parent process: NIXL is not "
                 "fork-safe, create the backend in the child (use the spawn start method)"
@@ -417,27 +153,6 @@ class NixlBackend(TransferBackend):
         if agent is None:
             raise PeerError(f"backend 'nixl' agent {self.agent_name!r} is closed")
         return agent
-
-    @staticmethod
-    def _convert(
-        exc: Exception,
-        what: str,
-        descriptor: tuple[str, ...] = (),
-        peer: str | None = None,
-        op: XferOp | None = None,
-    ) -> KVWireError:
-        """The kvwire error for ``exc`` raised by NIXL call ``what``.
-
-        NIXL errors named in ``descriptor`` become :class:`DescriptorError`; a remote
-        disconnect becomes :class:`PeerError`; anything else :class:`TransferError`.
-        """
-        msg = f"NIXL {what} failed: {_describe(exc)}"
-        if descriptor and _is_nixl_error(exc, *descriptor):
-            return DescriptorError(msg)
-        operation = None if op is None else op.value
-        if _is_nixl_error(exc, "nixlRemoteDisconnectError"):
-            return PeerError(msg, peer=peer, operation=operation)
-        return TransferError(msg, peer=peer, operation=operation)
 
     @contextmanager
     def _nixl(
@@ -449,16 +164,17 @@ class NixlBackend(TransferBackend):
         op: XferOp | None = None,
     ) -> Iterator[None]:
         """One NIXL call: takes the engine lock (sync_mode="none" only) and converts
-        exceptions raised inside into kvwire errors (see :meth:`_convert`)."""
+        exceptions raised inside into kvwire errors (see
+        :func:`~kvwire_nixl.agent.convert_error`)."""
         try:
             with self._serial:
                 yield
         except KVWireError:
             raise
         except Exception as exc:
-            raise self._convert(exc, what, descriptor, peer, op) from exc
+            raise convert_error(exc, what, descriptor, peer, op) from exc
 
-    def _free(self, x: _Xfer) -> None:
+    def _free(self, x: XferRecord) -> None:
         """Release the NIXL handle of ``x`` once; defer it if NIXL refuses.
 
         Call with ``x.lock`` held (or before ``x`` is published): nobody else can be using
@@ -496,7 +212,7 @@ class NixlBackend(TransferBackend):
             with self._serial:
                 got = agent.get_new_notifs()
         except Exception as exc:
-            logger.warning("%s: NIXL get_new_notifs failed: %s", self.agent_name, _describe(exc))
+            logger.warning("%s: NIXL get_new_notifs failed: %s", self.agent_name, describe(exc))
             return
         foreign = 0
         for peer, msgs in got.items():
@@ -522,7 +238,7 @@ class NixlBackend(TransferBackend):
             row = np.array([[r.addr, r.length, r.device_id]], dtype=np.uint64)
             try:
                 with self._nixl(f"register_memory of {r.kind.name} {r.addr:#x} (+{r.length} B)"):
-                    descs = agent.register_memory(row, _MEM[r.kind])
+                    descs = agent.register_memory(row, MEM_TYPES[r.kind])
             except KVWireError:
                 for _, d in done:
                     try:
@@ -538,7 +254,7 @@ class NixlBackend(TransferBackend):
         agent = self._agent  # after close() there is nothing left to deregister
         for r in regions:
             descs = self._reg.pop(r, None)
-            if descs is None or agent is None or self._generation != _fork_generation:
+            if descs is None or agent is None or self._generation != fork_generation():
                 continue
             try:
                 with self._serial:
@@ -548,7 +264,7 @@ class NixlBackend(TransferBackend):
                     "%s: NIXL deregister_memory of %#x failed: %s",
                     self.agent_name,
                     r.addr,
-                    _describe(exc),
+                    describe(exc),
                 )
 
     # ----------------------------------------------------------------------- peers
@@ -559,35 +275,20 @@ class NixlBackend(TransferBackend):
             agent = self._require_agent()
             with self._nixl("get_agent_metadata"):
                 md = bytes(agent.get_agent_metadata())
-            regions = region_rows(self._reg)
-        return pack_metadata(
-            self.name,
-            METADATA_VERSION,
-            name=self.agent_name,
-            nixl=f"{ENGINE.distribution} {ENGINE.version}",
-            regions=regions,
-            md=md,
-        )
-
-    def _decode_metadata(self, metadata: bytes) -> dict[str, Any]:
-        meta = unpack_metadata(metadata, self.name, METADATA_VERSION, "kvwire-nixl")
-        name, md = meta.get("name"), meta.get("md")
-        if not isinstance(name, str) or not name:
-            raise ValueError(f"nixl metadata names no agent (name {name!r})")
-        if not isinstance(md, bytes) or not md:
-            raise ValueError("nixl metadata carries no NIXL agent metadata")
-        return meta
+            return pack_agent_metadata(
+                self.agent_name, f"{ENGINE.distribution} {ENGINE.version}", self._reg, md
+            )
 
     def _peer_name(self, metadata: bytes) -> str:
-        return str(self._decode_metadata(metadata)["name"])
+        return str(unpack_peer_metadata(metadata)["name"])
 
     def peers(self) -> list[str]:
         with self._state:
             return list(self._peers)
 
     def _add_peer(self, name: str, metadata: bytes) -> None:
-        meta = self._decode_metadata(metadata)
-        regions = regions_from_rows(meta.get("regions"), "nixl", name)
+        meta = unpack_peer_metadata(metadata)
+        regions = peer_regions(meta, name)
         agent = self._require_agent()
         with self._nixl(f"add_remote_agent({name!r})", peer=name):
             loaded = agent.add_remote_agent(meta["md"])
@@ -603,9 +304,9 @@ class NixlBackend(TransferBackend):
                 peer=name,
             )
         with self._state:
-            self._peers[name] = _Peer(name, regions)
+            self._peers[name] = PeerRecord(name, regions)
 
-    def _retire(self, peers: list[_Peer], why: str) -> None:
+    def _retire(self, peers: list[PeerRecord], why: str) -> None:
         """Refuse new submits to ``peers``, wait for those in progress, then fail and free
         every pending transfer (each under its own lock, after any poll of it returned)."""
         with self._state:
@@ -633,7 +334,7 @@ class NixlBackend(TransferBackend):
                 agent.remove_remote_agent(peer)
         except Exception as exc:
             logger.warning(
-                "%s: NIXL remove_remote_agent(%r) failed: %s", self.agent_name, peer, _describe(exc)
+                "%s: NIXL remove_remote_agent(%r) failed: %s", self.agent_name, peer, describe(exc)
             )
 
     def _peer_regions(self, peer: str) -> list[MemoryRegion] | None:
@@ -642,36 +343,14 @@ class NixlBackend(TransferBackend):
         return None if p is None else p.regions
 
     # --------------------------------------------------------------------- prepare
-    @staticmethod
-    def _table_mem(table: DescTable, regions: Sequence[MemoryRegion], what: str) -> str:
-        """NIXL memory type of a table's rows: all DRAM or all VRAM."""
-        order = sorted(regions, key=lambda r: r.addr)
-        starts = np.array([r.addr for r in order], dtype=np.uint64)
-        ends = np.array([r.end for r in order], dtype=np.uint64)
-        pos = locate_rows(starts, ends, table[:, ADDR], table[:, LEN])
-        if (pos < 0).any():
-            i = int(np.argmax(pos < 0))
-            raise DescriptorError(
-                f"{what}: row {i} (addr {int(table[i, ADDR]):#x}) is not in a registered region"
-            )
-        vram = np.array([r.kind is MemKind.VRAM for r in order], dtype=bool)[pos]
-        if vram.all():
-            return "VRAM"
-        if not vram.any():
-            return "DRAM"
-        raise DescriptorError(
-            f"{what} mixes DRAM and VRAM rows ({int(vram.sum())} of {vram.size} in VRAM); NIXL "
-            "prepares one memory type per descriptor list: build one table per memory kind"
-        )
-
     def _prepare(self, pair: PreparedPair, local: DescTable, remote: DescTable) -> Any:
         agent = self._require_agent()
         with self._state:
             p = self._peers.get(pair.peer)
         if p is None:
             raise PeerError(f"peer {pair.peer!r} is not known", peer=pair.peer)
-        local_mem = self._table_mem(local, self._regions, "local table")
-        remote_mem = self._table_mem(remote, p.regions, f"remote table for {pair.peer!r}")
+        local_mem = table_mem(local, self._regions, "local table")
+        remote_mem = table_mem(remote, p.regions, f"remote table for {pair.peer!r}")
         bad = ("nixlNotFoundError", "nixlInvalidParamError", "nixlMismatchError")
         with self._nixl(
             f"prep_xfer_dlist of the local table ({local.shape[0]} {local_mem} rows)",
@@ -690,10 +369,10 @@ class NixlBackend(TransferBackend):
             with self._serial:
                 lh.release()
             raise
-        return _Prepared(p, lh, rh, local_mem, remote_mem)
+        return PairRecord(p, lh, rh, local_mem, remote_mem)
 
     def _release_prepared(self, pair: PreparedPair) -> None:
-        st: _Prepared | None = pair.state
+        st: PairRecord | None = pair.state
         if st is None:
             return
         with self._state:
@@ -702,7 +381,7 @@ class NixlBackend(TransferBackend):
                 self._quiet.wait()
             handles = (st.local, st.remote)
             st.local = st.remote = None
-        if self._agent is None or self._generation != _fork_generation:
+        if self._agent is None or self._generation != fork_generation():
             return  # the agent (and its lists) is gone
         for h in handles:
             if h is None:
@@ -715,7 +394,7 @@ class NixlBackend(TransferBackend):
                     "%s: NIXL release of a prepared list for %r failed: %s",
                     self.agent_name,
                     pair.peer,
-                    _describe(exc),
+                    describe(exc),
                 )
 
     # -------------------------------------------------------------------- transfer
@@ -728,7 +407,7 @@ class NixlBackend(TransferBackend):
         notification: bytes | None,
         handle: TransferHandle,
     ) -> Any:
-        st: _Prepared = pair.state
+        st: PairRecord = pair.state
         p = st.peer
         msg = b"" if notification is None else NOTIF_TAG + bytes(notification)
         timeout = self.options.transfer_timeout_s
@@ -760,12 +439,12 @@ class NixlBackend(TransferBackend):
         agent: Any,
         op: XferOp,
         pair: PreparedPair,
-        st: _Prepared,
+        st: PairRecord,
         local_idx: np.ndarray,
         remote_idx: np.ndarray,
         msg: bytes,
         timeout: float | None,
-    ) -> _Xfer:
+    ) -> XferRecord:
         """make_prepped_xfer + transfer with no lock but the new transfer's own (the pair's
         user count and the peer's busy count keep lists and peer alive meanwhile)."""
         try:
@@ -775,7 +454,7 @@ class NixlBackend(TransferBackend):
                     _OPS[op], st.local, local_idx, st.remote, remote_idx, msg
                 )
         except Exception as exc:
-            raise self._convert(
+            raise convert_error(
                 exc,
                 f"make_prepped_xfer ({op.name}, {local_idx.size} rows, peer {pair.peer!r})",
                 ("nixlInvalidParamError", "nixlMismatchError"),
@@ -788,7 +467,7 @@ class NixlBackend(TransferBackend):
                 if not st.users and st.released:
                     self._quiet.notify_all()
         p = st.peer
-        x = _Xfer(p, h, None if timeout is None else time.monotonic() + timeout)
+        x = XferRecord(p, h, None if timeout is None else time.monotonic() + timeout)
         with x.lock:
             with self._state:
                 gone = p.removed or self._closing
@@ -803,7 +482,7 @@ class NixlBackend(TransferBackend):
                     status = agent.transfer(h)
             except Exception as exc:
                 self._free(x)
-                raise self._convert(
+                raise convert_error(
                     exc, f"transfer ({op.name} to {pair.peer!r})", (), pair.peer, op
                 ) from exc
             if status == "DONE":
@@ -815,7 +494,7 @@ class NixlBackend(TransferBackend):
         return x
 
     def _poll(self, handle: TransferHandle) -> XferState:
-        x: _Xfer = handle.state
+        x: XferRecord = handle.state
         if x.state is XferState.PENDING:
             with x.lock:
                 self._check(x)
@@ -823,7 +502,7 @@ class NixlBackend(TransferBackend):
             handle.error = x.error
         return x.state
 
-    def _check(self, x: _Xfer) -> None:
+    def _check(self, x: XferRecord) -> None:
         """Update a pending transfer from NIXL (``x.lock`` held)."""
         if x.state is not XferState.PENDING or x.nixl is None:
             return
@@ -835,7 +514,7 @@ class NixlBackend(TransferBackend):
             with self._serial:
                 status = agent.check_xfer_state(x.nixl)
         except Exception as exc:
-            x.finish(XferState.FAILED, f"NIXL check_xfer_state raised {_describe(exc)}")
+            x.finish(XferState.FAILED, f"NIXL check_xfer_state raised {describe(exc)}")
             self._free(x)
             return
         if status == "DONE":
@@ -852,7 +531,7 @@ class NixlBackend(TransferBackend):
             )
 
     def _release(self, handle: TransferHandle) -> None:
-        x: _Xfer = handle.state
+        x: XferRecord = handle.state
         with x.lock:
             if x.nixl is not None:
                 x.finish(XferState.FAILED, "released while pending")
@@ -863,7 +542,7 @@ class NixlBackend(TransferBackend):
         """Drive NIXL (UCX) progress and buffer notifications; call from the owner loop.
         Takes no kvwire lock across NIXL calls (owner loop: concurrent with workers)."""
         agent = self._agent
-        if agent is None or self._generation != _fork_generation:
+        if agent is None or self._generation != fork_generation():
             return
         self._drain_notifs(agent)
         if self._deferred:
@@ -871,7 +550,7 @@ class NixlBackend(TransferBackend):
 
     def get_notifications(self) -> list[Notification]:
         agent = self._agent
-        if agent is not None and self._generation == _fork_generation:
+        if agent is not None and self._generation == fork_generation():
             self._drain_notifs(agent)
         out = []
         while True:
@@ -885,8 +564,8 @@ class NixlBackend(TransferBackend):
         agent = self._agent
         if agent is None:
             return
-        _live.discard(self)
-        if self._generation != _fork_generation:
+        untrack(self)
+        if self._generation != fork_generation():
             # A forked child must not tear down its parent's agent: leave it alone.
             self._agent = None
             return

@@ -36,386 +36,37 @@ without GPUs and for tests. Prints markdown tables last; ``--json`` writes every
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import functools
 import json
 import multiprocessing as mp
 import os
 import platform
-import re
 import statistics
 import sys
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import Any
 
 import numpy as np
 
-KiB = 1 << 10
-MiB = 1 << 20
-GiB = 1 << 30
-
-DEFAULT_CASES = "1x1GiB,4096x256KiB,65536x16KiB"
-DEFAULT_CHUNKS = "1,64,1024,8192,65536"
-DEFAULT_CHUNK_ROW = "16KiB"
-#: The ratio to a torch peer copy that kvwire should reach for large requests.
-TARGET_RATIO = 0.8
-METHODS = ("kvwire", "raw_prepped", "raw_oneshot", "torch_peer")
-NIXL_METHODS = METHODS[:3]
+from kvwire_nixl.gpu_bench_args import Case, Settings, chunk_reps, parse_args
+from kvwire_nixl.gpu_bench_report import (
+    CaseResult,
+    ChunkResult,
+    MethodTimes,
+    render,
+    summarize,
+    to_json,
+)
 
 # The source holds 64-bit word ``w`` = ``w * _MUL + _ADD``: every word differs, so a row
 # written to the wrong place (or not at all) fails the target's check. No overflow below
 # 2**32 words (32 GiB).
 _MUL = 2654435761
 _ADD = 12345
-
-_UNITS = {"": 1, "b": 1, "k": KiB, "kib": KiB, "m": MiB, "mib": MiB, "g": GiB, "gib": GiB}
-
-
-# ----------------------------------------------------------------------------- arguments
-def parse_size(text: str) -> int:
-    """Bytes in ``text``: a whole number with an optional binary unit (``16KiB``, ``1g``)."""
-    m = re.fullmatch(r"\s*(\d+)\s*([A-Za-z]*)\s*", text)
-    if m is None or m.group(2).lower() not in _UNITS:
-        raise ValueError(f"not a size: {text!r} (use e.g. 4096, 16KiB, 256MiB, 1GiB)")
-    value = int(m.group(1)) * _UNITS[m.group(2).lower()]
-    if value <= 0:
-        raise ValueError(f"size must be positive: {text!r}")
-    return value
-
-
-def format_size(nbytes: int) -> str:
-    """``nbytes`` with the largest binary unit that divides it (``256 KiB``, ``1 GiB``)."""
-    for unit, scale in (("GiB", GiB), ("MiB", MiB), ("KiB", KiB)):
-        if nbytes % scale == 0:
-            return f"{nbytes // scale} {unit}"
-    return f"{nbytes} B"
-
-
-@dataclass(frozen=True)
-class Case:
-    """One throughput case: ``count`` descriptors of ``size`` bytes."""
-
-    count: int
-    size: int
-
-    @property
-    def nbytes(self) -> int:
-        return self.count * self.size
-
-    @property
-    def label(self) -> str:
-        return f"{self.count} x {format_size(self.size)}"
-
-
-def parse_cases(text: str) -> list[Case]:
-    """Cases from ``COUNTxSIZE`` items separated by commas (``1x1GiB,4096x256KiB``)."""
-    cases = []
-    for item in text.split(","):
-        if not item.strip():
-            continue
-        count, sep, size = item.strip().partition("x")
-        if not sep or not count.strip().isdigit():
-            raise ValueError(f"a case is COUNTxSIZE (e.g. 4096x256KiB), got {item.strip()!r}")
-        case = Case(int(count), parse_size(size))
-        if case.count <= 0:
-            raise ValueError(f"case {item.strip()!r} has no descriptors")
-        if case.size % 8:
-            raise ValueError(f"case {item.strip()!r}: the size must be a multiple of 8 bytes")
-        cases.append(case)
-    if not cases:
-        raise ValueError("no case given")
-    return cases
-
-
-def parse_chunks(text: str) -> list[int]:
-    """Chunk sizes (descriptors per chunk) separated by commas; an empty string: none."""
-    out = []
-    for item in text.split(","):
-        if item.strip():
-            if not item.strip().isdigit() or int(item) <= 0:
-                raise ValueError(f"a chunk size is a positive whole number, got {item.strip()!r}")
-            out.append(int(item))
-    return out
-
-
-def build_parser() -> argparse.ArgumentParser:
-    """The command line of ``python -m kvwire_nixl.gpu_bench``."""
-    p = argparse.ArgumentParser(
-        prog="python -m kvwire_nixl.gpu_bench",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    p.add_argument("--device", choices=("cuda", "cpu"), default="cuda", help="memory to use")
-    p.add_argument("--gpu", type=int, default=0, help="the initiator's GPU (this process)")
-    p.add_argument("--target-gpu", type=int, default=1, help="the target process's GPU")
-    p.add_argument("--cases", default=DEFAULT_CASES, help="COUNTxSIZE,... (WRITE cases)")
-    p.add_argument("--repeat", type=int, default=30, help="timed rounds per case")
-    p.add_argument(
-        "--chunks", default=DEFAULT_CHUNKS, help="descriptors per chunk, comma-separated ('' none)"
-    )
-    p.add_argument("--chunk-row", default=DEFAULT_CHUNK_ROW, help="bytes per chunk descriptor")
-    p.add_argument(
-        "--chunk-repeat", type=int, default=50, help="timed rounds per chunk size (fewer for big)"
-    )
-    p.add_argument(
-        "--option",
-        action="append",
-        metavar="KEY=VALUE",
-        help="nixl backend option (JSON values accepted); repeatable",
-    )
-    p.add_argument(
-        "--remote-layout",
-        choices=("shuffled", "contiguous"),
-        default="shuffled",
-        help="target rows: shuffled over twice the span (nothing can merge; the default) or "
-        "contiguous in order (NIXL may merge neighbouring descriptors)",
-    )
-    p.add_argument("--json", metavar="PATH", help="write every figure to this file")
-    return p
-
-
-@dataclass
-class Settings:
-    """Parsed and checked arguments."""
-
-    device: str
-    gpu: int
-    target_gpu: int
-    cases: list[Case]
-    repeat: int
-    chunks: list[int]
-    chunk_row: int
-    chunk_repeat: int
-    options: dict[str, Any]
-    json_path: str | None
-    remote_layout: str = "shuffled"
-
-    @property
-    def local_device(self) -> str:
-        return f"cuda:{self.gpu}" if self.device == "cuda" else "cpu"
-
-    @property
-    def target_device(self) -> str:
-        return f"cuda:{self.target_gpu}" if self.device == "cuda" else "cpu"
-
-    @property
-    def source_bytes(self) -> int:
-        """Bytes of the source buffer: the largest case, or the chunk table if larger."""
-        chunk_span = max(self.chunks, default=0) * self.chunk_row
-        return max([c.nbytes for c in self.cases] + [chunk_span])
-
-
-def parse_args(argv: Sequence[str] | None = None) -> Settings:
-    """Parse and check the command line (argparse errors exit with status 2)."""
-    from kvwire.config import parse_options
-
-    parser = build_parser()
-    a = parser.parse_args(argv)
-    try:
-        cases = parse_cases(a.cases)
-        chunks = parse_chunks(a.chunks)
-        chunk_row = parse_size(a.chunk_row)
-        options = parse_options(a.option, "--option")
-    except Exception as exc:
-        parser.error(str(exc))
-    if chunk_row % 8:
-        parser.error("--chunk-row must be a multiple of 8 bytes")
-    if a.repeat < 1 or a.chunk_repeat < 1:
-        parser.error("--repeat and --chunk-repeat must be at least 1")
-    if a.device == "cuda" and a.gpu == a.target_gpu:
-        parser.error("--gpu and --target-gpu must differ (one process per GPU)")
-    return Settings(
-        a.device,
-        a.gpu,
-        a.target_gpu,
-        cases,
-        a.repeat,
-        chunks,
-        chunk_row,
-        a.chunk_repeat,
-        options,
-        a.json,
-        a.remote_layout,
-    )
-
-
-def chunk_reps(rows: int, repeat: int) -> int:
-    """Timed rounds for a chunk of ``rows`` descriptors: ``repeat``, fewer above 1024 rows."""
-    if rows <= 1024:
-        return repeat
-    return max(10, repeat * 1024 // rows)
-
-
-# ------------------------------------------------------------------------------- results
-@dataclass
-class MethodTimes:
-    """Times of one method in one case, seconds."""
-
-    total_s: list[float] = field(default_factory=list)
-    submit_s: list[float] = field(default_factory=list)
-
-    def add(self, total: float, submit: float) -> None:
-        self.total_s.append(total)
-        self.submit_s.append(submit)
-
-
-@dataclass
-class MethodResult:
-    """One method in one case."""
-
-    best_gbps: float
-    median_gbps: float
-    submit_us_median: float
-    verified: bool
-
-
-@dataclass
-class CaseResult:
-    """One throughput case, every method."""
-
-    case: str
-    descriptors: int
-    descriptor_bytes: int
-    bytes: int
-    methods: dict[str, MethodResult]
-
-    def ratio(self, a: str, b: str, stat: str = "best_gbps") -> float:
-        """``a``'s GB/s over ``b``'s."""
-        den = getattr(self.methods[b], stat)
-        return getattr(self.methods[a], stat) / den if den else float("nan")
-
-    @property
-    def verified(self) -> bool:
-        return all(m.verified for m in self.methods.values())
-
-
-@dataclass
-class ChunkResult:
-    """One chunk size: medians in microseconds."""
-
-    rows: int
-    bytes: int
-    reps: int
-    submit_us: dict[str, float]
-    e2e_us: dict[str, float]
-
-    @property
-    def kvwire_overhead_us(self) -> float:
-        """kvwire's time to DONE minus raw prepared's."""
-        return self.e2e_us["kvwire"] - self.e2e_us["raw_prepped"]
-
-    @property
-    def oneshot_over_prepped(self) -> float:
-        """One-shot submit time over prepared submit time."""
-        den = self.submit_us["raw_prepped"]
-        return self.submit_us["raw_oneshot"] / den if den else float("nan")
-
-
-def summarize(case: Case, times: dict[str, MethodTimes], verified: dict[str, bool]) -> CaseResult:
-    """Throughput figures of one case from its raw times."""
-    methods = {}
-    for name, t in times.items():
-        methods[name] = MethodResult(
-            best_gbps=case.nbytes / min(t.total_s) / 1e9,
-            median_gbps=case.nbytes / statistics.median(t.total_s) / 1e9,
-            submit_us_median=statistics.median(t.submit_s) * 1e6,
-            verified=verified[name],
-        )
-    return CaseResult(case.label, case.count, case.size, case.nbytes, methods)
-
-
-def large_case(results: Sequence[CaseResult]) -> CaseResult | None:
-    """The case of the largest descriptors (the "large request" of the target ratio)."""
-    return max(results, key=lambda r: (r.descriptor_bytes, r.bytes), default=None)
-
-
-def render(
-    results: Sequence[CaseResult], chunks: Sequence[ChunkResult], meta: dict[str, Any]
-) -> str:
-    """Markdown tables of both parts, with a header line and the target verdict."""
-    lines = [
-        f"kvwire nixl GPU bench: WRITE {meta['memory']} {meta['initiator']} -> "
-        f"{meta['target']}, one process per device, {meta['nixl']}, torch {meta['torch']}, "
-        f"{meta.get('remote_layout', 'shuffled')} target rows, best of {meta['repeat']} "
-        "(GB/s = 1e9 B/s)",
-        "",
-        "| case | kvwire GB/s | raw prepped GB/s | raw one-shot GB/s | torch peer GB/s "
-        "| kvwire/torch | kvwire/raw | submit µs kvwire / prepped / one-shot | verified |",
-        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |",
-    ]
-    for r in results:
-        m = r.methods
-        lines.append(
-            f"| {r.case} | {m['kvwire'].best_gbps:.1f} | {m['raw_prepped'].best_gbps:.1f} "
-            f"| {m['raw_oneshot'].best_gbps:.1f} | {m['torch_peer'].best_gbps:.1f} "
-            f"| {r.ratio('kvwire', 'torch_peer'):.2f} | {r.ratio('kvwire', 'raw_prepped'):.2f} "
-            f"| {m['kvwire'].submit_us_median:.0f} / {m['raw_prepped'].submit_us_median:.0f} / "
-            f"{m['raw_oneshot'].submit_us_median:.0f} | {'yes' if r.verified else 'NO'} |"
-        )
-    big = large_case(results)
-    if big is not None:
-        ratio = big.ratio("kvwire", "torch_peer")
-        verdict = "met" if ratio >= TARGET_RATIO else "NOT met"
-        lines += [
-            "",
-            f"target kvwire >= {TARGET_RATIO}x torch peer copy for large requests ({big.case}): "
-            f"{ratio:.2f}x, {verdict}",
-        ]
-    if chunks:
-        lines += [
-            "",
-            f"chunks of {format_size(meta['chunk_row'])} rows picked at random from one prepared "
-            "table, medians in µs (submit = the submitting call; e2e = submit to DONE)",
-            "",
-            "| rows | submit kvwire | submit prepped | submit one-shot | one-shot/prepped "
-            "| e2e kvwire | e2e prepped | e2e one-shot | kvwire overhead | kvwire GB/s |",
-            "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
-        ]
-        for c in chunks:
-            s, e = c.submit_us, c.e2e_us
-            lines.append(
-                f"| {c.rows} | {s['kvwire']:.1f} | {s['raw_prepped']:.1f} "
-                f"| {s['raw_oneshot']:.1f} | {c.oneshot_over_prepped:.2f} | {e['kvwire']:.1f} "
-                f"| {e['raw_prepped']:.1f} | {e['raw_oneshot']:.1f} "
-                f"| {c.kvwire_overhead_us:+.1f} | {c.bytes / e['kvwire'] / 1e3:.1f} |"
-            )
-    return "\n".join(lines)
-
-
-def to_json(
-    results: Sequence[CaseResult], chunks: Sequence[ChunkResult], meta: dict[str, Any]
-) -> dict[str, Any]:
-    """Every figure, with the ratios, as one JSON-ready dict."""
-    cases = []
-    for r in results:
-        d = asdict(r)
-        d["kvwire_over_torch"] = r.ratio("kvwire", "torch_peer")
-        d["kvwire_over_raw_prepped"] = r.ratio("kvwire", "raw_prepped")
-        d["kvwire_over_torch_median"] = r.ratio("kvwire", "torch_peer", "median_gbps")
-        d["kvwire_over_raw_prepped_median"] = r.ratio("kvwire", "raw_prepped", "median_gbps")
-        d["verified"] = r.verified
-        cases.append(d)
-    chunk_rows = []
-    for c in chunks:
-        d = asdict(c)
-        d["kvwire_overhead_us"] = c.kvwire_overhead_us
-        d["oneshot_over_prepped_submit"] = c.oneshot_over_prepped
-        chunk_rows.append(d)
-    big = large_case(results)
-    target = None
-    if big is not None:
-        ratio = big.ratio("kvwire", "torch_peer")
-        target = {
-            "case": big.case,
-            "ratio": ratio,
-            "wanted": TARGET_RATIO,
-            "met": ratio >= TARGET_RATIO,
-        }
-    return {"meta": meta, "cases": cases, "chunks": chunk_rows, "target": target}
 
 
 # ------------------------------------------------------------------------------ the data
@@ -523,7 +174,7 @@ class _Raw:
     def __init__(self, meta: bytes, src: Any, mem: str, dev: int) -> None:
         import msgpack
 
-        from kvwire_nixl.backend import ENGINE
+        from kvwire_nixl.agent import ENGINE
 
         api = ENGINE.api
         conf = api.nixl_agent_config(
@@ -761,7 +412,7 @@ def measure(st: Settings) -> tuple[list[CaseResult], list[ChunkResult], dict[str
     from kvwire.config import KVWireConfig
     from kvwire.layout import MemoryRegion
     from kvwire.selection import create_backend
-    from kvwire_nixl.backend import ENGINE
+    from kvwire_nixl.agent import ENGINE
 
     if st.device == "cuda":
         need = max(st.gpu, st.target_gpu) + 1

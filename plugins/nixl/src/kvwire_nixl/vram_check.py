@@ -83,7 +83,7 @@ def _raw_read_gbps(
     """Raw NIXL READ of the same bytes by a second agent, for comparison."""
     import msgpack
 
-    from kvwire_nixl.backend import ENGINE
+    from kvwire_nixl.agent import ENGINE
 
     api = ENGINE.api
     agent = api.nixl_agent("vram-raw", api.nixl_agent_config(enable_prog_thread=False))
@@ -118,7 +118,7 @@ def _vram_chunks(
     """Create/submit cost of VRAM chunks: prepared vs one-shot (raw), and kvwire end to end."""
     import msgpack
 
-    from kvwire_nixl.backend import ENGINE
+    from kvwire_nixl.agent import ENGINE
 
     row, total = 16 << 10, min(65536, src.numel() // (16 << 10))
     local = make_table(

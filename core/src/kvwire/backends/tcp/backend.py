@@ -3,8 +3,9 @@
 Design (one agent per process/rank):
 
 * One I/O thread owns every socket: a ROUTER bound on ``host:port`` that serves inbound
-  requests, and one DEALER per peer for outbound transfers. Other threads hand it work through
-  a queue and a wake-up pipe, so no socket is ever touched by two threads.
+  requests, and one DEALER per peer for outbound transfers. Other threads hand it work as
+  commands (:class:`~kvwire.owner_loop.OwnerLoop`: a queue and a wake-up pipe), so no socket
+  is ever touched by two threads.
 * A transfer is cut into parts of at most ``max_part_bytes``; parts are gathered lazily when
   the peer's socket can take them, so memory in flight stays bounded by the socket's
   high-water mark. Rows contiguous on both sides are merged before cutting.
@@ -17,11 +18,7 @@ Design (one agent per process/rank):
 from __future__ import annotations
 
 import collections
-import contextlib
 import logging
-import os
-import queue
-import threading
 import time
 import uuid
 from collections.abc import Callable
@@ -37,6 +34,7 @@ from pydantic import BaseModel, ConfigDict, Field, SecretStr
 from kvwire.backend import (
     BackendCapabilities,
     Notification,
+    PeerFacts,
     PreparedPair,
     TransferBackend,
     TransferHandle,
@@ -52,9 +50,10 @@ from kvwire.backends.envelope import (
 from kvwire.backends.memcopy import HostMemory, coalesce
 from kvwire.backends.tcp import wire
 from kvwire.backends.tcp.auth import DataPlaneAuth
-from kvwire.control.reach import endpoint_host
+from kvwire.control.reach import connect_problem, endpoint_host
 from kvwire.descriptors import ADDR, DescTable
 from kvwire.layout import MemoryRegion
+from kvwire.owner_loop import OwnerLoop
 from kvwire.security import warn_if_exposed
 
 logger = logging.getLogger(__name__)
@@ -154,6 +153,7 @@ class TcpBackend(TransferBackend):
     options: TcpOptions
     #: Completions and notifications happen on the I/O thread, which wakes their owners.
     pushes_events = True
+    link_rule = "any peer whose data endpoint accepts a TCP connection from here"
 
     def __init__(self, agent_name: str, options: BaseModel | None = None) -> None:
         super().__init__(agent_name, options)
@@ -187,31 +187,27 @@ class TcpBackend(TransferBackend):
         self._memory = HostMemory([])
         self._peers: dict[str, _Peer] = {}
         self._xfer_ids = iter(range(1, 1 << 62))
-        self._commands: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
-        self._wake_r, self._wake_w = os.pipe()
-        os.set_blocking(self._wake_r, False)
         self._notifs: collections.deque[Notification] = collections.deque()
         self._failed_inbound: collections.OrderedDict[tuple[bytes, int], str] = (
             collections.OrderedDict()
         )
         #: Inbound messages dropped as malformed or refused (out-of-region rows, bad sizes).
         self.refused_messages = 0
-        self._stop = False
-        #: The I/O thread's poller: the ROUTER and the wake pipe, and each peer's DEALER with
-        #: the flags it is watched for (kept across turns; changed only when they change).
+        #: The I/O thread: runs the commands other threads post, then one turn of the loop.
+        self._loop = OwnerLoop(f"kvwire-tcp-{agent_name}", self._loop_once)
+        #: The I/O thread's poller: the ROUTER and the loop's wake-up pipe, and each peer's
+        #: DEALER with the flags it is watched for (kept across turns; changed only when they
+        #: change).
         self._poller = zmq.Poller()
         self._poller.register(self._router, zmq.POLLIN)
-        self._poller.register(self._wake_r, zmq.POLLIN)
+        self._poller.register(self._loop.wake_fd, zmq.POLLIN)
         self._watched: dict[zmq.Socket[Any], int] = {}
-        self._thread = threading.Thread(
-            target=self._run, name=f"kvwire-tcp-{agent_name}", daemon=True
-        )
-        self._thread.start()
+        self._loop.start()
 
     # ------------------------------------------------------------ thread glue
     def _call(self, fn: Callable[[], T], timeout: float = 10.0) -> T:
         """Run ``fn`` on the I/O thread and wait for its result."""
-        if threading.current_thread() is self._thread:
+        if self._loop.on_owner_thread():
             return fn()
         fut: Future[T] = Future()
 
@@ -225,10 +221,8 @@ class TcpBackend(TransferBackend):
         return fut.result(timeout=timeout)
 
     def _post(self, job: Callable[[], None]) -> None:
-        self._commands.put(job)
-        # A full or closed pipe is fine: the loop also wakes on its poll timeout.
-        with contextlib.suppress(OSError):
-            os.write(self._wake_w, b"x")
+        """Hand ``job`` to the I/O thread (any thread; it runs before the loop's next turn)."""
+        self._loop.post(job)
 
     # ---------------------------------------------------------------- memory
     def _register(self, regions: list[MemoryRegion]) -> None:
@@ -267,6 +261,19 @@ class TcpBackend(TransferBackend):
     def advertised_hosts(self, metadata: bytes) -> list[str]:
         """The host of the peer's data endpoint (``tcp://host:port``)."""
         return [endpoint_host(self._decode_metadata(metadata)["endpoint"])]
+
+    def link_problem(self, peer: PeerFacts) -> str | None:
+        """The peer's data endpoint must accept a TCP connection from here (opened and
+        closed at once; nothing is sent): asked by prefill at handshake, and by
+        :class:`~kvwire.backends.multi.MultiBackend` before it reconnects this backend after
+        a failover, so a link whose network is down is not taken back too early (ZeroMQ's
+        own connect never fails: it retries in the background). Blocks up to 2 s when the
+        endpoint is silent. Handshake and probe threads; no lock."""
+        try:
+            endpoint = self._decode_metadata(peer.metadata)["endpoint"]
+        except ValueError as exc:
+            return f"unreadable tcp metadata: {exc}"
+        return connect_problem(endpoint)
 
     def peers(self) -> list[str]:
         return list(self._peers)
@@ -364,12 +371,7 @@ class TcpBackend(TransferBackend):
         return out
 
     def _close(self) -> None:
-        def stop() -> None:
-            self._stop = True
-
-        if self._thread.is_alive():
-            self._post(stop)
-            self._thread.join(timeout=10)
+        self._loop.stop(timeout=10)
         for p in self._peers.values():
             for x in [*p.outq, *p.inflight.values()]:
                 self._finish(x, XferState.FAILED, "agent closed")
@@ -380,9 +382,6 @@ class TcpBackend(TransferBackend):
         if self.auth is not None:
             self.auth.close()
         self._ctx.term()
-        for fd in (self._wake_r, self._wake_w):
-            with contextlib.suppress(OSError):
-                os.close(fd)
 
     # -------------------------------------------------------------- I/O loop
     @staticmethod
@@ -393,21 +392,10 @@ class TcpBackend(TransferBackend):
             if x.wake is not None:
                 x.wake()
 
-    def _run(self) -> None:
-        while not self._stop:
-            try:
-                self._loop_once()
-            except Exception:  # the I/O thread must never die
-                logger.exception("%s: tcp backend I/O loop error", self.agent_name)
-        logger.debug("%s: tcp backend I/O thread stopped", self.agent_name)
-
     def _loop_once(self) -> None:
-        while True:
-            try:
-                job = self._commands.get_nowait()
-            except queue.Empty:
-                break
-            job()
+        """One turn of the I/O thread, after the posted commands ran: send what the peers'
+        sockets take, wait up to 50 ms for sockets or a posted command, serve what arrived,
+        expire overdue transfers."""
         for p in self._peers.values():
             self._pump(p)
         poller = self._poller
@@ -422,12 +410,8 @@ class TcpBackend(TransferBackend):
                 poller.modify(p.sock, flags)
             watched[p.sock] = flags
         events = dict(poller.poll(timeout=50))
-        if self._wake_r in events:
-            try:
-                while os.read(self._wake_r, 4096):
-                    pass
-            except BlockingIOError:
-                pass
+        if self._loop.wake_fd in events:
+            self._loop.drain_wake()
         if self._router in events:
             for _ in range(64):
                 try:

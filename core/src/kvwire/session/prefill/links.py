@@ -155,7 +155,7 @@ class DecodeLinker:
             problems=["secret: prefill=set decode=unset"],
         )
         # a stranger: no socket is kept for its (possibly made-up) endpoint
-        self.ctx.channel.send_once(msg.endpoint, reject)
+        self.ctx.channel.tell_once(msg.endpoint, reject)
 
     def handshake(self, hello: Hello) -> None:
         """Handshake thread: validate a decode rank, add it to the backend, prepare tables."""

@@ -12,8 +12,9 @@ import time
 from typing import TYPE_CHECKING
 
 from kvwire.control.bootstrap import BootstrapClient, RankInfo
-from kvwire.control.wire import PROTOCOL_MAJOR
+from kvwire.control.wire import PROTOCOL_MAJOR, PROTOCOL_MINOR
 from kvwire.errors import BootstrapError, ConfigError
+from kvwire.link_choice import host_identity
 
 if TYPE_CHECKING:
     from kvwire.control.bootstrap_server import BootstrapServer
@@ -55,6 +56,10 @@ class Registration:
             agent=ctx.agent_name,
             session=ctx.session,
             protocol=PROTOCOL_MAJOR,
+            protocol_minor=PROTOCOL_MINOR,
+            backends=ctx.backend_names,
+            backend_auto=ctx.backend_plan.auto,
+            host=host_identity(),
         )
         self.client = BootstrapClient(bootstrap_addr, ctx.config.secret_bytes)
 

@@ -1,0 +1,133 @@
+"""What one transfer is, on both sides of the :class:`~kvwire.backend.TransferBackend` seam:
+its direction and state, the prepared pair of descriptor tables it indexes, the handle a
+submit returns, the notification the target receives, the checks a submit's index arrays
+pass before a backend sees them, and which transfers a backend can do at all
+(:class:`BackendCapabilities`).
+
+These are values: the backend template creates pairs and handles and owns their lifetimes
+(:mod:`kvwire.backend`); a plugin keeps its engine state on them (``state``). They are
+importable from :mod:`kvwire.backend` too, the public path of the plugin seam.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple
+
+import numpy as np
+from pydantic import BaseModel, ConfigDict
+
+from kvwire.descriptors import LEN, DescTable, check_indices
+from kvwire.errors import DescriptorError
+from kvwire.layout import MemKind
+
+
+class XferOp(enum.Enum):
+    """Direction of a transfer, seen from the initiator."""
+
+    WRITE = "write"
+    READ = "read"
+
+
+class XferState(enum.IntEnum):
+    """State of a transfer handle. ``DONE`` and ``FAILED`` are terminal."""
+
+    PENDING = 0
+    DONE = 1
+    FAILED = 2
+
+
+class Notification(NamedTuple):
+    """A notification delivered to the target after the data of its transfer landed."""
+
+    peer: str
+    payload: bytes
+
+
+class BackendCapabilities(BaseModel):
+    """What a backend can do; checked once, when the backend is selected."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    write: bool = True
+    read: bool = False
+    notifications: bool = True
+    dram: bool = True
+    vram: bool = False
+    cross_host: bool = True
+
+    def supports_kind(self, kind: MemKind) -> bool:
+        """Whether regions of memory ``kind`` can be registered."""
+        return self.vram if kind == MemKind.VRAM else self.dram
+
+
+@dataclass(eq=False)
+class PreparedPair:
+    """A local and a remote descriptor table prepared once for one peer.
+
+    Created by :meth:`TransferBackend.prepare` on the initiating side; ``state`` belongs to the
+    backend. Invalid after :meth:`TransferBackend.release_prepared` or peer removal.
+    """
+
+    id: int
+    peer: str
+    local_rows: int
+    remote_rows: int
+    local_lens: np.ndarray = field(repr=False)
+    remote_lens: np.ndarray = field(repr=False)
+    state: Any = field(default=None, repr=False)
+    released: bool = False
+
+    @classmethod
+    def of_tables(cls, id: int, peer: str, local: DescTable, remote: DescTable) -> PreparedPair:
+        """A pair for two checked tables (rows and row lengths kept for submits' checks)."""
+        return cls(
+            id, peer, local.shape[0], remote.shape[0], local[:, LEN].copy(), remote[:, LEN].copy()
+        )
+
+
+@dataclass(eq=False)
+class TransferHandle:
+    """One submitted transfer. Poll until terminal, then release exactly once."""
+
+    id: int
+    peer: str
+    op: XferOp
+    num_descs: int
+    num_bytes: int
+    state: Any = field(default=None, repr=False)
+    released: bool = False
+    #: Why the transfer failed, set by the backend when it reports FAILED.
+    error: str | None = None
+    #: Given to :meth:`TransferBackend.submit` by the submitter: a backend that
+    #: :attr:`~TransferBackend.pushes_events` calls it (any thread, once) when the transfer
+    #: becomes terminal, so the submitter may sleep until then instead of polling on a timer.
+    wake: Callable[[], None] | None = field(default=None, repr=False)
+
+
+def check_rows(
+    pair: PreparedPair, local_idx: Any, remote_idx: Any
+) -> tuple[np.ndarray, np.ndarray, int]:
+    """The index arrays of a submit into ``pair``, checked (vectorised): ``int64`` rows inside
+    both tables, equally many, at least one, and each local row as long as its remote row.
+    Returns both arrays and the bytes they move; :class:`DescriptorError` naming the first
+    problem. Called by :meth:`TransferBackend.submit <kvwire.backend.TransferBackend.submit>`
+    on the submitting worker's thread, without a lock."""
+    li = check_indices(local_idx, pair.local_rows, "local index array")
+    ri = check_indices(remote_idx, pair.remote_rows, "remote index array")
+    if li.shape != ri.shape:
+        raise DescriptorError(
+            f"local and remote index arrays differ in length ({li.size} vs {ri.size})"
+        )
+    if li.size == 0:
+        raise DescriptorError("empty transfer: index arrays hold no rows")
+    llen, rlen = pair.local_lens[li], pair.remote_lens[ri]
+    if not np.array_equal(llen, rlen):
+        i = int(np.argmax(llen != rlen))
+        raise DescriptorError(
+            f"row lengths differ at position {i}: local row {int(li[i])} has "
+            f"{int(llen[i])} bytes, remote row {int(ri[i])} has {int(rlen[i])}"
+        )
+    return li, ri, int(llen.sum())
