@@ -88,24 +88,45 @@ class ChunkMetrics:
             TRANSFER_SECONDS.labels(**labels),
         )
 
-    def observe(
-        self,
-        num_bytes: int,
-        num_descs: int,
-        t_start: float,
-        t_posted: float,
-        t_done: float,
-        t_enqueued: float | None,
-    ) -> None:
+    def observe(self, done: ChunkDone) -> None:
         """Transfer worker: one completed chunk transfer (no lock: the children are
         thread-safe)."""
-        self.bytes.inc(num_bytes)
-        self.descriptors.inc(num_descs)
+        self.bytes.inc(done.num_bytes)
+        self.descriptors.inc(done.num_descs)
         self.chunks_ok.inc()
-        if t_enqueued is not None:
-            self.queue_s.observe(t_start - t_enqueued)
-        self.post_s.observe(t_posted - t_start)
-        self.transfer_s.observe(t_done - t_posted)
+        if done.queue_s is not None:
+            self.queue_s.observe(done.queue_s)
+        self.post_s.observe(done.post_s)
+        self.transfer_s.observe(done.transfer_s)
+
+
+@dataclass(frozen=True)
+class ChunkDone:
+    """One completed chunk transfer, as a transfer worker accounts it: its bytes and rows, and
+    when it was taken (``t_start``), posted and done (``time.perf_counter()``), and queued
+    (``t_enqueued``; None for the aux row and group transfers)."""
+
+    num_bytes: int
+    num_descs: int
+    t_start: float
+    t_posted: float
+    t_done: float
+    t_enqueued: float | None
+
+    @property
+    def queue_s(self) -> float | None:
+        """Waiting for a worker."""
+        return None if self.t_enqueued is None else self.t_start - self.t_enqueued
+
+    @property
+    def post_s(self) -> float:
+        """Mapping pages and submitting."""
+        return self.t_posted - self.t_start
+
+    @property
+    def transfer_s(self) -> float:
+        """Submit to completion."""
+        return self.t_done - self.t_posted
 
 
 def serve_metrics(port: int, addr: str = "127.0.0.1") -> None:
@@ -141,20 +162,12 @@ class RequestMetrics:
     #: stage (one dict store each); read by the engine once the request is terminal.
     marks: dict[str, float] = field(default_factory=dict)
 
-    def add_transfer(
-        self,
-        num_bytes: int,
-        num_descs: int,
-        t_start: float,
-        t_posted: float,
-        t_done: float,
-        t_enqueued: float | None,
-    ) -> None:
+    def add_transfer(self, done: ChunkDone) -> None:
         """Transfer worker, under the room lock: account one completed chunk transfer."""
-        self.bytes += num_bytes
-        self.descriptors += num_descs
+        self.bytes += done.num_bytes
+        self.descriptors += done.num_descs
         self.chunks += 1
-        if t_enqueued is not None:
-            self.queue_s += t_start - t_enqueued
-        self.post_s += t_posted - t_start
-        self.transfer_s += t_done - t_posted
+        if done.queue_s is not None:
+            self.queue_s += done.queue_s
+        self.post_s += done.post_s
+        self.transfer_s += done.transfer_s

@@ -25,6 +25,7 @@ from kvwire.integrity import add_sums
 from kvwire.session import metrics as m
 from kvwire.session.context import RankContext
 from kvwire.session.handshake import slot_rows
+from kvwire.session.metrics import ChunkDone
 from kvwire.session.prefill.groups import GROUPS_TABLE, group_rows
 from kvwire.session.prefill.layerwise import LayerPosting
 from kvwire.session.prefill.posting import PlanRef, SegmentPost, Tail, WorkerSide
@@ -453,7 +454,8 @@ class Pipeline:
             )
         else:
             p.room.metrics.marks["done"] = t_done
-            self.side.record(p.room, h, p.t_start, p.t_posted, t_done, p.t_enqueued)
+            done = ChunkDone(h.num_bytes, h.num_descs, p.t_start, p.t_posted, t_done, p.t_enqueued)
+            self.side.record(p.room, done)
         if tail is not None and self.side.is_dead(p.room):
             self._drop(p.key, tail)
             return

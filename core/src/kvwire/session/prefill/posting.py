@@ -22,8 +22,8 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from kvwire.backend import TransferHandle
 from kvwire.session.layers import LayeredChunk
+from kvwire.session.metrics import ChunkDone
 from kvwire.session.prefill.links import PoolLink
 from kvwire.session.prefill.rooms import Dest, Job, SendRoom
 from kvwire.staging.base import ChunkPlan, Segment, StagingStrategy
@@ -112,15 +112,7 @@ class WorkerSide(Protocol):
     def fail(self, room: SendRoom, exc: BaseException) -> None:
         """Fail the request (once) and tell its destinations."""
 
-    def record(
-        self,
-        room: SendRoom,
-        handle: TransferHandle,
-        t_start: float,
-        t_posted: float,
-        t_done: float,
-        t_enqueued: float | None,
-    ) -> None:
+    def record(self, room: SendRoom, done: ChunkDone) -> None:
         """Account a completed transfer."""
 
     def writes_posted(self, room: int, dest: str, delta: int) -> None:

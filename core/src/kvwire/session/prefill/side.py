@@ -27,7 +27,7 @@ from typing import Any, ClassVar
 import numpy as np
 from numpy.typing import NDArray
 
-from kvwire.backend import Notification, TransferHandle
+from kvwire.backend import Notification
 from kvwire.control.wire import (
     Failure,
     Message,
@@ -493,23 +493,11 @@ class PrefillSide(Side[SendRoom]):
         with self.rooms.lock:
             return self.rooms.terminal(room) or self.rooms.get(room.room) is not room
 
-    def record(
-        self,
-        room: SendRoom,
-        handle: TransferHandle,
-        t_start: float,
-        t_posted: float,
-        t_done: float,
-        t_enqueued: float | None,
-    ) -> None:
+    def record(self, room: SendRoom, done: m.ChunkDone) -> None:
         """Worker thread: account a completed transfer in the request's and process metrics."""
         with self.rooms.lock:
-            room.metrics.add_transfer(
-                handle.num_bytes, handle.num_descs, t_start, t_posted, t_done, t_enqueued
-            )
-        self._metrics.observe(
-            handle.num_bytes, handle.num_descs, t_start, t_posted, t_done, t_enqueued
-        )
+            room.metrics.add_transfer(done)
+        self._metrics.observe(done)
 
     def _on_writes_query(self, msg: WritesQuery) -> None:
         """Control thread: decode asks whether it may reuse a failed request's pages (or a
