@@ -113,7 +113,7 @@ _DEVICE_CHECK = textwrap.dedent(
     """
     import numpy as np
     from kvwire.descriptors import make_table
-    from kvwire.integrity import RowHasher
+    from kvwire.integrity import RowHasher, add_sums, mismatched_layers
     from kvwire.integrity_device import DeviceRowHasher
     from kvwire.layout import RankPosition
     from kvwire.testing.kvfill import make_pool
@@ -146,6 +146,24 @@ _DEVICE_CHECK = textwrap.dedent(
         assert got == want, (trial, got, want)
         assert inline.sums(table, idx, keys) == want, trial
         assert dev.sums(table, idx, keys, layers=[1]) == host.sums(table, idx, keys, layers=[1])
+        # layer ranges are selected on the device, reusing the located rows of the last call
+        # (the same objects), also after another call hashed other rows in between
+        for lo, hi in ((0, 1), (1, 2), (0, 2), (1, 1), (2, 5)):
+            want_r = host.sums(table, idx, keys, layers=range(lo, hi))
+            assert dev.sums(table, idx, keys, layers=range(lo, hi)) == want_r, (lo, hi)
+        parts = {}
+        for g in range(nbuf // 2):
+            add_sums(parts, dev.sums(table, idx, keys, layers=range(g, g + 1)))
+            other = dev.sums(table, idx[::2], keys[::2])
+            assert other == host.sums(table, idx[::2], keys[::2]), g
+        assert parts == want, trial
+        # a flipped byte in a summed row changes exactly its layer's sum
+        first = int(table[0, 0] - np.uint64(layout.buffers[int(b[0])].addr))
+        arrs[int(b[0])].view(np.uint8).reshape(-1)[first] ^= 0x40
+        layer = int(b[0]) % (nbuf // 2)
+        assert mismatched_layers(want, dev.sums(table, idx, keys)) == [layer], trial
+        arrs[int(b[0])].view(np.uint8).reshape(-1)[first] ^= 0x40
+        assert dev.sums(table, idx, keys) == want
     print("DEVICE-HASH-OK")
     """
 )
