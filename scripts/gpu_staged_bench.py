@@ -96,6 +96,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--skip-mover", action="store_true")
     p.add_argument("--skip-per-page", action="store_true")
     p.add_argument("--nixl-json", default="")
+    p.add_argument(
+        "--sample-dir",
+        default="",
+        help="a file 'on' exists here while timed requests run (scripts/gpu_stack_sampler.py)",
+    )
     p.add_argument("--json", default="")
     a = p.parse_args(argv)
     command = " ".join(["scripts/gpu_staged_bench.py", *(argv or sys.argv[1:])])

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import secrets
 import time
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -26,11 +27,14 @@ def engine(
     ``gpus`` round robin): verified requests of every size first (every element and aux row
     checked on decode), then timed requests at each concurrency. ``a`` carries the settings
     (``device``, ``gpus``, ``sizes`` MiB, ``concurrency``, ``requests``, ``verify_requests``,
-    ``engine_step``, ``timeout``, ``backend``, ``prefill_tp``, ``decode_tp``); ``staging``
+    ``engine_step``, ``timeout``, ``backend``, ``prefill_tp``, ``decode_tp``; optional:
+    ``checksum`` turns ``kv_checksum`` on, ``sample_dir`` names a folder where a file ``on``
+    exists while the timed requests run, for a stack sampler in the rank processes such as
+    ``scripts/gpu_stack_sampler.py``); ``staging``
     and its options pick the strategy; ``max_chunk_pages`` > 0 cuts every request into
     chunks of at most that many pages (chunked prefill; a staged chunk must fit a staging
     buffer)."""
-    from kvwire.config import KVWireConfig
+    from kvwire.config import ControlOptions, KVWireConfig
     from kvwire.layout import ModelSpec
     from kvwire.testing.cluster import Cluster, ClusterSpec, RoomPlan
     from kvwire.testing.cluster_suite import assert_all_ok, assert_tables_empty
@@ -56,8 +60,10 @@ def engine(
             transfer_backend=a.backend,
             staging=staging,
             staging_options=dict(staging_options or {}),
+            control=ControlOptions(kv_checksum=bool(getattr(a, "checksum", False))),
         ),
     )
+    flag = Path(a.sample_dir) / "on" if getattr(a, "sample_dir", "") else None
     rng = np.random.default_rng(3)
 
     def chunks(p: int, verify: bool) -> list[int]:
@@ -85,6 +91,7 @@ def engine(
         "staging": staging,
         "staging_options": dict(staging_options or {}),
         "max_chunk_pages": max_chunk_pages,
+        "kv_checksum": bool(getattr(a, "checksum", False)),
     }
     t0 = time.perf_counter()
     with Cluster(spec) as c:
@@ -99,6 +106,9 @@ def engine(
             report["verified"].append(cell)
             log(f"verified {cell}")
         c.run(plans(4, pages[sizes[0]], False), concurrency=2, timeout_s=a.timeout)  # warm-up
+        if flag is not None:
+            flag.parent.mkdir(parents=True, exist_ok=True)
+            flag.touch()
         for mib in sizes:
             for conc in a.concurrency:
                 n = a.requests if mib < 512 else max(conc * 2, a.requests // 4)
@@ -125,5 +135,7 @@ def engine(
                     cell[f"prefill_{k[:-2]}_ms"] = 1e3 * vals[len(vals) // 2]
                 report["cells"].append(cell)
                 log(f"engine {cell}")
+        if flag is not None:
+            flag.unlink(missing_ok=True)
         assert_tables_empty(c)
     return report
