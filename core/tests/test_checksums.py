@@ -114,6 +114,8 @@ _DEVICE_CHECK = textwrap.dedent(
     import numpy as np
     from kvwire.descriptors import make_table
     from kvwire.integrity import RowHasher, add_sums, mismatched_layers
+    import kvwire.integrity_device as device_mod
+    from kvwire.errors import DescriptorError
     from kvwire.integrity_device import DeviceRowHasher
     from kvwire.layout import RankPosition
     from kvwire.testing.kvfill import make_pool
@@ -130,7 +132,9 @@ _DEVICE_CHECK = textwrap.dedent(
     inline = DeviceRowHasher(vram, device="cpu", block=256, inline_weights=True)
     nbuf = len(layout.buffers)
     size = layout.buffers[0].length
-    for trial in range(4):
+    for trial in range(6):
+        # trials 4 and 5: tables too large to describe on the device (rows sent per call)
+        device_mod._MAX_TABLE_ROWS = 1 << 21 if trial < 4 else 0
         count = 24
         b = rng.integers(0, nbuf, count)
         n = rng.choice([8, 64, 256, 24, 7, 1, 130, 2048], count)
@@ -164,6 +168,15 @@ _DEVICE_CHECK = textwrap.dedent(
         assert mismatched_layers(want, dev.sums(table, idx, keys)) == [layer], trial
         arrs[int(b[0])].view(np.uint8).reshape(-1)[first] ^= 0x40
         assert dev.sums(table, idx, keys) == want
+    # rows outside the rank's buffers, or indices outside the table, are refused
+    bad = make_table(np.array([8], dtype=np.uint64), np.array([64], dtype=np.uint64))
+    for t, i in ((bad, np.array([0])), (table, np.array([count]))):
+        try:
+            dev.sums(t, i, keys[:1])
+        except DescriptorError:
+            pass
+        else:
+            raise AssertionError("a bad row was hashed")
     print("DEVICE-HASH-OK")
     """
 )

@@ -1,32 +1,33 @@
 """KV checksums of rows in GPU memory: the terms of :mod:`kvwire.integrity`, one launch per call.
 
 :class:`DeviceRowHasher` is what :func:`kvwire.session.checksums.hasher_for` builds for a rank
-whose KV buffers are in VRAM (once per link, at handshake). It locates rows and sums terms per
-layer exactly as :class:`~kvwire.integrity.RowHasher` does; only the work is done on the
-device: one Triton program per row reads the row from its raw address, multiplies its cells by
-the position weights, adds them (modulo 2**64), mixes in the destination key and adds the term
-into its layer's sum with a 64-bit atomic add (addition modulo 2**64 is associative, so the
-order the programs run in does not matter). The sums equal the host hasher's bit for bit (a
-prefill GPU and a decode host pool, or the reverse, agree).
+whose KV buffers are in VRAM (once per link, at handshake). It sums the same terms per layer as
+:class:`~kvwire.integrity.RowHasher`, bit for bit (a prefill GPU and a decode host pool, or
+the reverse, agree), with the work on the device: one Triton program per row reads the row
+from its raw address, multiplies its cells by the position weights, adds them (modulo 2**64),
+mixes in the destination key and adds the term into its layer's sum with a 64-bit atomic add
+(addition modulo 2**64 is associative, so the order the programs run in does not matter); it
+also counts its layer's rows (which layers a call touched) and any row outside the rank's
+buffers (refused, as the host hasher refuses it).
 
-What a call costs on the host is kept small, since a call is made per chunk on each side:
+A call is made per chunk on each side, so its host work is kept to a few small copies and
+launches, whatever the chunk's size:
 
-- the row table (address, key, cells, how cells are read, layer: 5 x 8 bytes a row) is
-  written into a pinned buffer the kernel reads directly (mapped into the device's address
-  space): no upload, no device allocation;
+- the descriptor table a call indexes (a link's table, built once per link and never changed)
+  is described once, the first time it is seen: each row's address, cells, how cells are read
+  and layer (or -1 outside the rank's buffers) go to the device (``int64 [4, rows]``), so a
+  call uploads only its row indices and destination keys (16 bytes a row) with one copy;
 - after the first launch the compiled kernel is launched directly (Triton's argument binding
   and cache lookup skipped), as :class:`kvwire.movers.triton_copy.RunCopier` does;
-- the per-layer sums are formed on the device, so what comes back is one 8-byte sum per layer
-  of the rank (copied into pinned memory), not a term per row; the host counts which layers
-  the rows touch while the kernel runs, then waits for its own stream only;
-- a call with the same row table as the last one (the same ``table``, ``idx`` and
-  ``dst_addr`` objects: :class:`~kvwire.session.checksums.SentSums` passes them again for
-  each layer-wise group of a chunk) reuses the located rows and, when nothing else was hashed
-  in between, the table already in the pinned buffer; a layer range is then selected on the
-  device (rows of other layers add nothing).
+- the per-layer sums and row counts come back (16 bytes per layer of the rank), not a term per
+  row; the call waits for its own stream only;
+- a layer range (a layer-wise group) is selected on the device: rows of other layers read
+  nothing and add nothing.
 
-Rows whose length divides by 8 are read as 64-bit words (straight loads when the address is
-8-byte aligned, otherwise assembled from bytes), other rows as bytes; one launch per call.
+A table larger than :data:`_MAX_TABLE_ROWS` rows is not described on the device; its calls
+send the ``[5, n]`` rows they hash instead (located on the host). Rows whose length divides by 8
+are read as 64-bit words (straight loads when the address is 8-byte aligned, otherwise
+assembled from bytes), other rows as bytes.
 
 The source rows must be final when :meth:`DeviceRowHasher.sums` is called (prefill: the engine
 finished writing them, as for any transfer; decode: the chunk's writes completed, which the
@@ -49,7 +50,7 @@ import triton
 import triton.language as tl
 from numpy.typing import NDArray
 
-from kvwire.descriptors import DescTable, IndexArray
+from kvwire.descriptors import ADDR, LEN, DescTable, IndexArray, locate_rows
 from kvwire.errors import DescriptorError
 from kvwire.integrity import GOLDEN, MIX1, MIX2, ODD, LayerSums, RowHasher, weights
 from kvwire.layout import KVLayout, MemKind
@@ -60,44 +61,70 @@ logger = logging.getLogger(__name__)
 
 #: Cells a program handles per loop step.
 _BLOCK = 1024
-#: How a row's cells are read (the table's fourth column).
+#: How a row's cells are read.
 _WORDS, _WORDS_UNALIGNED, _BYTES = 0, 1, 2
-#: Columns of the row table: address, destination key, cells, read mode, layer.
-_COLS = 5
-#: Rows the pinned table holds at first (it grows to the largest call).
+#: Rows of a descriptor table described on the device at most (32 bytes a row); calls on a
+#: larger table send their rows instead.
+_MAX_TABLE_ROWS = 1 << 21
+#: Descriptor tables whose description a hasher keeps (a link has one per side).
+_MAX_TABLES = 4
+#: Rows a call's buffers hold at first (they grow to the largest call).
 _MIN_ROWS = 4096
 
 
 @triton.jit(  # type: ignore[untyped-decorator]
-    do_not_specialize=["table_addr", "consts_addr", "out_addr", "num_rows", "lo", "hi"]
+    do_not_specialize=[
+        "info_addr",
+        "num_info",
+        "call_addr",
+        "consts_addr",
+        "out_addr",
+        "num_rows",
+        "num_layers",
+        "lo",
+        "hi",
+    ]
 )
 def _hash_rows(  # type: ignore[no-untyped-def]  # Triton rejects non-Triton annotations
-    table_addr,
+    info_addr,
+    num_info,
+    call_addr,
     consts_addr,
     out_addr,
     num_rows,
+    num_layers,
     lo,
     hi,
     block: tl.constexpr,
     inline_weights: tl.constexpr,
     per_layer: tl.constexpr,
+    indexed: tl.constexpr,
 ) -> None:
-    # table (pinned host memory read over the bus, or device memory): int64 [5, rows] = row
-    # address, destination key, cells, how cells are read (_WORDS, _WORDS_UNALIGNED,
-    # _BYTES), layer. consts: int64 bits of MIX1, MIX2, ODD, GOLDEN, then the position
-    # weights (unless computed inline). out: per_layer: int64 [layers], each row's term added
-    # to its layer's sum when lo <= layer < hi; else int64 [rows], each row's term.
-    table = table_addr.to(tl.pointer_type(tl.int64))
+    # indexed: info = int64 [4, num_info] (address, cells, read mode, layer or -1) of a
+    # descriptor table; call = int64 [2, rows] (row index into info, destination key).
+    # Else call = int64 [5, rows] (address, key, cells, read mode, layer). consts: int64 bits
+    # of MIX1, MIX2, ODD, GOLDEN, then the position weights (unless computed inline). out:
+    # per_layer: int64 [2 * num_layers + 1] = sums, rows counted per layer (rows of layers
+    # [lo, hi) only), rows outside the buffers; else int64 [rows], each row's term.
+    call = call_addr.to(tl.pointer_type(tl.int64))
     consts = consts_addr.to(tl.pointer_type(tl.int64))
     out = out_addr.to(tl.pointer_type(tl.int64))
     pid = tl.program_id(0).to(tl.int64)
-    addr = tl.load(table + pid)
-    key = tl.load(table + num_rows + pid).to(tl.uint64, bitcast=True)
-    k = tl.load(table + 2 * num_rows + pid)
-    mode = tl.load(table + 3 * num_rows + pid)
-    layer = tl.load(table + 4 * num_rows + pid)
+    key = tl.load(call + num_rows + pid).to(tl.uint64, bitcast=True)
+    if indexed:
+        info = info_addr.to(tl.pointer_type(tl.int64))
+        r = tl.load(call + pid)
+        addr = tl.load(info + r)
+        k = tl.load(info + num_info + r)
+        mode = tl.load(info + 2 * num_info + r)
+        layer = tl.load(info + 3 * num_info + r)
+    else:
+        addr = tl.load(call + pid)
+        k = tl.load(call + 2 * num_rows + pid)
+        mode = tl.load(call + 3 * num_rows + pid)
+        layer = tl.load(call + 4 * num_rows + pid)
     inside = (layer >= lo) & (layer < hi)
-    k = tl.where(inside, k, 0)  # a row of another layer reads nothing and adds nothing
+    k = tl.where(inside, k, 0)  # a row of another layer (or outside) reads nothing
     mix1 = tl.load(consts).to(tl.uint64, bitcast=True)
     mix2 = tl.load(consts + 1).to(tl.uint64, bitcast=True)
     odd = tl.load(consts + 2).to(tl.uint64, bitcast=True)
@@ -133,9 +160,26 @@ def _hash_rows(  # type: ignore[no-untyped-def]  # Triton rejects non-Triton ann
     x = x ^ (x >> 31)
     term = ((body ^ x) * odd).to(tl.int64, bitcast=True)
     if per_layer:
-        tl.atomic_add(out + layer, term, mask=inside)
+        slot = tl.where(inside, layer, 0)
+        tl.atomic_add(out + slot, term, mask=inside)
+        tl.atomic_add(out + num_layers + slot, 1, mask=inside)
+        tl.atomic_add(out + 2 * num_layers, 1, mask=layer < 0)
     else:
         tl.store(out + pid, term)
+
+
+def _cells(
+    addr: NDArray[np.uint64], lens: NDArray[np.uint64]
+) -> tuple[NDArray[np.int64], NDArray[np.int64]]:
+    """Cells of each row and how they are read (_WORDS, _WORDS_UNALIGNED, _BYTES)."""
+    lens64 = lens.astype(np.int64)
+    if not (lens64 & 7).any() and not (addr & np.uint64(7)).any():
+        return lens64 >> 3, np.zeros(lens64.shape, dtype=np.int64)  # the usual case
+    words = lens64 % 8 == 0
+    aligned = addr % np.uint64(8) == 0
+    cells = np.where(words, lens64 // 8, lens64)
+    mode = np.where(words, np.where(aligned, _WORDS, _WORDS_UNALIGNED), _BYTES).astype(np.int64)
+    return cells, mode
 
 
 class DeviceRowHasher(RowHasher):
@@ -145,9 +189,10 @@ class DeviceRowHasher(RowHasher):
     Triton's interpreter over host memory, for tests). ``block``, ``num_warps`` and
     ``inline_weights`` (compute the position weights in the kernel instead of loading them)
     tune the kernel. :meth:`sums` may be called from several threads at once (transfer
-    workers): a lock of its own serialises a call's table, launch and wait (held while the
-    device hashes one call's rows, never across calls); it owns the pinned table, the sums'
-    buffers, the compiled kernels and the last call's located rows.
+    workers): a lock of its own serialises a call's upload, launch and wait (held while the
+    device hashes one call's rows, never across calls); it owns the tables' descriptions,
+    the call buffers, the sums' buffers and the compiled kernels. Descriptor tables passed
+    to it must not change once passed (a link's tables are built once).
     """
 
     KIND = MemKind.VRAM
@@ -183,25 +228,18 @@ class DeviceRowHasher(RowHasher):
         self._consts = self._constants(0)
         cuda = self.device.type == "cuda"
         self._stream = torch.cuda.Stream(self.device) if cuda else None  # type: ignore[no-untyped-call]
-        # The row table (pinned on a GPU, plain memory on the interpreter), the per-layer
-        # sums on the device and their pinned copy.
-        self._table_buf = self._host_buffer(_COLS * _MIN_ROWS)
-        self._table_rows = _MIN_ROWS
-        self._sums_dev = torch.zeros(self._num_layers, dtype=torch.int64, device=self.device)
-        self._sums_host = self._host_buffer(self._num_layers)
+        #: Descriptions of tables seen: id -> (the table, held so its id stays its own,
+        #: int64 [4, rows] on the device, or None for a table too large to describe).
+        self._tables: dict[int, tuple[DescTable, Any]] = {}
+        self._rows_cap = 0
+        self._call_host: Any = None  # a call's rows (pinned on a GPU)
+        self._call_dev: Any = None  # the same on the device
+        self._grow(_MIN_ROWS)
+        self._out_dev = torch.zeros(2 * self._num_layers + 1, dtype=torch.int64, device=self.device)
+        self._out_host = torch.empty(2 * self._num_layers + 1, dtype=torch.int64, pin_memory=cuda)
         #: Compiled kernels by their constexprs, launched directly after the first launch.
         self._compiled: dict[tuple[Any, ...], Any] = {}
         self._direct = cuda
-        #: The last call's located rows: (table, idx, dst_addr) it was built from (held, so
-        #: their ids stay theirs), its row table and layers, and whether the pinned table
-        #: still holds it.
-        self._last: tuple[tuple[Any, Any, Any], NDArray[np.int64], NDArray[np.int64]] | None = None
-        self._last_loaded = False
-
-    def _host_buffer(self, elems: int) -> Any:
-        """An int64 host tensor: pinned where the kernel runs on a GPU."""
-        pin = self.device.type == "cuda"
-        return torch.empty(elems, dtype=torch.int64, pin_memory=pin)
 
     def _open_views(self) -> list[NDArray[np.uint8]]:
         return []  # rows are read by the kernel from their addresses
@@ -214,6 +252,26 @@ class DeviceRowHasher(RowHasher):
         ).view(np.int64)
         return torch.from_numpy(host.copy()).to(self.device)
 
+    def _need_weights(self, cells: NDArray[np.int64]) -> None:
+        """Grow the constants to the longest row's cells. Caller holds the lock."""
+        if cells.size and not self.inline_weights:
+            longest = int(cells.max())
+            if self._consts.numel() < longest + 4:
+                self._consts = self._constants(longest)
+
+    def _grow(self, rows: int) -> None:
+        """Call buffers for ``rows`` rows of 5 columns. Caller holds the lock (or builds)."""
+        if rows <= self._rows_cap:
+            return
+        self._rows_cap = max(rows, 2 * self._rows_cap)
+        pin = self.device.type == "cuda"
+        self._call_host = torch.empty(5 * self._rows_cap, dtype=torch.int64, pin_memory=pin)
+        self._call_dev = (
+            torch.empty(5 * self._rows_cap, dtype=torch.int64, device=self.device)
+            if pin
+            else self._call_host
+        )
+
     # ------------------------------------------------------------------ the call
     def sums(
         self,
@@ -225,67 +283,69 @@ class DeviceRowHasher(RowHasher):
         """Per-layer checksum of rows ``table[idx]`` keyed by ``dst_addr`` (see
         :meth:`RowHasher.sums`), summed on the device. ``layers`` given as a ``range`` of
         step 1 (a layer-wise group) is selected on the device, any other sequence on the
-        host. Called by transfer workers (prefill) and the progress thread (decode)."""
+        host (a term per row comes back). Called by transfer workers (prefill) and the
+        progress thread (decode)."""
         lo, hi = 0, self._num_layers
         if isinstance(layers, range) and layers.step == 1:
-            lo, hi = max(layers.start, 0), max(layers.stop, layers.start, 0)
+            lo, hi = max(layers.start, 0), min(max(layers.stop, 0), self._num_layers)
         elif layers is not None:
             return super().sums(table, idx, dst_addr, layers)  # host filter, then _row_terms
+        rows = np.asarray(idx, dtype=np.int64).reshape(-1)
+        n = rows.size
+        if not n or lo >= hi:
+            return {}
+        keys = np.asarray(dst_addr, dtype=np.uint64).reshape(-1)
         with self._lock:
-            rows, row_layer = self._rows(table, idx, dst_addr)
-            n = row_layer.size
-            if not n or lo >= hi:
-                return {}
-            self._launch(rows, n, lo, hi, per_layer=True)
-            counts = np.bincount(row_layer, minlength=self._num_layers)[lo:hi]
-            present = np.flatnonzero(counts) + lo  # while the device hashes
-            got = self._wait_sums()
-        return {int(x): int(got[x]) for x in present}
+            info = self._described(table)
+            self._grow(n)
+            call = self._call_host.numpy()
+            if int(rows.min()) < 0 or int(rows.max()) >= table.shape[0]:
+                raise DescriptorError("a checksummed row is not a row of its table")
+            if info is not None:
+                call[:n] = rows
+                call[n : 2 * n] = keys.view(np.int64)
+                self._launch(info, table.shape[0], 2 * n, n, lo, hi, indexed=True)
+            else:  # a table too large to describe: locate this call's rows on the host
+                addr, lens, pos = self._locate(table, rows)
+                cells, mode = _cells(addr, lens)
+                self._need_weights(cells)
+                part = call[: 5 * n].reshape(5, n)
+                part[0], part[1], part[2], part[3] = (
+                    addr.view(np.int64),
+                    keys.view(np.int64),
+                    cells,
+                    mode,
+                )
+                part[4] = self._layers[pos]
+                self._launch(None, 0, 5 * n, n, lo, hi, indexed=False)
+            got = self._wait()
+        layers_n = self._num_layers
+        if got[2 * layers_n]:
+            raise DescriptorError("a checksummed row lies outside the rank's KV buffers")
+        present = np.flatnonzero(got[layers_n : 2 * layers_n])
+        sums = got[:layers_n].view(np.uint64)
+        return {int(x): int(sums[x]) for x in present}
 
-    def _rows(
-        self, table: DescTable, idx: IndexArray, dst_addr: NDArray[np.uint64]
-    ) -> tuple[NDArray[np.int64], NDArray[np.int64]]:
-        """The ``[5, n]`` row table of a call and each row's layer; reused when the call
-        passes the same objects as the last one. Caller holds the lock."""
-        last = self._last
-        if last is not None and all(
-            a is b for a, b in zip(last[0], (table, idx, dst_addr), strict=True)
-        ):
-            return last[1], last[2]
-        addr, lens, pos = self._locate(table, idx)
-        row_layer = np.asarray(self._layers[pos], dtype=np.int64)
-        rows = self._row_table(addr, lens, np.asarray(dst_addr, dtype=np.uint64), row_layer)
-        self._last = ((table, idx, dst_addr), rows, row_layer)
-        self._last_loaded = False
-        return rows, row_layer
-
-    def _row_table(
-        self,
-        addr: NDArray[np.uint64],
-        lens: NDArray[np.uint64],
-        dst: NDArray[np.uint64],
-        row_layer: NDArray[np.int64],
-    ) -> NDArray[np.int64]:
-        """Address, key, cells, read mode and layer of each row (``int64 [5, n]``)."""
-        n = addr.size
-        lens64 = lens.astype(np.int64)
-        rows = np.empty((_COLS, n), dtype=np.int64)
-        rows[0] = addr.view(np.int64)
-        rows[1] = dst.view(np.int64)
-        rows[4] = row_layer
-        if n and not (lens64 & 7).any() and not (addr & np.uint64(7)).any():
-            np.right_shift(lens64, 3, out=rows[2])  # the usual case: aligned words
-            rows[3] = _WORDS
-        else:
-            words = lens64 % 8 == 0
-            aligned = addr % np.uint64(8) == 0
-            rows[2] = np.where(words, lens64 // 8, lens64)
-            rows[3] = np.where(words, np.where(aligned, _WORDS, _WORDS_UNALIGNED), _BYTES)
-        if n and not self.inline_weights:
-            longest = int(rows[2].max())
-            if self._consts.numel() < longest + 4:
-                self._consts = self._constants(longest)
-        return rows
+    def _described(self, table: DescTable) -> Any:
+        """The device description of ``table`` (``int64 [4, rows]``: address, cells, read
+        mode, layer or -1 outside the buffers), built the first time it is seen; None for a
+        table larger than :data:`_MAX_TABLE_ROWS`. Caller holds the lock."""
+        seen = self._tables.get(id(table))
+        if seen is not None and seen[0] is table:
+            return seen[1]
+        info = None
+        if table.shape[0] <= _MAX_TABLE_ROWS:
+            addr, lens = table[:, ADDR], table[:, LEN]
+            pos = locate_rows(self._starts, self._ends, addr, lens)
+            cells, mode = _cells(addr, lens)
+            self._need_weights(cells)
+            layer = np.where(pos >= 0, self._layers[np.clip(pos, 0, None)], -1)
+            host = np.stack([addr.view(np.int64), cells, mode, layer.astype(np.int64)])
+            info = torch.from_numpy(np.ascontiguousarray(host)).to(self.device)
+        if len(self._tables) >= _MAX_TABLES:
+            self._tables.pop(next(iter(self._tables)))
+        self._tables[id(table)] = (table, info)
+        return info
 
     def _row_terms(
         self,
@@ -295,13 +355,22 @@ class DeviceRowHasher(RowHasher):
         dst: NDArray[np.uint64],
     ) -> NDArray[np.uint64]:
         """One term per row (what :meth:`RowHasher.sums` adds on the host when ``layers`` is
-        not a range, and what the benchmark's breakdown times)."""
+        not a range)."""
         n = addr.size
+        cells, mode = _cells(addr, lens)
         with self._lock:
-            rows = self._row_table(addr, lens, dst, np.asarray(self._layers[pos], dtype=np.int64))
-            self._last, self._last_loaded = None, False
+            self._need_weights(cells)
+            self._grow(n)
+            part = self._call_host.numpy()[: 5 * n].reshape(5, n)
+            part[0], part[1], part[2], part[3] = (
+                addr.view(np.int64),
+                dst.view(np.int64),
+                cells,
+                mode,
+            )
+            part[4] = self._layers[pos]
             terms = torch.empty(n, dtype=torch.int64, device=self.device)
-            self._launch(rows, n, 0, self._num_layers, per_layer=False, out=terms)
+            self._launch(None, 0, 5 * n, n, 0, self._num_layers, indexed=False, out=terms)
             if self._stream is not None:
                 self._stream.synchronize()
             out: NDArray[np.uint64] = terms.cpu().numpy().view(np.uint64).copy()
@@ -310,32 +379,41 @@ class DeviceRowHasher(RowHasher):
     # ------------------------------------------------------------------ the device
     def _launch(
         self,
-        rows: NDArray[np.int64],
+        info: Any,
+        num_info: int,
+        elems: int,
         n: int,
         lo: int,
         hi: int,
         *,
-        per_layer: bool,
+        indexed: bool,
         out: Any = None,
     ) -> None:
-        """Enqueue the kernel over the ``n`` rows of ``rows`` on this hasher's stream (the
-        per-layer sums zeroed first when ``per_layer``). Caller holds the lock."""
-        if self._table_rows < n:
-            self._table_rows = max(n, 2 * self._table_rows)
-            self._table_buf = self._host_buffer(_COLS * self._table_rows)
-            self._last_loaded = False
-        if not (self._last_loaded and self._last is not None and self._last[1] is rows):
-            self._table_buf.numpy()[: _COLS * n].reshape(_COLS, n)[...] = rows
-            self._last_loaded = self._last is not None and self._last[1] is rows
-        target = self._sums_dev if per_layer else out
-        key = (self.block, self.inline_weights, per_layer)
-        args = (self._table_buf.data_ptr(), self._consts.data_ptr(), target.data_ptr(), n, lo, hi)
+        """Enqueue, on this hasher's stream, the upload of the call's first ``elems`` int64
+        and the kernel over its ``n`` rows (into the per-layer sums, zeroed first, unless
+        ``out`` takes a term per row). Caller holds the lock."""
+        per_layer = out is None
+        target = self._out_dev if per_layer else out
+        key = (self.block, self.inline_weights, per_layer, indexed)
+        info_addr = info.data_ptr() if info is not None else 0
+        args = (
+            info_addr,
+            num_info,
+            self._call_dev.data_ptr(),
+            self._consts.data_ptr(),
+            target.data_ptr(),
+            n,
+            self._num_layers,
+            lo,
+            hi,
+        )
         if self._stream is None:  # Triton's interpreter: host memory, synchronous
             if per_layer:
                 target.zero_()
             _hash_rows[(n,)](*args, *key)
             return
         with torch.cuda.device(self.device), torch.cuda.stream(self._stream):
+            self._call_dev[:elems].copy_(self._call_host[:elems], non_blocking=True)
             if per_layer:
                 target.zero_()
             kernel = self._compiled.get(key)
@@ -349,13 +427,13 @@ class DeviceRowHasher(RowHasher):
             kernel = _hash_rows[(n,)](*args, *key, num_warps=self.num_warps)
             self._compiled.setdefault(key, kernel)
 
-    def _wait_sums(self) -> NDArray[np.uint64]:
-        """The per-layer sums of the launch just enqueued, waited for (this hasher's stream
-        only). Caller holds the lock."""
+    def _wait(self) -> NDArray[np.int64]:
+        """The per-layer sums, row counts and rows outside of the launch just enqueued,
+        waited for (this hasher's stream only). Caller holds the lock."""
         if self._stream is None:
-            return self._sums_dev.numpy().view(np.uint64).copy()
+            return self._out_dev.numpy().copy()
         with torch.cuda.stream(self._stream):
-            self._sums_host.copy_(self._sums_dev, non_blocking=True)
+            self._out_host.copy_(self._out_dev, non_blocking=True)
         self._stream.synchronize()
-        out: NDArray[np.uint64] = self._sums_host.numpy().view(np.uint64).copy()
+        out: NDArray[np.int64] = self._out_host.numpy().copy()
         return out
