@@ -99,6 +99,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--ring-mib", type=int, default=1024)
     p.add_argument("--paths", default="cudaipc,staged-nixl")
     p.add_argument("--label", default="", help="recorded in the JSON (e.g. which code)")
+    p.add_argument("--only", type=int, choices=(0, 1), default=None, help="kv_checksum 0 or 1")
+    p.add_argument(
+        "--sample-dir",
+        default="",
+        help="a file 'on' exists here while timed requests run (scripts/gpu_call_tracer.py)",
+    )
     p.add_argument("--json", default="")
     a = p.parse_args(argv)
     report: dict[str, Any] = {
@@ -118,6 +124,8 @@ def main(argv: list[str] | None = None) -> int:
             continue
         rounds: list[dict[str, Any]] = report["paths"].setdefault(name, [])
         for i in range(2 * a.rounds):
+            if a.only is not None and i % 2 != a.only:
+                continue
             b = copy.copy(a)
             backend = path["backend"] if a.device == "cuda" or name != "cudaipc" else "tcp"
             b.backend, b.checksum, b.prefill_tp, b.decode_tp = backend, i % 2 == 1, 1, 1
