@@ -20,9 +20,7 @@ launches, whatever the chunk's size:
 - after the first launch the compiled kernel is launched directly (Triton's argument binding
   and cache lookup skipped), as :class:`kvwire.movers.triton_copy.RunCopier` does;
 - the per-layer sums and row counts come back (16 bytes per layer of the rank), not a term per
-  row; the call waits for its own stream only, polling it without handing the GIL to other
-  threads for the few tens of microseconds the kernel takes
-  (:func:`kvwire.movers.streams.wait`);
+  row; the call waits for its own stream only;
 - a layer range (a layer-wise group) is selected on the device: rows of other layers read
   nothing and add nothing.
 
@@ -56,7 +54,6 @@ from kvwire.descriptors import ADDR, LEN, DescTable, IndexArray, locate_rows
 from kvwire.errors import DescriptorError
 from kvwire.integrity import GOLDEN, MIX1, MIX2, ODD, LayerSums, RowHasher, weights
 from kvwire.layout import KVLayout, MemKind
-from kvwire.movers.streams import wait
 
 __all__ = ["DeviceRowHasher"]
 
@@ -437,6 +434,6 @@ class DeviceRowHasher(RowHasher):
             return self._out_dev.numpy().copy()
         with torch.cuda.stream(self._stream):
             self._out_host.copy_(self._out_dev, non_blocking=True)
-        wait(self._stream)  # polls a few tens of microseconds, keeping the GIL
+        self._stream.synchronize()
         out: NDArray[np.int64] = self._out_host.numpy().copy()
         return out

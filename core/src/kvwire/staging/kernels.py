@@ -110,12 +110,9 @@ class KVTensors:
         return self.torch.cuda.stream(self.stream)
 
     def sync(self) -> None:
-        """Wait for this pool's staging stream (no-op on the host): polled without handing
-        the GIL away for a short while (:func:`kvwire.movers.streams.wait`), then blocking."""
+        """Wait for this pool's staging stream (no-op on the host)."""
         if self.stream is not None:
-            from kvwire.movers.streams import wait
-
-            wait(self.stream)
+            self.stream.synchronize()
 
     def gather(
         self, bufs: NDArray[np.int64], pages: NDArray[np.int64], lo: int, hi: int, out: Any
