@@ -350,3 +350,38 @@ def test_layerwise_groups_carry_their_layers_sums(
         assert seen[:2] == [[0], [1]], "each group summed only its own layers"
         r.clear()
         s.clear()
+
+
+def test_sent_sums_map_a_chunk_once_for_all_its_layer_groups() -> None:
+    """A layer-wise chunk asks for its sums group by group with the same page arrays: the
+    chunk is mapped once per worker thread, and the groups' sums add up to the chunk's."""
+    import threading
+
+    from kvwire.session.handshake import build_mapper
+
+    src_layout, _ = _pool(7)
+    dst_layout, _ = _pool(8)
+    mapper = build_mapper(KVWireConfig(), src_layout, dst_layout)
+    sent = SentSums(mapper, src_layout)
+    calls: list[int] = []
+    original = mapper.map_chunk
+
+    def counting(src: Any, dst: Any) -> Any:
+        calls.append(1)
+        return original(src, dst)
+
+    mapper.map_chunk = counting  # type: ignore[method-assign]
+    src, dst = np.array([3, 1, 4]), np.array([5, 9, 2])
+    whole = sent.chunk(src, dst)
+    assert len(calls) == 1 and set(whole) == set(range(MODEL.num_layers))
+    groups: dict[int, int] = {}
+    for layer in range(MODEL.num_layers):
+        add_sums(groups, sent.chunk(src, dst, (layer, layer + 1)))
+    assert len(calls) == 1, "the groups of one chunk reuse its mapped rows"
+    assert groups == whole
+    sent.chunk(src.copy(), dst)  # other arrays: another chunk, mapped again
+    assert len(calls) == 2
+    other = threading.Thread(target=sent.chunk, args=(src, dst))  # another worker maps its own
+    other.start()
+    other.join()
+    assert len(calls) == 3
