@@ -352,7 +352,9 @@ def test_layerwise_groups_carry_their_layers_sums(
         s.clear()
 
 
-def test_sent_sums_map_a_chunk_once_for_all_its_layer_groups() -> None:
+def test_sent_sums_map_a_chunk_once_for_all_its_layer_groups(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     """A layer-wise chunk asks for its sums group by group with the same page arrays: the
     chunk is mapped once per worker thread, and the groups' sums add up to the chunk's."""
     import threading
@@ -370,7 +372,7 @@ def test_sent_sums_map_a_chunk_once_for_all_its_layer_groups() -> None:
         calls.append(1)
         return original(src, dst)
 
-    mapper.map_chunk = counting  # type: ignore[method-assign]
+    monkeypatch.setattr(mapper, "map_chunk", counting)
     src, dst = np.array([3, 1, 4]), np.array([5, 9, 2])
     whole = sent.chunk(src, dst)
     assert len(calls) == 1 and set(whole) == set(range(MODEL.num_layers))
