@@ -101,7 +101,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--sample-dir",
         default="",
-        help="a file 'on' exists here while timed requests run (scripts/gpu_stack_sampler.py)",
+        help="a file 'on' exists here while timed requests run (scripts/gpu_call_tracer.py)",
     )
     p.add_argument("--json", default="")
     a = p.parse_args(argv)

@@ -134,7 +134,7 @@ _DEVICE_CHECK = textwrap.dedent(
     size = layout.buffers[0].length
     for trial in range(6):
         # trials 4 and 5: tables too large to describe on the device (rows sent per call)
-        device_mod._MAX_TABLE_ROWS = 1 << 21 if trial < 4 else 0
+        device_mod._MAX_TABLE_ROWS = 1 << 20 if trial < 4 else 0
         count = 24
         b = rng.integers(0, nbuf, count)
         n = rng.choice([8, 64, 256, 24, 7, 1, 130, 2048], count)

@@ -63,9 +63,9 @@ logger = logging.getLogger(__name__)
 _BLOCK = 1024
 #: How a row's cells are read.
 _WORDS, _WORDS_UNALIGNED, _BYTES = 0, 1, 2
-#: Rows of a descriptor table described on the device at most (32 bytes a row); calls on a
-#: larger table send their rows instead.
-_MAX_TABLE_ROWS = 1 << 21
+#: Rows of a descriptor table described on the device at most (32 bytes a row: 32 MiB of
+#: GPU memory per link and side at most); calls on a larger table send their rows instead.
+_MAX_TABLE_ROWS = 1 << 20
 #: Descriptor tables whose description a hasher keeps (a link has one per side).
 _MAX_TABLES = 4
 #: Rows a call's buffers hold at first (they grow to the largest call).
