@@ -93,9 +93,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--per-page-sizes", type=_ints, default=[2, 16, 128])
     p.add_argument("--prefill-tp", type=int, default=1)
     p.add_argument("--decode-tp", type=int, default=1)
+    p.add_argument("--mla", action="store_true", help="an MLA model (one latent row)")
+    p.add_argument("--decode-page-size", type=int, default=None, help="decode's page size")
     p.add_argument("--skip-mover", action="store_true")
     p.add_argument("--skip-per-page", action="store_true")
     p.add_argument("--nixl-json", default="")
+    p.add_argument(
+        "--sample-dir",
+        default="",
+        help="a file 'on' exists here while timed requests run (scripts/gpu_call_tracer.py)",
+    )
     p.add_argument("--json", default="")
     a = p.parse_args(argv)
     command = " ".join(["scripts/gpu_staged_bench.py", *(argv or sys.argv[1:])])
