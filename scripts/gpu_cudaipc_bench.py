@@ -272,7 +272,13 @@ def render(report: dict[str, Any]) -> str:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
-    p.add_argument("--gpus", type=lambda s: [int(x) for x in s.split(",")], default=[0, 1])
+    p.add_argument(
+        "--gpus",
+        type=lambda s: [int(x) for x in s.split(",")],
+        default=None,
+        help="GPUs the ranks take round robin, prefill first (default: every visible GPU, so "
+        "each rank has its own where there are enough; the mover and peer copy use the first two)",
+    )
     p.add_argument(
         "--sizes",
         type=lambda s: [int(x) for x in s.split(",")],
@@ -307,7 +313,11 @@ def main(argv: list[str] | None = None) -> int:
     if a.device == "cuda":
         import torch
 
-        report["gpus"] = [torch.cuda.get_device_name(i) for i in a.gpus]
+        if a.gpus is None:
+            a.gpus = list(range(torch.cuda.device_count()))
+        if len(a.gpus) < 2:
+            raise SystemExit(f"--gpus {a.gpus}: the bench moves KV between two GPUs at least")
+        report["gpus"] = [f"{i}: {torch.cuda.get_device_name(i)}" for i in a.gpus]
         report["torch"] = torch.__version__
         import triton
 

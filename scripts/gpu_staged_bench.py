@@ -77,7 +77,13 @@ def render(report: dict[str, Any]) -> str:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
-    p.add_argument("--gpus", type=_ints, default=[0, 1])
+    p.add_argument(
+        "--gpus",
+        type=_ints,
+        default=None,
+        help="GPUs the ranks take round robin, prefill first (default: every visible GPU, so "
+        "each rank has its own where there are enough; the mover and peer copy use the first two)",
+    )
     p.add_argument("--sizes", type=_ints, default=[2, 16, 128, 512], help="MiB per request")
     p.add_argument("--concurrency", type=_ints, default=[1, 8])
     p.add_argument("--requests", type=int, default=16, help="timed requests per cell")
@@ -93,9 +99,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--per-page-sizes", type=_ints, default=[2, 16, 128])
     p.add_argument("--prefill-tp", type=int, default=1)
     p.add_argument("--decode-tp", type=int, default=1)
+    p.add_argument("--mla", action="store_true", help="an MLA model (one latent row)")
+    p.add_argument("--decode-page-size", type=int, default=None, help="decode's page size")
     p.add_argument("--skip-mover", action="store_true")
     p.add_argument("--skip-per-page", action="store_true")
     p.add_argument("--nixl-json", default="")
+    p.add_argument(
+        "--sample-dir",
+        default="",
+        help="a file 'on' exists here while timed requests run (scripts/gpu_call_tracer.py)",
+    )
     p.add_argument("--json", default="")
     a = p.parse_args(argv)
     command = " ".join(["scripts/gpu_staged_bench.py", *(argv or sys.argv[1:])])
@@ -110,7 +123,11 @@ def main(argv: list[str] | None = None) -> int:
         import torch
         import triton
 
-        report["gpus"] = [torch.cuda.get_device_name(i) for i in a.gpus]
+        if a.gpus is None:
+            a.gpus = list(range(torch.cuda.device_count()))
+        if len(a.gpus) < 2:
+            raise SystemExit(f"--gpus {a.gpus}: the bench moves KV between two GPUs at least")
+        report["gpus"] = [f"{i}: {torch.cuda.get_device_name(i)}" for i in a.gpus]
         report["torch"], report["triton"] = torch.__version__, triton.__version__
         if not a.skip_mover:
 

@@ -160,7 +160,9 @@ _DEVICE_CHECK = textwrap.dedent(
     """
     import numpy as np
     from kvwire.descriptors import make_table
-    from kvwire.integrity import RowHasher
+    from kvwire.integrity import RowHasher, add_sums, mismatched_layers
+    import kvwire.integrity_device as device_mod
+    from kvwire.errors import DescriptorError
     from kvwire.integrity_device import DeviceRowHasher
     from kvwire.layout import RankPosition
     from kvwire.testing.kvfill import make_pool
@@ -177,7 +179,9 @@ _DEVICE_CHECK = textwrap.dedent(
     inline = DeviceRowHasher(vram, device="cpu", block=256, inline_weights=True)
     nbuf = len(layout.buffers)
     size = layout.buffers[0].length
-    for trial in range(4):
+    for trial in range(6):
+        # trials 4 and 5: tables too large to describe on the device (rows sent per call)
+        device_mod._MAX_TABLE_ROWS = 1 << 20 if trial < 4 else 0
         count = 24
         b = rng.integers(0, nbuf, count)
         n = rng.choice([8, 64, 256, 24, 7, 1, 130, 2048], count)
@@ -193,6 +197,33 @@ _DEVICE_CHECK = textwrap.dedent(
         assert got == want, (trial, got, want)
         assert inline.sums(table, idx, keys) == want, trial
         assert dev.sums(table, idx, keys, layers=[1]) == host.sums(table, idx, keys, layers=[1])
+        # layer ranges are selected on the device, reusing the located rows of the last call
+        # (the same objects), also after another call hashed other rows in between
+        for lo, hi in ((0, 1), (1, 2), (0, 2), (1, 1), (2, 5)):
+            want_r = host.sums(table, idx, keys, layers=range(lo, hi))
+            assert dev.sums(table, idx, keys, layers=range(lo, hi)) == want_r, (lo, hi)
+        parts = {}
+        for g in range(nbuf // 2):
+            add_sums(parts, dev.sums(table, idx, keys, layers=range(g, g + 1)))
+            other = dev.sums(table, idx[::2], keys[::2])
+            assert other == host.sums(table, idx[::2], keys[::2]), g
+        assert parts == want, trial
+        # a flipped byte in a summed row changes exactly its layer's sum
+        first = int(table[0, 0] - np.uint64(layout.buffers[int(b[0])].addr))
+        arrs[int(b[0])].view(np.uint8).reshape(-1)[first] ^= 0x40
+        layer = int(b[0]) % (nbuf // 2)
+        assert mismatched_layers(want, dev.sums(table, idx, keys)) == [layer], trial
+        arrs[int(b[0])].view(np.uint8).reshape(-1)[first] ^= 0x40
+        assert dev.sums(table, idx, keys) == want
+    # rows outside the rank's buffers, or indices outside the table, are refused
+    bad = make_table(np.array([8], dtype=np.uint64), np.array([64], dtype=np.uint64))
+    for t, i in ((bad, np.array([0])), (table, np.array([count]))):
+        try:
+            dev.sums(t, i, keys[:1])
+        except DescriptorError:
+            pass
+        else:
+            raise AssertionError("a bad row was hashed")
     print("DEVICE-HASH-OK")
     """
 )
@@ -365,3 +396,40 @@ def test_layerwise_groups_carry_their_layers_sums(
         assert seen[:2] == [[0], [1]], "each group summed only its own layers"
         r.clear()
         s.clear()
+
+
+def test_sent_sums_map_a_chunk_once_for_all_its_layer_groups(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A layer-wise chunk asks for its sums group by group with the same page arrays: the
+    chunk is mapped once per worker thread, and the groups' sums add up to the chunk's."""
+    import threading
+
+    from kvwire.session.handshake import build_mapper
+
+    src_layout, _ = _pool(7)
+    dst_layout, _ = _pool(8)
+    mapper = build_mapper(KVWireConfig(), src_layout, dst_layout)
+    sent = SentSums(mapper, src_layout)
+    calls: list[int] = []
+    original = mapper.map_chunk
+
+    def counting(src: Any, dst: Any) -> Any:
+        calls.append(1)
+        return original(src, dst)
+
+    monkeypatch.setattr(mapper, "map_chunk", counting)
+    src, dst = np.array([3, 1, 4]), np.array([5, 9, 2])
+    whole = sent.chunk(src, dst)
+    assert len(calls) == 1 and set(whole) == set(range(MODEL.num_layers))
+    groups: dict[int, int] = {}
+    for layer in range(MODEL.num_layers):
+        add_sums(groups, sent.chunk(src, dst, (layer, layer + 1)))
+    assert len(calls) == 1, "the groups of one chunk reuse its mapped rows"
+    assert groups == whole
+    sent.chunk(src.copy(), dst)  # other arrays: another chunk, mapped again
+    assert len(calls) == 2
+    other = threading.Thread(target=sent.chunk, args=(src, dst))  # another worker maps its own
+    other.start()
+    other.join()
+    assert len(calls) == 3

@@ -1,16 +1,33 @@
 """KV checksums of rows in GPU memory: the terms of :mod:`kvwire.integrity`, one launch per call.
 
 :class:`DeviceRowHasher` is what :func:`kvwire.session.checksums.hasher_for` builds for a rank
-whose KV buffers are in VRAM (once per link, at handshake). It locates rows and sums terms per
-layer exactly as :class:`~kvwire.integrity.RowHasher` does; only the terms are computed on the
-device: one Triton program per row reads the row from its raw address, multiplies its cells by
-the position weights, adds them (modulo 2**64) and mixes in the destination key, so the sums
-equal the host hasher's bit for bit (a prefill GPU and a decode host pool, or the reverse, agree).
-The terms (8 bytes a row) come back to the host through pinned memory; the call waits for its
-own stream only.
+whose KV buffers are in VRAM (once per link, at handshake). It sums the same terms per layer as
+:class:`~kvwire.integrity.RowHasher`, bit for bit (a prefill GPU and a decode host pool, or
+the reverse, agree), with the work on the device: one Triton program per row reads the row
+from its raw address, multiplies its cells by the position weights, adds them (modulo 2**64),
+mixes in the destination key and adds the term into its layer's sum with a 64-bit atomic add
+(addition modulo 2**64 is associative, so the order the programs run in does not matter); it
+also counts its layer's rows (which layers a call touched) and any row outside the rank's
+buffers (refused, as the host hasher refuses it).
 
-Rows whose length divides by 8 are read as 64-bit words (straight loads when the address is
-8-byte aligned, otherwise assembled from bytes), other rows as bytes; one launch per call.
+A call is made per chunk on each side, so its host work is kept to a few small copies and
+launches, whatever the chunk's size:
+
+- the descriptor table a call indexes (a link's table, built once per link and never changed)
+  is described once, the first time it is seen: each row's address, cells, how cells are read
+  and layer (or -1 outside the rank's buffers) go to the device (``int64 [4, rows]``), so a
+  call uploads only its row indices and destination keys (16 bytes a row) with one copy;
+- after the first launch the compiled kernel is launched directly (Triton's argument binding
+  and cache lookup skipped), as :class:`kvwire.movers.triton_copy.RunCopier` does;
+- the per-layer sums and row counts come back (16 bytes per layer of the rank), not a term per
+  row; the call waits for its own stream only;
+- a layer range (a layer-wise group) is selected on the device: rows of other layers read
+  nothing and add nothing.
+
+A table larger than :data:`_MAX_TABLE_ROWS` rows is not described on the device; its calls
+send the ``[5, n]`` rows they hash instead (located on the host). Rows whose length divides by 8
+are read as 64-bit words (straight loads when the address is 8-byte aligned, otherwise
+assembled from bytes), other rows as bytes.
 
 The source rows must be final when :meth:`DeviceRowHasher.sums` is called (prefill: the engine
 finished writing them, as for any transfer; decode: the chunk's writes completed, which the
@@ -22,7 +39,9 @@ Imported only where it runs (a CUDA device, or Triton's interpreter on the CPU w
 
 from __future__ import annotations
 
+import logging
 import threading
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -31,39 +50,85 @@ import triton
 import triton.language as tl
 from numpy.typing import NDArray
 
+from kvwire.descriptors import ADDR, LEN, DescTable, IndexArray, locate_rows
 from kvwire.errors import DescriptorError
-from kvwire.integrity import GOLDEN, MIX1, MIX2, ODD, RowHasher, weights
+from kvwire.integrity import GOLDEN, MIX1, MIX2, ODD, LayerSums, RowHasher, weights
 from kvwire.layout import KVLayout, MemKind
 
 __all__ = ["DeviceRowHasher"]
 
+logger = logging.getLogger(__name__)
+
 #: Cells a program handles per loop step.
 _BLOCK = 1024
-#: How a row's cells are read (the table's fourth column).
+#: How a row's cells are read.
 _WORDS, _WORDS_UNALIGNED, _BYTES = 0, 1, 2
+#: Rows of a descriptor table described on the device at most (32 bytes a row: 32 MiB of
+#: GPU memory per link and side at most); calls on a larger table send their rows instead.
+_MAX_TABLE_ROWS = 1 << 20
+#: Descriptor tables whose description a hasher keeps (a link has one per side).
+_MAX_TABLES = 4
+#: Rows a call's buffers hold at first (they grow to the largest call).
+_MIN_ROWS = 4096
 
 
-@triton.jit  # type: ignore[untyped-decorator]
-def _row_terms(  # type: ignore[no-untyped-def]  # Triton rejects non-Triton annotations
-    table_ptr,
-    consts_ptr,
-    out_ptr,
+@triton.jit(  # type: ignore[untyped-decorator]
+    do_not_specialize=[
+        "info_addr",
+        "num_info",
+        "call_addr",
+        "consts_addr",
+        "out_addr",
+        "num_rows",
+        "num_layers",
+        "lo",
+        "hi",
+    ]
+)
+def _hash_rows(  # type: ignore[no-untyped-def]  # Triton rejects non-Triton annotations
+    info_addr,
+    num_info,
+    call_addr,
+    consts_addr,
+    out_addr,
     num_rows,
+    num_layers,
+    lo,
+    hi,
     block: tl.constexpr,
     inline_weights: tl.constexpr,
+    per_layer: tl.constexpr,
+    indexed: tl.constexpr,
 ) -> None:
-    # table: int64 [4, rows] = row address, destination key, cells, how cells are read
-    # (_WORDS, _WORDS_UNALIGNED, _BYTES); consts: int64 bits of MIX1, MIX2, ODD, GOLDEN,
-    # then the position weights (unless computed inline).
+    # indexed: info = int64 [4, num_info] (address, cells, read mode, layer or -1) of a
+    # descriptor table; call = int64 [2, rows] (row index into info, destination key).
+    # Else call = int64 [5, rows] (address, key, cells, read mode, layer). consts: int64 bits
+    # of MIX1, MIX2, ODD, GOLDEN, then the position weights (unless computed inline). out:
+    # per_layer: int64 [2 * num_layers + 1] = sums, rows counted per layer (rows of layers
+    # [lo, hi) only), rows outside the buffers; else int64 [rows], each row's term.
+    call = call_addr.to(tl.pointer_type(tl.int64))
+    consts = consts_addr.to(tl.pointer_type(tl.int64))
+    out = out_addr.to(tl.pointer_type(tl.int64))
     pid = tl.program_id(0).to(tl.int64)
-    addr = tl.load(table_ptr + pid)
-    key = tl.load(table_ptr + num_rows + pid).to(tl.uint64, bitcast=True)
-    k = tl.load(table_ptr + 2 * num_rows + pid)
-    mode = tl.load(table_ptr + 3 * num_rows + pid)
-    mix1 = tl.load(consts_ptr).to(tl.uint64, bitcast=True)
-    mix2 = tl.load(consts_ptr + 1).to(tl.uint64, bitcast=True)
-    odd = tl.load(consts_ptr + 2).to(tl.uint64, bitcast=True)
-    golden = tl.load(consts_ptr + 3).to(tl.uint64, bitcast=True)
+    key = tl.load(call + num_rows + pid).to(tl.uint64, bitcast=True)
+    if indexed:
+        info = info_addr.to(tl.pointer_type(tl.int64))
+        r = tl.load(call + pid)
+        addr = tl.load(info + r)
+        k = tl.load(info + num_info + r)
+        mode = tl.load(info + 2 * num_info + r)
+        layer = tl.load(info + 3 * num_info + r)
+    else:
+        addr = tl.load(call + pid)
+        k = tl.load(call + 2 * num_rows + pid)
+        mode = tl.load(call + 3 * num_rows + pid)
+        layer = tl.load(call + 4 * num_rows + pid)
+    inside = (layer >= lo) & (layer < hi)
+    k = tl.where(inside, k, 0)  # a row of another layer (or outside) reads nothing
+    mix1 = tl.load(consts).to(tl.uint64, bitcast=True)
+    mix2 = tl.load(consts + 1).to(tl.uint64, bitcast=True)
+    odd = tl.load(consts + 2).to(tl.uint64, bitcast=True)
+    golden = tl.load(consts + 3).to(tl.uint64, bitcast=True)
     words = addr.to(tl.pointer_type(tl.uint64))
     raw = addr.to(tl.pointer_type(tl.uint8))
     offs = tl.arange(0, block)
@@ -77,7 +142,7 @@ def _row_terms(  # type: ignore[no-untyped-def]  # Triton rejects non-Triton ann
             w = (w ^ (w >> 27)) * mix2
             w = (w ^ (w >> 31)) | 1
         else:
-            w = tl.load(consts_ptr + 4 + o, mask=m, other=0).to(tl.uint64, bitcast=True)
+            w = tl.load(consts + 4 + o, mask=m, other=0).to(tl.uint64, bitcast=True)
         if mode == 0:
             cell = tl.load(words + o, mask=m, other=0)
         elif mode == 1:
@@ -93,18 +158,41 @@ def _row_terms(  # type: ignore[no-untyped-def]  # Triton rejects non-Triton ann
     x = (x ^ (x >> 30)) * mix1
     x = (x ^ (x >> 27)) * mix2
     x = x ^ (x >> 31)
-    tl.store(out_ptr + pid, ((body ^ x) * odd).to(tl.int64, bitcast=True))
+    term = ((body ^ x) * odd).to(tl.int64, bitcast=True)
+    if per_layer:
+        slot = tl.where(inside, layer, 0)
+        tl.atomic_add(out + slot, term, mask=inside)
+        tl.atomic_add(out + num_layers + slot, 1, mask=inside)
+        tl.atomic_add(out + 2 * num_layers, 1, mask=layer < 0)
+    else:
+        tl.store(out + pid, term)
+
+
+def _cells(
+    addr: NDArray[np.uint64], lens: NDArray[np.uint64]
+) -> tuple[NDArray[np.int64], NDArray[np.int64]]:
+    """Cells of each row and how they are read (_WORDS, _WORDS_UNALIGNED, _BYTES)."""
+    lens64 = lens.astype(np.int64)
+    if not (lens64 & 7).any() and not (addr & np.uint64(7)).any():
+        return lens64 >> 3, np.zeros(lens64.shape, dtype=np.int64)  # the usual case
+    words = lens64 % 8 == 0
+    aligned = addr % np.uint64(8) == 0
+    cells = np.where(words, lens64 // 8, lens64)
+    mode = np.where(words, np.where(aligned, _WORDS, _WORDS_UNALIGNED), _BYTES).astype(np.int64)
+    return cells, mode
 
 
 class DeviceRowHasher(RowHasher):
-    """Checksum terms of rows in one GPU's memory (see the module docstring).
+    """Checksums of rows in one GPU's memory (see the module docstring).
 
     ``device``: where the kernel runs (default: the buffers' CUDA device; ``"cpu"`` runs
     Triton's interpreter over host memory, for tests). ``block``, ``num_warps`` and
     ``inline_weights`` (compute the position weights in the kernel instead of loading them)
-    tune the kernel. :meth:`sums` may be called from several threads at once: a lock of its
-    own serialises the launch and the wait for its result (held while the device hashes one
-    call's rows, never across calls); it also owns the reused pinned and device buffers.
+    tune the kernel. :meth:`sums` may be called from several threads at once (transfer
+    workers): a lock of its own serialises a call's upload, launch and wait (held while the
+    device hashes one call's rows, never across calls); it owns the tables' descriptions,
+    the call buffers, the sums' buffers and the compiled kernels. Descriptor tables passed
+    to it must not change once passed (a link's tables are built once).
     """
 
     KIND = MemKind.VRAM
@@ -136,12 +224,22 @@ class DeviceRowHasher(RowHasher):
         self.num_warps = num_warps
         self.inline_weights = inline_weights
         self._lock = threading.Lock()
+        self._num_layers = int(self._layers.max()) + 1 if self._layers.size else 1
         self._consts = self._constants(0)
         cuda = self.device.type == "cuda"
         self._stream = torch.cuda.Stream(self.device) if cuda else None  # type: ignore[no-untyped-call]
-        self._pinned: Any = None  # int64 [5 * capacity]: the table, then the terms
-        self._host: NDArray[np.int64] = np.empty((4, 0), dtype=np.int64)  # interpreter
-        self._on_device: Any = None  # the same on the device
+        #: Descriptions of tables seen: id -> (the table, held so its id stays its own,
+        #: int64 [4, rows] on the device, or None for a table too large to describe).
+        self._tables: dict[int, tuple[DescTable, Any]] = {}
+        self._rows_cap = 0
+        self._call_host: Any = None  # a call's rows (pinned on a GPU)
+        self._call_dev: Any = None  # the same on the device
+        self._grow(_MIN_ROWS)
+        self._out_dev = torch.zeros(2 * self._num_layers + 1, dtype=torch.int64, device=self.device)
+        self._out_host = torch.empty(2 * self._num_layers + 1, dtype=torch.int64, pin_memory=cuda)
+        #: Compiled kernels by their constexprs, launched directly after the first launch.
+        self._compiled: dict[tuple[Any, ...], Any] = {}
+        self._direct = cuda
 
     def _open_views(self) -> list[NDArray[np.uint8]]:
         return []  # rows are read by the kernel from their addresses
@@ -154,6 +252,101 @@ class DeviceRowHasher(RowHasher):
         ).view(np.int64)
         return torch.from_numpy(host.copy()).to(self.device)
 
+    def _need_weights(self, cells: NDArray[np.int64]) -> None:
+        """Grow the constants to the longest row's cells. Caller holds the lock."""
+        if cells.size and not self.inline_weights:
+            longest = int(cells.max())
+            if self._consts.numel() < longest + 4:
+                self._consts = self._constants(longest)
+
+    def _grow(self, rows: int) -> None:
+        """Call buffers for ``rows`` rows of 5 columns. Caller holds the lock (or builds)."""
+        if rows <= self._rows_cap:
+            return
+        self._rows_cap = max(rows, 2 * self._rows_cap)
+        pin = self.device.type == "cuda"
+        self._call_host = torch.empty(5 * self._rows_cap, dtype=torch.int64, pin_memory=pin)
+        self._call_dev = (
+            torch.empty(5 * self._rows_cap, dtype=torch.int64, device=self.device)
+            if pin
+            else self._call_host
+        )
+
+    # ------------------------------------------------------------------ the call
+    def sums(
+        self,
+        table: DescTable,
+        idx: IndexArray,
+        dst_addr: NDArray[np.uint64],
+        layers: Sequence[int] | None = None,
+    ) -> LayerSums:
+        """Per-layer checksum of rows ``table[idx]`` keyed by ``dst_addr`` (see
+        :meth:`RowHasher.sums`), summed on the device. ``layers`` given as a ``range`` of
+        step 1 (a layer-wise group) is selected on the device, any other sequence on the
+        host (a term per row comes back). Called by transfer workers (prefill) and the
+        progress thread (decode)."""
+        lo, hi = 0, self._num_layers
+        if isinstance(layers, range) and layers.step == 1:
+            lo, hi = max(layers.start, 0), min(max(layers.stop, 0), self._num_layers)
+        elif layers is not None:
+            return super().sums(table, idx, dst_addr, layers)  # host filter, then _row_terms
+        rows = np.asarray(idx, dtype=np.int64).reshape(-1)
+        n = rows.size
+        if not n or lo >= hi:
+            return {}
+        keys = np.asarray(dst_addr, dtype=np.uint64).reshape(-1)
+        with self._lock:
+            info = self._described(table)
+            self._grow(n)
+            call = self._call_host.numpy()
+            if int(rows.min()) < 0 or int(rows.max()) >= table.shape[0]:
+                raise DescriptorError("a checksummed row is not a row of its table")
+            if info is not None:
+                call[:n] = rows
+                call[n : 2 * n] = keys.view(np.int64)
+                self._launch(info, table.shape[0], 2 * n, n, lo, hi, indexed=True)
+            else:  # a table too large to describe: locate this call's rows on the host
+                addr, lens, pos = self._locate(table, rows)
+                cells, mode = _cells(addr, lens)
+                self._need_weights(cells)
+                part = call[: 5 * n].reshape(5, n)
+                part[0], part[1], part[2], part[3] = (
+                    addr.view(np.int64),
+                    keys.view(np.int64),
+                    cells,
+                    mode,
+                )
+                part[4] = self._layers[pos]
+                self._launch(None, 0, 5 * n, n, lo, hi, indexed=False)
+            got = self._wait()
+        layers_n = self._num_layers
+        if got[2 * layers_n]:
+            raise DescriptorError("a checksummed row lies outside the rank's KV buffers")
+        present = np.flatnonzero(got[layers_n : 2 * layers_n])
+        sums = got[:layers_n].view(np.uint64)
+        return {int(x): int(sums[x]) for x in present}
+
+    def _described(self, table: DescTable) -> Any:
+        """The device description of ``table`` (``int64 [4, rows]``: address, cells, read
+        mode, layer or -1 outside the buffers), built the first time it is seen; None for a
+        table larger than :data:`_MAX_TABLE_ROWS`. Caller holds the lock."""
+        seen = self._tables.get(id(table))
+        if seen is not None and seen[0] is table:
+            return seen[1]
+        info = None
+        if table.shape[0] <= _MAX_TABLE_ROWS:
+            addr, lens = table[:, ADDR], table[:, LEN]
+            pos = locate_rows(self._starts, self._ends, addr, lens)
+            cells, mode = _cells(addr, lens)
+            self._need_weights(cells)
+            layer = np.where(pos >= 0, self._layers[np.clip(pos, 0, None)], -1)
+            host = np.stack([addr.view(np.int64), cells, mode, layer.astype(np.int64)])
+            info = torch.from_numpy(np.ascontiguousarray(host)).to(self.device)
+        if len(self._tables) >= _MAX_TABLES:
+            self._tables.pop(next(iter(self._tables)))
+        self._tables[id(table)] = (table, info)
+        return info
+
     def _row_terms(
         self,
         addr: NDArray[np.uint64],
@@ -161,53 +354,86 @@ class DeviceRowHasher(RowHasher):
         pos: NDArray[np.int64],
         dst: NDArray[np.uint64],
     ) -> NDArray[np.uint64]:
+        """One term per row (what :meth:`RowHasher.sums` adds on the host when ``layers`` is
+        not a range)."""
         n = addr.size
-        lens64 = lens.astype(np.int64)
+        cells, mode = _cells(addr, lens)
         with self._lock:
-            longest = int(lens64.max())  # cells of a row never exceed its bytes
-            if not self.inline_weights and self._consts.numel() < longest + 4:
-                self._consts = self._constants(longest)
-            table = self._table(n)
-            table[0] = addr.view(np.int64)
-            table[1] = dst.view(np.int64)
-            if not (lens64 & 7).any() and not (addr & np.uint64(7)).any():
-                np.right_shift(lens64, 3, out=table[2])  # the usual case: aligned words
-                table[3] = _WORDS
-            else:
-                words = lens64 % 8 == 0
-                aligned = addr % np.uint64(8) == 0
-                table[2] = np.where(words, lens64 // 8, lens64)
-                table[3] = np.where(words, np.where(aligned, _WORDS, _WORDS_UNALIGNED), _BYTES)
-            return self._launch(n)
-
-    def _table(self, n: int) -> NDArray[np.int64]:
-        """The ``[4, n]`` table of a call, written in place into the reused pinned buffer
-        (a plain array on the interpreter). Caller holds the lock."""
-        if self._stream is None:
-            self._host = np.empty((4, n), dtype=np.int64)
-            return self._host
-        if self._pinned is None or self._pinned.numel() < 5 * n:
-            cap = max(5 * n, 5 * 4096)
-            self._pinned = torch.empty(cap, dtype=torch.int64, pin_memory=True)
-            self._on_device = torch.empty(cap, dtype=torch.int64, device=self.device)
-        out: NDArray[np.int64] = self._pinned.numpy()[: 4 * n].reshape(4, n)
+            self._need_weights(cells)
+            self._grow(n)
+            part = self._call_host.numpy()[: 5 * n].reshape(5, n)
+            part[0], part[1], part[2], part[3] = (
+                addr.view(np.int64),
+                dst.view(np.int64),
+                cells,
+                mode,
+            )
+            part[4] = self._layers[pos]
+            terms = torch.empty(n, dtype=torch.int64, device=self.device)
+            self._launch(None, 0, 5 * n, n, 0, self._num_layers, indexed=False, out=terms)
+            if self._stream is not None:
+                self._stream.synchronize()
+            out: NDArray[np.uint64] = terms.cpu().numpy().view(np.uint64).copy()
         return out
 
-    def _launch(self, n: int) -> NDArray[np.uint64]:
-        """Terms of the ``n`` rows of the table :meth:`_table` returned, waited for. Caller
-        holds the lock."""
-        grid = (n,)
-        meta = {"block": self.block, "inline_weights": self.inline_weights}
+    # ------------------------------------------------------------------ the device
+    def _launch(
+        self,
+        info: Any,
+        num_info: int,
+        elems: int,
+        n: int,
+        lo: int,
+        hi: int,
+        *,
+        indexed: bool,
+        out: Any = None,
+    ) -> None:
+        """Enqueue, on this hasher's stream, the upload of the call's first ``elems`` int64
+        and the kernel over its ``n`` rows (into the per-layer sums, zeroed first, unless
+        ``out`` takes a term per row). Caller holds the lock."""
+        per_layer = out is None
+        target = self._out_dev if per_layer else out
+        key = (self.block, self.inline_weights, per_layer, indexed)
+        info_addr = info.data_ptr() if info is not None else 0
+        args = (
+            info_addr,
+            num_info,
+            self._call_dev.data_ptr(),
+            self._consts.data_ptr(),
+            target.data_ptr(),
+            n,
+            self._num_layers,
+            lo,
+            hi,
+        )
         if self._stream is None:  # Triton's interpreter: host memory, synchronous
-            terms = torch.empty(n, dtype=torch.int64)
-            _row_terms[grid](torch.from_numpy(self._host), self._consts, terms, n, **meta)
-            return terms.numpy().view(np.uint64).copy()
+            if per_layer:
+                target.zero_()
+            _hash_rows[(n,)](*args, *key)
+            return
         with torch.cuda.device(self.device), torch.cuda.stream(self._stream):
-            dtable = self._on_device[: 4 * n]
-            dtable.copy_(self._pinned[: 4 * n], non_blocking=True)
-            terms = self._on_device[4 * n : 5 * n]
-            _row_terms[grid](dtable, self._consts, terms, n, num_warps=self.num_warps, **meta)
-            self._pinned[4 * n : 5 * n].copy_(terms, non_blocking=True)
+            self._call_dev[:elems].copy_(self._call_host[:elems], non_blocking=True)
+            if per_layer:
+                target.zero_()
+            kernel = self._compiled.get(key)
+            if kernel is not None and self._direct:
+                try:
+                    kernel[(n, 1, 1)](*args, *key, stream=self._stream.cuda_stream)
+                    return
+                except Exception as exc:  # another Triton's launcher: bind arguments again
+                    logger.warning("checksums: direct launch refused (%s); using Triton's", exc)
+                    self._direct = False
+            kernel = _hash_rows[(n,)](*args, *key, num_warps=self.num_warps)
+            self._compiled.setdefault(key, kernel)
+
+    def _wait(self) -> NDArray[np.int64]:
+        """The per-layer sums, row counts and rows outside of the launch just enqueued,
+        waited for (this hasher's stream only). Caller holds the lock."""
+        if self._stream is None:
+            return self._out_dev.numpy().copy()
+        with torch.cuda.stream(self._stream):
+            self._out_host.copy_(self._out_dev, non_blocking=True)
         self._stream.synchronize()
-        out: NDArray[np.uint64] = self._pinned.numpy()[4 * n : 5 * n].view(np.uint64).copy()
+        out: NDArray[np.int64] = self._out_host.numpy().copy()
         return out

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import secrets
 import time
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -26,20 +27,36 @@ def engine(
     ``gpus`` round robin): verified requests of every size first (every element and aux row
     checked on decode), then timed requests at each concurrency. ``a`` carries the settings
     (``device``, ``gpus``, ``sizes`` MiB, ``concurrency``, ``requests``, ``verify_requests``,
-    ``engine_step``, ``timeout``, ``backend``, ``prefill_tp``, ``decode_tp``); ``staging``
+    ``engine_step``, ``timeout``, ``backend``, ``prefill_tp``, ``decode_tp``; optional:
+    ``checksum`` turns ``kv_checksum`` on, ``mla`` moves an MLA model (one latent row of 576
+    bytes per token and layer), ``decode_page_size`` gives decode other pages, ``sample_dir``
+    names a folder where a file ``on`` exists while the timed requests run, for a sampler or
+    tracer in the rank processes such as ``scripts/gpu_call_tracer.py``); ``staging``
     and its options pick the strategy; ``max_chunk_pages`` > 0 cuts every request into
     chunks of at most that many pages (chunked prefill; a staged chunk must fit a staging
     buffer)."""
-    from kvwire.config import KVWireConfig
+    from kvwire.config import ControlOptions, KVWireConfig
     from kvwire.layout import ModelSpec
     from kvwire.testing.cluster import Cluster, ClusterSpec, RoomPlan
     from kvwire.testing.cluster_suite import assert_all_ok, assert_tables_empty
 
-    model = ModelSpec(num_layers=32, total_kv_heads=8, head_dim=64, dtype="int32", page_size=16)
+    mla = bool(getattr(a, "mla", False))
+    heads, dim = (1, 144) if mla else (8, 64)  # MLA: one latent row (576 bf16 bytes as int32)
+    model = ModelSpec(
+        num_layers=32, total_kv_heads=heads, head_dim=dim, dtype="int32", page_size=16, is_mla=mla
+    )
     if a.device == "cpu":  # dry run: small pages on host memory
-        model = ModelSpec(num_layers=4, total_kv_heads=2, head_dim=16, dtype="int32", page_size=4)
+        model = ModelSpec(
+            num_layers=4,
+            total_kv_heads=1 if mla else 2,
+            head_dim=16,
+            dtype="int32",
+            page_size=4,
+            is_mla=mla,
+        )
     m = model
-    page_mib = m.num_layers * 2 * m.page_size * m.total_kv_heads * m.head_dim * 4 / MiB
+    kv = 1 if mla else 2
+    page_mib = m.num_layers * kv * m.page_size * m.total_kv_heads * m.head_dim * 4 / MiB
     sizes = a.sizes
     pages = {m: max(1, round(m / page_mib)) for m in sizes}
     slots = max(2, *a.concurrency) * max(pages.values()) + 64
@@ -52,12 +69,15 @@ def engine(
         engine_step_s=a.engine_step,
         prefill_tp=a.prefill_tp,
         decode_tp=a.decode_tp,
+        decode_page_size=getattr(a, "decode_page_size", None),
         config=KVWireConfig(
             transfer_backend=a.backend,
             staging=staging,
             staging_options=dict(staging_options or {}),
+            control=ControlOptions(kv_checksum=bool(getattr(a, "checksum", False))),
         ),
     )
+    flag = Path(a.sample_dir) / "on" if getattr(a, "sample_dir", "") else None
     rng = np.random.default_rng(3)
 
     def chunks(p: int, verify: bool) -> list[int]:
@@ -81,10 +101,13 @@ def engine(
         "slots": slots,
         "pages": pages,
         "tp": f"{a.prefill_tp}->{a.decode_tp}",
+        "mla": mla,
+        "decode_page_size": getattr(a, "decode_page_size", None),
         "backend": a.backend,
         "staging": staging,
         "staging_options": dict(staging_options or {}),
         "max_chunk_pages": max_chunk_pages,
+        "kv_checksum": bool(getattr(a, "checksum", False)),
     }
     t0 = time.perf_counter()
     with Cluster(spec) as c:
@@ -99,6 +122,9 @@ def engine(
             report["verified"].append(cell)
             log(f"verified {cell}")
         c.run(plans(4, pages[sizes[0]], False), concurrency=2, timeout_s=a.timeout)  # warm-up
+        if flag is not None:
+            flag.parent.mkdir(parents=True, exist_ok=True)
+            flag.touch()
         for mib in sizes:
             for conc in a.concurrency:
                 n = a.requests if mib < 512 else max(conc * 2, a.requests // 4)
@@ -125,5 +151,7 @@ def engine(
                     cell[f"prefill_{k[:-2]}_ms"] = 1e3 * vals[len(vals) // 2]
                 report["cells"].append(cell)
                 log(f"engine {cell}")
+        if flag is not None:
+            flag.unlink(missing_ok=True)
         assert_tables_empty(c)
     return report

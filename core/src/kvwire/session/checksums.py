@@ -16,6 +16,9 @@ covered: aux rows carry their own room stamp, and buffer groups and a decode's s
 
 from __future__ import annotations
 
+import threading
+from typing import Any
+
 import numpy as np
 from numpy.typing import NDArray
 
@@ -46,12 +49,15 @@ def hasher_for(layout: KVLayout) -> RowHasher:
 
 class SentSums:
     """Prefill side of one link: sums of source rows, keyed by where they land on decode.
-    Built on a handshake thread; :meth:`chunk` is called by transfer workers (read-only)."""
+    Built on a handshake thread; :meth:`chunk` is called by transfer workers, each keeping
+    its own last chunk's mapped rows (thread-local: a layer-wise chunk asks once per group,
+    for the same rows, and they are mapped once)."""
 
     def __init__(self, mapper: IndexMapper, local: KVLayout) -> None:
         self.mapper = mapper
         self.tables = mapper.build_tables()
         self.hasher = hasher_for(local)
+        self._local = threading.local()
 
     def chunk(
         self,
@@ -60,9 +66,16 @@ class SentSums:
         layers: tuple[int, int] | None = None,
     ) -> LayerSums:
         """Per-layer sums of a chunk's rows (``src_units``/``dst_units`` as the job holds
-        them), only of layers ``[a, b)`` when given (one layer-wise group)."""
-        src_idx, dst_idx = self.mapper.map_chunk(src_units, dst_units)
-        keys = self.tables.dst[np.asarray(dst_idx, dtype=np.int64), ADDR]
+        them), only of layers ``[a, b)`` when given (one layer-wise group). The same
+        ``src_units`` and ``dst_units`` objects as this thread's last call reuse its mapped
+        rows (and the hasher its located ones: the same objects are passed on)."""
+        last: tuple[Any, ...] | None = getattr(self._local, "last", None)
+        if last is not None and last[0] is src_units and last[1] is dst_units:
+            src_idx, keys = last[2], last[3]
+        else:
+            src_idx, dst_idx = self.mapper.map_chunk(src_units, dst_units)
+            keys = self.tables.dst[np.asarray(dst_idx, dtype=np.int64), ADDR]
+            self._local.last = (src_units, dst_units, src_idx, keys)
         only = None if layers is None else range(*layers)
         return self.hasher.sums(self.tables.src, src_idx, keys, only)
 

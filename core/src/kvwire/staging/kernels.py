@@ -87,7 +87,7 @@ class KVTensors:
         self.slot_bytes = int(np.prod(shape[1:]))
         self.row = row
         self.page_size = m.page_size
-        #: The fused mover of a GPU pool with token-major pages (None: indexed copies).
+        #: The page mover of a GPU pool with token-major pages (None: indexed copies).
         self.mover: Any = None
         if self.on_device:
             self.torch = _torch()
@@ -122,9 +122,7 @@ class KVTensors:
         whatever the pool's page order); synchronised."""
         self._check_staged()
         if self.mover is not None:
-            pool, blk, lens = self.runs(bufs, pages, lo, hi, _addr(out))
-            self.mover.copy(pool, blk, lens, self.stream)
-            self.sync()
+            self._pages_copy(bufs, pages, lo, hi, _addr(out), to_pool=False)
             return
         with self._ctx():
             idx = self._index(pages)
@@ -143,9 +141,7 @@ class KVTensors:
         rows of ``pages`` in buffers ``bufs``; synchronised before returning."""
         self._check_staged()
         if self.mover is not None:
-            pool, blk, lens = self.runs(bufs, pages, lo, hi, _addr(block))
-            self.mover.copy(blk, pool, lens, self.stream)
-            self.sync()
+            self._pages_copy(bufs, pages, lo, hi, _addr(block), to_pool=True)
             return
         with self._ctx():
             idx = self._index(pages)
@@ -156,6 +152,34 @@ class KVTensors:
             else:
                 for i, bi in enumerate(bufs.tolist()):
                     self._part(self.views[bi], lo, hi)[idx] = self._pages(block[i], hi - lo)
+        self.sync()
+
+    def _pages_copy(
+        self,
+        bufs: NDArray[np.int64],
+        pages: NDArray[np.int64],
+        lo: int,
+        hi: int,
+        block: int,
+        *,
+        to_pool: bool,
+    ) -> None:
+        """One page-mover launch between bytes ``[lo, hi)`` of the token rows of ``pages`` in
+        buffers ``bufs`` and the block at ``block`` (laid out as :meth:`runs` says: whole rows
+        are one piece per page, a slice one per token), then the staging stream waited for."""
+        whole = hi - lo == self.row
+        self.mover.copy(
+            self.addrs[np.asarray(bufs, dtype=np.int64)],
+            np.asarray(pages, dtype=np.int64),
+            block,
+            slot_bytes=self.slot_bytes,
+            lo=lo,
+            row=self.row,
+            n=self.page_size * self.row if whole else hi - lo,
+            tokens=1 if whole else self.page_size,
+            to_pool=to_pool,
+            stream=self.stream,
+        )
         self.sync()
 
     def runs(
@@ -215,13 +239,13 @@ class KVTensors:
 
 
 def _mover(device: Any) -> Any:
-    """The fused run mover for ``device``, or None where Triton is not installed (the
-    indexed copies then serve)."""
+    """The page mover for ``device`` (:class:`kvwire.movers.triton_pages.PageCopier`), or
+    None where Triton is not installed (the indexed copies then serve)."""
     try:
-        from kvwire.movers.triton_copy import RunCopier
+        from kvwire.movers.triton_pages import PageCopier
     except ImportError:
         return None
-    return RunCopier(device)
+    return PageCopier(device)
 
 
 def block_view(buf: Any, start: int, shape: tuple[int, ...]) -> Any:

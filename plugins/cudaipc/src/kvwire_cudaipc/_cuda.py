@@ -133,10 +133,22 @@ def export(ordinal: int, addr: int) -> tuple[bytes, int, int]:
         )
     drv = _driver()
     with torch.cuda.device(ordinal):
-        torch.cuda.current_stream()  # the primary context is current from here on
+        _current(ordinal)
         base, size = _check(drv.cuMemGetAddressRange(addr), "cuMemGetAddressRange")
         handle = _check(drv.cuIpcGetMemHandle(base), "cuIpcGetMemHandle")
     return _handle_bytes(handle), addr - int(base), int(size)
+
+
+def _current(ordinal: int) -> None:
+    """Make device ``ordinal``'s primary context current in this thread, for the driver calls
+    that follow (a handshake thread that never touched the device has none: torch skips its
+    device switch when the device is already its current one, and ``cuIpcOpenMemHandle``
+    then failed with CUDA_ERROR_INVALID_CONTEXT where the peer's memory is on this rank's own
+    GPU). Called inside ``torch.cuda.device(ordinal)``."""
+    from cuda.bindings import runtime
+
+    _torch().cuda.current_stream()
+    _check(runtime.cudaSetDevice(ordinal), "cudaSetDevice")
 
 
 def enable_peer_access(writer: int, owner: int) -> None:
@@ -183,7 +195,7 @@ class OpenedHandles:
             drv = _driver()
             flags = int(drv.CUipcMem_flags.CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS)
             with torch.cuda.device(ordinal):
-                torch.cuda.current_stream()
+                _current(ordinal)
                 ptr = int(
                     _check(
                         drv.cuIpcOpenMemHandle(_handle_from_bytes(raw), flags),
@@ -208,6 +220,7 @@ class OpenedHandles:
             torch = _torch()
             drv = _driver()
             with torch.cuda.device(ordinal):
+                _current(ordinal)
                 _check(drv.cuIpcCloseMemHandle(entry[0]), "cuIpcCloseMemHandle")
 
 

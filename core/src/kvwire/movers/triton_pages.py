@@ -1,0 +1,192 @@
+"""The page mover of bulk staging: one Triton launch gathers (or scatters) whole pages, or a
+byte slice of each token row of them, between a pool's buffers and a contiguous block, with
+the addresses computed on the device from the page list.
+
+Imported only where it runs (a CUDA device, or Triton's interpreter on the CPU with
+``TRITON_INTERPRET=1`` set before import, as the CPU tests do). The general run mover
+(:class:`kvwire.movers.triton_copy.RunCopier`) takes a run list the host plans per call (one
+``(src, dst, bytes)`` per buffer and page, or per token for a slice: thousands of rows of
+NumPy work and a table of that size per chunk). A staged chunk's runs follow from a few
+numbers: the buffers' addresses, the pages, the bytes from one slot to the next and the slice
+of a token row. :class:`PageCopier` sends only those (the page list and the buffers'
+addresses, written into a pinned slot the kernel reads directly) and launches the compiled
+kernel directly, so a call's host work does not grow with the chunk.
+
+One program per (buffer, page): it copies ``tokens`` pieces of ``n`` bytes, piece ``t`` at
+``buffer + page * slot_bytes + lo + t * row`` in the pool and at
+``block + ((b * pages + i) * tokens + t) * n`` in the block (the block is laid out
+``[buffer, page, token, n]``, as :meth:`kvwire.staging.kernels.KVTensors.runs` describes),
+in steps of :data:`~kvwire.movers.plan.BLOCK_BYTES` with the widest element that divides
+every address and length (16 bytes: vector loads and stores).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from typing import Any
+
+import numpy as np
+import torch
+import triton
+import triton.language as tl
+from numpy.typing import NDArray
+
+from kvwire.movers.plan import BLOCK_BYTES, MAX_WIDTH
+from kvwire.movers.triton_copy import _ELEM, _ELEM_BYTES, _on, _TableSlots
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["PageCopier"]
+
+
+@triton.jit(  # type: ignore[untyped-decorator]
+    do_not_specialize=[
+        "table_addr",
+        "npages",
+        "block_addr",
+        "slot_elems",
+        "lo_elems",
+        "row_elems",
+        "n_elems",
+        "tokens",
+    ]
+)
+def _copy_pages(  # type: ignore[no-untyped-def]  # Triton 3.6 rejects non-Triton annotations
+    table_addr,
+    npages,
+    block_addr,
+    slot_elems,
+    lo_elems,
+    row_elems,
+    n_elems,
+    tokens,
+    block: tl.constexpr,
+    elem: tl.constexpr,
+    align: tl.constexpr,
+    vec: tl.constexpr,
+    to_pool: tl.constexpr,
+) -> None:
+    # table (pinned host memory read over the bus, or host memory in the interpreter): int64
+    # [npages + buffers] = the pages (slots), then each buffer's address. Lengths and
+    # offsets are in elements of `elem`.
+    table = table_addr.to(tl.pointer_type(tl.int64))
+    pid = tl.program_id(0).to(tl.int64)
+    b = pid // npages
+    i = pid - b * npages
+    page = tl.load(table + i)
+    buf = tl.load(table + npages + b)
+    pool0 = buf.to(tl.pointer_type(elem)) + page * slot_elems + lo_elems
+    blk0 = block_addr.to(tl.pointer_type(elem)) + pid * tokens * n_elems
+    n = tl.multiple_of(n_elems, vec)
+    offs = tl.arange(0, block)
+    for t in range(0, tokens):
+        pool = tl.multiple_of(pool0 + t * row_elems, align)
+        blk = tl.multiple_of(blk0 + t * n_elems, align)
+        for start in range(0, n, block):
+            o = start + offs
+            mask = o < n
+            if to_pool:
+                tl.store(pool + o, tl.load(blk + o, mask=mask), mask=mask)
+            else:
+                tl.store(blk + o, tl.load(pool + o, mask=mask), mask=mask)
+
+
+def page_width(addrs: NDArray[np.int64], block: int, *sizes: int) -> int:
+    """The widest power of two (at most 16) dividing every buffer address, the block's address
+    and every size and offset of a call."""
+    acc = int(np.bitwise_or.reduce(addrs)) if addrs.size else 0
+    acc |= block | MAX_WIDTH
+    for s in sizes:
+        acc |= s
+    return acc & -acc
+
+
+class PageCopier:
+    """Gathers and scatters pages of one device's pool with one launch per call.
+
+    Built by :class:`kvwire.staging.kernels.KVTensors` for a GPU pool with token-major pages.
+    Any thread may call :meth:`copy`; launches are serialised by a lock of its own (held for
+    the table write and the launch only, never while the GPU works). Tables go into pinned
+    slots the kernel reads directly (a slot is reused once the launch that read it completed);
+    after the first launch of a kernel variant the compiled kernel is launched directly.
+    """
+
+    def __init__(self, device: Any, num_warps: int = 4, *, slots: int = 16) -> None:
+        self.device = torch.device(device)
+        self.num_warps = num_warps
+        self._lock = threading.Lock()
+        self._slots_count = slots
+        self._slot_elems = 0
+        self._slots: _TableSlots | None = None
+        self._host: NDArray[np.int64] = np.empty(0, dtype=np.int64)  # interpreter
+        self._compiled: dict[tuple[Any, ...], Any] = {}
+        self._direct = self.device.type == "cuda"
+
+    def copy(
+        self,
+        addrs: NDArray[np.int64],
+        pages: NDArray[np.int64],
+        block: int,
+        *,
+        slot_bytes: int,
+        lo: int,
+        row: int,
+        n: int,
+        tokens: int,
+        to_pool: bool,
+        stream: Any = None,
+    ) -> None:
+        """Enqueue the copy between bytes ``[lo, lo + n)`` of ``tokens`` rows (``row`` bytes
+        apart) of every page ``pages[i]`` (slots ``slot_bytes`` apart) of every buffer at
+        ``addrs[b]`` and the block at ``block`` (``[buffer, page, token, n]``): into the
+        block, or out of it into the pool when ``to_pool``. Never waits for the GPU unless
+        every table slot is still in flight; the caller synchronises ``stream``."""
+        npages, nbuf = int(pages.size), int(addrs.size)
+        if not npages or not nbuf or not n or not tokens:
+            return
+        width = page_width(addrs, block, slot_bytes, lo, row, n)
+        elem_bytes = _ELEM_BYTES[width]
+        step = BLOCK_BYTES if n >= BLOCK_BYTES else max(1 << (n - 1).bit_length(), width)
+        key = (step // elem_bytes, _ELEM[width], width, width // elem_bytes, to_pool)
+        scalars = (
+            npages,
+            block,
+            slot_bytes // elem_bytes,
+            lo // elem_bytes,
+            row // elem_bytes,
+            n // elem_bytes,
+            tokens,
+        )
+        grid = nbuf * npages
+        with self._lock:
+            if self.device.type != "cuda":  # Triton's interpreter: host memory, synchronous
+                self._host = np.concatenate([pages, addrs]).astype(np.int64)
+                _copy_pages[(grid,)](self._host.ctypes.data, *scalars, *key)
+                return
+            need = npages + nbuf
+            if self._slots is None or need > self._slot_elems:
+                self._slot_elems = max(need, 4096)
+                with _on(self.device):
+                    self._slots = _TableSlots(self._slots_count, self._slot_elems)
+            slots = self._slots
+            s = slots.take()
+            slots.arr[s, :npages] = pages
+            slots.arr[s, npages:need] = addrs
+            stream = stream if stream is not None else torch.cuda.current_stream(self.device)
+            args = (slots.addr(s), *scalars)
+            with _on(self.device):
+                kernel = self._compiled.get(key)
+                launched = False
+                if kernel is not None and self._direct:
+                    try:
+                        kernel[(grid, 1, 1)](*args, *key, stream=stream.cuda_stream)
+                        launched = True
+                    except Exception as exc:  # another Triton's launcher
+                        logger.warning("page mover: direct launch refused (%s)", exc)
+                        self._direct = False
+                if not launched:
+                    with torch.cuda.stream(stream):
+                        kernel = _copy_pages[(grid,)](*args, *key, num_warps=self.num_warps)
+                    self._compiled.setdefault(key, kernel)
+                slots.launched(s, stream)
