@@ -12,8 +12,8 @@ see can come from the decode rank's own liveness bound:
 * a request it asked for before prefill created its sender (an early request, dropped by the
   eviction) is repeated the same way;
 * a request the eviction failed on prefill fails on decode too, naming the eviction;
-* a heartbeat (or request) from a session never handshaken is still dropped, and does not
-  make prefill open a socket anywhere.
+* a heartbeat (or request) from a session never handshaken, or from one evicted because its
+  process is gone, is still dropped, and does not make prefill open a socket anywhere.
 """
 
 from __future__ import annotations
@@ -112,19 +112,23 @@ def test_a_request_the_eviction_failed_fails_on_decode_naming_it() -> None:
         wait_for(lambda: no_rooms(p.prefill) and no_rooms(p.decode))
 
 
-def test_a_stranger_is_still_dropped() -> None:
+def test_a_stranger_or_a_dead_session_is_not_answered() -> None:
     """A transfer request and a heartbeat from a session prefill never handshook with (no
-    endpoint to answer) are dropped, and prefill opens no socket for them."""
+    endpoint to answer), or from one it evicted because its process is gone (its last frames
+    may be read after the eviction), are dropped: prefill opens no socket for them (one to a
+    dead endpoint would never close)."""
     from kvwire.control.wire import Heartbeat, TransferRequest, pages_to_bytes
 
     with pair(config(**BOUND)) as p:
         p.transfer(1)
-        prefill = p.prefill
+        prefill, gone = p.prefill, p.decode.session
+        prefill.evict(gone, "its control connection closed (test)")  # not for silence
         before = len(prefill.channel._push)
-        prefill._dispatch(Heartbeat(session="never-seen"))
-        prefill._dispatch(
-            TransferRequest(room=9, session="never-seen", dst_pages=pages_to_bytes(np.arange(2)))
-        )
+        for session in ("never-seen", gone):
+            prefill._dispatch(Heartbeat(session=session))
+            prefill._dispatch(
+                TransferRequest(room=9, session=session, dst_pages=pages_to_bytes(np.arange(2)))
+            )
         assert len(prefill.channel._push) == before
         assert prefill.room_tables()["early_requests"] == 0
-        p.transfer(2)
+        assert p.prefill.session in p.decode.peers  # decode was told nothing

@@ -16,10 +16,10 @@ rank's share of them waiting for the bootstrap timeout. Instead (protocol 1.9):
   socket).
 
 A session that handshakes again is forgotten here (:meth:`EvictionBook.rejoined`). The book
-keeps the last :data:`MAX_KEPT` evictions (a session never heard of has no endpoint to answer
-and is still dropped, logged). It also holds the evicted peers whose engine state is not
-released yet, so that a session handshaking again releases it first and a late release cannot
-remove the new link's state (:meth:`take_release`).
+keeps the last :data:`MAX_KEPT` evictions for silence (a session never heard of, or one whose
+process is gone, is not answered: its frames are dropped, logged). It also holds the evicted
+peers whose engine state is not released yet, so that a session handshaking again releases it
+first and a late release cannot remove the new link's state (:meth:`take_release`).
 
 Lock contract: guarded by the room lock (:class:`~kvwire.session.rooms.RoomTable`), held by
 every caller.
@@ -70,13 +70,17 @@ class EvictionBook:
 
     def evicted(self, peer: Peer, why: str, failed: dict[int, str], unheard: list[int]) -> None:
         """Control thread (an eviction): remember ``peer``, the rooms the eviction failed and
-        those whose early requests it dropped."""
+        those whose early requests it dropped, when it was evicted for silence alone. One
+        whose process is gone (its connection closed, it said goodbye or restarted) is not
+        answered: frames it sent before dying may still be read, and an answer would open a
+        socket to an endpoint where nothing listens."""
         self._kept.pop(peer.session, None)
-        self._kept[peer.session] = EvictedPeer(
-            peer.agent, peer.endpoint, why, dict(failed), list(unheard)
-        )
-        while len(self._kept) > MAX_KEPT:
-            self._kept.popitem(last=False)
+        if peer.silent_loss:
+            self._kept[peer.session] = EvictedPeer(
+                peer.agent, peer.endpoint, why, dict(failed), list(unheard)
+            )
+            while len(self._kept) > MAX_KEPT:
+                self._kept.popitem(last=False)
         self._unreleased[peer.session] = peer
 
     def endpoint(self, session: str) -> str | None:
