@@ -293,6 +293,11 @@ class KVManager:
         """Tell a peer's control endpoint ``msg`` (see :meth:`RankContext.tell`)."""
         return self.ctx.tell(endpoint, msg)
 
+    def evict(self, session: str, why: str, silent: bool = False) -> None:
+        """Forget peer ``session`` as the liveness thread does (see
+        :meth:`RankContext.evict`); tools and tests use it to evict by hand."""
+        self.ctx.evict(session, why, silent)
+
     def close(self) -> None:
         """Stop threads, tell peers goodbye, fail live rooms and free everything. Idempotent;
         called by the engine at shutdown."""
