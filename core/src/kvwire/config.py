@@ -58,8 +58,9 @@ class ControlOptions(BaseModel):
     kv_checksum: bool = Field(
         default=False,
         description="Decode asks every prefill rank for a checksum of each KV chunk it sends "
-        "and checks the bytes that landed before reporting success (docs/integrity.md). Host "
-        "(DRAM) KV pools only, for now; set on decode (prefill answers what decode asks).",
+        "and checks the bytes that landed before reporting success (docs/integrity.md). KV "
+        "pools in host or GPU memory (GPU sums need torch and triton); set on decode (prefill "
+        "answers what decode asks).",
     )
     layerwise_groups: int = Field(
         default=4,

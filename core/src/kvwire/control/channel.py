@@ -146,14 +146,6 @@ class ControlChannel:
 
     # session/ still calls the old names (the redesign branch restructures it): these go once
     # its call sites say tell/tell_once (manager.py, prefill_links.py).
-    def send(self, endpoint: str, msg: Message) -> bool:
-        """Old name of :meth:`tell`."""
-        return self.tell(endpoint, msg)
-
-    def send_once(self, endpoint: str, msg: Message, linger_s: float = 0.5) -> None:
-        """Old name of :meth:`tell_once`."""
-        self.tell_once(endpoint, msg, linger_s)
-
     def disconnect(self, endpoint: str) -> None:
         """Close the socket to an evicted peer (pending frames are discarded). Any thread."""
         with self._lock:
