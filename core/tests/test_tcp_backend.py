@@ -522,3 +522,64 @@ def test_wakers_fire_on_completion_failure_and_notification(make_backend: MakeBa
     assert failed.wait(10), "a failed write did not wake its submitter"
     assert initiator.poll(h) is XferState.FAILED
     assert calls == [1]  # once per write
+
+
+# ------------------------------------------------------------- late writes (outages)
+def test_a_write_part_past_its_write_by_time_is_dropped(
+    target: Target, zctx: zmq.Context[Any]
+) -> None:
+    """A write part whose ``t`` (the time it had to land by) has passed is refused before any
+    byte lands and its notification is not delivered; one still in time is written."""
+    sock = dealer(zctx, target.backend.endpoint)
+    late = wire.unpack(request(7, rows((target.region.addr, 64)), note=b"late"))
+    late["t"] = time.time() - 0.001
+    sock.send_multipart([wire.WRITE, wire.pack(late), bytes(range(64))])
+    kind, header = recv(sock)
+    reply = wire.unpack(header)
+    assert kind == wire.ACK and reply["ok"] is False
+    assert reply["e"] == "refused: the write arrived after the time it had to land by"
+    assert target.untouched() and target.backend.get_notifications() == []
+    assert target.backend.refused_messages == 1
+    # the same part in time lands (so the refusal above is the time check)
+    early = dict(late, x=8, t=time.time() + 60, n=b"early")
+    sock.send_multipart([wire.WRITE, wire.pack(early), bytes(range(64))])
+    assert wire.unpack(recv(sock)[1])["ok"] is True
+    assert (target.buf[GUARD : GUARD + 64] == np.arange(64, dtype=np.uint8)).all()
+    assert [n.payload for n in drain_notifications(target.backend, 1)] == [b"early"]
+
+
+def test_bytes_held_up_past_the_deadline_never_land_after_failed(
+    make_backend: MakeBackend,
+) -> None:
+    """An outage in small: the target's I/O thread is held while a write waits in its socket;
+    the initiator reports FAILED at its deadline; when the target resumes, the part is dropped.
+    Without the write-by time the bytes landed after FAILED (into pages decode may reuse)."""
+    initiator = make_backend("initiator", transfer_timeout_s=0.5, late_write_guard_s=0.1)
+    target = make_backend("target")
+    src = np.full(4096, 0x5A, dtype=np.uint8)
+    dst = np.zeros(4096, dtype=np.uint8)
+    initiator.register([MemoryRegion.from_tensor(src)])
+    target.register([MemoryRegion.from_tensor(dst)])
+    pair = initiator.prepare(
+        initiator.add_peer(target.local_metadata()),
+        make_table([addr_of(src)], [4096]),
+        make_table([addr_of(dst)], [4096]),
+    )
+    held, release = threading.Event(), threading.Event()
+
+    def hold() -> None:  # runs on the target's I/O thread: nothing is served meanwhile
+        held.set()
+        release.wait(30)
+
+    target._post(hold)
+    assert held.wait(10)
+    try:
+        handle = initiator.submit(XferOp.WRITE, pair, [0], [0], b"done")
+        assert wait_terminal(initiator, handle, 30) is XferState.FAILED
+        assert "timed out" in (handle.error or "")
+    finally:
+        release.set()
+    wait_until(lambda: target.refused_messages == 1, "the held part refused", 30)
+    assert not dst.any(), "bytes of a FAILED transfer landed after the failure"
+    assert target.get_notifications() == []
+    initiator.release(handle)

@@ -49,8 +49,9 @@ from kvwire.backend import (
     XferState,
 )
 from kvwire.backends.envelope import pack_metadata, region_rows
-from kvwire.backends.memcopy import HostMemory, coalesce
-from kvwire.backends.tcp.backend import TcpBackend, TcpOptions, _split_rows, _Xfer
+from kvwire.backends.memcopy import HostMemory
+from kvwire.backends.tcp import TcpBackend, TcpOptions
+from kvwire.backends.tcp.outbound import OutboundTransfer
 from kvwire.descriptors import ADDR, LEN, DescTable, locate_rows
 from kvwire.errors import ConfigError, DescriptorError, PeerError
 from kvwire.layout import MemKind, MemoryRegion
@@ -112,7 +113,7 @@ class _IpcXfer:
     #: The follow-up carries the notification alone (VRAM rows only): the transfer is DONE
     #: once the kernel's event completed and the message was handed to the side channel.
     notify_only: bool = False
-    tcp: _Xfer | None = None
+    tcp: OutboundTransfer | None = None
     failed: str | None = None
     lock: threading.Lock = field(default_factory=threading.Lock)
 
@@ -447,26 +448,8 @@ class CudaIpcBackend(TcpBackend):
     def _post_follow(self, x: _IpcXfer, peer: str) -> None:
         """Post the host rows and notification over the side channel (after the data)."""
         assert x.follow is not None
-        la, ra, lens = coalesce(*x.follow)
-        tx = _Xfer(
-            xid=next(self._xfer_ids),
-            peer=peer,
-            op=XferOp.WRITE,
-            parts=_split_rows(la, ra, lens, self.options.max_part_bytes),
-            notification=x.notification,
-            deadline=_deadline(self.options.transfer_timeout_s),
-        )
-
-        def enqueue() -> None:
-            p = self._peers.get(tx.peer)
-            if p is None:
-                self._finish(tx, XferState.FAILED, f"peer {tx.peer!r} was removed")
-                return
-            p.outq.append(tx)
-            p.inflight[tx.xid] = tx
-
-        self._post(enqueue)
-        x.tcp = tx
+        la, ra, lens = x.follow
+        x.tcp = self._queue(XferOp.WRITE, peer, la, ra, lens, x.notification)
 
     def _poll(self, handle: TransferHandle) -> XferState:
         x: _IpcXfer = handle.state
@@ -490,9 +473,3 @@ class CudaIpcBackend(TcpBackend):
             self._close_peer(p)
         self._ipc_peers.clear()
         super()._close()
-
-
-def _deadline(timeout_s: float) -> float:
-    import time
-
-    return time.monotonic() + timeout_s

@@ -23,13 +23,11 @@ import time
 import uuid
 from collections.abc import Callable
 from concurrent.futures import Future
-from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 import numpy as np
 import zmq
-from numpy.typing import NDArray
-from pydantic import BaseModel, ConfigDict, Field, SecretStr
+from pydantic import BaseModel
 
 from kvwire.backend import (
     BackendCapabilities,
@@ -50,6 +48,8 @@ from kvwire.backends.envelope import (
 from kvwire.backends.memcopy import HostMemory, coalesce
 from kvwire.backends.tcp import wire
 from kvwire.backends.tcp.auth import DataPlaneAuth
+from kvwire.backends.tcp.options import TcpOptions
+from kvwire.backends.tcp.outbound import OutboundPeer, OutboundTransfer, split_rows
 from kvwire.control.reach import connect_problem, endpoint_host
 from kvwire.descriptors import ADDR, DescTable
 from kvwire.layout import MemoryRegion
@@ -61,85 +61,6 @@ logger = logging.getLogger(__name__)
 T = TypeVar("T")
 
 METADATA_VERSION = 2
-
-
-class TcpOptions(BaseModel):
-    """Options of the ``tcp`` backend (``--transfer-backend-option key=value``)."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    host: str = Field(default="127.0.0.1", description="Interface the data socket binds to.")
-    port: int = Field(default=0, ge=0, le=65535, description="0 picks a free port.")
-    advertise_host: str | None = Field(
-        default=None, description="Address peers connect to (defaults to host)."
-    )
-    max_part_bytes: int = Field(
-        default=16 << 20, ge=4096, description="Largest message of one transfer part."
-    )
-    transfer_timeout_s: float = Field(
-        default=120.0, gt=0, description="A transfer not finished by then fails."
-    )
-    send_hwm: int = Field(default=8, ge=1, description="Parts queued per peer socket.")
-    secret: SecretStr | None = Field(
-        default=None,
-        description="Shared secret: the data plane then uses ZeroMQ CURVE with keys derived "
-        "from it and refuses every connection that does not hold it. kvwire passes "
-        "KVWIRE_SECRET here; never set it on a command line.",
-    )
-
-
-@dataclass(eq=False)
-class _Xfer:
-    """Initiator-side state of one transfer, owned by the I/O thread after submission."""
-
-    xid: int
-    peer: str
-    op: XferOp
-    # Per part: local rows and remote rows (addr, len) - equal lengths, row by row.
-    parts: list[tuple[NDArray[np.uint64], NDArray[np.uint64], NDArray[np.uint64]]]
-    notification: bytes | None
-    deadline: float
-    next_part: int = 0
-    replies: int = 0
-    pending_frames: list[Any] | None = None
-    status: XferState = XferState.PENDING
-    error: str | None = None
-    #: The submitter's waker (:attr:`TransferHandle.wake`), called once the status is final.
-    wake: Callable[[], None] | None = None
-
-
-@dataclass(eq=False)
-class _Peer:
-    name: str
-    endpoint: str
-    regions: list[MemoryRegion]
-    sock: zmq.Socket[Any] | None = None
-    outq: collections.deque[_Xfer] = field(default_factory=collections.deque)
-    inflight: dict[int, _Xfer] = field(default_factory=dict)
-
-
-def _split_rows(
-    a: NDArray[np.uint64], b: NDArray[np.uint64], lens: NDArray[np.uint64], limit: int
-) -> list[tuple[NDArray[np.uint64], NDArray[np.uint64], NDArray[np.uint64]]]:
-    """Cut rows so that no part exceeds ``limit`` bytes (long rows are split first)."""
-    pieces = ((lens + np.uint64(limit - 1)) // np.uint64(limit)).astype(np.int64)
-    if (pieces > 1).any():
-        rep = np.repeat(np.arange(a.size), pieces)
-        first = np.concatenate(([0], np.cumsum(pieces)[:-1]))
-        k = (np.arange(rep.size) - np.repeat(first, pieces)).astype(np.uint64)
-        off = k * np.uint64(limit)
-        new_len = np.minimum(lens[rep] - off, np.uint64(limit))
-        a, b, lens = a[rep] + off, b[rep] + off, new_len
-    ends = np.cumsum(lens)
-    part_of = ((ends - lens) // np.uint64(limit)).astype(np.int64)
-    # Rows may straddle a limit boundary; grouping by start offset keeps parts <= 2*limit.
-    cuts = np.flatnonzero(np.diff(part_of)) + 1
-    return [
-        (pa, pb, pl)
-        for pa, pb, pl in zip(
-            np.split(a, cuts), np.split(b, cuts), np.split(lens, cuts), strict=True
-        )
-    ]
 
 
 class TcpBackend(TransferBackend):
@@ -185,7 +106,7 @@ class TcpBackend(TransferBackend):
         self.endpoint = f"tcp://{opts.advertise_host or opts.host}:{port}"
         self.incarnation = uuid.uuid4().hex
         self._memory = HostMemory([])
-        self._peers: dict[str, _Peer] = {}
+        self._peers: dict[str, OutboundPeer] = {}
         self._xfer_ids = iter(range(1, 1 << 62))
         self._notifs: collections.deque[Notification] = collections.deque()
         self._failed_inbound: collections.OrderedDict[tuple[bytes, int], str] = (
@@ -297,7 +218,7 @@ class TcpBackend(TransferBackend):
                 raise ValueError(
                     f"cannot connect to endpoint {meta['endpoint']!r} of peer {name!r}: {exc}"
                 ) from exc
-            self._peers[name] = _Peer(name, meta["endpoint"], regions, sock)
+            self._peers[name] = OutboundPeer(name, meta["endpoint"], regions, sock)
 
         self._call(open_socket)
 
@@ -336,15 +257,33 @@ class TcpBackend(TransferBackend):
         local_addr, remote_addr = pair.state
         la, ra = local_addr[local_idx], remote_addr[remote_idx]
         lens = pair.local_lens[local_idx]
+        return self._queue(op, pair.peer, la, ra, lens, notification, handle.wake)
+
+    def _queue(
+        self,
+        op: XferOp,
+        peer: str,
+        la: np.ndarray,
+        ra: np.ndarray,
+        lens: np.ndarray,
+        notification: bytes | None,
+        wake: Callable[[], None] | None = None,
+    ) -> OutboundTransfer:
+        """Queue a transfer of rows ``la`` -> ``ra`` (``lens`` bytes each) to ``peer`` on the
+        I/O thread; returns its state (read by :meth:`_poll`). Called by :meth:`_submit` and
+        by subclasses that send over this data plane (the ``cudaipc`` side channel); any
+        thread. A write's parts carry the wall-clock time by which they must land."""
         la, ra, lens = coalesce(la, ra, lens)
-        x = _Xfer(
+        timeout = self.options.transfer_timeout_s
+        x = OutboundTransfer(
             xid=next(self._xfer_ids),
-            peer=pair.peer,
+            peer=peer,
             op=op,
-            parts=_split_rows(la, ra, lens, self.options.max_part_bytes),
+            parts=split_rows(la, ra, lens, self.options.max_part_bytes),
             notification=notification,
-            deadline=time.monotonic() + self.options.transfer_timeout_s,
-            wake=handle.wake,
+            deadline=time.monotonic() + timeout,
+            write_by=time.time() + timeout - self.options.write_guard_s,
+            wake=wake,
         )
 
         def enqueue() -> None:
@@ -359,7 +298,7 @@ class TcpBackend(TransferBackend):
         return x
 
     def _poll(self, handle: TransferHandle) -> XferState:
-        x: _Xfer = handle.state
+        x: OutboundTransfer = handle.state
         if x.status is XferState.FAILED and handle.error is None:
             handle.error = x.error
         return x.status
@@ -385,7 +324,7 @@ class TcpBackend(TransferBackend):
 
     # -------------------------------------------------------------- I/O loop
     @staticmethod
-    def _finish(x: _Xfer, state: XferState, error: str | None = None) -> None:
+    def _finish(x: OutboundTransfer, state: XferState, error: str | None = None) -> None:
         if x.status is XferState.PENDING:
             x.error = error
             x.status = state
@@ -429,7 +368,7 @@ class TcpBackend(TransferBackend):
                     self._on_reply(p, frames)
         self._expire()
 
-    def _pump(self, p: _Peer) -> None:
+    def _pump(self, p: OutboundPeer) -> None:
         """Send as many queued parts to ``p`` as its socket takes without blocking."""
         assert p.sock is not None
         while p.outq:
@@ -454,7 +393,7 @@ class TcpBackend(TransferBackend):
             if x.next_part == len(x.parts):
                 p.outq.popleft()
 
-    def _build_part(self, x: _Xfer) -> list[Any]:
+    def _build_part(self, x: OutboundTransfer) -> list[Any]:
         local, remote, lens = x.parts[x.next_part]
         last = x.next_part == len(x.parts) - 1
         header = {
@@ -467,10 +406,12 @@ class TcpBackend(TransferBackend):
             "n": x.notification if last else None,
         }
         if x.op is XferOp.WRITE:
+            if x.write_by is not None:
+                header["t"] = x.write_by
             return [wire.WRITE, wire.pack(header), self._memory.gather(local, lens)]
         return [wire.READ, wire.pack(header)]
 
-    def _on_reply(self, p: _Peer, frames: list[zmq.Frame]) -> None:
+    def _on_reply(self, p: OutboundPeer, frames: list[zmq.Frame]) -> None:
         try:
             if len(frames) < 2 or frames[0].bytes != wire.ACK:
                 raise wire.MalformedMessageError("reply is not an ACK")
@@ -527,6 +468,7 @@ class TcpBackend(TransferBackend):
             if kind == wire.WRITE:
                 if len(frames) != 4:
                     raise wire.MalformedMessageError("write request without payload")
+                wire.check_write_by(h, time.time(), sender, xid)
                 mem.scatter(addr, lens, frames[3].buffer)
                 last = part == nparts - 1
                 if last:

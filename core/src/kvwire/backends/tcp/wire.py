@@ -13,6 +13,8 @@ key    meaning
 ``d``  rows on the target: ``uint64`` ``(addr, len)`` pairs, little-endian bytes
 ``p``  part number; ``np``: number of parts
 ``n``  notification payload (bytes) or nil; delivered after the last part
+``t``  write parts: the initiator's wall-clock time (``time.time()``) by which the part must
+       land; the target drops a part that arrives later (optional: older initiators omit it)
 ``ok`` reply status; ``e``: error text when not ok
 =====  =================================================================
 """
@@ -37,11 +39,33 @@ class RefusedRowsError(MalformedMessageError):
     """A request names rows outside the target's registered regions."""
 
 
+class LateWriteError(MalformedMessageError):
+    """A write part arrived after the time by which it had to land (held up by an outage):
+    its initiator has failed, or is about to fail, the transfer, so its bytes must not land."""
+
+
+def check_write_by(header: dict[str, Any], now: float, sender: str, xid: int) -> None:
+    """Refuse a write part that arrives after its ``t`` (``now``: the target's wall clock).
+    Called by the target for every write part, before any byte of it lands."""
+    write_by = header.get("t")
+    if write_by is None:
+        return
+    if not isinstance(write_by, (int, float)):
+        raise MalformedMessageError("write-by time must be a number")
+    if now > float(write_by):
+        raise LateWriteError(
+            f"write part of transfer {xid} from {sender!r} arrived {now - float(write_by):.3f}s "
+            "after the time it had to land by: dropped, its bytes never land"
+        )
+
+
 def public_reason(exc: BaseException) -> str:
     """What a target tells the initiator about a refused request: the category only, never
     addresses, counts or region names (those go to the target's own log)."""
     if isinstance(exc, RefusedRowsError):
         return "refused: rows outside the target's registered regions (details in its log)"
+    if isinstance(exc, LateWriteError):
+        return "refused: the write arrived after the time it had to land by"
     return "refused: malformed request (details in the target's log)"
 
 

@@ -1,0 +1,81 @@
+"""What the ``tcp`` backend's initiator holds per transfer and per peer, and how a transfer is
+cut into parts. Owned by the backend's I/O thread once a transfer is queued; the ``cudaipc``
+plugin queues its side-channel writes through :meth:`TcpBackend._queue` and reads their state."""
+
+from __future__ import annotations
+
+import collections
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import zmq
+from numpy.typing import NDArray
+
+from kvwire.backend import XferOp, XferState
+from kvwire.layout import MemoryRegion
+
+__all__ = ["OutboundPeer", "OutboundTransfer", "split_rows"]
+
+#: Per part: local rows and remote rows (addr, len) - equal lengths, row by row.
+Part = tuple[NDArray[np.uint64], NDArray[np.uint64], NDArray[np.uint64]]
+
+
+@dataclass(eq=False)
+class OutboundTransfer:
+    """Initiator-side state of one transfer, owned by the I/O thread after submission."""
+
+    xid: int
+    peer: str
+    op: XferOp
+    parts: list[Part]
+    notification: bytes | None
+    #: ``time.monotonic()`` after which the initiator fails the transfer.
+    deadline: float
+    #: ``time.time()`` by which a write part must land on the target (the deadline less the
+    #: clock guard); sent with every write part, the target drops a part that comes later.
+    write_by: float | None = None
+    next_part: int = 0
+    replies: int = 0
+    pending_frames: list[Any] | None = None
+    status: XferState = XferState.PENDING
+    error: str | None = None
+    #: The submitter's waker (:attr:`TransferHandle.wake`), called once the status is final.
+    wake: Callable[[], None] | None = None
+
+
+@dataclass(eq=False)
+class OutboundPeer:
+    """A peer the initiator writes to: its DEALER socket, queued and in-flight transfers."""
+
+    name: str
+    endpoint: str
+    regions: list[MemoryRegion]
+    sock: zmq.Socket[Any] | None = None
+    outq: collections.deque[OutboundTransfer] = field(default_factory=collections.deque)
+    inflight: dict[int, OutboundTransfer] = field(default_factory=dict)
+
+
+def split_rows(
+    a: NDArray[np.uint64], b: NDArray[np.uint64], lens: NDArray[np.uint64], limit: int
+) -> list[Part]:
+    """Cut rows so that no part exceeds ``limit`` bytes (long rows are split first)."""
+    pieces = ((lens + np.uint64(limit - 1)) // np.uint64(limit)).astype(np.int64)
+    if (pieces > 1).any():
+        rep = np.repeat(np.arange(a.size), pieces)
+        first = np.concatenate(([0], np.cumsum(pieces)[:-1]))
+        k = (np.arange(rep.size) - np.repeat(first, pieces)).astype(np.uint64)
+        off = k * np.uint64(limit)
+        new_len = np.minimum(lens[rep] - off, np.uint64(limit))
+        a, b, lens = a[rep] + off, b[rep] + off, new_len
+    ends = np.cumsum(lens)
+    part_of = ((ends - lens) // np.uint64(limit)).astype(np.int64)
+    # Rows may straddle a limit boundary; grouping by start offset keeps parts <= 2*limit.
+    cuts = np.flatnonzero(np.diff(part_of)) + 1
+    return [
+        (pa, pb, pl)
+        for pa, pb, pl in zip(
+            np.split(a, cuts), np.split(b, cuts), np.split(lens, cuts), strict=True
+        )
+    ]
