@@ -1,0 +1,106 @@
+"""Decode's KV checksum checks, off the progress thread.
+
+A complete KV chunk whose source sends checksums is not counted when its last note arrives:
+the thread that saw it complete (the progress thread, or the liveness thread for a copy
+prefill made itself) builds a :class:`~kvwire.session.decode.rooms.ChunkCheck` under the room
+lock and hands it to the :class:`ChunkChecker`, whose threads sum the landed rows with no lock
+held, then report the verdict through a callback that takes the room lock itself. Until that
+callback counts the chunk, the request cannot reach ``Success`` (the chunk is not in
+``received``), and a mismatch fails it as before, naming chunk, layers and sender.
+
+Lock contract:
+
+- :meth:`ChunkChecker.submit` is called under the room lock (it only queues the check and
+  counts it in flight);
+- :meth:`ChunkCheck.run` reads only what the check copied out of the room (the note, the sums
+  the notes carried, the link's :class:`~kvwire.session.checksums.LandedSums`, the room's
+  destination pages, which are never changed once set) and the rank's KV rows; it touches no
+  room, table or strategy state and takes no lock but its hasher's own;
+- the verdict goes to ``on_checked(check, outcome)`` on the checker thread, with no lock held;
+  the decode side takes the room lock there and applies it only to a room still live (a room
+  cleared or failed while its check ran is left alone: the verdict is dropped).
+
+Teardown: :meth:`ChunkChecker.close` (manager shutdown, after live rooms were failed) drops the
+queued checks and waits for those running, so none reads the rank's KV buffers after they
+are released.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+import threading
+from collections.abc import Callable
+
+from kvwire.errors import TransferError
+from kvwire.session.decode.rooms import ChunkCheck
+from kvwire.session.report import ChunkFault
+
+logger = logging.getLogger(__name__)
+
+#: What a check found: None (the sums match), or the error failing the request and, for a
+#: mismatch, the chunk it names.
+Outcome = tuple[TransferError, ChunkFault | None] | None
+
+#: Checker threads per decode rank: a chunk's rows are summed in one vectorised pass (NumPy
+#: releases the GIL on large arrays; the GPU hasher waits on its own stream), so two keep up
+#: with one progress thread while leaving the process's other threads room.
+CHECK_WORKERS = 2
+
+
+class ChunkChecker:
+    """Runs a decode rank's chunk checks on its own threads (started on the first check).
+
+    ``on_checked(check, outcome)`` is called once per check :meth:`submit` accepted (unless
+    :meth:`close` dropped it first), on a checker thread with no lock held."""
+
+    def __init__(
+        self, agent_name: str, on_checked: Callable[[ChunkCheck, Outcome], None]
+    ) -> None:
+        self._on_checked = on_checked
+        self._pool = concurrent.futures.ThreadPoolExecutor(
+            CHECK_WORKERS, thread_name_prefix=f"kvwire-check-{agent_name}"
+        )
+        self._lock = threading.Lock()
+        self._in_flight = 0
+
+    def submit(self, check: ChunkCheck) -> None:
+        """Under the room lock (progress or liveness thread): queue one chunk's check. Raises
+        :class:`TransferError` once the checker is closed."""
+        with self._lock:
+            self._in_flight += 1
+        try:
+            self._pool.submit(self._run, check)
+        except RuntimeError as exc:  # shut down
+            with self._lock:
+                self._in_flight -= 1
+            raise TransferError("decode manager closed", room=check.room) from exc
+
+    def _run(self, check: ChunkCheck) -> None:
+        """A checker thread: run the check, hand over the verdict."""
+        try:
+            try:
+                outcome = check.run()
+            except Exception as exc:  # a bug in the check must still fail the request
+                logger.exception("room %d: checking chunk %d", check.room, check.msg.chunk_id)
+                outcome = (
+                    TransferError(
+                        f"cannot check chunk {check.msg.chunk_id}: {exc}", room=check.room
+                    ),
+                    None,
+                )
+            self._on_checked(check, outcome)
+        finally:
+            with self._lock:
+                self._in_flight -= 1
+
+    def in_flight(self) -> int:
+        """Any thread: checks queued or running (leak checks)."""
+        with self._lock:
+            return self._in_flight
+
+    def close(self) -> None:
+        """Manager shutdown, no room lock held: drop queued checks, wait for running ones."""
+        self._pool.shutdown(wait=True, cancel_futures=True)
+        with self._lock:
+            self._in_flight = 0
