@@ -54,9 +54,7 @@ class ChunkChecker:
     ``on_checked(check, outcome)`` is called once per check :meth:`submit` accepted (unless
     :meth:`close` dropped it first), on a checker thread with no lock held."""
 
-    def __init__(
-        self, agent_name: str, on_checked: Callable[[ChunkCheck, Outcome], None]
-    ) -> None:
+    def __init__(self, agent_name: str, on_checked: Callable[[ChunkCheck, Outcome], None]) -> None:
         self._on_checked = on_checked
         self._pool = concurrent.futures.ThreadPoolExecutor(
             CHECK_WORKERS, thread_name_prefix=f"kvwire-check-{agent_name}"

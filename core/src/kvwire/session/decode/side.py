@@ -76,10 +76,10 @@ class DecodeSide(Side[RecvRoom]):
     Lock contract: room tables, the quarantine and source progress are guarded by
     ``self.rooms.lock``, held for table updates (and a staged chunk's placement by the strategy),
     never across an engine call or a wait (a complete chunk's checksum check runs off it, on
-    :attr:`checker`'s threads, and reports back under it: :mod:`.checker`). The prefill ranks known (lookups, handshakes) are
-    :attr:`sources`' (its own lock, taken after ``self.rooms.lock`` when both are held). Message
-    handlers run on the liveness thread, notification handling and deadlines on the progress
-    thread.
+    :attr:`checker`'s threads, and reports back under it: :mod:`.checker`). The prefill
+    ranks known (lookups, handshakes) are :attr:`sources`' (its own lock, taken after
+    ``self.rooms.lock`` when both are held). Message handlers run on the liveness thread,
+    notification handling and deadlines on the progress thread.
     """
 
     #: The handler of every wire message kind on decode (kind -> method).
