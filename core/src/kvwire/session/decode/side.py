@@ -11,8 +11,8 @@ Flow of one request on a decode rank:
 3. The control thread drains the backend's notifications: per sender it counts KV chunks until
    the count equals the last chunk id + 1 (or a :class:`~kvwire.control.wire.Completion` marker
    says how many chunks carried data), and checks the aux row's room stamp when the aux
-   notification arrives (with ``kv_checksum``, a chunk counts once its check passed on a
-   checker thread, :mod:`.checker`). Every sender complete and aux arrived: ``Success``.
+   notification arrives (a checksummed chunk counts once checked, :mod:`.checker`). Every
+   sender complete and aux arrived: ``Success``.
 4. Failures pushed by prefill, a dead prefill rank (heartbeats), or the waiting deadline fail the
    room; the engine calls ``clear()`` on every path.
 """
@@ -50,12 +50,12 @@ from kvwire.errors import (
 from kvwire.session import metrics as m
 from kvwire.session.common import Side
 from kvwire.session.context import RankContext
-from kvwire.session.decode.checker import ChunkChecker, Outcome
+from kvwire.session.decode.checker import ChunkChecker
 from kvwire.session.decode.links import PrefillLink, SourceLinks
 from kvwire.session.decode.metadata import check_metadata, check_pool
 from kvwire.session.decode.quiesce import WriteQuarantine
 from kvwire.session.decode.rejoin import Rejoin
-from kvwire.session.decode.rooms import ChunkCheck, RecvRoom
+from kvwire.session.decode.rooms import RecvRoom
 from kvwire.session.groups import to_wire
 from kvwire.session.peers import Peer
 from kvwire.session.poll import KVPoll
@@ -75,9 +75,8 @@ class DecodeSide(Side[RecvRoom]):
 
     Lock contract: room tables, the quarantine and source progress are guarded by
     ``self.rooms.lock``, held for table updates (and a staged chunk's placement by the strategy),
-    never across an engine call or a wait (a complete chunk's checksum check runs off it, on
-    :attr:`checker`'s threads, and reports back under it: :mod:`.checker`). The prefill
-    ranks known (lookups, handshakes) are :attr:`sources`' (its own lock, taken after
+    never across an engine call, a wait or a chunk's checksum check (:mod:`.checker`). The
+    prefill ranks known (lookups, handshakes) are :attr:`sources`' (its own lock, taken after
     ``self.rooms.lock`` when both are held). Message handlers run on the liveness thread,
     notification handling and deadlines on the progress thread.
     """
@@ -108,8 +107,7 @@ class DecodeSide(Side[RecvRoom]):
         #: When each prefill session last delivered anything (deadlines are on progress: a
         #: request queued behind others lives while its sources advance).
         self.source_progress: dict[str, float] = {}
-        #: Runs complete chunks' checksum checks off the progress thread (:mod:`.checker`).
-        self.checker = ChunkChecker(ctx.agent_name, self._on_checked)
+        self.checker = ChunkChecker(ctx.agent_name, rooms, self._fail, self._check_done)
         self.bootstraps = concurrent.futures.ThreadPoolExecutor(
             4, thread_name_prefix=f"kvwire-bs-{ctx.agent_name}"
         )
@@ -294,35 +292,12 @@ class DecodeSide(Side[RecvRoom]):
                     self._fail(room, exc)
                     return
                 try:
-                    check = room.chunk_check(msg, room.sent_sums.pop(key, {}))
-                    if check is not None:
-                        self.checker.submit(check)  # counted by _on_checked if it passes
-                        return
+                    if self.checker.submit(room.chunk_check(msg, room.sent_sums.pop(key, {}))):
+                        return  # the checker counts the chunk once its check passes
                 except KVWireError as exc:
                     self._fail(room, exc, cause="checksum_mismatch")
                     return
                 room.chunk_landed(msg)
-            self._check_done(room)
-
-    def _on_checked(self, check: ChunkCheck, outcome: Outcome) -> None:
-        """A checker thread, no lock held (:mod:`.checker`): a complete chunk's checksum
-        check ended. Under the room lock: a room cleared or failed meanwhile is left alone;
-        otherwise the chunk is counted (and the room may succeed) or the room fails naming
-        the chunk, its layers and its sender."""
-        with self.rooms.lock:
-            room = self.rooms.get(check.room)
-            if room is None or room.sources is None or self.rooms.terminal(room):
-                return
-            if room.dst_pages is not check.dst_pages:
-                return  # a later request under the same room id (its own pages array)
-            if outcome is not None:
-                err, fault = outcome
-                if fault is not None:
-                    room.chunk_mismatched(fault)
-                self._fail(room, err, cause="checksum_mismatch")
-                return
-            room.last_progress = time.monotonic()
-            room.chunk_landed(check.msg)
             self._check_done(room)
 
     def awaiting_data(self) -> bool:
