@@ -423,6 +423,30 @@ def test_a_request_cleared_while_its_check_runs_leaves_nothing_behind(
         wait_for(lambda: no_rooms(p.prefill) and no_rooms(p.decode), timeout=60)
 
 
+def test_a_request_failed_while_its_check_runs_stays_failed(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Decode's waiting timeout (1 s here) fails a request whose only chunk is still being
+    checked (gated hasher, a fake for timing only): the deadline runs while the check is
+    held, the verdict that comes later (a pass) is dropped, the request stays Failed with
+    the timeout as its error, and nothing is left behind."""
+    entered, gate = _gate_first_check(monkeypatch)
+    with pair(config(), config(kv_checksum=True, waiting_timeout_s=1.0)) as p:
+        s, r, src, _ = p.start(25, 4)
+        s.send(src, last=True)
+        wait_for(entered.is_set, timeout=60)
+        wait_for(lambda: r.poll() == KVPoll.Failed, timeout=60)
+        gate.set()
+        wait_for(lambda: p.decode.room_tables()["checks_in_flight"] == 0, timeout=60)
+        assert r.poll() == KVPoll.Failed
+        with pytest.raises(KVWireError, match="waiting timeout"):
+            r.failure_exception()
+        r.clear()
+        wait_for(lambda: s.poll() in (KVPoll.Failed, KVPoll.Success), timeout=60)
+        s.clear()
+        wait_for(lambda: no_rooms(p.prefill) and no_rooms(p.decode), timeout=60)
+
+
 def test_a_prefill_that_sends_no_checksums_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
     """Decode asks; a prefill that acknowledges without checksums (an older kvwire) is
     refused at the handshake, naming the option, and the request fails fast."""
