@@ -9,6 +9,7 @@ both sides must fail naming the chunk, the layer and the sender. The cluster tes
 from __future__ import annotations
 
 import textwrap
+import threading
 import time
 from typing import Any
 
@@ -21,8 +22,8 @@ from kvwire.errors import DescriptorError, KVWireError
 from kvwire.integrity import RowHasher, add_sums, layer_ranges, mismatched_layers
 from kvwire.layout import KVLayout, RankPosition
 from kvwire.session import KVPoll
-from kvwire.session.checksums import SentSums, hasher_for
-from kvwire.session.decode.rooms import RecvRoom
+from kvwire.session.checksums import LandedSums, SentSums, hasher_for
+from kvwire.session.decode.rooms import ChunkCheck, RecvRoom
 from kvwire.testing.interpreted import run_interpreted
 from kvwire.testing.kvfill import count_mismatches, fill_pages, make_pool
 from kvwire.testing.pair import MODEL, config, no_rooms, pair, wait_for
@@ -249,13 +250,13 @@ def test_checked_transfers_succeed(
     dmodel = None if dst_page is None else MODEL.model_copy(update={"page_size": dst_page})
     with pair(config(), _checked(), dmodel=dmodel) as p:
         checked: list[Any] = []
-        original = RecvRoom.check_sums
+        original = ChunkCheck.run
 
-        def spy(room: RecvRoom, msg: Any, sent: dict[int, int]) -> None:
-            checked.append((msg.chunk_id, dict(sent)))
-            original(room, msg, sent)
+        def spy(check: ChunkCheck) -> Any:
+            checked.append((check.msg.chunk_id, dict(check.sent)))
+            return original(check)
 
-        monkeypatch.setattr(RecvRoom, "check_sums", spy)
+        monkeypatch.setattr(ChunkCheck, "run", spy)
         n = 4
         m = n * MODEL.page_size // (dst_page or MODEL.page_size)
         r = p.decode.receiver(5, p.addr)
@@ -325,7 +326,7 @@ def test_the_flip_is_real_corruption_only_the_check_catches(
     """Negative control: with decode's check switched off, the same flip lands and the
     request succeeds with wrong KV (the element check sees it), so the flip reaches decode
     and it is the checksum that fails the request above."""
-    monkeypatch.setattr(RecvRoom, "check_sums", lambda *a: None)
+    monkeypatch.setattr(RecvRoom, "chunk_check", lambda *a: None)
     with pair(config(), _checked()) as p:
         _flip_after_summing(monkeypatch, p.parr)
         s, r, src, dst = p.start(10, 4)
@@ -334,6 +335,116 @@ def test_the_flip_is_real_corruption_only_the_check_catches(
         assert count_mismatches(p.dlay, p.darr, dst, 0) > 0
         r.clear()
         s.clear()
+
+
+def _gate_first_check(monkeypatch: pytest.MonkeyPatch) -> tuple[threading.Event, threading.Event]:
+    """A fake for timing only: decode's first chunk check (``LandedSums.chunk``, the summing
+    of the landed rows) blocks until the returned ``gate`` is set, standing in for a slow
+    hasher; ``entered`` is set once it blocks. Later checks run unchanged. The sums it
+    returns are the real ones."""
+    original = LandedSums.chunk
+    entered, gate = threading.Event(), threading.Event()
+    calls = {"n": 0}
+    lock = threading.Lock()
+
+    def chunk(self: LandedSums, *args: Any) -> Any:
+        with lock:
+            calls["n"] += 1
+            first = calls["n"] == 1
+        if first:
+            entered.set()
+            assert gate.wait(120), "the test never released the first check"
+        return original(self, *args)
+
+    monkeypatch.setattr(LandedSums, "chunk", chunk)
+    return entered, gate
+
+
+def test_a_slow_check_blocks_neither_other_requests_nor_its_own_success_waits(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The check runs off the progress thread and the room lock: while request A's only
+    chunk is being checked (held by a gated hasher, a fake for timing only), request B on the
+    same decode rank lands, is checked and succeeds; A stays Transferring until its check
+    returns, then succeeds with correct KV."""
+    entered, gate = _gate_first_check(monkeypatch)
+    with pair(config(), _checked()) as p:
+        sa, ra, src_a, dst_a = p.start(21, 4)
+        sa.send(src_a, last=True)
+        wait_for(entered.is_set, timeout=60)
+        # B: its own aux rows and pages, on the same pair (A's aux row 1, B's 3).
+        rb = p.decode.receiver(22, p.addr)
+        rb.init()
+        dst_b = np.arange(4) + 20
+        rb.send_metadata(dst_b, aux_index=3)
+        sb = p.prefill.sender(22)
+        src_b = np.arange(4) + 4
+        fill_pages(p.play, p.parr, src_b, 100)
+        wait_for(lambda: sb.poll() >= KVPoll.WaitingForInput)
+        sb.init(4, aux_index=4)
+        sb.send(src_b, last=True)
+        wait_for(lambda: rb.poll() == KVPoll.Success, timeout=60)
+        assert count_mismatches(p.dlay, p.darr, dst_b, 100) == 0
+        # A's data and aux landed long ago; only its check is outstanding.
+        assert not gate.is_set()
+        assert ra.poll() == KVPoll.Transferring
+        assert p.decode.room_tables()["checks_in_flight"] == 1
+        gate.set()
+        wait_for(lambda: ra.poll() == KVPoll.Success, timeout=60)
+        assert count_mismatches(p.dlay, p.darr, dst_a, 0) == 0
+        for x in (ra, rb, sa, sb):
+            x.clear()
+        wait_for(lambda: no_rooms(p.prefill) and no_rooms(p.decode), timeout=60)
+
+
+def test_a_request_cleared_while_its_check_runs_leaves_nothing_behind(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The engine clears a request whose chunk is being checked (gated hasher, a fake for
+    timing only): the verdict that comes later is dropped, nothing crashes or leaks, and
+    the next request on the rank is checked and succeeds."""
+    entered, gate = _gate_first_check(monkeypatch)
+    with pair(config(), _checked()) as p:
+        s, r, src, _ = p.start(23, 4)
+        s.send(src, last=True)
+        wait_for(entered.is_set, timeout=60)
+        r.clear()
+        gate.set()
+        wait_for(lambda: p.decode.room_tables()["checks_in_flight"] == 0, timeout=60)
+        assert r.poll() != KVPoll.Success
+        s.clear()
+        wait_for(lambda: no_rooms(p.prefill) and no_rooms(p.decode), timeout=60)
+        s2, r2, src2, dst2 = p.start(24, 4)
+        s2.send(src2, last=True)
+        wait_for(lambda: r2.poll() == KVPoll.Success == s2.poll(), timeout=60)
+        assert count_mismatches(p.dlay, p.darr, dst2, 0) == 0
+        r2.clear()
+        s2.clear()
+        wait_for(lambda: no_rooms(p.prefill) and no_rooms(p.decode), timeout=60)
+
+
+def test_a_request_failed_while_its_check_runs_stays_failed(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Decode's waiting timeout (1 s here) fails a request whose only chunk is still being
+    checked (gated hasher, a fake for timing only): the deadline runs while the check is
+    held, the verdict that comes later (a pass) is dropped, the request stays Failed with
+    the timeout as its error, and nothing is left behind."""
+    entered, gate = _gate_first_check(monkeypatch)
+    with pair(config(), config(kv_checksum=True, waiting_timeout_s=1.0)) as p:
+        s, r, src, _ = p.start(25, 4)
+        s.send(src, last=True)
+        wait_for(entered.is_set, timeout=60)
+        wait_for(lambda: r.poll() == KVPoll.Failed, timeout=60)
+        gate.set()
+        wait_for(lambda: p.decode.room_tables()["checks_in_flight"] == 0, timeout=60)
+        assert r.poll() == KVPoll.Failed
+        with pytest.raises(KVWireError, match="waiting timeout"):
+            r.failure_exception()
+        r.clear()
+        wait_for(lambda: s.poll() in (KVPoll.Failed, KVPoll.Success), timeout=60)
+        s.clear()
+        wait_for(lambda: no_rooms(p.prefill) and no_rooms(p.decode), timeout=60)
 
 
 def test_a_prefill_that_sends_no_checksums_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:

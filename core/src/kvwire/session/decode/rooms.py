@@ -2,7 +2,8 @@
 received on this rank, and the checks made on it (a chunk's checksums, the failure report).
 
 Plain data with methods that read and update only the record: every one is called under the
-room lock (:class:`~kvwire.session.rooms.RoomTable`) by the decode side.
+room lock (:class:`~kvwire.session.rooms.RoomTable`) by the decode side; a chunk's checksum
+check (:class:`ChunkCheck`) is built under it and run off it.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from numpy.typing import NDArray
 from kvwire.control.wire import ChunkNote
 from kvwire.errors import TransferError
 from kvwire.integrity import add_sums, layer_ranges, mismatched_layers
+from kvwire.session.checksums import LandedSums
 from kvwire.session.decode.links import PrefillLink
 from kvwire.session.metrics import RequestMetrics
 from kvwire.session.report import (
@@ -127,7 +129,7 @@ class RecvRoom:
         """Progress or liveness thread, under the lock: count one KV segment's note; True
         when it completes its chunk (every part arrived). A note for a part the chunk does not
         have, or one counted before (resent after failover: its data landed again), is
-        dropped. The sums a part carries are kept for :meth:`check_sums`."""
+        dropped. The sums a part carries are kept for :meth:`chunk_check`."""
         key = (msg.sender_id, msg.chunk_id)
         if msg.parts > 1 and msg.part >= msg.parts:
             logger.warning(
@@ -160,11 +162,12 @@ class RecvRoom:
         if msg.last:
             self.expected[msg.sender_id] = msg.chunk_id + 1
 
-    def check_sums(self, msg: ChunkNote, sent: dict[int, int]) -> None:
-        """Progress thread, under the lock, once a KV chunk is complete (every part arrived,
-        staged blocks scattered): when its source sends checksums, compare the sums its
-        notes carried with those of the rows that landed; raise naming the chunk, the layers
-        and the peer when they differ."""
+    def chunk_check(self, msg: ChunkNote, sent: dict[int, int]) -> ChunkCheck | None:
+        """Progress or liveness thread, under the lock, once a KV chunk is complete (every
+        part arrived, staged blocks scattered): the check to run on it (off the lock, by the
+        decode side's :class:`~kvwire.session.decode.checker.ChunkChecker`), or None when its
+        source sends no checksums (or the KV goes to the host pool). Raise when the source
+        should have sent sums and the note carries no chunk span."""
         assert self.sources is not None and self.dst_pages is not None
         link = next(
             s
@@ -172,30 +175,65 @@ class RecvRoom:
             if s.info.session == msg.session and s.sender_id == msg.sender_id
         )
         if link.checksums is None or self.pool != "kv":
-            return
+            return None
         if msg.span is None or msg.num_pages is None:
             raise TransferError(
                 f"chunk {msg.chunk_id} from {link.info.agent} (sender {msg.sender_id}) came "
                 "without its checksum, which this rank asked for",
                 room=self.room,
             )
+        return ChunkCheck(
+            self.room, msg, sent, link, link.checksums, self.dst_pages, self.cached_tokens
+        )
+
+    def chunk_mismatched(self, fault: ChunkFault) -> None:
+        """Under the lock: a chunk failed its checksum; name it in the failure report."""
+        self.fault_peer = fault.peer
+        self.fault_chunk = fault
+
+
+@dataclass(frozen=True)
+class ChunkCheck:
+    """One complete chunk's checksum check: everything it reads, copied out of the room
+    under the lock, so that :meth:`run` needs no lock (the room may be cleared meanwhile:
+    ``dst_pages`` is the room's array, never changed after ``send_metadata``, and the link's
+    :class:`~kvwire.session.checksums.LandedSums` only reads its own tables and the rank's
+    KV rows)."""
+
+    room: int
+    msg: ChunkNote
+    #: The per-layer sums the chunk's notes carried.
+    sent: dict[int, int]
+    link: PrefillLink
+    checksums: LandedSums
+    dst_pages: NDArray[np.int64]
+    cached_tokens: int | None
+
+    def run(self) -> tuple[TransferError, ChunkFault | None] | None:
+        """A checker thread, no lock held: sum the rows the chunk wrote and compare. None
+        when they match; else the error failing the request (naming the chunk, the layers and
+        the peer) and, for a mismatch, the chunk fault for the failure report."""
+        msg, link = self.msg, self.link
+        assert msg.span is not None and msg.num_pages is not None
         try:
-            landed = link.checksums.chunk(
+            landed = self.checksums.chunk(
                 msg.num_pages, self.dst_pages, self.cached_tokens, msg.span
             )
         except Exception as exc:  # a note that names no chunk of this request
-            raise TransferError(
+            err = TransferError(
                 f"cannot check chunk {msg.chunk_id} from {link.info.agent}: {exc}", room=self.room
-            ) from exc
-        bad = mismatched_layers(sent, landed)
-        if bad:
-            self.fault_peer = link.info.agent
-            self.fault_chunk = ChunkFault(
-                link.info.agent, msg.sender_id, msg.chunk_id, msg.span, layer_ranges(bad)
             )
-            raise TransferError(
-                f"KV checksum mismatch in chunk {msg.chunk_id} (request pages "
-                f"[{msg.span[0]}, {msg.span[1]})) from {link.info.agent} (sender "
-                f"{msg.sender_id}): layers {layer_ranges(bad)} differ from what it sent",
-                room=self.room,
-            )
+            return err, None
+        bad = mismatched_layers(self.sent, landed)
+        if not bad:
+            return None
+        fault = ChunkFault(
+            link.info.agent, msg.sender_id, msg.chunk_id, msg.span, layer_ranges(bad)
+        )
+        err = TransferError(
+            f"KV checksum mismatch in chunk {msg.chunk_id} (request pages "
+            f"[{msg.span[0]}, {msg.span[1]})) from {link.info.agent} (sender "
+            f"{msg.sender_id}): layers {layer_ranges(bad)} differ from what it sent",
+            room=self.room,
+        )
+        return err, fault

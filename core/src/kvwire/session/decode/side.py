@@ -11,7 +11,8 @@ Flow of one request on a decode rank:
 3. The control thread drains the backend's notifications: per sender it counts KV chunks until
    the count equals the last chunk id + 1 (or a :class:`~kvwire.control.wire.Completion` marker
    says how many chunks carried data), and checks the aux row's room stamp when the aux
-   notification arrives. Every sender complete and aux arrived: ``Success``.
+   notification arrives (a checksummed chunk counts once checked, :mod:`.checker`). Every
+   sender complete and aux arrived: ``Success``.
 4. Failures pushed by prefill, a dead prefill rank (heartbeats), or the waiting deadline fail the
    room; the engine calls ``clear()`` on every path.
 """
@@ -49,6 +50,7 @@ from kvwire.errors import (
 from kvwire.session import metrics as m
 from kvwire.session.common import Side
 from kvwire.session.context import RankContext
+from kvwire.session.decode.checker import ChunkChecker
 from kvwire.session.decode.links import PrefillLink, SourceLinks
 from kvwire.session.decode.metadata import check_metadata, check_pool
 from kvwire.session.decode.quiesce import WriteQuarantine
@@ -73,10 +75,10 @@ class DecodeSide(Side[RecvRoom]):
 
     Lock contract: room tables, the quarantine and source progress are guarded by
     ``self.rooms.lock``, held for table updates (and a staged chunk's placement by the strategy),
-    never across an engine call or a wait. The prefill ranks known (lookups, handshakes) are
-    :attr:`sources`' (its own lock, taken after ``self.rooms.lock`` when both are held). Message
-    handlers run on the liveness thread, notification handling and deadlines on the progress
-    thread.
+    never across an engine call, a wait or a chunk's checksum check (:mod:`.checker`). The
+    prefill ranks known (lookups, handshakes) are :attr:`sources`' (its own lock, taken after
+    ``self.rooms.lock`` when both are held). Message handlers run on the liveness thread,
+    notification handling and deadlines on the progress thread.
     """
 
     #: The handler of every wire message kind on decode (kind -> method).
@@ -105,6 +107,7 @@ class DecodeSide(Side[RecvRoom]):
         #: When each prefill session last delivered anything (deadlines are on progress: a
         #: request queued behind others lives while its sources advance).
         self.source_progress: dict[str, float] = {}
+        self.checker = ChunkChecker(ctx.agent_name, rooms, self._fail, self._check_done)
         self.bootstraps = concurrent.futures.ThreadPoolExecutor(
             4, thread_name_prefix=f"kvwire-bs-{ctx.agent_name}"
         )
@@ -289,7 +292,8 @@ class DecodeSide(Side[RecvRoom]):
                     self._fail(room, exc)
                     return
                 try:
-                    room.check_sums(msg, room.sent_sums.pop(key, {}))
+                    if self.checker.submit(room.chunk_check(msg, room.sent_sums.pop(key, {}))):
+                        return  # the checker counts the chunk once its check passes
                 except KVWireError as exc:
                     self._fail(room, exc, cause="checksum_mismatch")
                     return
@@ -578,6 +582,7 @@ class DecodeSide(Side[RecvRoom]):
                 "recv_rooms": len(self.rooms),
                 "quarantine": len(self.quarantine),
                 "handshakes_pending": self.sources.pending_count(),
+                "checks_in_flight": self.checker.in_flight(),
                 **{k: v for st in self.ctx.strategies for k, v in st.room_tables().items()},
             }
 
@@ -588,5 +593,6 @@ class DecodeSide(Side[RecvRoom]):
                 if not self.rooms.terminal(room):
                     err = TransferError("decode manager closed", room=room.room)
                     self._fail(room, err, cause="closed")
+        self.checker.close()
         self.sources.close("decode manager closed")
         self.bootstraps.shutdown(wait=False, cancel_futures=True)
