@@ -19,7 +19,8 @@ class DecodeHooks(Protocol):
     (success, failure, abort, clear)."""
 
     def on_prealloc(self, room: int, num_units: int) -> None:
-        """``send_metadata(..., pool="host")`` was called: only logical indices are held."""
+        """``send_metadata(..., pool=name)`` was called for an extra pool: only logical
+        indices are held."""
 
     def on_admit(self, room: int, num_tokens: int) -> None:
         """The KV is in the host pool: allocate the hot device buffer, preload if short."""
@@ -74,8 +75,8 @@ class KVReceiver(RequestHandle[RecvRoom]):
         pages that are not cached here (the last ``len(dst_page_indices)`` of the request;
         empty when the whole prefix is cached), and the aux row.
 
-        ``pool="host"`` sends this request into the host pool instead: the indices are host
-        pool pages (of the host pool's page size; page size 1 means token indices) for the
+        ``pool=name`` sends this request into an extra pool the manager declared instead: the
+        indices are that pool's pages (of its page size; page size 1 means token indices) for the
         request's tokens from the first, trimmed to the tokens that exist. The manager's
         ``hooks`` then get ``on_prealloc`` now and exactly one of ``on_admit`` (after the
         transfer, with the token count) or ``on_abandon`` (failure or abort).

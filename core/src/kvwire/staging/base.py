@@ -79,8 +79,9 @@ class StagingContext:
     #: messages (``WritesDone``, ``WritesQuery``) go out with it directly; a strategy's own
     #: messages go through :meth:`post`.
     send_fn: Callable[[str, Any], bool] = _no_send
-    #: Decode only: the host KV pool when the engine registered one.
-    host_layout: KVLayout | None = None
+    #: The layout of the extra pool this strategy serves (decode; None for the "kv" pool,
+    #: whose layout is ``layout``, and on prefill).
+    pool_layout: KVLayout | None = None
     #: This rank's session id (messages carry it) and which pool the strategy serves.
     session: str = ""
     pool: str = "kv"
@@ -95,7 +96,7 @@ class StagingContext:
         :meth:`StagingStrategy.on_message`."""
         msg = StagingMessage(
             session=self.session,
-            pool="host" if self.pool == "host" else "kv",
+            pool=self.pool,
             strategy=strategy,
             type=type,
             body=body.model_dump(mode="python"),
