@@ -67,8 +67,7 @@ def ssd_pool(path: Path, slots: int) -> tuple[KVLayout, list[np.memmap]]:
     nbuf = MODEL.num_layers * 2
     path.write_bytes(b"\0" * per * nbuf)
     arrays = [
-        np.memmap(path, dtype=np.int32, mode="r+", offset=b * per, shape=shape)
-        for b in range(nbuf)
+        np.memmap(path, dtype=np.int32, mode="r+", offset=b * per, shape=shape) for b in range(nbuf)
     ]
     return KVLayout.from_tensors(MODEL, arrays, RankPosition(), 0, MODEL.num_layers), arrays
 
@@ -169,12 +168,12 @@ def test_bad_pool_declarations_are_refused() -> None:
 
 def test_pools_config_from_cli_env_and_dicts(monkeypatch: pytest.MonkeyPatch) -> None:
     cfg = config_from_args(
-        {"pool_option": ["ssd.staging=direct", "ssd.mapper_options={\"x\": 1}"]}, use_env=False
+        {"pool_option": ["ssd.staging=direct", 'ssd.mapper_options={"x": 1}']}, use_env=False
     )
     assert cfg.pools == {"ssd": PoolConfig(staging="direct", mapper_options={"x": 1})}
     monkeypatch.setenv("KVWIRE_POOLS", '{"cxl": {"mapper": "equal_tp"}}')
     assert KVWireConfig().pools["cxl"].mapper == "equal_tp"
-    with pytest.raises(ConfigError, match="POOL.KEY=VALUE"):
+    with pytest.raises(ConfigError, match=r"POOL\.KEY=VALUE"):
         config_from_args({"pool_option": ["staging=direct"]}, use_env=False)
     with pytest.raises(ConfigError, match="invalid kvwire configuration"):
         config_from_args({"pool_option": ["ssd.stagin=direct"]}, use_env=False)

@@ -143,7 +143,7 @@ class KVWireConfig(BaseSettings):
         description="Per extra pool (a pool an engine declares besides 'kv', e.g. a decode "
         "host pool): its mapper and staging strategy. A pool not named here uses 'auto' for "
         "both (the installed plugin that declares the pool). Environment: "
-        "KVWIRE_POOLS='{\"<pool>\": {\"staging\": \"direct\"}}'.",
+        'KVWIRE_POOLS=\'{"<pool>": {"staging": "direct"}}\'.',
     )
     control: ControlOptions = Field(default_factory=ControlOptions)
     secret: SecretStr | None = Field(

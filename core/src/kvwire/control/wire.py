@@ -54,36 +54,9 @@ from kvwire.layout import (
 )
 
 #: Protocol version spoken by this kvwire. Bump ``MINOR`` for added optional fields, ``MAJOR``
-#: for anything an older peer would misread. 1.1 added bulk staging (the ``staging_*`` messages,
-#: ``HelloAck.layout`` and ``HelloAck.staged``), write quiescence (``writes_query``,
-#: ``writes_done``) and the host-pool path (``Hello.host_layout``, ``TransferRequest.pool``).
-#: 1.3 replaced the ``staging_*`` kinds by one envelope, ``staging``, whose body belongs to
-#: the strategy (bulk staging checks its peer's version at handshake), and added the freshness
-#: stamp of signed frames (replay protection): with a secret, 1.3 and older peers do not
-#: accept each other's frames (upgrade both sides together). 1.4 added buffer groups (hybrid
-#: and speculative models): ``KVLayout.groups``, ``TransferRequest.group_indices``,
-#: ``HelloAck.groups`` and ``ChunkNote(what="state")``; layouts without groups encode and hash
-#: as in 1.3. 1.5 added ``TransferRequest.cached_tokens`` (page-size conversion). 1.6 added
-#: ``BufferGroup.sections`` (separately TP-sharded head blocks of a row, e.g. a GDN conv
-#: state's q, k and v channels); a group without sections encodes and hashes as in 1.5. A
-#: 1.5 peer never moves a sectioned group: a 1.6 prefill refuses its layout naming
-#: ``sections``; a 1.5 prefill drops a 1.6 layout it cannot validate (decode's handshake then
-#: times out) or acknowledges a hash that decode refuses. 1.6 also carries ``KVLayout.kv_fused``
-#: and ``KVLayout.kv_in_slot`` (K and V in one buffer per layer; omitted when unset).
-#: 1.8 added several backends per rank: ``Hello.backends`` (every backend decode announces,
-#: in its order, with its metadata; ``backend``/``backend_metadata`` still carry the first, so
-#: a 1.7 prefill reads a 1.8 hello as before), ``Hello.host`` (the rank's host identity, for
-#: per-link checks such as CUDA IPC's) and ``HelloAck.backend``/``HelloAck.fallbacks`` (the
-#: link's choice, for decode's log). A 1.8 prefill reads a 1.7 hello as one offer.
-#: 1.9 answers frames from a session the receiver evicted instead of dropping them:
-#: ``Failure.unheard`` (a request dropped unread: handshake again and ask again; a 1.8 decode
-#: fails the request at once, reading the reason) and the ``evicted`` kind (a 1.8 decode drops
-#: it as an unknown kind and learns of the eviction from its own liveness bound, as before).
-#: 1.10 names pools by string: ``Hello.pools``/``Hello.pool_staging`` announce any number of
-#: extra pools; ``TransferRequest.pool`` and ``StagingMessage.pool`` name one of them (or
-#: "kv"). A 1.10 decode still fills ``host_layout``/``host_staging`` for its pool named
-#: ``LEGACY_POOL``, and a 1.10 prefill reads them from a 1.9 hello, so 1.9 and 1.10 peers move
-#: KV into "kv" and "host" as before; other pools need 1.10 on both sides.
+#: for anything an older peer would misread. What each minor added, and how older peers read
+#: it, is in docs/control-plane.md ("Wire format"); each released version's messages are
+#: stored under core/tests/fixtures/wire/. 1.10: pools named by string (``Hello.pools``).
 PROTOCOL_MAJOR = 1
 PROTOCOL_MINOR = 10
 
