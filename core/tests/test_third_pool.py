@@ -177,3 +177,59 @@ def test_pools_config_from_cli_env_and_dicts(monkeypatch: pytest.MonkeyPatch) ->
         config_from_args({"pool_option": ["staging=direct"]}, use_env=False)
     with pytest.raises(ConfigError, match="invalid kvwire configuration"):
         config_from_args({"pool_option": ["ssd.stagin=direct"]}, use_env=False)
+
+
+class HostPoolPlugin(SsdTierPlugin):
+    """The same test plugin for a pool named "host" (as 1.9 peers knew it)."""
+
+    __name__ = "host_pool_test_plugin"
+
+    @staticmethod
+    @hookimpl
+    def kvwire_index_mappers() -> list[Implementation]:
+        return [
+            Implementation(
+                "host_test",
+                "kvwire.index.equal_tp:EqualTPMapper",
+                "test mapper into a pool named host",
+                priority=5,
+                pools=("host",),
+            )
+        ]
+
+
+def test_a_1_9_hello_host_pool_is_served(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A decode rank that announces its pool the 1.9 way (``host_layout`` only, no
+    ``pools``) still gets KV moved into it; a 1.10 decode fills the 1.9 fields too."""
+    from kvwire.control.wire import Hello
+    from kvwire.session.decode import links
+
+    reg = plugins.PluginRegistry(load_entry_points=False, extra=[("host-test", HostPoolPlugin)])
+    monkeypatch.setattr(plugins, "_registry", reg)
+    sent: list[Hello] = []
+
+    class Hello19(Hello):
+        """What a 1.9 decode rank sends: the pool under the 1.9 fields only."""
+
+        def __init__(self, **kw: object) -> None:
+            sent.append(Hello(**kw))  # type: ignore[arg-type]
+            kw.pop("pools", None)
+            kw.pop("pool_staging", None)
+            super().__init__(**kw)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(links, "Hello", Hello19)
+    play, parr = make_pool(MODEL, RankPosition(), 8)
+    fill_pages(play, parr, np.arange(3), 0)
+    dlay, _ = make_pool(MODEL, RankPosition(), 8)
+    hlay, harr = make_pool(MODEL, RankPosition(), 8)
+    prefill = KVManager(CONFIG, Role.PREFILL, play)
+    decode = KVManager(CONFIG, Role.DECODE, dlay, pools={"host": hlay})
+    try:
+        dst = np.array([7, 0, 4], dtype=np.int64)
+        status, err = transfer(prefill, decode, 1, dst, "host")
+        assert status is KVPoll.Success, err
+        assert count_mismatches(hlay, harr, dst, 0) == 0
+        assert sent and sent[0].host_layout == hlay and sorted(sent[0].pools) == ["host"]
+    finally:
+        decode.close()
+        prefill.close()
