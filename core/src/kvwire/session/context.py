@@ -146,9 +146,9 @@ class RankContext:
             *aux_buffers,
         ]
 
-        host_buffers = tuple(b for lay in extra.values() for b in lay.buffers)
+        extra_buffers = tuple(b for lay in extra.values() for b in lay.buffers)
         groups = layout.group_regions  # state, sliding-window and draft-layer buffers
-        kinds = {b.kind for b in (*layout.buffers, *groups, *aux_buffers, *host_buffers)}
+        kinds = {b.kind for b in (*layout.buffers, *groups, *aux_buffers, *extra_buffers)}
         self.backend: TransferBackend
         self.backend, self.backend_plan = create_backends(
             config,
@@ -166,7 +166,7 @@ class RankContext:
         self.backend.set_notification_waker(self.wake.set)
         built: list[StagingStrategy] = []
         try:
-            self.backend.register([*layout.buffers, *groups, *host_buffers, *self.aux_regions])
+            self.backend.register([*layout.buffers, *groups, *extra_buffers, *self.aux_regions])
             context = StagingContext(
                 layout,
                 self.backend.register,

@@ -1,5 +1,5 @@
 """The decode engine's per-request handle, :class:`KVReceiver`, and the hooks a decode engine
-with a host pool is told about (:class:`DecodeHooks`)."""
+with extra pools is told about (:class:`DecodeHooks`)."""
 
 from __future__ import annotations
 
@@ -13,8 +13,8 @@ from kvwire.session.report import FailureReport
 
 
 class DecodeHooks(Protocol):
-    """What a decode engine is told about its host-pool requests (e.g. a sparse-attention
-    engine that keeps the KV in host memory; engine thread; keep them quick). Exactly one of
+    """What a decode engine is told about its requests into extra pools (e.g. a
+    sparse-attention engine that keeps the KV in a host pool; engine thread; keep them quick). Exactly one of
     ``on_admit``/``on_abandon`` follows ``on_prealloc`` for every request, on every path
     (success, failure, abort, clear)."""
 
@@ -23,7 +23,8 @@ class DecodeHooks(Protocol):
         indices are held."""
 
     def on_admit(self, room: int, num_tokens: int) -> None:
-        """The KV is in the host pool: allocate the hot device buffer, preload if short."""
+        """The KV is in the extra pool: e.g. allocate the hot device buffer, preload if
+        short."""
 
     def on_abandon(self, room: int) -> None:
         """The request failed or was aborted: drop what ``on_prealloc`` set up."""

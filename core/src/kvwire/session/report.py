@@ -248,7 +248,7 @@ def build_report(
     chunk: ChunkFault | None = None,
 ) -> FailureReport:
     """The report of a failed room (decode side, under the room lock). ``judged`` False
-    (a host-pool request), or a peer that broke the protocol (its notes are not trusted),
+    (a request into an extra pool), or a peer that broke the protocol (its notes are not trusted),
     reports every page missing."""
     dst = np.zeros(0, dtype=np.int64) if slots is None else np.asarray(slots, dtype=np.int64)
     if judged and sources and cause != "protocol":

@@ -315,7 +315,7 @@ class StagingStrategy(ABC):
         """Prefill side, at handshake with one decode rank (decode session ``session``): extra
         descriptor table pairs to prepare for that link (name -> ``TablePair``); empty when the
         link does not stage. ``remote`` is what that rank's strategy :meth:`describe` d;
-        ``tables`` the mapper's tables when core already built them (host-pool links)."""
+        ``tables`` the mapper's tables when core already built them (extra-pool links)."""
         return {}
 
     def room_tables(self) -> dict[str, int]:
