@@ -14,9 +14,9 @@ from kvwire.session.report import FailureReport
 
 class DecodeHooks(Protocol):
     """What a decode engine is told about its requests into extra pools (e.g. a
-    sparse-attention engine that keeps the KV in a host pool; engine thread; keep them quick). Exactly one of
-    ``on_admit``/``on_abandon`` follows ``on_prealloc`` for every request, on every path
-    (success, failure, abort, clear)."""
+    sparse-attention engine that keeps the KV in a host pool; engine thread; keep them
+    quick). Exactly one of ``on_admit``/``on_abandon`` follows ``on_prealloc`` for every
+    request, on every path (success, failure, abort, clear)."""
 
     def on_prealloc(self, room: int, num_units: int) -> None:
         """``send_metadata(..., pool=name)`` was called for an extra pool: only logical
