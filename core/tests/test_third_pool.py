@@ -233,3 +233,30 @@ def test_a_1_9_hello_host_pool_is_served(monkeypatch: pytest.MonkeyPatch) -> Non
     finally:
         decode.close()
         prefill.close()
+
+
+def test_a_staging_message_for_an_unknown_pool_is_dropped_and_counted() -> None:
+    """A handshaken peer's staging message naming a pool this rank lacks is dropped, counted
+    as ``staging_unknown_pool``; the rank keeps serving (a later request succeeds)."""
+    from kvwire.control.wire import StagingMessage
+
+    play, parr = make_pool(MODEL, RankPosition(), 8)
+    fill_pages(play, parr, np.arange(2), 0)
+    dlay, darr = make_pool(MODEL, RankPosition(), 8)
+    prefill = KVManager(CONFIG, Role.PREFILL, play)
+    decode = KVManager(CONFIG, Role.DECODE, dlay)
+    try:
+        assert transfer(prefill, decode, 1, np.array([0, 1]), "kv")[0] is KVPoll.Success
+        peer = prefill.peers.get(decode.session)
+        assert peer is not None
+        for pool in ("cxl", "kv"):  # the second: known pool, other strategy (the control)
+            msg = StagingMessage(session=prefill.session, pool=pool, strategy="bulk", type="x")
+            assert prefill.ctx.tell(peer.endpoint, msg)
+        wait_for(lambda: decode.dropped.get("staging_other_strategy", 0) == 1)
+        assert decode.dropped.get("staging_unknown_pool", 0) == 1
+        status, err = transfer(prefill, decode, 2, np.array([2, 3]), "kv")
+        assert status is KVPoll.Success, err
+        assert count_mismatches(dlay, darr, np.array([2, 3]), 0) == 0
+    finally:
+        decode.close()
+        prefill.close()
