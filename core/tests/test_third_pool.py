@@ -260,3 +260,27 @@ def test_a_staging_message_for_an_unknown_pool_is_dropped_and_counted() -> None:
     finally:
         decode.close()
         prefill.close()
+
+
+def test_a_pool_whose_strategy_cannot_be_built_fails_only_its_requests(
+    with_plugin: None,
+) -> None:
+    """Prefill's configured strategy for the pool is unknown: requests into that pool fail
+    naming it; the KV pool works on the same link."""
+    play, parr = make_pool(MODEL, RankPosition(), 8)
+    fill_pages(play, parr, np.arange(2), 0)
+    dlay, darr = make_pool(MODEL, RankPosition(), 8)
+    slay, _ = make_pool(MODEL, RankPosition(), 8)
+    bad = CONFIG.model_copy(update={"pools": {"ssd": PoolConfig(staging="teleport")}})
+    prefill = KVManager(bad, Role.PREFILL, play)
+    decode = KVManager(CONFIG, Role.DECODE, dlay, pools={"ssd": slay})
+    try:
+        status, err = transfer(prefill, decode, 1, np.array([0, 1]), "ssd")
+        assert status is KVPoll.Failed and "ssd pool staging strategy" in err
+        assert "teleport" in err
+        status, err = transfer(prefill, decode, 2, np.array([2, 3]), "kv")
+        assert status is KVPoll.Success, err
+        assert count_mismatches(dlay, darr, np.array([2, 3]), 0) == 0
+    finally:
+        decode.close()
+        prefill.close()

@@ -236,7 +236,11 @@ class DecodeLinker:
                 if pool_mapper is None:
                     pool_problems[pool] = problem
                     continue
-                strategy = ctx.strategy_for(pool)
+                try:
+                    strategy = ctx.strategy_for(pool)
+                except KVWireError as exc:
+                    pool_problems[pool] = f"no usable {pool} pool staging strategy: {exc}"
+                    continue
                 tables = pool_mapper.build_tables()
                 self._prepare(name, pool, tables, local, pool_layout.buffers, pairs, splits)
                 # last: the strategy may map decode's pool for this link
