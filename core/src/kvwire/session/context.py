@@ -186,7 +186,8 @@ class RankContext:
             #: Staging strategy per pool: "kv" is :attr:`staging`; an extra pool's is
             #: ``KVWireConfig.pools[name].staging``. Decode builds one per declared pool;
             #: prefill builds one when a decode rank first announces the pool
-            #: (:meth:`strategy_for`). Guarded by :attr:`_stagings_lock` for adds.
+            #: (:meth:`strategy_for`). Copy on write: an add replaces the dict (under
+            #: :attr:`_stagings_lock`), so readers on any thread take no lock.
             self.stagings: dict[str, StagingStrategy] = {"kv": self.staging}
             self._stagings_lock = threading.Lock()
             self._staging_context = context
@@ -221,7 +222,7 @@ class RankContext:
                 room_pages=lambda room: self._room_pages(room, pool),
             )
         )
-        self.stagings[pool] = strategy
+        self.stagings = {**self.stagings, pool: strategy}
         return strategy
 
     def strategy_for(self, pool: str) -> StagingStrategy:
@@ -237,9 +238,9 @@ class RankContext:
 
     @property
     def strategies(self) -> tuple[StagingStrategy, ...]:
-        """Every pool's staging strategy, "kv" first (release, leak checks, peers)."""
-        with self._stagings_lock:
-            return tuple(self.stagings.values())
+        """Every pool's staging strategy, "kv" first (release, leak checks, peers). Any
+        thread, no lock."""
+        return tuple(self.stagings.values())
 
     # ---------------------------------------------------------------------- verbs
     def tell(self, endpoint: str, msg: Message) -> bool:
