@@ -177,6 +177,8 @@ def test_pools_config_from_cli_env_and_dicts(monkeypatch: pytest.MonkeyPatch) ->
         config_from_args({"pool_option": ["staging=direct"]}, use_env=False)
     with pytest.raises(ConfigError, match="invalid kvwire configuration"):
         config_from_args({"pool_option": ["ssd.stagin=direct"]}, use_env=False)
+    with pytest.raises(ConfigError, match=r"KV pool \('kv'\) is set by staging"):
+        config_from_args({"pool_option": ["kv.staging=bulk"]}, use_env=False)
 
 
 class HostPoolPlugin(SsdTierPlugin):

@@ -175,6 +175,16 @@ class KVWireConfig(BaseSettings):
             raise ValueError(f"transfer_backend {v!r}: {', '.join(dup)} listed twice")
         return ",".join(names)
 
+    @field_validator("pools")
+    @classmethod
+    def _extra_pools_only(cls, v: dict[str, PoolConfig]) -> dict[str, PoolConfig]:
+        if "kv" in v:
+            raise ValueError(
+                "pools names extra pools only: the KV pool ('kv') is set by staging, "
+                "staging_options, index_mapper and index_mapper_options"
+            )
+        return v
+
     @property
     def backend_list(self) -> list[str]:
         """The configured backends in preference order (``['auto']`` for auto)."""
