@@ -105,6 +105,8 @@ def samples() -> list[Message]:
             aux_regions=aux,
             host_layout=layout,
             host_staging={"identity": "boot-id:1000", "pools": [{"path": "/dev/shm/x"}]},
+            pools={"host": layout, "ssd": layout},
+            pool_staging={"host": {"identity": "boot-id:1000", "pools": [{"path": "/dev/shm/x"}]}},
             checksum=True,
             backends=[
                 BackendOffer(name="tcp", metadata=b"\x01meta"),

@@ -25,7 +25,10 @@ from kvwire.errors import ProtocolError
 
 FIXTURES = Path(__file__).parent / "fixtures" / "wire"
 SECRET = b"fixture-secret"
-VERSIONS = sorted(p for p in FIXTURES.iterdir() if p.is_dir())
+VERSIONS = sorted(
+    (p for p in FIXTURES.iterdir() if p.is_dir()),
+    key=lambda p: tuple(int(x) for x in p.name[1:].split(".")),
+)
 
 
 def test_fixture_versions_exist() -> None:
@@ -40,7 +43,39 @@ def test_fixture_versions_exist() -> None:
         "v1.7",
         "v1.8",
         "v1.9",
+        "v1.10",
     ]
+
+
+def test_pools_announced_old_and_new() -> None:
+    """A 1.9 hello's host pool reads as the extra pool ``"host"``; a 1.10 hello names any
+    number of pools, and still fills the 1.9 fields for its ``"host"`` pool."""
+    plain = Codec()
+    old = plain.decode((FIXTURES / "v1.9" / "hello.bin").read_bytes())
+    assert isinstance(old, Hello) and old.pools == {}
+    assert old.host_layout is not None
+    assert old.extra_pools() == {"host": (old.host_layout, old.host_staging)}
+    new = plain.decode((FIXTURES / "v1.10" / "hello.bin").read_bytes())
+    assert isinstance(new, Hello)
+    extra = new.extra_pools()
+    assert sorted(extra) == ["host", "ssd"]
+    assert extra["ssd"] == (new.layout, None)
+    assert extra["host"][1] == new.host_staging and new.host_layout == new.layout
+
+
+def test_pool_names_are_strings_checked_for_shape() -> None:
+    """Any pool name is carried (the receiver checks it against the announced ones); an
+    empty or malformed one is refused at decode, naming the field."""
+    body = {"room": 5, "session": "s", "dst_pages": b"", "pool": "ssd"}
+    msg = Codec().decode(_frame("transfer_request", body))
+    assert isinstance(msg, TransferRequest) and msg.pool == "ssd"
+    for bad in ("", "a b", "x" * 65):
+        with pytest.raises(ProtocolError, match="pool"):
+            Codec().decode(_frame("transfer_request", {**body, "pool": bad}))
+    hello = msgpack.unpackb(msgpack.unpackb((FIXTURES / "v1.10" / "hello.bin").read_bytes())[3])
+    hello["pools"] = {"kv": hello["layout"]}
+    with pytest.raises(ProtocolError, match="kv"):
+        Codec().decode(_frame("hello", hello))
 
 
 def test_hello_offers_old_and_new() -> None:

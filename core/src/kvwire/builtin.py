@@ -40,7 +40,7 @@ def kvwire_staging_strategies() -> list[Implementation]:
     """Direct (no staging) and bulk staging."""
     return [
         Implementation(
-            "direct", "kvwire.staging.direct:DirectStaging", "no staging", pools=("kv", "host")
+            "direct", "kvwire.staging.direct:DirectStaging", "no staging", pools=("kv",)
         ),
         Implementation(
             "bulk",

@@ -102,6 +102,20 @@ class ControlOptions(BaseModel):
     )
 
 
+class PoolConfig(BaseModel):
+    """How one named extra pool is served (``KVWireConfig.pools[name]``): the mapper from a
+    prefill rank's KV into it, and the staging strategy of chunks into it. 'auto' takes the
+    highest-priority installed implementation that declares the pool (``pools=(name,)``);
+    staging falls back to 'direct' when none does."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    mapper: str = Field(default=AUTO, description="Mapper name, or 'auto'.")
+    mapper_options: dict[str, Any] = Field(default_factory=dict)
+    staging: str = Field(default=AUTO, description="Staging strategy name, or 'auto'.")
+    staging_options: dict[str, Any] = Field(default_factory=dict)
+
+
 class KVWireConfig(BaseSettings):
     """Which implementations to use, and their options.
 
@@ -123,21 +137,14 @@ class KVWireConfig(BaseSettings):
     index_mapper: str = Field(default=AUTO, description="Mapper name, or 'auto' per layout.")
     index_mapper_options: dict[str, Any] = Field(default_factory=dict)
     staging: str = Field(default="direct", description="Staging strategy name.")
-    host_mapper: str = Field(
-        default=AUTO,
-        description="Mapper into a decode host pool: 'auto' takes the highest-priority "
-        "installed mapper that declares the 'host' pool (a plugin's); regular requests work "
-        "without one.",
-    )
-    host_mapper_options: dict[str, Any] = Field(default_factory=dict)
     staging_options: dict[str, Any] = Field(default_factory=dict)
-    host_staging: str = Field(
-        default=AUTO,
-        description="Strategy for chunks into a decode host pool: 'auto' takes the "
-        "highest-priority usable strategy that declares the 'host' pool ('direct' when no "
-        "plugin provides one).",
+    pools: dict[str, PoolConfig] = Field(
+        default_factory=dict,
+        description="Per extra pool (a pool an engine declares besides 'kv', e.g. a decode "
+        "host pool): its mapper and staging strategy. A pool not named here uses 'auto' for "
+        "both (the installed plugin that declares the pool). Environment: "
+        'KVWIRE_POOLS=\'{"<pool>": {"staging": "direct"}}\'.',
     )
-    host_staging_options: dict[str, Any] = Field(default_factory=dict)
     control: ControlOptions = Field(default_factory=ControlOptions)
     secret: SecretStr | None = Field(
         default=None,
@@ -167,6 +174,16 @@ class KVWireConfig(BaseSettings):
         if dup:
             raise ValueError(f"transfer_backend {v!r}: {', '.join(dup)} listed twice")
         return ",".join(names)
+
+    @field_validator("pools")
+    @classmethod
+    def _extra_pools_only(cls, v: dict[str, PoolConfig]) -> dict[str, PoolConfig]:
+        if "kv" in v:
+            raise ValueError(
+                "pools names extra pools only: the KV pool ('kv') is set by staging, "
+                "staging_options, index_mapper and index_mapper_options"
+            )
+        return v
 
     @property
     def backend_list(self) -> list[str]:
@@ -222,6 +239,17 @@ def parse_options(items: Sequence[str] | None, flag: str) -> dict[str, Any]:
     return out
 
 
+def parse_pool_options(items: Sequence[str]) -> dict[str, dict[str, Any]]:
+    """Parse ``--pool-option POOL.KEY=VALUE`` items into a ``KVWireConfig.pools`` mapping."""
+    out: dict[str, dict[str, Any]] = {}
+    for key, value in parse_options(items, "--pool-option").items():
+        pool, dot, field = key.partition(".")
+        if not dot or not pool or not field:
+            raise ConfigError(f"--pool-option expects POOL.KEY=VALUE, got {key!r}")
+        out.setdefault(pool, {})[field] = value
+    return out
+
+
 def add_cli_args(parser: argparse.ArgumentParser) -> None:
     """Add kvwire's options to an engine's argparse parser (one argument group)."""
     g = parser.add_argument_group("kvwire KV transfer")
@@ -245,6 +273,13 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--staging", metavar="NAME", help="staging strategy (default: direct)")
     g.add_argument("--staging-option", metavar="KEY=VALUE", action="append")
     g.add_argument(
+        "--pool-option",
+        metavar="POOL.KEY=VALUE",
+        action="append",
+        help="how an extra pool is served, e.g. host.staging=direct, host.mapper=NAME, "
+        "ssd.staging_options={...} (repeatable; see KVWireConfig.pools)",
+    )
+    g.add_argument(
         "--control-option",
         metavar="KEY=VALUE",
         action="append",
@@ -264,6 +299,8 @@ def config_from_args(
         opts = ns.get(f"{field}_option")
         if opts:
             given[f"{field}_options"] = parse_options(opts, f"--{field.replace('_', '-')}-option")
+    if ns.get("pool_option"):
+        given["pools"] = parse_pool_options(ns["pool_option"])
     if ns.get("control_option"):
         given["control"] = parse_options(ns["control_option"], "--control-option")
     try:

@@ -24,9 +24,9 @@ class Implementation:
     """What a hook returns: a name and the ``module:attribute`` that implements it.
 
     ``priority`` orders backends for ``--transfer-backend auto`` (highest usable wins), and
-    host-pool mappers and strategies for ``host_mapper``/``host_staging`` ``auto``. ``pools``
+    extra-pool mappers and strategies for ``KVWireConfig.pools[name]`` ``auto``. ``pools``
     says which decode pools a mapper or staging strategy serves: ``"kv"`` (the KV pool) and/or
-    ``"host"`` (a decode host pool of finer pages, ``KVManager(host_layout=...)``).
+    the names of extra pools (``KVManager(pools={name: layout})``, e.g. HiSparse's host pool).
     ``link_only`` (backends): it serves some links only (e.g. GPUs of one host): ``auto``
     puts it ahead of the best general backend when it is usable on this rank
     (``rank_problem``), and each link takes it only where its ``link_problem`` accepts the

@@ -14,7 +14,7 @@ from typing import Any
 from pydantic import BaseModel, ValidationError
 
 from kvwire.backend import TransferBackend
-from kvwire.config import AUTO, KVWireConfig
+from kvwire.config import AUTO, KVWireConfig, PoolConfig
 from kvwire.errors import CapabilityError, ConfigError, KVWireError, PluginError
 from kvwire.index.base import IndexMapper
 from kvwire.layout import MemKind
@@ -301,32 +301,39 @@ def auto_for_pool(kind: Kind, pool: str, registry: PluginRegistry | None = None)
     return None
 
 
-def select_host_staging(config: KVWireConfig, registry: PluginRegistry | None = None) -> Selected:
-    """Resolve the strategy for chunks into a decode host pool: ``auto`` is the
-    highest-priority usable strategy that declares the ``host`` pool (``direct`` declares it
-    with priority 0)."""
+def select_pool_staging(
+    config: KVWireConfig, pool: str, registry: PluginRegistry | None = None
+) -> Selected:
+    """Resolve the strategy for chunks into the extra pool ``pool``
+    (``KVWireConfig.pools[pool].staging``): ``auto`` is the highest-priority usable strategy
+    that declares the pool, else ``direct``."""
     reg = registry or get_registry()
-    name = config.host_staging
+    pc = config.pools.get(pool, PoolConfig())
+    name = pc.staging
     if name == AUTO:
-        name = auto_for_pool(Kind.STAGING, "host", reg) or "direct"
-    return _select(Kind.STAGING, StagingStrategy, name, config.host_staging_options, reg)
+        name = auto_for_pool(Kind.STAGING, pool, reg) or "direct"
+    return _select(Kind.STAGING, StagingStrategy, name, pc.staging_options, reg)
 
 
-def select_host_mapper(config: KVWireConfig, registry: PluginRegistry | None = None) -> Selected:
-    """Resolve the mapper into a decode host pool: ``auto`` is the highest-priority usable
-    mapper that declares the ``host`` pool. Raises :class:`ConfigError` when none is
-    installed (core's mappers serve KV pools of equal page size only)."""
+def select_pool_mapper(
+    config: KVWireConfig, pool: str, registry: PluginRegistry | None = None
+) -> Selected:
+    """Resolve the mapper into a decode rank's extra pool ``pool``
+    (``KVWireConfig.pools[pool].mapper``): ``auto`` is the highest-priority usable mapper
+    that declares the pool. Raises :class:`ConfigError` when none is installed."""
     reg = registry or get_registry()
-    name = config.host_mapper
+    pc = config.pools.get(pool, PoolConfig())
+    name = pc.mapper
     if name == AUTO:
-        found = auto_for_pool(Kind.MAPPER, "host", reg)
+        found = auto_for_pool(Kind.MAPPER, pool, reg)
         if found is None:
             raise ConfigError(
-                "no index mapper for host pools is installed; install a plugin that provides "
-                "one (`kvwire plugins` lists mappers and their pools) or set host_mapper"
+                f"no index mapper for the {pool!r} pool is installed; install a plugin that "
+                "provides one (`kvwire plugins` lists mappers and their pools) or set "
+                f"pools.{pool}.mapper"
             )
         name = found
-    return _select(Kind.MAPPER, IndexMapper, name, config.host_mapper_options, reg)
+    return _select(Kind.MAPPER, IndexMapper, name, pc.mapper_options, reg)
 
 
 def select_mapper(

@@ -114,6 +114,14 @@ def test_extra_config_maps_onto_kvwire_config(monkeypatch: pytest.MonkeyPatch) -
     assert parse_extra_config({})[1].transfer_backend == "tcp"
 
 
+def test_extra_config_sets_pools() -> None:
+    """The per-pool map reaches kvwire's config from vLLM's extra config, checked there."""
+    _, cfg = parse_extra_config({"pools": {"host": {"staging": "direct", "mapper": "m"}}})
+    assert (cfg.pools["host"].staging, cfg.pools["host"].mapper) == ("direct", "m")
+    with pytest.raises(ConfigError, match="stagin"):
+        parse_extra_config({"pools": {"host": {"stagin": "direct"}}})
+
+
 def test_extra_config_refuses_secrets_and_unknown_keys() -> None:
     with pytest.raises(ConfigError, match="KVWIRE_SECRET"):
         parse_extra_config({"secret": "hunter2"})

@@ -34,7 +34,7 @@ def test_host_pool_request_with_state_and_window_groups() -> None:
     with instances(config(), pre, []) as (pm, _, addr):
         aux = [MemoryRegion.from_tensor(dec[0].aux)]
         decode = KVManager(
-            config(), "decode", dec[0].layout, aux_buffers=aux, host_layout=host_layout
+            config(), "decode", dec[0].layout, aux_buffers=aux, pools={"host": host_layout}
         )
         try:
             rx = decode.receiver(3, addr)

@@ -13,7 +13,7 @@ import pytest
 from kvwire_hisparse.paths import HostPathStrategy
 from kvwire_hisparse.shm import SharedHostPool, host_identity
 
-from kvwire.config import ControlOptions, KVWireConfig
+from kvwire.config import ControlOptions, KVWireConfig, PoolConfig
 from kvwire.errors import KVWireError
 from kvwire.index.base import TablePair
 from kvwire.layout import KVLayout, ModelSpec, RankPosition
@@ -30,7 +30,7 @@ def config(path: str = "auto") -> KVWireConfig:
     return KVWireConfig(
         transfer_backend="tcp",
         control=ControlOptions(heartbeat_interval_s=0.1, handshake_timeout_s=3.0),
-        host_staging_options={"path": path},
+        pools={"host": PoolConfig(staging_options={"path": path})},
     )
 
 
@@ -53,7 +53,7 @@ def managers(path: str, shared: bool) -> Iterator[tuple[KVManager, KVManager, An
     else:
         hlay, harr = make_pool(HOST, RankPosition(), SLOTS * 4)
     prefill = KVManager(config(path), Role.PREFILL, play)
-    decode = KVManager(config(), Role.DECODE, dlay, host_layout=hlay)
+    decode = KVManager(config(), Role.DECODE, dlay, pools={"host": hlay})
     try:
         yield prefill, decode, (play, parr, hlay, harr)
     finally:
@@ -90,8 +90,9 @@ def transfer(
 
 
 def strategy(mgr: KVManager) -> HostPathStrategy:
-    assert isinstance(mgr.host_staging, HostPathStrategy)
-    return mgr.host_staging
+    strategy = mgr.staging_of("host")
+    assert isinstance(strategy, HostPathStrategy)
+    return strategy
 
 
 def test_auto_maps_a_shared_pool_and_unmaps_it_when_decode_leaves() -> None:
@@ -135,11 +136,14 @@ def test_another_host_or_unequal_rows_rule_out_mapping() -> None:
 
 
 def test_host_staging_selection() -> None:
-    from kvwire.selection import select_host_staging
+    from kvwire.selection import select_pool_staging
 
-    assert select_host_staging(KVWireConfig()).name == "hisparse"  # auto, plugin installed
-    assert select_host_staging(KVWireConfig(host_staging="direct")).name == "direct"
+    def pick(**kw: Any) -> str:
+        return select_pool_staging(KVWireConfig(pools={"host": PoolConfig(**kw)}), "host").name
+
+    assert select_pool_staging(KVWireConfig(), "host").name == "hisparse"  # auto, installed
+    assert pick(staging="direct") == "direct"
     with pytest.raises(KVWireError, match="nope"):
-        select_host_staging(KVWireConfig(host_staging="nope"))
+        pick(staging="nope")
     with pytest.raises(KVWireError, match="path"):
-        select_host_staging(KVWireConfig(host_staging_options={"path": "teleport"}))
+        pick(staging_options={"path": "teleport"})

@@ -31,7 +31,7 @@ def run(host_model: ModelSpec | None, hisparse: bool) -> tuple[KVPoll, str]:
     dlay, _darr = make_pool(MODEL, RankPosition(), 16)  # kept alive while registered
     host = make_pool(host_model, RankPosition(), 64) if host_model else None
     prefill = KVManager(CONFIG, Role.PREFILL, play)
-    decode = KVManager(CONFIG, Role.DECODE, dlay, host_layout=host[0] if host else None)
+    decode = KVManager(CONFIG, Role.DECODE, dlay, pools={"host": host[0]} if host else None)
     try:
         r = decode.receiver(1, prefill.bootstrap_addr or "")
         r.init()
@@ -75,5 +75,5 @@ def test_hisparse_without_a_host_pool_is_refused_at_once() -> None:
     dlay, _ = make_pool(MODEL, RankPosition(), 8)
     with KVManager(CONFIG, Role.DECODE, dlay) as decode:
         r = decode.receiver(1, "127.0.0.1:9")
-        with pytest.raises(ConfigError, match="host_layout"):
+        with pytest.raises(ConfigError, match="no pool 'host'"):
             r.send_metadata([0], aux_index=0, pool="host")

@@ -28,7 +28,7 @@ import itertools
 import secrets
 import time
 from collections.abc import Callable
-from typing import Any, ClassVar, Literal, Self
+from typing import Annotated, Any, ClassVar, Literal, Self
 
 import msgpack
 import numpy as np
@@ -54,33 +54,11 @@ from kvwire.layout import (
 )
 
 #: Protocol version spoken by this kvwire. Bump ``MINOR`` for added optional fields, ``MAJOR``
-#: for anything an older peer would misread. 1.1 added bulk staging (the ``staging_*`` messages,
-#: ``HelloAck.layout`` and ``HelloAck.staged``), write quiescence (``writes_query``,
-#: ``writes_done``) and the host-pool path (``Hello.host_layout``, ``TransferRequest.pool``).
-#: 1.3 replaced the ``staging_*`` kinds by one envelope, ``staging``, whose body belongs to
-#: the strategy (bulk staging checks its peer's version at handshake), and added the freshness
-#: stamp of signed frames (replay protection): with a secret, 1.3 and older peers do not
-#: accept each other's frames (upgrade both sides together). 1.4 added buffer groups (hybrid
-#: and speculative models): ``KVLayout.groups``, ``TransferRequest.group_indices``,
-#: ``HelloAck.groups`` and ``ChunkNote(what="state")``; layouts without groups encode and hash
-#: as in 1.3. 1.5 added ``TransferRequest.cached_tokens`` (page-size conversion). 1.6 added
-#: ``BufferGroup.sections`` (separately TP-sharded head blocks of a row, e.g. a GDN conv
-#: state's q, k and v channels); a group without sections encodes and hashes as in 1.5. A
-#: 1.5 peer never moves a sectioned group: a 1.6 prefill refuses its layout naming
-#: ``sections``; a 1.5 prefill drops a 1.6 layout it cannot validate (decode's handshake then
-#: times out) or acknowledges a hash that decode refuses. 1.6 also carries ``KVLayout.kv_fused``
-#: and ``KVLayout.kv_in_slot`` (K and V in one buffer per layer; omitted when unset).
-#: 1.8 added several backends per rank: ``Hello.backends`` (every backend decode announces,
-#: in its order, with its metadata; ``backend``/``backend_metadata`` still carry the first, so
-#: a 1.7 prefill reads a 1.8 hello as before), ``Hello.host`` (the rank's host identity, for
-#: per-link checks such as CUDA IPC's) and ``HelloAck.backend``/``HelloAck.fallbacks`` (the
-#: link's choice, for decode's log). A 1.8 prefill reads a 1.7 hello as one offer.
-#: 1.9 answers frames from a session the receiver evicted instead of dropping them:
-#: ``Failure.unheard`` (a request dropped unread: handshake again and ask again; a 1.8 decode
-#: fails the request at once, reading the reason) and the ``evicted`` kind (a 1.8 decode drops
-#: it as an unknown kind and learns of the eviction from its own liveness bound, as before).
+#: for anything an older peer would misread. What each minor added, and how older peers read
+#: it, is in docs/control-plane.md ("Wire format"); each released version's messages are
+#: stored under core/tests/fixtures/wire/. 1.10: pools named by string (``Hello.pools``).
 PROTOCOL_MAJOR = 1
-PROTOCOL_MINOR = 9
+PROTOCOL_MINOR = 10
 
 #: Largest frame accepted (layouts of deep models with many buffers stay far below this).
 MAX_FRAME_BYTES = 16 << 20
@@ -139,6 +117,14 @@ _NESTED: dict[type[BaseModel], dict[str, type[BaseModel]]] = {
 }
 
 
+#: A pool's name on the wire: "kv" (every rank's KV pool) or an extra pool a decode rank
+#: announced in ``Hello.pools``. (1.10; 1.1-1.9 knew only "kv" and "host")
+PoolName = Annotated[str, Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.-]+$")]
+
+#: The extra pool 1.1-1.9 peers knew, under the fields ``Hello.host_layout``/``host_staging``.
+LEGACY_POOL = "host"
+
+
 class BackendOffer(BaseModel):
     """One backend a decode rank announces: its name and its metadata. (1.8)"""
 
@@ -163,11 +149,18 @@ class Hello(Message):
     aux_regions: list[MemoryRegion] = Field(default_factory=list)
     #: Room for a staging strategy's decode-side description (ring base and size).
     staging: dict[str, Any] | None = None
-    #: Decode's host KV pool (HiSparse path), with its own page size; None when it has none.
+    #: 1.1-1.9: decode's one extra pool, named ``LEGACY_POOL``. A 1.10 decode still fills it
+    #: (from ``pools``) so that a 1.9 prefill serves that pool; a 1.10 prefill reads it only
+    #: from a hello without ``pools`` (see :meth:`extra_pools`).
     host_layout: KVLayout | None = None
-    #: The host-pool strategy's decode-side description (e.g. a shared-memory pool that a
-    #: prefill rank on the same host may map); None when there is nothing to share. (1.2)
+    #: 1.2-1.9: that pool's strategy description (see ``pool_staging``).
     host_staging: dict[str, Any] | None = None
+    #: Decode's extra pools by name (never "kv", which is ``layout``), each with its own page
+    #: size: requests name one in ``TransferRequest.pool``. (1.10)
+    pools: dict[PoolName, KVLayout] = Field(default_factory=dict)
+    #: Each extra pool's strategy description (e.g. a shared-memory pool that a prefill rank
+    #: on the same host may map); a pool with nothing to share is absent. (1.10)
+    pool_staging: dict[PoolName, dict[str, Any]] = Field(default_factory=dict)
     #: Decode asks for a checksum of every KV chunk (``ControlOptions.kv_checksum``). (1.7)
     checksum: bool = False
     #: Every backend decode has, in its preference order (the first is ``backend``). (1.8)
@@ -181,10 +174,28 @@ class Hello(Message):
             return [(b.name, b.metadata) for b in self.backends]
         return [(self.backend, self.backend_metadata)]
 
+    def extra_pools(self) -> dict[str, tuple[KVLayout, dict[str, Any] | None]]:
+        """Decode's extra pools with their strategy descriptions (a 1.9 hello: its host pool
+        under ``LEGACY_POOL``, if it has one)."""
+        if self.pools:
+            return {n: (lay, self.pool_staging.get(n)) for n, lay in self.pools.items()}
+        if self.host_layout is not None:
+            return {LEGACY_POOL: (self.host_layout, self.host_staging)}
+        return {}
+
     @field_validator("layout", "host_layout", mode="before")
     @classmethod
     def _lenient_layout(cls, v: Any) -> Any:
         return known_fields(KVLayout, v)
+
+    @field_validator("pools", mode="before")
+    @classmethod
+    def _lenient_pools(cls, v: Any) -> Any:
+        if isinstance(v, dict):
+            if "kv" in v:
+                raise ValueError("pools must not name 'kv' (the KV pool is Hello.layout)")
+            return {k: known_fields(KVLayout, x) for k, x in v.items()}
+        return v
 
     @field_validator("rank", mode="before")
     @classmethod
@@ -261,9 +272,10 @@ class TransferRequest(Message):
     #: Buffer-group slots on the decode rank, per index name (``BufferGroup.index``: e.g.
     #: "state" for a state slot, "window" for sliding-window pages), as int64 bytes. (1.4)
     group_indices: dict[str, bytes] | None = None
-    #: Which decode pool ``dst_pages`` index: "kv" (the KV pool) or "host" (the host pool of
-    #: the HiSparse path, in its own page units).
-    pool: str = "kv"
+    #: Which decode pool ``dst_pages`` index: "kv" (the KV pool) or an extra pool decode
+    #: announced in ``Hello.pools`` (in that pool's page units); prefill fails a request
+    #: naming a pool it has no link to.
+    pool: PoolName = "kv"
     staging: dict[str, Any] | None = None
     #: Prompt tokens decode keeps cached for this request (``dst_pages`` hold the tokens after
     #: them); None when the engine did not say. Required by prefill when the two sides' page
@@ -377,8 +389,9 @@ class StagingMessage(Message):
     kind: ClassVar[str] = "staging"
     #: The sending rank's session.
     session: str
-    #: Which of the receiver's strategies it is for: the KV pool's or the host pool's.
-    pool: Literal["kv", "host"] = "kv"
+    #: Which of the receiver's strategies it is for: the pool's name ("kv", or an extra pool
+    #: the decode rank announced in ``Hello.pools``); an unknown one is dropped and counted.
+    pool: PoolName = "kv"
     #: The sending strategy's name (a receiver running another strategy drops it).
     strategy: str = Field(min_length=1, max_length=64)
     type: str = Field(min_length=1, max_length=64)

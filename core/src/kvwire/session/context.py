@@ -28,21 +28,22 @@ import enum
 import logging
 import secrets
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
 from numpy.typing import NDArray
+from pydantic import TypeAdapter
 
 from kvwire.backend import TransferBackend
 from kvwire.config import KVWireConfig
 from kvwire.control.channel import ControlChannel
-from kvwire.control.wire import Codec, Message
+from kvwire.control.wire import Codec, Message, PoolName
 from kvwire.errors import ConfigError, LayoutError
 from kvwire.layout import KVLayout, MemoryRegion
 from kvwire.owner_loop import OwnerLoop
 from kvwire.security import enforce_secret_policy
-from kvwire.selection import create_backends, select_host_staging, select_staging
+from kvwire.selection import create_backends, select_pool_staging, select_staging
 from kvwire.session import metrics as m
 from kvwire.session.peers import Peer, PeerTable
 from kvwire.staging.base import StagingContext, StagingStrategy
@@ -65,6 +66,9 @@ class Role(enum.StrEnum):
 RoomPages = Callable[[int, str], Any]
 
 
+_POOL_NAME: TypeAdapter[str] = TypeAdapter(PoolName)
+
+
 class RankContext:
     """One rank's shared, fixed state and its verbs (see the module docstring).
 
@@ -83,16 +87,20 @@ class RankContext:
         dp_size: int = 1,
         agent_name: str | None = None,
         kv_tensors: Any = None,
-        host_layout: KVLayout | None = None,
+        pools: Mapping[str, KVLayout] | None = None,
         hooks: Any = None,
     ) -> None:
         enforce_secret_policy(config.require_secret, config.secret_bytes, "this kvwire rank")
         self.config = config
         self.role = Role(role)
         self.layout = layout
-        #: Decode only: the host-memory KV pool requests may choose (``pool="host"``).
-        self.host_layout = host_layout
-        #: Decode only: the engine's :class:`~kvwire.session.receiver.DecodeHooks`.
+        extra = dict(pools or {})
+        #: Every pool of this rank by name: "kv" (``layout``) and, on decode, the extra pools
+        #: the engine declared (``KVManager(pools=...)``), which requests may choose
+        #: (``send_metadata(..., pool=name)``). Fixed after construction.
+        self.pool_layouts: dict[str, KVLayout] = {"kv": layout, **extra}
+        #: Decode only: the engine's :class:`~kvwire.session.receiver.DecodeHooks`, called for
+        #: requests into an extra pool.
         self.hooks = hooks
         self.options = config.control
         self.session = secrets.token_hex(8)
@@ -106,8 +114,15 @@ class RankContext:
             raise LayoutError(f"dp_rank {r.dp_rank} is not below dp_size {dp_size}")
         self.dp_size = dp_size
         self.labels = {"role": self.role.value, "agent": self.agent_name}
-        if host_layout is not None and self.role is not Role.DECODE:
-            raise ConfigError("host_layout (a decode host pool) is for decode managers")
+        if "kv" in extra:
+            raise ConfigError("pools: 'kv' is the KV pool (the layout argument); name others")
+        if extra and self.role is not Role.DECODE:
+            raise ConfigError(f"pools {sorted(extra)} (extra decode pools) are for decode managers")
+        for name in extra:
+            try:
+                _POOL_NAME.validate_python(name)
+            except ValueError as exc:
+                raise ConfigError(f"pool name {name!r} is not a valid pool name: {exc}") from exc
         #: Handshaken peers and their last sign of life (own lock).
         self.peers = PeerTable()
         #: Engine peer name -> the session that added it (prefill: decode ranks added to
@@ -131,9 +146,9 @@ class RankContext:
             *aux_buffers,
         ]
 
-        host_buffers = tuple(host_layout.buffers) if host_layout is not None else ()
+        extra_buffers = tuple(b for lay in extra.values() for b in lay.buffers)
         groups = layout.group_regions  # state, sliding-window and draft-layer buffers
-        kinds = {b.kind for b in (*layout.buffers, *groups, *aux_buffers, *host_buffers)}
+        kinds = {b.kind for b in (*layout.buffers, *groups, *aux_buffers, *extra_buffers)}
         self.backend: TransferBackend
         self.backend, self.backend_plan = create_backends(
             config,
@@ -151,7 +166,7 @@ class RankContext:
         self.backend.set_notification_waker(self.wake.set)
         built: list[StagingStrategy] = []
         try:
-            self.backend.register([*layout.buffers, *groups, *host_buffers, *self.aux_regions])
+            self.backend.register([*layout.buffers, *groups, *extra_buffers, *self.aux_regions])
             context = StagingContext(
                 layout,
                 self.backend.register,
@@ -168,18 +183,17 @@ class RankContext:
             self.staging: StagingStrategy = ssel.cls(ssel.options)
             self.staging.setup(context)
             built.append(self.staging)
-            hsel = select_host_staging(config)
-            #: Strategy for chunks into a decode host pool; see ``KVWireConfig.host_staging``.
-            self.host_staging: StagingStrategy = hsel.cls(hsel.options)
-            self.host_staging.setup(
-                dataclasses.replace(
-                    context,
-                    host_layout=host_layout,
-                    pool="host",
-                    room_pages=lambda room: room_pages(room, "host"),
-                )
-            )
-            built.append(self.host_staging)
+            #: Staging strategy per pool: "kv" is :attr:`staging`; an extra pool's is
+            #: ``KVWireConfig.pools[name].staging``. Decode builds one per declared pool;
+            #: prefill builds one when a decode rank first announces the pool
+            #: (:meth:`strategy_for`). Copy on write: an add replaces the dict (under
+            #: :attr:`_stagings_lock`), so readers on any thread take no lock.
+            self.stagings: dict[str, StagingStrategy] = {"kv": self.staging}
+            self._stagings_lock = threading.Lock()
+            self._staging_context = context
+            self._room_pages = room_pages
+            for name in extra:
+                built.append(self._build_strategy(name))
             self.codec = Codec(config.secret_bytes)
             self.channel = ControlChannel(self.codec, self.options.host, self.options.send_hwm)
         except BaseException:
@@ -195,10 +209,38 @@ class RankContext:
         if self.options.metrics_port is not None:
             m.serve_metrics(self.options.metrics_port)
 
+    def _build_strategy(self, pool: str) -> StagingStrategy:
+        """Build, set up and record the strategy of extra pool ``pool`` (under
+        :attr:`_stagings_lock` or during construction)."""
+        sel = select_pool_staging(self.config, pool)
+        strategy: StagingStrategy = sel.cls(sel.options)
+        strategy.setup(
+            dataclasses.replace(
+                self._staging_context,
+                pool_layout=self.pool_layouts.get(pool),
+                pool=pool,
+                room_pages=lambda room: self._room_pages(room, pool),
+            )
+        )
+        self.stagings = {**self.stagings, pool: strategy}
+        return strategy
+
+    def strategy_for(self, pool: str) -> StagingStrategy:
+        """The staging strategy of ``pool`` (prefill, handshake thread: built on the first
+        decode rank that announces the pool; raises ``KVWireError`` if it cannot be)."""
+        with self._stagings_lock:
+            found = self.stagings.get(pool)
+            return found if found is not None else self._build_strategy(pool)
+
+    def staging_of(self, pool: str) -> StagingStrategy | None:
+        """The strategy of ``pool`` if this rank has one (any thread), else None."""
+        return self.stagings.get(pool)
+
     @property
-    def strategies(self) -> tuple[StagingStrategy, StagingStrategy]:
-        """The KV pool's staging strategy and the host pool's (release, leak checks, peers)."""
-        return self.staging, self.host_staging
+    def strategies(self) -> tuple[StagingStrategy, ...]:
+        """Every pool's staging strategy, "kv" first (release, leak checks, peers). Any
+        thread, no lock."""
+        return tuple(self.stagings.values())
 
     # ---------------------------------------------------------------------- verbs
     def tell(self, endpoint: str, msg: Message) -> bool:

@@ -26,7 +26,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from kvwire.backend import TransferBackend
@@ -84,10 +84,12 @@ class KVManager:
     ``kv_tensors`` (the tensors the layout was built from) are needed by staging strategies
     that gather and scatter on the pool (``--staging bulk``).
 
-    Decode only: ``host_layout`` describes a host-memory KV pool (same model, its own page
-    size, e.g. 1) that requests can choose per request (``send_metadata(..., pool="host")``);
-    ``hooks`` (a :class:`~kvwire.session.receiver.DecodeHooks`) is told when such a request is
-    preallocated and when it is admitted or abandoned.
+    Decode only: ``pools`` names extra KV pools (same model, each its own page size, e.g. a
+    host-memory pool of page size 1, or an SSD tier) that requests can choose per request
+    (``send_metadata(..., pool=name)``); the handshake announces them to prefill, which
+    serves each with ``KVWireConfig.pools[name]``'s mapper and staging strategy. ``hooks``
+    (a :class:`~kvwire.session.receiver.DecodeHooks`) is told when a request into an extra
+    pool is preallocated and when it is admitted or abandoned.
 
     Prefill only: ``room_issuer`` (a :class:`~kvwire.session.prefill.early.RoomIssuer`) says
     which rooms the engine will still create senders for; a decode request for any other room
@@ -106,7 +108,7 @@ class KVManager:
         dp_size: int = 1,
         agent_name: str | None = None,
         kv_tensors: Any = None,
-        host_layout: KVLayout | None = None,
+        pools: Mapping[str, KVLayout] | None = None,
         hooks: Any = None,
         room_issuer: RoomIssuer | None = None,
     ) -> None:
@@ -128,7 +130,7 @@ class KVManager:
             dp_size=dp_size,
             agent_name=agent_name,
             kv_tensors=kv_tensors,
-            host_layout=host_layout,
+            pools=pools,
             hooks=hooks,
         )
         labels.update(ctx.labels)
@@ -225,9 +227,9 @@ class KVManager:
         return self.ctx.layout
 
     @property
-    def host_layout(self) -> KVLayout | None:
-        """Decode: the host pool's layout, if any."""
-        return self.ctx.host_layout
+    def pools(self) -> Mapping[str, KVLayout]:
+        """Every pool of this rank by name ("kv" and, on decode, the extra pools)."""
+        return self.ctx.pool_layouts
 
     @property
     def session(self) -> str:
@@ -264,10 +266,9 @@ class KVManager:
         """The KV pool's staging strategy."""
         return self.ctx.staging
 
-    @property
-    def host_staging(self) -> StagingStrategy:
-        """The host pool's staging strategy."""
-        return self.ctx.host_staging
+    def staging_of(self, pool: str) -> StagingStrategy | None:
+        """The staging strategy of ``pool`` on this rank, if it has one."""
+        return self.ctx.staging_of(pool)
 
     @property
     def peers(self) -> PeerTable:
@@ -375,10 +376,16 @@ class KVManager:
         the sender's name; dropped (and counted) otherwise."""
         assert isinstance(msg, StagingMessage)
         ctx = self.ctx
-        strategy = ctx.host_staging if msg.pool == "host" else ctx.staging
+        strategy = ctx.staging_of(msg.pool)
         peer = ctx.peers.get(msg.session)
-        if peer is None or strategy.name != msg.strategy:
-            reason = "staging_unknown_peer" if peer is None else "staging_other_strategy"
+        if peer is None or strategy is None or strategy.name != msg.strategy:
+            reason = (
+                "staging_unknown_peer"
+                if peer is None
+                else "staging_unknown_pool"
+                if strategy is None
+                else "staging_other_strategy"
+            )
             ctx.channel.dropped[reason] += 1
             logger.debug(
                 "%s: dropped a %s/%s staging message from %s (%s)",

@@ -1,5 +1,5 @@
 """The decode engine's per-request handle, :class:`KVReceiver`, and the hooks a decode engine
-with a host pool is told about (:class:`DecodeHooks`)."""
+with extra pools is told about (:class:`DecodeHooks`)."""
 
 from __future__ import annotations
 
@@ -13,16 +13,18 @@ from kvwire.session.report import FailureReport
 
 
 class DecodeHooks(Protocol):
-    """What a decode engine is told about its host-pool requests (e.g. a sparse-attention
-    engine that keeps the KV in host memory; engine thread; keep them quick). Exactly one of
-    ``on_admit``/``on_abandon`` follows ``on_prealloc`` for every request, on every path
-    (success, failure, abort, clear)."""
+    """What a decode engine is told about its requests into extra pools (e.g. a
+    sparse-attention engine that keeps the KV in a host pool; engine thread; keep them
+    quick). Exactly one of ``on_admit``/``on_abandon`` follows ``on_prealloc`` for every
+    request, on every path (success, failure, abort, clear)."""
 
     def on_prealloc(self, room: int, num_units: int) -> None:
-        """``send_metadata(..., pool="host")`` was called: only logical indices are held."""
+        """``send_metadata(..., pool=name)`` was called for an extra pool: only logical
+        indices are held."""
 
     def on_admit(self, room: int, num_tokens: int) -> None:
-        """The KV is in the host pool: allocate the hot device buffer, preload if short."""
+        """The KV is in the extra pool: e.g. allocate the hot device buffer, preload if
+        short."""
 
     def on_abandon(self, room: int) -> None:
         """The request failed or was aborted: drop what ``on_prealloc`` set up."""
@@ -74,8 +76,8 @@ class KVReceiver(RequestHandle[RecvRoom]):
         pages that are not cached here (the last ``len(dst_page_indices)`` of the request;
         empty when the whole prefix is cached), and the aux row.
 
-        ``pool="host"`` sends this request into the host pool instead: the indices are host
-        pool pages (of the host pool's page size; page size 1 means token indices) for the
+        ``pool=name`` sends this request into an extra pool the manager declared instead: the
+        indices are that pool's pages (of its page size; page size 1 means token indices) for the
         request's tokens from the first, trimmed to the tokens that exist. The manager's
         ``hooks`` then get ``on_prealloc`` now and exactly one of ``on_admit`` (after the
         transfer, with the token count) or ``on_abandon`` (failure or abort).

@@ -20,7 +20,7 @@ How a page is judged (conservative: "good" is proven, "missing" is the default):
 * Chunk notes carry the chunk's page span, the request's page count and prefill's page size
   (protocol 1.7 peers send them on every KV note); a sender whose notes lack them (an older
   kvwire) proves nothing: every page it writes to stays missing.
-* Only the KV pool is judged: a request sent to the host pool (``pool="host"``) reports every
+* Only the KV pool is judged: a request sent to an extra pool (``pool=name``) reports every
   page missing, and so does a request failed for a protocol violation (an aux row written by
   the wrong sender or stamped for another room, more chunks than announced, a staging error):
   the notes of a peer that broke the protocol prove nothing.
@@ -248,7 +248,7 @@ def build_report(
     chunk: ChunkFault | None = None,
 ) -> FailureReport:
     """The report of a failed room (decode side, under the room lock). ``judged`` False
-    (a host-pool request), or a peer that broke the protocol (its notes are not trusted),
+    (a request into an extra pool), or a peer that broke the protocol (its notes are not trusted),
     reports every page missing."""
     dst = np.zeros(0, dtype=np.int64) if slots is None else np.asarray(slots, dtype=np.int64)
     if judged and sources and cause != "protocol":

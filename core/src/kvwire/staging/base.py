@@ -79,8 +79,9 @@ class StagingContext:
     #: messages (``WritesDone``, ``WritesQuery``) go out with it directly; a strategy's own
     #: messages go through :meth:`post`.
     send_fn: Callable[[str, Any], bool] = _no_send
-    #: Decode only: the host KV pool when the engine registered one.
-    host_layout: KVLayout | None = None
+    #: The layout of the extra pool this strategy serves (decode; None for the "kv" pool,
+    #: whose layout is ``layout``, and on prefill).
+    pool_layout: KVLayout | None = None
     #: This rank's session id (messages carry it) and which pool the strategy serves.
     session: str = ""
     pool: str = "kv"
@@ -95,7 +96,7 @@ class StagingContext:
         :meth:`StagingStrategy.on_message`."""
         msg = StagingMessage(
             session=self.session,
-            pool="host" if self.pool == "host" else "kv",
+            pool=self.pool,
             strategy=strategy,
             type=type,
             body=body.model_dump(mode="python"),
@@ -314,7 +315,7 @@ class StagingStrategy(ABC):
         """Prefill side, at handshake with one decode rank (decode session ``session``): extra
         descriptor table pairs to prepare for that link (name -> ``TablePair``); empty when the
         link does not stage. ``remote`` is what that rank's strategy :meth:`describe` d;
-        ``tables`` the mapper's tables when core already built them (host-pool links)."""
+        ``tables`` the mapper's tables when core already built them (extra-pool links)."""
         return {}
 
     def room_tables(self) -> dict[str, int]:

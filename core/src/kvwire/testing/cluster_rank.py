@@ -308,7 +308,8 @@ def rank_main(
         bootstrap_addr=addr or None,
         agent_name=None if spec.default_names else f"{role}{inst}-pp{pp_rank}-tp{tp_rank}",
         kv_tensors=pool.arrays,
-        host_layout=pool.host_layout,
+        # the engine side of the test harness names HiSparse's pool, as an adapter does
+        pools={"host": pool.host_layout} if pool.host_layout is not None else None,
         hooks=hooks if pool.host_layout is not None else None,
         dp_size=spec.prefill_dp if role == "prefill" else 1,
     )
@@ -551,7 +552,7 @@ def rank_main(
                 elif msg[0] == "peer_agents":
                     conn.send(("peer_agents", sorted(p.agent for p in mgr.peers.snapshot())))
                 elif msg[0] == "host_paths":
-                    paths: dict[str, str] = getattr(mgr.host_staging, "paths", dict)()
+                    paths: dict[str, str] = getattr(mgr.staging_of("host"), "paths", dict)()
                     conn.send(("host_paths", paths))
                 elif msg[0] == "stop":
                     break

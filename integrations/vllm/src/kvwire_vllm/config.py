@@ -37,6 +37,7 @@ KVWIRE_KEYS = (
     "index_mapper_options",
     "staging",
     "staging_options",
+    "pools",
     "control",
     "require_secret",
 )
@@ -55,6 +56,11 @@ class ConnectorOptions(BaseModel):
     index_mapper_options: dict[str, Any] | None = None
     staging: str | None = None
     staging_options: dict[str, Any] | None = None
+    pools: dict[str, dict[str, Any]] | None = Field(
+        default=None,
+        description="kvwire KVWireConfig.pools: per extra pool, its mapper and staging "
+        "strategy (e.g. {'host': {'staging': 'direct'}}).",
+    )
     control: dict[str, Any] | None = Field(
         default=None, description="kvwire ControlOptions (host, timeouts, workers, ...)."
     )

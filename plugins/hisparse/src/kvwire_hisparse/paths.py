@@ -15,7 +15,7 @@ Two paths, chosen at handshake (prefill side) for each decode rank:
     the selected backend writes the rows, split by core into one transfer per (source kind,
     destination kind) when the pool mixes kinds.
 
-``KVWireConfig.host_staging_options={"path": "mapped" | "engine"}`` forces one; ``auto``
+``KVWireConfig.pools["host"].staging_options={"path": "mapped" | "engine"}`` forces one; ``auto``
 (default) takes ``mapped`` whenever it can work. A local device-to-host hop followed by an
 engine DRAM -> DRAM write was measured too (5.4 GB/s against ~55 GB/s locally, limited by the
 cross-process copy) and is not offered: on one host ``mapped`` beats it, and across hosts an
@@ -110,10 +110,10 @@ class HostPathStrategy(StagingStrategy):
         """Decode, at hello: the shared-memory files behind the host pool, if all of it is in
         :class:`SharedHostPool` s created by this process; None otherwise (engine path)."""
         ctx = self.context
-        if ctx is None or ctx.host_layout is None:
+        if ctx is None or ctx.pool_layout is None:
             return None
         pools: dict[str, SharedHostPool] = {}
-        for r in ctx.host_layout.buffers:
+        for r in ctx.pool_layout.buffers:
             pool = SharedHostPool.find(r.addr, r.length)
             if pool is None:
                 logger.info(
@@ -167,7 +167,7 @@ class HostPathStrategy(StagingStrategy):
     def _choose(self, session: str, remote: dict[str, Any] | None, tables: TablePair) -> _Link:
         want = self.opts.path
         if want == "engine":
-            return _Link(session, "engine", "forced by host_staging_options")
+            return _Link(session, "engine", "forced by the host pool's staging_options")
         why = self._mapped_problem(remote, tables)
         if why is None:
             try:
@@ -176,7 +176,8 @@ class HostPathStrategy(StagingStrategy):
                 why = f"mapping decode's pool failed: {exc}"
         if want == "mapped":
             raise ConfigError(
-                f"host_staging_options path='mapped' cannot work for decode session {session}: "
+                "host pool staging_options path='mapped' cannot work for decode session "
+                f"{session}: "
                 f"{why}; use path='auto' to fall back to the engine"
             )
         return _Link(session, "engine", why)

@@ -16,10 +16,17 @@ import threading
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from kvwire.control.bootstrap import BootstrapClient, RankInfo
-from kvwire.control.wire import BackendOffer, Hello, HelloAck, HelloReject, Message
+from kvwire.control.wire import (
+    LEGACY_POOL,
+    BackendOffer,
+    Hello,
+    HelloAck,
+    HelloReject,
+    Message,
+)
 from kvwire.errors import HandshakeError, KVWireError
 from kvwire.index.topology import Topology
 from kvwire.link_choice import host_identity
@@ -153,6 +160,12 @@ class SourceLinks:
                 pending = self.pending[info.session] = _Pending()
         if first:
             offers = ctx.backend.offers()
+            extra = {n: lay for n, lay in ctx.pool_layouts.items() if n != "kv"}
+            pool_staging: dict[str, dict[str, Any]] = {}
+            for n in extra:
+                described = ctx.stagings[n].describe()
+                if described is not None:
+                    pool_staging[n] = described
             hello = Hello(
                 session=ctx.session,
                 agent=ctx.agent_name,
@@ -166,8 +179,11 @@ class SourceLinks:
                 host=host_identity(),
                 aux_regions=ctx.aux_regions,
                 staging=ctx.staging.describe(),
-                host_layout=ctx.host_layout,
-                host_staging=ctx.host_staging.describe(),
+                pools=extra,
+                pool_staging=pool_staging,
+                # 1.9 prefills read only these two, for the pool they knew
+                host_layout=extra.get(LEGACY_POOL),
+                host_staging=pool_staging.get(LEGACY_POOL),
                 checksum=ctx.options.kv_checksum,
             )
             ctx.tell(info.endpoint, hello)

@@ -28,14 +28,12 @@ class Metadata:
 
 
 def check_pool(ctx: RankContext, pool: str) -> None:
-    """Raise ``ConfigError`` unless ``pool`` is one this rank has (``"kv"``, or ``"host"``
-    when it was built with a host pool): a mistake of the engine, not of the request."""
-    if pool not in ("kv", "host"):
-        raise ConfigError(f"pool must be 'kv' or 'host', not {pool!r}")
-    if pool == "host" and ctx.host_layout is None:
+    """Raise ``ConfigError`` unless ``pool`` is one this rank has ("kv", or an extra pool it
+    was built with): a mistake of the engine, not of the request."""
+    if pool not in ctx.pool_layouts:
         raise ConfigError(
-            "pool='host' needs a host pool: build the decode manager with "
-            "KVManager(..., host_layout=<the host KV pool's layout>)"
+            f"no pool {pool!r} on this decode rank (it has {sorted(ctx.pool_layouts)}); "
+            "declare extra pools with KVManager(..., pools={name: layout})"
         )
 
 
@@ -49,8 +47,7 @@ def check_metadata(
 ) -> Metadata:
     """The engine's ``send_metadata`` arguments for a ``pool`` :func:`check_pool` accepted,
     checked; raises a ``KVWireError`` naming what is wrong (the request then fails)."""
-    target = ctx.host_layout if pool == "host" else ctx.layout
-    assert target is not None
+    target = ctx.pool_layouts[pool]
     arr = check_pages(pages, target.num_slots, "destination page indices")
     if np.unique(arr).size != arr.size:
         raise DescriptorError(

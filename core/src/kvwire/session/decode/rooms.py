@@ -72,7 +72,8 @@ class RecvRoom:
     quiet: set[str] = field(default_factory=set)
     queried_at: float = 0.0
     failed_at: float = 0.0
-    #: The pool the KV goes to ("kv" or "host"); for "host", whether the engine hooks ran.
+    #: The pool the KV goes to ("kv" or an extra pool); for an extra pool, whether the
+    #: engine hooks ran.
     pool: str = "kv"
     hooked: bool = False
     #: Prompt tokens decode keeps cached (``send_metadata(cached_tokens=)``), if given.

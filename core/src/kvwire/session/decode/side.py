@@ -310,7 +310,7 @@ class DecodeSide(Side[RecvRoom]):
 
     def _strategy(self, room: RecvRoom) -> StagingStrategy:
         """The strategy of the pool the room's KV goes to."""
-        return self.ctx.host_staging if room.pool == "host" else self.ctx.staging
+        return self.ctx.stagings[room.pool]
 
     def _room_for(self, room_id: int, session: str, sender_id: int) -> RecvRoom | None:
         """The live room a message is for, if it comes from one of the room's sources."""
@@ -383,18 +383,17 @@ class DecodeSide(Side[RecvRoom]):
             self.ctx.tell(endpoint, WritesQuery(room=room_id, session=self.ctx.session))
 
     def run_hooks(self, room: RecvRoom, status: KVPoll) -> None:
-        """Engine thread, the first time a host-pool request is seen terminal (poll or clear):
-        admit it with its token count, or abandon it — exactly once per request."""
+        """Engine thread, the first time a request into an extra pool is seen terminal (poll
+        or clear): admit it with its token count, or abandon it — exactly once per request."""
         hooks = self.ctx.hooks
         with self.rooms.lock:
-            if room.pool != "host" or room.hooked or hooks is None:
+            if room.pool == "kv" or room.hooked or hooks is None:
                 return
             room.hooked = True
         if status is KVPoll.Success:
-            assert self.ctx.host_layout is not None and room.dst_pages is not None
-            hooks.on_admit(
-                room.room, int(room.dst_pages.size) * self.ctx.host_layout.model.page_size
-            )
+            assert room.dst_pages is not None
+            page_size = self.ctx.pool_layouts[room.pool].model.page_size
+            hooks.on_admit(room.room, int(room.dst_pages.size) * page_size)
         else:
             hooks.on_abandon(room.room)
 
@@ -467,7 +466,7 @@ class DecodeSide(Side[RecvRoom]):
         cached_tokens: int | None = None,
     ) -> None:
         """Engine thread: where the request's KV goes on this rank (the KV pool, or with
-        ``pool="host"`` the host pool, in its page units), its buffer-group slots, and the
+        ``pool=name`` an extra pool, in its page units), its buffer-group slots, and the
         prompt tokens kept cached here."""
         ctx = self.ctx
         check_pool(ctx, pool)
@@ -494,7 +493,7 @@ class DecodeSide(Side[RecvRoom]):
             room.cached_tokens = md.cached_tokens
             if room.sources is not None:
                 self._request(room)
-        if pool == "host" and ctx.hooks is not None:
+        if pool != "kv" and ctx.hooks is not None:
             ctx.hooks.on_prealloc(room.room, int(md.pages.size))
 
     def _request(self, room: RecvRoom) -> None:
@@ -517,7 +516,7 @@ class DecodeSide(Side[RecvRoom]):
             session=self.ctx.session,
             dst_pages=pages_to_bytes(room.dst_pages),
             aux_index=room.aux_index,
-            pool="host" if room.pool == "host" else "kv",  # typed Literal on the wire
+            pool=room.pool,
             group_indices=to_wire(room.group_dst),
             cached_tokens=room.cached_tokens,
         )

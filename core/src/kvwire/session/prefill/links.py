@@ -15,7 +15,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from kvwire.backend import LinkChoice, PreparedPair
 from kvwire.control.reach import endpoint_host, is_local, is_loopback
@@ -24,8 +24,8 @@ from kvwire.errors import KVWireError
 from kvwire.index.base import IndexMapper, TablePair
 from kvwire.index.groups import GroupMapper
 from kvwire.index.topology import Topology
-from kvwire.layout import MemoryRegion
-from kvwire.selection import select_host_mapper
+from kvwire.layout import KVLayout, MemoryRegion
+from kvwire.selection import select_pool_mapper
 from kvwire.session.checksums import SentSums
 from kvwire.session.handshake import (
     aux_problems,
@@ -54,7 +54,8 @@ UNSIGNED_REPLIES_PER_S = 20
 @dataclass
 class PoolLink:
     """One pool of a decode rank this prefill rank can write into: decode's KV pool
-    ("kv"), or a host pool ("host"), each with its own mapper, prepared table and strategy."""
+    ("kv"), or an extra pool it announced (``Hello.pools``), each with its own mapper,
+    prepared table and strategy."""
 
     mapper: IndexMapper
     #: Slots of the destination pool (decode's indices are checked against it).
@@ -82,7 +83,7 @@ class DecodeLink:
     dummy: bool
     #: The decode rank's pools this rank can write into, by the name decode's requests use.
     pools: dict[str, PoolLink] = field(default_factory=dict)
-    #: Why a pool decode may ask for is not usable (e.g. its host pool is incompatible).
+    #: Why a pool decode announced is not usable (e.g. incompatible, or no mapper for it).
     pool_problems: dict[str, str] = field(default_factory=dict)
     #: Pairs whose rows mix memory kinds: their chunks move as one segment per kind pair.
     splits: dict[str, KindSplit] = field(default_factory=dict)
@@ -228,34 +229,35 @@ class DecodeLinker:
             checksums = None
             if hello.checksum and not mapper.is_dummy:
                 checksums = SentSums(mapper, ctx.layout)
-            host_mapper, host_problem = self._host_mapper(hello)
-            host_extra: dict[str, Any] = {}
-            if host_mapper is not None:
-                assert hello.host_layout is not None
-                host_tables = host_mapper.build_tables()
-                self._prepare(
-                    name, "host", host_tables, local, hello.host_layout.buffers, pairs, splits
-                )
+            extra_links: dict[str, PoolLink] = {}
+            pool_problems: dict[str, str] = {}
+            for pool, (pool_layout, described) in hello.extra_pools().items():
+                pool_mapper, problem = self._pool_mapper(pool, pool_layout, hello)
+                if pool_mapper is None:
+                    pool_problems[pool] = problem
+                    continue
+                try:
+                    strategy = ctx.strategy_for(pool)
+                except KVWireError as exc:
+                    pool_problems[pool] = f"no usable {pool} pool staging strategy: {exc}"
+                    continue
+                tables = pool_mapper.build_tables()
+                self._prepare(name, pool, tables, local, pool_layout.buffers, pairs, splits)
                 # last: the strategy may map decode's pool for this link
-                host_extra = ctx.host_staging.link_tables(
-                    host_mapper, hello.host_staging, session=hello.session, tables=host_tables
+                pool_extra = strategy.link_tables(
+                    pool_mapper, described, session=hello.session, tables=tables
                 )
-                for table_name, tp in host_extra.items():
+                for table_name, tp in pool_extra.items():
                     pairs[table_name] = ctx.backend.prepare(name, tp.src, tp.dst)
+                extra_links[pool] = PoolLink(
+                    pool_mapper, pool_layout.num_slots, pool, strategy, bool(pool_extra)
+                )
             r = ctx.layout.rank
             topo = topology_for(
                 ctx.config, ctx.layout, r.tp_size, r.pp_size, hello.rank.tp_size, hello.rank.pp_size
             )
-            pools = {"kv": PoolLink(mapper, hello.layout.num_slots, "kv", ctx.staging, bool(extra))}
-            if host_mapper is not None:
-                assert hello.host_layout is not None
-                pools["host"] = PoolLink(
-                    host_mapper,
-                    hello.host_layout.num_slots,
-                    "host",
-                    ctx.host_staging,
-                    bool(host_extra),
-                )
+            kv = PoolLink(mapper, hello.layout.num_slots, "kv", ctx.staging, bool(extra))
+            pools = {"kv": kv, **extra_links}
             link = DecodeLink(
                 mapper=mapper,
                 backend_peer=name,
@@ -266,7 +268,7 @@ class DecodeLinker:
                 sends_aux=topo.aux_sender(hello.rank.tp_rank) == self.sender_id,
                 dummy=mapper.is_dummy,
                 pools=pools,
-                pool_problems={} if host_mapper is not None else {"host": host_problem},
+                pool_problems=pool_problems,
                 splits=splits,
                 groups=groups,
                 checksums=checksums,
@@ -275,7 +277,8 @@ class DecodeLinker:
         except Exception as exc:  # a plugin's error included: decode must hear why, now
             if not isinstance(exc, KVWireError):
                 logger.exception("%s: handshake with %s failed", ctx.agent_name, hello.agent)
-            ctx.host_staging.peer_lost(hello.session)  # unmap what link_tables may have mapped
+            for strategy in ctx.strategies[1:]:  # unmap what link_tables may have mapped
+                strategy.peer_lost(hello.session)
             self._reject(hello, f"handshake failed on prefill: {exc}", [])
             return
         with self.lock:  # a request from it is now served, or answered before the ack goes out
@@ -372,26 +375,25 @@ class DecodeLinker:
         if split is not None:
             splits[name] = split
 
-    def _host_mapper(self, hello: Hello) -> tuple[IndexMapper | None, str]:
-        """The mapper into a decode rank's host pool, or why there is none. Regular requests
-        work either way."""
-        host = hello.host_layout
-        if host is None:
-            return None, "the decode rank has no host pool"
+    def _pool_mapper(
+        self, pool: str, layout: KVLayout, hello: Hello
+    ) -> tuple[IndexMapper | None, str]:
+        """The mapper into a decode rank's extra pool ``pool``, or why there is none.
+        Requests into its other pools work either way."""
         problems = [
             p
             for p in handshake_problems(
-                self.ctx.layout, host, self.ctx.backend_names, [n for n, _ in hello.offers()]
+                self.ctx.layout, layout, self.ctx.backend_names, [n for n, _ in hello.offers()]
             )
             if not p.startswith(("page_size", "group "))  # groups move on the KV link
         ]
         if problems:
-            return None, "host pool incompatible: " + "; ".join(problems)
+            return None, f"{pool} pool incompatible: " + "; ".join(problems)
         try:
-            sel = select_host_mapper(self.ctx.config)
-            mapper: IndexMapper = sel.cls(self.ctx.layout, host, sel.options)
+            sel = select_pool_mapper(self.ctx.config, pool)
+            mapper: IndexMapper = sel.cls(self.ctx.layout, layout, sel.options)
         except KVWireError as exc:
-            return None, f"no usable host pool mapper: {exc}"
+            return None, f"no usable {pool} pool mapper: {exc}"
         return mapper, ""
 
     def _ack(self, hello: Hello, link: DecodeLink) -> None:
