@@ -189,10 +189,11 @@ class DeviceRowHasher(RowHasher):
     Triton's interpreter over host memory, for tests). ``block``, ``num_warps`` and
     ``inline_weights`` (compute the position weights in the kernel instead of loading them)
     tune the kernel. :meth:`sums` may be called from several threads at once (transfer
-    workers): a lock of its own serialises a call's upload, launch and wait (held while the
-    device hashes one call's rows, never across calls); it owns the tables' descriptions,
-    the call buffers, the sums' buffers and the compiled kernels. Descriptor tables passed
-    to it must not change once passed (a link's tables are built once).
+    workers, decode's checker threads): a lock of its own serialises a call's upload, launch
+    and wait (held while the device hashes one call's rows, never across calls); it owns the
+    tables' descriptions, the call buffers, the sums' buffers and the compiled kernels.
+    Descriptor tables passed to it must not change once passed (a link's tables are built
+    once).
     """
 
     KIND = MemKind.VRAM
@@ -283,8 +284,8 @@ class DeviceRowHasher(RowHasher):
         """Per-layer checksum of rows ``table[idx]`` keyed by ``dst_addr`` (see
         :meth:`RowHasher.sums`), summed on the device. ``layers`` given as a ``range`` of
         step 1 (a layer-wise group) is selected on the device, any other sequence on the
-        host (a term per row comes back). Called by transfer workers (prefill) and the
-        progress thread (decode)."""
+        host (a term per row comes back). Called by transfer workers (prefill) and checker
+        threads (decode)."""
         lo, hi = 0, self._num_layers
         if isinstance(layers, range) and layers.step == 1:
             lo, hi = max(layers.start, 0), min(max(layers.stop, 0), self._num_layers)

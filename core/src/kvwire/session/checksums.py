@@ -5,13 +5,14 @@ handshake; the transfer worker asks it for the per-layer sums of the rows it is 
 (the whole chunk, or one layer-wise group) and puts them in the first note of those rows.
 
 Decode: a :class:`LandedSums` per prefill link, built when the acknowledgement arrives; once
-a chunk is complete (every part arrived, staged blocks scattered) the progress thread asks it
-for the sums of the rows that chunk wrote, found the way prefill found them (the same mapper,
-built from both layouts, and the chunk's page span from the note), and compares.
+a chunk is complete (every part arrived, staged blocks scattered) a checker thread
+(:mod:`kvwire.session.decode.checker`) asks it for the sums of the rows that chunk wrote, found
+the way prefill found them (the same mapper, built from both layouts, and the chunk's page span
+from the note), and compares.
 
 KV pools in host and in GPU memory alike (:func:`hasher_for`). Only the KV pool (``"kv"``) is
-covered: aux rows carry their own room stamp, and buffer groups and a decode's second pool
-(HiSparse's ``"host"``) are not checksummed yet (docs/integrity.md).
+covered: aux rows carry their own room stamp, and buffer groups and a decode's extra pools
+(HiSparse's ``"host"``, say) are not checksummed yet (docs/integrity.md).
 """
 
 from __future__ import annotations
@@ -83,7 +84,7 @@ class SentSums:
 class LandedSums:
     """Decode side of one link: sums of the destination rows a chunk from that prefill rank
     wrote. Built on the thread that handles the acknowledgement; :meth:`chunk` is called by
-    the progress thread."""
+    decode's checker threads, several at once (it only reads the mapper and the table)."""
 
     def __init__(self, config: KVWireConfig, remote: KVLayout, local: KVLayout) -> None:
         self.mapper = build_mapper(config, remote, local)
