@@ -220,10 +220,17 @@ class TransferBackend(ABC):
         hello. Threads: as :meth:`local_metadata`."""
         return [(self.name, self.local_metadata())]
 
-    def add_link(self, offers: Sequence[tuple[str, bytes]], host: dict[str, str]) -> LinkChoice:
+    def add_link(
+        self,
+        offers: Sequence[tuple[str, bytes]],
+        host: dict[str, str],
+        peer_kinds: frozenset[MemKind] | None = None,
+    ) -> LinkChoice:
         """Prefill, at handshake: add the peer that announced ``offers`` (name, metadata) over
         the first backend both sides have and whose :meth:`link_problem` accepts it; return the
-        choice. :class:`PeerError` naming every reason when none fits. Threads: handshake
+        choice. ``peer_kinds``: the memory of the peer's pools (its handshake layout), so the
+        per-link rule need not guess them. :class:`PeerError` naming every reason when none
+        fits. Threads: handshake
         threads; control path (as :meth:`add_peer`)."""
         mine = dict(offers).get(self.name)
         if mine is None:
@@ -231,7 +238,7 @@ class TransferBackend(ABC):
                 f"no shared transfer backend: this rank has {self.name!r}, the peer offers "
                 f"{', '.join(repr(n) for n, _ in offers) or 'none'}"
             )
-        why = self.link_problem(PeerFacts(host, mine))
+        why = self.link_problem(PeerFacts(host, mine, peer_kinds))
         if why is not None:
             raise PeerError(f"backend {self.name!r} cannot serve this link: {why}")
         skipped = {n: "not configured on this rank" for n, _ in offers if n != self.name}
@@ -239,6 +246,7 @@ class TransferBackend(ABC):
             LinkFacts(
                 [(self.name, None)],
                 local_kinds=frozenset(r.kind for r in self.registered_regions) or _DRAM,
+                peer_kinds=peer_kinds,
                 same_host=(host == host_identity()) if host else None,
                 auto=self.auto,
             )

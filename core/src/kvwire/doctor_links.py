@@ -82,4 +82,5 @@ def peer_links_section(args: argparse.Namespace, console: Console) -> list[str]:
         console,
         dp_rank=args.peer_dp_rank,
         timeout_s=args.peer_timeout,
+        staging=config.staging,
     )

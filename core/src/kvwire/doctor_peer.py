@@ -20,7 +20,13 @@ from kvwire.control.bootstrap import BootstrapClient, RankInfo
 from kvwire.control.wire import PROTOCOL_MAJOR, PROTOCOL_MINOR
 from kvwire.errors import BootstrapError
 from kvwire.layout import MemKind
-from kvwire.link_choice import LinkFacts, LinkPath, choose_link_path, host_identity
+from kvwire.link_choice import (
+    LinkFacts,
+    LinkPath,
+    applied_staging,
+    choose_link_path,
+    host_identity,
+)
 from kvwire.plugins import Kind, PluginRegistry, get_registry
 from kvwire.selection import BackendPlan
 
@@ -131,9 +137,11 @@ def peer_section(
     console: Console,
     dp_rank: int = 0,
     timeout_s: float = 5.0,
+    staging: str = "direct",
 ) -> list[str]:
     """Print what the prefill ranks behind bootstrap ``address`` announce and each link's
-    verdict; return advice (empty when every link has a backend)."""
+    verdict (with the staging the rule advises and what ``staging``, the KV pool's
+    strategy, makes of it); return advice (empty when every link has a backend)."""
     console.print(f"\n[bold]Links to the peer at {escape(address)}[/] (prefill dp_rank {dp_rank})")
     try:
         ranks = BootstrapClient(address, secret).lookup(dp_rank, timeout_s)
@@ -168,7 +176,8 @@ def peer_section(
         fallbacks = f" (fallbacks: {', '.join(path.fallbacks)})" if path.fallbacks else ""
         console.print(
             f"    [green]✓[/] backend {path.backend}{fallbacks}: {escape(path.why)}; "
-            f"staging: {path.staging}",
+            f"staging advice: {path.staging}; applied: "
+            f"{escape(applied_staging(path.staging, staging))}",
             highlight=False,
         )
         for name, why in path.skipped.items():

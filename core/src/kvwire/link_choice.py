@@ -150,3 +150,29 @@ def choose_link_path(facts: LinkFacts) -> LinkPath:
     kind = "host pools" if MemKind.VRAM not in facts.local_kinds else "a host pool on one side"
     why = f"auto: {kind}{guessed}: {general[0]} with the configured staging"
     return LinkPath(general[0], (*general[1:], *special), "configured", why, skipped)
+
+
+def applied_staging(advice: StagingAdvice, staging: str) -> str:
+    """What the per-link rule's staging ``advice`` becomes on a rank whose KV pool's strategy
+    is ``staging`` (``--staging``), in words: ``kvwire doctor`` prints it beside the advice.
+    The prefill rank applies it at handshake (:meth:`StagingStrategy.link_staging
+    <kvwire.staging.base.StagingStrategy.link_staging>`) and logs what it did per link."""
+    if advice == "direct":
+        return "rows written into decode's pages by the backend itself (no staging)"
+    if staging != "bulk":
+        if advice == "staged":
+            return (
+                f"not applied: --staging {staging} has no staged path, rows move per "
+                "descriptor (run --staging bulk on both sides)"
+            )
+        return f"--staging {staging}"
+    if advice == "staged":
+        return (
+            "bulk: head slices staged; whole rows (equal TP, MLA, page-size conversion) "
+            "staged where a descriptor is under equal_tp_below_bytes and a chunk at least "
+            "equal_tp_min_chunk_bytes; dummies and K|V planes per descriptor"
+        )
+    return (
+        "bulk by its own rule: head slices staged; whole rows staged only on GPU pools "
+        "(equal_tp=auto)"
+    )

@@ -178,11 +178,18 @@ class MultiBackend(TransferBackend):
                 continue
         return []
 
-    def add_link(self, offers: Sequence[tuple[str, bytes]], host: dict[str, str]) -> LinkChoice:
+    def add_link(
+        self,
+        offers: Sequence[tuple[str, bytes]],
+        host: dict[str, str],
+        peer_kinds: frozenset[MemKind] | None = None,
+    ) -> LinkChoice:
         """Prefill, at handshake: add the peer to every member both sides have and whose
         ``link_problem`` accepts it, in this rank's order; the first is the link's backend.
         :class:`PeerError` naming each backend's reason when none fits. Re-adding a peer (a
-        restart) replaces its link. Control path (handshake threads)."""
+        restart) replaces its link. ``peer_kinds``: the memory of the peer's pools (its
+        handshake layout; None: taken to be like this rank's). Control path (handshake
+        threads)."""
         theirs = dict(offers)
         skipped: dict[str, str] = {
             n: "not configured on this rank" for n in theirs if n not in self.member_names
@@ -196,12 +203,13 @@ class MultiBackend(TransferBackend):
             if meta is None:
                 skipped[m.name] = "the peer does not announce it"
                 continue
-            candidates.append((m.name, m.link_problem(PeerFacts(host, meta))))
+            candidates.append((m.name, m.link_problem(PeerFacts(host, meta, peer_kinds))))
         path = choose_link_path(
             LinkFacts(
                 candidates,
                 link_only=self.link_only,
                 local_kinds=frozenset(r.kind for r in self.registered_regions) or _DRAM,
+                peer_kinds=peer_kinds,
                 same_host=(host == host_identity()) if host else None,
                 auto=self.auto,
             )

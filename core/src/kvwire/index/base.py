@@ -126,13 +126,22 @@ class IndexMapper(ABC):
         token row a staging strategy may gather into a contiguous block for this link, or None
         when the link moves by descriptors only. The default is None; a mapper whose chunks
         move the same byte range of every token row of every buffer pair overrides it. Never
-        stageable: a dummy sender, K and V seen as planes (:attr:`splits_kv`), different page
-        sizes (:attr:`paging`): :meth:`_stageable` checks those."""
+        stageable: a dummy sender, K and V seen as planes (:attr:`splits_kv`):
+        :meth:`_stageable` checks those. Different page sizes (:attr:`paging`) stage: the
+        block is gathered in token order by granules and scattered into the other size."""
         return None
+
+    def unstaged_reason(self) -> str:
+        """Why :meth:`staged_slice` is None for this link, in words (logs, doctor)."""
+        if self.is_dummy:
+            return "a dummy sender (another prefill rank sends these bytes)"
+        if self.splits_kv:
+            return "K and V move as separate planes (kv_fused on one side, or kv_in_slot)"
+        return f"the {self.name} mapper moves by descriptors only"
 
     def _stageable(self) -> bool:
         """The conditions every :meth:`staged_slice` override shares."""
-        return not (self.is_dummy or self.splits_kv or self.paging is not None)
+        return not (self.is_dummy or self.splits_kv)
 
     def group_mapper(self) -> GroupMapper | None:
         """The mapper of the layouts' buffer groups (state, sliding window, draft layers), or

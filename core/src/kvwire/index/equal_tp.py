@@ -123,14 +123,11 @@ class MLAMapper(EqualTPMapper):
     """MLA: the latent is replicated on every TP rank, so pages move whole for any TP pair.
 
     With more prefill than decode ranks, only the first of the ``Tp/Td`` prefill ranks feeding
-    a decode rank sends; the others are dummies that report completion without data.
+    a decode rank sends; the others are dummies that report completion without data. Staged
+    like equal TP (whole latent rows, :meth:`EqualTPMapper.staged_slice`); a dummy never is.
     """
 
     name = "mla"
-
-    def staged_slice(self) -> StagedSlice | None:
-        """None: MLA pages move by descriptors (never staged)."""
-        return None
 
     def _check_shapes(self) -> None:
         if not (self.src.model.is_mla and self.dst.model.is_mla):

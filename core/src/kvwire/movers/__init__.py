@@ -17,6 +17,7 @@ from kvwire.movers.plan import (
     element_width,
     merge_adjacent,
     plan_tiles,
+    unit_runs,
 )
 
 __all__ = [
@@ -30,4 +31,5 @@ __all__ = [
     "element_width",
     "merge_adjacent",
     "plan_tiles",
+    "unit_runs",
 ]

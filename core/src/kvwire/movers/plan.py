@@ -185,3 +185,30 @@ def copy_tiles_reference(memory: Any, plan: TilePlan) -> int:
         raise ValueError("a tile is longer than the plan's tile_bytes")
     _assign(memory, _byte_index(plan.dst, lens), _byte_index(plan.src, lens))
     return int(lens.sum())
+
+
+def unit_runs(
+    addrs: ArrayLike,
+    units: ArrayLike,
+    block: int,
+    *,
+    slot_bytes: int,
+    per_page: int,
+    unit_bytes: int,
+    lo: int,
+    row: int,
+    n: int,
+    tokens: int,
+) -> tuple[I64, I64, I64]:
+    """The byte runs the token-run mover (:class:`kvwire.movers.triton_units.UnitCopier`)
+    copies, as (pool addresses, block addresses, lengths): for every buffer at ``addrs[b]``
+    and unit ``units[i]`` (page ``u // per_page``, ``(u % per_page) * unit_bytes`` into its
+    slot), ``tokens`` pieces of ``n`` bytes at ``lo + t * row``, laid out in the block at
+    ``block`` as ``[buffer, unit, token, n]``. NumPy only; with :func:`copy_runs_reference`
+    it is the oracle of the mover's tests (and the CPU path's)."""
+    a, u = _i64(addrs), _i64(units)
+    page, k = u // per_page, u % per_page
+    start = a[:, None] + (page * slot_bytes + k * unit_bytes + lo)[None, :]  # [buffer, unit]
+    pool = (start[:, :, None] + (np.arange(tokens, dtype=np.int64) * row)[None, None, :]).ravel()
+    blk = block + np.arange(pool.size, dtype=np.int64) * n
+    return pool, blk, np.full(pool.size, n, dtype=np.int64)

@@ -200,6 +200,19 @@ class ChunkPlan:
 
 
 @dataclass(frozen=True)
+class LinkStaging:
+    """What a strategy does with one link (:meth:`StagingStrategy.link_staging`): the extra
+    table pairs to prepare (empty: rows move in place) and why, in words."""
+
+    tables: dict[str, Any]
+    why: str
+
+    @property
+    def staged(self) -> bool:
+        return bool(self.tables)
+
+
+@dataclass(frozen=True)
 class QueuedChunk:
     """A chunk with data just queued for one destination (see
     :meth:`StagingStrategy.on_queued`)."""
@@ -217,6 +230,10 @@ class QueuedChunk:
     sender_id: int
     session: str
     timeout_s: float
+    #: The chunk's source units as the worker will get them: its pages, or, for a link that
+    #: converts page sizes (``mapper.paging``), its granule stream (``-1``: a granule of a
+    #: destination page an earlier chunk writes); ``npages`` is its length.
+    units: Any = None
 
 
 @dataclass(frozen=True)
@@ -317,6 +334,24 @@ class StagingStrategy(ABC):
         link does not stage. ``remote`` is what that rank's strategy :meth:`describe` d;
         ``tables`` the mapper's tables when core already built them (extra-pool links)."""
         return {}
+
+    def link_staging(
+        self,
+        mapper: IndexMapper,
+        remote: dict[str, Any] | None,
+        advice: str = "configured",
+        *,
+        session: str = "",
+        tables: TablePair | None = None,
+    ) -> LinkStaging:
+        """Prefill side, at handshake with one decode rank: :meth:`link_tables` with the
+        per-link rule's staging advice (:data:`kvwire.link_choice.StagingAdvice`:
+        ``"staged"``, ``"direct"`` or ``"configured"``) and what was applied, in words (the
+        startup log and ``kvwire doctor`` print it). The default ignores the advice (a
+        strategy that stages nothing has nothing to apply); a staging strategy overrides it."""
+        extra = self.link_tables(mapper, remote, session=session, tables=tables)
+        why = f"the {self.name} strategy" + (" stages this link" if extra else "")
+        return LinkStaging(extra, why)
 
     def room_tables(self) -> dict[str, int]:
         """Sizes of per-request staging state (leak check)."""

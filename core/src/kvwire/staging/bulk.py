@@ -55,14 +55,15 @@ from kvwire.staging.base import (
     ArrivedChunk,
     ChunkPlan,
     LayerPlan,
+    LinkStaging,
     PlanRequest,
     QueuedChunk,
     StagingContext,
     StagingStrategy,
 )
-from kvwire.staging.bulk_ring import RingSide, block_bytes
+from kvwire.staging.bulk_ring import RingSide, block_bytes, unit_tokens
 from kvwire.staging.bulk_wire import WIRE_VERSION, BulkMessage
-from kvwire.staging.bulk_writer import WriterSide
+from kvwire.staging.bulk_writer import WriterSide, chunk_units
 from kvwire.staging.kernels import KVTensors
 
 logger = logging.getLogger(__name__)
@@ -134,6 +135,14 @@ class BulkOptions(BaseModel):
                 f"({self.ring_bytes}); a full buffer could never be granted"
             )
         return self
+
+
+def descriptor_bytes(mapper: IndexMapper) -> int:
+    """Bytes of one descriptor of a whole-row link moved in place: a page of one buffer, or
+    one granule of token rows where the link converts page sizes."""
+    if mapper.paging is not None:
+        return unit_tokens(mapper) * mapper.src.token_row_bytes
+    return mapper.src.page_bytes
 
 
 class BulkStaging(StagingStrategy):
@@ -223,15 +232,22 @@ class BulkStaging(StagingStrategy):
         session: str = "",
         tables: TablePair | None = None,
     ) -> dict[str, Any]:
-        sl = mapper.staged_slice()
-        if (
-            not remote
-            or remote.get("strategy") != "bulk"
-            or sl is None  # MLA, dummies, K|V planes, page-size conversion: direct rows
-            or self.writer is None
-            or (sl.whole_rows and not self.stages_whole_pages(mapper, remote))
-        ):
-            return {}
+        return self.link_staging(mapper, remote, session=session, tables=tables).tables
+
+    def link_staging(
+        self,
+        mapper: IndexMapper,
+        remote: dict[str, Any] | None,
+        advice: str = "configured",
+        *,
+        session: str = "",
+        tables: TablePair | None = None,
+    ) -> LinkStaging:
+        """Prefill, at handshake: the staging table pair of a link that stages, and why it
+        does or does not (see :meth:`decide`)."""
+        staged, why = self.decide(mapper, remote, advice)
+        if not staged or self.writer is None or not remote:
+            return LinkStaging({}, why)
         if remote.get("wire") != WIRE_VERSION:
             raise ConfigError(
                 f"bulk staging messages differ (prefill speaks version {WIRE_VERSION}, decode "
@@ -245,34 +261,80 @@ class BulkStaging(StagingStrategy):
         local = self.writer.region
         n_local = local.length // b
         n_remote = int(remote["ring_bytes"]) // b
-        return {
-            "staging": TablePair(
-                src=make_table(
-                    local.addr + np.arange(n_local, dtype=np.uint64) * np.uint64(b),
-                    b,
-                    local.device_id,
-                ),
-                dst=make_table(
-                    int(remote["ring_addr"]) + np.arange(n_remote, dtype=np.uint64) * np.uint64(b),
-                    b,
-                    int(remote["device_id"]),
-                ),
-            )
-        }
+        pair = TablePair(
+            src=make_table(
+                local.addr + np.arange(n_local, dtype=np.uint64) * np.uint64(b),
+                b,
+                local.device_id,
+            ),
+            dst=make_table(
+                int(remote["ring_addr"]) + np.arange(n_remote, dtype=np.uint64) * np.uint64(b),
+                b,
+                int(remote["device_id"]),
+            ),
+        )
+        return LinkStaging({"staging": pair}, why)
 
-    def stages_whole_pages(self, mapper: IndexMapper, remote: dict[str, Any]) -> bool:
-        """Prefill, at handshake: does an equal-TP link (pages move whole) go through the
-        ring? The rule (``equal_tp="auto"``): where per-descriptor costs dominate -- this
-        rank's KV pool and decode's ring in GPU memory (a GPU link posts one copy per
-        descriptor, ~6 us each over UCX cuda_ipc) and one page of one buffer smaller than
-        ``equal_tp_below_bytes`` (1 MiB) -- and never for host pools, where a page descriptor
-        is cheap and gather + scatter would only add copies."""
+    def decide(
+        self, mapper: IndexMapper, remote: dict[str, Any] | None, advice: str = "configured"
+    ) -> tuple[bool, str]:
+        """Prefill, at handshake: does this link go through the ring, and why (one phrase for
+        the startup log and ``kvwire doctor``). ``advice`` is the per-link rule's
+        (:func:`kvwire.link_choice.choose_link_path`): ``"direct"`` (the link's backend
+        writes decode's pages itself, e.g. ``cudaipc``) keeps the link unstaged;
+        ``"staged"`` (GPU pools without a same-host path) stages whole-row links under
+        ``equal_tp="auto"`` as a GPU link would be (:meth:`stages_whole_pages`). Head slices
+        (heterogeneous TP) stage whatever the pools; whole rows (equal TP, MLA, page-size
+        conversion with equal TP) by the rule; a link whose mapper has no staged slice (a
+        dummy, K|V planes) moves by descriptors."""
+        if self.writer is None:
+            return False, "bulk staging: decode ranks do not send"
+        if not remote or remote.get("strategy") != "bulk":
+            return False, "per descriptor: decode has no bulk staging ring (--staging bulk there)"
+        sl = mapper.staged_slice()
+        if sl is None:
+            return False, f"per descriptor: {mapper.unstaged_reason()}"
+        if advice == "direct":
+            return False, "per descriptor: the link's backend writes decode's pages (advice)"
+        what = "head slices" if not sl.whole_rows else f"whole rows ({mapper.name})"
+        if mapper.paging is not None:
+            p = mapper.paging
+            what += f", pages {p.src_page} -> {p.dst_page} tokens by {p.granule}-token units"
+        if not sl.whole_rows:
+            return True, f"staged: {what}"
+        if self.stages_whole_pages(mapper, remote, advice):
+            return True, f"staged: {what} ({self._rule_words(advice)})"
+        return False, f"per descriptor: {what} ({self._rule_words(advice)})"
+
+    def _rule_words(self, advice: str) -> str:
+        mode = self.opts.equal_tp
+        if mode != "auto":
+            return f"equal_tp={mode}"
+        src = "the link rule's advice" if advice == "staged" else "pool kinds"
+        return (
+            f"equal_tp=auto by {src}: GPU pools, descriptors under "
+            f"{self.opts.equal_tp_below_bytes} B, chunks of >= "
+            f"{self.opts.equal_tp_min_chunk_bytes} B"
+        )
+
+    def stages_whole_pages(
+        self, mapper: IndexMapper, remote: dict[str, Any], advice: str = "configured"
+    ) -> bool:
+        """Prefill, at handshake: does a whole-row link (equal TP, MLA, page-size conversion
+        with equal TP) go through the ring? The rule (``equal_tp="auto"``): where
+        per-descriptor costs dominate -- this rank's KV pool and decode's ring in GPU memory
+        (or the per-link rule advised ``"staged"``, which it does for GPU pools on both
+        sides; a GPU link posts one copy per descriptor, ~6 us each over UCX cuda_ipc) and
+        one descriptor of the mapper (a page of one buffer, or a granule where page sizes
+        differ) smaller than ``equal_tp_below_bytes`` (1 MiB) -- and never for host pools,
+        where a descriptor is cheap and gather + scatter would only add copies."""
         mode = self.opts.equal_tp
         if mode != "auto":
             return mode == "always"
         assert self.writer is not None
         gpu = self.writer.kv.on_device and int(remote.get("kind", 0)) == int(MemKind.VRAM)
-        return gpu and mapper.src.page_bytes < self.opts.equal_tp_below_bytes
+        gpu = gpu or advice == "staged"
+        return gpu and descriptor_bytes(mapper) < self.opts.equal_tp_below_bytes
 
     def on_link(self, session: str, endpoint: str, mapper: IndexMapper) -> None:
         if self.ring is None:
@@ -296,11 +358,14 @@ class BulkStaging(StagingStrategy):
         return False
 
     def on_queued(self, chunk: QueuedChunk) -> None:
-        if self.writer is not None and not self.small_whole_pages(chunk.mapper, chunk.npages):
+        if self.writer is not None and not self.small_whole_pages(
+            chunk.mapper, chunk_units(chunk)[0]
+        ):
             self.writer.on_queued(chunk, self.fits)
 
     def small_whole_pages(self, mapper: IndexMapper, npages: int) -> bool:
-        """Prefill, engine thread: an equal-TP chunk (of a link that stages) too small to
+        """Prefill, engine thread: a whole-row chunk of ``npages`` units (of a link that
+        stages: equal TP, MLA, page-size conversion) too small to
         gain from staging under ``equal_tp="auto"`` (below ``equal_tp_min_chunk_bytes``);
         it moves per page (no ask is sent, so the worker's plan is the mapper's rows)."""
         sl = mapper.staged_slice()

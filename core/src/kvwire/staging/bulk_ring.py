@@ -46,10 +46,34 @@ def staged(mapper: IndexMapper) -> StagedSlice:
     return sl
 
 
+def unit_tokens(mapper: IndexMapper) -> int:
+    """Tokens of one unit of a staged block: a page, or, where the link converts page sizes,
+    a granule (:attr:`~kvwire.index.paging.PageConversion.granule`: the gcd of both page
+    sizes for whole rows, one token for head slices) -- the block is then gathered in token
+    order from prefill's pages and scattered into decode's pages of another size."""
+    return mapper.paging.granule if mapper.paging is not None else mapper.src.model.page_size
+
+
 def block_bytes(mapper: IndexMapper, npages: int) -> int:
     """Bytes of a staged block: every pair's slice (head slice, or whole row for equal TP)
-    of every token of ``npages`` pages."""
-    return mapper.num_pairs * npages * mapper.src.model.page_size * staged(mapper).nbytes
+    of every token of ``npages`` units (pages, or granules: :func:`unit_tokens`)."""
+    return mapper.num_pairs * npages * unit_tokens(mapper) * staged(mapper).nbytes
+
+
+def dst_units(mapper: IndexMapper, pages: NDArray[np.int64], start: int, count: int) -> Any:
+    """Decode, per staged chunk: the destination units ``[start, start + count)`` of the
+    request's destination ``pages``: pages, or, where the link converts page sizes, the
+    granules of those pages in order (``page * granules_per_page + k``). NumPy only."""
+    if mapper.paging is None:
+        return pages[start : start + count]
+    r = mapper.paging.dst_granules
+    every = (pages[:, None] * r + np.arange(r, dtype=np.int64)[None, :]).ravel()
+    return every[start : start + count]
+
+
+def units_of(mapper: IndexMapper, pages: NDArray[np.int64]) -> int:
+    """Decode: how many destination units the request's ``pages`` hold."""
+    return pages.size * (mapper.paging.dst_granules if mapper.paging is not None else 1)
 
 
 def unit_owners(
@@ -61,7 +85,7 @@ def unit_owners(
     each buffer pair. NumPy only."""
     layer = mapper.src.buffer_keys[mapper.src_buf, 0]
     pair_group = (np.searchsorted(edges, layer, side="right") - 1).astype(np.int64)
-    per = npages * mapper.src.model.page_size * staged(mapper).nbytes  # bytes of one pair
+    per = npages * unit_tokens(mapper) * staged(mapper).nbytes  # bytes of one pair
     n = mapper.num_pairs * per
     units = -(-n // block)
     first = np.arange(mapper.num_pairs, dtype=np.int64) * per // block
@@ -171,10 +195,10 @@ class RingSide:
             reason = "the request is not live on decode"
         elif done:
             return None
-        elif ask.dst_start + ask.npages > pages.size:
+        elif ask.dst_start + ask.npages > units_of(writer.mapper, pages):
             reason = (
-                f"pages [{ask.dst_start}, {ask.dst_start + ask.npages}) are outside the "
-                f"{pages.size} destination pages"
+                f"units [{ask.dst_start}, {ask.dst_start + ask.npages}) are outside the "
+                f"{units_of(writer.mapper, pages)} destination units ({pages.size} pages)"
             )
         elif ask.nbytes != block_bytes(writer.mapper, ask.npages):
             reason = f"a block of {ask.npages} pages is not {ask.nbytes} bytes"
@@ -214,14 +238,14 @@ class RingSide:
                 room=chunk.room,
             )
         m = writer.mapper
-        ps = m.dst.model.page_size
-        pages = np.asarray(chunk.dst_pages, dtype=np.int64)[
-            space.dst_start : space.dst_start + space.npages
-        ]
+        ut = unit_tokens(m)
+        pages = dst_units(
+            m, np.asarray(chunk.dst_pages, dtype=np.int64), space.dst_start, space.npages
+        )
         a = space.alloc
         sl = staged(m)
-        block = block_view(self.mem, a.offset, (m.num_pairs, pages.size, ps, sl.nbytes))
-        self.kv.scatter(m.dst_buf, pages, sl.dst_lo, sl.dst_lo + sl.nbytes, block)
+        block = block_view(self.mem, a.offset, (m.num_pairs, pages.size, ut, sl.nbytes))
+        self.kv.scatter(m.dst_buf, pages, sl.dst_lo, sl.dst_lo + sl.nbytes, block, ut)
         STAGED.inc()
         with self._lock:
             self._space.pop(key, None)

@@ -24,7 +24,7 @@ from kvwire.errors import TransferError
 from kvwire.index.base import IndexMapper
 from kvwire.layout import MemoryRegion
 from kvwire.staging.base import ChunkPlan, LayerPlan, QueuedChunk, StagingContext
-from kvwire.staging.bulk_ring import block_bytes, staged, unit_owners
+from kvwire.staging.bulk_ring import block_bytes, staged, unit_owners, unit_tokens
 from kvwire.staging.bulk_wire import MESSAGES, Ask, BulkMessage, Deny, Grant, Watermark
 from kvwire.staging.kernels import KVTensors, block_view
 from kvwire.staging.ring import Allocation, WatermarkView
@@ -42,6 +42,29 @@ class _Ask:
     deadline: float
     grant: Allocation | None = None
     denied: str | None = None
+
+
+def src_units(mapper: IndexMapper, src: Any) -> Any:
+    """Prefill, per staged chunk: the source units to gather, in order: the chunk's pages,
+    or, where the link converts page sizes, the granules of its granule stream that this
+    chunk writes (:mod:`kvwire.index.paging`: ``-1`` marks granules it does not)."""
+    units = np.asarray(src, dtype=np.int64)
+    return units[units >= 0] if mapper.paging is not None else units
+
+
+def chunk_units(chunk: QueuedChunk) -> tuple[int, int]:
+    """Prefill, engine thread: a queued chunk's unit count and its first destination unit,
+    as the ask carries them: pages from ``dst_start``, or, where the link converts page
+    sizes, granules counted from the first granule of destination page ``dst_start`` (the
+    stream's leading ``-1`` s are granules of a page an earlier chunk began)."""
+    p = chunk.mapper.paging
+    if p is None:
+        return chunk.npages, chunk.dst_start
+    if chunk.units is None:
+        raise TransferError("a page-converting chunk was queued without its granule stream")
+    units = np.asarray(chunk.units, dtype=np.int64)
+    count = int((units >= 0).sum())
+    return count, chunk.dst_start * p.dst_granules + (units.size - count)
 
 
 class WriterSide:
@@ -94,15 +117,16 @@ class WriterSide:
     def on_queued(self, chunk: QueuedChunk, fits: Callable[[IndexMapper, int], bool]) -> None:
         """Engine thread: ask for ring space for a queued chunk now (unless it is too big to
         stage: ``fits`` decides, counting the fallback)."""
-        if not fits(chunk.mapper, chunk.npages):
+        count, dst_start = chunk_units(chunk)
+        if not fits(chunk.mapper, count):
             return
         ask = Ask(
             room=chunk.room,
             sender_id=chunk.sender_id,
             chunk_id=chunk.chunk_id,
-            nbytes=block_bytes(chunk.mapper, chunk.npages),
-            dst_start=chunk.dst_start,
-            npages=chunk.npages,
+            nbytes=block_bytes(chunk.mapper, count),
+            dst_start=dst_start,
+            npages=count,
         )
         self.request(ask, chunk.dest, chunk.endpoint, chunk.timeout_s)
 
@@ -182,22 +206,22 @@ class WriterSide:
             return self._asks.get((room, dest, chunk_id))
 
     def _gather(self, mapper: IndexMapper, pages: Any, start: int, pairs: Any = None) -> None:
-        """Gather the row slices of ``pages`` into the block at ``start`` (laid out
-        ``[pair, page, token, slice]``): every buffer pair, or the pairs ``pairs`` (sorted),
-        one contiguous run of pairs at a time; synchronised."""
-        ps = mapper.src.model.page_size
+        """Gather the row slices of ``pages`` (units: :func:`unit_tokens`) into the block at
+        ``start`` (laid out ``[pair, unit, token, slice]``): every buffer pair, or the pairs
+        ``pairs`` (sorted), one contiguous run of pairs at a time; synchronised."""
+        ut = unit_tokens(mapper)
         sl = staged(mapper)
-        out = block_view(self.buffers, start, (mapper.num_pairs, pages.size, ps, sl.nbytes))
+        out = block_view(self.buffers, start, (mapper.num_pairs, pages.size, ut, sl.nbytes))
         lo = sl.src_lo
         hi = lo + sl.nbytes
         if pairs is None:
-            self.kv.gather(mapper.src_buf, pages, lo, hi, out)
+            self.kv.gather(mapper.src_buf, pages, lo, hi, out, ut)
             return
         cuts = np.flatnonzero(np.diff(pairs) != 1) + 1
         for run in np.split(pairs, cuts):  # a layer group: its K run and its V run
             if run.size:
                 a, b = int(run[0]), int(run[-1]) + 1
-                self.kv.gather(mapper.src_buf[a:b], pages, lo, hi, out[a:b])
+                self.kv.gather(mapper.src_buf[a:b], pages, lo, hi, out[a:b], ut)
 
     def _rows(self, ask: _Ask, start: int, units: Any) -> tuple[Any, Any]:
         """Source and destination rows (block units) of the staging table for ``units``."""
@@ -224,7 +248,7 @@ class WriterSide:
         if got is None:
             return None
         slot, start = got
-        pages = np.asarray(src_pages, dtype=np.int64)
+        pages = src_units(mapper, src_pages)
         try:
             self._gather(mapper, pages, start)
         except BaseException:
@@ -264,7 +288,7 @@ class WriterSide:
         if got is None:
             return None
         slot, start = got
-        pages = np.asarray(src_pages, dtype=np.int64)
+        pages = src_units(mapper, src_pages)
         owner, pair_group = unit_owners(mapper, pages.size, self._block, edges)
         groups = edges.size - 1
         rows = [self._rows(ask, start, np.flatnonzero(owner == g)) for g in range(groups)]

@@ -115,12 +115,24 @@ class KVTensors:
             self.stream.synchronize()
 
     def gather(
-        self, bufs: NDArray[np.int64], pages: NDArray[np.int64], lo: int, hi: int, out: Any
+        self,
+        bufs: NDArray[np.int64],
+        pages: NDArray[np.int64],
+        lo: int,
+        hi: int,
+        out: Any,
+        unit: int = 0,
     ) -> None:
         """Copy bytes ``[lo, hi)`` of every token row of ``pages`` in buffers ``bufs`` into
         ``out`` (bytes shaped ``[len(bufs), len(pages), page_size, hi - lo]``, token order
-        whatever the pool's page order); synchronised."""
+        whatever the pool's page order); synchronised. With ``unit`` (tokens, dividing the
+        page size, below it), ``pages`` are *units* of that many tokens (unit ``u`` is tokens
+        ``[(u % k) * unit, ...)`` of page ``u // k``, ``k = page_size / unit``) and ``out``
+        is ``[len(bufs), len(pages), unit, hi - lo]``: page-size conversion."""
         self._check_staged()
+        if unit and unit != self.page_size:
+            self._units(bufs, pages, lo, hi, out, unit, to_pool=False)
+            return
         if self.mover is not None:
             self._pages_copy(bufs, pages, lo, hi, _addr(out), to_pool=False)
             return
@@ -135,11 +147,21 @@ class KVTensors:
         self.sync()
 
     def scatter(
-        self, bufs: NDArray[np.int64], pages: NDArray[np.int64], lo: int, hi: int, block: Any
+        self,
+        bufs: NDArray[np.int64],
+        pages: NDArray[np.int64],
+        lo: int,
+        hi: int,
+        block: Any,
+        unit: int = 0,
     ) -> None:
         """The inverse of :meth:`gather`: write ``block`` into bytes ``[lo, hi)`` of the token
-        rows of ``pages`` in buffers ``bufs``; synchronised before returning."""
+        rows of ``pages`` (units of ``unit`` tokens, when given) in buffers ``bufs``;
+        synchronised before returning."""
         self._check_staged()
+        if unit and unit != self.page_size:
+            self._units(bufs, pages, lo, hi, block, unit, to_pool=True)
+            return
         if self.mover is not None:
             self._pages_copy(bufs, pages, lo, hi, _addr(block), to_pool=True)
             return
@@ -180,6 +202,64 @@ class KVTensors:
             to_pool=to_pool,
             stream=self.stream,
         )
+        self.sync()
+
+    def _units(
+        self,
+        bufs: NDArray[np.int64],
+        units: NDArray[np.int64],
+        lo: int,
+        hi: int,
+        block: Any,
+        unit: int,
+        *,
+        to_pool: bool,
+    ) -> None:
+        """Gather (scatter when ``to_pool``) bytes ``[lo, hi)`` of the token rows of token
+        ``units`` of ``unit`` tokens and the block (``[buffer, unit, token, hi - lo]``). On a
+        GPU with token-major pages: one launch of the token-run mover; elsewhere one indexed
+        copy per buffer, vectorised over units (head-major pages: through a transpose)."""
+        if self.page_size % unit:
+            raise ConfigError(f"units of {unit} tokens do not divide pages of {self.page_size}")
+        per = self.page_size // unit
+        u = np.asarray(units, dtype=np.int64)
+        if self.mover is not None:
+            whole = hi - lo == self.row
+            self.mover.copy_units(
+                self.addrs[np.asarray(bufs, dtype=np.int64)],
+                u,
+                _addr(block),
+                slot_bytes=self.slot_bytes,
+                per_page=per,
+                unit_bytes=unit * self.row,
+                lo=lo,
+                row=self.row,
+                n=unit * self.row if whole else hi - lo,
+                tokens=1 if whole else unit,
+                to_pool=to_pool,
+                stream=self.stream,
+            )
+            self.sync()
+            return
+        with self._ctx():
+            page, k = self._index(u // per), self._index(u % per)
+            for i, bi in enumerate(np.asarray(bufs, dtype=np.int64).tolist()):
+                v = self.views[bi]
+                if self.head_major:  # [slots, heads, per, unit, hb] -> [n, unit, heads*hb]
+                    h0, h1 = lo // self.head_bytes, hi // self.head_bytes
+                    v5 = v.reshape(v.shape[0], v.shape[1], per, unit, self.head_bytes)
+                    if to_pool:
+                        b = block[i].reshape(u.size, unit, h1 - h0, self.head_bytes)
+                        v5[page, h0:h1, k] = b.swapaxes(1, 2)
+                    else:
+                        t = v5[page, h0:h1, k].swapaxes(1, 2)  # [n, unit, heads, hb]
+                        block[i] = t.reshape(u.size, unit, (h1 - h0) * self.head_bytes)
+                    continue
+                v3 = v.reshape(v.shape[0] * per, unit, self.row)
+                if to_pool:
+                    v3[self._index(u), :, lo:hi] = block[i]
+                else:
+                    block[i] = v3[self._index(u), :, lo:hi]
         self.sync()
 
     def runs(
@@ -239,13 +319,14 @@ class KVTensors:
 
 
 def _mover(device: Any) -> Any:
-    """The page mover for ``device`` (:class:`kvwire.movers.triton_pages.PageCopier`), or
+    """The page mover for ``device`` (:class:`kvwire.movers.triton_units.UnitCopier`: the
+    page mover :class:`~kvwire.movers.triton_pages.PageCopier` plus token units), or
     None where Triton is not installed (the indexed copies then serve)."""
     try:
-        from kvwire.movers.triton_pages import PageCopier
+        from kvwire.movers.triton_units import UnitCopier
     except ImportError:
         return None
-    return PageCopier(device)
+    return UnitCopier(device)
 
 
 def block_view(buf: Any, start: int, shape: tuple[int, ...]) -> Any:

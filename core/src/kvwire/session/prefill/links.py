@@ -200,8 +200,12 @@ class DecodeLinker:
         try:
             self.release_first(hello.session)  # evicted earlier (silent) and back
             mapper = build_mapper(ctx.config, ctx.layout, hello.layout)
-            extra = ctx.staging.link_tables(mapper, hello.staging)
             choice = self._add_engine_peer(hello, stale)
+            # the per-link rule's staging advice, applied by the KV pool's strategy
+            applied = ctx.staging.link_staging(
+                mapper, hello.staging, choice.staging, session=hello.session
+            )
+            extra = applied.tables
             name = choice.peer
             pairs = {
                 "aux": ctx.backend.prepare(
@@ -287,13 +291,15 @@ class DecodeLinker:
             )
             self.evictions.rejoined(hello.session)
         logger.info(
-            "%s: handshake with %s (%s mapper%s%s); %s",
+            "%s: handshake with %s (%s mapper%s%s); %s; staging advice %r, applied: %s",
             ctx.agent_name,
             hello.agent,
             mapper.name,
             ", dummy" if mapper.is_dummy else "",
             ", staged" if extra else "",
             choice.describe(),
+            choice.staging,
+            applied.why,
         )
         self._ack(hello, link)
 
@@ -338,7 +344,8 @@ class DecodeLinker:
                 owner = ctx.engine_peers.pop(n, hello.session)
                 if owner != hello.session and n in ctx.backend.peers():
                     ctx.backend.remove_peer(n)
-            choice = ctx.backend.add_link(hello.offers(), hello.host)
+            kinds = frozenset(b.kind for b in hello.layout.buffers)
+            choice = ctx.backend.add_link(hello.offers(), hello.host, kinds or None)
             ctx.engine_peers[choice.peer] = hello.session
             return choice
 

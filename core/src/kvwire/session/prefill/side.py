@@ -462,6 +462,7 @@ class PrefillSide(Side[SendRoom]):
                         self.sender_id,
                         ctx.session,
                         ctx.options.transfer_timeout_s,
+                        src,
                     )
                     try:
                         target.strategy.on_queued(chunk)
