@@ -69,14 +69,16 @@ def test_staged_slices_of_the_core_mappers() -> None:
     mla = MODEL.model_copy(update={"is_mla": True, "total_kv_heads": 1})
     m1, _ = make_pool(mla, one, 4)
     m2, _ = make_pool(mla, one, 4)
-    assert MLAMapper(m1, m2).staged_slice() is None  # MLA moves by descriptors
+    ml = MLAMapper(m1, m2).staged_slice()  # MLA stages whole latent rows
+    assert ml is not None and ml.whole_rows and ml.nbytes == m1.token_row_bytes
     p1, _ = make_pool(MODEL, RankPosition(tp_size=2, tp_rank=1), 4)
     hs = HeadSliceMapper(p1, b).staged_slice()
     assert hs is not None and not hs.whole_rows
     assert (hs.src_lo, hs.dst_lo, hs.nbytes) == (0, 2 * 32, 2 * 32)  # heads 2-3 of decode
     small = MODEL.model_copy(update={"page_size": 1})
     c, _ = make_pool(small, one, 8)
-    assert EqualTPMapper(a, c).staged_slice() is None  # page-size conversion: descriptors
+    conv = EqualTPMapper(a, c).staged_slice()  # page-size conversion: whole rows by granule
+    assert conv is not None and conv.whole_rows and conv.nbytes == a.token_row_bytes
 
 
 def test_the_rule_stages_equal_tp_on_gpu_pools_with_small_pages_only() -> None:

@@ -196,9 +196,10 @@ class RingSide:
         elif done:
             return None
         elif ask.dst_start + ask.npages > units_of(writer.mapper, pages):
+            what = "pages" if writer.mapper.paging is None else "granules of decode's pages"
             reason = (
-                f"units [{ask.dst_start}, {ask.dst_start + ask.npages}) are outside the "
-                f"{units_of(writer.mapper, pages)} destination units ({pages.size} pages)"
+                f"{what} [{ask.dst_start}, {ask.dst_start + ask.npages}) are outside the "
+                f"{units_of(writer.mapper, pages)} destination {what}"
             )
         elif ask.nbytes != block_bytes(writer.mapper, ask.npages):
             reason = f"a block of {ask.npages} pages is not {ask.nbytes} bytes"
