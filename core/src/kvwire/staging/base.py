@@ -350,7 +350,7 @@ class StagingStrategy(ABC):
         startup log and ``kvwire doctor`` print it). The default ignores the advice (a
         strategy that stages nothing has nothing to apply); a staging strategy overrides it."""
         extra = self.link_tables(mapper, remote, session=session, tables=tables)
-        why = f"the {self.name} strategy" + (" stages this link" if extra else "")
+        why = f"--staging {self.name}: " + ("staged" if extra else "rows move in place")
         return LinkStaging(extra, why)
 
     def room_tables(self) -> dict[str, int]:

@@ -1,0 +1,138 @@
+"""The staging rule per link (issue 27 items 3 and 5): which links bulk staging stages
+(head slices, whole rows by the ``equal_tp`` rule, page-size conversion, MLA, dummies), the
+per-link rule's staging advice applied at handshake (``"staged"``, ``"direct"``,
+``"configured"``), decode's pool kinds reaching the rule, and the words the startup log and
+``kvwire doctor`` print about what is applied."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import pytest
+
+from kvwire.index.equal_tp import EqualTPMapper, MLAMapper
+from kvwire.index.head_slice import HeadSliceMapper
+from kvwire.layout import ModelSpec, RankPosition
+from kvwire.link_choice import LinkFacts, applied_staging, choose_link_path
+from kvwire.regions import MemKind
+from kvwire.staging.bulk import BulkOptions, BulkStaging, descriptor_bytes
+from kvwire.staging.bulk_wire import WIRE_VERSION
+from kvwire.staging.direct import DirectStaging
+from kvwire.testing.kvfill import make_pool
+from kvwire.testing.pair import config, pair
+
+MODEL = ModelSpec(num_layers=2, total_kv_heads=4, head_dim=8, dtype="int32", page_size=4)
+MLA = ModelSpec(num_layers=2, total_kv_heads=1, head_dim=8, dtype="int32", page_size=4,
+                is_mla=True)  # fmt: skip
+OPTS: dict[str, Any] = {"ring_bytes": 65536, "buffer_bytes": 8192, "block_bytes": 1024}
+RING = {"strategy": "bulk", "wire": WIRE_VERSION, "ring_addr": 1 << 20, "ring_bytes": 65536,
+        "block_bytes": 1024, "device_id": 0, "kind": int(MemKind.DRAM)}  # fmt: skip
+
+
+def _writer(opts: dict[str, Any] | None = None) -> BulkStaging:
+    from kvwire.staging.base import StagingContext
+
+    layout, arrays = make_pool(MODEL, RankPosition(), 8)
+    s = BulkStaging(BulkOptions(**OPTS, **(opts or {})))
+    s.setup(StagingContext(layout, lambda r: None, lambda r: None, kv_tensors=arrays))
+    return s
+
+
+def _pools(model: ModelSpec, tp: tuple[int, int], pages: tuple[int, int], rank: int = 0) -> Any:
+    src, _ = make_pool(model.model_copy(update={"page_size": pages[0]}),
+                       RankPosition(tp_size=tp[0], tp_rank=rank), 8)  # fmt: skip
+    dst, _ = make_pool(model.model_copy(update={"page_size": pages[1]}),
+                       RankPosition(tp_size=tp[1], tp_rank=0), 8)  # fmt: skip
+    return src, dst
+
+
+def test_which_links_stage_and_why() -> None:
+    s = _writer()
+    conv = EqualTPMapper(*_pools(MODEL, (1, 1), (4, 2)))
+    mla = MLAMapper(*_pools(MLA, (1, 2), (4, 4)))
+    dummy = MLAMapper(*_pools(MLA, (2, 1), (4, 4), rank=1))
+    hetero = HeadSliceMapper(*_pools(MODEL, (2, 1), (4, 8)))
+    # host pools, configured: head slices (with page-size conversion) stage; whole rows not
+    ok, why = s.decide(hetero, RING)
+    assert ok and "head slices" in why and "pages 4 -> 8 tokens by 1-token units" in why
+    for m in (conv, mla):
+        ok, why = s.decide(m, RING)
+        assert not ok and why.startswith("per descriptor: whole rows") and "pool kinds" in why
+    ok, why = s.decide(dummy, RING)
+    assert not ok and "dummy sender" in why
+    # the rule's advice "staged" (GPU pools without a same-host path) stages whole rows
+    for m in (conv, mla):
+        ok, why = s.decide(m, RING, "staged")
+        assert ok and "link rule's advice" in why
+        assert "staging" in s.link_staging(m, RING, "staged").tables
+    assert "pages 4 -> 2 tokens by 2-token units" in s.decide(conv, RING, "staged")[1]
+    # ... but not a dummy, and not descriptors that are already large
+    assert not s.decide(dummy, RING, "staged")[0]
+    big = _writer({"equal_tp_below_bytes": descriptor_bytes(conv)})
+    assert not big.decide(conv, RING, "staged")[0]
+    # "direct" (the backend writes decode's pages itself): nothing stages
+    for m in (conv, mla, hetero):
+        ok, why = s.decide(m, RING, "direct")
+        assert not ok and "advice" in why
+        assert s.link_staging(m, RING, "direct").tables == {}
+    # a GPU pool and ring stage whole rows by the pool kinds alone
+    s.writer.kv.on_device = True  # as a GPU pool would be (the rule reads only this)
+    vram = {**RING, "kind": int(MemKind.VRAM)}
+    assert s.decide(conv, vram)[0] and s.decide(mla, vram)[0]
+    # explicit equal_tp options win over the advice
+    never = _writer({"equal_tp": "never"})
+    assert not never.decide(conv, RING, "staged")[0]
+    assert "equal_tp=never" in never.decide(conv, RING, "staged")[1]
+    assert _writer({"equal_tp": "always"}).decide(mla, RING)[0]
+    # decode without a ring
+    ok, why = s.decide(hetero, None)
+    assert not ok and "no bulk staging ring" in why
+
+
+def test_descriptor_bytes_is_the_per_descriptor_row() -> None:
+    conv = EqualTPMapper(*_pools(MODEL, (1, 1), (4, 6)))  # granules of gcd(4, 6) = 2 tokens
+    assert descriptor_bytes(conv) == 2 * conv.src.token_row_bytes
+    same = EqualTPMapper(*_pools(MODEL, (1, 1), (4, 4)))
+    assert descriptor_bytes(same) == same.src.page_bytes
+
+
+def test_a_strategy_that_stages_nothing_ignores_the_advice() -> None:
+    m = EqualTPMapper(*_pools(MODEL, (1, 1), (4, 4)))
+    applied = DirectStaging().link_staging(m, None, "staged")
+    assert not applied.staged and applied.why == "--staging direct: rows move in place"
+
+
+def test_the_words_doctor_prints_for_what_is_applied() -> None:
+    assert "not applied" in applied_staging("staged", "direct")
+    assert "--staging bulk" in applied_staging("staged", "direct")
+    assert applied_staging("staged", "bulk").startswith("bulk: head slices staged")
+    assert "no staging" in applied_staging("direct", "bulk")
+    assert applied_staging("configured", "direct") == "--staging direct"
+    assert "only on GPU pools" in applied_staging("configured", "bulk")
+
+
+def test_peer_kinds_reach_the_rule() -> None:
+    """Decode's pool kinds (from its handshake layout) replace the guess."""
+    cands = [("nixl", None)]
+    vram = frozenset({MemKind.VRAM})
+    guessed = choose_link_path(LinkFacts(cands, local_kinds=vram))
+    assert guessed.staging == "staged" and "taken to be like" in guessed.why
+    told = choose_link_path(LinkFacts(cands, local_kinds=vram, peer_kinds=vram))
+    assert told.staging == "staged" and "taken to be like" not in told.why
+    host = choose_link_path(
+        LinkFacts(cands, local_kinds=vram, peer_kinds=frozenset({MemKind.DRAM}))
+    )
+    assert host.staging == "configured" and "a host pool on one side" in host.why
+
+
+def test_handshake_logs_the_advice_and_what_is_applied(caplog: pytest.LogCaptureFixture) -> None:
+    """A real handshake (tcp, in process): the startup line names the advice and what the
+    KV pool's strategy applied, with decode's pool kinds known (no guess)."""
+    caplog.set_level(logging.INFO, logger="kvwire.session.prefill.links")
+    with pair(config()) as p:
+        p.transfer(1)
+    lines = [r.getMessage() for r in caplog.records if "handshake with" in r.getMessage()]
+    assert lines, "no handshake line logged"
+    assert "staging advice 'configured', applied: --staging direct: rows move in place" in lines[0]
+    assert "taken to be like" not in lines[0]
