@@ -26,11 +26,15 @@ counted (``kvwire_staging_fallbacks_total``). What a link stages is its mapper's
 :meth:`~kvwire.index.base.IndexMapper.staged_slice`: head slices (heterogeneous TP; a
 ``head_rows`` link's head-major side is gathered in token order and scattered into the
 destination's page order, :class:`~kvwire.staging.kernels.KVTensors`), or whole rows for
-equal TP, staged by the rule of :meth:`BulkStaging.stages_whole_pages` (GPU pools with pages
-under ``equal_tp_below_bytes``, chunks of at least ``equal_tp_min_chunk_bytes``; host pools
-keep the per-page path). MLA links, dummies and
-page-size conversions move by descriptors. On GPU pools the gather and the scatter are one
-fused mover launch per chunk (:mod:`kvwire.movers`).
+equal TP and MLA (the whole latent row; a dummy sender never stages), staged by the rule of
+:meth:`BulkStaging.stages_whole_pages` (GPU pools, or the per-link rule's ``"staged"`` advice,
+with descriptors under ``equal_tp_below_bytes``, chunks of at least
+``equal_tp_min_chunk_bytes``; host pools keep the per-page path). Where prefill and decode
+pages differ in size, a block is cut into granules (:func:`~kvwire.staging.bulk_ring.unit_tokens`)
+gathered in token order and scattered into decode's pages of the other size. Dummies and
+links that split K and V into planes move by descriptors; :meth:`BulkStaging.decide` says why,
+per link, in the startup log. On GPU pools the gather and the scatter are one fused mover
+launch per chunk (:mod:`kvwire.movers`).
 
 The decode half lives in :mod:`kvwire.staging.bulk_ring`, the prefill half in
 :mod:`kvwire.staging.bulk_writer`; this class picks one by role and forwards the seam's hooks.
