@@ -78,6 +78,7 @@ from kvwire.transfers import check_rows
 logger = logging.getLogger(__name__)
 
 _DRAM = frozenset({MemKind.DRAM})
+Kinds = frozenset[MemKind] | None
 
 
 class NoOptions(BaseModel):
@@ -221,16 +222,12 @@ class TransferBackend(ABC):
         return [(self.name, self.local_metadata())]
 
     def add_link(
-        self,
-        offers: Sequence[tuple[str, bytes]],
-        host: dict[str, str],
-        peer_kinds: frozenset[MemKind] | None = None,
+        self, offers: Sequence[tuple[str, bytes]], host: dict[str, str], peer_kinds: Kinds = None
     ) -> LinkChoice:
         """Prefill, at handshake: add the peer that announced ``offers`` (name, metadata) over
-        the first backend both sides have and whose :meth:`link_problem` accepts it; return the
-        choice. ``peer_kinds``: the memory of the peer's pools (its handshake layout), so the
-        per-link rule need not guess them. :class:`PeerError` naming every reason when none
-        fits. Threads: handshake
+        the first backend both sides have and whose :meth:`link_problem` accepts it (the peer's
+        pool ``peer_kinds`` from its handshake layout, or None); return the choice.
+        :class:`PeerError` naming every reason when none fits. Threads: handshake
         threads; control path (as :meth:`add_peer`)."""
         mine = dict(offers).get(self.name)
         if mine is None:
