@@ -194,3 +194,57 @@ _UNITS_CHECK = textwrap.dedent(
     print("UNITS-OK")
     """
 )
+
+
+def test_kvtensors_through_the_unit_mover_in_interpreter() -> None:
+    """The GPU path's wiring: :class:`KVTensors` handing units to the token-run mover (run by
+    Triton's interpreter over host pools) gathers and scatters exactly what its NumPy path
+    does, for whole rows and head slices, between pages of 8 and of 4 and 6 tokens."""
+    pytest.importorskip("triton")
+    run_interpreted(_KV_UNITS_CHECK, "KV-UNITS-OK")
+
+
+_KV_UNITS_CHECK = textwrap.dedent(
+    """
+    import numpy as np
+    from kvwire.layout import ModelSpec, RankPosition
+    from kvwire.movers.triton_units import UnitCopier
+    from kvwire.staging.kernels import KVTensors
+    from kvwire.testing.kvfill import make_pool
+    rng = np.random.default_rng(5)
+
+    def pool(page):
+        m = ModelSpec(num_layers=2, total_kv_heads=4, head_dim=4, dtype="int32", page_size=page)
+        lay, arrs = make_pool(m, RankPosition(), 10)
+        for a in arrs:
+            a[...] = rng.integers(-2**31, 2**31 - 1, a.shape, dtype=np.int64).astype(np.int32)
+        return lay, arrs
+
+    for pa, pb, g in ((8, 4, 4), (8, 6, 2), (4, 6, 1)):
+        la, aa = pool(pa)
+        lb, ab = pool(pb)
+        lb2, ref_b = pool(pb)  # a second pool of that size, the same bytes
+        for x, y in zip(ab, ref_b):
+            y[...] = x
+        lb_ref = KVTensors(lb2, ref_b)
+        kv_a, kv_b = KVTensors(la, aa), KVTensors(lb, ab)
+        kv_a.mover = kv_b.mover = UnitCopier("cpu")  # the GPU path, interpreted
+        ref_a = KVTensors(la, aa)  # NumPy path over the same memory
+        bufs = np.array([3, 0, 2], dtype=np.int64)
+        row = la.token_row_bytes
+        n = 5
+        src = rng.permutation(10 * pa // g)[:n].astype(np.int64)
+        dst = rng.permutation(10 * pb // g)[:n].astype(np.int64)
+        for lo, hi in ((0, row), (16, 48)):
+            got = np.zeros((bufs.size, n, g, hi - lo), dtype=np.uint8)
+            want = np.zeros_like(got)
+            kv_a.gather(bufs, src, lo, hi, got, g)
+            ref_a.gather(bufs, src, lo, hi, want, g)
+            assert np.array_equal(got, want), ("gather", pa, g, lo)
+            kv_b.scatter(bufs, dst, lo, hi, got, g)
+            lb_ref.scatter(bufs, dst, lo, hi, got, g)
+            for x, y in zip(ab, ref_b):
+                assert np.array_equal(x, y), ("scatter", pb, g, lo)
+    print("KV-UNITS-OK")
+    """
+)
