@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+import numpy as np
 import pytest
 
 from kvwire.index.equal_tp import EqualTPMapper, MLAMapper
@@ -136,3 +137,68 @@ def test_handshake_logs_the_advice_and_what_is_applied(caplog: pytest.LogCapture
     assert lines, "no handshake line logged"
     assert "staging advice 'configured', applied: --staging direct: rows move in place" in lines[0]
     assert "taken to be like" not in lines[0]
+
+
+@pytest.mark.parametrize("advice", ["staged", "configured", "direct"])
+def test_the_advice_is_applied_per_link_end_to_end(
+    advice: str, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Two managers over tcp with ``--staging bulk`` on host pools, equal TP with page-size
+    conversion (prefill pages of 4 tokens, decode pages of 8): the per-link rule's advice is
+    forced (host pools get ``configured`` from the real rule). ``staged`` stages the
+    whole-row link (blocks scattered on decode), ``configured`` keeps the host-pool rule
+    (per descriptor), ``direct`` never stages; every element verified either way, and the
+    handshake line says what was applied."""
+    import kvwire.backend as backend_mod
+    from kvwire.link_choice import LinkPath
+    from kvwire.session import KVManager, KVPoll, Role
+    from kvwire.staging.bulk_ring import STAGED
+    from kvwire.testing.kvfill import count_mismatches, fill_pages
+    from kvwire.testing.pair import wait_for
+
+    real = backend_mod.choose_link_path
+
+    def forced(facts: LinkFacts) -> LinkPath:
+        p = real(facts)
+        return LinkPath(p.backend, p.fallbacks, advice, p.why, p.skipped)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(backend_mod, "choose_link_path", forced)
+    caplog.set_level(logging.INFO, logger="kvwire.session.prefill.links")
+    opts = {**OPTS, "equal_tp_min_chunk_bytes": 0}
+    cfg = config().model_copy(update={"staging": "bulk", "staging_options": opts})
+    play, parr = make_pool(MODEL, RankPosition(), 32)
+    dlay, darr = make_pool(MODEL.model_copy(update={"page_size": 8}), RankPosition(), 32)
+    pre = KVManager(cfg, Role.PREFILL, play, kv_tensors=parr)
+    dec = KVManager(cfg, Role.DECODE, dlay, kv_tensors=darr)
+    try:
+        before = STAGED._value.get()
+        assert pre.bootstrap_addr
+        r = dec.receiver(5, pre.bootstrap_addr)
+        r.init()
+        dst = np.array([9, 3], dtype=np.int64)  # 16 tokens in decode pages of 8
+        r.send_metadata(dst, aux_index=1, cached_tokens=0)
+        s = pre.sender(5)
+        src = np.array([7, 1, 12, 4], dtype=np.int64)
+        fill_pages(play, parr, src, 0)
+        wait_for(lambda: s.poll() >= KVPoll.WaitingForInput, 30)
+        s.init(4, aux_index=2)
+        s.send(src[:3], last=False)  # a chunk boundary inside decode page 1
+        s.send(src[3:], last=True)
+        wait_for(lambda: r.poll() == KVPoll.Success and s.poll() == KVPoll.Success, 60)
+        assert count_mismatches(dlay, darr, dst, 0) == 0
+        staged = STAGED._value.get() - before
+        assert staged == (2 if advice == "staged" else 0), staged
+        r.clear()
+        s.clear()
+    finally:
+        dec.close()
+        pre.close()
+    line = next(r.getMessage() for r in caplog.records if "handshake with" in r.getMessage())
+    assert f"staging advice '{advice}', applied: " in line
+    applied = line.split("applied: ", 1)[1]
+    if advice == "staged":
+        assert applied.startswith("staged: whole rows (equal_tp), pages 4 -> 8 tokens")
+    elif advice == "direct":
+        assert applied.startswith("per descriptor: the link's backend writes")
+    else:
+        assert applied.startswith("per descriptor: whole rows") and "pool kinds" in applied
