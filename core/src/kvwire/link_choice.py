@@ -158,6 +158,11 @@ def applied_staging(advice: StagingAdvice, staging: str) -> str:
     The prefill rank applies it at handshake (:meth:`StagingStrategy.link_staging
     <kvwire.staging.base.StagingStrategy.link_staging>`) and logs what it did per link."""
     if advice == "direct":
+        if staging == "bulk":
+            return (
+                "whole rows written into decode's pages by the backend itself; head slices "
+                "still staged (in place they are one run per token)"
+            )
         return "rows written into decode's pages by the backend itself (no staging)"
     if staging != "bulk":
         if advice == "staged":

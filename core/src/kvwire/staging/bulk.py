@@ -285,7 +285,9 @@ class BulkStaging(StagingStrategy):
         """Prefill, at handshake: does this link go through the ring, and why (one phrase for
         the startup log and ``kvwire doctor``). ``advice`` is the per-link rule's
         (:func:`kvwire.link_choice.choose_link_path`): ``"direct"`` (the link's backend
-        writes decode's pages itself, e.g. ``cudaipc``) keeps the link unstaged;
+        writes decode's pages itself, e.g. ``cudaipc``) keeps a whole-row link unstaged (a
+        head-slice link stays staged: written in place it is one run per token, the weak
+        spot of ``cudaipc`` in the issue-28 matrix);
         ``"staged"`` (GPU pools without a same-host path) stages whole-row links under
         ``equal_tp="auto"`` as a GPU link would be (:meth:`stages_whole_pages`). Head slices
         (heterogeneous TP) stage whatever the pools; whole rows (equal TP, MLA, page-size
@@ -298,14 +300,16 @@ class BulkStaging(StagingStrategy):
         sl = mapper.staged_slice()
         if sl is None:
             return False, f"per descriptor: {mapper.unstaged_reason()}"
-        if advice == "direct":
-            return False, "per descriptor: the link's backend writes decode's pages (advice)"
         what = "head slices" if not sl.whole_rows else f"whole rows ({mapper.name})"
         if mapper.paging is not None:
             p = mapper.paging
             what += f", pages {p.src_page} -> {p.dst_page} tokens by {p.granule}-token units"
         if not sl.whole_rows:
+            if advice == "direct":  # a head slice written in place is one run per token
+                return True, f"staged: {what} (advice 'direct' applies to whole rows only)"
             return True, f"staged: {what}"
+        if advice == "direct":
+            return False, "per descriptor: the link's backend writes decode's pages (advice)"
         if self.stages_whole_pages(mapper, remote, advice):
             return True, f"staged: {what} ({self._rule_words(advice)})"
         return False, f"per descriptor: {what} ({self._rule_words(advice)})"
