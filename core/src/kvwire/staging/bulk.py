@@ -106,10 +106,11 @@ class BulkOptions(BaseModel):
     )
     equal_tp: Literal["auto", "always", "never"] = Field(
         default="auto",
-        description="Stage equal-TP links (whole pages): 'auto' does where it is faster -- "
-        "prefill's KV pool and decode's ring both in GPU memory and one page of one buffer "
-        "below equal_tp_below_bytes; 'always' also on host pools (tests); 'never' keeps "
-        "every equal-TP link per page.",
+        description="Stage whole-row links (equal TP, MLA, page-size conversion with equal "
+        "TP): 'auto' does where it is faster -- prefill's KV pool and decode's ring both in "
+        "GPU memory (or the per-link rule advised 'staged') and one descriptor (a page of one "
+        "buffer, or a granule) below equal_tp_below_bytes; 'always' also on host pools "
+        "(tests); 'never' keeps every whole-row link per descriptor.",
     )
     equal_tp_below_bytes: int = Field(
         default=1 << 20,
