@@ -28,7 +28,7 @@ MLA = ModelSpec(num_layers=2, total_kv_heads=1, head_dim=8, dtype="int32", page_
                 is_mla=True)  # fmt: skip
 OPTS: dict[str, Any] = {"ring_bytes": 65536, "buffer_bytes": 8192, "block_bytes": 1024}
 RING = {"strategy": "bulk", "wire": WIRE_VERSION, "ring_addr": 1 << 20, "ring_bytes": 65536,
-        "block_bytes": 1024, "device_id": 0, "kind": int(MemKind.DRAM)}  # fmt: skip
+        "block_bytes": 1024, "device_id": 0, "kind": int(MemKind.DRAM), "units": True}  # fmt: skip
 
 
 def _writer(opts: dict[str, Any] | None = None) -> BulkStaging:
@@ -92,6 +92,14 @@ def test_which_links_stage_and_why() -> None:
     # decode without a ring
     ok, why = s.decide(hetero, None)
     assert not ok and "no bulk staging ring" in why
+    # a decode of an older kvwire (no "units" in its ring description) would refuse staged
+    # page-size conversion and MLA links: they stay per descriptor, the rest still stage
+    old = {k: v for k, v in vram.items() if k != "units"}
+    for m in (conv, mla, hetero):
+        ok, why = s.decide(m, old, "staged")
+        assert not ok and "decode's kvwire stages neither yet" in why
+    same = EqualTPMapper(*_pools(MODEL, (1, 1), (4, 4)))
+    assert s.decide(same, old)[0]
 
 
 def test_descriptor_bytes_is_the_per_descriptor_row() -> None:

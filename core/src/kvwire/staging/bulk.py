@@ -227,6 +227,9 @@ class BulkStaging(StagingStrategy):
             "block_bytes": self.opts.block_bytes,
             "device_id": r.device_id,
             "kind": int(r.kind),
+            # this ring scatters page-size conversion (granule units) and MLA blocks; a
+            # decode without the key refuses such links, so prefill keeps them unstaged
+            "units": True,
         }
 
     def link_tables(
@@ -305,6 +308,8 @@ class BulkStaging(StagingStrategy):
         if mapper.paging is not None:
             p = mapper.paging
             what += f", pages {p.src_page} -> {p.dst_page} tokens by {p.granule}-token units"
+        if (mapper.paging is not None or mapper.src.model.is_mla) and not remote.get("units"):
+            return False, f"per descriptor: {what} (decode's kvwire stages neither yet)"
         if not sl.whole_rows:
             if advice == "direct":  # a head slice written in place is one run per token
                 return True, f"staged: {what} (advice 'direct' applies to whole rows only)"
