@@ -214,3 +214,27 @@ def test_the_advice_is_applied_per_link_end_to_end(
         assert applied.startswith("per descriptor: the link's backend writes")
     else:
         assert applied.startswith("per descriptor: whole rows") and "pool kinds" in applied
+
+
+def test_doctor_plan_says_what_the_configured_staging_applies(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``kvwire doctor`` (no ``--peer``) with ``auto``: beside the per-link rule, what this
+    rank's ``--staging`` makes of each advice."""
+    import io
+
+    from rich.console import Console
+
+    from kvwire.cli import build_parser
+    from kvwire.doctor_links import links_section
+
+    monkeypatch.delenv("KVWIRE_SECRET", raising=False)
+    for staging, words in (
+        ("direct", "where advised 'staged': not applied: --staging direct has no staged path"),
+        ("bulk", "where advised 'staged': bulk: head slices staged; whole rows"),
+    ):
+        out = io.StringIO()
+        argv = ["doctor", "--transfer-backend", "auto", "--pool", "vram", "--staging", staging]
+        args = build_parser().parse_args(argv)
+        assert links_section(args, Console(file=out, width=400, color_system=None)) == []
+        assert f"staging applied (--staging {staging}): {words}" in out.getvalue(), out.getvalue()

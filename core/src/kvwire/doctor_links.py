@@ -14,6 +14,7 @@ from kvwire.config import config_from_args
 from kvwire.doctor_peer import add_peer_args, peer_section
 from kvwire.errors import KVWireError
 from kvwire.layout import MemKind
+from kvwire.link_choice import applied_staging
 from kvwire.selection import plan_backends
 
 
@@ -51,6 +52,12 @@ def links_section(args: argparse.Namespace, console: Console) -> list[str]:
             "  auto picks per link: GPU pools on one host with P2P -> the link-only backend "
             f"(cudaipc) if usable; GPU pools across hosts -> staged bulk writes over {general}; "
             f"host pools -> {general} with the configured staging (--peer shows a peer's links)",
+            highlight=False,
+        )
+        console.print(
+            f"  staging applied (--staging {config.staging}): where advised 'staged': "
+            f"{escape(applied_staging('staged', config.staging))}; where advised 'direct': "
+            f"{escape(applied_staging('direct', config.staging))}",
             highlight=False,
         )
     else:
