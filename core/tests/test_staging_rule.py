@@ -97,7 +97,7 @@ def test_which_links_stage_and_why() -> None:
     old = {k: v for k, v in vram.items() if k != "units"}
     for m in (conv, mla, hetero):
         ok, why = s.decide(m, old, "staged")
-        assert not ok and "decode's kvwire stages neither yet" in why
+        assert not ok and "decode's kvwire predates staged page-size conversion" in why
     same = EqualTPMapper(*_pools(MODEL, (1, 1), (4, 4)))
     assert s.decide(same, old)[0]
 

@@ -309,7 +309,8 @@ class BulkStaging(StagingStrategy):
             p = mapper.paging
             what += f", pages {p.src_page} -> {p.dst_page} tokens by {p.granule}-token units"
         if (mapper.paging is not None or mapper.src.model.is_mla) and not remote.get("units"):
-            return False, f"per descriptor: {what} (decode's kvwire stages neither yet)"
+            old = "decode's kvwire predates staged page-size conversion and MLA"
+            return False, f"per descriptor: {what} ({old})"
         if not sl.whole_rows:
             if advice == "direct":  # a head slice written in place is one run per token
                 return True, f"staged: {what} (advice 'direct' applies to whole rows only)"
