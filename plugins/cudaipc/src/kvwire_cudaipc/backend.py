@@ -21,18 +21,29 @@
   DONE when its event is (its data has landed): its notification, if any, is then on its way
   (handed to the side channel; the peer's ACK is not awaited, as with NIXL's notifications).
   A transfer with host rows is DONE when the peer acknowledged them (they land there).
+* **Events pushed.** Like ``tcp``, this backend
+  :attr:`~kvwire.backend.TransferBackend.pushes_events` (its owners sleep until woken
+  rather than poll on a timer), so it must say when a kernel
+  ends: a watcher thread of its own (:class:`_KernelWatcher`, started at the first launch)
+  waits for each launch's event in launch order (one stream: they complete in that order),
+  posts the follow-up (host rows, notification) at once, and calls the transfer's ``wake``
+  when it is DONE (VRAM rows only) -- the side channel's write calls it for the others. So
+  neither the notification nor the submitter waits for a poll.
 
 Locks: the template's contract (kvwire.backend). Besides, each peer has a lock held while a
 kernel that stores into its mappings is enqueued and while the mappings are closed (after
-the stream is synchronised), so a removal never unmaps memory under a launch.
+the stream is synchronised), so a removal never unmaps memory under a launch. Each
+transfer's lock is held while its follow-up is posted (by the watcher or by ``poll``,
+whichever comes first: it is posted once).
 """
 
 from __future__ import annotations
 
 import logging
+import queue
 import threading
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -116,6 +127,45 @@ class _IpcXfer:
     tcp: OutboundTransfer | None = None
     failed: str | None = None
     lock: threading.Lock = field(default_factory=threading.Lock)
+    #: The peer's name (the side channel's address) and the submitter's wake-up (the
+    #: handle's ``wake``), called once the transfer is terminal.
+    peer_name: str = ""
+    wake: Callable[[], None] | None = None
+
+
+class _KernelWatcher:
+    """A thread that waits for each launch's event, in launch order, and hands the finished
+    transfer to ``done`` (the backend's :meth:`CudaIpcBackend._kernel_done`). Owned by the
+    backend (started at its first launch, stopped at close); the backend's launch path is
+    its only producer. Waiting blocks in the driver (events are created with
+    ``blocking=True``: no spinning core), without the GIL."""
+
+    def __init__(self, name: str, done: Callable[[_IpcXfer, str | None], None]) -> None:
+        self._q: queue.SimpleQueue[_IpcXfer | None] = queue.SimpleQueue()
+        self._done = done
+        self._thread = threading.Thread(target=self._run, name=f"{name}-kernels", daemon=True)
+        self._thread.start()
+
+    def watch(self, x: _IpcXfer) -> None:
+        """Launch path, right after recording ``x.event``: wait for it."""
+        self._q.put(x)
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """Close: finish the launches already watched, then end the thread."""
+        self._q.put(None)
+        self._thread.join(timeout)
+
+    def _run(self) -> None:
+        while (x := self._q.get()) is not None:
+            error = None
+            try:
+                x.event.synchronize()
+            except Exception as exc:  # a failed kernel (sticky CUDA error): fail the transfer
+                error = f"cudaipc: waiting for the mover kernel failed: {exc}"
+            try:
+                self._done(x, error)
+            except Exception:
+                logger.exception("cudaipc: kernel completion handling failed")
 
 
 class CudaIpcBackend(TcpBackend):
@@ -142,6 +192,7 @@ class CudaIpcBackend(TcpBackend):
         self._writer: int | None = None
         self._stream: Any = None
         self._copier: Any = None
+        self._watcher: _KernelWatcher | None = None
         #: 8 bytes a notification-only message writes on the target (the side channel's
         #: messages carry at least one row); in every HostMemory, never in ``_regions``.
         self._scratch = np.zeros(SCRATCH_BYTES, dtype=np.uint8)
@@ -401,7 +452,7 @@ class CudaIpcBackend(TcpBackend):
                 f"{int(remote_idx[i])} ({'VRAM' if rv[i] else 'DRAM'})"
             )
         lens = pair.local_lens[local_idx]
-        x = _IpcXfer(peer=st.peer, notification=notification)
+        x = _IpcXfer(peer=st.peer, notification=notification, peer_name=pair.peer, wake=handle.wake)
         host = ~lv
         if host.any():
             x.follow = (
@@ -419,7 +470,7 @@ class CudaIpcBackend(TcpBackend):
         if lv.any():
             self._launch(x, st, local_idx[lv], remote_idx[lv], lens[lv])
         if x.event is None and x.follow is not None:
-            self._post_follow(x, pair.peer)
+            self._post_follow(x)
         return x
 
     def _launch(
@@ -430,26 +481,52 @@ class CudaIpcBackend(TcpBackend):
         ri: NDArray[np.int64],
         lens: NDArray[np.uint64],
     ) -> None:
-        """Enqueue one fused mover launch for the VRAM rows and record its event. Holds the
-        peer's lock only while enqueueing (never waits for the GPU)."""
+        """Enqueue one fused mover launch for the VRAM rows, record its event and hand it to
+        the kernel watcher. Holds the peer's lock only while enqueueing (never waits for the
+        GPU)."""
         torch = _cuda._torch()
         src = st.local_addr[li].astype(np.int64)
         dst = st.remote_mapped[ri]
         n = lens.astype(np.int64)
+        watcher = self._kernel_watcher()
         with st.peer.lock:
             if st.peer.closed:
                 raise PeerError(f"peer {st.peer.info.name!r} was removed")
             self._copier.copy(src, dst, n, stream=self._stream)
-            ev = torch.cuda.Event()
+            ev = torch.cuda.Event(blocking=True)
             ev.record(self._stream)
             x.event = ev
             st.peer.pending.add(x)
+            watcher.watch(x)  # under the lock: the watcher sees launches in stream order
 
-    def _post_follow(self, x: _IpcXfer, peer: str) -> None:
-        """Post the host rows and notification over the side channel (after the data)."""
+    def _kernel_watcher(self) -> _KernelWatcher:
+        """The watcher thread, started at the first launch (any submitting thread)."""
+        if self._watcher is None:
+            with self._gpu_lock:
+                if self._watcher is None:
+                    self._watcher = _KernelWatcher(self.agent_name, self._kernel_done)
+        return self._watcher
+
+    def _kernel_done(self, x: _IpcXfer, error: str | None) -> None:
+        """Kernel watcher: ``x``'s kernel ended. Post its follow-up now (unless ``poll`` did
+        already), and wake its submitter when the transfer is DONE (VRAM rows only) or
+        failed; a follow-up with host rows wakes it when the side channel's write ends."""
+        with x.lock:
+            if error is not None:
+                x.failed = x.failed or error
+            elif x.follow is not None and x.tcp is None and x.failed is None:
+                self._post_follow(x)
+            terminal = x.failed is not None or x.follow is None or x.notify_only
+        if terminal and x.wake is not None:
+            x.wake()
+
+    def _post_follow(self, x: _IpcXfer) -> None:
+        """Post the host rows and notification over the side channel (after the data); the
+        side channel wakes the submitter when a write with host rows ends."""
         assert x.follow is not None
         la, ra, lens = x.follow
-        x.tcp = self._queue(XferOp.WRITE, peer, la, ra, lens, x.notification)
+        wake = None if x.notify_only else x.wake
+        x.tcp = self._queue(XferOp.WRITE, x.peer_name, la, ra, lens, x.notification, wake)
 
     def _poll(self, handle: TransferHandle) -> XferState:
         x: _IpcXfer = handle.state
@@ -460,8 +537,8 @@ class CudaIpcBackend(TcpBackend):
             if not x.event.query():
                 return XferState.PENDING
             with x.lock:
-                if x.follow is not None and x.tcp is None:
-                    self._post_follow(x, handle.peer)
+                if x.follow is not None and x.tcp is None and x.failed is None:
+                    self._post_follow(x)
         if x.tcp is not None and not x.notify_only:
             if x.tcp.status is XferState.FAILED and handle.error is None:
                 handle.error = x.tcp.error
@@ -472,4 +549,6 @@ class CudaIpcBackend(TcpBackend):
         for p in list(self._ipc_peers.values()):
             self._close_peer(p)
         self._ipc_peers.clear()
+        if self._watcher is not None:
+            self._watcher.stop()
         super()._close()
