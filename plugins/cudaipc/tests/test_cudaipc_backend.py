@@ -157,6 +157,8 @@ class _HostCopier:
         for s, d, k in zip(src.tolist(), dst.tolist(), n.tolist(), strict=True):
             ctypes.memmove(d, s, k)
 
+    move = copy  # the backend calls RunCopier.move (groups or tiles: the same bytes)
+
 
 def test_vram_path_control_flow_with_host_stand_ins(monkeypatch: pytest.MonkeyPatch) -> None:
     """The VRAM path without a GPU: CUDA calls (export, UUIDs, event, the kernel) replaced

@@ -492,7 +492,7 @@ class CudaIpcBackend(TcpBackend):
         with st.peer.lock:
             if st.peer.closed:
                 raise PeerError(f"peer {st.peer.info.name!r} was removed")
-            self._copier.copy(src, dst, n, stream=self._stream)
+            self._copier.move(src, dst, n, stream=self._stream)
             ev = torch.cuda.Event(blocking=True)
             ev.record(self._stream)
             x.event = ev
