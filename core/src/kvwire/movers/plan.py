@@ -183,21 +183,20 @@ def plan_groups(
 ) -> GroupPlan | None:
     """Group a run list whose runs all have one length (at most ``max_piece`` bytes) into
     evenly spaced pieces, vectorised: consecutive runs whose sources and destinations both
-    advance by the list's stride (the step between its first two runs that continue each
-    other) join one group. None when the runs differ in length, a stride is not positive or
+    advance by the list's stride (the first step, among the first 64, that the next step
+    repeats) join one group. None when the runs differ in length, a stride is not positive or
     a destination stride is shorter than a run (pieces would overlap), or the groups are not
     at least ``min_gain`` times fewer than the runs (the tile plan is as good)."""
     s, d, n = as_runs(src, dst, nbytes)
-    keep = n > 0
-    if not keep.all():
-        s, d, n = s[keep], d[keep], n[keep]
-    if s.size < 2 * min_gain:
-        return None
+    if s.size < 2 * min_gain or not 0 < int(n[0]) <= max_piece:
+        return None  # few runs, or long ones (a tile each is as good): no scan
     piece = int(n[0])
-    if piece > max_piece or not bool((n == piece).all()):
+    if int(n.min()) != piece or int(n.max()) != piece:
         return None
-    ds, dd = np.diff(s), np.diff(d)
-    same = (ds[:-1] == ds[1:]) & (dd[:-1] == dd[1:])
+    ds, dd = s[1:] - s[:-1], d[1:] - d[:-1]
+    # the stride: the first step that the next step repeats (among the first 64)
+    h = min(ds.size, 65)
+    same = (ds[: h - 1] == ds[1:h]) & (dd[: h - 1] == dd[1:h])
     k = int(np.argmax(same)) if same.any() else 0
     s_stride, d_stride = int(ds[k]), int(dd[k])
     if s_stride <= 0 or d_stride < piece:

@@ -238,12 +238,13 @@ class RunCopier:
         return plan
 
     def move(self, src: Any, dst: Any, nbytes: Any, stream: Any = None) -> TilePlan | GroupPlan:
-        """Like :meth:`copy`, but a run list of one short length in evenly spaced groups (a
-        head slice of every token row of a page, heterogeneous TP) is copied with one
+        """Like :meth:`copy`, but a run list of one short length (at most
+        :data:`~kvwire.movers.plan.BLOCK_BYTES`) in evenly spaced groups (a head slice of
+        every token row of a page, heterogeneous TP) is copied with one
         program per group (:func:`~kvwire.movers.plan.plan_groups`: a few thousand programs
         instead of one per token, and a table that fits a slot); any other list as
         :meth:`copy` does. Returns the plan launched."""
-        groups = plan_groups(src, dst, nbytes, max_piece=self.tile_bytes)
+        groups = plan_groups(src, dst, nbytes, max_piece=min(self.tile_bytes, BLOCK_BYTES))
         if groups is None:
             return self.copy(src, dst, nbytes, stream)
         self.launch_groups(groups, stream)

@@ -110,6 +110,12 @@ class _Pair:
     remote_vram: NDArray[np.bool_]
     #: Remote VRAM rows translated into this process's mapping (0 for host rows).
     remote_mapped: NDArray[np.int64]
+    #: Local addresses and row lengths as the mover takes them (int64).
+    local_i64: NDArray[np.int64]
+    lens_i64: NDArray[np.int64]
+    #: Every row of both tables is VRAM (a KV pool pair): a submit gathers three arrays and
+    #: launches, with no per-row kind checks or masks.
+    all_vram: bool
 
 
 @dataclass(eq=False)
@@ -414,6 +420,9 @@ class CudaIpcBackend(TcpBackend):
             local_vram=lk,
             remote_vram=rk,
             remote_mapped=mapped,
+            local_i64=local[:, ADDR].astype(np.int64),
+            lens_i64=local[:, LEN].astype(np.int64),
+            all_vram=bool(lk.all() and rk.all()),
         )
 
     def _ensure_gpu(self) -> None:
@@ -443,6 +452,13 @@ class CudaIpcBackend(TcpBackend):
         handle: TransferHandle,
     ) -> Any:
         st: _Pair = pair.state
+        x = _IpcXfer(peer=st.peer, notification=notification, peer_name=pair.peer, wake=handle.wake)
+        if st.all_vram:  # the KV pool's pair: three gathers, one launch
+            if notification is not None:
+                self._notify_only(x, st)
+            src, dst = st.local_i64[local_idx], st.remote_mapped[remote_idx]
+            self._launch(x, st, src, dst, st.lens_i64[local_idx])
+            return x
         lv, rv = st.local_vram[local_idx], st.remote_vram[remote_idx]
         if not np.array_equal(lv, rv):
             i = int(np.argmax(lv != rv))
@@ -452,7 +468,6 @@ class CudaIpcBackend(TcpBackend):
                 f"{int(remote_idx[i])} ({'VRAM' if rv[i] else 'DRAM'})"
             )
         lens = pair.local_lens[local_idx]
-        x = _IpcXfer(peer=st.peer, notification=notification, peer_name=pair.peer, wake=handle.wake)
         host = ~lv
         if host.any():
             x.follow = (
@@ -460,34 +475,37 @@ class CudaIpcBackend(TcpBackend):
                 st.remote_addr[remote_idx[host]],
                 lens[host],
             )
-        elif notification is not None:  # the message writes the peer's scratch word
-            x.notify_only = True
-            x.follow = (
-                np.array([self._scratch_region.addr], dtype=np.uint64),
-                np.array([st.peer.info.scratch], dtype=np.uint64),
-                np.array([SCRATCH_BYTES], dtype=np.uint64),
-            )
+        elif notification is not None:
+            self._notify_only(x, st)
         if lv.any():
-            self._launch(x, st, local_idx[lv], remote_idx[lv], lens[lv])
+            li, ri = local_idx[lv], remote_idx[lv]
+            self._launch(x, st, st.local_i64[li], st.remote_mapped[ri], st.lens_i64[li])
         if x.event is None and x.follow is not None:
             self._post_follow(x)
         return x
+
+    def _notify_only(self, x: _IpcXfer, st: _Pair) -> None:
+        """The follow-up of a transfer without host rows: the notification alone, as a
+        message that writes the peer's scratch word (the side channel carries rows)."""
+        x.notify_only = True
+        x.follow = (
+            np.array([self._scratch_region.addr], dtype=np.uint64),
+            np.array([st.peer.info.scratch], dtype=np.uint64),
+            np.array([SCRATCH_BYTES], dtype=np.uint64),
+        )
 
     def _launch(
         self,
         x: _IpcXfer,
         st: _Pair,
-        li: NDArray[np.int64],
-        ri: NDArray[np.int64],
-        lens: NDArray[np.uint64],
+        src: NDArray[np.int64],
+        dst: NDArray[np.int64],
+        n: NDArray[np.int64],
     ) -> None:
-        """Enqueue one fused mover launch for the VRAM rows, record its event and hand it to
-        the kernel watcher. Holds the peer's lock only while enqueueing (never waits for the
-        GPU)."""
+        """Enqueue one fused mover launch for the VRAM runs ``(src, dst, n)`` (``dst`` in this
+        process's mapping of the peer), record its event and hand it to the kernel watcher.
+        Holds the peer's lock only while enqueueing (never waits for the GPU)."""
         torch = _cuda._torch()
-        src = st.local_addr[li].astype(np.int64)
-        dst = st.remote_mapped[ri]
-        n = lens.astype(np.int64)
         watcher = self._kernel_watcher()
         with st.peer.lock:
             if st.peer.closed:
