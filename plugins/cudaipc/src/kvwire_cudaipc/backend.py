@@ -12,23 +12,25 @@
   allocation per process.
 * **Transfers (WRITE only).** ``prepare`` translates the remote table's VRAM rows into this
   process's mapping of the peer's memory, once. ``submit`` turns the two index arrays into a
-  run list with NumPy fancy indexing and enqueues **one** fused mover launch
-  (:class:`kvwire.movers.triton_copy.RunCopier`) on the backend's private stream, then records
-  an event. Host-memory rows (an engine's aux rows) and the notification travel over the
-  built-in ``tcp`` backend's side channel (ZeroMQ, CURVE-authenticated with a secret), which
-  this class extends: they are posted only once the kernel's event completed, so a
-  notification always reaches the peer after the data. A transfer with VRAM rows only is
+  run list with NumPy fancy indexing (three gathers for a pair that is VRAM in every row)
+  and enqueues **one** fused mover launch (:meth:`kvwire.movers.triton_copy.RunCopier.move`:
+  one program per group of evenly spaced pieces, e.g. a head slice of a page's token rows,
+  or per tile) on the backend's private stream, then records an event. Host-memory rows
+  (an engine's aux rows) and the notification travel over the built-in ``tcp`` backend's
+  side channel (ZeroMQ, CURVE-authenticated with a secret), which this class extends: they
+  are posted only once the kernel's event completed, so a notification always reaches the
+  peer after the data. A transfer with VRAM rows only is
   DONE when its event is (its data has landed): its notification, if any, is then on its way
   (handed to the side channel; the peer's ACK is not awaited, as with NIXL's notifications).
   A transfer with host rows is DONE when the peer acknowledged them (they land there).
 * **Events pushed.** Like ``tcp``, this backend
   :attr:`~kvwire.backend.TransferBackend.pushes_events` (its owners sleep until woken
-  rather than poll on a timer), so it must say when a kernel
-  ends: a watcher thread of its own (:class:`_KernelWatcher`, started at the first launch)
-  waits for each launch's event in launch order (one stream: they complete in that order),
-  posts the follow-up (host rows, notification) at once, and calls the transfer's ``wake``
-  when it is DONE (VRAM rows only) -- the side channel's write calls it for the others. So
-  neither the notification nor the submitter waits for a poll.
+  rather than poll on a timer), so it must say when a kernel ends: a watcher thread of its
+  own (:class:`~kvwire_cudaipc.watcher.KernelWatcher`, started at the first launch) waits
+  for each launch's event in launch order (one stream: they complete in that order), posts
+  the follow-up (host rows, notification) at once, and calls the transfer's ``wake`` when it
+  is DONE (VRAM rows only) -- the side channel's write calls it for the others. So neither
+  the notification nor the submitter waits for a poll.
 
 Locks: the template's contract (kvwire.backend). Besides, each peer has a lock held while a
 kernel that stores into its mappings is enqueued and while the mappings are closed (after
@@ -40,7 +42,6 @@ whichever comes first: it is posted once).
 from __future__ import annotations
 
 import logging
-import queue
 import threading
 import weakref
 from collections.abc import Callable, Sequence
@@ -69,6 +70,7 @@ from kvwire.layout import MemKind, MemoryRegion
 from kvwire.movers.plan import DEFAULT_TILE_BYTES
 from kvwire_cudaipc import _cuda
 from kvwire_cudaipc.meta import IpcExport, PeerInfo, parse_peer
+from kvwire_cudaipc.watcher import KernelWatcher
 
 logger = logging.getLogger(__name__)
 
@@ -139,41 +141,6 @@ class _IpcXfer:
     wake: Callable[[], None] | None = None
 
 
-class _KernelWatcher:
-    """A thread that waits for each launch's event, in launch order, and hands the finished
-    transfer to ``done`` (the backend's :meth:`CudaIpcBackend._kernel_done`). Owned by the
-    backend (started at its first launch, stopped at close); the backend's launch path is
-    its only producer. Waiting blocks in the driver (events are created with
-    ``blocking=True``: no spinning core), without the GIL."""
-
-    def __init__(self, name: str, done: Callable[[_IpcXfer, str | None], None]) -> None:
-        self._q: queue.SimpleQueue[_IpcXfer | None] = queue.SimpleQueue()
-        self._done = done
-        self._thread = threading.Thread(target=self._run, name=f"{name}-kernels", daemon=True)
-        self._thread.start()
-
-    def watch(self, x: _IpcXfer) -> None:
-        """Launch path, right after recording ``x.event``: wait for it."""
-        self._q.put(x)
-
-    def stop(self, timeout: float = 10.0) -> None:
-        """Close: finish the launches already watched, then end the thread."""
-        self._q.put(None)
-        self._thread.join(timeout)
-
-    def _run(self) -> None:
-        while (x := self._q.get()) is not None:
-            error = None
-            try:
-                x.event.synchronize()
-            except Exception as exc:  # a failed kernel (sticky CUDA error): fail the transfer
-                error = f"cudaipc: waiting for the mover kernel failed: {exc}"
-            try:
-                self._done(x, error)
-            except Exception:
-                logger.exception("cudaipc: kernel completion handling failed")
-
-
 class CudaIpcBackend(TcpBackend):
     """Same-host VRAM -> VRAM WRITEs through CUDA IPC and one fused kernel per transfer."""
 
@@ -198,7 +165,7 @@ class CudaIpcBackend(TcpBackend):
         self._writer: int | None = None
         self._stream: Any = None
         self._copier: Any = None
-        self._watcher: _KernelWatcher | None = None
+        self._watcher: KernelWatcher[_IpcXfer] | None = None
         #: 8 bytes a notification-only message writes on the target (the side channel's
         #: messages carry at least one row); in every HostMemory, never in ``_regions``.
         self._scratch = np.zeros(SCRATCH_BYTES, dtype=np.uint8)
@@ -517,12 +484,12 @@ class CudaIpcBackend(TcpBackend):
             st.peer.pending.add(x)
             watcher.watch(x)  # under the lock: the watcher sees launches in stream order
 
-    def _kernel_watcher(self) -> _KernelWatcher:
+    def _kernel_watcher(self) -> KernelWatcher[_IpcXfer]:
         """The watcher thread, started at the first launch (any submitting thread)."""
         if self._watcher is None:
             with self._gpu_lock:
                 if self._watcher is None:
-                    self._watcher = _KernelWatcher(self.agent_name, self._kernel_done)
+                    self._watcher = KernelWatcher(self.agent_name, self._kernel_done)
         return self._watcher
 
     def _kernel_done(self, x: _IpcXfer, error: str | None) -> None:
