@@ -346,6 +346,84 @@ def test_kernel_end_wakes_the_submitter_and_sends_the_note_without_a_poll(
         b.close()
 
 
+def test_all_vram_pair_submits_one_launch_of_exactly_its_runs(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A pair whose tables are VRAM in every row (a KV pool's) takes the submit's fast path:
+    one copier call whose runs are exactly the rows' addresses (the peer's side translated into
+    this process's mapping) and lengths, in the order given; the bytes land, the notification
+    follows. Host stand-ins as above."""
+    import time
+
+    import kvwire_cudaipc.backend as backend_mod
+    from kvwire.backend import XferOp, XferState
+
+    torch = pytest.importorskip("torch")
+    monkeypatch.setattr(
+        _cuda, "export", lambda dev, addr: (addr.to_bytes(8, "little") * 8, 0, 1 << 46)
+    )
+    monkeypatch.setattr(_cuda, "device_uuid", lambda i: "GPU-stand-in")
+    monkeypatch.setattr(_cuda, "visible_uuids", lambda: {"GPU-stand-in": 0})
+    calls: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []
+    copier = _HostCopier()
+
+    def move(src: np.ndarray, dst: np.ndarray, n: np.ndarray, stream: object = None) -> None:
+        calls.append((src.copy(), dst.copy(), n.copy()))
+        copier.copy(src, dst, n)
+
+    def ensure(self: backend_mod.CudaIpcBackend) -> None:
+        self._copier = copier
+
+    monkeypatch.setattr(copier, "move", move)
+    monkeypatch.setattr(backend_mod.CudaIpcBackend, "_ensure_gpu", ensure)
+    monkeypatch.setattr(torch.cuda, "Event", _HostEvent)
+    _HostEvent.gate.set()
+    cfg = KVWireConfig(transfer_backend="cudaipc")
+    a = create_backend(cfg, "prefill", need=())
+    b = create_backend(cfg, "decode", need=())
+    try:
+        rng = np.random.default_rng(8)
+        av = rng.integers(0, 256, 1 << 14, dtype=np.uint8)
+        bv = np.zeros(1 << 15, np.uint8)
+
+        def vram(x: np.ndarray) -> MemoryRegion:
+            return MemoryRegion.from_pointer(x.ctypes.data, x.nbytes, 1024, MemKind.VRAM, 0)
+
+        a.register([vram(av)])
+        b.register([vram(bv)])
+        peer = a.add_peer(b.local_metadata())
+        # rows of 1 KiB on both sides; the peer's pool has twice as many
+        local = make_table(av.ctypes.data + np.arange(16) * 1024, 1024)
+        remote = make_table(bv.ctypes.data + np.arange(32) * 1024, 1024)
+        pair = a.prepare(peer, local, remote)
+        assert pair.state.all_vram  # the fast path is the one under test
+        li, ri = rng.permutation(16), rng.permutation(32)[:16]
+        h = a.submit(XferOp.WRITE, pair, li, ri, notification=b"fast")
+        for _ in range(3000):
+            if a.poll(h) is not XferState.PENDING:
+                break
+            time.sleep(0.005)
+        assert a.poll(h) is XferState.DONE
+        a.release(h)
+        assert len(calls) == 1
+        src, dst, n = calls[0]
+        assert np.array_equal(src, av.ctypes.data + li * 1024)
+        assert np.array_equal(dst, bv.ctypes.data + ri * 1024)  # same process: no delta
+        assert np.array_equal(n, np.full(16, 1024))
+        for i, r in zip(li.tolist(), ri.tolist(), strict=True):
+            assert np.array_equal(bv[r * 1024 : (r + 1) * 1024], av[i * 1024 : (i + 1) * 1024])
+        got: list = []
+        for _ in range(3000):
+            got += b.get_notifications()
+            if got:
+                break
+            time.sleep(0.005)
+        assert [x.payload for x in got] == [b"fast"]
+    finally:
+        a.close()
+        b.close()
+
+
 # ------------------------------------------------------------ the per-link check (link_problem)
 def test_link_problem_names_another_host(agents: tuple) -> None:
     """Prefill asks each backend whether it can serve a link before adding the peer: cudaipc
