@@ -300,6 +300,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--backend", default="cudaipc", help="transfer backend of the engine phase")
     p.add_argument("--prefill-tp", type=int, default=1, help="engine phase: prefill ranks")
     p.add_argument("--decode-tp", type=int, default=1, help="engine phase: decode ranks")
+    p.add_argument(
+        "--sample-dir",
+        default="",
+        help="folder where a file 'on' exists while the timed engine requests run (for "
+        "scripts/gpu_call_tracer.py in the rank processes)",
+    )
     p.add_argument("--json", default="")
     a = p.parse_args(argv)
     command = " ".join(

@@ -19,7 +19,9 @@ from kvwire.movers import (
     copy_runs_reference,
     copy_tiles_reference,
     element_width,
+    expand_groups,
     merge_adjacent,
+    plan_groups,
     plan_tiles,
 )
 from kvwire.testing.interpreted import run_interpreted
@@ -222,3 +224,126 @@ def test_page_mover_in_interpreter_gathers_and_scatters_pages_and_slices() -> No
     compared with NumPy and nothing outside the selection touched."""
     pytest.importorskip("triton")
     run_interpreted(_PAGES_CHECK, "PAGES-OK")
+
+
+def head_slice_runs(
+    rng: np.random.Generator, nbuf: int, pages: int, tokens: int, row: int, lo: int, n: int
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The run list of a head slice moved page to page (heterogeneous TP): for every buffer
+    and page (random page order on both sides), bytes ``[lo, lo + n)`` of each source token
+    row into bytes ``[0, n)`` of the destination's narrower rows (``n`` apart)."""
+    slots = 2 * pages
+    sp, dp = rng.permutation(slots)[:pages], rng.permutation(slots)[:pages]
+    b = np.arange(nbuf)[:, None, None]
+    t = np.arange(tokens)[None, None, :]
+    src = ((b * slots + sp[None, :, None]) * tokens + t) * row + lo
+    dst = (1 << 30) + ((b * slots + dp[None, :, None]) * tokens + t) * n
+    size = src.size
+    return src.ravel(), dst.ravel(), np.full(size, n, dtype=np.int64)
+
+
+@settings(max_examples=100, deadline=None)
+@given(
+    nbuf=st.integers(1, 6),
+    pages=st.integers(1, 9),
+    tokens=st.integers(4, 16),
+    row_n=st.sampled_from([(64, 32), (2048, 1024), (48, 16), (13, 5), (4096, 512)]),
+    seed=st.integers(0, 2**32 - 1),
+)
+def test_head_slices_group_per_page_and_expand_to_the_same_runs(
+    nbuf: int, pages: int, tokens: int, row_n: tuple[int, int], seed: int
+) -> None:
+    """A head slice of every token row of a page is one group (one GPU program) at most, and
+    the groups expand back to exactly the run list, in order."""
+    row, n = row_n
+    rng = np.random.default_rng(seed)
+    lo = int(rng.integers(0, row - n + 1))
+    src, dst, lens = head_slice_runs(rng, nbuf, pages, tokens, row, lo, n)
+    plan = plan_groups(src, dst, lens, min_gain=2)
+    assert plan is not None
+    # at most one group per (buffer, page): two pages that follow each other on both sides
+    # continue one group
+    assert plan.num_groups <= nbuf * pages and (plan.count % tokens == 0).all()
+    assert plan.src_stride == row and plan.dst_stride == n
+    for got, want in zip(expand_groups(plan), (src, dst, lens), strict=True):
+        assert np.array_equal(got, want)
+    assert plan.total_bytes == int(lens.sum())
+    assert src[0] % plan.width == 0 and n % plan.width == 0 and row % plan.width == 0
+
+
+@settings(max_examples=150, deadline=None)
+@given(runs=run_lists(), same_len=st.booleans())
+def test_grouping_any_run_list_is_refused_or_exact(
+    runs: tuple[np.ndarray, np.ndarray, np.ndarray], same_len: bool
+) -> None:
+    """Any run list: plan_groups either refuses it (None: the tile plan copies it) or its
+    groups expand to exactly the runs; a list of runs of different lengths is refused."""
+    src, dst, lens = runs
+    if same_len and lens.size:
+        lens = np.full(lens.size, max(int(lens.min()), 1), dtype=np.int64)
+    plan = plan_groups(src, dst, lens, min_gain=1)
+    keep = lens > 0
+    if plan is None:
+        return
+    assert len(set(lens[keep].tolist())) == 1
+    for got, want in zip(expand_groups(plan), (src[keep], dst[keep], lens[keep]), strict=True):
+        assert np.array_equal(got, want)
+
+
+def test_grouping_refuses_overlapping_or_mixed_pieces() -> None:
+    """Pieces that would overlap on the destination, or runs of two lengths, are not grouped;
+    neither is a list the groups would not shrink."""
+    src = np.arange(16, dtype=np.int64) * 64
+    assert plan_groups(src, (1 << 20) + src // 4, np.full(16, 32)) is None  # dst stride 16 < 32
+    mixed = np.full(16, 32)
+    mixed[3] = 16
+    assert plan_groups(src, (1 << 20) + src, mixed) is None
+    scattered = np.random.default_rng(0).permutation(16) * 4096
+    assert plan_groups(scattered, (1 << 20) + src, np.full(16, 32)) is None
+
+
+_GROUPS_CHECK = textwrap.dedent(
+    """
+    import numpy as np, torch
+    from kvwire.movers import GroupPlan, copy_runs_reference
+    from kvwire.movers.triton_copy import RunCopier
+    from test_movers import head_slice_runs
+    rng = np.random.default_rng(5)
+    mover = RunCopier("cpu")
+    for row, n, pad in ((2048, 1024, 0), (64, 32, 16), (48, 16, 8), (13, 5, 3), (256, 8, 4)):
+        nbuf, pages, tokens = 3, 4, 5
+        src, dst, lens = head_slice_runs(rng, nbuf, pages, tokens, row, 0, n)
+        lo = int(rng.integers(0, row - n + 1)) // pad * pad if pad else 0
+        src = src + lo + pad
+        dst = dst - (1 << 30) + nbuf * 2 * pages * tokens * row + 64 + pad
+        size = int(dst.max()) + n + 64
+        mem = torch.from_numpy(rng.integers(0, 256, size, dtype=np.uint8))
+        want = mem.numpy().copy()
+        copy_runs_reference(want, src, dst, lens)
+        base = mem.data_ptr()
+        plan = mover.move(src + base, dst + base, lens)
+        assert isinstance(plan, GroupPlan) and plan.num_groups <= nbuf * pages, plan
+        assert np.array_equal(mem.numpy(), want), (row, n, pad)
+    # a list that does not group is copied by the tile path
+    src = rng.permutation(12) * 4096
+    n = rng.integers(1, 256, 12) * 16
+    mem = torch.from_numpy(rng.integers(0, 256, 1 << 17, dtype=np.uint8))
+    want = mem.numpy().copy()
+    copy_runs_reference(want, src, (1 << 16) + src, n)
+    plan = mover.move(src + mem.data_ptr(), (1 << 16) + src + mem.data_ptr(), n)
+    assert not isinstance(plan, GroupPlan)
+    assert np.array_equal(mem.numpy(), want)
+    print("GROUPS-OK")
+    """
+)
+
+
+def test_group_mover_in_interpreter_copies_head_slices_page_to_page() -> None:
+    """The group kernel (heterogeneous TP's head slices, one program per buffer and page), run
+    by Triton's CPU interpreter over host memory for every element width: every byte compared
+    with the reference mover, nothing else written."""
+    pytest.importorskip("triton")
+    import os
+
+    here = os.path.dirname(os.path.abspath(__file__))
+    run_interpreted(f"import sys; sys.path.insert(0, {here!r})\n" + _GROUPS_CHECK, "GROUPS-OK")

@@ -7,6 +7,7 @@ this process cannot see or reach peer to peer."""
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterator
 
 import msgpack
@@ -123,13 +124,23 @@ def test_vram_registration_without_a_gpu_is_a_config_error() -> None:
 
 
 class _HostEvent:
-    """Stands in for a CUDA event (the stand-in copier below finishes synchronously)."""
+    """Stands in for a CUDA event (the stand-in copier below finishes synchronously). While
+    the class's ``gate`` is cleared, every event is "in flight": ``query`` says False and
+    ``synchronize`` blocks until the gate opens (a kernel still running)."""
+
+    gate = threading.Event()
+
+    def __init__(self, **kwargs: object) -> None:
+        self.kwargs = kwargs
 
     def record(self, stream: object) -> None:
         pass
 
     def query(self) -> bool:
-        return True
+        return self.gate.is_set()
+
+    def synchronize(self) -> None:
+        assert self.gate.wait(30), "stand-in kernel never finished"
 
 
 class _HostCopier:
@@ -145,6 +156,8 @@ class _HostCopier:
         self.launches += 1
         for s, d, k in zip(src.tolist(), dst.tolist(), n.tolist(), strict=True):
             ctypes.memmove(d, s, k)
+
+    move = copy  # the backend calls RunCopier.move (groups or tiles: the same bytes)
 
 
 def test_vram_path_control_flow_with_host_stand_ins(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -172,6 +185,7 @@ def test_vram_path_control_flow_with_host_stand_ins(monkeypatch: pytest.MonkeyPa
 
     monkeypatch.setattr(backend_mod.CudaIpcBackend, "_ensure_gpu", ensure)
     monkeypatch.setattr(torch.cuda, "Event", _HostEvent)
+    _HostEvent.gate.set()
 
     rng = np.random.default_rng(4)
     cfg = KVWireConfig(transfer_backend="cudaipc")
@@ -240,6 +254,171 @@ def test_vram_path_control_flow_with_host_stand_ins(monkeypatch: pytest.MonkeyPa
 
         with pytest.raises(DescriptorError, match="pairs local row 20 \\(DRAM\\)"):
             a.submit(XferOp.WRITE, pair, np.array([20]), np.array([0]))
+    finally:
+        a.close()
+        b.close()
+
+
+def test_kernel_end_wakes_the_submitter_and_sends_the_note_without_a_poll(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """cudaipc pushes events (its owners sleep until woken, up to 5 ms on prefill's workers):
+    when a launch's kernel ends, its own watcher thread posts the notification and calls the
+    submitter's ``wake``, with no ``poll`` in between. Before the kernel ends, neither
+    happens; a transfer with host rows wakes its submitter once the side channel's write of
+    them ends. Same host stand-ins as above; the stand-in event stays in flight until its
+    gate opens."""
+    import time
+
+    import kvwire_cudaipc.backend as backend_mod
+    from kvwire.backend import XferOp, XferState
+
+    torch = pytest.importorskip("torch")
+    monkeypatch.setattr(
+        _cuda, "export", lambda dev, addr: (addr.to_bytes(8, "little") * 8, 0, 1 << 46)
+    )
+    monkeypatch.setattr(_cuda, "device_uuid", lambda i: "GPU-stand-in")
+    monkeypatch.setattr(_cuda, "visible_uuids", lambda: {"GPU-stand-in": 0})
+    copier = _HostCopier()
+
+    def ensure(self: backend_mod.CudaIpcBackend) -> None:
+        self._copier = copier
+
+    monkeypatch.setattr(backend_mod.CudaIpcBackend, "_ensure_gpu", ensure)
+    monkeypatch.setattr(torch.cuda, "Event", _HostEvent)
+    _HostEvent.gate.clear()
+    cfg = KVWireConfig(transfer_backend="cudaipc")
+    a = create_backend(cfg, "prefill", need=())
+    b = create_backend(cfg, "decode", need=())
+    try:
+        assert a.pushes_events
+        av = np.arange(1 << 15, dtype=np.uint8)
+        bv = np.zeros(1 << 15, np.uint8)
+        ah, bh = np.full(64, 7, np.uint8), np.zeros(64, np.uint8)
+
+        def vram(x: np.ndarray) -> MemoryRegion:
+            return MemoryRegion.from_pointer(x.ctypes.data, x.nbytes, 4096, MemKind.VRAM, 0)
+
+        a.register([vram(av), MemoryRegion.from_tensor(ah, item_len=64)])
+        b.register([vram(bv), MemoryRegion.from_tensor(bh, item_len=64)])
+        peer = a.add_peer(b.local_metadata())
+        local = np.concatenate(
+            [
+                make_table(av.ctypes.data + np.arange(8) * 4096, 4096),
+                make_table([ah.ctypes.data], 64),
+            ]
+        )
+        remote = np.concatenate(
+            [
+                make_table(bv.ctypes.data + np.arange(8) * 4096, 4096),
+                make_table([bh.ctypes.data], 64),
+            ]
+        )
+        pair = a.prepare(peer, local, remote)
+        woken = threading.Event()
+        h = a.submit(
+            XferOp.WRITE, pair, np.arange(8), np.arange(8), notification=b"kv", wake=woken.set
+        )
+        assert not woken.wait(0.3), "woken while the kernel was still running"
+        assert b.get_notifications() == []  # the note waits for the kernel
+        _HostEvent.gate.set()  # the kernel ends; nobody polls
+        assert woken.wait(30), "the kernel's end did not wake the submitter"
+        got: list = []
+        for _ in range(3000):
+            got += b.get_notifications()
+            if got:
+                break
+            time.sleep(0.01)
+        assert [n.payload for n in got] == [b"kv"]
+        assert a.poll(h) is XferState.DONE
+        assert np.array_equal(bv, av[: bv.size])
+        a.release(h)
+
+        woken.clear()
+        h = a.submit(XferOp.WRITE, pair, np.array([8, 0]), np.array([8, 1]), wake=woken.set)
+        assert woken.wait(30), "the side channel's write of the host row did not wake"
+        assert a.poll(h) is XferState.DONE
+        assert np.array_equal(bh, ah) and np.array_equal(bv[4096:8192], av[:4096])
+        a.release(h)
+    finally:
+        _HostEvent.gate.set()
+        a.close()
+        b.close()
+
+
+def test_all_vram_pair_submits_one_launch_of_exactly_its_runs(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A pair whose tables are VRAM in every row (a KV pool's) takes the submit's fast path:
+    one copier call whose runs are exactly the rows' addresses (the peer's side translated into
+    this process's mapping) and lengths, in the order given; the bytes land, the notification
+    follows. Host stand-ins as above."""
+    import time
+
+    import kvwire_cudaipc.backend as backend_mod
+    from kvwire.backend import XferOp, XferState
+
+    torch = pytest.importorskip("torch")
+    monkeypatch.setattr(
+        _cuda, "export", lambda dev, addr: (addr.to_bytes(8, "little") * 8, 0, 1 << 46)
+    )
+    monkeypatch.setattr(_cuda, "device_uuid", lambda i: "GPU-stand-in")
+    monkeypatch.setattr(_cuda, "visible_uuids", lambda: {"GPU-stand-in": 0})
+    calls: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []
+    copier = _HostCopier()
+
+    def move(src: np.ndarray, dst: np.ndarray, n: np.ndarray, stream: object = None) -> None:
+        calls.append((src.copy(), dst.copy(), n.copy()))
+        copier.copy(src, dst, n)
+
+    def ensure(self: backend_mod.CudaIpcBackend) -> None:
+        self._copier = copier
+
+    monkeypatch.setattr(copier, "move", move)
+    monkeypatch.setattr(backend_mod.CudaIpcBackend, "_ensure_gpu", ensure)
+    monkeypatch.setattr(torch.cuda, "Event", _HostEvent)
+    _HostEvent.gate.set()
+    cfg = KVWireConfig(transfer_backend="cudaipc")
+    a = create_backend(cfg, "prefill", need=())
+    b = create_backend(cfg, "decode", need=())
+    try:
+        rng = np.random.default_rng(8)
+        av = rng.integers(0, 256, 1 << 14, dtype=np.uint8)
+        bv = np.zeros(1 << 15, np.uint8)
+
+        def vram(x: np.ndarray) -> MemoryRegion:
+            return MemoryRegion.from_pointer(x.ctypes.data, x.nbytes, 1024, MemKind.VRAM, 0)
+
+        a.register([vram(av)])
+        b.register([vram(bv)])
+        peer = a.add_peer(b.local_metadata())
+        # rows of 1 KiB on both sides; the peer's pool has twice as many
+        local = make_table(av.ctypes.data + np.arange(16) * 1024, 1024)
+        remote = make_table(bv.ctypes.data + np.arange(32) * 1024, 1024)
+        pair = a.prepare(peer, local, remote)
+        assert pair.state.all_vram  # the fast path is the one under test
+        li, ri = rng.permutation(16), rng.permutation(32)[:16]
+        h = a.submit(XferOp.WRITE, pair, li, ri, notification=b"fast")
+        for _ in range(3000):
+            if a.poll(h) is not XferState.PENDING:
+                break
+            time.sleep(0.005)
+        assert a.poll(h) is XferState.DONE
+        a.release(h)
+        assert len(calls) == 1
+        src, dst, n = calls[0]
+        assert np.array_equal(src, av.ctypes.data + li * 1024)
+        assert np.array_equal(dst, bv.ctypes.data + ri * 1024)  # same process: no delta
+        assert np.array_equal(n, np.full(16, 1024))
+        for i, r in zip(li.tolist(), ri.tolist(), strict=True):
+            assert np.array_equal(bv[r * 1024 : (r + 1) * 1024], av[i * 1024 : (i + 1) * 1024])
+        got: list = []
+        for _ in range(3000):
+            got += b.get_notifications()
+            if got:
+                break
+            time.sleep(0.005)
+        assert [x.payload for x in got] == [b"fast"]
     finally:
         a.close()
         b.close()

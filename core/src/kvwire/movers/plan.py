@@ -146,6 +146,92 @@ def plan_tiles(
     )
 
 
+@dataclass(frozen=True)
+class GroupPlan:
+    """Runs of one length in groups of evenly spaced pieces: group ``g`` copies ``count[g]``
+    pieces of ``n`` bytes, piece ``t`` from ``src[g] + t * src_stride`` to
+    ``dst[g] + t * dst_stride`` (a head slice of every token row of a page is one group). One
+    GPU program per group. Built by :func:`plan_groups`; immutable."""
+
+    src: I64
+    dst: I64
+    count: I64
+    n: int
+    src_stride: int
+    dst_stride: int
+    width: int
+
+    @property
+    def num_groups(self) -> int:
+        """Number of groups (GPU programs)."""
+        return int(self.src.size)
+
+    @property
+    def total_bytes(self) -> int:
+        """Bytes the plan copies."""
+        return int(self.count.sum()) * self.n
+
+
+def plan_groups(
+    src: ArrayLike,
+    dst: ArrayLike,
+    nbytes: ArrayLike,
+    *,
+    max_piece: int = DEFAULT_TILE_BYTES,
+    min_gain: int = 4,
+    max_width: int = MAX_WIDTH,
+) -> GroupPlan | None:
+    """Group a run list whose runs all have one length (at most ``max_piece`` bytes) into
+    evenly spaced pieces, vectorised: consecutive runs whose sources and destinations both
+    advance by the list's stride (the first step, among the first 64, that the next step
+    repeats) join one group. None when the runs differ in length, a stride is not positive or
+    a destination stride is shorter than a run (pieces would overlap), or the groups are not
+    at least ``min_gain`` times fewer than the runs (the tile plan is as good)."""
+    s, d, n = as_runs(src, dst, nbytes)
+    if s.size < 2 * min_gain or not 0 < int(n[0]) <= max_piece:
+        return None  # few runs, or long ones (a tile each is as good): no scan
+    piece = int(n[0])
+    if int(n.min()) != piece or int(n.max()) != piece:
+        return None
+    ds, dd = s[1:] - s[:-1], d[1:] - d[:-1]
+    # the stride: the first step that the next step repeats (among the first 64)
+    h = min(ds.size, 65)
+    same = (ds[: h - 1] == ds[1:h]) & (dd[: h - 1] == dd[1:h])
+    k = int(np.argmax(same)) if same.any() else 0
+    s_stride, d_stride = int(ds[k]), int(dd[k])
+    if s_stride <= 0 or d_stride < piece:
+        return None
+    cont = (ds == s_stride) & (dd == d_stride)
+    starts = np.flatnonzero(np.concatenate(([True], ~cont)))
+    if starts.size * min_gain > s.size:
+        return None
+    count = np.diff(np.append(starts, s.size)).astype(np.int64)
+    gs, gd = s[starts], d[starts]
+    acc = int(np.bitwise_or.reduce(gs | gd)) | piece | s_stride | d_stride | max_width
+    width = acc & -acc
+    return GroupPlan(
+        src=gs,
+        dst=gd,
+        count=count,
+        n=piece,
+        src_stride=s_stride,
+        dst_stride=d_stride,
+        width=width,
+    )
+
+
+def expand_groups(plan: GroupPlan) -> tuple[I64, I64, I64]:
+    """The run list a group plan copies (the oracle's view of it), vectorised."""
+    total = int(plan.count.sum())
+    g = np.repeat(np.arange(plan.num_groups, dtype=np.int64), plan.count)
+    t = np.arange(total, dtype=np.int64) - np.repeat(np.cumsum(plan.count) - plan.count, plan.count)
+    return (
+        plan.src[g] + t * plan.src_stride,
+        plan.dst[g] + t * plan.dst_stride,
+        np.full(total, plan.n, dtype=np.int64),
+    )
+
+
 def _byte_index(start: I64, lens: I64) -> I64:
     """Concatenated ``arange(start[i], start[i] + lens[i])`` for every i, vectorised."""
     total = int(lens.sum())

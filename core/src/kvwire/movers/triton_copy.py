@@ -27,7 +27,14 @@ import torch
 import triton
 import triton.language as tl
 
-from kvwire.movers.plan import BLOCK_BYTES, DEFAULT_TILE_BYTES, TilePlan, plan_tiles
+from kvwire.movers.plan import (
+    BLOCK_BYTES,
+    DEFAULT_TILE_BYTES,
+    GroupPlan,
+    TilePlan,
+    plan_groups,
+    plan_tiles,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -60,6 +67,40 @@ def _copy_tiles(  # type: ignore[no-untyped-def]  # Triton 3.6 rejects non-Trito
         mask = o < n
         v = tl.load(sp + o, mask=mask)
         tl.store(dp + o, v, mask=mask)
+
+
+@triton.jit(  # type: ignore[untyped-decorator]
+    do_not_specialize=["table_addr", "num_groups", "n_elems", "src_stride", "dst_stride"]
+)
+def _copy_groups(  # type: ignore[no-untyped-def]  # Triton 3.6 rejects non-Triton annotations
+    table_addr,
+    num_groups,
+    n_elems,
+    src_stride,
+    dst_stride,
+    block: tl.constexpr,
+    elem: tl.constexpr,
+    align: tl.constexpr,
+    vec: tl.constexpr,
+) -> None:
+    # table: int64 [3, num_groups] = first source, first destination, pieces. Every piece is
+    # n_elems long; piece t of a group starts t * stride elements after the group's first.
+    table_ptr = table_addr.to(tl.pointer_type(tl.int64))
+    pid = tl.program_id(0).to(tl.int64)
+    s = tl.load(table_ptr + pid)
+    d = tl.load(table_ptr + num_groups + pid)
+    count = tl.load(table_ptr + 2 * num_groups + pid)
+    sp = s.to(tl.pointer_type(elem))
+    dp = d.to(tl.pointer_type(elem))
+    n = tl.multiple_of(n_elems, vec)
+    offs = tl.arange(0, block)
+    for t in range(0, count):
+        a = tl.multiple_of(sp + t * src_stride, align)
+        b = tl.multiple_of(dp + t * dst_stride, align)
+        for start in range(0, n, block):
+            o = start + offs
+            mask = o < n
+            tl.store(b + o, tl.load(a + o, mask=mask), mask=mask)
 
 
 def plan_table(plan: TilePlan, out: np.ndarray | None = None) -> np.ndarray:
@@ -195,6 +236,70 @@ class RunCopier:
         plan = plan_tiles(src, dst, nbytes, self.tile_bytes)
         self.launch(plan, stream)
         return plan
+
+    def move(self, src: Any, dst: Any, nbytes: Any, stream: Any = None) -> TilePlan | GroupPlan:
+        """Like :meth:`copy`, but a run list of one short length (at most
+        :data:`~kvwire.movers.plan.BLOCK_BYTES`) in evenly spaced groups (a head slice of
+        every token row of a page, heterogeneous TP) is copied with one
+        program per group (:func:`~kvwire.movers.plan.plan_groups`: a few thousand programs
+        instead of one per token, and a table that fits a slot); any other list as
+        :meth:`copy` does. Returns the plan launched."""
+        groups = plan_groups(src, dst, nbytes, max_piece=min(self.tile_bytes, BLOCK_BYTES))
+        if groups is None:
+            return self.copy(src, dst, nbytes, stream)
+        self.launch_groups(groups, stream)
+        return groups
+
+    def launch_groups(self, plan: GroupPlan, stream: Any = None) -> None:
+        """Enqueue the copy of a group plan: its table into a pinned slot (uploaded when it
+        does not fit one), one launch; never waits for the GPU unless every slot is in
+        flight."""
+        g = plan.num_groups
+        if g == 0:
+            return
+        eb = _ELEM_BYTES[plan.width]
+        step = BLOCK_BYTES if plan.n >= BLOCK_BYTES else max(1 << (plan.n - 1).bit_length(), 16)
+        step = min(step, BLOCK_BYTES)
+        key = (max(step // eb, 1), _ELEM[plan.width], plan.width, plan.width // eb)
+        scalars = (plan.n // eb, plan.src_stride // eb, plan.dst_stride // eb)
+        table = np.stack([plan.src, plan.dst, plan.count])
+        with self._lock:
+            if self.device.type != "cuda":  # Triton's interpreter: host memory, synchronous
+                self.last_kernel = _copy_groups[(g,)](table.ctypes.data, g, *scalars, *key)
+                return
+            stream = stream if stream is not None else torch.cuda.current_stream(self.device)
+            with _on(self.device):
+                if g > self._slot_tiles:  # too large for a slot: upload it (rare)
+                    host = torch.empty(table.shape, dtype=torch.int64, pin_memory=True)
+                    host.numpy()[...] = table
+                    with torch.cuda.stream(stream):
+                        dtable = host.to(self.device, non_blocking=True)
+                        self.last_kernel = _copy_groups[(g,)](
+                            dtable.data_ptr(), g, *scalars, *key, num_warps=self.num_warps
+                        )
+                    return
+                if self._slots is None:
+                    self._slots = _TableSlots(self._slots_count, 3 * self._slot_tiles)
+                slots = self._slots
+                i = slots.take()
+                slots.arr[i, : 3 * g].reshape(3, g)[...] = table
+                args = (slots.addr(i), g, *scalars)
+                gkey = ("groups", *key)
+                kernel = self._compiled.get(gkey)
+                launched = False
+                if kernel is not None and self._direct:
+                    try:
+                        kernel[(g, 1, 1)](*args, *key, stream=stream.cuda_stream)
+                        launched = True
+                    except Exception as exc:  # another Triton's launcher
+                        logger.warning("mover: direct launch refused (%s); using Triton's", exc)
+                        self._direct = False
+                if not launched:
+                    with torch.cuda.stream(stream):
+                        kernel = _copy_groups[(g,)](*args, *key, num_warps=self.num_warps)
+                    self._compiled.setdefault(gkey, kernel)
+                slots.launched(i, stream)
+            self.last_kernel = kernel
 
     def launch(self, plan: TilePlan, stream: Any = None) -> None:
         """Enqueue the copy of a plan (see the class docstring); never waits for the GPU

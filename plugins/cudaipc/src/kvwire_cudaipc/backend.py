@@ -12,19 +12,31 @@
   allocation per process.
 * **Transfers (WRITE only).** ``prepare`` translates the remote table's VRAM rows into this
   process's mapping of the peer's memory, once. ``submit`` turns the two index arrays into a
-  run list with NumPy fancy indexing and enqueues **one** fused mover launch
-  (:class:`kvwire.movers.triton_copy.RunCopier`) on the backend's private stream, then records
-  an event. Host-memory rows (an engine's aux rows) and the notification travel over the
-  built-in ``tcp`` backend's side channel (ZeroMQ, CURVE-authenticated with a secret), which
-  this class extends: they are posted only once the kernel's event completed, so a
-  notification always reaches the peer after the data. A transfer with VRAM rows only is
+  run list with NumPy fancy indexing (three gathers for a pair that is VRAM in every row)
+  and enqueues **one** fused mover launch (:meth:`kvwire.movers.triton_copy.RunCopier.move`:
+  one program per group of evenly spaced pieces, e.g. a head slice of a page's token rows,
+  or per tile) on the backend's private stream, then records an event. Host-memory rows
+  (an engine's aux rows) and the notification travel over the built-in ``tcp`` backend's
+  side channel (ZeroMQ, CURVE-authenticated with a secret), which this class extends: they
+  are posted only once the kernel's event completed, so a notification always reaches the
+  peer after the data. A transfer with VRAM rows only is
   DONE when its event is (its data has landed): its notification, if any, is then on its way
   (handed to the side channel; the peer's ACK is not awaited, as with NIXL's notifications).
   A transfer with host rows is DONE when the peer acknowledged them (they land there).
+* **Events pushed.** Like ``tcp``, this backend
+  :attr:`~kvwire.backend.TransferBackend.pushes_events` (its owners sleep until woken
+  rather than poll on a timer), so it must say when a kernel ends: a watcher thread of its
+  own (:class:`~kvwire_cudaipc.watcher.KernelWatcher`, started at the first launch) waits
+  for each launch's event in launch order (one stream: they complete in that order), posts
+  the follow-up (host rows, notification) at once, and calls the transfer's ``wake`` when it
+  is DONE (VRAM rows only) -- the side channel's write calls it for the others. So neither
+  the notification nor the submitter waits for a poll.
 
 Locks: the template's contract (kvwire.backend). Besides, each peer has a lock held while a
 kernel that stores into its mappings is enqueued and while the mappings are closed (after
-the stream is synchronised), so a removal never unmaps memory under a launch.
+the stream is synchronised), so a removal never unmaps memory under a launch. Each
+transfer's lock is held while its follow-up is posted (by the watcher or by ``poll``,
+whichever comes first: it is posted once).
 """
 
 from __future__ import annotations
@@ -32,7 +44,7 @@ from __future__ import annotations
 import logging
 import threading
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -58,6 +70,7 @@ from kvwire.layout import MemKind, MemoryRegion
 from kvwire.movers.plan import DEFAULT_TILE_BYTES
 from kvwire_cudaipc import _cuda
 from kvwire_cudaipc.meta import IpcExport, PeerInfo, parse_peer
+from kvwire_cudaipc.watcher import KernelWatcher
 
 logger = logging.getLogger(__name__)
 
@@ -99,6 +112,12 @@ class _Pair:
     remote_vram: NDArray[np.bool_]
     #: Remote VRAM rows translated into this process's mapping (0 for host rows).
     remote_mapped: NDArray[np.int64]
+    #: Local addresses and row lengths as the mover takes them (int64).
+    local_i64: NDArray[np.int64]
+    lens_i64: NDArray[np.int64]
+    #: Every row of both tables is VRAM (a KV pool pair): a submit gathers three arrays and
+    #: launches, with no per-row kind checks or masks.
+    all_vram: bool
 
 
 @dataclass(eq=False)
@@ -116,6 +135,10 @@ class _IpcXfer:
     tcp: OutboundTransfer | None = None
     failed: str | None = None
     lock: threading.Lock = field(default_factory=threading.Lock)
+    #: The peer's name (the side channel's address) and the submitter's wake-up (the
+    #: handle's ``wake``), called once the transfer is terminal.
+    peer_name: str = ""
+    wake: Callable[[], None] | None = None
 
 
 class CudaIpcBackend(TcpBackend):
@@ -142,6 +165,7 @@ class CudaIpcBackend(TcpBackend):
         self._writer: int | None = None
         self._stream: Any = None
         self._copier: Any = None
+        self._watcher: KernelWatcher[_IpcXfer] | None = None
         #: 8 bytes a notification-only message writes on the target (the side channel's
         #: messages carry at least one row); in every HostMemory, never in ``_regions``.
         self._scratch = np.zeros(SCRATCH_BYTES, dtype=np.uint8)
@@ -363,6 +387,9 @@ class CudaIpcBackend(TcpBackend):
             local_vram=lk,
             remote_vram=rk,
             remote_mapped=mapped,
+            local_i64=local[:, ADDR].astype(np.int64),
+            lens_i64=local[:, LEN].astype(np.int64),
+            all_vram=bool(lk.all() and rk.all()),
         )
 
     def _ensure_gpu(self) -> None:
@@ -392,6 +419,13 @@ class CudaIpcBackend(TcpBackend):
         handle: TransferHandle,
     ) -> Any:
         st: _Pair = pair.state
+        x = _IpcXfer(peer=st.peer, notification=notification, peer_name=pair.peer, wake=handle.wake)
+        if st.all_vram:  # the KV pool's pair: three gathers, one launch
+            if notification is not None:
+                self._notify_only(x, st)
+            src, dst = st.local_i64[local_idx], st.remote_mapped[remote_idx]
+            self._launch(x, st, src, dst, st.lens_i64[local_idx])
+            return x
         lv, rv = st.local_vram[local_idx], st.remote_vram[remote_idx]
         if not np.array_equal(lv, rv):
             i = int(np.argmax(lv != rv))
@@ -401,7 +435,6 @@ class CudaIpcBackend(TcpBackend):
                 f"{int(remote_idx[i])} ({'VRAM' if rv[i] else 'DRAM'})"
             )
         lens = pair.local_lens[local_idx]
-        x = _IpcXfer(peer=st.peer, notification=notification)
         host = ~lv
         if host.any():
             x.follow = (
@@ -409,47 +442,76 @@ class CudaIpcBackend(TcpBackend):
                 st.remote_addr[remote_idx[host]],
                 lens[host],
             )
-        elif notification is not None:  # the message writes the peer's scratch word
-            x.notify_only = True
-            x.follow = (
-                np.array([self._scratch_region.addr], dtype=np.uint64),
-                np.array([st.peer.info.scratch], dtype=np.uint64),
-                np.array([SCRATCH_BYTES], dtype=np.uint64),
-            )
+        elif notification is not None:
+            self._notify_only(x, st)
         if lv.any():
-            self._launch(x, st, local_idx[lv], remote_idx[lv], lens[lv])
+            li, ri = local_idx[lv], remote_idx[lv]
+            self._launch(x, st, st.local_i64[li], st.remote_mapped[ri], st.lens_i64[li])
         if x.event is None and x.follow is not None:
-            self._post_follow(x, pair.peer)
+            self._post_follow(x)
         return x
+
+    def _notify_only(self, x: _IpcXfer, st: _Pair) -> None:
+        """The follow-up of a transfer without host rows: the notification alone, as a
+        message that writes the peer's scratch word (the side channel carries rows)."""
+        x.notify_only = True
+        x.follow = (
+            np.array([self._scratch_region.addr], dtype=np.uint64),
+            np.array([st.peer.info.scratch], dtype=np.uint64),
+            np.array([SCRATCH_BYTES], dtype=np.uint64),
+        )
 
     def _launch(
         self,
         x: _IpcXfer,
         st: _Pair,
-        li: NDArray[np.int64],
-        ri: NDArray[np.int64],
-        lens: NDArray[np.uint64],
+        src: NDArray[np.int64],
+        dst: NDArray[np.int64],
+        n: NDArray[np.int64],
     ) -> None:
-        """Enqueue one fused mover launch for the VRAM rows and record its event. Holds the
-        peer's lock only while enqueueing (never waits for the GPU)."""
+        """Enqueue one fused mover launch for the VRAM runs ``(src, dst, n)`` (``dst`` in this
+        process's mapping of the peer), record its event and hand it to the kernel watcher.
+        Holds the peer's lock only while enqueueing (never waits for the GPU)."""
         torch = _cuda._torch()
-        src = st.local_addr[li].astype(np.int64)
-        dst = st.remote_mapped[ri]
-        n = lens.astype(np.int64)
+        watcher = self._kernel_watcher()
         with st.peer.lock:
             if st.peer.closed:
                 raise PeerError(f"peer {st.peer.info.name!r} was removed")
-            self._copier.copy(src, dst, n, stream=self._stream)
-            ev = torch.cuda.Event()
+            self._copier.move(src, dst, n, stream=self._stream)
+            ev = torch.cuda.Event(blocking=True)
             ev.record(self._stream)
             x.event = ev
             st.peer.pending.add(x)
+            watcher.watch(x)  # under the lock: the watcher sees launches in stream order
 
-    def _post_follow(self, x: _IpcXfer, peer: str) -> None:
-        """Post the host rows and notification over the side channel (after the data)."""
+    def _kernel_watcher(self) -> KernelWatcher[_IpcXfer]:
+        """The watcher thread, started at the first launch (any submitting thread)."""
+        if self._watcher is None:
+            with self._gpu_lock:
+                if self._watcher is None:
+                    self._watcher = KernelWatcher(self.agent_name, self._kernel_done)
+        return self._watcher
+
+    def _kernel_done(self, x: _IpcXfer, error: str | None) -> None:
+        """Kernel watcher: ``x``'s kernel ended. Post its follow-up now (unless ``poll`` did
+        already), and wake its submitter when the transfer is DONE (VRAM rows only) or
+        failed; a follow-up with host rows wakes it when the side channel's write ends."""
+        with x.lock:
+            if error is not None:
+                x.failed = x.failed or error
+            elif x.follow is not None and x.tcp is None and x.failed is None:
+                self._post_follow(x)
+            terminal = x.failed is not None or x.follow is None or x.notify_only
+        if terminal and x.wake is not None:
+            x.wake()
+
+    def _post_follow(self, x: _IpcXfer) -> None:
+        """Post the host rows and notification over the side channel (after the data); the
+        side channel wakes the submitter when a write with host rows ends."""
         assert x.follow is not None
         la, ra, lens = x.follow
-        x.tcp = self._queue(XferOp.WRITE, peer, la, ra, lens, x.notification)
+        wake = None if x.notify_only else x.wake
+        x.tcp = self._queue(XferOp.WRITE, x.peer_name, la, ra, lens, x.notification, wake)
 
     def _poll(self, handle: TransferHandle) -> XferState:
         x: _IpcXfer = handle.state
@@ -460,8 +522,8 @@ class CudaIpcBackend(TcpBackend):
             if not x.event.query():
                 return XferState.PENDING
             with x.lock:
-                if x.follow is not None and x.tcp is None:
-                    self._post_follow(x, handle.peer)
+                if x.follow is not None and x.tcp is None and x.failed is None:
+                    self._post_follow(x)
         if x.tcp is not None and not x.notify_only:
             if x.tcp.status is XferState.FAILED and handle.error is None:
                 handle.error = x.tcp.error
@@ -472,4 +534,6 @@ class CudaIpcBackend(TcpBackend):
         for p in list(self._ipc_peers.values()):
             self._close_peer(p)
         self._ipc_peers.clear()
+        if self._watcher is not None:
+            self._watcher.stop()
         super()._close()
