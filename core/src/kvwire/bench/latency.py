@@ -213,7 +213,7 @@ def _prefill_main(
 
     config = _config(config_json, secret)
     layout, arrays = make_pool(_model(page_kib), RankPosition(), pages + 1)
-    mgr = KVManager(config, Role.PREFILL, layout)
+    mgr = KVManager(config, Role.PREFILL, layout, kv_tensors=arrays)
     try:
         conn.send(("ready", mgr.bootstrap_addr))
         src = np.arange(pages, dtype=np.int64)
@@ -266,7 +266,7 @@ def _decode_main(
 
     config = _config(config_json, secret)
     layout, arrays = make_pool(_model(page_kib), RankPosition(), 2 * pages + 1)
-    mgr = KVManager(config, Role.DECODE, layout)
+    mgr = KVManager(config, Role.DECODE, layout, kv_tensors=arrays)
     try:
         conn.send(("ready", ""))
         records = []
