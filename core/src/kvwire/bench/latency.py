@@ -20,7 +20,9 @@ ask         decode engine's ``init`` -> the transfer request left decode (``requ
 reach       decode ``requested`` -> prefill has every request it waits for (``asked``)
 see         prefill ``asked`` -> prefill's engine poll sees ``WaitingForInput``
 queue       prefill's ``send()`` -> a transfer worker took the chunk (``taken``)
-post        ``taken`` -> the last write (the aux row's) submitted (``posted``)
+post        ``taken`` -> the last write (the aux row's) submitted (``posted``); its part
+            ``plan``: until the last chunk's plan was ready (``planned``: with bulk
+            staging, ring space granted and the block gathered)
 land        ``posted`` -> decode handled the last note (``noted``)
 finish      decode ``noted`` -> decode ``success``
 report      decode ``success`` -> decode's engine poll sees Success
@@ -61,6 +63,9 @@ STAGES: tuple[tuple[str, str, str], ...] = (
     ("finish", "d.noted", "d.success"),
     ("report", "d.success", "d.polled"),
 )
+#: Parts of a stage, shown under it: ``plan`` is the part of ``post`` until the last chunk's
+#: plan was ready (with bulk staging: ring space granted, the block gathered).
+SUBSTAGES: tuple[tuple[str, str, str], ...] = (("plan", "p.taken", "p.planned"),)
 TOTALS: tuple[tuple[str, str, str], ...] = (
     ("send->decode", "p.send", "d.polled"),
     ("init->decode", "d.init", "d.polled"),
@@ -122,9 +127,10 @@ def summarise(samples: dict[str, list[float]]) -> dict[str, dict[str, float]]:
 def stage_samples(records: list[dict[str, float]]) -> dict[str, list[float]]:
     """Per stage and total, the seconds of every request record (a merged dict of the two
     processes' stamps, ``p.*`` and ``d.*``)."""
-    out: dict[str, list[float]] = {name: [] for name, _, _ in (*STAGES, *TOTALS)}
+    every = (*STAGES, *SUBSTAGES, *TOTALS)
+    out: dict[str, list[float]] = {name: [] for name, _, _ in every}
     for rec in records:
-        for name, a, b in (*STAGES, *TOTALS):
+        for name, a, b in every:
             if a in rec and b in rec:
                 out[name].append(rec[b] - rec[a])
     return out

@@ -52,7 +52,7 @@ from kvwire.session.common import Side
 from kvwire.session.context import RankContext
 from kvwire.session.decode.checker import ChunkChecker
 from kvwire.session.decode.links import PrefillLink, SourceLinks
-from kvwire.session.decode.metadata import check_metadata, check_pool
+from kvwire.session.decode.metadata import check_metadata, check_pool, offer_ahead
 from kvwire.session.decode.quiesce import WriteQuarantine
 from kvwire.session.decode.rejoin import Rejoin
 from kvwire.session.decode.rooms import RecvRoom
@@ -497,9 +497,11 @@ class DecodeSide(Side[RecvRoom]):
             ctx.hooks.on_prealloc(room.room, int(md.pages.size))
 
     def _request(self, room: RecvRoom) -> None:
-        """Under the lock: send the transfer request to every source rank."""
-        assert room.sources is not None
+        """Under the lock: send the transfer request to every source rank, after the room's
+        staging strategy had its say (bulk staging offers ring space ahead: it goes first)."""
+        assert room.sources is not None and room.dst_pages is not None
         ctx = self.ctx
+        offer_ahead(ctx, room.room, room.pool, room.dst_pages.size, room.sources)
         msg = self.request_message(room)
         room.metrics.marks["requested"] = time.perf_counter()
         for s in room.sources:

@@ -41,6 +41,10 @@ GATE_IDLE_S = 0.05
 #: With a backend that pushes events, a worker whose posted writes are all the backend's
 #: waits for a completion (or a new job) this long at most before polling again.
 EVENT_IDLE_S = 0.005
+#: A worker with nothing in flight whose chunks wait for staging space sleeps until the
+#: strategy wakes it (``StagingContext.wake_fn``: a grant or a watermark came), this long at
+#: most (a strategy's retries and deadlines run in its ``plan``).
+STAGING_IDLE_S = 0.001
 
 
 @dataclass(eq=False)
@@ -131,6 +135,8 @@ class Pipeline:
                     plan = self.plan(job)
                     if plan is None:
                         return moved  # waiting for staging space; asked again on progress()
+                    if job.last:
+                        room.metrics.marks["planned"] = time.perf_counter()
                     if not plan.empty:
                         self.post_plan(tail, job, plan, t_start)
                 tail.queue.popleft()
@@ -281,6 +287,11 @@ class Pipeline:
         gates = [t.queue[0].gate for t in self.tails.values() if t.queue]
         if self.evented and self.posted and not gates and all(p.copy is None for p in self.posted):
             self.wake.wait(EVENT_IDLE_S)
+            self.wake.clear()
+            return
+        if not self.posted and gates and all(g is None for g in gates):
+            # every waiting chunk waits for its strategy (staging space): woken by its grant
+            self.wake.wait(STAGING_IDLE_S)
             self.wake.clear()
             return
         if self.posted or not gates or any(g is None for g in gates):
@@ -472,7 +483,7 @@ class Pipeline:
         if tail is None or tail.last is None:
             return
         room, dest, job = tail.room, tail.dest, tail.last
-        early = job.chunk_id is not None and not tail.staged
+        early = job.chunk_id is not None
         if tail.inflight and (tail.aux_posted or not early):
             return
         if self.side.is_dead(room):
