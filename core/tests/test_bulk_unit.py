@@ -426,3 +426,37 @@ def test_offers_only_where_the_chunk_would_stage_and_its_space_is_free_now() -> 
     assert pre.room_tables()["staging_offers"] == 1
     pre.tick(time.monotonic() + BulkOptions().release_timeout_s + 1)
     assert pre.room_tables()["staging_offers"] == 0
+
+
+def test_an_offer_that_comes_after_the_ask_is_its_answer_only_for_the_same_pages() -> None:
+    """The offer follows the transfer request; prefill's engine may have sent and asked
+    before it arrives."""
+    pre, dec, mapper, play, parr, dlay, darr, to_d, to_p, wakes = linked_pair()
+    src = np.array([3, 5, 6, 8])
+    fill_pages(play, parr, src, 0)
+    pre.on_queued(queued(mapper, 0, 2))  # asked for a smaller chunk 0 first
+    dec.on_requested(7, DST.size, ["p"])
+    relay(to_p, pre, "ep-d")  # the offer (4 pages) is not taken for the 2-page ask
+    assert pre.plan(PlanRequest(7, 0, mapper, src[:2], DST[:2], dest="d")) is None
+    assert pre.room_tables()["staging_offers"] == 0 and not wakes
+    relay(to_d, dec, "ep-p")  # decode replaces the offer ...
+    relay(to_p, pre, "ep-d")  # ... and its grant is the answer
+    assert wakes and dec.ring.ring.live == 1
+    plan = pre.plan(PlanRequest(7, 0, mapper, src[:2], DST[:2], dest="d"))
+    assert plan is not None
+    write_and_place(pre, dec, plan, 0)
+    check_heads(dlay, darr, DST[:2], 0)
+    # a matching ask that went out before the offer came: the offer answers it
+    pre2, dec2, mapper2, play2, parr2, dlay2, darr2, to_d2, to_p2, wakes2 = linked_pair()
+    fill_pages(play2, parr2, src, 0)
+    pre2.on_queued(queued(mapper2, 0, DST.size))
+    dec2.on_requested(7, DST.size, ["p"])
+    relay(to_p2, pre2, "ep-d")
+    assert wakes2
+    plan = pre2.plan(PlanRequest(7, 0, mapper2, src, DST, dest="d"))
+    assert plan is not None
+    relay(to_d2, dec2, "ep-p")  # the ask, late: the same space, nothing new
+    assert dec2.ring.ring.live == 1
+    write_and_place(pre2, dec2, plan, 0)
+    check_heads(dlay2, darr2, DST, 0)
+    assert dec2.ring.ring.live == 0

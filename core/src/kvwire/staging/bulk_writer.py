@@ -169,7 +169,9 @@ class WriterSide:
                 if isinstance(body, Deny):
                     ask.denied = body.reason
                 elif ask.grant is not None:
-                    return  # a duplicate grant (or an offer after the ask: same space)
+                    return  # a duplicate grant (or an offer after the ask: the same space)
+                elif body.npages is not None and not _matches(body, ask.msg):
+                    return  # an offer for other pages (decode replaces it on the ask)
                 else:
                     ask.grant = Allocation(body.alloc_id, body.round, body.offset, body.end)
                     nxt = self._next_unsent(body.room, dest)
