@@ -341,13 +341,15 @@ class StagingStrategy(ABC):
         self, room: int, npages: int, writers: Sequence[str]
     ) -> None:
         """Receiving side, under the decode side's room lock (quick, never blocking, calls
-        nothing of core but ``StagingContext.post``/``send_fn``), right after the transfer
-        request of ``room`` (``npages`` destination pages in this strategy's pool) went to its
+        nothing of core but ``StagingContext.post``/``send_fn``), right before the transfer
+        request of ``room`` (``npages`` destination pages in this strategy's pool) goes to its
         source ranks, whose sessions are ``writers``. A strategy that needs to consent to each
         chunk may consent ahead here, so a sender whose chunk matches need not ask: bulk
-        staging offers ring space for one chunk covering every page. Its messages follow the
-        request on the same channel (the request is not held up by them), so a sender may
-        have asked already when they arrive. Raising is logged, not fatal."""
+        staging offers ring space for one chunk covering every page. Its messages go ahead of
+        the request on the same channel, so the sender has them before it can send (a prefill
+        engine that computed already sends as soon as it sees the request). A request sent
+        again (a restarted prefill rank) may find its answer asked for already. Raising is
+        logged, not fatal."""
 
     def on_abandoned(  # noqa: B027 - optional hook
         self, room: int, dest: str, endpoint: str, sender_id: int, session: str

@@ -165,7 +165,7 @@ class RingSide:
         writers: Sequence[str],
         stages: Callable[[IndexMapper, int], bool],
     ) -> None:
-        """Decode, under the room lock, right after the request of ``room`` went out: offer each
+        """Decode, under the room lock, right before the request of ``room`` goes out: offer each
         staging writer among ``writers`` the space of chunk 0 covering all ``npages`` pages
         (a ``grant`` with ``npages``: see :mod:`~kvwire.staging.bulk_wire`), where ``stages``
         says it would stage such a chunk and the space is free now (an offer never waits on

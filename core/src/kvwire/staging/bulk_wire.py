@@ -4,11 +4,11 @@ envelopes with ``strategy="bulk"``; the envelope names the sending session).
 Sender (prefill) -> receiver (decode): ``ask``. Receiver -> sender: ``grant``, ``deny``,
 ``watermark``. Core never reads them: they are validated here, by the strategy, on arrival.
 
-A ``grant`` that carries ``npages`` is an *offer*: decode sends it unasked, right behind its
-transfer request, for chunk 0 covering every destination page; a writer whose chunk 0 is
-exactly that uses it without asking (no ask/grant round trip on the request's path; one that
-asked already takes it as the answer), any other writer asks as before and decode replaces
-the offer. The fields are optional and
+A ``grant`` that carries ``npages`` is an *offer*: decode sends it unasked, right before its
+transfer request (same channel, so it arrives first), for chunk 0 covering every destination
+page; a writer whose chunk 0 is exactly that uses it without asking (no ask/grant round trip
+on the request's path; one that asked already takes it as the answer), any other writer asks
+as before and decode replaces the offer. The fields are optional and
 ignored by a writer that does not know them (it drops the unasked grant and asks, getting
 the same space), so the message version stays 2.
 """

@@ -73,7 +73,7 @@ def check_metadata(
 def offer_ahead(
     ctx: RankContext, room: int, pool: str, npages: int, sources: Sequence[Any]
 ) -> None:
-    """Decode side, under the room lock, right after a request went to its source ranks
+    """Decode side, under the room lock, right before a request goes to its source ranks
     (``sources``: their links): the pool's staging strategy may consent ahead
     (:meth:`~kvwire.staging.base.StagingStrategy.on_requested`). Its failure is logged, never
     the request's: the sender then asks as it would without an offer."""

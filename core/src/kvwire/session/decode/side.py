@@ -497,15 +497,16 @@ class DecodeSide(Side[RecvRoom]):
             ctx.hooks.on_prealloc(room.room, int(md.pages.size))
 
     def _request(self, room: RecvRoom) -> None:
-        """Under the lock: send the transfer request to every source rank; then the room's
-        staging strategy may consent ahead (bulk staging offers ring space right behind it)."""
+        """Under the lock: send the transfer request to every source rank, right after the
+        room's staging strategy consented ahead (bulk staging's offers of ring space go first,
+        so a prefill engine that sends as soon as it sees the request finds them there)."""
         assert room.sources is not None and room.dst_pages is not None
         ctx = self.ctx
+        offer_ahead(ctx, room.room, room.pool, room.dst_pages.size, room.sources)
         msg = self.request_message(room)
         room.metrics.marks["requested"] = time.perf_counter()
         for s in room.sources:
             ctx.tell(s.info.endpoint, msg)
-        offer_ahead(ctx, room.room, room.pool, room.dst_pages.size, room.sources)
         room.requested = True
         room.last_progress = time.monotonic()
         self.rooms.advance(room, KVPoll.Transferring)
