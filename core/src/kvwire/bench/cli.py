@@ -373,7 +373,13 @@ def render_latency(report: LatencyReport) -> Table:
         f"{report.pages} page(s) of {report.page_bytes >> 10} KiB, {m.get('cpu_count')} CPUs",
         caption=f"{report.verified}/{report.requests} timed requests verified element by "
         f"element; engine loops poll every {report.engine_step_us:g} us; ms. CPU ms per "
-        f"request by thread: {cpu}",
+        f"request by thread: {cpu}"
+        + (
+            "; staged first chunks by decode's offer: "
+            + ", ".join(f"{k} {v}" for k, v in report.offers.items())
+            if report.offers
+            else ""
+        ),
     )
     for col in ("stage", "from -> to", "p50", "p99", "mean"):
         table.add_column(col, justify="left" if col in ("stage", "from -> to") else "right")

@@ -101,6 +101,9 @@ class LatencyReport:
     #: ``process``: all): what the request path costs whatever the machine's load (the
     #: stages above also wait for a CPU on a busy host).
     cpu_ms: dict[str, float] = field(default_factory=dict)
+    #: Prefill's staged first chunks by what became of decode's ring-space offer (bulk
+    #: staging: ``kvwire_staging_offers_total``), warm-up requests included; empty otherwise.
+    offers: dict[str, int] = field(default_factory=dict)
 
     @property
     def ok_all(self) -> bool:
@@ -184,6 +187,18 @@ def _cpu_used(before: dict[str, float], after: dict[str, float]) -> dict[str, fl
     return used
 
 
+def _offers() -> dict[str, int]:
+    """This process's ``kvwire_staging_offers_total`` by result (empty: none counted)."""
+    from prometheus_client import REGISTRY
+
+    out: dict[str, int] = {}
+    for result in ("taken", "other_pages", "none"):
+        v = REGISTRY.get_sample_value("kvwire_staging_offers_total", {"result": result})
+        if v:
+            out[result] = int(v)
+    return out
+
+
 def _wait(poll: Any, want: Any, step_s: float, what: str) -> float:
     """Engine loop: poll until the status is at least ``want`` (or Failed); the time of the
     poll that saw it. A step of 0 yields the GIL between polls without sleeping."""
@@ -249,7 +264,7 @@ def _prefill_main(
                 raise BenchError("decode lost step")
         used = _cpu_used(cpu, _cpu_snapshot())
         peer.send(-1)  # decode may close now: every write of this side has ended
-        conn.send(("records", (records, used)))
+        conn.send(("records", (records, used, _offers())))
     finally:
         mgr.close()
 
@@ -359,7 +374,7 @@ def measure_latency(
         dec.start()
         _expect(d_conn, dec, "ready", 120.0)
         budget = 60.0 + total * 0.5
-        p_recs, p_cpu = _expect(p_conn, pre, "records", budget)
+        p_recs, p_cpu, offers = _expect(p_conn, pre, "records", budget)
         d_recs, d_cpu = _expect(d_conn, dec, "records", budget)
     finally:
         for p in procs:
@@ -402,4 +417,5 @@ def measure_latency(
             for side, used in (("prefill", p_cpu), ("decode", d_cpu))
             for k, v in sorted(used.items())
         },
+        offers=offers,
     )

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+from prometheus_client import Counter
 from pydantic import ValidationError
 
 from kvwire.control.wire import StagingMessage, WritesDone
@@ -33,6 +34,12 @@ from kvwire.staging.kernels import KVTensors, block_view
 from kvwire.staging.ring import Allocation, WatermarkView
 
 logger = logging.getLogger(__name__)
+
+#: Staged chunks 0 by what became of decode's offer: ``taken`` (no ask sent), ``other_pages``
+#: (the chunk covers other pages: asked), ``none`` (no offer had come: asked).
+OFFERS = Counter(
+    "kvwire_staging_offers", "Staged first chunks by what became of decode's offer", ["result"]
+)
 
 
 @dataclass
@@ -106,6 +113,9 @@ class WriterSide:
                 g = offer[0]
                 entry.grant = Allocation(g.alloc_id, g.round, g.offset, g.end)
             self._asks[key] = entry
+        if ask.chunk_id == 0:
+            taken = entry.grant is not None
+            OFFERS.labels("taken" if taken else "none" if offer is None else "other_pages").inc()
         if entry.grant is None and not earlier:
             self._post(endpoint, ask)
 
