@@ -23,6 +23,7 @@ from kvwire.control.wire import ChunkNote, Completion
 from kvwire.errors import KVWireError, TransferError
 from kvwire.integrity import add_sums
 from kvwire.session import metrics as m
+from kvwire.session.aux_note import read_row
 from kvwire.session.context import RankContext
 from kvwire.session.handshake import slot_rows
 from kvwire.session.metrics import ChunkDone
@@ -206,6 +207,8 @@ class Pipeline:
                 extra: dict[str, Any] = dict(where)
                 if check is not None and i == 0:
                     extra.update(sum_layers=list(sums), sums=list(sums.values()))
+                if seg.copy is None and post.first_part + i == post.parts - 1:
+                    extra["aux"] = self._carried_aux(tail, job)
                 note = ChunkNote(
                     room=room,
                     sender_id=self.side.sender_id,
@@ -241,6 +244,25 @@ class Pipeline:
         except BaseException:
             ref.seal(ok=False)  # nothing in flight: the strategy gets its buffer back now
             raise
+
+    def _carried_aux(self, tail: Tail, job: Job) -> list[bytes] | None:
+        """The aux row's bytes for the final note of the request's last chunk, when they
+        ride in it (protocol 1.11: :mod:`kvwire.session.aux_note`): this rank sends the aux
+        row to a decode rank that takes it so, and no buffer group must land first. Marks
+        the aux row posted; None when it moves as a transfer of its own."""
+        link, room = job.link, job.room
+        if (
+            not job.last
+            or tail.aux_posted
+            or not (link.aux_in_note and link.sends_aux)
+            or room.aux_index is None
+            or link.sends_groups
+        ):
+            return None
+        ctx = self.ctx
+        ctx.stamps[room.aux_index, 0] = room.room
+        tail.aux_posted = True
+        return read_row(ctx.aux_regions, room.aux_index)
 
     def _drop(self, key: tuple[int, str], tail: Tail) -> None:
         """A dead request's tail: forget its queued jobs; once nothing is in flight, tell a
