@@ -3,11 +3,12 @@
 A worker keeps up to ``max_inflight`` chunk transfers posted at once instead of waiting for
 each: it submits every job it takes from its queue (in queue order, so a destination's chunks are
 posted in order) and polls the posted handles between jobs. For one (request, destination) the
-destination counts as done only after every KV chunk and the aux row completed. The aux row is
-posted right after the last KV chunk is posted (decode accepts the notes in any order); the
-"no more KV" marker, and the aux row of a staging destination, only after every KV chunk of
-that destination completed. One :class:`Pipeline` per worker thread; it is not shared, so it
-needs no lock.
+destination counts as done only after every KV chunk and the aux row completed. The aux row
+rides in the last chunk's final note where decode takes it so (protocol 1.11,
+:mod:`kvwire.session.aux_note`), else it is posted right after the last KV chunk is posted,
+staged or not (decode accepts the notes in any order); the "no more KV" marker only after
+every KV chunk of that destination completed. One :class:`Pipeline` per worker thread; it is
+not shared, so it needs no lock.
 """
 
 from __future__ import annotations
@@ -497,10 +498,10 @@ class Pipeline:
     def _finish_tail(self, key: tuple[int, str]) -> None:
         """After the last job: marker, aux row, then done once nothing is in flight.
 
-        The aux row of a tail whose last chunk carried KV (not staged) is posted as soon as
-        that chunk is posted, concurrently with it: decode counts the KV notes and the aux note
-        in any order, and the request saves one engine round trip. Otherwise (the last chunk
-        moved no KV, or a staging destination) it waits for every chunk as before."""
+        The aux row of a tail whose last chunk carried KV is posted as soon as that chunk is
+        posted, concurrently with it (unless it rode in the chunk's note): decode counts the
+        KV notes and the aux note in any order, and the request saves a completion poll and a
+        round trip. Otherwise (the last chunk moved no KV) it waits for every chunk."""
         tail = self.tails.get(key)
         if tail is None or tail.last is None:
             return
