@@ -109,6 +109,14 @@ def main(argv: list[str] | None = None) -> int:
         default="",
         help="a file 'on' exists here while timed requests run (scripts/gpu_call_tracer.py)",
     )
+    p.add_argument(
+        "--staging-option",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="bulk staging option for the staged phase, over the defaults above (e.g. "
+        "equal_tp_min_chunk_bytes=0 to stage 2 MiB requests, offer_ahead=false)",
+    )
     p.add_argument("--json", default="")
     a = p.parse_args(argv)
     command = " ".join(["scripts/gpu_staged_bench.py", *(argv or sys.argv[1:])])
@@ -140,7 +148,7 @@ def main(argv: list[str] | None = None) -> int:
             report["mover"] = mover_vs_peer(a.sizes, (a.gpus[0], a.gpus[1]), a.repeat)
             save()
     block = a.block_mib * MiB
-    opts = {
+    opts: dict[str, Any] = {
         "ring_bytes": a.ring_mib * MiB,
         "block_bytes": block,
         "buffer_bytes": max(block, -(-a.chunk_pages * 2 * MiB // block) * block),
@@ -149,6 +157,10 @@ def main(argv: list[str] | None = None) -> int:
     if a.device == "cpu":  # dry run: small pages on host memory, staged by force
         opts = {"ring_bytes": 4 * MiB, "block_bytes": 64 << 10, "buffer_bytes": MiB}
         opts["equal_tp"] = "always"
+    for item in a.staging_option:
+        key, _, value = item.partition("=")
+        literal = value[:1].isdigit() or value in ("true", "false")
+        opts[key] = json.loads(value) if literal else value
     log(f"staged: options {opts}, chunks of <= {a.chunk_pages} pages")
     report["staged"] = engine(
         a, staging="bulk", staging_options=opts, max_chunk_pages=a.chunk_pages

@@ -113,6 +113,7 @@ def samples() -> list[Message]:
                 BackendOffer(name="nixl", metadata=b"\x02nixl-meta"),
             ],
             host={"boot_id": "0f1e2d3c", "hostname": "decode-host"},
+            aux_in_note=True,
         ),
         HelloAck(
             session="p-session",
@@ -168,6 +169,7 @@ def samples() -> list[Message]:
             num_pages=6,
             sum_layers=[0, 1],
             sums=[(1 << 64) - 1, 7],
+            aux=[b"\x2a" + bytes(63), b"\x01\x02\x03\x04"],
         ),
         StagingMessage(
             session="d",

@@ -279,3 +279,184 @@ def test_oversize_chunks_fall_back_before_allocating_and_are_counted() -> None:
     strict = BulkStaging(BulkOptions(**{**OPTS, "fallback_oversize": False}))
     with pytest.raises(ConfigError, match="fallback_oversize"):
         strict.fits(mapper, too_many)
+
+
+# ------------------------------------------------------------------ offers ahead (issue 27)
+def offered(sent: list[tuple[str, Message]]) -> list[dict[str, Any]]:
+    """Bodies of the offers (unasked grants with ``npages``) decode sent."""
+    return [
+        m.body
+        for _, m in sent
+        if isinstance(m, StagingMessage) and m.type == "grant" and m.body.get("npages")
+    ]
+
+
+def write_and_place(pre: Any, dec: Any, plan: Any, chunk: int) -> None:
+    """The "transfer" of a staged plan into the ring, then its arrival on decode."""
+    b = OPTS["block_bytes"]
+    ring, buffers = dec.ring.mem, pre.writer.buffers
+    for s_row, d_row in zip(plan.src_idx, plan.dst_idx, strict=True):
+        ring[d_row * b : (d_row + 1) * b] = buffers[s_row * b : (s_row + 1) * b]
+    dec.on_arrival(ArrivedChunk(7, "p", chunk, "staged", DST))
+    pre.on_sent(7, plan, True)
+
+
+def linked_pair(**opts: Any) -> tuple[Any, ...]:
+    """Prefill rank 1 of TP 2 -> decode TP 1 with pools to verify, and a count of the times
+    prefill's strategy woke its workers."""
+    to_d: list[tuple[str, Message]] = []
+    to_p: list[tuple[str, Message]] = []
+    wakes: list[int] = []
+    pre, play, parr, _ = make("prefill", 2, 1, to_d, "p", {**OPTS, **opts})
+    assert pre.context is not None
+    pre.context.wake_fn = lambda: wakes.append(1)
+    dec, dlay, darr, _ = make("decode", 1, 0, to_p, "d", {**OPTS, **opts})
+    dec.on_link("p", "ep-p", HeadSliceMapper(play, dlay))
+    return pre, dec, HeadSliceMapper(play, dlay), play, parr, dlay, darr, to_d, to_p, wakes
+
+
+def check_heads(dlay: Any, darr: Any, dst: Any, first_page: int) -> None:
+    for i, arr in enumerate(darr):
+        want = page_values(dlay, i, first_page, dst.size)
+        assert np.array_equal(arr[dst][:, :, 2:, :], want[:, :, 2:, :])
+
+
+def test_an_offer_ahead_spares_the_ask_round_trip() -> None:
+    pre, dec, mapper, play, parr, dlay, darr, to_d, to_p, wakes = linked_pair()
+    src = np.array([3, 5, 6, 8])
+    fill_pages(play, parr, src, 0)
+    dec.on_requested(7, DST.size, ["p", "not-a-writer"])  # before the request goes out
+    (offer,) = offered(to_p)
+    assert (offer["chunk_id"], offer["dst_start"], offer["npages"]) == (0, 0, DST.size)
+    assert offer["nbytes"] == block_bytes(mapper, DST.size) and dec.ring.ring.live == 1
+    relay(to_p, pre, "ep-d")
+    assert pre.room_tables()["staging_offers"] == 1
+    pre.on_queued(queued(mapper, 0, DST.size))  # the engine's send(): the whole request
+    assert asks(to_d) == [] and pre.room_tables()["staging_offers"] == 0  # no ask at all
+    plan = pre.plan(PlanRequest(7, 0, mapper, src, DST, dest="d"))
+    assert plan is not None and plan.what == "staged"  # granted already
+    write_and_place(pre, dec, plan, 0)
+    check_heads(dlay, darr, DST, 0)
+    assert dec.ring.ring.live == 0 and dec.room_tables()["staging_allocations"] == 0
+    assert pre.room_tables() == {"staging_requests": 0, "staging_offers": 0}
+    # asked anyway (a retry of an older writer): the chunk is placed, nothing is allocated
+    pre.on_queued(queued(mapper, 0, DST.size))
+    relay(to_d, dec, "ep-p")
+    assert offered(to_p) == [] and dec.ring.ring.live == 0
+    assert not wakes  # nothing waited on a grant
+
+
+def test_a_smaller_first_chunk_asks_and_decode_replaces_the_offer() -> None:
+    pre, dec, mapper, play, parr, dlay, darr, to_d, to_p, wakes = linked_pair()
+    src = np.array([3, 5, 6, 8])
+    fill_pages(play, parr, src, 0)
+    dec.on_requested(7, DST.size, ["p"])
+    offer_id = offered(to_p)[0]["alloc_id"]
+    relay(to_p, pre, "ep-d")
+    pre.on_queued(queued(mapper, 0, 2))  # chunked prefill: pages 0-1 first
+    assert asks(to_d) == [0] and pre.room_tables()["staging_offers"] == 0
+    relay(to_d, dec, "ep-p")
+    ((_, grant),) = [(e, m) for e, m in to_p if m.type == "grant"]
+    assert grant.body["alloc_id"] != offer_id and grant.body.get("npages") is None
+    assert dec.ring.ring.live == 1  # the offer was freed, the chunk's space allocated
+    to_p.clear()
+    pre.on_message("ep-d", grant)
+    assert wakes  # the grant woke the workers
+    plan = pre.plan(PlanRequest(7, 0, mapper, src[:2], DST[:2], dest="d"))
+    assert plan is not None
+    write_and_place(pre, dec, plan, 0)
+    pre.on_queued(QueuedChunk(7, 1, mapper, 2, 2, "d", "ep-d", 0, "p", 60.0))
+    relay(to_d, dec, "ep-p")
+    relay(to_p, pre, "ep-d")
+    plan = pre.plan(PlanRequest(7, 1, mapper, src[2:], DST[2:], dest="d"))
+    assert plan is not None
+    write_and_place(pre, dec, plan, 1)
+    check_heads(dlay, darr, DST, 0)
+    assert dec.ring.ring.live == 0
+
+
+def test_a_writer_that_drops_offers_asks_and_gets_the_offered_space() -> None:
+    """An older prefill ignores the unasked grant (no ``npages`` field for it) and asks: the
+    ask names the same chunk and pages, so decode answers with the space it offered."""
+    pre, dec, mapper, play, parr, dlay, darr, to_d, to_p, _ = linked_pair()
+    src = np.array([3, 5, 6, 8])
+    fill_pages(play, parr, src, 0)
+    dec.on_requested(7, DST.size, ["p"])
+    offer_id = offered(to_p)[0]["alloc_id"]
+    to_p.clear()  # dropped by the older writer
+    pre.on_queued(queued(mapper, 0, DST.size))
+    relay(to_d, dec, "ep-p")
+    (grant,) = [m.body for _, m in to_p if m.type == "grant"]
+    assert grant["alloc_id"] == offer_id and dec.ring.ring.live == 1
+    relay(to_p, pre, "ep-d")
+    plan = pre.plan(PlanRequest(7, 0, mapper, src, DST, dest="d"))
+    assert plan is not None
+    write_and_place(pre, dec, plan, 0)
+    check_heads(dlay, darr, DST, 0)
+    assert dec.ring.ring.live == 0
+
+
+def test_offers_only_where_the_chunk_would_stage_and_its_space_is_free_now() -> None:
+    pre, dec, mapper, *_, to_p, _ = linked_pair()
+    too_many = OPTS["buffer_bytes"] // block_bytes(mapper, 1) + 1
+    dec.on_requested(7, too_many, ["p"])  # prefill would send it per token
+    assert offered(to_p) == [] and dec.ring.ring.live == 0
+    off, *_, to_p2, _ = linked_pair(offer_ahead=False)
+    off.on_requested(7, DST.size, ["p"])
+    assert offered(to_p2) == []
+    # the ring's end is held by another request: the offer would wrap onto live bytes
+    ring = dec.ring.ring
+    ring.allocate(OPTS["ring_bytes"] - 1024, ("other", "p", 0))
+    head = ring.watermark
+    dec.on_requested(7, DST.size, ["p"])
+    assert offered(to_p) == [] and ring.live == 1 and ring.watermark == head
+    # offers a chunk never took are forgotten: on release, on eviction, after their TTL
+    pre.on_message("ep-d", answer(Grant(
+        room=7, chunk_id=0, alloc_id=1, round=0, offset=0, end=2048, wm_round=0, wm_tail=0,
+        dst_start=0, npages=4, nbytes=2048,
+    )))  # fmt: skip
+    assert pre.room_tables()["staging_offers"] == 1
+    pre.release(7)
+    assert pre.room_tables()["staging_offers"] == 0
+    pre.on_message("ep-d", answer(Grant(
+        room=8, chunk_id=0, alloc_id=2, round=0, offset=0, end=2048, wm_round=0, wm_tail=0,
+        dst_start=0, npages=4, nbytes=2048,
+    )))  # fmt: skip
+    pre.tick(time.monotonic())
+    assert pre.room_tables()["staging_offers"] == 1
+    pre.tick(time.monotonic() + BulkOptions().release_timeout_s + 1)
+    assert pre.room_tables()["staging_offers"] == 0
+
+
+def test_an_offer_that_comes_after_the_ask_is_its_answer_only_for_the_same_pages() -> None:
+    """The offer follows the transfer request; prefill's engine may have sent and asked
+    before it arrives."""
+    pre, dec, mapper, play, parr, dlay, darr, to_d, to_p, wakes = linked_pair()
+    src = np.array([3, 5, 6, 8])
+    fill_pages(play, parr, src, 0)
+    pre.on_queued(queued(mapper, 0, 2))  # asked for a smaller chunk 0 first
+    dec.on_requested(7, DST.size, ["p"])
+    relay(to_p, pre, "ep-d")  # the offer (4 pages) is not taken for the 2-page ask
+    assert pre.plan(PlanRequest(7, 0, mapper, src[:2], DST[:2], dest="d")) is None
+    assert pre.room_tables()["staging_offers"] == 0 and not wakes
+    relay(to_d, dec, "ep-p")  # decode replaces the offer ...
+    relay(to_p, pre, "ep-d")  # ... and its grant is the answer
+    assert wakes and dec.ring.ring.live == 1
+    plan = pre.plan(PlanRequest(7, 0, mapper, src[:2], DST[:2], dest="d"))
+    assert plan is not None
+    write_and_place(pre, dec, plan, 0)
+    check_heads(dlay, darr, DST[:2], 0)
+    # a matching ask that went out before the offer came: the offer answers it
+    pre2, dec2, mapper2, play2, parr2, dlay2, darr2, to_d2, to_p2, wakes2 = linked_pair()
+    fill_pages(play2, parr2, src, 0)
+    pre2.on_queued(queued(mapper2, 0, DST.size))
+    dec2.on_requested(7, DST.size, ["p"])
+    relay(to_p2, pre2, "ep-d")
+    assert wakes2
+    plan = pre2.plan(PlanRequest(7, 0, mapper2, src, DST, dest="d"))
+    assert plan is not None
+    relay(to_d2, dec2, "ep-p")  # the ask, late: the same space, nothing new
+    assert dec2.ring.ring.live == 1
+    write_and_place(pre2, dec2, plan, 0)
+    check_heads(dlay2, darr2, DST, 0)
+    assert dec2.ring.ring.live == 0

@@ -37,3 +37,18 @@ def test_stage_samples_pair_the_stamps_of_both_processes() -> None:
     assert got["ask"] == [0.25] and got["land"] == [1.0] and got["send->decode"] == [3.0]
     assert got["init->decode"] == [4.0] and got["send->prefill"] == [2.5]
     assert summarise(got)["land"] == {"p50": 1000.0, "p99": 1000.0, "mean": 1000.0}
+
+
+def test_latency_bench_staged_takes_decodes_offers_and_verifies(tmp_path: Path) -> None:
+    """Bulk staging on tcp: every request is one chunk, so every first chunk takes decode's
+    offer of ring space (no ask); every element checked, the plan stage stamped."""
+    out = tmp_path / "lat.json"
+    argv = ["bench", "--latency", "--transfer-backend", "tcp", "--requests", "6", "--warmup", "2"]
+    argv += ["--staging", "bulk", "--staging-option", "equal_tp=always"]
+    assert main([*argv, "--json", str(out)]) == 0
+    data = json.loads(out.read_text())
+    assert data["ok"] and data["verified"] == 6 and not data["failures"]
+    assert data["offers"] == {"taken": 8}  # warm-up included; none asked
+    assert len(data["samples"]["plan"]) == 6
+    for i in range(6):
+        assert data["samples"]["plan"][i] <= data["samples"]["post"][i] + 1e-9

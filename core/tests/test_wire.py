@@ -44,6 +44,7 @@ def test_fixture_versions_exist() -> None:
         "v1.8",
         "v1.9",
         "v1.10",
+        "v1.11",
     ]
 
 

@@ -36,7 +36,7 @@ from kvwire.bench.fanout import (
     measure_fanout,
     sync_vs_async,
 )
-from kvwire.bench.latency import STAGES, TOTALS, LatencyReport, measure_latency
+from kvwire.bench.latency import STAGES, SUBSTAGES, TOTALS, LatencyReport, measure_latency
 from kvwire.cli_progress import progress_bar
 from kvwire.config import KVWireConfig, config_from_args
 from kvwire.errors import KVWireError
@@ -373,19 +373,33 @@ def render_latency(report: LatencyReport) -> Table:
         f"{report.pages} page(s) of {report.page_bytes >> 10} KiB, {m.get('cpu_count')} CPUs",
         caption=f"{report.verified}/{report.requests} timed requests verified element by "
         f"element; engine loops poll every {report.engine_step_us:g} us; ms. CPU ms per "
-        f"request by thread: {cpu}",
+        f"request by thread: {cpu}"
+        + (
+            "; staged first chunks by decode's offer: "
+            + ", ".join(f"{k} {v}" for k, v in report.offers.items())
+            if report.offers
+            else ""
+        ),
     )
     for col in ("stage", "from -> to", "p50", "p99", "mean"):
         table.add_column(col, justify="left" if col in ("stage", "from -> to") else "right")
-    for i, (name, a, b) in enumerate((*STAGES, *TOTALS)):
-        s = report.summary.get(name, {})
+    subs = {b_from: s for s in SUBSTAGES for b_from in (s[1],)}
+    rows: list[tuple[str, str, str]] = []
+    for st in STAGES:
+        rows.append(st)
+        sub = subs.get(st[1])
+        if sub is not None and report.summary.get(sub[0], {}).get("p50") is not None:
+            rows.append((f"  {sub[0]}", sub[1], sub[2]))
+    last = len(rows) - 1
+    for i, (name, a, b) in enumerate((*rows, *TOTALS)):
+        s = report.summary.get(name.strip(), {})
         table.add_row(
             name,
             f"{a} -> {b}",
             f"{s.get('p50', 0):.3f}",
             f"{s.get('p99', 0):.3f}",
             f"{s.get('mean', 0):.3f}",
-            end_section=i == len(STAGES) - 1,
+            end_section=i == last,
         )
     return table
 

@@ -20,7 +20,10 @@ ask         decode engine's ``init`` -> the transfer request left decode (``requ
 reach       decode ``requested`` -> prefill has every request it waits for (``asked``)
 see         prefill ``asked`` -> prefill's engine poll sees ``WaitingForInput``
 queue       prefill's ``send()`` -> a transfer worker took the chunk (``taken``)
-post        ``taken`` -> the last write (the aux row's) submitted (``posted``)
+post        ``taken`` -> the last write submitted (``posted``; the aux row's, unless it
+            rides in the last chunk's note: protocol 1.11); its part
+            ``plan``: until the last chunk's plan was ready (``planned``: with bulk
+            staging, ring space granted and the block gathered)
 land        ``posted`` -> decode handled the last note (``noted``)
 finish      decode ``noted`` -> decode ``success``
 report      decode ``success`` -> decode's engine poll sees Success
@@ -61,6 +64,9 @@ STAGES: tuple[tuple[str, str, str], ...] = (
     ("finish", "d.noted", "d.success"),
     ("report", "d.success", "d.polled"),
 )
+#: Parts of a stage, shown under it: ``plan`` is the part of ``post`` until the last chunk's
+#: plan was ready (with bulk staging: ring space granted, the block gathered).
+SUBSTAGES: tuple[tuple[str, str, str], ...] = (("plan", "p.taken", "p.planned"),)
 TOTALS: tuple[tuple[str, str, str], ...] = (
     ("send->decode", "p.send", "d.polled"),
     ("init->decode", "d.init", "d.polled"),
@@ -96,6 +102,9 @@ class LatencyReport:
     #: ``process``: all): what the request path costs whatever the machine's load (the
     #: stages above also wait for a CPU on a busy host).
     cpu_ms: dict[str, float] = field(default_factory=dict)
+    #: Prefill's staged first chunks by what became of decode's ring-space offer (bulk
+    #: staging: ``kvwire_staging_offers_total``), warm-up requests included; empty otherwise.
+    offers: dict[str, int] = field(default_factory=dict)
 
     @property
     def ok_all(self) -> bool:
@@ -122,9 +131,10 @@ def summarise(samples: dict[str, list[float]]) -> dict[str, dict[str, float]]:
 def stage_samples(records: list[dict[str, float]]) -> dict[str, list[float]]:
     """Per stage and total, the seconds of every request record (a merged dict of the two
     processes' stamps, ``p.*`` and ``d.*``)."""
-    out: dict[str, list[float]] = {name: [] for name, _, _ in (*STAGES, *TOTALS)}
+    every = (*STAGES, *SUBSTAGES, *TOTALS)
+    out: dict[str, list[float]] = {name: [] for name, _, _ in every}
     for rec in records:
-        for name, a, b in (*STAGES, *TOTALS):
+        for name, a, b in every:
             if a in rec and b in rec:
                 out[name].append(rec[b] - rec[a])
     return out
@@ -178,6 +188,18 @@ def _cpu_used(before: dict[str, float], after: dict[str, float]) -> dict[str, fl
     return used
 
 
+def _offers() -> dict[str, int]:
+    """This process's ``kvwire_staging_offers_total`` by result (empty: none counted)."""
+    from prometheus_client import REGISTRY
+
+    out: dict[str, int] = {}
+    for result in ("taken", "other_pages", "none"):
+        v = REGISTRY.get_sample_value("kvwire_staging_offers_total", {"result": result})
+        if v:
+            out[result] = int(v)
+    return out
+
+
 def _wait(poll: Any, want: Any, step_s: float, what: str) -> float:
     """Engine loop: poll until the status is at least ``want`` (or Failed); the time of the
     poll that saw it. A step of 0 yields the GIL between polls without sleeping."""
@@ -213,7 +235,7 @@ def _prefill_main(
 
     config = _config(config_json, secret)
     layout, arrays = make_pool(_model(page_kib), RankPosition(), pages + 1)
-    mgr = KVManager(config, Role.PREFILL, layout)
+    mgr = KVManager(config, Role.PREFILL, layout, kv_tensors=arrays)
     try:
         conn.send(("ready", mgr.bootstrap_addr))
         src = np.arange(pages, dtype=np.int64)
@@ -243,7 +265,7 @@ def _prefill_main(
                 raise BenchError("decode lost step")
         used = _cpu_used(cpu, _cpu_snapshot())
         peer.send(-1)  # decode may close now: every write of this side has ended
-        conn.send(("records", (records, used)))
+        conn.send(("records", (records, used, _offers())))
     finally:
         mgr.close()
 
@@ -266,7 +288,7 @@ def _decode_main(
 
     config = _config(config_json, secret)
     layout, arrays = make_pool(_model(page_kib), RankPosition(), 2 * pages + 1)
-    mgr = KVManager(config, Role.DECODE, layout)
+    mgr = KVManager(config, Role.DECODE, layout, kv_tensors=arrays)
     try:
         conn.send(("ready", ""))
         records = []
@@ -353,7 +375,7 @@ def measure_latency(
         dec.start()
         _expect(d_conn, dec, "ready", 120.0)
         budget = 60.0 + total * 0.5
-        p_recs, p_cpu = _expect(p_conn, pre, "records", budget)
+        p_recs, p_cpu, offers = _expect(p_conn, pre, "records", budget)
         d_recs, d_cpu = _expect(d_conn, dec, "records", budget)
     finally:
         for p in procs:
@@ -396,4 +418,5 @@ def measure_latency(
             for side, used in (("prefill", p_cpu), ("decode", d_cpu))
             for k, v in sorted(used.items())
         },
+        offers=offers,
     )

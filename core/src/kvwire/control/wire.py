@@ -57,8 +57,9 @@ from kvwire.layout import (
 #: for anything an older peer would misread. What each minor added, and how older peers read
 #: it, is in docs/control-plane.md ("Wire format"); each released version's messages are
 #: stored under core/tests/fixtures/wire/. 1.10: pools named by string (``Hello.pools``).
+#: 1.11: the aux row carried in the last chunk's note (``Hello.aux_in_note``, ``ChunkNote.aux``).
 PROTOCOL_MAJOR = 1
-PROTOCOL_MINOR = 10
+PROTOCOL_MINOR = 11
 
 #: Largest frame accepted (layouts of deep models with many buffers stay far below this).
 MAX_FRAME_BYTES = 16 << 20
@@ -167,6 +168,9 @@ class Hello(Message):
     backends: list[BackendOffer] = Field(default_factory=list)
     #: The decode rank's host identity (``{"boot_id", "hostname"}``). (1.8)
     host: dict[str, str] = Field(default_factory=dict)
+    #: Decode takes the aux row from the last chunk's note (``ChunkNote.aux``; aux rows in
+    #: host memory); older ranks get it as a transfer of its own. (1.11)
+    aux_in_note: bool = False
 
     def offers(self) -> list[tuple[str, bytes]]:
         """``(name, metadata)`` of each backend decode announced (a 1.7 hello: its one)."""
@@ -365,6 +369,10 @@ class ChunkNote(Message):
     page_size: int | None = Field(default=None, ge=1)
     sum_layers: list[int] = Field(default_factory=list, max_length=4096)
     sums: list[int] = Field(default_factory=list, max_length=4096)
+    #: The request's aux row, one bytes value per aux region (room stamp first), on the aux
+    #: sender's last note when decode said ``Hello.aux_in_note``: decode writes it into its
+    #: aux slot on arrival and the note counts as the aux row's too. (1.11)
+    aux: list[bytes] | None = Field(default=None, max_length=64)
 
     @model_validator(mode="after")
     def _check_sums(self) -> Self:

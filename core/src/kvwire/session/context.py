@@ -164,6 +164,9 @@ class RankContext:
         #: queued (a backend that pushes events), by :meth:`later` and by :meth:`stop`.
         self.wake = threading.Event()
         self.backend.set_notification_waker(self.wake.set)
+        #: Wakes prefill's transfer workers (set by the prefill side once they exist); a
+        #: staging strategy calls it through ``StagingContext.wake_fn`` when a grant comes.
+        self.wake_workers: Callable[[], None] = lambda: None
         built: list[StagingStrategy] = []
         try:
             self.backend.register([*layout.buffers, *groups, *extra_buffers, *self.aux_regions])
@@ -177,6 +180,7 @@ class RankContext:
                 send_fn=self.tell,
                 session=self.session,
                 room_pages=lambda room: room_pages(room, "kv"),
+                wake_fn=lambda: self.wake_workers(),
             )
             ssel = select_staging(config)
             #: Strategy of chunks into the KV pool (``KVWireConfig.staging``).

@@ -156,7 +156,8 @@ class RequestMetrics:
     #: When the request last reached each stage on this rank, as ``time.perf_counter()``
     #: values (CLOCK_MONOTONIC on Linux: comparable across the processes of one host).
     #: Prefill: ``asked`` (every decode rank's request is in), ``taken`` (a worker took the
-    #: last chunk), ``posted`` (last write submitted), ``done`` (last write completed),
+    #: last chunk), ``planned`` (its plan is ready: staging space granted, block gathered),
+    #: ``posted`` (last write submitted), ``done`` (last write completed),
     #: ``success``. Decode: ``requested`` (the transfer request left), ``noted`` (the last
     #: chunk or aux note was handled), ``success``. Written by whichever thread reaches the
     #: stage (one dict store each); read by the engine once the request is terminal.

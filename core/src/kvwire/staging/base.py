@@ -59,6 +59,10 @@ def _no_room(room: int) -> Any:
     return None
 
 
+def _no_wake() -> None:
+    return None
+
+
 @dataclass
 class StagingContext:
     """What core hands a strategy at setup: the local layout, the memory callbacks, the way
@@ -89,6 +93,10 @@ class StagingContext:
     #: pages are known (a NumPy int64 array, in the pool's page units), or None when the
     #: request is unknown here, terminal, or has no pages yet.
     room_pages: Callable[[int], Any] = _no_room
+    #: Sending side, any thread (quick, never blocking): a chunk waiting for staging space may
+    #: go now (a grant came): the transfer workers look at their waiting chunks at once
+    #: instead of at their next poll.
+    wake_fn: Callable[[], None] = _no_wake
 
     def post(self, endpoint: str, strategy: str, type: str, body: BaseModel) -> bool:
         """Send one of the strategy's own messages to the peer at ``endpoint`` (any thread,
@@ -363,6 +371,20 @@ class StagingStrategy(ABC):
         a worker. A strategy that needs the receiver's consent (ring space) asks for it here,
         so the answer is likely back when the worker reaches the chunk. Raising a
         ``KVWireError`` fails the request."""
+
+    def on_requested(  # noqa: B027 - optional hook
+        self, room: int, npages: int, writers: Sequence[str]
+    ) -> None:
+        """Receiving side, under the decode side's room lock (quick, never blocking, calls
+        nothing of core but ``StagingContext.post``/``send_fn``), right before the transfer
+        request of ``room`` (``npages`` destination pages in this strategy's pool) goes to its
+        source ranks, whose sessions are ``writers``. A strategy that needs to consent to each
+        chunk may consent ahead here, so a sender whose chunk matches need not ask: bulk
+        staging offers ring space for one chunk covering every page. Its messages go ahead of
+        the request on the same channel, so the sender has them before it can send (a prefill
+        engine that computed already sends as soon as it sees the request). A request sent
+        again (a restarted prefill rank) may find its answer asked for already. Raising is
+        logged, not fatal."""
 
     def on_abandoned(  # noqa: B027 - optional hook
         self, room: int, dest: str, endpoint: str, sender_id: int, session: str

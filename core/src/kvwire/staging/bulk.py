@@ -44,6 +44,7 @@ The only backend-specific part is memory registration, through ``register_fn``.
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from typing import Any, Literal
 
 import numpy as np
@@ -123,6 +124,11 @@ class BulkOptions(BaseModel):
         description="'auto' sends an equal-TP chunk smaller than this per page (a staged "
         "chunk pays a grant round trip, a gather and a scatter: slower for small chunks).",
     )
+    offer_ahead: bool = Field(
+        default=True,
+        description="Decode offers ring space for a request's whole chunk with its transfer "
+        "request, so a sender that sends it in one chunk needs no ask/grant round trip.",
+    )
     fallback_oversize: bool = Field(
         default=True,
         description="Send a chunk too big to stage per token (counted) instead of failing it.",
@@ -195,6 +201,7 @@ class BulkStaging(StagingStrategy):
                 o.block_bytes,
                 o.request_retry_s,
                 self._post,
+                o.release_timeout_s,
             )
             region = self.writer.region
         context.register_fn([region])
@@ -378,6 +385,19 @@ class BulkStaging(StagingStrategy):
         ):
             self.writer.on_queued(chunk, self.fits)
 
+    def on_requested(self, room: int, npages: int, writers: Sequence[str]) -> None:
+        """Decode, under the room lock: offer each staging writer of the request ring space
+        for a chunk of every page, where this rank's options say the writer would stage it
+        (the same rule prefill applies: :meth:`fits` without counting, and
+        :meth:`small_whole_pages`); a writer whose options differ just asks."""
+        if self.ring is None or not self.opts.offer_ahead:
+            return
+        self.ring.offer(room, npages, writers, self._would_stage)
+
+    def _would_stage(self, mapper: IndexMapper, npages: int) -> bool:
+        n = block_bytes(mapper, npages)
+        return n <= self.opts.buffer_bytes and not self.small_whole_pages(mapper, npages)
+
     def small_whole_pages(self, mapper: IndexMapper, npages: int) -> bool:
         """Prefill, engine thread: a whole-row chunk of ``npages`` units (of a link that
         stages: equal TP, MLA, page-size conversion) too small to
@@ -449,6 +469,8 @@ class BulkStaging(StagingStrategy):
     def tick(self, now: float) -> None:
         if self.ring is not None:
             self.ring.tick(now)
+        elif self.writer is not None:
+            self.writer.tick(now)
 
     def peer_lost(self, session: str) -> None:
         side = self.ring or self.writer

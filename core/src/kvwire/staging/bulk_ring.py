@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -182,8 +182,46 @@ class RingSide:
         if answer is not None:
             self._post(endpoint, answer)
 
+    def offer(
+        self,
+        room: int,
+        npages: int,
+        writers: Sequence[str],
+        stages: Callable[[IndexMapper, int], bool],
+    ) -> None:
+        """Decode, under the room lock, right before the request of ``room`` goes out: offer each
+        staging writer among ``writers`` the space of chunk 0 covering all ``npages`` pages
+        (a ``grant`` with ``npages``: see :mod:`~kvwire.staging.bulk_wire`), where ``stages``
+        says it would stage such a chunk and the space is free now (an offer never waits on
+        the watermark, so it never holds up other requests' chunks behind a request that
+        may be computed much later)."""
+        offers: list[tuple[str, Grant]] = []
+        with self._lock:
+            for session in writers:
+                writer = self._writers.get(session)
+                if writer is None or not stages(writer.mapper, npages):
+                    continue
+                key = (room, session, 0)
+                if key in self._space or (session, 0) in self._done.get(room, ()):
+                    continue
+                nbytes = block_bytes(writer.mapper, npages)
+                if not self.ring.ready_now(nbytes):
+                    continue
+                alloc = self.ring.allocate(nbytes, key)
+                wm = self.ring.watermark
+                self._space[key] = _Space(alloc, 0, npages)
+                grant = Grant(
+                    room=room, chunk_id=0, alloc_id=alloc.id, round=alloc.round,
+                    offset=alloc.offset, end=alloc.end, wm_round=wm[0], wm_tail=wm[1],
+                    dst_start=0, npages=npages, nbytes=nbytes,
+                )  # fmt: skip
+                offers.append((writer.endpoint, grant))
+        for endpoint, grant in offers:
+            self._post(endpoint, grant)
+
     def _answer(self, session: str, ask: Ask) -> BulkMessage | None:
-        """The grant or deny for one ask (None for a duplicate of a chunk already placed)."""
+        """The grant or deny for one ask (None for a duplicate of a chunk already placed).
+        An ask for a chunk whose offered space covers other pages replaces the offer."""
         with self._lock:
             writer = self._writers.get(session)
             done = (session, ask.chunk_id) in self._done.get(ask.room, ())
@@ -205,14 +243,24 @@ class RingSide:
             reason = f"a block of {ask.npages} pages is not {ask.nbytes} bytes"
         if reason is None:
             key = (ask.room, session, ask.chunk_id)
+            replaced = False
             try:
                 with self._lock:
+                    old = self._space.get(key)
+                    if old is not None and (old.dst_start, old.npages) != (
+                        ask.dst_start,
+                        ask.npages,
+                    ):  # an offer for other pages: the writer's chunk is smaller
+                        del self._space[key]
+                        replaced = self.ring.free(old.alloc.id)
                     alloc = self.ring.allocate(ask.nbytes, key)
                     self._space.setdefault(key, _Space(alloc, ask.dst_start, ask.npages))
                     wm = self.ring.watermark
             except KVWireError as exc:
                 reason = str(exc)
             else:
+                if replaced:  # the offer was the oldest allocation: other writers may go
+                    self.broadcast()
                 return Grant(
                     room=ask.room,
                     chunk_id=ask.chunk_id,

@@ -3,6 +3,14 @@ envelopes with ``strategy="bulk"``; the envelope names the sending session).
 
 Sender (prefill) -> receiver (decode): ``ask``. Receiver -> sender: ``grant``, ``deny``,
 ``watermark``. Core never reads them: they are validated here, by the strategy, on arrival.
+
+A ``grant`` that carries ``npages`` is an *offer*: decode sends it unasked, right before its
+transfer request (same channel, so it arrives first), for chunk 0 covering every destination
+page; a writer whose chunk 0 is exactly that uses it without asking (no ask/grant round trip
+on the request's path; one that asked already takes it as the answer), any other writer asks
+as before and decode replaces the offer. The fields are optional and
+ignored by a writer that does not know them (it drops the unasked grant and asks, getting
+the same space), so the message version stays 2.
 """
 
 from __future__ import annotations
@@ -49,6 +57,11 @@ class Grant(BulkMessage):
     end: int = Field(gt=0)
     wm_round: int = Field(ge=0)
     wm_tail: int = Field(ge=0)
+    #: Set on an offer only (see the module): the chunk the space is for, in pages of the
+    #: destination, and its block's bytes.
+    dst_start: int | None = Field(default=None, ge=0)
+    npages: int | None = Field(default=None, gt=0)
+    nbytes: int | None = Field(default=None, gt=0)
 
 
 class Deny(BulkMessage):

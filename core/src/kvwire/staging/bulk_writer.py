@@ -1,10 +1,13 @@
 """Bulk staging, sending (prefill) side: asks for ring space, gathers into private buffers,
 writes one block per chunk.
 
-Lock contract: ``_lock`` guards the asks, the watermark views and the free buffer lists; it is
-held only for table updates, never across a gather, a send or a call into core. Called from the
+Lock contract: ``_lock`` guards the asks, the offers, the watermark views and the free buffer
+lists; it is held only for table updates, never across a gather, a send or a call into core.
+Called from the
 engine thread (``on_queued``, ``release``), the transfer workers (``plan``, ``on_sent``,
-``abandon``), the liveness thread (``on_message``) and the progress thread (``peer_lost``).
+``abandon``), the liveness thread (``on_message``) and the progress thread (``peer_lost``,
+``tick``). A grant (or an offer taken by ``on_queued``) lets the chunk's worker go at once:
+``on_message`` wakes the workers through ``StagingContext.wake_fn``.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+from prometheus_client import Counter
 from pydantic import ValidationError
 
 from kvwire.control.wire import StagingMessage, WritesDone
@@ -30,6 +34,12 @@ from kvwire.staging.kernels import KVTensors, block_view
 from kvwire.staging.ring import Allocation, WatermarkView
 
 logger = logging.getLogger(__name__)
+
+#: Staged chunks 0 by what became of decode's offer: ``taken`` (no ask sent), ``other_pages``
+#: (the chunk covers other pages: asked), ``none`` (no offer had come: asked).
+OFFERS = Counter(
+    "kvwire_staging_offers", "Staged first chunks by what became of decode's offer", ["result"]
+)
 
 
 @dataclass
@@ -67,6 +77,11 @@ def chunk_units(chunk: QueuedChunk) -> tuple[int, int]:
     return count, chunk.dst_start * p.dst_granules + (units.size - count)
 
 
+def _matches(offer: Grant, ask: Ask) -> bool:
+    """Whether space offered ahead fits a chunk exactly (the pages decode placed it for)."""
+    return (offer.dst_start, offer.npages, offer.nbytes) == (ask.dst_start, ask.npages, ask.nbytes)
+
+
 class WriterSide:
     """The prefill half of :class:`~kvwire.staging.bulk.BulkStaging` (see its module)."""
 
@@ -79,8 +94,10 @@ class WriterSide:
         block: int,
         retry_s: float,
         post: Callable[[str, BulkMessage], bool],
+        offer_ttl_s: float = 90.0,
     ) -> None:
         self.context = context
+        self._offer_ttl_s = offer_ttl_s
         self.kv = kv
         self._buffer_bytes = buffer_bytes
         self._per_worker = buffers_per_worker
@@ -94,6 +111,9 @@ class WriterSide:
         self._free = [list(range(buffers_per_worker)) for _ in range(context.num_workers)]
         self._asks: dict[tuple[int, str, int], _Ask] = {}
         self._views: dict[str, WatermarkView] = {}
+        #: Space decode offered ahead (unasked grants with ``npages``), until a chunk takes
+        #: it, the room is released, or ``offer_ttl_s`` passed (a room never sent here).
+        self._offers: dict[tuple[int, str, int], tuple[Grant, float]] = {}
 
     # ------------------------------------------------------------------ asks
     def request(self, ask: Ask, dest: str, endpoint: str, transfer_timeout_s: float) -> None:
@@ -110,8 +130,16 @@ class WriterSide:
             earlier = any(
                 k[0] == ask.room and k[1] == dest and a.grant is None for k, a in self._asks.items()
             )
-            self._asks[key] = _Ask(ask, endpoint, 0.0 if earlier else now, now + transfer_timeout_s)
-        if not earlier:
+            entry = _Ask(ask, endpoint, 0.0 if earlier else now, now + transfer_timeout_s)
+            offer = self._offers.pop(key, None)
+            if offer is not None and not earlier and _matches(offer[0], ask):
+                g = offer[0]
+                entry.grant = Allocation(g.alloc_id, g.round, g.offset, g.end)
+            self._asks[key] = entry
+        if ask.chunk_id == 0:
+            taken = entry.grant is not None
+            OFFERS.labels("taken" if taken else "none" if offer is None else "other_pages").inc()
+        if entry.grant is None and not earlier:
             self._post(endpoint, ask)
 
     def on_queued(self, chunk: QueuedChunk, fits: Callable[[IndexMapper, int], bool]) -> None:
@@ -155,23 +183,35 @@ class WriterSide:
             logger.warning("bulk staging: malformed %r from %s: %s", msg.type, msg.session, exc)
             return
         dest = msg.session
+        nxt: _Ask | None = None
         with self._lock:
             view = self._views.setdefault(dest, WatermarkView())
             if isinstance(body, Watermark):
-                view.update((body.round, body.tail))
-                return
-            assert isinstance(body, Grant | Deny)
-            ask = self._asks.get((body.room, dest, body.chunk_id))
-            if ask is None:
-                return  # late or duplicate answer
-            if isinstance(body, Deny):
-                ask.denied = body.reason
-                return
-            view.update((body.wm_round, body.wm_tail))
-            if ask.grant is not None:
-                return  # a duplicate grant
-            ask.grant = Allocation(body.alloc_id, body.round, body.offset, body.end)
-            nxt = self._next_unsent(body.room, dest)
+                moved = view.update((body.round, body.tail))
+                if not moved or all(a.grant is None for a in self._asks.values()):
+                    return
+            else:
+                assert isinstance(body, Grant | Deny)
+                key = (body.room, dest, body.chunk_id)
+                ask = self._asks.get(key)
+                if isinstance(body, Grant):
+                    view.update((body.wm_round, body.wm_tail))
+                if ask is None:
+                    if isinstance(body, Grant) and body.npages is not None:
+                        self._offers[key] = (body, time.monotonic())  # offered ahead
+                    return  # else a late or duplicate answer
+                if isinstance(body, Deny):
+                    ask.denied = body.reason
+                elif ask.grant is not None:
+                    return  # a duplicate grant (or an offer after the ask: the same space)
+                elif body.npages is not None and not _matches(body, ask.msg):
+                    return  # an offer for other pages (decode replaces it on the ask)
+                else:
+                    ask.grant = Allocation(body.alloc_id, body.round, body.offset, body.end)
+                    nxt = self._next_unsent(body.room, dest)
+        # the worker holding the chunk plans it now (a grant, space freed) or fails it (a
+        # deny), not at its next poll
+        self.context.wake_fn()
         if nxt is not None:
             self._post(nxt.endpoint, nxt.msg)
 
@@ -316,13 +356,28 @@ class WriterSide:
         with self._lock:
             for key in [k for k in self._asks if k[0] == room and k[1] == dest]:
                 del self._asks[key]
+            for key in [k for k in self._offers if k[0] == room and k[1] == dest]:
+                del self._offers[key]
         self.context.send_fn(endpoint, WritesDone(room=room, sender_id=sender_id, session=session))
 
     def release(self, room: int) -> None:
-        """Engine thread, on clear: forget the room's asks."""
+        """Engine thread, on clear: forget the room's asks and offers (decode frees offered
+        space once this side confirms nothing is in flight for the room)."""
         with self._lock:
             for key in [k for k in self._asks if k[0] == room]:
                 del self._asks[key]
+            for key in [k for k in self._offers if k[0] == room]:
+                del self._offers[key]
+
+    def tick(self, now: float) -> None:
+        """Progress thread: forget offers no chunk took within ``offer_ttl_s`` (a request
+        this rank never got, or failed before it was created here)."""
+        with self._lock:
+            if not self._offers:
+                return
+            stale = [k for k, (_, t) in self._offers.items() if now - t > self._offer_ttl_s]
+            for key in stale:
+                del self._offers[key]
 
     def peer_lost(self, session: str) -> None:
         """Progress thread: a decode rank was evicted; forget its asks and watermark."""
@@ -330,7 +385,9 @@ class WriterSide:
             self._views.pop(session, None)
             for key in [k for k in self._asks if k[1] == session]:
                 del self._asks[key]
+            for key in [k for k in self._offers if k[1] == session]:
+                del self._offers[key]
 
     def room_tables(self) -> dict[str, int]:
         with self._lock:
-            return {"staging_requests": len(self._asks)}
+            return {"staging_requests": len(self._asks), "staging_offers": len(self._offers)}

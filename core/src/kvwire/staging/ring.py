@@ -94,6 +94,17 @@ class RingAllocator:
         self._key_of[alloc.id] = key
         return alloc
 
+    def ready_now(self, nbytes: int) -> bool:
+        """Whether an allocation of ``nbytes`` made now would be free to write at once (the
+        readiness rule against the current watermark); allocates nothing."""
+        need = self.rounded(nbytes)
+        if need <= 0 or need > self.size:
+            return False
+        rnd, off = self._round, self._head
+        if off + need > self.size:
+            rnd, off = rnd + 1, 0
+        return ready(Allocation(0, rnd, off, off + need), self.watermark)
+
     def free(self, alloc_id: int) -> bool:
         """Free an allocation (idempotent); True if the watermark moved."""
         before = self.watermark

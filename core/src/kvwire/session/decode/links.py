@@ -30,6 +30,7 @@ from kvwire.control.wire import (
 from kvwire.errors import HandshakeError, KVWireError
 from kvwire.index.topology import Topology
 from kvwire.link_choice import host_identity
+from kvwire.session.aux_note import carries_aux
 from kvwire.session.checksums import LandedSums
 from kvwire.session.handshake import build_mapper, topology_for
 from kvwire.session.peers import Peer
@@ -185,6 +186,7 @@ class SourceLinks:
                 host_layout=extra.get(LEGACY_POOL),
                 host_staging=pool_staging.get(LEGACY_POOL),
                 checksum=ctx.options.kv_checksum,
+                aux_in_note=carries_aux(ctx.aux_regions),
             )
             ctx.tell(info.endpoint, hello)
         ok = pending.event.wait(timeout_s)

@@ -4,6 +4,8 @@ prompt tokens kept cached. Engine thread; no lock (nothing shared is read but th
 
 from __future__ import annotations
 
+import logging
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -14,6 +16,8 @@ from kvwire.errors import ConfigError, DescriptorError
 from kvwire.index.base import check_pages
 from kvwire.session.context import RankContext
 from kvwire.session.groups import Indices, check_state_indices
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -64,3 +68,19 @@ def check_metadata(
         raise DescriptorError(f"cached_tokens must be a non-negative int, not {cached_tokens!r}")
     kept = None if cached_tokens is None else int(cached_tokens)
     return Metadata(arr, aux_index, pool, groups, kept)
+
+
+def offer_ahead(
+    ctx: RankContext, room: int, pool: str, npages: int, sources: Sequence[Any]
+) -> None:
+    """Decode side, under the room lock, right before a request goes to its source ranks
+    (``sources``: their links): the pool's staging strategy may consent ahead
+    (:meth:`~kvwire.staging.base.StagingStrategy.on_requested`). Its failure is logged, never
+    the request's: the sender then asks as it would without an offer."""
+    strategy = ctx.staging_of(pool)
+    if strategy is None:
+        return
+    try:
+        strategy.on_requested(room, int(npages), [s.info.session for s in sources])
+    except Exception as exc:
+        logger.warning("room %d: the %s strategy's offer failed: %s", room, strategy.name, exc)

@@ -50,9 +50,10 @@ from kvwire.errors import (
 from kvwire.session import metrics as m
 from kvwire.session.common import Side
 from kvwire.session.context import RankContext
+from kvwire.session.decode.aux import take_aux
 from kvwire.session.decode.checker import ChunkChecker
 from kvwire.session.decode.links import PrefillLink, SourceLinks
-from kvwire.session.decode.metadata import check_metadata, check_pool
+from kvwire.session.decode.metadata import check_metadata, check_pool, offer_ahead
 from kvwire.session.decode.quiesce import WriteQuarantine
 from kvwire.session.decode.rejoin import Rejoin
 from kvwire.session.decode.rooms import RecvRoom
@@ -254,29 +255,14 @@ class DecodeSide(Side[RecvRoom]):
                 return
             room.last_progress = now
             room.metrics.marks["noted"] = time.perf_counter()
-            if msg.what == "aux":
-                if room.aux_sender != msg.sender_id:
-                    self._fail(
-                        room,
-                        TransferError(
-                            f"aux row written by sender {msg.sender_id}, "
-                            f"expected {room.aux_sender}",
-                            room=room.room,
-                        ),
-                    )
-                    return
-                stamp = int(ctx.stamps[room.aux_index, 0])
-                if stamp != room.room:
-                    self._fail(
-                        room,
-                        TransferError(
-                            f"aux row {room.aux_index} carries room stamp {stamp}, not {room.room} "
-                            "(aux row reused while a transfer was in flight?)",
-                            room=room.room,
-                        ),
-                    )
+            if msg.what == "aux" or msg.aux is not None:  # its own, or carried (1.11)
+                error = take_aux(ctx, room, msg)
+                if error is not None:
+                    self._fail(room, error)
                     return
                 room.aux_done = True
+            if msg.what == "aux":
+                pass
             elif msg.what == "state":  # the sender's buffer groups landed (after its KV)
                 room.groups_from.add(msg.sender_id)
             else:
@@ -497,9 +483,12 @@ class DecodeSide(Side[RecvRoom]):
             ctx.hooks.on_prealloc(room.room, int(md.pages.size))
 
     def _request(self, room: RecvRoom) -> None:
-        """Under the lock: send the transfer request to every source rank."""
-        assert room.sources is not None
+        """Under the lock: send the transfer request to every source rank, right after the
+        room's staging strategy consented ahead (bulk staging's offers of ring space go first,
+        so a prefill engine that sends as soon as it sees the request finds them there)."""
+        assert room.sources is not None and room.dst_pages is not None
         ctx = self.ctx
+        offer_ahead(ctx, room.room, room.pool, room.dst_pages.size, room.sources)
         msg = self.request_message(room)
         room.metrics.marks["requested"] = time.perf_counter()
         for s in room.sources:

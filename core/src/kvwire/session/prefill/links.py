@@ -26,6 +26,7 @@ from kvwire.index.groups import GroupMapper
 from kvwire.index.topology import Topology
 from kvwire.layout import KVLayout, MemoryRegion
 from kvwire.selection import select_pool_mapper
+from kvwire.session.aux_note import carries_aux
 from kvwire.session.checksums import SentSums
 from kvwire.session.handshake import (
     aux_problems,
@@ -94,6 +95,9 @@ class DecodeLink:
     checksums: SentSums | None = None
     #: The backend the link uses, its fallbacks, and why other offers were passed over.
     choice: LinkChoice | None = None
+    #: The aux row rides in the last chunk's note (decode takes it: ``Hello.aux_in_note``;
+    #: both sides' aux rows in host memory). (1.11)
+    aux_in_note: bool = False
 
     @property
     def sends_groups(self) -> bool:
@@ -277,6 +281,7 @@ class DecodeLinker:
                 groups=groups,
                 checksums=checksums,
                 choice=choice,
+                aux_in_note=hello.aux_in_note and carries_aux(ctx.aux_regions),
             )
         except Exception as exc:  # a plugin's error included: decode must hear why, now
             if not isinstance(exc, KVWireError):

@@ -3,11 +3,12 @@
 A worker keeps up to ``max_inflight`` chunk transfers posted at once instead of waiting for
 each: it submits every job it takes from its queue (in queue order, so a destination's chunks are
 posted in order) and polls the posted handles between jobs. For one (request, destination) the
-destination counts as done only after every KV chunk and the aux row completed. The aux row is
-posted right after the last KV chunk is posted (decode accepts the notes in any order); the
-"no more KV" marker, and the aux row of a staging destination, only after every KV chunk of
-that destination completed. One :class:`Pipeline` per worker thread; it is not shared, so it
-needs no lock.
+destination counts as done only after every KV chunk and the aux row completed. The aux row
+rides in the last chunk's final note where decode takes it so (protocol 1.11,
+:mod:`kvwire.session.aux_note`), else it is posted right after the last KV chunk is posted,
+staged or not (decode accepts the notes in any order); the "no more KV" marker only after
+every KV chunk of that destination completed. One :class:`Pipeline` per worker thread; it is
+not shared, so it needs no lock.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from kvwire.control.wire import ChunkNote, Completion
 from kvwire.errors import KVWireError, TransferError
 from kvwire.integrity import add_sums
 from kvwire.session import metrics as m
+from kvwire.session.aux_note import read_row
 from kvwire.session.context import RankContext
 from kvwire.session.handshake import slot_rows
 from kvwire.session.metrics import ChunkDone
@@ -41,6 +43,10 @@ GATE_IDLE_S = 0.05
 #: With a backend that pushes events, a worker whose posted writes are all the backend's
 #: waits for a completion (or a new job) this long at most before polling again.
 EVENT_IDLE_S = 0.005
+#: A worker with nothing in flight whose chunks wait for staging space sleeps until the
+#: strategy wakes it (``StagingContext.wake_fn``: a grant or a watermark came), this long at
+#: most (a strategy's retries and deadlines run in its ``plan``).
+STAGING_IDLE_S = 0.001
 
 
 @dataclass(eq=False)
@@ -131,6 +137,8 @@ class Pipeline:
                     plan = self.plan(job)
                     if plan is None:
                         return moved  # waiting for staging space; asked again on progress()
+                    if job.last:
+                        room.metrics.marks["planned"] = time.perf_counter()
                     if not plan.empty:
                         self.post_plan(tail, job, plan, t_start)
                 tail.queue.popleft()
@@ -200,6 +208,8 @@ class Pipeline:
                 extra: dict[str, Any] = dict(where)
                 if check is not None and i == 0:
                     extra.update(sum_layers=list(sums), sums=list(sums.values()))
+                if seg.copy is None and post.first_part + i == post.parts - 1:
+                    extra["aux"] = self._carried_aux(tail, job)
                 note = ChunkNote(
                     room=room,
                     sender_id=self.side.sender_id,
@@ -235,6 +245,25 @@ class Pipeline:
         except BaseException:
             ref.seal(ok=False)  # nothing in flight: the strategy gets its buffer back now
             raise
+
+    def _carried_aux(self, tail: Tail, job: Job) -> list[bytes] | None:
+        """The aux row's bytes for the final note of the request's last chunk, when they
+        ride in it (protocol 1.11: :mod:`kvwire.session.aux_note`): this rank sends the aux
+        row to a decode rank that takes it so, and no buffer group must land first. Marks
+        the aux row posted; None when it moves as a transfer of its own."""
+        link, room = job.link, job.room
+        if (
+            not job.last
+            or tail.aux_posted
+            or not (link.aux_in_note and link.sends_aux)
+            or room.aux_index is None
+            or link.sends_groups
+        ):
+            return None
+        ctx = self.ctx
+        ctx.stamps[room.aux_index, 0] = room.room
+        tail.aux_posted = True
+        return read_row(ctx.aux_regions, room.aux_index)
 
     def _drop(self, key: tuple[int, str], tail: Tail) -> None:
         """A dead request's tail: forget its queued jobs; once nothing is in flight, tell a
@@ -281,6 +310,11 @@ class Pipeline:
         gates = [t.queue[0].gate for t in self.tails.values() if t.queue]
         if self.evented and self.posted and not gates and all(p.copy is None for p in self.posted):
             self.wake.wait(EVENT_IDLE_S)
+            self.wake.clear()
+            return
+        if not self.posted and gates and all(g is None for g in gates):
+            # every waiting chunk waits for its strategy (staging space): woken by its grant
+            self.wake.wait(STAGING_IDLE_S)
             self.wake.clear()
             return
         if self.posted or not gates or any(g is None for g in gates):
@@ -464,15 +498,15 @@ class Pipeline:
     def _finish_tail(self, key: tuple[int, str]) -> None:
         """After the last job: marker, aux row, then done once nothing is in flight.
 
-        The aux row of a tail whose last chunk carried KV (not staged) is posted as soon as
-        that chunk is posted, concurrently with it: decode counts the KV notes and the aux note
-        in any order, and the request saves one engine round trip. Otherwise (the last chunk
-        moved no KV, or a staging destination) it waits for every chunk as before."""
+        The aux row of a tail whose last chunk carried KV is posted as soon as that chunk is
+        posted, concurrently with it (unless it rode in the chunk's note): decode counts the
+        KV notes and the aux note in any order, and the request saves a completion poll and a
+        round trip. Otherwise (the last chunk moved no KV) it waits for every chunk."""
         tail = self.tails.get(key)
         if tail is None or tail.last is None:
             return
         room, dest, job = tail.room, tail.dest, tail.last
-        early = job.chunk_id is not None and not tail.staged
+        early = job.chunk_id is not None
         if tail.inflight and (tail.aux_posted or not early):
             return
         if self.side.is_dead(room):

@@ -111,6 +111,7 @@ class PrefillSide(Side[SendRoom]):
             lambda i: Pipeline(ctx, self, i),
             inline=opts.sync_transfers,
         )
+        ctx.wake_workers = self.workers.notify_all
         #: Decode sessions this rank evicted: their later frames are answered, not dropped.
         self.evictions = EvictionBook(ctx)
         #: Answers decode ranks' hellos (handshake threads).

@@ -132,6 +132,12 @@ class TransferWorkers(Generic[J]):
         self._queues[i].put(job)
         self._stages[i].notify()  # an idle stage may be waiting on something else
 
+    def notify_all(self) -> None:
+        """Any thread: end every worker's :meth:`Stage.idle` wait now (a staging grant came,
+        so a chunk waiting for ring space may go)."""
+        for stage in list(self._stages):
+            stage.notify()
+
     def stop(self, timeout_s: float = 5.0) -> None:
         """Let queued jobs finish (failed requests end fast), then stop every thread."""
         for q, stage in zip(self._queues, self._stages, strict=True):
