@@ -8,6 +8,7 @@ both sides must fail naming the chunk, the layer and the sender. The cluster tes
 
 from __future__ import annotations
 
+import ctypes
 import textwrap
 import threading
 import time
@@ -17,7 +18,7 @@ import numpy as np
 import pytest
 
 from kvwire.config import ControlOptions, KVWireConfig
-from kvwire.descriptors import make_table
+from kvwire.descriptors import ADDR, make_table
 from kvwire.errors import DescriptorError, KVWireError
 from kvwire.integrity import RowHasher, add_sums, layer_ranges, mismatched_layers
 from kvwire.layout import KVLayout, RankPosition
@@ -293,7 +294,20 @@ def _flip_after_summing(monkeypatch: pytest.MonkeyPatch, arrs: list[np.ndarray])
         flat[page, 5] ^= 0x01
         return sums
 
+    original_rows = SentSums.rows
+
+    def rows(self: SentSums, src_idx: Any, dst_idx: Any) -> Any:
+        # a chunk posted in pieces: the first row of layer 1 in each piece that has one
+        sums = original_rows(self, src_idx, dst_idx)
+        idx = np.asarray(src_idx, dtype=np.int64)
+        hit = idx[self.hasher.row_layers(self.tables.src, idx) == 1]
+        if hit.size:
+            byte = ctypes.c_uint8.from_address(int(self.tables.src[int(hit[0]), ADDR]) + 5)
+            byte.value ^= 0x01
+        return sums
+
     monkeypatch.setattr(SentSums, "chunk", chunk)
+    monkeypatch.setattr(SentSums, "rows", rows)
 
 
 def test_a_byte_flipped_in_flight_fails_the_request_naming_chunk_layer_sender(
