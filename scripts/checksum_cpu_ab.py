@@ -30,8 +30,8 @@ def run_bench(
     """One ``kvwire bench`` call; its ``kvwire`` cells."""
     env = dict(os.environ)
     if tree is not None:
-        env["PYTHONPATH"] = os.path.join(tree, "core", "src") + os.pathsep + env.get(
-            "PYTHONPATH", ""
+        env["PYTHONPATH"] = (
+            os.path.join(tree, "core", "src") + os.pathsep + env.get("PYTHONPATH", "")
         )
     with tempfile.NamedTemporaryFile(suffix=".json") as out:
         cmd = [
@@ -43,7 +43,8 @@ def run_bench(
             "--json", out.name,
         ]  # fmt: skip
         subprocess.run(cmd, env=env, check=True, stdout=subprocess.DEVNULL)
-        data = json.load(open(out.name))
+        with open(out.name) as f:
+            data = json.load(f)
     if not data.get("ok"):
         raise SystemExit(f"bench failed: {data.get('failures')}")
     return [c for c in data["cells"] if c["mode"] == "kvwire"]
@@ -73,12 +74,13 @@ def main() -> None:
                 on = run_bench(path, backend, True, args)
                 for a, b in zip(off, on, strict=True):
                     key = (backend, name, a["request_bytes"] / 2**20, a["concurrency"])
-                    rows[key].append(
-                        (a["gbps"], b["gbps"], a["decode_p50_ms"], b["decode_p50_ms"])
-                    )
+                    rows[key].append((a["gbps"], b["gbps"], a["decode_p50_ms"], b["decode_p50_ms"]))
                 raw.append({"round": r, "backend": backend, "tree": name, "off": off, "on": on})
                 print(f"round {r + 1}/{args.rounds} {backend} {name} done", file=sys.stderr)
-    print("| backend | tree | MiB | C | unchecked GB/s | checked GB/s | added per round | added (median) | p50 added ms |")
+    print(
+        "| backend | tree | MiB | C | unchecked GB/s | checked GB/s | added per round "
+        "| added (median) | p50 added ms |"
+    )
     print("| --- | --- | ---: | ---: | ---: | ---: | --- | ---: | ---: |")
     for (backend, name, mib, c), vals in sorted(rows.items()):
         added = [off / on - 1 for off, on, _, _ in vals]

@@ -92,9 +92,9 @@ def _aux_submit_fails(role: str) -> None:
 
 def _flip_after_sum(role: str) -> None:
     """Prefill flips one bit of the first source row of each chunk (of each layer-wise group
-    of it, when layer-wise; of each piece, when posted in pieces) right after it computed the sums (before the transfer reads the
-    row): the corruption a transport or a copy would cause, which only decode's checksum
-    check can see."""
+    of it, when layer-wise; of each piece, when posted in pieces) right after it computed the
+    sums (before the transfer reads the row): the corruption a transport or a copy would
+    cause, which only decode's checksum check can see."""
     if role != "prefill":
         return
     import ctypes
