@@ -7,7 +7,8 @@ chunk posted in place as one set of rows (no staging, no layer groups) is cut in
 first (:meth:`SentSums.pieces`), each posted with a note carrying its own rows' sums
 (:meth:`SentSums.rows`) computed just before it is posted: every piece after the first is
 summed while the pieces before it are in flight, so most of prefill's sum is off the
-request's critical path. Decode adds the sums of a chunk's notes, so it checks the same
+request's critical path (a chunk of one piece is summed whole, as before, by
+:meth:`SentSums.chunk`). Decode adds the sums of a chunk's notes, so it checks the same
 total whichever way the chunk was cut.
 
 Decode: a :class:`LandedSums` per prefill link, built when the acknowledgement arrives; once

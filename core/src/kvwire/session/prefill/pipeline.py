@@ -172,13 +172,11 @@ class Pipeline:
         check = job.link.checksums if job.pool == "kv" else None
         # rows of the mapper's own tables in place: in pieces, each with its own sums
         own = plan.table == "kv" and len(segs) == 1 and segs[0].table == job.target.table
-        own = own and check is not None and segs[0].copy is None
-        if own and check is not None:
+        if own and check is not None and segs[0].copy is None:
             seg = segs[0]
-            segs = [
-                Segment(seg.label, seg.table, a, b)
-                for a, b in check.pieces(seg.src_idx, seg.dst_idx)
-            ]
+            cut = check.pieces(seg.src_idx, seg.dst_idx)
+            segs = [Segment(seg.label, seg.table, a, b) for a, b in cut] if len(cut) > 1 else segs
+        own = own and len(segs) > 1
         post = SegmentPost(tail, job, ref, plan.what, segs, len(segs), 0, t_start, own_sums=own)
         self.post_segments(post)
 
