@@ -50,6 +50,33 @@ def run_bench(
     return [c for c in data["cells"] if c["mode"] == "kvwire"]
 
 
+def table(raw: list[dict[str, Any]]) -> str:
+    """The markdown table of what ``raw`` (the per-call records) holds."""
+    # (backend, tree, mib, C) -> list of (gbps_off, gbps_on, p50_off, p50_on)
+    rows: dict[tuple[str, str, float, int], list[tuple[float, float, float, float]]]
+    rows = defaultdict(list)
+    for rec in raw:
+        for a, b in zip(rec["off"], rec["on"], strict=True):
+            key = (rec["backend"], rec["tree"], a["request_bytes"] / 2**20, a["concurrency"])
+            rows[key].append((a["gbps"], b["gbps"], a["decode_p50_ms"], b["decode_p50_ms"]))
+    lines = [
+        "| backend | tree | MiB | C | unchecked GB/s | checked GB/s | added per round "
+        "| added (median) | p50 added ms |",
+        "| --- | --- | ---: | ---: | ---: | ---: | --- | ---: | ---: |",
+    ]
+    for (backend, name, mib, c), vals in sorted(rows.items()):
+        added = [off / on - 1 for off, on, _, _ in vals]
+        p50 = statistics.median(b - a for _, _, a, b in vals)
+        lines.append(
+            f"| {backend} | {name} | {mib:g} | {c} "
+            f"| {statistics.median(v[0] for v in vals):.2f} "
+            f"| {statistics.median(v[1] for v in vals):.2f} "
+            f"| {', '.join(f'{x:+.0%}' for x in added)} | {statistics.median(added):+.1%} "
+            f"| {p50:+.2f} |"
+        )
+    return "\n".join(lines)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--backends", default="tcp,nixl")
@@ -58,43 +85,32 @@ def main() -> None:
     p.add_argument("--requests", type=int, default=8)
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--tree", action="append", default=[], help="NAME=PATH (repeatable)")
-    p.add_argument("--json", default=None)
+    p.add_argument("--json", default=None, help="the raw records, rewritten after every call")
+    p.add_argument("--report", default=None, help="only print the table of this --json file")
     args = p.parse_args()
+    if args.report:
+        with open(args.report) as f:
+            print(table(json.load(f)))
+        return
     trees: list[tuple[str, str | None]] = [
         (t.split("=", 1)[0], os.path.abspath(t.split("=", 1)[1])) for t in args.tree
     ] or [("tree", None)]
-    # (backend, tree, mib, C) -> list of (gbps_off, gbps_on, p50_off, p50_on)
-    rows: dict[tuple[str, str, float, int], list[tuple[float, float, float, float]]]
-    rows = defaultdict(list)
     raw: list[dict[str, Any]] = []
     for r in range(args.rounds):
         for backend in args.backends.split(","):
             for name, path in trees:
-                off = run_bench(path, backend, False, args)
-                on = run_bench(path, backend, True, args)
-                for a, b in zip(off, on, strict=True):
-                    key = (backend, name, a["request_bytes"] / 2**20, a["concurrency"])
-                    rows[key].append((a["gbps"], b["gbps"], a["decode_p50_ms"], b["decode_p50_ms"]))
+                if r % 2:  # every other round checked first: drift falls on both
+                    on = run_bench(path, backend, True, args)
+                    off = run_bench(path, backend, False, args)
+                else:
+                    off = run_bench(path, backend, False, args)
+                    on = run_bench(path, backend, True, args)
                 raw.append({"round": r, "backend": backend, "tree": name, "off": off, "on": on})
+                if args.json:
+                    with open(args.json, "w") as f:
+                        json.dump(raw, f, indent=1)
                 print(f"round {r + 1}/{args.rounds} {backend} {name} done", file=sys.stderr)
-    print(
-        "| backend | tree | MiB | C | unchecked GB/s | checked GB/s | added per round "
-        "| added (median) | p50 added ms |"
-    )
-    print("| --- | --- | ---: | ---: | ---: | ---: | --- | ---: | ---: |")
-    for (backend, name, mib, c), vals in sorted(rows.items()):
-        added = [off / on - 1 for off, on, _, _ in vals]
-        p50 = statistics.median(b - a for _, _, a, b in vals)
-        print(
-            f"| {backend} | {name} | {mib:g} | {c} "
-            f"| {statistics.median(v[0] for v in vals):.2f} "
-            f"| {statistics.median(v[1] for v in vals):.2f} "
-            f"| {', '.join(f'{x:+.0%}' for x in added)} | {statistics.median(added):+.1%} "
-            f"| {p50:+.2f} |"
-        )
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(raw, f, indent=1)
+    print(table(raw))
 
 
 if __name__ == "__main__":
