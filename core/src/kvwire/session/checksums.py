@@ -3,8 +3,9 @@
 Prefill: a :class:`SentSums` per decode link that asked (``Hello.checksum``), built at
 handshake; the transfer worker asks it for the per-layer sums of the rows it is about to post
 (the whole chunk, or one layer-wise group) and puts them in the first note of those rows. A
-chunk posted in place as one set of rows (no staging, no layer groups) is cut into pieces
-first (:meth:`SentSums.pieces`), each posted with a note carrying its own rows' sums
+chunk posted in place as one set of rows (no staging, no layer groups), over a backend whose
+own thread moves the bytes (``pushes_events``), is cut into pieces first
+(:meth:`SentSums.pieces`), each posted with a note carrying its own rows' sums
 (:meth:`SentSums.rows`) computed just before it is posted: every piece after the first is
 summed while the pieces before it are in flight, so most of prefill's sum is off the
 request's critical path (a chunk of one piece is summed whole, as before, by

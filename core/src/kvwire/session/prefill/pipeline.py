@@ -170,9 +170,11 @@ class Pipeline:
         segs = self.segments(job, plan)
         ref = PlanRef(job.target.strategy, plan, job.room.room)
         check = job.link.checksums if job.pool == "kv" else None
-        # rows of the mapper's own tables in place: in pieces, each with its own sums
+        # rows of the mapper's own tables in place: in pieces, each with its own sums, over
+        # a backend whose own thread moves the bytes (one that copies in its calls would not
+        # move a piece while the next is summed)
         own = plan.table == "kv" and len(segs) == 1 and segs[0].table == job.target.table
-        if own and check is not None and segs[0].copy is None:
+        if own and self.evented and check is not None and segs[0].copy is None:
             seg = segs[0]
             cut = check.pieces(seg.src_idx, seg.dst_idx)
             segs = [Segment(seg.label, seg.table, a, b) for a, b in cut] if len(cut) > 1 else segs
