@@ -65,6 +65,7 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=40)
     ap.add_argument("--fault-every", type=int, default=2)
     ap.add_argument("--faults", default="partition")
+    ap.add_argument("--silence", type=float, default=4.5, help="how long a partition lasts (s)")
     ap.add_argument("--settle", type=float, default=40.0)
     ap.add_argument("--settle-step", type=float, default=5.0)
     ap.add_argument("--json")
@@ -98,7 +99,7 @@ def main() -> None:
     soak.sample_all, soak._leftover = sample_all, leftover  # type: ignore[assignment]
     spec = soak.SoakSpec(
         requests=a.requests, batch=a.batch, fault_every=a.fault_every,
-        faults=tuple(a.faults.split(",")), netns=True,
+        faults=tuple(a.faults.split(",")), netns=True, silence_s=a.silence,
     )  # fmt: skip
     report = soak.run_soak(spec)
     print(report.summary())
@@ -108,7 +109,7 @@ def main() -> None:
         by_role: dict[str, collections.Counter[str]] = collections.defaultdict(collections.Counter)
         for r in records:
             if r["at"] == label:
-                role = r["rank"].split(".")[0].rstrip("0123456789")
+                role = r["rank"].rsplit("-tp", 1)[0]
                 by_role[role].update(r["kinds"])
                 by_role[role]["total"] += r["fds"]
         print(label, {k: dict(v) for k, v in by_role.items()})
