@@ -17,10 +17,10 @@ from typing import Any
 import numpy as np
 import pytest
 
+from kvwire import integrity
 from kvwire.config import ControlOptions, KVWireConfig
 from kvwire.descriptors import ADDR, LEN, make_table
 from kvwire.errors import DescriptorError, KVWireError
-from kvwire import integrity
 from kvwire.integrity import RowHasher, add_sums, layer_ranges, mismatched_layers
 from kvwire.layout import KVLayout, RankPosition
 from kvwire.session import KVPoll
