@@ -35,6 +35,7 @@ import zmq
 from zmq.utils.monitor import parse_monitor_message
 
 from kvwire.control.freshness import FreshnessError
+from kvwire.control.reach import keep_alive
 from kvwire.control.wire import Codec, Message
 from kvwire.errors import ConfigError, ProtocolError
 from kvwire.security import warn_if_exposed
@@ -77,6 +78,7 @@ class ControlChannel:
         self._pull.setsockopt(zmq.LINGER, 0)
         self._pull.setsockopt(zmq.RCVHWM, 0)
         self._pull.setsockopt(zmq.MAXMSGSIZE, 16 << 20)
+        keep_alive(self._pull)  # a peer's connection left open by a partition is closed
         try:
             port = self._pull.bind_to_random_port(f"tcp://{host}")
         except zmq.ZMQError as exc:
@@ -115,6 +117,7 @@ class ControlChannel:
                 sock.setsockopt(zmq.LINGER, 0)
                 sock.setsockopt(zmq.SNDHWM, self._hwm)
                 sock.setsockopt(zmq.IMMEDIATE, 0)
+                keep_alive(sock)
                 self._monitors[endpoint] = sock.get_monitor_socket(_MONITOR_EVENTS)
                 sock.connect(endpoint)
                 self._push[endpoint] = sock

@@ -2,7 +2,15 @@
 
 Prefill: a :class:`SentSums` per decode link that asked (``Hello.checksum``), built at
 handshake; the transfer worker asks it for the per-layer sums of the rows it is about to post
-(the whole chunk, or one layer-wise group) and puts them in the first note of those rows.
+(the whole chunk, or one layer-wise group) and puts them in the first note of those rows. A
+chunk posted in place as one set of rows (no staging, no layer groups), over a backend whose
+own thread moves the bytes (``pushes_events``), is cut into pieces first
+(:meth:`SentSums.pieces`), each posted with a note carrying its own rows' sums
+(:meth:`SentSums.rows`) computed just before it is posted: every piece after the first is
+summed while the pieces before it are in flight, so most of prefill's sum is off the
+request's critical path (a chunk of one piece is summed whole, as before, by
+:meth:`SentSums.chunk`). Decode adds the sums of a chunk's notes, so it checks the same
+total whichever way the chunk was cut.
 
 Decode: a :class:`LandedSums` per prefill link, built when the acknowledgement arrives; once
 a chunk is complete (every part arrived, staged blocks scattered) a checker thread
@@ -24,7 +32,7 @@ import numpy as np
 from numpy.typing import NDArray
 
 from kvwire.config import KVWireConfig
-from kvwire.descriptors import ADDR
+from kvwire.descriptors import ADDR, LEN, IndexArray
 from kvwire.errors import DescriptorError
 from kvwire.index.base import IndexMapper
 from kvwire.integrity import LayerSums, RowHasher
@@ -79,6 +87,40 @@ class SentSums:
             self._local.last = (src_units, dst_units, src_idx, keys)
         only = None if layers is None else range(*layers)
         return self.hasher.sums(self.tables.src, src_idx, keys, only)
+
+    def pieces(
+        self, src_idx: IndexArray, dst_idx: IndexArray
+    ) -> list[tuple[IndexArray, IndexArray]]:
+        """A transfer worker, before posting a chunk's rows (``src_idx``/``dst_idx`` in the
+        mapper's KV tables, as :meth:`ChunkPlan.direct` gives them): the rows cut, in their
+        order, into pieces to post one after another, each summed just before it is posted
+        (:meth:`rows`). The first piece holds about the hasher's ``PIECE_BYTES``, each next
+        one twice the one before (the sum of a piece, several GB/s on one core, then takes
+        less time than the write of the piece before it); a chunk of less than three first
+        pieces, or a hasher with ``PIECE_BYTES`` 0, is one piece."""
+        first = self.hasher.PIECE_BYTES
+        src = np.asarray(src_idx, dtype=np.int64)
+        if first <= 0 or src.size < 2:
+            return [(src_idx, dst_idx)]
+        ends = np.cumsum(self.tables.src[src, LEN].astype(np.int64))
+        total = int(ends[-1])
+        if total < 3 * first:
+            return [(src_idx, dst_idx)]
+        bounds = [first]  # where pieces end: piece k holds first * 2**k bytes
+        while bounds[-1] * 2 + first < total:
+            bounds.append(bounds[-1] * 2 + first)
+        cuts = np.unique(np.searchsorted(ends, np.asarray(bounds), side="left") + 1)
+        cuts = cuts[(cuts > 0) & (cuts < src.size)].tolist()
+        dst = np.asarray(dst_idx, dtype=np.int64)
+        return list(zip(np.split(src, cuts), np.split(dst, cuts), strict=True))
+
+    def rows(self, src_idx: IndexArray, dst_idx: IndexArray) -> LayerSums:
+        """A transfer worker, just before posting rows ``src_idx`` of the mapper's source
+        table to rows ``dst_idx`` of its destination table (one piece of :meth:`pieces`):
+        their per-layer sums."""
+        idx = np.asarray(src_idx, dtype=np.int64)
+        keys = self.tables.dst[np.asarray(dst_idx, dtype=np.int64), ADDR]
+        return self.hasher.sums(self.tables.src, idx, keys)
 
 
 class LandedSums:

@@ -92,9 +92,9 @@ def _aux_submit_fails(role: str) -> None:
 
 def _flip_after_sum(role: str) -> None:
     """Prefill flips one bit of the first source row of each chunk (of each layer-wise group
-    of it, when layer-wise) right after it computed the sums (before the transfer reads the
-    row): the corruption a transport or a copy would cause, which only decode's checksum
-    check can see."""
+    of it, when layer-wise; of each piece, when posted in pieces) right after it computed the
+    sums (before the transfer reads the row): the corruption a transport or a copy would
+    cause, which only decode's checksum check can see."""
     if role != "prefill":
         return
     import ctypes
@@ -119,7 +119,19 @@ def _flip_after_sum(role: str) -> None:
             byte.value ^= 0x01
         return sums
 
+    original_rows = SentSums.rows
+
+    def flipping_rows(self: SentSums, src_idx: Any, dst_idx: Any) -> Any:
+        # a chunk posted in pieces: the first row of each piece, right after its sums
+        sums = original_rows(self, src_idx, dst_idx)
+        idx = np.asarray(src_idx, dtype=np.int64)
+        if idx.size:
+            byte = ctypes.c_uint8.from_address(int(self.tables.src[int(idx[0]), ADDR]))
+            byte.value ^= 0x01
+        return sums
+
     SentSums.chunk = flipping  # type: ignore[method-assign,assignment]
+    SentSums.rows = flipping_rows  # type: ignore[method-assign]
 
 
 #: ``slow_pushes``: the file whose existence turns the delay on (unset: always on).

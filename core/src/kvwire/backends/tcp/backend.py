@@ -50,7 +50,7 @@ from kvwire.backends.tcp import wire
 from kvwire.backends.tcp.auth import DataPlaneAuth
 from kvwire.backends.tcp.options import TcpOptions
 from kvwire.backends.tcp.outbound import OutboundPeer, OutboundTransfer, split_rows
-from kvwire.control.reach import connect_problem, endpoint_host
+from kvwire.control.reach import connect_problem, endpoint_host, keep_alive
 from kvwire.descriptors import ADDR, DescTable
 from kvwire.layout import MemoryRegion
 from kvwire.owner_loop import OwnerLoop
@@ -88,6 +88,7 @@ class TcpBackend(TransferBackend):
         self._router.setsockopt(zmq.LINGER, 0)
         self._router.setsockopt(zmq.ROUTER_MANDATORY, 1)
         self._router.setsockopt(zmq.SNDTIMEO, 1000)
+        keep_alive(self._router)  # a peer's connection left open by a partition is closed
         try:
             if self.auth is not None:
                 self.auth.secure_server(self._router)
@@ -210,6 +211,7 @@ class TcpBackend(TransferBackend):
                 sock.setsockopt(zmq.SNDHWM, self.options.send_hwm)
                 sock.setsockopt(zmq.IMMEDIATE, 0)
                 sock.setsockopt(zmq.ROUTING_ID, uuid.uuid4().bytes)
+                keep_alive(sock)
                 if self.auth is not None:
                     self.auth.secure_client(sock)
                 sock.connect(meta["endpoint"])

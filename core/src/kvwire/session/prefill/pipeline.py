@@ -177,7 +177,18 @@ class Pipeline:
         """Post every segment of one chunk, each with its own note (``parts`` of them)."""
         segs = self.segments(job, plan)
         ref = PlanRef(job.target.strategy, plan, job.room.room)
-        self.post_segments(SegmentPost(tail, job, ref, plan.what, segs, len(segs), 0, t_start))
+        check = job.link.checksums if job.pool == "kv" else None
+        # rows of the mapper's own tables in place: in pieces, each with its own sums, over
+        # a backend whose own thread moves the bytes (one that copies in its calls would not
+        # move a piece while the next is summed)
+        own = plan.table == "kv" and len(segs) == 1 and segs[0].table == job.target.table
+        if own and self.evented and check is not None and segs[0].copy is None:
+            seg = segs[0]
+            cut = check.pieces(seg.src_idx, seg.dst_idx)
+            segs = [Segment(seg.label, seg.table, a, b) for a, b in cut] if len(cut) > 1 else segs
+        own = own and len(segs) > 1
+        post = SegmentPost(tail, job, ref, plan.what, segs, len(segs), 0, t_start, own_sums=own)
+        self.post_segments(post)
 
     def post_segments(self, post: SegmentPost) -> None:
         """Post ``post.segs`` (parts ``first_part...`` of a chunk of ``parts``; the rows of
@@ -185,7 +196,8 @@ class Pipeline:
         posted ones end first and the strategy hears after the last. With checksums, the first note
         carries the per-layer sums of those layers (computed before any row is posted); a
         call with no segment (a staged layer group whose bytes a later group's block units
-        carry) leaves its sums to the next note of the chunk."""
+        carry) leaves its sums to the next note of the chunk. With ``own_sums`` each note
+        carries its own rows' sums instead, computed just before they are posted."""
         tail, job, ref, what, segs = post.tail, post.job, post.ref, post.what, post.segs
         key, t_start, layers = tail.key, post.t_start, post.layers
         room = job.room.room
@@ -193,7 +205,7 @@ class Pipeline:
         check = job.link.checksums if job.pool == "kv" else None
         try:
             sums: dict[int, int] = {}
-            if check is not None:
+            if check is not None and not post.own_sums:
                 add_sums(job.unsent_sums, check.chunk(job.src, job.dst, layers))
                 if segs:
                     sums, job.unsent_sums = job.unsent_sums, {}
@@ -206,7 +218,9 @@ class Pipeline:
             }
             for i, seg in enumerate(segs):
                 extra: dict[str, Any] = dict(where)
-                if check is not None and i == 0:
+                if check is not None and post.own_sums:
+                    sums = check.rows(seg.src_idx, seg.dst_idx)
+                if check is not None and (i == 0 or post.own_sums):
                     extra.update(sum_layers=list(sums), sums=list(sums.values()))
                 if seg.copy is None and post.first_part + i == post.parts - 1:
                     extra["aux"] = self._carried_aux(tail, job)

@@ -96,6 +96,9 @@ class SegmentPost:
     first_part: int
     t_start: float
     layers: tuple[int, int] | None = None
+    #: Each segment's note carries the sums of its own rows (a chunk posted in pieces, see
+    #: :meth:`kvwire.session.checksums.SentSums.pieces`), not the first note the chunk's.
+    own_sums: bool = False
 
 
 class WorkerSide(Protocol):

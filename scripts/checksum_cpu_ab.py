@@ -1,0 +1,117 @@
+"""What ``kv_checksum`` adds to a request on CPU, measured interleaved (issue 26 item 1).
+
+Runs ``kvwire bench`` with ``kv_checksum`` off and on, alternating, for every backend and every
+tree given (``--tree NAME=PATH``: ``PATH/core/src`` first on ``PYTHONPATH``; the default is the
+installed tree), round after round, so that a loaded machine's drift falls on both sides
+alike. Prints per cell and tree the unchecked and checked GB/s (median of the rounds), the time
+the checks add as a share of the unchecked time (``off / on - 1`` in throughput, per round and
+median) and, at C=1, the decode p50 added per request::
+
+    uv run --frozen --no-sync python scripts/checksum_cpu_ab.py --backends tcp,nixl \\
+        --mib 16,128 --concurrency 1,8 --rounds 3 --tree before=/tmp/base --tree after=.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+from collections import defaultdict
+from typing import Any
+
+
+def run_bench(
+    tree: str | None, backend: str, on: bool, args: argparse.Namespace
+) -> list[dict[str, Any]]:
+    """One ``kvwire bench`` call; its ``kvwire`` cells."""
+    env = dict(os.environ)
+    if tree is not None:
+        env["PYTHONPATH"] = (
+            os.path.join(tree, "core", "src") + os.pathsep + env.get("PYTHONPATH", "")
+        )
+    with tempfile.NamedTemporaryFile(suffix=".json") as out:
+        cmd = [
+            sys.executable, "-m", "kvwire.cli", "bench",
+            "--transfer-backend", backend,
+            "--mib", args.mib, "--concurrency", args.concurrency,
+            "--requests", str(args.requests), "--repeat", "1",
+            "--control-option", f"kv_checksum={'true' if on else 'false'}",
+            "--json", out.name,
+        ]  # fmt: skip
+        subprocess.run(cmd, env=env, check=True, stdout=subprocess.DEVNULL)
+        with open(out.name) as f:
+            data = json.load(f)
+    if not data.get("ok"):
+        raise SystemExit(f"bench failed: {data.get('failures')}")
+    return [c for c in data["cells"] if c["mode"] == "kvwire"]
+
+
+def table(raw: list[dict[str, Any]]) -> str:
+    """The markdown table of what ``raw`` (the per-call records) holds."""
+    # (backend, tree, mib, C) -> list of (gbps_off, gbps_on, p50_off, p50_on)
+    rows: dict[tuple[str, str, float, int], list[tuple[float, float, float, float]]]
+    rows = defaultdict(list)
+    for rec in raw:
+        for a, b in zip(rec["off"], rec["on"], strict=True):
+            key = (rec["backend"], rec["tree"], a["request_bytes"] / 2**20, a["concurrency"])
+            rows[key].append((a["gbps"], b["gbps"], a["decode_p50_ms"], b["decode_p50_ms"]))
+    lines = [
+        "| backend | tree | MiB | C | unchecked GB/s | checked GB/s | added per round "
+        "| added (median) | p50 added ms |",
+        "| --- | --- | ---: | ---: | ---: | ---: | --- | ---: | ---: |",
+    ]
+    for (backend, name, mib, c), vals in sorted(rows.items()):
+        added = [off / on - 1 for off, on, _, _ in vals]
+        p50 = statistics.median(b - a for _, _, a, b in vals)
+        lines.append(
+            f"| {backend} | {name} | {mib:g} | {c} "
+            f"| {statistics.median(v[0] for v in vals):.2f} "
+            f"| {statistics.median(v[1] for v in vals):.2f} "
+            f"| {', '.join(f'{x:+.0%}' for x in added)} | {statistics.median(added):+.1%} "
+            f"| {p50:+.2f} |"
+        )
+    return "\n".join(lines)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--backends", default="tcp,nixl")
+    p.add_argument("--mib", default="16,128")
+    p.add_argument("--concurrency", default="1,8")
+    p.add_argument("--requests", type=int, default=8)
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--tree", action="append", default=[], help="NAME=PATH (repeatable)")
+    p.add_argument("--json", default=None, help="the raw records, rewritten after every call")
+    p.add_argument("--report", default=None, help="only print the table of this --json file")
+    args = p.parse_args()
+    if args.report:
+        with open(args.report) as f:
+            print(table(json.load(f)))
+        return
+    trees: list[tuple[str, str | None]] = [
+        (t.split("=", 1)[0], os.path.abspath(t.split("=", 1)[1])) for t in args.tree
+    ] or [("tree", None)]
+    raw: list[dict[str, Any]] = []
+    for r in range(args.rounds):
+        for backend in args.backends.split(","):
+            for name, path in trees:
+                if r % 2:  # every other round checked first: drift falls on both
+                    on = run_bench(path, backend, True, args)
+                    off = run_bench(path, backend, False, args)
+                else:
+                    off = run_bench(path, backend, False, args)
+                    on = run_bench(path, backend, True, args)
+                raw.append({"round": r, "backend": backend, "tree": name, "off": off, "on": on})
+                if args.json:
+                    with open(args.json, "w") as f:
+                        json.dump(raw, f, indent=1)
+                print(f"round {r + 1}/{args.rounds} {backend} {name} done", file=sys.stderr)
+    print(table(raw))
+
+
+if __name__ == "__main__":
+    main()
