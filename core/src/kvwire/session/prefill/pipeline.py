@@ -30,7 +30,7 @@ from kvwire.session.handshake import slot_rows
 from kvwire.session.metrics import ChunkDone
 from kvwire.session.prefill.groups import GROUPS_TABLE, group_rows
 from kvwire.session.prefill.layerwise import LayerPosting
-from kvwire.session.prefill.posting import PlanRef, SegmentPost, Tail, WorkerSide
+from kvwire.session.prefill.posting import PlanRef, SegmentPost, Tail, WorkerSide, summed_pieces
 from kvwire.session.prefill.rooms import Job, SendRoom
 from kvwire.staging.base import ChunkPlan, LocalCopy, Segment
 
@@ -177,16 +177,7 @@ class Pipeline:
         """Post every segment of one chunk, each with its own note (``parts`` of them)."""
         segs = self.segments(job, plan)
         ref = PlanRef(job.target.strategy, plan, job.room.room)
-        check = job.link.checksums if job.pool == "kv" else None
-        # rows of the mapper's own tables in place: in pieces, each with its own sums, over
-        # a backend whose own thread moves the bytes (one that copies in its calls would not
-        # move a piece while the next is summed)
-        own = plan.table == "kv" and len(segs) == 1 and segs[0].table == job.target.table
-        if own and self.evented and check is not None and segs[0].copy is None:
-            seg = segs[0]
-            cut = check.pieces(seg.src_idx, seg.dst_idx)
-            segs = [Segment(seg.label, seg.table, a, b) for a, b in cut] if len(cut) > 1 else segs
-        own = own and len(segs) > 1
+        segs, own = summed_pieces(job, plan, segs, self.evented)
         post = SegmentPost(tail, job, ref, plan.what, segs, len(segs), 0, t_start, own_sums=own)
         self.post_segments(post)
 

@@ -142,3 +142,20 @@ class ChunkPoster(Protocol):
 
     def post_segments(self, post: SegmentPost) -> None:
         """Post some segments of a chunk, each with its note."""
+
+
+def summed_pieces(
+    job: Job, plan: ChunkPlan, segs: list[Segment], evented: bool
+) -> tuple[list[Segment], bool]:
+    """Prefill worker, before posting a chunk: its segments, cut into pieces that each carry
+    their own rows' sums (and whether they do). Only rows of the mapper's own tables moved in
+    place, checksummed, over a backend whose own thread moves the bytes (``evented``): one
+    that copies inside its calls would not move a piece while the next one is summed."""
+    check = job.link.checksums if job.pool == "kv" else None
+    own = plan.table == "kv" and len(segs) == 1 and segs[0].table == job.target.table
+    if own and evented and check is not None and segs[0].copy is None:
+        seg = segs[0]
+        cut = check.pieces(seg.src_idx, seg.dst_idx)
+        if len(cut) > 1:
+            return [Segment(seg.label, seg.table, a, b) for a, b in cut], True
+    return segs, False
