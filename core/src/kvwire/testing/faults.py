@@ -69,7 +69,8 @@ AUX_FAIL_ROOMS = 0x7A11 << 40
 def _aux_submit_fails(role: str) -> None:
     """Prefill's backend refuses to post the aux write of the rooms from
     :data:`AUX_FAIL_ROOMS` on (``submit`` raises :class:`~kvwire.errors.PeerError`, as a backend
-    does when the engine refuses a post); every other transfer goes through."""
+    does when the engine refuses a post): the aux row's own write, or the last chunk's write
+    whose note carries it (protocol 1.11); every other transfer goes through."""
     if role != "prefill":
         return
     from kvwire.backend import TransferBackend
@@ -83,7 +84,9 @@ def _aux_submit_fails(role: str) -> None:
             outer = msgpack.unpackb(note, raw=False)
             body = msgpack.unpackb(outer[3], raw=False)
             victim = 0 <= int(body.get("room", -1)) - AUX_FAIL_ROOMS < 1 << 16
-            if victim and outer[2] == "note" and body.get("what") == "aux":
+            # the aux row as a write of its own, or riding in the last chunk's note (1.11)
+            carries_aux = body.get("what") == "aux" or body.get("aux") is not None
+            if victim and outer[2] == "note" and carries_aux:
                 raise PeerError(f"injected: the engine refused room {body['room']}'s aux write")
         return original(self, *args, **kwargs)
 
