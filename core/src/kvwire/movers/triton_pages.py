@@ -102,6 +102,15 @@ def page_width(addrs: NDArray[np.int64], block: int, *sizes: int) -> int:
     return acc & -acc
 
 
+def kernel_key(width: int, n: int, to_pool: bool) -> tuple[tuple[Any, ...], int]:
+    """The compile-time arguments of a page or unit mover launch for element width ``width``
+    and ``n`` bytes per row piece (block size in elements, element type, alignment, vector
+    width, direction), and the element size the run-time lengths are counted in."""
+    eb = _ELEM_BYTES[width]
+    step = BLOCK_BYTES if n >= BLOCK_BYTES else max(1 << (n - 1).bit_length(), width)
+    return (step // eb, _ELEM[width], width, width // eb, to_pool), eb
+
+
 class PageCopier:
     """Gathers and scatters pages of one device's pool with one launch per call.
 
@@ -146,9 +155,7 @@ class PageCopier:
         if not npages or not nbuf or not n or not tokens:
             return
         width = page_width(addrs, block, slot_bytes, lo, row, n)
-        elem_bytes = _ELEM_BYTES[width]
-        step = BLOCK_BYTES if n >= BLOCK_BYTES else max(1 << (n - 1).bit_length(), width)
-        key = (step // elem_bytes, _ELEM[width], width, width // elem_bytes, to_pool)
+        key, elem_bytes = kernel_key(width, n, to_pool)
         scalars = (
             npages,
             block,
@@ -158,35 +165,54 @@ class PageCopier:
             n // elem_bytes,
             tokens,
         )
-        grid = nbuf * npages
+        self._launch(_copy_pages, "page", key, pages, addrs, scalars, stream)
+
+    def _launch(
+        self,
+        kernel_fn: Any,
+        name: str,
+        key: tuple[Any, ...],
+        index: NDArray[np.int64],
+        addrs: NDArray[np.int64],
+        scalars: tuple[int, ...],
+        stream: Any,
+    ) -> None:
+        """Write the table (``index`` then ``addrs``) into a pinned slot and enqueue one
+        launch of ``kernel_fn`` (one program per (buffer, index entry), ``scalars`` then the
+        compile-time ``key``) on ``stream``; the compiled kernel is launched directly after
+        its first launch. Under this copier's lock; called by :meth:`copy` and by
+        subclasses' copies, on the caller's thread."""
+        nidx, nbuf = int(index.size), int(addrs.size)
+        grid = nbuf * nidx
         with self._lock:
             if self.device.type != "cuda":  # Triton's interpreter: host memory, synchronous
-                self._host = np.concatenate([pages, addrs]).astype(np.int64)
-                _copy_pages[(grid,)](self._host.ctypes.data, *scalars, *key)
+                self._host = np.concatenate([index, addrs]).astype(np.int64)
+                kernel_fn[(grid,)](self._host.ctypes.data, *scalars, *key)
                 return
-            need = npages + nbuf
+            need = nidx + nbuf
             if self._slots is None or need > self._slot_elems:
                 self._slot_elems = max(need, 4096)
                 with _on(self.device):
                     self._slots = _TableSlots(self._slots_count, self._slot_elems)
             slots = self._slots
             s = slots.take()
-            slots.arr[s, :npages] = pages
-            slots.arr[s, npages:need] = addrs
+            slots.arr[s, :nidx] = index
+            slots.arr[s, nidx:need] = addrs
             stream = stream if stream is not None else torch.cuda.current_stream(self.device)
             args = (slots.addr(s), *scalars)
+            ckey = (name, *key)
             with _on(self.device):
-                kernel = self._compiled.get(key)
+                kernel = self._compiled.get(ckey)
                 launched = False
                 if kernel is not None and self._direct:
                     try:
                         kernel[(grid, 1, 1)](*args, *key, stream=stream.cuda_stream)
                         launched = True
                     except Exception as exc:  # another Triton's launcher
-                        logger.warning("page mover: direct launch refused (%s)", exc)
+                        logger.warning("%s mover: direct launch refused (%s)", name, exc)
                         self._direct = False
                 if not launched:
                     with torch.cuda.stream(stream):
-                        kernel = _copy_pages[(grid,)](*args, *key, num_warps=self.num_warps)
-                    self._compiled.setdefault(key, kernel)
+                        kernel = kernel_fn[(grid,)](*args, *key, num_warps=self.num_warps)
+                    self._compiled.setdefault(ckey, kernel)
                 slots.launched(s, stream)

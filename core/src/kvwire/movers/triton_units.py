@@ -19,20 +19,14 @@ with). Imported only where it runs (a CUDA device, or Triton's interpreter on th
 
 from __future__ import annotations
 
-import logging
 from typing import Any
 
 import numpy as np
-import torch
 import triton
 import triton.language as tl
 from numpy.typing import NDArray
 
-from kvwire.movers.plan import BLOCK_BYTES
-from kvwire.movers.triton_copy import _ELEM, _ELEM_BYTES, _on, _TableSlots
-from kvwire.movers.triton_pages import PageCopier, page_width
-
-logger = logging.getLogger(__name__)
+from kvwire.movers.triton_pages import PageCopier, kernel_key, page_width
 
 __all__ = ["UnitCopier"]
 
@@ -128,9 +122,7 @@ class UnitCopier(PageCopier):
         if not nunits or not nbuf or not n or not tokens:
             return
         width = page_width(addrs, block, slot_bytes, unit_bytes, lo, row, n)
-        eb = _ELEM_BYTES[width]
-        step = BLOCK_BYTES if n >= BLOCK_BYTES else max(1 << (n - 1).bit_length(), width)
-        key = (step // eb, _ELEM[width], width, width // eb, to_pool)
+        key, eb = kernel_key(width, n, to_pool)
         scalars = (
             nunits,
             block,
@@ -142,36 +134,4 @@ class UnitCopier(PageCopier):
             n // eb,
             tokens,
         )
-        grid = nbuf * nunits
-        with self._lock:
-            if self.device.type != "cuda":  # Triton's interpreter: host memory, synchronous
-                self._host = np.concatenate([units, addrs]).astype(np.int64)
-                _copy_units[(grid,)](self._host.ctypes.data, *scalars, *key)
-                return
-            need = nunits + nbuf
-            if self._slots is None or need > self._slot_elems:
-                self._slot_elems = max(need, 4096)
-                with _on(self.device):
-                    self._slots = _TableSlots(self._slots_count, self._slot_elems)
-            slots = self._slots
-            s = slots.take()
-            slots.arr[s, :nunits] = units
-            slots.arr[s, nunits:need] = addrs
-            stream = stream if stream is not None else torch.cuda.current_stream(self.device)
-            args = (slots.addr(s), *scalars)
-            ukey = ("units", *key)
-            with _on(self.device):
-                kernel = self._compiled.get(ukey)
-                launched = False
-                if kernel is not None and self._direct:
-                    try:
-                        kernel[(grid, 1, 1)](*args, *key, stream=stream.cuda_stream)
-                        launched = True
-                    except Exception as exc:  # another Triton's launcher
-                        logger.warning("unit mover: direct launch refused (%s)", exc)
-                        self._direct = False
-                if not launched:
-                    with torch.cuda.stream(stream):
-                        kernel = _copy_units[(grid,)](*args, *key, num_warps=self.num_warps)
-                    self._compiled.setdefault(ukey, kernel)
-                slots.launched(s, stream)
+        self._launch(_copy_units, "unit", key, units, addrs, scalars, stream)
