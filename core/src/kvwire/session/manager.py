@@ -122,6 +122,9 @@ class KVManager:
         self._closed = False
         self._next_check = 0.0
         self._next_tick = 0.0
+        #: Progress thread: whether a request awaited data when last asked, and when to ask.
+        self._awaiting = False
+        self._next_await = 0.0
         #: When the liveness thread last checked its peers (a late turn: this process stalled).
         self._last_check = time.monotonic()
         self._exported_drops: dict[str, int] = {}
@@ -484,7 +487,12 @@ class KVManager:
                 self._next_tick = now + CONTROL_TICK_S
             # the wait takes the wake-up; one that comes after it stays for the next wait,
             # and the next turn drains anyway: none is lost
-            if backend.pushes_events or not side.awaiting_data():
+            # (whether data is awaited is a walk over the rooms: asked every turn while none
+            # is, at most every CONTROL_TICK_S while some are)
+            if not backend.pushes_events and (not self._awaiting or now >= self._next_await):
+                self._awaiting = side.awaiting_data()
+                self._next_await = now + CONTROL_TICK_S
+            if backend.pushes_events or not self._awaiting:
                 wake.wait(CONTROL_TICK_S)
             else:
                 wake.wait(CONTROL_TICK_BUSY_S)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -38,11 +39,19 @@ STAGED = Counter("kvwire_staged_chunks", "Chunks moved through the staging ring"
 Key = tuple[int, str, int]
 
 
+#: Each link's staged slice, found once: a mapper's answer does not change after the
+#: handshake built it, and both sides ask for it several times per chunk.
+_SLICES: weakref.WeakKeyDictionary[IndexMapper, StagedSlice] = weakref.WeakKeyDictionary()
+
+
 def staged(mapper: IndexMapper) -> StagedSlice:
     """The mapper's staged slice; a link that reached staging has one."""
-    sl = mapper.staged_slice()
+    sl = _SLICES.get(mapper)
     if sl is None:
-        raise TransferError(f"the {mapper.name} mapper's links are not staged")
+        sl = mapper.staged_slice()
+        if sl is None:
+            raise TransferError(f"the {mapper.name} mapper's links are not staged")
+        _SLICES[mapper] = sl
     return sl
 
 
