@@ -39,19 +39,26 @@ STAGED = Counter("kvwire_staged_chunks", "Chunks moved through the staging ring"
 Key = tuple[int, str, int]
 
 
-#: Each link's staged slice, found once: a mapper's answer does not change after the
-#: handshake built it, and both sides ask for it several times per chunk.
-_SLICES: weakref.WeakKeyDictionary[IndexMapper, StagedSlice] = weakref.WeakKeyDictionary()
+#: Each link's staged slice (None: the link is not staged), found once: a mapper's answer does
+#: not change after the handshake built it, and both sides ask for it several times per chunk.
+_SLICES: weakref.WeakKeyDictionary[IndexMapper, tuple[StagedSlice | None]] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+def slice_of(mapper: IndexMapper) -> StagedSlice | None:
+    """The mapper's :meth:`~kvwire.index.base.IndexMapper.staged_slice`, asked once."""
+    got = _SLICES.get(mapper)
+    if got is None:
+        got = _SLICES[mapper] = (mapper.staged_slice(),)
+    return got[0]
 
 
 def staged(mapper: IndexMapper) -> StagedSlice:
     """The mapper's staged slice; a link that reached staging has one."""
-    sl = _SLICES.get(mapper)
+    sl = slice_of(mapper)
     if sl is None:
-        sl = mapper.staged_slice()
-        if sl is None:
-            raise TransferError(f"the {mapper.name} mapper's links are not staged")
-        _SLICES[mapper] = sl
+        raise TransferError(f"the {mapper.name} mapper's links are not staged")
     return sl
 
 
