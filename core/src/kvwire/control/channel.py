@@ -30,13 +30,12 @@ import logging
 import threading
 import time
 from collections import Counter
-from typing import Any
 
 import zmq
 from zmq.utils.monitor import parse_monitor_message
 
 from kvwire.control.freshness import FreshnessError
-from kvwire.control.reach import keep_alive
+from kvwire.control.reach import keep_alive, readable
 from kvwire.control.wire import Codec, Message
 from kvwire.errors import ConfigError, ProtocolError
 from kvwire.security import warn_if_exposed
@@ -67,18 +66,6 @@ def drop_reason(exc: ProtocolError) -> str:
     if "protocol" in text:
         return "version"
     return "malformed"
-
-
-_EVENTS = int(zmq.EVENTS)
-_POLLIN = int(zmq.POLLIN)
-
-
-def _readable(sock: zmq.Socket[Any]) -> bool:
-    """Whether a message can be received from ``sock`` now (``ZMQ_EVENTS``): ~2 us, where the
-    ``zmq.Again`` an empty non-blocking receive raises costs ~10 us (plain ints: pyzmq's flag
-    enums cost as much again)."""
-    events = sock.getsockopt(_EVENTS)
-    return isinstance(events, int) and bool(events & _POLLIN)
 
 
 class ControlChannel:
@@ -186,7 +173,7 @@ class ControlChannel:
         for _ in range(max_frames):
             # ask whether a frame waits rather than let an empty recv raise (an exception
             # per turn costs more than the question)
-            if not _readable(pull):
+            if not readable(pull):
                 break
             try:
                 frame = pull.recv(zmq.NOBLOCK)
@@ -231,7 +218,7 @@ class ControlChannel:
         now = time.monotonic() if now is None else now
         with self._lock:
             for ep, mon in self._monitors.items():
-                while _readable(mon):
+                while readable(mon):
                     try:
                         raw = mon.recv_multipart(zmq.NOBLOCK)
                     except zmq.Again:
