@@ -176,14 +176,15 @@ class PageCopier:
         addrs: NDArray[np.int64],
         scalars: tuple[int, ...],
         stream: Any,
+        grid: int = 0,
     ) -> None:
         """Write the table (``index`` then ``addrs``) into a pinned slot and enqueue one
-        launch of ``kernel_fn`` (one program per (buffer, index entry), ``scalars`` then the
-        compile-time ``key``) on ``stream``; the compiled kernel is launched directly after
-        its first launch. Under this copier's lock; called by :meth:`copy` and by
-        subclasses' copies, on the caller's thread."""
+        launch of ``kernel_fn`` (``grid`` programs, by default one per (buffer, index entry);
+        ``scalars`` then the compile-time ``key``) on ``stream``; the compiled kernel is
+        launched directly after its first launch. Under this copier's lock; called by
+        :meth:`copy` and by subclasses' copies, on the caller's thread."""
         nidx, nbuf = int(index.size), int(addrs.size)
-        grid = nbuf * nidx
+        grid = grid or nbuf * nidx
         with self._lock:
             if self.device.type != "cuda":  # Triton's interpreter: host memory, synchronous
                 self._host = np.concatenate([index, addrs]).astype(np.int64)
