@@ -25,6 +25,7 @@ _CHECK = textwrap.dedent(
     rng = np.random.default_rng(3)
     mover = PoolPageCopier("cpu")
     SLOTS = 5
+    shapes = set()
 
     def pools(arena, off, model, tp, rank, heads):
         bufs = []
@@ -39,11 +40,12 @@ _CHECK = textwrap.dedent(
     cases = [  # (heads, head_dim, TP src, TP dst, src rank, dst rank, mla)
         (4, 8, 1, 1, 0, 0, False), (4, 8, 2, 1, 1, 0, False), (4, 8, 1, 2, 0, 1, False),
         (2, 4, 1, 4, 0, 3, False), (4, 3, 2, 1, 0, 0, False), (1, 8, 2, 1, 0, 0, True),
+        (64, 256, 1, 2, 0, 1, False),  # 16 KiB slices of 32 KiB rows: pieces over one block
     ]
     for heads, dim, tps, tpd, rs, rd, mla in cases:
         model = ModelSpec(num_layers=2, total_kv_heads=heads, head_dim=dim, dtype="bfloat16",
                           page_size=4, is_mla=mla)
-        arena = rng.integers(0, 256, 1 << 18, dtype=np.uint8)
+        arena = rng.integers(0, 256, 2 * 4 * SLOTS * 4 * heads * dim * 2 + 4096, dtype=np.uint8)
         base = arena.ctypes.data
         hs = 1 if mla else max(1, heads // tps)
         hd = 1 if mla else max(1, heads // tpd)
@@ -61,6 +63,8 @@ _CHECK = textwrap.dedent(
         assert not np.array_equal(want, arena)
         mover.copy_pages(chunk, s_addr, d_addr)
         assert np.array_equal(arena, want), (heads, dim, tps, tpd)
+        shapes.add(mover.last_shape)
+    assert shapes == {0, 1, 2}, shapes  # pieces over a block, whole pages, within a block
     print("POOL-PAGES-OK")
     """
 )
@@ -68,6 +72,7 @@ _CHECK = textwrap.dedent(
 
 def test_pool_page_kernel_matches_reference() -> None:
     """The Triton kernel itself (not a stand-in), whole pages and head slices, element
-    widths 16 (whole pages, 16-byte slices) down to 2 (head_dim 3 in bf16: 6-byte slices)."""
+    widths 16 (whole pages, 16-byte slices) down to 2 (head_dim 3 in bf16: 6-byte slices),
+    each compile-time shape (whole pages, pieces within a block, pieces over a block)."""
     pytest.importorskip("triton")
     run_interpreted(_CHECK, "POOL-PAGES-OK")

@@ -11,10 +11,11 @@ work does not grow with the chunk.
 
 One program per (buffer pair, page): it copies ``tokens`` pieces of ``n`` bytes, piece ``t``
 from ``src[b] + src_page[i] * src_slot + t * src_row`` to
-``dst[b] + dst_page[i] * dst_slot + t * dst_row`` (whole pages: one piece of a page's bytes;
-head slices: a slice of every token row, possibly at another offset and row pitch on the
-other side), in steps of :data:`~kvwire.movers.plan.BLOCK_BYTES` with the widest element that
-divides every address, stride and length (16 bytes: vector loads and stores). The NumPy
+``dst[b] + dst_page[i] * dst_slot + t * dst_row`` (whole pages: one piece of a page's bytes,
+compiled as one flat loop; head slices: a slice of every token row, possibly at another
+offset and row pitch on the other side), in steps of :data:`~kvwire.movers.plan.BLOCK_BYTES`
+with the widest element that divides every address, stride and length (16 bytes: vector
+loads and stores). The NumPy
 reference is :func:`kvwire.movers.pool_pages.copy_pool_pages_reference`. Imported only where
 it runs (a CUDA device, or Triton's interpreter on the CPU with ``TRITON_INTERPRET=1``).
 """
@@ -32,6 +33,9 @@ from kvwire.movers.triton_pages import PageCopier, kernel_key, page_width
 from kvwire.page_form import PageChunk
 
 __all__ = ["PoolPageCopier"]
+
+#: The kernel's compile-time shapes of a call (see ``_copy_pool_pages``).
+PIECES, WHOLE, ONE_BLOCK = 0, 1, 2
 
 
 @triton.jit(  # type: ignore[untyped-decorator]
@@ -61,6 +65,7 @@ def _copy_pool_pages(  # type: ignore[no-untyped-def]  # Triton 3.6 rejects non-
     elem: tl.constexpr,
     align: tl.constexpr,
     vec: tl.constexpr,
+    shape: tl.constexpr,
 ) -> None:
     # table: int64 [2 * npages + 2 * nbuf] = source pages, destination pages, each pair's
     # source address, each pair's destination address. Strides and lengths in elements.
@@ -76,20 +81,39 @@ def _copy_pool_pages(  # type: ignore[no-untyped-def]  # Triton 3.6 rejects non-
     dst0 = da.to(tl.pointer_type(elem)) + dp * dst_slot
     n = tl.multiple_of(n_elems, vec)
     offs = tl.arange(0, block)
-    for t in range(0, tokens):
-        src = tl.multiple_of(src0 + t * src_row, align)
-        dst = tl.multiple_of(dst0 + t * dst_row, align)
+    # shape (compile-time): WHOLE (one piece per page) and ONE_BLOCK (every piece fits one
+    # block) copy in one flat loop, which the compiler pipelines (several loads in flight
+    # per program: what the peer's latency needs); PIECES nests the two loops.
+    if shape == 1:  # WHOLE
+        src = tl.multiple_of(src0, align)
+        dst = tl.multiple_of(dst0, align)
         for start in range(0, n, block):
             o = start + offs
             mask = o < n
             tl.store(dst + o, tl.load(src + o, mask=mask), mask=mask)
-
+    elif shape == 2:  # ONE_BLOCK
+        mask = offs < n
+        for t in range(0, tokens):
+            src = tl.multiple_of(src0 + t * src_row, align)
+            dst = tl.multiple_of(dst0 + t * dst_row, align)
+            tl.store(dst + offs, tl.load(src + offs, mask=mask), mask=mask)
+    else:
+        for t in range(0, tokens):
+            src = tl.multiple_of(src0 + t * src_row, align)
+            dst = tl.multiple_of(dst0 + t * dst_row, align)
+            for start in range(0, n, block):
+                o = start + offs
+                mask = o < n
+                tl.store(dst + o, tl.load(src + o, mask=mask), mask=mask)
 
 class PoolPageCopier(PageCopier):
     """Copies chunks in page form between two pools with one launch per call (the
     launching device must be able to store to the destination: its own memory, or a peer
     GPU's opened through CUDA IPC with peer access enabled). Thread contract: as
     :class:`~kvwire.movers.triton_pages.PageCopier` (launches serialised by its lock)."""
+
+    #: The compile-time shape of the last call (tests, diagnostics).
+    last_shape: int = -1
 
     def copy_pages(
         self,
@@ -120,6 +144,10 @@ class PoolPageCopier(PageCopier):
             g.tokens,
         )
         index = np.concatenate([chunk.src_pages, chunk.dst_pages])
+        fits = scalars[6] <= key[0]  # every piece within one block of elements
+        shape = WHOLE if g.tokens == 1 else (ONE_BLOCK if fits else PIECES)
+        ckey = (*key[:4], shape)
+        self.last_shape = shape
         self._launch(
-            _copy_pool_pages, "pool", key[:4], index, addrs, scalars, stream, grid=nbuf * npages
+            _copy_pool_pages, "pool", ckey, index, addrs, scalars, stream, grid=nbuf * npages
         )
