@@ -7,6 +7,8 @@ the chunk is written). One interpreter subprocess, a few seconds."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import textwrap
 
 import pytest
@@ -76,3 +78,38 @@ def test_pool_page_kernel_matches_reference() -> None:
     each compile-time shape (whole pages, pieces within a block, pieces over a block)."""
     pytest.importorskip("triton")
     run_interpreted(_CHECK, "POOL-PAGES-OK")
+
+
+_PTX_CHECK = textwrap.dedent(
+    """
+    import re
+    import triton
+    import triton.language as tl
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    from kvwire.movers.triton_pool_pages import ONE_BLOCK, PIECES, WHOLE, _copy_pool_pages
+
+    ints = ("table_addr npages nbuf src_slot dst_slot src_row dst_row n_vecs tokens").split()
+    sig = {**{k: "i64" for k in ints},
+           **{k: "constexpr" for k in ("block", "elem", "align", "vec", "shape")}}
+    for shape, block, want in ((WHOLE, 2048, "v4"), (PIECES, 2048, "v4"), (ONE_BLOCK, 256, "v2")):
+        consts = {"block": block, "elem": tl.int32, "align": 16, "vec": 4, "shape": shape}
+        src = ASTSource(fn=_copy_pool_pages, signature=sig, constexprs=consts)
+        ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
+        ops = set(re.findall(r"(?:ld|st)[.]global[.][a-z0-9.]*b32", ptx.asm["ptx"]))
+        assert ops == {f"ld.global.{want}.b32", f"st.global.{want}.b32"}, (shape, ops)
+    print("PTX-OK")
+    """
+)
+
+
+def test_pool_page_kernel_compiles_to_vector_accesses() -> None:
+    """Compiled for an H100 (sm_90) on the CPU, no GPU needed: with 16-byte width the
+    copies are vector loads and stores in every shape (the first version's length hint on a
+    kernel argument was dropped, and a GPU measured the scalar accesses it gave at 0.4-0.5x
+    of the run mover on whole pages). ~2 s."""
+    pytest.importorskip("triton")
+    out = subprocess.run(
+        [sys.executable, "-c", _PTX_CHECK], capture_output=True, text=True, timeout=600
+    )
+    assert out.returncode == 0 and "PTX-OK" in out.stdout, out.stderr[-3000:]

@@ -47,7 +47,7 @@ PIECES, WHOLE, ONE_BLOCK = 0, 1, 2
         "dst_slot",
         "src_row",
         "dst_row",
-        "n_elems",
+        "n_vecs",
         "tokens",
     ]
 )
@@ -59,7 +59,7 @@ def _copy_pool_pages(  # type: ignore[no-untyped-def]  # Triton 3.6 rejects non-
     dst_slot,
     src_row,
     dst_row,
-    n_elems,
+    n_vecs,
     tokens,
     block: tl.constexpr,
     elem: tl.constexpr,
@@ -68,7 +68,8 @@ def _copy_pool_pages(  # type: ignore[no-untyped-def]  # Triton 3.6 rejects non-
     shape: tl.constexpr,
 ) -> None:
     # table: int64 [2 * npages + 2 * nbuf] = source pages, destination pages, each pair's
-    # source address, each pair's destination address. Strides and lengths in elements.
+    # source address, each pair's destination address. Strides in elements, the piece's
+    # length in vectors of vec elements.
     table = table_addr.to(tl.pointer_type(tl.int64))
     pid = tl.program_id(0).to(tl.int64)
     b = pid // npages
@@ -79,7 +80,9 @@ def _copy_pool_pages(  # type: ignore[no-untyped-def]  # Triton 3.6 rejects non-
     da = tl.load(table + 2 * npages + nbuf + b)
     src0 = sa.to(tl.pointer_type(elem)) + sp * src_slot
     dst0 = da.to(tl.pointer_type(elem)) + dp * dst_slot
-    n = tl.multiple_of(n_elems, vec)
+    # n counted in vectors: the compiler then knows n divides by vec, so a masked access
+    # stays a vector (16 bytes); a hint on an argument would be dropped (scalar accesses)
+    n = n_vecs * vec
     offs = tl.arange(0, block)
     # shape (compile-time): WHOLE (one piece per page) and ONE_BLOCK (every piece fits one
     # block) copy in one flat loop, which the compiler pipelines (several loads in flight
@@ -105,6 +108,7 @@ def _copy_pool_pages(  # type: ignore[no-untyped-def]  # Triton 3.6 rejects non-
                 o = start + offs
                 mask = o < n
                 tl.store(dst + o, tl.load(src + o, mask=mask), mask=mask)
+
 
 class PoolPageCopier(PageCopier):
     """Copies chunks in page form between two pools with one launch per call (the
@@ -140,11 +144,11 @@ class PoolPageCopier(PageCopier):
             g.dst_slot // eb,
             g.src_row // eb,
             g.dst_row // eb,
-            g.n // eb,
+            g.n // width,
             g.tokens,
         )
         index = np.concatenate([chunk.src_pages, chunk.dst_pages])
-        fits = scalars[6] <= key[0]  # every piece within one block of elements
+        fits = g.n // eb <= key[0]  # every piece within one block of elements
         shape = WHOLE if g.tokens == 1 else (ONE_BLOCK if fits else PIECES)
         ckey = (*key[:4], shape)
         self.last_shape = shape
