@@ -27,17 +27,10 @@ from kvwire.session import metrics as m
 from kvwire.session.aux_note import read_row
 from kvwire.session.context import RankContext
 from kvwire.session.metrics import ChunkDone
+from kvwire.session.prefill import posting
 from kvwire.session.prefill.groups import GROUPS_TABLE, group_rows
 from kvwire.session.prefill.layerwise import LayerPosting
-from kvwire.session.prefill.posting import (
-    PlanRef,
-    SegmentPost,
-    Tail,
-    WorkerSide,
-    slot_segment,
-    submit_rows,
-    summed_pieces,
-)  # fmt: skip
+from kvwire.session.prefill.posting import PlanRef, SegmentPost, Tail, WorkerSide, summed_pieces
 from kvwire.session.prefill.rooms import Job, SendRoom
 from kvwire.staging.base import ChunkPlan, LocalCopy, Segment
 
@@ -407,7 +400,7 @@ class Pipeline:
         t_start: float,
         t_enqueued: float | None,
     ) -> None:
-        handle = submit_rows(self.ctx.backend, pair, rows, note, self.wake.set)
+        handle = posting.submit_rows(self.ctx.backend, pair, rows, note, self.wake.set)
         now = tail.room.metrics.marks["posted"] = time.perf_counter()
         self._track(
             _Posted(
@@ -542,7 +535,9 @@ class Pipeline:
             aux_pair = link.pairs.get("aux")
             if link.sends_aux and aux_pair is not None and room.aux_index is not None:
                 ctx.stamps[room.aux_index, 0] = room.room
-                rows = slot_segment(link.aux_rows, ctx.aux_slots, room.aux_index, dest.aux_index)
+                rows = posting.aux_segment(
+                    link.aux_rows, ctx.aux_slots, room.aux_index, dest.aux_index
+                )
                 try:
                     self._post(
                         tail,

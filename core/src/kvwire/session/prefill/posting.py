@@ -179,7 +179,7 @@ def submit_rows(
     return backend.submit(XferOp.WRITE, pair, rows.src_idx, rows.dst_idx, note, wake=wake)
 
 
-def slot_segment(n: int, slots: int, src_slot: int, dst_slot: int) -> Segment:
+def aux_segment(n: int, slots: int, src_slot: int, dst_slot: int) -> Segment:
     """The ``n`` rows of aux slot ``src_slot`` to those of ``dst_slot`` (``slots`` per
     table), as a segment to post (prefill worker)."""
     return Segment("aux", "", slot_rows(n, slots, src_slot), slot_rows(n, slots, dst_slot))
