@@ -6,6 +6,8 @@ copy. Pure NumPy; the whole file runs in about a second."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -19,7 +21,7 @@ from kvwire.index.ranks import source_ranks
 from kvwire.layout import KVLayout, ModelSpec, RankPosition
 from kvwire.movers.plan import copy_runs_reference
 from kvwire.movers.pool_pages import copy_pool_pages_reference, pool_page_runs
-from kvwire.page_form import PageChunk, check_page_chunk
+from kvwire.page_form import PageChunk, check_geometry_addresses, check_page_chunk
 from kvwire.testing.kvfill import make_pool
 
 MAPPERS: dict[str, type[IndexMapper]] = {
@@ -106,6 +108,9 @@ def test_page_form_stands_for_the_rows(
     assert np.array_equal(lens, tables.dst[rows[1], LEN].astype(np.int64))
     assert chunk.nbytes == int(tables.src[rows[0], LEN].sum())
     assert check_page_chunk(chunk, tables.src[:, LEN], tables.dst[:, LEN]) == chunk.nbytes
+    check_geometry_addresses(
+        g, tables.src[:, ADDR].astype(np.int64), tables.dst[:, ADDR].astype(np.int64)
+    )
 
 
 def test_reference_mover_copies_what_the_rows_copy() -> None:
@@ -160,6 +165,13 @@ def test_bad_pages_and_geometries_are_refused() -> None:
         check_page_chunk(chunk, sl, dl[:-1])  # a smaller table than the geometry's
     with pytest.raises(DescriptorError, match=r"has \d+ bytes"):
         check_page_chunk(chunk, sl, dl * np.uint64(2))
+    # strides that are not the tables' (a geometry of another link) are refused
+    sa, da = tables.src[:, ADDR].astype(np.int64), tables.dst[:, ADDR].astype(np.int64)
+    check_geometry_addresses(g, sa, da)
+    for field, delta in (("src_slot", 16), ("dst_row", 4), ("src_row", -8)):
+        wrong = dataclasses.replace(g, **{field: getattr(g, field) + delta})
+        with pytest.raises(DescriptorError, match="not this pair's tables"):
+            check_geometry_addresses(wrong, sa, da)
 
 
 def test_which_links_have_a_page_form() -> None:

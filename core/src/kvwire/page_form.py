@@ -138,3 +138,38 @@ def check_page_chunk(
                 f"has {int(lens[rows[b]])} bytes"
             )
     return chunk.nbytes
+
+
+def check_geometry_addresses(
+    geometry: PageGeometry, local_addr: NDArray[np.int64], remote_addr: NDArray[np.int64]
+) -> None:
+    """A page-writing backend, once per (prepared pair, geometry) before its first page
+    write: the geometry's byte strides are its tables' own (``local_addr``/``remote_addr``:
+    the prepared tables' row addresses), checked for every buffer pair at the next slot, the
+    next piece and the last piece of the last slot, so a kernel that computes addresses from
+    the geometry writes exactly the rows :meth:`PageChunk.rows` names (rows that
+    :func:`check_page_chunk` found inside the tables). :class:`DescriptorError` otherwise.
+    Vectorised; the cost is per pair, not per chunk."""
+    g = geometry
+    for side, addr, rows, page_rows, tok_rows, slot, row, slots in (
+        ("local", local_addr, g.src_rows, g.src_page_rows, g.src_token_rows, g.src_slot,
+         g.src_row, g.src_slots),
+        ("remote", remote_addr, g.dst_rows, g.dst_page_rows, g.dst_token_rows, g.dst_slot,
+         g.dst_row, g.dst_slots),
+    ):  # fmt: skip
+        steps = [((slots - 1) * page_rows + (g.tokens - 1) * tok_rows,
+                  (slots - 1) * slot + (g.tokens - 1) * row)]  # fmt: skip
+        if slots > 1:
+            steps.append((page_rows, slot))
+        if g.tokens > 1:
+            steps.append((tok_rows, row))
+        base = addr[rows]
+        for drow, dbytes in steps:
+            bad = addr[rows + drow] - base != dbytes
+            if bad.any():
+                b = int(np.argmax(bad))
+                raise DescriptorError(
+                    f"page geometry puts {side} table row {int(rows[b] + drow)} {dbytes} bytes "
+                    f"after row {int(rows[b])}, the table "
+                    f"{int(addr[rows[b] + drow] - base[b])}: not this pair's tables"
+                )

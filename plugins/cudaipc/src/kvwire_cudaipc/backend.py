@@ -15,7 +15,10 @@
   run list with NumPy fancy indexing (three gathers for a pair that is VRAM in every row)
   and enqueues **one** fused mover launch (:meth:`kvwire.movers.triton_copy.RunCopier.move`:
   one program per group of evenly spaced pieces, e.g. a head slice of a page's token rows,
-  or per tile) on the backend's private stream, then records an event. Host-memory rows
+  or per tile) on the backend's private stream, then records an event. A KV chunk of a
+  regular link comes as pages instead (``page_writes``: :meth:`_submit_pages`): one launch
+  of the pool-to-pool page mover, whose table is the page lists and each buffer pair's two
+  addresses, with no row expanded. Host-memory rows
   (an engine's aux rows) and the notification travel over the built-in ``tcp`` backend's
   side channel (ZeroMQ, CURVE-authenticated with a secret), which this class extends: they
   are posted only once the kernel's event completed, so a notification always reaches the
@@ -68,7 +71,7 @@ from kvwire.descriptors import ADDR, LEN, DescTable, locate_rows
 from kvwire.errors import ConfigError, DescriptorError, PeerError
 from kvwire.layout import MemKind, MemoryRegion
 from kvwire.movers.plan import DEFAULT_TILE_BYTES
-from kvwire.page_form import PageChunk
+from kvwire.page_form import PageChunk, PageGeometry, check_geometry_addresses
 from kvwire_cudaipc import _cuda
 from kvwire_cudaipc.meta import IpcExport, PeerInfo, parse_peer
 from kvwire_cudaipc.watcher import KernelWatcher
@@ -119,6 +122,8 @@ class _Pair:
     #: Every row of both tables is VRAM (a KV pool pair): a submit gathers three arrays and
     #: launches, with no per-row kind checks or masks.
     all_vram: bool
+    #: Page geometries already checked against these tables (``check_geometry_addresses``).
+    geometries: weakref.WeakSet[PageGeometry] = field(default_factory=weakref.WeakSet)
 
 
 @dataclass(eq=False)
@@ -491,6 +496,9 @@ class CudaIpcBackend(TcpBackend):
         if notification is not None:
             self._notify_only(x, st)
         g = chunk.geometry
+        if g not in st.geometries:
+            check_geometry_addresses(g, st.local_i64, st.remote_addr.astype(np.int64))
+            st.geometries.add(g)
         src, dst = st.local_i64[g.src_rows], st.remote_mapped[g.dst_rows]
         pages = self._pages
 
