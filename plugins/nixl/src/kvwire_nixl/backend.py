@@ -123,6 +123,8 @@ class NixlBackend(TransferBackend):
         self._reg: dict[MemoryRegion, Any] = {}
         self._notes: collections.deque[Notification] = collections.deque()
         self._deferred: list[Any] = []  # NIXL xfer handles whose release failed; retried
+        #: progress() just drained NIXL: the get_notifications() after it does not again.
+        self._just_drained = False
         #: Notifications dropped because they did not come from kvwire (no tag).
         self.foreign_notifications = 0
         #: Environment variables this agent set from ``ucx_env``.
@@ -545,12 +547,19 @@ class NixlBackend(TransferBackend):
         if agent is None or self._generation != fork_generation():
             return
         self._drain_notifs(agent)
+        self._just_drained = True
         if self._deferred:
             self._retry_deferred()
 
     def get_notifications(self) -> list[Notification]:
+        """Notifications buffered so far. Right after :meth:`progress` (the owner loop's
+        turn calls both) the buffer is what NIXL had a moment ago, so NIXL is not asked
+        again: one ``get_new_notifs`` per turn (a notification that came in between is
+        drained on the next turn or call, never lost)."""
         agent = self._agent
-        if agent is not None and self._generation == fork_generation():
+        if self._just_drained:
+            self._just_drained = False
+        elif agent is not None and self._generation == fork_generation():
             self._drain_notifs(agent)
         out = []
         while True:
