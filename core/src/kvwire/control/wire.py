@@ -57,8 +57,9 @@ from kvwire.layout import (
 #: it, is in docs/control-plane.md ("Wire format"); each released version's messages are
 #: stored under core/tests/fixtures/wire/. 1.10: pools named by string (``Hello.pools``).
 #: 1.11: the aux row carried in the last chunk's note (``Hello.aux_in_note``, ``ChunkNote.aux``).
+#: 1.12: a chunk's pieces checked on arrival (``ChunkNote.piece_layers``).
 PROTOCOL_MAJOR = 1
-PROTOCOL_MINOR = 11
+PROTOCOL_MINOR = 12
 
 #: Largest frame accepted (layouts of deep models with many buffers stay far below this).
 MAX_FRAME_BYTES = 16 << 20
@@ -321,6 +322,12 @@ class ChunkNote(Message):
     #: sender's last note when decode said ``Hello.aux_in_note``: decode writes it into its
     #: aux slot on arrival and the note counts as the aux row's too. (1.11)
     aux: list[bytes] | None = Field(default=None, max_length=64)
+    #: A piece of a checksummed chunk (1.12): this part moved every row of the chunk in layers
+    #: ``[a, b)`` (and no other), and ``sums`` are those rows' sums, so decode checks these
+    #: layers as soon as the note arrives, while the chunk's other pieces are in flight. Every
+    #: part of such a chunk is a piece. A 1.11 decode ignores the field: it adds the pieces'
+    #: sums over the chunk and checks it whole, which gives the same verdict.
+    piece_layers: tuple[int, int] | None = None
 
     @model_validator(mode="after")
     def _check_sums(self) -> Self:
@@ -330,6 +337,10 @@ class ChunkNote(Message):
             raise ValueError("a checksum is not a 64-bit unsigned value")
         if self.span is not None and not 0 <= self.span[0] <= self.span[1]:
             raise ValueError(f"chunk span {self.span} is not a page range")
+        if self.piece_layers is not None:
+            a, b = self.piece_layers
+            if not 0 <= a < b or any(not a <= x < b for x in self.sum_layers):
+                raise ValueError(f"piece layers {self.piece_layers} do not hold its sums' layers")
         return self
 
 

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 from kvwire.session.layers import LayeredChunk
 from kvwire.session.metrics import ChunkDone
@@ -96,9 +96,23 @@ class SegmentPost:
     first_part: int
     t_start: float
     layers: tuple[int, int] | None = None
-    #: Each segment's note carries the sums of its own rows (a chunk posted in pieces, see
-    #: :meth:`kvwire.session.checksums.SentSums.pieces`), not the first note the chunk's.
-    own_sums: bool = False
+    #: A chunk posted in pieces (:meth:`kvwire.session.checksums.SentSums.pieces`): each
+    #: segment's layer range; its note carries that range and its own rows' sums, not the
+    #: first note the chunk's.
+    pieces: list[tuple[int, int]] | None = None
+
+    def piece_fields(self, i: int) -> dict[str, Any]:
+        """Prefill worker, just before posting segment ``i`` of a chunk cut in pieces: the
+        note fields of that piece, its layer range and its rows' sums (summed now, while the
+        pieces before it are in flight)."""
+        assert self.pieces is not None and self.job.link.checksums is not None
+        seg = self.segs[i]
+        sums = self.job.link.checksums.rows(seg.src_idx, seg.dst_idx)
+        return {
+            "sum_layers": list(sums),
+            "sums": list(sums.values()),
+            "piece_layers": self.pieces[i],
+        }
 
 
 class WorkerSide(Protocol):
@@ -146,16 +160,17 @@ class ChunkPoster(Protocol):
 
 def summed_pieces(
     job: Job, plan: ChunkPlan, segs: list[Segment], evented: bool
-) -> tuple[list[Segment], bool]:
-    """Prefill worker, before posting a chunk: its segments, cut into pieces that each carry
-    their own rows' sums (and whether they do). Only rows of the mapper's own tables moved in
-    place, checksummed, over a backend whose own thread moves the bytes (``evented``): one
-    that copies inside its calls would not move a piece while the next one is summed."""
+) -> tuple[list[Segment], list[tuple[int, int]] | None]:
+    """Prefill worker, before posting a chunk: its segments, cut by layers into pieces that
+    each carry their own rows' sums, and each piece's layer range (None: not cut). Only rows
+    of the mapper's own tables moved in place, checksummed, over a backend whose own thread
+    moves the bytes (``evented``): one that copies inside its calls would not move a piece
+    while the next one is summed."""
     check = job.link.checksums if job.pool == "kv" else None
     own = plan.table == "kv" and len(segs) == 1 and segs[0].table == job.target.table
     if own and evented and check is not None and segs[0].copy is None:
         seg = segs[0]
         cut = check.pieces(seg.src_idx, seg.dst_idx)
-        if len(cut) > 1:
-            return [Segment(seg.label, seg.table, a, b) for a, b in cut], True
-    return segs, False
+        if cut:
+            return [Segment(seg.label, seg.table, a, b) for a, b, _ in cut], [p for *_, p in cut]
+    return segs, None
