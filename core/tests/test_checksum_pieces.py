@@ -14,6 +14,7 @@ checks the chunk whole); both are played here by stripping the field on one side
 from __future__ import annotations
 
 import ctypes
+import itertools
 import threading
 from typing import Any
 
@@ -33,7 +34,7 @@ from kvwire.session.decode.side import DecodeSide
 from kvwire.session.handshake import build_mapper
 from kvwire.session.prefill.posting import SegmentPost
 from kvwire.testing.kvfill import count_mismatches, make_pool
-from kvwire.testing.pair import MODEL, config, no_rooms, pair, wait_for
+from kvwire.testing.pair import MODEL, Pair, config, no_rooms, pair, wait_for
 
 #: 8 layers of 256 bytes a page (K and V, 2 tokens x 2 heads x 8 x int32 each).
 DEEP = MODEL.model_copy(update={"num_layers": 8})
@@ -77,7 +78,7 @@ def _covering(pieces: list[tuple[int, int] | None]) -> list[tuple[int, int]]:
     ranges = sorted(p for p in pieces if p is not None)
     assert len(ranges) == len(pieces), pieces
     assert ranges[0][0] == 0 and ranges[-1][1] == DEEP.num_layers, ranges
-    assert all(a[1] == b[0] for a, b in zip(ranges, ranges[1:], strict=False)), ranges
+    assert all(a[1] == b[0] for a, b in itertools.pairwise(ranges)), ranges
     return ranges
 
 
@@ -150,26 +151,30 @@ def test_older_peers_check_the_chunk_whole(monkeypatch: pytest.MonkeyPatch) -> N
         with monkeypatch.context() as m:
             m.setattr(cls, name, old)
             with pair(config(), config(kv_checksum=True), model=DEEP) as p:
-                s, r, src, dst = p.start(40 + room, 8)
-                s.send(src, last=True)
-                wait_for(lambda: r.poll() == KVPoll.Success == s.poll())
-                assert count_mismatches(p.dlay, p.darr, dst, 0) == 0
+                _request(p, 40 + room, None)
                 assert seen == [(6, None)], seen  # 6 parts, one whole-chunk check
-                r.clear()
-                s.clear()
                 seen.clear()
                 with monkeypatch.context() as flip:
                     _flip_layer(flip, 2)
-                    s, r, src, _ = p.start(50 + room, 8)
-                    s.send(src, last=True)
-                    wait_for(lambda: r.poll() == KVPoll.Failed)
-                    with pytest.raises(KVWireError, match=r"chunk 0 .* layers 2 differ"):
-                        r.failure_exception()
-                    wait_for(lambda: s.poll() in (KVPoll.Failed, KVPoll.Success))
-                    r.clear()
-                    s.clear()
+                    _request(p, 50 + room, r"chunk 0 .* layers 2 differ")
                 seen.clear()
                 wait_for(lambda: no_rooms(p.prefill) and no_rooms(p.decode))
+
+
+def _request(p: Pair, room: int, fails: str | None) -> None:
+    """One request of 8 pages in one chunk: verified, or failed matching ``fails``."""
+    s, r, src, dst = p.start(room, 8)
+    s.send(src, last=True)
+    if fails is None:
+        wait_for(lambda: r.poll() == KVPoll.Success == s.poll())
+        assert count_mismatches(p.dlay, p.darr, dst, 0) == 0
+    else:
+        wait_for(lambda: r.poll() == KVPoll.Failed)
+        with pytest.raises(KVWireError, match=fails):
+            r.failure_exception()
+        wait_for(lambda: s.poll() in (KVPoll.Failed, KVPoll.Success))
+    r.clear()
+    s.clear()
 
 
 def test_a_room_cleared_while_a_piece_is_checked_drops_the_verdict(
@@ -256,7 +261,7 @@ def test_pieces_tile_the_layers_ramp_up_and_down_and_their_sums_add_up(
         add_sums(total, sent.rows(a, b))
     assert total == whole
     landed = LandedSums(KVWireConfig(), layout, layout)
-    for a, b, (lo, hi) in pieces:  # decode reads the same rows: copy them over first
+    for a, b, _ in pieces:  # decode reads the same rows: copy them over first
         for s_row, d_row in zip(a.tolist(), b.tolist(), strict=True):
             n = int(sent.tables.src[s_row, LEN])
             ctypes.memmove(int(landed.dst[d_row, ADDR]), int(sent.tables.src[s_row, ADDR]), n)

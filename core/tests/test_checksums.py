@@ -19,7 +19,7 @@ import pytest
 
 from kvwire import integrity
 from kvwire.config import ControlOptions, KVWireConfig
-from kvwire.descriptors import ADDR, LEN, make_table
+from kvwire.descriptors import ADDR, make_table
 from kvwire.errors import DescriptorError, KVWireError
 from kvwire.integrity import RowHasher, add_sums, layer_ranges, mismatched_layers
 from kvwire.layout import KVLayout, RankPosition
@@ -538,8 +538,6 @@ def test_sent_sums_map_a_chunk_once_for_all_its_layer_groups(
     """A layer-wise chunk asks for its sums group by group with the same page arrays: the
     chunk is mapped once per worker thread, and the groups' sums add up to the chunk's."""
     import threading
-
-    from kvwire.session.handshake import build_mapper
 
     src_layout, _ = _pool(7)
     dst_layout, _ = _pool(8)
