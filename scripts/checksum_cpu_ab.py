@@ -9,6 +9,8 @@ median) and, at C=1, the decode p50 added per request::
 
     uv run --frozen --no-sync python scripts/checksum_cpu_ab.py --backends tcp,nixl \\
         --mib 16,128 --concurrency 1,8 --rounds 3 --tree before=/tmp/base --tree after=.
+
+``--only NAME=nixl`` runs a tree on some backends only (a variant that changes one backend).
 """
 
 from __future__ import annotations
@@ -85,6 +87,12 @@ def main() -> None:
     p.add_argument("--requests", type=int, default=8)
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--tree", action="append", default=[], help="NAME=PATH (repeatable)")
+    p.add_argument(
+        "--only",
+        action="append",
+        default=[],
+        help="NAME=BACKEND,..: run tree NAME on these backends only (repeatable)",
+    )
     p.add_argument("--json", default=None, help="the raw records, rewritten after every call")
     p.add_argument("--report", default=None, help="only print the table of this --json file")
     args = p.parse_args()
@@ -95,10 +103,13 @@ def main() -> None:
     trees: list[tuple[str, str | None]] = [
         (t.split("=", 1)[0], os.path.abspath(t.split("=", 1)[1])) for t in args.tree
     ] or [("tree", None)]
+    only = {o.split("=", 1)[0]: o.split("=", 1)[1].split(",") for o in args.only}
     raw: list[dict[str, Any]] = []
     for r in range(args.rounds):
         for backend in args.backends.split(","):
             for name, path in trees:
+                if name in only and backend not in only[name]:
+                    continue
                 if r % 2:  # every other round checked first: drift falls on both
                     on = run_bench(path, backend, True, args)
                     off = run_bench(path, backend, False, args)
