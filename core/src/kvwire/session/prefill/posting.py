@@ -13,15 +13,19 @@ them.
   the values passed between them.
 
 Everything here belongs to one worker thread (no lock), except what :class:`WorkerSide`'s
-methods document.
+methods document and the piece-sum threads (:meth:`SegmentPost.piece_fields`), which only
+read.
 """
 
 from __future__ import annotations
 
+import threading
 from collections import deque
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from kvwire.integrity import LayerSums
 from kvwire.session.layers import LayeredChunk
 from kvwire.session.metrics import ChunkDone
 from kvwire.session.prefill.links import PoolLink
@@ -101,18 +105,43 @@ class SegmentPost:
     #: first note the chunk's.
     pieces: list[tuple[int, int]] | None = None
 
+    #: Sums of the next piece, summed on a piece-sum thread while this one is posted.
+    ahead: dict[int, Future[LayerSums]] = field(default_factory=dict, repr=False)
+
     def piece_fields(self, i: int) -> dict[str, Any]:
         """Prefill worker, just before posting segment ``i`` of a chunk cut in pieces: the
-        note fields of that piece, its layer range and its rows' sums (summed now, while the
-        pieces before it are in flight)."""
-        assert self.pieces is not None and self.job.link.checksums is not None
+        note fields of that piece, its layer range and its rows' sums. The first piece is
+        summed here; each one starts the next piece's sum on a piece-sum thread, which runs
+        while this piece is posted (a backend that copies inside its post call, such as NIXL
+        on CPU) and in flight (one whose own thread moves the bytes, such as tcp)."""
+        check = self.job.link.checksums
+        assert self.pieces is not None and check is not None
+        ahead = self.ahead.pop(i, None)
         seg = self.segs[i]
-        sums = self.job.link.checksums.rows(seg.src_idx, seg.dst_idx)
+        sums = ahead.result() if ahead is not None else check.rows(seg.src_idx, seg.dst_idx)
+        if i + 1 < len(self.segs):
+            nxt = self.segs[i + 1]
+            self.ahead[i + 1] = _summer().submit(check.rows, nxt.src_idx, nxt.dst_idx)
         return {
             "sum_layers": list(sums),
             "sums": list(sums.values()),
             "piece_layers": self.pieces[i],
         }
+
+
+_summer_lock = threading.Lock()
+_summer_pool: ThreadPoolExecutor | None = None
+
+
+def _summer() -> ThreadPoolExecutor:
+    """The process's piece-sum threads (made on first use): they only read source rows and
+    mapper tables, which stay alive while a chunk is posted (a piece whose post failed has
+    its sum computed and dropped)."""
+    global _summer_pool
+    with _summer_lock:
+        if _summer_pool is None:
+            _summer_pool = ThreadPoolExecutor(2, thread_name_prefix="kvwire-piece-sum")
+        return _summer_pool
 
 
 class WorkerSide(Protocol):
