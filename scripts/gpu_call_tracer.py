@@ -12,6 +12,8 @@ of a host). The events are written to ``<pid>.json`` every 2 s and at exit.
 
     python3 scripts/gpu_call_tracer.py report DIR   # per function: calls, p50/mean ms, and
                                                     # the first requests' timelines at C=1
+    python3 scripts/gpu_call_tracer.py window DIR START_MS LENGTH_MS
+                                                    # every call in that window, all threads
 """
 
 from __future__ import annotations
@@ -41,6 +43,13 @@ TRACED = (
     "kvwire.staging.bulk_writer:WriterSide.request",
     "kvwire.staging.bulk_writer:WriterSide.on_message",
     "kvwire.staging.bulk_writer:WriterSide.plan",
+    "kvwire.staging.bulk_writer:WriterSide.on_sent",
+    "kvwire.staging.bulk_writer:WriterSide._acquire",
+    "kvwire.staging.kernels:KVTensors.sync",
+    "kvwire.staging.bulk_ring:RingSide.release",
+    "kvwire.session.prefill.pipeline:Pipeline.progress",
+    "kvwire_nixl.backend:NixlBackend._submit",
+    "kvwire_nixl.backend:NixlBackend._poll",
     "kvwire.staging.kernels:KVTensors.gather",
     "kvwire.staging.kernels:KVTensors.scatter",
     "kvwire.staging.bulk_ring:RingSide.on_message",
@@ -156,7 +165,31 @@ def report(folder: str, timelines: int = 3) -> str:
     return "\n".join(lines)
 
 
-if __name__ == "__main__" and len(sys.argv) > 2 and sys.argv[1] == "report":
+def window(folder: str, start_ms: float, length_ms: float) -> str:
+    """Every traced call of every process that overlaps ``[start, start + length)`` ms after
+    the first traced call, in start order, one line each (a C=8 run's interleaving)."""
+    merged: list[tuple[float, float, str, int, str]] = []
+    for path in sorted(Path(folder).glob("*.json")):
+        data = json.loads(path.read_text())
+        merged.extend((t0, t1, n, data["pid"], th) for n, th, t0, t1 in data["events"])
+    if not merged:
+        return "no events"
+    merged.sort()
+    t_ref = merged[0][0] + start_ms / 1e3
+    t_end = t_ref + length_ms / 1e3
+    lines = [f"== calls overlapping [{start_ms}, {start_ms + length_ms}) ms"]
+    for t0, t1, name, pid, thread in merged:
+        if t1 >= t_ref and t0 < t_end:
+            lines.append(
+                f"  {1e3 * (t0 - t_ref):8.3f} .. {1e3 * (t1 - t_ref):8.3f}  {name:<34} "
+                f"pid {pid} {thread}"
+            )
+    return "\n".join(lines)
+
+
+if __name__ == "__main__" and len(sys.argv) > 4 and sys.argv[1] == "window":
+    print(window(sys.argv[2], float(sys.argv[3]), float(sys.argv[4])))
+elif __name__ == "__main__" and len(sys.argv) > 2 and sys.argv[1] == "report":
     print(report(sys.argv[2], int(sys.argv[3]) if len(sys.argv) > 3 else 3))
 else:
     install()

@@ -101,6 +101,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--decode-tp", type=int, default=1)
     p.add_argument("--mla", action="store_true", help="an MLA model (one latent row)")
     p.add_argument("--decode-page-size", type=int, default=None, help="decode's page size")
+    p.add_argument(
+        "--head-major",
+        type=lambda v: tuple(x for x in v.split(",") if x),
+        default=(),
+        help="roles whose pages are head-major, e.g. decode or prefill,decode",
+    )
     p.add_argument("--skip-mover", action="store_true")
     p.add_argument("--skip-per-page", action="store_true")
     p.add_argument("--nixl-json", default="")

@@ -96,3 +96,60 @@ def test_a_step_that_drains_the_pipe_loses_no_wake_up_and_does_not_spin() -> Non
     time.sleep(0.3)
     assert turns[0] - idle_from <= 1, "the loop spins on a drained pipe"
     assert loop.stop(35)
+
+
+def test_a_loop_without_a_pipe_runs_commands_woken_by_its_own_event() -> None:
+    """``pipe=False`` (the session's progress thread): the step waits on an event the poster
+    sets; commands still run on the owner thread in order, and
+    asking for the wake descriptor is a clear error."""
+    wake = threading.Event()
+    seen: list[tuple[int, str]] = []
+
+    def step() -> None:
+        wake.wait(30)
+        wake.clear()
+
+    loop = OwnerLoop("test-nopipe", step, pipe=False)
+    loop.start()
+    done = threading.Event()
+    for i in range(20):
+        loop.post(lambda i=i: seen.append((i, threading.current_thread().name)))
+    loop.post(done.set)
+    wake.set()
+    assert done.wait(30)
+    assert [i for i, _ in seen] == list(range(20))
+    assert {name for _, name in seen} == {"test-nopipe"}
+    try:
+        _ = loop.wake_fd
+    except RuntimeError as exc:
+        assert "without a wake pipe" in str(exc)
+    else:
+        raise AssertionError("a loop without a pipe handed out a descriptor")
+    ended = threading.Thread(target=lambda: loop.stop(10))
+    ended.start()
+    wake.set()  # the step's wait ends; stop() then joins the thread
+    ended.join(30)
+    assert not loop.is_alive()
+
+
+def test_wake_is_taken_by_one_wait_and_never_lost() -> None:
+    from kvwire.owner_loop import Wake
+
+    w = Wake()
+    assert not w.is_set()
+    assert not w.wait(0.001)  # nothing set: the timeout passes
+    w.set()
+    w.set()  # setting twice is setting once
+    assert w.is_set()
+    assert w.wait(30)  # set before the wait: returns at once and takes it
+    assert not w.wait(0.001)
+    w.set()
+    w.clear()  # dropped before any wait
+    assert not w.wait(0.001)
+    got: list[bool] = []
+    waiter = threading.Thread(target=lambda: got.append(w.wait(30)))
+    waiter.start()
+    time.sleep(0.01)
+    w.set()  # from another thread: wakes the waiter
+    waiter.join(30)
+    assert got == [True]

@@ -49,19 +49,21 @@ from __future__ import annotations
 import itertools
 import logging
 import threading
-from abc import ABC, abstractmethod
+from abc import abstractmethod
 from collections.abc import Callable, Sequence
 from typing import Any, ClassVar, Self
 
 import numpy as np
 from pydantic import BaseModel, ConfigDict
 
+from kvwire.backend_links import Kinds as Kinds
+from kvwire.backend_links import LinkRules
 from kvwire.descriptors import DescTable, check_table, require_inside
 from kvwire.errors import CapabilityError, HandleError, KVWireError, PeerError
-from kvwire.layout import MemKind, MemoryRegion, check_no_overlap
+from kvwire.layout import MemoryRegion, check_no_overlap
 from kvwire.link_choice import LinkChoice as LinkChoice  # re-exported: the backend seam
-from kvwire.link_choice import LinkFacts, choose_link_path, host_identity
 from kvwire.link_choice import PeerFacts as PeerFacts
+from kvwire.page_form import PageChunk, check_page_chunk
 from kvwire.plugin_api import PLUGIN_API
 
 # Re-exported: a plugin declares and implements its hooks with these, and kvwire.backend is
@@ -73,12 +75,9 @@ from kvwire.transfers import PreparedPair as PreparedPair
 from kvwire.transfers import TransferHandle as TransferHandle
 from kvwire.transfers import XferOp as XferOp
 from kvwire.transfers import XferState as XferState
-from kvwire.transfers import check_rows
+from kvwire.transfers import check_rows, check_submit
 
 logger = logging.getLogger(__name__)
-
-_DRAM = frozenset({MemKind.DRAM})
-Kinds = frozenset[MemKind] | None
 
 
 class NoOptions(BaseModel):
@@ -87,7 +86,7 @@ class NoOptions(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
 
-class TransferBackend(ABC):
+class TransferBackend(LinkRules):
     """Abstract transfer engine. One instance per rank ("agent"), named ``agent_name``.
 
     Subclasses set :attr:`name`, :attr:`capabilities` and :attr:`options_model` and implement the
@@ -109,12 +108,6 @@ class TransferBackend(ABC):
     #: until woken (with a long timeout) instead of polling on a short timer. False (the
     #: default): the backend must be polled (e.g. NIXL, whose polls drive UCX progress).
     pushes_events: ClassVar[bool] = False
-    #: Which links it serves, in words (``kvwire doctor``); :meth:`link_problem` decides.
-    link_rule: ClassVar[str] = "any peer that announces it"
-    #: Whether ``--transfer-backend auto`` picked this backend (set on the instance by
-    #: :func:`kvwire.selection.create_backends`): the per-link rule then explains its links
-    #: as auto's choice (:func:`kvwire.link_choice.choose_link_path`).
-    auto: bool = False
 
     def __init__(self, agent_name: str, options: BaseModel | None = None) -> None:
         if not agent_name:
@@ -188,67 +181,6 @@ class TransferBackend(ABC):
         owner loop; no template lock is held. A plugin that reads state ``register`` changes
         may take the control lock :attr:`_lock` here (control path).
         """
-
-    def advertised_hosts(self, metadata: bytes) -> list[str]:
-        """The hosts a peer's :meth:`local_metadata` asks this side to connect to (its data
-        endpoints), for the handshake's reachability check: a peer on another host that
-        advertises loopback is refused at once, naming the setting, instead of failing at
-        the transfer deadline. The default (an engine that checks this itself, or metadata
-        without addresses) returns none. Threads: any thread (handshake threads); no lock."""
-        return []
-
-    @classmethod
-    def rank_problem(cls, kinds: frozenset[MemKind]) -> str | None:
-        """Why this backend cannot serve any link of a rank whose pools are of memory
-        ``kinds`` (e.g. no GPU, or no VRAM pool, for a GPU-only path), or None. Asked for
-        ``auto`` and for each backend of a list before it is constructed (a backend named
-        alone is constructed regardless and fails in its own words). Any thread; must not
-        fail when the engine is missing: say so instead."""
-        return None
-
-    def link_problem(self, peer: PeerFacts) -> str | None:
-        """Why this backend cannot serve the link to ``peer`` (another host, no P2P between
-        the two GPUs, ...), or None when it can. Asked by the prefill side at handshake, for
-        each backend both sides announced, before :meth:`add_peer`; the reason is logged and
-        shown by ``kvwire doctor``. The default accepts every peer. Threads: handshake
-        threads; no template lock held; must not change state."""
-        return None
-
-    def offers(self) -> list[tuple[str, bytes]]:
-        """``(backend name, metadata)`` of every backend this rank announces in the
-        handshake, in preference order (one here; several for
-        :class:`~kvwire.backends.multi.MultiBackend`). Called by decode when it builds its
-        hello. Threads: as :meth:`local_metadata`."""
-        return [(self.name, self.local_metadata())]
-
-    def add_link(
-        self, offers: Sequence[tuple[str, bytes]], host: dict[str, str], peer_kinds: Kinds = None
-    ) -> LinkChoice:
-        """Prefill, at handshake: add the peer that announced ``offers`` (name, metadata) over
-        the first backend both sides have and whose :meth:`link_problem` accepts it (the peer's
-        pool ``peer_kinds`` from its handshake layout, or None); return the choice.
-        :class:`PeerError` naming every reason when none fits. Threads: handshake
-        threads; control path (as :meth:`add_peer`)."""
-        mine = dict(offers).get(self.name)
-        if mine is None:
-            raise PeerError(
-                f"no shared transfer backend: this rank has {self.name!r}, the peer offers "
-                f"{', '.join(repr(n) for n, _ in offers) or 'none'}"
-            )
-        why = self.link_problem(PeerFacts(host, mine, peer_kinds))
-        if why is not None:
-            raise PeerError(f"backend {self.name!r} cannot serve this link: {why}")
-        skipped = {n: "not configured on this rank" for n, _ in offers if n != self.name}
-        path = choose_link_path(
-            LinkFacts(
-                [(self.name, None)],
-                local_kinds=frozenset(r.kind for r in self.registered_regions) or _DRAM,
-                peer_kinds=peer_kinds,
-                same_host=(host == host_identity()) if host else None,
-                auto=self.auto,
-            )
-        )
-        return LinkChoice(self.add_peer(mine), self.name, (), skipped, path.why, path.staging)
 
     def add_peer(self, metadata: bytes) -> str:
         """Load a peer from its :meth:`local_metadata`; return its name. Called by the
@@ -380,27 +312,42 @@ class TransferBackend(ABC):
         only after ``_submit`` returns.
         """
         self._check_open()
-        if op is XferOp.READ and not self.capabilities.read:
-            raise CapabilityError(f"backend {self.name!r} does not support READ")
-        if op is XferOp.WRITE and not self.capabilities.write:
-            raise CapabilityError(f"backend {self.name!r} does not support WRITE")
-        if notification is not None and not self.capabilities.notifications:
-            raise CapabilityError(f"backend {self.name!r} does not deliver notifications")
-        if pair.released:
-            raise HandleError(
-                f"prepared pair {pair.id} for peer {pair.peer!r} was released "
-                "(peer removed or tables rebuilt); prepare again"
-            )
+        check_submit(self.name, self.capabilities, op, pair, notification)
         li, ri, nbytes = check_rows(pair, local_idx, remote_idx)
-        handle = TransferHandle(
-            id=next(self._ids),
-            peer=pair.peer,
-            op=op,
-            num_descs=int(li.size),
-            num_bytes=nbytes,
-            wake=wake,
-        )
+        handle = self._handle(pair, op, int(li.size), nbytes, wake)
         handle.state = self._submit(op, pair, li, ri, notification, handle)
+        return self._enter(handle)
+
+    def submit_pages(
+        self,
+        op: XferOp,
+        pair: PreparedPair,
+        chunk: PageChunk,
+        notification: bytes | None = None,
+        wake: Callable[[], None] | None = None,
+    ) -> TransferHandle:
+        """:meth:`submit` for a chunk in page form (:mod:`kvwire.page_form`: page lists and
+        the geometry of ``pair``'s tables), on a backend that declares
+        :attr:`BackendCapabilities.page_writes`; the same semantics (notification after the
+        data, failures, handle lifetime), checks that do not grow with the chunk's rows
+        (:func:`~kvwire.page_form.check_page_chunk`: pages in both pools, the geometry
+        inside both tables). Threads: as :meth:`submit`; ``_submit_pages`` runs with no
+        template lock held."""
+        self._check_open()
+        if not self.capabilities.page_writes:
+            raise CapabilityError(f"backend {self.name!r} takes rows, not pages (page_writes)")
+        check_submit(self.name, self.capabilities, op, pair, notification)
+        nbytes = check_page_chunk(chunk, pair.local_lens, pair.remote_lens)
+        handle = self._handle(pair, op, chunk.num_rows, nbytes, wake)
+        handle.state = self._submit_pages(op, pair, chunk, notification, handle)
+        return self._enter(handle)
+
+    def _handle(
+        self, pair: PreparedPair, op: XferOp, rows: int, nbytes: int, wake: Any
+    ) -> TransferHandle:
+        return TransferHandle(next(self._ids), pair.peer, op, rows, nbytes, wake=wake)
+
+    def _enter(self, handle: TransferHandle) -> TransferHandle:
         with self._handles_lock:
             self._handles[handle.id] = handle
         return handle
@@ -471,7 +418,7 @@ class TransferBackend(ABC):
         if wake is not None:
             wake()
 
-    def progress(self) -> None:  # noqa: B027 - optional hook
+    def progress(self) -> None:
         """Drive the engine if it needs an owner loop to make progress (default: nothing).
 
         Threads: owner loop, like :meth:`get_notifications` (one thread at a time),
@@ -555,7 +502,7 @@ class TransferBackend(ABC):
         """Build engine-side prepared tables; return backend state kept on the pair.
         Control lock held; runs concurrently with transfers on other pairs."""
 
-    def _release_prepared(self, pair: PreparedPair) -> None:  # noqa: B027 - optional hook
+    def _release_prepared(self, pair: PreparedPair) -> None:
         """Free engine-side prepared tables (default: nothing to free).
 
         Control lock held; ``_submit`` calls that checked ``pair.released`` just before it was
@@ -581,13 +528,25 @@ class TransferBackend(ABC):
         pair or peer went away meanwhile; never block for the transfer to finish.
         """
 
+    def _submit_pages(
+        self,
+        op: XferOp,
+        pair: PreparedPair,
+        chunk: PageChunk,
+        notification: bytes | None,
+        handle: TransferHandle,
+    ) -> Any:
+        """Post a chunk in page form (checked); as :meth:`_submit` otherwise. A backend
+        that declares ``page_writes`` implements it; never called on the others."""
+        raise CapabilityError(f"backend {self.name!r} takes rows, not pages")
+
     @abstractmethod
     def _poll(self, handle: TransferHandle) -> XferState:
         """Current state of a posted transfer. **No template lock held**; concurrently with
         other workers' ``_submit``/``_poll``/``_release`` and with ``_remove_peer``/``_close``
         failing this handle. Cheap; never blocks for long."""
 
-    def _release(self, handle: TransferHandle) -> None:  # noqa: B027 - optional hook
+    def _release(self, handle: TransferHandle) -> None:
         """Free engine-side resources of a handle (default: nothing). **No template lock
         held**; called once per handle, concurrently with other workers and possibly with
         ``_remove_peer`` failing the same handle (free its engine resources exactly once)."""

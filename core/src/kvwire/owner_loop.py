@@ -13,7 +13,9 @@ calls :meth:`OwnerLoop.drain_wake` when its wait reports it readable; the loop t
 reading the pipe on every turn (a system call, which releases the GIL, on turns that socket
 traffic woke: the tcp backend's latency path measured it). Commands and the step run on the
 owner thread only, in the order posted; state they touch needs no lock as long as nothing else
-touches it.
+touches it. An owner whose step waits on something else (the session's progress thread waits
+on an event its posters set) builds the loop with ``pipe=False``: no pipe, so a post is a
+queue put and a turn reads no descriptor.
 """
 
 from __future__ import annotations
@@ -27,7 +29,43 @@ from collections.abc import Callable
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["OwnerLoop"]
+__all__ = ["OwnerLoop", "Wake"]
+
+
+class Wake:
+    """A wake-up for one waiting thread: :meth:`set` from any thread; the waiter's
+    :meth:`wait` returns at once if it was set since the last wait (and takes that wake-up),
+    else when it is set or the timeout passes.
+
+    The session's progress thread waits on one between turns, hundreds of times a second
+    while data is awaited. A ``threading.Event`` wait is Python code (a new lock, a waiter
+    list, a condition); this is one lock held while not set, so a wait is one C-level
+    acquire with a timeout and a set one release (any thread may release a plain lock).
+    """
+
+    __slots__ = ("_lock",)
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._lock.acquire()
+
+    def set(self) -> None:
+        """Wake the waiter (or its next wait). Any thread; setting twice is setting once."""
+        with contextlib.suppress(RuntimeError):  # released already: set already
+            self._lock.release()
+
+    def wait(self, timeout: float) -> bool:
+        """Owner thread: wait at most ``timeout`` seconds for a wake-up; True if one came
+        (it is taken: the next wait waits again)."""
+        return self._lock.acquire(timeout=timeout)
+
+    def clear(self) -> None:
+        """Drop a wake-up that came and was not waited for."""
+        self._lock.acquire(blocking=False)
+
+    def is_set(self) -> bool:
+        """Whether a wake-up waits to be taken (racy by nature: for tests and logs)."""
+        return not self._lock.locked()
 
 
 class OwnerLoop:
@@ -38,15 +76,18 @@ class OwnerLoop:
     :meth:`start` starts the thread, :meth:`stop` ends it (from any other thread).
     """
 
-    def __init__(self, name: str, step: Callable[[], None]) -> None:
+    def __init__(self, name: str, step: Callable[[], None], *, pipe: bool = True) -> None:
         self.name = name
         self._step = step
         self._commands: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
-        self._wake_r, self._wake_w = os.pipe()
-        os.set_blocking(self._wake_r, False)
-        os.set_blocking(self._wake_w, False)
+        self._pipe = pipe
+        self._wake_r, self._wake_w = os.pipe() if pipe else (-1, -1)
+        if pipe:
+            os.set_blocking(self._wake_r, False)
+            os.set_blocking(self._wake_w, False)
         self._stopped = False
-        self._closed = False
+        # without a pipe there is nothing to write to or read from
+        self._closed = not pipe
         #: Set by the first drain_wake(): the step reads the pipe when its wait saw it readable.
         self._step_drains = False
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
@@ -54,7 +95,10 @@ class OwnerLoop:
     @property
     def wake_fd(self) -> int:
         """File descriptor that becomes readable when a command is posted; register it with
-        the owner's poller (reading it is this class's business, in :meth:`run_commands`)."""
+        the owner's poller (reading it is this class's business, in :meth:`run_commands`).
+        Only for a loop built with a pipe."""
+        if not self._pipe:
+            raise RuntimeError(f"{self.name}: built without a wake pipe")
         return self._wake_r
 
     @property
@@ -102,16 +146,17 @@ class OwnerLoop:
                 while os.read(self._wake_r, 4096):
                     pass
         ran = 0
-        while True:
-            try:
-                command = self._commands.get_nowait()
-            except queue.Empty:
-                return ran
+        commands = self._commands
+        # the owner is the only consumer: a queue that is not empty has a command to get (an
+        # empty check costs less than the exception an empty get raises, on every turn)
+        while not commands.empty():
+            command = commands.get_nowait()
             ran += 1
             try:
                 command()
             except Exception:  # a command must not take the owner thread down
                 logger.exception("%s: command failed", self.name)
+        return ran
 
     def stop(self, timeout: float = 2.0) -> bool:
         """Ask the owner thread to end after its current step and wait up to ``timeout``
@@ -122,7 +167,7 @@ class OwnerLoop:
         if self._thread.is_alive():
             self._thread.join(timeout)
         ended = not self._thread.is_alive()
-        if ended and not self._closed:
+        if ended and not self._closed and self._pipe:
             self._closed = True
             for fd in (self._wake_r, self._wake_w):
                 with contextlib.suppress(OSError):

@@ -20,7 +20,7 @@ import numpy as np
 from pydantic import BaseModel, ConfigDict
 
 from kvwire.descriptors import LEN, DescTable, check_indices
-from kvwire.errors import DescriptorError
+from kvwire.errors import CapabilityError, DescriptorError, HandleError
 from kvwire.layout import MemKind
 
 
@@ -57,6 +57,9 @@ class BackendCapabilities(BaseModel):
     dram: bool = True
     vram: bool = False
     cross_host: bool = True
+    #: Takes chunks in page form (:meth:`~kvwire.backend.TransferBackend.submit_pages`,
+    #: :mod:`kvwire.page_form`): page lists and a geometry instead of one row per run.
+    page_writes: bool = False
 
     def supports_kind(self, kind: MemKind) -> bool:
         """Whether regions of memory ``kind`` can be registered."""
@@ -131,3 +134,26 @@ def check_rows(
             f"{int(llen[i])} bytes, remote row {int(ri[i])} has {int(rlen[i])}"
         )
     return li, ri, int(llen.sum())
+
+
+def check_submit(
+    name: str,
+    caps: BackendCapabilities,
+    op: XferOp,
+    pair: PreparedPair,
+    notification: bytes | None,
+) -> None:
+    """What a submit (rows or pages) asks of backend ``name`` (capabilities ``caps``) and of
+    ``pair``: the direction and notifications supported, the pair not released. Called by
+    the backend template's submits, on the submitting worker's thread, without a lock."""
+    if op is XferOp.READ and not caps.read:
+        raise CapabilityError(f"backend {name!r} does not support READ")
+    if op is XferOp.WRITE and not caps.write:
+        raise CapabilityError(f"backend {name!r} does not support WRITE")
+    if notification is not None and not caps.notifications:
+        raise CapabilityError(f"backend {name!r} does not deliver notifications")
+    if pair.released:
+        raise HandleError(
+            f"prepared pair {pair.id} for peer {pair.peer!r} was released "
+            "(peer removed or tables rebuilt); prepare again"
+        )

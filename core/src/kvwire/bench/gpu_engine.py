@@ -29,7 +29,8 @@ def engine(
     (``device``, ``gpus``, ``sizes`` MiB, ``concurrency``, ``requests``, ``verify_requests``,
     ``engine_step``, ``timeout``, ``backend``, ``prefill_tp``, ``decode_tp``; optional:
     ``checksum`` turns ``kv_checksum`` on, ``mla`` moves an MLA model (one latent row of 576
-    bytes per token and layer), ``decode_page_size`` gives decode other pages, ``sample_dir``
+    bytes per token and layer), ``decode_page_size`` gives decode other pages, ``head_major``
+    names the roles whose pages are head-major (e.g. ``("decode",)``), ``sample_dir``
     names a folder where a file ``on`` exists while the timed requests run, for a sampler or
     tracer in the rank processes such as ``scripts/gpu_call_tracer.py``); ``staging``
     and its options pick the strategy; ``max_chunk_pages`` > 0 cuts every request into
@@ -70,6 +71,7 @@ def engine(
         prefill_tp=a.prefill_tp,
         decode_tp=a.decode_tp,
         decode_page_size=getattr(a, "decode_page_size", None),
+        head_major=tuple(getattr(a, "head_major", None) or ()),
         config=KVWireConfig(
             transfer_backend=a.backend,
             staging=staging,
@@ -103,6 +105,7 @@ def engine(
         "tp": f"{a.prefill_tp}->{a.decode_tp}",
         "mla": mla,
         "decode_page_size": getattr(a, "decode_page_size", None),
+        "head_major": list(getattr(a, "head_major", None) or ()),
         "backend": a.backend,
         "staging": staging,
         "staging_options": dict(staging_options or {}),

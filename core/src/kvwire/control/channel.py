@@ -35,7 +35,7 @@ import zmq
 from zmq.utils.monitor import parse_monitor_message
 
 from kvwire.control.freshness import FreshnessError
-from kvwire.control.reach import keep_alive
+from kvwire.control.reach import keep_alive, readable
 from kvwire.control.wire import Codec, Message
 from kvwire.errors import ConfigError, ProtocolError
 from kvwire.security import warn_if_exposed
@@ -169,9 +169,14 @@ class ControlChannel:
         out: list[Message] = []
         if not self._poller.poll(max(0, int(timeout_s * 1000))):
             return out
+        pull = self._pull
         for _ in range(max_frames):
+            # ask whether a frame waits rather than let an empty recv raise (an exception
+            # per turn costs more than the question)
+            if not readable(pull):
+                break
             try:
-                frame = self._pull.recv(zmq.NOBLOCK)
+                frame = pull.recv(zmq.NOBLOCK)
             except zmq.Again:
                 break
             try:
@@ -213,7 +218,7 @@ class ControlChannel:
         now = time.monotonic() if now is None else now
         with self._lock:
             for ep, mon in self._monitors.items():
-                while True:
+                while readable(mon):
                     try:
                         raw = mon.recv_multipart(zmq.NOBLOCK)
                     except zmq.Again:

@@ -25,6 +25,7 @@ from kvwire.index.planes import split_kv
 from kvwire.index.tables import TablePair as TablePair  # re-exported: importers name it here
 from kvwire.index.topology import Topology
 from kvwire.layout import KVLayout, compatibility_problems
+from kvwire.page_form import PageChunk, PageGeometry
 
 
 def check_pages(pages: Any, num_slots: int, what: str) -> NDArray[np.int64]:
@@ -193,6 +194,40 @@ class IndexMapper(ABC):
             empty = np.empty(0, dtype=np.int64)
             return empty, empty
         return self._map(sp, dp)
+
+    def page_chunk(self, src_pages: Any, dst_pages: Any) -> PageChunk | None:
+        """A transfer worker, per chunk (:meth:`ChunkPlan.direct
+        <kvwire.staging.base.ChunkPlan.direct>`): the chunk in page form (pages checked as
+        :meth:`map_chunk` checks them, rows never expanded), or None when this link's
+        mapping is not regular (:meth:`_page_geometry` is None: page-size conversion, a
+        dummy sender, K and V as planes, ...) or the chunk has no page: use
+        :meth:`map_chunk` then."""
+        geometry = self.page_geometry
+        if geometry is None:
+            return None
+        sp = check_pages(src_pages, self.src.num_slots, "source page indices")
+        dp = check_pages(dst_pages, self.dst.num_slots, "destination page indices")
+        if sp.size != dp.size:
+            raise DescriptorError(
+                f"{sp.size} source pages but {dp.size} destination pages; pass equal counts"
+            )
+        return PageChunk(geometry, sp, dp) if sp.size else None
+
+    @property
+    def page_geometry(self) -> PageGeometry | None:
+        """This link's :class:`~kvwire.page_form.PageGeometry` (computed once; any
+        thread), or None when chunks must move as rows."""
+        if "_geometry" not in self.__dict__:
+            regular = self.paging is None and not (self.is_dummy or self.splits_kv)
+            self.__dict__["_geometry"] = self._page_geometry() if regular else None
+        geometry: PageGeometry | None = self.__dict__["_geometry"]
+        return geometry
+
+    def _page_geometry(self) -> PageGeometry | None:
+        """The geometry of a mapper whose :meth:`_map` is regular (equal page sizes, no
+        dummy, no planes: the base checked those), in its own tables' rows; None (the
+        default) keeps rows. Its rows must equal :meth:`_map`'s (core/tests/test_page_form.py)."""
+        return None
 
     def split_layers(
         self, src_idx: IndexArray, dst_idx: IndexArray, edges: NDArray[np.int64]

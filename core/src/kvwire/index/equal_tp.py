@@ -20,6 +20,7 @@ from kvwire.errors import LayoutError
 from kvwire.index.base import IndexMapper, StagedSlice, TablePair
 from kvwire.index.paging import PageConversion
 from kvwire.layout import KVLayout
+from kvwire.page_form import PageGeometry
 
 
 def page_table(
@@ -97,6 +98,30 @@ class EqualTPMapper(IndexMapper):
         return TablePair(
             src=make_table(*page_table(self.src, self.src_buf, g)),
             dst=make_table(*page_table(self.dst, self.dst_buf, g)),
+        )
+
+    def _page_geometry(self) -> PageGeometry | None:
+        """Whole pages: row ``pair * slots + page``, one piece of a page's bytes."""
+        src, dst = self.src, self.dst
+        if src.page_bytes != dst.page_bytes:
+            return None
+        pairs = np.arange(self.num_pairs, dtype=np.int64)
+        n = src.page_bytes
+        return PageGeometry(
+            src_rows=pairs * src.num_slots,
+            dst_rows=pairs * dst.num_slots,
+            src_page_rows=1,
+            dst_page_rows=1,
+            src_token_rows=0,
+            dst_token_rows=0,
+            src_slot=src.slot_bytes,
+            dst_slot=dst.slot_bytes,
+            src_row=n,
+            dst_row=n,
+            n=n,
+            tokens=1,
+            src_slots=src.num_slots,
+            dst_slots=dst.num_slots,
         )
 
     def _map_granules(

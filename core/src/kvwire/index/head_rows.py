@@ -23,6 +23,7 @@ from kvwire.descriptors import IndexArray, make_table
 from kvwire.index.base import TablePair
 from kvwire.index.head_slice import HeadSliceMapper
 from kvwire.layout import KVLayout
+from kvwire.page_form import PageGeometry
 
 
 def head_row_table(layout: KVLayout, bufs: NDArray[np.int64]) -> tuple[NDArray[np.uint64], ...]:
@@ -49,6 +50,10 @@ class HeadRowsMapper(HeadSliceMapper):
     name = "head_rows"
     pair_major_rows = True
     requires_token_major = False
+
+    def _page_geometry(self) -> PageGeometry | None:
+        """None: a head's rows are not one slice of each token row on both sides."""
+        return None
 
     def build_tables(self) -> TablePair:
         return TablePair(

@@ -33,6 +33,7 @@ from kvwire.index.base import IndexMapper, StagedSlice, TablePair
 from kvwire.index.paging import PageConversion
 from kvwire.index.ranks import head_slice, source_ranks
 from kvwire.layout import KVLayout
+from kvwire.page_form import PageGeometry
 
 
 def token_table(
@@ -131,6 +132,28 @@ class HeadSliceMapper(IndexMapper):
         ).ravel()
         d_idx = (pairs * (self.dst.num_slots * ps) + dst_pages[None, :, None] * ps + toks).ravel()
         return s_idx, d_idx
+
+    def _page_geometry(self) -> PageGeometry | None:
+        """This rank's head slice of each token row: ``page_size`` pieces per page."""
+        src, dst = self.src, self.dst
+        ps, g_count = src.model.page_size, self.groups
+        pairs = np.arange(self.num_pairs, dtype=np.int64)
+        return PageGeometry(
+            src_rows=pairs * (src.num_slots * ps * g_count) + self.group,
+            dst_rows=pairs * (dst.num_slots * ps),
+            src_page_rows=ps * g_count,
+            dst_page_rows=ps,
+            src_token_rows=g_count,
+            dst_token_rows=1,
+            src_slot=src.slot_bytes,
+            dst_slot=dst.slot_bytes,
+            src_row=src.token_row_bytes,
+            dst_row=dst.token_row_bytes,
+            n=self.slice_bytes,
+            tokens=ps,
+            src_slots=src.num_slots,
+            dst_slots=dst.num_slots,
+        )
 
     def _map_granules(
         self, src_granules: NDArray[np.int64], dst_granules: NDArray[np.int64]

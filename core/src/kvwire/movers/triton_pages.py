@@ -48,7 +48,7 @@ __all__ = ["PageCopier"]
         "slot_elems",
         "lo_elems",
         "row_elems",
-        "n_elems",
+        "n_vecs",
         "tokens",
     ]
 )
@@ -59,7 +59,7 @@ def _copy_pages(  # type: ignore[no-untyped-def]  # Triton 3.6 rejects non-Trito
     slot_elems,
     lo_elems,
     row_elems,
-    n_elems,
+    n_vecs,
     tokens,
     block: tl.constexpr,
     elem: tl.constexpr,
@@ -68,8 +68,8 @@ def _copy_pages(  # type: ignore[no-untyped-def]  # Triton 3.6 rejects non-Trito
     to_pool: tl.constexpr,
 ) -> None:
     # table (pinned host memory read over the bus, or host memory in the interpreter): int64
-    # [npages + buffers] = the pages (slots), then each buffer's address. Lengths and
-    # offsets are in elements of `elem`.
+    # [npages + buffers] = the pages (slots), then each buffer's address. Offsets are in
+    # elements of `elem`, the piece's length in vectors of `vec` elements.
     table = table_addr.to(tl.pointer_type(tl.int64))
     pid = tl.program_id(0).to(tl.int64)
     b = pid // npages
@@ -77,8 +77,11 @@ def _copy_pages(  # type: ignore[no-untyped-def]  # Triton 3.6 rejects non-Trito
     page = tl.load(table + i)
     buf = tl.load(table + npages + b)
     pool0 = buf.to(tl.pointer_type(elem)) + page * slot_elems + lo_elems
+    # the length in vectors: the compiler then knows it divides by vec and keeps masked
+    # accesses 16 bytes wide (a multiple_of hint on an argument is dropped)
+    n_elems = n_vecs * vec
     blk0 = block_addr.to(tl.pointer_type(elem)) + pid * tokens * n_elems
-    n = tl.multiple_of(n_elems, vec)
+    n = n_elems
     offs = tl.arange(0, block)
     for t in range(0, tokens):
         pool = tl.multiple_of(pool0 + t * row_elems, align)
@@ -162,7 +165,7 @@ class PageCopier:
             slot_bytes // elem_bytes,
             lo // elem_bytes,
             row // elem_bytes,
-            n // elem_bytes,
+            n // width,
             tokens,
         )
         self._launch(_copy_pages, "page", key, pages, addrs, scalars, stream)
@@ -176,14 +179,15 @@ class PageCopier:
         addrs: NDArray[np.int64],
         scalars: tuple[int, ...],
         stream: Any,
+        grid: int = 0,
     ) -> None:
         """Write the table (``index`` then ``addrs``) into a pinned slot and enqueue one
-        launch of ``kernel_fn`` (one program per (buffer, index entry), ``scalars`` then the
-        compile-time ``key``) on ``stream``; the compiled kernel is launched directly after
-        its first launch. Under this copier's lock; called by :meth:`copy` and by
-        subclasses' copies, on the caller's thread."""
+        launch of ``kernel_fn`` (``grid`` programs, by default one per (buffer, index entry);
+        ``scalars`` then the compile-time ``key``) on ``stream``; the compiled kernel is
+        launched directly after its first launch. Under this copier's lock; called by
+        :meth:`copy` and by subclasses' copies, on the caller's thread."""
         nidx, nbuf = int(index.size), int(addrs.size)
-        grid = nbuf * nidx
+        grid = grid or nbuf * nidx
         with self._lock:
             if self.device.type != "cuda":  # Triton's interpreter: host memory, synchronous
                 self._host = np.concatenate([index, addrs]).astype(np.int64)

@@ -41,7 +41,7 @@ __all__ = ["UnitCopier"]
         "unit_elems",
         "lo_elems",
         "row_elems",
-        "n_elems",
+        "n_vecs",
         "tokens",
     ]
 )
@@ -54,7 +54,7 @@ def _copy_units(  # type: ignore[no-untyped-def]  # Triton 3.6 rejects non-Trito
     unit_elems,
     lo_elems,
     row_elems,
-    n_elems,
+    n_vecs,
     tokens,
     block: tl.constexpr,
     elem: tl.constexpr,
@@ -62,8 +62,8 @@ def _copy_units(  # type: ignore[no-untyped-def]  # Triton 3.6 rejects non-Trito
     vec: tl.constexpr,
     to_pool: tl.constexpr,
 ) -> None:
-    # table: int64 [nunits + buffers] = the unit ids, then each buffer's address. Lengths
-    # and offsets are in elements of `elem`.
+    # table: int64 [nunits + buffers] = the unit ids, then each buffer's address. Offsets are in
+    # elements of `elem`, the piece's length in vectors of `vec` elements.
     table = table_addr.to(tl.pointer_type(tl.int64))
     pid = tl.program_id(0).to(tl.int64)
     b = pid // nunits
@@ -73,8 +73,11 @@ def _copy_units(  # type: ignore[no-untyped-def]  # Triton 3.6 rejects non-Trito
     page = unit // per_page
     k = unit - page * per_page
     pool0 = buf.to(tl.pointer_type(elem)) + page * slot_elems + k * unit_elems + lo_elems
+    # the length in vectors: the compiler then knows it divides by vec and keeps masked
+    # accesses 16 bytes wide (a multiple_of hint on an argument is dropped)
+    n_elems = n_vecs * vec
     blk0 = block_addr.to(tl.pointer_type(elem)) + pid * tokens * n_elems
-    n = tl.multiple_of(n_elems, vec)
+    n = n_elems
     offs = tl.arange(0, block)
     for t in range(0, tokens):
         pool = tl.multiple_of(pool0 + t * row_elems, align)
@@ -131,7 +134,7 @@ class UnitCopier(PageCopier):
             unit_bytes // eb,
             lo // eb,
             row // eb,
-            n // eb,
+            n // width,
             tokens,
         )
         self._launch(_copy_units, "unit", key, units, addrs, scalars, stream)

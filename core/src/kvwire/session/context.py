@@ -41,7 +41,7 @@ from kvwire.control.channel import ControlChannel
 from kvwire.control.wire import Codec, Message, PoolName
 from kvwire.errors import ConfigError, LayoutError
 from kvwire.layout import KVLayout, MemoryRegion
-from kvwire.owner_loop import OwnerLoop
+from kvwire.owner_loop import OwnerLoop, Wake
 from kvwire.security import enforce_secret_policy
 from kvwire.selection import create_backends, select_pool_staging, select_staging
 from kvwire.session import metrics as m
@@ -162,7 +162,7 @@ class RankContext:
         self.backend_name = ",".join(self.backend_names)
         #: Ends the progress thread's wait early: set by the backend when a notification is
         #: queued (a backend that pushes events), by :meth:`later` and by :meth:`stop`.
-        self.wake = threading.Event()
+        self.wake = Wake()
         self.backend.set_notification_waker(self.wake.set)
         #: Wakes prefill's transfer workers (set by the prefill side once they exist); a
         #: staging strategy calls it through ``StagingContext.wake_fn`` when a grant comes.
@@ -207,7 +207,8 @@ class RankContext:
             raise
         #: The progress thread: runs :meth:`later`'s chores, then the step the façade gives
         #: :meth:`start` (engine progress, notifications, deadlines).
-        self.progress = OwnerLoop(f"kvwire-progress-{self.agent_name}", self._step)
+        # its step waits on ``wake`` (set by every poster), never on a pipe
+        self.progress = OwnerLoop(f"kvwire-progress-{self.agent_name}", self._step, pipe=False)
         self._progress_step: Callable[[], None] = lambda: None
         self._stop = threading.Event()
         if self.options.metrics_port is not None:

@@ -62,6 +62,11 @@ __all__ = ["STAMP_ROW_BYTES", "KVManager", "Role", "dispatch_table"]
 #: request waits on a notification (and while some do).
 CONTROL_TICK_S = 0.001
 CONTROL_TICK_BUSY_S = 0.0002
+#: Least time between two walks of the progress thread's timers (the sides' deadlines, which
+#: are seconds long) and between two checks of the liveness thread's peers (silence and closed
+#: connections, also seconds): a turn that a notification or a message woke should cost a
+#: poll and its handling, not a walk over every room or peer.
+DEADLINE_TICK_S = 0.005
 #: Longest the liveness thread waits for a message before checking its peers again.
 LIVENESS_TICK_S = 0.02
 
@@ -116,6 +121,10 @@ class KVManager:
             raise ConfigError("room_issuer (which rooms prefill will create) is for prefill")
         self._closed = False
         self._next_check = 0.0
+        self._next_tick = 0.0
+        #: Progress thread: whether a request awaited data when last asked, and when to ask.
+        self._awaiting = False
+        self._next_await = 0.0
         #: When the liveness thread last checked its peers (a late turn: this process stalled).
         self._last_check = time.monotonic()
         self._exported_drops: dict[str, int] = {}
@@ -328,7 +337,7 @@ class KVManager:
         handlers only update tables and queue work."""
         ctx = self.ctx
         opts = ctx.options
-        next_beat = 0.0
+        next_beat = next_check = 0.0
         self._last_check = time.monotonic()
         while not ctx.stopping:
             try:
@@ -342,7 +351,9 @@ class KVManager:
                 if now >= next_beat:
                     self._beat()
                     next_beat = now + opts.heartbeat_interval_s
-                self._check_peers(now)
+                if now >= next_check:
+                    self._check_peers(now)
+                    next_check = now + DEADLINE_TICK_S
             except Exception:
                 logger.exception("%s: liveness loop error; continuing", ctx.agent_name)
                 time.sleep(CONTROL_TICK_S)
@@ -452,8 +463,9 @@ class KVManager:
         the chores :meth:`RankContext.later` queued before each step): drive the engine
         (``progress``), drain its notifications, then check deadlines (after the drain, so a
         notification that arrived is never taken for a timeout; at most every
-        :data:`CONTROL_TICK_S`: they are seconds long, and a turn while data is awaited
-        should cost a poll, not a walk over every room).
+        :data:`DEADLINE_TICK_S`: they are seconds long, and a turn while data is awaited
+        should cost a poll, not a walk over every room), and let the strategies tick (at most
+        every :data:`CONTROL_TICK_S`).
 
         Between turns: with a backend that :attr:`~kvwire.backend.TransferBackend.pushes_events`
         it sleeps until a notification is queued (or a chore, or :data:`CONTROL_TICK_S`);
@@ -468,16 +480,22 @@ class KVManager:
             now = time.monotonic()
             if now >= self._next_check:
                 side.check_deadlines(now)
-                self._next_check = now + CONTROL_TICK_S
-            for strategy in ctx.strategies:
-                strategy.tick(now)
-            # cleared after the wait, and the next turn drains: a wake-up that comes in
-            # between is never lost
-            if backend.pushes_events or not side.awaiting_data():
+                self._next_check = now + DEADLINE_TICK_S
+            if now >= self._next_tick:
+                for strategy in ctx.strategies:
+                    strategy.tick(now)
+                self._next_tick = now + CONTROL_TICK_S
+            # the wait takes the wake-up; one that comes after it stays for the next wait,
+            # and the next turn drains anyway: none is lost
+            # (whether data is awaited is a walk over the rooms: asked every turn while none
+            # is, at most every CONTROL_TICK_S while some are)
+            if not backend.pushes_events and (not self._awaiting or now >= self._next_await):
+                self._awaiting = side.awaiting_data()
+                self._next_await = now + CONTROL_TICK_S
+            if backend.pushes_events or not self._awaiting:
                 wake.wait(CONTROL_TICK_S)
             else:
                 wake.wait(CONTROL_TICK_BUSY_S)
-            wake.clear()
         except Exception:
             logger.exception("%s: progress loop error; continuing", ctx.agent_name)
             time.sleep(CONTROL_TICK_S)

@@ -34,7 +34,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, ClassVar, Protocol
 
 import numpy as np
@@ -46,6 +46,7 @@ from kvwire.descriptors import IndexArray
 from kvwire.errors import TransferError
 from kvwire.index.base import IndexMapper, TablePair
 from kvwire.layout import KVLayout, MemoryRegion
+from kvwire.page_form import PageChunk
 
 #: Registers (or deregisters) memory a strategy allocated with the selected backend.
 RegisterFn = Callable[[Sequence[MemoryRegion]], None]
@@ -146,17 +147,61 @@ class LocalCopy(Protocol):
 _NO_ROWS: IndexArray = np.empty(0, dtype=np.int64)
 
 
-@dataclass
-class Segment:
+class _Rows:
+    """Index arrays given, or expanded once from a page form when first read (a chunk in
+    page form submitted to a backend with page writes never expands them). One thread
+    owns a plan (its transfer worker)."""
+
+    _src: IndexArray | None
+    _dst: IndexArray | None
+    pages: PageChunk | None
+
+    def _set_rows(
+        self, src_idx: IndexArray | None, dst_idx: IndexArray | None, pages: PageChunk | None
+    ) -> None:
+        if pages is None and (src_idx is None or dst_idx is None):
+            raise ValueError("rows or a page form are required")
+        self._src, self._dst, self.pages = src_idx, dst_idx, pages
+
+    def _expand(self) -> tuple[IndexArray, IndexArray]:
+        if self._src is None or self._dst is None:
+            assert self.pages is not None
+            self._src, self._dst = self.pages.rows()
+        return self._src, self._dst
+
+    @property
+    def src_idx(self) -> IndexArray:
+        """Rows of the source table (expanded from :attr:`pages` when first read)."""
+        return self._expand()[0]
+
+    @property
+    def dst_idx(self) -> IndexArray:
+        """Rows of the destination table (expanded from :attr:`pages` when first read)."""
+        return self._expand()[1]
+
+
+class Segment(_Rows):
     """One part of a chunk with its own completion: rows of one (source kind, destination
     kind), submitted through the prepared pair ``table``, or a :class:`LocalCopy` the strategy
-    already started (``copy``)."""
+    already started (``copy``). ``pages``: the same rows in page form (the mapper's own
+    table only), which the pipeline submits as pages to a backend with page writes."""
 
-    label: str
-    table: str = ""
-    src_idx: IndexArray = field(default_factory=lambda: _NO_ROWS)
-    dst_idx: IndexArray = field(default_factory=lambda: _NO_ROWS)
-    copy: LocalCopy | None = None
+    def __init__(
+        self,
+        label: str,
+        table: str = "",
+        src_idx: IndexArray | None = None,
+        dst_idx: IndexArray | None = None,
+        copy: LocalCopy | None = None,
+        pages: PageChunk | None = None,
+    ) -> None:
+        self.label, self.table, self.copy = label, table, copy
+        if pages is None and src_idx is None and dst_idx is None:
+            src_idx = dst_idx = _NO_ROWS
+        self._set_rows(src_idx, dst_idx, pages)
+
+    def __repr__(self) -> str:
+        return f"Segment({self.label!r}, {self.table!r}, pages={self.pages is not None})"
 
 
 @dataclass
@@ -172,38 +217,60 @@ class LayerPlan:
     fill: Callable[[int], None]
 
 
-@dataclass
-class ChunkPlan:
+class ChunkPlan(_Rows):
     """What the transfer worker submits for one chunk.
 
     ``table`` names the prepared pair to use: ``"kv"`` for the mapper's KV tables, or a name
-    the strategy registered. ``src_idx``/``dst_idx`` index into that pair. ``token`` is opaque
-    strategy state handed back to :meth:`StagingStrategy.on_sent`.
+    the strategy registered. ``src_idx``/``dst_idx`` index into that pair (given, or expanded
+    from ``pages`` when first read). ``token`` is opaque strategy state handed back to
+    :meth:`StagingStrategy.on_sent`. ``what``: the notification kind decode sees: "kv" (rows
+    landed in the pool) or "staged" (a block landed in the staging ring and must be
+    scattered). ``segments``: set when the strategy splits the chunk itself: each segment
+    completes on its own and decode counts the chunk once every segment's note arrived
+    (``table``/``src_idx``/``dst_idx`` are then unused). ``pages``: the chunk in page form
+    (:mod:`kvwire.page_form`; ``table`` "kv" only), for a backend with page writes.
     """
 
-    table: str
-    src_idx: IndexArray
-    dst_idx: IndexArray
-    token: Any = field(default=None)
-    #: Notification kind decode sees: "kv" (rows landed in the pool) or "staged" (a block
-    #: landed in the staging ring and must be scattered).
-    what: str = "kv"
-    #: Set when the strategy splits the chunk itself: each segment completes on its own and
-    #: decode counts the chunk once every segment's note arrived (``table``/``src_idx``/
-    #: ``dst_idx`` are then unused).
-    segments: list[Segment] | None = None
+    def __init__(
+        self,
+        table: str,
+        src_idx: IndexArray | None = None,
+        dst_idx: IndexArray | None = None,
+        token: Any = None,
+        what: str = "kv",
+        segments: list[Segment] | None = None,
+        pages: PageChunk | None = None,
+    ) -> None:
+        self.table, self.token, self.what, self.segments = table, token, what, segments
+        if segments is not None and src_idx is None and pages is None:
+            src_idx = dst_idx = _NO_ROWS
+        self._set_rows(src_idx, dst_idx, pages)
+
+    def __repr__(self) -> str:
+        return f"ChunkPlan({self.table!r}, what={self.what!r}, pages={self.pages is not None})"
 
     @classmethod
     def direct(cls, mapper: IndexMapper, src_pages: Any, dst_pages: Any) -> ChunkPlan:
-        """The chunk's rows in the mapper's KV tables, moved in place (no staging)."""
+        """The chunk's rows in the mapper's KV tables, moved in place (no staging): in page
+        form where the link's mapping is regular (rows expanded only if read), else rows."""
+        pages = mapper.page_chunk(src_pages, dst_pages)
+        if pages is not None:
+            return cls(table="kv", pages=pages)
         src_idx, dst_idx = mapper.map_chunk(src_pages, dst_pages)
         return cls(table="kv", src_idx=src_idx, dst_idx=dst_idx)
+
+    def segment(self, table: str) -> Segment:
+        """The plan's rows (or page form) as one segment of prepared pair ``table``, rows
+        not expanded (the prefill worker, when the strategy gave no segments)."""
+        return Segment("", table, self._src, self._dst, pages=self.pages)
 
     @property
     def empty(self) -> bool:
         """No rows to move (dummy sender, or a chunk of zero pages)."""
         if self.segments is not None:
             return not self.segments
+        if self.pages is not None:
+            return self.pages.src_pages.size == 0
         return self.src_idx.size == 0
 
 

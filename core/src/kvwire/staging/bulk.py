@@ -66,7 +66,7 @@ from kvwire.staging.base import (
     StagingContext,
     StagingStrategy,
 )
-from kvwire.staging.bulk_ring import RingSide, block_bytes, unit_tokens
+from kvwire.staging.bulk_ring import RingSide, block_bytes, slice_of, unit_tokens
 from kvwire.staging.bulk_wire import WIRE_VERSION, BulkMessage
 from kvwire.staging.bulk_writer import WriterSide, chunk_units
 from kvwire.staging.kernels import KVTensors
@@ -403,7 +403,7 @@ class BulkStaging(StagingStrategy):
         stages: equal TP, MLA, page-size conversion) too small to
         gain from staging under ``equal_tp="auto"`` (below ``equal_tp_min_chunk_bytes``);
         it moves per page (no ask is sent, so the worker's plan is the mapper's rows)."""
-        sl = mapper.staged_slice()
+        sl = slice_of(mapper)
         return (
             sl is not None
             and sl.whole_rows

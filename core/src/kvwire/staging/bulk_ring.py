@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -38,9 +39,24 @@ STAGED = Counter("kvwire_staged_chunks", "Chunks moved through the staging ring"
 Key = tuple[int, str, int]
 
 
+#: Each link's staged slice (None: the link is not staged), found once: a mapper's answer does
+#: not change after the handshake built it, and both sides ask for it several times per chunk.
+_SLICES: weakref.WeakKeyDictionary[IndexMapper, tuple[StagedSlice | None]] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+def slice_of(mapper: IndexMapper) -> StagedSlice | None:
+    """The mapper's :meth:`~kvwire.index.base.IndexMapper.staged_slice`, asked once."""
+    got = _SLICES.get(mapper)
+    if got is None:
+        got = _SLICES[mapper] = (mapper.staged_slice(),)
+    return got[0]
+
+
 def staged(mapper: IndexMapper) -> StagedSlice:
     """The mapper's staged slice; a link that reached staging has one."""
-    sl = mapper.staged_slice()
+    sl = slice_of(mapper)
     if sl is None:
         raise TransferError(f"the {mapper.name} mapper's links are not staged")
     return sl

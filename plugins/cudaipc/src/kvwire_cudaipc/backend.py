@@ -15,7 +15,10 @@
   run list with NumPy fancy indexing (three gathers for a pair that is VRAM in every row)
   and enqueues **one** fused mover launch (:meth:`kvwire.movers.triton_copy.RunCopier.move`:
   one program per group of evenly spaced pieces, e.g. a head slice of a page's token rows,
-  or per tile) on the backend's private stream, then records an event. Host-memory rows
+  or per tile) on the backend's private stream, then records an event. A KV chunk of a
+  regular link comes as pages instead (``page_writes``: :meth:`_submit_pages`): one launch
+  of the pool-to-pool page mover, whose table is the page lists and each buffer pair's two
+  addresses, with no row expanded. Host-memory rows
   (an engine's aux rows) and the notification travel over the built-in ``tcp`` backend's
   side channel (ZeroMQ, CURVE-authenticated with a secret), which this class extends: they
   are posted only once the kernel's event completed, so a notification always reaches the
@@ -68,6 +71,7 @@ from kvwire.descriptors import ADDR, LEN, DescTable, locate_rows
 from kvwire.errors import ConfigError, DescriptorError, PeerError
 from kvwire.layout import MemKind, MemoryRegion
 from kvwire.movers.plan import DEFAULT_TILE_BYTES
+from kvwire.page_form import PageChunk, PageGeometry, check_geometry_addresses
 from kvwire_cudaipc import _cuda
 from kvwire_cudaipc.meta import IpcExport, PeerInfo, parse_peer
 from kvwire_cudaipc.watcher import KernelWatcher
@@ -118,6 +122,8 @@ class _Pair:
     #: Every row of both tables is VRAM (a KV pool pair): a submit gathers three arrays and
     #: launches, with no per-row kind checks or masks.
     all_vram: bool
+    #: Page geometries already checked against these tables (``check_geometry_addresses``).
+    geometries: weakref.WeakSet[PageGeometry] = field(default_factory=weakref.WeakSet)
 
 
 @dataclass(eq=False)
@@ -146,7 +152,13 @@ class CudaIpcBackend(TcpBackend):
 
     name = "cudaipc"
     capabilities = BackendCapabilities(
-        write=True, read=False, notifications=True, dram=True, vram=True, cross_host=False
+        write=True,
+        read=False,
+        notifications=True,
+        dram=True,
+        vram=True,
+        cross_host=False,
+        page_writes=True,
     )
     options_model = CudaIpcOptions
     options: CudaIpcOptions
@@ -165,6 +177,7 @@ class CudaIpcBackend(TcpBackend):
         self._writer: int | None = None
         self._stream: Any = None
         self._copier: Any = None
+        self._pages: Any = None
         self._watcher: KernelWatcher[_IpcXfer] | None = None
         #: 8 bytes a notification-only message writes on the target (the side channel's
         #: messages carry at least one row); in every HostMemory, never in ``_regions``.
@@ -398,6 +411,7 @@ class CudaIpcBackend(TcpBackend):
         if writer is None or self._copier is not None:
             return
         from kvwire.movers.triton_copy import RunCopier
+        from kvwire.movers.triton_pool_pages import PoolPageCopier
 
         torch = _cuda._torch()
 
@@ -405,6 +419,7 @@ class CudaIpcBackend(TcpBackend):
             if self._copier is None:
                 self._stream = torch.cuda.Stream(device=writer)
                 self._writer = writer
+                self._pages = PoolPageCopier(writer, num_warps=self.options.num_warps)
                 self._copier = RunCopier(
                     writer, self.options.tile_bytes, num_warps=self.options.num_warps
                 )
@@ -424,7 +439,7 @@ class CudaIpcBackend(TcpBackend):
             if notification is not None:
                 self._notify_only(x, st)
             src, dst = st.local_i64[local_idx], st.remote_mapped[remote_idx]
-            self._launch(x, st, src, dst, st.lens_i64[local_idx])
+            self._launch(x, st, self._runs(src, dst, st.lens_i64[local_idx]))
             return x
         lv, rv = st.local_vram[local_idx], st.remote_vram[remote_idx]
         if not np.array_equal(lv, rv):
@@ -446,7 +461,8 @@ class CudaIpcBackend(TcpBackend):
             self._notify_only(x, st)
         if lv.any():
             li, ri = local_idx[lv], remote_idx[lv]
-            self._launch(x, st, st.local_i64[li], st.remote_mapped[ri], st.lens_i64[li])
+            runs = self._runs(st.local_i64[li], st.remote_mapped[ri], st.lens_i64[li])
+            self._launch(x, st, runs)
         if x.event is None and x.follow is not None:
             self._post_follow(x)
         return x
@@ -461,23 +477,55 @@ class CudaIpcBackend(TcpBackend):
             np.array([SCRATCH_BYTES], dtype=np.uint64),
         )
 
-    def _launch(
+    def _submit_pages(
         self,
-        x: _IpcXfer,
-        st: _Pair,
-        src: NDArray[np.int64],
-        dst: NDArray[np.int64],
-        n: NDArray[np.int64],
-    ) -> None:
-        """Enqueue one fused mover launch for the VRAM runs ``(src, dst, n)`` (``dst`` in this
-        process's mapping of the peer), record its event and hand it to the kernel watcher.
+        op: XferOp,
+        pair: PreparedPair,
+        chunk: PageChunk,
+        notification: bytes | None,
+        handle: TransferHandle,
+    ) -> Any:
+        """A chunk in page form (checked by the template): on a pair that is VRAM in every
+        row, one launch of the pool-to-pool page mover, whose table is the two page lists
+        and each buffer pair's two addresses (two gathers of ``pairs`` numbers); otherwise
+        its rows, as :meth:`_submit` moves them."""
+        st: _Pair = pair.state
+        if not st.all_vram:
+            return self._submit(op, pair, *chunk.rows(), notification, handle)
+        x = _IpcXfer(peer=st.peer, notification=notification, peer_name=pair.peer, wake=handle.wake)
+        if notification is not None:
+            self._notify_only(x, st)
+        g = chunk.geometry
+        if g not in st.geometries:
+            check_geometry_addresses(g, st.local_i64, st.remote_addr.astype(np.int64))
+            st.geometries.add(g)
+        src, dst = st.local_i64[g.src_rows], st.remote_mapped[g.dst_rows]
+        pages = self._pages
+
+        def enqueue() -> None:
+            pages.copy_pages(chunk, src, dst, stream=self._stream)
+
+        self._launch(x, st, enqueue)
+        return x
+
+    def _runs(
+        self, src: NDArray[np.int64], dst: NDArray[np.int64], n: NDArray[np.int64]
+    ) -> Callable[[], None]:
+        """The run mover's launch for VRAM runs ``(src, dst, n)`` (``dst`` in this
+        process's mapping of the peer), to enqueue under :meth:`_launch`."""
+        copier, stream = self._copier, self._stream
+        return lambda: copier.move(src, dst, n, stream=stream)
+
+    def _launch(self, x: _IpcXfer, st: _Pair, enqueue: Callable[[], None]) -> None:
+        """Enqueue one fused mover launch (``enqueue``: the run mover's or the page
+        mover's) on the private stream, record its event and hand it to the kernel watcher.
         Holds the peer's lock only while enqueueing (never waits for the GPU)."""
         torch = _cuda._torch()
         watcher = self._kernel_watcher()
         with st.peer.lock:
             if st.peer.closed:
                 raise PeerError(f"peer {st.peer.info.name!r} was removed")
-            self._copier.move(src, dst, n, stream=self._stream)
+            enqueue()
             ev = torch.cuda.Event(blocking=True)
             ev.record(self._stream)
             x.event = ev

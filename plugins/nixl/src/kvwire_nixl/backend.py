@@ -41,7 +41,6 @@ Design (one NIXL agent per kvwire agent, i.e. per rank):
 
 from __future__ import annotations
 
-import collections
 import contextlib
 import logging
 import threading
@@ -76,6 +75,7 @@ from kvwire_nixl.agent import (
     track,
     untrack,
 )
+from kvwire_nixl.inbox import NOTIF_TAG, Inbox
 from kvwire_nixl.metadata import pack_agent_metadata, peer_regions, unpack_peer_metadata
 from kvwire_nixl.options import RW_UCX_ENV_DEFAULTS, NixlOptions, apply_env
 from kvwire_nixl.records import PairRecord, PeerRecord, XferRecord
@@ -83,7 +83,6 @@ from kvwire_nixl.records import PairRecord, PeerRecord, XferRecord
 logger = logging.getLogger(__name__)
 
 #: Prefix of every notification kvwire sends through NIXL.
-NOTIF_TAG = b"\x6b"  # "k"
 _OPS = {XferOp.WRITE: "WRITE", XferOp.READ: "READ"}
 
 
@@ -121,10 +120,8 @@ class NixlBackend(TransferBackend):
         self._closing = False
         self._peers: dict[str, PeerRecord] = {}
         self._reg: dict[MemoryRegion, Any] = {}
-        self._notes: collections.deque[Notification] = collections.deque()
+        self._inbox = Inbox(agent_name, self._state)
         self._deferred: list[Any] = []  # NIXL xfer handles whose release failed; retried
-        #: Notifications dropped because they did not come from kvwire (no tag).
-        self.foreign_notifications = 0
         #: Environment variables this agent set from ``ucx_env``.
         self.applied_env = apply_env(opts.ucx_env)
         #: Environment variables this agent set from :data:`RW_UCX_ENV_DEFAULTS`.
@@ -206,29 +203,6 @@ class NixlBackend(TransferBackend):
         if keep:
             with self._state:
                 self._deferred.extend(keep)
-
-    def _drain_notifs(self, agent: Any) -> None:
-        try:
-            with self._serial:
-                got = agent.get_new_notifs()
-        except Exception as exc:
-            logger.warning("%s: NIXL get_new_notifs failed: %s", self.agent_name, describe(exc))
-            return
-        foreign = 0
-        for peer, msgs in got.items():
-            name = peer.decode() if isinstance(peer, bytes) else str(peer)
-            for m in msgs:
-                payload = bytes(m)
-                if payload[:1] == NOTIF_TAG:
-                    self._notes.append(Notification(name, payload[1:]))
-                else:
-                    foreign += 1
-                    logger.debug(
-                        "%s: dropped a non-kvwire notification from %s", self.agent_name, name
-                    )
-        if foreign:
-            with self._state:
-                self.foreign_notifications += foreign
 
     # ---------------------------------------------------------------------- memory
     def _register(self, regions: list[MemoryRegion]) -> None:
@@ -544,20 +518,27 @@ class NixlBackend(TransferBackend):
         agent = self._agent
         if agent is None or self._generation != fork_generation():
             return
-        self._drain_notifs(agent)
+        self._inbox.drain(agent, self._serial)
+        self._inbox.just_drained = True
         if self._deferred:
             self._retry_deferred()
 
     def get_notifications(self) -> list[Notification]:
-        agent = self._agent
-        if agent is not None and self._generation == fork_generation():
-            self._drain_notifs(agent)
-        out = []
-        while True:
-            try:
-                out.append(self._notes.popleft())
-            except IndexError:
-                return out
+        """Notifications buffered so far. Right after :meth:`progress` (the owner loop's
+        turn calls both) the buffer is what NIXL had a moment ago, so NIXL is not asked
+        again: one ``get_new_notifs`` per turn (a notification that came in between is
+        drained on the next turn or call, never lost)."""
+        agent, inbox = self._agent, self._inbox
+        if inbox.just_drained:
+            inbox.just_drained = False
+        elif agent is not None and self._generation == fork_generation():
+            inbox.drain(agent, self._serial)
+        return inbox.take()
+
+    @property
+    def foreign_notifications(self) -> int:
+        """Notifications dropped because they did not come from kvwire (no tag)."""
+        return self._inbox.foreign
 
     # ----------------------------------------------------------------------- close
     def _close(self) -> None:

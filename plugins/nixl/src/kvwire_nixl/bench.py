@@ -45,7 +45,7 @@ from kvwire.descriptors import make_table
 from kvwire.layout import MemoryRegion
 from kvwire.selection import create_backend
 from kvwire_nixl.agent import ENGINE
-from kvwire_nixl.backend import NOTIF_TAG
+from kvwire_nixl.inbox import NOTIF_TAG
 
 #: (label, descriptor count, bytes per descriptor)
 THROUGHPUT_CASES = [("1 x 256 MiB", 1, 256 << 20), ("4096 x 16 KiB", 4096, 16 << 10)]

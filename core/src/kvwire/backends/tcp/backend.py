@@ -50,7 +50,14 @@ from kvwire.backends.tcp import wire
 from kvwire.backends.tcp.auth import DataPlaneAuth
 from kvwire.backends.tcp.options import TcpOptions
 from kvwire.backends.tcp.outbound import OutboundPeer, OutboundTransfer, split_rows
-from kvwire.control.reach import connect_problem, endpoint_host, keep_alive
+from kvwire.control.reach import (
+    POLLIN,
+    POLLOUT,
+    connect_problem,
+    endpoint_host,
+    keep_alive,
+    readable,
+)
 from kvwire.descriptors import ADDR, DescTable
 from kvwire.layout import MemoryRegion
 from kvwire.owner_loop import OwnerLoop
@@ -343,7 +350,7 @@ class TcpBackend(TransferBackend):
         watched = self._watched
         for p in self._peers.values():  # only what changed: a new peer, POLLOUT on or off
             assert p.sock is not None
-            flags = zmq.POLLIN | (zmq.POLLOUT if p.outq else 0)
+            flags = POLLIN | (POLLOUT if p.outq else 0)
             old = watched.get(p.sock)
             if old is None:
                 poller.register(p.sock, flags)
@@ -355,14 +362,18 @@ class TcpBackend(TransferBackend):
             self._loop.drain_wake()
         if self._router in events:
             for _ in range(64):
+                if not readable(self._router):  # cheaper than the zmq.Again of an empty recv
+                    break
                 try:
                     frames = self._router.recv_multipart(zmq.NOBLOCK, copy=False)
                 except zmq.Again:
                     break
                 self._serve(frames)
         for p in list(self._peers.values()):
-            if p.sock is not None and p.sock in events and events[p.sock] & zmq.POLLIN:
+            if p.sock is not None and p.sock in events and events[p.sock] & POLLIN:
                 for _ in range(64):
+                    if not readable(p.sock):
+                        break
                     try:
                         frames = p.sock.recv_multipart(zmq.NOBLOCK, copy=False)
                     except zmq.Again:

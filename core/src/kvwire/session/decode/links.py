@@ -81,6 +81,9 @@ class SourceLinks:
         #: (bootstrap address, prefill dp rank) -> the prefill ranks registered there.
         self.instances: dict[tuple[str, int], list[RankInfo]] = {}
         self._instance_locks: dict[tuple[str, int], threading.Lock] = {}
+        #: (prefill tp, prefill pp) -> the topology (the mapper's choice, which does not
+        #: change): looked up per request on the engine thread, found once.
+        self._topologies: dict[tuple[int, int], Topology] = {}
         #: Prefill sessions evicted for silence, and when: they may be alive behind a
         #: partition, so their writes are not taken as ended (see
         #: :mod:`kvwire.session.decode.quiesce`).
@@ -98,11 +101,14 @@ class SourceLinks:
     # ---------------------------------------------------------------- lookups
     def topology(self, prefill: RankInfo) -> Topology:
         """Who sends to whom between a prefill instance (as bootstrap lists it) and us."""
-        ctx = self.ctx
-        r = ctx.layout.rank
-        return topology_for(
-            ctx.config, ctx.layout, prefill.tp_size, prefill.pp_size, r.tp_size, r.pp_size
-        )
+        key = (prefill.tp_size, prefill.pp_size)
+        topo = self._topologies.get(key)
+        if topo is None:
+            ctx = self.ctx
+            r = ctx.layout.rank
+            topo = topology_for(ctx.config, ctx.layout, *key, r.tp_size, r.pp_size)
+            self._topologies[key] = topo
+        return topo
 
     def cached_sources(self, addr: str, room_id: int, dp: int | None) -> list[PrefillLink] | None:
         """Engine thread: the links of a request's source ranks when the instance was looked

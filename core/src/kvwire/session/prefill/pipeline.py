@@ -26,8 +26,8 @@ from kvwire.integrity import add_sums
 from kvwire.session import metrics as m
 from kvwire.session.aux_note import read_row
 from kvwire.session.context import RankContext
-from kvwire.session.handshake import slot_rows
 from kvwire.session.metrics import ChunkDone
+from kvwire.session.prefill import posting
 from kvwire.session.prefill.groups import GROUPS_TABLE, group_rows
 from kvwire.session.prefill.layerwise import LayerPosting
 from kvwire.session.prefill.posting import PlanRef, SegmentPost, Tail, WorkerSide, summed_pieces
@@ -165,7 +165,7 @@ class Pipeline:
         else:
             # "kv" names the mapper's own table of the job's pool
             table = job.target.table if plan.table == "kv" else plan.table
-            base = [Segment("", table, plan.src_idx, plan.dst_idx)]
+            base = [plan.segment(table)]
         out: list[Segment] = []
         for seg in base:
             split = job.link.splits.get(seg.table) if seg.copy is None else None
@@ -239,8 +239,7 @@ class Pipeline:
                         key,
                         pair,
                         ref,
-                        seg.src_idx,
-                        seg.dst_idx,
+                        seg,
                         self.ctx.codec.encode(note),
                         what,
                         t_start,
@@ -395,16 +394,13 @@ class Pipeline:
         key: tuple[int, str],
         pair: PreparedPair,
         ref: PlanRef | None,
-        src_idx: Any,
-        dst_idx: Any,
+        rows: Segment,
         note: bytes,
         what: str,
         t_start: float,
         t_enqueued: float | None,
     ) -> None:
-        handle = self.ctx.backend.submit(
-            XferOp.WRITE, pair, src_idx, dst_idx, note, wake=self.wake.set
-        )
+        handle = posting.submit_rows(self.ctx.backend, pair, rows, note, self.wake.set)
         now = tail.room.metrics.marks["posted"] = time.perf_counter()
         self._track(
             _Posted(
@@ -539,15 +535,16 @@ class Pipeline:
             aux_pair = link.pairs.get("aux")
             if link.sends_aux and aux_pair is not None and room.aux_index is not None:
                 ctx.stamps[room.aux_index, 0] = room.room
-                n = link.aux_rows
+                rows = posting.aux_segment(
+                    link.aux_rows, ctx.aux_slots, room.aux_index, dest.aux_index
+                )
                 try:
                     self._post(
                         tail,
                         key,
                         aux_pair,
                         None,
-                        slot_rows(n, ctx.aux_slots, room.aux_index),
-                        slot_rows(n, ctx.aux_slots, dest.aux_index),
+                        rows,
                         self._note(room.room, "aux"),
                         "aux",
                         time.perf_counter(),
@@ -581,7 +578,7 @@ class Pipeline:
             pair = job.link.pairs[GROUPS_TABLE]
             note_bytes = self._note(room.room, "state")
             self._post(
-                tail, key, pair, None, rows[0], rows[1], note_bytes, "state",
+                tail, key, pair, None, Segment("", "", *rows), note_bytes, "state",
                 time.perf_counter(), None,
             )  # fmt: skip
         except Exception as exc:  # refused at map or submit: the request fails, not hangs

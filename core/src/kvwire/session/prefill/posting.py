@@ -21,11 +21,14 @@ from __future__ import annotations
 
 import threading
 from collections import deque
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from kvwire.backend import PreparedPair, TransferBackend, TransferHandle, XferOp
 from kvwire.integrity import LayerSums
+from kvwire.session.handshake import slot_rows
 from kvwire.session.layers import LayeredChunk
 from kvwire.session.metrics import ChunkDone
 from kvwire.session.prefill.links import PoolLink
@@ -203,3 +206,24 @@ def summed_pieces(
         if cut:
             return [Segment(seg.label, seg.table, a, b) for a, b, _ in cut], [p for *_, p in cut]
     return segs, None
+
+
+def submit_rows(
+    backend: TransferBackend,
+    pair: PreparedPair,
+    rows: Segment,
+    note: bytes,
+    wake: Callable[[], None],
+) -> TransferHandle:
+    """Prefill worker: WRITE one segment's rows with its note. A segment in page form goes
+    to a backend that declares ``page_writes`` as pages (its rows never expanded); every
+    other segment, and every other backend, as rows."""
+    if rows.pages is not None and backend.capabilities.page_writes:
+        return backend.submit_pages(XferOp.WRITE, pair, rows.pages, note, wake=wake)
+    return backend.submit(XferOp.WRITE, pair, rows.src_idx, rows.dst_idx, note, wake=wake)
+
+
+def aux_segment(n: int, slots: int, src_slot: int, dst_slot: int) -> Segment:
+    """The ``n`` rows of aux slot ``src_slot`` to those of ``dst_slot`` (``slots`` per
+    table), as a segment to post (prefill worker)."""
+    return Segment("aux", "", slot_rows(n, slots, src_slot), slot_rows(n, slots, dst_slot))

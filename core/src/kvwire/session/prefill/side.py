@@ -243,6 +243,7 @@ class PrefillSide(Side[SendRoom]):
     def on_peer_lost(self, peer: Peer, why: str) -> None:
         """Control thread: a decode rank is dead or gone; fail its rooms, drop its tables,
         remember the eviction (:mod:`kvwire.session.prefill.evictions`)."""
+        self.workers.forget(peer.session)
         with self.rooms.lock:
             early = [r for r, by in self.early.requests.items() if peer.session in by]
             self.early.drop_session(peer.session)
@@ -487,7 +488,7 @@ class PrefillSide(Side[SendRoom]):
             # the same rank go to other workers (a staged link keeps one queue per
             # destination, since its ring space is granted in write order)
             shard = dest.session if target.staged else f"{dest.session}/{room.room}"
-            self.workers.submit(shard, job)
+            self.workers.submit(shard, job, sticky=target.staged)
 
     # ------------------------------------------------------------------ workers
     def is_dead(self, room: SendRoom) -> bool:

@@ -2,8 +2,9 @@
 
 ``send()`` on the engine's thread only enqueues; a worker posts, polls and finishes transfers
 through its own :class:`~kvwire.session.prefill.pipeline.Pipeline`. All chunks for one
-destination go to the same worker (``shard = crc32(destination) % N``), so a request's chunks
-to a destination are posted in order. A worker never dies: failures are recorded per request
+destination go to the same worker (``shard = crc32(destination) % N``, or for a staged link's
+destination the least used worker when it is first seen), so a request's chunks to a
+destination are posted in order. A worker never dies: failures are recorded per request
 by the pipeline; anything that still escapes is logged and the worker goes on.
 """
 
@@ -60,6 +61,8 @@ class TransferWorkers(Generic[J]):
         #: Jobs submitted and not yet taken by their worker's pipeline.
         self._pending = 0
         self._count_lock = threading.Lock()
+        #: Sticky keys' workers (see :meth:`submit`); under ``_count_lock``.
+        self._sticky: dict[str, int] = {}
         self._queues: list[queue.SimpleQueue[J | None]] = []
         self._stages: list[Stage[J]] = []
         self._threads: list[threading.Thread] = []
@@ -119,8 +122,14 @@ class TransferWorkers(Generic[J]):
             except Exception:
                 logger.exception("transfer worker: unexpected error; the worker continues")
 
-    def submit(self, shard_key: str, job: J) -> None:
-        """Queue ``job`` on the worker that owns ``shard_key`` (or run it now when inline)."""
+    def submit(self, shard_key: str, job: J, *, sticky: bool = False) -> None:
+        """Queue ``job`` on the worker that owns ``shard_key`` (or run it now when inline).
+
+        A key's worker is ``crc32(key) % N``; with ``sticky`` (a staged link's destination: a
+        few long-lived keys, each needing one worker) the key is given, the first time it is
+        seen, the worker with the fewest sticky keys, so two destinations of one prefill rank
+        (TP 1 -> 2, fan-out) never share a worker by a hash collision. :meth:`forget` drops
+        a sticky key once no job can come for it any more."""
         if self._inline_stage is not None:
             with self._inline_lock:
                 self._inline_stage.accept(job)
@@ -128,9 +137,22 @@ class TransferWorkers(Generic[J]):
             return
         with self._count_lock:
             self._pending += 1
-        i = zlib.crc32(shard_key.encode()) % len(self._queues)
+            i = self._sticky.get(shard_key, -1) if sticky else -1
+            if sticky and i < 0:
+                load = [0] * len(self._queues)
+                for w in self._sticky.values():
+                    load[w] += 1
+                i = self._sticky[shard_key] = load.index(min(load))
+        if i < 0:
+            i = zlib.crc32(shard_key.encode()) % len(self._queues)
         self._queues[i].put(job)
         self._stages[i].notify()  # an idle stage may be waiting on something else
+
+    def forget(self, shard_key: str) -> None:
+        """Any thread: drop a sticky key's worker (its destination is gone: no job for it can
+        come any more, so a later key may take the worker without breaking any order)."""
+        with self._count_lock:
+            self._sticky.pop(shard_key, None)
 
     def notify_all(self) -> None:
         """Any thread: end every worker's :meth:`Stage.idle` wait now (a staging grant came,

@@ -53,6 +53,10 @@ What each test of :class:`BackendConformance` proves:
   final content (the data landed first); nothing more arrives afterwards.
 * ``test_concurrent_notifications_exactly_once``: several transfers in flight at once each
   deliver their notification exactly once, and all their data is in place.
+* ``test_page_writes``: a backend that declares ``page_writes`` writes chunks in page form
+  (head-slice geometry: two slices per source row, different row pitches) byte for byte as
+  their rows, each notification after its data; out-of-range pages raise
+  ``DescriptorError``. A backend without it raises ``CapabilityError`` from ``submit_pages``.
 * ``test_concurrent_submitters``: four worker threads each submit and poll their own WRITEs
   (disjoint local and remote rows, one shared prepared pair, a notification each) to the same
   peer while a progress thread calls ``progress``/``get_notifications`` and a handshake
@@ -103,6 +107,7 @@ from kvwire.testing.conformance.concurrency import ConcurrencyConformance
 from kvwire.testing.conformance.failure import FailureConformance
 from kvwire.testing.conformance.mappers import MapperCase, MapperConformance
 from kvwire.testing.conformance.notifications import NotificationConformance
+from kvwire.testing.conformance.pages import PageConformance
 from kvwire.testing.conformance.register import RegisterConformance
 from kvwire.testing.conformance.transfer import TransferConformance
 
@@ -113,6 +118,7 @@ __all__ = [
     "MapperCase",
     "MapperConformance",
     "NotificationConformance",
+    "PageConformance",
     "RegisterConformance",
     "TransferConformance",
     "wait_terminal",
@@ -123,6 +129,7 @@ class BackendConformance(
     RegisterConformance,
     TransferConformance,
     NotificationConformance,
+    PageConformance,
     ConcurrencyConformance,
     FailureConformance,
 ):

@@ -1,0 +1,157 @@
+"""The pool-to-pool page mover: one Triton launch copies a chunk in page form
+(:class:`kvwire.page_form.PageChunk`) from one pool's pages straight into another's -- the
+``cudaipc`` backend's write into decode's pages mapped through CUDA IPC -- with every address
+computed on the device from the two page lists and each buffer pair's two addresses.
+
+The run mover (:class:`kvwire.movers.triton_copy.RunCopier`) takes one ``(src, dst, bytes)``
+per run, planned by the host from rows (4,098 per 128 MiB chunk of whole pages, 131k for
+head slices); this one takes ``2 * pages + 2 * pairs`` numbers, written into a pinned slot
+the kernel reads (:meth:`kvwire.movers.triton_pages.PageCopier._launch`), so a call's host
+work does not grow with the chunk.
+
+One program per (buffer pair, page): it copies ``tokens`` pieces of ``n`` bytes, piece ``t``
+from ``src[b] + src_page[i] * src_slot + t * src_row`` to
+``dst[b] + dst_page[i] * dst_slot + t * dst_row`` (whole pages: one piece of a page's bytes,
+compiled as one flat loop; head slices: a slice of every token row, possibly at another
+offset and row pitch on the other side), in steps of :data:`~kvwire.movers.plan.BLOCK_BYTES`
+with the widest element that divides every address, stride and length (16 bytes: vector
+loads and stores). The NumPy
+reference is :func:`kvwire.movers.pool_pages.copy_pool_pages_reference`. Imported only where
+it runs (a CUDA device, or Triton's interpreter on the CPU with ``TRITON_INTERPRET=1``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import triton
+import triton.language as tl
+from numpy.typing import NDArray
+
+from kvwire.movers.triton_pages import PageCopier, kernel_key, page_width
+from kvwire.page_form import PageChunk
+
+__all__ = ["PoolPageCopier"]
+
+#: The kernel's compile-time shapes of a call (see ``_copy_pool_pages``).
+PIECES, WHOLE, ONE_BLOCK = 0, 1, 2
+
+
+@triton.jit(  # type: ignore[untyped-decorator]
+    do_not_specialize=[
+        "table_addr",
+        "npages",
+        "nbuf",
+        "src_slot",
+        "dst_slot",
+        "src_row",
+        "dst_row",
+        "n_vecs",
+        "tokens",
+    ]
+)
+def _copy_pool_pages(  # type: ignore[no-untyped-def]  # Triton 3.6 rejects non-Triton annotations
+    table_addr,
+    npages,
+    nbuf,
+    src_slot,
+    dst_slot,
+    src_row,
+    dst_row,
+    n_vecs,
+    tokens,
+    block: tl.constexpr,
+    elem: tl.constexpr,
+    align: tl.constexpr,
+    vec: tl.constexpr,
+    shape: tl.constexpr,
+) -> None:
+    # table: int64 [2 * npages + 2 * nbuf] = source pages, destination pages, each pair's
+    # source address, each pair's destination address. Strides in elements, the piece's
+    # length in vectors of vec elements.
+    table = table_addr.to(tl.pointer_type(tl.int64))
+    pid = tl.program_id(0).to(tl.int64)
+    b = pid // npages
+    i = pid - b * npages
+    sp = tl.load(table + i)
+    dp = tl.load(table + npages + i)
+    sa = tl.load(table + 2 * npages + b)
+    da = tl.load(table + 2 * npages + nbuf + b)
+    src0 = sa.to(tl.pointer_type(elem)) + sp * src_slot
+    dst0 = da.to(tl.pointer_type(elem)) + dp * dst_slot
+    # n counted in vectors: the compiler then knows n divides by vec, so a masked access
+    # stays a vector (16 bytes); a hint on an argument would be dropped (scalar accesses)
+    n = n_vecs * vec
+    offs = tl.arange(0, block)
+    # shape (compile-time): WHOLE (one piece per page) and ONE_BLOCK (every piece fits one
+    # block) copy in one flat loop, which the compiler pipelines (several loads in flight
+    # per program: what the peer's latency needs); PIECES nests the two loops.
+    if shape == 1:  # WHOLE
+        src = tl.multiple_of(src0, align)
+        dst = tl.multiple_of(dst0, align)
+        for start in range(0, n, block):
+            o = start + offs
+            mask = o < n
+            tl.store(dst + o, tl.load(src + o, mask=mask), mask=mask)
+    elif shape == 2:  # ONE_BLOCK
+        mask = offs < n
+        for t in range(0, tokens):
+            src = tl.multiple_of(src0 + t * src_row, align)
+            dst = tl.multiple_of(dst0 + t * dst_row, align)
+            tl.store(dst + offs, tl.load(src + offs, mask=mask), mask=mask)
+    else:
+        for t in range(0, tokens):
+            src = tl.multiple_of(src0 + t * src_row, align)
+            dst = tl.multiple_of(dst0 + t * dst_row, align)
+            for start in range(0, n, block):
+                o = start + offs
+                mask = o < n
+                tl.store(dst + o, tl.load(src + o, mask=mask), mask=mask)
+
+
+class PoolPageCopier(PageCopier):
+    """Copies chunks in page form between two pools with one launch per call (the
+    launching device must be able to store to the destination: its own memory, or a peer
+    GPU's opened through CUDA IPC with peer access enabled). Thread contract: as
+    :class:`~kvwire.movers.triton_pages.PageCopier` (launches serialised by its lock)."""
+
+    #: The compile-time shape of the last call (tests, diagnostics).
+    last_shape: int = -1
+
+    def copy_pages(
+        self,
+        chunk: PageChunk,
+        src_addrs: NDArray[np.int64],
+        dst_addrs: NDArray[np.int64],
+        *,
+        stream: Any = None,
+    ) -> None:
+        """Enqueue the copy of ``chunk`` (pages checked by the caller) where pair ``b``'s
+        piece 0 of slot 0 is at ``src_addrs[b]`` and ``dst_addrs[b]``. Never waits for the
+        GPU unless every table slot is still in flight; the caller synchronises ``stream``."""
+        g = chunk.geometry
+        npages, nbuf = int(chunk.src_pages.size), int(src_addrs.size)
+        if not npages or not nbuf:
+            return
+        addrs = np.concatenate([src_addrs, dst_addrs]).astype(np.int64)
+        width = page_width(addrs, 0, g.src_slot, g.dst_slot, g.src_row, g.dst_row, g.n)
+        key, eb = kernel_key(width, g.n, False)
+        scalars = (
+            npages,
+            nbuf,
+            g.src_slot // eb,
+            g.dst_slot // eb,
+            g.src_row // eb,
+            g.dst_row // eb,
+            g.n // width,
+            g.tokens,
+        )
+        index = np.concatenate([chunk.src_pages, chunk.dst_pages])
+        fits = g.n // eb <= key[0]  # every piece within one block of elements
+        shape = WHOLE if g.tokens == 1 else (ONE_BLOCK if fits else PIECES)
+        ckey = (*key[:4], shape)
+        self.last_shape = shape
+        self._launch(
+            _copy_pool_pages, "pool", ckey, index, addrs, scalars, stream, grid=nbuf * npages
+        )

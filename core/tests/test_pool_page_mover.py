@@ -1,0 +1,131 @@
+"""The pool-to-pool page mover (:mod:`kvwire.movers.triton_pool_pages`, cudaipc's page
+writes) through Triton's CPU interpreter, against its NumPy reference
+(:func:`kvwire.movers.pool_pages.copy_pool_pages_reference`, itself checked against the rows
+in test_page_form.py): whole pages (equal TP) and head slices (TP 2 -> 1, 1 -> 2) between two
+pools of one arena, fresh random bytes, every byte of the arena compared (so nothing outside
+the chunk is written). One interpreter subprocess, a few seconds."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from kvwire.testing.interpreted import run_interpreted
+
+_CHECK = textwrap.dedent(
+    """
+    import numpy as np
+    from kvwire.descriptors import ADDR
+    from kvwire.index import EqualTPMapper, HeadSliceMapper, MLAMapper
+    from kvwire.layout import KVLayout, ModelSpec, RankPosition
+    from kvwire.movers.pool_pages import copy_pool_pages_reference
+    from kvwire.movers.triton_pool_pages import PoolPageCopier
+
+    rng = np.random.default_rng(3)
+    mover = PoolPageCopier("cpu")
+    SLOTS = 5
+    shapes = set()
+
+    def pools(arena, off, model, tp, rank, heads):
+        bufs = []
+        shape = (SLOTS, model.page_size, heads, model.head_dim)
+        nbytes = int(np.prod(shape)) * model.dtype_size
+        for _ in range(2 * model.num_layers // (2 if model.is_mla else 1)):
+            bufs.append(arena[off : off + nbytes].view(np.int16).reshape(shape))
+            off += nbytes + 32
+        layout = KVLayout.from_tensors(model, bufs, RankPosition(tp_size=tp, tp_rank=rank))
+        return layout, off
+
+    cases = [  # (heads, head_dim, TP src, TP dst, src rank, dst rank, mla)
+        (4, 8, 1, 1, 0, 0, False), (4, 8, 2, 1, 1, 0, False), (4, 8, 1, 2, 0, 1, False),
+        (2, 4, 1, 4, 0, 3, False), (4, 3, 2, 1, 0, 0, False), (1, 8, 2, 1, 0, 0, True),
+        (64, 256, 1, 2, 0, 1, False),  # 16 KiB slices of 32 KiB rows: pieces over one block
+    ]
+    for heads, dim, tps, tpd, rs, rd, mla in cases:
+        model = ModelSpec(num_layers=2, total_kv_heads=heads, head_dim=dim, dtype="bfloat16",
+                          page_size=4, is_mla=mla)
+        arena = rng.integers(0, 256, 2 * 4 * SLOTS * 4 * heads * dim * 2 + 4096, dtype=np.uint8)
+        base = arena.ctypes.data
+        hs = 1 if mla else max(1, heads // tps)
+        hd = 1 if mla else max(1, heads // tpd)
+        src, off = pools(arena, 16, model, tps, rs, hs)
+        dst, _ = pools(arena, off + 16, model, tpd, rd, hd)
+        cls = MLAMapper if mla else (EqualTPMapper if tps == tpd else HeadSliceMapper)
+        mapper = cls(src, dst)
+        tables = mapper.build_tables()
+        chunk = mapper.page_chunk(rng.permutation(SLOTS)[:3], rng.permutation(SLOTS)[:3])
+        g = chunk.geometry
+        s_addr = tables.src[g.src_rows, ADDR].astype(np.int64)
+        d_addr = tables.dst[g.dst_rows, ADDR].astype(np.int64)
+        want = arena.copy()
+        copy_pool_pages_reference(want, chunk, s_addr - base, d_addr - base)
+        assert not np.array_equal(want, arena)
+        mover.copy_pages(chunk, s_addr, d_addr)
+        assert np.array_equal(arena, want), (heads, dim, tps, tpd)
+        shapes.add(mover.last_shape)
+    assert shapes == {0, 1, 2}, shapes  # pieces over a block, whole pages, within a block
+    print("POOL-PAGES-OK")
+    """
+)
+
+
+def test_pool_page_kernel_matches_reference() -> None:
+    """The Triton kernel itself (not a stand-in), whole pages and head slices, element
+    widths 16 (whole pages, 16-byte slices) down to 2 (head_dim 3 in bf16: 6-byte slices),
+    each compile-time shape (whole pages, pieces within a block, pieces over a block)."""
+    pytest.importorskip("triton")
+    run_interpreted(_CHECK, "POOL-PAGES-OK")
+
+
+_PTX_CHECK = textwrap.dedent(
+    """
+    import re
+    import triton
+    import triton.language as tl
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    from kvwire.movers.triton_pool_pages import ONE_BLOCK, PIECES, WHOLE, _copy_pool_pages
+
+    ints = ("table_addr npages nbuf src_slot dst_slot src_row dst_row n_vecs tokens").split()
+    sig = {**{k: "i64" for k in ints},
+           **{k: "constexpr" for k in ("block", "elem", "align", "vec", "shape")}}
+    for shape, block, want in ((WHOLE, 2048, "v4"), (PIECES, 2048, "v4"), (ONE_BLOCK, 256, "v2")):
+        consts = {"block": block, "elem": tl.int32, "align": 16, "vec": 4, "shape": shape}
+        src = ASTSource(fn=_copy_pool_pages, signature=sig, constexprs=consts)
+        ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
+        ops = set(re.findall(r"(?:ld|st)[.]global[.][a-z0-9.]*b32", ptx.asm["ptx"]))
+        assert ops == {f"ld.global.{want}.b32", f"st.global.{want}.b32"}, (shape, ops)
+    # bulk staging's page and unit movers (gather and scatter), the same way
+    from kvwire.movers.triton_pages import _copy_pages
+    from kvwire.movers.triton_units import _copy_units
+    for fn, names in ((_copy_pages, "npages block_addr slot_elems lo_elems row_elems"),
+                      (_copy_units, "nunits block_addr slot_elems per_page unit_elems lo_elems "
+                                    "row_elems")):
+        ints = ["table_addr", *names.split(), "n_vecs", "tokens"]
+        sig = {**{k: "i64" for k in ints},
+               **{k: "constexpr" for k in ("block", "elem", "align", "vec", "to_pool")}}
+        for to_pool in (False, True):
+            consts = {"block": 2048, "elem": tl.int32, "align": 16, "vec": 4, "to_pool": to_pool}
+            src = ASTSource(fn=fn, signature=sig, constexprs=consts)
+            ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
+            ops = set(re.findall(r"(?:ld|st)[.]global[.][a-z0-9.]*b32", ptx.asm["ptx"]))
+            assert ops == {"ld.global.v4.b32", "st.global.v4.b32"}, (fn, to_pool, ops)
+    print("PTX-OK")
+    """
+)
+
+
+def test_page_kernels_compile_to_vector_accesses() -> None:
+    """Compiled for an H100 (sm_90) on the CPU, no GPU needed: with 16-byte width the
+    copies of the pool page mover (every shape) and of bulk staging's page and unit movers
+    (both directions) are vector loads and stores (a length hint on a kernel argument is
+    dropped: the scalar accesses it gave measured 0.47x of the peer copy on whole pages
+    where the run mover reached 0.59x). ~3 s of CPU."""
+    pytest.importorskip("triton")
+    out = subprocess.run(
+        [sys.executable, "-c", _PTX_CHECK], capture_output=True, text=True, timeout=600
+    )
+    assert out.returncode == 0 and "PTX-OK" in out.stdout, out.stderr[-3000:]

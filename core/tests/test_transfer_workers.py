@@ -1,0 +1,73 @@
+"""Transfer workers: a key's jobs run on one worker in order; sticky keys (a staged link's
+destinations) are spread over the workers instead of hashed, and a forgotten key's worker
+is free again."""
+
+from __future__ import annotations
+
+import threading
+
+from kvwire.session.prefill.workers import TransferWorkers
+
+
+class _Record:
+    """A stage that takes each job at once and records which worker thread took it."""
+
+    def __init__(self, log: list[tuple[str, str, int]], lock: threading.Lock) -> None:
+        self.log, self.lock = log, lock
+
+    @property
+    def busy(self) -> bool:
+        return False
+
+    @property
+    def full(self) -> bool:
+        return False
+
+    def accept(self, job: tuple[str, int]) -> None:
+        with self.lock:
+            self.log.append((job[0], threading.current_thread().name, job[1]))
+
+    def progress(self) -> int:
+        return 0
+
+    def idle(self, sleep_s: float) -> None:
+        return None
+
+    def notify(self) -> None:
+        return None
+
+    def drain(self, poll_sleep_s: float) -> None:
+        return None
+
+
+def _run(submits: list[tuple[str, bool]], forget: str = "") -> list[tuple[str, str, int]]:
+    log: list[tuple[str, str, int]] = []
+    lock = threading.Lock()
+    w: TransferWorkers[tuple[str, int]] = TransferWorkers(4, "tw", lambda i: _Record(log, lock))
+    try:
+        for n, (key, sticky) in enumerate(submits):
+            if forget and key == "after-forget":
+                w.forget(forget)
+            w.submit(key, (key, n), sticky=sticky)
+    finally:
+        w.stop(30)
+    return log
+
+
+def test_sticky_keys_take_distinct_workers_and_keep_them_in_order() -> None:
+    keys = ["dest-a", "dest-b", "dest-c", "dest-d"]
+    log = _run([(k, True) for _ in range(5) for k in keys])
+    worker = {}
+    for key, thread, _ in log:
+        assert worker.setdefault(key, thread) == thread, f"{key} moved between workers"
+    assert len(set(worker.values())) == 4, f"sticky keys shared workers: {worker}"
+    for key in keys:  # each key's jobs in submit order
+        seq = [n for k, _, n in log if k == key]
+        assert seq == sorted(seq)
+
+
+def test_a_forgotten_key_frees_its_worker() -> None:
+    keys = ["dest-a", "dest-b", "dest-c", "dest-d"]
+    log = _run([(k, True) for k in keys] + [("after-forget", True)], forget="dest-b")
+    worker = {key: thread for key, thread, _ in log}
+    assert worker["after-forget"] == worker["dest-b"]

@@ -1,0 +1,144 @@
+"""cudaipc's page writes without a GPU: the backend's own VRAM path with its CUDA calls
+(export, UUIDs, events, the kernel) replaced by host stand-ins, regions flagged VRAM over
+host memory, two agents in one process (as test_cudaipc_backend.py does). A TP 2 -> 1
+head-slice chunk planned by the real mapper goes through the prefill worker's seam as
+pages: one page-mover call whose per-pair addresses are the geometry's rows, the bytes
+those of the chunk's rows, the notification after them; a geometry that is not the pair's
+tables is refused. The kernel itself is checked in core/tests/test_pool_page_mover.py and
+on two GPUs by scripts/gpu_pool_page_check.py. A few seconds (importing torch)."""
+
+from __future__ import annotations
+
+import ctypes
+import dataclasses
+import time
+from typing import Any
+
+import numpy as np
+import pytest
+
+from kvwire.backend import XferOp, XferState
+from kvwire.config import KVWireConfig
+from kvwire.descriptors import ADDR
+from kvwire.errors import DescriptorError
+from kvwire.index import HeadSliceMapper
+from kvwire.layout import MemKind, MemoryRegion, ModelSpec, RankPosition
+from kvwire.movers.pool_pages import pool_page_runs
+from kvwire.page_form import PageChunk
+from kvwire.selection import create_backend
+from kvwire.session.prefill.posting import submit_rows
+from kvwire.staging import ChunkPlan
+from kvwire.testing.kvfill import make_pool
+from kvwire_cudaipc import _cuda
+
+MODEL = ModelSpec(num_layers=2, total_kv_heads=4, head_dim=8, dtype="int32", page_size=4)
+
+
+class _Event:
+    """A CUDA event stand-in: the stand-in movers finish synchronously."""
+
+    def __init__(self, **kwargs: object) -> None:
+        pass
+
+    def record(self, stream: object) -> None:
+        pass
+
+    def query(self) -> bool:
+        return True
+
+    def synchronize(self) -> None:
+        pass
+
+
+class _Pages:
+    """Stands in for the pool page mover: the NumPy reference's runs, copied with memmove."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[PageChunk, np.ndarray, np.ndarray]] = []
+
+    def copy_pages(self, chunk: PageChunk, src: Any, dst: Any, *, stream: object = None) -> None:
+        self.calls.append((chunk, src.copy(), dst.copy()))
+        for s, d, n in zip(*(x.tolist() for x in pool_page_runs(chunk, src, dst)), strict=True):
+            ctypes.memmove(d, s, n)
+
+
+def _wait(pred: Any) -> bool:
+    for _ in range(3000):
+        if pred():
+            return True
+        time.sleep(0.005)
+    return False
+
+
+def test_page_write_is_one_page_mover_call(monkeypatch: pytest.MonkeyPatch) -> None:
+    import kvwire_cudaipc.backend as backend_mod
+
+    torch = pytest.importorskip("torch")
+    monkeypatch.setattr(
+        _cuda, "export", lambda dev, addr: (addr.to_bytes(8, "little") * 8, 0, 1 << 46)
+    )
+    monkeypatch.setattr(_cuda, "device_uuid", lambda i: "GPU-stand-in")
+    monkeypatch.setattr(_cuda, "visible_uuids", lambda: {"GPU-stand-in": 0})
+    pages = _Pages()
+
+    def ensure(self: backend_mod.CudaIpcBackend) -> None:
+        self._pages = pages
+
+    monkeypatch.setattr(backend_mod.CudaIpcBackend, "_ensure_gpu", ensure)
+    monkeypatch.setattr(torch.cuda, "Event", _Event)
+    src, s_arrays = make_pool(MODEL, RankPosition(tp_size=2, tp_rank=1), 6)
+    dst, d_arrays = make_pool(MODEL, RankPosition(), 6)
+    rng = np.random.default_rng(4)
+    for a in s_arrays:
+        a[...] = rng.integers(0, 1 << 30, a.shape, dtype=np.int32)
+
+    def vram(arrays: list[np.ndarray]) -> list[MemoryRegion]:
+        return [
+            MemoryRegion.from_pointer(a.ctypes.data, a.nbytes, a[0].nbytes, MemKind.VRAM, 0)
+            for a in arrays
+        ]
+
+    cfg = KVWireConfig(transfer_backend="cudaipc")
+    a = create_backend(cfg, "prefill", need=())
+    b = create_backend(cfg, "decode", need=())
+    try:
+        a.register(vram(s_arrays))
+        b.register(vram(d_arrays))
+        mapper = HeadSliceMapper(src, dst)
+        tables = mapper.build_tables()
+        pair = a.prepare(a.add_peer(b.local_metadata()), tables.src, tables.dst)
+        assert pair.state.all_vram
+        plan = ChunkPlan.direct(mapper, [5, 1, 3], [0, 4, 2])
+        assert plan.pages is not None
+        # what the chunk's rows write, into decode's pool; kept, and the pool cleared again
+        si, di = mapper.map_chunk([5, 1, 3], [0, 4, 2])
+        for s_addr, d_addr in zip(tables.src[si, ADDR].tolist(), tables.dst[di, ADDR].tolist(),
+                                  strict=True):  # fmt: skip
+            ctypes.memmove(int(d_addr), int(s_addr), mapper.slice_bytes)
+        want = [d.copy() for d in d_arrays]
+        for d in d_arrays:
+            d[...] = 0
+        assert any(w.any() for w in want)
+        h = submit_rows(a, pair, plan.segment("kv"), b"paged", lambda: None)
+        assert _wait(lambda: a.poll(h) is not XferState.PENDING)
+        assert a.poll(h) is XferState.DONE, h.error
+        a.release(h)
+        assert len(pages.calls) == 1  # one launch for the chunk, no rows
+        chunk, s_addrs, d_addrs = pages.calls[0]
+        g = chunk.geometry
+        assert np.array_equal(s_addrs, tables.src[g.src_rows, ADDR].astype(np.int64))
+        assert np.array_equal(d_addrs, tables.dst[g.dst_rows, ADDR].astype(np.int64))
+        for d, w in zip(d_arrays, want, strict=True):
+            assert np.array_equal(d, w)
+        notes: list = []
+        assert _wait(lambda: bool(notes.extend(b.get_notifications()) or notes))
+        assert [n.payload for n in notes] == [b"paged"]
+        # a geometry whose strides are not this pair's tables never reaches the mover
+        wrong = dataclasses.replace(g, dst_row=g.dst_row + 4)
+        with pytest.raises(DescriptorError, match="not this pair's tables"):
+            a.submit_pages(XferOp.WRITE, pair, PageChunk(wrong, chunk.src_pages, chunk.dst_pages))
+        assert len(pages.calls) == 1
+        assert a.live_handles == 0
+    finally:
+        a.close()
+        b.close()
