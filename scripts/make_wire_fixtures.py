@@ -170,6 +170,7 @@ def samples() -> list[Message]:
             sum_layers=[0, 1],
             sums=[(1 << 64) - 1, 7],
             aux=[b"\x2a" + bytes(63), b"\x01\x02\x03\x04"],
+            piece_layers=(0, 2),  # 1.12: a piece of the chunk, checked on arrival
         ),
         StagingMessage(
             session="d",

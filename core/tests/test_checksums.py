@@ -19,7 +19,7 @@ import pytest
 
 from kvwire import integrity
 from kvwire.config import ControlOptions, KVWireConfig
-from kvwire.descriptors import ADDR, LEN, make_table
+from kvwire.descriptors import ADDR, make_table
 from kvwire.errors import DescriptorError, KVWireError
 from kvwire.integrity import RowHasher, add_sums, layer_ranges, mismatched_layers
 from kvwire.layout import KVLayout, RankPosition
@@ -343,82 +343,6 @@ def test_a_byte_flipped_in_flight_fails_the_request_naming_chunk_layer_sender(
         wait_for(lambda: no_rooms(p.prefill) and no_rooms(p.decode))
 
 
-def _in_pieces(monkeypatch: pytest.MonkeyPatch) -> list[int]:
-    """Prefill posts a chunk of the test model (pages of 512 bytes) in pieces of 256, 512,
-    1024... bytes; the returned list gets the number of parts of every KV note decode
-    checks."""
-    monkeypatch.setattr(RowHasher, "PIECE_BYTES", 256)
-    parts: list[int] = []
-    original = ChunkCheck.run
-
-    def spy(check: ChunkCheck) -> Any:
-        parts.append(check.msg.parts)
-        return original(check)
-
-    monkeypatch.setattr(ChunkCheck, "run", spy)
-    return parts
-
-
-def test_a_chunk_in_pieces_lands_checked_and_a_flip_in_a_piece_is_caught(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    """Prefill sums each piece just before posting it; decode adds the pieces' sums and checks
-    the whole chunk: a clean chunk passes, a flip in one piece fails it, naming the layer."""
-    parts = _in_pieces(monkeypatch)
-    with pair(config(), _checked()) as p:
-        s, r, src, dst = p.start(11, 8)
-        s.send(src, last=True)
-        wait_for(lambda: r.poll() == KVPoll.Success == s.poll())
-        assert count_mismatches(p.dlay, p.darr, dst, 0) == 0
-        assert parts and parts[0] >= 4, parts  # 4 KiB in pieces of 256, 512, 1024... bytes
-        r.clear()
-        s.clear()
-        _flip_after_summing(monkeypatch, p.parr)
-        s, r, src, _ = p.start(12, 8)
-        s.send(src, last=True)
-        wait_for(lambda: r.poll() == KVPoll.Failed)
-        want = r"KV checksum mismatch in chunk 0 \(request pages \[0, 8\)\) from .* layers 1 differ"
-        with pytest.raises(KVWireError, match=want):
-            r.failure_exception()
-        assert parts[-1] >= 4
-        wait_for(lambda: s.poll() in (KVPoll.Failed, KVPoll.Success))
-        r.clear()
-        s.clear()
-        wait_for(lambda: no_rooms(p.prefill) and no_rooms(p.decode))
-
-
-def test_pieces_cover_the_chunk_in_order_doubling_and_their_sums_add_up(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    monkeypatch.setattr(RowHasher, "PIECE_BYTES", 256)
-    layout, arrs = make_pool(MODEL, RankPosition(), 32)
-    rng = np.random.default_rng(3)
-    for a in arrs:
-        a.view(np.uint8).reshape(-1)[:] = rng.integers(0, 256, a.nbytes, dtype=np.uint8)
-    mapper = build_mapper(KVWireConfig(), layout, layout)
-    sent = SentSums(mapper, layout)
-    src_pages, dst_pages = np.array([3, 4, 9, 10, 11, 20, 2, 30]), np.arange(8) + 12
-    src_idx, dst_idx = mapper.map_chunk(src_pages, dst_pages)
-    pieces = sent.pieces(src_idx, dst_idx)
-    assert len(pieces) >= 4
-    np.testing.assert_array_equal(np.concatenate([a for a, _ in pieces]), src_idx)
-    np.testing.assert_array_equal(np.concatenate([b for _, b in pieces]), dst_idx)
-    ends = np.cumsum([int(sent.tables.src[a, LEN].sum()) for a, _ in pieces])
-    row = int(sent.tables.src[src_idx, LEN].max())
-    for k, end in enumerate(ends[:-1]):  # piece k: 256 * 2**k bytes, cut after whole rows
-        bound = 256 * ((2 << k) - 1)
-        assert bound <= end < bound + row, ends
-    total: dict[int, int] = {}
-    for a, b in pieces:
-        add_sums(total, sent.rows(a, b))
-    assert total == sent.chunk(src_pages, dst_pages)
-    assert len(total) == MODEL.num_layers
-    monkeypatch.setattr(RowHasher, "PIECE_BYTES", 0)
-    assert len(sent.pieces(src_idx, dst_idx)) == 1
-    monkeypatch.setattr(RowHasher, "PIECE_BYTES", 2048)  # a chunk of < 3 first pieces
-    assert len(sent.pieces(src_idx, dst_idx)) == 1
-
-
 def test_the_flip_is_real_corruption_only_the_check_catches(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -614,8 +538,6 @@ def test_sent_sums_map_a_chunk_once_for_all_its_layer_groups(
     """A layer-wise chunk asks for its sums group by group with the same page arrays: the
     chunk is mapped once per worker thread, and the groups' sums add up to the chunk's."""
     import threading
-
-    from kvwire.session.handshake import build_mapper
 
     src_layout, _ = _pool(7)
     dst_layout, _ = _pool(8)

@@ -45,6 +45,7 @@ def test_fixture_versions_exist() -> None:
         "v1.9",
         "v1.10",
         "v1.11",
+        "v1.12",
     ]
 
 

@@ -31,8 +31,6 @@ from collections.abc import Callable
 from typing import Annotated, Any, ClassVar, Literal, Self
 
 import msgpack
-import numpy as np
-from numpy.typing import NDArray
 from pydantic import (
     BaseModel,
     ConfigDict,
@@ -43,13 +41,14 @@ from pydantic import (
 )
 
 from kvwire.control.freshness import FreshnessError, ReplayGuard
+from kvwire.control.wire_base import Message as Message
+from kvwire.control.wire_base import known_fields as known_fields
+from kvwire.control.wire_base import pages_from_bytes as pages_from_bytes
+from kvwire.control.wire_base import pages_to_bytes as pages_to_bytes
 from kvwire.errors import ProtocolError
 from kvwire.layout import (
-    BufferGroup,
-    GroupSection,
     KVLayout,
     MemoryRegion,
-    ModelSpec,
     RankPosition,
 )
 
@@ -58,64 +57,14 @@ from kvwire.layout import (
 #: it, is in docs/control-plane.md ("Wire format"); each released version's messages are
 #: stored under core/tests/fixtures/wire/. 1.10: pools named by string (``Hello.pools``).
 #: 1.11: the aux row carried in the last chunk's note (``Hello.aux_in_note``, ``ChunkNote.aux``).
+#: 1.12: a chunk's pieces checked on arrival (``ChunkNote.piece_layers``).
 PROTOCOL_MAJOR = 1
-PROTOCOL_MINOR = 11
+PROTOCOL_MINOR = 12
 
 #: Largest frame accepted (layouts of deep models with many buffers stay far below this).
 MAX_FRAME_BYTES = 16 << 20
 
 _EMPTY = b""
-
-
-class Message(BaseModel):
-    """Base of every control message. Unknown fields (from newer peers) are ignored."""
-
-    model_config = ConfigDict(extra="ignore", frozen=True)
-    kind: ClassVar[str] = ""
-
-
-def pages_to_bytes(pages: NDArray[np.int64]) -> bytes:
-    """Page indices as little-endian int64 bytes (compact on the wire)."""
-    return np.ascontiguousarray(pages, dtype="<i8").tobytes()
-
-
-def pages_from_bytes(raw: bytes, what: str = "page indices") -> NDArray[np.int64]:
-    """Inverse of :func:`pages_to_bytes`; refuses a length that is not a multiple of 8."""
-    if len(raw) % 8:
-        raise ProtocolError(f"{what}: {len(raw)} bytes is not a whole number of int64 values")
-    return np.frombuffer(raw, dtype="<i8").astype(np.int64)
-
-
-def known_fields(cls: type[BaseModel], data: Any) -> Any:
-    """Drop keys ``cls`` does not know from ``data`` (and from nested layout models), so that
-    strict models such as :class:`KVLayout` accept what a newer peer sends."""
-    if not isinstance(data, dict):
-        return data
-    nested: dict[str, type[BaseModel]] = _NESTED.get(cls, {})
-    out = {}
-    for k, v in data.items():
-        if k not in cls.model_fields:
-            continue
-        sub = nested.get(k)
-        if sub is not None:
-            v = (
-                [known_fields(sub, x) for x in v]
-                if isinstance(v, list | tuple)
-                else (known_fields(sub, v))
-            )
-        out[k] = v
-    return out
-
-
-_NESTED: dict[type[BaseModel], dict[str, type[BaseModel]]] = {
-    KVLayout: {
-        "model": ModelSpec,
-        "rank": RankPosition,
-        "buffers": MemoryRegion,
-        "groups": BufferGroup,
-    },
-    BufferGroup: {"buffers": MemoryRegion, "sections": GroupSection},
-}
 
 
 #: A pool's name on the wire: "kv" (every rank's KV pool) or an extra pool a decode rank
@@ -373,6 +322,12 @@ class ChunkNote(Message):
     #: sender's last note when decode said ``Hello.aux_in_note``: decode writes it into its
     #: aux slot on arrival and the note counts as the aux row's too. (1.11)
     aux: list[bytes] | None = Field(default=None, max_length=64)
+    #: A piece of a checksummed chunk (1.12): this part moved every row of the chunk in layers
+    #: ``[a, b)`` (and no other), and ``sums`` are those rows' sums, so decode checks these
+    #: layers as soon as the note arrives, while the chunk's other pieces are in flight. Every
+    #: part of such a chunk is a piece. A 1.11 decode ignores the field: it adds the pieces'
+    #: sums over the chunk and checks it whole, which gives the same verdict.
+    piece_layers: tuple[int, int] | None = None
 
     @model_validator(mode="after")
     def _check_sums(self) -> Self:
@@ -382,6 +337,10 @@ class ChunkNote(Message):
             raise ValueError("a checksum is not a 64-bit unsigned value")
         if self.span is not None and not 0 <= self.span[0] <= self.span[1]:
             raise ValueError(f"chunk span {self.span} is not a page range")
+        if self.piece_layers is not None:
+            a, b = self.piece_layers
+            if not 0 <= a < b or any(not a <= x < b for x in self.sum_layers):
+                raise ValueError(f"piece layers {self.piece_layers} do not hold its sums' layers")
         return self
 
 

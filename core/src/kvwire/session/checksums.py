@@ -4,19 +4,21 @@ Prefill: a :class:`SentSums` per decode link that asked (``Hello.checksum``), bu
 handshake; the transfer worker asks it for the per-layer sums of the rows it is about to post
 (the whole chunk, or one layer-wise group) and puts them in the first note of those rows. A
 chunk posted in place as one set of rows (no staging, no layer groups), over a backend whose
-own thread moves the bytes (``pushes_events``), is cut into pieces first
-(:meth:`SentSums.pieces`), each posted with a note carrying its own rows' sums
-(:meth:`SentSums.rows`) computed just before it is posted: every piece after the first is
-summed while the pieces before it are in flight, so most of prefill's sum is off the
-request's critical path (a chunk of one piece is summed whole, as before, by
-:meth:`SentSums.chunk`). Decode adds the sums of a chunk's notes, so it checks the same
-total whichever way the chunk was cut.
+own thread moves the bytes (``pushes_events``), is cut by layers into pieces first
+(:meth:`SentSums.pieces`), each posted with a note carrying its layer range
+(``ChunkNote.piece_layers``, protocol 1.12) and its own rows' sums (:meth:`SentSums.rows`)
+computed just before it is posted: every piece after the first is summed while the pieces
+before it are in flight, and decode checks each piece as its note arrives, while the later
+ones are in flight, so only the first piece's sum and the last one's check are in the
+request's path (a chunk of one piece is summed whole, as before, by :meth:`SentSums.chunk`).
+A 1.11 decode adds the sums of a chunk's notes and checks it whole: the same total whichever
+way the chunk was cut.
 
 Decode: a :class:`LandedSums` per prefill link, built when the acknowledgement arrives; once
-a chunk is complete (every part arrived, staged blocks scattered) a checker thread
-(:mod:`kvwire.session.decode.checker`) asks it for the sums of the rows that chunk wrote, found
-the way prefill found them (the same mapper, built from both layouts, and the chunk's page span
-from the note), and compares.
+a chunk is complete (every part arrived, staged blocks scattered), or a piece's note arrived, a
+checker thread (:mod:`kvwire.session.decode.checker`) asks it for the sums of the rows that
+chunk (or the piece's layers of it) wrote, found the way prefill found them (the same mapper,
+built from both layouts, and the chunk's page span from the note), and compares.
 
 KV pools in host and in GPU memory alike (:func:`hasher_for`). Only the KV pool (``"kv"``) is
 covered: aux rows carry their own room stamp, and buffer groups and a decode's extra pools
@@ -90,29 +92,51 @@ class SentSums:
 
     def pieces(
         self, src_idx: IndexArray, dst_idx: IndexArray
-    ) -> list[tuple[IndexArray, IndexArray]]:
+    ) -> list[tuple[IndexArray, IndexArray, tuple[int, int]]]:
         """A transfer worker, before posting a chunk's rows (``src_idx``/``dst_idx`` in the
-        mapper's KV tables, as :meth:`ChunkPlan.direct` gives them): the rows cut, in their
-        order, into pieces to post one after another, each summed just before it is posted
-        (:meth:`rows`). The first piece holds about the hasher's ``PIECE_BYTES``, each next
-        one twice the one before (the sum of a piece, several GB/s on one core, then takes
-        less time than the write of the piece before it); a chunk of less than three first
-        pieces, or a hasher with ``PIECE_BYTES`` 0, is one piece."""
+        mapper's KV tables, as :meth:`ChunkPlan.direct` gives them): the rows cut by layers
+        into pieces to post one after another, each with its layer range ``[a, b)`` (every row
+        of the chunk in those layers, in the chunk's row order). Each piece is summed just
+        before it is posted (:meth:`rows`) and checked by decode as soon as its note arrives
+        (``ChunkNote.piece_layers``). Piece sizes ramp up from about the hasher's
+        ``PIECE_BYTES``, doubling, and down again to about it at the end: prefill's sum of the
+        first piece and decode's check of the last are the only ones not overlapped by a
+        write, and each piece's sum takes less time than the write of the one before it. Cuts
+        fall on layer boundaries (the first half's after its byte bound, the second half's
+        before it). A chunk of less than three first pieces, of one layer, or a hasher with
+        ``PIECE_BYTES`` 0 is not cut (an empty list)."""
         first = self.hasher.PIECE_BYTES
         src = np.asarray(src_idx, dtype=np.int64)
         if first <= 0 or src.size < 2:
-            return [(src_idx, dst_idx)]
-        ends = np.cumsum(self.tables.src[src, LEN].astype(np.int64))
-        total = int(ends[-1])
+            return []
+        lens = self.tables.src[src, LEN].astype(np.int64)
+        total = int(lens.sum())
         if total < 3 * first:
-            return [(src_idx, dst_idx)]
-        bounds = [first]  # where pieces end: piece k holds first * 2**k bytes
-        while bounds[-1] * 2 + first < total:
-            bounds.append(bounds[-1] * 2 + first)
-        cuts = np.unique(np.searchsorted(ends, np.asarray(bounds), side="left") + 1)
-        cuts = cuts[(cuts > 0) & (cuts < src.size)].tolist()
+            return []
+        layers, inverse = np.unique(
+            self.hasher.row_layers(self.tables.src, src), return_inverse=True
+        )
+        if layers.size < 2:
+            return []
+        ends = np.cumsum(np.bincount(inverse, minlength=layers.size, weights=lens))
+        up = [first]  # byte bounds of the first half: first * (2**k - 1)
+        while up[-1] * 2 + first < total / 2:
+            up.append(up[-1] * 2 + first)
+        after = np.searchsorted(ends, np.asarray(up, dtype=np.float64), side="left")
+        before = np.searchsorted(ends, total - np.asarray(up, dtype=np.float64), side="right") - 1
+        cuts = np.unique(np.concatenate((after, before)))  # pieces end after these layers
+        cuts = cuts[(cuts >= 0) & (cuts < layers.size - 1)] + 1
+        if not cuts.size:
+            return []
+        order = np.argsort(inverse, kind="stable")  # rows by layer, in row order within one
+        at = np.searchsorted(inverse[order], cuts, side="left")
         dst = np.asarray(dst_idx, dtype=np.int64)
-        return list(zip(np.split(src, cuts), np.split(dst, cuts), strict=True))
+        lo = [0, *cuts.tolist()]
+        hi = [*cuts.tolist(), layers.size]
+        return [
+            (src[rows], dst[rows], (int(layers[a]), int(layers[b - 1]) + 1))
+            for rows, a, b in zip(map(np.sort, np.split(order, at)), lo, hi, strict=True)
+        ]
 
     def rows(self, src_idx: IndexArray, dst_idx: IndexArray) -> LayerSums:
         """A transfer worker, just before posting rows ``src_idx`` of the mapper's source
@@ -139,9 +163,11 @@ class LandedSums:
         dst_pages: NDArray[np.int64],
         cached_tokens: int | None,
         span: tuple[int, int],
+        layers: tuple[int, int] | None = None,
     ) -> LayerSums:
         """Per-layer sums of what landed for request pages ``[start, end)`` of a request of
-        ``num_pages`` pages, into ``dst_pages`` (the request's destination pages)."""
+        ``num_pages`` pages, into ``dst_pages`` (the request's destination pages); only of
+        layers ``[a, b)`` when given (one piece of the chunk, ``ChunkNote.piece_layers``)."""
         start, end = span
         placeholder = np.zeros(end - start, dtype=np.int64)  # source slots are not needed
         src_units, lo, hi = self.mapper.chunk_slice(
@@ -149,4 +175,5 @@ class LandedSums:
         )
         _, dst_idx = self.mapper.map_chunk(src_units, dst_pages[lo:hi])
         idx = np.asarray(dst_idx, dtype=np.int64)
-        return self.hasher.sums(self.dst, idx, self.dst[idx, ADDR])
+        only = None if layers is None else range(*layers)
+        return self.hasher.sums(self.dst, idx, self.dst[idx, ADDR], only)

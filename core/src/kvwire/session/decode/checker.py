@@ -1,4 +1,4 @@
-"""Decode's KV checksum checks, off the progress thread.
+"""Decode's KV checksum checks, off the progress thread, and the counting of KV notes.
 
 A complete KV chunk whose source sends checksums is not counted when its last note arrives:
 the thread that saw it complete (the progress thread, or the liveness thread for a copy
@@ -8,10 +8,17 @@ held, then report the verdict through a callback that takes the room lock itself
 callback counts the chunk, the request cannot reach ``Success`` (the chunk is not in
 ``received``), and a mismatch fails it as before, naming chunk, layers and sender.
 
+A chunk cut in pieces (``ChunkNote.piece_layers``, protocol 1.12: each part moved every row of
+some layers, and its note carries their sums) is checked piece by piece: each piece's note
+starts its check as soon as it arrives (its rows landed), while the later pieces are in
+flight, and the piece counts as a part of its chunk only once its check passed. The chunk is
+complete, with nothing left to check, when its last piece's check passes: ``Success`` waits
+only for that one.
+
 Lock contract:
 
-- :meth:`ChunkChecker.submit` is called under the room lock (it only queues the check and
-  counts it in flight);
+- :meth:`ChunkChecker.on_part` and :meth:`ChunkChecker.submit` are called under the room lock
+  (they count parts, and queue checks and count them in flight);
 - :meth:`ChunkCheck.run` reads only what the check copied out of the room (the note, the sums
   the notes carried, the link's :class:`~kvwire.session.checksums.LandedSums`, the room's
   destination pages, which are never changed once set) and the rank's KV rows; it touches no
@@ -19,8 +26,9 @@ Lock contract:
 - the verdict is applied on the checker thread by :meth:`ChunkChecker._apply`, which takes the
   room lock and applies it only to the room still live (a room cleared or failed while its
   check ran, or a later request under the same room id, is left alone: the verdict is
-  dropped): a pass counts the chunk (``RecvRoom.chunk_landed``) and asks the decode side
-  whether the room is done, a mismatch fails the room through the decode side's ``fail``.
+  dropped): a pass counts the chunk (``RecvRoom.chunk_landed``), or the piece as a part of
+  its chunk, and asks the decode side whether the room is done; a mismatch fails the room
+  through the decode side's ``fail``.
 
 Teardown: :meth:`ChunkChecker.close` (manager shutdown, after live rooms were failed) drops the
 queued checks and waits for those running, so none reads the rank's KV buffers after they
@@ -35,10 +43,12 @@ import threading
 import time
 from collections.abc import Callable
 
-from kvwire.errors import TransferError
+from kvwire.control.wire import ChunkNote
+from kvwire.errors import KVWireError, TransferError
 from kvwire.session.decode.rooms import ChunkCheck, RecvRoom
 from kvwire.session.report import ChunkFault, FailureCause
 from kvwire.session.rooms import RoomTable
+from kvwire.staging.base import ArrivedChunk, StagingStrategy
 
 logger = logging.getLogger(__name__)
 
@@ -55,9 +65,10 @@ CHECK_WORKERS = 2
 class ChunkChecker:
     """Runs a decode rank's chunk checks on its own threads (started on the first check).
 
-    Built by the decode side with its room table and two of its methods, both called under
-    the room lock: ``fail(room, exc, cause=...)`` fails a room once and tells its sources, and
-    ``done(room)`` makes a room whose every part arrived and was checked ``Success``."""
+    Built by the decode side with its room table and three of its methods, all called under
+    the room lock: ``fail(room, exc, cause=...)`` fails a room once and tells its sources,
+    ``done(room)`` makes a room whose every part arrived and was checked ``Success``, and
+    ``strategy_of(room)`` is the staging strategy of the pool the room's KV goes to."""
 
     def __init__(
         self,
@@ -65,15 +76,56 @@ class ChunkChecker:
         rooms: RoomTable[RecvRoom],
         fail: Callable[..., None],
         done: Callable[[RecvRoom], None],
+        strategy_of: Callable[[RecvRoom], StagingStrategy],
     ) -> None:
         self._rooms = rooms
         self._fail = fail
         self._done = done
+        self._strategy_of = strategy_of
         self._pool = concurrent.futures.ThreadPoolExecutor(
             CHECK_WORKERS, thread_name_prefix=f"kvwire-check-{agent_name}"
         )
         self._lock = threading.Lock()
         self._in_flight = 0
+
+    def on_part(self, room: RecvRoom, msg: ChunkNote) -> None:
+        """Under the room lock (progress thread for a backend notification, liveness thread
+        for a copy's control note): a KV segment's note arrived, its rows landed. A stale note
+        is dropped; a piece's starts its check (the piece counts once it passes); any other
+        counts as a part of its chunk now (:meth:`_count`)."""
+        if not room.fresh_part(msg):
+            return
+        try:
+            if self.submit(room.piece_check(msg)):
+                return  # counted once its check passes
+        except KVWireError as exc:
+            self._fail(room, exc, cause="checksum_mismatch")
+            return
+        self._count(room, msg)
+
+    def _count(self, room: RecvRoom, msg: ChunkNote) -> None:
+        """Under the room lock: count one part of a chunk (a piece whose check passed, or any
+        other part on arrival). A chunk complete with it goes to its strategy (a staged block
+        is scattered), then, unless it came in pieces (each checked already), to its check;
+        a chunk with nothing left to check counts, and the room may be done."""
+        try:
+            if not room.take_part(msg):
+                return  # a part of the chunk is still on its way
+            key = (msg.sender_id, msg.chunk_id)
+            arrived = ArrivedChunk(room.room, msg.session, msg.chunk_id, msg.what, room.dst_pages)
+            self._strategy_of(room).on_arrival(arrived)
+        except KVWireError as exc:
+            self._fail(room, exc)
+            return
+        try:
+            sent = room.sent_sums.pop(key, {})
+            if msg.piece_layers is None and self.submit(room.chunk_check(msg, sent)):
+                return  # the checker counts the chunk once its check passes
+        except KVWireError as exc:
+            self._fail(room, exc, cause="checksum_mismatch")
+            return
+        room.chunk_landed(msg)
+        self._done(room)
 
     def submit(self, check: ChunkCheck | None) -> bool:
         """Under the room lock (progress or liveness thread): queue one chunk's check; False
@@ -126,6 +178,9 @@ class ChunkChecker:
                 self._fail(room, err, cause=mismatch)
                 return
             room.last_progress = time.monotonic()
+            if check.msg.piece_layers is not None:
+                self._count(room, check.msg)  # one piece of its chunk passed
+                return
             room.chunk_landed(check.msg)
             self._done(room)
 

@@ -62,6 +62,8 @@ class RecvRoom:
     #: With checksums: per-layer sums the parts of a chunk carried so far, by (sender id,
     #: chunk id); dropped once the chunk is checked.
     sent_sums: dict[tuple[int, int], dict[int, int]] = field(default_factory=dict)
+    #: Pieces counted (their checks passed) of chunks still missing parts (1.12).
+    pieces: dict[tuple[int, int], int] = field(default_factory=dict)
     aux_done: bool = False
     #: Buffer groups: this rank's slots for the request, and the senders whose group
     #: transfer landed.
@@ -126,12 +128,11 @@ class RecvRoom:
             chunk=self.fault_chunk,
         )
 
-    def take_part(self, msg: ChunkNote) -> bool:
-        """Progress or liveness thread, under the lock: count one KV segment's note; True
-        when it completes its chunk (every part arrived). A note for a part the chunk does not
-        have, or one counted before (resent after failover: its data landed again), is
-        dropped. The sums a part carries are kept for :meth:`chunk_check`."""
-        key = (msg.sender_id, msg.chunk_id)
+    def fresh_part(self, msg: ChunkNote) -> bool:
+        """Progress or liveness thread, under the lock: whether a KV segment's note is new (it
+        names a part the chunk has, and was not counted before: a segment resent after
+        failover landed again, and is counted once). Marks it seen; the sums a whole chunk's
+        part carries are kept for :meth:`chunk_check` (a piece's are checked alone)."""
         if msg.parts > 1 and msg.part >= msg.parts:
             logger.warning(
                 "room %d: dropped a note for segment %d of %d", self.room, msg.part, msg.parts
@@ -141,17 +142,34 @@ class RecvRoom:
         if seen in self.notes_seen:
             return False
         self.notes_seen.add(seen)
-        if msg.sums:  # after the checks above: a dropped note adds nothing
+        if msg.sums and msg.piece_layers is None:  # after the checks above
             add_sums(
-                self.sent_sums.setdefault(key, {}),
+                self.sent_sums.setdefault((msg.sender_id, msg.chunk_id), {}),
                 dict(zip(msg.sum_layers, msg.sums, strict=True)),
             )
+        return True
+
+    def take_part(self, msg: ChunkNote) -> bool:
+        """Under the lock, once a fresh part's note (:meth:`fresh_part`) is counted (a piece's
+        once its check passed): True when it completes its chunk (every part counted). Raises
+        when a chunk mixes pieces and whole parts."""
+        key = (msg.sender_id, msg.chunk_id)
+        pieces = self.pieces.get(key, 0) + (msg.piece_layers is not None)
         if msg.parts > 1:
             got = self.partial.get(key, 0) + 1
             if got < msg.parts:
                 self.partial[key] = got
+                if pieces:
+                    self.pieces[key] = pieces
                 return False
             self.partial.pop(key, None)
+        self.pieces.pop(key, None)
+        if pieces not in (0, msg.parts):
+            raise TransferError(
+                f"chunk {msg.chunk_id} from sender {msg.sender_id} came in {pieces} pieces "
+                f"and {msg.parts - pieces} whole parts (a chunk is cut in pieces or not at all)",
+                room=self.room,
+            )
         return True
 
     def chunk_landed(self, msg: ChunkNote) -> None:
@@ -165,10 +183,11 @@ class RecvRoom:
 
     def chunk_check(self, msg: ChunkNote, sent: dict[int, int]) -> ChunkCheck | None:
         """Progress or liveness thread, under the lock, once a KV chunk is complete (every
-        part arrived, staged blocks scattered): the check to run on it (off the lock, by the
-        decode side's :class:`~kvwire.session.decode.checker.ChunkChecker`), or None when its
-        source sends no checksums (or the KV goes to the host pool). Raise when the source
-        should have sent sums and the note carries no chunk span."""
+        part arrived, staged blocks scattered), or once a piece's note arrived (``sent``: the
+        note's own sums): the check to run on it (off the lock, by the decode side's
+        :class:`~kvwire.session.decode.checker.ChunkChecker`), or None when its source sends
+        no checksums (or the KV goes to the host pool). Raise when the source should have
+        sent sums and the note carries no chunk span."""
         assert self.sources is not None and self.dst_pages is not None
         link = next(
             s
@@ -187,6 +206,14 @@ class RecvRoom:
             self.room, msg, sent, link, link.checksums, self.dst_pages, self.cached_tokens
         )
 
+    def piece_check(self, msg: ChunkNote) -> ChunkCheck | None:
+        """Under the lock, when a fresh piece's note arrived (``ChunkNote.piece_layers``,
+        1.12; its rows landed): the check of its layers alone, or None when the note is no
+        piece or nothing is checked here (the piece then counts as a part at once)."""
+        if msg.piece_layers is None:
+            return None
+        return self.chunk_check(msg, dict(zip(msg.sum_layers, msg.sums, strict=True)))
+
     def chunk_mismatched(self, fault: ChunkFault) -> None:
         """Under the lock: a chunk failed its checksum; name it in the failure report."""
         self.fault_peer = fault.peer
@@ -195,8 +222,9 @@ class RecvRoom:
 
 @dataclass(frozen=True)
 class ChunkCheck:
-    """One complete chunk's checksum check: everything it reads, copied out of the room
-    under the lock, so that :meth:`run` needs no lock (the room may be cleared meanwhile:
+    """One complete chunk's checksum check, or one piece's (``msg.piece_layers``): everything
+    it reads, copied out of the room under the lock, so that :meth:`run` needs no lock (the
+    room may be cleared meanwhile:
     ``dst_pages`` is the room's array, never changed after ``send_metadata``, and the link's
     :class:`~kvwire.session.checksums.LandedSums` only reads its own tables and the rank's
     KV rows)."""
@@ -211,14 +239,15 @@ class ChunkCheck:
     cached_tokens: int | None
 
     def run(self) -> tuple[TransferError, ChunkFault | None] | None:
-        """A checker thread, no lock held: sum the rows the chunk wrote and compare. None
-        when they match; else the error failing the request (naming the chunk, the layers and
-        the peer) and, for a mismatch, the chunk fault for the failure report."""
+        """A checker thread, no lock held: sum the rows the chunk wrote (only its piece's
+        layers for a piece's note) and compare. None when they match; else the error failing
+        the request (naming the chunk, the layers and the peer) and, for a mismatch, the
+        chunk fault for the failure report."""
         msg, link = self.msg, self.link
         assert msg.span is not None and msg.num_pages is not None
         try:
             landed = self.checksums.chunk(
-                msg.num_pages, self.dst_pages, self.cached_tokens, msg.span
+                msg.num_pages, self.dst_pages, self.cached_tokens, msg.span, msg.piece_layers
             )
         except Exception as exc:  # a note that names no chunk of this request
             err = TransferError(

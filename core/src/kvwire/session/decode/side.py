@@ -65,7 +65,7 @@ from kvwire.session.report import (
     FailureReport,
 )
 from kvwire.session.rooms import RoomTable
-from kvwire.staging.base import ArrivedChunk, StagingStrategy
+from kvwire.staging.base import StagingStrategy
 
 logger = logging.getLogger(__name__)
 
@@ -108,7 +108,9 @@ class DecodeSide(Side[RecvRoom]):
         #: When each prefill session last delivered anything (deadlines are on progress: a
         #: request queued behind others lives while its sources advance).
         self.source_progress: dict[str, float] = {}
-        self.checker = ChunkChecker(ctx.agent_name, rooms, self._fail, self._check_done)
+        self.checker = ChunkChecker(
+            ctx.agent_name, rooms, self._fail, self._check_done, self._strategy
+        )
         self.bootstraps = concurrent.futures.ThreadPoolExecutor(
             4, thread_name_prefix=f"kvwire-bs-{ctx.agent_name}"
         )
@@ -266,24 +268,8 @@ class DecodeSide(Side[RecvRoom]):
             elif msg.what == "state":  # the sender's buffer groups landed (after its KV)
                 room.groups_from.add(msg.sender_id)
             else:
-                key = (msg.sender_id, msg.chunk_id)
-                if not room.take_part(msg):
-                    return  # a part of the chunk is still on its way (or the note is stale)
-                arrived = ArrivedChunk(
-                    room.room, msg.session, msg.chunk_id, msg.what, room.dst_pages
-                )
-                try:
-                    self._strategy(room).on_arrival(arrived)
-                except KVWireError as exc:
-                    self._fail(room, exc)
-                    return
-                try:
-                    if self.checker.submit(room.chunk_check(msg, room.sent_sums.pop(key, {}))):
-                        return  # the checker counts the chunk once its check passes
-                except KVWireError as exc:
-                    self._fail(room, exc, cause="checksum_mismatch")
-                    return
-                room.chunk_landed(msg)
+                self.checker.on_part(room, msg)  # counted now, or once its piece is checked
+                return
             self._check_done(room)
 
     def awaiting_data(self) -> bool:

@@ -177,8 +177,8 @@ class Pipeline:
         """Post every segment of one chunk, each with its own note (``parts`` of them)."""
         segs = self.segments(job, plan)
         ref = PlanRef(job.target.strategy, plan, job.room.room)
-        segs, own = summed_pieces(job, plan, segs, self.evented)
-        post = SegmentPost(tail, job, ref, plan.what, segs, len(segs), 0, t_start, own_sums=own)
+        segs, pieces = summed_pieces(job, plan, segs, self.evented)
+        post = SegmentPost(tail, job, ref, plan.what, segs, len(segs), 0, t_start, pieces=pieces)
         self.post_segments(post)
 
     def post_segments(self, post: SegmentPost) -> None:
@@ -187,8 +187,8 @@ class Pipeline:
         posted ones end first and the strategy hears after the last. With checksums, the first note
         carries the per-layer sums of those layers (computed before any row is posted); a
         call with no segment (a staged layer group whose bytes a later group's block units
-        carry) leaves its sums to the next note of the chunk. With ``own_sums`` each note
-        carries its own rows' sums instead, computed just before they are posted."""
+        carry) leaves its sums to the next note of the chunk. A chunk cut in ``pieces``: each
+        note carries its piece's layers and rows' sums instead, summed just before posting."""
         tail, job, ref, what, segs = post.tail, post.job, post.ref, post.what, post.segs
         key, t_start, layers = tail.key, post.t_start, post.layers
         room = job.room.room
@@ -196,7 +196,7 @@ class Pipeline:
         check = job.link.checksums if job.pool == "kv" else None
         try:
             sums: dict[int, int] = {}
-            if check is not None and not post.own_sums:
+            if check is not None and post.pieces is None:
                 add_sums(job.unsent_sums, check.chunk(job.src, job.dst, layers))
                 if segs:
                     sums, job.unsent_sums = job.unsent_sums, {}
@@ -209,9 +209,9 @@ class Pipeline:
             }
             for i, seg in enumerate(segs):
                 extra: dict[str, Any] = dict(where)
-                if check is not None and post.own_sums:
-                    sums = check.rows(seg.src_idx, seg.dst_idx)
-                if check is not None and (i == 0 or post.own_sums):
+                if post.pieces is not None:
+                    extra.update(post.piece_fields(i))
+                elif check is not None and i == 0:
                     extra.update(sum_layers=list(sums), sums=list(sums.values()))
                 if seg.copy is None and post.first_part + i == post.parts - 1:
                     extra["aux"] = self._carried_aux(tail, job)

@@ -13,17 +13,21 @@ them.
   the values passed between them.
 
 Everything here belongs to one worker thread (no lock), except what :class:`WorkerSide`'s
-methods document.
+methods document and the piece-sum threads (:meth:`SegmentPost.piece_fields`), which only
+read.
 """
 
 from __future__ import annotations
 
+import threading
 from collections import deque
 from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 from kvwire.backend import PreparedPair, TransferBackend, TransferHandle, XferOp
+from kvwire.integrity import LayerSums
 from kvwire.session.handshake import slot_rows
 from kvwire.session.layers import LayeredChunk
 from kvwire.session.metrics import ChunkDone
@@ -99,9 +103,48 @@ class SegmentPost:
     first_part: int
     t_start: float
     layers: tuple[int, int] | None = None
-    #: Each segment's note carries the sums of its own rows (a chunk posted in pieces, see
-    #: :meth:`kvwire.session.checksums.SentSums.pieces`), not the first note the chunk's.
-    own_sums: bool = False
+    #: A chunk posted in pieces (:meth:`kvwire.session.checksums.SentSums.pieces`): each
+    #: segment's layer range; its note carries that range and its own rows' sums, not the
+    #: first note the chunk's.
+    pieces: list[tuple[int, int]] | None = None
+
+    #: Sums of the next piece, summed on a piece-sum thread while this one is posted.
+    ahead: dict[int, Future[LayerSums]] = field(default_factory=dict, repr=False)
+
+    def piece_fields(self, i: int) -> dict[str, Any]:
+        """Prefill worker, just before posting segment ``i`` of a chunk cut in pieces: the
+        note fields of that piece, its layer range and its rows' sums. The first piece is
+        summed here; each one starts the next piece's sum on a piece-sum thread, which runs
+        while this piece is posted (a backend that copies inside its post call, such as NIXL
+        on CPU) and in flight (one whose own thread moves the bytes, such as tcp)."""
+        check = self.job.link.checksums
+        assert self.pieces is not None and check is not None
+        ahead = self.ahead.pop(i, None)
+        seg = self.segs[i]
+        sums = ahead.result() if ahead is not None else check.rows(seg.src_idx, seg.dst_idx)
+        if i + 1 < len(self.segs):
+            nxt = self.segs[i + 1]
+            self.ahead[i + 1] = _summer().submit(check.rows, nxt.src_idx, nxt.dst_idx)
+        return {
+            "sum_layers": list(sums),
+            "sums": list(sums.values()),
+            "piece_layers": self.pieces[i],
+        }
+
+
+_summer_lock = threading.Lock()
+_summer_pool: ThreadPoolExecutor | None = None
+
+
+def _summer() -> ThreadPoolExecutor:
+    """The process's piece-sum threads (made on first use): they only read source rows and
+    mapper tables, which stay alive while a chunk is posted (a piece whose post failed has
+    its sum computed and dropped)."""
+    global _summer_pool
+    with _summer_lock:
+        if _summer_pool is None:
+            _summer_pool = ThreadPoolExecutor(2, thread_name_prefix="kvwire-piece-sum")
+        return _summer_pool
 
 
 class WorkerSide(Protocol):
@@ -149,19 +192,20 @@ class ChunkPoster(Protocol):
 
 def summed_pieces(
     job: Job, plan: ChunkPlan, segs: list[Segment], evented: bool
-) -> tuple[list[Segment], bool]:
-    """Prefill worker, before posting a chunk: its segments, cut into pieces that each carry
-    their own rows' sums (and whether they do). Only rows of the mapper's own tables moved in
-    place, checksummed, over a backend whose own thread moves the bytes (``evented``): one
-    that copies inside its calls would not move a piece while the next one is summed."""
+) -> tuple[list[Segment], list[tuple[int, int]] | None]:
+    """Prefill worker, before posting a chunk: its segments, cut by layers into pieces that
+    each carry their own rows' sums, and each piece's layer range (None: not cut). Only rows
+    of the mapper's own tables moved in place, checksummed, over a backend whose own thread
+    moves the bytes (``evented``): one that copies inside its calls would not move a piece
+    while the next one is summed."""
     check = job.link.checksums if job.pool == "kv" else None
     own = plan.table == "kv" and len(segs) == 1 and segs[0].table == job.target.table
     if own and evented and check is not None and segs[0].copy is None:
         seg = segs[0]
         cut = check.pieces(seg.src_idx, seg.dst_idx)
-        if len(cut) > 1:
-            return [Segment(seg.label, seg.table, a, b) for a, b in cut], True
-    return segs, False
+        if cut:
+            return [Segment(seg.label, seg.table, a, b) for a, b, _ in cut], [p for *_, p in cut]
+    return segs, None
 
 
 def submit_rows(
