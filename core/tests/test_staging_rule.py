@@ -161,7 +161,7 @@ def test_the_advice_is_applied_per_link_end_to_end(
     whole-row link (blocks scattered on decode), ``configured`` keeps the host-pool rule
     (per descriptor), ``direct`` never stages; every element verified either way, and the
     handshake line says what was applied."""
-    import kvwire.backend as backend_mod
+    import kvwire.backend_links as backend_mod  # where the backends' link rules ask for a path
     from kvwire.link_choice import LinkPath
     from kvwire.session import KVManager, KVPoll, Role
     from kvwire.staging.bulk_ring import STAGED
