@@ -97,7 +97,9 @@ class HostMemory:
         if (ridx < 0).any():
             raise ValueError("rows outside registered memory")
         pos = np.cumsum(lens) - lens  # payload offset of each row
-        big = lens >= LOOP_MIN_BYTES
+        # a few rows (a notification's scratch word, an aux row): memmove each, without
+        # grouping them first (np.unique alone costs more than the copies)
+        big = lens >= LOOP_MIN_BYTES if lens.size > LOOP_MIN_ROWS_PER_GROUP else lens >= 0
         small = ~big
         s_len = lens[small]
         keys: list[int] = []
