@@ -129,6 +129,32 @@ def test_raw_write_inside_region_is_accepted(target: Target, zctx: zmq.Context[A
     assert target.backend.refused_messages == 0
 
 
+def test_a_note_is_delivered_unanswered_and_garbage_notes_are_refused(
+    target: Target, zctx: zmq.Context[Any]
+) -> None:
+    """A note (kind ``N``: a notification alone, what ``cudaipc`` sends once its kernel ended)
+    is delivered and never answered, touching no memory; a note whose notification is not
+    bytes, or whose header is not a map with a sender, is refused and counted, delivers
+    nothing and is not answered either."""
+    sock = dealer(zctx, target.backend.endpoint)
+    note = {"v": wire.VERSION, "x": 7, "f": "intruder", "n": b"landed"}
+    sock.send_multipart([wire.NOTE, wire.pack(note)])
+    sock.send_multipart([wire.NOTE, wire.pack({**note, "n": 12345})])
+    sock.send_multipart([wire.NOTE, wire.pack({"v": wire.VERSION, "x": 8, "n": b"x"})])
+    sock.send_multipart([wire.NOTE, b"\xc1 not msgpack"])
+    got: list[tuple[str, bytes]] = []
+    for _ in range(500):
+        got += [(n.peer, n.payload) for n in target.backend.get_notifications()]
+        if target.backend.refused_messages >= 3:
+            break
+        time.sleep(0.01)
+    got += [(n.peer, n.payload) for n in target.backend.get_notifications()]
+    assert got == [("intruder", b"landed")]
+    assert target.backend.refused_messages == 3
+    assert not sock.poll(200, zmq.POLLIN), "a note was answered"
+    assert target.untouched()
+
+
 OUT_OF_REGION: dict[str, Callable[[Target], list[tuple[int, int]]]] = {
     "straddles the start": lambda t: [(t.region.addr - 64, 128)],
     "straddles the end": lambda t: [(t.region.end - 64, 128)],

@@ -477,3 +477,70 @@ def test_add_link_falls_back_past_cudaipc_with_its_reason() -> None:
     finally:
         a.close()
         b.close()
+
+
+@pytest.mark.parametrize("peer_takes_notes", [True, False])
+def test_a_notification_alone_goes_as_a_note_to_a_peer_that_takes_them(
+    monkeypatch: pytest.MonkeyPatch, peer_takes_notes: bool
+) -> None:
+    """A transfer of VRAM rows only sends its notification after the kernel: as a note
+    (``tcp`` kind ``N``: the notification alone, not answered) to a peer whose metadata says
+    ``notes``, and as the acknowledged write of its scratch word to an older peer (metadata
+    without the key). The notification arrives exactly once either way, after the data.
+    Host stand-ins as above."""
+    import time
+
+    import kvwire_cudaipc.backend as backend_mod
+    from kvwire.backend import XferOp, XferState
+
+    torch = pytest.importorskip("torch")
+    monkeypatch.setattr(
+        _cuda, "export", lambda dev, addr: (addr.to_bytes(8, "little") * 8, 0, 1 << 46)
+    )
+    monkeypatch.setattr(_cuda, "device_uuid", lambda i: "GPU-stand-in")
+    monkeypatch.setattr(_cuda, "visible_uuids", lambda: {"GPU-stand-in": 0})
+    copier = _HostCopier()
+    monkeypatch.setattr(
+        backend_mod.CudaIpcBackend, "_ensure_gpu", lambda self: setattr(self, "_copier", copier)
+    )
+    monkeypatch.setattr(torch.cuda, "Event", _HostEvent)
+    _HostEvent.gate.set()
+    cfg = KVWireConfig(transfer_backend="cudaipc")
+    a = create_backend(cfg, "prefill", need=())
+    b = create_backend(cfg, "decode", need=())
+    try:
+        av = np.arange(1 << 15, dtype=np.uint8)
+        bv = np.zeros(1 << 15, np.uint8)
+
+        def vram(x: np.ndarray) -> MemoryRegion:
+            return MemoryRegion.from_pointer(x.ctypes.data, x.nbytes, 4096, MemKind.VRAM, 0)
+
+        a.register([vram(av)])
+        b.register([vram(bv)])
+        meta = msgpack.unpackb(b.local_metadata(), raw=False)
+        assert meta["notes"] is True
+        if not peer_takes_notes:  # what an older cudaipc publishes
+            del meta["notes"]
+        peer = a.add_peer(msgpack.packb(meta, use_bin_type=True))
+        table = make_table(av.ctypes.data + np.arange(8) * 4096, 4096)
+        pair = a.prepare(peer, table, make_table(bv.ctypes.data + np.arange(8) * 4096, 4096))
+        woken = threading.Event()
+        h = a.submit(XferOp.WRITE, pair, np.arange(8), np.arange(8), b"kv", wake=woken.set)
+        assert woken.wait(30)
+        got: list = []
+        for _ in range(3000):
+            got += b.get_notifications()
+            if got:
+                break
+            time.sleep(0.01)
+        time.sleep(0.05)
+        got += b.get_notifications()
+        assert [n.payload for n in got] == [b"kv"]
+        assert np.array_equal(bv, av[: bv.size])
+        assert a.poll(h) is XferState.DONE
+        assert h.state.tcp.note_only is peer_takes_notes
+        assert b.refused_messages == 0
+        a.release(h)
+    finally:
+        a.close()
+        b.close()

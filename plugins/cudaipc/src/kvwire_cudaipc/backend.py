@@ -243,6 +243,7 @@ class CudaIpcBackend(TcpBackend):
             pid=_cuda.pid(),
             exports=exports,
             scratch=self._scratch_region.addr,
+            notes=True,
         )
 
     @classmethod
@@ -555,8 +556,13 @@ class CudaIpcBackend(TcpBackend):
 
     def _post_follow(self, x: _IpcXfer) -> None:
         """Post the host rows and notification over the side channel (after the data); the
-        side channel wakes the submitter when a write with host rows ends."""
+        side channel wakes the submitter when a write with host rows ends. A notification
+        alone goes as a note to a peer that takes them (its metadata's ``notes``), else as a
+        write of the peer's scratch word."""
         assert x.follow is not None
+        if x.notify_only and x.notification is not None and x.peer.info.notes:
+            x.tcp = self._queue_note(x.peer_name, x.notification)  # no write, no answer
+            return
         la, ra, lens = x.follow
         wake = None if x.notify_only else x.wake
         x.tcp = self._queue(XferOp.WRITE, x.peer_name, la, ra, lens, x.notification, wake)

@@ -66,6 +66,9 @@ class PeerInfo:
     #: Address of the peer's scratch word (notification-only messages write it).
     scratch: int
     raw: dict[str, Any]
+    #: The peer takes notes (``tcp`` data plane kind ``N``): a notification alone, not
+    #: answered, instead of an acknowledged write of the scratch word. Older peers: False.
+    notes: bool = False
 
     def check_same_host(self, local: dict[str, str]) -> None:
         """Refuse a peer on another host (or another boot of this one): CUDA IPC handles only
@@ -121,4 +124,5 @@ def parse_peer(metadata: bytes, backend: str, version: int) -> PeerInfo:
         exports=exports,
         scratch=meta["scratch"],
         raw=meta,
+        notes=meta.get("notes") is True,
     )

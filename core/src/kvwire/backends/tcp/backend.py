@@ -306,6 +306,32 @@ class TcpBackend(TransferBackend):
         self._post(enqueue)
         return x
 
+    def _queue_note(self, peer: str, notification: bytes) -> OutboundTransfer:
+        """Queue a note to ``peer``: the notification alone (no rows), delivered by the
+        target at once and not answered, so the transfer is DONE once its frame is handed
+        to the socket. For a subclass whose data moved another way and whose peer said it
+        takes notes (an older target refuses the kind: it would never see the
+        notification). Any thread."""
+        x = OutboundTransfer(
+            xid=next(self._xfer_ids),
+            peer=peer,
+            op=XferOp.WRITE,
+            parts=[],
+            notification=notification,
+            deadline=time.monotonic() + self.options.transfer_timeout_s,
+            note_only=True,
+        )
+
+        def enqueue() -> None:
+            p = self._peers.get(x.peer)
+            if p is None:
+                self._finish(x, XferState.FAILED, f"peer {x.peer!r} was removed")
+                return
+            p.outq.append(x)
+
+        self._post(enqueue)
+        return x
+
     def _poll(self, handle: TransferHandle) -> XferState:
         x: OutboundTransfer = handle.state
         if x.status is XferState.FAILED and handle.error is None:
@@ -403,10 +429,16 @@ class TcpBackend(TransferBackend):
                 return
             x.pending_frames = None
             x.next_part += 1
-            if x.next_part == len(x.parts):
+            if x.note_only:  # nothing answers a note: handed to the socket is its end
+                p.outq.popleft()
+                self._finish(x, XferState.DONE, None)
+            elif x.next_part == len(x.parts):
                 p.outq.popleft()
 
     def _build_part(self, x: OutboundTransfer) -> list[Any]:
+        if x.note_only:
+            note = {"v": wire.VERSION, "x": x.xid, "f": self.agent_name, "n": x.notification}
+            return [wire.NOTE, wire.pack(note)]
         local, remote, lens = x.parts[x.next_part]
         last = x.next_part == len(x.parts) - 1
         header = {
@@ -461,6 +493,9 @@ class TcpBackend(TransferBackend):
                 raise wire.MalformedMessageError("request has too few frames")
             kind = frames[1].bytes
             h = wire.unpack(frames[2].buffer)
+            if kind == wire.NOTE:  # a notification alone: delivered, never answered
+                self._deliver(str(h["f"]), h.get("n"))
+                return
             xid, part, nparts = int(h["x"]), int(h["p"]), int(h["np"])
             sender = str(h["f"])
             addr, lens = wire.rows_from_bytes(h["d"])

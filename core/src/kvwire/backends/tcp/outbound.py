@@ -43,6 +43,8 @@ class OutboundTransfer:
     error: str | None = None
     #: The submitter's waker (:attr:`TransferHandle.wake`), called once the status is final.
     wake: Callable[[], None] | None = None
+    #: A note (:data:`~kvwire.backends.tcp.wire.NOTE`): no rows, no reply; DONE once sent.
+    note_only: bool = False
 
 
 @dataclass(eq=False)

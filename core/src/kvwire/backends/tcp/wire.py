@@ -1,7 +1,9 @@
 """Data-plane frames of the ``tcp`` backend (msgpack headers, raw payload frames).
 
 Request, initiator -> target (DEALER -> ROUTER): ``[kind, header, payload?]`` where kind is
-``W`` (write, payload = the bytes) or ``R`` (read). Reply, target -> initiator: ``[A, header,
+``W`` (write, payload = the bytes), ``R`` (read) or ``N`` (a note: the notification ``n``
+alone, delivered at once and never answered; only to a peer that said it takes them, e.g.
+``cudaipc``'s metadata ``notes``). Reply, target -> initiator: ``[A, header,
 payload?]`` (payload = the bytes of a read part). Headers are msgpack maps with short keys:
 
 =====  =================================================================
@@ -28,7 +30,7 @@ import numpy as np
 from numpy.typing import NDArray
 
 VERSION = 1
-WRITE, READ, ACK = b"W", b"R", b"A"
+WRITE, READ, ACK, NOTE = b"W", b"R", b"A", b"N"
 
 
 class MalformedMessageError(ValueError):
