@@ -565,3 +565,48 @@ def test_sent_sums_map_a_chunk_once_for_all_its_layer_groups(
     other.start()
     other.join()
     assert len(calls) == 3
+
+
+def test_a_mismatch_waits_for_the_requests_other_checks_so_the_report_is_exact(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Two chunks; the first one's check is held (gated hasher, a fake for timing only) while
+    the second, whose byte was flipped after prefill summed it, fails its check. The request
+    does not fail yet: the mismatch waits for the first check, so once that one passes the
+    failure report counts the first chunk's pages as landed and only the second's as
+    missing (they would all be missing if the report were taken while the first check ran)."""
+    entered, gate = _gate_first_check(monkeypatch)
+    original = SentSums.chunk
+    flat = None
+
+    def chunk(self: SentSums, src: Any, dst: Any, layers: Any = None) -> Any:
+        sums = original(self, src, dst, layers)
+        first = int(np.asarray(src).ravel()[0])
+        if first == 2 and flat is not None:  # the second chunk (source pages 2, 3)
+            flat[first, 3] ^= 0x01
+        return sums
+
+    monkeypatch.setattr(SentSums, "chunk", chunk)
+    with pair(config(), _checked()) as p:
+        flat = p.parr[1].reshape(p.parr[1].shape[0], -1).view(np.uint8)
+        s, r, src, _ = p.start(26, 4)
+        s.send(src[:2], last=False)
+        wait_for(entered.is_set, timeout=60)
+        s.send(src[2:], last=True)
+        # the second chunk's check ran and failed; the first is still held
+        wait_for(lambda: p.decode.room_tables()["checks_in_flight"] == 1, timeout=60)
+        time.sleep(0.2)
+        assert r.poll() == KVPoll.Transferring, "failed before the request's other check ended"
+        gate.set()
+        wait_for(lambda: r.poll() == KVPoll.Failed, timeout=60)
+        with pytest.raises(KVWireError, match=r"KV checksum mismatch in chunk 1"):
+            r.failure_exception()
+        wait_for(r.writes_quiesced, timeout=60)
+        report = r.failure_report()
+        assert report is not None
+        assert report.good_pages.tolist() == [0, 1]
+        assert report.missing_pages.tolist() == [2, 3]
+        r.clear()
+        wait_for(lambda: s.poll() in (KVPoll.Failed, KVPoll.Success), timeout=60)
+        s.clear()
+        wait_for(lambda: no_rooms(p.prefill) and no_rooms(p.decode), timeout=60)

@@ -20,11 +20,13 @@ ask         decode engine's ``init`` -> the transfer request left decode (``requ
 reach       decode ``requested`` -> prefill has every request it waits for (``asked``)
 see         prefill ``asked`` -> prefill's engine poll sees ``WaitingForInput``
 queue       prefill's ``send()`` -> a transfer worker took the chunk (``taken``)
-post        ``taken`` -> the last write submitted (``posted``; the aux row's, unless it
-            rides in the last chunk's note: protocol 1.11); its part
+post        ``taken`` -> the last write handed to the backend (``posted``, stamped as its
+            submit is called; the aux row's, unless it rides in the last chunk's note:
+            protocol 1.11); its part
             ``plan``: until the last chunk's plan was ready (``planned``: with bulk
             staging, ring space granted and the block gathered)
-land        ``posted`` -> decode handled the last note (``noted``)
+land        ``posted`` -> decode handled the last note (``noted``): the submit call, the
+            bytes and the notification on their way, decode's poll
 finish      decode ``noted`` -> decode ``success``
 report      decode ``success`` -> decode's engine poll sees Success
 ==========  ==============================================================================

@@ -87,6 +87,11 @@ class ChunkChecker:
         )
         self._lock = threading.Lock()
         self._in_flight = 0
+        #: Per request (room id, its pages array's id: a later request under the same room id
+        #: has its own array), under the room lock: checks submitted and not yet applied, and
+        #: a mismatch held back until they are (see :meth:`_apply`).
+        self._pending: dict[tuple[int, int], int] = {}
+        self._held: dict[tuple[int, int], TransferError] = {}
 
     def on_part(self, room: RecvRoom, msg: ChunkNote) -> None:
         """Under the room lock (progress thread for a backend notification, liveness thread
@@ -133,6 +138,8 @@ class ChunkChecker:
         Raises :class:`TransferError` once the checker is closed."""
         if check is None:
             return False
+        key = (check.room, id(check.dst_pages))
+        self._pending[key] = self._pending.get(key, 0) + 1
         with self._lock:
             self._in_flight += 1
         try:
@@ -140,6 +147,7 @@ class ChunkChecker:
         except RuntimeError as exc:  # shut down
             with self._lock:
                 self._in_flight -= 1
+            self._settled(key)
             raise TransferError("decode manager closed", room=check.room) from exc
         return True
 
@@ -161,28 +169,54 @@ class ChunkChecker:
             with self._lock:
                 self._in_flight -= 1
 
+    def _settled(self, key: tuple[int, int]) -> int:
+        """Under the room lock: one of a request's checks is over; how many are left."""
+        left = self._pending.get(key, 0) - 1
+        if left > 0:
+            self._pending[key] = left
+        else:
+            self._pending.pop(key, None)
+        return max(left, 0)
+
     def _apply(self, check: ChunkCheck, outcome: Outcome) -> None:
         """A checker thread, no lock held: apply a check's verdict under the room lock (see
-        the module's lock contract)."""
+        the module's lock contract). A mismatch fails the request only once its other checks
+        in flight are over (held back until then), so the failure report counts every chunk
+        that landed and passed, not only those whose checks happened to finish first."""
         mismatch: FailureCause = "checksum_mismatch"
+        key = (check.room, id(check.dst_pages))
+        piece = check.msg.piece_layers is not None
         with self._rooms.lock:
+            self._settled(key)
             room = self._rooms.get(check.room)
-            if room is None or room.sources is None or self._rooms.terminal(room):
+            if (
+                room is None
+                or room.sources is None
+                or self._rooms.terminal(room)
+                or room.dst_pages is not check.dst_pages  # a later request under this room id
+            ):
+                if not self._pending.get(key):
+                    self._held.pop(key, None)
                 return
-            if room.dst_pages is not check.dst_pages:
-                return  # a later request under the same room id (its own pages array)
             if outcome is not None:
                 err, fault = outcome
                 if fault is not None:
                     room.chunk_mismatched(fault)
-                self._fail(room, err, cause=mismatch)
+                self._held.setdefault(key, err)  # the first mismatch names the failure
+            else:
+                room.last_progress = time.monotonic()
+                if piece:
+                    self._count(room, check.msg)  # one piece of its chunk passed
+                else:
+                    room.chunk_landed(check.msg)
+            held = self._held.get(key)
+            if held is None:
+                if not piece:
+                    self._done(room)
                 return
-            room.last_progress = time.monotonic()
-            if check.msg.piece_layers is not None:
-                self._count(room, check.msg)  # one piece of its chunk passed
-                return
-            room.chunk_landed(check.msg)
-            self._done(room)
+            if not self._pending.get(key):  # the request's last check is over: fail it now
+                self._held.pop(key, None)
+                self._fail(room, held, cause=mismatch)
 
     def in_flight(self) -> int:
         """Any thread: checks queued or running (leak checks)."""
@@ -194,3 +228,6 @@ class ChunkChecker:
         self._pool.shutdown(wait=True, cancel_futures=True)
         with self._lock:
             self._in_flight = 0
+        with self._rooms.lock:  # dropped checks never settle
+            self._pending.clear()
+            self._held.clear()

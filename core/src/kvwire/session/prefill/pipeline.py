@@ -400,8 +400,11 @@ class Pipeline:
         t_start: float,
         t_enqueued: float | None,
     ) -> None:
+        # stamped before the submit: a backend that sends on its own thread may have the note
+        # handled on decode before the call returns (stage marks must stay in causal order)
+        tail.room.metrics.marks["posted"] = time.perf_counter()
         handle = posting.submit_rows(self.ctx.backend, pair, rows, note, self.wake.set)
-        now = tail.room.metrics.marks["posted"] = time.perf_counter()
+        now = time.perf_counter()
         self._track(
             _Posted(
                 handle,
