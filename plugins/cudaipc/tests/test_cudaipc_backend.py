@@ -160,17 +160,12 @@ class _HostCopier:
     move = copy  # the backend calls RunCopier.move (groups or tiles: the same bytes)
 
 
-def test_vram_path_control_flow_with_host_stand_ins(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The VRAM path without a GPU: CUDA calls (export, UUIDs, event, the kernel) replaced
-    by host stand-ins, regions flagged VRAM over host memory, two agents in one process (no
-    IPC open: same process). A WRITE of VRAM rows with a notification is ONE copier call,
-    the notification travels alone (it writes the peer's scratch word) and arrives after
-    the data; a WRITE mixing VRAM and host rows moves each kind its way; pairing a VRAM row
-    with a host row is refused."""
-    import time
-
+def _host_stand_ins(monkeypatch: pytest.MonkeyPatch) -> _HostCopier:
+    """Replace a cudaipc backend's GPU calls with host stand-ins (IPC export, GPU UUIDs, the
+    mover, CUDA events; everything else is the backend's own VRAM path) for every backend
+    created from now on in the test; returns the stand-in copier they use. The events'
+    ``gate`` is the caller's to set."""
     import kvwire_cudaipc.backend as backend_mod
-    from kvwire.backend import XferOp, XferState
 
     torch = pytest.importorskip("torch")
     monkeypatch.setattr(
@@ -179,12 +174,25 @@ def test_vram_path_control_flow_with_host_stand_ins(monkeypatch: pytest.MonkeyPa
     monkeypatch.setattr(_cuda, "device_uuid", lambda i: "GPU-stand-in")
     monkeypatch.setattr(_cuda, "visible_uuids", lambda: {"GPU-stand-in": 0})
     copier = _HostCopier()
-
-    def ensure(self: backend_mod.CudaIpcBackend) -> None:
-        self._copier = copier
-
-    monkeypatch.setattr(backend_mod.CudaIpcBackend, "_ensure_gpu", ensure)
+    monkeypatch.setattr(
+        backend_mod.CudaIpcBackend, "_ensure_gpu", lambda self: setattr(self, "_copier", copier)
+    )
     monkeypatch.setattr(torch.cuda, "Event", _HostEvent)
+    return copier
+
+
+def test_vram_path_control_flow_with_host_stand_ins(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The VRAM path without a GPU: CUDA calls (export, UUIDs, event, the kernel) replaced
+    by host stand-ins, regions flagged VRAM over host memory, two agents in one process (no
+    IPC open: same process). A WRITE of VRAM rows with a notification is ONE copier call,
+    the notification travels alone (a note to a peer that takes them, else a write of its
+    scratch word) and arrives after the data; a WRITE mixing VRAM and host rows moves each
+    kind its way; pairing a VRAM row with a host row is refused."""
+    import time
+
+    from kvwire.backend import XferOp, XferState
+
+    copier = _host_stand_ins(monkeypatch)
     _HostEvent.gate.set()
 
     rng = np.random.default_rng(4)
@@ -270,22 +278,9 @@ def test_kernel_end_wakes_the_submitter_and_sends_the_note_without_a_poll(
     gate opens."""
     import time
 
-    import kvwire_cudaipc.backend as backend_mod
     from kvwire.backend import XferOp, XferState
 
-    torch = pytest.importorskip("torch")
-    monkeypatch.setattr(
-        _cuda, "export", lambda dev, addr: (addr.to_bytes(8, "little") * 8, 0, 1 << 46)
-    )
-    monkeypatch.setattr(_cuda, "device_uuid", lambda i: "GPU-stand-in")
-    monkeypatch.setattr(_cuda, "visible_uuids", lambda: {"GPU-stand-in": 0})
-    copier = _HostCopier()
-
-    def ensure(self: backend_mod.CudaIpcBackend) -> None:
-        self._copier = copier
-
-    monkeypatch.setattr(backend_mod.CudaIpcBackend, "_ensure_gpu", ensure)
-    monkeypatch.setattr(torch.cuda, "Event", _HostEvent)
+    _host_stand_ins(monkeypatch)
     _HostEvent.gate.clear()
     cfg = KVWireConfig(transfer_backend="cudaipc")
     a = create_backend(cfg, "prefill", need=())
@@ -355,28 +350,16 @@ def test_all_vram_pair_submits_one_launch_of_exactly_its_runs(
     follows. Host stand-ins as above."""
     import time
 
-    import kvwire_cudaipc.backend as backend_mod
     from kvwire.backend import XferOp, XferState
 
-    torch = pytest.importorskip("torch")
-    monkeypatch.setattr(
-        _cuda, "export", lambda dev, addr: (addr.to_bytes(8, "little") * 8, 0, 1 << 46)
-    )
-    monkeypatch.setattr(_cuda, "device_uuid", lambda i: "GPU-stand-in")
-    monkeypatch.setattr(_cuda, "visible_uuids", lambda: {"GPU-stand-in": 0})
     calls: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []
-    copier = _HostCopier()
+    copier = _host_stand_ins(monkeypatch)
 
     def move(src: np.ndarray, dst: np.ndarray, n: np.ndarray, stream: object = None) -> None:
         calls.append((src.copy(), dst.copy(), n.copy()))
         copier.copy(src, dst, n)
 
-    def ensure(self: backend_mod.CudaIpcBackend) -> None:
-        self._copier = copier
-
     monkeypatch.setattr(copier, "move", move)
-    monkeypatch.setattr(backend_mod.CudaIpcBackend, "_ensure_gpu", ensure)
-    monkeypatch.setattr(torch.cuda, "Event", _HostEvent)
     _HostEvent.gate.set()
     cfg = KVWireConfig(transfer_backend="cudaipc")
     a = create_backend(cfg, "prefill", need=())
@@ -490,20 +473,9 @@ def test_a_notification_alone_goes_as_a_note_to_a_peer_that_takes_them(
     Host stand-ins as above."""
     import time
 
-    import kvwire_cudaipc.backend as backend_mod
     from kvwire.backend import XferOp, XferState
 
-    torch = pytest.importorskip("torch")
-    monkeypatch.setattr(
-        _cuda, "export", lambda dev, addr: (addr.to_bytes(8, "little") * 8, 0, 1 << 46)
-    )
-    monkeypatch.setattr(_cuda, "device_uuid", lambda i: "GPU-stand-in")
-    monkeypatch.setattr(_cuda, "visible_uuids", lambda: {"GPU-stand-in": 0})
-    copier = _HostCopier()
-    monkeypatch.setattr(
-        backend_mod.CudaIpcBackend, "_ensure_gpu", lambda self: setattr(self, "_copier", copier)
-    )
-    monkeypatch.setattr(torch.cuda, "Event", _HostEvent)
+    _host_stand_ins(monkeypatch)
     _HostEvent.gate.set()
     cfg = KVWireConfig(transfer_backend="cudaipc")
     a = create_backend(cfg, "prefill", need=())

@@ -294,17 +294,7 @@ class TcpBackend(TransferBackend):
             write_by=time.time() + timeout - self.options.write_guard_s,
             wake=wake,
         )
-
-        def enqueue() -> None:
-            p = self._peers.get(x.peer)
-            if p is None:
-                self._finish(x, XferState.FAILED, f"peer {x.peer!r} was removed")
-                return
-            p.outq.append(x)
-            p.inflight[x.xid] = x
-
-        self._post(enqueue)
-        return x
+        return self._enqueue(x)
 
     def _queue_note(self, peer: str, notification: bytes) -> OutboundTransfer:
         """Queue a note to ``peer``: the notification alone (no rows), delivered by the
@@ -321,6 +311,11 @@ class TcpBackend(TransferBackend):
             deadline=time.monotonic() + self.options.transfer_timeout_s,
             note_only=True,
         )
+        return self._enqueue(x)
+
+    def _enqueue(self, x: OutboundTransfer) -> OutboundTransfer:
+        """Hand ``x`` to the I/O thread: queued for its peer (awaiting replies unless it is
+        a note, which nothing answers), or FAILED when the peer is gone. Any thread."""
 
         def enqueue() -> None:
             p = self._peers.get(x.peer)
@@ -328,6 +323,8 @@ class TcpBackend(TransferBackend):
                 self._finish(x, XferState.FAILED, f"peer {x.peer!r} was removed")
                 return
             p.outq.append(x)
+            if not x.note_only:
+                p.inflight[x.xid] = x
 
         self._post(enqueue)
         return x
