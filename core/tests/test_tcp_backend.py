@@ -609,3 +609,26 @@ def test_bytes_held_up_past_the_deadline_never_land_after_failed(
     assert not dst.any(), "bytes of a FAILED transfer landed after the failure"
     assert target.get_notifications() == []
     initiator.release(handle)
+
+
+def test_readable_says_whether_a_receive_would_wait_and_skips_a_closed_socket(
+    zctx: zmq.Context[Any],
+) -> None:
+    """``control.reach.readable``, asked before every non-blocking receive of the tcp I/O
+    loop and the control channel (and of the liveness thread's connection monitors): True
+    only while a message waits; a closed socket reads as not readable instead of raising, so
+    one socket in an error state cannot stop the loop's other duties (evicting dead peers)."""
+    from kvwire.control.reach import readable
+
+    a, b = zctx.socket(zmq.PAIR), zctx.socket(zmq.PAIR)
+    a.bind("inproc://readable-test")
+    b.connect("inproc://readable-test")
+    assert not readable(a)
+    b.send(b"x")
+    assert a.poll(5000, zmq.POLLIN)
+    assert readable(a)
+    assert a.recv() == b"x"
+    assert not readable(a)
+    a.close(linger=0)
+    assert not readable(a)
+    b.close(linger=0)

@@ -125,6 +125,11 @@ _EVENTS = int(zmq.EVENTS)
 def readable(sock: zmq.Socket[Any]) -> bool:
     """Whether a message can be received from ``sock`` now (``ZMQ_EVENTS``): ~2 us, where the
     ``zmq.Again`` an empty non-blocking receive raises costs ~10 us. Loops that receive until
-    nothing is left ask this first."""
-    events = sock.getsockopt(_EVENTS)
+    nothing is left ask this first. A socket in an error state (closed, its context ended)
+    reads as not readable, as a receive's ``ZMQError`` did before: the caller skips it and
+    goes on with its other sockets."""
+    try:
+        events = sock.getsockopt(_EVENTS)
+    except zmq.ZMQError:
+        return False
     return isinstance(events, int) and bool(events & POLLIN)
