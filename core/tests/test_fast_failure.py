@@ -10,6 +10,7 @@ import gc
 import threading
 import time
 import weakref
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -20,6 +21,8 @@ from kvwire.layout import KVLayout, ModelSpec, RankPosition
 from kvwire.session import KVManager, KVPoll, Role
 from kvwire.session.decode.side import DecodeSide
 from kvwire.session.manager import COMMON_HANDLERS, dispatch_table
+from kvwire.session.peers import Peer, PeerTable
+from kvwire.session.prefill.links import DecodeLinker
 from kvwire.session.prefill.side import PrefillSide
 from kvwire.testing.kvfill import make_pool
 from kvwire.testing.pair import MODEL, config, no_rooms, pair, wait_for
@@ -179,6 +182,44 @@ def test_live_namesake_is_refused_not_evicted() -> None:
             p.transfer(3)  # the original is still served
         finally:
             twin.close()
+
+
+def _linker(interval_s: float) -> DecodeLinker:
+    """A linker with just what :meth:`DecodeLinker._namesake_alive` reads (no threads)."""
+    linker = DecodeLinker.__new__(DecodeLinker)
+    linker.ctx = SimpleNamespace(  # type: ignore[assignment]
+        options=SimpleNamespace(heartbeat_interval_s=interval_s), stopping=False
+    )
+    return linker
+
+
+def test_restart_faster_than_the_heartbeat_bound_is_a_restart() -> None:
+    """A namesake last heard just before the new session's hello (a restart within 1.5
+    heartbeat intervals, as in a partition test whose restart took 0.73 s of a 0.75 s
+    bound) is waited out and taken as a restart, not refused as a live namesake; a
+    stall of the liveness thread (``defer``) does not count as a sign of life."""
+    linker = _linker(0.2)
+    old = Peer("old", "decode0", "tcp://10.0.0.2:1", time.monotonic())
+    table = PeerTable()
+    table.add(old)
+    arrived = time.monotonic()
+    table.defer(5.0, arrived + 0.1)  # the liveness thread stalled: last_seen moves, heard not
+    assert linker._namesake_alive(old, arrived) is False
+    assert time.monotonic() - old.heard >= 0.3  # it waited out the quiet bound
+
+
+def test_namesake_heard_after_the_hello_is_alive() -> None:
+    linker = _linker(5.0)  # a bound far longer than the wait: only the evidence ends it
+    live = Peer("live", "decode0", "tcp://10.0.0.2:1", time.monotonic())
+    table = PeerTable()
+    table.add(live)
+    arrived = time.monotonic()
+    timer = threading.Timer(0.05, table.touch, args=("live",))
+    timer.start()
+    t0 = time.monotonic()
+    assert linker._namesake_alive(live, arrived) is True
+    assert time.monotonic() - t0 < 5.0
+    timer.join()
 
 
 def test_every_message_kind_has_exactly_one_handler_per_side() -> None:

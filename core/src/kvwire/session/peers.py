@@ -31,6 +31,14 @@ class Peer:
     #: Set when the peer was evicted for silence (no heartbeat), not because its process is
     #: known to be gone: it may be alive behind a partition, its writes still on the way.
     silent_loss: bool = False
+    #: When it was last heard (a message or notification arrived), never moved by
+    #: :meth:`PeerTable.defer`: evidence that it is alive, where ``last_seen`` is the clock
+    #: its silence is judged by. Defaults to ``last_seen``.
+    heard: float = -1.0
+
+    def __post_init__(self) -> None:
+        if self.heard < 0:
+            self.heard = self.last_seen
 
 
 class PeerTable:
@@ -60,7 +68,7 @@ class PeerTable:
         with self._lock:
             p = self._peers.get(session)
             if p is not None:
-                p.last_seen = time.monotonic() if now is None else now
+                p.last_seen = p.heard = time.monotonic() if now is None else now
 
     def defer(self, gap_s: float, now: float) -> None:
         """Move every peer's last sign of life ``gap_s`` later (not past ``now``): this side

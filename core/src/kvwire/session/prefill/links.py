@@ -51,6 +51,9 @@ GROUPS_TABLE = "state"
 #: Answers to unsigned hellos (a decode rank without the secret) per second, at most.
 UNSIGNED_REPLIES_PER_S = 20
 
+#: How often a handshake waiting to tell a restart from a live namesake looks again.
+NAMESAKE_POLL_S = 0.01
+
 
 @dataclass
 class PoolLink:
@@ -134,7 +137,7 @@ class DecodeLinker:
     def on_hello(self, msg: Message) -> None:
         """Liveness thread: a decode rank's hello; answered on a handshake thread."""
         assert isinstance(msg, Hello)
-        self.handshakes.submit(self.handshake, msg)
+        self.handshakes.submit(self.handshake, msg, time.monotonic())
 
     def on_unsigned(self, msg: Message) -> None:
         """Liveness thread: a hello without the MAC this rank requires. Tell its sender why
@@ -162,8 +165,10 @@ class DecodeLinker:
         # a stranger: no socket is kept for its (possibly made-up) endpoint
         self.ctx.channel.tell_once(msg.endpoint, reject)
 
-    def handshake(self, hello: Hello) -> None:
-        """Handshake thread: validate a decode rank, add it to the backend, prepare tables."""
+    def handshake(self, hello: Hello, arrived: float | None = None) -> None:
+        """Handshake thread: validate a decode rank, add it to the backend, prepare tables.
+        ``arrived``: when the liveness thread took the hello (now when not given)."""
+        arrived = time.monotonic() if arrived is None else arrived
         ctx = self.ctx
         known = ctx.peers.get(hello.session)
         if known is not None:  # a retried hello: answer again
@@ -183,11 +188,9 @@ class DecodeLinker:
         # an explicit name. A restart reuses nothing alive: its old endpoint is the new one,
         # or the old incarnation went quiet. A live namesake is refused (the engines key
         # peers by name, so the two would evict each other).
-        quiet_s = ctx.options.heartbeat_interval_s * 1.5
         stale: list[str] = []
         for old in ctx.peers.by_agent(hello.agent):
-            alive = time.monotonic() - old.last_seen < quiet_s
-            if old.endpoint != hello.endpoint and alive:
+            if old.endpoint != hello.endpoint and self._namesake_alive(old, arrived):
                 self._reject(
                     hello,
                     f"agent name {hello.agent!r} is already used by a live decode rank at "
@@ -307,6 +310,26 @@ class DecodeLinker:
             applied.why,
         )
         self._ack(hello, link)
+
+    def _namesake_alive(self, old: Peer, arrived: float) -> bool:
+        """Handshake thread: whether ``old``, a peer known under the agent name of a new
+        session that says hello from another endpoint, is alive. Decided by evidence, not by
+        how recently it was heard: a live rank is heard at least every heartbeat interval,
+        so it is alive when heard after the hello arrived, and gone (a restart) once it has
+        been quiet for 1.5 intervals. Waits for whichever comes first: a restart faster than
+        that waits out the rest (at most 1.5 intervals), where judging by the last sign of
+        life alone refused it as a live namesake. Its silence is judged by when it was
+        heard, not by ``last_seen`` (which a stall of the liveness thread moves later)."""
+        quiet_s = self.ctx.options.heartbeat_interval_s * 1.5
+        while not self.ctx.stopping:
+            heard = old.heard
+            if heard > arrived:
+                return True
+            left = heard + quiet_s - time.monotonic()
+            if left <= 0:
+                return False
+            time.sleep(min(left, NAMESAKE_POLL_S))
+        return False
 
     def _data_loopback(self, hello: Hello) -> str | None:
         """Handshake thread: why this rank could not reach the decode rank's data plane: the
