@@ -56,8 +56,13 @@ def prompts(n: int, seed: int) -> list[list[int]]:
 def deployment(env: Path, connector: str, logs: Path) -> Deployment:
     if connector.startswith("kvwire-"):
         backend = connector.split("-", 1)[1]
-        return Deployment(env, connector, kvwire_config("kv_producer", backend, free_port()),
-                          kvwire_config("kv_consumer", backend, free_port()), logs)
+        return Deployment(
+            env,
+            connector,
+            kvwire_config("kv_producer", backend, free_port()),
+            kvwire_config("kv_consumer", backend, free_port()),
+            logs,
+        )
     shim = logs / "nixl-alias"
     (shim / "nixl").mkdir(parents=True, exist_ok=True)
     (shim / "nixl" / "__init__.py").write_text("from nixl_cu12 import *  # noqa\n")
@@ -66,18 +71,31 @@ def deployment(env: Path, connector: str, logs: Path) -> Deployment:
     kv = {"kv_connector": "NixlConnector", "kv_role": "kv_both", "kv_buffer_device": "cpu"}
 
     def env_for() -> dict[str, str]:
-        return {"PYTHONPATH": str(shim), "VLLM_NIXL_SIDE_CHANNEL_PORT": str(free_port()),
-                "VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1"}
+        return {
+            "PYTHONPATH": str(shim),
+            "VLLM_NIXL_SIDE_CHANNEL_PORT": str(free_port()),
+            "VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1",
+        }
 
     return Deployment(env, connector, kv, kv, logs, env_for(), env_for())
 
 
 def request(url: str, model: str, prompt: list[int], max_tokens: int) -> tuple[float, list[int]]:
     """One streamed completion through the router: (TTFT in s, the tokens)."""
-    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
-            "ignore_eos": True, "return_token_ids": True, "stream": True}
-    req = urllib.request.Request(f"{url}/v1/completions", data=json.dumps(body).encode(),
-                                 headers={"Content-Type": "application/json"})
+    body = {
+        "model": model,
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "ignore_eos": True,
+        "return_token_ids": True,
+        "stream": True,
+    }
+    req = urllib.request.Request(
+        f"{url}/v1/completions",
+        data=json.dumps(body).encode(),
+        headers={"Content-Type": "application/json"},
+    )
     t0 = time.monotonic()
     ttft = None
     got: list[int] = []
@@ -100,11 +118,19 @@ def request(url: str, model: str, prompt: list[int], max_tokens: int) -> tuple[f
 
 def reference(d: Deployment, prompt: list[int], max_tokens: int) -> list[int]:
     """A single server's greedy tokens (the prefill instance, a plain request)."""
-    body = {"model": d.model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
-            "ignore_eos": True, "return_token_ids": True}
-    req = urllib.request.Request(f"{d.prefill.url}/v1/completions",
-                                 data=json.dumps(body).encode(),
-                                 headers={"Content-Type": "application/json"})
+    body = {
+        "model": d.model,
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "ignore_eos": True,
+        "return_token_ids": True,
+    }
+    req = urllib.request.Request(
+        f"{d.prefill.url}/v1/completions",
+        data=json.dumps(body).encode(),
+        headers={"Content-Type": "application/json"},
+    )
     with urllib.request.urlopen(req, timeout=300) as r:
         return list(json.loads(r.read())["choices"][0]["token_ids"])
 
@@ -116,8 +142,9 @@ def pct(values: list[float], q: float) -> float:
     return s[min(len(s) - 1, round(q * (len(s) - 1)))]
 
 
-def run_one(d: Deployment, ps: list[list[int]], refs: list[list[int]], concurrency: int,
-            max_tokens: int) -> dict[str, Any]:
+def run_one(
+    d: Deployment, ps: list[list[int]], refs: list[list[int]], concurrency: int, max_tokens: int
+) -> dict[str, Any]:
     ttfts: list[float] = []
     failures: list[str] = []
 
@@ -136,10 +163,15 @@ def run_one(d: Deployment, ps: list[list[int]], refs: list[list[int]], concurren
     with ThreadPoolExecutor(concurrency) as pool:
         list(pool.map(one, range(len(ps))))
     wall = time.monotonic() - t0
-    return {"ttft_p50_ms": 1e3 * statistics.median(ttfts) if ttfts else float("nan"),
-            "ttft_p99_ms": 1e3 * pct(ttfts, 0.99), "max_ttft_ms": 1e3 * max(ttfts, default=0),
-            "req_per_s": len(ps) / wall, "failures": len(failures), "errors": failures[:3],
-            "load": f"{load0:.1f}->{os.getloadavg()[0]:.1f}"}
+    return {
+        "ttft_p50_ms": 1e3 * statistics.median(ttfts) if ttfts else float("nan"),
+        "ttft_p99_ms": 1e3 * pct(ttfts, 0.99),
+        "max_ttft_ms": 1e3 * max(ttfts, default=0),
+        "req_per_s": len(ps) / wall,
+        "failures": len(failures),
+        "errors": failures[:3],
+        "load": f"{load0:.1f}->{os.getloadavg()[0]:.1f}",
+    }
 
 
 def main() -> None:
@@ -173,19 +205,25 @@ def main() -> None:
         finally:
             d.stop()
     base = "nixl-connector"
-    print(f"\n{len(ps)} prompts of 8-900 tokens, {args.max_tokens} new tokens each, "
-          f"streamed through kvwire_vllm.router; {os.cpu_count()} cores")
-    print("| connector | in flight | TTFT p50 (ms) | TTFT p99 (ms) | req/s | failures "
-          "| p50 vs NixlConnector | req/s vs NixlConnector | load avg (1 min) |")
+    print(
+        f"\n{len(ps)} prompts of 8-900 tokens, {args.max_tokens} new tokens each, "
+        f"streamed through kvwire_vllm.router; {os.cpu_count()} cores"
+    )
+    print(
+        "| connector | in flight | TTFT p50 (ms) | TTFT p99 (ms) | req/s | failures "
+        "| p50 vs NixlConnector | req/s vs NixlConnector | load avg (1 min) |"
+    )
     print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for connector, by_c in results.items():
         for c, r in by_c.items():
             b = results.get(base, {}).get(c)
             p50r = f"{r['ttft_p50_ms'] / b['ttft_p50_ms']:.2f}x" if b else "-"
             rpsr = f"{r['req_per_s'] / b['req_per_s']:.2f}x" if b else "-"
-            print(f"| {connector} | {c} | {r['ttft_p50_ms']:.0f} | {r['ttft_p99_ms']:.0f} | "
-                  f"{r['req_per_s']:.2f} | {r['failures']}/{len(ps)} | {p50r} | {rpsr} | "
-                  f"{r['load']} |")
+            print(
+                f"| {connector} | {c} | {r['ttft_p50_ms']:.0f} | {r['ttft_p99_ms']:.0f} | "
+                f"{r['req_per_s']:.2f} | {r['failures']}/{len(ps)} | {p50r} | {rpsr} | "
+                f"{r['load']} |"
+            )
     if args.json:
         args.json.write_text(json.dumps(results, indent=1))
 

@@ -87,6 +87,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--sizes", type=_ints, default=[2, 16, 128, 512], help="MiB per request")
     p.add_argument("--concurrency", type=_ints, default=[1, 8])
     p.add_argument("--requests", type=int, default=16, help="timed requests per cell")
+    p.add_argument(
+        "--empty-last",
+        action="store_true",
+        help="timed requests (unchunked) as all pages then an empty last send, as before "
+        "session 13 (default: one last send with every page)",
+    )
     p.add_argument("--verify-requests", type=int, default=4)
     p.add_argument("--repeat", type=int, default=10, help="mover/peer timing repeats")
     p.add_argument("--engine-step", type=float, default=0.0002)

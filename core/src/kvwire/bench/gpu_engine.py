@@ -15,6 +15,39 @@ import numpy as np
 
 from kvwire.bench.gpu_mover import MiB, log
 
+#: A request's stages, each from one rank's mark to the next one's (``RankReport.marks`` of
+#: the first prefill and the first decode rank; ``time.perf_counter()`` on one host).
+STAGES = (
+    ("ask", "decode", "created", "decode", "requested"),
+    ("reach", "decode", "requested", "prefill", "asked"),
+    ("take", "prefill", "asked", "prefill", "taken"),
+    ("plan", "prefill", "taken", "prefill", "planned"),
+    ("post", "prefill", "planned", "prefill", "posted"),
+    ("land", "prefill", "posted", "decode", "noted"),
+    ("finish", "decode", "noted", "decode", "success"),
+    ("report", "decode", "success", "decode", "seen"),
+    ("total", "decode", "created", "decode", "seen"),
+    ("prefill_complete", "prefill", "posted", "prefill", "done"),
+)
+
+
+def stage_medians(results: list[Any]) -> dict[str, float]:
+    """Median ms of each of :data:`STAGES` over the requests that have both marks (a stage
+    a path does not mark, e.g. ``planned`` off the staged path, is left out)."""
+    out: dict[str, float] = {}
+    for name, r0, m0, r1, m1 in STAGES:
+        vals = []
+        for r in results:
+            first: dict[str, dict[str, float]] = {}
+            for x in r.reports:
+                first.setdefault(x.role, x.marks)
+            a, b = first.get(r0, {}).get(m0), first.get(r1, {}).get(m1)
+            if a is not None and b is not None:
+                vals.append(b - a)
+        if vals:
+            out[name] = round(1e3 * sorted(vals)[len(vals) // 2], 3)
+    return out
+
 
 def engine(
     a: Any,
@@ -82,10 +115,14 @@ def engine(
     flag = Path(a.sample_dir) / "on" if getattr(a, "sample_dir", "") else None
     rng = np.random.default_rng(3)
 
+    empty_last = bool(getattr(a, "empty_last", False))
+
     def chunks(p: int, verify: bool) -> list[int]:
-        cut = int(rng.integers(0, p + 1)) if verify else p
         if max_chunk_pages <= 0:
-            return [cut, p - cut]
+            if verify:  # two chunks cut at random (either may be empty)
+                cut = int(rng.integers(0, p + 1))
+                return [cut, p - cut]
+            return [p, 0] if empty_last else [p]
         k = max_chunk_pages
         return [min(k, p - i) for i in range(0, p, k)] or [0]
 
@@ -152,6 +189,7 @@ def engine(
                 for k in ("queue_s", "post_s", "transfer_s", "latency_s"):
                     vals = sorted(getattr(x, k) for x in pre)
                     cell[f"prefill_{k[:-2]}_ms"] = 1e3 * vals[len(vals) // 2]
+                cell["stages_ms"] = stage_medians(res)
                 report["cells"].append(cell)
                 log(f"engine {cell}")
         if flag is not None:

@@ -196,6 +196,10 @@ class _Hooks:
         self.events.setdefault(room, []).append("abandon")
 
 
+#: The fields of :class:`RankReport` that ``recovery_of`` fills, in its order.
+RECOVERY_FIELDS = ("cause", "good_pages", "missing_pages", "good_mismatches")
+
+
 def aux_row(room: int) -> NDArray[np.int32]:
     return (((room % 1_000_003) * 7_919 + np.arange(AUX_WORDS)) & 0x7FFFFFFF).astype(np.int32)
 
@@ -383,7 +387,8 @@ def rank_main(
                     mt.queue_s,
                     mt.post_s,
                     mt.transfer_s,
-                    *recovery,
+                    **dict(zip(RECOVERY_FIELDS, recovery, strict=False)),
+                    marks={**mt.marks, "created": a.t0, "seen": time.perf_counter()},
                 ),
                 a.plan.room,
             )

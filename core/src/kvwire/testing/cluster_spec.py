@@ -238,6 +238,11 @@ class RankReport:
     good_pages: tuple[int, ...] = ()
     missing_pages: tuple[int, ...] = ()
     good_mismatches: int = 0
+    #: The request's stage marks on this rank (``RequestMetrics.marks``, ``time.perf_counter()``
+    #: values, comparable across the processes of one host) plus the harness's own:
+    #: ``created`` (sender or receiver made) and ``seen`` (its poll returned the terminal
+    #: status).
+    marks: dict[str, float] = field(default_factory=dict)
 
 
 @dataclass

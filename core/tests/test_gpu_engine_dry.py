@@ -1,0 +1,47 @@
+"""The GPU benchmarks' engine phase (:mod:`kvwire.bench.gpu_engine`) as a dry run on host
+memory over ``tcp``: every verified element right, the stage table of the timed requests, and
+where the aux row travels for the two shapes of a request's sends."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+from kvwire.bench.gpu_engine import STAGES, engine
+
+
+def _args(**kw: Any) -> SimpleNamespace:
+    base = dict(
+        device="cpu", gpus=None, sizes=[1], concurrency=[1], requests=8, verify_requests=2,
+        engine_step=0.0002, timeout=120.0, backend="tcp", prefill_tp=1, decode_tp=1,
+    )  # fmt: skip
+    base.update(kw)
+    return SimpleNamespace(**base)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_timed_requests_report_their_stages_and_carry_the_aux_row_in_the_note() -> None:
+    """One last send with every page: the aux row rides in the last KV note (no bytes of its
+    own); an empty last send after the pages: it moves as a transfer of its own (two aux rows,
+    kvwire's stamp and the engine's, 64 bytes each), which is what the GPU benches timed
+    before session 13."""
+    one = engine(_args())
+    empty = engine(_args(empty_last=True))
+    for rep in (one, empty):
+        assert all(v["mismatches"] == 0 for v in rep["verified"])
+        (cell,) = rep["cells"]
+        assert cell["failed"] == 0 and cell["requests"] == 8
+        stages = cell["stages_ms"]
+        assert stages["total"] > 0
+        for name, *_ in STAGES:
+            if name in stages and name not in ("total", "prefill_complete"):
+                # each stage lies inside decode's created -> seen, request by request (prefill's
+                # own completion may come after decode saw Success)
+                assert 0 <= stages[name] <= stages["total"], (name, stages)
+    kv_bytes = one["cells"][0]["bytes_per_request"]
+    assert kv_bytes % 4096 == 0  # whole pages of the dry-run model, nothing else
+    assert {"plan", "post", "land"} <= set(one["cells"][0]["stages_ms"])
+    assert empty["cells"][0]["bytes_per_request"] == kv_bytes + 128
