@@ -478,8 +478,8 @@ def test_a_prefill_that_sends_no_checksums_is_refused(monkeypatch: pytest.Monkey
     monkeypatch.setattr(prefill_links, "SentSums", None)
     original = prefill_links.DecodeLinker.handshake
 
-    def handshake(self: Any, hello: Any) -> None:
-        original(self, hello.model_copy(update={"checksum": False}))
+    def handshake(self: Any, hello: Any, *rest: Any) -> None:
+        original(self, hello.model_copy(update={"checksum": False}), *rest)
 
     monkeypatch.setattr(prefill_links.DecodeLinker, "handshake", handshake)
     with pair(config(), _checked()) as p:

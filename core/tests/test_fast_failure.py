@@ -11,6 +11,7 @@ import threading
 import time
 import weakref
 from types import SimpleNamespace
+from typing import Any
 
 import numpy as np
 import pytest
@@ -220,6 +221,23 @@ def test_namesake_heard_after_the_hello_is_alive() -> None:
     assert linker._namesake_alive(live, arrived) is True
     assert time.monotonic() - t0 < 5.0
     timer.join()
+
+
+def test_a_handshake_that_raises_is_rejected_naming_the_error(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A bug in prefill's handshake (an exception where it does not answer itself) reaches
+    decode as a rejection naming it, instead of a silent handshake timeout."""
+
+    def broken(self: DecodeLinker, hello: Any, *rest: Any) -> None:
+        raise RuntimeError("a bug in the handshake")
+
+    monkeypatch.setattr(DecodeLinker, "handshake", broken)
+    with pair(config(**SLOW)) as p:  # a 30 s handshake timeout: only the rejection is fast
+        r = p.decode.receiver(4, p.addr)
+        r.init()
+        assert "a bug in the handshake" in failed_within(r, 20.0)
+        r.clear()
 
 
 def test_every_message_kind_has_exactly_one_handler_per_side() -> None:

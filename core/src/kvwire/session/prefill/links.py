@@ -137,7 +137,17 @@ class DecodeLinker:
     def on_hello(self, msg: Message) -> None:
         """Liveness thread: a decode rank's hello; answered on a handshake thread."""
         assert isinstance(msg, Hello)
-        self.handshakes.submit(self.handshake, msg, time.monotonic())
+        self.handshakes.submit(self._answer, msg, time.monotonic())
+
+    def _answer(self, hello: Hello, arrived: float) -> None:
+        """Handshake thread: :meth:`handshake`, and a rejection naming the error if it raised
+        where it does not answer itself (decode would otherwise wait out its handshake
+        timeout, and the error would go unlogged)."""
+        try:
+            self.handshake(hello, arrived)
+        except Exception as exc:
+            logger.exception("%s: handshake with %s failed", self.ctx.agent_name, hello.agent)
+            self._reject(hello, f"handshake failed on prefill: {type(exc).__name__}: {exc}", [])
 
     def on_unsigned(self, msg: Message) -> None:
         """Liveness thread: a hello without the MAC this rank requires. Tell its sender why
