@@ -41,7 +41,7 @@ from typing import Any
 
 import numpy as np
 
-from kvwire.bench.gpu_engine import engine
+from kvwire.bench.gpu_engine import add_engine_args, engine
 from kvwire.bench.gpu_mover import RUN, RUNS_PER_PAGE, MiB, log, mover_check, mover_vs_peer
 
 
@@ -271,48 +271,14 @@ def render(report: dict[str, Any]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
-    p.add_argument(
-        "--gpus",
-        type=lambda s: [int(x) for x in s.split(",")],
-        default=None,
-        help="GPUs the ranks take round robin, prefill first (default: every visible GPU, so "
-        "each rank has its own where there are enough; the mover and peer copy use the first two)",
-    )
-    p.add_argument(
-        "--sizes",
-        type=lambda s: [int(x) for x in s.split(",")],
-        default=[2, 16, 128, 512],
-        help="MiB per request",
-    )
-    p.add_argument("--concurrency", type=lambda s: [int(x) for x in s.split(",")], default=[1, 8])
-    p.add_argument("--requests", type=int, default=48, help="timed requests per cell")
-    p.add_argument(
-        "--empty-last",
-        action="store_true",
-        help="timed requests (unchunked) as all pages then an empty last send, as before "
-        "session 13 (default: one last send with every page)",
-    )
-    p.add_argument("--verify-requests", type=int, default=8)
+    add_engine_args(p, requests=48, verify=8, timeout=300.0, backend="cudaipc")
     p.add_argument("--repeat", type=int, default=20, help="mover/peer timing repeats")
-    p.add_argument("--engine-step", type=float, default=0.0002)
-    p.add_argument("--timeout", type=float, default=300.0)
     p.add_argument("--skip-engine", action="store_true")
     p.add_argument("--skip-mover", action="store_true")
     p.add_argument("--skip-backend-api", action="store_true")
     p.add_argument("--profile", default="", help="cProfile of the backend API at the first size")
     p.add_argument("--mover-json", default="", help="mover results of an earlier run to merge")
     p.add_argument("--nixl-json", default="")
-    p.add_argument("--backend", default="cudaipc", help="transfer backend of the engine phase")
-    p.add_argument("--prefill-tp", type=int, default=1, help="engine phase: prefill ranks")
-    p.add_argument("--decode-tp", type=int, default=1, help="engine phase: decode ranks")
-    p.add_argument(
-        "--sample-dir",
-        default="",
-        help="folder where a file 'on' exists while the timed engine requests run (for "
-        "scripts/gpu_call_tracer.py in the rank processes)",
-    )
-    p.add_argument("--json", default="")
     a = p.parse_args(argv)
     command = " ".join(
         ["scripts/gpu_cudaipc_bench.py", *(argv if argv is not None else sys.argv[1:])]

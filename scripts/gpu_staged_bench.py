@@ -33,7 +33,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from kvwire.bench.gpu_engine import engine
+from kvwire.bench.gpu_engine import add_engine_args, engine
 from kvwire.bench.gpu_mover import MiB, log, mover_check, mover_vs_peer
 
 
@@ -76,51 +76,16 @@ def render(report: dict[str, Any]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
-    p.add_argument(
-        "--gpus",
-        type=_ints,
-        default=None,
-        help="GPUs the ranks take round robin, prefill first (default: every visible GPU, so "
-        "each rank has its own where there are enough; the mover and peer copy use the first two)",
-    )
-    p.add_argument("--sizes", type=_ints, default=[2, 16, 128, 512], help="MiB per request")
-    p.add_argument("--concurrency", type=_ints, default=[1, 8])
-    p.add_argument("--requests", type=int, default=16, help="timed requests per cell")
-    p.add_argument(
-        "--empty-last",
-        action="store_true",
-        help="timed requests (unchunked) as all pages then an empty last send, as before "
-        "session 13 (default: one last send with every page)",
-    )
-    p.add_argument("--verify-requests", type=int, default=4)
+    add_engine_args(p, requests=16, verify=4, timeout=120.0, backend="nixl")
     p.add_argument("--repeat", type=int, default=10, help="mover/peer timing repeats")
-    p.add_argument("--engine-step", type=float, default=0.0002)
-    p.add_argument("--timeout", type=float, default=120.0)
-    p.add_argument("--backend", default="nixl")
     p.add_argument("--chunk-pages", type=int, default=16, help="pages per chunk at most")
     p.add_argument("--block-mib", type=int, default=2, help="staging block (one descriptor)")
     p.add_argument("--ring-mib", type=int, default=512)
     p.add_argument("--buffers", type=int, default=2, help="staging buffers per worker")
     p.add_argument("--per-page-sizes", type=_ints, default=[2, 16, 128])
-    p.add_argument("--prefill-tp", type=int, default=1)
-    p.add_argument("--decode-tp", type=int, default=1)
-    p.add_argument("--mla", action="store_true", help="an MLA model (one latent row)")
-    p.add_argument("--decode-page-size", type=int, default=None, help="decode's page size")
-    p.add_argument(
-        "--head-major",
-        type=lambda v: tuple(x for x in v.split(",") if x),
-        default=(),
-        help="roles whose pages are head-major, e.g. decode or prefill,decode",
-    )
     p.add_argument("--skip-mover", action="store_true")
     p.add_argument("--skip-per-page", action="store_true")
     p.add_argument("--nixl-json", default="")
-    p.add_argument(
-        "--sample-dir",
-        default="",
-        help="a file 'on' exists here while timed requests run (scripts/gpu_call_tracer.py)",
-    )
     p.add_argument(
         "--staging-option",
         action="append",
@@ -129,7 +94,6 @@ def main(argv: list[str] | None = None) -> int:
         help="bulk staging option for the staged phase, over the defaults above (e.g. "
         "equal_tp_min_chunk_bytes=0 to stage 2 MiB requests, offer_ahead=false)",
     )
-    p.add_argument("--json", default="")
     a = p.parse_args(argv)
     command = " ".join(["scripts/gpu_staged_bench.py", *(argv or sys.argv[1:])])
     report: dict[str, Any] = {"command": command, "host": platform.node()}

@@ -6,6 +6,7 @@ backend and staging strategy, every element of the verified batches checked on d
 
 from __future__ import annotations
 
+import argparse
 import secrets
 import time
 from pathlib import Path
@@ -29,6 +30,56 @@ STAGES = (
     ("total", "decode", "created", "decode", "seen"),
     ("prefill_complete", "prefill", "posted", "prefill", "done"),
 )
+
+
+def _ints(v: str) -> list[int]:
+    return [int(x) for x in v.split(",") if x]
+
+
+def add_engine_args(
+    p: argparse.ArgumentParser, *, requests: int, verify: int, timeout: float, backend: str
+) -> None:
+    """The engine phase's command-line options, shared by the GPU benches (each passes its
+    own defaults): the machine, the sizes and concurrencies, the shape of the request, and
+    where results go."""
+    p.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
+    p.add_argument(
+        "--gpus",
+        type=_ints,
+        default=None,
+        help="GPUs the ranks take round robin, prefill first (default: every visible GPU, so "
+        "each rank has its own where there are enough; the mover and peer copy use the first two)",
+    )
+    p.add_argument("--sizes", type=_ints, default=[2, 16, 128, 512], help="MiB per request")
+    p.add_argument("--concurrency", type=_ints, default=[1, 8])
+    p.add_argument("--requests", type=int, default=requests, help="timed requests per cell")
+    p.add_argument(
+        "--empty-last",
+        action="store_true",
+        help="timed requests (unchunked) as all pages then an empty last send, as before "
+        "session 13 (default: one last send with every page)",
+    )
+    p.add_argument("--verify-requests", type=int, default=verify)
+    p.add_argument("--engine-step", type=float, default=0.0002)
+    p.add_argument("--timeout", type=float, default=timeout)
+    p.add_argument("--backend", default=backend, help="transfer backend of the engine phase")
+    p.add_argument("--prefill-tp", type=int, default=1, help="engine phase: prefill ranks")
+    p.add_argument("--decode-tp", type=int, default=1, help="engine phase: decode ranks")
+    p.add_argument("--mla", action="store_true", help="an MLA model (one latent row)")
+    p.add_argument("--decode-page-size", type=int, default=None, help="decode's page size")
+    p.add_argument(
+        "--head-major",
+        type=lambda v: tuple(x for x in v.split(",") if x),
+        default=(),
+        help="roles whose pages are head-major, e.g. decode or prefill,decode",
+    )
+    p.add_argument(
+        "--sample-dir",
+        default="",
+        help="a file 'on' exists here while the timed requests run (for a sampler or tracer "
+        "in the rank processes: scripts/rank_sampler.py, scripts/gpu_call_tracer.py)",
+    )
+    p.add_argument("--json", default="")
 
 
 def stage_medians(results: list[Any]) -> dict[str, float]:
