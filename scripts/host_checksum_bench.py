@@ -5,7 +5,7 @@ as ``kvwire bench``'s default), one chunk of ``--pages`` pages mapped by the equ
 its pages side by side (the usual case, read through a view) and scattered over the pool
 (gathered first). Prints the median GB/s of ``--repeat`` calls after a warm-up call.
 
-    uv run --frozen --no-sync python scripts/host_checksum_bench.py [--pages 8] [--repeat 20]
+    uv run --frozen --no-sync python scripts/host_checksum_bench.py [--pages 8] [--repeat 20] [--one-thread]
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ import numpy as np
 
 from kvwire.config import KVWireConfig
 from kvwire.descriptors import ADDR, LEN
+from kvwire import integrity
 from kvwire.integrity import RowHasher
 from kvwire.layout import ModelSpec, RankPosition
 from kvwire.session.handshake import build_mapper
@@ -30,7 +31,15 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--pages", type=int, default=8, help="pages per chunk")
     ap.add_argument("--repeat", type=int, default=20)
+    ap.add_argument(
+        "--one-thread",
+        action="store_true",
+        help="sum on the calling thread alone (no helper thread for the second half), as "
+        "when the other core is busy",
+    )
     a = ap.parse_args()
+    if a.one_thread:
+        integrity.PARALLEL_MIN_BYTES = 1 << 62
     slots = 8 * a.pages
     layout, _ = make_pool(MODEL, RankPosition(), slots)
     mapper = build_mapper(KVWireConfig(), layout, layout)
