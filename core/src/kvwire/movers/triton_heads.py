@@ -110,15 +110,21 @@ def _copy_heads(  # type: ignore[no-untyped-def]  # Triton 3.6 rejects non-Trito
                 tl.store(blk, tl.load(pool, mask=mask), mask=mask)
 
 
-def tile_shape(n_elems: int, count: int, elem_bytes: int, vec: int) -> tuple[int, int]:
+def tile_shape(
+    n_elems: int, count: int, elem_bytes: int, vec: int, threads: int
+) -> tuple[int, int]:
     """A program's tile ``(rows, cols)`` in elements for pieces of ``n_elems`` elements,
-    ``count`` pieces per program: ``cols`` the piece rounded up to a power of two (at least a
-    vector, at most a block), ``rows`` filling :data:`~kvwire.movers.plan.BLOCK_BYTES` but no
-    more rows than the program has pieces (powers of two, as ``tl.arange`` needs)."""
+    ``count`` pieces per program, ``threads`` threads per program: ``cols`` the piece rounded
+    up to a power of two (at least a vector, at most a block), ``rows`` filling
+    :data:`~kvwire.movers.plan.BLOCK_BYTES` but no more rows than the program has pieces --
+    yet at least a vector per thread: Triton gives a thread no more elements than the tile
+    has per thread, and a tile under a vector per thread compiles to scalar accesses (rows
+    past the pieces are masked off). Powers of two, as ``tl.arange`` needs."""
     block = BLOCK_BYTES // elem_bytes
     cols = min(max(1 << max(n_elems - 1, 0).bit_length(), vec), block)
     rows = min(block // cols, 1 << max(count - 1, 0).bit_length())
-    return max(rows, 1), cols
+    rows = max(rows, threads * vec // cols, 1)
+    return rows, cols
 
 
 class HeadCopier(PageCopier):
@@ -158,7 +164,7 @@ class HeadCopier(PageCopier):
         width = page_width(addrs, block, slot_bytes, unit_bytes, lo, head_stride, token_stride, n)
         eb = _ELEM_BYTES[width]
         vec = width // eb
-        rows, cols = tile_shape(n // eb, heads * tokens, eb, vec)
+        rows, cols = tile_shape(n // eb, heads * tokens, eb, vec, 32 * self.num_warps)
         key = (rows, cols, _ELEM[width], width, vec, to_pool)
         scalars = (
             nunits,
