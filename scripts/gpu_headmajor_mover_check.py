@@ -97,6 +97,7 @@ def make_pool(s: Setup, heads: int, page: int, slots: int, head_major: bool) -> 
     views = [big[i] for i in range(shape[0])]
     layout = KVLayout.from_tensors(model, views, RankPosition(), head_major=head_major)
     kv = KVTensors(layout, big)
+    s.sync()  # the pool's bytes are written on the default stream; staging uses its own
     if s.dry:
         kv.moves = kv.fused_moves("cpu")
     assert kv.moves is not None, "no fused moves (is Triton installed?)"
@@ -138,7 +139,8 @@ def run_case(s: Setup, case: tuple[Any, ...], tokens: int, repeat: int, rng: Any
     kw = dict(slot_bytes=heads * page * hb, per_page=per, unit_bytes=unit * hb, lo=h0 * page * hb,
               head_stride=page * hb, token_stride=hb, n=hb, heads=h1 - h0, tokens=unit)  # fmt: skip
     rel = kv.addrs - kv.addrs[0]
-    # 1. gather: mover, indexed copies, reference
+    # 1. gather: mover, indexed copies, reference (the blocks' zeroing done first)
+    s.sync()
     kv.gather(bufs, units, lo, hi, out_m, unit)
     kv_t.gather(bufs, units, lo, hi, out_t, unit)
     host = host_bytes(big)
@@ -151,9 +153,11 @@ def run_case(s: Setup, case: tuple[Any, ...], tokens: int, repeat: int, rng: Any
     fresh = torch.randint(0, 256, (size,), dtype=torch.uint8, device=s.dev)
     blk_m.copy_(fresh)
     before = big.clone()
+    s.sync()  # default-stream copies done before a staging stream reads them
     kv_t.scatter(bufs, other, lo, hi, out_m, unit)
     by_index = host_bytes(big)
     big.copy_(before)
+    s.sync()
     kv.scatter(bufs, other, lo, hi, out_m, unit)
     s.sync()
     after = host_bytes(big)
