@@ -208,7 +208,6 @@ _KV_UNITS_CHECK = textwrap.dedent(
     """
     import numpy as np
     from kvwire.layout import ModelSpec, RankPosition
-    from kvwire.movers.triton_units import UnitCopier
     from kvwire.staging.kernels import KVTensors
     from kvwire.testing.kvfill import make_pool
     rng = np.random.default_rng(5)
@@ -228,7 +227,8 @@ _KV_UNITS_CHECK = textwrap.dedent(
             y[...] = x
         lb_ref = KVTensors(lb2, ref_b)
         kv_a, kv_b = KVTensors(la, aa), KVTensors(lb, ab)
-        kv_a.mover = kv_b.mover = UnitCopier("cpu")  # the GPU path, interpreted
+        kv_a.moves = kv_a.fused_moves("cpu")  # the GPU path, interpreted
+        kv_b.moves = kv_b.fused_moves("cpu")
         ref_a = KVTensors(la, aa)  # NumPy path over the same memory
         bufs = np.array([3, 0, 2], dtype=np.int64)
         row = la.token_row_bytes

@@ -3,7 +3,10 @@
 :mod:`kvwire.movers.plan` cuts runs into fixed-size tiles with NumPy (no per-run Python loop)
 and holds the CPU reference movers that are the oracle of the property tests;
 :mod:`kvwire.movers.triton_copy` is the CUDA mover (one Triton launch per call, one program
-per tile), imported only where torch sees a GPU.
+per tile), imported only where torch sees a GPU. Bulk staging's page movers compute their
+addresses on the device from page lists: :mod:`kvwire.movers.triton_pages` (token-major
+pages), :mod:`kvwire.movers.triton_units` (units of pages), :mod:`kvwire.movers.triton_heads`
+(head-major pages), chosen per pool by :mod:`kvwire.movers.staged_moves`.
 """
 
 from kvwire.movers.plan import (
@@ -17,6 +20,7 @@ from kvwire.movers.plan import (
     copy_tiles_reference,
     element_width,
     expand_groups,
+    head_runs,
     merge_adjacent,
     plan_groups,
     plan_tiles,
@@ -34,6 +38,7 @@ __all__ = [
     "copy_tiles_reference",
     "element_width",
     "expand_groups",
+    "head_runs",
     "merge_adjacent",
     "plan_groups",
     "plan_tiles",

@@ -298,3 +298,39 @@ def unit_runs(
     pool = (start[:, :, None] + (np.arange(tokens, dtype=np.int64) * row)[None, None, :]).ravel()
     blk = block + np.arange(pool.size, dtype=np.int64) * n
     return pool, blk, np.full(pool.size, n, dtype=np.int64)
+
+
+def head_runs(
+    addrs: ArrayLike,
+    units: ArrayLike,
+    block: int,
+    *,
+    slot_bytes: int,
+    per_page: int,
+    unit_bytes: int,
+    lo: int,
+    head_stride: int,
+    token_stride: int,
+    n: int,
+    heads: int,
+    tokens: int,
+) -> tuple[I64, I64, I64]:
+    """The byte runs the head-major mover (:class:`kvwire.movers.triton_heads.HeadCopier`)
+    copies, as (pool addresses, block addresses, lengths): for every buffer at ``addrs[b]``,
+    unit ``units[i]`` (page ``u // per_page``, ``(u % per_page) * unit_bytes`` into each
+    head's run of its slot), token ``t < tokens`` and head ``h < heads``, one piece of ``n``
+    bytes at ``lo + h * head_stride + t * token_stride`` past the unit, laid out in the block
+    at ``block`` as ``[buffer, unit, token, head, n]`` (token order: a token's heads side by
+    side). A head-major slot ``[heads, page, head bytes]`` has ``head_stride = page * head
+    bytes`` and ``token_stride = n = head bytes``. NumPy only (broadcasting, no loop); with
+    :func:`copy_runs_reference` it is the oracle of the mover's tests."""
+    a, u = _i64(addrs), _i64(units)
+    page, k = u // per_page, u % per_page
+    start = a[:, None] + (page * slot_bytes + k * unit_bytes + lo)[None, :]  # [buffer, unit]
+    th = (
+        np.arange(tokens, dtype=np.int64)[:, None] * token_stride
+        + np.arange(heads, dtype=np.int64)[None, :] * head_stride
+    ).ravel()  # [token, head]
+    pool = (start[:, :, None] + th[None, None, :]).ravel()
+    blk = block + np.arange(pool.size, dtype=np.int64) * n
+    return pool, blk, np.full(pool.size, n, dtype=np.int64)

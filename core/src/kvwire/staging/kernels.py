@@ -5,12 +5,12 @@ every token of every page of every buffer pair, laid out ``[pair, page, token, s
 Prefill gathers it from its pool; decode scatters it into its pool. Both run where the pool is:
 NumPy views of host memory (no torch thread pool spinning beside the engine), or a private CUDA
 stream that is synchronised before the transfer reads the block and before its ring space is
-freed. On a GPU with token-major pages the copy is **one** launch of the fused run mover
-(:class:`~kvwire.movers.triton_copy.RunCopier`) per gather or scatter, whatever the number of
-buffers: one run per (buffer, page) for whole rows, one per (buffer, page, token) for a head
-slice, computed with NumPy. Elsewhere (host pools, head-major pages, no Triton) one indexed copy
-per buffer, vectorised over pages and tokens, or a single one when the engine hands its pool
-over as one stacked tensor.
+freed. On a GPU the copy is **one** kernel launch per gather or scatter, whatever the number of
+buffers (:mod:`kvwire.movers.staged_moves`, chosen once by page order): the page and token-run
+movers for token-major pages, the head-major mover for head-major ones (a head range of every
+token, transposed into token order on the device). Elsewhere (host pools, no Triton) one
+indexed copy per buffer, vectorised over pages and tokens (head-major pages through a
+transpose), or a single one when the engine hands its pool over as one stacked tensor.
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ from numpy.typing import NDArray
 
 from kvwire.errors import ConfigError
 from kvwire.layout import KVLayout
+from kvwire.movers.staged_moves import PoolGeometry, PoolMoves, fused_moves
 
 
 def _torch() -> Any:
@@ -87,13 +88,25 @@ class KVTensors:
         self.slot_bytes = int(np.prod(shape[1:]))
         self.row = row
         self.page_size = m.page_size
-        #: The page mover of a GPU pool with token-major pages (None: indexed copies).
-        self.mover: Any = None
+        #: The fused moves of a GPU pool, for its page order (None: indexed copies).
+        self.moves: PoolMoves | None = None
         if self.on_device:
             self.torch = _torch()
             self.stream = self.torch.cuda.Stream(device=self.device)
-            if not self.head_major:
-                self.mover = _mover(self.device)
+            self.moves = self.fused_moves(self.device)
+
+    def fused_moves(self, device: Any) -> PoolMoves | None:
+        """This pool's fused moves on ``device`` (built at construction for a GPU pool; tests
+        attach them to a host pool with ``device="cpu"``, run by Triton's interpreter), or
+        None where Triton is not installed."""
+        geometry = PoolGeometry(
+            addrs=self.addrs,
+            slot_bytes=self.slot_bytes,
+            row=self.row,
+            page_size=self.page_size,
+            head_bytes=self.head_bytes,
+        )
+        return fused_moves(geometry, device, head_major=self.head_major)
 
     def _index(self, arr: NDArray[np.int64]) -> Any:
         arr = np.ascontiguousarray(arr, dtype=np.int64)
@@ -133,8 +146,9 @@ class KVTensors:
         if unit and unit != self.page_size:
             self._units(bufs, pages, lo, hi, out, unit, to_pool=False)
             return
-        if self.mover is not None:
-            self._pages_copy(bufs, pages, lo, hi, _addr(out), to_pool=False)
+        if self.moves is not None:
+            self.moves.pages(bufs, pages, lo, hi, _addr(out), to_pool=False, stream=self.stream)
+            self.sync()
             return
         with self._ctx():
             idx = self._index(pages)
@@ -162,8 +176,9 @@ class KVTensors:
         if unit and unit != self.page_size:
             self._units(bufs, pages, lo, hi, block, unit, to_pool=True)
             return
-        if self.mover is not None:
-            self._pages_copy(bufs, pages, lo, hi, _addr(block), to_pool=True)
+        if self.moves is not None:
+            self.moves.pages(bufs, pages, lo, hi, _addr(block), to_pool=True, stream=self.stream)
+            self.sync()
             return
         with self._ctx():
             idx = self._index(pages)
@@ -174,34 +189,6 @@ class KVTensors:
             else:
                 for i, bi in enumerate(bufs.tolist()):
                     self._part(self.views[bi], lo, hi)[idx] = self._pages(block[i], hi - lo)
-        self.sync()
-
-    def _pages_copy(
-        self,
-        bufs: NDArray[np.int64],
-        pages: NDArray[np.int64],
-        lo: int,
-        hi: int,
-        block: int,
-        *,
-        to_pool: bool,
-    ) -> None:
-        """One page-mover launch between bytes ``[lo, hi)`` of the token rows of ``pages`` in
-        buffers ``bufs`` and the block at ``block`` (laid out as :meth:`runs` says: whole rows
-        are one piece per page, a slice one per token), then the staging stream waited for."""
-        whole = hi - lo == self.row
-        self.mover.copy(
-            self.addrs[np.asarray(bufs, dtype=np.int64)],
-            np.asarray(pages, dtype=np.int64),
-            block,
-            slot_bytes=self.slot_bytes,
-            lo=lo,
-            row=self.row,
-            n=self.page_size * self.row if whole else hi - lo,
-            tokens=1 if whole else self.page_size,
-            to_pool=to_pool,
-            stream=self.stream,
-        )
         self.sync()
 
     def _units(
@@ -217,28 +204,15 @@ class KVTensors:
     ) -> None:
         """Gather (scatter when ``to_pool``) bytes ``[lo, hi)`` of the token rows of token
         ``units`` of ``unit`` tokens and the block (``[buffer, unit, token, hi - lo]``). On a
-        GPU with token-major pages: one launch of the token-run mover; elsewhere one indexed
-        copy per buffer, vectorised over units (head-major pages: through a transpose)."""
+        GPU: one launch of the pool's fused moves; elsewhere one indexed copy per buffer,
+        vectorised over units (head-major pages: through a transpose)."""
         if self.page_size % unit:
             raise ConfigError(f"units of {unit} tokens do not divide pages of {self.page_size}")
         per = self.page_size // unit
         u = np.asarray(units, dtype=np.int64)
-        if self.mover is not None:
-            whole = hi - lo == self.row
-            self.mover.copy_units(
-                self.addrs[np.asarray(bufs, dtype=np.int64)],
-                u,
-                _addr(block),
-                slot_bytes=self.slot_bytes,
-                per_page=per,
-                unit_bytes=unit * self.row,
-                lo=lo,
-                row=self.row,
-                n=unit * self.row if whole else hi - lo,
-                tokens=1 if whole else unit,
-                to_pool=to_pool,
-                stream=self.stream,
-            )
+        if self.moves is not None:
+            self.moves.units(bufs, u, lo, hi, _addr(block), unit, to_pool=to_pool,
+                             stream=self.stream)  # fmt: skip
             self.sync()
             return
         with self._ctx():
@@ -316,17 +290,6 @@ class KVTensors:
         if not self.on_device:
             return np.zeros(nbytes, dtype=np.uint8)
         return self.torch.zeros(nbytes, dtype=self.torch.uint8, device=self.device)
-
-
-def _mover(device: Any) -> Any:
-    """The page mover for ``device`` (:class:`kvwire.movers.triton_units.UnitCopier`: the
-    page mover :class:`~kvwire.movers.triton_pages.PageCopier` plus token units), or
-    None where Triton is not installed (the indexed copies then serve)."""
-    try:
-        from kvwire.movers.triton_units import UnitCopier
-    except ImportError:
-        return None
-    return UnitCopier(device)
 
 
 def block_view(buf: Any, start: int, shape: tuple[int, ...]) -> Any:
