@@ -536,7 +536,8 @@ def test_sent_sums_map_a_chunk_once_for_all_its_layer_groups(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """A layer-wise chunk asks for its sums group by group with the same page arrays: the
-    chunk is mapped once per worker thread, and the groups' sums add up to the chunk's."""
+    chunk is mapped once per worker thread, and the groups' sums add up to the chunk's (a
+    link summed as rows). A link with a page form never maps rows, with the same sums."""
     import threading
 
     src_layout, _ = _pool(7)
@@ -552,7 +553,12 @@ def test_sent_sums_map_a_chunk_once_for_all_its_layer_groups(
 
     monkeypatch.setattr(mapper, "map_chunk", counting)
     src, dst = np.array([3, 1, 4]), np.array([5, 9, 2])
+    assert sent.sides is not None, "equal TP has a page form"
+    paged = sent.chunk(src, dst)
+    assert not calls and paged == sent.chunk(src, dst, (0, MODEL.num_layers))
+    sent.sides = None  # the row path (links with no page form)
     whole = sent.chunk(src, dst)
+    assert whole == paged
     assert len(calls) == 1 and set(whole) == set(range(MODEL.num_layers))
     groups: dict[int, int] = {}
     for layer in range(MODEL.num_layers):
