@@ -163,7 +163,7 @@ class RowHasher:
         mapping them. Prefill reads its source side keyed by the destination side; decode
         reads the destination side keyed by itself. ``layers``: only pairs of these layers.
         Called by transfer workers (prefill) and checker threads (decode)."""
-        rp, kp = _page_lists(read, read_pages, key, key_pages)
+        rp, kp = page_lists(read, read_pages, key, key_pages)
         pos, layer = self._pairs(read)
         pairs: NDArray[np.int64] | None = None
         if layers is not None:
@@ -312,7 +312,7 @@ def _weighted_rows(
     return gathered
 
 
-def _page_lists(
+def page_lists(
     read: PageSide, read_pages: IndexArray, key: PageSide, key_pages: IndexArray
 ) -> tuple[IndexArray, IndexArray]:
     """A page-form sum's page lists, checked (inside their sides' pools, equally many) against

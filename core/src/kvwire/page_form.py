@@ -199,16 +199,16 @@ class PageSide:
         """Buffer pairs of the geometry."""
         return int(self.base.size)
 
-    def addresses(self, pages: NDArray[np.int64], pairs: NDArray[np.int64] | None = None) -> (
-        NDArray[np.uint64]
-    ):
+    def addresses(
+        self, pages: NDArray[np.int64], pairs: NDArray[np.int64] | None = None
+    ) -> NDArray[np.uint64]:
         """The rows' addresses for ``pages`` (of buffer pairs ``pairs``, default all), in
         :meth:`PageChunk.rows` order (pair-major, then page, then piece); vectorised."""
         base = self.base if pairs is None else self.base[pairs]
         t = np.arange(self.tokens, dtype=np.int64)[None, None, :] * self.row
         p = np.asarray(pages, dtype=np.int64)[None, :, None] * self.slot
-        out: NDArray[np.uint64] = (base.view(np.int64)[:, None, None] + p + t).ravel().view(
-            np.uint64
+        out: NDArray[np.uint64] = (
+            (base.view(np.int64)[:, None, None] + p + t).ravel().view(np.uint64)
         )
         return out
 
@@ -224,9 +224,7 @@ class PageSide:
         return out
 
 
-def page_sides(
-    geometry: PageGeometry, src: DescTable, dst: DescTable
-) -> tuple[PageSide, PageSide]:
+def page_sides(geometry: PageGeometry, src: DescTable, dst: DescTable) -> tuple[PageSide, PageSide]:
     """A link's page geometry as byte addresses on both sides (``src``/``dst``: the mapper's
     own descriptor tables, whose rows the geometry names), for sums computed from a chunk's
     page form. Checks the geometry's byte strides against the tables

@@ -227,6 +227,9 @@ def _page_sides(
     try:
         return page_sides(geometry, src, dst)
     except DescriptorError as exc:
-        logger.warning("checksums: the %s mapper's page form is not its tables' (%s); "
-                       "summing rows", mapper.name, exc)
+        logger.warning(
+            "checksums: the %s mapper's page form is not its tables' (%s); summing rows",
+            mapper.name,
+            exc,
+        )
         return None
