@@ -120,23 +120,27 @@ def test_reference_mover_copies_what_the_rows_copy() -> None:
     for tp, ranks in (((2, 1), (1, 0)), ((1, 1), (0, 0)), ((1, 2), (0, 1))):
         mapper = link(4, tp, ranks)[0]
         tables = mapper.build_tables()
-        lo = int(min(tables.src[:, ADDR].min(), tables.dst[:, ADDR].min()))
-        hi = int(max((tables.src[:, ADDR] + tables.src[:, LEN]).max(),
-                     (tables.dst[:, ADDR] + tables.dst[:, LEN]).max()))  # fmt: skip
-        # a private arena holding both pools' byte ranges, filled at random
-        arena = rng.integers(0, 256, hi - lo, dtype=np.uint8)
+        # a private arena holding both pools' byte ranges one after the other (the pools
+        # themselves may lie terabytes apart), filled at random
+        span = []
+        for t in (tables.src, tables.dst):
+            lo = int(t[:, ADDR].min())
+            span.append((lo, int((t[:, ADDR] + t[:, LEN]).max()) - lo))
+        (s_lo, s_len), (d_lo, d_len) = span
+        d_shift = d_lo - s_len  # destination addresses minus this: offsets after the source
+        arena = rng.integers(0, 256, s_len + d_len, dtype=np.uint8)
         sp, dp = np.array([4, 0, 2]), np.array([1, 5, 3])
         chunk = mapper.page_chunk(sp, dp)
         assert chunk is not None
         g = chunk.geometry
-        s_addr = tables.src[g.src_rows, ADDR].astype(np.int64) - lo
-        d_addr = tables.dst[g.dst_rows, ADDR].astype(np.int64) - lo
+        s_addr = tables.src[g.src_rows, ADDR].astype(np.int64) - s_lo
+        d_addr = tables.dst[g.dst_rows, ADDR].astype(np.int64) - d_shift
         want = arena.copy()
         si, di = mapper.map_chunk(sp, dp)
         copy_runs_reference(
             want,
-            tables.src[si, ADDR].astype(np.int64) - lo,
-            tables.dst[di, ADDR].astype(np.int64) - lo,
+            tables.src[si, ADDR].astype(np.int64) - s_lo,
+            tables.dst[di, ADDR].astype(np.int64) - d_shift,
             tables.src[si, LEN].astype(np.int64),
         )
         got = arena.copy()
