@@ -15,15 +15,15 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from kvwire.config import KVWireConfig
 from kvwire.descriptors import ADDR, LEN
 from kvwire.errors import DescriptorError
 from kvwire.index import EqualTPMapper, HeadSliceMapper, IndexMapper, MLAMapper, default_mapper_name
 from kvwire.index.ranks import source_ranks
 from kvwire.integrity import RowHasher, add_sums, mismatched_layers
-from kvwire.layout import KVLayout, ModelSpec, RankPosition
+from kvwire.layout import ModelSpec, RankPosition
 from kvwire.page_form import PageSide, page_sides
 from kvwire.session.checksums import LandedSums, SentSums
-from kvwire.config import KVWireConfig
 from kvwire.testing.kvfill import make_pool
 
 MAPPERS: dict[str, type[IndexMapper]] = {
@@ -174,3 +174,46 @@ def test_groups_of_layers_add_up_to_the_chunk() -> None:
     for a in range(3):
         add_sums(parts, sent.chunk(sp, dp, (a, a + 1)))
     assert parts == whole and set(whole) == {0, 1, 2}
+
+
+def test_a_checked_transfer_is_summed_from_pages_on_both_sides(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Two managers over tcp, a chunked request checked end to end: every chunk is summed
+    from its page form on prefill and on decode (no row list is summed), and lands verified.
+    Heterogeneous TP end to end (head slices) runs across processes in
+    tests/test_checksums_cluster.py."""
+    from kvwire.session import KVPoll
+    from kvwire.testing.kvfill import count_mismatches, fill_pages
+    from kvwire.testing.pair import config, pair, wait_for
+
+    calls = {"pages": 0, "rows": 0}
+    page_sums, sums = RowHasher.page_sums, RowHasher.sums
+
+    def counted_pages(self: RowHasher, *args: object, **kw: object) -> object:
+        calls["pages"] += 1
+        return page_sums(self, *args, **kw)  # type: ignore[arg-type]
+
+    def counted_rows(self: RowHasher, *args: object, **kw: object) -> object:
+        calls["rows"] += 1
+        return sums(self, *args, **kw)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(RowHasher, "page_sums", counted_pages)
+    monkeypatch.setattr(RowHasher, "sums", counted_rows)
+    with pair(config(), config(kv_checksum=True)) as p:
+        r = p.decode.receiver(5, p.addr)
+        r.init()
+        dst = np.array([7, 3, 5, 1])
+        r.send_metadata(dst, aux_index=1, cached_tokens=0)
+        s = p.prefill.sender(5)
+        src = np.array([2, 6, 4, 0])
+        fill_pages(p.play, p.parr, src, 0)
+        wait_for(lambda: s.poll() >= KVPoll.WaitingForInput)
+        s.init(4, aux_index=2)
+        s.send(src[:3], last=False)
+        s.send(src[3:], last=True)
+        wait_for(lambda: r.poll() == KVPoll.Success == s.poll())
+        assert count_mismatches(p.dlay, p.darr, dst, 0) == 0
+        assert calls == {"pages": 4, "rows": 0}, calls  # 2 chunks, each summed on both sides
+        r.clear()
+        s.clear()
