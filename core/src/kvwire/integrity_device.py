@@ -251,8 +251,9 @@ class DeviceRowHasher(RowHasher):
         layers: Sequence[int] | None = None,
     ) -> LayerSums:
         """Per-layer checksum of a chunk in page form (see :meth:`RowHasher.page_sums`) in
-        one launch: the rows are never listed, each program finds its row from the page
-        lists and the sides' per-pair base addresses and strides. A call uploads its two
+        one launch: the rows are never listed, one program per (buffer pair, page) finds its
+        page's pieces from the page lists and the sides' per-pair base addresses and strides
+        and adds their terms (one atomic add per page into its layer's sum). A call uploads its two
         page lists (16 bytes a page); the sides' pairs go to the device once per link.
         ``layers`` as in :meth:`sums`. Called by transfer workers (prefill) and checker
         threads (decode)."""
@@ -262,8 +263,8 @@ class DeviceRowHasher(RowHasher):
         elif layers is not None:  # host filter, then _row_terms
             return super().page_sums(read, read_pages, key, key_pages, layers)
         rp, kp = page_lists(read, read_pages, key, key_pages)
-        rows = read.num_pairs * rp.size * read.tokens
-        if not rows or lo >= hi:
+        programs = read.num_pairs * rp.size  # one per (pair, page)
+        if not programs or lo >= hi:
             return {}
         _, layer = self._pairs(read)  # refuses pairs outside the rank's buffers
         if read.n % 8:
@@ -299,7 +300,7 @@ class DeviceRowHasher(RowHasher):
             )
             consts = (block, self.inline_weights, mode)
             self._enqueue(
-                hash_pages, rows, args, consts, ("pages", *consts), 2 * pages, self._out_dev
+                hash_pages, programs, args, consts, ("pages", *consts), 2 * pages, self._out_dev
             )
             got = self._wait()
         return self._layer_sums(got)

@@ -167,27 +167,31 @@ def hash_pages(  # type: ignore[no-untyped-def]  # Triton rejects non-Triton ann
     inline_weights: tl.constexpr,
     mode: tl.constexpr,
 ) -> None:
-    # A chunk in page form, one program per row, rows implicit (pair-major, then page, then
-    # piece, as PageChunk.rows): pairs = int64 [3, num_pairs] (read base address, key base
-    # address, layer); call = int64 [2, num_pages] (read pages, key pages). Row (b, p, t) is
-    # read at read_base[b] + read_pages[p] * read_slot + t * read_row and keyed by
-    # key_base[b] + key_pages[p] * key_slot + t * key_row; every row has `cells` cells read
-    # as `mode` says. out: int64 [2 * num_layers + 1], as hash_rows' per_layer.
+    # A chunk in page form, one program per (buffer pair, page) walking the page's pieces,
+    # rows implicit (pair-major, then page, then piece, as PageChunk.rows): pairs = int64
+    # [3, num_pairs] (read base address, key base address, layer); call = int64
+    # [2, num_pages] (read pages, key pages). Piece t of page p of pair b is read at
+    # read_base[b] + read_pages[p] * read_slot + t * read_row and keyed by key_base[b] +
+    # key_pages[p] * key_slot + t * key_row; every piece has `cells` cells read as `mode`
+    # says. The program adds its pieces' terms, then one atomic add per page into its layer's
+    # sum (a head slice's 16 pieces a page cost one atomic, not 16). out: int64
+    # [2 * num_layers + 1], as hash_rows' per_layer.
     pairs = pairs_addr.to(tl.pointer_type(tl.int64))
     call = call_addr.to(tl.pointer_type(tl.int64))
     consts = consts_addr.to(tl.pointer_type(tl.int64))
     out = out_addr.to(tl.pointer_type(tl.int64))
     pid = tl.program_id(0).to(tl.int64)
-    t = pid % tokens
-    rest = pid // tokens
-    p = rest % num_pages
-    b = rest // num_pages
+    p = pid % num_pages
+    b = pid // num_pages
     layer = tl.load(pairs + 2 * num_pairs + b)
-    addr = tl.load(pairs + b) + tl.load(call + p) * read_slot + t * read_row
-    key = tl.load(pairs + num_pairs + b) + tl.load(call + num_pages + p) * key_slot + t * key_row
     inside = (layer >= lo) & (layer < hi)
-    k = tl.where(inside, cells, 0)  # a pair of another layer reads nothing
-    term = _term(addr, k, mode, key.to(tl.uint64, bitcast=True), consts, block, inline_weights)
+    addr = tl.load(pairs + b) + tl.load(call + p) * read_slot
+    key = tl.load(pairs + num_pairs + b) + tl.load(call + num_pages + p) * key_slot
+    pieces = tl.where(inside, tokens, 0)  # a pair of another layer reads nothing
+    total = pid * 0
+    for t in range(0, pieces):
+        row_key = (key + t * key_row).to(tl.uint64, bitcast=True)
+        total += _term(addr + t * read_row, cells, mode, row_key, consts, block, inline_weights)
     slot = tl.where(inside, layer, 0)
-    tl.atomic_add(out + slot, term, mask=inside)
-    tl.atomic_add(out + num_layers + slot, 1, mask=inside)
+    tl.atomic_add(out + slot, total, mask=inside)
+    tl.atomic_add(out + num_layers + slot, pid * 0 + tokens, mask=inside)
