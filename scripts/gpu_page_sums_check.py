@@ -15,7 +15,9 @@ destination pools on the GPU, the real mapper, and for each request size it
    transfer worker or a checker thread pays per chunk), prefill's ``SentSums.chunk`` and
    decode's ``LandedSums.chunk`` from the page form and as rows (the link's page form
    switched off: map the chunk, sum the listed rows), with a fresh page array per call, and
-   prints the ratio rows / pages.
+   prints the ratio rows / pages; and the page form's time per call when two threads call at
+   once (decode's two checker threads: the hasher's lock is held from a call's upload to its
+   wait, so equal to one thread's time means the calls do not overlap).
 
     python3 scripts/gpu_page_sums_check.py --json $OUT/page_sums.json
 
@@ -33,6 +35,7 @@ import statistics
 import sys
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
@@ -104,6 +107,14 @@ def timed(fn: Callable[[], Any], repeat: int) -> float:
     return 1e3 * statistics.median(out)
 
 
+def two_threads(fn: Callable[[], Any], calls: int) -> None:
+    """``calls`` calls of ``fn`` on two threads at once (as decode's two checker threads, or
+    two transfer workers, call a link's hasher): per call, against one thread's time, how much
+    the hasher's lock (held from a call's upload to its wait) lets them overlap."""
+    with ThreadPoolExecutor(2) as pool:
+        list(pool.map(lambda _: fn(), range(calls)))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
@@ -135,9 +146,10 @@ def main() -> None:
     rng = np.random.default_rng(7)
     rows: list[dict[str, Any]] = []
     print(
-        "| link | MiB | rows | side | sums equal | flip caught | rows ms | pages ms | rows/pages |"
+        "| link | MiB | rows | side | sums equal | flip caught | rows ms | pages ms | rows/pages "
+        "| pages ms, 2 threads |"
     )
-    print("|---|---:|---:|---|---|---|---:|---:|---:|")
+    print("|---|---:|---:|---|---|---|---:|---:|---:|---:|")
     for name, (tps, tpd, rs, rd) in LINKS.items():
         src, src_host, keep_s = pools(a, model, tps, rs, slots)
         dst, dst_host, keep_d = pools(a, model, tpd, rd, slots)
@@ -194,6 +206,7 @@ def main() -> None:
             ):
                 form = getattr(obj, attr)
                 paged = timed(fn, a.repeat)
+                two = timed(lambda fn=fn: two_threads(fn, 8), max(1, a.repeat // 4)) / 8
                 setattr(obj, attr, None)  # the row path
                 listed = timed(fn, a.repeat)
                 setattr(obj, attr, form)
@@ -201,11 +214,13 @@ def main() -> None:
                     "link": name, "mib": mib, "moved_mib": moved, "rows": int(si.size),
                     "side": side, "sums_equal": equal[side], "flip_caught": caught[side],
                     "rows_ms": listed, "pages_ms": paged, "rows_over_pages": listed / paged,
+                    "pages_ms_two_threads": two,
                 }  # fmt: skip
                 rows.append(row)
                 print(
                     f"| {name} | {moved:.3g} | {si.size} | {side} | {equal[side]} | "
-                    f"{caught[side]} | {listed:.3f} | {paged:.3f} | {listed / paged:.2f} |",
+                    f"{caught[side]} | {listed:.3f} | {paged:.3f} | {listed / paged:.2f} | "
+                    f"{two:.3f} |",
                     flush=True,
                 )
         del keep_s, keep_d
