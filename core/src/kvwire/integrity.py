@@ -20,6 +20,9 @@ handshake's secret (docs/security.md).
 
 Host (DRAM) pools are read through NumPy views of the registered memory (:class:`RowHasher`);
 GPU pools with one Triton launch per call (:mod:`kvwire.integrity_device`), the same terms.
+A chunk is given as table rows (:meth:`RowHasher.sums`) or in page form
+(:meth:`RowHasher.page_sums`: its page lists and the link's byte geometry, the rows' addresses
+computed, never mapped); both add the same terms.
 Called by prefill's transfer workers (before posting a chunk) and by decode's checker threads
 once a chunk is complete. Loops run over the few buffers a chunk touches, never over rows or
 pages.

@@ -24,6 +24,12 @@ launches, whatever the chunk's size:
 - a layer range (a layer-wise group) is selected on the device: rows of other layers read
   nothing and add nothing.
 
+A chunk in page form (:meth:`DeviceRowHasher.page_sums`, a link whose mapping has one) lists
+no rows at all: one program per (buffer pair, page) finds the page's pieces from the two page
+lists (uploaded per call, 16 bytes a page) and the sides' per-pair base addresses (on the
+device once per link) and adds their terms, one atomic add per page (the kernels:
+:mod:`kvwire.integrity_kernels`).
+
 A table larger than :data:`_MAX_TABLE_ROWS` rows is not described on the device; its calls
 send the ``[5, n]`` rows they hash instead (located on the host). Rows whose length divides by 8
 are read as 64-bit words (straight loads when the address is 8-byte aligned, otherwise

@@ -20,6 +20,13 @@ checker thread (:mod:`kvwire.session.decode.checker`) asks it for the sums of th
 chunk (or the piece's layers of it) wrote, found the way prefill found them (the same mapper,
 built from both layouts, and the chunk's page span from the note), and compares.
 
+A link whose mapping has a page form (:mod:`kvwire.page_form`: whole pages, or head slices)
+is summed from it on both sides (:meth:`RowHasher.page_sums`): prefill from the chunk's page
+lists and the link's source and destination :class:`~kvwire.page_form.PageSide`, decode from
+the chunk's destination pages and its own side; no row is mapped or listed, and the sums are
+the row form's, bit for bit. Other links (page-size conversion, dummy senders, K and V as
+planes, head-major pages) sum the mapped rows.
+
 KV pools in host and in GPU memory alike (:func:`hasher_for`). Only the KV pool (``"kv"``) is
 covered: aux rows carry their own room stamp, and buffer groups and a decode's extra pools
 (HiSparse's ``"host"``, say) are not checksummed yet (docs/integrity.md).
