@@ -296,6 +296,41 @@ _DEVICE_PAGES = textwrap.dedent(
         pass
     else:
         raise AssertionError("a page past the buffers was hashed")
+    # the geometries real mappers give: whole pages, head slices both ways, an MLA sender
+    from kvwire.config import KVWireConfig
+    from kvwire.page_form import page_sides
+    from kvwire.session.handshake import build_mapper
+
+    def flagged(lay):
+        kinds = tuple(b.model_copy(update={"kind": 1}) for b in lay.buffers)
+        return lay.model_copy(update={"buffers": kinds})
+
+    for heads, tp, ranks, mla in (
+        (2, (1, 1), (0, 0), False),
+        (4, (2, 1), (1, 0), False),
+        (4, (1, 2), (0, 1), False),
+        (1, (2, 1), (0, 0), True),
+    ):
+        sides = []
+        for i in (0, 1):
+            m = ModelSpec(num_layers=2, total_kv_heads=heads, head_dim=4, dtype="int32",
+                          page_size=4, is_mla=mla)
+            lay, mem = make_pool(m, RankPosition(tp_size=tp[i], tp_rank=ranks[i]), 6)
+            for a in mem:
+                a.reshape(-1).view(np.uint8)[:] = rng.integers(0, 256, a.nbytes, dtype=np.uint8)
+            sides.append((lay, mem))
+        (src, _), (dst, _) = sides
+        mapper = build_mapper(KVWireConfig(), src, dst)
+        tables = mapper.build_tables()
+        s_side, d_side = page_sides(mapper.page_geometry, tables.src, tables.dst)
+        sp, dp = rng.permutation(6)[:3], rng.permutation(6)[:3]
+        si, di = mapper.map_chunk(sp, dp)
+        want = RowHasher(src).sums(tables.src, si, tables.dst[di, 0])
+        got = DeviceRowHasher(flagged(src), device="cpu").page_sums(s_side, sp, d_side, dp)
+        assert got == want and set(got) == {0, 1}, (tp, mla)
+        want = RowHasher(dst).sums(tables.dst, di, tables.dst[di, 0])
+        got = DeviceRowHasher(flagged(dst), device="cpu").page_sums(d_side, dp, d_side, dp)
+        assert got == want and set(got) == {0, 1}, (tp, mla)
     print("DEVICE-PAGES-OK")
     """
 )
@@ -305,7 +340,8 @@ def test_device_hasher_kernels_equal_the_host_hasher_in_the_interpreter() -> Non
     """The Triton checksum kernels themselves, run by Triton's CPU interpreter over host
     memory (one interpreter start, most of the test's time): aligned words, unaligned words
     and byte rows give the host hasher's sums bit for bit, listed as rows and in page form
-    (one program per implicit row; whole pages and pieces; layer ranges on the device)."""
+    (one program per (pair, page); whole pages and pieces, and the geometries of real equal-TP,
+    head-slice and MLA links against their row form; layer ranges on the device)."""
     pytest.importorskip("triton")
     run_interpreted(_DEVICE_CHECK + _DEVICE_PAGES, "DEVICE-PAGES-OK")
 
