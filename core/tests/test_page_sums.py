@@ -217,3 +217,37 @@ def test_a_checked_transfer_is_summed_from_pages_on_both_sides(
         assert calls == {"pages": 4, "rows": 0}, calls  # 2 chunks, each summed on both sides
         r.clear()
         s.clear()
+
+
+def test_a_checked_page_form_chunk_is_posted_as_pages_its_rows_never_read(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Prefill's worker with checksums on, a GPU pool's hasher (it never cuts a chunk in
+    pieces) and a backend with page writes (cudaipc): the chunk's segment goes to
+    ``submit_pages`` and its rows are never expanded, neither to cut pieces nor to sum it."""
+    from types import SimpleNamespace
+
+    from kvwire.session.prefill.posting import submit_rows, summed_pieces
+    from kvwire.staging import ChunkPlan
+
+    lk = Link(4, (2, 1), (1, 0), False, 5)  # a TP 2 -> 1 head slice
+    sent = SentSums(lk.mapper, lk.src)
+    monkeypatch.setattr(sent.hasher, "PIECE_BYTES", 0)  # as DeviceRowHasher
+    sp, dp = np.array([5, 1, 3]), np.array([0, 4, 2])
+    plan = ChunkPlan.direct(lk.mapper, sp, dp)
+    seg = plan.segment("kv")
+    job = SimpleNamespace(
+        link=SimpleNamespace(checksums=sent), pool="kv", target=SimpleNamespace(table="kv")
+    )
+    segs, pieces = summed_pieces(job, plan, [seg], evented=True)  # type: ignore[arg-type]
+    assert pieces is None and segs == [seg]
+    si, di = lk.mapper.map_chunk(sp, dp)  # the same chunk as rows, for the expected sums
+    assert sent.chunk(sp, dp) == RowHasher(lk.src).sums(lk.tables.src, si, lk.tables.dst[di, ADDR])
+    posted: list[object] = []
+    backend = SimpleNamespace(
+        capabilities=SimpleNamespace(page_writes=True),
+        submit_pages=lambda op, pair, pages, note, wake: posted.append(pages) or "handle",
+    )
+    assert submit_rows(backend, None, seg, b"note", lambda: None) == "handle"  # type: ignore[arg-type]
+    assert posted == [seg.pages] and seg.pages is not None
+    assert seg._src is None and seg._dst is None, "the segment's rows were expanded"
