@@ -90,6 +90,23 @@ def weights(n: int) -> NDArray[np.uint64]:
     return w
 
 
+def page_lists(
+    read: PageSide, read_pages: IndexArray, key: PageSide, key_pages: IndexArray
+) -> tuple[IndexArray, IndexArray]:
+    """A page-form sum's page lists, checked (inside their sides' pools, equally many) against
+    two sides of one geometry (equal pairs, pieces and piece bytes)."""
+    if (read.num_pairs, read.tokens, read.n) != (key.num_pairs, key.tokens, key.n):
+        raise DescriptorError(
+            f"page sides of {read.num_pairs} pairs x {read.tokens} pieces of {read.n} bytes "
+            f"and {key.num_pairs} x {key.tokens} of {key.n} are not one geometry's"
+        )
+    rp = check_indices(read_pages, read.slots, "checksummed page indices", unit="page slots")
+    kp = check_indices(key_pages, key.slots, "destination page indices", unit="page slots")
+    if rp.size != kp.size:
+        raise DescriptorError(f"{rp.size} checksummed pages but {kp.size} destination pages")
+    return rp, kp
+
+
 class RowHasher:
     """Reads rows of one rank's KV buffers and sums their checksum terms per layer.
 
@@ -313,23 +330,6 @@ def _weighted_rows(
         data = data.astype(np.uint64)
     gathered: NDArray[np.uint64] = data.dot(w)
     return gathered
-
-
-def page_lists(
-    read: PageSide, read_pages: IndexArray, key: PageSide, key_pages: IndexArray
-) -> tuple[IndexArray, IndexArray]:
-    """A page-form sum's page lists, checked (inside their sides' pools, equally many) against
-    two sides of one geometry (equal pairs, pieces and piece bytes)."""
-    if (read.num_pairs, read.tokens, read.n) != (key.num_pairs, key.tokens, key.n):
-        raise DescriptorError(
-            f"page sides of {read.num_pairs} pairs x {read.tokens} pieces of {read.n} bytes "
-            f"and {key.num_pairs} x {key.tokens} of {key.n} are not one geometry's"
-        )
-    rp = check_indices(read_pages, read.slots, "checksummed page indices", unit="page slots")
-    kp = check_indices(key_pages, key.slots, "destination page indices", unit="page slots")
-    if rp.size != kp.size:
-        raise DescriptorError(f"{rp.size} checksummed pages but {kp.size} destination pages")
-    return rp, kp
 
 
 def per_layer(row_layer: NDArray[np.int64], terms: NDArray[np.uint64]) -> LayerSums:
