@@ -3,6 +3,11 @@
 Prefill on GPU 0, decode on GPU 1 (one process each), the model of issue 27 (a page is 2 MiB
 in 64 runs of 32 KiB), over each GPU path: ``cudaipc`` (the fused mover writes decode's pages)
 and staged NIXL (bulk staging: one gather per chunk, a few large descriptors, one scatter).
+``cudaipc-2to1`` and ``cudaipc-1to2`` move head slices over cudaipc (prefill TP 2 -> decode
+TP 1 and 1 -> 2, ranks round robin over the GPUs: 131,074 rows of 1 KiB per 128 MiB request).
+Over cudaipc a chunk moves in page form and, with the option on, both sides sum it from its
+page form (one launch of the page-form kernel per chunk and side, no row lists), for whole
+pages and head slices alike.
 For every path the cluster runs ``--rounds`` times with the option off and on, alternating
 (off, on, off, on...), each time: verified requests of every size (every element and aux row
 checked on decode; with the option on, every chunk's sums checked too), then timed requests at
@@ -47,6 +52,20 @@ def _paths(a: argparse.Namespace) -> dict[str, dict[str, Any]]:
         staged["equal_tp"] = "always"
     return {
         "cudaipc": {"backend": "cudaipc", "staging": "direct", "opts": {}, "chunk": 0},
+        "cudaipc-2to1": {
+            "backend": "cudaipc",
+            "staging": "direct",
+            "opts": {},
+            "chunk": 0,
+            "tp": (2, 1),
+        },
+        "cudaipc-1to2": {
+            "backend": "cudaipc",
+            "staging": "direct",
+            "opts": {},
+            "chunk": 0,
+            "tp": (1, 2),
+        },
         "staged-nixl": {
             "backend": "nixl",
             "staging": "bulk",
@@ -97,7 +116,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--chunk-pages", type=int, default=64, help="staged: pages per chunk")
     p.add_argument("--block-mib", type=int, default=8)
     p.add_argument("--ring-mib", type=int, default=1024)
-    p.add_argument("--paths", default="cudaipc,staged-nixl")
+    p.add_argument("--paths", default="cudaipc,cudaipc-2to1,staged-nixl")
     p.add_argument("--label", default="", help="recorded in the JSON (e.g. which code)")
     p.add_argument("--only", type=int, choices=(0, 1), default=None, help="kv_checksum 0 or 1")
     p.add_argument(
@@ -127,8 +146,10 @@ def main(argv: list[str] | None = None) -> int:
             if a.only is not None and i % 2 != a.only:
                 continue
             b = copy.copy(a)
-            backend = path["backend"] if a.device == "cuda" or name != "cudaipc" else "tcp"
-            b.backend, b.checksum, b.prefill_tp, b.decode_tp = backend, i % 2 == 1, 1, 1
+            cudaipc = path["backend"] == "cudaipc"
+            backend = path["backend"] if a.device == "cuda" or not cudaipc else "tcp"
+            tp_p, tp_d = path.get("tp", (1, 1))
+            b.backend, b.checksum, b.prefill_tp, b.decode_tp = backend, i % 2 == 1, tp_p, tp_d
             log(f"{name}: round {i // 2}, kv_checksum {b.checksum}")
             r = engine(
                 b,

@@ -240,11 +240,110 @@ _DEVICE_CHECK = textwrap.dedent(
 )
 
 
-def test_device_hasher_kernel_equals_the_host_hasher_in_the_interpreter() -> None:
-    """The Triton checksum kernel itself, run by Triton's CPU interpreter over host memory:
-    aligned words, unaligned words and byte rows give the host hasher's sums bit for bit."""
+_DEVICE_PAGES = textwrap.dedent(
+    """
+    import numpy as np
+    from kvwire.errors import DescriptorError
+    from kvwire.integrity import RowHasher, mismatched_layers
+    from kvwire.integrity_device import DeviceRowHasher
+    from kvwire.layout import ModelSpec, RankPosition
+    from kvwire.page_form import PageSide
+    from kvwire.testing.kvfill import make_pool
+
+    model = ModelSpec(num_layers=2, total_kv_heads=2, head_dim=8, dtype="int32", page_size=2)
+    layout, arrs = make_pool(model, RankPosition(), 8)  # 4 buffers of 1 KiB (pages use 512 B)
+    rng = np.random.default_rng(11)
+    for a in arrs:
+        a.reshape(-1).view(np.uint8)[:] = rng.integers(0, 256, a.nbytes, dtype=np.uint8)
+    vram = layout.model_copy(
+        update={"buffers": tuple(b.model_copy(update={"kind": 1}) for b in layout.buffers)}
+    )
+    host = RowHasher(layout)
+    dev = DeviceRowHasher(vram, device="cpu")
+    inline = DeviceRowHasher(vram, device="cpu", block=16, inline_weights=True)
+    addr = np.array([b.addr for b in layout.buffers], dtype=np.uint64)
+    # (bytes a piece, pieces a page, byte offset of pair 0's piece 0, bytes a piece apart):
+    # aligned words, unaligned words, bytes, whole pages, one piece a page
+    cases = [(16, 2, 8, 32), (16, 2, 3, 24), (7, 2, 1, 9), (64, 1, 0, 0), (136, 1, 0, 0)]
+    for n, tokens, off, row in cases:
+        slot = 64 if n <= 64 else 144
+        slots = 512 // slot
+        read = PageSide(addr + np.uint64(off), slot, row, n, tokens, slots)
+        key = PageSide(np.arange(4, dtype=np.uint64) * np.uint64(1 << 20) + np.uint64(1 << 40),
+                       4096, 128, n, tokens, 64)
+        rp = rng.permutation(slots)[:3].astype(np.int64)
+        kp = rng.permutation(64)[:3].astype(np.int64)
+        want = host.page_sums(read, rp, key, kp)
+        assert set(want) == {0, 1}, want
+        assert dev.page_sums(read, rp, key, kp) == want, (n, off)
+        if n == 136:  # weights computed in the kernel, rows longer than a block
+            assert inline.page_sums(read, rp, key, kp) == want, (n, off)
+        for lo, hi in ((1, 2), (1, 1)):
+            sel = range(lo, hi)
+            assert dev.page_sums(read, rp, key, kp, sel) == host.page_sums(read, rp, key, kp, sel)
+        assert dev.page_sums(read, rp, key, kp, [1]) == {1: want[1]}
+        # a flipped byte of one page of buffer 3 (V of layer 1) changes layer 1 only
+        b = off + int(rp[1]) * slot + (tokens - 1) * row + n - 1
+        arrs[3].reshape(-1).view(np.uint8)[b] ^= 0x80
+        assert mismatched_layers(want, dev.page_sums(read, rp, key, kp)) == [1], (n, off)
+        arrs[3].reshape(-1).view(np.uint8)[b] ^= 0x80
+        # the same bytes keyed to swapped destination pages
+        assert mismatched_layers(want, dev.page_sums(read, rp, key, kp[[1, 0, 2]])) == [0, 1]
+    key = PageSide(np.zeros(4, dtype=np.uint64), 64, 0, 64, 1, 17)
+    try:  # buffers of 1 KiB: page 16 of 64 bytes lies past them
+        dev.page_sums(PageSide(addr, 64, 0, 64, 1, 17), np.array([16]), key, np.array([0]))
+    except DescriptorError:
+        pass
+    else:
+        raise AssertionError("a page past the buffers was hashed")
+    # the geometries real mappers give: whole pages, head slices both ways, an MLA sender
+    from kvwire.config import KVWireConfig
+    from kvwire.page_form import page_sides
+    from kvwire.session.handshake import build_mapper
+
+    def flagged(lay):
+        kinds = tuple(b.model_copy(update={"kind": 1}) for b in lay.buffers)
+        return lay.model_copy(update={"buffers": kinds})
+
+    for heads, tp, ranks, mla in (
+        (2, (1, 1), (0, 0), False),
+        (4, (2, 1), (1, 0), False),
+        (4, (1, 2), (0, 1), False),
+        (1, (2, 1), (0, 0), True),
+    ):
+        sides = []
+        for i in (0, 1):
+            m = ModelSpec(num_layers=2, total_kv_heads=heads, head_dim=4, dtype="int32",
+                          page_size=4, is_mla=mla)
+            lay, mem = make_pool(m, RankPosition(tp_size=tp[i], tp_rank=ranks[i]), 6)
+            for a in mem:
+                a.reshape(-1).view(np.uint8)[:] = rng.integers(0, 256, a.nbytes, dtype=np.uint8)
+            sides.append((lay, mem))
+        (src, _), (dst, _) = sides
+        mapper = build_mapper(KVWireConfig(), src, dst)
+        tables = mapper.build_tables()
+        s_side, d_side = page_sides(mapper.page_geometry, tables.src, tables.dst)
+        sp, dp = rng.permutation(6)[:3], rng.permutation(6)[:3]
+        si, di = mapper.map_chunk(sp, dp)
+        want = RowHasher(src).sums(tables.src, si, tables.dst[di, 0])
+        got = DeviceRowHasher(flagged(src), device="cpu").page_sums(s_side, sp, d_side, dp)
+        assert got == want and set(got) == {0, 1}, (tp, mla)
+        want = RowHasher(dst).sums(tables.dst, di, tables.dst[di, 0])
+        got = DeviceRowHasher(flagged(dst), device="cpu").page_sums(d_side, dp, d_side, dp)
+        assert got == want and set(got) == {0, 1}, (tp, mla)
+    print("DEVICE-PAGES-OK")
+    """
+)
+
+
+def test_device_hasher_kernels_equal_the_host_hasher_in_the_interpreter() -> None:
+    """The Triton checksum kernels themselves, run by Triton's CPU interpreter over host
+    memory (one interpreter start, most of the test's time): aligned words, unaligned words
+    and byte rows give the host hasher's sums bit for bit, listed as rows and in page form
+    (one program per (pair, page); whole pages and pieces, and the geometries of real equal-TP,
+    head-slice and MLA links against their row form; layer ranges on the device)."""
     pytest.importorskip("triton")
-    run_interpreted(_DEVICE_CHECK, "DEVICE-HASH-OK")
+    run_interpreted(_DEVICE_CHECK + _DEVICE_PAGES, "DEVICE-PAGES-OK")
 
 
 def _checked() -> KVWireConfig:
@@ -536,7 +635,8 @@ def test_sent_sums_map_a_chunk_once_for_all_its_layer_groups(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """A layer-wise chunk asks for its sums group by group with the same page arrays: the
-    chunk is mapped once per worker thread, and the groups' sums add up to the chunk's."""
+    chunk is mapped once per worker thread, and the groups' sums add up to the chunk's (a
+    link summed as rows). A link with a page form never maps rows, with the same sums."""
     import threading
 
     src_layout, _ = _pool(7)
@@ -552,7 +652,12 @@ def test_sent_sums_map_a_chunk_once_for_all_its_layer_groups(
 
     monkeypatch.setattr(mapper, "map_chunk", counting)
     src, dst = np.array([3, 1, 4]), np.array([5, 9, 2])
+    assert sent.sides is not None, "equal TP has a page form"
+    paged = sent.chunk(src, dst)
+    assert not calls and paged == sent.chunk(src, dst, (0, MODEL.num_layers))
+    sent.sides = None  # the row path (links with no page form)
     whole = sent.chunk(src, dst)
+    assert whole == paged
     assert len(calls) == 1 and set(whole) == set(range(MODEL.num_layers))
     groups: dict[int, int] = {}
     for layer in range(MODEL.num_layers):

@@ -41,14 +41,23 @@ def link(
     pages: tuple[int, int] = (4, 4),
     head_major: tuple[bool, bool] = (False, False),
     kv_fused: tuple[bool, bool] = (False, False),
+    keep: list[object] | None = None,
 ) -> tuple[IndexMapper, KVLayout, KVLayout]:
+    """A link's mapper and layouts; the pools' memory is freed unless ``keep`` (a list the
+    caller holds) takes it."""
+
     def side(i: int) -> KVLayout:
         model = ModelSpec(
             num_layers=3, total_kv_heads=heads, head_dim=4, dtype="int32",
             page_size=pages[i], is_mla=mla,
         )  # fmt: skip
         pos = RankPosition(tp_size=tp[i], tp_rank=ranks[i])
-        return make_pool(model, pos, SLOTS, head_major=head_major[i], kv_fused=kv_fused[i])[0]
+        layout, arrays = make_pool(
+            model, pos, SLOTS, head_major=head_major[i], kv_fused=kv_fused[i]
+        )
+        if keep is not None:
+            keep.append(arrays)
+        return layout
 
     src, dst = side(0), side(1)
     return MAPPERS[default_mapper_name(src, dst)](src, dst), src, dst
@@ -118,25 +127,34 @@ def test_reference_mover_copies_what_the_rows_copy() -> None:
     (source pool and destination pool of a TP 2 -> 1 head slice and of equal TP)."""
     rng = np.random.default_rng(7)
     for tp, ranks in (((2, 1), (1, 0)), ((1, 1), (0, 0)), ((1, 2), (0, 1))):
-        mapper = link(4, tp, ranks)[0]
+        pools: list[object] = []  # both pools stay allocated: their ranges never overlap
+        mapper, src, dst = link(4, tp, ranks, keep=pools)
         tables = mapper.build_tables()
-        lo = int(min(tables.src[:, ADDR].min(), tables.dst[:, ADDR].min()))
-        hi = int(max((tables.src[:, ADDR] + tables.src[:, LEN]).max(),
-                     (tables.dst[:, ADDR] + tables.dst[:, LEN]).max()))  # fmt: skip
-        # a private arena holding both pools' byte ranges, filled at random
-        arena = rng.integers(0, 256, hi - lo, dtype=np.uint8)
+        # a private arena holding every buffer of both pools one after the other (the
+        # buffers themselves may lie terabytes apart), filled at random
+        regions = [*src.buffers, *dst.buffers]
+        starts = np.array([r.addr for r in regions], dtype=np.int64)
+        order = np.argsort(starts)
+        bases = np.cumsum([0] + [r.length for r in regions])[:-1]
+
+        def at(addr: np.ndarray, starts: np.ndarray = starts, order: np.ndarray = order,
+               bases: np.ndarray = bases) -> np.ndarray:  # fmt: skip
+            i = order[np.searchsorted(starts[order], addr, side="right") - 1]
+            return np.asarray(addr - starts[i] + bases[i], dtype=np.int64)
+
+        arena = rng.integers(0, 256, sum(r.length for r in regions), dtype=np.uint8)
         sp, dp = np.array([4, 0, 2]), np.array([1, 5, 3])
         chunk = mapper.page_chunk(sp, dp)
         assert chunk is not None
         g = chunk.geometry
-        s_addr = tables.src[g.src_rows, ADDR].astype(np.int64) - lo
-        d_addr = tables.dst[g.dst_rows, ADDR].astype(np.int64) - lo
+        s_addr = at(tables.src[g.src_rows, ADDR].astype(np.int64))
+        d_addr = at(tables.dst[g.dst_rows, ADDR].astype(np.int64))
         want = arena.copy()
         si, di = mapper.map_chunk(sp, dp)
         copy_runs_reference(
             want,
-            tables.src[si, ADDR].astype(np.int64) - lo,
-            tables.dst[di, ADDR].astype(np.int64) - lo,
+            at(tables.src[si, ADDR].astype(np.int64)),
+            at(tables.dst[di, ADDR].astype(np.int64)),
             tables.src[si, LEN].astype(np.int64),
         )
         got = arena.copy()

@@ -20,6 +20,9 @@ handshake's secret (docs/security.md).
 
 Host (DRAM) pools are read through NumPy views of the registered memory (:class:`RowHasher`);
 GPU pools with one Triton launch per call (:mod:`kvwire.integrity_device`), the same terms.
+A chunk is given as table rows (:meth:`RowHasher.sums`) or in page form
+(:meth:`RowHasher.page_sums`: its page lists and the link's byte geometry, the rows' addresses
+computed, never mapped); both add the same terms.
 Called by prefill's transfer workers (before posting a chunk) and by decode's checker threads
 once a chunk is complete. Loops run over the few buffers a chunk touches, never over rows or
 pages.
@@ -38,9 +41,10 @@ from numpy.lib.stride_tricks import as_strided
 from numpy.typing import NDArray
 
 from kvwire.backends.memcopy import region_array
-from kvwire.descriptors import ADDR, LEN, DescTable, IndexArray, locate_rows
+from kvwire.descriptors import ADDR, LEN, DescTable, IndexArray, check_indices, locate_rows
 from kvwire.errors import DescriptorError
 from kvwire.layout import KVLayout, MemKind
+from kvwire.page_form import PageSide
 
 GOLDEN = np.uint64(0x9E3779B97F4A7C15)
 MIX1 = np.uint64(0xBF58476D1CE4E5B9)
@@ -86,6 +90,23 @@ def weights(n: int) -> NDArray[np.uint64]:
     return w
 
 
+def page_lists(
+    read: PageSide, read_pages: IndexArray, key: PageSide, key_pages: IndexArray
+) -> tuple[IndexArray, IndexArray]:
+    """A page-form sum's page lists, checked (inside their sides' pools, equally many) against
+    two sides of one geometry (equal pairs, pieces and piece bytes)."""
+    if (read.num_pairs, read.tokens, read.n) != (key.num_pairs, key.tokens, key.n):
+        raise DescriptorError(
+            f"page sides of {read.num_pairs} pairs x {read.tokens} pieces of {read.n} bytes "
+            f"and {key.num_pairs} x {key.tokens} of {key.n} are not one geometry's"
+        )
+    rp = check_indices(read_pages, read.slots, "checksummed page indices", unit="page slots")
+    kp = check_indices(key_pages, key.slots, "destination page indices", unit="page slots")
+    if rp.size != kp.size:
+        raise DescriptorError(f"{rp.size} checksummed pages but {kp.size} destination pages")
+    return rp, kp
+
+
 class RowHasher:
     """Reads rows of one rank's KV buffers and sums their checksum terms per layer.
 
@@ -119,6 +140,9 @@ class RowHasher:
         self._layers = layout.buffer_keys[order, 0]
         self._views = self._open_views()
         self._word_views: dict[tuple[int, int], NDArray[np.uint64]] = {}
+        #: Page-form sides seen (:meth:`_pairs`): id -> (the side, held so its id stays its
+        #: own, each pair's buffer, each pair's layer).
+        self._sides: dict[int, tuple[PageSide, NDArray[np.int64], NDArray[np.int64]]] = {}
 
     def _open_views(self) -> list[NDArray[np.uint8]]:
         """Views of the buffers (sorted by address) the rows are read through; called once at
@@ -141,6 +165,73 @@ class RowHasher:
             keep = np.isin(row_layer, np.asarray(list(layers), dtype=np.int64))
             addr, lens, pos, row_layer = addr[keep], lens[keep], pos[keep], row_layer[keep]
             dst_addr = np.asarray(dst_addr)[keep]
+        return self._summed(addr, lens, pos, row_layer, dst_addr)
+
+    def page_sums(
+        self,
+        read: PageSide,
+        read_pages: IndexArray,
+        key: PageSide,
+        key_pages: IndexArray,
+        layers: Sequence[int] | None = None,
+    ) -> LayerSums:
+        """Per-layer checksum of a chunk in page form (:mod:`kvwire.page_form`): the rows of
+        side ``read`` (this rank's buffers) at pages ``read_pages``, each keyed by the address
+        of the same piece of the same buffer pair at ``key_pages`` on side ``key`` (the
+        destination) -- the terms :meth:`sums` adds for the chunk's table rows
+        (:meth:`PageChunk.rows <kvwire.page_form.PageChunk.rows>`), bit for bit, without
+        mapping them. Prefill reads its source side keyed by the destination side; decode
+        reads the destination side keyed by itself. ``layers``: only pairs of these layers.
+        Called by transfer workers (prefill) and checker threads (decode)."""
+        rp, kp = page_lists(read, read_pages, key, key_pages)
+        pos, layer = self._pairs(read)
+        pairs: NDArray[np.int64] | None = None
+        if layers is not None:
+            pairs = np.flatnonzero(np.isin(layer, np.asarray(list(layers), dtype=np.int64)))
+            pos, layer = pos[pairs], layer[pairs]
+        if not rp.size or not pos.size:
+            return {}
+        per = rp.size * read.tokens  # rows of one pair
+        addr = read.addresses(rp, pairs)
+        lens = np.full(addr.shape, read.n, dtype=np.uint64)
+        dst = key.addresses(kp, pairs)
+        return self._summed(addr, lens, np.repeat(pos, per), np.repeat(layer, per), dst)
+
+    def _pairs(self, side: PageSide) -> tuple[NDArray[np.int64], NDArray[np.int64]]:
+        """The buffer (in address order) and layer of each buffer pair of ``side`` (this
+        rank's side of a page geometry), located the first time the side is seen (a link's
+        sides are built once) and kept; refuses a pair whose rows leave one of this rank's
+        buffers. Any thread (two threads locating the same side at once store equal
+        values)."""
+        seen = self._sides.get(id(side))
+        if seen is not None and seen[0] is side:
+            return seen[1], seen[2]
+        corners = side.corners()
+        pos = locate_rows(
+            self._starts,
+            self._ends,
+            corners.ravel(),
+            np.full(corners.size, side.n, dtype=np.uint64),
+        ).reshape(corners.shape)
+        if (pos < 0).any() or (pos != pos[0]).any():
+            raise DescriptorError("a checksummed page lies outside the rank's KV buffers")
+        located = pos[0].astype(np.int64)
+        layer = np.asarray(self._layers[located], dtype=np.int64)
+        if len(self._sides) >= 8:
+            self._sides.pop(next(iter(self._sides)), None)
+        self._sides[id(side)] = (side, located, layer)
+        return located, layer
+
+    def _summed(
+        self,
+        addr: NDArray[np.uint64],
+        lens: NDArray[np.uint64],
+        pos: NDArray[np.int64],
+        row_layer: NDArray[np.int64],
+        dst_addr: NDArray[np.uint64],
+    ) -> LayerSums:
+        """Per-layer sums of located rows (buffer ``pos[i]``, layer ``row_layer[i]``) keyed
+        by ``dst_addr``; a large set in two halves, one on the helper thread."""
         if not pos.size:
             return {}
         dst = np.asarray(dst_addr, dtype=np.uint64)

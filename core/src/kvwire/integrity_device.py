@@ -24,6 +24,12 @@ launches, whatever the chunk's size:
 - a layer range (a layer-wise group) is selected on the device: rows of other layers read
   nothing and add nothing.
 
+A chunk in page form (:meth:`DeviceRowHasher.page_sums`, a link whose mapping has one) lists
+no rows at all: one program per (buffer pair, page) finds the page's pieces from the two page
+lists (uploaded per call, 16 bytes a page) and the sides' per-pair base addresses (on the
+device once per link) and adds their terms, one atomic add per page (the kernels:
+:mod:`kvwire.integrity_kernels`).
+
 A table larger than :data:`_MAX_TABLE_ROWS` rows is not described on the device; its calls
 send the ``[5, n]`` rows they hash instead (located on the host). Rows whose length divides by 8
 are read as 64-bit words (straight loads when the address is 8-byte aligned, otherwise
@@ -46,14 +52,14 @@ from typing import Any
 
 import numpy as np
 import torch
-import triton
-import triton.language as tl
 from numpy.typing import NDArray
 
 from kvwire.descriptors import ADDR, LEN, DescTable, IndexArray, locate_rows
 from kvwire.errors import DescriptorError
-from kvwire.integrity import GOLDEN, MIX1, MIX2, ODD, LayerSums, RowHasher, weights
+from kvwire.integrity import GOLDEN, MIX1, MIX2, ODD, LayerSums, RowHasher, page_lists, weights
+from kvwire.integrity_kernels import hash_pages, hash_rows
 from kvwire.layout import KVLayout, MemKind
+from kvwire.page_form import PageSide
 
 __all__ = ["DeviceRowHasher"]
 
@@ -70,102 +76,6 @@ _MAX_TABLE_ROWS = 1 << 20
 _MAX_TABLES = 4
 #: Rows a call's buffers hold at first (they grow to the largest call).
 _MIN_ROWS = 4096
-
-
-@triton.jit(  # type: ignore[untyped-decorator]
-    do_not_specialize=[
-        "info_addr",
-        "num_info",
-        "call_addr",
-        "consts_addr",
-        "out_addr",
-        "num_rows",
-        "num_layers",
-        "lo",
-        "hi",
-    ]
-)
-def _hash_rows(  # type: ignore[no-untyped-def]  # Triton rejects non-Triton annotations
-    info_addr,
-    num_info,
-    call_addr,
-    consts_addr,
-    out_addr,
-    num_rows,
-    num_layers,
-    lo,
-    hi,
-    block: tl.constexpr,
-    inline_weights: tl.constexpr,
-    per_layer: tl.constexpr,
-    indexed: tl.constexpr,
-) -> None:
-    # indexed: info = int64 [4, num_info] (address, cells, read mode, layer or -1) of a
-    # descriptor table; call = int64 [2, rows] (row index into info, destination key).
-    # Else call = int64 [5, rows] (address, key, cells, read mode, layer). consts: int64 bits
-    # of MIX1, MIX2, ODD, GOLDEN, then the position weights (unless computed inline). out:
-    # per_layer: int64 [2 * num_layers + 1] = sums, rows counted per layer (rows of layers
-    # [lo, hi) only), rows outside the buffers; else int64 [rows], each row's term.
-    call = call_addr.to(tl.pointer_type(tl.int64))
-    consts = consts_addr.to(tl.pointer_type(tl.int64))
-    out = out_addr.to(tl.pointer_type(tl.int64))
-    pid = tl.program_id(0).to(tl.int64)
-    key = tl.load(call + num_rows + pid).to(tl.uint64, bitcast=True)
-    if indexed:
-        info = info_addr.to(tl.pointer_type(tl.int64))
-        r = tl.load(call + pid)
-        addr = tl.load(info + r)
-        k = tl.load(info + num_info + r)
-        mode = tl.load(info + 2 * num_info + r)
-        layer = tl.load(info + 3 * num_info + r)
-    else:
-        addr = tl.load(call + pid)
-        k = tl.load(call + 2 * num_rows + pid)
-        mode = tl.load(call + 3 * num_rows + pid)
-        layer = tl.load(call + 4 * num_rows + pid)
-    inside = (layer >= lo) & (layer < hi)
-    k = tl.where(inside, k, 0)  # a row of another layer (or outside) reads nothing
-    mix1 = tl.load(consts).to(tl.uint64, bitcast=True)
-    mix2 = tl.load(consts + 1).to(tl.uint64, bitcast=True)
-    odd = tl.load(consts + 2).to(tl.uint64, bitcast=True)
-    golden = tl.load(consts + 3).to(tl.uint64, bitcast=True)
-    words = addr.to(tl.pointer_type(tl.uint64))
-    raw = addr.to(tl.pointer_type(tl.uint8))
-    offs = tl.arange(0, block)
-    acc = tl.zeros([block], dtype=tl.uint64)
-    for start in range(0, k, block):
-        o = start + offs
-        m = o < k
-        if inline_weights:  # weights(k)[j] = mix((j + 1) * GOLDEN) | 1, computed here
-            w = (o + 1).to(tl.uint64) * golden
-            w = (w ^ (w >> 30)) * mix1
-            w = (w ^ (w >> 27)) * mix2
-            w = (w ^ (w >> 31)) | 1
-        else:
-            w = tl.load(consts + 4 + o, mask=m, other=0).to(tl.uint64, bitcast=True)
-        if mode == 0:
-            cell = tl.load(words + o, mask=m, other=0)
-        elif mode == 1:
-            cell = tl.zeros([block], dtype=tl.uint64)
-            for i in tl.static_range(8):
-                byte = tl.load(raw + o * 8 + i, mask=m, other=0).to(tl.uint64)
-                cell = cell | (byte << (8 * i))
-        else:
-            cell = tl.load(raw + o, mask=m, other=0).to(tl.uint64)
-        acc += cell * w
-    body = tl.sum(acc, axis=0)
-    x = key
-    x = (x ^ (x >> 30)) * mix1
-    x = (x ^ (x >> 27)) * mix2
-    x = x ^ (x >> 31)
-    term = ((body ^ x) * odd).to(tl.int64, bitcast=True)
-    if per_layer:
-        slot = tl.where(inside, layer, 0)
-        tl.atomic_add(out + slot, term, mask=inside)
-        tl.atomic_add(out + num_layers + slot, 1, mask=inside)
-        tl.atomic_add(out + 2 * num_layers, 1, mask=layer < 0)
-    else:
-        tl.store(out + pid, term)
 
 
 def _cells(
@@ -235,6 +145,9 @@ class DeviceRowHasher(RowHasher):
         #: Descriptions of tables seen: id -> (the table, held so its id stays its own,
         #: int64 [4, rows] on the device, or None for a table too large to describe).
         self._tables: dict[int, tuple[DescTable, Any]] = {}
+        #: Page sides seen (:meth:`_paired`): (id, id) -> (read side, key side, their pairs
+        #: as int64 [3, pairs] on the device).
+        self._page_pairs: dict[tuple[int, int], tuple[PageSide, PageSide, Any]] = {}
         self._rows_cap = 0
         self._call_host: Any = None  # a call's rows (pinned on a GPU)
         self._call_dev: Any = None  # the same on the device
@@ -326,9 +239,92 @@ class DeviceRowHasher(RowHasher):
         layers_n = self._num_layers
         if got[2 * layers_n]:
             raise DescriptorError("a checksummed row lies outside the rank's KV buffers")
+        return self._layer_sums(got)
+
+    def _layer_sums(self, got: NDArray[np.int64]) -> LayerSums:
+        """The per-layer sums of a launch's output (layers it counted rows of)."""
+        layers_n = self._num_layers
         present = np.flatnonzero(got[layers_n : 2 * layers_n])
         sums = got[:layers_n].view(np.uint64)
         return {int(x): int(sums[x]) for x in present}
+
+    def page_sums(
+        self,
+        read: PageSide,
+        read_pages: IndexArray,
+        key: PageSide,
+        key_pages: IndexArray,
+        layers: Sequence[int] | None = None,
+    ) -> LayerSums:
+        """Per-layer checksum of a chunk in page form (see :meth:`RowHasher.page_sums`) in
+        one launch: the rows are never listed, one program per (buffer pair, page) finds its
+        page's pieces from the page lists and the sides' per-pair base addresses and strides
+        and adds their terms (one atomic add per page into its layer's sum). A call uploads its two
+        page lists (16 bytes a page); the sides' pairs go to the device once per link.
+        ``layers`` as in :meth:`sums`. Called by transfer workers (prefill) and checker
+        threads (decode)."""
+        lo, hi = 0, self._num_layers
+        if isinstance(layers, range) and layers.step == 1:
+            lo, hi = max(layers.start, 0), min(max(layers.stop, 0), self._num_layers)
+        elif layers is not None:  # host filter, then _row_terms
+            return super().page_sums(read, read_pages, key, key_pages, layers)
+        rp, kp = page_lists(read, read_pages, key, key_pages)
+        programs = read.num_pairs * rp.size  # one per (pair, page)
+        if not programs or lo >= hi:
+            return {}
+        _, layer = self._pairs(read)  # refuses pairs outside the rank's buffers
+        if read.n % 8:
+            cells, mode = read.n, _BYTES
+        else:
+            aligned = not (read.base % np.uint64(8)).any() and not (read.slot % 8 or read.row % 8)
+            cells, mode = read.n // 8, _WORDS if aligned else _WORDS_UNALIGNED
+        block = min(self.block, max(16, 1 << (cells - 1).bit_length()))
+        pages = rp.size
+        with self._lock:
+            pairs = self._paired(read, key, layer)
+            self._need_weights(np.array([cells], dtype=np.int64))
+            self._grow(pages)
+            call = self._call_host.numpy()
+            call[:pages] = rp
+            call[pages : 2 * pages] = kp
+            args = (
+                pairs.data_ptr(),
+                read.num_pairs,
+                self._call_dev.data_ptr(),
+                self._consts.data_ptr(),
+                self._out_dev.data_ptr(),
+                pages,
+                read.tokens,
+                cells,
+                read.slot,
+                read.row,
+                key.slot,
+                key.row,
+                self._num_layers,
+                lo,
+                hi,
+            )
+            consts = (block, self.inline_weights, mode)
+            self._enqueue(
+                hash_pages, programs, args, consts, ("pages", *consts), 2 * pages, self._out_dev
+            )
+            got = self._wait()
+        return self._layer_sums(got)
+
+    def _paired(self, read: PageSide, key: PageSide, layer: NDArray[np.int64]) -> Any:
+        """``int64 [3, pairs]`` on the device (read base addresses, key base addresses,
+        layers) of two page sides, made the first time the pair of sides is seen (a link's
+        sides are built once) and kept. Caller holds the lock."""
+        ident = (id(read), id(key))
+        seen = self._page_pairs.get(ident)
+        if seen is not None and seen[0] is read and seen[1] is key:
+            return seen[2]
+        host = np.stack([read.base.view(np.int64), key.base.view(np.int64), layer])
+        pairs = torch.from_numpy(np.ascontiguousarray(host)).to(self.device)
+        if len(self._page_pairs) >= _MAX_TABLES:
+            self._page_pairs.pop(next(iter(self._page_pairs)))
+        self._page_pairs[ident] = (read, key, pairs)
+        return pairs
 
     def _described(self, table: DescTable) -> Any:
         """The device description of ``table`` (``int64 [4, rows]``: address, cells, read
@@ -411,25 +407,41 @@ class DeviceRowHasher(RowHasher):
             lo,
             hi,
         )
+        self._enqueue(hash_rows, n, args, key, key, elems, target if per_layer else None)
+
+    def _enqueue(
+        self,
+        jit: Any,
+        n: int,
+        args: tuple[Any, ...],
+        consts: tuple[Any, ...],
+        cache_key: tuple[Any, ...],
+        elems: int,
+        zero: Any,
+    ) -> None:
+        """Enqueue, on this hasher's stream, the upload of the call's first ``elems`` int64,
+        the zeroing of ``zero`` (the per-layer sums; None: nothing) and ``jit`` over ``n``
+        programs with ``args`` and constexprs ``consts``: the compiled kernel (kept under
+        ``cache_key``) launched directly after the first launch. Caller holds the lock."""
         if self._stream is None:  # Triton's interpreter: host memory, synchronous
-            if per_layer:
-                target.zero_()
-            _hash_rows[(n,)](*args, *key)
+            if zero is not None:
+                zero.zero_()
+            jit[(n,)](*args, *consts)
             return
         with torch.cuda.device(self.device), torch.cuda.stream(self._stream):
             self._call_dev[:elems].copy_(self._call_host[:elems], non_blocking=True)
-            if per_layer:
-                target.zero_()
-            kernel = self._compiled.get(key)
+            if zero is not None:
+                zero.zero_()
+            kernel = self._compiled.get(cache_key)
             if kernel is not None and self._direct:
                 try:
-                    kernel[(n, 1, 1)](*args, *key, stream=self._stream.cuda_stream)
+                    kernel[(n, 1, 1)](*args, *consts, stream=self._stream.cuda_stream)
                     return
                 except Exception as exc:  # another Triton's launcher: bind arguments again
                     logger.warning("checksums: direct launch refused (%s); using Triton's", exc)
                     self._direct = False
-            kernel = _hash_rows[(n,)](*args, *key, num_warps=self.num_warps)
-            self._compiled.setdefault(key, kernel)
+            kernel = jit[(n,)](*args, *consts, num_warps=self.num_warps)
+            self._compiled.setdefault(cache_key, kernel)
 
     def _wait(self) -> NDArray[np.int64]:
         """The per-layer sums, row counts and rows outside of the launch just enqueued,

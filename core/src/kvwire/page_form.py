@@ -15,6 +15,11 @@ addresses through its prepared pair; every other consumer reads :meth:`PageChunk
 which are exactly the rows :meth:`~kvwire.index.base.IndexMapper.map_chunk` returns
 (pair-major, then page, then piece). Cases the form cannot express (page-size conversion,
 dummy senders, K and V as planes, head-major rows, groups) keep rows.
+
+KV checksums read a chunk in page form too (:class:`PageSide`, :func:`page_sides`): each
+side's rows are addresses computed from the side's per-pair base address and byte strides,
+so prefill sums its source rows and decode its landed rows without expanding the chunk
+(:meth:`kvwire.integrity.RowHasher.page_sums`).
 """
 
 from __future__ import annotations
@@ -24,7 +29,7 @@ from dataclasses import dataclass
 import numpy as np
 from numpy.typing import NDArray
 
-from kvwire.descriptors import IndexArray, check_indices
+from kvwire.descriptors import ADDR, LEN, DescTable, IndexArray, check_indices
 from kvwire.errors import DescriptorError
 
 
@@ -173,3 +178,80 @@ def check_geometry_addresses(
                     f"after row {int(rows[b])}, the table "
                     f"{int(addr[rows[b] + drow] - base[b])}: not this pair's tables"
                 )
+
+
+@dataclass(frozen=True, eq=False)
+class PageSide:
+    """One side of a link's page geometry in bytes (built once per link and side by
+    :func:`page_sides`): piece ``t`` of page ``p`` of buffer pair ``b`` lies at
+    ``base[b] + p * slot + t * row`` and is ``n`` bytes long; page indices are below
+    ``slots``. Read, never changed, by any thread."""
+
+    base: NDArray[np.uint64]
+    slot: int
+    row: int
+    n: int
+    tokens: int
+    slots: int
+
+    @property
+    def num_pairs(self) -> int:
+        """Buffer pairs of the geometry."""
+        return int(self.base.size)
+
+    def addresses(
+        self, pages: NDArray[np.int64], pairs: NDArray[np.int64] | None = None
+    ) -> NDArray[np.uint64]:
+        """The rows' addresses for ``pages`` (of buffer pairs ``pairs``, default all), in
+        :meth:`PageChunk.rows` order (pair-major, then page, then piece); vectorised."""
+        base = self.base if pairs is None else self.base[pairs]
+        t = np.arange(self.tokens, dtype=np.int64)[None, None, :] * self.row
+        p = np.asarray(pages, dtype=np.int64)[None, :, None] * self.slot
+        out: NDArray[np.uint64] = (
+            (base.view(np.int64)[:, None, None] + p + t).ravel().view(np.uint64)
+        )
+        return out
+
+    def corners(self) -> NDArray[np.uint64]:
+        """``[4, pairs]``: the addresses of the first and last piece of the first and last
+        page slot of every pair (the extremes of its rows, the addresses being affine in page
+        and piece): every row of a pair lies in one buffer when these do."""
+        last_p, last_t = (self.slots - 1) * self.slot, (self.tokens - 1) * self.row
+        base = self.base.view(np.int64)
+        out: NDArray[np.uint64] = np.stack(
+            [base, base + last_t, base + last_p, base + last_p + last_t]
+        ).view(np.uint64)
+        return out
+
+
+def page_sides(geometry: PageGeometry, src: DescTable, dst: DescTable) -> tuple[PageSide, PageSide]:
+    """A link's page geometry as byte addresses on both sides (``src``/``dst``: the mapper's
+    own descriptor tables, whose rows the geometry names), for sums computed from a chunk's
+    page form. Checks the geometry's byte strides against the tables
+    (:func:`check_geometry_addresses`: :class:`DescriptorError` otherwise), so its addresses
+    are exactly those of :meth:`PageChunk.rows`'s table rows. Called once per link by
+    :class:`kvwire.session.checksums.SentSums` (prefill) and ``LandedSums`` (decode)."""
+    g = geometry
+    one = np.zeros(1, dtype=np.int64)
+    check_page_chunk(PageChunk(g, one, one), src[:, LEN], dst[:, LEN])  # rows in the tables
+    src_addr = src[:, ADDR].astype(np.int64)
+    dst_addr = dst[:, ADDR].astype(np.int64)
+    check_geometry_addresses(g, src_addr, dst_addr)
+    return (
+        PageSide(
+            np.ascontiguousarray(src[g.src_rows, ADDR]),
+            g.src_slot,
+            g.src_row,
+            g.n,
+            g.tokens,
+            g.src_slots,
+        ),
+        PageSide(
+            np.ascontiguousarray(dst[g.dst_rows, ADDR]),
+            g.dst_slot,
+            g.dst_row,
+            g.n,
+            g.tokens,
+            g.dst_slots,
+        ),
+    )

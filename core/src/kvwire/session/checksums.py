@@ -20,6 +20,13 @@ checker thread (:mod:`kvwire.session.decode.checker`) asks it for the sums of th
 chunk (or the piece's layers of it) wrote, found the way prefill found them (the same mapper,
 built from both layouts, and the chunk's page span from the note), and compares.
 
+A link whose mapping has a page form (:mod:`kvwire.page_form`: whole pages, or head slices)
+is summed from it on both sides (:meth:`RowHasher.page_sums`): prefill from the chunk's page
+lists and the link's source and destination :class:`~kvwire.page_form.PageSide`, decode from
+the chunk's destination pages and its own side; no row is mapped or listed, and the sums are
+the row form's, bit for bit. Other links (page-size conversion, dummy senders, K and V as
+planes, head-major pages) sum the mapped rows.
+
 KV pools in host and in GPU memory alike (:func:`hasher_for`). Only the KV pool (``"kv"``) is
 covered: aux rows carry their own room stamp, and buffer groups and a decode's extra pools
 (HiSparse's ``"host"``, say) are not checksummed yet (docs/integrity.md).
@@ -27,6 +34,7 @@ covered: aux rows carry their own room stamp, and buffer groups and a decode's e
 
 from __future__ import annotations
 
+import logging
 import threading
 from typing import Any
 
@@ -34,12 +42,15 @@ import numpy as np
 from numpy.typing import NDArray
 
 from kvwire.config import KVWireConfig
-from kvwire.descriptors import ADDR, LEN, IndexArray
+from kvwire.descriptors import ADDR, LEN, DescTable, IndexArray
 from kvwire.errors import DescriptorError
 from kvwire.index.base import IndexMapper
 from kvwire.integrity import LayerSums, RowHasher
 from kvwire.layout import KVLayout, MemKind
+from kvwire.page_form import PageSide, page_sides
 from kvwire.session.handshake import build_mapper
+
+logger = logging.getLogger(__name__)
 
 
 def hasher_for(layout: KVLayout) -> RowHasher:
@@ -69,6 +80,15 @@ class SentSums:
         self.tables = mapper.build_tables()
         self.hasher = hasher_for(local)
         self._local = threading.local()
+        #: The link's page geometry as byte addresses (source side, destination side), or
+        #: None where chunks are summed as rows (:func:`_page_sides`).
+        self.sides = _page_sides(mapper, self.tables.src, self.tables.dst)
+
+    @property
+    def cuts(self) -> bool:
+        """Whether :meth:`pieces` may cut a chunk (the hasher's ``PIECE_BYTES`` is not 0): a
+        worker asks before reading a page-form segment's rows, which would expand them."""
+        return self.hasher.PIECE_BYTES > 0
 
     def chunk(
         self,
@@ -79,7 +99,16 @@ class SentSums:
         """Per-layer sums of a chunk's rows (``src_units``/``dst_units`` as the job holds
         them), only of layers ``[a, b)`` when given (one layer-wise group). The same
         ``src_units`` and ``dst_units`` objects as this thread's last call reuse its mapped
-        rows (and the hasher its located ones: the same objects are passed on)."""
+        rows (and the hasher its located ones: the same objects are passed on). A link with a
+        page form sums the chunk from its pages (:meth:`RowHasher.page_sums`), never
+        mapping its rows."""
+        only = None if layers is None else range(*layers)
+        if self.sides is not None:
+            pages = self.mapper.page_chunk(src_units, dst_units)
+            if pages is None:
+                return {}  # no page (checked as map_chunk checks them)
+            src, dst = self.sides
+            return self.hasher.page_sums(src, pages.src_pages, dst, pages.dst_pages, only)
         last: tuple[Any, ...] | None = getattr(self._local, "last", None)
         if last is not None and last[0] is src_units and last[1] is dst_units:
             src_idx, keys = last[2], last[3]
@@ -87,7 +116,6 @@ class SentSums:
             src_idx, dst_idx = self.mapper.map_chunk(src_units, dst_units)
             keys = self.tables.dst[np.asarray(dst_idx, dtype=np.int64), ADDR]
             self._local.last = (src_units, dst_units, src_idx, keys)
-        only = None if layers is None else range(*layers)
         return self.hasher.sums(self.tables.src, src_idx, keys, only)
 
     def pieces(
@@ -154,8 +182,12 @@ class LandedSums:
 
     def __init__(self, config: KVWireConfig, remote: KVLayout, local: KVLayout) -> None:
         self.mapper = build_mapper(config, remote, local)
-        self.dst = self.mapper.build_tables().dst
+        tables = self.mapper.build_tables()
+        self.dst = tables.dst
         self.hasher = hasher_for(local)
+        #: This side of the link's page geometry in bytes, or None (chunks summed as rows).
+        sides = _page_sides(self.mapper, tables.src, tables.dst)
+        self.side = None if sides is None else sides[1]
 
     def chunk(
         self,
@@ -167,13 +199,44 @@ class LandedSums:
     ) -> LayerSums:
         """Per-layer sums of what landed for request pages ``[start, end)`` of a request of
         ``num_pages`` pages, into ``dst_pages`` (the request's destination pages); only of
-        layers ``[a, b)`` when given (one piece of the chunk, ``ChunkNote.piece_layers``)."""
+        layers ``[a, b)`` when given (one piece of the chunk, ``ChunkNote.piece_layers``).
+        A link with a page form sums the landed pages (keyed by themselves) without mapping
+        rows, as prefill summed them."""
         start, end = span
         placeholder = np.zeros(end - start, dtype=np.int64)  # source slots are not needed
         src_units, lo, hi = self.mapper.chunk_slice(
             num_pages, dst_pages, placeholder, start, end, cached_tokens
         )
+        only = None if layers is None else range(*layers)
+        if self.side is not None:
+            if np.asarray(src_units).size != hi - lo:
+                raise DescriptorError(
+                    f"{np.asarray(src_units).size} source pages for {hi - lo} destination pages"
+                )
+            pages = np.asarray(dst_pages[lo:hi], dtype=np.int64)
+            return self.hasher.page_sums(self.side, pages, self.side, pages, only)
         _, dst_idx = self.mapper.map_chunk(src_units, dst_pages[lo:hi])
         idx = np.asarray(dst_idx, dtype=np.int64)
-        only = None if layers is None else range(*layers)
         return self.hasher.sums(self.dst, idx, self.dst[idx, ADDR], only)
+
+
+def _page_sides(
+    mapper: IndexMapper, src: DescTable, dst: DescTable
+) -> tuple[PageSide, PageSide] | None:
+    """A link's page geometry in bytes (:func:`kvwire.page_form.page_sides`), or None where
+    its chunks have no page form (page-size conversion, dummy senders, K and V as planes,
+    head-major rows: the mapper says) or its geometry does not match its tables (a mapper's
+    bug: logged, and the link's chunks are summed as rows, which stay correct). Either side,
+    once per link, at handshake."""
+    geometry = mapper.page_geometry
+    if geometry is None:
+        return None
+    try:
+        return page_sides(geometry, src, dst)
+    except DescriptorError as exc:
+        logger.warning(
+            "checksums: the %s mapper's page form is not its tables' (%s); summing rows",
+            mapper.name,
+            exc,
+        )
+        return None

@@ -197,10 +197,11 @@ def summed_pieces(
     each carry their own rows' sums, and each piece's layer range (None: not cut). Only rows
     of the mapper's own tables moved in place, checksummed, over a backend whose own thread
     moves the bytes (``evented``): one that copies inside its calls would not move a piece
-    while the next one is summed."""
+    while the next one is summed. A hasher that never cuts (a GPU pool's) leaves a page-form
+    segment in page form (its rows are not read here)."""
     check = job.link.checksums if job.pool == "kv" else None
     own = plan.table == "kv" and len(segs) == 1 and segs[0].table == job.target.table
-    if own and evented and check is not None and segs[0].copy is None:
+    if own and evented and check is not None and check.cuts and segs[0].copy is None:
         seg = segs[0]
         cut = check.pieces(seg.src_idx, seg.dst_idx)
         if cut:
