@@ -5,7 +5,8 @@ as ``kvwire bench``'s default), one chunk of ``--pages`` pages mapped by the equ
 its pages side by side (the usual case, read through a view) and scattered over the pool
 (gathered first). Prints the median GB/s of ``--repeat`` calls after a warm-up call.
 
-    uv run --frozen --no-sync python scripts/host_checksum_bench.py [--pages 8] [--repeat 20] [--one-thread]
+    uv run --frozen --no-sync python scripts/host_checksum_bench.py [--pages 8] [--repeat 20] \
+        [--one-thread]
 """
 
 from __future__ import annotations
@@ -16,9 +17,9 @@ import time
 
 import numpy as np
 
+from kvwire import integrity
 from kvwire.config import KVWireConfig
 from kvwire.descriptors import ADDR, LEN
-from kvwire import integrity
 from kvwire.integrity import RowHasher
 from kvwire.layout import ModelSpec, RankPosition
 from kvwire.session.handshake import build_mapper
