@@ -191,6 +191,8 @@ def _linker(interval_s: float) -> DecodeLinker:
     linker.ctx = SimpleNamespace(  # type: ignore[assignment]
         options=SimpleNamespace(heartbeat_interval_s=interval_s), stopping=False
     )
+    linker._namesake_lock = threading.Lock()
+    linker._namesake_waits = set()
     return linker
 
 
@@ -238,6 +240,25 @@ def test_a_handshake_that_raises_is_rejected_naming_the_error(
         r.init()
         assert "a bug in the handshake" in failed_within(r, 20.0)
         r.clear()
+
+
+def test_a_second_hello_on_a_namesake_being_waited_on_is_refused_at_once() -> None:
+    """Hellos under a taken name cannot hold every handshake thread: while one waits to tell
+    a restart from a live namesake, another on the same namesake is refused without waiting."""
+    linker = _linker(20.0)  # a namesake heard just now is waited on for up to 30 s
+    old = Peer("old", "decode0", "tcp://10.0.0.2:1", time.monotonic())
+    verdicts: list[bool] = []
+    first = threading.Thread(
+        target=lambda: verdicts.append(linker._namesake_alive(old, time.monotonic()))
+    )
+    first.start()
+    wait_for(lambda: "old" in linker._namesake_waits, timeout=30)
+    assert linker._namesake_alive(old, time.monotonic()) is True  # refused, not waited
+    assert first.is_alive()  # the first hello was still waiting meanwhile
+    old.heard = time.monotonic()  # the namesake speaks: alive
+    first.join(30)
+    assert verdicts == [True]
+    assert not linker._namesake_waits
 
 
 def test_every_message_kind_has_exactly_one_handler_per_side() -> None:

@@ -130,6 +130,10 @@ class DecodeLinker:
         #: Releases what an earlier eviction of a session left in the engine, now.
         self.release_first = release_first
         self._unsigned_replies: list[float] = []
+        #: Sessions a handshake is waiting on to tell a restart from a live namesake (see
+        #: :meth:`_namesake_alive`); its own lock, held for set operations only.
+        self._namesake_lock = threading.Lock()
+        self._namesake_waits: set[str] = set()
         self.handshakes = concurrent.futures.ThreadPoolExecutor(
             2, thread_name_prefix=f"kvwire-hs-{ctx.agent_name}"
         )
@@ -329,17 +333,33 @@ class DecodeLinker:
         been quiet for 1.5 intervals. Waits for whichever comes first: a restart faster than
         that waits out the rest (at most 1.5 intervals), where judging by the last sign of
         life alone refused it as a live namesake. Its silence is judged by when it was
-        heard, not by ``last_seen`` (which a stall of the liveness thread moves later)."""
+        heard, not by ``last_seen`` (which a stall of the liveness thread moves later). One
+        hello at a time waits on a given namesake; another one meanwhile is refused at once.
+        Lock contract: ``_namesake_lock`` guards the set of namesakes waited on and nothing
+        else, and is never held while waiting."""
         quiet_s = self.ctx.options.heartbeat_interval_s * 1.5
-        while not self.ctx.stopping:
-            heard = old.heard
-            if heard > arrived:
+        if old.heard + quiet_s <= time.monotonic():
+            return old.heard > arrived
+        with self._namesake_lock:
+            if old.session in self._namesake_waits:
+                # another hello under this name is already waiting on the same namesake: this
+                # one is refused at once, so hellos under a taken name cannot hold every
+                # handshake thread
                 return True
-            left = heard + quiet_s - time.monotonic()
-            if left <= 0:
-                return False
-            time.sleep(min(left, NAMESAKE_POLL_S))
-        return False
+            self._namesake_waits.add(old.session)
+        try:
+            while not self.ctx.stopping:
+                heard = old.heard
+                if heard > arrived:
+                    return True
+                left = heard + quiet_s - time.monotonic()
+                if left <= 0:
+                    return False
+                time.sleep(min(left, NAMESAKE_POLL_S))
+            return False
+        finally:
+            with self._namesake_lock:
+                self._namesake_waits.discard(old.session)
 
     def _data_loopback(self, hello: Hello) -> str | None:
         """Handshake thread: why this rank could not reach the decode rank's data plane: the
