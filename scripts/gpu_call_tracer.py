@@ -62,6 +62,20 @@ TRACED = (
     "kvwire_cudaipc.backend:CudaIpcBackend._submit",
     "kvwire_cudaipc.backend:CudaIpcBackend._kernel_done",
     "kvwire_cudaipc.backend:CudaIpcBackend._post_follow",
+    "kvwire_cudaipc.backend:CudaIpcBackend._submit_pages",
+    "kvwire_cudaipc.backend:CudaIpcBackend._launch",
+    "kvwire.backends.tcp.backend:TcpBackend._queue_note",
+    "kvwire.session.prefill.side:PrefillSide._on_request",
+    "kvwire.session.decode.side:DecodeSide._request",
+    "kvwire.session.decode.side:DecodeSide.on_notification",
+    "kvwire.session.decode.checker:ChunkChecker.on_part",
+    "kvwire.session.decode.checker:ChunkChecker._run",
+    "kvwire.session.checksums:SentSums.chunk",
+    "kvwire.session.checksums:LandedSums.chunk",
+    "kvwire.movers.staged_moves:TokenMajorMoves.pages",
+    "kvwire.movers.staged_moves:TokenMajorMoves.units",
+    "kvwire.movers.staged_moves:HeadMajorMoves.pages",
+    "kvwire.movers.staged_moves:HeadMajorMoves.units",
 )
 
 _events: list[tuple[str, str, float, float]] = []
