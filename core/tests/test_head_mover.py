@@ -294,3 +294,17 @@ def test_head_mover_compiles_to_vector_accesses() -> None:
         [sys.executable, "-c", _PTX_CHECK], capture_output=True, text=True, timeout=600
     )
     assert out.returncode == 0 and "PTX-OK" in out.stdout, out.stderr[-3000:]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_the_gpu_check_script_dry_run_verifies_every_byte() -> None:
+    """``scripts/gpu_headmajor_mover_check.py --dry`` (the GPU call's check, on the CPU with
+    tiny shapes under Triton's interpreter) runs to its verdict, so the next GPU call does not
+    spend its device time on a broken script. About 6 s."""
+    script = Path(__file__).resolve().parents[2] / "scripts" / "gpu_headmajor_mover_check.py"
+    out = subprocess.run(
+        [sys.executable, str(script), "--dry"], capture_output=True, text=True, timeout=280
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "verified: every byte right" in out.stdout, out.stdout[-3000:]
