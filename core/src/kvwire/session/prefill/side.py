@@ -155,7 +155,6 @@ class PrefillSide(Side[SendRoom]):
                         msg.session,
                     )
                 return
-            peer.last_seen = peer.heard = time.monotonic()
             try:
                 dest = dest_for(msg, peer, ctx.aux_slots, ctx.layout.rank.tp_rank)
             except KVWireError as exc:
