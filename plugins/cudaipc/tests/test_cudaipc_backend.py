@@ -516,3 +516,105 @@ def test_a_notification_alone_goes_as_a_note_to_a_peer_that_takes_them(
     finally:
         a.close()
         b.close()
+
+
+def _done(a: TransferBackend, h: object) -> None:
+    """Poll ``h`` (a stand-in kernel: the event's gate is set) to DONE and release it."""
+    import time
+
+    from kvwire.backend import XferState
+
+    for _ in range(3000):
+        if a.poll(h) is not XferState.PENDING:  # type: ignore[arg-type]
+            break
+        time.sleep(0.005)
+    assert a.poll(h) is XferState.DONE  # type: ignore[arg-type]
+    a.release(h)  # type: ignore[arg-type]
+
+
+def test_a_few_large_runs_go_to_the_copy_engines(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Bulk staging's blocks (at most ``copy_engine_max_runs`` runs of at least
+    ``copy_engine_min_bytes``) are enqueued as copy-engine copies on the backend's stream, not
+    as an SM mover launch; a list with one short run, or the rule turned off, goes to the
+    mover. The copies themselves are stood in for by memmove (no GPU here); on a GPU,
+    ``scripts/gpu_staged_bench.py --backend cudaipc`` checks every element of such blocks."""
+    import ctypes
+    import types
+
+    import kvwire_cudaipc.backend as backend_mod
+    from kvwire.backend import XferOp
+    from kvwire_cudaipc.copies import takes_copy_engine
+
+    mib = 1 << 20
+    assert takes_copy_engine(np.full(4, mib), mib, 32)
+    assert not takes_copy_engine(np.array([mib, mib - 1]), mib, 32)  # one short run
+    assert not takes_copy_engine(np.full(33, mib), mib, 32)  # too many runs
+    assert not takes_copy_engine(np.full(4, mib), 0, 32)  # turned off
+    assert not takes_copy_engine(np.zeros(0, np.int64), mib, 32)
+
+    copier = _host_stand_ins(monkeypatch)
+    moved: list[int] = []
+    engine: list[tuple[list[int], int]] = []
+    real_move = copier.move
+
+    def move(src: np.ndarray, dst: np.ndarray, n: np.ndarray, stream: object = None) -> None:
+        moved.append(len(n))
+        real_move(src, dst, n)
+
+    def copy_runs(src: np.ndarray, dst: np.ndarray, n: np.ndarray, stream: int) -> None:
+        engine.append((n.tolist(), stream))
+        for s, d, k in zip(src.tolist(), dst.tolist(), n.tolist(), strict=True):
+            ctypes.memmove(d, s, k)
+
+    monkeypatch.setattr(copier, "move", move)
+    monkeypatch.setattr(backend_mod, "copy_runs", copy_runs)
+
+    def ensure_gpu(self: backend_mod.CudaIpcBackend) -> None:
+        self._copier = copier
+        self._stream = types.SimpleNamespace(cuda_stream=77)
+
+    monkeypatch.setattr(backend_mod.CudaIpcBackend, "_ensure_gpu", ensure_gpu)
+    _HostEvent.gate.set()
+    rng = np.random.default_rng(11)
+    for opts, want_engine in (({}, True), ({"copy_engine_min_bytes": 0}, False)):
+        cfg = KVWireConfig(transfer_backend="cudaipc", transfer_backend_options=opts)
+        a = create_backend(cfg, "prefill", need=())
+        b = create_backend(cfg, "decode", need=())
+        try:
+            av = rng.integers(0, 256, 4 * mib, dtype=np.uint8)
+            bv = np.zeros(4 * mib, np.uint8)
+
+            def vram(x: np.ndarray) -> MemoryRegion:
+                return MemoryRegion.from_pointer(x.ctypes.data, x.nbytes, mib, MemKind.VRAM, 0)
+
+            a.register([vram(av)])
+            b.register([vram(bv)])
+            peer = a.add_peer(b.local_metadata())
+            # four 1 MiB blocks, then the same bytes as 1 KiB rows
+            big = a.prepare(
+                peer,
+                make_table(av.ctypes.data + np.arange(4) * mib, mib),
+                make_table(bv.ctypes.data + np.arange(4) * mib, mib),
+            )
+            small = a.prepare(
+                peer,
+                make_table(av.ctypes.data + np.arange(64) * 1024, 1024),
+                make_table(bv.ctypes.data + np.arange(64) * 1024, 1024),
+            )
+            engine.clear()
+            moved.clear()
+            blocks = av.reshape(4, mib)
+            h = a.submit(XferOp.WRITE, big, np.arange(4), np.arange(4)[::-1].copy())
+            _done(a, h)
+            assert np.array_equal(bv.reshape(4, mib), blocks[::-1])  # every block landed
+            bv[:] = 0
+            _done(a, a.submit(XferOp.WRITE, small, np.arange(64), np.arange(64)))
+            assert np.array_equal(bv[: 64 * 1024], av[: 64 * 1024])
+            assert not bv[64 * 1024 :].any()
+            if want_engine:
+                assert engine == [([mib] * 4, 77)] and moved == [64]
+            else:
+                assert engine == [] and moved == [4, 64]
+        finally:
+            a.close()
+            b.close()

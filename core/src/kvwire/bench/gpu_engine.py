@@ -7,6 +7,7 @@ backend and staging strategy, every element of the verified batches checked on d
 from __future__ import annotations
 
 import argparse
+import json
 import secrets
 import time
 from pathlib import Path
@@ -63,6 +64,11 @@ def add_engine_args(
     p.add_argument("--engine-step", type=float, default=0.0002)
     p.add_argument("--timeout", type=float, default=timeout)
     p.add_argument("--backend", default=backend, help="transfer backend of the engine phase")
+    p.add_argument(
+        "--backend-options",
+        default="{}",
+        help="the engine phase's transfer_backend_options, as JSON",
+    )
     p.add_argument("--prefill-tp", type=int, default=1, help="engine phase: prefill ranks")
     p.add_argument("--decode-tp", type=int, default=1, help="engine phase: decode ranks")
     p.add_argument("--mla", action="store_true", help="an MLA model (one latent row)")
@@ -112,6 +118,7 @@ def engine(
     checked on decode), then timed requests at each concurrency. ``a`` carries the settings
     (``device``, ``gpus``, ``sizes`` MiB, ``concurrency``, ``requests``, ``verify_requests``,
     ``engine_step``, ``timeout``, ``backend``, ``prefill_tp``, ``decode_tp``; optional:
+    ``backend_options`` the backend's options as JSON,
     ``checksum`` turns ``kv_checksum`` on, ``mla`` moves an MLA model (one latent row of 576
     bytes per token and layer), ``decode_page_size`` gives decode other pages, ``head_major``
     names the roles whose pages are head-major (e.g. ``("decode",)``), ``sample_dir``
@@ -158,6 +165,7 @@ def engine(
         head_major=tuple(getattr(a, "head_major", None) or ()),
         config=KVWireConfig(
             transfer_backend=a.backend,
+            transfer_backend_options=json.loads(getattr(a, "backend_options", "") or "{}"),
             staging=staging,
             staging_options=dict(staging_options or {}),
             control=ControlOptions(kv_checksum=bool(getattr(a, "checksum", False))),
@@ -195,6 +203,7 @@ def engine(
         "decode_page_size": getattr(a, "decode_page_size", None),
         "head_major": list(getattr(a, "head_major", None) or ()),
         "backend": a.backend,
+        "backend_options": json.loads(getattr(a, "backend_options", "") or "{}"),
         "staging": staging,
         "staging_options": dict(staging_options or {}),
         "max_chunk_pages": max_chunk_pages,

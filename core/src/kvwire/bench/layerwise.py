@@ -63,6 +63,9 @@ class BenchArgs(BaseModel):
     device: str = "cpu"
     backends: list[str] = Field(default_factory=lambda: ["tcp"])
     staging: str = "direct"
+    backend_options: dict[str, Any] = Field(
+        default_factory=dict, description="transfer_backend_options of both sides"
+    )
     decode_gpu: int | None = Field(
         default=None, ge=0, description="decode's CUDA device; None: 1 when two are visible, else 0"
     )
@@ -192,9 +195,10 @@ class _Engine:
         return h.hexdigest()
 
 
-def _config(backend: str, staging: str) -> KVWireConfig:
+def _config(backend: str, staging: str, options: dict[str, Any]) -> KVWireConfig:
     return KVWireConfig(
         transfer_backend=backend,
+        transfer_backend_options=options,
         staging=staging,
         control=ControlOptions(heartbeat_interval_s=0.5),
     )
@@ -203,7 +207,7 @@ def _config(backend: str, staging: str) -> KVWireConfig:
 def _prefill_main(conn: Connection, args: dict[str, Any], backend: str) -> None:
     a = BenchArgs(**args)
     eng = _Engine(a, with_model=True)
-    cfg = _config(backend, a.staging)
+    cfg = _config(backend, a.staging, a.backend_options)
     cfg.control = cfg.control.model_copy(update={"layerwise_groups": a.groups})
     mgr = KVManager(cfg, Role.PREFILL, eng.layout, kv_tensors=eng.kv)
     conn.send(("ready", mgr.bootstrap_addr))
@@ -252,7 +256,9 @@ def _prefill_main(conn: Connection, args: dict[str, Any], backend: str) -> None:
 def _decode_main(conn: Connection, args: dict[str, Any], backend: str) -> None:
     a = BenchArgs(**args)
     eng = _Engine(a, with_model=False)
-    mgr = KVManager(_config(backend, a.staging), Role.DECODE, eng.layout, kv_tensors=eng.kv)
+    mgr = KVManager(
+        _config(backend, a.staging, a.backend_options), Role.DECODE, eng.layout, kv_tensors=eng.kv
+    )
     conn.send(("ready", str(eng.gpu)))
     try:
         while (cmd := conn.recv())[0] == "recv":
@@ -442,6 +448,12 @@ def add_args(p: argparse.ArgumentParser) -> None:
         help="decode's CUDA device (default: 1 when two GPUs are visible, else 0; prefill: 0)",
     )
     p.add_argument("--staging", default=d.staging, help="staging strategy of both sides")
+    p.add_argument(
+        "--backend-options",
+        default="{}",
+        help="transfer_backend_options of both sides, as JSON, e.g. "
+        "'{\"copy_engine_min_bytes\": 0}'",
+    )
     p.add_argument("--json", metavar="PATH", help="write the rows as JSON")
 
 
@@ -459,6 +471,7 @@ def run(args: argparse.Namespace, console: Console) -> int:
         device=args.device,
         backends=args.backends.split(","),
         staging=args.staging,
+        backend_options=json.loads(args.backend_options),
         decode_gpu=args.decode_gpu,
     )
     rows = measure(a, console)

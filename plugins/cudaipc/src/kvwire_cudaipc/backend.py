@@ -53,7 +53,7 @@ from typing import Any
 
 import numpy as np
 from numpy.typing import NDArray
-from pydantic import BaseModel, Field
+from pydantic import BaseModel
 
 from kvwire.backend import (
     BackendCapabilities,
@@ -65,30 +65,22 @@ from kvwire.backend import (
 )
 from kvwire.backends.envelope import pack_metadata, region_rows
 from kvwire.backends.memcopy import HostMemory
-from kvwire.backends.tcp import TcpBackend, TcpOptions
+from kvwire.backends.tcp import TcpBackend
 from kvwire.backends.tcp.outbound import OutboundTransfer
 from kvwire.descriptors import ADDR, LEN, DescTable, locate_rows
 from kvwire.errors import ConfigError, DescriptorError, PeerError
 from kvwire.layout import MemKind, MemoryRegion
-from kvwire.movers.plan import DEFAULT_TILE_BYTES
 from kvwire.page_form import PageChunk, PageGeometry, check_geometry_addresses
 from kvwire_cudaipc import _cuda
+from kvwire_cudaipc.copies import copy_runs, takes_copy_engine
 from kvwire_cudaipc.meta import IpcExport, PeerInfo, parse_peer
+from kvwire_cudaipc.options import CudaIpcOptions
 from kvwire_cudaipc.watcher import KernelWatcher
 
 logger = logging.getLogger(__name__)
 
 METADATA_VERSION = 1
 SCRATCH_BYTES = 8
-
-
-class CudaIpcOptions(TcpOptions):
-    """Options of the ``cudaipc`` backend: the side channel's (``tcp``'s) and the mover's."""
-
-    tile_bytes: int = Field(
-        default=DEFAULT_TILE_BYTES, ge=16, description="Bytes per mover tile (power of two)."
-    )
-    num_warps: int = Field(default=4, ge=1, le=32, description="Warps per mover program.")
 
 
 @dataclass(eq=False)
@@ -512,9 +504,12 @@ class CudaIpcBackend(TcpBackend):
     def _runs(
         self, src: NDArray[np.int64], dst: NDArray[np.int64], n: NDArray[np.int64]
     ) -> Callable[[], None]:
-        """The run mover's launch for VRAM runs ``(src, dst, n)`` (``dst`` in this
-        process's mapping of the peer), to enqueue under :meth:`_launch`."""
-        copier, stream = self._copier, self._stream
+        """The enqueue of VRAM runs ``(src, dst, n)`` (``dst`` in this process's mapping of
+        the peer), to run under :meth:`_launch`: the copy engines for a few large runs
+        (:mod:`kvwire_cudaipc.copies`), else one launch of the run mover."""
+        copier, stream, o = self._copier, self._stream, self.options
+        if takes_copy_engine(n, o.copy_engine_min_bytes, o.copy_engine_max_runs):
+            return lambda: copy_runs(src, dst, n, stream.cuda_stream)
         return lambda: copier.move(src, dst, n, stream=stream)
 
     def _launch(self, x: _IpcXfer, st: _Pair, enqueue: Callable[[], None]) -> None:

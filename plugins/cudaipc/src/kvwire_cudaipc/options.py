@@ -1,0 +1,30 @@
+"""Options of the ``cudaipc`` backend (the config's ``transfer_backend_options``): the side
+channel's (``tcp``'s), the SM mover's, and the rule that sends a few large runs to the copy
+engines (:mod:`kvwire_cudaipc.copies`)."""
+
+from __future__ import annotations
+
+from pydantic import Field
+
+from kvwire.backends.tcp import TcpOptions
+from kvwire.movers.plan import DEFAULT_TILE_BYTES
+
+
+class CudaIpcOptions(TcpOptions):
+    """Options of the ``cudaipc`` backend: the side channel's (``tcp``'s) and the mover's."""
+
+    tile_bytes: int = Field(
+        default=DEFAULT_TILE_BYTES, ge=16, description="Bytes per mover tile (power of two)."
+    )
+    num_warps: int = Field(default=4, ge=1, le=32, description="Warps per mover program.")
+    copy_engine_min_bytes: int = Field(
+        default=1 << 20,
+        ge=0,
+        description="A submit of at most copy_engine_max_runs VRAM runs, each of at least this "
+        "many bytes (bulk staging's blocks), goes to the GPU's copy engines, one cudaMemcpyAsync "
+        "per run, leaving the SMs to the engine's kernels; 0: every run list to the SM mover.",
+    )
+    copy_engine_max_runs: int = Field(default=32, ge=1, description="See copy_engine_min_bytes.")
+
+
+__all__ = ["CudaIpcOptions"]
