@@ -76,6 +76,7 @@ TRACED = (
     "kvwire.movers.staged_moves:TokenMajorMoves.units",
     "kvwire.movers.staged_moves:HeadMajorMoves.pages",
     "kvwire.movers.staged_moves:HeadMajorMoves.units",
+    "kvwire.session.layers:LayerGate.mark",
 )
 
 _events: list[tuple[str, str, float, float]] = []

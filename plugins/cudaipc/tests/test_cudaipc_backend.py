@@ -534,10 +534,12 @@ def _done(a: TransferBackend, h: object) -> None:
 
 def test_a_few_large_runs_go_to_the_copy_engines(monkeypatch: pytest.MonkeyPatch) -> None:
     """Bulk staging's blocks (at most ``copy_engine_max_runs`` runs of at least
-    ``copy_engine_min_bytes``) are enqueued as copy-engine copies on the backend's stream, not
-    as an SM mover launch; a list with one short run, or the rule turned off, goes to the
-    mover. The copies themselves are stood in for by memmove (no GPU here); on a GPU,
-    ``scripts/gpu_staged_bench.py --backend cudaipc`` checks every element of such blocks."""
+    ``copy_engine_min_bytes``, once runs that continue each other are merged: adjacent rows
+    are one copy) are enqueued as copy-engine copies on the backend's stream, not as an SM
+    mover launch; a list with short runs, or the rule turned off, goes to the mover. The
+    copies themselves are stood in for by memmove (no GPU here); on a GPU, ``kvwire
+    bench-layerwise --backends cudaipc`` and ``scripts/gpu_staged_bench.py --backend cudaipc``
+    check every byte of such runs."""
     import ctypes
     import types
 
@@ -547,6 +549,7 @@ def test_a_few_large_runs_go_to_the_copy_engines(monkeypatch: pytest.MonkeyPatch
 
     mib = 1 << 20
     assert takes_copy_engine(np.full(4, mib), mib, 32)
+    assert takes_copy_engine(np.full(32, mib), mib, 32)
     assert not takes_copy_engine(np.array([mib, mib - 1]), mib, 32)  # one short run
     assert not takes_copy_engine(np.full(33, mib), mib, 32)  # too many runs
     assert not takes_copy_engine(np.full(4, mib), 0, 32)  # turned off
@@ -576,7 +579,10 @@ def test_a_few_large_runs_go_to_the_copy_engines(monkeypatch: pytest.MonkeyPatch
     monkeypatch.setattr(backend_mod.CudaIpcBackend, "_ensure_gpu", ensure_gpu)
     _HostEvent.gate.set()
     rng = np.random.default_rng(11)
-    for opts, want_engine in (({}, True), ({"copy_engine_min_bytes": 0}, False)):
+    for opts, want_engine in (
+        ({"copy_engine_min_bytes": mib}, True),
+        ({"copy_engine_min_bytes": 0}, False),
+    ):
         cfg = KVWireConfig(transfer_backend="cudaipc", transfer_backend_options=opts)
         a = create_backend(cfg, "prefill", need=())
         b = create_backend(cfg, "decode", need=())
@@ -590,12 +596,11 @@ def test_a_few_large_runs_go_to_the_copy_engines(monkeypatch: pytest.MonkeyPatch
             a.register([vram(av)])
             b.register([vram(bv)])
             peer = a.add_peer(b.local_metadata())
-            # four 1 MiB blocks, then the same bytes as 1 KiB rows
-            big = a.prepare(
-                peer,
-                make_table(av.ctypes.data + np.arange(4) * mib, mib),
-                make_table(bv.ctypes.data + np.arange(4) * mib, mib),
-            )
+            # four 1 MiB rows, adjacent on both sides (one 4 MiB run once merged), then four
+            # 1 MiB blocks out of order (four runs), then 1 KiB rows
+            rows = make_table(av.ctypes.data + np.arange(4) * mib, mib)
+            drows = make_table(bv.ctypes.data + np.arange(4) * mib, mib)
+            big = a.prepare(peer, rows, drows)
             small = a.prepare(
                 peer,
                 make_table(av.ctypes.data + np.arange(64) * 1024, 1024),
@@ -604,17 +609,21 @@ def test_a_few_large_runs_go_to_the_copy_engines(monkeypatch: pytest.MonkeyPatch
             engine.clear()
             moved.clear()
             blocks = av.reshape(4, mib)
-            h = a.submit(XferOp.WRITE, big, np.arange(4), np.arange(4)[::-1].copy())
-            _done(a, h)
+            _done(a, a.submit(XferOp.WRITE, big, np.arange(4), np.arange(4)))
+            assert np.array_equal(bv, av)
+            bv[:] = 0
+            _done(a, a.submit(XferOp.WRITE, big, np.arange(4), np.arange(4)[::-1].copy()))
             assert np.array_equal(bv.reshape(4, mib), blocks[::-1])  # every block landed
             bv[:] = 0
-            _done(a, a.submit(XferOp.WRITE, small, np.arange(64), np.arange(64)))
-            assert np.array_equal(bv[: 64 * 1024], av[: 64 * 1024])
+            shuffled = np.random.default_rng(1).permutation(64)
+            _done(a, a.submit(XferOp.WRITE, small, np.arange(64), shuffled))
+            got = bv[: 64 * 1024].reshape(64, 1024)
+            assert np.array_equal(got[shuffled], av[: 64 * 1024].reshape(64, 1024))
             assert not bv[64 * 1024 :].any()
             if want_engine:
-                assert engine == [([mib] * 4, 77)] and moved == [64]
+                assert engine == [([4 * mib], 77), ([mib] * 4, 77)] and moved == [64]
             else:
-                assert engine == [] and moved == [4, 64]
+                assert engine == [] and moved == [4, 4, 64]
         finally:
             a.close()
             b.close()

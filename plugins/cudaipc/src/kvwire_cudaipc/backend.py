@@ -70,6 +70,7 @@ from kvwire.backends.tcp.outbound import OutboundTransfer
 from kvwire.descriptors import ADDR, LEN, DescTable, locate_rows
 from kvwire.errors import ConfigError, DescriptorError, PeerError
 from kvwire.layout import MemKind, MemoryRegion
+from kvwire.movers.plan import merge_adjacent
 from kvwire.page_form import PageChunk, PageGeometry, check_geometry_addresses
 from kvwire_cudaipc import _cuda
 from kvwire_cudaipc.copies import copy_runs, takes_copy_engine
@@ -505,11 +506,15 @@ class CudaIpcBackend(TcpBackend):
         self, src: NDArray[np.int64], dst: NDArray[np.int64], n: NDArray[np.int64]
     ) -> Callable[[], None]:
         """The enqueue of VRAM runs ``(src, dst, n)`` (``dst`` in this process's mapping of
-        the peer), to run under :meth:`_launch`: the copy engines for a few large runs
-        (:mod:`kvwire_cudaipc.copies`), else one launch of the run mover."""
+        the peer), to run under :meth:`_launch`: the copy engines for a few large runs once
+        runs that continue each other are merged (:mod:`kvwire_cudaipc.copies`: bulk
+        staging's blocks, a layer group of contiguous pages), else one launch of the run
+        mover."""
         copier, stream, o = self._copier, self._stream, self.options
-        if takes_copy_engine(n, o.copy_engine_min_bytes, o.copy_engine_max_runs):
-            return lambda: copy_runs(src, dst, n, stream.cuda_stream)
+        if o.copy_engine_min_bytes:  # runs that continue each other are one copy
+            src, dst, n = merge_adjacent(src, dst, n)
+            if takes_copy_engine(n, o.copy_engine_min_bytes, o.copy_engine_max_runs):
+                return lambda: copy_runs(src, dst, n, stream.cuda_stream)
         return lambda: copier.move(src, dst, n, stream=stream)
 
     def _launch(self, x: _IpcXfer, st: _Pair, enqueue: Callable[[], None]) -> None:

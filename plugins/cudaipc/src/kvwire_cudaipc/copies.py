@@ -1,16 +1,17 @@
 """Which engine of the writing GPU moves a run list: its copy engines or its SMs.
 
-A run list of many small pieces (a chunk's rows: a page per layer and K/V, 32 KiB here) is
-one launch of kvwire's fused SM mover (:class:`kvwire.movers.triton_copy.RunCopier`): a copy
-engine pays ~2-7 µs per copy, so thousands of them would be the per-descriptor cost issue 27
-set out to leave behind. A run list of a **few large runs** (bulk staging's blocks of several
-MiB, written into decode's ring) is better moved by the copy engines, one
-``cudaMemcpyAsync`` per run on the backend's private stream: the bytes cross NVLink at the
-same speed, and no SM is taken from the kernels the engine runs beside them, so a layer-wise
-prefill's transfers overlap its forward pass instead of competing with it for SMs (docs/
-benchmarks.md, "Two GPUs: prefill on GPU 0, decode on GPU 1": ``cudaipc`` layer-wise was 1.46-
-1.58x the pass alone with SM stores, staged NIXL, whose UCX copies use the copy engines,
-1.08-1.16x).
+A run list of many small pieces (a chunk's rows over scattered pages: a page per layer and
+K/V, 32 KiB here) is one launch of kvwire's fused SM mover
+(:class:`kvwire.movers.triton_copy.RunCopier`): a copy engine pays ~2-7 µs per copy, so
+thousands of them would be the per-descriptor cost issue 27 set out to leave behind. A run
+list of a **few large runs**, once runs that continue each other are merged (bulk staging's
+blocks of several MiB, or a layer group of contiguous pages: one run per layer and K/V), is
+better moved by the copy engines, one ``cudaMemcpyAsync`` per run on the backend's private
+stream: the bytes cross NVLink at the same speed, and no SM is taken from the kernels the
+engine runs beside them. A layer-wise prefill's transfers then overlap its forward pass
+instead of competing with it for SMs: traced on two H100s (docs/benchmarks.md), the SM
+mover's layer groups stretched the pass by their own time (time to decode-ready 1.42x the
+pass alone at 16k tokens, against 1.10x for NIXL, whose UCX copies use the copy engines).
 
 :func:`takes_copy_engine` is the rule (the backend's options set its two bounds);
 :func:`copy_runs` enqueues. Both are called by the backend's submitting thread under the

@@ -18,13 +18,15 @@ class CudaIpcOptions(TcpOptions):
     )
     num_warps: int = Field(default=4, ge=1, le=32, description="Warps per mover program.")
     copy_engine_min_bytes: int = Field(
-        default=1 << 20,
+        default=2 << 20,
         ge=0,
-        description="A submit of at most copy_engine_max_runs VRAM runs, each of at least this "
-        "many bytes (bulk staging's blocks), goes to the GPU's copy engines, one cudaMemcpyAsync "
-        "per run, leaving the SMs to the engine's kernels; 0: every run list to the SM mover.",
+        description="A submit of at most copy_engine_max_runs VRAM runs (after merging runs that "
+        "continue each other on both sides), each of at least this many bytes (bulk staging's "
+        "blocks; a layer group of contiguous pages), goes to the GPU's copy engines, one "
+        "cudaMemcpyAsync per run, leaving the SMs to the engine's kernels; 0: every run list "
+        "to the SM mover.",
     )
-    copy_engine_max_runs: int = Field(default=32, ge=1, description="See copy_engine_min_bytes.")
+    copy_engine_max_runs: int = Field(default=64, ge=1, description="See copy_engine_min_bytes.")
 
 
 __all__ = ["CudaIpcOptions"]
