@@ -331,6 +331,24 @@ _DEVICE_PAGES = textwrap.dedent(
         want = RowHasher(dst).sums(tables.dst, di, tables.dst[di, 0])
         got = DeviceRowHasher(flagged(dst), device="cpu").page_sums(d_side, dp, d_side, dp)
         assert got == want and set(got) == {0, 1}, (tp, mla)
+    # calls from several threads: each on a lane of its own, every sum the host's
+    import threading
+    read = PageSide(addr, 64, 0, 64, 1, 8)
+    key = PageSide(addr, 64, 0, 64, 1, 8)
+    lanes, results = {}, {}
+
+    def call(i):
+        lanes[i] = dev._lane()
+        pages = np.array([(i + j) % 8 for j in range(3)], dtype=np.int64)
+        results[i] = (dev.page_sums(read, pages, key, pages), host.page_sums(read, pages, key, pages))
+
+    threads = [threading.Thread(target=call, args=(i,)) for i in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len({id(x) for x in lanes.values()}) == 3 and dev._lane() not in lanes.values()
+    assert all(got == want and want for got, want in results.values()), results
     print("DEVICE-PAGES-OK")
     """
 )
@@ -341,7 +359,8 @@ def test_device_hasher_kernels_equal_the_host_hasher_in_the_interpreter() -> Non
     memory (one interpreter start, most of the test's time): aligned words, unaligned words
     and byte rows give the host hasher's sums bit for bit, listed as rows and in page form
     (one program per (pair, page); whole pages and pieces, and the geometries of real equal-TP,
-    head-slice and MLA links against their row form; layer ranges on the device)."""
+    head-slice and MLA links against their row form; layer ranges on the device); calls from
+    three threads, each on a lane (stream and buffers) of its own."""
     pytest.importorskip("triton")
     run_interpreted(_DEVICE_CHECK + _DEVICE_PAGES, "DEVICE-PAGES-OK")
 

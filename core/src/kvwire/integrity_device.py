@@ -21,6 +21,11 @@ launches, whatever the chunk's size:
   and cache lookup skipped), as :class:`kvwire.movers.triton_copy.RunCopier` does;
 - the per-layer sums and row counts come back (16 bytes per layer of the rank), not a term per
   row; the call waits for its own stream only;
+- each calling thread has a lane of its own (a stream, the call's buffers and the sums'
+  buffers: :class:`_Lane`), so calls from several threads at once (prefill's transfer workers,
+  decode's checker threads) upload, launch and wait side by side; the hasher's lock guards only
+  what they share (the tables' descriptions, the constants, the compiled kernels) and is
+  never held while the device works;
 - a layer range (a layer-wise group) is selected on the device: rows of other layers read
   nothing and add nothing.
 
@@ -45,6 +50,7 @@ Imported only where it runs (a CUDA device, or Triton's interpreter on the CPU w
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 from collections.abc import Sequence
@@ -92,16 +98,59 @@ def _cells(
     return cells, mode
 
 
+class _Lane:
+    """One calling thread's stream and buffers (a hasher keeps one per thread that calls it,
+    in a ``threading.local``): the call's rows or page lists (pinned on a GPU, and their
+    device copy), and the per-layer sums and counts (device and pinned host). Used by its
+    thread only, so no lock; grown to the largest call."""
+
+    def __init__(self, device: Any, out_elems: int) -> None:
+        self.device = device
+        self.cuda = device.type == "cuda"
+        self.stream = torch.cuda.Stream(device) if self.cuda else None  # type: ignore[no-untyped-call]
+        self.rows_cap = 0
+        self.call_host: Any = None
+        self.call_dev: Any = None
+        self.grow(_MIN_ROWS)
+        self.out_dev = torch.zeros(out_elems, dtype=torch.int64, device=device)
+        self.out_host = torch.empty(out_elems, dtype=torch.int64, pin_memory=self.cuda)
+
+    def grow(self, rows: int) -> None:
+        """Call buffers for ``rows`` rows of 5 columns."""
+        if rows <= self.rows_cap:
+            return
+        self.rows_cap = max(rows, 2 * self.rows_cap)
+        self.call_host = torch.empty(5 * self.rows_cap, dtype=torch.int64, pin_memory=self.cuda)
+        self.call_dev = (
+            torch.empty(5 * self.rows_cap, dtype=torch.int64, device=self.device)
+            if self.cuda
+            else self.call_host
+        )
+
+    def wait(self) -> NDArray[np.int64]:
+        """The per-layer sums, row counts and rows outside of the launch just enqueued on
+        this lane, waited for (this lane's stream only)."""
+        if self.stream is None:
+            return self.out_dev.numpy().copy()
+        with torch.cuda.stream(self.stream):
+            self.out_host.copy_(self.out_dev, non_blocking=True)
+        self.stream.synchronize()
+        out: NDArray[np.int64] = self.out_host.numpy().copy()
+        return out
+
+
 class DeviceRowHasher(RowHasher):
     """Checksums of rows in one GPU's memory (see the module docstring).
 
     ``device``: where the kernel runs (default: the buffers' CUDA device; ``"cpu"`` runs
     Triton's interpreter over host memory, for tests). ``block``, ``num_warps`` and
     ``inline_weights`` (compute the position weights in the kernel instead of loading them)
-    tune the kernel. :meth:`sums` may be called from several threads at once (transfer
-    workers, decode's checker threads): a lock of its own serialises a call's upload, launch
-    and wait (held while the device hashes one call's rows, never across calls); it owns the
-    tables' descriptions, the call buffers, the sums' buffers and the compiled kernels.
+    tune the kernel. :meth:`sums` and :meth:`page_sums` may be called from several threads at
+    once (transfer workers, decode's checker threads): each thread uploads, launches and waits
+    on a lane of its own (:class:`_Lane`: its stream and call buffers), and the hasher's lock
+    guards only what the lanes share (the tables' descriptions, the page sides' pairs, the
+    constants and the compiled kernels), held while a call reads or grows them and never while
+    the device works. In Triton's interpreter (tests) the lock is held for the whole call.
     Descriptor tables passed to it must not change once passed (a link's tables are built
     once).
     """
@@ -140,20 +189,17 @@ class DeviceRowHasher(RowHasher):
         self._lock = threading.Lock()
         self._num_layers = int(self._layers.max()) + 1 if self._layers.size else 1
         self._consts = self._constants(0)
+        #: Constants replaced by larger ones, kept: a lane's launch in flight may read them.
+        self._old_consts: list[Any] = []
         cuda = self.device.type == "cuda"
-        self._stream = torch.cuda.Stream(self.device) if cuda else None  # type: ignore[no-untyped-call]
+        self._cuda = cuda
+        self._local = threading.local()
         #: Descriptions of tables seen: id -> (the table, held so its id stays its own,
         #: int64 [4, rows] on the device, or None for a table too large to describe).
         self._tables: dict[int, tuple[DescTable, Any]] = {}
         #: Page sides seen (:meth:`_paired`): (id, id) -> (read side, key side, their pairs
         #: as int64 [3, pairs] on the device).
         self._page_pairs: dict[tuple[int, int], tuple[PageSide, PageSide, Any]] = {}
-        self._rows_cap = 0
-        self._call_host: Any = None  # a call's rows (pinned on a GPU)
-        self._call_dev: Any = None  # the same on the device
-        self._grow(_MIN_ROWS)
-        self._out_dev = torch.zeros(2 * self._num_layers + 1, dtype=torch.int64, device=self.device)
-        self._out_host = torch.empty(2 * self._num_layers + 1, dtype=torch.int64, pin_memory=cuda)
         #: Compiled kernels by their constexprs, launched directly after the first launch.
         self._compiled: dict[tuple[Any, ...], Any] = {}
         self._direct = cuda
@@ -167,27 +213,47 @@ class DeviceRowHasher(RowHasher):
         host = np.concatenate(
             [np.array([MIX1, MIX2, ODD, GOLDEN], dtype=np.uint64), weights(max(cells, 1))]
         ).view(np.int64)
-        return torch.from_numpy(host.copy()).to(self.device)
+        out = torch.from_numpy(host.copy()).to(self.device)
+        if self.device.type == "cuda":  # lanes' streams read it: wait for the copy
+            torch.cuda.current_stream(self.device).synchronize()
+        return out
 
-    def _need_weights(self, cells: NDArray[np.int64]) -> None:
-        """Grow the constants to the longest row's cells. Caller holds the lock."""
+    def _need_weights(self, cells: NDArray[np.int64]) -> Any:
+        """Grow the constants to the longest row's cells (the old ones are kept: a launch
+        in flight may read them); returns the constants to launch with. Caller holds the
+        lock."""
         if cells.size and not self.inline_weights:
             longest = int(cells.max())
             if self._consts.numel() < longest + 4:
+                self._old_consts.append(self._consts)
                 self._consts = self._constants(longest)
+        return self._consts
 
-    def _grow(self, rows: int) -> None:
-        """Call buffers for ``rows`` rows of 5 columns. Caller holds the lock (or builds)."""
-        if rows <= self._rows_cap:
-            return
-        self._rows_cap = max(rows, 2 * self._rows_cap)
-        pin = self.device.type == "cuda"
-        self._call_host = torch.empty(5 * self._rows_cap, dtype=torch.int64, pin_memory=pin)
-        self._call_dev = (
-            torch.empty(5 * self._rows_cap, dtype=torch.int64, device=self.device)
-            if pin
-            else self._call_host
-        )
+    def _lane(self) -> _Lane:
+        """The calling thread's lane, made at its first call."""
+        lane: _Lane | None = getattr(self._local, "lane", None)
+        if lane is None:
+            lane = self._local.lane = _Lane(self.device, 2 * self._num_layers + 1)
+        return lane
+
+    def _whole(self) -> Any:
+        """Held for a whole call: the lock in Triton's interpreter (its kernels run in the
+        calling thread and are not known to be thread-safe), nothing on a GPU."""
+        return self._lock if not self._cuda else contextlib.nullcontext()
+
+    def _part(self) -> Any:
+        """Held while a call reads or grows the shared state: the lock on a GPU (in the
+        interpreter :meth:`_whole` holds it already)."""
+        return self._lock if self._cuda else contextlib.nullcontext()
+
+    def _to_device(self, host: NDArray[Any]) -> Any:
+        """``host`` copied to the device for every lane: the copy is waited for, since the
+        lanes' streams do not follow the stream it was made on (once per table or link).
+        Caller holds the lock."""
+        out = torch.from_numpy(np.ascontiguousarray(host)).to(self.device)
+        if self._cuda:
+            torch.cuda.current_stream(self.device).synchronize()
+        return out
 
     # ------------------------------------------------------------------ the call
     def sums(
@@ -201,7 +267,7 @@ class DeviceRowHasher(RowHasher):
         :meth:`RowHasher.sums`), summed on the device. ``layers`` given as a ``range`` of
         step 1 (a layer-wise group) is selected on the device, any other sequence on the
         host (a term per row comes back). Called by transfer workers (prefill) and checker
-        threads (decode)."""
+        threads (decode), several at once (each on its lane)."""
         lo, hi = 0, self._num_layers
         if isinstance(layers, range) and layers.step == 1:
             lo, hi = max(layers.start, 0), min(max(layers.stop, 0), self._num_layers)
@@ -212,20 +278,24 @@ class DeviceRowHasher(RowHasher):
         if not n or lo >= hi:
             return {}
         keys = np.asarray(dst_addr, dtype=np.uint64).reshape(-1)
-        with self._lock:
-            info = self._described(table)
-            self._grow(n)
-            call = self._call_host.numpy()
-            if int(rows.min()) < 0 or int(rows.max()) >= table.shape[0]:
-                raise DescriptorError("a checksummed row is not a row of its table")
+        if int(rows.min()) < 0 or int(rows.max()) >= table.shape[0]:
+            raise DescriptorError("a checksummed row is not a row of its table")
+        lane = self._lane()
+        with self._whole():
+            with self._part():
+                info = self._described(table)
+                consts = self._consts
+            lane.grow(n)
+            call = lane.call_host.numpy()
             if info is not None:
                 call[:n] = rows
                 call[n : 2 * n] = keys.view(np.int64)
-                self._launch(info, table.shape[0], 2 * n, n, lo, hi, indexed=True)
+                self._launch(lane, info, table.shape[0], consts, 2 * n, n, lo, hi, indexed=True)
             else:  # a table too large to describe: locate this call's rows on the host
                 addr, lens, pos = self._locate(table, rows)
                 cells, mode = _cells(addr, lens)
-                self._need_weights(cells)
+                with self._part():
+                    consts = self._need_weights(cells)
                 part = call[: 5 * n].reshape(5, n)
                 part[0], part[1], part[2], part[3] = (
                     addr.view(np.int64),
@@ -234,8 +304,8 @@ class DeviceRowHasher(RowHasher):
                     mode,
                 )
                 part[4] = self._layers[pos]
-                self._launch(None, 0, 5 * n, n, lo, hi, indexed=False)
-            got = self._wait()
+                self._launch(lane, None, 0, consts, 5 * n, n, lo, hi, indexed=False)
+            got = lane.wait()
         layers_n = self._num_layers
         if got[2 * layers_n]:
             raise DescriptorError("a checksummed row lies outside the rank's KV buffers")
@@ -259,10 +329,10 @@ class DeviceRowHasher(RowHasher):
         """Per-layer checksum of a chunk in page form (see :meth:`RowHasher.page_sums`) in
         one launch: the rows are never listed, one program per (buffer pair, page) finds its
         page's pieces from the page lists and the sides' per-pair base addresses and strides
-        and adds their terms (one atomic add per page into its layer's sum). A call uploads its two
-        page lists (16 bytes a page); the sides' pairs go to the device once per link.
+        and adds their terms (one atomic add per page into its layer's sum). A call uploads
+        its two page lists (16 bytes a page); the sides' pairs go to the device once per link.
         ``layers`` as in :meth:`sums`. Called by transfer workers (prefill) and checker
-        threads (decode)."""
+        threads (decode), several at once (each on its lane)."""
         lo, hi = 0, self._num_layers
         if isinstance(layers, range) and layers.step == 1:
             lo, hi = max(layers.start, 0), min(max(layers.stop, 0), self._num_layers)
@@ -280,19 +350,21 @@ class DeviceRowHasher(RowHasher):
             cells, mode = read.n // 8, _WORDS if aligned else _WORDS_UNALIGNED
         block = min(self.block, max(16, 1 << (cells - 1).bit_length()))
         pages = rp.size
-        with self._lock:
-            pairs = self._paired(read, key, layer)
-            self._need_weights(np.array([cells], dtype=np.int64))
-            self._grow(pages)
-            call = self._call_host.numpy()
+        lane = self._lane()
+        with self._whole():
+            with self._part():
+                pairs = self._paired(read, key, layer)
+                consts = self._need_weights(np.array([cells], dtype=np.int64))
+            lane.grow(pages)
+            call = lane.call_host.numpy()
             call[:pages] = rp
             call[pages : 2 * pages] = kp
             args = (
                 pairs.data_ptr(),
                 read.num_pairs,
-                self._call_dev.data_ptr(),
-                self._consts.data_ptr(),
-                self._out_dev.data_ptr(),
+                lane.call_dev.data_ptr(),
+                consts.data_ptr(),
+                lane.out_dev.data_ptr(),
                 pages,
                 read.tokens,
                 cells,
@@ -304,11 +376,9 @@ class DeviceRowHasher(RowHasher):
                 lo,
                 hi,
             )
-            consts = (block, self.inline_weights, mode)
-            self._enqueue(
-                hash_pages, programs, args, consts, ("pages", *consts), 2 * pages, self._out_dev
-            )
-            got = self._wait()
+            meta = (block, self.inline_weights, mode)
+            self._enqueue(lane, hash_pages, programs, args, meta, ("pages", *meta), 2 * pages, True)
+            got = lane.wait()
         return self._layer_sums(got)
 
     def _paired(self, read: PageSide, key: PageSide, layer: NDArray[np.int64]) -> Any:
@@ -319,8 +389,9 @@ class DeviceRowHasher(RowHasher):
         seen = self._page_pairs.get(ident)
         if seen is not None and seen[0] is read and seen[1] is key:
             return seen[2]
-        host = np.stack([read.base.view(np.int64), key.base.view(np.int64), layer])
-        pairs = torch.from_numpy(np.ascontiguousarray(host)).to(self.device)
+        pairs = self._to_device(
+            np.stack([read.base.view(np.int64), key.base.view(np.int64), layer])
+        )
         if len(self._page_pairs) >= _MAX_TABLES:
             self._page_pairs.pop(next(iter(self._page_pairs)))
         self._page_pairs[ident] = (read, key, pairs)
@@ -340,8 +411,9 @@ class DeviceRowHasher(RowHasher):
             cells, mode = _cells(addr, lens)
             self._need_weights(cells)
             layer = np.where(pos >= 0, self._layers[np.clip(pos, 0, None)], -1)
-            host = np.stack([addr.view(np.int64), cells, mode, layer.astype(np.int64)])
-            info = torch.from_numpy(np.ascontiguousarray(host)).to(self.device)
+            info = self._to_device(
+                np.stack([addr.view(np.int64), cells, mode, layer.astype(np.int64)])
+            )
         if len(self._tables) >= _MAX_TABLES:
             self._tables.pop(next(iter(self._tables)))
         self._tables[id(table)] = (table, info)
@@ -358,10 +430,12 @@ class DeviceRowHasher(RowHasher):
         not a range)."""
         n = addr.size
         cells, mode = _cells(addr, lens)
-        with self._lock:
-            self._need_weights(cells)
-            self._grow(n)
-            part = self._call_host.numpy()[: 5 * n].reshape(5, n)
+        lane = self._lane()
+        with self._whole():
+            with self._part():
+                consts = self._need_weights(cells)
+            lane.grow(n)
+            part = lane.call_host.numpy()[: 5 * n].reshape(5, n)
             part[0], part[1], part[2], part[3] = (
                 addr.view(np.int64),
                 dst.view(np.int64),
@@ -370,17 +444,21 @@ class DeviceRowHasher(RowHasher):
             )
             part[4] = self._layers[pos]
             terms = torch.empty(n, dtype=torch.int64, device=self.device)
-            self._launch(None, 0, 5 * n, n, 0, self._num_layers, indexed=False, out=terms)
-            if self._stream is not None:
-                self._stream.synchronize()
+            self._launch(
+                lane, None, 0, consts, 5 * n, n, 0, self._num_layers, indexed=False, out=terms
+            )
+            if lane.stream is not None:
+                lane.stream.synchronize()
             out: NDArray[np.uint64] = terms.cpu().numpy().view(np.uint64).copy()
         return out
 
     # ------------------------------------------------------------------ the device
     def _launch(
         self,
+        lane: _Lane,
         info: Any,
         num_info: int,
+        consts: Any,
         elems: int,
         n: int,
         lo: int,
@@ -389,67 +467,59 @@ class DeviceRowHasher(RowHasher):
         indexed: bool,
         out: Any = None,
     ) -> None:
-        """Enqueue, on this hasher's stream, the upload of the call's first ``elems`` int64
-        and the kernel over its ``n`` rows (into the per-layer sums, zeroed first, unless
-        ``out`` takes a term per row). Caller holds the lock."""
+        """Enqueue, on ``lane``'s stream, the upload of the call's first ``elems`` int64 and
+        the kernel over its ``n`` rows (into the lane's per-layer sums, zeroed first, unless
+        ``out`` takes a term per row), reading the constants ``consts``."""
         per_layer = out is None
-        target = self._out_dev if per_layer else out
+        target = lane.out_dev if per_layer else out
         key = (self.block, self.inline_weights, per_layer, indexed)
         info_addr = info.data_ptr() if info is not None else 0
         args = (
             info_addr,
             num_info,
-            self._call_dev.data_ptr(),
-            self._consts.data_ptr(),
+            lane.call_dev.data_ptr(),
+            consts.data_ptr(),
             target.data_ptr(),
             n,
             self._num_layers,
             lo,
             hi,
         )
-        self._enqueue(hash_rows, n, args, key, key, elems, target if per_layer else None)
+        self._enqueue(lane, hash_rows, n, args, key, key, elems, per_layer)
 
     def _enqueue(
         self,
+        lane: _Lane,
         jit: Any,
         n: int,
         args: tuple[Any, ...],
-        consts: tuple[Any, ...],
+        meta: tuple[Any, ...],
         cache_key: tuple[Any, ...],
         elems: int,
-        zero: Any,
+        zero: bool,
     ) -> None:
-        """Enqueue, on this hasher's stream, the upload of the call's first ``elems`` int64,
-        the zeroing of ``zero`` (the per-layer sums; None: nothing) and ``jit`` over ``n``
-        programs with ``args`` and constexprs ``consts``: the compiled kernel (kept under
-        ``cache_key``) launched directly after the first launch. Caller holds the lock."""
-        if self._stream is None:  # Triton's interpreter: host memory, synchronous
-            if zero is not None:
-                zero.zero_()
-            jit[(n,)](*args, *consts)
+        """Enqueue, on ``lane``'s stream, the upload of the call's first ``elems`` int64,
+        the zeroing of the lane's per-layer sums (``zero``) and ``jit`` over ``n`` programs
+        with ``args`` and constexprs ``meta``: the compiled kernel (kept under
+        ``cache_key``) launched directly after its first launch, which is made under the lock
+        (Triton's compilation and cache fill stay single-threaded)."""
+        if lane.stream is None:  # Triton's interpreter: host memory, synchronous
+            if zero:
+                lane.out_dev.zero_()
+            jit[(n,)](*args, *meta)
             return
-        with torch.cuda.device(self.device), torch.cuda.stream(self._stream):
-            self._call_dev[:elems].copy_(self._call_host[:elems], non_blocking=True)
-            if zero is not None:
-                zero.zero_()
+        with torch.cuda.device(self.device), torch.cuda.stream(lane.stream):
+            lane.call_dev[:elems].copy_(lane.call_host[:elems], non_blocking=True)
+            if zero:
+                lane.out_dev.zero_()
             kernel = self._compiled.get(cache_key)
             if kernel is not None and self._direct:
                 try:
-                    kernel[(n, 1, 1)](*args, *consts, stream=self._stream.cuda_stream)
+                    kernel[(n, 1, 1)](*args, *meta, stream=lane.stream.cuda_stream)
                     return
                 except Exception as exc:  # another Triton's launcher: bind arguments again
                     logger.warning("checksums: direct launch refused (%s); using Triton's", exc)
                     self._direct = False
-            kernel = jit[(n,)](*args, *consts, num_warps=self.num_warps)
-            self._compiled.setdefault(cache_key, kernel)
-
-    def _wait(self) -> NDArray[np.int64]:
-        """The per-layer sums, row counts and rows outside of the launch just enqueued,
-        waited for (this hasher's stream only). Caller holds the lock."""
-        if self._stream is None:
-            return self._out_dev.numpy().copy()
-        with torch.cuda.stream(self._stream):
-            self._out_host.copy_(self._out_dev, non_blocking=True)
-        self._stream.synchronize()
-        out: NDArray[np.int64] = self._out_host.numpy().copy()
-        return out
+            with self._lock:
+                kernel = jit[(n,)](*args, *meta, num_warps=self.num_warps)
+                self._compiled.setdefault(cache_key, kernel)
