@@ -632,3 +632,52 @@ def test_readable_says_whether_a_receive_would_wait_and_skips_a_closed_socket(
     a.close(linger=0)
     assert not readable(a)
     b.close(linger=0)
+
+
+def test_a_note_leaves_from_the_queueing_thread_while_the_io_thread_is_busy(
+    make_backend: MakeBackend,
+) -> None:
+    """``_queue_note`` (``cudaipc``'s notification once its kernel ended) sends on the peer's
+    notes socket from the calling thread: the note reaches the target while the initiator's
+    I/O thread is held busy, and the transfer is DONE at once. With the notes socket gone
+    it falls back to the I/O thread's queue: DONE only once that thread sent it."""
+    a, b = make_backend("notes-a"), make_backend("notes-b")
+    peer = a.add_peer(b.local_metadata())
+    p = a._peers[peer]
+    release, busy = threading.Event(), threading.Event()
+    got: list[bytes] = []
+
+    def hold() -> None:  # the I/O thread runs this before its next turn
+        busy.set()
+        release.wait(30)
+
+    def collect(n: int) -> None:
+        for _ in range(2000):
+            got.extend(x.payload for x in b.get_notifications())
+            if len(got) >= n:
+                return
+            time.sleep(0.005)
+
+    notes = p.notes
+    try:
+        a._post(hold)
+        assert busy.wait(10)
+        x = a._queue_note(peer, b"landed")
+        assert x.status is XferState.DONE
+        collect(1)
+        assert got == [b"landed"], "the note waited for the busy I/O thread"
+        with p.notes_lock:  # as if closed: the queue path takes over
+            p.notes = None
+        y = a._queue_note(peer, b"queued")
+        assert y.status is XferState.PENDING  # the I/O thread is still held
+    finally:
+        release.set()
+    for _ in range(2000):
+        if y.status is not XferState.PENDING:
+            break
+        time.sleep(0.005)
+    with p.notes_lock:
+        p.notes = notes  # closed with the peer
+    assert y.status is XferState.DONE
+    collect(2)
+    assert got == [b"landed", b"queued"]

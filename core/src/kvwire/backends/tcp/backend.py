@@ -211,7 +211,7 @@ class TcpBackend(TransferBackend):
         meta = self._decode_metadata(metadata)
         regions = regions_from_rows(meta["regions"], "tcp", name)
 
-        def open_socket() -> None:
+        def dealer() -> zmq.Socket[Any]:
             sock = self._ctx.socket(zmq.DEALER)
             try:
                 sock.setsockopt(zmq.LINGER, 0)
@@ -227,7 +227,16 @@ class TcpBackend(TransferBackend):
                 raise ValueError(
                     f"cannot connect to endpoint {meta['endpoint']!r} of peer {name!r}: {exc}"
                 ) from exc
-            self._peers[name] = OutboundPeer(name, meta["endpoint"], regions, sock)
+            return sock
+
+        def open_socket() -> None:
+            peer = OutboundPeer(name, meta["endpoint"], regions, dealer())
+            try:
+                peer.notes = dealer()
+            except ValueError:
+                peer.close()
+                raise
+            self._peers[name] = peer
 
         self._call(open_socket)
 
@@ -239,10 +248,9 @@ class TcpBackend(TransferBackend):
             why = f"peer {peer!r} was removed"
             for x in [*p.outq, *p.inflight.values()]:
                 self._finish(x, XferState.FAILED, why)
-            if p.sock is not None:
-                if self._watched.pop(p.sock, None) is not None:
-                    self._poller.unregister(p.sock)
-                p.sock.close(linger=0)
+            if p.sock is not None and self._watched.pop(p.sock, None) is not None:
+                self._poller.unregister(p.sock)
+            p.close()
 
         self._call(close_socket)
 
@@ -301,9 +309,16 @@ class TcpBackend(TransferBackend):
         target at once and not answered, so the transfer is DONE once its frame is handed
         to the socket. For a subclass whose data moved another way and whose peer said it
         takes notes (an older target refuses the kind: it would never see the
-        notification). Any thread."""
+        notification). Any thread: the note goes out on the peer's notes socket from this
+        thread when it takes it, else through the I/O thread's queue."""
+        xid = next(self._xfer_ids)
+        p = self._peers.get(peer)
+        if p is not None and p.send_note(self._note_frames(xid, notification)):
+            x = OutboundTransfer(xid, peer, XferOp.WRITE, [], notification, 0.0, note_only=True)
+            x.status = XferState.DONE
+            return x
         x = OutboundTransfer(
-            xid=next(self._xfer_ids),
+            xid=xid,
             peer=peer,
             op=XferOp.WRITE,
             parts=[],
@@ -346,8 +361,7 @@ class TcpBackend(TransferBackend):
         for p in self._peers.values():
             for x in [*p.outq, *p.inflight.values()]:
                 self._finish(x, XferState.FAILED, "agent closed")
-            if p.sock is not None:
-                p.sock.close(linger=0)
+            p.close()
         self._peers.clear()
         self._router.close(linger=0)
         if self.auth is not None:
@@ -432,10 +446,15 @@ class TcpBackend(TransferBackend):
             elif x.next_part == len(x.parts):
                 p.outq.popleft()
 
+    def _note_frames(self, xid: int, notification: bytes) -> list[Any]:
+        """The frames of a note (kind ``N``: the notification alone). Any thread."""
+        note = {"v": wire.VERSION, "x": xid, "f": self.agent_name, "n": notification}
+        return [wire.NOTE, wire.pack(note)]
+
     def _build_part(self, x: OutboundTransfer) -> list[Any]:
         if x.note_only:
-            note = {"v": wire.VERSION, "x": x.xid, "f": self.agent_name, "n": x.notification}
-            return [wire.NOTE, wire.pack(note)]
+            assert x.notification is not None
+            return self._note_frames(x.xid, x.notification)
         local, remote, lens = x.parts[x.next_part]
         last = x.next_part == len(x.parts) - 1
         header = {

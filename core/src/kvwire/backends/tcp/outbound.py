@@ -5,6 +5,7 @@ plugin queues its side-channel writes through :meth:`TcpBackend._queue` and read
 from __future__ import annotations
 
 import collections
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -57,6 +58,34 @@ class OutboundPeer:
     sock: zmq.Socket[Any] | None = None
     outq: collections.deque[OutboundTransfer] = field(default_factory=collections.deque)
     inflight: dict[int, OutboundTransfer] = field(default_factory=dict)
+    #: A second DEALER to the same endpoint for notes alone, used by any thread under
+    #: ``notes_lock`` and never polled (nothing answers a note): a note leaves from the thread
+    #: that queues it instead of waiting for the I/O thread's next turn. Opened and closed by
+    #: the I/O thread (closed under the lock).
+    notes: zmq.Socket[Any] | None = None
+    notes_lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def send_note(self, frames: list[Any]) -> bool:
+        """Any thread: hand a note's frames to the notes socket without blocking; False when
+        it cannot take them now (closed, or at its high-water mark): the caller queues the
+        note for the I/O thread instead."""
+        with self.notes_lock:
+            if self.notes is None:
+                return False
+            try:
+                self.notes.send_multipart(frames, zmq.NOBLOCK, copy=False)
+            except zmq.ZMQError:
+                return False
+        return True
+
+    def close(self) -> None:
+        """I/O thread (or close, after it stopped): close both sockets."""
+        if self.sock is not None:
+            self.sock.close(linger=0)
+        with self.notes_lock:
+            if self.notes is not None:
+                self.notes.close(linger=0)
+                self.notes = None
 
 
 def split_rows(
