@@ -402,9 +402,14 @@ def _flip_on_landing(monkeypatch: pytest.MonkeyPatch, **which: Any) -> None:
     monkeypatch.setattr(LandedSums, "chunk", landed_flipper(layer=1, offset=5, **which))
 
 
+@pytest.mark.parametrize("late", [False, True])
 def test_a_byte_flipped_in_flight_fails_the_request_naming_chunk_layer_sender(
-    monkeypatch: pytest.MonkeyPatch,
+    monkeypatch: pytest.MonkeyPatch, late: bool
 ) -> None:
+    """Whether the chunk was summed before its rows were posted or while they flew (late
+    sums: host chunks of ``LATE_BYTES`` and more, lowered here)."""
+    if late:
+        monkeypatch.setattr(RowHasher, "LATE_BYTES", 0)
     with pair(config(), _checked()) as p:
         _flip_on_landing(monkeypatch)
         s, r, src, _ = p.start(9, 4)

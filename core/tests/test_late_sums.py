@@ -17,12 +17,19 @@ import pytest
 
 from kvwire.control.wire import ChunkNote, Message
 from kvwire.errors import KVWireError
+from kvwire.integrity import RowHasher
 from kvwire.session import KVPoll
 from kvwire.session.checksums import SentSums
 from kvwire.session.context import RankContext
 from kvwire.session.decode.side import DecodeSide
 from kvwire.testing.kvfill import count_mismatches
 from kvwire.testing.pair import config, no_rooms, pair, wait_for
+
+
+@pytest.fixture(autouse=True)
+def _late(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every chunk here (a few KiB) is summed after its rows (host pools: from 8 MiB on)."""
+    monkeypatch.setattr(RowHasher, "LATE_BYTES", 0)
 
 
 def _notes(monkeypatch: pytest.MonkeyPatch) -> list[ChunkNote]:

@@ -86,6 +86,15 @@ class SentSums:
         #: The link's page geometry as byte addresses (source side, destination side), or
         #: None where chunks are summed as rows (:func:`_page_sides`).
         self.sides = _page_sides(mapper, self.tables.src, self.tables.dst)
+        #: Bytes of one page slot of every buffer of this rank (:meth:`late`).
+        self.page_bytes = sum(int(b.item_len) for b in local.buffers)
+
+    def late(self, units: int) -> bool:
+        """A transfer worker, before posting a whole chunk of ``units`` source pages: whether
+        it is summed while its rows fly, its sums sent after them
+        (:mod:`kvwire.session.prefill.late_sums`): from the hasher's ``LATE_BYTES`` on, the
+        chunk counted as whole pages of every buffer (an upper bound of its bytes)."""
+        return units * self.page_bytes >= self.hasher.LATE_BYTES
 
     @property
     def cuts(self) -> bool:

@@ -2,7 +2,9 @@
 
 A checksummed chunk of the KV pool posted whole (not cut in pieces, not a layer-wise group)
 used to be summed before any of its rows was posted: the sum was serial with the transfer.
-Now (:func:`sums_after`) its sum starts on a piece-sum thread just before its rows are
+Now, from its hasher's ``LATE_BYTES`` on (every chunk of a GPU pool, host chunks of 8 MiB
+and more: below that a host sum costs less than the hand-off and the extra note;
+:func:`sums_after`), its sum starts on a piece-sum thread just before its rows are
 posted (:func:`start`: it only reads the source rows, as the transfer does), the rows are
 posted at once with notes that carry no sums, and the sums go to decode as the chunk's last
 part, a :class:`~kvwire.control.wire.ChunkNote` that moves no bytes, over the control
@@ -40,9 +42,15 @@ MAX_PARTS = next(m.le for m in ChunkNote.model_fields["parts"].metadata if hasat
 def sums_after(job: Job, segs: list[Segment], pieces: list[tuple[int, int]] | None) -> bool:
     """Prefill worker, before posting a whole chunk: whether its checksums go after its rows
     (a last part of its own) rather than in its first note, summed before any row is posted.
-    So for every checked chunk of the KV pool not cut in pieces, with room for one more part."""
+    So for a checked chunk of the KV pool not cut in pieces, with room for one more part, and
+    large enough for its hasher (:meth:`~kvwire.session.checksums.SentSums.late`)."""
     check = job.link.checksums if job.pool == "kv" else None
-    return check is not None and pieces is None and 0 < len(segs) < MAX_PARTS
+    return (
+        check is not None
+        and pieces is None
+        and 0 < len(segs) < MAX_PARTS
+        and check.late(int(job.src.size))
+    )
 
 
 def start(job: Job) -> Future[LayerSums]:
