@@ -3,8 +3,9 @@ prefill and decode ranks in their own processes, heterogeneous TP, layer-wise ch
 element verified by the demo on decode.
 
 * With ``kv_checksum`` on, checked requests succeed.
-* A bit flipped after prefill summed a chunk (fault ``flip_after_sum``, in the prefill ranks'
-  processes) fails every request, naming the mismatch, and none is reported corrupt: the
+* A bit flipped in each chunk's landed rows before decode checks them (fault
+  ``flip_on_landing``, in the decode ranks' processes: what a transport corrupting a byte
+  looks like) fails every request, naming the mismatch, and none is reported corrupt: the
   check fails them before decode could report success with wrong KV.
 * A prefill mapper writing the wrong head slice (fault ``head_slice_offset``) is caught by the
   checksum too, before the demo's element check.
@@ -59,10 +60,10 @@ def test_checked_requests_succeed(backend: str, extra: tuple[str, ...]) -> None:
 
 
 @pytest.mark.parametrize("backend", ["tcp", "nixl", "mooncake"])
-def test_a_bit_flipped_after_summing_fails_every_request(backend: str) -> None:
+def test_a_bit_flipped_on_landing_fails_every_request(backend: str) -> None:
     rc, text, rows = demo(
         backend, "--requests", "6", "--phases", "2:1", "--layerwise", "0.5",
-        fault="flip_after_sum",
+        fault="flip_on_landing",
     )  # fmt: skip
     assert rc == 1, text
     assert rows == [("2->1", 6, 6, 0)], text  # all failed, none decoded as corrupt

@@ -3,10 +3,10 @@
 Two prefill instances (TP 2) and two decode instances (TP 1), default control settings with
 ``kv_checksum`` on and kvwire's default agent names, 240 random requests with every element
 verified, in batches; every other batch carries a fault, in turn: SIGKILL of a decode rank
-and of a prefill rank mid-transfer (each restarted after its batch), a prefill rank
-restarted flipping one bit per chunk after the checksum is taken, and a decode rank frozen
-(SIGSTOP) past the liveness bound. Prefill's backend refuses the aux write of a share of the
-rooms throughout. The ledger must show:
+and of a prefill rank mid-transfer (each restarted after its batch), a decode rank
+restarted flipping one bit of each chunk's landed rows before its checksum check, and a
+decode rank frozen (SIGSTOP) past the liveness bound. Prefill's backend refuses the aux
+write of a share of the rooms throughout. The ledger must show:
 
 * 0 unexpected failures and 0 corrupt requests (a failure counts as expected only in a
   fault's batch, on an instance it hit, with every failing rank naming a cause the fault

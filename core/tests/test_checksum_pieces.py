@@ -33,6 +33,7 @@ from kvwire.session.decode.rooms import ChunkCheck, RecvRoom
 from kvwire.session.decode.side import DecodeSide
 from kvwire.session.handshake import build_mapper
 from kvwire.session.prefill.posting import SegmentPost
+from kvwire.testing.faults import landed_flipper
 from kvwire.testing.kvfill import count_mismatches, make_pool
 from kvwire.testing.pair import MODEL, Pair, config, no_rooms, pair, wait_for
 
@@ -57,20 +58,10 @@ def _checks(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, tuple[int, int] 
 
 
 def _flip_layer(monkeypatch: pytest.MonkeyPatch, layer: int) -> None:
-    """Prefill sums each piece, then one byte of the first row of ``layer`` in it changes
-    before the transfer reads it (a transport corrupting one byte of one piece)."""
-    original = SentSums.rows
-
-    def rows(self: SentSums, src_idx: Any, dst_idx: Any) -> Any:
-        sums = original(self, src_idx, dst_idx)
-        idx = np.asarray(src_idx, dtype=np.int64)
-        hit = idx[self.hasher.row_layers(self.tables.src, idx) == layer]
-        if hit.size:
-            byte = ctypes.c_uint8.from_address(int(self.tables.src[int(hit[0]), ADDR]) + 5)
-            byte.value ^= 0x01
-        return sums
-
-    monkeypatch.setattr(SentSums, "rows", rows)
+    """Decode's check of each landed piece holding ``layer`` starts by flipping one bit of
+    byte 5 of the piece's first row of that layer (a transport corrupting one byte of one
+    piece in flight: fault ``flip_on_landing``)."""
+    monkeypatch.setattr(LandedSums, "chunk", landed_flipper(layer=layer, offset=5))
 
 
 def _covering(pieces: list[tuple[int, int] | None]) -> list[tuple[int, int]]:

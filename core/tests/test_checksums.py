@@ -1,14 +1,16 @@
 """End-to-end KV checksums (issue 26 item 1): the sum itself, then two managers over tcp.
 
-The negative control flips one byte of a source page *after* prefill computed the chunk's
-sums and before the transfer reads it: the byte travels, decode's check must catch it and
-both sides must fail naming the chunk, the layer and the sender. The cluster tests in
+The corruption is injected on decode, where its check starts: one byte of the rows a chunk
+wrote is flipped after they landed and before the check sums them (what a transport that
+corrupts a byte looks like, whenever prefill summed the chunk: before posting it, or while
+its rows fly); decode's check must catch it and both sides must fail naming the chunk, the
+layer and the sender. The negative control switches the comparison off: the flipped byte
+stays in decode's KV, which the element check sees. The cluster tests in
 ``tests/test_checksums_cluster.py`` do the same across processes on every backend.
 """
 
 from __future__ import annotations
 
-import ctypes
 import textwrap
 import threading
 import time
@@ -19,14 +21,16 @@ import pytest
 
 from kvwire import integrity
 from kvwire.config import ControlOptions, KVWireConfig
-from kvwire.descriptors import ADDR, make_table
+from kvwire.descriptors import make_table
 from kvwire.errors import DescriptorError, KVWireError
 from kvwire.integrity import RowHasher, add_sums, layer_ranges, mismatched_layers
 from kvwire.layout import KVLayout, RankPosition
 from kvwire.session import KVPoll
 from kvwire.session.checksums import LandedSums, SentSums, hasher_for
-from kvwire.session.decode.rooms import ChunkCheck, RecvRoom
+from kvwire.session.decode import rooms as decode_rooms
+from kvwire.session.decode.rooms import ChunkCheck
 from kvwire.session.handshake import build_mapper
+from kvwire.testing.faults import landed_flipper
 from kvwire.testing.interpreted import run_interpreted
 from kvwire.testing.kvfill import count_mismatches, fill_pages, make_pool
 from kvwire.testing.pair import MODEL, config, no_rooms, pair, wait_for
@@ -409,39 +413,24 @@ def test_checked_transfers_succeed(
         s.clear()
 
 
-def _flip_after_summing(monkeypatch: pytest.MonkeyPatch, arrs: list[np.ndarray]) -> None:
-    """Prefill's sums are taken, then one byte of the chunk's first source page changes
-    before the transfer reads it (what a transport corrupting a byte looks like to decode)."""
-    original = SentSums.chunk
-
-    def chunk(self: SentSums, src: Any, dst: Any, layers: Any = None) -> Any:
-        sums = original(self, src, dst, layers)
-        page = int(np.asarray(src).ravel()[0])
-        flat = arrs[1].reshape(arrs[1].shape[0], -1).view(np.uint8)  # buffer 1: K of layer 1
-        flat[page, 5] ^= 0x01
-        return sums
-
-    original_rows = SentSums.rows
-
-    def rows(self: SentSums, src_idx: Any, dst_idx: Any) -> Any:
-        # a chunk posted in pieces: the first row of layer 1 in each piece that has one
-        sums = original_rows(self, src_idx, dst_idx)
-        idx = np.asarray(src_idx, dtype=np.int64)
-        hit = idx[self.hasher.row_layers(self.tables.src, idx) == 1]
-        if hit.size:
-            byte = ctypes.c_uint8.from_address(int(self.tables.src[int(hit[0]), ADDR]) + 5)
-            byte.value ^= 0x01
-        return sums
-
-    monkeypatch.setattr(SentSums, "chunk", chunk)
-    monkeypatch.setattr(SentSums, "rows", rows)
+def _flip_on_landing(monkeypatch: pytest.MonkeyPatch, **which: Any) -> None:
+    """Decode's check of each landed chunk (``which``: of the chunks whose page span it
+    accepts, ``spans=``) starts by flipping one bit of byte 5 of the chunk's first row of
+    layer 1 (K or V): what a transport corrupting one byte in flight looks like to the check,
+    whenever prefill summed the chunk (fault ``flip_on_landing``)."""
+    monkeypatch.setattr(LandedSums, "chunk", landed_flipper(layer=1, offset=5, **which))
 
 
+@pytest.mark.parametrize("late", [False, True])
 def test_a_byte_flipped_in_flight_fails_the_request_naming_chunk_layer_sender(
-    monkeypatch: pytest.MonkeyPatch,
+    monkeypatch: pytest.MonkeyPatch, late: bool
 ) -> None:
+    """Whether the chunk was summed before its rows were posted or while they flew (late
+    sums: host chunks of ``LATE_BYTES`` and more, lowered here)."""
+    if late:
+        monkeypatch.setattr(RowHasher, "LATE_BYTES", 0)
     with pair(config(), _checked()) as p:
-        _flip_after_summing(monkeypatch, p.parr)
+        _flip_on_landing(monkeypatch)
         s, r, src, _ = p.start(9, 4)
         t0 = time.monotonic()
         s.send(src, last=True)
@@ -464,12 +453,13 @@ def test_a_byte_flipped_in_flight_fails_the_request_naming_chunk_layer_sender(
 def test_the_flip_is_real_corruption_only_the_check_catches(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """Negative control: with decode's check switched off, the same flip lands and the
-    request succeeds with wrong KV (the element check sees it), so the flip reaches decode
-    and it is the checksum that fails the request above."""
-    monkeypatch.setattr(RecvRoom, "chunk_check", lambda *a: None)
+    """Negative control: with decode's comparison of the sums switched off (the landed rows
+    are still summed, so the same flip happens), the request succeeds with wrong KV (the
+    element check sees it): the flip corrupts what decode keeps, and it is the checksum
+    comparison that fails the request above."""
+    monkeypatch.setattr(decode_rooms, "mismatched_layers", lambda *a: [])
     with pair(config(), _checked()) as p:
-        _flip_after_summing(monkeypatch, p.parr)
+        _flip_on_landing(monkeypatch)
         s, r, src, dst = p.start(10, 4)
         s.send(src, last=True)
         wait_for(lambda: r.poll() == KVPoll.Success == s.poll())
@@ -624,7 +614,7 @@ def test_layerwise_groups_carry_their_layers_sums(
     dcfg = _checked()
     with pair(config(layerwise_groups=2), dcfg) as p:
         if flip:
-            _flip_after_summing(monkeypatch, p.parr)
+            _flip_on_landing(monkeypatch)
         seen: list[list[int]] = []
         original = SentSums.chunk
 
@@ -695,24 +685,13 @@ def test_a_mismatch_waits_for_the_requests_other_checks_so_the_report_is_exact(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """Two chunks; the first one's check is held (gated hasher, a fake for timing only) while
-    the second, whose byte was flipped after prefill summed it, fails its check. The request
+    the second, whose byte was flipped on landing, fails its check. The request
     does not fail yet: the mismatch waits for the first check, so once that one passes the
     failure report counts the first chunk's pages as landed and only the second's as
     missing (they would all be missing if the report were taken while the first check ran)."""
     entered, gate = _gate_first_check(monkeypatch)
-    original = SentSums.chunk
-    flat = None
-
-    def chunk(self: SentSums, src: Any, dst: Any, layers: Any = None) -> Any:
-        sums = original(self, src, dst, layers)
-        first = int(np.asarray(src).ravel()[0])
-        if first == 2 and flat is not None:  # the second chunk (source pages 2, 3)
-            flat[first, 3] ^= 0x01
-        return sums
-
-    monkeypatch.setattr(SentSums, "chunk", chunk)
+    _flip_on_landing(monkeypatch, spans=lambda span: span[0] == 2)  # the second chunk only
     with pair(config(), _checked()) as p:
-        flat = p.parr[1].reshape(p.parr[1].shape[0], -1).view(np.uint8)
         s, r, src, _ = p.start(26, 4)
         s.send(src[:2], last=False)
         wait_for(entered.is_set, timeout=60)

@@ -15,8 +15,9 @@ import numpy as np
 import pytest
 
 from kvwire.session import FailureReport, KVPoll
-from kvwire.session.checksums import SentSums
+from kvwire.session.checksums import LandedSums
 from kvwire.session.report import LandedChunks, SourceState, good_page_mask, intersect, merge
+from kvwire.testing.faults import landed_flipper
 from kvwire.testing.kvfill import count_mismatches, fill_pages
 from kvwire.testing.pair import MODEL, Pair, config, pair, wait_for
 
@@ -140,20 +141,12 @@ def test_waiting_timeout_reports_what_landed() -> None:
 def test_checksum_mismatch_names_the_chunk_and_keeps_the_verified_ones(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """Chunk 1 has a byte flipped after prefill summed it: chunk 0 (verified) stays good,
-    chunk 1's pages are reported missing, and the report names chunk, layer and peer."""
+    """Chunk 1 has a byte flipped on landing (decode, before its check): chunk 0 (verified)
+    stays good, chunk 1's pages are reported missing, and the report names chunk, layer and
+    peer."""
     with pair(config(), config(kv_checksum=True)) as p:
-        original = SentSums.chunk
-        flat = p.parr[1].reshape(p.parr[1].shape[0], -1).view(np.uint8)  # K of layer 1
-
-        def chunk(self: SentSums, src: Any, dst: Any, layers: Any = None) -> Any:
-            sums = original(self, src, dst, layers)
-            first = int(np.asarray(src).ravel()[0])
-            if first == 2:  # the second chunk only
-                flat[first, 5] ^= 0x01
-            return sums
-
-        monkeypatch.setattr(SentSums, "chunk", chunk)
+        flip = landed_flipper(layer=1, offset=5, spans=lambda span: span[0] == 2)
+        monkeypatch.setattr(LandedSums, "chunk", flip)  # the second chunk only
         s, r, src, dst = _start(p, 23, 4)
         s.send(src[:2], last=False)
         wait_for(lambda: _chunks_landed(r, 1))

@@ -123,6 +123,11 @@ class RowHasher:
     #: the ones before it are in flight (:meth:`kvwire.session.checksums.SentSums.pieces`;
     #: 0: one piece).
     PIECE_BYTES = 2 << 20
+    #: Prefill sums a whole chunk of at least about this many bytes while its rows fly and
+    #: sends its sums after them (:mod:`kvwire.session.prefill.late_sums`); a smaller one is
+    #: summed before it is posted. On host memory the hand-off to a summing thread and the
+    #: sums' own note cost more than a small sum (measured: docs/benchmarks.md, late sums).
+    LATE_BYTES = 8 << 20
 
     def __init__(self, layout: KVLayout) -> None:
         buffers = list(layout.buffers)

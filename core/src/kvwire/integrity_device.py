@@ -159,6 +159,9 @@ class DeviceRowHasher(RowHasher):
     #: A chunk is summed in one call (a call's fixed cost is a few launches and one wait;
     #: posting in pieces is not measured on a GPU yet).
     PIECE_BYTES = 0
+    #: Every whole chunk is summed while its rows fly: a call's fixed cost (launches and a
+    #: wait, about half a millisecond) is what summing after the post takes off the path.
+    LATE_BYTES = 0
 
     def __init__(
         self,

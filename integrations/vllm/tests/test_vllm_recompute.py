@@ -3,11 +3,11 @@ managers (an in-process tcp pair, :mod:`kvwire.testing.pair`) under a prefill an
 :class:`~kvwire_vllm.worker.WorkerHalf`.
 
 Prefill pushes 4 blocks in chunks of 2 (``push_chunk_blocks``); the second chunk has a byte
-flipped after prefill summed it (checksums on), so decode's check fails it and the first
-chunk stays verified. With vLLM's ``kv_load_failure_policy="recompute"`` the worker reports the
-request as finished (not failed: vLLM would recompute it whole) and only the second chunk's
-blocks as load errors (vLLM recomputes from the first of them); with ``"fail"`` the request
-is failed with all its blocks.
+flipped on landing, before decode's check (checksums on), so the check fails it and the
+first chunk stays verified. With vLLM's ``kv_load_failure_policy="recompute"`` the worker
+reports the request as finished (not failed: vLLM would recompute it whole) and only the
+second chunk's blocks as load errors (vLLM recomputes from the first of them); with
+``"fail"`` the request is failed with all its blocks.
 """
 
 from __future__ import annotations
@@ -19,7 +19,8 @@ import pytest
 
 from kvwire.layout import RankPosition
 from kvwire.session import Role
-from kvwire.session.checksums import SentSums
+from kvwire.session.checksums import LandedSums
+from kvwire.testing.faults import landed_flipper
 from kvwire.testing.kvfill import count_mismatches, fill_pages
 from kvwire.testing.pair import config, pair, wait_for
 from kvwire_vllm.config import ConnectorOptions
@@ -30,18 +31,11 @@ BLOCKS = [10, 11, 12, 13]  # decode's blocks for the request
 SRC = [0, 1, 2, 3]  # prefill's
 
 
-def _flip_second_chunk(monkeypatch: pytest.MonkeyPatch, arrs: list[np.ndarray]) -> None:
-    original = SentSums.chunk
-    flat = arrs[1].reshape(arrs[1].shape[0], -1).view(np.uint8)
-
-    def chunk(self: SentSums, src: Any, dst: Any, layers: Any = None) -> Any:
-        sums = original(self, src, dst, layers)
-        first = int(np.asarray(src).ravel()[0])
-        if first == SRC[2]:
-            flat[first, 3] ^= 0x01
-        return sums
-
-    monkeypatch.setattr(SentSums, "chunk", chunk)
+def _flip_second_chunk(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Decode's check of the second chunk (request pages 2 and 3) starts by flipping one bit
+    of its first landed row of layer 1: a byte corrupted in flight (``flip_on_landing``)."""
+    flip = landed_flipper(layer=1, offset=3, spans=lambda span: span[0] == SRC[2])
+    monkeypatch.setattr(LandedSums, "chunk", flip)
 
 
 def _halves(p: Any, recompute: bool) -> tuple[WorkerHalf, WorkerHalf]:
@@ -80,7 +74,7 @@ def test_recompute_policy_reports_only_the_blocks_that_did_not_land(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     with pair(config(), config(kv_checksum=True)) as p:
-        _flip_second_chunk(monkeypatch, p.parr)
+        _flip_second_chunk(monkeypatch)
         pre, dec = _halves(p, recompute=True)
         seen, errors = _run(p, pre, dec)
         assert seen.failed_recving == set(), "a failed_recving request is recomputed whole"
@@ -97,7 +91,7 @@ def test_fail_policy_fails_the_request_with_all_its_blocks(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     with pair(config(), config(kv_checksum=True)) as p:
-        _flip_second_chunk(monkeypatch, p.parr)
+        _flip_second_chunk(monkeypatch)
         pre, dec = _halves(p, recompute=False)
         seen, errors = _run(p, pre, dec)
         assert seen.failed_recving == {"r1"}

@@ -1,8 +1,10 @@
 """KV checksums on a link (:mod:`kvwire.integrity`): what each side computes, and the check.
 
 Prefill: a :class:`SentSums` per decode link that asked (``Hello.checksum``), built at
-handshake; the transfer worker asks it for the per-layer sums of the rows it is about to post
-(the whole chunk, or one layer-wise group) and puts them in the first note of those rows. A
+handshake. A whole chunk (not layer-wise, not cut in pieces) is summed on a piece-sum thread
+while its rows are posted and fly, and its sums go to decode as the chunk's last part, over
+the control channel (:mod:`kvwire.session.prefill.late_sums`); a layer-wise group is summed
+by the transfer worker before it is posted, its sums in the group's first note. A
 chunk posted in place as one set of rows (no staging, no layer groups), over a backend whose
 own thread moves the bytes (``pushes_events``), is cut by layers into pieces first
 (:meth:`SentSums.pieces`), each posted with a note carrying its layer range
@@ -71,9 +73,10 @@ def hasher_for(layout: KVLayout) -> RowHasher:
 
 class SentSums:
     """Prefill side of one link: sums of source rows, keyed by where they land on decode.
-    Built on a handshake thread; :meth:`chunk` is called by transfer workers, each keeping
-    its own last chunk's mapped rows (thread-local: a layer-wise chunk asks once per group,
-    for the same rows, and they are mapped once)."""
+    Built on a handshake thread; :meth:`chunk` is called by transfer workers (layer-wise
+    groups) and piece-sum threads (whole chunks, :mod:`kvwire.session.prefill.late_sums`),
+    each keeping its own last chunk's mapped rows (thread-local: a layer-wise chunk asks once
+    per group, for the same rows, and they are mapped once); it only reads."""
 
     def __init__(self, mapper: IndexMapper, local: KVLayout) -> None:
         self.mapper = mapper
@@ -83,6 +86,15 @@ class SentSums:
         #: The link's page geometry as byte addresses (source side, destination side), or
         #: None where chunks are summed as rows (:func:`_page_sides`).
         self.sides = _page_sides(mapper, self.tables.src, self.tables.dst)
+        #: Bytes of one page slot of every buffer of this rank (:meth:`late`).
+        self.page_bytes = sum(int(b.item_len) for b in local.buffers)
+
+    def late(self, units: int) -> bool:
+        """A transfer worker, before posting a whole chunk of ``units`` source pages: whether
+        it is summed while its rows fly, its sums sent after them
+        (:mod:`kvwire.session.prefill.late_sums`): from the hasher's ``LATE_BYTES`` on, the
+        chunk counted as whole pages of every buffer (an upper bound of its bytes)."""
+        return units * self.page_bytes >= self.hasher.LATE_BYTES
 
     @property
     def cuts(self) -> bool:

@@ -13,11 +13,14 @@ import random
 import time
 from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgpack
 
 from kvwire.index.head_slice import HeadSliceMapper
+
+if TYPE_CHECKING:
+    from kvwire.session.checksums import LandedSums
 
 
 def _head_slice_offset(role: str) -> None:
@@ -93,48 +96,92 @@ def _aux_submit_fails(role: str) -> None:
     TransferBackend.submit = refusing  # type: ignore[method-assign]
 
 
-def _flip_after_sum(role: str) -> None:
-    """Prefill flips one bit of the first source row of each chunk (of each layer-wise group
-    of it, when layer-wise; of each piece, when posted in pieces) right after it computed the
-    sums (before the transfer reads the row): the corruption a transport or a copy would
-    cause, which only decode's checksum check can see."""
-    if role != "prefill":
-        return
+def flip_landed(
+    landed: LandedSums,
+    num_pages: int,
+    dst_pages: Any,
+    cached_tokens: int | None,
+    span: tuple[int, int],
+    layers: tuple[int, int] | None = None,
+    *,
+    layer: int | None = None,
+    offset: int = 0,
+) -> int | None:
+    """Flip one bit (bit 0 of byte ``offset``) of the first destination row, in row order, that
+    the chunk of request pages ``span`` wrote on this decode rank (as ``landed``, the link's
+    :class:`~kvwire.session.checksums.LandedSums`, finds its rows), among the rows of layers
+    ``[a, b)`` when ``layers`` is given (one piece) and of ``layer`` when given; returns the
+    row's layer, or None when no row qualifies. Host memory only (``ctypes``)."""
     import ctypes
 
     import numpy as np
 
-    from kvwire.descriptors import ADDR
-    from kvwire.session.checksums import SentSums
+    from kvwire.descriptors import ADDR, LEN
 
-    original = SentSums.chunk
+    start, end = span
+    placeholder = np.zeros(end - start, dtype=np.int64)
+    src_units, lo, hi = landed.mapper.chunk_slice(
+        num_pages, dst_pages, placeholder, start, end, cached_tokens
+    )
+    _, dst_idx = landed.mapper.map_chunk(src_units, dst_pages[lo:hi])
+    idx = np.asarray(dst_idx, dtype=np.int64)
+    row_layers = landed.hasher.row_layers(landed.dst, idx)
+    keep = np.ones(idx.size, dtype=bool)
+    if layers is not None:
+        keep &= (row_layers >= layers[0]) & (row_layers < layers[1])
+    if layer is not None:
+        keep &= row_layers == layer
+    if not keep.any():
+        return None
+    first = int(np.flatnonzero(keep)[0])
+    row = landed.dst[int(idx[first])]
+    byte = ctypes.c_uint8.from_address(int(row[ADDR]) + offset % int(row[LEN]))
+    byte.value ^= 0x01
+    return int(row_layers[first])
 
-    def flipping(self: SentSums, src: Any, dst: Any, layers: Any = None) -> Any:
-        sums = original(self, src, dst, layers)
-        src_idx, _ = self.mapper.map_chunk(src, dst)
-        idx = np.asarray(src_idx, dtype=np.int64)
-        if layers is not None and idx.size:  # a layer-wise group: a row it sends, so that
-            # no later group of the chunk flips the same byte back while it is in flight
-            idx = idx[np.isin(self.hasher.row_layers(self.tables.src, idx), range(*layers))]
-        if idx.size:
-            addr = int(self.tables.src[int(idx[0]), ADDR])
-            byte = ctypes.c_uint8.from_address(addr)
-            byte.value ^= 0x01
-        return sums
 
-    original_rows = SentSums.rows
+def landed_flipper(
+    *,
+    layer: int | None = None,
+    offset: int = 0,
+    spans: Callable[[tuple[int, int]], bool] | None = None,
+) -> Callable[..., Any]:
+    """A replacement for :meth:`LandedSums.chunk <kvwire.session.checksums.LandedSums.chunk>`
+    (the start of decode's check of a landed chunk, or piece) that first corrupts the landed
+    rows with :func:`flip_landed` (for the chunks whose request page span ``spans`` accepts),
+    then sums them as the original does (the one in place when this is called): exactly what
+    a transport that corrupted one byte in flight looks like to the check, whenever and
+    however prefill summed the chunk, on every backend, staged or not, whole or in pieces."""
+    from kvwire.session.checksums import LandedSums
 
-    def flipping_rows(self: SentSums, src_idx: Any, dst_idx: Any) -> Any:
-        # a chunk posted in pieces: the first row of each piece, right after its sums
-        sums = original_rows(self, src_idx, dst_idx)
-        idx = np.asarray(src_idx, dtype=np.int64)
-        if idx.size:
-            byte = ctypes.c_uint8.from_address(int(self.tables.src[int(idx[0]), ADDR]))
-            byte.value ^= 0x01
-        return sums
+    original = LandedSums.chunk
 
-    SentSums.chunk = flipping  # type: ignore[method-assign,assignment]
-    SentSums.rows = flipping_rows  # type: ignore[method-assign]
+    def chunk(
+        self: LandedSums,
+        num_pages: int,
+        dst_pages: Any,
+        cached_tokens: int | None,
+        span: tuple[int, int],
+        layers: tuple[int, int] | None = None,
+    ) -> Any:
+        if spans is None or spans(span):
+            flip_landed(
+                self, num_pages, dst_pages, cached_tokens, span, layers, layer=layer, offset=offset
+            )
+        return original(self, num_pages, dst_pages, cached_tokens, span, layers)
+
+    return chunk
+
+
+def _flip_on_landing(role: str) -> None:
+    """Decode flips one bit of the first row each chunk (each piece, when posted in pieces)
+    wrote, after the rows landed and before its checksum check sums them: the corruption a
+    transport would cause, which only the check can see (host KV pools)."""
+    if role != "decode":
+        return
+    from kvwire.session.checksums import LandedSums
+
+    LandedSums.chunk = landed_flipper()  # type: ignore[method-assign]
 
 
 #: ``slow_pushes``: the file whose existence turns the delay on (unset: always on).
@@ -175,7 +222,7 @@ def _slow_pushes(role: str) -> None:
 
 FAULTS = {
     "slow_pushes": _slow_pushes,
-    "flip_after_sum": _flip_after_sum,
+    "flip_on_landing": _flip_on_landing,
     "head_slice_offset": _head_slice_offset,
     "lossy_staging": _lossy_staging,
     "aux_submit_fails": _aux_submit_fails,
@@ -184,7 +231,7 @@ FAULTS = {
 
 def apply(name: str, role: str) -> None:
     """Install fault ``name`` in this process (a rank of ``role``); several faults are
-    separated by commas (``aux_submit_fails,flip_after_sum``)."""
+    separated by commas (``aux_submit_fails,flip_on_landing``)."""
     for one in filter(None, name.split(",")):
         if one not in FAULTS:
             raise ValueError(f"unknown fault {one!r}; known: {sorted(FAULTS)}")

@@ -11,10 +11,11 @@ through batches of random requests (:meth:`Cluster.plans`: random sizes, chunkin
 * ``kill_decode`` / ``kill_prefill``: SIGKILL of a decode rank, or of a prefill instance's
   TP rank 1 (rank 0 runs the instance's bootstrap service), once the batch's first chunk
   to that instance is sent; the rank is restarted (new process, new session) after the batch.
-* ``flip``: a prefill TP rank 1 is restarted with fault ``flip_after_sum``
-  (:mod:`kvwire.testing.faults`; one bit flipped after the checksum is taken), so every
-  request through its instance in the batch must fail naming a checksum mismatch (the
-  cluster runs with ``kv_checksum`` on); it is restarted clean afterwards.
+* ``flip``: a decode rank is restarted with fault ``flip_on_landing``
+  (:mod:`kvwire.testing.faults`; one bit of each chunk's landed rows flipped before its
+  checksum check), so every request through its instance in the batch must fail naming a
+  checksum mismatch (the cluster runs with ``kv_checksum`` on); it is restarted clean
+  afterwards.
 * ``freeze``: a decode rank is stopped (SIGSTOP) for longer than the liveness bound, then
   resumed (SIGCONT): a silent peer, a partition without root. Its batch's requests of several
   chunks on that rank stall for as long, so prefill evicts the rank while it holds them.
@@ -114,8 +115,8 @@ class SoakSpec(BaseModel):
         unknown = set(self.faults) - set(FAULT_KINDS)
         if unknown:
             raise ValueError(f"unknown faults {sorted(unknown)}; known: {FAULT_KINDS}")
-        if self.prefill_tp < 2 and {"kill_prefill", "flip"} & set(self.faults):
-            raise ValueError("kill_prefill and flip restart prefill TP rank 1: prefill_tp >= 2")
+        if self.prefill_tp < 2 and "kill_prefill" in self.faults:
+            raise ValueError("kill_prefill restarts prefill TP rank 1: prefill_tp >= 2")
         if "partition" in self.faults and not self.netns:
             raise ValueError("partition needs netns (network namespaces, root)")
 
@@ -160,7 +161,7 @@ class _Injector:
         if ev.kind == "flip":  # the rank is restarted flipping bits: live for the whole batch
             ev.agents = (self._target().agent,)
             ev.t_start = time.perf_counter()
-            self._replace("flip_after_sum")
+            self._replace("flip_on_landing")
             self.fired = True
 
     def _replace(self, fault: str | None) -> None:
@@ -233,7 +234,7 @@ def fault_schedule(spec: SoakSpec, batches: int) -> dict[int, FaultEvent]:
         return out
     for n, b in enumerate(range(spec.fault_every, batches, spec.fault_every)):
         kind = kinds[n % len(kinds)]
-        role = "prefill" if kind in ("kill_prefill", "flip") else "decode"
+        role = "prefill" if kind == "kill_prefill" else "decode"
         insts = spec.prefill_instances if role == "prefill" else spec.decode_instances
         inst = (n // len(kinds)) % insts
         tp = 1 if role == "prefill" else (n // len(kinds)) % spec.decode_tp

@@ -172,6 +172,20 @@ class RecvRoom:
             )
         return True
 
+    def incomplete(self) -> str:
+        """Under the lock (the waiting timeout's error): the chunks some of whose parts
+        arrived and not all, by sender, naming a checked chunk none of whose arrived parts
+        carried checksums (a whole chunk's sums come as its last part, over the control
+        channel: :mod:`kvwire.session.prefill.late_sums`); "" when there is none."""
+        checked = {s.sender_id for s in self.sources or () if s.checksums is not None}
+        out = []
+        for (sender, chunk), got in sorted(self.partial.items()):
+            key = (sender, chunk)
+            sums = sender not in checked or key in self.sent_sums or key in self.pieces
+            what = "others missing" if sums else "none with its checksums"
+            out.append(f"chunk {chunk} from sender {sender}: {got} parts arrived, {what}")
+        return f"; incomplete chunks: {'; '.join(out)}" if out else ""
+
     def chunk_landed(self, msg: ChunkNote) -> None:
         """Under the lock: a complete chunk passed its checks; count it (and, for the KV
         pool, what it wrote: the failure report's evidence)."""

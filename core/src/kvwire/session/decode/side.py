@@ -421,7 +421,7 @@ class DecodeSide(Side[RecvRoom]):
                             f"waiting timeout: no progress for {limit:.1f}s, neither on this "
                             f"request nor on any other from its prefill ranks (chunks received "
                             f"per sender {got or dict(room.received)}, aux "
-                            f"{'arrived' if room.aux_done else 'missing'})",
+                            f"{'arrived' if room.aux_done else 'missing'}{room.incomplete()})",
                             room=room.room,
                         ),
                         cause="timeout",

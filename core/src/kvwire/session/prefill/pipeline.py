@@ -24,10 +24,9 @@ from kvwire.control.wire import ChunkNote, Completion
 from kvwire.errors import KVWireError, TransferError
 from kvwire.integrity import add_sums
 from kvwire.session import metrics as m
-from kvwire.session.aux_note import read_row
 from kvwire.session.context import RankContext
 from kvwire.session.metrics import ChunkDone
-from kvwire.session.prefill import posting
+from kvwire.session.prefill import late_sums, posting
 from kvwire.session.prefill.groups import GROUPS_TABLE, group_rows
 from kvwire.session.prefill.layerwise import LayerPosting
 from kvwire.session.prefill.posting import PlanRef, SegmentPost, Tail, WorkerSide, summed_pieces
@@ -70,6 +69,8 @@ class _Posted:
     #: The request was failed for this copy's deadline; it is still polled to the end, because
     #: decode may reuse the pages only when nothing writes them any more.
     overdue: bool = False
+    #: Accounted as a transfer once done (not a chunk's sums part, which moves no bytes).
+    counted: bool = True
 
 
 class Pipeline:
@@ -178,7 +179,9 @@ class Pipeline:
         segs = self.segments(job, plan)
         ref = PlanRef(job.target.strategy, plan, job.room.room)
         segs, pieces = summed_pieces(job, plan, segs, self.evented)
-        post = SegmentPost(tail, job, ref, plan.what, segs, len(segs), 0, t_start, pieces=pieces)
+        late = late_sums.sums_after(job, segs, pieces)
+        n = len(segs) + late
+        post = SegmentPost(tail, job, ref, plan.what, segs, n, 0, t_start, None, pieces, late)
         self.post_segments(post)
 
     def post_segments(self, post: SegmentPost) -> None:
@@ -188,7 +191,9 @@ class Pipeline:
         carries the per-layer sums of those layers (computed before any row is posted); a
         call with no segment (a staged layer group whose bytes a later group's block units
         carry) leaves its sums to the next note of the chunk. A chunk cut in ``pieces``: each
-        note carries its piece's layers and rows' sums instead, summed just before posting."""
+        note carries its piece's layers and rows' sums instead, summed just before posting. A
+        whole chunk with ``late_sums``: summed while its rows are posted and fly, its sums
+        told as its last part once computed (:mod:`~kvwire.session.prefill.late_sums`)."""
         tail, job, ref, what, segs = post.tail, post.job, post.ref, post.what, post.segs
         key, t_start, layers = tail.key, post.t_start, post.layers
         room = job.room.room
@@ -196,7 +201,8 @@ class Pipeline:
         check = job.link.checksums if job.pool == "kv" else None
         try:
             sums: dict[int, int] = {}
-            if check is not None and post.pieces is None:
+            later = late_sums.start(job) if post.late_sums else None
+            if check is not None and post.pieces is None and later is None:
                 add_sums(job.unsent_sums, check.chunk(job.src, job.dst, layers))
                 if segs:
                     sums, job.unsent_sums = job.unsent_sums, {}
@@ -207,25 +213,19 @@ class Pipeline:
                 "num_pages": job.room.num_pages,
                 "page_size": self.ctx.layout.model.page_size,
             }
+            fields: dict[str, Any] = dict(room=room, sender_id=self.side.sender_id)
+            fields.update(session=self.ctx.session, what=what, chunk_id=job.chunk_id)
+            fields.update(last=job.last, parts=post.parts)
             for i, seg in enumerate(segs):
                 extra: dict[str, Any] = dict(where)
                 if post.pieces is not None:
                     extra.update(post.piece_fields(i))
-                elif check is not None and i == 0:
+                elif sums and i == 0:
                     extra.update(sum_layers=list(sums), sums=list(sums.values()))
-                if seg.copy is None and post.first_part + i == post.parts - 1:
-                    extra["aux"] = self._carried_aux(tail, job)
-                note = ChunkNote(
-                    room=room,
-                    sender_id=self.side.sender_id,
-                    session=self.ctx.session,
-                    what=what,  # type: ignore[arg-type]
-                    chunk_id=job.chunk_id,
-                    last=job.last,
-                    parts=post.parts,
-                    part=post.first_part + i,
-                    **extra,
-                )
+                part = post.first_part + i
+                if seg.copy is None and part == post.parts - 1 - post.late_sums:
+                    extra["aux"] = posting.carried_aux(self.ctx, tail, job)
+                note = ChunkNote(**fields, part=part, **extra)
                 if seg.copy is not None:
                     self._post_copy(
                         tail, key, seg.copy, note, job.dest.endpoint, ref, t_start, job.t_enqueued
@@ -249,25 +249,12 @@ class Pipeline:
         except BaseException:
             ref.seal(ok=False)  # nothing in flight: the strategy gets its buffer back now
             raise
-
-    def _carried_aux(self, tail: Tail, job: Job) -> list[bytes] | None:
-        """The aux row's bytes for the final note of the request's last chunk, when they
-        ride in it (protocol 1.11: :mod:`kvwire.session.aux_note`): this rank sends the aux
-        row to a decode rank that takes it so, and no buffer group must land first. Marks
-        the aux row posted; None when it moves as a transfer of its own."""
-        link, room = job.link, job.room
-        if (
-            not job.last
-            or tail.aux_posted
-            or not (link.aux_in_note and link.sends_aux)
-            or room.aux_index is None
-            or link.sends_groups
-        ):
-            return None
-        ctx = self.ctx
-        ctx.stamps[room.aux_index, 0] = room.room
-        tail.aux_posted = True
-        return read_row(ctx.aux_regions, room.aux_index)
+        if later is not None:  # the chunk's last part: its sums, told once computed
+            fields.update(where, part=post.parts - 1)
+            dest, live = job.dest.endpoint, lambda: not self.side.is_dead(job.room)
+            tell = lambda note: self.ctx.tell(dest, note)  # noqa: E731
+            sums_part = late_sums.SumsPart(later, fields, tell, live)
+            self._post_copy(tail, key, sums_part, None, dest, None, t_start, None, counted=False)
 
     def _drop(self, key: tuple[int, str], tail: Tail) -> None:
         """A dead request's tail: forget its queued jobs; once nothing is in flight, tell a
@@ -357,14 +344,17 @@ class Pipeline:
         tail: Tail,
         key: tuple[int, str],
         copy: LocalCopy,
-        note: ChunkNote,
+        note: ChunkNote | None,
         endpoint: str,
-        ref: PlanRef,
+        ref: PlanRef | None,
         t_start: float,
         t_enqueued: float | None,
+        counted: bool = True,
     ) -> None:
-        """Track a copy the strategy started; its note goes out once it is done."""
-        handle = TransferHandle(-1, note.session, XferOp.WRITE, copy.num_rows, copy.nbytes)
+        """Track a copy the strategy started; its note goes out once it is done. A chunk's
+        sums part (:class:`~kvwire.session.prefill.late_sums.SumsPart`) sends its own."""
+        session = self.ctx.session
+        handle = TransferHandle(-1, session, XferOp.WRITE, copy.num_rows, copy.nbytes)
         self._track(
             _Posted(
                 handle,
@@ -375,10 +365,11 @@ class Pipeline:
                 time.perf_counter(),
                 t_enqueued,
                 time.monotonic() + self.ctx.options.transfer_timeout_s,
-                note.what,
+                "kv sums" if note is None else note.what,
                 copy=copy,
                 note=note,
                 endpoint=endpoint,
+                counted=counted,
             ),
             tail,
         )
@@ -490,7 +481,7 @@ class Pipeline:
                 ),
                 p.what,
             )
-        else:
+        elif p.counted:
             p.room.metrics.marks["done"] = t_done
             done = ChunkDone(h.num_bytes, h.num_descs, p.t_start, p.t_posted, t_done, p.t_enqueued)
             self.side.record(p.room, done)

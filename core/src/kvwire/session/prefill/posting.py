@@ -24,16 +24,20 @@ from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from kvwire.backend import PreparedPair, TransferBackend, TransferHandle, XferOp
 from kvwire.integrity import LayerSums
+from kvwire.session.aux_note import read_row
 from kvwire.session.handshake import slot_rows
 from kvwire.session.layers import LayeredChunk
 from kvwire.session.metrics import ChunkDone
 from kvwire.session.prefill.links import PoolLink
 from kvwire.session.prefill.rooms import Dest, Job, SendRoom
 from kvwire.staging.base import ChunkPlan, Segment, StagingStrategy
+
+if TYPE_CHECKING:
+    from kvwire.session.context import RankContext
 
 
 @dataclass(eq=False)
@@ -107,6 +111,10 @@ class SegmentPost:
     #: segment's layer range; its note carries that range and its own rows' sums, not the
     #: first note the chunk's.
     pieces: list[tuple[int, int]] | None = None
+    #: A checked whole chunk whose sums go after its rows: a last part of its own, told over
+    #: the control channel once summed (:mod:`kvwire.session.prefill.late_sums`); ``parts``
+    #: counts it.
+    late_sums: bool = False
 
     #: Sums of the next piece, summed on a piece-sum thread while this one is posted.
     ahead: dict[int, Future[LayerSums]] = field(default_factory=dict, repr=False)
@@ -124,7 +132,7 @@ class SegmentPost:
         sums = ahead.result() if ahead is not None else check.rows(seg.src_idx, seg.dst_idx)
         if i + 1 < len(self.segs):
             nxt = self.segs[i + 1]
-            self.ahead[i + 1] = _summer().submit(check.rows, nxt.src_idx, nxt.dst_idx)
+            self.ahead[i + 1] = summer().submit(check.rows, nxt.src_idx, nxt.dst_idx)
         return {
             "sum_layers": list(sums),
             "sums": list(sums.values()),
@@ -136,10 +144,11 @@ _summer_lock = threading.Lock()
 _summer_pool: ThreadPoolExecutor | None = None
 
 
-def _summer() -> ThreadPoolExecutor:
-    """The process's piece-sum threads (made on first use): they only read source rows and
-    mapper tables, which stay alive while a chunk is posted (a piece whose post failed has
-    its sum computed and dropped)."""
+def summer() -> ThreadPoolExecutor:
+    """The process's piece-sum threads (made on first use), for pieces and for whole chunks
+    summed after their rows (:mod:`kvwire.session.prefill.late_sums`): they only read source
+    rows and mapper tables, which stay alive while a chunk is posted (a piece whose post
+    failed has its sum computed and dropped)."""
     global _summer_pool
     with _summer_lock:
         if _summer_pool is None:
@@ -228,3 +237,22 @@ def aux_segment(n: int, slots: int, src_slot: int, dst_slot: int) -> Segment:
     """The ``n`` rows of aux slot ``src_slot`` to those of ``dst_slot`` (``slots`` per
     table), as a segment to post (prefill worker)."""
     return Segment("aux", "", slot_rows(n, slots, src_slot), slot_rows(n, slots, dst_slot))
+
+
+def carried_aux(ctx: RankContext, tail: Tail, job: Job) -> list[bytes] | None:
+    """Prefill worker: the aux row's bytes for the final data note of the request's last
+    chunk, when they ride in it (protocol 1.11: :mod:`kvwire.session.aux_note`): this rank
+    sends the aux row to a decode rank that takes it so, and no buffer group must land first.
+    Marks the aux row posted; None when it moves as a transfer of its own."""
+    link, room = job.link, job.room
+    if (
+        not job.last
+        or tail.aux_posted
+        or not (link.aux_in_note and link.sends_aux)
+        or room.aux_index is None
+        or link.sends_groups
+    ):
+        return None
+    ctx.stamps[room.aux_index, 0] = room.room
+    tail.aux_posted = True
+    return read_row(ctx.aux_regions, room.aux_index)
