@@ -344,7 +344,8 @@ _DEVICE_PAGES = textwrap.dedent(
     def call(i):
         lanes[i] = dev._lane()
         pages = np.array([(i + j) % 8 for j in range(3)], dtype=np.int64)
-        results[i] = (dev.page_sums(read, pages, key, pages), host.page_sums(read, pages, key, pages))
+        got = dev.page_sums(read, pages, key, pages)
+        results[i] = (got, host.page_sums(read, pages, key, pages))
 
     threads = [threading.Thread(target=call, args=(i,)) for i in range(3)]
     for t in threads:
