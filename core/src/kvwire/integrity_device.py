@@ -159,9 +159,11 @@ class DeviceRowHasher(RowHasher):
     #: A chunk is summed in one call (a call's fixed cost is a few launches and one wait;
     #: posting in pieces is not measured on a GPU yet).
     PIECE_BYTES = 0
-    #: Every whole chunk is summed while its rows fly: a call's fixed cost (launches and a
-    #: wait, about half a millisecond) is what summing after the post takes off the path.
-    LATE_BYTES = 0
+    #: Never summed after the rows: measured on 2 x H100 (docs/benchmarks.md, "Late sums on
+    #: the GPU"), the sums' own part (a hop to a summing thread, then a note over the control
+    #: channel that decode must wait for) cost 1.3 ms more in ``land`` than the 0.4 ms it
+    #: took out of ``post``: a GPU sum is summed before the rows are posted.
+    LATE_BYTES = 1 << 62
 
     def __init__(
         self,
