@@ -4,8 +4,8 @@ A checksummed chunk of the KV pool posted whole (not cut in pieces, not a layer-
 used to be summed before any of its rows was posted: the sum was serial with the transfer.
 Now, from its hasher's ``LATE_BYTES`` on (host chunks of 8 MiB and more: below that a host
 sum costs less than the hand-off and the extra note; never for a GPU pool, whose sum of
-~0.2 ms costs less than the sums' own part: :func:`sums_after`), its sum starts on a piece-sum thread just before its rows are
-posted (:func:`start`: it only reads the source rows, as the transfer does), the rows are
+~0.2 ms costs less than the sums' own part: :func:`sums_after`), its sum starts on a
+piece-sum thread just before its rows are posted (:func:`start`: it only reads the source rows, as the transfer does), the rows are
 posted at once with notes that carry no sums, and the sums go to decode as the chunk's last
 part, a :class:`~kvwire.control.wire.ChunkNote` that moves no bytes, over the control
 channel once they are computed (:class:`SumsPart`). Decode adds the sums of a chunk's parts
