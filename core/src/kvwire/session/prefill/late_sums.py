@@ -1,16 +1,16 @@
 """A whole chunk's checksums after its rows (issue 26 item 1).
 
 A checksummed chunk of the KV pool posted whole (not cut in pieces, not a layer-wise group)
-used to be summed before any of its rows was posted: the sum was serial with the transfer.
-Now, from its hasher's ``LATE_BYTES`` on (host chunks of 8 MiB and more: below that a host
-sum costs less than the hand-off and the extra note; never for a GPU pool, whose sum of
-~0.2 ms costs less than the sums' own part: :func:`sums_after`), its sum starts on a
-piece-sum thread just before its rows are posted (:func:`start`: it only reads the source
-rows, as the transfer does), the rows are posted at once with notes that carry no sums, and
-the sums go to decode as the chunk's last part, a :class:`~kvwire.control.wire.ChunkNote` that moves no bytes, over the control
-channel once they are computed (:class:`SumsPart`). Decode adds the sums of a chunk's parts
-and checks it once every part arrived, in any order (protocol 1.7): no decode change and no
-protocol change. A chunk of a GPU pool has its sum's kernel run on the hasher's own stream
+used to be summed before any of its rows was posted: the sum was serial with the transfer. Now,
+from its hasher's ``LATE_BYTES`` on (host chunks of 8 MiB and more: below that a host sum costs
+less than the hand-off and the extra note; never for a GPU pool, whose sum of ~0.2 ms costs
+less than the sums' own part: :func:`sums_after`), its sum starts on a piece-sum thread just
+before its rows are posted (:func:`start`: it only reads the source rows, as the transfer
+does), the rows are posted at once with notes that carry no sums, and the sums go to decode as
+the chunk's last part, a :class:`~kvwire.control.wire.ChunkNote` that moves no bytes, over the
+control channel once they are computed (:class:`SumsPart`). Decode adds the sums of a chunk's
+parts and checks it once every part arrived, in any order (protocol 1.7): no decode change and
+no protocol change. A chunk of a GPU pool has its sum's kernel run on the hasher's own stream
 while the mover's kernel (or the backend's copy) reads the same rows: both only read.
 
 The sums part is tracked by the transfer worker like a copy a strategy runs (a
