@@ -10,8 +10,7 @@ does), the rows are posted at once with notes that carry no sums, and the sums g
 the chunk's last part, a :class:`~kvwire.control.wire.ChunkNote` that moves no bytes, over the
 control channel once they are computed (:class:`SumsPart`). Decode adds the sums of a chunk's
 parts and checks it once every part arrived, in any order (protocol 1.7): no decode change and
-no protocol change. A chunk of a GPU pool has its sum's kernel run on the hasher's own stream
-while the mover's kernel (or the backend's copy) reads the same rows: both only read.
+no protocol change.
 
 The sums part is tracked by the transfer worker like a copy a strategy runs (a
 :class:`~kvwire.staging.base.LocalCopy` of no bytes): the destination is not done (prefill's
