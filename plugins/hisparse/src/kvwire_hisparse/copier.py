@@ -39,20 +39,23 @@ import itertools
 import logging
 import os
 import threading
-import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 from numpy.typing import NDArray
 
 from kvwire.errors import ConfigError, DescriptorError, LayoutError, TransferError
 from kvwire.layout import MemKind, MemoryRegion
+from kvwire_hisparse.jobs import CopyJob
 from kvwire_hisparse.pointers import CudaPtr, HostPtr, device_pointer
-from kvwire_hisparse.rows import Ranges, Scratch, Span
+from kvwire_hisparse.row_mover import RowMover
+from kvwire_hisparse.rows import Group, Ranges, Scratch, Span, consecutive_runs, group_rows
 from kvwire_hisparse.shm import SharedHostPool
+
+__all__ = ["CopyJob", "RowCopier", "VramPath"]
 
 logger = logging.getLogger(__name__)
 
@@ -63,82 +66,23 @@ _TYPESTR = {8: "<i8", 4: "<i4", 2: "<i2", 1: "|u1"}
 
 #: Scattered DRAM rows go to the thread pool in pieces of at least this many bytes.
 _DRAM_MIN_PIECE = 4 << 20
-_I64_MAX = np.iinfo(np.int64).max
 _U64 = (1 << 64) - 1
+
+#: How VRAM rows that are not long runs move: ``mover`` (kvwire's fused run mover, one Triton
+#: launch per batch writing into the pinned pool), ``index`` (``index_select`` into a device
+#: buffer and ``index_copy_`` into the pool, per piece), ``auto`` (``mover`` when Triton imports).
+VramPath = Literal["auto", "mover", "index"]
 
 
 @dataclass
-class _Group:
-    """Rows of one (span, pool, source residue, destination residue)."""
+class _Checked:
+    """Rows of one :meth:`RowCopier.start` call after validation: each row's pool, each row's
+    span (None: one span) and the memory kind of every row. Scratch-backed (see
+    :class:`~kvwire_hisparse.rows.Scratch`)."""
 
-    span: int
-    pool: int
-    rs: int
-    rd: int
-    src_rows: NDArray[np.int64]
-    dst_rows: NDArray[np.int64]
-
-
-class CopyJob:
-    """One :meth:`RowCopier.start` call: rows of one source memory kind on their way.
-
-    The transfer pipeline polls :meth:`done` (a :class:`~kvwire.staging.base.LocalCopy`);
-    the strategy calls :meth:`wait` when it must be sure nothing writes any more.
-    """
-
-    def __init__(
-        self,
-        nbytes: int,
-        num_rows: int,
-        events: Sequence[Any] = (),
-        keep: Sequence[Any] = (),
-        label: str = "",
-    ) -> None:
-        self.nbytes = nbytes
-        self.num_rows = num_rows
-        self._events = list(events)
-        self._keep: list[Any] = list(keep)
-        self._label = label
-        self._done = not self._events
-
-    def done(self) -> bool:
-        """Non-blocking: True once every byte is in the pool and visible to the decode process.
-
-        CUDA semantics: when an event recorded after the copies completes, every write of the
-        preceding work on the stream, including kernel stores into mapped (registered) host
-        memory, is complete and visible to host threads that observe the completion
-        (``cudaEventQuery``/``cudaEventSynchronize`` are synchronising operations); no extra
-        system-scope fence is needed. The decode process reads the same physical pages through
-        its own mapping (coherent on the host) after a control-channel message that this
-        thread sends only after seeing True here, so its reads are ordered after the writes.
-        Raises :class:`~kvwire.errors.TransferError` when the copy failed.
-        """
-        if self._done:
-            return True
-        try:
-            if not all(ev.query() for ev in self._events):
-                return False
-            for ev in self._events:  # complete already: returns at once
-                ev.synchronize()
-        except Exception as exc:
-            raise TransferError(f"{self._label} copy failed on the GPU: {exc}") from exc
-        self._done = True
-        self._events.clear()
-        self._keep.clear()
-        return True
-
-    def wait(self, timeout_s: float) -> None:
-        """Block until :meth:`done`; :class:`~kvwire.errors.TransferError` after
-        ``timeout_s`` seconds or on failure."""
-        deadline = time.monotonic() + timeout_s
-        pause = 20e-6
-        while not self.done():
-            if time.monotonic() > deadline:
-                raise TransferError(
-                    f"{self._label} copy of {self.nbytes} bytes not done within {timeout_s} s"
-                )
-            time.sleep(pause)
-            pause = min(pause * 2, 1e-3)
+    pos_d: NDArray[np.intp]
+    span: NDArray[np.int64] | None
+    kind: MemKind
 
 
 class RowCopier:
@@ -148,11 +92,20 @@ class RowCopier:
     (the pool's base address *in the decode process*, this process's attached pool); a remote
     destination address ``a`` in pool ``p`` is written at ``p.addr + (a - remote_base)``.
 
-    ``dma_min_run_bytes``: a group of rows whose runs of consecutive rows (on both sides)
-    average at least this many bytes is moved with one plain copy per run (copy engine for
-    VRAM), otherwise with gather/scatter kernels. ``max_piece_bytes`` bounds the device buffer
-    a gather uses (larger groups go in pieces, the GPU starting on the first while the next
-    is prepared). ``dram_threads`` (default: up to 8) copy DRAM rows in parallel.
+    Every row of a call is validated first (vectorised; a refused call writes nothing), then
+    the rows are planned and copied in batches of ``batch_rows`` (0: one batch), so that for
+    VRAM rows the GPU starts on the first batch while the CPU plans the next.
+
+    ``vram_path`` (:data:`VramPath`): how VRAM rows move. ``mover``: every row through one
+    launch per batch of kvwire's fused run mover (:class:`~kvwire_hisparse.row_mover.RowMover`),
+    from the raw source addresses into the pool's device address; ``index``: the earlier path,
+    per group of rows of one (span, pool, residues) either one device-to-host copy per run of
+    consecutive rows (copy engine; when runs average ``dma_min_run_bytes``) or
+    ``index_select``/``index_copy_`` kernels in pieces of at most ``max_piece_bytes``.
+    ``dma_min_run_bytes`` also picks slice copies over fancy indexing for DRAM rows.
+    ``dram_threads`` (default: up to 8) copy DRAM rows in parallel. ``dram_mover``: DRAM rows
+    through this mover instead of NumPy (the tests' seam: a CPU ``RunCopier`` under Triton's
+    interpreter runs the ``mover`` path's batching and addressing on host memory).
 
     With VRAM regions (all on one CUDA device), every pool is pinned under that device
     (re-registered if it was pinned under another) and a CUDA view of it is checked here;
@@ -167,6 +120,9 @@ class RowCopier:
         dma_min_run_bytes: int = 1 << 20,
         max_piece_bytes: int = 32 << 20,
         dram_threads: int | None = None,
+        batch_rows: int = 16384,
+        vram_path: VramPath = "auto",
+        dram_mover: RowMover | None = None,
     ) -> None:
         if not src_regions:
             raise ConfigError("RowCopier needs at least one source region")
@@ -175,6 +131,13 @@ class RowCopier:
         self.dma_min_run_bytes = max(1, int(dma_min_run_bytes))
         self.max_piece_bytes = max(1, int(max_piece_bytes))
         self.dram_threads = max(1, dram_threads or min(8, os.cpu_count() or 1))
+        self.batch_rows = max(0, int(batch_rows))
+        if vram_path not in ("auto", "mover", "index"):
+            raise ConfigError(f"vram_path must be auto, mover or index, got {vram_path!r}")
+        #: The VRAM path in use: "mover" or "index" ("" without VRAM regions).
+        self.vram_path = ""
+        self._row_mover: RowMover | None = None
+        self._dram_mover = dram_mover
         self._executor: ThreadPoolExecutor | None = None
         self._scratch = Scratch()
         self._lock = threading.Lock()
@@ -220,6 +183,10 @@ class RowCopier:
         self._pools = [p for _, p in pools]
         self._pool_rstart = np.array([b for b, _ in pools], dtype=np.int64)
         self._dst_ranges = Ranges([b for b, _ in pools], [b + p.nbytes for b, p in pools])
+        #: per pool: the address the copies write at minus the remote address (host address
+        #: here; the device address once the pools are pinned for VRAM rows)
+        self._pool_shift = np.array([p.addr for p in self._pools], dtype=np.int64)
+        self._pool_shift -= self._pool_rstart
 
         self._views: dict[tuple[Any, ...], tuple[Any, int]] = {}
         self._torch: Any = None
@@ -237,10 +204,10 @@ class RowCopier:
                 "device per process"
             )
         if vdevs:
-            self._setup_cuda(vdevs[0])
+            self._setup_cuda(vdevs[0], vram_path)
 
     # ------------------------------------------------------------------ CUDA setup
-    def _setup_cuda(self, device: int) -> None:
+    def _setup_cuda(self, device: int, vram_path: VramPath) -> None:
         try:
             import torch
         except ImportError as exc:
@@ -261,10 +228,25 @@ class RowCopier:
                     f"{int(view.data_ptr()):#x}, not at {ptr:#x}"
                 )
         self.dst_pointer_mode = ",".join(sorted(modes))
+        self._pool_shift = np.array(self._pool_devptr, dtype=np.int64) - self._pool_rstart
         with torch.cuda.device(device):
             self._stream = self._torch.cuda.Stream(device=device)
+        self.vram_path = "index"
+        if vram_path != "index":
+            try:
+                from kvwire.movers.triton_copy import RunCopier
+            except ImportError as exc:
+                if vram_path == "mover":
+                    raise ConfigError(f"vram_path='mover' needs Triton: {exc}") from exc
+                logger.info("row copier: no Triton (%s); VRAM rows use index kernels", exc)
+            else:
+                self._row_mover = RowMover(RunCopier(torch.device("cuda", device), slots=32))
+                self.vram_path = "mover"
         logger.debug(
-            "row copier on cuda:%d, pools addressed by the GPU as %s", device, self.dst_pointer_mode
+            "row copier on cuda:%d, pools addressed by the GPU as %s, rows through %s",
+            device,
+            self.dst_pointer_mode,
+            self.vram_path,
         )
 
     def _cuda_alias(self, ptr: int, shape: tuple[int, ...], width: int) -> Any:
@@ -354,23 +336,31 @@ class RowCopier:
         n = int(src.size)
         if n == 0:
             return CopyJob(0, 0, label="empty")
-        groups, kind = self._plan(src, dst, row_len)
+        chk = self._check(src, dst, row_len)
         nbytes = n * row_len
-        if kind is MemKind.DRAM:
+        if chk.kind is MemKind.DRAM:
             try:
-                for g in groups:
-                    self._copy_numpy(g, row_len)
+                if self._dram_mover is not None:
+                    self._move(self._dram_mover, src, dst, chk, row_len, None)
+                    return CopyJob(nbytes, n, label="DRAM")
+                for a, b in self._batches(n, self.batch_rows):
+                    for g in self._groups(src, dst, chk, a, b, row_len):
+                        self._copy_numpy(g, row_len)
             except Exception as exc:
                 raise TransferError(f"DRAM row copy into shared host pool failed: {exc}") from exc
             return CopyJob(nbytes, n, label="DRAM")
-        return self._copy_cuda(groups, row_len, nbytes, n)
+        return self._copy_cuda(src, dst, chk, row_len, nbytes, n)
 
-    def _plan(
-        self, src: NDArray[np.int64], dst: NDArray[np.int64], row_len: int
-    ) -> tuple[list[_Group], MemKind]:
-        """Validate every row (vectorised) and split the rows into groups."""
+    @staticmethod
+    def _batches(n: int, per: int) -> Iterator[tuple[int, int]]:
+        per = per if per > 0 else n
+        for a in range(0, n, per):
+            yield a, min(n, a + per)
+
+    def _check(self, src: NDArray[np.int64], dst: NDArray[np.int64], row_len: int) -> _Checked:
+        """Validate every row (vectorised): inside one source region and one pool, one source
+        memory kind. :class:`~kvwire.errors.DescriptorError` names the first bad row."""
         sc = self._scratch
-        n = src.size
         pos_s, ok = self._src_ranges.locate(src, row_len, sc, "s")
         if not ok.all():
             bad = np.flatnonzero(~ok)
@@ -387,67 +377,43 @@ class RowCopier:
                 f"row {i}: destination {int(dst[i]) & _U64:#x} (+{row_len} B) is not inside "
                 f"one shared host pool ({bad.size} such rows)"
             )
-        one_span = len(self._spans) == 1
-        span = None
-        if one_span:
-            row_kind0 = int(self._span_kind[0])
-        else:
-            span = self._region_span[pos_s]
-            row_kind = self._span_kind[span]
-            row_kind0 = int(row_kind[0])
-            bad = np.flatnonzero(row_kind != row_kind0)
-            if bad.size:
-                i = int(bad[0])
-                raise DescriptorError(
-                    f"row {i}: source memory kind {MemKind(int(row_kind[i])).name} differs "
-                    f"from row 0's {MemKind(row_kind0).name}; split rows by kind"
-                )
-        rows_s, rs = sc.get("rows_s", n, np.int64), sc.get("rs", n, np.int64)
-        rows_d, rd = sc.get("rows_d", n, np.int64), sc.get("rd", n, np.int64)
-        if one_span:
-            np.subtract(src, self._span_base[0], out=rows_s)
-        else:
-            np.subtract(src, np.take(self._region_base, pos_s), out=rows_s)
-        if len(self._pools) == 1:
-            np.subtract(dst, self._pool_rstart[0], out=rows_d)
-        else:
-            np.subtract(dst, np.take(self._pool_rstart, pos_d), out=rows_d)
-        if row_len & (row_len - 1) == 0:  # the usual case: shifts and masks, no division
-            shift, mask = row_len.bit_length() - 1, row_len - 1
-            for rows, res in ((rows_s, rs), (rows_d, rd)):
-                np.bitwise_and(rows, mask, out=res)
-                np.right_shift(rows, shift, out=rows)
-        else:
-            for rows, res in ((rows_s, rs), (rows_d, rd)):
-                np.divmod(rows, row_len, out=(rows, res))
-        members: list[NDArray[np.intp] | slice] = [slice(None)]
-        residues = bool(rs.any() or rd.any())
-        if span is not None or len(self._pools) > 1 or residues:
-            key = pos_d.astype(np.int64) if span is None else span * len(self._pools) + pos_d
-            if residues:
-                cols = np.stack([key, rs, rd], axis=1)
-                _, inverse = np.unique(cols, axis=0, return_inverse=True)
-                key = inverse.reshape(-1)
-            if key.min() != key.max():
-                order = np.argsort(key, kind="stable")
-                cuts = np.flatnonzero(np.diff(key[order])) + 1
-                members = list(np.split(order, cuts))
-        groups = []
-        for m in members:
-            first = 0 if isinstance(m, slice) else int(m[0])
-            groups.append(
-                _Group(
-                    0 if span is None else int(span[first]),
-                    int(pos_d[first]),
-                    int(rs[first]),
-                    int(rd[first]),
-                    rows_s[m],
-                    rows_d[m],
-                )
+        if len(self._spans) == 1:
+            return _Checked(pos_d, None, MemKind(int(self._span_kind[0])))
+        span = self._region_span[pos_s]
+        row_kind = self._span_kind[span]
+        row_kind0 = int(row_kind[0])
+        bad = np.flatnonzero(row_kind != row_kind0)
+        if bad.size:
+            i = int(bad[0])
+            raise DescriptorError(
+                f"row {i}: source memory kind {MemKind(int(row_kind[i])).name} differs "
+                f"from row 0's {MemKind(row_kind0).name}; split rows by kind"
             )
-        return groups, MemKind(row_kind0)
+        return _Checked(pos_d, span, MemKind(row_kind0))
 
-    def _width(self, g: _Group, row_len: int, dst_base: int) -> int:
+    def _groups(
+        self,
+        src: NDArray[np.int64],
+        dst: NDArray[np.int64],
+        chk: _Checked,
+        a: int,
+        b: int,
+        row_len: int,
+    ) -> list[Group]:
+        """Rows ``[a, b)`` of a checked call as groups (see ``rows.group_rows``)."""
+        span = None if chk.span is None else chk.span[a:b]
+        return group_rows(
+            src[a:b],
+            dst[a:b],
+            chk.pos_d[a:b],
+            span,
+            row_len,
+            src_base=self._span_base[:1] if span is None else np.take(self._span_base, span),
+            pool_rstart=self._pool_rstart,
+            sc=self._scratch,
+        )
+
+    def _width(self, g: Group, row_len: int, dst_base: int) -> int:
         a = self._spans[g.span].base + g.rs
         b = dst_base + g.rd
         for w in (8, 4, 2):
@@ -455,23 +421,8 @@ class RowCopier:
                 return w
         return 1
 
-    def _runs(self, g: _Group, row_len: int) -> NDArray[np.intp] | None:
-        """Run boundaries (``[0, ..., n]``) if the group's consecutive-row runs are long enough
-        for one plain copy each, else None."""
-        n = g.src_rows.size
-        if n * row_len < self.dma_min_run_bytes:
-            return None
-        sc = self._scratch
-        step = sc.get("step", n - 1, np.int64)
-        brk, brk2 = sc.get("brk", n - 1, np.bool_), sc.get("brk2", n - 1, np.bool_)
-        np.subtract(g.src_rows[1:], g.src_rows[:-1], out=step)
-        np.not_equal(step, 1, out=brk)
-        np.subtract(g.dst_rows[1:], g.dst_rows[:-1], out=step)
-        np.not_equal(step, 1, out=brk2)
-        brk |= brk2
-        if n * row_len < (int(np.count_nonzero(brk)) + 1) * self.dma_min_run_bytes:
-            return None
-        return np.concatenate(([0], np.flatnonzero(brk) + 1, [n])).astype(np.intp)
+    def _runs(self, g: Group, row_len: int) -> NDArray[np.intp] | None:
+        return consecutive_runs(g, row_len, self.dma_min_run_bytes, self._scratch)
 
     def _run_tasks(self, tasks: list[tuple[int, int]], fn: Any) -> None:
         """``fn(a, b)`` for every task, on the DRAM thread pool when there are several (NumPy
@@ -488,7 +439,7 @@ class RowCopier:
         for f in [ex.submit(fn, a, b) for a, b in tasks]:
             f.result()
 
-    def _copy_numpy(self, g: _Group, row_len: int) -> None:
+    def _copy_numpy(self, g: Group, row_len: int) -> None:
         w = self._width(g, row_len, self._pools[g.pool].addr)
         src, k0 = self._src_view(g.span, g.rs, row_len, w)
         dst = self._dst_view(g.pool, g.rd, row_len, w, "numpy")
@@ -524,14 +475,29 @@ class RowCopier:
 
         self._run_tasks([(a, min(n, a + per)) for a in range(0, n, per)], piece)
 
-    def _copy_cuda(self, groups: list[_Group], row_len: int, nbytes: int, n: int) -> CopyJob:
+    def _copy_cuda(
+        self,
+        src: NDArray[np.int64],
+        dst: NDArray[np.int64],
+        chk: _Checked,
+        row_len: int,
+        nbytes: int,
+        n: int,
+    ) -> CopyJob:
+        """Queue every batch on the copier's stream (the GPU starts on the first while the
+        next is planned), then one event."""
         torch = self._torch
         stream = self._stream
         keep: list[Any] = []
+        mover = self._row_mover
         try:
             with torch.cuda.device(self._device), torch.cuda.stream(stream):
-                for g in groups:
-                    keep.extend(self._queue_cuda(g, row_len))
+                if mover is not None:
+                    self._move(mover, src, dst, chk, row_len, stream)
+                else:
+                    for a, b in self._batches(n, self.batch_rows):
+                        for g in self._groups(src, dst, chk, a, b, row_len):
+                            keep.extend(self._queue_cuda(g, row_len))
                 ev = torch.cuda.Event()
                 ev.record(stream)
         except Exception as exc:
@@ -542,7 +508,31 @@ class RowCopier:
             raise TransferError(f"VRAM row copy into shared host pool failed: {exc}") from exc
         return CopyJob(nbytes, n, [ev], keep, label="VRAM")
 
-    def _queue_cuda(self, g: _Group, row_len: int) -> list[Any]:
+    def _move(
+        self,
+        mover: RowMover,
+        src: NDArray[np.int64],
+        dst: NDArray[np.int64],
+        chk: _Checked,
+        row_len: int,
+        stream: Any,
+    ) -> None:
+        """Every row through ``mover``, one launch per batch (at most what fits a table slot)."""
+        per = mover.max_rows(row_len)
+        per = min(per, self.batch_rows) if self.batch_rows else per
+        for a, b in self._batches(src.size, per):
+            mover.queue(src[a:b], self._device_dst(dst[a:b], chk.pos_d[a:b]), row_len, stream)
+
+    def _device_dst(self, dst: NDArray[np.int64], pos_d: NDArray[np.intp]) -> NDArray[np.int64]:
+        """Decode-side addresses as the copies reach the pools (a scratch array)."""
+        out = self._scratch.get("ddev", dst.size, np.int64)
+        if len(self._pools) == 1:
+            np.add(dst, self._pool_shift[0], out=out)
+        else:
+            np.add(dst, np.take(self._pool_shift, pos_d), out=out)
+        return out
+
+    def _queue_cuda(self, g: Group, row_len: int) -> list[Any]:
         """Queue one group's copies on the current (copier) stream; returns what must stay
         alive until they are done."""
         torch = self._torch
