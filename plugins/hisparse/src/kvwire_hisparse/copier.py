@@ -50,18 +50,15 @@ from numpy.typing import NDArray
 from kvwire.errors import ConfigError, DescriptorError, LayoutError, TransferError
 from kvwire.layout import MemKind, MemoryRegion
 from kvwire_hisparse.jobs import CopyJob
-from kvwire_hisparse.pointers import CudaPtr, HostPtr, device_pointer
+from kvwire_hisparse.pointers import device_pointer
 from kvwire_hisparse.row_mover import RowMover
 from kvwire_hisparse.rows import Group, Ranges, Scratch, Span, consecutive_runs, group_rows
 from kvwire_hisparse.shm import SharedHostPool
+from kvwire_hisparse.views import Views
 
 __all__ = ["CopyJob", "RowCopier", "VramPath"]
 
 logger = logging.getLogger(__name__)
-
-#: Element type used to move rows, by width in bytes (the widest that divides the row length
-#: and both base addresses is used).
-_TYPESTR = {8: "<i8", 4: "<i4", 2: "<i2", 1: "|u1"}
 
 
 #: Scattered DRAM rows go to the thread pool in pieces of at least this many bytes.
@@ -188,7 +185,7 @@ class RowCopier:
         self._pool_shift = np.array([p.addr for p in self._pools], dtype=np.int64)
         self._pool_shift -= self._pool_rstart
 
-        self._views: dict[tuple[Any, ...], tuple[Any, int]] = {}
+        self._views = Views(self._spans, self._pools)
         self._torch: Any = None
         self._device: int | None = None
         self._stream: Any = None
@@ -215,19 +212,21 @@ class RowCopier:
         if not torch.cuda.is_available():
             raise ConfigError("VRAM source regions but CUDA is not available to torch")
         self._torch, self._device = torch, device
+        self._views.set_cuda(torch, device, [])
         modes = set()
         for pool in self._pools:
             pool.pin(device)
             ptr, mode = device_pointer(pool.addr)
             modes.add(mode)
             self._pool_devptr.append(ptr)
-            view = self._cuda_alias(ptr, (pool.nbytes,), 1)
+            view = self._views.alias(ptr, (pool.nbytes,), 1)
             if int(view.data_ptr()) != ptr:
                 raise ConfigError(
                     f"a CUDA view of shared host pool {pool.path} landed at "
                     f"{int(view.data_ptr()):#x}, not at {ptr:#x}"
                 )
         self.dst_pointer_mode = ",".join(sorted(modes))
+        self._views.set_cuda(torch, device, self._pool_devptr)
         self._pool_shift = np.array(self._pool_devptr, dtype=np.int64) - self._pool_rstart
         with torch.cuda.device(device):
             self._stream = self._torch.cuda.Stream(device=device)
@@ -248,61 +247,6 @@ class RowCopier:
             self.dst_pointer_mode,
             self.vram_path,
         )
-
-    def _cuda_alias(self, ptr: int, shape: tuple[int, ...], width: int) -> Any:
-        torch = self._torch
-        dev = self._device
-        try:
-            t = torch.as_tensor(CudaPtr(ptr, shape, _TYPESTR[width]))
-        except Exception as exc:
-            raise ConfigError(f"cannot view address {ptr:#x} as CUDA memory: {exc}") from exc
-        if t.device != torch.device("cuda", dev):
-            raise ConfigError(
-                f"address {ptr:#x} belongs to {t.device}, not cuda:{dev} (a pool must be pinned "
-                "under the device of the source rows)"
-            )
-        return t
-
-    # ------------------------------------------------------------------ views
-    def _src_view(self, span_i: int, rs: int, row_len: int, width: int) -> tuple[Any, int]:
-        """(view of the span as rows shifted by ``rs``, row number of the view's first row)."""
-        key = ("s", span_i, rs, row_len, width)
-        with self._lock:
-            hit = self._views.get(key)
-            if hit is not None:
-                return hit
-            span = self._spans[span_i]
-            first = span.first_row(rs, row_len)
-            k0 = (first - span.base - rs) // row_len
-            nrows = (span.end - first) // row_len
-            shape = (nrows, row_len // width)
-            view: Any
-            if span.kind is MemKind.VRAM:
-                view = self._cuda_alias(first, shape, width)
-            else:
-                view = np.asarray(HostPtr(first, shape, _TYPESTR[width]))
-            self._views[key] = (view, k0)
-            return view, k0
-
-    def _dst_view(self, pool_i: int, rd: int, row_len: int, width: int, how: str) -> Any:
-        """The pool as rows shifted by ``rd``: ``how`` is "numpy", "cpu" (torch CPU tensor, for
-        device-to-host copies) or "cuda" (CUDA alias, for kernels)."""
-        key = ("d", pool_i, rd, row_len, width, how)
-        with self._lock:
-            hit = self._views.get(key)
-            if hit is not None:
-                return hit[0]
-            pool = self._pools[pool_i]
-            nrows = (pool.nbytes - rd) // row_len
-            shape = (nrows, row_len // width)
-            view: Any
-            if how == "cuda":
-                view = self._cuda_alias(self._pool_devptr[pool_i] + rd, shape, width)
-            else:
-                arr = pool.array()[rd : rd + nrows * row_len].view(_TYPESTR[width]).reshape(shape)
-                view = self._torch.from_numpy(arr) if how == "cpu" else arr
-            self._views[key] = (view, 0)
-            return view
 
     # ------------------------------------------------------------------ copies
     def start(
@@ -441,8 +385,8 @@ class RowCopier:
 
     def _copy_numpy(self, g: Group, row_len: int) -> None:
         w = self._width(g, row_len, self._pools[g.pool].addr)
-        src, k0 = self._src_view(g.span, g.rs, row_len, w)
-        dst = self._dst_view(g.pool, g.rd, row_len, w, "numpy")
+        src, k0 = self._views.src(g.span, g.rs, row_len, w)
+        dst = self._views.dst(g.pool, g.rd, row_len, w, "numpy")
         s, d = g.src_rows, g.dst_rows
         runs = self._runs(g, row_len)
         n = s.size if runs is None else runs.size - 1
@@ -537,11 +481,11 @@ class RowCopier:
         alive until they are done."""
         torch = self._torch
         w = self._width(g, row_len, self._pool_devptr[g.pool])
-        src, k0 = self._src_view(g.span, g.rs, row_len, w)
+        src, k0 = self._views.src(g.span, g.rs, row_len, w)
         s = g.src_rows
         runs = self._runs(g, row_len)
         if runs is not None:
-            dst = self._dst_view(g.pool, g.rd, row_len, w, "cpu")
+            dst = self._views.dst(g.pool, g.rd, row_len, w, "cpu")
             lo = runs[:-1]
             ln = np.diff(runs)
             for s0, d0, k in zip(
@@ -549,7 +493,7 @@ class RowCopier:
             ):
                 dst[d0 : d0 + k].copy_(src[s0 : s0 + k], non_blocking=True)
             return []
-        dst = self._dst_view(g.pool, g.rd, row_len, w, "cuda")
+        dst = self._views.dst(g.pool, g.rd, row_len, w, "cuda")
         m = s.size
         piece = max(1, self.max_piece_bytes // row_len)
         keep: list[Any] = []
@@ -582,8 +526,8 @@ class RowCopier:
                 self._stream.synchronize()
             except Exception as exc:
                 logger.warning("waiting for the copy stream at close failed: %s", exc)
+        self._views.clear()
         with self._lock:
-            self._views.clear()
             ex, self._executor = self._executor, None
         if ex is not None:
             ex.shutdown(wait=True)
