@@ -42,21 +42,29 @@ import threading
 from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any
 
 import numpy as np
 from numpy.typing import NDArray
 
 from kvwire.errors import ConfigError, DescriptorError, LayoutError, TransferError
 from kvwire.layout import MemKind, MemoryRegion
+from kvwire_hisparse.cuda_rows import CudaRows, VramPath
 from kvwire_hisparse.jobs import CopyJob
-from kvwire_hisparse.pointers import device_pointer
 from kvwire_hisparse.row_mover import RowMover
-from kvwire_hisparse.rows import Group, Ranges, Scratch, Span, consecutive_runs, group_rows
+from kvwire_hisparse.rows import (
+    Group,
+    Ranges,
+    Scratch,
+    Span,
+    consecutive_runs,
+    group_rows,
+    row_width,
+)
 from kvwire_hisparse.shm import SharedHostPool
 from kvwire_hisparse.views import Views
 
-__all__ = ["CopyJob", "RowCopier", "VramPath"]
+__all__ = ["CopyJob", "RowCopier", "RowTable", "VramPath"]
 
 logger = logging.getLogger(__name__)
 
@@ -65,10 +73,18 @@ logger = logging.getLogger(__name__)
 _DRAM_MIN_PIECE = 4 << 20
 _U64 = (1 << 64) - 1
 
-#: How VRAM rows that are not long runs move: ``mover`` (kvwire's fused run mover, one Triton
-#: launch per batch writing into the pinned pool), ``index`` (``index_select`` into a device
-#: buffer and ``index_copy_`` into the pool, per piece), ``auto`` (``mover`` when Triton imports).
-VramPath = Literal["auto", "mover", "index"]
+
+@dataclass(frozen=True)
+class RowTable:
+    """A link's row tables, validated once by :meth:`RowCopier.prepare` (at handshake) and
+    read-only after: source and decode-side destination addresses, the row length, each
+    source row's span (None: one span) and each destination row's pool (None: one pool)."""
+
+    src: NDArray[np.int64]
+    dst: NDArray[np.int64]
+    row_len: int
+    src_span: NDArray[np.int64] | None
+    dst_pool: NDArray[np.intp] | None
 
 
 @dataclass
@@ -133,7 +149,6 @@ class RowCopier:
             raise ConfigError(f"vram_path must be auto, mover or index, got {vram_path!r}")
         #: The VRAM path in use: "mover" or "index" ("" without VRAM regions).
         self.vram_path = ""
-        self._row_mover: RowMover | None = None
         self._dram_mover = dram_mover
         self._executor: ThreadPoolExecutor | None = None
         self._scratch = Scratch()
@@ -186,10 +201,7 @@ class RowCopier:
         self._pool_shift -= self._pool_rstart
 
         self._views = Views(self._spans, self._pools)
-        self._torch: Any = None
-        self._device: int | None = None
-        self._stream: Any = None
-        self._pool_devptr: list[int] = []
+        self._cuda: CudaRows | None = None
         #: How the GPU addresses the pinned pools: "uva" (cudaHostGetDevicePointer returned the
         #: host address), "device-pointer" (it returned another address, used instead),
         #: "uva-assumed" (runtime library not reachable; host address used) or "" (no VRAM).
@@ -201,52 +213,19 @@ class RowCopier:
                 "device per process"
             )
         if vdevs:
-            self._setup_cuda(vdevs[0], vram_path)
-
-    # ------------------------------------------------------------------ CUDA setup
-    def _setup_cuda(self, device: int, vram_path: VramPath) -> None:
-        try:
-            import torch
-        except ImportError as exc:
-            raise ConfigError("VRAM source regions need torch to copy into a host pool") from exc
-        if not torch.cuda.is_available():
-            raise ConfigError("VRAM source regions but CUDA is not available to torch")
-        self._torch, self._device = torch, device
-        self._views.set_cuda(torch, device, [])
-        modes = set()
-        for pool in self._pools:
-            pool.pin(device)
-            ptr, mode = device_pointer(pool.addr)
-            modes.add(mode)
-            self._pool_devptr.append(ptr)
-            view = self._views.alias(ptr, (pool.nbytes,), 1)
-            if int(view.data_ptr()) != ptr:
-                raise ConfigError(
-                    f"a CUDA view of shared host pool {pool.path} landed at "
-                    f"{int(view.data_ptr()):#x}, not at {ptr:#x}"
-                )
-        self.dst_pointer_mode = ",".join(sorted(modes))
-        self._views.set_cuda(torch, device, self._pool_devptr)
-        self._pool_shift = np.array(self._pool_devptr, dtype=np.int64) - self._pool_rstart
-        with torch.cuda.device(device):
-            self._stream = self._torch.cuda.Stream(device=device)
-        self.vram_path = "index"
-        if vram_path != "index":
-            try:
-                from kvwire.movers.triton_copy import RunCopier
-            except ImportError as exc:
-                if vram_path == "mover":
-                    raise ConfigError(f"vram_path='mover' needs Triton: {exc}") from exc
-                logger.info("row copier: no Triton (%s); VRAM rows use index kernels", exc)
-            else:
-                self._row_mover = RowMover(RunCopier(torch.device("cuda", device), slots=32))
-                self.vram_path = "mover"
-        logger.debug(
-            "row copier on cuda:%d, pools addressed by the GPU as %s, rows through %s",
-            device,
-            self.dst_pointer_mode,
-            self.vram_path,
-        )
+            self._cuda = CudaRows(
+                vdevs[0],
+                self._pools,
+                self._spans,
+                self._views,
+                vram_path,
+                dma_min_run_bytes=self.dma_min_run_bytes,
+                max_piece_bytes=self.max_piece_bytes,
+            )
+            self.dst_pointer_mode = self._cuda.dst_pointer_mode
+            self.vram_path = self._cuda.vram_path
+            self._pool_shift = np.array(self._cuda.pool_devptr, dtype=np.int64)
+            self._pool_shift -= self._pool_rstart
 
     # ------------------------------------------------------------------ copies
     def start(
@@ -280,7 +259,78 @@ class RowCopier:
         n = int(src.size)
         if n == 0:
             return CopyJob(0, 0, label="empty")
-        chk = self._check(src, dst, row_len)
+        return self._copy(src, dst, self._check(src, dst, row_len), row_len)
+
+    def prepare(
+        self, src_addr: NDArray[np.uint64], dst_addr: NDArray[np.uint64], row_len: int
+    ) -> RowTable:
+        """Staging strategy, at handshake: validate a link's whole source and destination row
+        tables once (each row inside one source region, resp. one pool; sources of any kinds),
+        so that :meth:`start_rows` only checks indices per chunk.
+        :class:`~kvwire.errors.DescriptorError` names the first bad row."""
+        src = np.array(src_addr, dtype=np.uint64).reshape(-1).view(np.int64)
+        dst = np.array(dst_addr, dtype=np.uint64).reshape(-1).view(np.int64)
+        row_len = int(row_len)
+        if row_len <= 0:
+            raise DescriptorError(f"row_len must be > 0, got {row_len}")
+        sc = Scratch()  # once per link: nothing worth keeping
+        span = pool = None
+        if src.size:
+            pos_s = self._locate_src(src, row_len, sc)
+            if len(self._spans) > 1:
+                span = self._region_span[pos_s]
+        if dst.size:
+            pos_d = self._locate_dst(dst, row_len, sc)
+            if len(self._pools) > 1:
+                pool = pos_d.copy()
+        return RowTable(src, dst, row_len, span, pool)
+
+    def start_rows(
+        self, table: RowTable, src_idx: NDArray[np.integer], dst_idx: NDArray[np.integer]
+    ) -> CopyJob:
+        """Transfer worker: like :meth:`start` for rows ``table.src[src_idx[i]]`` ->
+        ``table.dst[dst_idx[i]]`` of a table :meth:`prepare` validated: per call only the
+        indices are checked (bounds, one source memory kind), two reductions and two gathers
+        instead of locating every address."""
+        if self._closed:
+            raise TransferError("row copier is closed")
+        si = np.asarray(src_idx).reshape(-1)
+        di = np.asarray(dst_idx).reshape(-1)
+        if si.shape != di.shape:
+            raise DescriptorError(f"{si.size} source rows but {di.size} destination rows")
+        n = int(si.size)
+        if n == 0:
+            return CopyJob(0, 0, label="empty")
+        for what, idx, size in (
+            ("source", si, table.src.size),
+            ("destination", di, table.dst.size),
+        ):
+            if int(idx.min()) < 0 or int(idx.max()) >= size:
+                i = int(np.flatnonzero((idx < 0) | (idx >= size))[0])
+                raise DescriptorError(
+                    f"row {i}: {what} row {int(idx[i])} is not in the table of {size}"
+                )
+        sc = self._scratch
+        src = np.take(table.src, si, out=sc.get("tsrc", n, np.int64))
+        dst = np.take(table.dst, di, out=sc.get("tdst", n, np.int64))
+        pos_d = self._zero_rows(n) if table.dst_pool is None else np.take(table.dst_pool, di)
+        if table.src_span is None:
+            chk = _Checked(pos_d, None, MemKind(int(self._span_kind[0])))
+        else:
+            span = np.take(table.src_span, si)
+            chk = _Checked(pos_d, span, self._one_kind(span))
+        return self._copy(src, dst, chk, table.row_len)
+
+    def _zero_rows(self, n: int) -> NDArray[np.intp]:
+        """Pool (or span) 0 for ``n`` rows, without writing ``n`` zeros."""
+        out: NDArray[np.intp] = np.broadcast_to(np.intp(0), (n,))
+        return out
+
+    def _copy(
+        self, src: NDArray[np.int64], dst: NDArray[np.int64], chk: _Checked, row_len: int
+    ) -> CopyJob:
+        """Copy checked rows: DRAM now, VRAM queued."""
+        n = int(src.size)
         nbytes = n * row_len
         if chk.kind is MemKind.DRAM:
             try:
@@ -293,7 +343,7 @@ class RowCopier:
             except Exception as exc:
                 raise TransferError(f"DRAM row copy into shared host pool failed: {exc}") from exc
             return CopyJob(nbytes, n, label="DRAM")
-        return self._copy_cuda(src, dst, chk, row_len, nbytes, n)
+        return self._copy_cuda(src, dst, chk, row_len)
 
     @staticmethod
     def _batches(n: int, per: int) -> Iterator[tuple[int, int]]:
@@ -301,10 +351,8 @@ class RowCopier:
         for a in range(0, n, per):
             yield a, min(n, a + per)
 
-    def _check(self, src: NDArray[np.int64], dst: NDArray[np.int64], row_len: int) -> _Checked:
-        """Validate every row (vectorised): inside one source region and one pool, one source
-        memory kind. :class:`~kvwire.errors.DescriptorError` names the first bad row."""
-        sc = self._scratch
+    def _locate_src(self, src: NDArray[np.int64], row_len: int, sc: Scratch) -> NDArray[np.intp]:
+        """Each row's source region; DescriptorError names the first row outside them."""
         pos_s, ok = self._src_ranges.locate(src, row_len, sc, "s")
         if not ok.all():
             bad = np.flatnonzero(~ok)
@@ -313,6 +361,10 @@ class RowCopier:
                 f"row {i}: source {int(src[i]) & _U64:#x} (+{row_len} B) is not inside one "
                 f"source region ({bad.size} such rows)"
             )
+        return pos_s
+
+    def _locate_dst(self, dst: NDArray[np.int64], row_len: int, sc: Scratch) -> NDArray[np.intp]:
+        """Each row's pool; DescriptorError names the first row outside them."""
         pos_d, ok = self._dst_ranges.locate(dst, row_len, sc, "d")
         if not ok.all():
             bad = np.flatnonzero(~ok)
@@ -321,9 +373,10 @@ class RowCopier:
                 f"row {i}: destination {int(dst[i]) & _U64:#x} (+{row_len} B) is not inside "
                 f"one shared host pool ({bad.size} such rows)"
             )
-        if len(self._spans) == 1:
-            return _Checked(pos_d, None, MemKind(int(self._span_kind[0])))
-        span = self._region_span[pos_s]
+        return pos_d
+
+    def _one_kind(self, span: NDArray[np.int64]) -> MemKind:
+        """The source memory kind of rows of these spans; DescriptorError if they differ."""
         row_kind = self._span_kind[span]
         row_kind0 = int(row_kind[0])
         bad = np.flatnonzero(row_kind != row_kind0)
@@ -333,7 +386,18 @@ class RowCopier:
                 f"row {i}: source memory kind {MemKind(int(row_kind[i])).name} differs "
                 f"from row 0's {MemKind(row_kind0).name}; split rows by kind"
             )
-        return _Checked(pos_d, span, MemKind(row_kind0))
+        return MemKind(row_kind0)
+
+    def _check(self, src: NDArray[np.int64], dst: NDArray[np.int64], row_len: int) -> _Checked:
+        """Validate every row of a :meth:`start` call (vectorised): inside one source region
+        and one pool, one source memory kind."""
+        sc = self._scratch
+        pos_s = self._locate_src(src, row_len, sc)
+        pos_d = self._locate_dst(dst, row_len, sc)
+        if len(self._spans) == 1:
+            return _Checked(pos_d, None, MemKind(int(self._span_kind[0])))
+        span = self._region_span[pos_s]
+        return _Checked(pos_d, span, self._one_kind(span))
 
     def _groups(
         self,
@@ -357,14 +421,6 @@ class RowCopier:
             sc=self._scratch,
         )
 
-    def _width(self, g: Group, row_len: int, dst_base: int) -> int:
-        a = self._spans[g.span].base + g.rs
-        b = dst_base + g.rd
-        for w in (8, 4, 2):
-            if row_len % w == 0 and a % w == 0 and b % w == 0:
-                return w
-        return 1
-
     def _runs(self, g: Group, row_len: int) -> NDArray[np.intp] | None:
         return consecutive_runs(g, row_len, self.dma_min_run_bytes, self._scratch)
 
@@ -384,7 +440,7 @@ class RowCopier:
             f.result()
 
     def _copy_numpy(self, g: Group, row_len: int) -> None:
-        w = self._width(g, row_len, self._pools[g.pool].addr)
+        w = row_width(row_len, self._spans[g.span].base + g.rs, self._pools[g.pool].addr + g.rd)
         src, k0 = self._views.src(g.span, g.rs, row_len, w)
         dst = self._views.dst(g.pool, g.rd, row_len, w, "numpy")
         s, d = g.src_rows, g.dst_rows
@@ -420,37 +476,25 @@ class RowCopier:
         self._run_tasks([(a, min(n, a + per)) for a in range(0, n, per)], piece)
 
     def _copy_cuda(
-        self,
-        src: NDArray[np.int64],
-        dst: NDArray[np.int64],
-        chk: _Checked,
-        row_len: int,
-        nbytes: int,
-        n: int,
+        self, src: NDArray[np.int64], dst: NDArray[np.int64], chk: _Checked, row_len: int
     ) -> CopyJob:
         """Queue every batch on the copier's stream (the GPU starts on the first while the
         next is planned), then one event."""
-        torch = self._torch
-        stream = self._stream
-        keep: list[Any] = []
-        mover = self._row_mover
-        try:
-            with torch.cuda.device(self._device), torch.cuda.stream(stream):
-                if mover is not None:
-                    self._move(mover, src, dst, chk, row_len, stream)
-                else:
-                    for a, b in self._batches(n, self.batch_rows):
-                        for g in self._groups(src, dst, chk, a, b, row_len):
-                            keep.extend(self._queue_cuda(g, row_len))
-                ev = torch.cuda.Event()
-                ev.record(stream)
-        except Exception as exc:
-            try:  # never leave queued writes running behind an error
-                stream.synchronize()
-            except Exception as exc2:
-                logger.warning("waiting for the copy stream after an error failed: %s", exc2)
-            raise TransferError(f"VRAM row copy into shared host pool failed: {exc}") from exc
-        return CopyJob(nbytes, n, [ev], keep, label="VRAM")
+        cuda = self._cuda
+        assert cuda is not None  # VRAM rows exist only when it was set up
+
+        def work() -> list[Any]:
+            mover = cuda.row_mover
+            if mover is not None:
+                self._move(mover, src, dst, chk, row_len, cuda.stream)
+                return []
+            keep: list[Any] = []
+            for a, b in self._batches(src.size, self.batch_rows):
+                for g in self._groups(src, dst, chk, a, b, row_len):
+                    keep.extend(cuda.queue_group(g, row_len, self._scratch))
+            return keep
+
+        return cuda.run(work, src.size * row_len, int(src.size))
 
     def _move(
         self,
@@ -476,44 +520,6 @@ class RowCopier:
             np.add(dst, np.take(self._pool_shift, pos_d), out=out)
         return out
 
-    def _queue_cuda(self, g: Group, row_len: int) -> list[Any]:
-        """Queue one group's copies on the current (copier) stream; returns what must stay
-        alive until they are done."""
-        torch = self._torch
-        w = self._width(g, row_len, self._pool_devptr[g.pool])
-        src, k0 = self._views.src(g.span, g.rs, row_len, w)
-        s = g.src_rows
-        runs = self._runs(g, row_len)
-        if runs is not None:
-            dst = self._views.dst(g.pool, g.rd, row_len, w, "cpu")
-            lo = runs[:-1]
-            ln = np.diff(runs)
-            for s0, d0, k in zip(
-                (s[lo] - k0).tolist(), g.dst_rows[lo].tolist(), ln.tolist(), strict=True
-            ):
-                dst[d0 : d0 + k].copy_(src[s0 : s0 + k], non_blocking=True)
-            return []
-        dst = self._views.dst(g.pool, g.rd, row_len, w, "cuda")
-        m = s.size
-        piece = max(1, self.max_piece_bytes // row_len)
-        keep: list[Any] = []
-        for a in range(0, m, piece):
-            b = min(m, a + piece)
-            # Indices go up from torch's pinned host cache (an upload from pageable memory
-            # would wait for the copies already queued on the stream), a piece at a time so
-            # that the GPU starts while later pieces are prepared.
-            buf = torch.empty(2 * (b - a), dtype=torch.int64, pin_memory=True)
-            host = buf.numpy()
-            np.subtract(s[a:b], k0, out=host[: b - a])
-            host[b - a :] = g.dst_rows[a:b]
-            idx = buf.to(device=src.device, non_blocking=True)
-            # The gather buffer comes from (and returns to) the caching allocator on this
-            # stream, so later work can reuse it only after these kernels in stream order.
-            tmp = torch.index_select(src, 0, idx[: b - a])
-            dst.index_copy_(0, idx[b - a :], tmp)
-            keep.append(idx)
-        return keep
-
     # ------------------------------------------------------------------ lifetime
     def close(self) -> None:
         """Wait for queued copies, drop the views (so the pools can be unmapped) and the
@@ -521,14 +527,10 @@ class RowCopier:
         if self._closed:
             return
         self._closed = True
-        if self._stream is not None:
-            try:
-                self._stream.synchronize()
-            except Exception as exc:
-                logger.warning("waiting for the copy stream at close failed: %s", exc)
+        if self._cuda is not None:
+            self._cuda.close()
         self._views.clear()
         with self._lock:
             ex, self._executor = self._executor, None
         if ex is not None:
             ex.shutdown(wait=True)
-        self._stream = None

@@ -16,7 +16,16 @@ from numpy.typing import NDArray
 from kvwire.errors import ConfigError
 from kvwire.layout import MemKind
 
-__all__ = ["I64_MAX", "Group", "Ranges", "Scratch", "Span", "consecutive_runs", "group_rows"]
+__all__ = [
+    "I64_MAX",
+    "Group",
+    "Ranges",
+    "Scratch",
+    "Span",
+    "consecutive_runs",
+    "group_rows",
+    "row_width",
+]
 
 I64_MAX = np.iinfo(np.int64).max
 
@@ -237,3 +246,11 @@ def consecutive_runs(
     if n * row_len < (int(np.count_nonzero(brk)) + 1) * min_run_bytes:
         return None
     return np.concatenate(([0], np.flatnonzero(brk) + 1, [n])).astype(np.intp)
+
+
+def row_width(row_len: int, src_base: int, dst_base: int) -> int:
+    """The widest element (8, 4, 2 or 1 bytes) dividing the row length and both bases."""
+    for w in (8, 4, 2):
+        if row_len % w == 0 and src_base % w == 0 and dst_base % w == 0:
+            return w
+    return 1
