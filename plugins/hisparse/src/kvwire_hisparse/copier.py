@@ -89,13 +89,42 @@ class RowTable:
 
 @dataclass
 class _Checked:
-    """Rows of one :meth:`RowCopier.start` call after validation: each row's pool, each row's
-    span (None: one span) and the memory kind of every row. Scratch-backed (see
+    """Validated rows of one call, read batch by batch (:meth:`rows`): the memory kind of
+    every row, and either addresses with each row's pool and span (``start``: ``span`` None
+    for one span) or table indices into a prepared :class:`RowTable` (``start_rows``:
+    ``table``, ``si``, ``di``; the addresses are gathered per batch, so the GPU starts
+    after the first batch's gather, not after all of them). Scratch-backed (see
     :class:`~kvwire_hisparse.rows.Scratch`)."""
 
-    pos_d: NDArray[np.intp]
-    span: NDArray[np.int64] | None
     kind: MemKind
+    size: int
+    src: NDArray[np.int64] | None = None
+    dst: NDArray[np.int64] | None = None
+    pos_d: NDArray[np.intp] | None = None
+    span: NDArray[np.int64] | None = None
+    table: RowTable | None = None
+    si: NDArray[np.integer] | None = None
+    di: NDArray[np.integer] | None = None
+
+    def rows(
+        self, a: int, b: int, sc: Scratch
+    ) -> tuple[NDArray[np.int64], NDArray[np.int64], NDArray[np.intp], NDArray[np.int64] | None]:
+        """(source addresses, destination addresses, pools, spans or None) of rows [a, b)."""
+        if self.table is None:
+            assert self.src is not None and self.dst is not None and self.pos_d is not None
+            span = None if self.span is None else self.span[a:b]
+            return self.src[a:b], self.dst[a:b], self.pos_d[a:b], span
+        assert self.si is not None and self.di is not None
+        t, si, di = self.table, self.si[a:b], self.di[a:b]
+        src = np.take(t.src, si, out=sc.get("tsrc", b - a, np.int64))
+        dst = np.take(t.dst, di, out=sc.get("tdst", b - a, np.int64))
+        pos_d: NDArray[np.intp]
+        if t.dst_pool is None:
+            pos_d = np.broadcast_to(np.intp(0), (b - a,))
+        else:
+            pos_d = np.take(t.dst_pool, di)
+        span = None if t.src_span is None else np.take(t.src_span, si)
+        return src, dst, pos_d, span
 
 
 class RowCopier:
@@ -259,7 +288,7 @@ class RowCopier:
         n = int(src.size)
         if n == 0:
             return CopyJob(0, 0, label="empty")
-        return self._copy(src, dst, self._check(src, dst, row_len), row_len)
+        return self._copy(self._check(src, dst, row_len), row_len)
 
     def prepare(
         self, src_addr: NDArray[np.uint64], dst_addr: NDArray[np.uint64], row_len: int
@@ -289,15 +318,17 @@ class RowCopier:
         self, table: RowTable, src_idx: NDArray[np.integer], dst_idx: NDArray[np.integer]
     ) -> CopyJob:
         """Transfer worker: like :meth:`start` for rows ``table.src[src_idx[i]]`` ->
-        ``table.dst[dst_idx[i]]`` of a table :meth:`prepare` validated: per call only the
-        indices are checked (bounds, one source memory kind), two reductions and two gathers
-        instead of locating every address."""
+        ``table.dst[dst_idx[i]]`` of a table :meth:`prepare` validated. Per call only the
+        indices are checked (integers in bounds, one source memory kind: a few reductions, a
+        refused call writes nothing); the addresses are gathered batch by batch."""
         if self._closed:
             raise TransferError("row copier is closed")
         si = np.asarray(src_idx).reshape(-1)
         di = np.asarray(dst_idx).reshape(-1)
         if si.shape != di.shape:
             raise DescriptorError(f"{si.size} source rows but {di.size} destination rows")
+        if not (np.issubdtype(si.dtype, np.integer) and np.issubdtype(di.dtype, np.integer)):
+            raise DescriptorError(f"row indices must be integers, got {si.dtype}, {di.dtype}")
         n = int(si.size)
         if n == 0:
             return CopyJob(0, 0, label="empty")
@@ -310,40 +341,28 @@ class RowCopier:
                 raise DescriptorError(
                     f"row {i}: {what} row {int(idx[i])} is not in the table of {size}"
                 )
-        sc = self._scratch
-        src = np.take(table.src, si, out=sc.get("tsrc", n, np.int64))
-        dst = np.take(table.dst, di, out=sc.get("tdst", n, np.int64))
-        pos_d = self._zero_rows(n) if table.dst_pool is None else np.take(table.dst_pool, di)
-        if table.src_span is None:
-            chk = _Checked(pos_d, None, MemKind(int(self._span_kind[0])))
-        else:
-            span = np.take(table.src_span, si)
-            chk = _Checked(pos_d, span, self._one_kind(span))
-        return self._copy(src, dst, chk, table.row_len)
+        kind = MemKind(int(self._span_kind[0]))
+        if table.src_span is not None:
+            kind = self._one_kind(np.take(table.src_span, si))
+        chk = _Checked(kind, n, table=table, si=si, di=di)
+        return self._copy(chk, table.row_len)
 
-    def _zero_rows(self, n: int) -> NDArray[np.intp]:
-        """Pool (or span) 0 for ``n`` rows, without writing ``n`` zeros."""
-        out: NDArray[np.intp] = np.broadcast_to(np.intp(0), (n,))
-        return out
-
-    def _copy(
-        self, src: NDArray[np.int64], dst: NDArray[np.int64], chk: _Checked, row_len: int
-    ) -> CopyJob:
+    def _copy(self, chk: _Checked, row_len: int) -> CopyJob:
         """Copy checked rows: DRAM now, VRAM queued."""
-        n = int(src.size)
+        n = chk.size
         nbytes = n * row_len
         if chk.kind is MemKind.DRAM:
             try:
                 if self._dram_mover is not None:
-                    self._move(self._dram_mover, src, dst, chk, row_len, None)
+                    self._move(self._dram_mover, chk, row_len, None)
                     return CopyJob(nbytes, n, label="DRAM")
                 for a, b in self._batches(n, self.batch_rows):
-                    for g in self._groups(src, dst, chk, a, b, row_len):
+                    for g in self._groups(chk, a, b, row_len):
                         self._copy_numpy(g, row_len)
             except Exception as exc:
                 raise TransferError(f"DRAM row copy into shared host pool failed: {exc}") from exc
             return CopyJob(nbytes, n, label="DRAM")
-        return self._copy_cuda(src, dst, chk, row_len)
+        return self._copy_cuda(chk, row_len)
 
     @staticmethod
     def _batches(n: int, per: int) -> Iterator[tuple[int, int]]:
@@ -394,26 +413,19 @@ class RowCopier:
         sc = self._scratch
         pos_s = self._locate_src(src, row_len, sc)
         pos_d = self._locate_dst(dst, row_len, sc)
+        n = int(src.size)
         if len(self._spans) == 1:
-            return _Checked(pos_d, None, MemKind(int(self._span_kind[0])))
+            return _Checked(MemKind(int(self._span_kind[0])), n, src, dst, pos_d)
         span = self._region_span[pos_s]
-        return _Checked(pos_d, span, self._one_kind(span))
+        return _Checked(self._one_kind(span), n, src, dst, pos_d, span)
 
-    def _groups(
-        self,
-        src: NDArray[np.int64],
-        dst: NDArray[np.int64],
-        chk: _Checked,
-        a: int,
-        b: int,
-        row_len: int,
-    ) -> list[Group]:
+    def _groups(self, chk: _Checked, a: int, b: int, row_len: int) -> list[Group]:
         """Rows ``[a, b)`` of a checked call as groups (see ``rows.group_rows``)."""
-        span = None if chk.span is None else chk.span[a:b]
+        src, dst, pos_d, span = chk.rows(a, b, self._scratch)
         return group_rows(
-            src[a:b],
-            dst[a:b],
-            chk.pos_d[a:b],
+            src,
+            dst,
+            pos_d,
             span,
             row_len,
             src_base=self._span_base[:1] if span is None else np.take(self._span_base, span),
@@ -475,9 +487,7 @@ class RowCopier:
 
         self._run_tasks([(a, min(n, a + per)) for a in range(0, n, per)], piece)
 
-    def _copy_cuda(
-        self, src: NDArray[np.int64], dst: NDArray[np.int64], chk: _Checked, row_len: int
-    ) -> CopyJob:
+    def _copy_cuda(self, chk: _Checked, row_len: int) -> CopyJob:
         """Queue every batch on the copier's stream (the GPU starts on the first while the
         next is planned), then one event."""
         cuda = self._cuda
@@ -486,30 +496,23 @@ class RowCopier:
         def work() -> list[Any]:
             mover = cuda.row_mover
             if mover is not None:
-                self._move(mover, src, dst, chk, row_len, cuda.stream)
+                self._move(mover, chk, row_len, cuda.stream)
                 return []
             keep: list[Any] = []
-            for a, b in self._batches(src.size, self.batch_rows):
-                for g in self._groups(src, dst, chk, a, b, row_len):
+            for a, b in self._batches(chk.size, self.batch_rows):
+                for g in self._groups(chk, a, b, row_len):
                     keep.extend(cuda.queue_group(g, row_len, self._scratch))
             return keep
 
-        return cuda.run(work, src.size * row_len, int(src.size))
+        return cuda.run(work, chk.size * row_len, chk.size)
 
-    def _move(
-        self,
-        mover: RowMover,
-        src: NDArray[np.int64],
-        dst: NDArray[np.int64],
-        chk: _Checked,
-        row_len: int,
-        stream: Any,
-    ) -> None:
+    def _move(self, mover: RowMover, chk: _Checked, row_len: int, stream: Any) -> None:
         """Every row through ``mover``, one launch per batch (at most what fits a table slot)."""
         per = mover.max_rows(row_len)
         per = min(per, self.batch_rows) if self.batch_rows else per
-        for a, b in self._batches(src.size, per):
-            mover.queue(src[a:b], self._device_dst(dst[a:b], chk.pos_d[a:b]), row_len, stream)
+        for a, b in self._batches(chk.size, per):
+            src, dst, pos_d, _ = chk.rows(a, b, self._scratch)
+            mover.queue(src, self._device_dst(dst, pos_d), row_len, stream)
 
     def _device_dst(self, dst: NDArray[np.int64], pos_d: NDArray[np.intp]) -> NDArray[np.int64]:
         """Decode-side addresses as the copies reach the pools (a scratch array)."""
