@@ -33,6 +33,9 @@ by side (GB/s, x local copy, new/old); full results go to ``$OUT/gpu_hisparse_be
 ``$OUT`` is set (or ``--out``).
 
 ``--quick``: CPU smoke mode (DRAM source only, small sizes), for machines without a GPU.
+``--cpu-plan``: only the CPU side of a VRAM copy of case b (131,072 rows of 2 KiB by default),
+GPU calls left out (the mover's table is written into a slot-sized array, no launch): time to
+the first queued copy and to the last, old against new; runs anywhere.
 """
 
 from __future__ import annotations
@@ -408,9 +411,107 @@ def print_ab(results: list[dict[str, Any]], paths: list[str], ref: Any) -> None:
         print(line)
 
 
+class _TableOnly:
+    """Stands in for ``RunCopier`` in ``--cpu-plan``: writes each launch's table into a
+    slot-sized array as ``RunCopier.launch`` does, launches nothing, notes the first call."""
+
+    _slot_tiles = 16384
+
+    def __init__(self) -> None:
+        self.slot = np.empty((3, self._slot_tiles), dtype=np.int64)
+        self.first: float | None = None
+
+    def launch(self, plan: Any, stream: Any = None) -> None:
+        n = plan.num_tiles
+        t = np.stack([plan.src, plan.dst, plan.elems], out=self.slot[:, :n])
+        if plan.width >= 8:
+            t[2] *= plan.width // 4
+        if self.first is None:
+            self.first = time.perf_counter()
+
+
+def cpu_plan(cfg: dict[str, Any], repeat: int) -> int:
+    """``--cpu-plan``: the copier's CPU work for case b, old against new (module doc)."""
+    from kvwire_hisparse.copier import RowCopier
+    from kvwire_hisparse.row_mover import RowMover
+    from kvwire_hisparse.shm import MEMFD, SharedHostPool
+
+    from kvwire.layout import MemoryRegion
+
+    nbuf, row = 2 * cfg["layers"], cfg["row"]
+    buf_bytes = cfg["slots"] * row
+    bufs = [np.zeros(buf_bytes, dtype=np.uint8) for _ in range(nbuf)]
+    regions = [MemoryRegion.from_tensor(a, row) for a in bufs]
+    pool = SharedHostPool.create(cfg["pool_bytes"], pin=False, directory=MEMFD)
+    remote = 1 << 40
+    dst_buf = cfg["pool_bytes"] // nbuf
+    src_bases = [r.addr for r in regions]
+    dst_bases = [remote + i * dst_buf for i in range(nbuf)]
+    s_rows, d_rows = case_rows(cfg, row, "scatter", seed=zlib.crc32(b"b"))
+    src = addresses(src_bases, buf_bytes, s_rows, row).view(np.int64)
+    dst = addresses(dst_bases, dst_buf, d_rows, row).view(np.int64)
+    si = table_index(cfg, s_rows, buf_bytes // row)
+    di = table_index(cfg, d_rows, dst_buf // row)
+    n = int(src.size)
+    fake = _TableOnly()
+    old = RowCopier(regions, [(remote, pool)], batch_rows=0)
+    new = RowCopier(regions, [(remote, pool)], dram_mover=RowMover(fake))
+    t0 = time.perf_counter()
+    table = new.prepare(
+        addresses(src_bases, buf_bytes, np.arange(buf_bytes // row), row),
+        addresses(dst_bases, dst_buf, np.arange(dst_buf // row), row),
+        row,
+    )
+    prep_ms = 1e3 * (time.perf_counter() - t0)
+
+    def run_old() -> tuple[float, float]:
+        # start() with vram_path="index", one batch: validate every address, group, find
+        # runs, fill the index upload buffer (the CPU part of _queue_cuda); no GPU calls
+        t0 = time.perf_counter()
+        chk = old._check(src, dst, row)
+        first = None
+        for a, b in old._batches(n, 0):
+            for g in old._groups(chk, a, b, row):
+                old._runs(g, row)
+                host = np.empty(2 * g.src_rows.size, dtype=np.int64)
+                np.subtract(g.src_rows, 0, out=host[: g.src_rows.size])
+                host[g.src_rows.size :] = g.dst_rows
+                first = first or time.perf_counter()
+        return (first or t0) - t0, time.perf_counter() - t0
+
+    def run_new(rows: bool) -> tuple[float, float]:
+        fake.first = None
+        t0 = time.perf_counter()
+        if rows:
+            new.start_rows(table, si, di)
+        else:
+            new.start(src, dst, row)
+        return (fake.first or t0) - t0, time.perf_counter() - t0
+
+    cases = [
+        ("old: start(), index path, one batch", run_old),
+        ("new: start(), mover, batches", lambda: run_new(False)),
+        ("new: start_rows(), mover, batches", lambda: run_new(True)),
+    ]
+    print(f"{n} rows x {row} B; prepare() of the link's tables (once): {prep_ms:.1f} ms")
+    print(f"{'copier':<38} {'first queued ms':>15} {'all queued ms':>14} {'ns/row':>7}")
+    for name, fn in cases:
+        for _ in range(3):
+            fn()
+        ts = [fn() for _ in range(repeat)]
+        first = 1e3 * min(t[0] for t in ts)
+        total = 1e3 * min(t[1] for t in ts)
+        print(f"{name:<38} {first:>15.2f} {total:>14.2f} {1e6 * total / n:>7.1f}")
+    old.close()
+    new.close()
+    pool.close()
+    return 0
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="CPU smoke mode: DRAM source, tiny")
+    ap.add_argument("--cpu-plan", action="store_true", help="only the CPU side (module doc)")
     ap.add_argument("--mib", type=int, default=256, help="bytes per case (MiB)")
     ap.add_argument("--pool-mib", type=int, default=1024, help="decode host pool (MiB)")
     ap.add_argument("--layers", type=int, default=64)
@@ -442,6 +543,8 @@ def main() -> int:
         "repeat": args.repeat,
         "paths": paths,
     }
+    if args.cpu_plan:
+        return cpu_plan(cfg, max(args.repeat, 21))
     from kvwire_hisparse.shm import SharedHostPool
 
     torch = None if args.quick else _torch_cuda()

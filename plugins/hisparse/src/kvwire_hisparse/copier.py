@@ -2,35 +2,42 @@
 
 Prefill's ``hisparse`` staging strategy builds one :class:`RowCopier` per linked decode rank, at
 handshake (control thread), from this process's registered KV regions and the decode pools it
-attached (:class:`~kvwire_hisparse.shm.SharedHostPool`); transfer workers call
-:meth:`RowCopier.start` per chunk and source memory kind and poll the returned
-:class:`CopyJob`; the strategy calls :meth:`RowCopier.close` before closing the pools.
+attached (:class:`~kvwire_hisparse.shm.SharedHostPool`), and has it validate the link's row
+tables once (:meth:`RowCopier.prepare`); transfer workers call :meth:`RowCopier.start_rows`
+(table indices) per chunk and source memory kind and poll the returned :class:`CopyJob`;
+:meth:`RowCopier.start` takes raw addresses instead; the strategy calls
+:meth:`RowCopier.close` before closing the pools.
 
 How rows move:
 
-- Source memory is reached from raw addresses, never from engine tensors. All regions of one
-  memory kind and device form a *span* ``[lowest start, highest end)``; a row is addressed as a
-  row number in a view of the span (rows are checked to lie inside one region first, so the
-  gaps between regions are never touched). Destination rows likewise are row numbers in a view
-  of the pool. Rows whose offsets are not multiples of ``row_len`` are grouped by their
-  residue, each residue getting its own shifted view, so no alignment is required.
-- Validation and planning are vectorised over all rows before anything is written (a refused
-  call writes nothing): a bucket table finds each row's region (:class:`Ranges`), and the
-  per-row work arrays are reused per thread (:class:`Scratch`), ~20 ns a row on an H200 host.
-- DRAM rows: NumPy, synchronously in :meth:`RowCopier.start`, on a small thread pool (NumPy
-  releases the GIL while copying): slice copies for long runs of consecutive rows, gather and
-  scatter (fancy indexing) otherwise.
-- VRAM rows: on a dedicated CUDA stream, long runs of consecutive rows as plain device-to-host
-  copies into the pinned pool (copy engine), scattered rows as ``index_select`` into a device
-  buffer and ``index_copy_`` into a CUDA tensor that aliases the pinned pool: under unified
-  virtual addressing, memory registered with ``cudaHostRegister`` is addressable from the GPU
-  at its host address (checked at construction, with ``cudaHostGetDevicePointer`` when the
-  CUDA runtime library is reachable; see :attr:`RowCopier.dst_pointer_mode`; on an H200 with
-  CUDA 13 torch it returns the host address). Both reach ~55 GB/s on the GPU side, like a
-  local pinned device-to-host copy (scripts/gpu_hisparse_bench.py).
+- Every row of a call is validated before anything is written (a refused call writes
+  nothing): by address (:meth:`~RowCopier.start`: a bucket table finds each row's region,
+  :class:`~kvwire_hisparse.rows.Ranges`, ~7 ns a row) or by index into a prepared table
+  (:meth:`~RowCopier.start_rows`: bounds only). Then the rows are planned and copied in
+  batches (``batch_rows``), so for VRAM rows the GPU starts on the first batch while the CPU
+  plans the next. Per-row work arrays are reused per thread
+  (:class:`~kvwire_hisparse.rows.Scratch`).
+- Source memory is reached from raw addresses, never from engine tensors. For the NumPy and
+  ``index`` paths all regions of one memory kind and device form a *span* ``[lowest start,
+  highest end)`` and a row is a row number in a view of the span (:mod:`kvwire_hisparse.views`;
+  rows were checked to lie inside one region, so the gaps between regions are never touched);
+  destination rows likewise in a view of the pool; rows off the ``row_len`` grid are grouped
+  by residue, each with its own shifted view, so no alignment is required.
+- DRAM rows: NumPy, synchronously, on a small thread pool (NumPy releases the GIL while
+  copying): slice copies for long runs of consecutive rows, gather and scatter otherwise.
+- VRAM rows (:mod:`kvwire_hisparse.cuda_rows`), on a dedicated CUDA stream into the pinned
+  pool, which the GPU addresses directly: under unified virtual addressing, memory registered
+  with ``cudaHostRegister`` is addressable from the GPU at its host address (checked at
+  construction with ``cudaHostGetDevicePointer`` when the CUDA runtime library is reachable;
+  see :attr:`RowCopier.dst_pointer_mode`). ``vram_path="mover"`` (the default when Triton
+  imports): each batch is ONE launch of kvwire's fused run mover
+  (:class:`~kvwire_hisparse.row_mover.RowMover`), a tile per row, its table in a pinned slot,
+  source and destination as raw addresses. ``"index"`` (the earlier path, kept for A/B): long
+  runs of consecutive rows as device-to-host copies (copy engine), other rows as
+  ``index_select`` into a device buffer and ``index_copy_`` into a CUDA alias of the pool.
 
-The source rows must be final when :meth:`RowCopier.start` is called (the engine finished
-writing them, as for any backend): the copier's stream does not wait for the engine's streams.
+The source rows must be final when a copy starts (the engine finished writing them, as for
+any backend): the copier's stream does not wait for the engine's streams.
 """
 
 from __future__ import annotations
