@@ -221,8 +221,6 @@ class RowCopier:
         )
         self._span_base = np.array([s.base for s in spans], dtype=np.int64)
         self._span_kind = np.array([int(s.kind) for s in spans], dtype=np.int64)
-        #: per region: the base of its span (rows are numbered from there)
-        self._region_base = self._span_base[self._region_span]
 
         pools = sorted(((int(b), p) for b, p in dst_pools), key=lambda bp: bp[0])
         for (ba, pa), (bb, _) in itertools.pairwise(pools):
