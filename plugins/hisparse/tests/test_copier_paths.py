@@ -168,15 +168,26 @@ _MOVER_CHECK = textwrap.dedent(
     srcs = [rng.integers(0, 256, 1 << 18, dtype=np.uint8) for _ in range(3)]
     regions = [MemoryRegion.from_pointer(int(a.ctypes.data), a.nbytes, 1) for a in srcs]
     mover = RowMover(RunCopier("cpu"))
-    # (row length, skew, rows): widths 16, 8, 1, and rows longer than a 64 KiB tile
-    for row_len, skew, n in ((256, 0, 40), (256, 40, 40), (72, 3, 40), ((64 << 10) + 64, 0, 3)):
+    # (row length, skew, rows, contiguous): widths 16, 8, 1, rows longer than a 64 KiB tile,
+    # and runs of consecutive rows (batches of 16 rows: whole runs go to the runs path, the
+    # batches that straddle two runs through the mover)
+    cases = ((256, 0, 40, False), (256, 40, 40, False), (72, 3, 40, False),
+             ((64 << 10) + 64, 0, 3, False), (256, 0, 72, True))
+    for row_len, skew, n, contiguous in cases:
         per_reg = (srcs[0].size - skew) // row_len
-        reg = rng.integers(0, 3, n)
-        s_off = rng.integers(0, per_reg, n) * row_len + skew
-        slots = [(p, k) for p, s in enumerate(sizes) for k in range((s - skew) // row_len)]
-        pick = rng.choice(len(slots), n, replace=False)
-        pool_i = np.array([slots[i][0] for i in pick])
-        d_off = np.array([slots[i][1] for i in pick]) * row_len + skew
+        if contiguous:  # runs of 24 consecutive rows, each in one region and one pool
+            k = np.arange(n) % 24
+            run = np.arange(n) // 24
+            reg, pool_i = run % 3, run % 2
+            s_off = (k + 100 * run) * row_len + skew
+            d_off = (k + 30 * run) * row_len + skew
+        else:
+            reg = rng.integers(0, 3, n)
+            s_off = rng.integers(0, per_reg, n) * row_len + skew
+            slots = [(p, k) for p, s in enumerate(sizes) for k in range((s - skew) // row_len)]
+            pick = rng.choice(len(slots), n, replace=False)
+            pool_i = np.array([slots[i][0] for i in pick])
+            d_off = np.array([slots[i][1] for i in pick]) * row_len + skew
         src = np.array([srcs[r].ctypes.data for r in reg], dtype=np.uint64)
         src += s_off.astype(np.uint64)
         dst = np.array(bases, dtype=np.uint64)[pool_i] + d_off.astype(np.uint64)
@@ -184,6 +195,7 @@ _MOVER_CHECK = textwrap.dedent(
         for how in ("numpy", "mover", "mover-prepared"):
             pools = [SharedHostPool.create(s, pin=False, directory=MEMFD) for s in sizes]
             kw = {} if how == "numpy" else {"dram_mover": mover, "batch_rows": 16}
+            kw["dma_min_run_bytes"] = 16 * row_len
             cp = RowCopier(regions, list(zip(bases, pools)), **kw)
             if how == "mover-prepared":
                 order = rng.permutation(n)

@@ -23,8 +23,9 @@ How rows move:
   rows were checked to lie inside one region, so the gaps between regions are never touched);
   destination rows likewise in a view of the pool; rows off the ``row_len`` grid are grouped
   by residue, each with its own shifted view, so no alignment is required.
-- DRAM rows: NumPy, synchronously, on a small thread pool (NumPy releases the GIL while
-  copying): slice copies for long runs of consecutive rows, gather and scatter otherwise.
+- DRAM rows (:mod:`kvwire_hisparse.dram_rows`): NumPy, synchronously, on a small thread pool
+  (NumPy releases the GIL while copying): slice copies for long runs, gather and scatter
+  otherwise.
 - VRAM rows (:mod:`kvwire_hisparse.cuda_rows`), on a dedicated CUDA stream into the pinned
   pool, which the GPU addresses directly: under unified virtual addressing, memory registered
   with ``cudaHostRegister`` is addressable from the GPU at its host address (checked at
@@ -32,9 +33,11 @@ How rows move:
   see :attr:`RowCopier.dst_pointer_mode`). ``vram_path="mover"`` (the default when Triton
   imports): each batch is ONE launch of kvwire's fused run mover
   (:class:`~kvwire_hisparse.row_mover.RowMover`), a tile per row, its table in a pinned slot,
-  source and destination as raw addresses. ``"index"`` (the earlier path, kept for A/B): long
-  runs of consecutive rows as device-to-host copies (copy engine), other rows as
-  ``index_select`` into a device buffer and ``index_copy_`` into a CUDA alias of the pool.
+  source and destination as raw addresses; a batch of long runs of consecutive rows goes to
+  the copy engine instead, a copy per run (SMs left to the engine). ``"index"`` (the earlier
+  path, kept for A/B): long runs of consecutive rows as device-to-host copies (copy engine),
+  other rows as ``index_select`` into a device buffer and ``index_copy_`` into a CUDA alias
+  of the pool.
 
 The source rows must be final when a copy starts (the engine finished writing them, as for
 any backend): the copier's stream does not wait for the engine's streams.
@@ -45,9 +48,7 @@ from __future__ import annotations
 import itertools
 import logging
 import os
-import threading
-from collections.abc import Iterator, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -57,6 +58,7 @@ from numpy.typing import NDArray
 from kvwire.errors import ConfigError, DescriptorError, LayoutError, TransferError
 from kvwire.layout import MemKind, MemoryRegion
 from kvwire_hisparse.cuda_rows import CudaRows, VramPath
+from kvwire_hisparse.dram_rows import DramRows
 from kvwire_hisparse.jobs import CopyJob
 from kvwire_hisparse.row_mover import RowMover
 from kvwire_hisparse.rows import (
@@ -64,9 +66,7 @@ from kvwire_hisparse.rows import (
     Ranges,
     Scratch,
     Span,
-    consecutive_runs,
     group_rows,
-    row_width,
 )
 from kvwire_hisparse.shm import SharedHostPool
 from kvwire_hisparse.views import Views
@@ -76,8 +76,6 @@ __all__ = ["CopyJob", "RowCopier", "RowTable", "VramPath"]
 logger = logging.getLogger(__name__)
 
 
-#: Scattered DRAM rows go to the thread pool in pieces of at least this many bytes.
-_DRAM_MIN_PIECE = 4 << 20
 _U64 = (1 << 64) - 1
 
 
@@ -145,9 +143,11 @@ class RowCopier:
     the rows are planned and copied in batches of ``batch_rows`` (0: one batch), so that for
     VRAM rows the GPU starts on the first batch while the CPU plans the next.
 
-    ``vram_path`` (:data:`VramPath`): how VRAM rows move. ``mover``: every row through one
-    launch per batch of kvwire's fused run mover (:class:`~kvwire_hisparse.row_mover.RowMover`),
-    from the raw source addresses into the pool's device address; ``index``: the earlier path,
+    ``vram_path`` (:data:`VramPath`): how VRAM rows move. ``mover``: every batch through one
+    launch of kvwire's fused run mover (:class:`~kvwire_hisparse.row_mover.RowMover`), from
+    the raw source addresses into the pool's device address, except a batch whose runs of
+    consecutive rows average ``dma_min_run_bytes``: one copy-engine copy per run, as
+    ``index`` does (no SMs taken from the engine); ``index``: the earlier path,
     per group of rows of one (span, pool, residues) either one device-to-host copy per run of
     consecutive rows (copy engine; when runs average ``dma_min_run_bytes``) or
     ``index_select``/``index_copy_`` kernels in pieces of at most ``max_piece_bytes``.
@@ -186,9 +186,7 @@ class RowCopier:
         #: The VRAM path in use: "mover" or "index" ("" without VRAM regions).
         self.vram_path = ""
         self._dram_mover = dram_mover
-        self._executor: ThreadPoolExecutor | None = None
         self._scratch = Scratch()
-        self._lock = threading.Lock()
         self._closed = False
 
         regs = sorted(src_regions, key=lambda r: r.addr)
@@ -235,6 +233,13 @@ class RowCopier:
         self._pool_shift -= self._pool_rstart
 
         self._views = Views(self._spans, self._pools)
+        self._dram = DramRows(
+            self._spans,
+            self._pools,
+            self._views,
+            threads=self.dram_threads,
+            dma_min_run_bytes=self.dma_min_run_bytes,
+        )
         self._cuda: CudaRows | None = None
         #: How the GPU addresses the pinned pools: "uva" (cudaHostGetDevicePointer returned the
         #: host address), "device-pointer" (it returned another address, used instead),
@@ -359,11 +364,16 @@ class RowCopier:
         if chk.kind is MemKind.DRAM:
             try:
                 if self._dram_mover is not None:
-                    self._move(self._dram_mover, chk, row_len, None)
+
+                    def runs(g: Group) -> list[Any]:
+                        self._dram.copy_group(g, row_len, self._scratch)
+                        return []
+
+                    self._move(self._dram_mover, chk, row_len, None, runs)
                     return CopyJob(nbytes, n, label="DRAM")
                 for a, b in self._batches(n, self.batch_rows):
                     for g in self._groups(chk, a, b, row_len):
-                        self._copy_numpy(g, row_len)
+                        self._dram.copy_group(g, row_len, self._scratch)
             except Exception as exc:
                 raise TransferError(f"DRAM row copy into shared host pool failed: {exc}") from exc
             return CopyJob(nbytes, n, label="DRAM")
@@ -426,7 +436,16 @@ class RowCopier:
 
     def _groups(self, chk: _Checked, a: int, b: int, row_len: int) -> list[Group]:
         """Rows ``[a, b)`` of a checked call as groups (see ``rows.group_rows``)."""
-        src, dst, pos_d, span = chk.rows(a, b, self._scratch)
+        return self._group(*chk.rows(a, b, self._scratch), row_len)
+
+    def _group(
+        self,
+        src: NDArray[np.int64],
+        dst: NDArray[np.int64],
+        pos_d: NDArray[np.intp],
+        span: NDArray[np.int64] | None,
+        row_len: int,
+    ) -> list[Group]:
         return group_rows(
             src,
             dst,
@@ -438,71 +457,19 @@ class RowCopier:
             sc=self._scratch,
         )
 
-    def _runs(self, g: Group, row_len: int) -> NDArray[np.intp] | None:
-        return consecutive_runs(g, row_len, self.dma_min_run_bytes, self._scratch)
-
-    def _run_tasks(self, tasks: list[tuple[int, int]], fn: Any) -> None:
-        """``fn(a, b)`` for every task, on the DRAM thread pool when there are several (NumPy
-        releases the GIL while it copies)."""
-        if len(tasks) == 1:
-            fn(*tasks[0])
-            return
-        with self._lock:
-            if self._executor is None:
-                self._executor = ThreadPoolExecutor(
-                    self.dram_threads, thread_name_prefix="kvwire-rowcopy"
-                )
-            ex = self._executor
-        for f in [ex.submit(fn, a, b) for a, b in tasks]:
-            f.result()
-
-    def _copy_numpy(self, g: Group, row_len: int) -> None:
-        w = row_width(row_len, self._spans[g.span].base + g.rs, self._pools[g.pool].addr + g.rd)
-        src, k0 = self._views.src(g.span, g.rs, row_len, w)
-        dst = self._views.dst(g.pool, g.rd, row_len, w, "numpy")
-        s, d = g.src_rows, g.dst_rows
-        runs = self._runs(g, row_len)
-        n = s.size if runs is None else runs.size - 1
-        per = max(1, -(-n // self.dram_threads))
-        if runs is None:
-            per = max(per, -(-_DRAM_MIN_PIECE // row_len))
-
-            def piece(a: int, b: int) -> None:  # on a pool thread: its own scratch arrays
-                sc = self._scratch
-                step = max(1, _DRAM_MIN_PIECE // row_len)
-                for lo in range(a, b, step):
-                    hi = min(b, lo + step)
-                    idx = sc.get("gidx", hi - lo, np.intp)
-                    np.subtract(s[lo:hi], k0, out=idx)
-                    tmp = sc.get("gather", (hi - lo) * src.shape[1], src.dtype)
-                    tmp = tmp.reshape(hi - lo, src.shape[1])
-                    np.take(src, idx, axis=0, out=tmp, mode="clip")
-                    dst[d[lo:hi]] = tmp
-
-        else:
-            los = s[runs[:-1]] - k0
-            lod = d[runs[:-1]]
-            lens = np.diff(runs)
-
-            def piece(a: int, b: int) -> None:
-                for s0, d0, k in zip(
-                    los[a:b].tolist(), lod[a:b].tolist(), lens[a:b].tolist(), strict=True
-                ):
-                    dst[d0 : d0 + k] = src[s0 : s0 + k]
-
-        self._run_tasks([(a, min(n, a + per)) for a in range(0, n, per)], piece)
-
     def _copy_cuda(self, chk: _Checked, row_len: int) -> CopyJob:
         """Queue every batch on the copier's stream (the GPU starts on the first while the
         next is planned), then one event."""
         cuda = self._cuda
         assert cuda is not None  # VRAM rows exist only when it was set up
+        sc = self._scratch
 
         def work() -> list[Any]:
             mover = cuda.row_mover
             if mover is not None:
-                self._move(mover, chk, row_len, cuda.stream)
-                return []
+                return self._move(
+                    mover, chk, row_len, cuda.stream, lambda g: cuda.queue_group(g, row_len, sc)
+                )
             keep: list[Any] = []
             for a, b in self._batches(chk.size, self.batch_rows):
                 for g in self._groups(chk, a, b, row_len):
@@ -511,13 +478,39 @@ class RowCopier:
 
         return cuda.run(work, chk.size * row_len, chk.size)
 
-    def _move(self, mover: RowMover, chk: _Checked, row_len: int, stream: Any) -> None:
-        """Every row through ``mover``, one launch per batch (at most what fits a table slot)."""
+    def _move(
+        self,
+        mover: RowMover,
+        chk: _Checked,
+        row_len: int,
+        stream: Any,
+        runs: Callable[[Group], list[Any]],
+    ) -> list[Any]:
+        """Every row through ``mover``, one launch per batch (at most what fits a table slot),
+        except batches of long runs of consecutive rows: those go as groups to ``runs`` (the
+        copy engine on a GPU, which leaves the SMs to the engine). Returns what ``runs`` asks
+        to keep alive."""
         per = mover.max_rows(row_len)
         per = min(per, self.batch_rows) if self.batch_rows else per
+        keep: list[Any] = []
         for a, b in self._batches(chk.size, per):
-            src, dst, pos_d, _ = chk.rows(a, b, self._scratch)
-            mover.queue(src, self._device_dst(dst, pos_d), row_len, stream)
+            src, dst, pos_d, span = chk.rows(a, b, self._scratch)
+            if self._long_runs(src, dst, row_len):
+                for g in self._group(src, dst, pos_d, span, row_len):
+                    keep.extend(runs(g))
+            else:
+                mover.queue(src, self._device_dst(dst, pos_d), row_len, stream)
+        return keep
+
+    def _long_runs(self, src: NDArray[np.int64], dst: NDArray[np.int64], row_len: int) -> bool:
+        """Whether rows consecutive on both sides form runs of ``dma_min_run_bytes`` on
+        average (a few passes over the batch)."""
+        n = int(src.size)
+        if n * row_len < self.dma_min_run_bytes:
+            return False
+        brk = np.diff(src) != row_len
+        brk |= np.diff(dst) != row_len
+        return n * row_len >= (int(np.count_nonzero(brk)) + 1) * self.dma_min_run_bytes
 
     def _device_dst(self, dst: NDArray[np.int64], pos_d: NDArray[np.intp]) -> NDArray[np.int64]:
         """Decode-side addresses as the copies reach the pools (a scratch array)."""
@@ -538,7 +531,4 @@ class RowCopier:
         if self._cuda is not None:
             self._cuda.close()
         self._views.clear()
-        with self._lock:
-            ex, self._executor = self._executor, None
-        if ex is not None:
-            ex.shutdown(wait=True)
+        self._dram.close()
