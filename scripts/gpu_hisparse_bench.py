@@ -434,6 +434,7 @@ def cpu_plan(cfg: dict[str, Any], repeat: int) -> int:
     """``--cpu-plan``: the copier's CPU work for case b, old against new (module doc)."""
     from kvwire_hisparse.copier import RowCopier
     from kvwire_hisparse.row_mover import RowMover
+    from kvwire_hisparse.rows import consecutive_runs
     from kvwire_hisparse.shm import MEMFD, SharedHostPool
 
     from kvwire.layout import MemoryRegion
@@ -472,7 +473,7 @@ def cpu_plan(cfg: dict[str, Any], repeat: int) -> int:
         first = None
         for a, b in old._batches(n, 0):
             for g in old._groups(chk, a, b, row):
-                old._runs(g, row)
+                consecutive_runs(g, row, old.dma_min_run_bytes, old._scratch)
                 host = np.empty(2 * g.src_rows.size, dtype=np.int64)
                 np.subtract(g.src_rows, 0, out=host[: g.src_rows.size])
                 host[g.src_rows.size :] = g.dst_rows

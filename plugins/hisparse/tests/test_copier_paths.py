@@ -15,6 +15,8 @@ Triton's interpreter.
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import textwrap
 from pathlib import Path
 
@@ -142,6 +144,26 @@ def test_prepared_tables_refuse_bad_rows_and_indices(tmp_path: Path) -> None:
         copier.close()
         for p in pools:
             p.close()
+
+
+def test_gpu_bench_runs_its_cpu_modes() -> None:
+    """The GPU A/B script (old, new and prepared copiers, every case CRC-checked by a second
+    process) and its CPU-side timing run on the CPU, so a GPU call does not find them broken."""
+    script = Path(__file__).resolve().parents[3] / "scripts" / "gpu_hisparse_bench.py"
+    for extra in ([], ["--cpu-plan"]):
+        out = subprocess.run(
+            [sys.executable, str(script), "--quick", *extra],
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        assert out.returncode == 0, out.stderr[-3000:]
+        if extra:
+            assert "start_rows(), mover, batches" in out.stdout
+        else:
+            assert "MISMATCH" not in out.stdout
+            assert out.stdout.count("verified") == 21  # 7 cases x 3 copiers
+            assert "rows/old" in out.stdout
 
 
 def test_mover_path_matches_numpy_under_interpreter() -> None:
