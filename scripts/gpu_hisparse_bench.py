@@ -489,7 +489,26 @@ def cpu_plan(cfg: dict[str, Any], repeat: int) -> int:
             new.start(src, dst, row)
         return (fake.first or t0) - t0, time.perf_counter() - t0
 
+    # what the strategy's plan() did per chunk before calling the copier (session 13): gather
+    # both address columns of its descriptor tables and split the rows by source kind
+    tab_s = np.zeros((buf_bytes // row * nbuf, 3), dtype=np.uint64)
+    tab_s[:, 0] = addresses(src_bases, buf_bytes, np.arange(buf_bytes // row), row)
+    tab_d = np.zeros((dst_buf // row * nbuf, 3), dtype=np.uint64)
+    tab_d[:, 0] = addresses(dst_bases, dst_buf, np.arange(dst_buf // row), row)
+    src_kind = np.full(tab_s.shape[0], 2, dtype=np.int8)
+
+    def run_old_strategy() -> tuple[float, float]:
+        t0 = time.perf_counter()
+        a, b = tab_s[si, 0], tab_d[di, 0]
+        kinds = src_kind[si]
+        for k in np.unique(kinds).tolist():
+            m = kinds == k
+            a[m], b[m]  # the masked copies the old plan() made
+        t = time.perf_counter() - t0
+        return t, t
+
     cases = [
+        ("old: strategy plan() before start()", run_old_strategy),
         ("old: start(), index path, one batch", run_old),
         ("new: start(), mover, batches", lambda: run_new(False)),
         ("new: start_rows(), mover, batches", lambda: run_new(True)),
