@@ -109,7 +109,12 @@ def test_batches_and_prepared_rows_land_like_one_call(
             p.close()
 
 
-def test_prepared_tables_refuse_bad_rows_and_indices(tmp_path: Path) -> None:
+def test_prepared_tables_refuse_bad_rows_and_indices(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from kvwire_hisparse import copier as copier_mod
+
+    monkeypatch.setattr(copier_mod, "_PREPARE_PIECE", 4)  # tables checked 4 rows at a time
     srcs, pools = _setup(tmp_path, 3)
     copier = _copier(srcs, pools)
     try:
@@ -123,6 +128,9 @@ def test_prepared_tables_refuse_bad_rows_and_indices(tmp_path: Path) -> None:
         with pytest.raises(DescriptorError, match=r"row 5: destination .* not inside one shared"):
             copier.prepare(src, bad, 64)
         table = copier.prepare(src, dst, 64)
+        assert np.shares_memory(table.src, src) and np.shares_memory(table.dst, dst)  # views
+        assert table.dst_pool is not None  # two pools: each row's pool is kept
+        assert table.dst_pool.tolist() == [o[2] for o in oracle]
         idx = np.arange(10)
         for si, di, what in (
             (np.array([0, 1, 10]), idx[:3], r"row 2: source row 10 is not in the table of 10"),

@@ -77,6 +77,17 @@ logger = logging.getLogger(__name__)
 
 
 _U64 = (1 << 64) - 1
+#: ``prepare`` checks tables this many rows at a time (bounded work arrays).
+_PREPARE_PIECE = 1 << 20
+
+
+def _addresses(addr: Any) -> NDArray[np.int64]:
+    """A 1-D int64 view of 64-bit addresses (no copy when they are 64-bit integers already;
+    addresses >= 2**63 turn negative and are refused as outside every range)."""
+    arr = np.asarray(addr)
+    if arr.dtype in (np.dtype(np.uint64), np.dtype(np.int64)) and arr.ndim == 1:
+        return arr.view(np.int64)
+    return np.asarray(arr, dtype=np.uint64).reshape(-1).view(np.int64)
 
 
 @dataclass(frozen=True)
@@ -88,8 +99,8 @@ class RowTable:
     src: NDArray[np.int64]
     dst: NDArray[np.int64]
     row_len: int
-    src_span: NDArray[np.int64] | None
-    dst_pool: NDArray[np.intp] | None
+    src_span: NDArray[np.int8] | None
+    dst_pool: NDArray[np.int32] | None
 
 
 @dataclass
@@ -306,22 +317,27 @@ class RowCopier:
         """Staging strategy, at handshake: validate a link's whole source and destination row
         tables once (each row inside one source region, resp. one pool; sources of any kinds),
         so that :meth:`start_rows` only checks indices per chunk.
-        :class:`~kvwire.errors.DescriptorError` names the first bad row."""
-        src = np.array(src_addr, dtype=np.uint64).reshape(-1).view(np.int64)
-        dst = np.array(dst_addr, dtype=np.uint64).reshape(-1).view(np.int64)
+        :class:`~kvwire.errors.DescriptorError` names the first bad row. Address columns that
+        are already 64-bit integers are kept as views (no copy; they must stay unchanged, as a
+        link's tables do); the check runs in pieces, so its work arrays stay small."""
+        src, dst = _addresses(src_addr), _addresses(dst_addr)
         row_len = int(row_len)
         if row_len <= 0:
             raise DescriptorError(f"row_len must be > 0, got {row_len}")
         sc = Scratch()  # once per link: nothing worth keeping
-        span = pool = None
-        if src.size:
-            pos_s = self._locate_src(src, row_len, sc)
-            if len(self._spans) > 1:
-                span = self._region_span[pos_s]
-        if dst.size:
-            pos_d = self._locate_dst(dst, row_len, sc)
-            if len(self._pools) > 1:
-                pool = pos_d.copy()
+        multi_span, multi_pool = len(self._spans) > 1, len(self._pools) > 1
+        span = np.empty(src.size, dtype=np.int8) if multi_span else None
+        pool = np.empty(dst.size, dtype=np.int32) if multi_pool else None
+        for a in range(0, src.size, _PREPARE_PIECE):
+            b = min(src.size, a + _PREPARE_PIECE)
+            pos_s = self._locate_src(src[a:b], row_len, sc, a)
+            if span is not None:
+                span[a:b] = self._region_span[pos_s]
+        for a in range(0, dst.size, _PREPARE_PIECE):
+            b = min(dst.size, a + _PREPARE_PIECE)
+            pos_d = self._locate_dst(dst[a:b], row_len, sc, a)
+            if pool is not None:
+                pool[a:b] = pos_d
         return RowTable(src, dst, row_len, span, pool)
 
     def start_rows(
@@ -385,27 +401,33 @@ class RowCopier:
         for a in range(0, n, per):
             yield a, min(n, a + per)
 
-    def _locate_src(self, src: NDArray[np.int64], row_len: int, sc: Scratch) -> NDArray[np.intp]:
-        """Each row's source region; DescriptorError names the first row outside them."""
+    def _locate_src(
+        self, src: NDArray[np.int64], row_len: int, sc: Scratch, first: int = 0
+    ) -> NDArray[np.intp]:
+        """Each row's source region; DescriptorError names the first row outside them (rows
+        numbered from ``first``)."""
         pos_s, ok = self._src_ranges.locate(src, row_len, sc, "s")
         if not ok.all():
             bad = np.flatnonzero(~ok)
             i = int(bad[0])
             raise DescriptorError(
-                f"row {i}: source {int(src[i]) & _U64:#x} (+{row_len} B) is not inside one "
+                f"row {first + i}: source {int(src[i]) & _U64:#x} (+{row_len} B) is not inside one "
                 f"source region ({bad.size} such rows)"
             )
         return pos_s
 
-    def _locate_dst(self, dst: NDArray[np.int64], row_len: int, sc: Scratch) -> NDArray[np.intp]:
-        """Each row's pool; DescriptorError names the first row outside them."""
+    def _locate_dst(
+        self, dst: NDArray[np.int64], row_len: int, sc: Scratch, first: int = 0
+    ) -> NDArray[np.intp]:
+        """Each row's pool; DescriptorError names the first row outside them (rows numbered
+        from ``first``)."""
         pos_d, ok = self._dst_ranges.locate(dst, row_len, sc, "d")
         if not ok.all():
             bad = np.flatnonzero(~ok)
             i = int(bad[0])
             raise DescriptorError(
-                f"row {i}: destination {int(dst[i]) & _U64:#x} (+{row_len} B) is not inside "
-                f"one shared host pool ({bad.size} such rows)"
+                f"row {first + i}: destination {int(dst[i]) & _U64:#x} (+{row_len} B) is not "
+                f"inside one shared host pool ({bad.size} such rows)"
             )
         return pos_d
 

@@ -166,8 +166,8 @@ class Group:
 def group_rows(
     src: NDArray[np.int64],
     dst: NDArray[np.int64],
-    pos_d: NDArray[np.intp],
-    span: NDArray[np.int64] | None,
+    pos_d: NDArray[np.integer],
+    span: NDArray[np.integer] | None,
     row_len: int,
     *,
     src_base: NDArray[np.int64],
@@ -203,7 +203,9 @@ def group_rows(
     members: list[NDArray[np.intp] | slice] = [slice(None)]
     residues = bool(rs.any() or rd.any())
     if span is not None or npools > 1 or residues:
-        key = pos_d.astype(np.int64) if span is None else span * npools + pos_d
+        key = pos_d.astype(np.int64)
+        if span is not None:
+            key += span.astype(np.int64) * npools
         if residues:
             cols = np.stack([key, rs, rd], axis=1)
             _, inverse = np.unique(cols, axis=0, return_inverse=True)
