@@ -5,10 +5,12 @@ Two paths, chosen at handshake (prefill side) for each decode rank:
 ``mapped``
     Decode allocated its host pool with :class:`~kvwire_hisparse.shm.SharedHostPool` and runs on
     the same host. Prefill maps the same file (pinned, when its KV is in VRAM) and copies each
-    chunk's rows into it itself: CUDA kernels writing straight into the pinned pages for VRAM
-    rows, a memory copy for DRAM rows. One segment per source memory kind, each completing on
-    its own; decode hears of each through a control-channel note. No engine is involved, so
-    this is as fast as a local device-to-host copy (docs/benchmarks.md).
+    chunk's rows into it itself (:class:`~kvwire_hisparse.copier.RowCopier`, whose row tables
+    are validated once here at handshake): one fused-mover launch per batch of VRAM rows
+    writing straight into the pinned pages, a memory copy for DRAM rows. One segment per
+    source memory kind, each completing on its own; decode hears of each through a
+    control-channel note. No engine is involved, so this is as fast as a local device-to-host
+    copy (docs/benchmarks.md).
 
 ``engine``
     Anything else (another host, a pool that is not shared, no CUDA where the KV is in VRAM):
