@@ -2,35 +2,45 @@
 
 Prefill's ``hisparse`` staging strategy builds one :class:`RowCopier` per linked decode rank, at
 handshake (control thread), from this process's registered KV regions and the decode pools it
-attached (:class:`~kvwire_hisparse.shm.SharedHostPool`); transfer workers call
-:meth:`RowCopier.start` per chunk and source memory kind and poll the returned
-:class:`CopyJob`; the strategy calls :meth:`RowCopier.close` before closing the pools.
+attached (:class:`~kvwire_hisparse.shm.SharedHostPool`), and has it validate the link's row
+tables once (:meth:`RowCopier.prepare`); transfer workers call :meth:`RowCopier.start_rows`
+(table indices) per chunk and source memory kind and poll the returned :class:`CopyJob`;
+:meth:`RowCopier.start` takes raw addresses instead; the strategy calls
+:meth:`RowCopier.close` before closing the pools.
 
 How rows move:
 
-- Source memory is reached from raw addresses, never from engine tensors. All regions of one
-  memory kind and device form a *span* ``[lowest start, highest end)``; a row is addressed as a
-  row number in a view of the span (rows are checked to lie inside one region first, so the
-  gaps between regions are never touched). Destination rows likewise are row numbers in a view
-  of the pool. Rows whose offsets are not multiples of ``row_len`` are grouped by their
-  residue, each residue getting its own shifted view, so no alignment is required.
-- Validation and planning are vectorised over all rows before anything is written (a refused
-  call writes nothing): a bucket table finds each row's region (:class:`Ranges`), and the
-  per-row work arrays are reused per thread (:class:`Scratch`), ~20 ns a row on an H200 host.
-- DRAM rows: NumPy, synchronously in :meth:`RowCopier.start`, on a small thread pool (NumPy
-  releases the GIL while copying): slice copies for long runs of consecutive rows, gather and
-  scatter (fancy indexing) otherwise.
-- VRAM rows: on a dedicated CUDA stream, long runs of consecutive rows as plain device-to-host
-  copies into the pinned pool (copy engine), scattered rows as ``index_select`` into a device
-  buffer and ``index_copy_`` into a CUDA tensor that aliases the pinned pool: under unified
-  virtual addressing, memory registered with ``cudaHostRegister`` is addressable from the GPU
-  at its host address (checked at construction, with ``cudaHostGetDevicePointer`` when the
-  CUDA runtime library is reachable; see :attr:`RowCopier.dst_pointer_mode`; on an H200 with
-  CUDA 13 torch it returns the host address). Both reach ~55 GB/s on the GPU side, like a
-  local pinned device-to-host copy (scripts/gpu_hisparse_bench.py).
+- Every row of a call is validated before anything is written (a refused call writes
+  nothing): by address (:meth:`~RowCopier.start`: a bucket table finds each row's region,
+  :class:`~kvwire_hisparse.rows.Ranges`, ~7 ns a row) or by index into a prepared table
+  (:meth:`~RowCopier.start_rows`: bounds only). Then the rows are planned and copied in
+  batches (``batch_rows``), so for VRAM rows the GPU starts on the first batch while the CPU
+  plans the next. Per-row work arrays are reused per thread
+  (:class:`~kvwire_hisparse.rows.Scratch`).
+- Source memory is reached from raw addresses, never from engine tensors. For the NumPy and
+  ``index`` paths all regions of one memory kind and device form a *span* ``[lowest start,
+  highest end)`` and a row is a row number in a view of the span (:mod:`kvwire_hisparse.views`;
+  rows were checked to lie inside one region, so the gaps between regions are never touched);
+  destination rows likewise in a view of the pool; rows off the ``row_len`` grid are grouped
+  by residue, each with its own shifted view, so no alignment is required.
+- DRAM rows (:mod:`kvwire_hisparse.dram_rows`): NumPy, synchronously, on a small thread pool
+  (NumPy releases the GIL while copying): slice copies for long runs, gather and scatter
+  otherwise.
+- VRAM rows (:mod:`kvwire_hisparse.cuda_rows`), on a dedicated CUDA stream into the pinned
+  pool, which the GPU addresses directly: under unified virtual addressing, memory registered
+  with ``cudaHostRegister`` is addressable from the GPU at its host address (checked at
+  construction with ``cudaHostGetDevicePointer`` when the CUDA runtime library is reachable;
+  see :attr:`RowCopier.dst_pointer_mode`). ``vram_path="mover"`` (the default when Triton
+  imports): each batch is ONE launch of kvwire's fused run mover
+  (:class:`~kvwire_hisparse.row_mover.RowMover`), a tile per row, its table in a pinned slot,
+  source and destination as raw addresses; a batch of long runs of consecutive rows goes to
+  the copy engine instead, a copy per run (SMs left to the engine). ``"index"`` (the earlier
+  path, kept for A/B): long runs of consecutive rows as device-to-host copies (copy engine),
+  other rows as ``index_select`` into a device buffer and ``index_copy_`` into a CUDA alias
+  of the pool.
 
-The source rows must be final when :meth:`RowCopier.start` is called (the engine finished
-writing them, as for any backend): the copier's stream does not wait for the engine's streams.
+The source rows must be final when a copy starts (the engine finished writing them, as for
+any backend): the copier's stream does not wait for the engine's streams.
 """
 
 from __future__ import annotations
@@ -38,10 +48,7 @@ from __future__ import annotations
 import itertools
 import logging
 import os
-import threading
-import time
-from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -50,95 +57,90 @@ from numpy.typing import NDArray
 
 from kvwire.errors import ConfigError, DescriptorError, LayoutError, TransferError
 from kvwire.layout import MemKind, MemoryRegion
-from kvwire_hisparse.pointers import CudaPtr, HostPtr, device_pointer
-from kvwire_hisparse.rows import Ranges, Scratch, Span
+from kvwire_hisparse.cuda_rows import CudaRows, VramPath
+from kvwire_hisparse.dram_rows import DramRows
+from kvwire_hisparse.jobs import CopyJob
+from kvwire_hisparse.row_mover import RowMover
+from kvwire_hisparse.rows import (
+    Group,
+    Ranges,
+    Scratch,
+    Span,
+    group_rows,
+)
 from kvwire_hisparse.shm import SharedHostPool
+from kvwire_hisparse.views import Views
+
+__all__ = ["CopyJob", "RowCopier", "RowTable", "VramPath"]
 
 logger = logging.getLogger(__name__)
 
-#: Element type used to move rows, by width in bytes (the widest that divides the row length
-#: and both base addresses is used).
-_TYPESTR = {8: "<i8", 4: "<i4", 2: "<i2", 1: "|u1"}
 
-
-#: Scattered DRAM rows go to the thread pool in pieces of at least this many bytes.
-_DRAM_MIN_PIECE = 4 << 20
-_I64_MAX = np.iinfo(np.int64).max
 _U64 = (1 << 64) - 1
+#: ``prepare`` checks tables this many rows at a time (bounded work arrays).
+_PREPARE_PIECE = 1 << 20
+
+
+def _addresses(addr: Any) -> NDArray[np.int64]:
+    """A 1-D int64 view of 64-bit addresses (no copy when they are 64-bit integers already;
+    addresses >= 2**63 turn negative and are refused as outside every range)."""
+    arr = np.asarray(addr)
+    if arr.dtype in (np.dtype(np.uint64), np.dtype(np.int64)) and arr.ndim == 1:
+        return arr.view(np.int64)
+    return np.asarray(arr, dtype=np.uint64).reshape(-1).view(np.int64)
+
+
+@dataclass(frozen=True)
+class RowTable:
+    """A link's row tables, validated once by :meth:`RowCopier.prepare` (at handshake) and
+    read-only after: source and decode-side destination addresses, the row length, each
+    source row's span (None: one span) and each destination row's pool (None: one pool)."""
+
+    src: NDArray[np.int64]
+    dst: NDArray[np.int64]
+    row_len: int
+    src_span: NDArray[np.int8] | None
+    dst_pool: NDArray[np.int32] | None
 
 
 @dataclass
-class _Group:
-    """Rows of one (span, pool, source residue, destination residue)."""
+class _Checked:
+    """Validated rows of one call, read batch by batch (:meth:`rows`): the memory kind of
+    every row, and either addresses with each row's pool and span (``start``: ``span`` None
+    for one span) or table indices into a prepared :class:`RowTable` (``start_rows``:
+    ``table``, ``si``, ``di``; the addresses are gathered per batch, so the GPU starts
+    after the first batch's gather, not after all of them). Scratch-backed (see
+    :class:`~kvwire_hisparse.rows.Scratch`)."""
 
-    span: int
-    pool: int
-    rs: int
-    rd: int
-    src_rows: NDArray[np.int64]
-    dst_rows: NDArray[np.int64]
+    kind: MemKind
+    size: int
+    src: NDArray[np.int64] | None = None
+    dst: NDArray[np.int64] | None = None
+    pos_d: NDArray[np.intp] | None = None
+    span: NDArray[np.int64] | None = None
+    table: RowTable | None = None
+    si: NDArray[np.integer] | None = None
+    di: NDArray[np.integer] | None = None
 
-
-class CopyJob:
-    """One :meth:`RowCopier.start` call: rows of one source memory kind on their way.
-
-    The transfer pipeline polls :meth:`done` (a :class:`~kvwire.staging.base.LocalCopy`);
-    the strategy calls :meth:`wait` when it must be sure nothing writes any more.
-    """
-
-    def __init__(
-        self,
-        nbytes: int,
-        num_rows: int,
-        events: Sequence[Any] = (),
-        keep: Sequence[Any] = (),
-        label: str = "",
-    ) -> None:
-        self.nbytes = nbytes
-        self.num_rows = num_rows
-        self._events = list(events)
-        self._keep: list[Any] = list(keep)
-        self._label = label
-        self._done = not self._events
-
-    def done(self) -> bool:
-        """Non-blocking: True once every byte is in the pool and visible to the decode process.
-
-        CUDA semantics: when an event recorded after the copies completes, every write of the
-        preceding work on the stream, including kernel stores into mapped (registered) host
-        memory, is complete and visible to host threads that observe the completion
-        (``cudaEventQuery``/``cudaEventSynchronize`` are synchronising operations); no extra
-        system-scope fence is needed. The decode process reads the same physical pages through
-        its own mapping (coherent on the host) after a control-channel message that this
-        thread sends only after seeing True here, so its reads are ordered after the writes.
-        Raises :class:`~kvwire.errors.TransferError` when the copy failed.
-        """
-        if self._done:
-            return True
-        try:
-            if not all(ev.query() for ev in self._events):
-                return False
-            for ev in self._events:  # complete already: returns at once
-                ev.synchronize()
-        except Exception as exc:
-            raise TransferError(f"{self._label} copy failed on the GPU: {exc}") from exc
-        self._done = True
-        self._events.clear()
-        self._keep.clear()
-        return True
-
-    def wait(self, timeout_s: float) -> None:
-        """Block until :meth:`done`; :class:`~kvwire.errors.TransferError` after
-        ``timeout_s`` seconds or on failure."""
-        deadline = time.monotonic() + timeout_s
-        pause = 20e-6
-        while not self.done():
-            if time.monotonic() > deadline:
-                raise TransferError(
-                    f"{self._label} copy of {self.nbytes} bytes not done within {timeout_s} s"
-                )
-            time.sleep(pause)
-            pause = min(pause * 2, 1e-3)
+    def rows(
+        self, a: int, b: int, sc: Scratch
+    ) -> tuple[NDArray[np.int64], NDArray[np.int64], NDArray[np.intp], NDArray[np.int64] | None]:
+        """(source addresses, destination addresses, pools, spans or None) of rows [a, b)."""
+        if self.table is None:
+            assert self.src is not None and self.dst is not None and self.pos_d is not None
+            span = None if self.span is None else self.span[a:b]
+            return self.src[a:b], self.dst[a:b], self.pos_d[a:b], span
+        assert self.si is not None and self.di is not None
+        t, si, di = self.table, self.si[a:b], self.di[a:b]
+        src = np.take(t.src, si, out=sc.get("tsrc", b - a, np.int64))
+        dst = np.take(t.dst, di, out=sc.get("tdst", b - a, np.int64))
+        pos_d: NDArray[np.intp]
+        if t.dst_pool is None:
+            pos_d = np.broadcast_to(np.intp(0), (b - a,))
+        else:
+            pos_d = np.take(t.dst_pool, di)
+        span = None if t.src_span is None else np.take(t.src_span, si)
+        return src, dst, pos_d, span
 
 
 class RowCopier:
@@ -148,11 +150,22 @@ class RowCopier:
     (the pool's base address *in the decode process*, this process's attached pool); a remote
     destination address ``a`` in pool ``p`` is written at ``p.addr + (a - remote_base)``.
 
-    ``dma_min_run_bytes``: a group of rows whose runs of consecutive rows (on both sides)
-    average at least this many bytes is moved with one plain copy per run (copy engine for
-    VRAM), otherwise with gather/scatter kernels. ``max_piece_bytes`` bounds the device buffer
-    a gather uses (larger groups go in pieces, the GPU starting on the first while the next
-    is prepared). ``dram_threads`` (default: up to 8) copy DRAM rows in parallel.
+    Every row of a call is validated first (vectorised; a refused call writes nothing), then
+    the rows are planned and copied in batches of ``batch_rows`` (0: one batch), so that for
+    VRAM rows the GPU starts on the first batch while the CPU plans the next.
+
+    ``vram_path`` (:data:`VramPath`): how VRAM rows move. ``mover``: every batch through one
+    launch of kvwire's fused run mover (:class:`~kvwire_hisparse.row_mover.RowMover`), from
+    the raw source addresses into the pool's device address, except a batch whose runs of
+    consecutive rows average ``dma_min_run_bytes``: one copy-engine copy per run, as
+    ``index`` does (no SMs taken from the engine); ``index``: the earlier path,
+    per group of rows of one (span, pool, residues) either one device-to-host copy per run of
+    consecutive rows (copy engine; when runs average ``dma_min_run_bytes``) or
+    ``index_select``/``index_copy_`` kernels in pieces of at most ``max_piece_bytes``.
+    ``dma_min_run_bytes`` also picks slice copies over fancy indexing for DRAM rows.
+    ``dram_threads`` (default: up to 8) copy DRAM rows in parallel. ``dram_mover``: DRAM rows
+    through this mover instead of NumPy (the tests' seam: a CPU ``RunCopier`` under Triton's
+    interpreter runs the ``mover`` path's batching and addressing on host memory).
 
     With VRAM regions (all on one CUDA device), every pool is pinned under that device
     (re-registered if it was pinned under another) and a CUDA view of it is checked here;
@@ -167,6 +180,9 @@ class RowCopier:
         dma_min_run_bytes: int = 1 << 20,
         max_piece_bytes: int = 32 << 20,
         dram_threads: int | None = None,
+        batch_rows: int = 16384,
+        vram_path: VramPath = "auto",
+        dram_mover: RowMover | None = None,
     ) -> None:
         if not src_regions:
             raise ConfigError("RowCopier needs at least one source region")
@@ -175,9 +191,13 @@ class RowCopier:
         self.dma_min_run_bytes = max(1, int(dma_min_run_bytes))
         self.max_piece_bytes = max(1, int(max_piece_bytes))
         self.dram_threads = max(1, dram_threads or min(8, os.cpu_count() or 1))
-        self._executor: ThreadPoolExecutor | None = None
+        self.batch_rows = max(0, int(batch_rows))
+        if vram_path not in ("auto", "mover", "index"):
+            raise ConfigError(f"vram_path must be auto, mover or index, got {vram_path!r}")
+        #: The VRAM path in use: "mover" or "index" ("" without VRAM regions).
+        self.vram_path = ""
+        self._dram_mover = dram_mover
         self._scratch = Scratch()
-        self._lock = threading.Lock()
         self._closed = False
 
         regs = sorted(src_regions, key=lambda r: r.addr)
@@ -210,8 +230,6 @@ class RowCopier:
         )
         self._span_base = np.array([s.base for s in spans], dtype=np.int64)
         self._span_kind = np.array([int(s.kind) for s in spans], dtype=np.int64)
-        #: per region: the base of its span (rows are numbered from there)
-        self._region_base = self._span_base[self._region_span]
 
         pools = sorted(((int(b), p) for b, p in dst_pools), key=lambda bp: bp[0])
         for (ba, pa), (bb, _) in itertools.pairwise(pools):
@@ -220,12 +238,20 @@ class RowCopier:
         self._pools = [p for _, p in pools]
         self._pool_rstart = np.array([b for b, _ in pools], dtype=np.int64)
         self._dst_ranges = Ranges([b for b, _ in pools], [b + p.nbytes for b, p in pools])
+        #: per pool: the address the copies write at minus the remote address (host address
+        #: here; the device address once the pools are pinned for VRAM rows)
+        self._pool_shift = np.array([p.addr for p in self._pools], dtype=np.int64)
+        self._pool_shift -= self._pool_rstart
 
-        self._views: dict[tuple[Any, ...], tuple[Any, int]] = {}
-        self._torch: Any = None
-        self._device: int | None = None
-        self._stream: Any = None
-        self._pool_devptr: list[int] = []
+        self._views = Views(self._spans, self._pools)
+        self._dram = DramRows(
+            self._spans,
+            self._pools,
+            self._views,
+            threads=self.dram_threads,
+            dma_min_run_bytes=self.dma_min_run_bytes,
+        )
+        self._cuda: CudaRows | None = None
         #: How the GPU addresses the pinned pools: "uva" (cudaHostGetDevicePointer returned the
         #: host address), "device-pointer" (it returned another address, used instead),
         #: "uva-assumed" (runtime library not reachable; host address used) or "" (no VRAM).
@@ -237,90 +263,19 @@ class RowCopier:
                 "device per process"
             )
         if vdevs:
-            self._setup_cuda(vdevs[0])
-
-    # ------------------------------------------------------------------ CUDA setup
-    def _setup_cuda(self, device: int) -> None:
-        try:
-            import torch
-        except ImportError as exc:
-            raise ConfigError("VRAM source regions need torch to copy into a host pool") from exc
-        if not torch.cuda.is_available():
-            raise ConfigError("VRAM source regions but CUDA is not available to torch")
-        self._torch, self._device = torch, device
-        modes = set()
-        for pool in self._pools:
-            pool.pin(device)
-            ptr, mode = device_pointer(pool.addr)
-            modes.add(mode)
-            self._pool_devptr.append(ptr)
-            view = self._cuda_alias(ptr, (pool.nbytes,), 1)
-            if int(view.data_ptr()) != ptr:
-                raise ConfigError(
-                    f"a CUDA view of shared host pool {pool.path} landed at "
-                    f"{int(view.data_ptr()):#x}, not at {ptr:#x}"
-                )
-        self.dst_pointer_mode = ",".join(sorted(modes))
-        with torch.cuda.device(device):
-            self._stream = self._torch.cuda.Stream(device=device)
-        logger.debug(
-            "row copier on cuda:%d, pools addressed by the GPU as %s", device, self.dst_pointer_mode
-        )
-
-    def _cuda_alias(self, ptr: int, shape: tuple[int, ...], width: int) -> Any:
-        torch = self._torch
-        dev = self._device
-        try:
-            t = torch.as_tensor(CudaPtr(ptr, shape, _TYPESTR[width]))
-        except Exception as exc:
-            raise ConfigError(f"cannot view address {ptr:#x} as CUDA memory: {exc}") from exc
-        if t.device != torch.device("cuda", dev):
-            raise ConfigError(
-                f"address {ptr:#x} belongs to {t.device}, not cuda:{dev} (a pool must be pinned "
-                "under the device of the source rows)"
+            self._cuda = CudaRows(
+                vdevs[0],
+                self._pools,
+                self._spans,
+                self._views,
+                vram_path,
+                dma_min_run_bytes=self.dma_min_run_bytes,
+                max_piece_bytes=self.max_piece_bytes,
             )
-        return t
-
-    # ------------------------------------------------------------------ views
-    def _src_view(self, span_i: int, rs: int, row_len: int, width: int) -> tuple[Any, int]:
-        """(view of the span as rows shifted by ``rs``, row number of the view's first row)."""
-        key = ("s", span_i, rs, row_len, width)
-        with self._lock:
-            hit = self._views.get(key)
-            if hit is not None:
-                return hit
-            span = self._spans[span_i]
-            first = span.first_row(rs, row_len)
-            k0 = (first - span.base - rs) // row_len
-            nrows = (span.end - first) // row_len
-            shape = (nrows, row_len // width)
-            view: Any
-            if span.kind is MemKind.VRAM:
-                view = self._cuda_alias(first, shape, width)
-            else:
-                view = np.asarray(HostPtr(first, shape, _TYPESTR[width]))
-            self._views[key] = (view, k0)
-            return view, k0
-
-    def _dst_view(self, pool_i: int, rd: int, row_len: int, width: int, how: str) -> Any:
-        """The pool as rows shifted by ``rd``: ``how`` is "numpy", "cpu" (torch CPU tensor, for
-        device-to-host copies) or "cuda" (CUDA alias, for kernels)."""
-        key = ("d", pool_i, rd, row_len, width, how)
-        with self._lock:
-            hit = self._views.get(key)
-            if hit is not None:
-                return hit[0]
-            pool = self._pools[pool_i]
-            nrows = (pool.nbytes - rd) // row_len
-            shape = (nrows, row_len // width)
-            view: Any
-            if how == "cuda":
-                view = self._cuda_alias(self._pool_devptr[pool_i] + rd, shape, width)
-            else:
-                arr = pool.array()[rd : rd + nrows * row_len].view(_TYPESTR[width]).reshape(shape)
-                view = self._torch.from_numpy(arr) if how == "cpu" else arr
-            self._views[key] = (view, 0)
-            return view
+            self.dst_pointer_mode = self._cuda.dst_pointer_mode
+            self.vram_path = self._cuda.vram_path
+            self._pool_shift = np.array(self._cuda.pool_devptr, dtype=np.int64)
+            self._pool_shift -= self._pool_rstart
 
     # ------------------------------------------------------------------ copies
     def start(
@@ -354,231 +309,239 @@ class RowCopier:
         n = int(src.size)
         if n == 0:
             return CopyJob(0, 0, label="empty")
-        groups, kind = self._plan(src, dst, row_len)
+        return self._copy(self._check(src, dst, row_len), row_len)
+
+    def prepare(
+        self, src_addr: NDArray[np.uint64], dst_addr: NDArray[np.uint64], row_len: int
+    ) -> RowTable:
+        """Staging strategy, at handshake: validate a link's whole source and destination row
+        tables once (each row inside one source region, resp. one pool; sources of any kinds),
+        so that :meth:`start_rows` only checks indices per chunk.
+        :class:`~kvwire.errors.DescriptorError` names the first bad row. Address columns that
+        are already 64-bit integers are kept as views (no copy; they must stay unchanged, as a
+        link's tables do); the check runs in pieces, so its work arrays stay small."""
+        src, dst = _addresses(src_addr), _addresses(dst_addr)
+        row_len = int(row_len)
+        if row_len <= 0:
+            raise DescriptorError(f"row_len must be > 0, got {row_len}")
+        sc = Scratch()  # once per link: nothing worth keeping
+        multi_span, multi_pool = len(self._spans) > 1, len(self._pools) > 1
+        span = np.empty(src.size, dtype=np.int8) if multi_span else None
+        pool = np.empty(dst.size, dtype=np.int32) if multi_pool else None
+        for a in range(0, src.size, _PREPARE_PIECE):
+            b = min(src.size, a + _PREPARE_PIECE)
+            pos_s = self._locate_src(src[a:b], row_len, sc, a)
+            if span is not None:
+                span[a:b] = self._region_span[pos_s]
+        for a in range(0, dst.size, _PREPARE_PIECE):
+            b = min(dst.size, a + _PREPARE_PIECE)
+            pos_d = self._locate_dst(dst[a:b], row_len, sc, a)
+            if pool is not None:
+                pool[a:b] = pos_d
+        return RowTable(src, dst, row_len, span, pool)
+
+    def start_rows(
+        self, table: RowTable, src_idx: NDArray[np.integer], dst_idx: NDArray[np.integer]
+    ) -> CopyJob:
+        """Transfer worker: like :meth:`start` for rows ``table.src[src_idx[i]]`` ->
+        ``table.dst[dst_idx[i]]`` of a table :meth:`prepare` validated. Per call only the
+        indices are checked (integers in bounds, one source memory kind: a few reductions, a
+        refused call writes nothing); the addresses are gathered batch by batch."""
+        if self._closed:
+            raise TransferError("row copier is closed")
+        si = np.asarray(src_idx).reshape(-1)
+        di = np.asarray(dst_idx).reshape(-1)
+        if si.shape != di.shape:
+            raise DescriptorError(f"{si.size} source rows but {di.size} destination rows")
+        if not (np.issubdtype(si.dtype, np.integer) and np.issubdtype(di.dtype, np.integer)):
+            raise DescriptorError(f"row indices must be integers, got {si.dtype}, {di.dtype}")
+        n = int(si.size)
+        if n == 0:
+            return CopyJob(0, 0, label="empty")
+        for what, idx, size in (
+            ("source", si, table.src.size),
+            ("destination", di, table.dst.size),
+        ):
+            if int(idx.min()) < 0 or int(idx.max()) >= size:
+                i = int(np.flatnonzero((idx < 0) | (idx >= size))[0])
+                raise DescriptorError(
+                    f"row {i}: {what} row {int(idx[i])} is not in the table of {size}"
+                )
+        kind = MemKind(int(self._span_kind[0]))
+        if table.src_span is not None:
+            kind = self._one_kind(np.take(table.src_span, si))
+        chk = _Checked(kind, n, table=table, si=si, di=di)
+        return self._copy(chk, table.row_len)
+
+    def _copy(self, chk: _Checked, row_len: int) -> CopyJob:
+        """Copy checked rows: DRAM now, VRAM queued."""
+        n = chk.size
         nbytes = n * row_len
-        if kind is MemKind.DRAM:
+        if chk.kind is MemKind.DRAM:
             try:
-                for g in groups:
-                    self._copy_numpy(g, row_len)
+                if self._dram_mover is not None:
+
+                    def runs(g: Group) -> list[Any]:
+                        self._dram.copy_group(g, row_len, self._scratch)
+                        return []
+
+                    self._move(self._dram_mover, chk, row_len, None, runs)
+                    return CopyJob(nbytes, n, label="DRAM")
+                for a, b in self._batches(n, self.batch_rows):
+                    for g in self._groups(chk, a, b, row_len):
+                        self._dram.copy_group(g, row_len, self._scratch)
             except Exception as exc:
                 raise TransferError(f"DRAM row copy into shared host pool failed: {exc}") from exc
             return CopyJob(nbytes, n, label="DRAM")
-        return self._copy_cuda(groups, row_len, nbytes, n)
+        return self._copy_cuda(chk, row_len)
 
-    def _plan(
-        self, src: NDArray[np.int64], dst: NDArray[np.int64], row_len: int
-    ) -> tuple[list[_Group], MemKind]:
-        """Validate every row (vectorised) and split the rows into groups."""
-        sc = self._scratch
-        n = src.size
+    @staticmethod
+    def _batches(n: int, per: int) -> Iterator[tuple[int, int]]:
+        per = per if per > 0 else n
+        for a in range(0, n, per):
+            yield a, min(n, a + per)
+
+    def _locate_src(
+        self, src: NDArray[np.int64], row_len: int, sc: Scratch, first: int = 0
+    ) -> NDArray[np.intp]:
+        """Each row's source region; DescriptorError names the first row outside them (rows
+        numbered from ``first``)."""
         pos_s, ok = self._src_ranges.locate(src, row_len, sc, "s")
         if not ok.all():
             bad = np.flatnonzero(~ok)
             i = int(bad[0])
             raise DescriptorError(
-                f"row {i}: source {int(src[i]) & _U64:#x} (+{row_len} B) is not inside one "
+                f"row {first + i}: source {int(src[i]) & _U64:#x} (+{row_len} B) is not inside one "
                 f"source region ({bad.size} such rows)"
             )
+        return pos_s
+
+    def _locate_dst(
+        self, dst: NDArray[np.int64], row_len: int, sc: Scratch, first: int = 0
+    ) -> NDArray[np.intp]:
+        """Each row's pool; DescriptorError names the first row outside them (rows numbered
+        from ``first``)."""
         pos_d, ok = self._dst_ranges.locate(dst, row_len, sc, "d")
         if not ok.all():
             bad = np.flatnonzero(~ok)
             i = int(bad[0])
             raise DescriptorError(
-                f"row {i}: destination {int(dst[i]) & _U64:#x} (+{row_len} B) is not inside "
-                f"one shared host pool ({bad.size} such rows)"
+                f"row {first + i}: destination {int(dst[i]) & _U64:#x} (+{row_len} B) is not "
+                f"inside one shared host pool ({bad.size} such rows)"
             )
-        one_span = len(self._spans) == 1
-        span = None
-        if one_span:
-            row_kind0 = int(self._span_kind[0])
-        else:
-            span = self._region_span[pos_s]
-            row_kind = self._span_kind[span]
-            row_kind0 = int(row_kind[0])
-            bad = np.flatnonzero(row_kind != row_kind0)
-            if bad.size:
-                i = int(bad[0])
-                raise DescriptorError(
-                    f"row {i}: source memory kind {MemKind(int(row_kind[i])).name} differs "
-                    f"from row 0's {MemKind(row_kind0).name}; split rows by kind"
-                )
-        rows_s, rs = sc.get("rows_s", n, np.int64), sc.get("rs", n, np.int64)
-        rows_d, rd = sc.get("rows_d", n, np.int64), sc.get("rd", n, np.int64)
-        if one_span:
-            np.subtract(src, self._span_base[0], out=rows_s)
-        else:
-            np.subtract(src, np.take(self._region_base, pos_s), out=rows_s)
-        if len(self._pools) == 1:
-            np.subtract(dst, self._pool_rstart[0], out=rows_d)
-        else:
-            np.subtract(dst, np.take(self._pool_rstart, pos_d), out=rows_d)
-        if row_len & (row_len - 1) == 0:  # the usual case: shifts and masks, no division
-            shift, mask = row_len.bit_length() - 1, row_len - 1
-            for rows, res in ((rows_s, rs), (rows_d, rd)):
-                np.bitwise_and(rows, mask, out=res)
-                np.right_shift(rows, shift, out=rows)
-        else:
-            for rows, res in ((rows_s, rs), (rows_d, rd)):
-                np.divmod(rows, row_len, out=(rows, res))
-        members: list[NDArray[np.intp] | slice] = [slice(None)]
-        residues = bool(rs.any() or rd.any())
-        if span is not None or len(self._pools) > 1 or residues:
-            key = pos_d.astype(np.int64) if span is None else span * len(self._pools) + pos_d
-            if residues:
-                cols = np.stack([key, rs, rd], axis=1)
-                _, inverse = np.unique(cols, axis=0, return_inverse=True)
-                key = inverse.reshape(-1)
-            if key.min() != key.max():
-                order = np.argsort(key, kind="stable")
-                cuts = np.flatnonzero(np.diff(key[order])) + 1
-                members = list(np.split(order, cuts))
-        groups = []
-        for m in members:
-            first = 0 if isinstance(m, slice) else int(m[0])
-            groups.append(
-                _Group(
-                    0 if span is None else int(span[first]),
-                    int(pos_d[first]),
-                    int(rs[first]),
-                    int(rd[first]),
-                    rows_s[m],
-                    rows_d[m],
-                )
+        return pos_d
+
+    def _one_kind(self, span: NDArray[np.int64]) -> MemKind:
+        """The source memory kind of rows of these spans; DescriptorError if they differ."""
+        row_kind = self._span_kind[span]
+        row_kind0 = int(row_kind[0])
+        bad = np.flatnonzero(row_kind != row_kind0)
+        if bad.size:
+            i = int(bad[0])
+            raise DescriptorError(
+                f"row {i}: source memory kind {MemKind(int(row_kind[i])).name} differs "
+                f"from row 0's {MemKind(row_kind0).name}; split rows by kind"
             )
-        return groups, MemKind(row_kind0)
+        return MemKind(row_kind0)
 
-    def _width(self, g: _Group, row_len: int, dst_base: int) -> int:
-        a = self._spans[g.span].base + g.rs
-        b = dst_base + g.rd
-        for w in (8, 4, 2):
-            if row_len % w == 0 and a % w == 0 and b % w == 0:
-                return w
-        return 1
-
-    def _runs(self, g: _Group, row_len: int) -> NDArray[np.intp] | None:
-        """Run boundaries (``[0, ..., n]``) if the group's consecutive-row runs are long enough
-        for one plain copy each, else None."""
-        n = g.src_rows.size
-        if n * row_len < self.dma_min_run_bytes:
-            return None
+    def _check(self, src: NDArray[np.int64], dst: NDArray[np.int64], row_len: int) -> _Checked:
+        """Validate every row of a :meth:`start` call (vectorised): inside one source region
+        and one pool, one source memory kind."""
         sc = self._scratch
-        step = sc.get("step", n - 1, np.int64)
-        brk, brk2 = sc.get("brk", n - 1, np.bool_), sc.get("brk2", n - 1, np.bool_)
-        np.subtract(g.src_rows[1:], g.src_rows[:-1], out=step)
-        np.not_equal(step, 1, out=brk)
-        np.subtract(g.dst_rows[1:], g.dst_rows[:-1], out=step)
-        np.not_equal(step, 1, out=brk2)
-        brk |= brk2
-        if n * row_len < (int(np.count_nonzero(brk)) + 1) * self.dma_min_run_bytes:
-            return None
-        return np.concatenate(([0], np.flatnonzero(brk) + 1, [n])).astype(np.intp)
+        pos_s = self._locate_src(src, row_len, sc)
+        pos_d = self._locate_dst(dst, row_len, sc)
+        n = int(src.size)
+        if len(self._spans) == 1:
+            return _Checked(MemKind(int(self._span_kind[0])), n, src, dst, pos_d)
+        span = self._region_span[pos_s]
+        return _Checked(self._one_kind(span), n, src, dst, pos_d, span)
 
-    def _run_tasks(self, tasks: list[tuple[int, int]], fn: Any) -> None:
-        """``fn(a, b)`` for every task, on the DRAM thread pool when there are several (NumPy
-        releases the GIL while it copies)."""
-        if len(tasks) == 1:
-            fn(*tasks[0])
-            return
-        with self._lock:
-            if self._executor is None:
-                self._executor = ThreadPoolExecutor(
-                    self.dram_threads, thread_name_prefix="kvwire-rowcopy"
+    def _groups(self, chk: _Checked, a: int, b: int, row_len: int) -> list[Group]:
+        """Rows ``[a, b)`` of a checked call as groups (see ``rows.group_rows``)."""
+        return self._group(*chk.rows(a, b, self._scratch), row_len)
+
+    def _group(
+        self,
+        src: NDArray[np.int64],
+        dst: NDArray[np.int64],
+        pos_d: NDArray[np.intp],
+        span: NDArray[np.int64] | None,
+        row_len: int,
+    ) -> list[Group]:
+        return group_rows(
+            src,
+            dst,
+            pos_d,
+            span,
+            row_len,
+            src_base=self._span_base[:1] if span is None else np.take(self._span_base, span),
+            pool_rstart=self._pool_rstart,
+            sc=self._scratch,
+        )
+
+    def _copy_cuda(self, chk: _Checked, row_len: int) -> CopyJob:
+        """Queue every batch on the copier's stream (the GPU starts on the first while the
+        next is planned), then one event."""
+        cuda = self._cuda
+        assert cuda is not None  # VRAM rows exist only when it was set up
+        sc = self._scratch
+
+        def work() -> list[Any]:
+            mover = cuda.row_mover
+            if mover is not None:
+                return self._move(
+                    mover, chk, row_len, cuda.stream, lambda g: cuda.queue_group(g, row_len, sc)
                 )
-            ex = self._executor
-        for f in [ex.submit(fn, a, b) for a, b in tasks]:
-            f.result()
+            keep: list[Any] = []
+            for a, b in self._batches(chk.size, self.batch_rows):
+                for g in self._groups(chk, a, b, row_len):
+                    keep.extend(cuda.queue_group(g, row_len, self._scratch))
+            return keep
 
-    def _copy_numpy(self, g: _Group, row_len: int) -> None:
-        w = self._width(g, row_len, self._pools[g.pool].addr)
-        src, k0 = self._src_view(g.span, g.rs, row_len, w)
-        dst = self._dst_view(g.pool, g.rd, row_len, w, "numpy")
-        s, d = g.src_rows, g.dst_rows
-        runs = self._runs(g, row_len)
-        n = s.size if runs is None else runs.size - 1
-        per = max(1, -(-n // self.dram_threads))
-        if runs is None:
-            per = max(per, -(-_DRAM_MIN_PIECE // row_len))
+        return cuda.run(work, chk.size * row_len, chk.size)
 
-            def piece(a: int, b: int) -> None:  # on a pool thread: its own scratch arrays
-                sc = self._scratch
-                step = max(1, _DRAM_MIN_PIECE // row_len)
-                for lo in range(a, b, step):
-                    hi = min(b, lo + step)
-                    idx = sc.get("gidx", hi - lo, np.intp)
-                    np.subtract(s[lo:hi], k0, out=idx)
-                    tmp = sc.get("gather", (hi - lo) * src.shape[1], src.dtype)
-                    tmp = tmp.reshape(hi - lo, src.shape[1])
-                    np.take(src, idx, axis=0, out=tmp, mode="clip")
-                    dst[d[lo:hi]] = tmp
-
-        else:
-            los = s[runs[:-1]] - k0
-            lod = d[runs[:-1]]
-            lens = np.diff(runs)
-
-            def piece(a: int, b: int) -> None:
-                for s0, d0, k in zip(
-                    los[a:b].tolist(), lod[a:b].tolist(), lens[a:b].tolist(), strict=True
-                ):
-                    dst[d0 : d0 + k] = src[s0 : s0 + k]
-
-        self._run_tasks([(a, min(n, a + per)) for a in range(0, n, per)], piece)
-
-    def _copy_cuda(self, groups: list[_Group], row_len: int, nbytes: int, n: int) -> CopyJob:
-        torch = self._torch
-        stream = self._stream
+    def _move(
+        self,
+        mover: RowMover,
+        chk: _Checked,
+        row_len: int,
+        stream: Any,
+        runs: Callable[[Group], list[Any]],
+    ) -> list[Any]:
+        """Every row through ``mover``, one launch per batch (at most what fits a table slot),
+        except batches of long runs of consecutive rows: those go as groups to ``runs`` (the
+        copy engine on a GPU, which leaves the SMs to the engine). Returns what ``runs`` asks
+        to keep alive."""
+        per = mover.max_rows(row_len)
+        per = min(per, self.batch_rows) if self.batch_rows else per
         keep: list[Any] = []
-        try:
-            with torch.cuda.device(self._device), torch.cuda.stream(stream):
-                for g in groups:
-                    keep.extend(self._queue_cuda(g, row_len))
-                ev = torch.cuda.Event()
-                ev.record(stream)
-        except Exception as exc:
-            try:  # never leave queued writes running behind an error
-                stream.synchronize()
-            except Exception as exc2:
-                logger.warning("waiting for the copy stream after an error failed: %s", exc2)
-            raise TransferError(f"VRAM row copy into shared host pool failed: {exc}") from exc
-        return CopyJob(nbytes, n, [ev], keep, label="VRAM")
-
-    def _queue_cuda(self, g: _Group, row_len: int) -> list[Any]:
-        """Queue one group's copies on the current (copier) stream; returns what must stay
-        alive until they are done."""
-        torch = self._torch
-        w = self._width(g, row_len, self._pool_devptr[g.pool])
-        src, k0 = self._src_view(g.span, g.rs, row_len, w)
-        s = g.src_rows
-        runs = self._runs(g, row_len)
-        if runs is not None:
-            dst = self._dst_view(g.pool, g.rd, row_len, w, "cpu")
-            lo = runs[:-1]
-            ln = np.diff(runs)
-            for s0, d0, k in zip(
-                (s[lo] - k0).tolist(), g.dst_rows[lo].tolist(), ln.tolist(), strict=True
-            ):
-                dst[d0 : d0 + k].copy_(src[s0 : s0 + k], non_blocking=True)
-            return []
-        dst = self._dst_view(g.pool, g.rd, row_len, w, "cuda")
-        m = s.size
-        piece = max(1, self.max_piece_bytes // row_len)
-        keep: list[Any] = []
-        for a in range(0, m, piece):
-            b = min(m, a + piece)
-            # Indices go up from torch's pinned host cache (an upload from pageable memory
-            # would wait for the copies already queued on the stream), a piece at a time so
-            # that the GPU starts while later pieces are prepared.
-            buf = torch.empty(2 * (b - a), dtype=torch.int64, pin_memory=True)
-            host = buf.numpy()
-            np.subtract(s[a:b], k0, out=host[: b - a])
-            host[b - a :] = g.dst_rows[a:b]
-            idx = buf.to(device=src.device, non_blocking=True)
-            # The gather buffer comes from (and returns to) the caching allocator on this
-            # stream, so later work can reuse it only after these kernels in stream order.
-            tmp = torch.index_select(src, 0, idx[: b - a])
-            dst.index_copy_(0, idx[b - a :], tmp)
-            keep.append(idx)
+        for a, b in self._batches(chk.size, per):
+            src, dst, pos_d, span = chk.rows(a, b, self._scratch)
+            if self._long_runs(src, dst, row_len):
+                for g in self._group(src, dst, pos_d, span, row_len):
+                    keep.extend(runs(g))
+            else:
+                mover.queue(src, self._device_dst(dst, pos_d), row_len, stream)
         return keep
+
+    def _long_runs(self, src: NDArray[np.int64], dst: NDArray[np.int64], row_len: int) -> bool:
+        """Whether rows consecutive on both sides form runs of ``dma_min_run_bytes`` on
+        average (a few passes over the batch)."""
+        n = int(src.size)
+        if n * row_len < self.dma_min_run_bytes:
+            return False
+        brk = np.diff(src) != row_len
+        brk |= np.diff(dst) != row_len
+        return n * row_len >= (int(np.count_nonzero(brk)) + 1) * self.dma_min_run_bytes
+
+    def _device_dst(self, dst: NDArray[np.int64], pos_d: NDArray[np.intp]) -> NDArray[np.int64]:
+        """Decode-side addresses as the copies reach the pools (a scratch array)."""
+        out = self._scratch.get("ddev", dst.size, np.int64)
+        if len(self._pools) == 1:
+            np.add(dst, self._pool_shift[0], out=out)
+        else:
+            np.add(dst, np.take(self._pool_shift, pos_d), out=out)
+        return out
 
     # ------------------------------------------------------------------ lifetime
     def close(self) -> None:
@@ -587,14 +550,7 @@ class RowCopier:
         if self._closed:
             return
         self._closed = True
-        if self._stream is not None:
-            try:
-                self._stream.synchronize()
-            except Exception as exc:
-                logger.warning("waiting for the copy stream at close failed: %s", exc)
-        with self._lock:
-            self._views.clear()
-            ex, self._executor = self._executor, None
-        if ex is not None:
-            ex.shutdown(wait=True)
-        self._stream = None
+        if self._cuda is not None:
+            self._cuda.close()
+        self._views.clear()
+        self._dram.close()

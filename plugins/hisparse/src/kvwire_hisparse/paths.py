@@ -5,10 +5,12 @@ Two paths, chosen at handshake (prefill side) for each decode rank:
 ``mapped``
     Decode allocated its host pool with :class:`~kvwire_hisparse.shm.SharedHostPool` and runs on
     the same host. Prefill maps the same file (pinned, when its KV is in VRAM) and copies each
-    chunk's rows into it itself: CUDA kernels writing straight into the pinned pages for VRAM
-    rows, a memory copy for DRAM rows. One segment per source memory kind, each completing on
-    its own; decode hears of each through a control-channel note. No engine is involved, so
-    this is as fast as a local device-to-host copy (docs/benchmarks.md).
+    chunk's rows into it itself (:class:`~kvwire_hisparse.copier.RowCopier`, whose row tables
+    are validated once here at handshake): one fused-mover launch per batch of VRAM rows
+    writing straight into the pinned pages, a memory copy for DRAM rows. One segment per
+    source memory kind, each completing on its own; decode hears of each through a
+    control-channel note. No engine is involved, so this is as fast as a local device-to-host
+    copy (docs/benchmarks.md).
 
 ``engine``
     Anything else (another host, a pool that is not shared, no CUDA where the KV is in VRAM):
@@ -36,7 +38,7 @@ from typing import Any, Literal
 
 import numpy as np
 from numpy.typing import NDArray
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, Field
 
 from kvwire.descriptors import ADDR, LEN
 from kvwire.errors import ConfigError, KVWireError
@@ -44,7 +46,8 @@ from kvwire.index.base import IndexMapper, TablePair
 from kvwire.layout import MemKind
 from kvwire.session.segments import row_kinds, segment_label
 from kvwire.staging.base import ChunkPlan, PlanRequest, Segment, StagingStrategy
-from kvwire_hisparse.copier import CopyJob, RowCopier
+from kvwire_hisparse.copier import CopyJob, RowCopier, RowTable
+from kvwire_hisparse.cuda_rows import VramPath
 from kvwire_hisparse.shm import SharedHostPool, host_identity
 
 logger = logging.getLogger(__name__)
@@ -61,6 +64,13 @@ class HostPathOptions(BaseModel):
     path: Literal["auto", "mapped", "engine"] = "auto"
     #: How long a failed plan waits for copies it already started before giving up on them.
     abort_wait_s: float = 30.0
+    #: ``mapped`` path: how VRAM rows move (:data:`~kvwire_hisparse.cuda_rows.VramPath`):
+    #: ``mover`` (kvwire's fused run mover), ``index`` (the earlier copy-engine runs and
+    #: index_select/index_copy_ kernels), ``auto`` (``mover`` when Triton imports).
+    vram_path: VramPath = "auto"
+    #: ``mapped`` path: rows planned and queued per batch (the GPU starts on the first batch
+    #: while the next is planned); 0: a chunk's rows in one batch.
+    batch_rows: int = Field(default=16384, ge=0)
 
 
 @dataclass(eq=False)
@@ -72,8 +82,12 @@ class _Link:
     reason: str
     tables: TablePair | None = None
     src_kind: NDArray[np.int8] | None = None
+    #: the source memory kinds the table holds (one: no per-chunk split by kind)
+    kinds: tuple[int, ...] = ()
     row_len: int = 0
     copier: RowCopier | None = None
+    #: the link's row tables, validated once for the copier
+    rows: RowTable | None = None
     pools: list[SharedHostPool] = field(default_factory=list)
     #: Chunks whose copies are running; the pools stay mapped until they are done.
     inflight: int = 0
@@ -204,19 +218,31 @@ class HostPathStrategy(StagingStrategy):
             for d in remote["pools"]:
                 pool = SharedHostPool.attach(str(d["path"]), int(d["nbytes"]), pin=vram)
                 pools.append((int(d["addr"]), pool))
-            copier = RowCopier(regions, pools)
+            copier = RowCopier(
+                regions, pools, vram_path=self.opts.vram_path, batch_rows=self.opts.batch_rows
+            )
+            row_len = int(tables.src[0, LEN]) if tables.src.size else 0
+            try:
+                rows = copier.prepare(tables.src[:, ADDR], tables.dst[:, ADDR], max(row_len, 1))
+            except BaseException:
+                copier.close()
+                raise
         except BaseException:
             for _, p in pools:
                 p.close()
             raise
+        src_kind = row_kinds(tables.src, regions, "host pool source table")
         return _Link(
             session,
             "mapped",
-            "same host, shared host pool" + (", pinned for GPU copies" if vram else ""),
+            "same host, shared host pool"
+            + (f", pinned for GPU copies ({copier.vram_path})" if vram else ""),
             tables=tables,
-            src_kind=row_kinds(tables.src, regions, "host pool source table"),
-            row_len=int(tables.src[0, LEN]) if tables.src.size else 0,
+            src_kind=src_kind,
+            kinds=tuple(np.unique(src_kind).tolist()),
+            row_len=row_len,
             copier=copier,
+            rows=rows,
             pools=[p for _, p in pools],
         )
 
@@ -229,16 +255,19 @@ class HostPathStrategy(StagingStrategy):
             if link is None or link.path != "mapped" or link.closing or s_idx.size == 0:
                 return ChunkPlan(table="kv", src_idx=s_idx, dst_idx=d_idx)
             link.inflight += 1
-        assert link.tables is not None and link.src_kind is not None and link.copier is not None
-        src = link.tables.src[s_idx, ADDR]
-        dst = link.tables.dst[d_idx, ADDR]
-        kinds = link.src_kind[s_idx]
+        assert link.src_kind is not None and link.copier is not None and link.rows is not None
         segments: list[Segment] = []
         jobs: list[CopyJob] = []
         try:
-            for k in np.unique(kinds).tolist():
-                mask = kinds == k
-                job = link.copier.start(src[mask], dst[mask], link.row_len)
+            if len(link.kinds) == 1:  # one source kind: no split (the usual case)
+                parts = [(link.kinds[0], s_idx, d_idx)]
+            else:
+                kinds = link.src_kind[s_idx]
+                parts = [
+                    (k, s_idx[kinds == k], d_idx[kinds == k]) for k in np.unique(kinds).tolist()
+                ]
+            for k, si, di in parts:
+                job = link.copier.start_rows(link.rows, si, di)
                 jobs.append(job)
                 segments.append(Segment(label=segment_label(k, MemKind.DRAM), copy=job))
         except BaseException:

@@ -16,7 +16,16 @@ from numpy.typing import NDArray
 from kvwire.errors import ConfigError
 from kvwire.layout import MemKind
 
-__all__ = ["I64_MAX", "Ranges", "Scratch", "Span"]
+__all__ = [
+    "I64_MAX",
+    "Group",
+    "Ranges",
+    "Scratch",
+    "Span",
+    "consecutive_runs",
+    "group_rows",
+    "row_width",
+]
 
 I64_MAX = np.iinfo(np.int64).max
 
@@ -138,3 +147,112 @@ class Span:
             if q + row_len <= end:
                 return q
         return first
+
+
+@dataclass
+class Group:
+    """Rows of one (span, pool, source residue, destination residue): a row's source is at
+    ``span base + rs + src_rows[i] * row_len``, its destination ``rd + dst_rows[i] * row_len``
+    into the pool."""
+
+    span: int
+    pool: int
+    rs: int
+    rd: int
+    src_rows: NDArray[np.int64]
+    dst_rows: NDArray[np.int64]
+
+
+def group_rows(
+    src: NDArray[np.int64],
+    dst: NDArray[np.int64],
+    pos_d: NDArray[np.integer],
+    span: NDArray[np.integer] | None,
+    row_len: int,
+    *,
+    src_base: NDArray[np.int64],
+    pool_rstart: NDArray[np.int64],
+    sc: Scratch,
+) -> list[Group]:
+    """Split validated rows into :class:`Group` s, vectorised (no per-row Python).
+
+    ``pos_d``: each row's pool; ``span``: each row's span (None: one span); ``src_base``: each
+    row's span base (length 1 when there is one span); ``pool_rstart``: each pool's remote
+    start. The row arrays are scratch arrays of ``sc`` (valid until the thread plans again).
+    """
+    n = src.size
+    npools = pool_rstart.size
+    rows_s, rs = sc.get("rows_s", n, np.int64), sc.get("rs", n, np.int64)
+    rows_d, rd = sc.get("rows_d", n, np.int64), sc.get("rd", n, np.int64)
+    if src_base.size == 1:
+        np.subtract(src, src_base[0], out=rows_s)
+    else:
+        np.subtract(src, src_base, out=rows_s)
+    if npools == 1:
+        np.subtract(dst, pool_rstart[0], out=rows_d)
+    else:
+        np.subtract(dst, np.take(pool_rstart, pos_d), out=rows_d)
+    if row_len & (row_len - 1) == 0:  # the usual case: shifts and masks, no division
+        shift, mask = row_len.bit_length() - 1, row_len - 1
+        for rows, res in ((rows_s, rs), (rows_d, rd)):
+            np.bitwise_and(rows, mask, out=res)
+            np.right_shift(rows, shift, out=rows)
+    else:
+        for rows, res in ((rows_s, rs), (rows_d, rd)):
+            np.divmod(rows, row_len, out=(rows, res))
+    members: list[NDArray[np.intp] | slice] = [slice(None)]
+    residues = bool(rs.any() or rd.any())
+    if span is not None or npools > 1 or residues:
+        key = pos_d.astype(np.int64)
+        if span is not None:
+            key += span.astype(np.int64) * npools
+        if residues:
+            cols = np.stack([key, rs, rd], axis=1)
+            _, inverse = np.unique(cols, axis=0, return_inverse=True)
+            key = inverse.reshape(-1)
+        if key.min() != key.max():
+            order = np.argsort(key, kind="stable")
+            cuts = np.flatnonzero(np.diff(key[order])) + 1
+            members = list(np.split(order, cuts))
+    groups = []
+    for m in members:
+        first = 0 if isinstance(m, slice) else int(m[0])
+        groups.append(
+            Group(
+                0 if span is None else int(span[first]),
+                int(pos_d[first]),
+                int(rs[first]),
+                int(rd[first]),
+                rows_s[m],
+                rows_d[m],
+            )
+        )
+    return groups
+
+
+def consecutive_runs(
+    g: Group, row_len: int, min_run_bytes: int, sc: Scratch
+) -> NDArray[np.intp] | None:
+    """Run boundaries (``[0, ..., n]``) of a group's consecutive rows (on both sides) if the
+    runs average at least ``min_run_bytes``, else None."""
+    n = g.src_rows.size
+    if n * row_len < min_run_bytes:
+        return None
+    step = sc.get("step", n - 1, np.int64)
+    brk, brk2 = sc.get("brk", n - 1, np.bool_), sc.get("brk2", n - 1, np.bool_)
+    np.subtract(g.src_rows[1:], g.src_rows[:-1], out=step)
+    np.not_equal(step, 1, out=brk)
+    np.subtract(g.dst_rows[1:], g.dst_rows[:-1], out=step)
+    np.not_equal(step, 1, out=brk2)
+    brk |= brk2
+    if n * row_len < (int(np.count_nonzero(brk)) + 1) * min_run_bytes:
+        return None
+    return np.concatenate(([0], np.flatnonzero(brk) + 1, [n])).astype(np.intp)
+
+
+def row_width(row_len: int, src_base: int, dst_base: int) -> int:
+    """The widest element (8, 4, 2 or 1 bytes) dividing the row length and both bases."""
+    for w in (8, 4, 2):
+        if row_len % w == 0 and src_base % w == 0 and dst_base % w == 0:
+            return w
+    return 1
