@@ -87,6 +87,25 @@ class _HiSparse:
         paths = cluster.host_paths()
         assert paths and all(list(p.values()) == [want] for p in paths.values()), paths
 
+    def test_the_aux_row_rides_in_the_last_note(self, cluster: Cluster) -> None:
+        """A request sent whole (one last send) moves its KV and nothing else on either host
+        path: the aux row rides in the last chunk's note (protocol 1.11), also when that note
+        follows prefill's own copy into a shared pool (``mapped``), and lands right (the
+        cluster checks every aux row)."""
+        page_bytes = 2 * MODEL.num_layers * MODEL.page_size * MODEL.total_kv_heads
+        page_bytes *= MODEL.head_dim * 4
+        plans = [
+            RoomPlan(room=secrets.randbits(63), num_pages=p, chunks=[p], hisparse=True)
+            for p in (1, 3, 4)
+        ]
+        results = cluster.run(plans, concurrency=3, timeout_s=60)
+        assert_all_ok(results)
+        for res in results:
+            (pre,) = [r for r in res.reports if r.role == "prefill"]
+            (dec,) = [r for r in res.reports if r.role == "decode"]
+            assert dec.aux_ok and pre.bytes == res.plan.num_pages * page_bytes, pre.bytes
+        assert_tables_empty(cluster)
+
     @pytest.mark.parametrize("side", ["prefill", "decode"])
     def test_abort_abandons_exactly_once(self, cluster: Cluster, side: str) -> None:
         plan = RoomPlan(

@@ -6,7 +6,9 @@ post, a second completion, a second notification), the aux sender puts the row's
 the last note of its last chunk (``ChunkNote.aux``) when decode announced it takes them
 (``Hello.aux_in_note``) and both sides' aux regions are in host memory; decode writes them
 into its aux slot when that note is handled. The note arrives only after the chunk's data
-landed, so the request completes with its last note. Stateless functions; the caller holds
+landed (a backend's notification, or the note prefill tells over the control channel once its
+own copy into a shared pool finished: HiSparse's ``mapped`` path), so the request completes
+with its last note. Stateless functions; the caller holds
 whatever lock guards the slot.
 """
 

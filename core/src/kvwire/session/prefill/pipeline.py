@@ -223,7 +223,7 @@ class Pipeline:
                 elif sums and i == 0:
                     extra.update(sum_layers=list(sums), sums=list(sums.values()))
                 part = post.first_part + i
-                if seg.copy is None and part == post.parts - 1 - post.late_sums:
+                if part == post.parts - 1 - post.late_sums:
                     extra["aux"] = posting.carried_aux(self.ctx, tail, job)
                 note = ChunkNote(**fields, part=part, **extra)
                 if seg.copy is not None:
