@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import threading
 
+import pytest
+
 from kvwire.session.prefill.workers import TransferWorkers
 
 
@@ -71,3 +73,33 @@ def test_a_forgotten_key_frees_its_worker() -> None:
     log = _run([(k, True) for k in keys] + [("after-forget", True)], forget="dest-b")
     worker = {key: thread for key, thread, _ in log}
     assert worker["after-forget"] == worker["dest-b"]
+
+
+class _Stuck(_Record):
+    """A stage whose accept blocks until released (a worker that cannot stop)."""
+
+    def __init__(self, release: threading.Event, taken: threading.Event) -> None:
+        super().__init__([], threading.Lock())
+        self.release, self.taken = release, taken
+
+    def accept(self, job: tuple[str, int]) -> None:
+        self.taken.set()
+        self.release.wait(30)
+
+
+def test_a_worker_that_does_not_stop_is_logged_with_where_it_is(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """``stop`` names a worker still running after its timeout and logs the lines of its
+    stack where it is stuck, so a slow close can be traced from the log alone."""
+    release, taken = threading.Event(), threading.Event()
+    w: TransferWorkers[tuple[str, int]] = TransferWorkers(1, "tw", lambda i: _Stuck(release, taken))
+    w.submit("k", ("k", 0))
+    assert taken.wait(10)
+    try:
+        with caplog.at_level("WARNING", logger="kvwire.session.prefill.workers"):
+            w.stop(0.2)
+    finally:
+        release.set()
+    (rec,) = [r for r in caplog.records if "did not stop" in r.getMessage()]
+    assert "tw-w0" in rec.getMessage() and "in accept" in rec.getMessage(), rec.getMessage()

@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import logging
 import queue
+import sys
 import threading
+import traceback
 import zlib
 from collections.abc import Callable
 from typing import Generic, Protocol, TypeVar
@@ -168,7 +170,14 @@ class TransferWorkers(Generic[J]):
         for t in self._threads:
             t.join(timeout_s)
             if t.is_alive():
-                logger.warning("transfer worker %s did not stop within %.1fs", t.name, timeout_s)
+                frame = sys._current_frames().get(t.ident or -1)
+                where = "".join(traceback.format_stack(frame)[-6:]) if frame else "(no frame)"
+                logger.warning(
+                    "transfer worker %s did not stop within %.1fs; it is at:\n%s",
+                    t.name,
+                    timeout_s,
+                    where,
+                )
         self._queues.clear()
         self._stages.clear()
         self._threads.clear()
