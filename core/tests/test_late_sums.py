@@ -139,3 +139,20 @@ def test_a_lost_sums_part_fails_decode_by_its_timeout_naming_the_chunk(
         wait_for(lambda: s.poll() in (KVPoll.Failed, KVPoll.Success), timeout=60)
         s.clear()
         wait_for(lambda: no_rooms(p.prefill) and no_rooms(p.decode), timeout=60)
+
+
+def test_only_large_host_chunks_are_summed_late(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The size rule (:meth:`SentSums.late`): a host pool's chunk from the hasher's
+    ``LATE_BYTES`` on is summed after its rows, a smaller one before; a GPU pool's chunk is
+    summed before its rows whatever its size (on two H100s its own sums part cost more than
+    the ~0.2 ms sum: docs/benchmarks.md). Real hashers' classes, no link needed."""
+    pytest.importorskip("triton")
+    from kvwire.integrity_device import DeviceRowHasher
+
+    sent = object.__new__(SentSums)  # only the two attributes the rule reads
+    sent.page_bytes = 1 << 20
+    sent.hasher = object.__new__(RowHasher)
+    monkeypatch.setattr(RowHasher, "LATE_BYTES", 8 << 20)  # the default (the fixture set 0)
+    assert sent.late(8) and not sent.late(7)
+    sent.hasher = object.__new__(DeviceRowHasher)
+    assert not sent.late(1 << 20)  # a TiB chunk

@@ -1,10 +1,12 @@
 """KV checksums on a link (:mod:`kvwire.integrity`): what each side computes, and the check.
 
 Prefill: a :class:`SentSums` per decode link that asked (``Hello.checksum``), built at
-handshake. A whole chunk (not layer-wise, not cut in pieces) is summed on a piece-sum thread
-while its rows are posted and fly, and its sums go to decode as the chunk's last part, over
-the control channel (:mod:`kvwire.session.prefill.late_sums`); a layer-wise group is summed
-by the transfer worker before it is posted, its sums in the group's first note. A
+handshake. A whole chunk (not layer-wise, not cut in pieces) of a host pool from the hasher's
+``LATE_BYTES`` on (8 MiB) is summed on a piece-sum thread while its rows are posted and fly,
+and its sums go to decode as the chunk's last part, over the control channel
+(:mod:`kvwire.session.prefill.late_sums`); a smaller one, any chunk of a GPU pool and a
+layer-wise group are summed by the transfer worker before they are posted, their sums in
+the first note. A
 chunk posted in place as one set of rows (no staging, no layer groups), over a backend whose
 own thread moves the bytes (``pushes_events``), is cut by layers into pieces first
 (:meth:`SentSums.pieces`), each posted with a note carrying its layer range
@@ -73,8 +75,9 @@ def hasher_for(layout: KVLayout) -> RowHasher:
 
 class SentSums:
     """Prefill side of one link: sums of source rows, keyed by where they land on decode.
-    Built on a handshake thread; :meth:`chunk` is called by transfer workers (layer-wise
-    groups) and piece-sum threads (whole chunks, :mod:`kvwire.session.prefill.late_sums`),
+    Built on a handshake thread; :meth:`chunk` is called by transfer workers (chunks summed
+    before posting, layer-wise groups) and piece-sum threads (late sums,
+    :mod:`kvwire.session.prefill.late_sums`),
     each keeping its own last chunk's mapped rows (thread-local: a layer-wise chunk asks once
     per group, for the same rows, and they are mapped once); it only reads."""
 
