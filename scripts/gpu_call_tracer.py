@@ -77,6 +77,11 @@ TRACED = (
     "kvwire.movers.staged_moves:HeadMajorMoves.pages",
     "kvwire.movers.staged_moves:HeadMajorMoves.units",
     "kvwire.session.layers:LayerGate.mark",
+    "kvwire.session.decode.rooms:ChunkCheck.run",
+    "kvwire.session.decode.checker:ChunkChecker._apply",
+    "kvwire.integrity_device:DeviceRowHasher.page_sums",
+    "kvwire.integrity_device:DeviceRowHasher.sums",
+    "kvwire.integrity_device:_Lane.wait",
 )
 
 _events: list[tuple[str, str, float, float]] = []

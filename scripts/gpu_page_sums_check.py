@@ -121,6 +121,12 @@ def main() -> None:
     ap.add_argument("--sizes", default="16,128", help="MiB per chunk on an equal-TP link")
     ap.add_argument("--repeat", type=int, default=20)
     ap.add_argument("--json", default="")
+    ap.add_argument(
+        "--profile",
+        default="",
+        help="write a cProfile of each side's calls (TP 1 -> 1, first size) under this folder, "
+        "alone and beside a busy Python thread, and print their times",
+    )
     a = ap.parse_args()
     from kvwire.integrity_device import DeviceRowHasher
 
@@ -199,6 +205,8 @@ def main() -> None:
                 caught[side] = mismatched_layers(want, fn()) == [layer]
                 flip(lay, mem, addr)
                 caught[side] = caught[side] and fn() == want
+            if a.profile and name == "TP 1 -> 1" and mib == sizes[0]:
+                profile_sides(a.profile, {"prefill": prefill, "decode": decode}, a.repeat)
             # 2. what each side pays per chunk, page form and rows, side by side
             for side, obj, attr, fn in (
                 ("prefill", sent, "sides", prefill),
@@ -240,6 +248,44 @@ def main() -> None:
             json.dump(report, f, indent=2)
     print("verified" if ok else "MISMATCH")
     raise SystemExit(0 if ok else 1)
+
+
+def profile_sides(folder: str, fns: dict[str, Callable[[], Any]], repeat: int) -> None:
+    """Each side's call: its median time alone and beside a thread that runs Python without
+    pause (an engine's scheduler loop holding the GIL between its own waits), then a cProfile
+    of ``10 * repeat`` calls beside that thread, its top functions printed and saved."""
+    import cProfile
+    import io
+    import pstats
+    import threading
+
+    os.makedirs(folder, exist_ok=True)
+    stop = threading.Event()
+
+    def busy() -> None:
+        while not stop.is_set():
+            sum(range(200))
+
+    for side, fn in fns.items():
+        alone = timed(fn, repeat)
+        t = threading.Thread(target=busy, daemon=True)
+        t.start()
+        try:
+            beside = timed(fn, repeat)
+            prof = cProfile.Profile()
+            prof.enable()
+            for _ in range(10 * repeat):
+                fn()
+            prof.disable()
+        finally:
+            stop.set()
+            t.join()
+            stop.clear()
+        prof.dump_stats(os.path.join(folder, f"{side}.prof"))
+        out = io.StringIO()
+        pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(22)
+        print(f"== {side}: {alone:.3f} ms alone, {beside:.3f} ms beside a busy thread")
+        print("\n".join(out.getvalue().splitlines()[:40]))
 
 
 def flip(layout: KVLayout, memory: list[Any], addr: int) -> None:

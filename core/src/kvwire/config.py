@@ -100,6 +100,15 @@ class ControlOptions(BaseModel):
     metrics_port: int | None = Field(
         default=None, description="Serve Prometheus metrics on this port (None: do not serve)."
     )
+    gil_switch_interval_us: float | None = Field(
+        default=100.0,
+        gt=0,
+        le=100_000,
+        description="Lower the Python interpreter's GIL switch interval (process-wide, 5000 us "
+        "by default) to this when the manager starts, so kvwire's threads are not held up to "
+        "5 ms at each step behind an engine thread that runs Python; a shorter interval the "
+        "engine chose is kept. None (null) leaves it alone (kvwire.gil, docs/benchmarks.md).",
+    )
 
 
 class PoolConfig(BaseModel):

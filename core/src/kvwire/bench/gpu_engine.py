@@ -62,6 +62,25 @@ def add_engine_args(
     )
     p.add_argument("--verify-requests", type=int, default=verify)
     p.add_argument("--engine-step", type=float, default=0.0002)
+    p.add_argument(
+        "--engine-busy",
+        action="store_true",
+        help="the rank processes' engine loops run Python between polls instead of sleeping "
+        "(a scheduler that never sleeps: kvwire's threads get the GIL at switch intervals)",
+    )
+    p.add_argument(
+        "--switch-interval-us",
+        type=float,
+        default=None,
+        help="sys.setswitchinterval in the rank processes, in microseconds, as their engine "
+        "sets it (default: the interpreter's 5000)",
+    )
+    p.add_argument(
+        "--gil-switch-us",
+        default="",
+        help="kvwire's control.gil_switch_interval_us: a number, or 'off' (null: kvwire leaves "
+        "the interval alone); default: kvwire's default",
+    )
     p.add_argument("--timeout", type=float, default=timeout)
     p.add_argument("--backend", default=backend, help="transfer backend of the engine phase")
     p.add_argument(
@@ -104,6 +123,17 @@ def stage_medians(results: list[Any]) -> dict[str, float]:
         if vals:
             out[name] = round(1e3 * sorted(vals)[len(vals) // 2], 3)
     return out
+
+
+def gil_option(a: argparse.Namespace) -> dict[str, Any]:
+    """``--gil-switch-us`` as ControlOptions fields (none when not given, or when this tree's
+    kvwire has no such option: an A/B against an older tree runs this harness)."""
+    from kvwire.config import ControlOptions
+
+    v = getattr(a, "gil_switch_us", "")
+    if not v or "gil_switch_interval_us" not in ControlOptions.model_fields:
+        return {}
+    return {"gil_switch_interval_us": None if v == "off" else float(v)}
 
 
 def engine(
@@ -159,6 +189,10 @@ def engine(
         device=a.device,
         gpus=tuple(a.gpus) if a.device == "cuda" else None,
         engine_step_s=a.engine_step,
+        engine_busy=bool(getattr(a, "engine_busy", False)),
+        switch_interval_s=(
+            a.switch_interval_us / 1e6 if getattr(a, "switch_interval_us", None) else None
+        ),
         prefill_tp=a.prefill_tp,
         decode_tp=a.decode_tp,
         decode_page_size=getattr(a, "decode_page_size", None),
@@ -168,7 +202,9 @@ def engine(
             transfer_backend_options=json.loads(getattr(a, "backend_options", "") or "{}"),
             staging=staging,
             staging_options=dict(staging_options or {}),
-            control=ControlOptions(kv_checksum=bool(getattr(a, "checksum", False))),
+            control=ControlOptions(
+                kv_checksum=bool(getattr(a, "checksum", False)), **gil_option(a)
+            ),
         ),
     )
     flag = Path(a.sample_dir) / "on" if getattr(a, "sample_dir", "") else None

@@ -41,6 +41,7 @@ from kvwire.control.wire import (
     StagingMessage,
 )
 from kvwire.errors import ConfigError
+from kvwire.gil import apply_switch_interval
 from kvwire.layout import KVLayout, MemoryRegion
 from kvwire.session import metrics as m
 from kvwire.session.context import STAMP_ROW_BYTES, RankContext, Role
@@ -143,6 +144,7 @@ class KVManager:
             hooks=hooks,
         )
         labels.update(ctx.labels)
+        apply_switch_interval(config.control.gil_switch_interval_us, ctx.agent_name)
         #: The room table (live requests, their status and the room lock).
         self.rooms = rooms
         self.side: PrefillSide | DecodeSide

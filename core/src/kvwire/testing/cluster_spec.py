@@ -87,6 +87,15 @@ class ClusterSpec(BaseModel):
     #: step: it polls its requests, then sleeps this long; benchmarks use a short one). The
     #: default matches the earlier loop, whose 0.5 ms wait was rounded up to 1 ms.
     engine_step_s: float = Field(default=0.001, gt=0, le=0.1)
+    #: The engine loop runs Python for ``engine_step_s`` between polls instead of sleeping:
+    #: a scheduler that never sleeps, as a serving engine's is under load. It gives up the
+    #: GIL only when the interpreter's switch interval asks it to, so every kvwire thread
+    #: that waits outside the GIL (a socket, a CUDA call) may wait up to that interval to
+    #: run again.
+    engine_busy: bool = False
+    #: ``sys.setswitchinterval`` in every rank process (None: the interpreter's default,
+    #: 5 ms), as an engine that sets it would.
+    switch_interval_s: float | None = Field(default=None, gt=0, le=0.1)
     #: Network namespace per role ("prefill", "decode"): its rank processes join it before
     #: opening any socket (:mod:`kvwire.testing.netns`). Empty: every rank on this host.
     netns: dict[str, str] = Field(default_factory=dict)
