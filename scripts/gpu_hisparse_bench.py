@@ -14,7 +14,8 @@ run (``--paths``, default both):
        planned and queued as one launch of kvwire's fused run mover while the GPU copies the
        previous one; ``rows`` = the same through a prepared table (``prepare`` once,
        ``start_rows`` per call: only indices checked, addresses gathered per batch), which is
-       what the hisparse strategy calls
+       what the hisparse strategy calls; ``rows-index`` = ``rows`` with ``vram_path="index"``
+       (the strategy's default)
 
 Cases (each under every copier):
   a   one request laid out contiguously (one run per layer buffer)
@@ -105,6 +106,8 @@ COPIERS: dict[str, tuple[dict[str, Any], bool]] = {
     "old": ({"vram_path": "index", "batch_rows": 0}, False),
     "new": ({"vram_path": "mover"}, False),
     "rows": ({"vram_path": "mover"}, True),
+    # what the hisparse strategy calls by default: a prepared table, batches, index kernels
+    "rows-index": ({"vram_path": "index"}, True),
 }
 
 
@@ -544,7 +547,8 @@ def main() -> int:
         "--paths",
         default="old,new,rows",
         help="copiers to compare, comma-separated: old (index kernels, one batch), new (fused "
-        "mover, batches), rows (new through a prepared table, as the strategy calls it)",
+        "mover, batches), rows (new through a prepared table, as the strategy calls it), "
+        "rows-index (the same with index kernels: the strategy's default vram_path)",
     )
     args = ap.parse_args()
     paths = [x for x in args.paths.split(",") if x]

@@ -66,10 +66,10 @@ class HostPathOptions(BaseModel):
     abort_wait_s: float = 30.0
     #: ``mapped`` path: how VRAM rows move (:data:`~kvwire_hisparse.cuda_rows.VramPath`):
     #: ``mover`` (kvwire's fused run mover), ``index`` (the earlier copy-engine runs and
-    #: index_select/index_copy_ kernels), ``auto`` (``mover`` when Triton imports). The
-    #: default stays ``index``, the path measured on a GPU, until ``mover`` is
-    #: (scripts/gpu_hisparse_bench.py has the A/B; session 14 had no device time left).
-    vram_path: VramPath = "index"
+    #: index_select/index_copy_ kernels), ``auto`` (``mover`` when Triton imports): measured
+    #: on an H100 (docs/benchmarks.md, "HiSparse's copier on a GPU"), the mover moved
+    #: scattered token rows 1.05-1.10x faster than the index kernels and long rows equally.
+    vram_path: VramPath = "auto"
     #: ``mapped`` path: rows planned and queued per batch (the GPU starts on the first batch
     #: while the next is planned); 0: a chunk's rows in one batch.
     batch_rows: int = Field(default=16384, ge=0)
