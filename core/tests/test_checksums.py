@@ -714,3 +714,47 @@ def test_a_mismatch_waits_for_the_requests_other_checks_so_the_report_is_exact(
         wait_for(lambda: s.poll() in (KVPoll.Failed, KVPoll.Success), timeout=60)
         s.clear()
         wait_for(lambda: no_rooms(p.prefill) and no_rooms(p.decode), timeout=60)
+
+
+def test_inline_checks_run_on_the_noting_thread_and_still_catch_a_flip(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A link whose hasher checks inline (the device hasher's ``INLINE_CHECK``; the host
+    hasher is flagged so here, since no GPU runs this suite) is checked on the thread that
+    handled the note, after it let go of the room lock, never on a checker thread: clean
+    chunked requests land checked, and a flipped byte still fails the request naming chunk
+    and layer. Nothing is left in flight."""
+    monkeypatch.setattr(RowHasher, "INLINE_CHECK", True)
+    ran: list[tuple[str, bool]] = []
+    original = ChunkCheck.run
+
+    def spy(check: ChunkCheck) -> Any:
+        rooms_lock = p.decode.rooms.lock
+        held = rooms_lock._is_owned()  # type: ignore[attr-defined]
+        ran.append((threading.current_thread().name, held))
+        return original(check)
+
+    monkeypatch.setattr(ChunkCheck, "run", spy)
+    with pair(config(), _checked()) as p:
+        s, r, src, dst = p.start(41, 6)
+        s.send(src[:4])
+        s.send(src[4:], last=True)
+        wait_for(lambda: r.poll() == KVPoll.Success == s.poll())
+        assert count_mismatches(p.dlay, p.darr, dst, 0) == 0
+        assert len(ran) == 2, ran  # one check per chunk
+        assert all(not name.startswith("kvwire-check") for name, _ in ran), ran
+        assert not any(held for _, held in ran), "checked under the room lock"
+        r.clear()
+        s.clear()
+        _flip_on_landing(monkeypatch)
+        s, r, src, _ = p.start(42, 4)
+        s.send(src, last=True)
+        wait_for(lambda: r.poll() == KVPoll.Failed)
+        want = r"KV checksum mismatch in chunk 0 \(request pages \[0, 4\)\) from .* layers 1 differ"
+        with pytest.raises(KVWireError, match=want):
+            r.failure_exception()
+        wait_for(lambda: s.poll() in (KVPoll.Failed, KVPoll.Success))
+        r.clear()
+        s.clear()
+        wait_for(lambda: no_rooms(p.prefill) and no_rooms(p.decode))
+        assert p.decode.side.checker.in_flight() == 0  # type: ignore[union-attr]

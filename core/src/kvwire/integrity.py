@@ -128,6 +128,11 @@ class RowHasher:
     #: summed before it is posted. On host memory the hand-off to a summing thread and the
     #: sums' own note cost more than a small sum (measured: docs/benchmarks.md, late sums).
     LATE_BYTES = 8 << 20
+    #: Decode checks a chunk on the thread that saw it complete (after that thread let go
+    #: of the room lock) rather than on a checker thread: for a sum that is a launch and a
+    #: short wait, the hop to another thread costs more than the sum. Host sums read every
+    #: byte on the CPU and go to the checker threads.
+    INLINE_CHECK = False
 
     def __init__(self, layout: KVLayout) -> None:
         buffers = list(layout.buffers)

@@ -114,6 +114,13 @@ class _Lane:
         self.grow(_MIN_ROWS)
         self.out_dev = torch.zeros(out_elems, dtype=torch.int64, device=device)
         self.out_host = torch.empty(out_elems, dtype=torch.int64, pin_memory=self.cuda)
+        #: The page kernel's own sums (zero between launches: its last program zeroes
+        #: them) and where that program leaves the result (pinned: the host reads it after
+        #: the wait, with no download).
+        self.page_out = torch.zeros(out_elems + 1, dtype=torch.int64, device=device)
+        self.page_result = torch.zeros(out_elems, dtype=torch.int64, pin_memory=self.cuda)
+        if self.cuda:  # zeroed on the current stream, read on this lane's: wait for it
+            torch.cuda.current_stream(device).synchronize()
 
     def grow(self, rows: int) -> None:
         """Call buffers for ``rows`` rows of 5 columns."""
@@ -126,6 +133,14 @@ class _Lane:
             if self.cuda
             else self.call_host
         )
+
+    def page_wait(self) -> NDArray[np.int64]:
+        """The page kernel's result, once the launch just enqueued on this lane ended (one
+        wait on this lane's stream, no copy)."""
+        if self.stream is not None:
+            self.stream.synchronize()
+        out: NDArray[np.int64] = self.page_result.numpy().copy()
+        return out
 
     def wait(self) -> NDArray[np.int64]:
         """The per-layer sums, row counts and rows outside of the launch just enqueued on
@@ -164,6 +179,10 @@ class DeviceRowHasher(RowHasher):
     #: channel that decode must wait for) cost 1.3 ms more in ``land`` than the 0.4 ms it
     #: took out of ``post``: a GPU sum is summed before the rows are posted.
     LATE_BYTES = 1 << 62
+    #: Checked on the thread that saw the chunk complete: a launch and a wait of ~0.1 ms,
+    #: where the hop to a checker thread and back cost more (docs/benchmarks.md, "Where a
+    #: checked cudaipc request's time goes").
+    INLINE_CHECK = True
 
     def __init__(
         self,
@@ -367,9 +386,10 @@ class DeviceRowHasher(RowHasher):
             args = (
                 pairs.data_ptr(),
                 read.num_pairs,
-                lane.call_dev.data_ptr(),
+                lane.call_host.data_ptr(),  # pinned: the kernel reads it over the bus
                 consts.data_ptr(),
-                lane.out_dev.data_ptr(),
+                lane.page_out.data_ptr(),
+                lane.page_result.data_ptr(),
                 pages,
                 read.tokens,
                 cells,
@@ -382,8 +402,8 @@ class DeviceRowHasher(RowHasher):
                 hi,
             )
             meta = (block, self.inline_weights, mode)
-            self._enqueue(lane, hash_pages, programs, args, meta, ("pages", *meta), 2 * pages, True)
-            got = lane.wait()
+            self._enqueue(lane, hash_pages, programs, args, meta, ("pages", *meta), 0, False)
+            got = lane.page_wait()
         return self._layer_sums(got)
 
     def _paired(self, read: PageSide, key: PageSide, layer: NDArray[np.int64]) -> Any:
@@ -503,18 +523,20 @@ class DeviceRowHasher(RowHasher):
         elems: int,
         zero: bool,
     ) -> None:
-        """Enqueue, on ``lane``'s stream, the upload of the call's first ``elems`` int64,
-        the zeroing of the lane's per-layer sums (``zero``) and ``jit`` over ``n`` programs
-        with ``args`` and constexprs ``meta``: the compiled kernel (kept under
-        ``cache_key``) launched directly after its first launch, which is made under the lock
-        (Triton's compilation and cache fill stay single-threaded)."""
+        """Enqueue, on ``lane``'s stream, the upload of the call's first ``elems`` int64
+        (none: the kernel reads them from pinned memory), the zeroing of the lane's per-layer
+        sums (``zero``) and ``jit`` over ``n`` programs with ``args`` and constexprs
+        ``meta``: the compiled kernel (kept under ``cache_key``) launched directly after its
+        first launch, which is made under the lock (Triton's compilation and cache fill stay
+        single-threaded). Each torch call here releases the GIL and waits for it again."""
         if lane.stream is None:  # Triton's interpreter: host memory, synchronous
             if zero:
                 lane.out_dev.zero_()
             jit[(n,)](*args, *meta)
             return
         with torch.cuda.device(self.device), torch.cuda.stream(lane.stream):
-            lane.call_dev[:elems].copy_(lane.call_host[:elems], non_blocking=True)
+            if elems:
+                lane.call_dev[:elems].copy_(lane.call_host[:elems], non_blocking=True)
             if zero:
                 lane.out_dev.zero_()
             kernel = self._compiled.get(cache_key)

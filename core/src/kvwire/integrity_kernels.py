@@ -135,6 +135,7 @@ def hash_rows(  # type: ignore[no-untyped-def]  # Triton rejects non-Triton anno
         "call_addr",
         "consts_addr",
         "out_addr",
+        "result_addr",
         "num_pages",
         "tokens",
         "cells",
@@ -153,6 +154,7 @@ def hash_pages(  # type: ignore[no-untyped-def]  # Triton rejects non-Triton ann
     call_addr,
     consts_addr,
     out_addr,
+    result_addr,
     num_pages,
     tokens,
     cells,
@@ -175,11 +177,16 @@ def hash_pages(  # type: ignore[no-untyped-def]  # Triton rejects non-Triton ann
     # key_pages[p] * key_slot + t * key_row; every piece has `cells` cells read as `mode`
     # says. The program adds its pieces' terms, then one atomic add per page into its layer's
     # sum (a head slice's 16 pieces a page cost one atomic, not 16). out: int64
-    # [2 * num_layers + 1], as hash_rows' per_layer.
+    # [2 * num_layers + 2], as hash_rows' per_layer plus a count of programs done, all zero
+    # when a launch starts: the last program to finish moves the sums and counts into
+    # result (int64 [2 * num_layers + 1], pinned host memory on a GPU) and zeroes out again,
+    # so a call needs no upload, zeroing or download of its own (each a GIL release on the
+    # host), only its launch and a wait. call may be pinned host memory too.
     pairs = pairs_addr.to(tl.pointer_type(tl.int64))
     call = call_addr.to(tl.pointer_type(tl.int64))
     consts = consts_addr.to(tl.pointer_type(tl.int64))
     out = out_addr.to(tl.pointer_type(tl.int64))
+    result = result_addr.to(tl.pointer_type(tl.int64))
     pid = tl.program_id(0).to(tl.int64)
     p = pid % num_pages
     b = pid // num_pages
@@ -195,3 +202,9 @@ def hash_pages(  # type: ignore[no-untyped-def]  # Triton rejects non-Triton ann
     slot = tl.where(inside, layer, 0)
     tl.atomic_add(out + slot, total, mask=inside)
     tl.atomic_add(out + num_layers + slot, pid * 0 + tokens, mask=inside)
+    # acq_rel: this program's adds are seen by the one that counts last, which sees them all
+    done = tl.atomic_add(out + 2 * num_layers + 1, 1, sem="acq_rel")
+    if done == num_pairs * num_pages - 1:
+        for i in range(0, 2 * num_layers + 1):
+            tl.store(result + i, tl.atomic_xchg(out + i, 0, sem="acq_rel"))
+        tl.atomic_xchg(out + 2 * num_layers + 1, 0, sem="acq_rel")

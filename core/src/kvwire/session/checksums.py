@@ -204,6 +204,13 @@ class LandedSums:
         sides = _page_sides(self.mapper, tables.src, tables.dst)
         self.side = None if sides is None else sides[1]
 
+    @property
+    def inline(self) -> bool:
+        """Decode checks this link's chunks on the thread that saw them complete (its
+        hasher's :attr:`~kvwire.integrity.RowHasher.INLINE_CHECK`), not on a checker
+        thread."""
+        return bool(self.hasher.INLINE_CHECK)
+
     def chunk(
         self,
         num_pages: int,

@@ -30,6 +30,13 @@ Lock contract:
   its chunk, and asks the decode side whether the room is done; a mismatch fails the room
   through the decode side's ``fail``.
 
+A link whose hasher sums on the device (:attr:`~kvwire.session.checksums.LandedSums.inline`:
+a launch and a ~0.1 ms wait) is checked on the thread that saw its chunk complete instead:
+:meth:`ChunkChecker.submit` keeps the check in that thread's list, and the thread runs it with
+:meth:`ChunkChecker.run_deferred` once it let go of the room lock (the decode side's note
+handler does, and so does a checker thread after applying a verdict that queued more). The
+check and its verdict are the same; only the hop to a checker thread and back is gone.
+
 Teardown: :meth:`ChunkChecker.close` (manager shutdown, after live rooms were failed) drops the
 queued checks and waits for those running, so none reads the rank's KV buffers after they
 are released.
@@ -92,6 +99,9 @@ class ChunkChecker:
         #: a mismatch held back until they are (see :meth:`_apply`).
         self._pending: dict[tuple[int, int], int] = {}
         self._held: dict[tuple[int, int], TransferError] = {}
+        #: Per thread: checks submitted to run on that thread (inline links), in order.
+        self._deferred = threading.local()
+        self._closed = False
 
     def on_part(self, room: RecvRoom, msg: ChunkNote) -> None:
         """Under the room lock (progress thread for a backend notification, liveness thread
@@ -133,9 +143,11 @@ class ChunkChecker:
         self._done(room)
 
     def submit(self, check: ChunkCheck | None) -> bool:
-        """Under the room lock (progress or liveness thread): queue one chunk's check; False
-        when there is none (its source sends no checksums: the caller counts the chunk).
-        Raises :class:`TransferError` once the checker is closed."""
+        """Under the room lock (progress or liveness thread, or a checker thread applying a
+        verdict): queue one chunk's check; False when there is none (its source sends no
+        checksums: the caller counts the chunk). An inline link's check waits in this
+        thread's list for :meth:`run_deferred`. Raises :class:`TransferError` once the
+        checker is closed."""
         if check is None:
             return False
         key = (check.room, id(check.dst_pages))
@@ -143,7 +155,15 @@ class ChunkChecker:
         with self._lock:
             self._in_flight += 1
         try:
-            self._pool.submit(self._run, check)
+            if self._closed:
+                raise RuntimeError("closed")
+            if check.checksums.inline:
+                mine: list[ChunkCheck] | None = getattr(self._deferred, "checks", None)
+                if mine is None:
+                    mine = self._deferred.checks = []
+                mine.append(check)
+                return True
+            self._pool.submit(self._run_pooled, check)
         except RuntimeError as exc:  # shut down
             with self._lock:
                 self._in_flight -= 1
@@ -151,8 +171,22 @@ class ChunkChecker:
             raise TransferError("decode manager closed", room=check.room) from exc
         return True
 
+    def run_deferred(self) -> None:
+        """The thread that submitted inline checks, holding no room lock: run them now, in
+        order, each applying its verdict (which may queue more: they run too). A no-op on a
+        thread with none."""
+        mine: list[ChunkCheck] | None = getattr(self._deferred, "checks", None)
+        while mine:
+            self._run(mine.pop(0))
+
+    def _run_pooled(self, check: ChunkCheck) -> None:
+        """A checker thread: run one check, then any inline check its verdict queued."""
+        self._run(check)
+        self.run_deferred()
+
     def _run(self, check: ChunkCheck) -> None:
-        """A checker thread: run the check, hand over the verdict."""
+        """A checker thread (or the submitting thread, for an inline check): run the check,
+        hand over the verdict."""
         try:
             try:
                 outcome = check.run()
@@ -224,7 +258,10 @@ class ChunkChecker:
             return self._in_flight
 
     def close(self) -> None:
-        """Manager shutdown, no room lock held: drop queued checks, wait for running ones."""
+        """Manager shutdown, no room lock held: drop queued checks, wait for running ones
+        (an inline check runs on the thread that submitted it, which the manager stopped
+        first)."""
+        self._closed = True
         self._pool.shutdown(wait=True, cancel_futures=True)
         with self._lock:
             self._in_flight = 0

@@ -248,6 +248,13 @@ class DecodeSide(Side[RecvRoom]):
         """Progress thread (a backend notification) or liveness thread (the control message
         of a copy prefill made itself): one chunk segment, or the aux row, landed."""
         assert isinstance(msg, ChunkNote)
+        try:
+            self._note_landed(msg)
+        finally:  # a device sum's check runs here, with the room lock let go
+            self.checker.run_deferred()
+
+    def _note_landed(self, msg: ChunkNote) -> None:
+        """:meth:`_on_note`'s work, under the room lock."""
         ctx = self.ctx
         now = time.monotonic()
         with self.rooms.lock:
