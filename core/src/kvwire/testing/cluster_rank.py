@@ -26,6 +26,7 @@ from numpy.typing import NDArray
 from pydantic import SecretStr
 
 from kvwire.layout import KVLayout, MemoryRegion, ModelSpec, RankPosition
+from kvwire.testing.busy_engine import EngineLoop
 from kvwire.testing.cluster_groups import GroupAlloc, RankGroups
 from kvwire.testing.cluster_spec import (
     AUX_WORDS,
@@ -201,31 +202,6 @@ class _Hooks:
 RECOVERY_FIELDS = ("cause", "good_pages", "missing_pages", "good_mismatches")
 
 
-#: The busy engine loop's work: [rounds, seconds] (its rate is the engine's share of the GIL).
-_BUSY = [0, 0.0]
-
-
-def busy_for(seconds: float) -> None:
-    """Run Python for ``seconds`` without a pause (the busy engine loop of
-    :attr:`ClusterSpec.engine_busy`): the GIL is given up only at the switch interval. Counts
-    its rounds in :data:`_BUSY`."""
-    start = time.perf_counter()
-    end = start + seconds
-    n = 0
-    while (now := time.perf_counter()) < end:
-        sum(range(64))
-        n += 1
-    _BUSY[0] += n
-    _BUSY[1] += now - start
-
-
-def busy_rate() -> float:
-    """Rounds per millisecond of the busy loop since the last call (and reset)."""
-    rate = _BUSY[0] / max(_BUSY[1], 1e-9) / 1e3
-    _BUSY[0], _BUSY[1] = 0, 0.0
-    return rate
-
-
 def aux_row(room: int) -> NDArray[np.int32]:
     return (((room % 1_000_003) * 7_919 + np.arange(AUX_WORDS)) & 0x7FFFFFFF).astype(np.int32)
 
@@ -276,7 +252,7 @@ def rank_main(
     spec = ClusterSpec.model_validate_json(spec_json)
     if spec.switch_interval_s is not None:
         sys.setswitchinterval(spec.switch_interval_s)
-    engine_pause = busy_for if spec.engine_busy else time.sleep
+    engine = EngineLoop(spec.engine_busy)
     if spec.netns.get(role):  # first: every socket this process opens lives there
         from kvwire.testing.netns import enter_netns
 
@@ -334,10 +310,7 @@ def rank_main(
     hooks = _Hooks(hook_events)
     if role == "decode" and spec.host_page_size:
         pool.add_host_pool(spec, spec.host_page_size)
-    busy_alone = 0.0
-    if spec.engine_busy:  # the engine loop's rate before kvwire's threads exist
-        busy_for(0.2)
-        busy_alone = busy_rate()
+    engine.measure_alone()  # a busy loop's rate before kvwire's threads exist
     mgr = KVManager(
         spec.config,
         Role(role),
@@ -580,7 +553,7 @@ def rank_main(
             if active:
                 ready = bool(pipe.poll(0))
                 if not ready:
-                    engine_pause(spec.engine_step_s)
+                    engine.pause(spec.engine_step_s)
             else:
                 ready = bool(pipe.poll(10))
             if ready:
@@ -612,14 +585,7 @@ def rank_main(
                     free_aux.append(aux_index)
                     release_groups(ended)
     finally:
-        if spec.engine_busy:
-            rate = busy_rate()
-            print(
-                f"[{role}{inst}.{pp_rank}.{tp_rank}] busy engine loop: {rate:.0f} rounds/ms "
-                f"beside kvwire, {busy_alone:.0f} alone ({rate / max(busy_alone, 1e-9):.2f}x)",
-                file=sys.stderr,
-                flush=True,
-            )
+        engine.report(f"{role}{inst}.{pp_rank}.{tp_rank}")
         mgr.close()
         if pool.shared is not None:
             pool.host_arrays = []  # drop the views first, so the mapping can go too
