@@ -12,7 +12,7 @@ from __future__ import annotations
 import argparse
 import json
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -100,14 +100,19 @@ class ControlOptions(BaseModel):
     metrics_port: int | None = Field(
         default=None, description="Serve Prometheus metrics on this port (None: do not serve)."
     )
-    gil_switch_interval_us: float | None = Field(
+    gil_switch: Literal["auto", "always", "never"] = Field(
+        default="auto",
+        description="Lower the Python interpreter's GIL switch interval (process-wide, 5 ms by "
+        "default) to gil_switch_interval_us: 'auto' once kvwire's threads are seen waiting "
+        "a millisecond or more to run (an engine thread that runs Python), 'always' when the "
+        "manager starts, 'never' (kvwire.gil, docs/control-plane.md).",
+    )
+    gil_switch_interval_us: float = Field(
         default=100.0,
         gt=0,
         le=100_000,
-        description="Lower the Python interpreter's GIL switch interval (process-wide, 5000 us "
-        "by default) to this when the manager starts, so kvwire's threads are not held up to "
-        "5 ms at each step behind an engine thread that runs Python; a shorter interval the "
-        "engine chose is kept. None (null) leaves it alone (kvwire.gil, docs/benchmarks.md).",
+        description="The switch interval gil_switch sets, in microseconds (a shorter one the "
+        "engine chose is kept).",
     )
 
 

@@ -6,35 +6,87 @@ CUDA call) and wants it back while the engine's thread runs Python waits until t
 asks that thread to let go, which it does every *switch interval* (``sys.setswitchinterval``,
 5 ms by default). A request's path crosses several such waits on each side, so behind an engine
 loop that never sleeps a 2 MiB request took over 100 ms at 0.5 ms and its handshake did not
-complete at all at 5 ms (docs/benchmarks.md, "A busy engine thread"). The interval is
-process-wide: :func:`apply_switch_interval` only ever lowers it, once per manager, and says so
-in the log.
+complete at all at 5 ms (docs/benchmarks.md, "A busy engine thread"). Behind an engine that
+sleeps or waits on the GPU, a short interval only makes kvwire's own threads preempt each
+other (C=8 and TP 1 -> 2 were up to 30% slower at 0.1 ms).
+
+So the default (``control.gil_switch="auto"``) lowers the interval only once kvwire's threads
+are seen waiting for the GIL: :class:`GilWatch` is fed, by the liveness thread, how late each
+of its timed waits that nothing ended returned, and lowers the interval to
+``control.gil_switch_interval_us`` when the median of the last :data:`WINDOW` is
+:data:`STARVED_S` or more (an engine thread holding the GIL for milliseconds at a time). It is
+process-wide and only ever lowered, once, and the log says so. ``"always"`` lowers it when the
+manager starts; ``"never"`` leaves the interpreter alone.
 """
 
 from __future__ import annotations
 
 import logging
+import statistics
 import sys
+from collections import deque
+from typing import Literal
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["apply_switch_interval"]
+__all__ = ["STARVED_S", "WINDOW", "GilMode", "GilWatch", "apply_switch_interval"]
+
+GilMode = Literal["auto", "always", "never"]
+#: Idle waits of the liveness thread whose lateness is looked at together.
+WINDOW = 8
+#: Median lateness of those waits at which kvwire's threads count as starved of the GIL.
+STARVED_S = 0.001
 
 
-def apply_switch_interval(interval_us: float | None, agent_name: str) -> float:
-    """Engine thread, when a manager is built: lower the interpreter's switch interval to
-    ``interval_us`` microseconds if it is longer (an engine that chose a shorter one keeps
-    it; None leaves it alone). Returns the interval in force, in seconds."""
+def apply_switch_interval(interval_us: float, agent_name: str, why: str) -> float:
+    """Lower the interpreter's switch interval to ``interval_us`` microseconds if it is longer
+    (an engine that chose a shorter one keeps it), saying ``why`` in the log. Returns the
+    interval in force, in seconds. Any thread."""
     current = sys.getswitchinterval()
-    if interval_us is None or current <= interval_us / 1e6:
+    if current <= interval_us / 1e6:
         return current
     sys.setswitchinterval(interval_us / 1e6)
     logger.info(
-        "%s: GIL switch interval %.3f ms -> %.3f ms, so kvwire's threads run within that long "
-        "of wanting to while the engine's thread runs Python (control.gil_switch_interval_us; "
-        "null leaves the interpreter's setting alone)",
+        "%s: GIL switch interval %.3f ms -> %.3f ms (%s; control.gil_switch='never' leaves "
+        "the interpreter's setting alone)",
         agent_name,
         current * 1e3,
         interval_us / 1e3,
+        why,
     )
     return sys.getswitchinterval()
+
+
+class GilWatch:
+    """One manager's switch-interval policy (built by the manager on the engine thread; fed
+    by its liveness thread only, so no lock)."""
+
+    def __init__(self, mode: GilMode, interval_us: float, agent_name: str) -> None:
+        self.mode = mode
+        self.interval_us = interval_us
+        self.agent_name = agent_name
+        self._late: deque[float] = deque(maxlen=WINDOW)
+        #: Whether this watch lowered the interval (or has nothing left to do).
+        self.done = mode != "auto"
+        if mode == "always":
+            apply_switch_interval(interval_us, agent_name, "control.gil_switch='always'")
+
+    def waited(self, asked_s: float, took_s: float) -> None:
+        """Liveness thread, after a timed wait that nothing ended (no message came): it was
+        asked to last ``asked_s`` and returned after ``took_s``. Lowers the interval once the
+        median lateness of the last :data:`WINDOW` such waits reaches :data:`STARVED_S`."""
+        if self.done:
+            return
+        self._late.append(max(0.0, took_s - asked_s))
+        if len(self._late) < WINDOW:
+            return
+        late = statistics.median(self._late)
+        if late < STARVED_S:
+            return
+        self.done = True
+        apply_switch_interval(
+            self.interval_us,
+            self.agent_name,
+            f"kvwire's threads waited {late * 1e3:.1f} ms (median of {WINDOW}) to run again: "
+            "a thread of this process holds the GIL for milliseconds at a time",
+        )

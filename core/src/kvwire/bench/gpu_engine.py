@@ -76,10 +76,15 @@ def add_engine_args(
         "sets it (default: the interpreter's 5000)",
     )
     p.add_argument(
+        "--gil-switch",
+        default="",
+        choices=("", "auto", "always", "never"),
+        help="kvwire's control.gil_switch (default: kvwire's default)",
+    )
+    p.add_argument(
         "--gil-switch-us",
         default="",
-        help="kvwire's control.gil_switch_interval_us: a number, or 'off' (null: kvwire leaves "
-        "the interval alone); default: kvwire's default",
+        help="kvwire's control.gil_switch_interval_us, or 'off' (gil_switch='never')",
     )
     p.add_argument("--timeout", type=float, default=timeout)
     p.add_argument("--backend", default=backend, help="transfer backend of the engine phase")
@@ -126,14 +131,23 @@ def stage_medians(results: list[Any]) -> dict[str, float]:
 
 
 def gil_option(a: argparse.Namespace) -> dict[str, Any]:
-    """``--gil-switch-us`` as ControlOptions fields (none when not given, or when this tree's
-    kvwire has no such option: an A/B against an older tree runs this harness)."""
+    """``--gil-switch`` and ``--gil-switch-us`` as ControlOptions fields (none when not given,
+    or what this tree's kvwire has: an A/B against an older tree runs this harness)."""
     from kvwire.config import ControlOptions
 
-    v = getattr(a, "gil_switch_us", "")
-    if not v or "gil_switch_interval_us" not in ControlOptions.model_fields:
-        return {}
-    return {"gil_switch_interval_us": None if v == "off" else float(v)}
+    fields = ControlOptions.model_fields
+    out: dict[str, Any] = {}
+    mode, us = getattr(a, "gil_switch", ""), getattr(a, "gil_switch_us", "")
+    if mode and "gil_switch" in fields:
+        out["gil_switch"] = mode
+    if us == "off":  # the interval is left alone
+        if "gil_switch" in fields:
+            out["gil_switch"] = "never"
+        elif "gil_switch_interval_us" in fields:
+            out["gil_switch_interval_us"] = None
+    elif us and "gil_switch_interval_us" in fields:
+        out["gil_switch_interval_us"] = float(us)
+    return out
 
 
 def engine(

@@ -162,6 +162,12 @@ class ControlChannel:
                 mon.close(linger=0)
 
     # ---------------------------------------------------------------- receiving
+    @staticmethod
+    def timeout_granted(timeout_s: float) -> float:
+        """How long :meth:`receive` waits for ``timeout_s`` when no frame comes (the poller
+        takes whole milliseconds)."""
+        return max(0, int(timeout_s * 1000)) / 1000
+
     def receive(self, timeout_s: float, max_frames: int = MAX_FRAMES_PER_RECEIVE) -> list[Message]:
         """Up to ``max_frames`` messages, waiting at most ``timeout_s`` for the first.
         Malformed, unauthenticated and wrong-version frames are dropped and counted (logged

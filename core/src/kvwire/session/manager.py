@@ -41,7 +41,7 @@ from kvwire.control.wire import (
     StagingMessage,
 )
 from kvwire.errors import ConfigError
-from kvwire.gil import apply_switch_interval
+from kvwire.gil import GilWatch
 from kvwire.layout import KVLayout, MemoryRegion
 from kvwire.session import metrics as m
 from kvwire.session.context import STAMP_ROW_BYTES, RankContext, Role
@@ -144,7 +144,10 @@ class KVManager:
             hooks=hooks,
         )
         labels.update(ctx.labels)
-        apply_switch_interval(config.control.gil_switch_interval_us, ctx.agent_name)
+        #: The switch-interval policy (kvwire.gil), fed by the liveness thread.
+        self._gil = GilWatch(
+            config.control.gil_switch, config.control.gil_switch_interval_us, ctx.agent_name
+        )
         #: The room table (live requests, their status and the room lock).
         self.rooms = rooms
         self.side: PrefillSide | DecodeSide
@@ -345,7 +348,11 @@ class KVManager:
             try:
                 # sleep until a message arrives or the next duty is due (no busy ticking)
                 wait = min(LIVENESS_TICK_S, max(0.0, next_beat - time.monotonic()))
-                for msg in ctx.channel.receive(wait):
+                t_wait = time.monotonic()
+                msgs = ctx.channel.receive(wait)
+                if not msgs:  # the wait's lateness is how long this thread waited to run
+                    self._gil.waited(ctx.channel.timeout_granted(wait), time.monotonic() - t_wait)
+                for msg in msgs:
                     self._dispatch(msg)
                 for msg in ctx.channel.take_unsigned():
                     self.side.on_unsigned(msg)

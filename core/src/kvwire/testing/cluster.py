@@ -463,7 +463,8 @@ class Cluster:
         ``peers`` (peers it tracks now), ``dropped_<reason>`` (control frames it dropped:
         unauthenticated, malformed, version, send_full), ``failovers`` and ``recoveries``
         (its transport failover metrics) and, for a rank with several backends, ``links``
-        (``{engine peer: the backend its next transfer takes}``)."""
+        (``{engine peer: the backend its next transfer takes}``), and ``switch_interval_s``
+        (the process's GIL switch interval now)."""
         out = {}
         for p in self.procs:
             if not p.proc.is_alive():

@@ -563,7 +563,8 @@ def rank_main(
                 elif msg[0] == "tables":
                     conn.send(("tables", mgr.room_tables(), mgr.dropped))
                 elif msg[0] == "stats":
-                    stats = {"evictions": evictions(), "peers": len(mgr.peers)}
+                    stats: dict[str, Any] = {"evictions": evictions(), "peers": len(mgr.peers)}
+                    stats["switch_interval_s"] = sys.getswitchinterval()
                     stats.update(transport_switches())
                     conn.send(("stats", stats, mgr.dropped))
                 elif msg[0] == "peer_agents":
