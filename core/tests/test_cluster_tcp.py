@@ -1,6 +1,6 @@
 """End-to-end cluster tests (real processes, every element verified) on the ``tcp`` backend."""
 
-import pytest
+import time
 
 from kvwire.layout import ModelSpec
 from kvwire.testing.cluster import Cluster
@@ -29,7 +29,13 @@ def test_requests_behind_a_busy_engine_loop() -> None:
     with Cluster(spec) as c:
         plans = c.plans(16, pages=(1, 6), max_chunks=2)
         results = c.run(plans, concurrency=8, timeout_s=120)
-        intervals = {name: st["switch_interval_s"] for name, st in c.rank_stats().items()}
-    assert_all_ok(results)
-    assert len(results) == 16
-    assert intervals and all(v == pytest.approx(100e-6) for v in intervals.values()), intervals
+        assert_all_ok(results)
+        assert len(results) == 16
+        # each rank's liveness thread needs a window of idle waits to see it; a loaded host
+        # may take longer, so the wait is bounded by rounds of stats, not by a clock
+        for _ in range(300):
+            lowered = {name: st["gil_lowerings"] for name, st in c.rank_stats().items()}
+            if all(n >= 1 for n in lowered.values()):
+                break
+            time.sleep(0.05)
+    assert len(lowered) == 2 and all(n >= 1 for n in lowered.values()), lowered

@@ -16,7 +16,7 @@ from collections.abc import Iterator
 import pytest
 
 from kvwire.config import ControlOptions, KVWireConfig
-from kvwire.gil import STARVED_S, WINDOW, GilWatch, apply_switch_interval
+from kvwire.gil import PROBE_MAX_S, PROBE_S, STARVED_S, WINDOW, GilWatch, apply_switch_interval
 from kvwire.layout import RankPosition
 from kvwire.session import KVManager, Role
 from kvwire.testing.kvfill import make_pool
@@ -48,28 +48,87 @@ def test_apply_keeps_a_shorter_interval_the_engine_chose(caplog: pytest.LogCaptu
     assert not caplog.text
 
 
+class Clock:
+    """A monotonic clock the test moves."""
+
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def late_window(watch: GilWatch, late_s: float) -> None:
+    """One window of idle waits of 20 ms, each ``late_s`` late."""
+    for _ in range(WINDOW):
+        watch.waited(0.02, 0.02 + late_s)
+
+
 def test_auto_lowers_only_once_idle_waits_come_back_late(caplog: pytest.LogCaptureFixture) -> None:
-    watch = GilWatch("auto", 100.0, "rank-a")
+    watch = GilWatch("auto", 100.0, "rank-a", clock=Clock())
     assert sys.getswitchinterval() == pytest.approx(0.005)  # nothing at start
-    for _ in range(3 * WINDOW):  # punctual waits, and a few late ones: not starved
-        watch.waited(0.02, 0.0202)
-    for _ in range(WINDOW // 2 - 1):
+    for _ in range(3):
+        late_window(watch, 0.0002)  # punctual waits: not starved
+    for _ in range(WINDOW // 2 - 1):  # a few late ones in a window: the median is not
         watch.waited(0.02, 0.02 + 10 * STARVED_S)
+    for _ in range(WINDOW // 2 + 1):
+        watch.waited(0.02, 0.02)
+    assert sys.getswitchinterval() == pytest.approx(0.005)
+    assert [watch.lowered] == [False]
+    with caplog.at_level(logging.INFO, logger="kvwire.gil"):
+        late_window(watch, 3 * STARVED_S)  # a window mostly late: starved
+    assert sys.getswitchinterval() == pytest.approx(100e-6)
+    assert [watch.lowered] == [True]
+    assert "waited 3.0 ms (median of 8)" in caplog.text
+
+
+def test_auto_looks_again_and_puts_the_interval_back_once_starvation_is_gone(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    clock = Clock()
+    watch = GilWatch("auto", 100.0, "rank-a", clock=clock)
+    late_window(watch, 0.004)
+    assert sys.getswitchinterval() == pytest.approx(100e-6)
+    late_window(watch, 0.004)  # before the probe: nothing changes
+    assert sys.getswitchinterval() == pytest.approx(100e-6)
+    clock.now += PROBE_S
+    watch.waited(0.02, 0.02)  # the probe: the engine's interval, for one window
+    assert sys.getswitchinterval() == pytest.approx(0.005)
+    late_window(watch, 0.004)  # still starved: lowered again, the next probe twice as far
+    assert sys.getswitchinterval() == pytest.approx(100e-6)
+    clock.now += PROBE_S
+    late_window(watch, 0.0)
+    assert sys.getswitchinterval() == pytest.approx(100e-6), "probed again too soon"
+    clock.now += PROBE_S
+    watch.waited(0.02, 0.02)
     assert sys.getswitchinterval() == pytest.approx(0.005)
     with caplog.at_level(logging.INFO, logger="kvwire.gil"):
-        for _ in range(2):  # now most of the window is late: the median is
-            watch.waited(0.02, 0.02 + 3 * STARVED_S)
-    assert sys.getswitchinterval() == pytest.approx(100e-6)
-    assert watch.done
-    assert "waited" in caplog.text and "median of 8" in caplog.text
-    sys.setswitchinterval(0.005)  # once lowered it is never touched again
-    for _ in range(2 * WINDOW):
-        watch.waited(0.02, 0.1)
+        late_window(watch, 0.0001)  # the engine stopped hogging: it stays back
     assert sys.getswitchinterval() == pytest.approx(0.005)
+    assert not watch.lowered
+    assert "back at 5.000 ms" in caplog.text
+    late_window(watch, 0.0001)
+    assert sys.getswitchinterval() == pytest.approx(0.005)
+
+
+def test_the_probe_period_doubles_up_to_its_bound() -> None:
+    clock = Clock()
+    watch = GilWatch("auto", 100.0, "rank-a", clock=clock)
+    periods = []
+    late_window(watch, 0.004)
+    start = clock.now
+    for _ in range(12):  # starved at every probe
+        while sys.getswitchinterval() < 0.001:
+            clock.now += 1.0
+            watch.waited(0.02, 0.02)
+        periods.append(clock.now - start)
+        late_window(watch, 0.004)
+        start = clock.now
+    assert periods[:3] == [PROBE_S, 2 * PROBE_S, 4 * PROBE_S]
+    assert max(periods) == PROBE_MAX_S
 
 
 def test_always_lowers_at_start_and_never_never() -> None:
-    GilWatch("never", 100.0, "rank-a").waited(0.0, 1.0)
     never = GilWatch("never", 100.0, "rank-a")
     for _ in range(2 * WINDOW):
         never.waited(0.0, 1.0)

@@ -10,13 +10,16 @@ complete at all at 5 ms (docs/benchmarks.md, "A busy engine thread"). Behind an 
 sleeps or waits on the GPU, a short interval only makes kvwire's own threads preempt each
 other (C=8 and TP 1 -> 2 were up to 30% slower at 0.1 ms).
 
-So the default (``control.gil_switch="auto"``) lowers the interval only once kvwire's threads
-are seen waiting for the GIL: :class:`GilWatch` is fed, by the liveness thread, how late each
-of its timed waits that nothing ended returned, and lowers the interval to
-``control.gil_switch_interval_us`` when the median of the last :data:`WINDOW` is
-:data:`STARVED_S` or more (an engine thread holding the GIL for milliseconds at a time). It is
-process-wide and only ever lowered, once, and the log says so. ``"always"`` lowers it when the
-manager starts; ``"never"`` leaves the interpreter alone.
+So the default (``control.gil_switch="auto"``) lowers the interval only while kvwire's threads
+are seen waiting for the GIL. :class:`GilWatch` is fed, by the liveness thread, how late each of
+its timed waits that nothing ended returned; when the median of the last :data:`WINDOW` is
+:data:`STARVED_S` or more (a thread of the process holding the GIL for milliseconds at a time)
+it lowers the interval to ``control.gil_switch_interval_us``. A lowered interval hides the
+evidence, so every :data:`PROBE_S` (doubling up to :data:`PROBE_MAX_S` while the starvation is
+still found) it puts the interval back for one window and looks again: a burst of Python at
+startup (imports, compiling kernels, capturing graphs) costs a lowered interval for a while,
+not for good. ``"always"`` lowers it when the manager starts, ``"never"`` leaves the
+interpreter alone. The interval is process-wide; every change is logged.
 """
 
 from __future__ import annotations
@@ -24,18 +27,32 @@ from __future__ import annotations
 import logging
 import statistics
 import sys
+import time
 from collections import deque
+from collections.abc import Callable
 from typing import Literal
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["STARVED_S", "WINDOW", "GilMode", "GilWatch", "apply_switch_interval"]
+__all__ = [
+    "PROBE_MAX_S",
+    "PROBE_S",
+    "STARVED_S",
+    "WINDOW",
+    "GilMode",
+    "GilWatch",
+    "apply_switch_interval",
+]
 
 GilMode = Literal["auto", "always", "never"]
 #: Idle waits of the liveness thread whose lateness is looked at together.
 WINDOW = 8
 #: Median lateness of those waits at which kvwire's threads count as starved of the GIL.
 STARVED_S = 0.001
+#: How long a lowered interval stays before the watch looks again (doubled, up to
+#: :data:`PROBE_MAX_S`, each time the starvation is still there).
+PROBE_S = 10.0
+PROBE_MAX_S = 300.0
 
 
 def apply_switch_interval(interval_us: float, agent_name: str, why: str) -> float:
@@ -61,32 +78,71 @@ class GilWatch:
     """One manager's switch-interval policy (built by the manager on the engine thread; fed
     by its liveness thread only, so no lock)."""
 
-    def __init__(self, mode: GilMode, interval_us: float, agent_name: str) -> None:
+    def __init__(
+        self,
+        mode: GilMode,
+        interval_us: float,
+        agent_name: str,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.mode = mode
         self.interval_us = interval_us
         self.agent_name = agent_name
+        self._clock = clock
         self._late: deque[float] = deque(maxlen=WINDOW)
-        #: Whether this watch lowered the interval (or has nothing left to do).
-        self.done = mode != "auto"
+        #: The interval this watch found (and puts back when the starvation is gone).
+        self._original = sys.getswitchinterval()
+        #: When the interval is lowered: when to look again, and the wait after that.
+        self._probe_at: float | None = None
+        self._probe_s = PROBE_S
+        #: How many times this watch lowered the interval (auto mode; metrics and tests).
+        self.lowerings = 0
         if mode == "always":
             apply_switch_interval(interval_us, agent_name, "control.gil_switch='always'")
 
+    @property
+    def lowered(self) -> bool:
+        """Whether this watch holds the interval lowered now (auto mode)."""
+        return self._probe_at is not None
+
     def waited(self, asked_s: float, took_s: float) -> None:
         """Liveness thread, after a timed wait that nothing ended (no message came): it was
-        asked to last ``asked_s`` and returned after ``took_s``. Lowers the interval once the
-        median lateness of the last :data:`WINDOW` such waits reaches :data:`STARVED_S`."""
-        if self.done:
+        asked to last ``asked_s`` and returned after ``took_s``. In auto mode: lowers the
+        interval once the median lateness of the last :data:`WINDOW` such waits reaches
+        :data:`STARVED_S`; while lowered, puts it back every probe period to look again."""
+        if self.mode != "auto":
+            return
+        now = self._clock()
+        if self._probe_at is not None:
+            if now < self._probe_at:
+                return
+            self._probe_at = None  # a window at the engine's own interval
+            self._late.clear()
+            sys.setswitchinterval(self._original)
             return
         self._late.append(max(0.0, took_s - asked_s))
         if len(self._late) < WINDOW:
             return
         late = statistics.median(self._late)
+        self._late.clear()
         if late < STARVED_S:
+            if self._probe_s > PROBE_S:
+                self._probe_s = PROBE_S
+                logger.info(
+                    "%s: GIL switch interval back at %.3f ms (kvwire's threads run on time)",
+                    self.agent_name,
+                    self._original * 1e3,
+                )
             return
-        self.done = True
-        apply_switch_interval(
-            self.interval_us,
-            self.agent_name,
+        first = self._probe_s == PROBE_S
+        self.lowerings += 1
+        self._probe_at = now + self._probe_s
+        self._probe_s = min(2 * self._probe_s, PROBE_MAX_S)
+        why = (
             f"kvwire's threads waited {late * 1e3:.1f} ms (median of {WINDOW}) to run again: "
-            "a thread of this process holds the GIL for milliseconds at a time",
+            "a thread of this process holds the GIL for milliseconds at a time"
         )
+        if first:
+            apply_switch_interval(self.interval_us, self.agent_name, why)
+        else:  # still starved at the probe: lowered again, quietly
+            sys.setswitchinterval(min(self._original, self.interval_us / 1e6))

@@ -144,8 +144,9 @@ class KVManager:
             hooks=hooks,
         )
         labels.update(ctx.labels)
-        #: The switch-interval policy (kvwire.gil), fed by the liveness thread.
-        self._gil = GilWatch(
+        #: The switch-interval policy (kvwire.gil), fed by the liveness thread; read-only to
+        #: others (``gil.lowered``, ``gil.lowerings``).
+        self.gil = GilWatch(
             config.control.gil_switch, config.control.gil_switch_interval_us, ctx.agent_name
         )
         #: The room table (live requests, their status and the room lock).
@@ -351,7 +352,7 @@ class KVManager:
                 t_wait = time.monotonic()
                 msgs = ctx.channel.receive(wait)
                 if not msgs:  # the wait's lateness is how long this thread waited to run
-                    self._gil.waited(ctx.channel.timeout_granted(wait), time.monotonic() - t_wait)
+                    self.gil.waited(ctx.channel.timeout_granted(wait), time.monotonic() - t_wait)
                 for msg in msgs:
                     self._dispatch(msg)
                 for msg in ctx.channel.take_unsigned():

@@ -463,8 +463,9 @@ class Cluster:
         ``peers`` (peers it tracks now), ``dropped_<reason>`` (control frames it dropped:
         unauthenticated, malformed, version, send_full), ``failovers`` and ``recoveries``
         (its transport failover metrics) and, for a rank with several backends, ``links``
-        (``{engine peer: the backend its next transfer takes}``), and ``switch_interval_s``
-        (the process's GIL switch interval now)."""
+        (``{engine peer: the backend its next transfer takes}``), ``switch_interval_s`` (the
+        process's GIL switch interval now) and ``gil_lowerings`` (how often its manager
+        lowered it: :mod:`kvwire.gil`)."""
         out = {}
         for p in self.procs:
             if not p.proc.is_alive():

@@ -550,7 +550,7 @@ def rank_main(
         while True:
             # poll rounds a timeout up to whole milliseconds: with requests in flight, check
             # without waiting and sleep one engine step instead.
-            if active:
+            if active or engine.busy:  # a busy engine runs Python with or without requests
                 ready = bool(pipe.poll(0))
                 if not ready:
                     engine.pause(spec.engine_step_s)
@@ -565,6 +565,7 @@ def rank_main(
                 elif msg[0] == "stats":
                     stats: dict[str, Any] = {"evictions": evictions(), "peers": len(mgr.peers)}
                     stats["switch_interval_s"] = sys.getswitchinterval()
+                    stats["gil_lowerings"] = mgr.gil.lowerings
                     stats.update(transport_switches())
                     conn.send(("stats", stats, mgr.dropped))
                 elif msg[0] == "peer_agents":
