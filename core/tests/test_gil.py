@@ -159,3 +159,35 @@ def test_a_manager_applies_its_option(mode: str, want: float) -> None:
     lay, _ = make_pool(MODEL, RankPosition(), 8)
     with KVManager(cfg, Role.DECODE, lay):
         assert sys.getswitchinterval() == pytest.approx(want)
+
+
+def test_changes_reach_the_callback_and_a_managers_metrics() -> None:
+    """Every interval the watch sets reaches ``on_change`` (the manager exports it as
+    ``kvwire_gil_switch_interval_seconds`` and counts lowerings in ``kvwire_gil_lowerings``)."""
+    from prometheus_client import REGISTRY
+
+    seen: list[tuple[float, bool]] = []
+    clock = Clock()
+    watch = GilWatch(
+        "auto", 100.0, "rank-a", clock=clock, on_change=lambda i, w: seen.append((i, w))
+    )
+    late_window(watch, 0.004)
+    clock.now += PROBE_S
+    watch.waited(0.02, 0.02)
+    assert [w for _, w in seen] == [False, True, False]
+    assert [i for i, _ in seen] == pytest.approx([0.005, 100e-6, 0.005])
+    cfg: KVWireConfig = config()
+    cfg = cfg.model_copy(
+        update={
+            "control": cfg.control.model_copy(
+                update={"gil_switch": "always", "gil_switch_interval_us": 250.0}
+            )
+        }
+    )
+    lay, _ = make_pool(MODEL, RankPosition(), 8)
+    with KVManager(cfg, Role.DECODE, lay) as d:
+        labels = {"role": "decode", "agent": d.agent_name}
+        got = REGISTRY.get_sample_value("kvwire_gil_switch_interval_seconds", labels)
+        assert got == pytest.approx(250e-6)
+        d._gil_changed(100e-6, True)  # what the liveness thread's watch calls on a lowering
+        assert REGISTRY.get_sample_value("kvwire_gil_lowerings_total", labels) == 1.0

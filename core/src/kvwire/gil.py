@@ -84,8 +84,13 @@ class GilWatch:
         interval_us: float,
         agent_name: str,
         clock: Callable[[], float] = time.monotonic,
+        on_change: Callable[[float, bool], None] | None = None,
     ) -> None:
+        """``on_change(interval_s, lowered)`` is called (on the calling thread) with the
+        interval in force whenever this watch sets it, and once at construction; the
+        manager passes its metrics' update."""
         self.mode = mode
+        self._on_change = on_change or (lambda interval_s, lowered: None)
         self.interval_us = interval_us
         self.agent_name = agent_name
         self._clock = clock
@@ -99,6 +104,7 @@ class GilWatch:
         self.lowerings = 0
         if mode == "always":
             apply_switch_interval(interval_us, agent_name, "control.gil_switch='always'")
+        self._on_change(sys.getswitchinterval(), False)
 
     @property
     def lowered(self) -> bool:
@@ -119,6 +125,7 @@ class GilWatch:
             self._probe_at = None  # a window at the engine's own interval
             self._late.clear()
             sys.setswitchinterval(self._original)
+            self._on_change(self._original, False)
             return
         self._late.append(max(0.0, took_s - asked_s))
         if len(self._late) < WINDOW:
@@ -146,3 +153,4 @@ class GilWatch:
             apply_switch_interval(self.interval_us, self.agent_name, why)
         else:  # still starved at the probe: lowered again, quietly
             sys.setswitchinterval(min(self._original, self.interval_us / 1e6))
+        self._on_change(sys.getswitchinterval(), True)

@@ -147,7 +147,10 @@ class KVManager:
         #: The switch-interval policy (kvwire.gil), fed by the liveness thread; read-only to
         #: others (``gil.lowered``, ``gil.lowerings``).
         self.gil = GilWatch(
-            config.control.gil_switch, config.control.gil_switch_interval_us, ctx.agent_name
+            config.control.gil_switch,
+            config.control.gil_switch_interval_us,
+            ctx.agent_name,
+            on_change=self._gil_changed,
         )
         #: The room table (live requests, their status and the room lock).
         self.rooms = rooms
@@ -334,6 +337,13 @@ class KVManager:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+    def _gil_changed(self, interval_s: float, lowered: bool) -> None:
+        """The GIL watch set the switch interval (engine thread at start, then the liveness
+        thread): export it, and count a lowering."""
+        m.GIL_SWITCH_INTERVAL.labels(**self.ctx.labels).set(interval_s)
+        if lowered:
+            m.GIL_LOWERINGS.labels(**self.ctx.labels).inc()
 
     # -------------------------------------------------------------- liveness lane
     def _liveness_loop(self) -> None:

@@ -38,6 +38,16 @@ RECOVERIES = Counter(
     "Links moved back to a backend that reconnected after a failure",
     (*_LABELS, "backend"),
 )
+GIL_LOWERINGS = Counter(
+    "kvwire_gil_lowerings",
+    "Times this manager lowered the GIL switch interval, its threads seen starved (kvwire.gil)",
+    _LABELS,
+)
+GIL_SWITCH_INTERVAL = Gauge(
+    "kvwire_gil_switch_interval_seconds",
+    "The process's GIL switch interval as this manager last set or found it",
+    _LABELS,
+)
 ACTIVE_ROOMS = Gauge("kvwire_active_rooms", "Rooms currently tracked", _LABELS)
 QUEUED_CHUNKS = Gauge(
     "kvwire_queued_chunks", "Chunks queued for or in the transfer workers (prefill)", _LABELS
