@@ -177,7 +177,12 @@ class ChunkChecker:
         thread with none."""
         mine: list[ChunkCheck] | None = getattr(self._deferred, "checks", None)
         while mine:
-            self._run(mine.pop(0))
+            check = mine.pop(0)
+            try:
+                self._run(check)
+            except Exception:  # applying a verdict failed: the others still run
+                msg = check.msg
+                logger.exception("room %d: applying chunk %d's check", check.room, msg.chunk_id)
 
     def _run_pooled(self, check: ChunkCheck) -> None:
         """A checker thread: run one check, then any inline check its verdict queued."""
