@@ -55,14 +55,16 @@ PROBE_S = 10.0
 PROBE_MAX_S = 300.0
 
 
-def apply_switch_interval(interval_us: float, agent_name: str, why: str) -> float:
+def apply_switch_interval(interval_us: float, agent_name: str, why: str | None) -> float:
     """Lower the interpreter's switch interval to ``interval_us`` microseconds if it is longer
-    (an engine that chose a shorter one keeps it), saying ``why`` in the log. Returns the
-    interval in force, in seconds. Any thread."""
+    (an engine that chose a shorter one keeps it), saying ``why`` in the log (None: quietly).
+    Returns the interval in force, in seconds. Any thread."""
     current = sys.getswitchinterval()
     if current <= interval_us / 1e6:
         return current
     sys.setswitchinterval(interval_us / 1e6)
+    if why is None:
+        return sys.getswitchinterval()
     logger.info(
         "%s: GIL switch interval %.3f ms -> %.3f ms (%s; control.gil_switch='never' leaves "
         "the interpreter's setting alone)",
@@ -149,8 +151,6 @@ class GilWatch:
             f"kvwire's threads waited {late * 1e3:.1f} ms (median of {WINDOW}) to run again: "
             "a thread of this process holds the GIL for milliseconds at a time"
         )
-        if first:
-            apply_switch_interval(self.interval_us, self.agent_name, why)
-        else:  # still starved at the probe: lowered again, quietly
-            sys.setswitchinterval(min(self._original, self.interval_us / 1e6))
-        self._on_change(sys.getswitchinterval(), True)
+        # still starved at a probe: lowered again, quietly
+        interval = apply_switch_interval(self.interval_us, self.agent_name, why if first else None)
+        self._on_change(interval, True)

@@ -132,20 +132,19 @@ def stage_medians(results: list[Any]) -> dict[str, float]:
 
 def gil_option(a: argparse.Namespace) -> dict[str, Any]:
     """``--gil-switch`` and ``--gil-switch-us`` as ControlOptions fields (none when not given,
-    or what this tree's kvwire has: an A/B against an older tree runs this harness)."""
+    or when this tree's kvwire has no such option: an A/B against an older tree runs this
+    harness)."""
     from kvwire.config import ControlOptions
 
-    fields = ControlOptions.model_fields
     out: dict[str, Any] = {}
+    if "gil_switch" not in ControlOptions.model_fields:
+        return out
     mode, us = getattr(a, "gil_switch", ""), getattr(a, "gil_switch_us", "")
-    if mode and "gil_switch" in fields:
+    if mode:
         out["gil_switch"] = mode
     if us == "off":  # the interval is left alone
-        if "gil_switch" in fields:
-            out["gil_switch"] = "never"
-        elif "gil_switch_interval_us" in fields:
-            out["gil_switch_interval_us"] = None
-    elif us and "gil_switch_interval_us" in fields:
+        out["gil_switch"] = "never"
+    elif us:
         out["gil_switch_interval_us"] = float(us)
     return out
 

@@ -163,17 +163,21 @@ class ControlChannel:
 
     # ---------------------------------------------------------------- receiving
     @staticmethod
-    def timeout_granted(timeout_s: float) -> float:
-        """How long :meth:`receive` waits for ``timeout_s`` when no frame comes (the poller
-        takes whole milliseconds)."""
-        return max(0, int(timeout_s * 1000)) / 1000
+    def _poll_ms(timeout_s: float) -> int:
+        """The poller's timeout for ``timeout_s`` (it takes whole milliseconds)."""
+        return max(0, int(timeout_s * 1000))
+
+    @classmethod
+    def timeout_granted(cls, timeout_s: float) -> float:
+        """How long :meth:`receive` waits for ``timeout_s`` when no frame comes."""
+        return cls._poll_ms(timeout_s) / 1000
 
     def receive(self, timeout_s: float, max_frames: int = MAX_FRAMES_PER_RECEIVE) -> list[Message]:
         """Up to ``max_frames`` messages, waiting at most ``timeout_s`` for the first.
         Malformed, unauthenticated and wrong-version frames are dropped and counted (logged
         at most once per :data:`DROP_LOG_PERIOD_S` per reason). Liveness thread only."""
         out: list[Message] = []
-        if not self._poller.poll(max(0, int(timeout_s * 1000))):
+        if not self._poller.poll(self._poll_ms(timeout_s)):
             return out
         pull = self._pull
         for _ in range(max_frames):
