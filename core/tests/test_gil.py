@@ -16,7 +16,16 @@ from collections.abc import Iterator
 import pytest
 
 from kvwire.config import ControlOptions, KVWireConfig
-from kvwire.gil import PROBE_MAX_S, PROBE_S, STARVED_S, WINDOW, GilWatch, apply_switch_interval
+from kvwire.gil import (
+    PROBE_MAX_S,
+    PROBE_S,
+    STARVED_S,
+    WINDOW,
+    GilWatch,
+    holders,
+    lower_switch_interval,
+    release_switch_interval,
+)
 from kvwire.layout import RankPosition
 from kvwire.session import KVManager, Role
 from kvwire.testing.kvfill import make_pool
@@ -24,28 +33,52 @@ from kvwire.testing.pair import MODEL, config
 
 
 @pytest.fixture(autouse=True)
-def interval() -> Iterator[None]:
-    """Every test starts at the interpreter's default and leaves the process as it was."""
+def interval() -> Iterator[list[GilWatch]]:
+    """Every test starts at the interpreter's default, closes the watches it lists here, and
+    leaves the process as it was (no hold left over)."""
     before = sys.getswitchinterval()
     sys.setswitchinterval(0.005)
-    yield
+    watches: list[GilWatch] = []
+    yield watches
+    for w in watches:
+        w.close()
+    assert holders() == 0, "a test left the switch interval held"
     sys.setswitchinterval(before)
 
 
-def test_apply_lowers_a_longer_interval_and_says_why(caplog: pytest.LogCaptureFixture) -> None:
+def test_lowering_says_why_and_the_last_holder_puts_it_back(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    a, b = object(), object()
     with caplog.at_level(logging.INFO, logger="kvwire.gil"):
-        got = apply_switch_interval(100.0, "rank-a", "a test")
+        got = lower_switch_interval(a, 100.0, "rank-a", "a test")
     assert got == pytest.approx(100e-6)
     assert sys.getswitchinterval() == pytest.approx(100e-6)
     assert "rank-a" in caplog.text and "5.000 ms -> 0.100 ms (a test" in caplog.text
-
-
-def test_apply_keeps_a_shorter_interval_the_engine_chose(caplog: pytest.LogCaptureFixture) -> None:
-    sys.setswitchinterval(50e-6)
+    assert lower_switch_interval(b, 250.0, "rank-b", "b") == pytest.approx(100e-6)  # shortest
+    assert release_switch_interval(a, "rank-a", "done") == pytest.approx(100e-6)  # b holds
+    assert holders() == 1
     with caplog.at_level(logging.INFO, logger="kvwire.gil"):
-        assert apply_switch_interval(100.0, "rank-a", "a test") == pytest.approx(50e-6)
+        assert release_switch_interval(b, "rank-b", "done") == pytest.approx(0.005)
+    assert "rank-b: GIL switch interval back at 5.000 ms (done)" in caplog.text
+    assert release_switch_interval(b, "rank-b", "again") == pytest.approx(0.005)  # idempotent
+
+
+def test_a_shorter_interval_the_engine_chose_is_kept(caplog: pytest.LogCaptureFixture) -> None:
+    sys.setswitchinterval(50e-6)
+    holder = object()
+    with caplog.at_level(logging.INFO, logger="kvwire.gil"):
+        assert lower_switch_interval(holder, 100.0, "rank-a", "a test") == pytest.approx(50e-6)
+        assert release_switch_interval(holder, "rank-a", "done") == pytest.approx(50e-6)
     assert sys.getswitchinterval() == pytest.approx(50e-6)
     assert not caplog.text
+
+
+def test_an_interval_the_engine_changed_while_held_is_left_alone() -> None:
+    holder = object()
+    lower_switch_interval(holder, 100.0, "rank-a", None)
+    sys.setswitchinterval(0.002)  # the engine's own choice, made while kvwire held it
+    assert release_switch_interval(holder, "rank-a", "done") == pytest.approx(0.002)
 
 
 class Clock:
@@ -64,8 +97,11 @@ def late_window(watch: GilWatch, late_s: float) -> None:
         watch.waited(0.02, 0.02 + late_s)
 
 
-def test_auto_lowers_only_once_idle_waits_come_back_late(caplog: pytest.LogCaptureFixture) -> None:
+def test_auto_lowers_only_once_idle_waits_come_back_late(
+    caplog: pytest.LogCaptureFixture, interval: list[GilWatch]
+) -> None:
     watch = GilWatch("auto", 100.0, "rank-a", clock=Clock())
+    interval.append(watch)
     assert sys.getswitchinterval() == pytest.approx(0.005)  # nothing at start
     for _ in range(3):
         late_window(watch, 0.0002)  # punctual waits: not starved
@@ -83,10 +119,11 @@ def test_auto_lowers_only_once_idle_waits_come_back_late(caplog: pytest.LogCaptu
 
 
 def test_auto_looks_again_and_puts_the_interval_back_once_starvation_is_gone(
-    caplog: pytest.LogCaptureFixture,
+    caplog: pytest.LogCaptureFixture, interval: list[GilWatch]
 ) -> None:
     clock = Clock()
     watch = GilWatch("auto", 100.0, "rank-a", clock=clock)
+    interval.append(watch)
     late_window(watch, 0.004)
     assert sys.getswitchinterval() == pytest.approx(100e-6)
     late_window(watch, 0.004)  # before the probe: nothing changes
@@ -106,14 +143,15 @@ def test_auto_looks_again_and_puts_the_interval_back_once_starvation_is_gone(
         late_window(watch, 0.0001)  # the engine stopped hogging: it stays back
     assert sys.getswitchinterval() == pytest.approx(0.005)
     assert not watch.lowered
-    assert "back at 5.000 ms" in caplog.text
+    assert "no longer holds the GIL switch interval lowered (now 5.000 ms)" in caplog.text
     late_window(watch, 0.0001)
     assert sys.getswitchinterval() == pytest.approx(0.005)
 
 
-def test_the_probe_period_doubles_up_to_its_bound() -> None:
+def test_the_probe_period_doubles_up_to_its_bound(interval: list[GilWatch]) -> None:
     clock = Clock()
     watch = GilWatch("auto", 100.0, "rank-a", clock=clock)
+    interval.append(watch)
     periods = []
     late_window(watch, 0.004)
     start = clock.now
@@ -133,8 +171,38 @@ def test_always_lowers_at_start_and_never_never() -> None:
     for _ in range(2 * WINDOW):
         never.waited(0.0, 1.0)
     assert sys.getswitchinterval() == pytest.approx(0.005)
-    GilWatch("always", 250.0, "rank-a")
+    always = GilWatch("always", 250.0, "rank-a")
     assert sys.getswitchinterval() == pytest.approx(250e-6)
+    never.close()
+    always.close()
+    assert sys.getswitchinterval() == pytest.approx(0.005)
+
+
+def test_several_managers_watches_share_the_process_interval(interval: list[GilWatch]) -> None:
+    """Two managers of one process: the second does not take the first's lowered interval for
+    the engine's, a probe of one leaves the interval lowered while the other holds it, and the
+    engine's interval is back once neither holds it."""
+    ca, cb = Clock(), Clock()
+    a = GilWatch("auto", 100.0, "rank-a", clock=ca)
+    interval.append(a)
+    late_window(a, 0.004)
+    assert sys.getswitchinterval() == pytest.approx(100e-6)
+    b = GilWatch("auto", 100.0, "rank-b", clock=cb)
+    interval.append(b)
+    late_window(b, 0.004)
+    assert a.lowered and b.lowered
+    ca.now += PROBE_S
+    a.waited(0.02, 0.02)  # a probes; b still holds it lowered
+    assert not a.lowered
+    assert sys.getswitchinterval() == pytest.approx(100e-6)
+    late_window(a, 0.0)  # what a sees under b's hold: on time, so it stays back
+    cb.now += PROBE_S
+    b.waited(0.02, 0.02)  # b probes too: nobody holds it, the engine's interval is back
+    assert sys.getswitchinterval() == pytest.approx(0.005)
+    late_window(b, 0.004)  # b still starved: lowered again
+    assert sys.getswitchinterval() == pytest.approx(100e-6)
+    b.close()  # its manager closed
+    assert sys.getswitchinterval() == pytest.approx(0.005)
 
 
 def test_options_are_validated() -> None:
@@ -159,9 +227,10 @@ def test_a_manager_applies_its_option(mode: str, want: float) -> None:
     lay, _ = make_pool(MODEL, RankPosition(), 8)
     with KVManager(cfg, Role.DECODE, lay):
         assert sys.getswitchinterval() == pytest.approx(want)
+    assert sys.getswitchinterval() == pytest.approx(0.005)  # put back at close
 
 
-def test_changes_reach_the_callback_and_a_managers_metrics() -> None:
+def test_changes_reach_the_callback_and_a_managers_metrics(interval: list[GilWatch]) -> None:
     """Every interval the watch sets reaches ``on_change`` (the manager exports it as
     ``kvwire_gil_switch_interval_seconds`` and counts lowerings in ``kvwire_gil_lowerings``)."""
     from prometheus_client import REGISTRY
@@ -171,6 +240,7 @@ def test_changes_reach_the_callback_and_a_managers_metrics() -> None:
     watch = GilWatch(
         "auto", 100.0, "rank-a", clock=clock, on_change=lambda i, w: seen.append((i, w))
     )
+    interval.append(watch)
     late_window(watch, 0.004)
     clock.now += PROBE_S
     watch.waited(0.02, 0.02)

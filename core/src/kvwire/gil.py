@@ -19,7 +19,13 @@ evidence, so every :data:`PROBE_S` (doubling up to :data:`PROBE_MAX_S` while the
 still found) it puts the interval back for one window and looks again: a burst of Python at
 startup (imports, compiling kernels, capturing graphs) costs a lowered interval for a while,
 not for good. ``"always"`` lowers it when the manager starts, ``"never"`` leaves the
-interpreter alone. The interval is process-wide; every change is logged.
+interpreter alone.
+
+The interval is process-wide and an engine may run several managers in one process, so one
+owner here keeps it: the process runs at the shortest interval any manager's watch holds, and
+at the interval found before the first hold once the last lets go (at a probe, or when its
+manager closes). A probe therefore looks at the engine's own interval only when no other
+manager holds it lowered. Lowerings, and the return once no manager holds it, are logged.
 """
 
 from __future__ import annotations
@@ -27,6 +33,7 @@ from __future__ import annotations
 import logging
 import statistics
 import sys
+import threading
 import time
 from collections import deque
 from collections.abc import Callable
@@ -41,7 +48,9 @@ __all__ = [
     "WINDOW",
     "GilMode",
     "GilWatch",
-    "apply_switch_interval",
+    "holders",
+    "lower_switch_interval",
+    "release_switch_interval",
 ]
 
 GilMode = Literal["auto", "always", "never"]
@@ -55,30 +64,109 @@ PROBE_S = 10.0
 PROBE_MAX_S = 300.0
 
 
-def apply_switch_interval(interval_us: float, agent_name: str, why: str | None) -> float:
-    """Lower the interpreter's switch interval to ``interval_us`` microseconds if it is longer
-    (an engine that chose a shorter one keeps it), saying ``why`` in the log (None: quietly).
-    Returns the interval in force, in seconds. Any thread."""
-    current = sys.getswitchinterval()
-    if current <= interval_us / 1e6:
-        return current
-    sys.setswitchinterval(interval_us / 1e6)
-    if why is None:
-        return sys.getswitchinterval()
-    logger.info(
-        "%s: GIL switch interval %.3f ms -> %.3f ms (%s; control.gil_switch='never' leaves "
-        "the interpreter's setting alone)",
-        agent_name,
-        current * 1e3,
-        interval_us / 1e3,
-        why,
-    )
-    return sys.getswitchinterval()
+class _Interval:
+    """The process's switch interval as kvwire sets it: its one owner, shared by every manager
+    of the process (an engine may run several, e.g. one per pool or per hosted model).
+
+    Each holder (a :class:`GilWatch` that wants the interval lowered) is recorded with the
+    interval it asked for; the interpreter runs at the shortest one asked while any holder is
+    left, and at the interval found before the first hold once the last one lets go. An
+    interval the engine set shorter is never raised, and one the engine changed while kvwire
+    held it is left as the engine set it.
+
+    Lock contract: one lock, held for every read-modify-write of the interval and the holds;
+    callers hold no kvwire lock (any thread)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._holds: dict[int, float] = {}
+        #: The interval found before the first hold (put back when the last one lets go).
+        self._found: float | None = None
+        #: The interval kvwire set last (None: it set none since the first hold).
+        self._set: float | None = None
+
+    def hold(self, key: int, interval_s: float) -> tuple[float, float | None]:
+        """Record holder ``key`` asking for ``interval_s``; returns the interval in force and,
+        when this call shortened it, the interval before (else None)."""
+        with self._lock:
+            current = sys.getswitchinterval()
+            if not self._holds:
+                self._found, self._set = current, None
+            self._holds[key] = interval_s
+            want = min(self._holds.values())
+            if current <= want:
+                return current, None
+            sys.setswitchinterval(want)
+            self._set = sys.getswitchinterval()
+            return self._set, current
+
+    def release(self, key: int) -> tuple[float, bool]:
+        """Drop holder ``key`` (nothing if it holds nothing); returns the interval in force and
+        whether this call put the found interval back."""
+        with self._lock:
+            current = sys.getswitchinterval()
+            if self._holds.pop(key, None) is None or self._holds:
+                return current, False
+            found, ours = self._found, self._set
+            self._found = self._set = None
+            if found is None or ours is None or current != ours:
+                return current, False  # never set by kvwire, or the engine set it since
+            sys.setswitchinterval(found)
+            return sys.getswitchinterval(), True
+
+    def holders(self) -> int:
+        """How many holders the interval has now."""
+        with self._lock:
+            return len(self._holds)
+
+
+_INTERVAL = _Interval()
+
+
+def holders() -> int:
+    """How many of the process's GIL watches hold the switch interval lowered now (their
+    managers' ``gil_switch`` said so). Any thread."""
+    return _INTERVAL.holders()
+
+
+def lower_switch_interval(
+    holder: object, interval_us: float, agent_name: str, why: str | None
+) -> float:
+    """``holder`` asks for the interpreter's switch interval to be at most ``interval_us``
+    microseconds until it calls :func:`release_switch_interval`; the process runs at the
+    shortest interval its holders ask (an engine that chose a shorter one keeps it). A change
+    is logged with ``why`` (None: quietly). Returns the interval in force, in seconds. Any
+    thread."""
+    interval, before = _INTERVAL.hold(id(holder), interval_us / 1e6)
+    if before is not None and why is not None:
+        logger.info(
+            "%s: GIL switch interval %.3f ms -> %.3f ms (%s; control.gil_switch='never' leaves "
+            "the interpreter's setting alone)",
+            agent_name,
+            before * 1e3,
+            interval * 1e3,
+            why,
+        )
+    return interval
+
+
+def release_switch_interval(holder: object, agent_name: str, why: str | None) -> float:
+    """``holder`` no longer needs the interval lowered: the last holder of the process puts
+    back the interval found before the first (unless the engine changed it meanwhile), saying
+    ``why`` in the log (None: quietly). Returns the interval in force, in seconds. Any
+    thread."""
+    interval, restored = _INTERVAL.release(id(holder))
+    if restored and why is not None:
+        logger.info("%s: GIL switch interval back at %.3f ms (%s)", agent_name, interval * 1e3, why)
+    return interval
 
 
 class GilWatch:
     """One manager's switch-interval policy (built by the manager on the engine thread; fed
-    by its liveness thread only, so no lock)."""
+    by its liveness thread only, so no lock of its own; closed by the manager after that
+    thread ended). It sets the interval through the process's one owner of it
+    (:func:`lower_switch_interval`, :func:`release_switch_interval`), so several managers of
+    one process share it: lowered while any of them holds it, put back when none does."""
 
     def __init__(
         self,
@@ -97,15 +185,13 @@ class GilWatch:
         self.agent_name = agent_name
         self._clock = clock
         self._late: deque[float] = deque(maxlen=WINDOW)
-        #: The interval this watch found (and puts back when the starvation is gone).
-        self._original = sys.getswitchinterval()
         #: When the interval is lowered: when to look again, and the wait after that.
         self._probe_at: float | None = None
         self._probe_s = PROBE_S
         #: How many times this watch lowered the interval (auto mode; metrics and tests).
         self.lowerings = 0
         if mode == "always":
-            apply_switch_interval(interval_us, agent_name, "control.gil_switch='always'")
+            lower_switch_interval(self, interval_us, agent_name, "control.gil_switch='always'")
         self._on_change(sys.getswitchinterval(), False)
 
     @property
@@ -124,10 +210,10 @@ class GilWatch:
         if self._probe_at is not None:
             if now < self._probe_at:
                 return
-            self._probe_at = None  # a window at the engine's own interval
+            # a window at the engine's own interval (or another manager's, if it holds one)
+            self._probe_at = None
             self._late.clear()
-            sys.setswitchinterval(self._original)
-            self._on_change(self._original, False)
+            self._on_change(release_switch_interval(self, self.agent_name, None), False)
             return
         self._late.append(max(0.0, took_s - asked_s))
         if len(self._late) < WINDOW:
@@ -138,9 +224,10 @@ class GilWatch:
             if self._probe_s > PROBE_S:
                 self._probe_s = PROBE_S
                 logger.info(
-                    "%s: GIL switch interval back at %.3f ms (kvwire's threads run on time)",
+                    "%s: kvwire's threads run on time again; this manager no longer holds the "
+                    "GIL switch interval lowered (now %.3f ms)",
                     self.agent_name,
-                    self._original * 1e3,
+                    sys.getswitchinterval() * 1e3,
                 )
             return
         first = self._probe_s == PROBE_S
@@ -152,5 +239,13 @@ class GilWatch:
             "a thread of this process holds the GIL for milliseconds at a time"
         )
         # still starved at a probe: lowered again, quietly
-        interval = apply_switch_interval(self.interval_us, self.agent_name, why if first else None)
+        interval = lower_switch_interval(
+            self, self.interval_us, self.agent_name, why if first else None
+        )
         self._on_change(interval, True)
+
+    def close(self) -> None:
+        """Manager close (engine thread, after the liveness thread ended): let go of the
+        interval; the process's last holder puts back the one it found. Idempotent."""
+        self._probe_at = None
+        release_switch_interval(self, self.agent_name, "its manager closed")

@@ -161,6 +161,7 @@ class KVManager:
             else:
                 self.side = DecodeSide(ctx, rooms)
         except BaseException:
+            self.gil.close()
             ctx.close()
             raise
         ctx.watch_peers(self.side.on_peer_lost)
@@ -329,6 +330,7 @@ class KVManager:
             ctx.channel.tell(p.endpoint, Goodbye(session=ctx.session))
         ctx.stop(5.0)
         self._liveness.join(5.0)
+        self.gil.close()
         self.side.close()
         ctx.close()
 
