@@ -28,12 +28,16 @@ def test_timed_requests_report_their_stages_and_carry_the_aux_row_in_the_note() 
     own); an empty last send after the pages: it moves as a transfer of its own (two aux rows,
     kvwire's stamp and the engine's, 64 bytes each), which is what the GPU benches timed
     before session 13."""
-    one = engine(_args())
+    one = engine(_args(settle_s=0.2))  # settling between warm-up and timed cells
     empty = engine(_args(empty_last=True))
     for rep in (one, empty):
         assert all(v["mismatches"] == 0 for v in rep["verified"])
         (cell,) = rep["cells"]
         assert cell["failed"] == 0 and cell["requests"] == 8
+        # each rank's GIL switch interval and lowerings, read after the cell
+        gil = cell["gil"]
+        assert len(gil["interval_us"]) == len(gil["lowerings"]) == 2
+        assert all(0 < us <= 5000 for us in gil["interval_us"]), gil
         stages = cell["stages_ms"]
         assert stages["total"] > 0
         for name, *_ in STAGES:

@@ -86,6 +86,14 @@ def add_engine_args(
         default="",
         help="kvwire's control.gil_switch_interval_us, or 'off' (gil_switch='never')",
     )
+    p.add_argument(
+        "--settle-s",
+        type=float,
+        default=0.0,
+        help="seconds the ranks' engine loops run (busy or sleeping) after the warm-up and "
+        "before the timed cells: a GIL watch that lowered the interval for the start's burst "
+        "of Python has probed it back by 10 s (kvwire.gil)",
+    )
     p.add_argument("--timeout", type=float, default=timeout)
     p.add_argument("--backend", default=backend, help="transfer backend of the engine phase")
     p.add_argument(
@@ -147,6 +155,16 @@ def gil_option(a: argparse.Namespace) -> dict[str, Any]:
     elif us:
         out["gil_switch_interval_us"] = float(us)
     return out
+
+
+def gil_figures(c: Any) -> dict[str, list[float]]:
+    """Each rank's GIL switch interval now (µs) and how often its manager lowered it
+    (``kvwire.gil``), from the harness's rank stats (outside any timed request)."""
+    stats = c.rank_stats().values()
+    return {
+        "interval_us": [round(1e6 * s.get("switch_interval_s", 0.0), 1) for s in stats],
+        "lowerings": [s.get("gil_lowerings", 0) for s in stats],
+    }
 
 
 def engine(
@@ -271,6 +289,10 @@ def engine(
             report["verified"].append(cell)
             log(f"verified {cell}")
         c.run(plans(4, pages[sizes[0]], False), concurrency=2, timeout_s=a.timeout)  # warm-up
+        settle = float(getattr(a, "settle_s", 0.0) or 0.0)
+        if settle > 0:
+            log(f"settling {settle:g}s; GIL before: {gil_figures(c)}")
+            time.sleep(settle)
         if flag is not None:
             flag.parent.mkdir(parents=True, exist_ok=True)
             flag.touch()
@@ -299,6 +321,7 @@ def engine(
                     vals = sorted(getattr(x, k) for x in pre)
                     cell[f"prefill_{k[:-2]}_ms"] = 1e3 * vals[len(vals) // 2]
                 cell["stages_ms"] = stage_medians(res)
+                cell["gil"] = gil_figures(c)
                 report["cells"].append(cell)
                 log(f"engine {cell}")
         if flag is not None:
