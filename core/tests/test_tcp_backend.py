@@ -640,8 +640,11 @@ def test_a_note_leaves_from_the_queueing_thread_while_the_io_thread_is_busy(
     """``_queue_note`` (``cudaipc``'s notification once its kernel ended) sends on the peer's
     notes socket from the calling thread: the note reaches the target while the initiator's
     I/O thread is held busy, and the transfer is DONE at once. With the notes socket gone
-    it falls back to the I/O thread's queue: DONE only once that thread sent it."""
-    a, b = make_backend("notes-a"), make_backend("notes-b")
+    it falls back to the I/O thread's queue: DONE only once that thread sent it. (Local
+    notes off: a peer on this host would take them over its datagram socket,
+    test_tcp_local_notes.py.)"""
+    a = make_backend("notes-a", local_notes=False)
+    b = make_backend("notes-b", local_notes=False)
     peer = a.add_peer(b.local_metadata())
     p = a._peers[peer]
     release, busy = threading.Event(), threading.Event()
@@ -672,12 +675,12 @@ def test_a_note_leaves_from_the_queueing_thread_while_the_io_thread_is_busy(
         assert y.status is XferState.PENDING  # the I/O thread is still held
     finally:
         release.set()
+        with p.notes_lock:
+            p.notes = notes  # closed with the peer (an unclosed socket hangs the context)
     for _ in range(2000):
         if y.status is not XferState.PENDING:
             break
         time.sleep(0.005)
-    with p.notes_lock:
-        p.notes = notes  # closed with the peer
     assert y.status is XferState.DONE
     collect(2)
     assert got == [b"landed", b"queued"]

@@ -237,6 +237,7 @@ class CudaIpcBackend(TcpBackend):
             exports=exports,
             scratch=self._scratch_region.addr,
             notes=True,
+            **self._note_fields(),
         )
 
     @classmethod

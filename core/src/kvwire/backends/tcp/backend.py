@@ -13,12 +13,16 @@ Design (one agent per process/rank):
   (the initiator's transfer then ends FAILED with the target's reason). A notification is
   queued only after the last part's bytes are in place, so data always precedes it.
 * Every transfer has a deadline; a removed peer or a closed agent fails its pending transfers.
+* A note (a notification alone, which a subclass sends once its data moved another way) to a
+  peer on this host goes over a UNIX datagram socket from the thread that queues it
+  (:mod:`~kvwire.backends.tcp.local_notes`), else over the peer's notes socket.
 """
 
 from __future__ import annotations
 
 import collections
 import logging
+import os
 import time
 import uuid
 from collections.abc import Callable
@@ -48,6 +52,7 @@ from kvwire.backends.envelope import (
 from kvwire.backends.memcopy import HostMemory, coalesce
 from kvwire.backends.tcp import wire
 from kvwire.backends.tcp.auth import DataPlaneAuth
+from kvwire.backends.tcp.local_notes import LocalNotes
 from kvwire.backends.tcp.options import TcpOptions
 from kvwire.backends.tcp.outbound import OutboundPeer, OutboundTransfer, split_rows
 from kvwire.control.reach import (
@@ -60,6 +65,7 @@ from kvwire.control.reach import (
 )
 from kvwire.descriptors import ADDR, DescTable
 from kvwire.layout import MemoryRegion
+from kvwire.link_choice import host_identity
 from kvwire.owner_loop import OwnerLoop
 from kvwire.security import warn_if_exposed
 
@@ -131,6 +137,10 @@ class TcpBackend(TransferBackend):
         self._poller.register(self._router, zmq.POLLIN)
         self._poller.register(self._loop.wake_fd, zmq.POLLIN)
         self._watched: dict[zmq.Socket[Any], int] = {}
+        #: This host's identity: a peer with the same one takes notes over ``_local``.
+        self.host = host_identity()
+        #: Notes from and to peers on this host (None: ``local_notes`` is off).
+        self._local = LocalNotes(agent_name, self._on_local_note) if opts.local_notes else None
         self._loop.start()
 
     # ------------------------------------------------------------ thread glue
@@ -162,7 +172,8 @@ class TcpBackend(TransferBackend):
 
     # ----------------------------------------------------------------- peers
     def local_metadata(self) -> bytes:
-        """Name, endpoint and registered regions, msgpack-encoded."""
+        """Name, endpoint, registered regions, host identity and the local notes socket,
+        msgpack-encoded."""
         return pack_metadata(
             self.name,
             METADATA_VERSION,
@@ -170,7 +181,33 @@ class TcpBackend(TransferBackend):
             endpoint=self.endpoint,
             incarnation=self.incarnation,
             regions=region_rows(self._memory.regions),
+            host=self.host,
+            **self._note_fields(),
         )
+
+    def _note_fields(self) -> dict[str, Any]:
+        """The metadata fields that offer this backend's local notes socket (none when it is
+        off); a subclass that writes its own metadata adds them with its host identity."""
+        address = self._local.address if self._local is not None else None
+        return {"notes_path": address} if address else {}
+
+    def _local_note_address(self, meta: dict[str, Any]) -> str | None:
+        """Where notes to the peer of metadata ``meta`` go on this host: its notes socket when
+        it offers one and runs on this host (same boot id and hostname), else None. Refuses a
+        path that is not a kvwire notes socket (a peer must not point our notes at another
+        program's socket)."""
+        path = meta.get("notes_path")
+        if path is None or self._local is None or meta.get("host") != self.host:
+            return None
+        if (
+            not isinstance(path, str)
+            or not path.startswith("/")
+            or len(path.encode()) > 100
+            or os.path.basename(path) != "n"
+            or not os.path.basename(os.path.dirname(path)).startswith("kvwire-notes-")
+        ):
+            raise ValueError(f"tcp metadata notes_path {path!r} is not a kvwire notes socket")
+        return path
 
     def _decode_metadata(self, metadata: bytes) -> dict[str, Any]:
         meta = unpack_metadata(metadata, self.name, METADATA_VERSION, "kvwire")
@@ -210,6 +247,7 @@ class TcpBackend(TransferBackend):
     def _add_peer(self, name: str, metadata: bytes) -> None:
         meta = self._decode_metadata(metadata)
         regions = regions_from_rows(meta["regions"], "tcp", name)
+        local_notes = self._local_note_address(meta)
 
         def dealer() -> zmq.Socket[Any]:
             sock = self._ctx.socket(zmq.DEALER)
@@ -230,7 +268,7 @@ class TcpBackend(TransferBackend):
             return sock
 
         def open_socket() -> None:
-            peer = OutboundPeer(name, meta["endpoint"], regions, dealer())
+            peer = OutboundPeer(name, meta["endpoint"], regions, dealer(), local_notes=local_notes)
             try:
                 peer.notes = dealer()
             except ValueError:
@@ -309,11 +347,18 @@ class TcpBackend(TransferBackend):
         target at once and not answered, so the transfer is DONE once its frame is handed
         to the socket. For a subclass whose data moved another way and whose peer said it
         takes notes (an older target refuses the kind: it would never see the
-        notification). Any thread: the note goes out on the peer's notes socket from this
-        thread when it takes it, else through the I/O thread's queue."""
+        notification). Any thread: the note goes out from this thread over the peer's local
+        notes socket (a peer on this host) or its notes socket when either takes it at once,
+        else through the I/O thread's queue."""
         xid = next(self._xfer_ids)
         p = self._peers.get(peer)
-        if p is not None and p.send_note(self._note_frames(xid, notification)):
+        sent = False
+        if p is not None:
+            frames = self._note_frames(xid, notification)
+            local, address = self._local, p.local_notes
+            sent = local is not None and address is not None and local.send(address, frames[1])
+            sent = sent or p.send_note(frames)
+        if sent:
             x = OutboundTransfer(xid, peer, XferOp.WRITE, [], notification, 0.0, note_only=True)
             x.status = XferState.DONE
             return x
@@ -357,6 +402,8 @@ class TcpBackend(TransferBackend):
         return out
 
     def _close(self) -> None:
+        if self._local is not None:
+            self._local.close()
         self._loop.stop(timeout=10)
         for p in self._peers.values():
             for x in [*p.outq, *p.inflight.values()]:
@@ -556,6 +603,16 @@ class TcpBackend(TransferBackend):
                 while len(self._failed_inbound) > 10_000:
                     self._failed_inbound.popitem(last=False)
                 self._reply(ident, {"x": xid, "p": part, "ok": False, "e": public})
+
+    def _on_local_note(self, datagram: bytes) -> None:
+        """Local notes' receiver thread: a note from a peer on this host (the frame a notes
+        socket would carry after its kind); a malformed one is dropped and counted."""
+        try:
+            h = wire.unpack(datagram)
+            self._deliver(str(h["f"]), h.get("n"))
+        except Exception as exc:
+            self.refused_messages += 1
+            logger.warning("%s: refused a local note: %s", self.agent_name, exc)
 
     def _deliver(self, sender: str, payload: object) -> None:
         if payload is None:

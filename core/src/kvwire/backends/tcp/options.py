@@ -34,6 +34,13 @@ class TcpOptions(BaseModel):
         "within the guard (one host: always). At most half of transfer_timeout_s is used.",
     )
     send_hwm: int = Field(default=8, ge=1, description="Parts queued per peer socket.")
+    local_notes: bool = Field(
+        default=True,
+        description="Notes (notifications alone, e.g. cudaipc's after its kernel) to a peer on "
+        "this host go over a UNIX datagram socket (a private directory: same user only) "
+        "instead of ZeroMQ, one thread hop and the loopback stack shorter; a note that cannot "
+        "be handed over at once still goes over ZeroMQ.",
+    )
     secret: SecretStr | None = Field(
         default=None,
         description="Shared secret: the data plane then uses ZeroMQ CURVE with keys derived "

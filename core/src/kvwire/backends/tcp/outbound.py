@@ -64,6 +64,9 @@ class OutboundPeer:
     #: the I/O thread (closed under the lock).
     notes: zmq.Socket[Any] | None = None
     notes_lock: threading.Lock = field(default_factory=threading.Lock)
+    #: The peer's local notes socket (:mod:`~kvwire.backends.tcp.local_notes`) when it runs on
+    #: this host and offers one; notes go there first.
+    local_notes: str | None = None
 
     def send_note(self, frames: list[Any]) -> bool:
         """Any thread: hand a note's frames to the notes socket without blocking; False when
