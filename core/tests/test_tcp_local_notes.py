@@ -9,8 +9,10 @@ benchmark (``scripts/note_latency.py``), not a test."""
 
 from __future__ import annotations
 
+import pathlib
 import socket
 import threading
+import time
 from collections.abc import Callable
 
 import msgpack
@@ -156,3 +158,41 @@ def test_close_removes_the_socket_and_its_directory(make_backend: MakeBackend) -
     assert os.stat(folder).st_mode & 0o777 == 0o700  # same user only
     b.close()
     assert not os.path.exists(folder)
+
+
+def test_directories_left_by_killed_backends_are_removed_live_ones_kept(
+    tmp_path: pathlib.Path,
+) -> None:
+    """A backend killed before its close leaves its notes directory: the next one to start
+    removes it once it is old enough, and keeps a young one (a backend between mkdir and
+    bind) and one whose socket is bound."""
+    import os
+
+    from kvwire.backends.tcp.local_notes import PREFIX, STALE_AFTER_S, remove_stale
+
+    old = time.time() - 2 * STALE_AFTER_S
+
+    def made(name: str, bound: bool, age: float) -> tuple[pathlib.Path, socket.socket | None]:
+        d = tmp_path / f"{PREFIX}{name}"
+        d.mkdir()
+        sock = None
+        if bound:
+            sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+            sock.bind(str(d / "n"))
+        else:
+            (d / "n").touch()  # a socket file nobody is bound to any more
+        os.utime(d, (age, age))
+        return d, sock
+
+    dead, _ = made("dead", False, old)
+    young, _ = made("young", False, time.time())
+    live, sock = made("live", True, old)
+    other = tmp_path / "not-ours"
+    other.mkdir()
+    os.utime(other, (old, old))
+    try:
+        assert remove_stale(str(tmp_path)) == 1
+    finally:
+        assert sock is not None
+        sock.close()
+    assert not dead.exists() and young.exists() and live.exists() and other.exists()

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import collections
 import logging
-import os
 import time
 import uuid
 from collections.abc import Callable
@@ -52,9 +51,9 @@ from kvwire.backends.envelope import (
 from kvwire.backends.memcopy import HostMemory, coalesce
 from kvwire.backends.tcp import wire
 from kvwire.backends.tcp.auth import DataPlaneAuth
-from kvwire.backends.tcp.local_notes import LocalNotes
+from kvwire.backends.tcp.local_notes import LocalNotes, peer_notes_path
 from kvwire.backends.tcp.options import TcpOptions
-from kvwire.backends.tcp.outbound import OutboundPeer, OutboundTransfer, split_rows
+from kvwire.backends.tcp.outbound import OutboundPeer, OutboundTransfer, open_dealer, split_rows
 from kvwire.control.reach import (
     POLLIN,
     POLLOUT,
@@ -191,24 +190,6 @@ class TcpBackend(TransferBackend):
         address = self._local.address if self._local is not None else None
         return {"notes_path": address} if address else {}
 
-    def _local_note_address(self, meta: dict[str, Any]) -> str | None:
-        """Where notes to the peer of metadata ``meta`` go on this host: its notes socket when
-        it offers one and runs on this host (same boot id and hostname), else None. Refuses a
-        path that is not a kvwire notes socket (a peer must not point our notes at another
-        program's socket)."""
-        path = meta.get("notes_path")
-        if path is None or self._local is None or meta.get("host") != self.host:
-            return None
-        if (
-            not isinstance(path, str)
-            or not path.startswith("/")
-            or len(path.encode()) > 100
-            or os.path.basename(path) != "n"
-            or not os.path.basename(os.path.dirname(path)).startswith("kvwire-notes-")
-        ):
-            raise ValueError(f"tcp metadata notes_path {path!r} is not a kvwire notes socket")
-        return path
-
     def _decode_metadata(self, metadata: bytes) -> dict[str, Any]:
         meta = unpack_metadata(metadata, self.name, METADATA_VERSION, "kvwire")
         for key in ("name", "endpoint", "regions"):
@@ -247,25 +228,10 @@ class TcpBackend(TransferBackend):
     def _add_peer(self, name: str, metadata: bytes) -> None:
         meta = self._decode_metadata(metadata)
         regions = regions_from_rows(meta["regions"], "tcp", name)
-        local_notes = self._local_note_address(meta)
+        local_notes = peer_notes_path(meta, self.host) if self._local is not None else None
 
         def dealer() -> zmq.Socket[Any]:
-            sock = self._ctx.socket(zmq.DEALER)
-            try:
-                sock.setsockopt(zmq.LINGER, 0)
-                sock.setsockopt(zmq.SNDHWM, self.options.send_hwm)
-                sock.setsockopt(zmq.IMMEDIATE, 0)
-                sock.setsockopt(zmq.ROUTING_ID, uuid.uuid4().bytes)
-                keep_alive(sock)
-                if self.auth is not None:
-                    self.auth.secure_client(sock)
-                sock.connect(meta["endpoint"])
-            except zmq.ZMQError as exc:
-                sock.close(linger=0)  # a leaked socket would make close() hang in ctx.term()
-                raise ValueError(
-                    f"cannot connect to endpoint {meta['endpoint']!r} of peer {name!r}: {exc}"
-                ) from exc
-            return sock
+            return open_dealer(self._ctx, meta["endpoint"], name, self.options.send_hwm, self.auth)
 
         def open_socket() -> None:
             peer = OutboundPeer(name, meta["endpoint"], regions, dealer(), local_notes=local_notes)
@@ -358,19 +324,11 @@ class TcpBackend(TransferBackend):
             local, address = self._local, p.local_notes
             sent = local is not None and address is not None and local.send(address, frames[1])
             sent = sent or p.send_note(frames)
+        deadline = 0.0 if sent else time.monotonic() + self.options.transfer_timeout_s
+        x = OutboundTransfer(xid, peer, XferOp.WRITE, [], notification, deadline, note_only=True)
         if sent:
-            x = OutboundTransfer(xid, peer, XferOp.WRITE, [], notification, 0.0, note_only=True)
             x.status = XferState.DONE
             return x
-        x = OutboundTransfer(
-            xid=xid,
-            peer=peer,
-            op=XferOp.WRITE,
-            parts=[],
-            notification=notification,
-            deadline=time.monotonic() + self.options.transfer_timeout_s,
-            note_only=True,
-        )
         return self._enqueue(x)
 
     def _enqueue(self, x: OutboundTransfer) -> OutboundTransfer:

@@ -31,15 +31,78 @@ import shutil
 import socket
 import tempfile
 import threading
+import time
 from collections.abc import Callable
+from typing import Any
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["MAX_NOTE_BYTES", "LocalNotes"]
+__all__ = ["MAX_NOTE_BYTES", "PREFIX", "LocalNotes", "peer_notes_path", "remove_stale"]
 
 #: Largest note sent this way (a larger one goes over ZeroMQ): far above a note with its aux
 #: row, far below the kernel's datagram limit.
 MAX_NOTE_BYTES = 64 << 10
+
+
+#: The name of every notes socket's directory starts so (the metadata check relies on it).
+PREFIX = "kvwire-notes-"
+#: A directory whose socket nobody is bound to is removed once it is this old (a process
+#: killed before its close left it; a younger one may be a backend between mkdir and bind).
+STALE_AFTER_S = 60.0
+
+
+def remove_stale(folder: str | None = None) -> int:
+    """Remove this user's notes directories (in ``folder``, the temporary directory by
+    default) whose socket no process is bound to any more and that are older than
+    :data:`STALE_AFTER_S`: what backends killed without a close left behind. A socket is
+    probed with ``connect``, which sends nothing. Returns how many were removed. Called when
+    a backend binds its own; any thread."""
+    folder = folder or tempfile.gettempdir()
+    removed = 0
+    now = time.time()
+    try:
+        names = [n for n in os.listdir(folder) if n.startswith(PREFIX)]
+    except OSError:
+        return 0
+    for name in names:
+        path = os.path.join(folder, name)
+        try:
+            st = os.stat(path)
+            if st.st_uid != os.getuid() or now - st.st_mtime < STALE_AFTER_S:
+                continue
+            probe = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+            try:
+                probe.connect(os.path.join(path, "n"))
+                continue  # someone is bound there
+            except OSError:
+                pass  # refused or missing: nobody
+            finally:
+                probe.close()
+        except OSError:
+            continue
+        shutil.rmtree(path, ignore_errors=True)
+        removed += 1
+    return removed
+
+
+def peer_notes_path(meta: dict[str, Any], host: dict[str, str]) -> str | None:
+    """Where notes go to the peer of backend metadata ``meta`` (seen from a backend on host
+    ``host``): its notes socket when it offers one (``notes_path``) and runs on this host
+    (its ``host``: same boot id and hostname), else None. ``ValueError`` for a path that is
+    not a kvwire notes socket: a peer must not point our notes at another program's socket.
+    Called when the peer is added."""
+    path = meta.get("notes_path")
+    if path is None or meta.get("host") != host:
+        return None
+    if (
+        not isinstance(path, str)
+        or not path.startswith("/")
+        or len(path.encode()) > 100
+        or os.path.basename(path) != "n"
+        or not os.path.basename(os.path.dirname(path)).startswith(PREFIX)
+    ):
+        raise ValueError(f"tcp metadata notes_path {path!r} is not a kvwire notes socket")
+    return path
 
 
 class LocalNotes:
@@ -67,8 +130,9 @@ class LocalNotes:
         self.fallbacks = 0
         if not hasattr(socket, "AF_UNIX"):
             return
+        remove_stale()
         try:
-            self._dir = tempfile.mkdtemp(prefix="kvwire-notes-")
+            self._dir = tempfile.mkdtemp(prefix=PREFIX)
             path = os.path.join(self._dir, "n")
             self._rx = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
             self._rx.bind(path)

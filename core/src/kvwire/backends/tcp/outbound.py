@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import collections
 import threading
+import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -15,9 +16,11 @@ import zmq
 from numpy.typing import NDArray
 
 from kvwire.backend import XferOp, XferState
+from kvwire.backends.tcp.auth import DataPlaneAuth
+from kvwire.control.reach import keep_alive
 from kvwire.layout import MemoryRegion
 
-__all__ = ["OutboundPeer", "OutboundTransfer", "split_rows"]
+__all__ = ["OutboundPeer", "OutboundTransfer", "open_dealer", "split_rows"]
 
 #: Per part: local rows and remote rows (addr, len) - equal lengths, row by row.
 Part = tuple[NDArray[np.uint64], NDArray[np.uint64], NDArray[np.uint64]]
@@ -89,6 +92,30 @@ class OutboundPeer:
             if self.notes is not None:
                 self.notes.close(linger=0)
                 self.notes = None
+
+
+def open_dealer(
+    ctx: zmq.Context[Any], endpoint: str, peer: str, hwm: int, auth: DataPlaneAuth | None
+) -> zmq.Socket[Any]:
+    """A DEALER connected to ``peer``'s data ``endpoint`` (CURVE client when ``auth``); I/O
+    thread, at add_peer. ``ValueError`` naming the peer when it cannot connect (the socket is
+    closed then: a leaked one would make the context's term() hang)."""
+    sock: zmq.Socket[Any] = ctx.socket(zmq.DEALER)
+    try:
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.SNDHWM, hwm)
+        sock.setsockopt(zmq.IMMEDIATE, 0)
+        sock.setsockopt(zmq.ROUTING_ID, uuid.uuid4().bytes)
+        keep_alive(sock)
+        if auth is not None:
+            auth.secure_client(sock)
+        sock.connect(endpoint)
+    except zmq.ZMQError as exc:
+        sock.close(linger=0)
+        raise ValueError(
+            f"cannot connect to endpoint {endpoint!r} of peer {peer!r}: {exc}"
+        ) from exc
+    return sock
 
 
 def split_rows(
