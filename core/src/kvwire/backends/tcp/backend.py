@@ -171,8 +171,7 @@ class TcpBackend(TransferBackend):
 
     # ----------------------------------------------------------------- peers
     def local_metadata(self) -> bytes:
-        """Name, endpoint, registered regions, host identity and the local notes socket,
-        msgpack-encoded."""
+        """Name, endpoint, regions, host identity and local notes socket, msgpack-encoded."""
         return pack_metadata(
             self.name,
             METADATA_VERSION,
@@ -185,8 +184,7 @@ class TcpBackend(TransferBackend):
         )
 
     def _note_fields(self) -> dict[str, Any]:
-        """The metadata fields that offer this backend's local notes socket (none when it is
-        off); a subclass that writes its own metadata adds them with its host identity."""
+        """The fields offering the local notes socket (a subclass's metadata adds them too)."""
         address = self._local.address if self._local is not None else None
         return {"notes_path": address} if address else {}
 
@@ -591,12 +589,9 @@ class TcpBackend(TransferBackend):
             logger.warning("%s: could not reply to a peer: %s", self.agent_name, exc)
 
     def _expire(self) -> None:
-        now = time.monotonic()
+        now, timeout = time.monotonic(), self.options.transfer_timeout_s
         for p in self._peers.values():
             for x in [x for x in p.inflight.values() if x.deadline < now]:
                 p.inflight.pop(x.xid, None)
-                self._finish(
-                    x,
-                    XferState.FAILED,
-                    f"transfer to {p.name!r} timed out after {self.options.transfer_timeout_s:g}s",
-                )
+                why = f"transfer to {p.name!r} timed out after {timeout:g}s"
+                self._finish(x, XferState.FAILED, why)
