@@ -4,9 +4,11 @@
 decode's progress thread is) takes it; one clock on one host.
 
     python3 scripts/note_latency.py [--notes 600] [--secret S] [--busy 2] [--tree core/src]
+                                    [--zmq]
 
 ``--tree`` puts another tree's ``core/src`` first on the path (an exported older commit), so
-two trees can be compared in alternation; ``--busy`` adds busy Python threads to both processes.
+two trees can be compared in alternation; ``--busy`` adds busy Python threads to both processes;
+``--zmq`` turns the local notes socket off (``local_notes``), the ZeroMQ way on one host.
 """
 
 from __future__ import annotations
@@ -31,7 +33,13 @@ def _backend(a: argparse.Namespace, name: str) -> Any:
     from kvwire.backends.tcp.backend import TcpBackend
     from kvwire.backends.tcp.options import TcpOptions
 
-    return TcpBackend(name, TcpOptions(secret=a.secret) if a.secret else TcpOptions())
+    class NotingTcp(TcpBackend):  # sends notes alone, as cudaipc does (needs no GPU)
+        sends_notes = True
+
+    opts = TcpOptions(secret=a.secret or None)
+    if a.zmq:  # notes over ZeroMQ even between peers on this host
+        opts = opts.model_copy(update={"local_notes": False})
+    return NotingTcp(name, opts)
 
 
 def _receiver(a: argparse.Namespace, meta: Any, peer: Any, out: Any) -> None:
@@ -58,6 +66,9 @@ def main() -> None:
     p.add_argument("--secret", default="", help="CURVE on the data plane")
     p.add_argument("--busy", type=int, default=0, help="busy Python threads per process")
     p.add_argument("--tree", default="", help="a core/src to import kvwire from")
+    p.add_argument(
+        "--zmq", action="store_true", help="local_notes off: notes over ZeroMQ on one host too"
+    )
     a = p.parse_args()
     meta, peer, out = mp.Queue(), mp.Queue(), mp.Queue()
     proc = mp.Process(target=_receiver, args=(a, meta, peer, out))

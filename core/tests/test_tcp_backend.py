@@ -640,11 +640,9 @@ def test_a_note_leaves_from_the_queueing_thread_while_the_io_thread_is_busy(
     """``_queue_note`` (``cudaipc``'s notification once its kernel ended) sends on the peer's
     notes socket from the calling thread: the note reaches the target while the initiator's
     I/O thread is held busy, and the transfer is DONE at once. With the notes socket gone
-    it falls back to the I/O thread's queue: DONE only once that thread sent it. (Local
-    notes off: a peer on this host would take them over its datagram socket,
-    test_tcp_local_notes.py.)"""
-    a = make_backend("notes-a", local_notes=False)
-    b = make_backend("notes-b", local_notes=False)
+    it falls back to the I/O thread's queue: DONE only once that thread sent it. (Plain
+    ``tcp`` opens no local notes socket: test_tcp_local_notes.py.)"""
+    a, b = make_backend("notes-a"), make_backend("notes-b")
     peer = a.add_peer(b.local_metadata())
     p = a._peers[peer]
     release, busy = threading.Event(), threading.Event()

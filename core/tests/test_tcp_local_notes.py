@@ -4,8 +4,10 @@
 A note to a peer on this host leaves from the queueing thread as a datagram; every case where
 that way cannot take it (the option off, another host, the peer's socket gone, its queue full)
 still delivers the note over ZeroMQ, so none is lost; a peer cannot point notes at another
-program's socket; garbage on the socket is refused and counted. The latency this buys is a
-benchmark (``scripts/note_latency.py``), not a test."""
+program's socket; garbage on the socket is refused and counted. Only a class that sends
+notes alone opens the socket: ``cudaipc``, which needs a GPU, is played here by a ``tcp``
+subclass that says so; plain ``tcp`` opens none. The latency this buys is a benchmark
+(``scripts/note_latency.py``), not a test."""
 
 from __future__ import annotations
 
@@ -13,15 +15,50 @@ import pathlib
 import socket
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import msgpack
 import pytest
 
 from kvwire.backends.tcp import TcpBackend, wire
+from kvwire.backends.tcp.options import TcpOptions
 from kvwire.errors import PeerError
 
 MakeBackend = Callable[..., TcpBackend]
+
+
+class NotingTcp(TcpBackend):
+    """A ``tcp`` backend that sends notes alone, as ``cudaipc`` does after its kernel."""
+
+    sends_notes = True
+
+
+@pytest.fixture
+def make_backend() -> Iterator[MakeBackend]:
+    """Factory of in-process :class:`NotingTcp` agents, closed at teardown."""
+    made: list[TcpBackend] = []
+
+    def make(name: str, **options: Any) -> TcpBackend:
+        b = NotingTcp(name, TcpOptions(**options))
+        made.append(b)
+        return b
+
+    yield make
+    for b in made:
+        b.close()
+
+
+def test_plain_tcp_opens_no_notes_socket() -> None:
+    """``tcp`` carries its notifications in its transfers' last parts: no socket, thread or
+    directory for notes, and none offered in its metadata."""
+    b = TcpBackend("plain", TcpOptions())
+    try:
+        assert b._local is None
+        assert "notes_path" not in msgpack.unpackb(b.local_metadata())
+        assert not [t for t in threading.enumerate() if t.name == "kvwire-notes-plain"]
+    finally:
+        b.close()
 
 
 def received(backend: TcpBackend, count: int, timeout: float = 10.0) -> list[tuple[str, bytes]]:

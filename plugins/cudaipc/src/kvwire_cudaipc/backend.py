@@ -155,6 +155,8 @@ class CudaIpcBackend(TcpBackend):
     )
     options_model = CudaIpcOptions
     options: CudaIpcOptions
+    #: Its notification follows the kernel as a note alone (local notes socket on one host).
+    sends_notes = True
     link_rule = (
         "peers on this host (boot id and hostname match) whose GPU this process sees and "
         "reaches peer to peer, from a rank with CUDA and a VRAM pool; other links take the "

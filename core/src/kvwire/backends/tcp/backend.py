@@ -87,6 +87,9 @@ class TcpBackend(TransferBackend):
     #: Completions and notifications happen on the I/O thread, which wakes their owners.
     pushes_events = True
     link_rule = "any peer whose data endpoint accepts a TCP connection from here"
+    #: A class that sends notes alone (:meth:`_queue_note`) opens a local notes socket; ``tcp``
+    #: carries a notification in a transfer's last part, so it opens none.
+    sends_notes = False
 
     def __init__(self, agent_name: str, options: BaseModel | None = None) -> None:
         super().__init__(agent_name, options)
@@ -138,8 +141,9 @@ class TcpBackend(TransferBackend):
         self._watched: dict[zmq.Socket[Any], int] = {}
         #: This host's identity: a peer with the same one takes notes over ``_local``.
         self.host = host_identity()
-        #: Notes from and to peers on this host (None: ``local_notes`` is off).
-        self._local = LocalNotes(agent_name, self._on_local_note) if opts.local_notes else None
+        #: Notes from and to peers on this host (None: off, or this class sends none alone).
+        wanted = opts.local_notes and self.sends_notes
+        self._local = LocalNotes(agent_name, self._on_local_note) if wanted else None
         self._loop.start()
 
     # ------------------------------------------------------------ thread glue
@@ -561,8 +565,7 @@ class TcpBackend(TransferBackend):
                 self._reply(ident, {"x": xid, "p": part, "ok": False, "e": public})
 
     def _on_local_note(self, datagram: bytes) -> None:
-        """Local notes' receiver thread: a note from a peer on this host (the frame a notes
-        socket would carry after its kind); a malformed one is dropped and counted."""
+        """Local notes' receiver thread: a note from a peer on this host (bad ones counted)."""
         try:
             h = wire.unpack(datagram)
             self._deliver(str(h["f"]), h.get("n"))

@@ -7,9 +7,10 @@ before the thread that handles notifications is woken. Measured one way between 
 processes on the 2-core development host: 0.11-0.14 ms p50 that way, 0.02 ms from a datagram
 send to the same waiting thread (``scripts/note_latency.py``; docs/benchmarks.md).
 
-So each backend binds a datagram socket in a private directory (mode 0700: only processes of
-the same user, which could read the engine's memory anyway, can send to it) and publishes its
-path with its host identity in the backend metadata. A sender whose peer is on its host
+So each backend whose class sends notes alone (``TcpBackend.sends_notes``: ``cudaipc``)
+binds a datagram socket in a private directory (mode 0700: only processes of the same user,
+which could read the engine's memory anyway, can send to it) and publishes its path with its
+host identity in the backend metadata. A sender whose peer is on its host
 (same boot id and hostname) sends a note there from the thread that queues it, without
 blocking; when the datagram cannot be handed over at once (the receiver's queue is full, it
 closed, the path is not visible from here: another container) the caller sends the note the

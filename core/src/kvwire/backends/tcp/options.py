@@ -36,10 +36,10 @@ class TcpOptions(BaseModel):
     send_hwm: int = Field(default=8, ge=1, description="Parts queued per peer socket.")
     local_notes: bool = Field(
         default=True,
-        description="Notes (notifications alone, e.g. cudaipc's after its kernel) to a peer on "
-        "this host go over a UNIX datagram socket (a private directory: same user only) "
-        "instead of ZeroMQ, one thread hop and the loopback stack shorter; a note that cannot "
-        "be handed over at once still goes over ZeroMQ.",
+        description="Notes (notifications alone: cudaipc's after its kernel; plain tcp sends "
+        "none) to a peer on this host go over a UNIX datagram socket (a private directory: "
+        "same user only) instead of ZeroMQ, one thread hop and the loopback stack shorter; a "
+        "note that cannot be handed over at once still goes over ZeroMQ.",
     )
     secret: SecretStr | None = Field(
         default=None,
