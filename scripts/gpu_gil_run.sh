@@ -10,6 +10,7 @@
 # On the development machine:  bash scripts/gpu_wheels.sh   (fills .whl/, ~34 MiB)
 # Device call (nvidia-h100-x2), carry [".whl"], at most 600 s a call, so by stage:
 #   STAGES="sleep busy" bash scripts/gpu_gil_run.sh      then   STAGES="tp notes" bash ...
+# SLEEP_MODES, BUSY_MODES and NOTES narrow a stage (sleep_auto is notes_true: both defaults).
 # Results: $OUT/<stage>_<mode>_<round>.json and .log; the last lines printed are the table.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -30,16 +31,16 @@ run() {  # name, then the bench's options
 for r in $(seq "$ROUNDS"); do
   for s in ${STAGES:-sleep busy tp}; do
     case $s in
-      sleep) for g in auto never always; do run "sleep_${g}_$r" --sizes 2,16 --concurrency 1,8 --gil-switch $g; done ;;
-      busy) for g in auto always; do run "busy_${g}_$r" --sizes 2,16 --concurrency 1,8 --engine-busy --gil-switch $g; done ;;
+      sleep) for g in ${SLEEP_MODES:-auto never always}; do run "sleep_${g}_$r" --sizes 2,16 --concurrency 1,8 --gil-switch $g; done ;;
+      busy) for g in ${BUSY_MODES:-auto always}; do run "busy_${g}_$r" --sizes 2,16 --concurrency 1,8 --engine-busy --gil-switch $g; done ;;
       tp) for g in auto never; do run "tp12_${g}_$r" --sizes 16 --concurrency 1,8 --decode-tp 2 --gil-switch $g; done ;;
-      notes) for n in false true; do run "notes_${n}_$r" --sizes 2,16 --concurrency 1,8 --backend-options "{\"local_notes\": $n}"; done ;;
+      notes) for n in ${NOTES:-false true}; do run "notes_${n}_$r" --sizes 2,16 --concurrency 1,8 --backend-options "{\"local_notes\": $n}"; done ;;
     esac
   done
 done
 python3 - "$OUT" <<'EOF'
 import glob, json, os, sys
-print(f"{'run':<18} {'MiB':>4} {'C':>2} {'p50 ms':>8} {'p90 ms':>8} {'GB/s':>6} {'fail':>4}  interval_us / lowerings")
+print(f"{'run':<18} {'MiB':>4} {'C':>2} {'p50 ms':>8} {'p90 ms':>8} {'GB/s':>6} {'fail':>4} {'land':>5}  interval_us / lowerings")
 for path in sorted(glob.glob(os.path.join(sys.argv[1], "*_*_*.json"))):
     try:
         cells = json.load(open(path))["engine"]["cells"]
@@ -49,6 +50,7 @@ for path in sorted(glob.glob(os.path.join(sys.argv[1], "*_*_*.json"))):
     for c in cells:
         g = c.get("gil", {})
         print(f"{os.path.basename(path)[:-5]:<18} {c['mib']:>4} {c['concurrency']:>2} "
-              f"{c['p50_ms']:>8.2f} {c['p90_ms']:>8.2f} {c['gbps']:>6.1f} {c['failed']:>4}  "
+              f"{c['p50_ms']:>8.2f} {c['p90_ms']:>8.2f} {c['gbps']:>6.1f} {c['failed']:>4} "
+              f"{c.get('stages_ms', {}).get('land', float('nan')):>5.2f}  "
               f"{g.get('interval_us')} / {g.get('lowerings')}")
 EOF

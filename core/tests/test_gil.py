@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import logging
 import sys
+import threading
+import time
 from collections.abc import Iterator
 
 import pytest
@@ -19,6 +21,8 @@ from kvwire.config import ControlOptions, KVWireConfig
 from kvwire.gil import (
     PROBE_MAX_S,
     PROBE_S,
+    PROBE_TICK_S,
+    PROBE_WINDOW_S,
     STARVED_S,
     WINDOW,
     GilWatch,
@@ -91,6 +95,16 @@ class Clock:
         return self.now
 
 
+def no_probe_thread(watch: GilWatch) -> None:
+    """``start_probe`` for tests that play the probe thread (:meth:`GilWatch.probe_looked`)."""
+
+
+def probe_window(watch: GilWatch, clock: Clock, late_s: float) -> None:
+    """Play a probe thread whose every look comes back ``late_s`` late, until it ends."""
+    while watch.probe_looked(late_s):
+        clock.now += PROBE_TICK_S
+
+
 def late_window(watch: GilWatch, late_s: float) -> None:
     """One window of idle waits of 20 ms, each ``late_s`` late."""
     for _ in range(WINDOW):
@@ -122,17 +136,19 @@ def test_auto_looks_again_and_puts_the_interval_back_once_starvation_is_gone(
     caplog: pytest.LogCaptureFixture, interval: list[GilWatch]
 ) -> None:
     clock = Clock()
-    watch = GilWatch("auto", 100.0, "rank-a", clock=clock)
+    watch = GilWatch("auto", 100.0, "rank-a", clock=clock, start_probe=no_probe_thread)
     interval.append(watch)
     late_window(watch, 0.004)
     assert sys.getswitchinterval() == pytest.approx(100e-6)
     late_window(watch, 0.004)  # before the probe: nothing changes
-    assert sys.getswitchinterval() == pytest.approx(100e-6)
+    assert sys.getswitchinterval() == pytest.approx(100e-6) and not watch.probing
     clock.now += PROBE_S
-    watch.waited(0.02, 0.02)  # the probe: the engine's interval, for one window
+    watch.waited(0.02, 0.02)  # the probe: the engine's interval, for the probe's window
+    assert sys.getswitchinterval() == pytest.approx(0.005) and watch.probing
+    late_window(watch, 0.004)  # the liveness thread's waits during a probe are not looked at
     assert sys.getswitchinterval() == pytest.approx(0.005)
-    late_window(watch, 0.004)  # still starved: lowered again, the next probe twice as far
-    assert sys.getswitchinterval() == pytest.approx(100e-6)
+    probe_window(watch, clock, 0.004)  # still starved: lowered again, the next probe twice as far
+    assert sys.getswitchinterval() == pytest.approx(100e-6) and not watch.probing
     clock.now += PROBE_S
     late_window(watch, 0.0)
     assert sys.getswitchinterval() == pytest.approx(100e-6), "probed again too soon"
@@ -140,27 +156,88 @@ def test_auto_looks_again_and_puts_the_interval_back_once_starvation_is_gone(
     watch.waited(0.02, 0.02)
     assert sys.getswitchinterval() == pytest.approx(0.005)
     with caplog.at_level(logging.INFO, logger="kvwire.gil"):
-        late_window(watch, 0.0001)  # the engine stopped hogging: it stays back
+        probe_window(watch, clock, 0.0001)  # the engine stopped hogging: it stays back
     assert sys.getswitchinterval() == pytest.approx(0.005)
-    assert not watch.lowered
+    assert not watch.lowered and not watch.probing
     assert "no longer holds the GIL switch interval lowered (now 5.000 ms)" in caplog.text
     late_window(watch, 0.0001)
     assert sys.getswitchinterval() == pytest.approx(0.005)
 
 
-def test_the_probe_period_doubles_up_to_its_bound(interval: list[GilWatch]) -> None:
+def test_a_probe_ends_at_its_first_late_look(interval: list[GilWatch]) -> None:
+    """At the engine's interval behind a thread that runs Python every kvwire thread stalls
+    (seconds on two H200s), so the probe lowers the interval again at its first late look,
+    and puts it back only after a whole window on time; outside a probe one late wait of the
+    liveness thread is not starvation."""
+    clock = Clock()
+    watch = GilWatch("auto", 100.0, "rank-a", clock=clock, start_probe=no_probe_thread)
+    interval.append(watch)
+    late_window(watch, 0.004)
+    assert watch.lowerings == 1
+    clock.now += PROBE_S
+    watch.waited(0.02, 0.02)  # the probe starts
+    assert sys.getswitchinterval() == pytest.approx(0.005)
+    for _ in range(int(PROBE_WINDOW_S / PROBE_TICK_S) - 2):  # on time, the window not over
+        assert watch.probe_looked(0.0001)
+        clock.now += PROBE_TICK_S
+    assert sys.getswitchinterval() == pytest.approx(0.005) and not watch.lowered
+    assert not watch.probe_looked(2 * STARVED_S)  # one late look: lowered at once
+    assert sys.getswitchinterval() == pytest.approx(100e-6)
+    assert watch.lowered and watch.lowerings == 2 and not watch.probing
+    clock.now += 2 * PROBE_S  # the next probe, twice as far; a whole window on time ends it
+    watch.waited(0.02, 0.02)
+    probe_window(watch, clock, 0.0)
+    assert sys.getswitchinterval() == pytest.approx(0.005) and not watch.lowered
+    watch.waited(0.02, 0.02 + 2 * STARVED_S)  # past the probe, a lone late wait is not starved
+    for _ in range(WINDOW - 1):
+        watch.waited(0.02, 0.02)
+    assert sys.getswitchinterval() == pytest.approx(0.005) and watch.lowerings == 2
+
+
+def test_a_probe_thread_behind_a_thread_that_runs_python_lowers_it_again(
+    interval: list[GilWatch],
+) -> None:
+    """The real probe thread, behind a thread that runs Python at the interpreter's 5 ms: its
+    first look comes back late and lowers the interval again."""
     clock = Clock()
     watch = GilWatch("auto", 100.0, "rank-a", clock=clock)
+    interval.append(watch)
+    late_window(watch, 0.004)
+    assert watch.lowerings == 1
+    stop = threading.Event()
+
+    def spin() -> None:
+        while not stop.is_set():
+            pass
+
+    hog = threading.Thread(target=spin, daemon=True)
+    hog.start()
+    try:
+        clock.now += PROBE_S
+        watch.waited(0.02, 0.02)  # the probe thread starts; the fake clock keeps its window open
+        deadline = time.monotonic() + 60
+        while watch.probing and time.monotonic() < deadline:
+            time.sleep(0.01)
+    finally:
+        stop.set()
+        hog.join()
+    assert watch.lowerings == 2 and watch.lowered
+    assert sys.getswitchinterval() == pytest.approx(100e-6)
+
+
+def test_the_probe_period_doubles_up_to_its_bound(interval: list[GilWatch]) -> None:
+    clock = Clock()
+    watch = GilWatch("auto", 100.0, "rank-a", clock=clock, start_probe=no_probe_thread)
     interval.append(watch)
     periods = []
     late_window(watch, 0.004)
     start = clock.now
     for _ in range(12):  # starved at every probe
-        while sys.getswitchinterval() < 0.001:
+        while not watch.probing:
             clock.now += 1.0
             watch.waited(0.02, 0.02)
         periods.append(clock.now - start)
-        late_window(watch, 0.004)
+        probe_window(watch, clock, 0.004)
         start = clock.now
     assert periods[:3] == [PROBE_S, 2 * PROBE_S, 4 * PROBE_S]
     assert max(periods) == PROBE_MAX_S
@@ -183,11 +260,11 @@ def test_several_managers_watches_share_the_process_interval(interval: list[GilW
     the engine's, a probe of one leaves the interval lowered while the other holds it, and the
     engine's interval is back once neither holds it."""
     ca, cb = Clock(), Clock()
-    a = GilWatch("auto", 100.0, "rank-a", clock=ca)
+    a = GilWatch("auto", 100.0, "rank-a", clock=ca, start_probe=no_probe_thread)
     interval.append(a)
     late_window(a, 0.004)
     assert sys.getswitchinterval() == pytest.approx(100e-6)
-    b = GilWatch("auto", 100.0, "rank-b", clock=cb)
+    b = GilWatch("auto", 100.0, "rank-b", clock=cb, start_probe=no_probe_thread)
     interval.append(b)
     late_window(b, 0.004)
     assert a.lowered and b.lowered
@@ -195,11 +272,11 @@ def test_several_managers_watches_share_the_process_interval(interval: list[GilW
     a.waited(0.02, 0.02)  # a probes; b still holds it lowered
     assert not a.lowered
     assert sys.getswitchinterval() == pytest.approx(100e-6)
-    late_window(a, 0.0)  # what a sees under b's hold: on time, so it stays back
+    probe_window(a, ca, 0.0)  # what a sees under b's hold: on time, so it stays back
     cb.now += PROBE_S
     b.waited(0.02, 0.02)  # b probes too: nobody holds it, the engine's interval is back
     assert sys.getswitchinterval() == pytest.approx(0.005)
-    late_window(b, 0.004)  # b still starved: lowered again
+    probe_window(b, cb, 0.004)  # b still starved: lowered again
     assert sys.getswitchinterval() == pytest.approx(100e-6)
     b.close()  # its manager closed
     assert sys.getswitchinterval() == pytest.approx(0.005)

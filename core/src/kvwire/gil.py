@@ -18,8 +18,13 @@ it lowers the interval to ``control.gil_switch_interval_us``. A lowered interval
 evidence, so every :data:`PROBE_S` (doubling up to :data:`PROBE_MAX_S` while the starvation is
 still found) it puts the interval back for one window and looks again: a burst of Python at
 startup (imports, compiling kernels, capturing graphs) costs a lowered interval for a while,
-not for good. ``"always"`` lowers it when the manager starts, ``"never"`` leaves the
-interpreter alone.
+not for good. The look is a probe thread's, not the liveness thread's: behind an engine thread
+that runs Python, the engine's 5 ms stalls every kvwire thread for seconds (two H200s: liveness
+stalls of 6-10 s and an evicted peer while the liveness thread waited out a window of eight
+waits at 5 ms). The probe thread does nothing but short sleeps, each one GIL acquisition, for
+:data:`PROBE_WINDOW_S`; the first that comes back :data:`STARVED_S` late lowers the interval
+again, so a probe behind a busy engine costs a few switch intervals, not a window.
+``"always"`` lowers it when the manager starts, ``"never"`` leaves the interpreter alone.
 
 The interval is process-wide and an engine may run several managers in one process, so one
 owner here keeps it: the process runs at the shortest interval any manager's watch holds, and
@@ -44,6 +49,8 @@ logger = logging.getLogger(__name__)
 __all__ = [
     "PROBE_MAX_S",
     "PROBE_S",
+    "PROBE_TICK_S",
+    "PROBE_WINDOW_S",
     "STARVED_S",
     "WINDOW",
     "GilMode",
@@ -62,6 +69,9 @@ STARVED_S = 0.001
 #: :data:`PROBE_MAX_S`, each time the starvation is still there).
 PROBE_S = 10.0
 PROBE_MAX_S = 300.0
+#: How long a probe looks at the engine's interval, and the probe thread's sleep between looks.
+PROBE_WINDOW_S = 0.2
+PROBE_TICK_S = 0.002
 
 
 class _Interval:
@@ -163,10 +173,15 @@ def release_switch_interval(holder: object, agent_name: str, why: str | None) ->
 
 class GilWatch:
     """One manager's switch-interval policy (built by the manager on the engine thread; fed
-    by its liveness thread only, so no lock of its own; closed by the manager after that
-    thread ended). It sets the interval through the process's one owner of it
-    (:func:`lower_switch_interval`, :func:`release_switch_interval`), so several managers of
-    one process share it: lowered while any of them holds it, put back when none does."""
+    by its liveness thread; a probe runs on a short-lived thread of its own; closed by the
+    manager after the liveness thread ended). It sets the interval through the process's one
+    owner of it (:func:`lower_switch_interval`, :func:`release_switch_interval`), so several
+    managers of one process share it: lowered while any of them holds it, put back when none
+    does.
+
+    Lock contract: ``_lock`` guards the watch's state and is held across the calls that set
+    the interval (it is taken before the process owner's lock, never inside it) and across
+    ``on_change``; no other lock is held with it."""
 
     def __init__(
         self,
@@ -175,19 +190,26 @@ class GilWatch:
         agent_name: str,
         clock: Callable[[], float] = time.monotonic,
         on_change: Callable[[float, bool], None] | None = None,
+        start_probe: Callable[[GilWatch], None] | None = None,
     ) -> None:
-        """``on_change(interval_s, lowered)`` is called (on the calling thread) with the
-        interval in force whenever this watch sets it, and once at construction; the
-        manager passes its metrics' update."""
+        """``on_change(interval_s, lowered)`` is called with the interval in force whenever
+        this watch sets it, and once at construction; the manager passes its metrics'
+        update. ``start_probe(watch)`` starts a probe (default: a daemon thread running
+        :meth:`run_probe`; tests pass one that runs nothing and feed :meth:`probe_looked`)."""
         self.mode = mode
         self._on_change = on_change or (lambda interval_s, lowered: None)
         self.interval_us = interval_us
         self.agent_name = agent_name
         self._clock = clock
+        self._start_probe = start_probe or _probe_thread
+        self._lock = threading.Lock()
         self._late: deque[float] = deque(maxlen=WINDOW)
         #: When the interval is lowered: when to look again, and the wait after that.
         self._probe_at: float | None = None
         self._probe_s = PROBE_S
+        #: While a probe looks at the engine's interval: the clock when it ends.
+        self._probe_until: float | None = None
+        self._closed = False
         #: How many times this watch lowered the interval (auto mode; metrics and tests).
         self.lowerings = 0
         if mode == "always":
@@ -199,43 +221,87 @@ class GilWatch:
         """Whether this watch holds the interval lowered now (auto mode)."""
         return self._probe_at is not None
 
+    @property
+    def probing(self) -> bool:
+        """Whether a probe is looking at the engine's interval now."""
+        return self._probe_until is not None
+
     def waited(self, asked_s: float, took_s: float) -> None:
         """Liveness thread, after a timed wait that nothing ended (no message came): it was
         asked to last ``asked_s`` and returned after ``took_s``. In auto mode: lowers the
         interval once the median lateness of the last :data:`WINDOW` such waits reaches
-        :data:`STARVED_S`; while lowered, puts it back every probe period to look again."""
+        :data:`STARVED_S`; while lowered, starts a probe every probe period (the probe, not
+        this thread, decides; waits during it are not looked at)."""
         if self.mode != "auto":
             return
-        now = self._clock()
-        if self._probe_at is not None:
-            if now < self._probe_at:
+        start = False
+        with self._lock:
+            now = self._clock()
+            if self._closed or self._probe_until is not None:
                 return
-            # a window at the engine's own interval (or another manager's, if it holds one)
-            self._probe_at = None
-            self._late.clear()
-            self._on_change(release_switch_interval(self, self.agent_name, None), False)
-            return
-        self._late.append(max(0.0, took_s - asked_s))
-        if len(self._late) < WINDOW:
-            return
-        late = statistics.median(self._late)
-        self._late.clear()
-        if late < STARVED_S:
-            if self._probe_s > PROBE_S:
-                self._probe_s = PROBE_S
-                logger.info(
-                    "%s: kvwire's threads run on time again; this manager no longer holds the "
-                    "GIL switch interval lowered (now %.3f ms)",
-                    self.agent_name,
-                    sys.getswitchinterval() * 1e3,
-                )
-            return
+            if self._probe_at is not None:
+                if now < self._probe_at:
+                    return
+                # a window at the engine's own interval (or another manager's, if it holds one)
+                self._probe_at = None
+                self._probe_until = now + PROBE_WINDOW_S
+                self._late.clear()
+                self._on_change(release_switch_interval(self, self.agent_name, None), False)
+                start = True
+            else:
+                self._late.append(max(0.0, took_s - asked_s))
+                if len(self._late) < WINDOW:
+                    return
+                late = statistics.median(self._late)
+                self._late.clear()
+                if late >= STARVED_S:
+                    self._lower(now, late, f"median of {WINDOW}")
+        if start:
+            self._start_probe(self)
+
+    def probe_looked(self, late_s: float) -> bool:
+        """Probe thread, after one of its sleeps came back ``late_s`` late: lowers the
+        interval again at once if that is :data:`STARVED_S` or more, and ends the probe
+        either way once its window is over. Returns whether the probe goes on."""
+        with self._lock:
+            if self._probe_until is None or self._closed:
+                return False
+            now = self._clock()
+            if late_s >= STARVED_S:
+                self._probe_until = None
+                self._lower(now, late_s, "a probe at the engine's interval")
+                return False
+            if now < self._probe_until:
+                return True
+            self._probe_until = None
+            self._probe_s = PROBE_S
+            logger.info(
+                "%s: kvwire's threads run on time again; this manager no longer holds the "
+                "GIL switch interval lowered (now %.3f ms)",
+                self.agent_name,
+                sys.getswitchinterval() * 1e3,
+            )
+            return False
+
+    def run_probe(self) -> None:
+        """Probe thread: short sleeps until :meth:`probe_looked` says the probe is over. Each
+        sleep's return needs the GIL once, so behind a thread that runs Python the first one
+        is late by about the engine's switch interval."""
+        go = True
+        while go:
+            t = time.monotonic()
+            time.sleep(PROBE_TICK_S)
+            go = self.probe_looked(max(0.0, time.monotonic() - t - PROBE_TICK_S))
+
+    def _lower(self, now: float, late: float, seen: str) -> None:
+        """Under ``_lock``: starved (``late`` s, as ``seen``): hold the interval lowered until
+        the next probe, which comes twice as late as the last one did."""
         first = self._probe_s == PROBE_S
         self.lowerings += 1
         self._probe_at = now + self._probe_s
         self._probe_s = min(2 * self._probe_s, PROBE_MAX_S)
         why = (
-            f"kvwire's threads waited {late * 1e3:.1f} ms (median of {WINDOW}) to run again: "
+            f"kvwire's threads waited {late * 1e3:.1f} ms ({seen}) to run again: "
             "a thread of this process holds the GIL for milliseconds at a time"
         )
         # still starved at a probe: lowered again, quietly
@@ -246,6 +312,16 @@ class GilWatch:
 
     def close(self) -> None:
         """Manager close (engine thread, after the liveness thread ended): let go of the
-        interval; the process's last holder puts back the one it found. Idempotent."""
-        self._probe_at = None
-        release_switch_interval(self, self.agent_name, "its manager closed")
+        interval (a probe still running ends at its next look); the process's last holder
+        puts back the one it found. Idempotent."""
+        with self._lock:
+            self._closed = True
+            self._probe_at = self._probe_until = None
+            release_switch_interval(self, self.agent_name, "its manager closed")
+
+
+def _probe_thread(watch: GilWatch) -> None:
+    """The default probe: a daemon thread (a probe comes every :data:`PROBE_S` or more and
+    lasts :data:`PROBE_WINDOW_S`), so nothing waits on it."""
+    name = f"{watch.agent_name}-gil-probe"
+    threading.Thread(target=watch.run_probe, name=name, daemon=True).start()

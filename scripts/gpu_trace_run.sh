@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# Where a C=1 `cudaipc` request's time goes on a GPU host: the engine bench at 2 and 16 MiB
+# under scripts/gpu_call_tracer.py (as sitecustomize in the rank processes), then the tracer's
+# report (per function, and the first requests' timelines, one clock for the host).
+#
+# On the development machine:  bash scripts/gpu_wheels.sh   (fills .whl/)
+# Device call (nvidia-h100-x2), carry [".whl"]:  bash scripts/gpu_trace_run.sh [bench options]
+# Results in $OUT (default /tmp/traceout): trace.log (the report), c1.json, trace.tgz.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+export UCX_MODULES=^efa NCCL_NVLS_ENABLE=0 PYTHONUNBUFFERED=1
+OUT=${OUT:-/tmp/traceout}; mkdir -p "$OUT"
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+  --target /tmp/site .whl/*.whl .whl/nixl/*.whl > "$OUT/pip.log" 2>&1 || { cat "$OUT/pip.log"; exit 1; }
+mkdir -p /tmp/tracer /tmp/trace && rm -rf /tmp/trace/*
+cp scripts/gpu_call_tracer.py /tmp/tracer/sitecustomize.py
+export PYTHONPATH=/tmp/tracer:$PWD/core/src:$PWD/plugins/cudaipc/src:$PWD/plugins/nixl/src:/tmp/site
+export KVWIRE_TRACE_DIR=/tmp/trace
+timeout 200 python3 scripts/gpu_cudaipc_bench.py --skip-mover --skip-backend-api --backend cudaipc \
+  --sizes 2,16 --concurrency 1 --requests 24 --verify-requests 2 --sample-dir /tmp/trace \
+  --json "$OUT/c1.json" "$@" > "$OUT/c1.log" 2>&1
+echo "bench rc=$?"
+grep "^engine" "$OUT/c1.log" | cut -c1-400
+python3 scripts/gpu_call_tracer.py report /tmp/trace > "$OUT/trace.log" 2>&1
+cat "$OUT/trace.log"
+tar czf "$OUT/trace.tgz" -C /tmp trace
