@@ -96,7 +96,9 @@ class Clock:
 
 
 def no_probe_thread(watch: GilWatch) -> None:
-    """``start_probe`` for tests that play the probe thread (:meth:`GilWatch.probe_looked`)."""
+    """``start_probe`` for tests that play the probe thread's looks
+    (:meth:`GilWatch.probe_looked`): only its first step, the interval put back."""
+    watch.begin_probe()
 
 
 def probe_window(watch: GilWatch, clock: Clock, late_s: float) -> None:

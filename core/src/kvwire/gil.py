@@ -195,7 +195,8 @@ class GilWatch:
         """``on_change(interval_s, lowered)`` is called with the interval in force whenever
         this watch sets it, and once at construction; the manager passes its metrics'
         update. ``start_probe(watch)`` starts a probe (default: a daemon thread running
-        :meth:`run_probe`; tests pass one that runs nothing and feed :meth:`probe_looked`)."""
+        :meth:`run_probe`; tests pass one that only calls :meth:`begin_probe` and play the
+        looks with :meth:`probe_looked`)."""
         self.mode = mode
         self._on_change = on_change or (lambda interval_s, lowered: None)
         self.interval_us = interval_us
@@ -242,11 +243,12 @@ class GilWatch:
             if self._probe_at is not None:
                 if now < self._probe_at:
                     return
-                # a window at the engine's own interval (or another manager's, if it holds one)
+                # a window at the engine's own interval (or another manager's, if it holds
+                # one): the probe thread puts it back itself, so the liveness thread waits for
+                # no thread start at that interval
                 self._probe_at = None
                 self._probe_until = now + PROBE_WINDOW_S
                 self._late.clear()
-                self._on_change(release_switch_interval(self, self.agent_name, None), False)
                 start = True
             else:
                 self._late.append(max(0.0, took_s - asked_s))
@@ -258,6 +260,13 @@ class GilWatch:
                     self._lower(now, late, f"median of {WINDOW}")
         if start:
             self._start_probe(self)
+
+    def begin_probe(self) -> None:
+        """Probe thread, first: put the interval back (this watch's hold released) for the
+        probe's window, unless the watch closed meanwhile."""
+        with self._lock:
+            if self._probe_until is not None and not self._closed:
+                self._on_change(release_switch_interval(self, self.agent_name, None), False)
 
     def probe_looked(self, late_s: float) -> bool:
         """Probe thread, after one of its sleeps came back ``late_s`` late: lowers the
@@ -287,6 +296,7 @@ class GilWatch:
         """Probe thread: short sleeps until :meth:`probe_looked` says the probe is over. Each
         sleep's return needs the GIL once, so behind a thread that runs Python the first one
         is late by about the engine's switch interval."""
+        self.begin_probe()
         go = True
         while go:
             t = time.monotonic()
