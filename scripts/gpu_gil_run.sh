@@ -14,11 +14,8 @@
 # Results: $OUT/<stage>_<mode>_<round>.json and .log; the last lines printed are the table.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-export UCX_MODULES=^efa NCCL_NVLS_ENABLE=0 PYTHONUNBUFFERED=1
-OUT=${OUT:-/tmp/gilout}; mkdir -p "$OUT"
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-  --target /tmp/site .whl/*.whl .whl/nixl/*.whl > "$OUT/pip.log" 2>&1 || { cat "$OUT/pip.log"; exit 1; }
-export PYTHONPATH=$PWD/core/src:$PWD/plugins/cudaipc/src:$PWD/plugins/nixl/src:/tmp/site
+OUT=${OUT:-/tmp/gilout}
+source scripts/gpu_env.sh
 nvidia-smi topo -m > "$OUT/env.txt" 2>&1
 ROUNDS=${ROUNDS:-2}
 B="python3 scripts/gpu_cudaipc_bench.py --skip-mover --skip-backend-api --backend cudaipc

@@ -8,13 +8,11 @@
 # Results in $OUT (default /tmp/traceout): trace.log (the report), c1.json, trace.tgz.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-export UCX_MODULES=^efa NCCL_NVLS_ENABLE=0 PYTHONUNBUFFERED=1
-OUT=${OUT:-/tmp/traceout}; mkdir -p "$OUT"
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-  --target /tmp/site .whl/*.whl .whl/nixl/*.whl > "$OUT/pip.log" 2>&1 || { cat "$OUT/pip.log"; exit 1; }
+OUT=${OUT:-/tmp/traceout}
+source scripts/gpu_env.sh
 mkdir -p /tmp/tracer /tmp/trace && rm -rf /tmp/trace/*
 cp scripts/gpu_call_tracer.py /tmp/tracer/sitecustomize.py
-export PYTHONPATH=/tmp/tracer:$PWD/core/src:$PWD/plugins/cudaipc/src:$PWD/plugins/nixl/src:/tmp/site
+export PYTHONPATH=/tmp/tracer:$PYTHONPATH
 export KVWIRE_TRACE_DIR=/tmp/trace
 timeout 200 python3 scripts/gpu_cudaipc_bench.py --skip-mover --skip-backend-api --backend cudaipc \
   --sizes 2,16 --concurrency 1 --requests 24 --verify-requests 2 --sample-dir /tmp/trace \

@@ -1,0 +1,9 @@
+# Sourced by the GPU run scripts (scripts/gpu_gil_run.sh, scripts/gpu_trace_run.sh) on the
+# device machine, from the repository root, with OUT set: the environment those runs share,
+# and the wheels of .whl/ (scripts/gpu_wheels.sh) installed into /tmp/site. Sets PYTHONPATH
+# to this tree's sources first, then /tmp/site.
+export UCX_MODULES=^efa NCCL_NVLS_ENABLE=0 PYTHONUNBUFFERED=1
+mkdir -p "$OUT"
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+  --target /tmp/site .whl/*.whl .whl/nixl/*.whl > "$OUT/pip.log" 2>&1 || { cat "$OUT/pip.log"; exit 1; }
+export PYTHONPATH=$PWD/core/src:$PWD/plugins/cudaipc/src:$PWD/plugins/nixl/src:/tmp/site
