@@ -341,6 +341,49 @@ def test_kernel_end_wakes_the_submitter_and_sends_the_note_without_a_poll(
         b.close()
 
 
+def test_a_failed_kernel_seen_by_a_poll_fails_the_transfer(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A kernel that failed (a sticky CUDA error: the event's ``query`` raises) fails its
+    transfer at the poll that sees it, naming the error, rather than raising out of
+    ``poll`` into the worker's loop; no notification goes out. Host stand-ins as above."""
+    from kvwire.backend import XferOp, XferState
+
+    _host_stand_ins(monkeypatch)
+    _HostEvent.gate.clear()
+
+    def broken(self: _HostEvent) -> bool:
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+    monkeypatch.setattr(_HostEvent, "query", broken)
+    cfg = KVWireConfig(transfer_backend="cudaipc")
+    a = create_backend(cfg, "prefill-bad", need=())
+    b = create_backend(cfg, "decode-bad", need=())
+    try:
+        av = np.arange(1 << 14, dtype=np.uint8)
+        bv = np.zeros(1 << 14, np.uint8)
+
+        def vram(x: np.ndarray) -> MemoryRegion:
+            return MemoryRegion.from_pointer(x.ctypes.data, x.nbytes, 4096, MemKind.VRAM, 0)
+
+        a.register([vram(av)])
+        b.register([vram(bv)])
+        peer = a.add_peer(b.local_metadata())
+        local = make_table(av.ctypes.data + np.arange(4) * 4096, 4096)
+        remote = make_table(bv.ctypes.data + np.arange(4) * 4096, 4096)
+        pair = a.prepare(peer, local, remote)
+        h = a.submit(XferOp.WRITE, pair, np.arange(4), np.arange(4), notification=b"never")
+        assert a.poll(h) is XferState.FAILED
+        assert h.error is not None and "illegal memory access" in h.error
+        assert a.poll(h) is XferState.FAILED  # and stays failed
+        a.release(h)
+        assert b.get_notifications() == []
+    finally:
+        _HostEvent.gate.set()
+        a.close()
+        b.close()
+
+
 def test_all_vram_pair_submits_one_launch_of_exactly_its_runs(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

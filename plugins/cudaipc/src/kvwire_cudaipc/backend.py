@@ -46,9 +46,7 @@ from __future__ import annotations
 
 import logging
 import threading
-import weakref
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -66,78 +64,22 @@ from kvwire.backend import (
 from kvwire.backends.envelope import pack_metadata, region_rows
 from kvwire.backends.memcopy import HostMemory
 from kvwire.backends.tcp import TcpBackend
-from kvwire.backends.tcp.outbound import OutboundTransfer
 from kvwire.descriptors import ADDR, LEN, DescTable, locate_rows
 from kvwire.errors import ConfigError, DescriptorError, PeerError
 from kvwire.layout import MemKind, MemoryRegion
 from kvwire.movers.plan import merge_adjacent
-from kvwire.page_form import PageChunk, PageGeometry, check_geometry_addresses
+from kvwire.page_form import PageChunk, check_geometry_addresses
 from kvwire_cudaipc import _cuda
 from kvwire_cudaipc.copies import copy_runs, takes_copy_engine
 from kvwire_cudaipc.meta import IpcExport, PeerInfo, parse_peer
 from kvwire_cudaipc.options import CudaIpcOptions
+from kvwire_cudaipc.state import IpcPair, IpcPeer, IpcXfer
 from kvwire_cudaipc.watcher import KernelWatcher
 
 logger = logging.getLogger(__name__)
 
 METADATA_VERSION = 1
 SCRATCH_BYTES = 8
-
-
-@dataclass(eq=False)
-class _Peer:
-    """What this side opened of one peer (owned by the control path)."""
-
-    info: PeerInfo
-    #: Per remote region (in ``info.regions`` order): address delta to this process's mapping
-    #: (VRAM regions), or None (host regions, which travel over the side channel).
-    delta: list[int | None]
-    opened: list[tuple[bytes, int]]
-    lock: threading.Lock = field(default_factory=threading.Lock)
-    closed: bool = False
-    pending: weakref.WeakSet[_IpcXfer] = field(default_factory=weakref.WeakSet)
-
-
-@dataclass(eq=False)
-class _Pair:
-    """Prepared state: per-row addresses and kinds of both tables."""
-
-    peer: _Peer
-    local_addr: NDArray[np.uint64]
-    remote_addr: NDArray[np.uint64]
-    local_vram: NDArray[np.bool_]
-    remote_vram: NDArray[np.bool_]
-    #: Remote VRAM rows translated into this process's mapping (0 for host rows).
-    remote_mapped: NDArray[np.int64]
-    #: Local addresses and row lengths as the mover takes them (int64).
-    local_i64: NDArray[np.int64]
-    lens_i64: NDArray[np.int64]
-    #: Every row of both tables is VRAM (a KV pool pair): a submit gathers three arrays and
-    #: launches, with no per-row kind checks or masks.
-    all_vram: bool
-    #: Page geometries already checked against these tables (``check_geometry_addresses``).
-    geometries: weakref.WeakSet[PageGeometry] = field(default_factory=weakref.WeakSet)
-
-
-@dataclass(eq=False)
-class _IpcXfer:
-    """Initiator-side state of one transfer."""
-
-    peer: _Peer
-    event: Any = None
-    #: Host rows and notification, posted over the side channel once ``event`` completed.
-    follow: tuple[NDArray[np.uint64], NDArray[np.uint64], NDArray[np.uint64]] | None = None
-    notification: bytes | None = None
-    #: The follow-up carries the notification alone (VRAM rows only): the transfer is DONE
-    #: once the kernel's event completed and the message was handed to the side channel.
-    notify_only: bool = False
-    tcp: OutboundTransfer | None = None
-    failed: str | None = None
-    lock: threading.Lock = field(default_factory=threading.Lock)
-    #: The peer's name (the side channel's address) and the submitter's wake-up (the
-    #: handle's ``wake``), called once the transfer is terminal.
-    peer_name: str = ""
-    wake: Callable[[], None] | None = None
 
 
 class CudaIpcBackend(TcpBackend):
@@ -167,13 +109,13 @@ class CudaIpcBackend(TcpBackend):
         super().__init__(agent_name, options)
         self._host = _cuda.host_identity()
         self._exports: dict[int, IpcExport] = {}  # region addr -> export
-        self._ipc_peers: dict[str, _Peer] = {}
+        self._ipc_peers: dict[str, IpcPeer] = {}
         self._gpu_lock = threading.Lock()
         self._writer: int | None = None
         self._stream: Any = None
         self._copier: Any = None
         self._pages: Any = None
-        self._watcher: KernelWatcher[_IpcXfer] | None = None
+        self._watcher: KernelWatcher[IpcXfer] | None = None
         #: 8 bytes a notification-only message writes on the target (the side channel's
         #: messages carry at least one row); in every HostMemory, never in ``_regions``.
         self._scratch = np.zeros(SCRATCH_BYTES, dtype=np.uint8)
@@ -299,12 +241,12 @@ class CudaIpcBackend(TcpBackend):
             raise
         self._ipc_peers[name] = peer
 
-    def _open_peer(self, info: PeerInfo) -> _Peer:
+    def _open_peer(self, info: PeerInfo) -> IpcPeer:
         """Enable peer access and open the peer's handles on the writing GPU (control lock
         held). Nothing is opened for a peer without VRAM regions, or by a rank without any
         (its VRAM rows are then refused at prepare)."""
         delta: list[int | None] = [None] * len(info.regions)
-        peer = _Peer(info=info, delta=delta, opened=[])
+        peer = IpcPeer(info=info, delta=delta, opened=[])
         writer = self._writer_device()
         if not info.exports or writer is None:
             return peer
@@ -335,7 +277,7 @@ class CudaIpcBackend(TcpBackend):
             raise
         return peer
 
-    def _close_peer(self, peer: _Peer) -> None:
+    def _close_peer(self, peer: IpcPeer) -> None:
         """Fail the peer's pending transfers, wait for kernels that may store into its
         mappings, then unmap them."""
         with peer.lock:
@@ -390,7 +332,7 @@ class CudaIpcBackend(TcpBackend):
             delta = np.array([d if d is not None else 0 for d in peer.delta], dtype=np.int64)
             mapped = np.where(rk, remote[:, ADDR].astype(np.int64) + delta[ridx], 0)
         self._ensure_gpu()
-        return _Pair(
+        return IpcPair(
             peer=peer,
             local_addr=local[:, ADDR].copy(),
             remote_addr=remote[:, ADDR].copy(),
@@ -430,8 +372,8 @@ class CudaIpcBackend(TcpBackend):
         notification: bytes | None,
         handle: TransferHandle,
     ) -> Any:
-        st: _Pair = pair.state
-        x = _IpcXfer(peer=st.peer, notification=notification, peer_name=pair.peer, wake=handle.wake)
+        st: IpcPair = pair.state
+        x = IpcXfer(peer=st.peer, notification=notification, peer_name=pair.peer, wake=handle.wake)
         if st.all_vram:  # the KV pool's pair: three gathers, one launch
             if notification is not None:
                 self._notify_only(x, st)
@@ -464,7 +406,7 @@ class CudaIpcBackend(TcpBackend):
             self._post_follow(x)
         return x
 
-    def _notify_only(self, x: _IpcXfer, st: _Pair) -> None:
+    def _notify_only(self, x: IpcXfer, st: IpcPair) -> None:
         """The follow-up of a transfer without host rows: the notification alone, as a
         message that writes the peer's scratch word (the side channel carries rows)."""
         x.notify_only = True
@@ -486,10 +428,10 @@ class CudaIpcBackend(TcpBackend):
         row, one launch of the pool-to-pool page mover, whose table is the two page lists
         and each buffer pair's two addresses (two gathers of ``pairs`` numbers); otherwise
         its rows, as :meth:`_submit` moves them."""
-        st: _Pair = pair.state
+        st: IpcPair = pair.state
         if not st.all_vram:
             return self._submit(op, pair, *chunk.rows(), notification, handle)
-        x = _IpcXfer(peer=st.peer, notification=notification, peer_name=pair.peer, wake=handle.wake)
+        x = IpcXfer(peer=st.peer, notification=notification, peer_name=pair.peer, wake=handle.wake)
         if notification is not None:
             self._notify_only(x, st)
         g = chunk.geometry
@@ -520,7 +462,7 @@ class CudaIpcBackend(TcpBackend):
                 return lambda: copy_runs(src, dst, n, stream.cuda_stream)
         return lambda: copier.move(src, dst, n, stream=stream)
 
-    def _launch(self, x: _IpcXfer, st: _Pair, enqueue: Callable[[], None]) -> None:
+    def _launch(self, x: IpcXfer, st: IpcPair, enqueue: Callable[[], None]) -> None:
         """Enqueue one fused mover launch (``enqueue``: the run mover's or the page
         mover's) on the private stream, record its event and hand it to the kernel watcher.
         Holds the peer's lock only while enqueueing (never waits for the GPU)."""
@@ -536,7 +478,7 @@ class CudaIpcBackend(TcpBackend):
             st.peer.pending.add(x)
             watcher.watch(x)  # under the lock: the watcher sees launches in stream order
 
-    def _kernel_watcher(self) -> KernelWatcher[_IpcXfer]:
+    def _kernel_watcher(self) -> KernelWatcher[IpcXfer]:
         """The watcher thread, started at the first launch (any submitting thread)."""
         if self._watcher is None:
             with self._gpu_lock:
@@ -544,7 +486,7 @@ class CudaIpcBackend(TcpBackend):
                     self._watcher = KernelWatcher(self.agent_name, self._kernel_done)
         return self._watcher
 
-    def _kernel_done(self, x: _IpcXfer, error: str | None) -> None:
+    def _kernel_done(self, x: IpcXfer, error: str | None) -> None:
         """Kernel watcher: ``x``'s kernel ended. Post its follow-up now (unless ``poll`` did
         already), and wake its submitter when the transfer is DONE (VRAM rows only) or
         failed; a follow-up with host rows wakes it when the side channel's write ends."""
@@ -557,7 +499,7 @@ class CudaIpcBackend(TcpBackend):
         if terminal and x.wake is not None:
             x.wake()
 
-    def _post_follow(self, x: _IpcXfer) -> None:
+    def _post_follow(self, x: IpcXfer) -> None:
         """Post the host rows and notification over the side channel (after the data); the
         side channel wakes the submitter when a write with host rows ends. A notification
         alone goes as a note to a peer that takes them (its metadata's ``notes``), else as a
@@ -571,12 +513,19 @@ class CudaIpcBackend(TcpBackend):
         x.tcp = self._queue(XferOp.WRITE, x.peer_name, la, ra, lens, x.notification, wake)
 
     def _poll(self, handle: TransferHandle) -> XferState:
-        x: _IpcXfer = handle.state
+        x: IpcXfer = handle.state
         if x.failed is not None:
             handle.error = handle.error or x.failed
             return XferState.FAILED
         if x.tcp is None and x.event is not None:
-            if not x.event.query():
+            try:
+                done = x.event.query()
+            except Exception as exc:  # a failed kernel (sticky CUDA error): fail the transfer
+                with x.lock:
+                    x.failed = x.failed or f"cudaipc: the mover kernel failed: {exc}"
+                handle.error = handle.error or x.failed
+                return XferState.FAILED
+            if not done:
                 return XferState.PENDING
             with x.lock:
                 if x.follow is not None and x.tcp is None and x.failed is None:

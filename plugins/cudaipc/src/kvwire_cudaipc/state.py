@@ -1,0 +1,75 @@
+"""The ``cudaipc`` backend's state records: what it opened of a peer, a prepared table pair,
+and one transfer. Owned by :class:`~kvwire_cudaipc.backend.CudaIpcBackend` (its control path
+builds peers and pairs; its submit path builds transfers, which its kernel watcher and polls
+finish); the locks they carry are described on each."""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+from numpy.typing import NDArray
+
+from kvwire.backends.tcp.outbound import OutboundTransfer
+from kvwire.page_form import PageGeometry
+from kvwire_cudaipc.meta import PeerInfo
+
+
+@dataclass(eq=False)
+class IpcPeer:
+    """What this side opened of one peer (owned by the control path)."""
+
+    info: PeerInfo
+    #: Per remote region (in ``info.regions`` order): address delta to this process's mapping
+    #: (VRAM regions), or None (host regions, which travel over the side channel).
+    delta: list[int | None]
+    opened: list[tuple[bytes, int]]
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    closed: bool = False
+    pending: weakref.WeakSet[IpcXfer] = field(default_factory=weakref.WeakSet)
+
+
+@dataclass(eq=False)
+class IpcPair:
+    """Prepared state: per-row addresses and kinds of both tables."""
+
+    peer: IpcPeer
+    local_addr: NDArray[np.uint64]
+    remote_addr: NDArray[np.uint64]
+    local_vram: NDArray[np.bool_]
+    remote_vram: NDArray[np.bool_]
+    #: Remote VRAM rows translated into this process's mapping (0 for host rows).
+    remote_mapped: NDArray[np.int64]
+    #: Local addresses and row lengths as the mover takes them (int64).
+    local_i64: NDArray[np.int64]
+    lens_i64: NDArray[np.int64]
+    #: Every row of both tables is VRAM (a KV pool pair): a submit gathers three arrays and
+    #: launches, with no per-row kind checks or masks.
+    all_vram: bool
+    #: Page geometries already checked against these tables (``check_geometry_addresses``).
+    geometries: weakref.WeakSet[PageGeometry] = field(default_factory=weakref.WeakSet)
+
+
+@dataclass(eq=False)
+class IpcXfer:
+    """Initiator-side state of one transfer."""
+
+    peer: IpcPeer
+    event: Any = None
+    #: Host rows and notification, posted over the side channel once ``event`` completed.
+    follow: tuple[NDArray[np.uint64], NDArray[np.uint64], NDArray[np.uint64]] | None = None
+    notification: bytes | None = None
+    #: The follow-up carries the notification alone (VRAM rows only): the transfer is DONE
+    #: once the kernel's event completed and the message was handed to the side channel.
+    notify_only: bool = False
+    tcp: OutboundTransfer | None = None
+    failed: str | None = None
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    #: The peer's name (the side channel's address) and the submitter's wake-up (the
+    #: handle's ``wake``), called once the transfer is terminal.
+    peer_name: str = ""
+    wake: Callable[[], None] | None = None
