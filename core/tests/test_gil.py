@@ -9,6 +9,7 @@ behind a busy engine loop lowering it by itself: test_cluster_tcp.py."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import sys
 import threading
@@ -19,6 +20,7 @@ import pytest
 
 from kvwire.config import ControlOptions, KVWireConfig
 from kvwire.gil import (
+    BUSY_FALL,
     PROBE_MAX_S,
     PROBE_S,
     PROBE_TICK_S,
@@ -196,35 +198,106 @@ def test_a_probe_ends_at_its_first_late_look(interval: list[GilWatch]) -> None:
     assert sys.getswitchinterval() == pytest.approx(0.005) and watch.lowerings == 2
 
 
-def test_a_probe_thread_behind_a_thread_that_runs_python_lowers_it_again(
+def test_a_probe_thread_behind_a_thread_that_runs_python_ends_lowered(
     interval: list[GilWatch],
 ) -> None:
-    """The real probe thread, behind a thread that runs Python at the interpreter's 5 ms: its
-    first look comes back late and lowers the interval again."""
+    """The real probe thread, behind a thread that runs Python without pause, ends with the
+    interval lowered again: skipped by the busy check, or (when a loaded host's scheduling
+    hid the fall) at its first late look."""
     clock = Clock()
     watch = GilWatch("auto", 100.0, "rank-a", clock=clock)
     interval.append(watch)
     late_window(watch, 0.004)
     assert watch.lowerings == 1
+    with hog():
+        clock.now += PROBE_S
+        watch.waited(0.02, 0.02)  # the probe thread starts; the fake clock keeps it open
+        deadline = time.monotonic() + 60
+        while watch.probing and time.monotonic() < deadline:
+            time.sleep(0.01)
+    assert watch.lowerings == 2 and watch.lowered
+    assert sys.getswitchinterval() == pytest.approx(100e-6)
+
+
+def test_the_fall_tells_a_thread_that_runs_python(interval: list[GilWatch]) -> None:
+    """What the busy check measures, for real: the sleeps' lateness falls from the lowered
+    interval to a quarter of it behind a thread that runs Python without pause, and not
+    without one. On a loaded host the OS's scheduling adds noise of milliseconds, so each
+    side is asked to hold in one of five measurements (on the development VM beside two busy
+    processes: a fall of 71-80 µs behind the thread, 0 without, threshold 30)."""
+    clock = Clock()
+    watch = GilWatch("auto", 100.0, "rank-a", clock=clock, start_probe=lambda w: None)
+    interval.append(watch)
+    late_window(watch, 0.004)
+    clock.now += PROBE_S
+    watch.waited(0.02, 0.02)  # a probe is due; its thread (played here) has not begun
+    bar = BUSY_FALL * 100e-6
+    quiet = [watch.measure_fall() for _ in range(5)]
+    assert min(quiet) < bar, f"nothing runs Python, yet every fall was {quiet}"
+    with hog():
+        busy = [watch.measure_fall() for _ in range(5)]
+    assert max(busy) >= bar, f"behind a thread that runs Python the falls were {busy}"
+    assert sys.getswitchinterval() == pytest.approx(100e-6)  # asked back after each
+
+
+@contextlib.contextmanager
+def hog() -> Iterator[None]:
+    """A thread that runs Python without pause while the block runs."""
     stop = threading.Event()
 
     def spin() -> None:
         while not stop.is_set():
             pass
 
-    hog = threading.Thread(target=spin, daemon=True)
-    hog.start()
+    t = threading.Thread(target=spin, daemon=True)
+    t.start()
     try:
-        clock.now += PROBE_S
-        watch.waited(0.02, 0.02)  # the probe thread starts; the fake clock keeps its window open
-        deadline = time.monotonic() + 60
-        while watch.probing and time.monotonic() < deadline:
-            time.sleep(0.01)
+        yield
     finally:
         stop.set()
-        hog.join()
-    assert watch.lowerings == 2 and watch.lowered
+        t.join()
+
+
+def test_the_busy_check_ends_a_probe_only_on_a_clear_fall(interval: list[GilWatch]) -> None:
+    """A fall of the sleeps' lateness by BUSY_FALL of the interval or more ends the probe
+    with the interval held (as a late look would); a smaller one lets it go on."""
+    clock = Clock()
+    watch = GilWatch("auto", 100.0, "rank-a", clock=clock, start_probe=lambda w: None)
+    interval.append(watch)
+    late_window(watch, 0.004)
+    clock.now += PROBE_S
+    watch.waited(0.02, 0.02)  # a probe is due; its thread (played here) has not begun
+    assert watch.probing and sys.getswitchinterval() == pytest.approx(100e-6)
+    assert not watch.busy_check(0.5 * BUSY_FALL * 100e-6)  # no clear fall: the probe goes on
+    assert watch.probing and watch.probes_skipped == 0
+    assert watch.busy_check(2 * BUSY_FALL * 100e-6)
+    assert not watch.probing and watch.lowered and watch.probes_skipped == 1
     assert sys.getswitchinterval() == pytest.approx(100e-6)
+    clock.now += PROBE_S  # the next probe comes twice as late
+    watch.waited(0.02, 0.02)
+    assert not watch.probing
+    clock.now += PROBE_S
+    watch.waited(0.02, 0.02)
+    assert watch.probing
+
+
+def test_a_holder_may_ask_for_a_longer_interval_than_kvwire_set() -> None:
+    """An interval kvwire set follows its holders' shortest, up as well as down (the busy
+    check asks for a quarter, then back); one the engine set meanwhile is left alone."""
+    a, b = object(), object()
+    lower_switch_interval(a, 25.0, "rank-a", None)
+    assert sys.getswitchinterval() == pytest.approx(25e-6)
+    lower_switch_interval(a, 100.0, "rank-a", None)
+    assert sys.getswitchinterval() == pytest.approx(100e-6)
+    lower_switch_interval(b, 50.0, "rank-b", None)
+    lower_switch_interval(b, 200.0, "rank-b", None)  # a still asks for 100
+    assert sys.getswitchinterval() == pytest.approx(100e-6)
+    sys.setswitchinterval(60e-6)  # the engine's own choice
+    lower_switch_interval(a, 150.0, "rank-a", None)
+    assert sys.getswitchinterval() == pytest.approx(60e-6)
+    release_switch_interval(a, "rank-a", None)
+    release_switch_interval(b, "rank-b", None)
+    assert sys.getswitchinterval() == pytest.approx(60e-6)  # changed by the engine: kept
 
 
 def test_the_probe_period_doubles_up_to_its_bound(interval: list[GilWatch]) -> None:
@@ -317,7 +390,12 @@ def test_changes_reach_the_callback_and_a_managers_metrics(interval: list[GilWat
     seen: list[tuple[float, bool]] = []
     clock = Clock()
     watch = GilWatch(
-        "auto", 100.0, "rank-a", clock=clock, on_change=lambda i, w: seen.append((i, w))
+        "auto",
+        100.0,
+        "rank-a",
+        clock=clock,
+        on_change=lambda i, w: seen.append((i, w)),
+        start_probe=no_probe_thread,
     )
     interval.append(watch)
     late_window(watch, 0.004)
