@@ -121,9 +121,14 @@ class DecodeSide(Side[RecvRoom]):
 
     # ------------------------------------------------------------ bootstrapping
     def create_room(self, room_id: int, bootstrap_addr: str) -> RecvRoom:
-        """Engine thread (KVReceiver creation)."""
+        """Engine thread (KVReceiver creation). The first room wakes the progress thread,
+        which ticks slowly while the table is empty (``IDLE_TICK_S`` in the manager)."""
         with self.rooms.lock:
-            return self.rooms.create(RecvRoom(room_id, bootstrap_addr))
+            room = self.rooms.create(RecvRoom(room_id, bootstrap_addr))
+            first = len(self.rooms) == 1
+        if first:
+            self.ctx.wake.set()
+        return room
 
     def start(self, room: RecvRoom, prefill_dp_rank: int | None) -> None:
         """Engine thread (``init``): resolve and handshake. When the prefill instance was looked

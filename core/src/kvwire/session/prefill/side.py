@@ -311,9 +311,13 @@ class PrefillSide(Side[SendRoom]):
 
     # --------------------------------------------------------------- engine thread
     def create_room(self, room_id: int) -> SendRoom:
-        """Engine thread (KVSender creation): a new room, picking up early requests."""
+        """Engine thread (KVSender creation): a new room, picking up early requests. The
+        first room wakes the progress thread, which ticks slowly while the table is empty
+        (``IDLE_TICK_S`` in the manager)."""
         with self.rooms.lock:
             room = self.rooms.create(SendRoom(room_id))
+            if len(self.rooms) == 1:
+                self.ctx.wake.set()
             early_failure, requests = self.early.take(room_id)
             if early_failure is not None:
                 self._fail(room, TransferError(early_failure, room=room_id))
