@@ -28,7 +28,9 @@ that, at the lowered interval and at a quarter of it, it times short sleeps: beh
 that runs Python without pause their lateness falls with the interval (about 250 against 170
 µs at 100 and 25 µs on the development VM, with or without other processes loading it; no
 change when nothing holds the GIL), and then the probe is skipped. On two H200s the look at
-the engine's 5 ms still stalled a liveness thread once for 1.3 s in four probes.
+the engine's 5 ms alone still stalled a liveness thread once for 1.3 s in four probes; with
+the check first, two runs behind a busy engine had no stall, and behind a sleeping one the
+probe still put the engine's interval back.
 ``"always"`` lowers it when the manager starts, ``"never"`` leaves the interpreter alone.
 
 The interval is process-wide and an engine may run several managers in one process, so one
