@@ -281,6 +281,40 @@ def test_the_busy_check_ends_a_probe_only_on_a_clear_fall(interval: list[GilWatc
     assert watch.probing
 
 
+def test_a_manager_closed_during_the_busy_check_keeps_no_hold(
+    interval: list[GilWatch], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The manager closes while the probe thread times its sleeps at a quarter interval: the
+    check asks for nothing afterwards, so no hold outlives the manager (the fixture checks)
+    and the engine's interval is back."""
+    import kvwire.gil as gil
+
+    clock = Clock()
+    watch = GilWatch("auto", 100.0, "rank-a", clock=clock, start_probe=lambda w: None)
+    late_window(watch, 0.004)
+    clock.now += PROBE_S
+    watch.waited(0.02, 0.02)  # a probe is due
+    at_quarter, closed = threading.Event(), threading.Event()
+    calls: list[float] = []
+
+    def median_late() -> float:
+        calls.append(sys.getswitchinterval())
+        if len(calls) == 2:  # the quarter interval's sleeps: the manager closes now
+            at_quarter.set()
+            assert closed.wait(30)
+        return 0.0
+
+    monkeypatch.setattr(gil, "_median_late", median_late)
+    t = threading.Thread(target=watch.measure_fall)
+    t.start()
+    assert at_quarter.wait(30)
+    watch.close()
+    closed.set()
+    t.join(30)
+    assert calls == pytest.approx([100e-6, 25e-6])
+    assert holders() == 0 and sys.getswitchinterval() == pytest.approx(0.005)
+
+
 def test_a_holder_may_ask_for_a_longer_interval_than_kvwire_set() -> None:
     """An interval kvwire set follows its holders' shortest, up as well as down (the busy
     check asks for a quarter, then back); one the engine set meanwhile is left alone."""

@@ -330,15 +330,27 @@ class GilWatch:
         """Probe thread, the interval still lowered: how much the median lateness of short
         sleeps falls (s) from this watch's interval to a quarter of it (asked of the
         process's owner, then asked back)."""
-        if self._probe_until is None or self._closed:
+        if not self._hold_if_open(None):
             return 0.0
         held = _median_late()
-        lower_switch_interval(self, self.interval_us / 4, self.agent_name, None)
+        # a close meanwhile let go of the interval: nothing is asked for after it
+        if not self._hold_if_open(self.interval_us / 4):
+            return 0.0
         try:
             quarter = _median_late()
         finally:
-            lower_switch_interval(self, self.interval_us, self.agent_name, None)
+            self._hold_if_open(self.interval_us)
         return held - quarter
+
+    def _hold_if_open(self, interval_us: float | None) -> bool:
+        """Probe thread: unless the watch closed (or, with ``interval_us`` None, its probe
+        ended), ask for ``interval_us`` (None: nothing); returns whether it was open."""
+        with self._lock:
+            if self._closed or (interval_us is None and self._probe_until is None):
+                return False
+            if interval_us is not None:
+                lower_switch_interval(self, interval_us, self.agent_name, None)
+            return True
 
     def busy_check(self, fall_s: float) -> bool:
         """Probe thread, before the engine's interval comes back: with a lateness fall of
