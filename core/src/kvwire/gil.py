@@ -226,7 +226,8 @@ class GilWatch:
         #: When the interval is lowered: when to look again, and the wait after that.
         self._probe_at: float | None = None
         self._probe_s = PROBE_S
-        #: While a probe looks at the engine's interval: the clock when it ends.
+        #: While a probe runs: the clock when its window at the engine's interval ends (set
+        #: again when that window begins, after the busy check).
         self._probe_until: float | None = None
         self._closed = False
         #: How many times this watch lowered the interval (auto mode; metrics and tests),
@@ -282,10 +283,12 @@ class GilWatch:
             self._start_probe(self)
 
     def begin_probe(self) -> None:
-        """Probe thread, first: put the interval back (this watch's hold released) for the
-        probe's window, unless the watch closed meanwhile."""
+        """Probe thread, after the busy check: put the interval back (this watch's hold
+        released) for the probe's window, which starts now, unless the probe ended or the
+        watch closed meanwhile."""
         with self._lock:
             if self._probe_until is not None and not self._closed:
+                self._probe_until = self._clock() + PROBE_WINDOW_S
                 self._on_change(release_switch_interval(self, self.agent_name, None), False)
 
     def probe_looked(self, late_s: float) -> bool:
