@@ -109,6 +109,18 @@ def probe_window(watch: GilWatch, clock: Clock, late_s: float) -> None:
         clock.now += PROBE_TICK_S
 
 
+def due_probe(watches: list[GilWatch]) -> tuple[GilWatch, Clock]:
+    """An auto watch (kept in ``watches`` for the fixture to close) that lowered the interval
+    and whose probe is due, its thread not begun (the test plays it)."""
+    clock = Clock()
+    watch = GilWatch("auto", 100.0, "rank-a", clock=clock, start_probe=lambda w: None)
+    watches.append(watch)
+    late_window(watch, 0.004)
+    clock.now += PROBE_S
+    watch.waited(0.02, 0.02)
+    return watch, clock
+
+
 def late_window(watch: GilWatch, late_s: float) -> None:
     """One window of idle waits of 20 ms, each ``late_s`` late."""
     for _ in range(WINDOW):
@@ -225,12 +237,7 @@ def test_the_fall_tells_a_thread_that_runs_python(interval: list[GilWatch]) -> N
     without one. On a loaded host the OS's scheduling adds noise of milliseconds, so each
     side is asked to hold in one of five measurements (on the development VM beside two busy
     processes: a fall of 71-80 µs behind the thread, 0 without, threshold 30)."""
-    clock = Clock()
-    watch = GilWatch("auto", 100.0, "rank-a", clock=clock, start_probe=lambda w: None)
-    interval.append(watch)
-    late_window(watch, 0.004)
-    clock.now += PROBE_S
-    watch.waited(0.02, 0.02)  # a probe is due; its thread (played here) has not begun
+    watch, _clock = due_probe(interval)
     bar = BUSY_FALL * 100e-6
     quiet = [watch.measure_fall() for _ in range(5)]
     assert min(quiet) < bar, f"nothing runs Python, yet every fall was {quiet}"
@@ -261,12 +268,7 @@ def hog() -> Iterator[None]:
 def test_the_busy_check_ends_a_probe_only_on_a_clear_fall(interval: list[GilWatch]) -> None:
     """A fall of the sleeps' lateness by BUSY_FALL of the interval or more ends the probe
     with the interval held (as a late look would); a smaller one lets it go on."""
-    clock = Clock()
-    watch = GilWatch("auto", 100.0, "rank-a", clock=clock, start_probe=lambda w: None)
-    interval.append(watch)
-    late_window(watch, 0.004)
-    clock.now += PROBE_S
-    watch.waited(0.02, 0.02)  # a probe is due; its thread (played here) has not begun
+    watch, clock = due_probe(interval)
     assert watch.probing and sys.getswitchinterval() == pytest.approx(100e-6)
     assert not watch.busy_check(0.5 * BUSY_FALL * 100e-6)  # no clear fall: the probe goes on
     assert watch.probing and watch.probes_skipped == 0
@@ -289,11 +291,7 @@ def test_a_manager_closed_during_the_busy_check_keeps_no_hold(
     and the engine's interval is back."""
     import kvwire.gil as gil
 
-    clock = Clock()
-    watch = GilWatch("auto", 100.0, "rank-a", clock=clock, start_probe=lambda w: None)
-    late_window(watch, 0.004)
-    clock.now += PROBE_S
-    watch.waited(0.02, 0.02)  # a probe is due
+    watch, _clock = due_probe([])  # closed by the test itself
     at_quarter, closed = threading.Event(), threading.Event()
     calls: list[float] = []
 
