@@ -186,6 +186,83 @@ def test_garbage_on_the_socket_is_refused_counted_and_notes_still_arrive(
     assert rx.refused_messages == 3
 
 
+class Handled:
+    """An owner's notification handler: records each note with the thread it ran on."""
+
+    def __init__(self, fail_on: bytes | None = None) -> None:
+        self.notes: list[tuple[str, bytes, str]] = []
+        self.fail_on = fail_on
+        self.more = threading.Event()
+
+    def __call__(self, note: Any) -> None:
+        self.notes.append((note.peer, note.payload, threading.current_thread().name))
+        self.more.set()
+        if note.payload == self.fail_on:
+            raise RuntimeError("the owner's bug")
+
+    def wait(self, count: int, timeout: float = 10.0) -> None:
+        """Until ``count`` notes were handled (fails only when none comes for ``timeout``)."""
+        while len(self.notes) < count:
+            assert self.more.wait(timeout), f"{len(self.notes)} of {count} notes handled"
+            self.more.clear()
+
+
+def test_a_local_note_goes_to_the_owners_handler_on_the_receiver_thread(
+    make_backend: MakeBackend,
+) -> None:
+    """With a handler set, a note over the datagram socket is handled on the receiver thread
+    (nothing queued, the owner loop not woken); garbage is still refused and counted, and a
+    handler that raises does not stop the receiver."""
+    tx, rx, peer = linked(make_backend)
+    handled, woke = Handled(fail_on=b"boom"), threading.Event()
+    rx.set_notification_handler(handled)
+    rx.set_notification_waker(woke.set)
+    assert rx._local is not None and rx._local.address is not None
+    raw = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    try:
+        raw.sendto(wire.pack({"v": wire.VERSION, "f": "tx", "n": "not bytes"}), rx._local.address)
+    finally:
+        raw.close()
+    for payload in (b"one", b"boom", b"two"):
+        tx._queue_note(peer, payload)
+    handled.wait(3)
+    assert [(p, n) for p, n, _ in handled.notes] == [
+        ("tx", b"one"),
+        ("tx", b"boom"),
+        ("tx", b"two"),
+    ]
+    assert {t for _, _, t in handled.notes} == {"kvwire-notes-rx"}
+    assert rx.get_notifications() == [] and not woke.is_set()
+    assert rx.refused_messages == 1
+
+
+def test_with_local_notes_direct_off_notes_are_queued_for_the_owner_loop(
+    make_backend: MakeBackend,
+) -> None:
+    tx, rx, peer = linked(make_backend, local_notes_direct=False)
+    handled = Handled()
+    rx.set_notification_handler(handled)
+    tx._queue_note(peer, b"queued")
+    assert received(rx, 1) == [("tx", b"queued")]
+    assert handled.notes == []
+
+
+def test_a_note_over_zeromq_is_still_queued_when_a_handler_is_set(
+    make_backend: MakeBackend,
+) -> None:
+    """Only the receiver thread that does nothing else hands notes over; ZeroMQ's (the I/O
+    thread's) are queued for the owner loop as before."""
+    tx, rx = make_backend("tx"), make_backend("rx")
+    handled = Handled()
+    rx.set_notification_handler(handled)
+    meta = msgpack.unpackb(rx.local_metadata())
+    meta["host"] = {**meta["host"], "boot_id": "another-boot"}
+    peer = tx.add_peer(msgpack.packb(meta))
+    tx._queue_note(peer, b"over zmq")
+    assert received(rx, 1) == [("tx", b"over zmq")]
+    assert handled.notes == []
+
+
 def test_close_removes_the_socket_and_its_directory(make_backend: MakeBackend) -> None:
     import os
 
@@ -233,3 +310,30 @@ def test_directories_left_by_killed_backends_are_removed_live_ones_kept(
         assert sock is not None
         sock.close()
     assert not dead.exists() and young.exists() and live.exists() and other.exists()
+
+
+@pytest.mark.parametrize("backend", ["tcp", "flaky,tcp"])
+def test_a_manager_hands_its_side_to_the_backend_as_the_notification_handler(
+    backend: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The wiring: each manager's backend (each member of a backend list) hands notes it
+    receives on its own thread to the role's side there."""
+    from kvwire import plugins
+    from kvwire.config import KVWireConfig
+    from kvwire.testing import flaky
+
+    monkeypatch.setattr(plugins, "_registry", plugins.PluginRegistry(extra=[("flaky", flaky)]))
+    from kvwire.layout import ModelSpec, RankPosition
+    from kvwire.session import KVManager, Role
+    from kvwire.testing.kvfill import make_pool
+
+    model = ModelSpec(num_layers=2, total_kv_heads=2, head_dim=8, dtype="int32", page_size=4)
+    layout, _ = make_pool(model, RankPosition(), 4)
+    mgr = KVManager(KVWireConfig(transfer_backend=backend), Role.DECODE, layout)
+    try:
+        backend_obj = mgr.ctx.backend
+        members = getattr(backend_obj, "members", [backend_obj])
+        for b in [backend_obj, *members]:
+            assert b._notification_handler == mgr.side.on_notification
+    finally:
+        mgr.close()

@@ -58,15 +58,21 @@ def check_indices(idx: object, size: int, what: str, unit: str = "rows") -> Inde
     arr = np.asarray(idx)
     if arr.ndim != 1:
         raise DescriptorError(f"{what} must be 1-D, got shape {arr.shape}")
-    if arr.size and not np.issubdtype(arr.dtype, np.integer):
-        raise DescriptorError(f"{what} must hold integers, got {arr.dtype}")
-    arr = arr.astype(np.int64, copy=False)
-    if arr.size:
-        lo, hi = int(arr.min()), int(arr.max())
-        if lo < 0 or hi >= size:
+    if arr.dtype != np.int64:  # the transfer path's arrays are int64 already
+        if arr.size and arr.dtype.kind not in "iu":
+            raise DescriptorError(f"{what} must hold integers, got {arr.dtype}")
+        if arr.dtype == np.uint64 and arr.size and int(arr.max()) > np.iinfo(np.int64).max:
+            hi = int(arr.max())
             raise DescriptorError(
-                f"{what} out of range: values span [{lo}, {hi}] but there are {size} {unit}"
+                f"{what} out of range: values up to {hi} but there are {size} {unit}"
             )
+        arr = arr.astype(np.int64, copy=False)
+    # one pass for both bounds: a negative entry is a huge unsigned one
+    if arr.size and int(arr.view(np.uint64).max()) >= size:
+        lo, hi = int(arr.min()), int(arr.max())
+        raise DescriptorError(
+            f"{what} out of range: values span [{lo}, {hi}] but there are {size} {unit}"
+        )
     return arr
 
 
