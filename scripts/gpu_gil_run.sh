@@ -3,16 +3,14 @@
 # an engine thread that runs Python"): cudaipc between two GPUs, C=1 and 8, 2 and 16 MiB,
 # behind a sleeping engine loop and a busy one, control.gil_switch auto against never and
 # always, and TP 1 -> 2; and (stage "notes") cudaipc's notes over ZeroMQ against the local
-# datagram socket (tcp option local_notes), and (stage "direct") a local note handled on the
-# socket's receiver thread against queued for the progress thread (local_notes_direct).
-# Every request's elements are checked first. Each
+# datagram socket (tcp option local_notes). Every request's elements are checked first. Each
 # run settles 12 s after its warm-up, so a watch that lowered the interval for the start's
 # burst of Python has probed it back; each cell records every rank's interval and lowerings.
 #
 # On the development machine:  bash scripts/gpu_wheels.sh   (fills .whl/, ~34 MiB)
 # Device call (nvidia-h100-x2), carry [".whl"], at most 600 s a call, so by stage:
 #   STAGES="sleep busy" bash scripts/gpu_gil_run.sh      then   STAGES="tp notes" bash ...
-# SLEEP_MODES, BUSY_MODES, NOTES and DIRECT narrow a stage (sleep_auto is notes_true: both defaults).
+# SLEEP_MODES, BUSY_MODES and NOTES narrow a stage (sleep_auto is notes_true: both defaults).
 # Results: $OUT/<stage>_<mode>_<round>.json and .log; the last lines printed are the table.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -34,7 +32,6 @@ for r in $(seq "$ROUNDS"); do
       busy) for g in ${BUSY_MODES:-auto always}; do run "busy_${g}_$r" --sizes 2,16 --concurrency 1,8 --engine-busy --gil-switch $g; done ;;
       tp) for g in auto never; do run "tp12_${g}_$r" --sizes 16 --concurrency 1,8 --decode-tp 2 --gil-switch $g; done ;;
       notes) for n in ${NOTES:-false true}; do run "notes_${n}_$r" --sizes 2,16 --concurrency 1,8 --backend-options "{\"local_notes\": $n}"; done ;;
-      direct) for n in ${DIRECT:-false true}; do run "direct_${n}_$r" --sizes 2,16,128 --concurrency 1,8 --backend-options "{\"local_notes_direct\": $n}"; done ;;
     esac
   done
 done

@@ -125,7 +125,6 @@ class TransferBackend(LinkRules):
         self._handles: dict[int, TransferHandle] = {}
         self._closed = False
         self._notification_waker: Callable[[], None] | None = None
-        self._notification_handler: Callable[[Notification], None] | None = None
 
     # ---------------------------------------------------------------- memory
     @property
@@ -412,18 +411,6 @@ class TransferBackend(LinkRules):
         called after a notification is queued, by a backend that :attr:`pushes_events`
         (through :meth:`_notified`); others never call it. Any thread."""
         self._notification_waker = wake
-
-    def set_notification_handler(self, handle: Callable[[Notification], None] | None) -> None:
-        """Owner's setup (the session manager, once, before peers exist): a backend that
-        receives some notifications on a thread of its own that does nothing else (``tcp``'s
-        local notes receiver) may hand each of those to ``handle`` on that thread instead of
-        queueing it for :meth:`get_notifications` and waking the owner loop: one thread
-        hand-off less between a note's arrival and its handling. ``handle`` must be
-        thread-safe (it may run beside the owner loop's handling of queued notifications)
-        and must not block for long. Each notification still reaches the owner exactly once,
-        by one way or the other. Backends that do not deliver directly ignore it (the
-        default). Any thread."""
-        self._notification_handler = handle
 
     def _notified(self) -> None:
         """A pushing backend, after queueing a notification (any thread; never blocks)."""

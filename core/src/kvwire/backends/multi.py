@@ -574,11 +574,6 @@ class MultiBackend(TransferBackend):
             self._on_recovery(route.peer, m.name)
 
     # ------------------------------------------------------------- owner loop
-    def set_notification_handler(self, handle: Callable[[Notification], None] | None) -> None:
-        super().set_notification_handler(handle)
-        for m in self.members:
-            m.set_notification_handler(handle)
-
     def get_notifications(self) -> list[Notification]:
         out: list[Notification] = []
         for m in self.members:

@@ -171,8 +171,6 @@ class KVManager:
             ctx.close()
             raise
         ctx.watch_peers(self.side.on_peer_lost)
-        # a backend that receives notes on a thread of its own hands them over there
-        ctx.backend.set_notification_handler(self.side.on_notification)
         #: kind -> (object, method name); looked up per message so a handler can be wrapped.
         self._handlers = dispatch_table(self, self.side)
         self._liveness = threading.Thread(

@@ -36,19 +36,9 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from kvwire.backend import Notification
-from kvwire.backends.tcp import wire
-
 logger = logging.getLogger(__name__)
 
-__all__ = [
-    "MAX_NOTE_BYTES",
-    "PREFIX",
-    "LocalNotes",
-    "peer_notes_path",
-    "remove_stale",
-    "take_note",
-]
+__all__ = ["MAX_NOTE_BYTES", "PREFIX", "LocalNotes", "peer_notes_path", "remove_stale"]
 
 #: Largest note sent this way (a larger one goes over ZeroMQ): far above a note with its aux
 #: row, far below the kernel's datagram limit.
@@ -60,36 +50,6 @@ PREFIX = "kvwire-notes-"
 #: A directory whose socket nobody is bound to is removed once it is this old (a process
 #: killed before its close left it; a younger one may be a backend between mkdir and bind).
 STALE_AFTER_S = 60.0
-
-
-def take_note(
-    datagram: bytes,
-    direct: Callable[[Notification], None] | None,
-    queue: Callable[[str, object], None],
-    agent: str,
-) -> bool:
-    """Receiver thread: the note in ``datagram``, handed to ``direct`` on this thread when
-    the owner set a notification handler (and ``local_notes_direct`` is on: one thread
-    hand-off less than queueing it and waking the owner loop), else to ``queue`` (the
-    backend's ``_deliver``, which queues it). False: not a note (logged; the caller counts
-    it refused). A handler that raises is the owner's bug: logged, and the receiver goes on.
-    """
-    try:
-        h = wire.unpack(datagram)
-        sender, payload = str(h["f"]), h.get("n")
-        if direct is None or payload is None:
-            queue(sender, payload)
-            return True
-        if not isinstance(payload, bytes):
-            raise wire.MalformedMessageError("notification payload must be bytes")
-    except Exception as exc:
-        logger.warning("%s: refused a local note: %s", agent, exc)
-        return False
-    try:
-        direct(Notification(sender, payload))
-    except Exception:
-        logger.exception("%s: a local note's handler failed", agent)
-    return True
 
 
 def remove_stale(folder: str | None = None) -> int:

@@ -41,12 +41,6 @@ class TcpOptions(BaseModel):
         "same user only) instead of ZeroMQ, one thread hop and the loopback stack shorter; a "
         "note that cannot be handed over at once still goes over ZeroMQ.",
     )
-    local_notes_direct: bool = Field(
-        default=True,
-        description="A note that arrived over the datagram socket is handled on its receiver "
-        "thread (the session's handler: decode marks the chunk landed there) instead of being "
-        "queued for the progress thread: one thread hand-off less per request.",
-    )
     secret: SecretStr | None = Field(
         default=None,
         description="Shared secret: the data plane then uses ZeroMQ CURVE with keys derived "

@@ -235,9 +235,7 @@ class DecodeSide(Side[RecvRoom]):
                 self._check_done(room)
 
     def on_notification(self, note: Notification) -> None:
-        """Progress thread (a queued notification), or the backend's own notes receiver
-        thread (:meth:`~kvwire.backend.TransferBackend.set_notification_handler`): a
-        data-plane notification (data already landed)."""
+        """Control thread: a data-plane notification (data already landed)."""
         ctx = self.ctx
         try:
             msg = ctx.codec.decode(note.payload)
@@ -252,9 +250,8 @@ class DecodeSide(Side[RecvRoom]):
             self._on_note(msg)
 
     def _on_note(self, msg: Message) -> None:
-        """Progress thread or a backend's notes receiver thread (a backend notification), or
-        liveness thread (the control message of a copy prefill made itself): one chunk
-        segment, or the aux row, landed. Under the room lock; safe on any of them at once."""
+        """Progress thread (a backend notification) or liveness thread (the control message
+        of a copy prefill made itself): one chunk segment, or the aux row, landed."""
         assert isinstance(msg, ChunkNote)
         try:
             self._note_landed(msg)
