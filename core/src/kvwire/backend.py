@@ -108,6 +108,12 @@ class TransferBackend(LinkRules):
     #: until woken (with a long timeout) instead of polling on a short timer. False (the
     #: default): the backend must be polled (e.g. NIXL, whose polls drive UCX progress).
     pushes_events: ClassVar[bool] = False
+    #: How many transfer workers a prefill rank should run over this backend when the
+    #: operator did not say (``ControlOptions.num_workers`` is None); None: kvwire's default
+    #: (:data:`kvwire.session.context.DEFAULT_WORKERS`). A backend whose submit only
+    #: enqueues device work (no blocking copy, no wait) gains nothing from more workers:
+    #: under the GIL they take turns, each turn a wake-up and a cold start.
+    suggested_workers: ClassVar[int | None] = None
 
     def __init__(self, agent_name: str, options: BaseModel | None = None) -> None:
         if not agent_name:
@@ -405,6 +411,11 @@ class TransferBackend(LinkRules):
         possibly alternating with :meth:`progress`), concurrently with the data path and
         control-path hooks; no template lock is held.
         """
+
+    def workers_wanted(self) -> int | None:
+        """The transfer workers a prefill rank should run over this backend when the operator
+        did not say (:attr:`suggested_workers`). Called once by the rank context at setup."""
+        return self.suggested_workers
 
     def set_notification_waker(self, wake: Callable[[], None] | None) -> None:
         """Owner loop's setup (the session manager, once, before peers exist): ``wake`` is

@@ -44,7 +44,14 @@ class ControlOptions(BaseModel):
     run_bootstrap: bool = Field(
         default=True, description="Prefill rank 0 runs the bootstrap service in-process."
     )
-    num_workers: int = Field(default=4, ge=1, le=256, description="Transfer worker threads.")
+    num_workers: int | None = Field(
+        default=None,
+        ge=1,
+        le=256,
+        description="Transfer worker threads of a prefill rank. None: the transfer backend's "
+        "own number (TransferBackend.suggested_workers: 1 for cudaipc, whose writes are GPU "
+        "launches that return at once, so more workers only take turns on the GIL), else 4.",
+    )
     max_inflight_chunks: int = Field(
         default=16, ge=1, le=4096, description="Transfers a worker keeps posted at once."
     )

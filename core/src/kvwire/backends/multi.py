@@ -574,6 +574,11 @@ class MultiBackend(TransferBackend):
             self._on_recovery(route.peer, m.name)
 
     # ------------------------------------------------------------- owner loop
+    def workers_wanted(self) -> int | None:
+        """The members' number when they all want the same (a link may run over any)."""
+        wanted = {m.workers_wanted() for m in self.members}
+        return wanted.pop() if len(wanted) == 1 else None
+
     def get_notifications(self) -> list[Notification]:
         out: list[Notification] = []
         for m in self.members:

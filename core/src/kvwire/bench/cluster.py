@@ -314,7 +314,7 @@ def measure(
         "repeat": plan.repeat,
         "verified_pass_requests_per_size": plan.check_requests,
         "engine_step_s": ENGINE_STEP_S,
-        "num_workers": config.control.num_workers,
+        "num_workers": config.control.num_workers,  # None: the backend's number
         "config": config.model_dump(mode="json", exclude={"secret"}),
     }
     return BenchReport(

@@ -101,6 +101,11 @@ def add_engine_args(
         default="{}",
         help="the engine phase's transfer_backend_options, as JSON",
     )
+    p.add_argument(
+        "--control-options",
+        default="{}",
+        help='the engine phase\'s control options, as JSON (e.g. {"num_workers": 2})',
+    )
     p.add_argument("--prefill-tp", type=int, default=1, help="engine phase: prefill ranks")
     p.add_argument("--decode-tp", type=int, default=1, help="engine phase: decode ranks")
     p.add_argument("--mla", action="store_true", help="an MLA model (one latent row)")
@@ -234,7 +239,8 @@ def engine(
             staging=staging,
             staging_options=dict(staging_options or {}),
             control=ControlOptions(
-                kv_checksum=bool(getattr(a, "checksum", False)), **gil_option(a)
+                kv_checksum=bool(getattr(a, "checksum", False)),
+                **{**gil_option(a), **json.loads(getattr(a, "control_options", "") or "{}")},
             ),
         ),
     )

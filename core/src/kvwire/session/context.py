@@ -52,6 +52,10 @@ logger = logging.getLogger(__name__)
 
 #: Bytes of kvwire's own aux row (the room stamp, padded to 64 bytes for RDMA).
 STAMP_ROW_BYTES = 64
+#: Transfer workers of a prefill rank when neither the operator
+#: (``ControlOptions.num_workers``) nor the backend
+#: (:meth:`~kvwire.backend.TransferBackend.workers_wanted`) says.
+DEFAULT_WORKERS = 4
 
 
 class Role(enum.StrEnum):
@@ -164,6 +168,10 @@ class RankContext:
         #: queued (a backend that pushes events), by :meth:`later` and by :meth:`stop`.
         self.wake = Wake()
         self.backend.set_notification_waker(self.wake.set)
+        #: Transfer workers of a prefill rank: the operator's number, else the backend's.
+        self.num_workers: int = (
+            self.options.num_workers or self.backend.workers_wanted() or DEFAULT_WORKERS
+        )
         #: Wakes prefill's transfer workers (set by the prefill side once they exist); a
         #: staging strategy calls it through ``StagingContext.wake_fn`` when a grant comes.
         self.wake_workers: Callable[[], None] = lambda: None
@@ -175,7 +183,7 @@ class RankContext:
                 self.backend.register,
                 self.backend.deregister,
                 role=self.role.value,
-                num_workers=self.options.num_workers,
+                num_workers=self.num_workers,
                 kv_tensors=kv_tensors,
                 send_fn=self.tell,
                 session=self.session,

@@ -99,6 +99,9 @@ class CudaIpcBackend(TcpBackend):
     options: CudaIpcOptions
     #: Its notification follows the kernel as a note alone (local notes socket on one host).
     sends_notes = True
+    #: A submit enqueues one launch and returns: one worker keeps the GPU fed, and more only
+    #: take turns on the GIL (2 x H200, C=8: 1.4x the GB/s of 4 workers; benchmarks.md).
+    suggested_workers = 1
     link_rule = (
         "peers on this host (boot id and hostname match) whose GPU this process sees and "
         "reaches peer to peer, from a rank with CUDA and a VRAM pool; other links take the "

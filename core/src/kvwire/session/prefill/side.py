@@ -106,7 +106,7 @@ class PrefillSide(Side[SendRoom]):
         self._metrics = m.ChunkMetrics.for_labels(ctx.labels)
         opts = ctx.options
         self.workers: TransferWorkers[Job] = TransferWorkers(
-            opts.num_workers,
+            ctx.num_workers,
             ctx.agent_name,
             lambda i: Pipeline(ctx, self, i),
             inline=opts.sync_transfers,
