@@ -118,6 +118,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--ring-mib", type=int, default=1024)
     p.add_argument("--paths", default="cudaipc,cudaipc-2to1,staged-nixl")
     p.add_argument("--label", default="", help="recorded in the JSON (e.g. which code)")
+    p.add_argument("--control-options", default="{}", help="control options, as JSON")
     p.add_argument("--only", type=int, choices=(0, 1), default=None, help="kv_checksum 0 or 1")
     p.add_argument(
         "--sample-dir",
