@@ -5,6 +5,7 @@ four. A backend list asks for a number only when every member wants the same."""
 from __future__ import annotations
 
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 
@@ -14,8 +15,10 @@ from kvwire.config import ControlOptions, KVWireConfig
 from kvwire.layout import ModelSpec, RankPosition
 from kvwire.session import KVManager, Role
 from kvwire.session.context import DEFAULT_WORKERS
+from kvwire.session.prefill.workers import ONE_WORKER, shard_for
 from kvwire.testing import flaky
 from kvwire.testing.kvfill import make_pool
+from kvwire.testing.pair import Pair
 
 MODEL = ModelSpec(num_layers=2, total_kv_heads=2, head_dim=8, dtype="int32", page_size=4)
 
@@ -67,3 +70,53 @@ def test_num_workers_is_still_checked() -> None:
     for bad in (0, 257):
         with pytest.raises(ValueError, match="num_workers"):
             ControlOptions(num_workers=bad)
+
+
+def shard_keys(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """The queue key of every job prefill's workers are handed (recorded, then queued)."""
+    from kvwire.session.prefill.workers import TransferWorkers
+
+    keys: list[str] = []
+    submit = TransferWorkers.submit
+
+    def record(self: Any, shard_key: str, job: Any, *, sticky: bool = False) -> None:
+        keys.append(shard_key)
+        submit(self, shard_key, job, sticky=sticky)
+
+    monkeypatch.setattr(TransferWorkers, "submit", record)
+    return keys
+
+
+@pytest.mark.parametrize("num_workers", [None, 4])
+def test_a_link_whose_backend_wants_one_worker_keeps_every_chunk_on_one_queue(
+    monkeypatch: pytest.MonkeyPatch, num_workers: int | None
+) -> None:
+    """``flaky,tcp`` on prefill (members disagree: four workers), ``tcp`` on decode, so the
+    link runs over tcp; tcp wants one worker here. Every chunk of every request then goes to
+    one queue, unless the operator set ``num_workers`` (then per request, as before); every
+    request lands whole either way."""
+    monkeypatch.setattr(TcpBackend, "suggested_workers", 1)
+    monkeypatch.setattr(flaky.FlakyTcpBackend, "suggested_workers", None)
+    keys = shard_keys(monkeypatch)
+    control = {"heartbeat_interval_s": 0.5, "num_workers": num_workers}
+    p = Pair(
+        KVWireConfig(transfer_backend="flaky,tcp", control=ControlOptions(**control)),
+        KVWireConfig(transfer_backend="tcp", control=ControlOptions(heartbeat_interval_s=0.5)),
+    )
+    try:
+        assert p.prefill.ctx.num_workers == 4  # the members disagree: the rank's default
+        for room in range(1, 5):
+            p.transfer(room)  # two chunks each, every element checked
+    finally:
+        p.close()
+    assert len(keys) == 8
+    if num_workers is None:
+        assert set(keys) == {ONE_WORKER}
+    else:
+        assert len(set(keys)) == 4 and ONE_WORKER not in keys  # one queue per request
+
+
+def test_shard_for_keeps_staged_links_per_destination_and_others_per_request() -> None:
+    assert shard_for("d1", 7, staged=True, one_worker=True) == "d1"
+    assert shard_for("d1", 7, staged=False, one_worker=False) == "d1/7"
+    assert shard_for("d1", 7, staged=False, one_worker=True) == ONE_WORKER

@@ -412,9 +412,11 @@ class TransferBackend(LinkRules):
         control-path hooks; no template lock is held.
         """
 
-    def workers_wanted(self) -> int | None:
+    def workers_wanted(self, peer: str | None = None) -> int | None:
         """The transfer workers a prefill rank should run over this backend when the operator
-        did not say (:attr:`suggested_workers`). Called once by the rank context at setup."""
+        did not say (:attr:`suggested_workers`); with ``peer``, for the link to that peer (a
+        backend list answers for the member the link uses now). Called by the rank context
+        at setup, and by prefill's engine thread for a request's first chunk to a peer."""
         return self.suggested_workers
 
     def set_notification_waker(self, wake: Callable[[], None] | None) -> None:

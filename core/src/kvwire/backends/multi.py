@@ -574,8 +574,12 @@ class MultiBackend(TransferBackend):
             self._on_recovery(route.peer, m.name)
 
     # ------------------------------------------------------------- owner loop
-    def workers_wanted(self) -> int | None:
-        """The members' number when they all want the same (a link may run over any)."""
+    def workers_wanted(self, peer: str | None = None) -> int | None:
+        """For ``peer``'s link: its current member's number; for the rank: the members'
+        number when they all want the same (a link may run over any)."""
+        name = self.link_backend(peer) if peer is not None else None
+        if name is not None:
+            return next(m for m in self.members if m.name == name).workers_wanted(peer)
         wanted = {m.workers_wanted() for m in self.members}
         return wanted.pop() if len(wanted) == 1 else None
 

@@ -36,6 +36,9 @@ class Dest:
     group_dst: dict[str, NDArray[np.int64]] = field(default_factory=dict)
     #: Prompt tokens decode keeps cached, when it said (``TransferRequest.cached_tokens``).
     cached_tokens: int | None = None
+    #: The worker queue key of the request's chunks to this rank, fixed at its first chunk
+    #: (a destination's chunks must stay on one worker, in order).
+    shard: str | None = None
 
 
 @dataclass

@@ -56,7 +56,7 @@ from kvwire.session.prefill.pipeline import Pipeline
 from kvwire.session.prefill.registration import Registration
 from kvwire.session.prefill.requests import dest_for
 from kvwire.session.prefill.rooms import Dest, Job, SendRoom
-from kvwire.session.prefill.workers import TransferWorkers
+from kvwire.session.prefill.workers import TransferWorkers, shard_for
 from kvwire.session.rooms import RoomTable
 from kvwire.staging.base import QueuedChunk
 
@@ -487,11 +487,11 @@ class PrefillSide(Side[SendRoom]):
                 gate=gate,
                 span=(start, end),
             )
-            # order matters only within one request to one destination: other requests to
-            # the same rank go to other workers (a staged link keeps one queue per
-            # destination, since its ring space is granted in write order)
-            shard = dest.session if target.staged else f"{dest.session}/{room.room}"
-            self.workers.submit(shard, job, sticky=target.staged)
+            if dest.shard is None:  # at its first chunk (see shard_for)
+                wanted = ctx.backend.workers_wanted(link.backend_peer)
+                one = ctx.options.num_workers is None and wanted == 1
+                dest.shard = shard_for(dest.session, room.room, target.staged, one)
+            self.workers.submit(dest.shard, job, sticky=target.staged)
 
     # ------------------------------------------------------------------ workers
     def is_dead(self, room: SendRoom) -> bool:

@@ -25,8 +25,24 @@ logger = logging.getLogger(__name__)
 MAX_POLL_SLEEP_S = 0.0002
 MIN_POLL_SLEEP_S = 0.00002
 
+#: The queue key of every link whose backend wants one worker (see :func:`shard_for`).
+ONE_WORKER = "one-worker"
+
 J = TypeVar("J")
 J_contra = TypeVar("J_contra", contravariant=True)
+
+
+def shard_for(session: str, room: int, staged: bool, one_worker: bool) -> str:
+    """The queue key of one request's chunks to decode session ``session``, fixed at its
+    first chunk (a destination's chunks must stay on one worker, in order). Order matters
+    only within one request to one destination, so other requests to the same rank go to
+    other workers; a staged link keeps one queue per destination (its ring space is granted
+    in write order); with ``one_worker`` (the link's backend wants one worker and the operator
+    set no ``num_workers``: ``cudaipc``, whose submit is a launch that returns, so more
+    workers would only take turns on the GIL) every such link's chunks share one queue."""
+    if staged:
+        return session
+    return ONE_WORKER if one_worker else f"{session}/{room}"
 
 
 class Stage(Protocol[J_contra]):
