@@ -46,6 +46,7 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 from kvwire.backend import (
+    BackendCapabilities,
     LinkChoice,
     Notification,
     PeerFacts,
@@ -76,6 +77,8 @@ class MultiBackend(TransferBackend):
     link and failing over between them (see the module docstring)."""
 
     name = "multi"
+    #: Either memory kind passes the template's check: each member takes or refuses it.
+    capabilities = BackendCapabilities(dram=True, vram=True)
 
     def __init__(
         self,
@@ -575,12 +578,9 @@ class MultiBackend(TransferBackend):
 
     # ------------------------------------------------------------- owner loop
     def workers_wanted(self, peer: str | None = None) -> int | None:
-        """For ``peer``'s link: its current member's number; for the rank: the members'
-        number when they all want the same (a link may run over any)."""
+        """``peer``'s link's member's number; else the members' when they all agree."""
         name = self.link_backend(peer) if peer is not None else None
-        if name is not None:
-            return next(m for m in self.members if m.name == name).workers_wanted(peer)
-        wanted = {m.workers_wanted() for m in self.members}
+        wanted = {m.workers_wanted(peer) for m in self.members if name in (None, m.name)}
         return wanted.pop() if len(wanted) == 1 else None
 
     def get_notifications(self) -> list[Notification]:
