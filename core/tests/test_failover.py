@@ -152,12 +152,17 @@ def _failovers(agent: str, src: str, dst: str) -> float:
     return REGISTRY.get_sample_value("kvwire_transport_failovers_total", labels) or 0.0
 
 
+@pytest.mark.parametrize("pages", [False, True])
 def test_requests_in_flight_fail_over_and_the_primary_comes_back(
-    registry: PluginRegistry,
+    registry: PluginRegistry, monkeypatch: pytest.MonkeyPatch, pages: bool
 ) -> None:
     """The primary (``flaky``) breaks while 6 requests are half sent: their remaining chunks
     go over ``tcp``, every element lands, the switch is counted; once healed, the probe
-    reconnects it and new requests use it again."""
+    reconnects it and new requests use it again. With ``pages`` the primary takes chunks in
+    page form (as ``cudaipc`` does): the list hands them so, and to ``tcp`` as their rows."""
+    if pages:
+        caps = flaky.FlakyTcpBackend.capabilities.model_copy(update={"page_writes": True})
+        monkeypatch.setattr(flaky.FlakyTcpBackend, "capabilities", caps)
     c = cfg("flaky,tcp", failover_probe_s=0.2)
     p = Pair(c, c, slots=64)
     agent = p.prefill.agent_name
@@ -180,6 +185,7 @@ def test_requests_in_flight_fail_over_and_the_primary_comes_back(
             r.clear()
             s.clear()
         assert flaky.swallowed.get(agent, 0) > 0  # the fault was hit
+        assert (flaky.paged.get(agent, 0) > 0) == pages
         assert backend.failovers == 1
         assert _failovers(agent, "flaky", "tcp") == 1
         assert backend.link_backend(peer.link.backend_peer) == "tcp"

@@ -2,38 +2,29 @@
 
 A rank configured with a list (``--transfer-backend nixl,tcp``, or ``auto`` where a
 link-only backend such as ``cudaipc`` is usable here) holds one :class:`MultiBackend` whose
-*members* are the backends in preference order. The rest of kvwire sees one
-:class:`~kvwire.backend.TransferBackend`:
+*members* are the backends in preference order; the rest of kvwire sees one
+:class:`~kvwire.backend.TransferBackend` (docs/failover.md tells the whole story):
 
-* **Memory** is registered with every member (each publishes it its own way).
+* **Memory** is registered with every member that takes it.
 * **Handshake.** Decode announces every member's metadata (:meth:`MultiBackend.offers`);
   prefill's :meth:`MultiBackend.add_link` adds the peer to each member both sides have and
-  whose :meth:`~kvwire.backend.TransferBackend.link_problem` accepts the link, in its own
-  order: the first is the link's backend, the others its fallbacks. ``prepare`` prepares the
-  tables on every member of the link.
-* **Failover.** A transfer is posted on the link's first *healthy* member. When that member
-  reports it FAILED (or refuses the post with a peer or handle error), the member is marked
-  unhealthy for that link, the switch is logged and reported (``on_failover``), and the same
-  rows and notification are posted again on the next healthy member: the handle stays
-  PENDING, so workers never see the failure. Writes are idempotent (same source bytes into
-  the same destination rows), and a member that failed a transfer did not deliver its
-  notification (notifications follow the data), so decode counts each chunk once.
-* **Recovery.** A probe thread reconnects an unhealthy member in the background after a
-  back-off that doubles on each failed probe (``probe_s`` .. ``probe_max_s``): the member's
-  ``link_problem`` is asked again first (``tcp`` opens a connection to the peer's data
-  endpoint, so a link whose network is still down is not taken back), then the peer is
-  removed from it and added again from the metadata it announced, and the link's tables are
-  prepared again. A member whose probe succeeds is healthy again and takes the link's next
-  transfers (``on_recovery``); if it fails again within ``probe_max_s`` of that (a flapping
-  link), its next probe waits twice as long as the last one did.
+  whose ``link_problem`` accepts the link, in its own order: the first is the link's
+  backend, the others its fallbacks. ``prepare`` prepares the tables on every member.
+* **Failover.** A transfer goes to the link's first *healthy* member; when that member
+  reports it FAILED (or refuses it with a peer or handle error), the member is marked
+  unhealthy for the link, the switch is logged and reported (``on_failover``), and the same
+  rows and notification go to the next healthy member; the handle stays PENDING. Writes are
+  idempotent and a failed member delivered no notification, so decode counts a chunk once.
+* **Recovery.** A probe thread reconnects an unhealthy member after a back-off that doubles
+  on each failed probe (``probe_s`` .. ``probe_max_s``): ``link_problem`` first, then the
+  peer is added again from its metadata and the tables prepared again (``on_recovery``).
 
-Lock contract (on top of the template's): the routes and their health live under
-``_routes_lock``, a plain lock held only for dictionary and flag updates, never across a
-member call. The template's control lock (``_lock``) serialises ``add_link``, ``prepare``,
-``remove_peer`` and the probe's reconnection (member control-path calls run under it, as
-they would for a single backend). Data-path methods (``submit``/``poll``/``release``) take
-no lock but a transfer's own (try-acquired by ``poll``, so two threads polling one handle do
-not both fail it over).
+Lock contract (on top of the template's): routes and their health live under
+``_routes_lock``, held only for dictionary and flag updates, never across a member call.
+The control lock (``_lock``) serialises ``add_link``, ``prepare``, ``remove_peer`` and the
+probe's reconnection. Data-path methods (``submit``/``poll``/``release``) take no lock but a
+transfer's own (try-acquired by ``poll``, so two threads polling one handle do not both
+fail it over).
 """
 
 from __future__ import annotations
@@ -63,6 +54,7 @@ from kvwire.descriptors import DescTable
 from kvwire.errors import HandleError, KVWireError, PeerError
 from kvwire.layout import MemKind, MemoryRegion
 from kvwire.link_choice import LinkFacts, choose_link_path, host_identity
+from kvwire.page_form import PageChunk
 
 logger = logging.getLogger(__name__)
 
@@ -77,8 +69,9 @@ class MultiBackend(TransferBackend):
     link and failing over between them (see the module docstring)."""
 
     name = "multi"
-    #: Either memory kind passes the template's check: each member takes or refuses it.
-    capabilities = BackendCapabilities(dram=True, vram=True)
+    #: Either memory kind passes the template's check (each member takes or refuses it); a
+    #: chunk in page form goes so to a member that takes pages, else as its rows.
+    capabilities = BackendCapabilities(dram=True, vram=True, page_writes=True)
 
     def __init__(
         self,
@@ -349,29 +342,35 @@ class MultiBackend(TransferBackend):
     ) -> TransferHandle:
         """Post on the link's first healthy member (which validates the arguments), failing
         over at once when it refuses the post for its link. Data path; no lock held across a
-        member call. ``wake`` is not called: this backend does not push events (its owners
-        poll it), whatever its members do."""
+        member call. ``wake`` is not called: this backend is polled, whatever its members."""
+        return self._start(pair, _Xfer(op, pair.state, local_idx, remote_idx, notification))
+
+    def submit_pages(
+        self,
+        op: XferOp,
+        pair: PreparedPair,
+        chunk: PageChunk,
+        notification: bytes | None = None,
+        wake: Callable[[], None] | None = None,
+    ) -> TransferHandle:
+        """:meth:`submit` of a chunk in page form: so on a member that takes pages
+        (``cudaipc``'s page mover), as its rows on one that does not (also on failover)."""
+        return self._start(pair, _Xfer(op, pair.state, None, None, notification, chunk=chunk))
+
+    def _start(self, pair: PreparedPair, x: _Xfer) -> TransferHandle:
         self._check_open()
         if pair.released:
             raise HandleError(
                 f"prepared pair {pair.id} for peer {pair.peer!r} was released "
                 "(peer removed or tables rebuilt); prepare again"
             )
-        x = _Xfer(op, pair.state, local_idx, remote_idx, notification)
         if not self._post(x, first=True):
-            why = "; ".join(x.errors) or (
-                "every backend of the link failed and is being reconnected in the background"
-            )
+            why = "; ".join(x.errors) or "every backend of the link failed (reconnecting)"
             raise PeerError(f"no transfer backend could post to {pair.peer}: {why}")
         assert x.inner is not None
-        handle = TransferHandle(
-            id=next(self._ids),
-            peer=pair.peer,
-            op=op,
-            num_descs=x.inner.num_descs,
-            num_bytes=x.inner.num_bytes,
-            state=x,
-        )
+        inner = x.inner
+        handle = TransferHandle(next(self._ids), pair.peer, x.op, inner.num_descs, inner.num_bytes)
+        handle.state = x
         with self._handles_lock:
             self._handles[handle.id] = handle
         return handle
@@ -395,7 +394,7 @@ class MultiBackend(TransferBackend):
             x.tried.append(nxt)
             m = self.members[nxt]
             try:
-                inner = m.submit(x.op, x.pair.inner[nxt], x.local_idx, x.remote_idx, x.notification)
+                inner = x.post_on(m, x.pair.inner[nxt])
             except LINK_ERRORS as exc:
                 x.errors.append(f"{m.name}: {exc}")
                 self._member_failed(route, nxt, str(exc))

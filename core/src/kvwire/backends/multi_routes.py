@@ -7,8 +7,9 @@ import threading
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvwire.backend import PreparedPair, TransferHandle, XferOp
+from kvwire.backend import PreparedPair, TransferBackend, TransferHandle, XferOp
 from kvwire.descriptors import DescTable
+from kvwire.page_form import PageChunk
 
 
 @dataclass
@@ -53,3 +54,15 @@ class Xfer:
     tried: list[int] = field(default_factory=list)
     errors: list[str] = field(default_factory=list)
     lock: threading.Lock = field(default_factory=threading.Lock)
+    #: A chunk submitted in page form (``submit_pages``): posted so on a member that takes
+    #: pages, as its rows on one that does not (``local_idx``/``remote_idx`` filled then).
+    chunk: PageChunk | None = None
+
+    def post_on(self, member: TransferBackend, inner: PreparedPair) -> TransferHandle:
+        """Post this transfer on ``member`` (``inner``: its prepared pair of the link; the
+        tables, so the rows and the chunk's geometry, are the same on every member)."""
+        if self.chunk is not None and member.capabilities.page_writes:
+            return member.submit_pages(self.op, inner, self.chunk, self.notification)
+        if self.chunk is not None and self.local_idx is None:
+            self.local_idx, self.remote_idx = self.chunk.rows()
+        return member.submit(self.op, inner, self.local_idx, self.remote_idx, self.notification)

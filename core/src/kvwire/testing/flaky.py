@@ -30,6 +30,7 @@ from kvwire.backend import PreparedPair, TransferHandle, XferOp, XferState
 from kvwire.backends.tcp.backend import TcpBackend
 from kvwire.errors import PeerError
 from kvwire.hookspecs import Implementation, hookimpl
+from kvwire.page_form import PageChunk
 
 KVWIRE_PLUGIN_API = "2.0"
 
@@ -37,6 +38,8 @@ _lock = threading.Lock()
 _broken: dict[str, tuple[float, bool]] = {}  # agent -> (fail after s, delivered)
 #: Posts swallowed so far, per agent (a test checks the fault was hit).
 swallowed: dict[str, int] = {}
+#: Chunks taken in page form so far, per agent (when a test declares ``page_writes``).
+paged: dict[str, int] = {}
 
 
 def break_agent(agent: str, fail_after_s: float = 0.05, delivered: bool = False) -> None:
@@ -99,6 +102,20 @@ class FlakyTcpBackend(TcpBackend):
                 super()._submit(op, pair, local_idx, remote_idx, notification, handle)
             )
         return _Swallowed(time.monotonic() + fault[0])
+
+    def _submit_pages(
+        self,
+        op: XferOp,
+        pair: PreparedPair,
+        chunk: PageChunk,
+        notification: bytes | None,
+        handle: TransferHandle,
+    ) -> Any:
+        """A chunk in page form, when a test declares ``page_writes`` (the class's
+        ``capabilities``): counted in :data:`paged`, then moved as its rows."""
+        with _lock:
+            paged[self.agent_name] = paged.get(self.agent_name, 0) + 1
+        return self._submit(op, pair, *chunk.rows(), notification, handle)
 
     def _poll(self, handle: TransferHandle) -> XferState:
         if isinstance(handle.state, _Swallowed):
