@@ -100,7 +100,7 @@ class CudaIpcBackend(TcpBackend):
     #: Its notification follows the kernel as a note alone (local notes socket on one host).
     sends_notes = True
     #: A submit enqueues one launch and returns: one worker keeps the GPU fed, and more only
-    #: take turns on the GIL (2 x H200, C=8: 1.4x the GB/s of 4 workers; benchmarks.md).
+    #: take turns on the GIL (2 x H200, C=8: 1.2-1.8x the GB/s of 4 workers; benchmarks.md).
     suggested_workers = 1
     link_rule = (
         "peers on this host (boot id and hostname match) whose GPU this process sees and "
