@@ -351,7 +351,9 @@ class TransferBackend(LinkRules):
     def _handle(
         self, pair: PreparedPair, op: XferOp, rows: int, nbytes: int, wake: Any
     ) -> TransferHandle:
-        return TransferHandle(next(self._ids), pair.peer, op, rows, nbytes, wake=wake)
+        h = TransferHandle(next(self._ids), pair.peer, op, rows, nbytes, wake=wake)
+        h.pushes = self.pushes_events
+        return h
 
     def _enter(self, handle: TransferHandle) -> TransferHandle:
         with self._handles_lock:

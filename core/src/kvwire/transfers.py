@@ -108,6 +108,10 @@ class TransferHandle:
     #: :attr:`~TransferBackend.pushes_events` calls it (any thread, once) when the transfer
     #: becomes terminal, so the submitter may sleep until then instead of polling on a timer.
     wake: Callable[[], None] | None = field(default=None, repr=False)
+    #: The backend will call ``wake`` when this transfer is terminal (its class
+    #: :attr:`~TransferBackend.pushes_events`; a backend list: the member it is on now), so
+    #: the submitter may sleep until then. Set at submit; a list's failover may change it.
+    pushes: bool = False
 
 
 def check_rows(

@@ -342,8 +342,9 @@ class MultiBackend(TransferBackend):
     ) -> TransferHandle:
         """Post on the link's first healthy member (which validates the arguments), failing
         over at once when it refuses the post for its link. Data path; no lock held across a
-        member call. ``wake`` is not called: this backend is polled, whatever its members."""
-        return self._start(pair, _Xfer(op, pair.state, local_idx, remote_idx, notification))
+        member call. ``wake`` goes to the member, which calls it if it pushes events."""
+        x = _Xfer(op, pair.state, local_idx, remote_idx, notification, wake=wake)
+        return self._start(pair, x)
 
     def submit_pages(
         self,
@@ -353,24 +354,22 @@ class MultiBackend(TransferBackend):
         notification: bytes | None = None,
         wake: Callable[[], None] | None = None,
     ) -> TransferHandle:
-        """:meth:`submit` of a chunk in page form: so on a member that takes pages
-        (``cudaipc``'s page mover), as its rows on one that does not (also on failover)."""
-        return self._start(pair, _Xfer(op, pair.state, None, None, notification, chunk=chunk))
+        """:meth:`submit` of a page-form chunk: so to a member that takes pages, else rows."""
+        x = _Xfer(op, pair.state, None, None, notification, chunk=chunk, wake=wake)
+        return self._start(pair, x)
 
     def _start(self, pair: PreparedPair, x: _Xfer) -> TransferHandle:
         self._check_open()
         if pair.released:
-            raise HandleError(
-                f"prepared pair {pair.id} for peer {pair.peer!r} was released "
-                "(peer removed or tables rebuilt); prepare again"
-            )
+            why = "peer removed or tables rebuilt"
+            raise HandleError(f"prepared pair {pair.id} for {pair.peer!r} was released ({why})")
         if not self._post(x, first=True):
             why = "; ".join(x.errors) or "every backend of the link failed (reconnecting)"
             raise PeerError(f"no transfer backend could post to {pair.peer}: {why}")
         assert x.inner is not None
         inner = x.inner
         handle = TransferHandle(next(self._ids), pair.peer, x.op, inner.num_descs, inner.num_bytes)
-        handle.state = x
+        handle.state, handle.pushes = x, inner.pushes
         with self._handles_lock:
             self._handles[handle.id] = handle
         return handle
@@ -430,6 +429,8 @@ class MultiBackend(TransferBackend):
             self._release_inner(x)
             self._member_failed(x.pair.route, x.member, why)
             if self._post(x):
+                assert x.inner is not None
+                handle.pushes = x.inner.pushes  # the fallback's way of saying it ended
                 return XferState.PENDING
             handle.error = "; ".join(x.errors) + (
                 "" if len(x.tried) > 1 else " (no healthy fallback on this link)"

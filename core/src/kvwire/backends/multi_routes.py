@@ -4,6 +4,7 @@ and per transfer (split from :mod:`kvwire.backends.multi`; its lock contract app
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -57,12 +58,16 @@ class Xfer:
     #: A chunk submitted in page form (``submit_pages``): posted so on a member that takes
     #: pages, as its rows on one that does not (``local_idx``/``remote_idx`` filled then).
     chunk: PageChunk | None = None
+    #: The submitter's wake-up, handed to every member the transfer is posted on (a member
+    #: that pushes events calls it; the composite handle's ``pushes`` follows the member).
+    wake: Callable[[], None] | None = None
 
     def post_on(self, member: TransferBackend, inner: PreparedPair) -> TransferHandle:
         """Post this transfer on ``member`` (``inner``: its prepared pair of the link; the
         tables, so the rows and the chunk's geometry, are the same on every member)."""
+        op, note, wake = self.op, self.notification, self.wake
         if self.chunk is not None and member.capabilities.page_writes:
-            return member.submit_pages(self.op, inner, self.chunk, self.notification)
+            return member.submit_pages(op, inner, self.chunk, note, wake)
         if self.chunk is not None and self.local_idx is None:
             self.local_idx, self.remote_idx = self.chunk.rows()
-        return member.submit(self.op, inner, self.local_idx, self.remote_idx, self.notification)
+        return member.submit(op, inner, self.local_idx, self.remote_idx, note, wake)

@@ -292,14 +292,19 @@ class Pipeline:
         CUDA events every :data:`GATE_EVENT_POLL_S`. Keeps an idle worker from taking the
         GIL thousands of times a second while the engine thread launches the forward pass.
 
-        With a backend that pushes events, while every write in flight is the backend's
-        (no copy the strategy runs, no job waiting for staging space) the worker sleeps until
+        While every write in flight is the backend's and will be announced (its handle
+        ``pushes``: a backend that pushes events, or a backend list's member that does; no
+        copy the strategy runs, no job waiting for staging space) the worker sleeps until
         one of them ends or a job comes (:attr:`wake`, set by the backend and by
         :meth:`notify`), :data:`EVENT_IDLE_S` at most: no polling timer between a write's
         completion and its next step. ``wake`` is cleared after the wait and the caller
         polls next, so a wake-up that comes in between is not lost."""
         gates = [t.queue[0].gate for t in self.tails.values() if t.queue]
-        if self.evented and self.posted and not gates and all(p.copy is None for p in self.posted):
+        if (
+            self.posted
+            and not gates
+            and all(p.copy is None and p.handle.pushes for p in self.posted)
+        ):
             self.wake.wait(EVENT_IDLE_S)
             self.wake.clear()
             return
