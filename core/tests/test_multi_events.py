@@ -62,3 +62,26 @@ def test_a_lists_transfer_pushes_as_its_member_does_and_a_failover_changes_it(
     finally:
         flaky.heal_agent(agent)
         p.close()
+
+
+def test_a_lists_members_wake_the_owner_loop_for_their_notifications() -> None:
+    """Decode's progress thread sleeps until a member that pushes events queues a
+    notification (the list hands its waker to every member)."""
+    from kvwire.backends.multi import MultiBackend
+    from kvwire.layout import RankPosition
+    from kvwire.session import KVManager, Role
+    from kvwire.testing.kvfill import make_pool
+    from kvwire.testing.pair import MODEL
+
+    layout, _ = make_pool(MODEL, RankPosition(), 4)
+    mgr = KVManager(KVWireConfig(transfer_backend="flaky,tcp"), Role.DECODE, layout)
+    try:
+        backend = mgr.ctx.backend
+        assert isinstance(backend, MultiBackend)
+        woke: list[bool] = []
+        backend.set_notification_waker(lambda: woke.append(True))
+        for m in backend.members:
+            m._notified()
+        assert woke == [True, True]
+    finally:
+        mgr.close()

@@ -567,12 +567,8 @@ class MultiBackend(TransferBackend):
             route.healthy[i] = True
             route.recovered_at[i] = time.monotonic()
         self.recoveries += 1
-        logger.warning(
-            "%s: link to %s: backend %s reconnected; moving back to it",
-            self.agent_name,
-            route.peer,
-            m.name,
-        )
+        who = f"{self.agent_name}: link to {route.peer}: backend {m.name}"
+        logger.warning("%s reconnected; moving back to it", who)
         if self._on_recovery is not None:
             self._on_recovery(route.peer, m.name)
 
@@ -583,11 +579,13 @@ class MultiBackend(TransferBackend):
         wanted = {m.workers_wanted(peer) for m in self.members if name in (None, m.name)}
         return wanted.pop() if len(wanted) == 1 else None
 
+    def set_notification_waker(self, wake: Callable[[], None] | None) -> None:
+        super().set_notification_waker(wake)
+        for m in self.members:  # one that pushes events wakes the owner loop for its notes
+            m.set_notification_waker(wake)
+
     def get_notifications(self) -> list[Notification]:
-        out: list[Notification] = []
-        for m in self.members:
-            out.extend(m.get_notifications())
-        return out
+        return [n for m in self.members for n in m.get_notifications()]
 
     def progress(self) -> None:
         for m in self.members:
