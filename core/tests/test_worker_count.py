@@ -120,3 +120,15 @@ def test_shard_for_keeps_staged_links_per_destination_and_others_per_request() -
     assert shard_for("d1", 7, staged=True, one_worker=True) == "d1"
     assert shard_for("d1", 7, staged=False, one_worker=False) == "d1/7"
     assert shard_for("d1", 7, staged=False, one_worker=True) == ONE_WORKER
+
+
+def test_the_startup_log_names_the_worker_count_and_where_it_came_from(
+    caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(TcpBackend, "suggested_workers", 1)
+    with caplog.at_level("INFO", logger="kvwire.session.manager"):
+        worker_threads("tcp", None)
+        worker_threads("tcp", 3)
+    ups = [r.getMessage() for r in caplog.records if "manager up" in r.getMessage()]
+    assert "1 transfer workers (the backend's number, else 4)" in ups[0]
+    assert "3 transfer workers (num_workers)" in ups[1]

@@ -178,12 +178,17 @@ class KVManager:
         )
         self._liveness.start()
         ctx.start(self._progress_step)
+        whose = "num_workers" if ctx.options.num_workers else "the backend's number, else 4"
+        workers = (
+            f", {ctx.num_workers} transfer workers ({whose})" if ctx.role is Role.PREFILL else ""
+        )
         logger.info(
-            "%s: %s manager up (backend %s, endpoint %s)",
+            "%s: %s manager up (backend %s, endpoint %s%s)",
             ctx.agent_name,
             ctx.role.value,
             ctx.backend_name,
             ctx.channel.endpoint,
+            workers,
         )
 
     # ------------------------------------------------------------------ engine API
