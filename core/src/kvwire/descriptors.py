@@ -61,12 +61,7 @@ def check_indices(idx: object, size: int, what: str, unit: str = "rows") -> Inde
     if arr.dtype != np.int64:  # the transfer path's arrays are int64 already
         if arr.size and arr.dtype.kind not in "iu":
             raise DescriptorError(f"{what} must hold integers, got {arr.dtype}")
-        if arr.dtype == np.uint64 and arr.size and int(arr.max()) > np.iinfo(np.int64).max:
-            hi = int(arr.max())
-            raise DescriptorError(
-                f"{what} out of range: values up to {hi} but there are {size} {unit}"
-            )
-        arr = arr.astype(np.int64, copy=False)
+        arr = arr.astype(np.int64, copy=False)  # a uint64 past int64 turns negative: refused
     # one pass for both bounds: a negative entry is a huge unsigned one
     if arr.size and int(arr.view(np.uint64).max()) >= size:
         lo, hi = int(arr.min()), int(arr.max())

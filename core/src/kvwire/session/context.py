@@ -256,6 +256,12 @@ class RankContext:
         return tuple(self.stagings.values())
 
     # ---------------------------------------------------------------------- verbs
+    def one_worker(self, peer: str) -> bool:
+        """Prefill's engine thread, at a request's first chunk to backend peer ``peer``: the
+        link's backend wants one worker (``cudaipc``) and the operator set no
+        ``num_workers``, so the chunks of every such link share one worker queue."""
+        return self.options.num_workers is None and self.backend.workers_wanted(peer) == 1
+
     def tell(self, endpoint: str, msg: Message) -> bool:
         """Tell a peer's control endpoint ``msg`` (non-blocking, bounded; False when the
         peer's queue is full and it was dropped). Any thread. Named apart from

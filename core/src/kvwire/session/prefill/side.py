@@ -488,8 +488,7 @@ class PrefillSide(Side[SendRoom]):
                 span=(start, end),
             )
             if dest.shard is None:  # at its first chunk (see shard_for)
-                wanted = ctx.backend.workers_wanted(link.backend_peer)
-                one = ctx.options.num_workers is None and wanted == 1
+                one = ctx.one_worker(link.backend_peer)
                 dest.shard = shard_for(dest.session, room.room, target.staged, one)
             self.workers.submit(dest.shard, job, sticky=target.staged)
 
