@@ -97,7 +97,6 @@ def test_page_form_stands_for_the_rows(
         mapper.paging is None
         and not mapper.is_dummy
         and not mapper.splits_kv
-        and mapper.name != "head_rows"
     )
     assert (chunk is not None) == regular, (mapper.name, mapper.paging, mapper.is_dummy)
     if chunk is None:
@@ -193,24 +192,52 @@ def test_bad_pages_and_geometries_are_refused() -> None:
 
 
 def test_which_links_have_a_page_form() -> None:
-    """Whole pages and head slices do; page-size conversion, dummies, head-major rows and
-    K and V as planes keep rows."""
+    """Whole pages, head slices and head-major pages (one piece per token and head) do;
+    page-size conversion, dummies and K and V as planes keep rows."""
     have = {
         "equal TP": link(4, (2, 2), (1, 1)),
         "TP 2 -> 1": link(4, (2, 1), (1, 0)),
         "TP 1 -> 2": link(4, (1, 2), (0, 1)),
         "GQA replication": link(2, (1, 4), (0, 3)),
         "MLA sender": link(1, (2, 1), (0, 0), mla=True),
+        "head-major TP 2 -> 1": link(4, (2, 1), (0, 0), head_major=(True, False)),
+        "head-major decode": link(4, (2, 2), (1, 1), head_major=(False, True)),
+        "head-major TP 1 -> 2": link(4, (1, 2), (0, 1), head_major=(True, True)),
     }
     rows = {
         "page sizes": link(4, (1, 1), (0, 0), pages=(4, 8)),
         "MLA dummy": link(1, (2, 1), (1, 0), mla=True),
-        "head-major": link(4, (2, 1), (0, 0), head_major=(True, False)),
+        "head-major page sizes": link(4, (1, 1), (0, 0), pages=(4, 8), head_major=(True, False)),
         "kv_fused": link(4, (1, 1), (0, 0), kv_fused=(True, False)),
     }
     for name, (mapper, _, _) in have.items():
         chunk = mapper.page_chunk([0, 1], [2, 3])
         assert chunk is not None and chunk.num_rows == mapper.map_chunk([0, 1], [2, 3])[0].size
-        assert name
+        assert (chunk.geometry.heads > 1) == name.startswith("head-major"), name
     for name, (mapper, _, _) in rows.items():
         assert mapper.page_chunk([0, 1], [2, 3]) is None, name
+
+
+def test_head_major_geometry_checks() -> None:
+    """A head-major link's geometry (pieces per token and head): its head strides are the
+    tables' own, a wrong one is refused, and its extent is checked against the tables."""
+    mapper, _, _ = link(4, (2, 2), (1, 1), head_major=(False, True))
+    chunk = mapper.page_chunk([0, SLOTS - 1], [SLOTS - 1, 2])
+    assert chunk is not None
+    g = chunk.geometry
+    assert g.heads == 2 and g.src_head != g.dst_head  # token-major source, head-major dest
+    tables = mapper.build_tables()
+    sa, da = tables.src[:, ADDR].astype(np.int64), tables.dst[:, ADDR].astype(np.int64)
+    sl, dl = tables.src[:, LEN], tables.dst[:, LEN]
+    check_geometry_addresses(g, sa, da)
+    assert check_page_chunk(chunk, sl, dl) == chunk.nbytes
+    for field, delta in (("src_head", 4), ("dst_head", -4), ("dst_head_rows", 1)):
+        wrong = dataclasses.replace(g, **{field: getattr(g, field) + delta})
+        with pytest.raises(DescriptorError, match="not this pair's tables|reaches past"):
+            check_geometry_addresses(wrong, sa, da)
+    too_many = dataclasses.replace(g, heads=g.heads + 1)
+    with pytest.raises(DescriptorError, match="reaches (local|remote) table rows"):
+        check_page_chunk(chunk.__class__(too_many, chunk.src_pages, chunk.dst_pages), sl, dl)
+    with pytest.raises(DescriptorError, match="negative"):
+        bad = dataclasses.replace(g, src_head_rows=-1)
+        check_page_chunk(chunk.__class__(bad, chunk.src_pages, chunk.dst_pages), sl, dl)

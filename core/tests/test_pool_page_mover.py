@@ -1,7 +1,8 @@
 """The pool-to-pool page mover (:mod:`kvwire.movers.triton_pool_pages`, cudaipc's page
 writes) through Triton's CPU interpreter, against its NumPy reference
 (:func:`kvwire.movers.pool_pages.copy_pool_pages_reference`, itself checked against the rows
-in test_page_form.py): whole pages (equal TP) and head slices (TP 2 -> 1, 1 -> 2) between two
+in test_page_form.py): whole pages (equal TP), head slices (TP 2 -> 1, 1 -> 2) and head-major
+pages (a piece per token and head) between two
 pools of one arena, fresh random bytes, every byte of the arena compared (so nothing outside
 the chunk is written). One interpreter subprocess, a few seconds."""
 
@@ -20,6 +21,7 @@ _CHECK = textwrap.dedent(
     import numpy as np
     from kvwire.descriptors import ADDR
     from kvwire.index import EqualTPMapper, HeadSliceMapper, MLAMapper
+    from kvwire.index.head_rows import HeadRowsMapper
     from kvwire.layout import KVLayout, ModelSpec, RankPosition
     from kvwire.movers.pool_pages import copy_pool_pages_reference
     from kvwire.movers.triton_pool_pages import PoolPageCopier
@@ -29,32 +31,42 @@ _CHECK = textwrap.dedent(
     SLOTS = 5
     shapes = set()
 
-    def pools(arena, off, model, tp, rank, heads):
+    def pools(arena, off, model, tp, rank, heads, hm=False):
         bufs = []
         shape = (SLOTS, model.page_size, heads, model.head_dim)
+        if hm:
+            shape = (SLOTS, heads, model.page_size, model.head_dim)
         nbytes = int(np.prod(shape)) * model.dtype_size
         for _ in range(2 * model.num_layers // (2 if model.is_mla else 1)):
             bufs.append(arena[off : off + nbytes].view(np.int16).reshape(shape))
             off += nbytes + 32
-        layout = KVLayout.from_tensors(model, bufs, RankPosition(tp_size=tp, tp_rank=rank))
+        layout = KVLayout.from_tensors(
+            model, bufs, RankPosition(tp_size=tp, tp_rank=rank), head_major=hm
+        )
         return layout, off
 
-    cases = [  # (heads, head_dim, TP src, TP dst, src rank, dst rank, mla)
-        (4, 8, 1, 1, 0, 0, False), (4, 8, 2, 1, 1, 0, False), (4, 8, 1, 2, 0, 1, False),
-        (2, 4, 1, 4, 0, 3, False), (4, 3, 2, 1, 0, 0, False), (1, 8, 2, 1, 0, 0, True),
-        (64, 256, 1, 2, 0, 1, False),  # 16 KiB slices of 32 KiB rows: pieces over one block
+    F, T = False, True
+    cases = [  # (heads, head_dim, TP src, TP dst, src rank, dst rank, mla, head-major sides)
+        (4, 8, 1, 1, 0, 0, F, (F, F)), (4, 8, 2, 1, 1, 0, F, (F, F)), (4, 8, 1, 2, 0, 1, F, (F, F)),
+        (2, 4, 1, 4, 0, 3, F, (F, F)), (4, 3, 2, 1, 0, 0, F, (F, F)), (1, 8, 2, 1, 0, 0, T, (F, F)),
+        (64, 256, 1, 2, 0, 1, F, (F, F)),  # 16 KiB slices of 32 KiB rows: pieces over a block
+        # head-major pages (one piece per token and head): equal TP with the page orders
+        # apart, TP 2 -> 1 into head-major, TP 1 -> 2 both head-major, GQA replication, and
+        # 6-byte heads (2-byte elements)
+        (4, 8, 1, 1, 0, 0, F, (F, T)), (4, 8, 2, 1, 1, 0, F, (T, F)), (4, 8, 1, 2, 0, 1, F, (T, T)),
+        (2, 4, 1, 4, 0, 3, F, (F, T)), (4, 3, 1, 1, 0, 0, F, (T, F)),
     ]
-    for heads, dim, tps, tpd, rs, rd, mla in cases:
+    for heads, dim, tps, tpd, rs, rd, mla, hm in cases:
         model = ModelSpec(num_layers=2, total_kv_heads=heads, head_dim=dim, dtype="bfloat16",
                           page_size=4, is_mla=mla)
         arena = rng.integers(0, 256, 2 * 4 * SLOTS * 4 * heads * dim * 2 + 4096, dtype=np.uint8)
         base = arena.ctypes.data
         hs = 1 if mla else max(1, heads // tps)
         hd = 1 if mla else max(1, heads // tpd)
-        src, off = pools(arena, 16, model, tps, rs, hs)
-        dst, _ = pools(arena, off + 16, model, tpd, rd, hd)
+        src, off = pools(arena, 16, model, tps, rs, hs, hm[0])
+        dst, _ = pools(arena, off + 16, model, tpd, rd, hd, hm[1])
         cls = MLAMapper if mla else (EqualTPMapper if tps == tpd else HeadSliceMapper)
-        mapper = cls(src, dst)
+        mapper = HeadRowsMapper(src, dst) if any(hm) else cls(src, dst)
         tables = mapper.build_tables()
         chunk = mapper.page_chunk(rng.permutation(SLOTS)[:3], rng.permutation(SLOTS)[:3])
         g = chunk.geometry
@@ -66,7 +78,8 @@ _CHECK = textwrap.dedent(
         mover.copy_pages(chunk, s_addr, d_addr)
         assert np.array_equal(arena, want), (heads, dim, tps, tpd)
         shapes.add(mover.last_shape)
-    assert shapes == {0, 1, 2}, shapes  # pieces over a block, whole pages, within a block
+    # pieces over a block, whole pages, within a block, pieces per token and head
+    assert shapes == {0, 1, 2, 3}, shapes
     print("POOL-PAGES-OK")
     """
 )
@@ -98,6 +111,17 @@ _PTX_CHECK = textwrap.dedent(
         ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
         ops = set(re.findall(r"(?:ld|st)[.]global[.][a-z0-9.]*b32", ptx.asm["ptx"]))
         assert ops == {f"ld.global.{want}.b32", f"st.global.{want}.b32"}, (shape, ops)
+    # pieces per token and head (head-major pages): 256-byte heads in 2 KiB tiles
+    from kvwire.movers.triton_pool_pages import _copy_pool_heads
+    ints = ("table_addr npages nbuf src_slot dst_slot src_tok dst_tok src_head dst_head "
+            "n_vecs tokens heads").split()
+    sig = {**{k: "i64" for k in ints},
+           **{k: "constexpr" for k in ("rows", "cols", "elem", "align", "vec")}}
+    consts = {"rows": 8, "cols": 64, "elem": tl.int32, "align": 16, "vec": 4}
+    src = ASTSource(fn=_copy_pool_heads, signature=sig, constexprs=consts)
+    ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
+    ops = set(re.findall(r"(?:ld|st)[.]global[.][a-z0-9.]*b32", ptx.asm["ptx"]))
+    assert ops == {"ld.global.v4.b32", "st.global.v4.b32"}, ("heads", ops)
     # bulk staging's page and unit movers (gather and scatter), the same way
     from kvwire.movers.triton_pages import _copy_pages
     from kvwire.movers.triton_units import _copy_units

@@ -1,7 +1,8 @@
 """A chunk in *page form*: page lists and one geometry per link, instead of one row per run.
 
 Where a link's mapping is regular -- equal page sizes, and either whole pages (equal TP, MLA
-senders) or the same byte slice of every token row (heterogeneous TP head slices) -- a
+senders), the same byte slice of every token row (heterogeneous TP head slices) or one head
+of every token at strides affine in token and head (head-major pages on a side) -- a
 chunk's rows follow from a few numbers: for each buffer pair, the table row of piece 0 of
 slot 0 on both sides, the rows (and bytes) from one slot to the next and from one piece to
 the next, the bytes of a piece and how many pieces a page has. The mapper describes that
@@ -14,9 +15,10 @@ A backend that declares :attr:`BackendCapabilities.page_writes
 addresses through its prepared pair; every other consumer reads :meth:`PageChunk.rows`,
 which are exactly the rows :meth:`~kvwire.index.base.IndexMapper.map_chunk` returns
 (pair-major, then page, then piece). Cases the form cannot express (page-size conversion,
-dummy senders, K and V as planes, head-major rows, groups) keep rows.
+dummy senders, K and V as planes, groups) keep rows.
 
-KV checksums read a chunk in page form too (:class:`PageSide`, :func:`page_sides`): each
+KV checksums read a chunk in page form too (:class:`PageSide`, :func:`page_sides`; a
+geometry of pieces per head is summed as rows): each
 side's rows are addresses computed from the side's per-pair base address and byte strides,
 so prefill sums its source rows and decode its landed rows without expanding the chunk
 (:meth:`kvwire.integrity.RowHasher.page_sums`).
@@ -40,7 +42,12 @@ class PageGeometry:
     Piece ``t`` of page ``p`` of buffer pair ``b`` is source table row
     ``src_rows[b] + p * src_page_rows + t * src_token_rows`` (and likewise on the
     destination); in bytes it lies at the address of row ``src_rows[b]`` plus
-    ``p * src_slot + t * src_row``, and is ``n`` bytes long on both sides."""
+    ``p * src_slot + t * src_row``, and is ``n`` bytes long on both sides.
+
+    With ``heads > 1`` a token's piece is ``heads`` pieces instead (head-major pages on a
+    side: one head of one token is the longest run contiguous on both): piece ``(t, h)`` is
+    row ``... + t * src_token_rows + h * src_head_rows`` at bytes ``... + t * src_row +
+    h * src_head``, in the order ``t`` then ``h``."""
 
     src_rows: NDArray[np.int64]
     dst_rows: NDArray[np.int64]
@@ -57,11 +64,22 @@ class PageGeometry:
     #: Page slots of each side's pool (page indices must be below them).
     src_slots: int
     dst_slots: int
+    #: Pieces per token (1: a token's piece is one run on both sides).
+    heads: int = 1
+    src_head_rows: int = 0
+    dst_head_rows: int = 0
+    src_head: int = 0
+    dst_head: int = 0
 
     @property
     def num_pairs(self) -> int:
         """Buffer pairs moved per page."""
         return int(self.src_rows.size)
+
+    @property
+    def pieces(self) -> int:
+        """Pieces per page and buffer pair (tokens x heads)."""
+        return self.tokens * self.heads
 
 
 @dataclass(frozen=True, eq=False)
@@ -78,7 +96,7 @@ class PageChunk:
     def num_rows(self) -> int:
         """Rows the chunk stands for (pairs x pages x pieces)."""
         g = self.geometry
-        return g.num_pairs * int(self.src_pages.size) * g.tokens
+        return g.num_pairs * int(self.src_pages.size) * g.pieces
 
     @property
     def nbytes(self) -> int:
@@ -90,18 +108,37 @@ class PageChunk:
         consumer that needs rows (checksums, a backend without page writes, a split by
         memory kind, layer-wise cuts)."""
         g = self.geometry
-        t = np.arange(g.tokens, dtype=np.int64)[None, None, :]
-        src = (
-            g.src_rows[:, None, None]
-            + self.src_pages[None, :, None] * g.src_page_rows
-            + t * g.src_token_rows
-        ).ravel()
-        dst = (
-            g.dst_rows[:, None, None]
-            + self.dst_pages[None, :, None] * g.dst_page_rows
-            + t * g.dst_token_rows
-        ).ravel()
+        src = affine_pieces(
+            g.src_rows, self.src_pages, g.src_page_rows, g.tokens, g.src_token_rows,
+            g.heads, g.src_head_rows,
+        )  # fmt: skip
+        dst = affine_pieces(
+            g.dst_rows, self.dst_pages, g.dst_page_rows, g.tokens, g.dst_token_rows,
+            g.heads, g.dst_head_rows,
+        )  # fmt: skip
         return src, dst
+
+
+def affine_pieces(
+    base: NDArray[np.int64],
+    pages: NDArray[np.int64],
+    page: int,
+    tokens: int,
+    token: int,
+    heads: int,
+    head: int,
+) -> NDArray[np.int64]:
+    """``base[b] + pages[i] * page + t * token + h * head`` for every (b, i, t, h), in that
+    order, flattened (rows or addresses of a page geometry's pieces; vectorised)."""
+    t = np.arange(tokens, dtype=np.int64)[:, None] * token
+    if heads > 1:
+        t = t + np.arange(heads, dtype=np.int64)[None, :] * head
+    out: NDArray[np.int64] = (
+        np.asarray(base, dtype=np.int64)[:, None, None]
+        + np.asarray(pages, dtype=np.int64)[None, :, None] * page
+        + t.ravel()[None, None, :]
+    ).ravel()
+    return out
 
 
 def check_page_chunk(
@@ -123,13 +160,24 @@ def check_page_chunk(
         raise DescriptorError(f"{sp.size} source pages but {dp.size} destination pages")
     if sp.size == 0:
         raise DescriptorError("empty transfer: the page lists hold no page")
-    if g.num_pairs == 0 or g.dst_rows.size != g.num_pairs or g.tokens < 1 or g.n < 1:
-        raise DescriptorError("page geometry holds no buffer pair, piece or byte")
-    for side, rows, page_rows, tok_rows, slots, lens in (
-        ("local", g.src_rows, g.src_page_rows, g.src_token_rows, g.src_slots, local_lens),
-        ("remote", g.dst_rows, g.dst_page_rows, g.dst_token_rows, g.dst_slots, remote_lens),
+    if (
+        g.num_pairs == 0
+        or g.dst_rows.size != g.num_pairs
+        or g.tokens < 1
+        or g.heads < 1
+        or g.n < 1
     ):
+        raise DescriptorError("page geometry holds no buffer pair, piece or byte")
+    for side, rows, page_rows, tok_rows, head_rows, slots, lens in (
+        ("local", g.src_rows, g.src_page_rows, g.src_token_rows, g.src_head_rows, g.src_slots,
+         local_lens),
+        ("remote", g.dst_rows, g.dst_page_rows, g.dst_token_rows, g.dst_head_rows, g.dst_slots,
+         remote_lens),
+    ):  # fmt: skip
+        if min(page_rows, tok_rows, head_rows) < 0:
+            raise DescriptorError(f"page geometry has a negative {side} row step")
         last = rows + (slots - 1) * page_rows + (g.tokens - 1) * tok_rows
+        last = last + (g.heads - 1) * head_rows
         if int(rows.min()) < 0 or int(last.max()) >= lens.size:
             raise DescriptorError(
                 f"page geometry reaches {side} table rows [{int(rows.min())}, "
@@ -156,18 +204,22 @@ def check_geometry_addresses(
     :func:`check_page_chunk` found inside the tables). :class:`DescriptorError` otherwise.
     Vectorised; the cost is per pair, not per chunk."""
     g = geometry
-    for side, addr, rows, page_rows, tok_rows, slot, row, slots in (
-        ("local", local_addr, g.src_rows, g.src_page_rows, g.src_token_rows, g.src_slot,
-         g.src_row, g.src_slots),
-        ("remote", remote_addr, g.dst_rows, g.dst_page_rows, g.dst_token_rows, g.dst_slot,
-         g.dst_row, g.dst_slots),
+    for side, addr, rows, page_rows, tok_rows, head_rows, slot, row, head, slots in (
+        ("local", local_addr, g.src_rows, g.src_page_rows, g.src_token_rows, g.src_head_rows,
+         g.src_slot, g.src_row, g.src_head, g.src_slots),
+        ("remote", remote_addr, g.dst_rows, g.dst_page_rows, g.dst_token_rows, g.dst_head_rows,
+         g.dst_slot, g.dst_row, g.dst_head, g.dst_slots),
     ):  # fmt: skip
-        steps = [((slots - 1) * page_rows + (g.tokens - 1) * tok_rows,
-                  (slots - 1) * slot + (g.tokens - 1) * row)]  # fmt: skip
+        steps = [((slots - 1) * page_rows + (g.tokens - 1) * tok_rows + (g.heads - 1) * head_rows,
+                  (slots - 1) * slot + (g.tokens - 1) * row + (g.heads - 1) * head)]  # fmt: skip
         if slots > 1:
             steps.append((page_rows, slot))
         if g.tokens > 1:
             steps.append((tok_rows, row))
+        if g.heads > 1:
+            steps.append((head_rows, head))
+        if int(rows.min()) < 0 or int(rows.max()) + max(d for d, _ in steps) >= addr.size:
+            raise DescriptorError(f"page geometry reaches past the {side} table's rows")
         base = addr[rows]
         for drow, dbytes in steps:
             bad = addr[rows + drow] - base != dbytes
@@ -232,6 +284,8 @@ def page_sides(geometry: PageGeometry, src: DescTable, dst: DescTable) -> tuple[
     are exactly those of :meth:`PageChunk.rows`'s table rows. Called once per link by
     :class:`kvwire.session.checksums.SentSums` (prefill) and ``LandedSums`` (decode)."""
     g = geometry
+    if g.heads > 1:
+        raise DescriptorError("a page side has one piece per token: this geometry has heads")
     one = np.zeros(1, dtype=np.int64)
     check_page_chunk(PageChunk(g, one, one), src[:, LEN], dst[:, LEN])  # rows in the tables
     src_addr = src[:, ADDR].astype(np.int64)

@@ -12,6 +12,9 @@ Rows are per (buffer pair, slot, token, local head), each side with its own page
 ``pair*(S*ps*H) + (slot*ps + t)*H + h``. Different page sizes: tokens move one by one
 (:mod:`kvwire.index.paging`, granule 1) with the same formula (``slot*ps + t`` is the token's
 unit). Identical head-major layouts with equal TP move whole pages (``equal_tp``).
+
+With equal page sizes a chunk also has a page form (:mod:`kvwire.page_form`) of
+``page_size x heads`` pieces per page: a page writer (``cudaipc``) moves it with one launch.
 """
 
 from __future__ import annotations
@@ -52,8 +55,46 @@ class HeadRowsMapper(HeadSliceMapper):
     requires_token_major = False
 
     def _page_geometry(self) -> PageGeometry | None:
-        """None: a head's rows are not one slice of each token row on both sides."""
-        return None
+        """Equal page sizes (the base checks that): ``page_size x num_heads`` pieces of one
+        head per page and buffer pair, each side's bytes affine in token and head
+        (:meth:`KVLayout.byte_offsets <kvwire.layout.KVLayout.byte_offsets>`), so a page
+        writer moves a chunk with one launch instead of a row per (token, head). None when
+        a side's offsets are not affine (no layout here has such offsets)."""
+        src, dst = self.src, self.dst
+        ps, nh = src.model.page_size, self.num_heads
+        strides = []
+        for lay, start in ((src, self.src_start), (dst, self.dst_start)):
+            offs = lay.byte_offsets(np.arange(ps), start + np.arange(nh)).astype(np.int64)
+            tok = int(offs[1, 0] - offs[0, 0]) if ps > 1 else 0
+            head = int(offs[0, 1] - offs[0, 0]) if nh > 1 else 0
+            t, h = np.arange(ps)[:, None], np.arange(nh)[None, :]
+            if not np.array_equal(offs, offs[0, 0] + t * tok + h * head):
+                return None
+            strides.append((tok, head))
+        (s_tok, s_head), (d_tok, d_head) = strides
+        hs, hd = src.local_kv_heads, dst.local_kv_heads
+        pairs = np.arange(self.num_pairs, dtype=np.int64)
+        return PageGeometry(
+            src_rows=pairs * (src.num_slots * ps * hs) + self.src_start,
+            dst_rows=pairs * (dst.num_slots * ps * hd) + self.dst_start,
+            src_page_rows=ps * hs,
+            dst_page_rows=ps * hd,
+            src_token_rows=hs,
+            dst_token_rows=hd,
+            src_slot=src.slot_bytes,
+            dst_slot=dst.slot_bytes,
+            src_row=s_tok,
+            dst_row=d_tok,
+            n=src.head_bytes,
+            tokens=ps,
+            src_slots=src.num_slots,
+            dst_slots=dst.num_slots,
+            heads=nh,
+            src_head_rows=1,
+            dst_head_rows=1,
+            src_head=s_head,
+            dst_head=d_head,
+        )
 
     def build_tables(self) -> TablePair:
         return TablePair(

@@ -11,28 +11,24 @@ import numpy as np
 from numpy.typing import NDArray
 
 from kvwire.movers.plan import copy_runs_reference
-from kvwire.page_form import PageChunk
+from kvwire.page_form import PageChunk, affine_pieces
 
 I64 = NDArray[np.int64]
 
 
 def pool_page_runs(chunk: PageChunk, src_addrs: I64, dst_addrs: I64) -> tuple[I64, I64, I64]:
     """``(src, dst, nbytes)`` of every piece the chunk moves, in its rows' order (pair,
-    page, piece): piece ``t`` of page ``i`` of pair ``b`` is ``n`` bytes from
-    ``src_addrs[b] + src_pages[i] * src_slot + t * src_row`` to
-    ``dst_addrs[b] + dst_pages[i] * dst_slot + t * dst_row``."""
+    page, piece): piece ``(t, h)`` of page ``i`` of pair ``b`` is ``n`` bytes from
+    ``src_addrs[b] + src_pages[i] * src_slot + t * src_row + h * src_head`` to
+    ``dst_addrs[b] + dst_pages[i] * dst_slot + t * dst_row + h * dst_head`` (``h`` below
+    the geometry's ``heads``, 0 alone for one piece per token)."""
     g = chunk.geometry
-    t = np.arange(g.tokens, dtype=np.int64)[None, None, :]
-    src = (
-        np.asarray(src_addrs, dtype=np.int64)[:, None, None]
-        + chunk.src_pages[None, :, None] * g.src_slot
-        + t * g.src_row
-    ).ravel()
-    dst = (
-        np.asarray(dst_addrs, dtype=np.int64)[:, None, None]
-        + chunk.dst_pages[None, :, None] * g.dst_slot
-        + t * g.dst_row
-    ).ravel()
+    src = affine_pieces(
+        src_addrs, chunk.src_pages, g.src_slot, g.tokens, g.src_row, g.heads, g.src_head
+    )
+    dst = affine_pieces(
+        dst_addrs, chunk.dst_pages, g.dst_slot, g.tokens, g.dst_row, g.heads, g.dst_head
+    )
     return src, dst, np.full(src.size, g.n, dtype=np.int64)
 
 

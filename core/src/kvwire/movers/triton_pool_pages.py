@@ -15,7 +15,10 @@ from ``src[b] + src_page[i] * src_slot + t * src_row`` to
 compiled as one flat loop; head slices: a slice of every token row, possibly at another
 offset and row pitch on the other side), in steps of :data:`~kvwire.movers.plan.BLOCK_BYTES`
 with the widest element that divides every address, stride and length (16 bytes: vector
-loads and stores). The NumPy
+loads and stores). A geometry of one piece per token and head (head-major pages on a side:
+:attr:`PageGeometry.heads <kvwire.page_form.PageGeometry.heads>` > 1) launches a second
+kernel, ``_copy_pool_heads``, which copies a page's ``tokens x heads`` pieces as 2-D tiles
+(the tiling of :mod:`kvwire.movers.triton_heads`), again one program per (pair, page). The NumPy
 reference is :func:`kvwire.movers.pool_pages.copy_pool_pages_reference`. Imported only where
 it runs (a CUDA device, or Triton's interpreter on the CPU with ``TRITON_INTERPRET=1``).
 """
@@ -29,13 +32,16 @@ import triton
 import triton.language as tl
 from numpy.typing import NDArray
 
+from kvwire.movers.triton_copy import _ELEM, _ELEM_BYTES
+from kvwire.movers.triton_heads import tile_shape
 from kvwire.movers.triton_pages import PageCopier, kernel_key, page_width
 from kvwire.page_form import PageChunk
 
 __all__ = ["PoolPageCopier"]
 
-#: The kernel's compile-time shapes of a call (see ``_copy_pool_pages``).
-PIECES, WHOLE, ONE_BLOCK = 0, 1, 2
+#: The kernel's compile-time shapes of a call (see ``_copy_pool_pages``); HEADS: the tiled
+#: kernel of pieces per token and head (``_copy_pool_heads``).
+PIECES, WHOLE, ONE_BLOCK, HEADS = 0, 1, 2, 3
 
 
 @triton.jit(  # type: ignore[untyped-decorator]
@@ -110,6 +116,74 @@ def _copy_pool_pages(  # type: ignore[no-untyped-def]  # Triton 3.6 rejects non-
                 tl.store(dst + o, tl.load(src + o, mask=mask), mask=mask)
 
 
+@triton.jit(  # type: ignore[untyped-decorator]
+    do_not_specialize=[
+        "table_addr",
+        "npages",
+        "nbuf",
+        "src_slot",
+        "dst_slot",
+        "src_tok",
+        "dst_tok",
+        "src_head",
+        "dst_head",
+        "n_vecs",
+        "tokens",
+        "heads",
+    ]
+)
+def _copy_pool_heads(  # type: ignore[no-untyped-def]  # Triton 3.6 rejects non-Triton annotations
+    table_addr,
+    npages,
+    nbuf,
+    src_slot,
+    dst_slot,
+    src_tok,
+    dst_tok,
+    src_head,
+    dst_head,
+    n_vecs,
+    tokens,
+    heads,
+    rows: tl.constexpr,
+    cols: tl.constexpr,
+    elem: tl.constexpr,
+    align: tl.constexpr,
+    vec: tl.constexpr,
+) -> None:
+    # Pieces of one head of one token (head-major pages on a side): the table as above; the
+    # slots in elements, the token and head strides and the piece's length in vectors (so
+    # every row of a tile starts on a vector: accesses stay 16 bytes wide). A program copies
+    # its page's tokens x heads pieces as 2-D tiles [rows, cols]; a tile row is (part of)
+    # one piece, contiguous on both sides.
+    table = table_addr.to(tl.pointer_type(tl.int64))
+    pid = tl.program_id(0).to(tl.int64)
+    b = pid // npages
+    i = pid - b * npages
+    sp = tl.load(table + i)
+    dp = tl.load(table + npages + i)
+    sa = tl.load(table + 2 * npages + b)
+    da = tl.load(table + 2 * npages + nbuf + b)
+    src0 = tl.multiple_of(sa.to(tl.pointer_type(elem)) + sp * src_slot, align)
+    dst0 = tl.multiple_of(da.to(tl.pointer_type(elem)) + dp * dst_slot, align)
+    n = n_vecs * vec
+    count = tokens * heads
+    r = tl.arange(0, rows)
+    c = tl.arange(0, cols)
+    for r0 in range(0, count, rows):
+        q = r0 + r
+        t = (q // heads).to(tl.int64)
+        h = q.to(tl.int64) - t * heads
+        s_row = t * (src_tok * vec) + h * (src_head * vec)
+        d_row = t * (dst_tok * vec) + h * (dst_head * vec)
+        ok = q < count
+        for c0 in range(0, n, cols):
+            o = c0 + c
+            mask = ok[:, None] & (o < n)[None, :]
+            val = tl.load(src0 + s_row[:, None] + o[None, :], mask=mask)
+            tl.store(dst0 + d_row[:, None] + o[None, :], val, mask=mask)
+
+
 class PoolPageCopier(PageCopier):
     """Copies chunks in page form between two pools with one launch per call (the
     launching device must be able to store to the destination: its own memory, or a peer
@@ -135,6 +209,9 @@ class PoolPageCopier(PageCopier):
         if not npages or not nbuf:
             return
         addrs = np.concatenate([src_addrs, dst_addrs]).astype(np.int64)
+        if g.heads > 1:
+            self._copy_heads(chunk, addrs, npages, nbuf, stream)
+            return
         width = page_width(addrs, 0, g.src_slot, g.dst_slot, g.src_row, g.dst_row, g.n)
         key, eb = kernel_key(width, g.n, False)
         scalars = (
@@ -154,4 +231,36 @@ class PoolPageCopier(PageCopier):
         self.last_shape = shape
         self._launch(
             _copy_pool_pages, "pool", ckey, index, addrs, scalars, stream, grid=nbuf * npages
+        )
+
+    def _copy_heads(
+        self, chunk: PageChunk, addrs: NDArray[np.int64], npages: int, nbuf: int, stream: Any
+    ) -> None:
+        """:meth:`copy_pages` of a geometry of several pieces per token (head-major pages on
+        a side): one launch of the tiled kernel."""
+        g = chunk.geometry
+        width = page_width(
+            addrs, 0, g.src_slot, g.dst_slot, g.src_row, g.dst_row, g.src_head, g.dst_head, g.n
+        )
+        eb = _ELEM_BYTES[width]
+        vec = width // eb
+        rows, cols = tile_shape(g.n // eb, g.pieces, eb, vec, 32 * self.num_warps)
+        scalars = (
+            npages,
+            nbuf,
+            g.src_slot // eb,
+            g.dst_slot // eb,
+            g.src_row // width,
+            g.dst_row // width,
+            g.src_head // width,
+            g.dst_head // width,
+            g.n // width,
+            g.tokens,
+            g.heads,
+        )
+        self.last_shape = HEADS
+        index = np.concatenate([chunk.src_pages, chunk.dst_pages])
+        key = (rows, cols, _ELEM[width], width, vec)
+        self._launch(
+            _copy_pool_heads, "pool_heads", key, index, addrs, scalars, stream, grid=nbuf * npages
         )

@@ -249,9 +249,10 @@ def _page_sides(
     its chunks have no page form (page-size conversion, dummy senders, K and V as planes,
     head-major rows: the mapper says) or its geometry does not match its tables (a mapper's
     bug: logged, and the link's chunks are summed as rows, which stay correct). Either side,
-    once per link, at handshake."""
+    once per link, at handshake. A geometry of several pieces per token (head-major pages)
+    is summed as rows too: a page side has one piece per token."""
     geometry = mapper.page_geometry
-    if geometry is None:
+    if geometry is None or geometry.heads > 1:
         return None
     try:
         return page_sides(geometry, src, dst)
