@@ -7,7 +7,8 @@
 # cell's first requests are checked element by element.
 # On the development machine:  bash scripts/gpu_wheels.sh   (fills .whl/)
 # Device call (nvidia-h100-x4), carry [".whl"]:  bash scripts/gpu_tp4_run.sh
-# PARTS picks parts (default "peer cudaipc auto staged shapes sample"); REQUESTS, SIZES.
+# PARTS picks parts (default "peer cudaipc auto staged shapes sample"; also "hm"); REQUESTS,
+# SIZES.
 # Results: $OUT/tp4.tgz (one JSON and log per run); the last lines printed are the table.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -76,6 +77,13 @@ if has shapes; then
   run pp_tp22 python3 scripts/gpu_staged_bench.py --chunk-pages 64 --sizes 16,128 \
     --concurrency 1,8 --requests 16 --verify-requests 2 --skip-mover --skip-per-page \
     --staging-option equal_tp=never --prefill-tp 2 --decode-tp 2
+fi
+if has hm; then  # head-major pages over cudaipc (page form since 7af4788), beside token-major
+  run cu_tp22 $CU --backend cudaipc --prefill-tp 2 --decode-tp 2
+  run cu_hm $CU --backend cudaipc --prefill-tp 2 --decode-tp 2 --head-major decode
+  run cu_hm21 $CU --backend cudaipc --prefill-tp 2 --decode-tp 1 --head-major decode
+  run cu_hm12 $CU --backend cudaipc --prefill-tp 1 --decode-tp 2 --head-major prefill,decode
+  run cu_hm11 $CU --backend cudaipc --head-major prefill
 fi
 if has sample; then
   mkdir -p /tmp/sc && cp scripts/rank_sampler.py /tmp/sc/sitecustomize.py

@@ -93,11 +93,7 @@ def test_page_form_stands_for_the_rows(
     sp = np.array(data.draw(st.permutations(range(SLOTS)))[:n], dtype=np.int64)
     dp = np.array(data.draw(st.permutations(range(SLOTS)))[:n], dtype=np.int64)
     chunk = mapper.page_chunk(sp, dp)
-    regular = (
-        mapper.paging is None
-        and not mapper.is_dummy
-        and not mapper.splits_kv
-    )
+    regular = mapper.paging is None and not mapper.is_dummy and not mapper.splits_kv
     assert (chunk is not None) == regular, (mapper.name, mapper.paging, mapper.is_dummy)
     if chunk is None:
         return
@@ -233,10 +229,10 @@ def test_head_major_geometry_checks() -> None:
     assert check_page_chunk(chunk, sl, dl) == chunk.nbytes
     for field, delta in (("src_head", 4), ("dst_head", -4), ("dst_head_rows", 1)):
         wrong = dataclasses.replace(g, **{field: getattr(g, field) + delta})
-        with pytest.raises(DescriptorError, match="not this pair's tables|reaches past"):
+        with pytest.raises(DescriptorError, match=r"not this pair's tables|reaches past"):
             check_geometry_addresses(wrong, sa, da)
     too_many = dataclasses.replace(g, heads=g.heads + 1)
-    with pytest.raises(DescriptorError, match="reaches (local|remote) table rows"):
+    with pytest.raises(DescriptorError, match=r"reaches (local|remote) table rows"):
         check_page_chunk(chunk.__class__(too_many, chunk.src_pages, chunk.dst_pages), sl, dl)
     with pytest.raises(DescriptorError, match="negative"):
         bad = dataclasses.replace(g, src_head_rows=-1)

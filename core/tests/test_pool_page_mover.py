@@ -75,9 +75,15 @@ _CHECK = textwrap.dedent(
         want = arena.copy()
         copy_pool_pages_reference(want, chunk, s_addr - base, d_addr - base)
         assert not np.array_equal(want, arena)
-        mover.copy_pages(chunk, s_addr, d_addr)
-        assert np.array_equal(arena, want), (heads, dim, tps, tpd)
-        shapes.add(mover.last_shape)
+        orders = ("auto", "t", "h") if any(hm) else ("auto",)
+        for order in orders:  # the head kernel in both piece orders
+            mover.heads_order = order
+            mover.copy_pages(chunk, s_addr, d_addr)
+            assert np.array_equal(arena, want), (heads, dim, tps, tpd, order)
+            shapes.add(mover.last_shape)
+            arena[:] = rng.integers(0, 256, arena.size, dtype=np.uint8)
+            want = arena.copy()
+            copy_pool_pages_reference(want, chunk, s_addr - base, d_addr - base)
     # pieces over a block, whole pages, within a block, pieces per token and head
     assert shapes == {0, 1, 2, 3}, shapes
     print("POOL-PAGES-OK")
@@ -116,12 +122,14 @@ _PTX_CHECK = textwrap.dedent(
     ints = ("table_addr npages nbuf src_slot dst_slot src_tok dst_tok src_head dst_head "
             "n_vecs tokens heads").split()
     sig = {**{k: "i64" for k in ints},
-           **{k: "constexpr" for k in ("rows", "cols", "elem", "align", "vec")}}
-    consts = {"rows": 8, "cols": 64, "elem": tl.int32, "align": 16, "vec": 4}
-    src = ASTSource(fn=_copy_pool_heads, signature=sig, constexprs=consts)
-    ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
-    ops = set(re.findall(r"(?:ld|st)[.]global[.][a-z0-9.]*b32", ptx.asm["ptx"]))
-    assert ops == {"ld.global.v4.b32", "st.global.v4.b32"}, ("heads", ops)
+           **{k: "constexpr" for k in ("rows", "cols", "elem", "align", "vec", "t_inner")}}
+    for t_inner in (False, True):
+        consts = {"rows": 8, "cols": 64, "elem": tl.int32, "align": 16, "vec": 4,
+                  "t_inner": t_inner}
+        src = ASTSource(fn=_copy_pool_heads, signature=sig, constexprs=consts)
+        ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
+        ops = set(re.findall(r"(?:ld|st)[.]global[.][a-z0-9.]*b32", ptx.asm["ptx"]))
+        assert ops == {"ld.global.v4.b32", "st.global.v4.b32"}, ("heads", t_inner, ops)
     # bulk staging's page and unit movers (gather and scatter), the same way
     from kvwire.movers.triton_pages import _copy_pages
     from kvwire.movers.triton_units import _copy_units

@@ -160,13 +160,7 @@ def check_page_chunk(
         raise DescriptorError(f"{sp.size} source pages but {dp.size} destination pages")
     if sp.size == 0:
         raise DescriptorError("empty transfer: the page lists hold no page")
-    if (
-        g.num_pairs == 0
-        or g.dst_rows.size != g.num_pairs
-        or g.tokens < 1
-        or g.heads < 1
-        or g.n < 1
-    ):
+    if g.num_pairs == 0 or g.dst_rows.size != g.num_pairs or g.tokens < 1 or g.heads < 1 or g.n < 1:
         raise DescriptorError("page geometry holds no buffer pair, piece or byte")
     for side, rows, page_rows, tok_rows, head_rows, slots, lens in (
         ("local", g.src_rows, g.src_page_rows, g.src_token_rows, g.src_head_rows, g.src_slots,

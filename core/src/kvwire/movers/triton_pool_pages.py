@@ -150,12 +150,15 @@ def _copy_pool_heads(  # type: ignore[no-untyped-def]  # Triton 3.6 rejects non-
     elem: tl.constexpr,
     align: tl.constexpr,
     vec: tl.constexpr,
+    t_inner: tl.constexpr,
 ) -> None:
     # Pieces of one head of one token (head-major pages on a side): the table as above; the
     # slots in elements, the token and head strides and the piece's length in vectors (so
     # every row of a tile starts on a vector: accesses stay 16 bytes wide). A program copies
     # its page's tokens x heads pieces as 2-D tiles [rows, cols]; a tile row is (part of)
-    # one piece, contiguous on both sides.
+    # one piece, contiguous on both sides. Consecutive tile rows are consecutive tokens of a
+    # head (t_inner) or consecutive heads of a token: the caller picks the order whose
+    # destination rows are closer (the stores go over the link).
     table = table_addr.to(tl.pointer_type(tl.int64))
     pid = tl.program_id(0).to(tl.int64)
     b = pid // npages
@@ -172,8 +175,12 @@ def _copy_pool_heads(  # type: ignore[no-untyped-def]  # Triton 3.6 rejects non-
     c = tl.arange(0, cols)
     for r0 in range(0, count, rows):
         q = r0 + r
-        t = (q // heads).to(tl.int64)
-        h = q.to(tl.int64) - t * heads
+        if t_inner:
+            h = (q // tokens).to(tl.int64)
+            t = q.to(tl.int64) - h * tokens
+        else:
+            t = (q // heads).to(tl.int64)
+            h = q.to(tl.int64) - t * heads
         s_row = t * (src_tok * vec) + h * (src_head * vec)
         d_row = t * (dst_tok * vec) + h * (dst_head * vec)
         ok = q < count
@@ -192,6 +199,9 @@ class PoolPageCopier(PageCopier):
 
     #: The compile-time shape of the last call (tests, diagnostics).
     last_shape: int = -1
+    #: Piece order of the head kernel: "auto" (consecutive pieces nearest on the destination),
+    #: "t" (tokens of a head) or "h" (heads of a token); benchmarks set it to compare.
+    heads_order: str = "auto"
 
     def copy_pages(
         self,
@@ -260,7 +270,9 @@ class PoolPageCopier(PageCopier):
         )
         self.last_shape = HEADS
         index = np.concatenate([chunk.src_pages, chunk.dst_pages])
-        key = (rows, cols, _ELEM[width], width, vec)
+        order = self.heads_order
+        t_inner = abs(g.dst_row) <= abs(g.dst_head) if order == "auto" else order == "t"
+        key = (rows, cols, _ELEM[width], width, vec, t_inner)
         self._launch(
             _copy_pool_heads, "pool_heads", key, index, addrs, scalars, stream, grid=nbuf * npages
         )
