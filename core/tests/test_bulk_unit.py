@@ -39,7 +39,10 @@ def make(
     sent: list[tuple[str, Message]],
     session: str,
     opts: dict[str, Any] | None = None,
+    tensors: bool = True,
 ) -> tuple[Any, ...]:
+    """A strategy of ``role`` on a fresh pool; ``tensors=False``: no ``kv_tensors`` (the
+    strategy views the layout's buffers by address, as under an engine adapter)."""
     layout, arrays = make_pool(MODEL, RankPosition(tp_size=tp, tp_rank=rank), 16)
     registered: list[MemoryRegion] = []
     strat = BulkStaging(BulkOptions(**(opts or OPTS)))
@@ -50,7 +53,7 @@ def make(
             lambda regions: None,
             role=role,
             num_workers=1,
-            kv_tensors=arrays,
+            kv_tensors=arrays if tensors else None,
             send_fn=lambda ep, msg: sent.append((ep, msg)) is None,
             session=session,
             room_pages=lambda room: DST if room == 7 else None,
@@ -103,16 +106,16 @@ def test_options_are_validated() -> None:
         BulkOptions(ring_bytes=1000, block_bytes=1024)
     with pytest.raises(ValueError, match="exceeds ring_bytes"):
         BulkOptions(ring_bytes=4096, buffer_bytes=8192, block_bytes=1024)
-    with pytest.raises(ConfigError, match="kv_tensors"):
-        layout, _ = make_pool(MODEL, RankPosition(), 4)
-        BulkStaging().setup(StagingContext(layout, lambda r: None, lambda r: None))
 
 
-def test_gather_write_scatter_round_trip_and_buffer_reuse() -> None:
+@pytest.mark.parametrize("tensors", [True, False], ids=["kv_tensors", "layout_views"])
+def test_gather_write_scatter_round_trip_and_buffer_reuse(tensors: bool) -> None:
+    """With the engine's tensors, and without (views of the layout's buffers by address:
+    the gather reads the pool prefill filled, the scatter writes the arrays decode reads)."""
     to_d: list[tuple[str, Message]] = []
     to_p: list[tuple[str, Message]] = []
-    pre, play, parr, preg = make("prefill", 2, 1, to_d, "p")
-    dec, dlay, darr, dreg = make("decode", 1, 0, to_p, "d")
+    pre, play, parr, preg = make("prefill", 2, 1, to_d, "p", tensors=tensors)
+    dec, dlay, darr, dreg = make("decode", 1, 0, to_p, "d", tensors=tensors)
     assert preg and dreg  # memory went through register_fn
     mapper = HeadSliceMapper(play, dlay)
     dec.on_link("p", "ep-p", HeadSliceMapper(play, dlay))

@@ -56,6 +56,7 @@ def test_mapper_choice_and_refusals() -> None:
         ((2, 1), ("prefill", "decode"), None, "bulk"),
         ((2, 1), ("prefill",), None, "bulk"),
         ((1, 2), ("decode",), None, "bulk"),
+        ((2, 1), ("prefill",), None, "bulk-views"),
     ],
     ids=[
         "gather-decode-hm",
@@ -64,14 +65,19 @@ def test_mapper_choice_and_refusals() -> None:
         "bulk-gather-both-hm",
         "bulk-gather-prefill-hm",
         "bulk-scatter-decode-hm",
+        "bulk-without-kv-tensors",
     ],
 )
 def test_across_processes(
     tp: tuple[int, int], head_major: tuple[str, ...], decode_page: int | None, staging: str
 ) -> None:
     """Real managers and the tcp backend, one process per rank, some requests layer-wise:
-    every element verified in decode's page order (``bulk``: a head-major link is not staged,
-    its gather kernels read token-major pages; it moves row by row instead)."""
+    every element verified in decode's page order (``bulk``: staged, a few block writes per
+    chunk; ``bulk-views``: the same with no ``kv_tensors`` handed to the managers, as under
+    an engine adapter: the strategy gathers and scatters through views of the layout's
+    buffers)."""
+    views = staging == "bulk-views"
+    staging = "bulk" if views else staging
     spec = ClusterSpec(
         model=ModelSpec(num_layers=2, total_kv_heads=4, head_dim=8, dtype="int32", page_size=4),
         prefill_tp=tp[0],
@@ -82,6 +88,7 @@ def test_across_processes(
         decode_page_size=decode_page,
         # 0.5 s beats: eviction after 0.3 s evicted live ranks on a loaded 2-core host
         config=config(heartbeat_interval_s=0.5).model_copy(update={"staging": staging}),
+        kv_tensors=not views,
     )
     with Cluster(spec) as c:
         plans = c.plans(16, pages=(1, 6), cached_fraction=0.3, layerwise_fraction=0.5)

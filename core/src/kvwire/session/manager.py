@@ -93,8 +93,10 @@ class KVManager:
     ``aux_buffers`` are the engine's per-request metadata rows (first token, ...), all with the
     same number of rows; kvwire adds a 64-byte stamp row of its own in front of them.
 
-    ``kv_tensors`` (the tensors the layout was built from) are needed by staging strategies
-    that gather and scatter on the pool (``--staging bulk``).
+    ``kv_tensors`` (the tensors the layout was built from) are read by staging strategies
+    that gather and scatter on the pool (``--staging bulk``); without them bulk staging views
+    the layout's buffers by address (:mod:`kvwire.staging.pool_views`), so an engine adapter
+    need not hand them over. Pass them for a pool given as one stacked tensor.
 
     Decode only: ``pools`` names extra KV pools (same model, each its own page size, e.g. a
     host-memory pool of page size 1, or an SSD tier) that requests can choose per request

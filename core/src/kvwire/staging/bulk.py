@@ -70,6 +70,7 @@ from kvwire.staging.bulk_ring import RingSide, block_bytes, slice_of, unit_token
 from kvwire.staging.bulk_wire import WIRE_VERSION, BulkMessage
 from kvwire.staging.bulk_writer import WriterSide, chunk_units
 from kvwire.staging.kernels import KVTensors
+from kvwire.staging.pool_views import layout_views
 
 logger = logging.getLogger(__name__)
 
@@ -173,12 +174,10 @@ class BulkStaging(StagingStrategy):
     # ------------------------------------------------------------------ setup
     def setup(self, context: StagingContext) -> None:
         super().setup(context)
-        if context.kv_tensors is None:
-            raise ConfigError(
-                "bulk staging gathers and scatters on the KV pool: build the manager with "
-                "KVManager(..., kv_tensors=<the KV tensors the layout describes>)"
-            )
-        kv = KVTensors(context.layout, context.kv_tensors)
+        tensors = context.kv_tensors
+        if tensors is None:  # the engine passed none: views of the layout's own buffers
+            tensors = layout_views(context.layout)
+        kv = KVTensors(context.layout, tensors)
         o = self.opts
         if context.role == "decode":
             self.ring = RingSide(

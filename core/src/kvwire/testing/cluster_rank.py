@@ -318,7 +318,7 @@ def rank_main(
         aux_buffers=[pool.aux_region],
         bootstrap_addr=addr or None,
         agent_name=None if spec.default_names else f"{role}{inst}-pp{pp_rank}-tp{tp_rank}",
-        kv_tensors=pool.arrays,
+        kv_tensors=pool.arrays if spec.kv_tensors else None,
         # the engine side of the test harness names HiSparse's pool, as an adapter does
         pools={"host": pool.host_layout} if pool.host_layout is not None else None,
         hooks=hooks if pool.host_layout is not None else None,

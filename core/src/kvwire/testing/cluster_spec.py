@@ -75,6 +75,9 @@ class ClusterSpec(BaseModel):
     #: docs/engine-integration.md does (kvwire's unique default names); False: the harness
     #: names them ``{role}{inst}-pp{pp}-tp{tp}``.
     default_names: bool = False
+    #: Rank processes hand their KV arrays to ``KVManager`` (``kv_tensors``); False: they pass
+    #: none, as the vLLM and SGLang adapters do (bulk staging views the layout's buffers).
+    kv_tensors: bool = True
     #: Prefill instances of the same shape, each with its own bootstrap service (run by its
     #: rank 0); a request picks one with ``RoomPlan.prefill_instance``.
     prefill_instances: int = Field(default=1, ge=1)
