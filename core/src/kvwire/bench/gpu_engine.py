@@ -117,6 +117,12 @@ def add_engine_args(
         help="roles whose pages are head-major, e.g. decode or prefill,decode",
     )
     p.add_argument(
+        "--no-kv-tensors",
+        action="store_true",
+        help="the rank processes pass no kv_tensors to KVManager, as engine adapters do (bulk "
+        "staging views the layout's buffers by address)",
+    )
+    p.add_argument(
         "--sample-dir",
         default="",
         help="a file 'on' exists here while the timed requests run (for a sampler or tracer "
@@ -233,6 +239,7 @@ def engine(
         decode_tp=a.decode_tp,
         decode_page_size=getattr(a, "decode_page_size", None),
         head_major=tuple(getattr(a, "head_major", None) or ()),
+        kv_tensors=not getattr(a, "no_kv_tensors", False),
         config=KVWireConfig(
             transfer_backend=a.backend,
             transfer_backend_options=json.loads(getattr(a, "backend_options", "") or "{}"),
