@@ -86,6 +86,40 @@ _CHECK = textwrap.dedent(
             copy_pool_pages_reference(want, chunk, s_addr - base, d_addr - base)
     # pieces over a block, whole pages, within a block, pieces per token and head
     assert shapes == {0, 1, 2, 3}, shapes
+
+    # several chunks in one copy_batch (a worker's turn on cudaipc): two equal-TP chunks
+    # (one batch launch), TP 2 -> 1 chunks of both prefill ranks into one pool (another),
+    # a head-major chunk (its own launch), all pools in one arena
+    model = ModelSpec(num_layers=2, total_kv_heads=4, head_dim=8, dtype="bfloat16",
+                      page_size=4)
+    arena = rng.integers(0, 256, 1 << 20, dtype=np.uint8)
+    base = arena.ctypes.data
+    off = 64
+    A, off = pools(arena, off, model, 1, 0, 4)
+    B, off = pools(arena, off, model, 1, 0, 4)
+    C0, off = pools(arena, off, model, 2, 0, 2)
+    C1, off = pools(arena, off, model, 2, 1, 2)
+    D, off = pools(arena, off, model, 1, 0, 4)
+    E, off = pools(arena, off, model, 1, 0, 4)
+    F, off = pools(arena, off, model, 1, 0, 4, True)
+    assert off < arena.size
+    items = []
+    for mapper, sp, dp in ((EqualTPMapper(A, B), [0, 1], [2, 3]), (EqualTPMapper(A, B), [3], [4]),
+                           (HeadSliceMapper(C0, D), [1, 2], [0, 1]),
+                           (HeadSliceMapper(C1, D), [1, 2], [0, 1]),
+                           (HeadRowsMapper(E, F), [4, 0], [1, 3])):
+        tables = mapper.build_tables()
+        chunk = mapper.page_chunk(np.array(sp), np.array(dp))
+        g = chunk.geometry
+        items.append((chunk, tables.src[g.src_rows, ADDR].astype(np.int64),
+                      tables.dst[g.dst_rows, ADDR].astype(np.int64)))
+    want = arena.copy()
+    for chunk, s_addr, d_addr in items:
+        copy_pool_pages_reference(want, chunk, s_addr - base, d_addr - base)
+    assert not np.array_equal(want, arena)
+    launches = mover.copy_batch(items)
+    assert np.array_equal(arena, want)
+    assert launches == 3, launches
     print("POOL-PAGES-OK")
     """
 )
@@ -101,6 +135,7 @@ def test_pool_page_kernel_matches_reference() -> None:
 
 _PTX_CHECK = textwrap.dedent(
     """
+    import itertools
     import re
     import triton
     import triton.language as tl
@@ -110,9 +145,12 @@ _PTX_CHECK = textwrap.dedent(
 
     ints = ("table_addr npages nbuf src_slot dst_slot src_row dst_row n_vecs tokens").split()
     sig = {**{k: "i64" for k in ints},
-           **{k: "constexpr" for k in ("block", "elem", "align", "vec", "shape")}}
-    for shape, block, want in ((WHOLE, 2048, "v4"), (PIECES, 2048, "v4"), (ONE_BLOCK, 256, "v2")):
-        consts = {"block": block, "elem": tl.int32, "align": 16, "vec": 4, "shape": shape}
+           **{k: "constexpr" for k in ("block", "elem", "align", "vec", "shape", "batch")}}
+    for (shape, block, want), batch in itertools.product(
+        ((WHOLE, 2048, "v4"), (PIECES, 2048, "v4"), (ONE_BLOCK, 256, "v2")), (False, True)
+    ):
+        consts = {"block": block, "elem": tl.int32, "align": 16, "vec": 4, "shape": shape,
+                  "batch": batch}
         src = ASTSource(fn=_copy_pool_pages, signature=sig, constexprs=consts)
         ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
         ops = set(re.findall(r"(?:ld|st)[.]global[.][a-z0-9.]*b32", ptx.asm["ptx"]))

@@ -4,7 +4,10 @@ is free again."""
 
 from __future__ import annotations
 
+import contextlib
 import threading
+import time
+from collections.abc import Iterator
 
 import pytest
 
@@ -31,6 +34,9 @@ class _Record:
 
     def progress(self) -> int:
         return 0
+
+    def turn(self) -> contextlib.AbstractContextManager[None]:
+        return contextlib.nullcontext()
 
     def idle(self, sleep_s: float) -> None:
         return None
@@ -103,3 +109,59 @@ def test_a_worker_that_does_not_stop_is_logged_with_where_it_is(
         release.set()
     (rec,) = [r for r in caplog.records if "did not stop" in r.getMessage()]
     assert "tw-w0" in rec.getMessage() and "in accept" in rec.getMessage(), rec.getMessage()
+
+
+class _Turns(_Record):
+    """A stage that logs its turns: what was accepted and polled inside each. Its first
+    accept waits until the test has queued every job (so they are in the queue together)."""
+
+    def __init__(self, queued: threading.Event) -> None:
+        super().__init__([], threading.Lock())
+        self.queued = queued
+        self.events: list[str] = []
+
+    @contextlib.contextmanager
+    def _turn(self) -> Iterator[None]:
+        self.events.append("enter")
+        yield
+        self.events.append("exit")
+
+    def turn(self) -> contextlib.AbstractContextManager[None]:
+        return self._turn()
+
+    def accept(self, job: tuple[str, int]) -> None:
+        self.queued.wait(10)
+        self.events.append(f"accept {job[1]}")
+
+    def progress(self) -> int:
+        self.events.append("progress")
+        return 0
+
+
+def test_a_turn_takes_every_queued_job_then_polls_inside_one_block() -> None:
+    """The jobs waiting in the queue are accepted and polled inside one ``turn`` block (a
+    backend may post them together when it ends: ``TransferBackend.post_batch``); the wait
+    for the next job is outside any block (nothing is held while the worker sleeps)."""
+    queued = threading.Event()
+    stages: list[_Turns] = []
+
+    def make(i: int) -> _Turns:
+        stages.append(_Turns(queued))
+        return stages[-1]
+
+    w: TransferWorkers[tuple[str, int]] = TransferWorkers(1, "tw", make)
+    try:
+        for n in range(3):
+            w.submit("k", ("k", n))
+        queued.set()
+        deadline = time.monotonic() + 30
+        while stages[0].events.count("exit") < 1 and time.monotonic() < deadline:
+            time.sleep(0.005)
+    finally:
+        w.stop(30)
+    ev = stages[0].events
+    first = ev[: ev.index("exit") + 1]
+    assert first[0] == "enter" and first[-2:] == ["progress", "exit"], ev
+    accepted = [e for e in first if e.startswith("accept")]
+    # the first job is taken by the blocking get; the others were queued by then
+    assert accepted == ["accept 0", "accept 1", "accept 2"], ev

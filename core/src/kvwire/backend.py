@@ -46,11 +46,13 @@ thread-safe must be serialised by the plugin itself, with a lock of its own.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
 import threading
 from abc import abstractmethod
 from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
 from typing import Any, ClassVar, Self
 
 import numpy as np
@@ -347,6 +349,14 @@ class TransferBackend(LinkRules):
         handle = self._handle(pair, op, chunk.num_rows, nbytes, wake)
         handle.state = self._submit_pages(op, pair, chunk, notification, handle)
         return self._enter(handle)
+
+    def post_batch(self) -> AbstractContextManager[None]:
+        """Prefill's transfer worker, around one turn of its loop (the jobs it took, then one
+        poll of its transfers): submits this thread makes inside the block may be held back
+        and posted together when it ends (``cudaipc``: one launch and one event for several
+        chunks). A held transfer polls PENDING until then; its failures surface as any
+        other's. The default posts every submit at once."""
+        return contextlib.nullcontext()
 
     def _handle(
         self, pair: PreparedPair, op: XferOp, rows: int, nbytes: int, wake: Any

@@ -55,11 +55,19 @@ class _Pages:
 
     def __init__(self) -> None:
         self.calls: list[tuple[PageChunk, np.ndarray, np.ndarray]] = []
+        #: Chunks per copy_batch call (the held writes of one turn).
+        self.batches: list[int] = []
 
     def copy_pages(self, chunk: PageChunk, src: Any, dst: Any, *, stream: object = None) -> None:
         self.calls.append((chunk, src.copy(), dst.copy()))
         for s, d, n in zip(*(x.tolist() for x in pool_page_runs(chunk, src, dst)), strict=True):
             ctypes.memmove(d, s, n)
+
+    def copy_batch(self, items: Any, *, stream: object = None) -> int:
+        self.batches.append(len(items))
+        for chunk, src, dst in items:
+            self.copy_pages(chunk, src, dst, stream=stream)
+        return 1
 
 
 def _wait(pred: Any) -> bool:
@@ -70,7 +78,8 @@ def _wait(pred: Any) -> bool:
     return False
 
 
-def test_page_write_is_one_page_mover_call(monkeypatch: pytest.MonkeyPatch) -> None:
+def _stand_ins(monkeypatch: pytest.MonkeyPatch) -> _Pages:
+    """cudaipc's CUDA calls replaced by host stand-ins; the page mover's stand-in returned."""
     import kvwire_cudaipc.backend as backend_mod
 
     torch = pytest.importorskip("torch")
@@ -86,17 +95,25 @@ def test_page_write_is_one_page_mover_call(monkeypatch: pytest.MonkeyPatch) -> N
 
     monkeypatch.setattr(backend_mod.CudaIpcBackend, "_ensure_gpu", ensure)
     monkeypatch.setattr(torch.cuda, "Event", _Event)
+    return pages
+
+
+def _vram(arrays: list[np.ndarray]) -> list[MemoryRegion]:
+    """Host arrays registered as VRAM regions (device 0)."""
+    return [
+        MemoryRegion.from_pointer(a.ctypes.data, a.nbytes, a[0].nbytes, MemKind.VRAM, 0)
+        for a in arrays
+    ]
+
+
+def test_page_write_is_one_page_mover_call(monkeypatch: pytest.MonkeyPatch) -> None:
+    pages = _stand_ins(monkeypatch)
     src, s_arrays = make_pool(MODEL, RankPosition(tp_size=2, tp_rank=1), 6)
     dst, d_arrays = make_pool(MODEL, RankPosition(), 6)
     rng = np.random.default_rng(4)
     for a in s_arrays:
         a[...] = rng.integers(0, 1 << 30, a.shape, dtype=np.int32)
-
-    def vram(arrays: list[np.ndarray]) -> list[MemoryRegion]:
-        return [
-            MemoryRegion.from_pointer(a.ctypes.data, a.nbytes, a[0].nbytes, MemKind.VRAM, 0)
-            for a in arrays
-        ]
+    vram = _vram
 
     cfg = KVWireConfig(transfer_backend="cudaipc")
     a = create_backend(cfg, "prefill", need=())
@@ -142,3 +159,82 @@ def test_page_write_is_one_page_mover_call(monkeypatch: pytest.MonkeyPatch) -> N
     finally:
         a.close()
         b.close()
+
+
+@pytest.mark.parametrize("batch", [True, False], ids=["batched", "per-chunk"])
+def test_a_turns_page_writes_go_out_together(monkeypatch: pytest.MonkeyPatch, batch: bool) -> None:
+    """TP 1 -> 2: one prefill rank writes a chunk to each of two decode ranks inside one
+    worker turn (``post_batch``). Held, both poll PENDING and nothing is launched until the
+    turn ends, then one batched mover call carries both and each lands whole with its note;
+    a write to a peer removed before the turn ended fails, naming why, and never reaches the
+    mover. With ``batch_launches`` off each chunk launches at its submit."""
+    pages = _stand_ins(monkeypatch)
+    src, s_arrays = make_pool(MODEL, RankPosition(), 6)
+    rng = np.random.default_rng(9)
+    for arr in s_arrays:
+        arr[...] = rng.integers(0, 1 << 30, arr.shape, dtype=np.int32)
+    cfg = KVWireConfig(
+        transfer_backend="cudaipc", transfer_backend_options={"batch_launches": batch}
+    )
+    a = create_backend(cfg, "prefill", need=())
+    decodes = [create_backend(cfg, f"decode{i}", need=()) for i in range(3)]
+    try:
+        a.register(_vram(s_arrays))
+        links = []
+        for i, b in enumerate(decodes):
+            dst, d_arrays = make_pool(MODEL, RankPosition(tp_size=2, tp_rank=i % 2), 6)
+            b.register(_vram(d_arrays))
+            mapper = HeadSliceMapper(src, dst)
+            tables = mapper.build_tables()
+            pair = a.prepare(a.add_peer(b.local_metadata()), tables.src, tables.dst)
+            plan = ChunkPlan.direct(mapper, [5, 1, 3], [0, 4, 2])
+            si, di = mapper.map_chunk([5, 1, 3], [0, 4, 2])
+            want = [d.copy() for d in d_arrays]
+            links.append((b, pair, plan, d_arrays, tables, si, di, want, mapper.slice_bytes))
+        # what each chunk's rows write, kept as the wanted pools; the pools cleared again
+        for _, _, _, _, tables, si, di, _, n in links:
+            for s_addr, d_addr in zip(
+                tables.src[si, ADDR].tolist(), tables.dst[di, ADDR].tolist(), strict=True
+            ):
+                ctypes.memmove(int(d_addr), int(s_addr), n)
+        for _, _, _, d_arrays, _, _, _, want, _ in links:
+            for d, w in zip(d_arrays, want, strict=True):
+                w[...] = d
+                d[...] = 0
+        handles = []
+        with a.post_batch():
+            for i, (_b, pair, plan, *_rest) in enumerate(links):
+                handles.append(submit_rows(a, pair, plan.segment("kv"), f"n{i}".encode(), _noop))
+            if batch:
+                assert pages.calls == []  # held: nothing launched yet
+                assert all(a.poll(h) is XferState.PENDING for h in handles)
+                a.remove_peer(handles[2].peer)  # the third peer goes before the turn ends
+            else:
+                assert len(pages.calls) == 3  # launched at each submit
+        for h in handles[:2]:
+            assert _wait(lambda h=h: a.poll(h) is not XferState.PENDING)
+            assert a.poll(h) is XferState.DONE, h.error
+        assert pages.batches == ([2] if batch else [])
+        for i, (b, _pair, _plan, d_arrays, _t, _si, _di, want, _s) in enumerate(links[:2]):
+            for d, w in zip(d_arrays, want, strict=True):
+                assert np.array_equal(d, w)
+            notes: list = []
+            assert _wait(
+                lambda b=b, notes=notes: bool(notes.extend(b.get_notifications()) or notes)
+            )
+            assert [n.payload for n in notes] == [f"n{i}".encode()]
+        if batch:
+            assert a.poll(handles[2]) is XferState.FAILED
+            assert "removed" in (handles[2].error or "")
+            assert not any(links[2][3][k].any() for k in range(len(links[2][3])))
+        for h in handles:
+            a.release(h)
+        assert a.live_handles == 0
+    finally:
+        a.close()
+        for b in decodes:
+            b.close()
+
+
+def _noop() -> None:
+    return None

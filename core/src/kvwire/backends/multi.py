@@ -20,11 +20,10 @@ link-only backend such as ``cudaipc`` is usable here) holds one :class:`MultiBac
   peer is added again from its metadata and the tables prepared again (``on_recovery``).
 
 Lock contract (on top of the template's): routes and their health live under
-``_routes_lock``, held only for dictionary and flag updates, never across a member call.
-The control lock (``_lock``) serialises ``add_link``, ``prepare``, ``remove_peer`` and the
-probe's reconnection. Data-path methods (``submit``/``poll``/``release``) take no lock but a
-transfer's own (try-acquired by ``poll``, so two threads polling one handle do not both
-fail it over).
+``_routes_lock``, held only for dictionary and flag updates, never across a member call. The
+control lock (``_lock``) serialises ``add_link``, ``prepare``, ``remove_peer`` and the probe's
+reconnection. Data-path methods (``submit``/``poll``/``release``) take no lock but a transfer's
+own (try-acquired by ``poll``: two threads polling one handle do not both fail it over).
 """
 
 from __future__ import annotations
@@ -50,6 +49,7 @@ from kvwire.backend import (
 from kvwire.backends.multi_routes import Pair as _Pair
 from kvwire.backends.multi_routes import Route as _Route
 from kvwire.backends.multi_routes import Xfer as _Xfer
+from kvwire.backends.multi_routes import members_batch
 from kvwire.descriptors import DescTable
 from kvwire.errors import HandleError, KVWireError, PeerError
 from kvwire.layout import MemKind, MemoryRegion
@@ -183,9 +183,8 @@ class MultiBackend(TransferBackend):
         """Prefill, at handshake: add the peer to every member both sides have and whose
         ``link_problem`` accepts it, in this rank's order; the first is the link's backend.
         :class:`PeerError` naming each backend's reason when none fits. Re-adding a peer (a
-        restart) replaces its link. ``peer_kinds``: the memory of the peer's pools (its
-        handshake layout; None: taken to be like this rank's). Control path (handshake
-        threads)."""
+        restart) replaces its link. ``peer_kinds``: the peer's pools' memory (None: like
+        this rank's). Control path (handshake threads)."""
         theirs = dict(offers)
         skipped: dict[str, str] = {
             n: "not configured on this rank" for n in theirs if n not in self.member_names
@@ -586,6 +585,9 @@ class MultiBackend(TransferBackend):
 
     def get_notifications(self) -> list[Notification]:
         return [n for m in self.members for n in m.get_notifications()]
+
+    def post_batch(self) -> contextlib.AbstractContextManager[None]:
+        return members_batch(self.members)  # every member holds its own writes
 
     def progress(self) -> None:
         for m in self.members:

@@ -3,8 +3,9 @@ and per transfer (split from :mod:`kvwire.backends.multi`; its lock contract app
 
 from __future__ import annotations
 
+import contextlib
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -71,3 +72,14 @@ class Xfer:
         if self.chunk is not None and self.local_idx is None:
             self.local_idx, self.remote_idx = self.chunk.rows()
         return member.submit(op, inner, self.local_idx, self.remote_idx, note, wake)
+
+
+@contextlib.contextmanager
+def members_batch(members: Sequence[TransferBackend]) -> Iterator[None]:
+    """Every member's :meth:`~kvwire.backend.TransferBackend.post_batch` at once
+    (:meth:`MultiBackend.post_batch <kvwire.backends.multi.MultiBackend.post_batch>`): a
+    transfer held by the member it went to is posted when the block ends."""
+    with contextlib.ExitStack() as stack:
+        for m in members:
+            stack.enter_context(m.post_batch())
+        yield

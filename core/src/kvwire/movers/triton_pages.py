@@ -195,7 +195,11 @@ class PageCopier:
                 return
             need = nidx + nbuf
             if self._slots is None or need > self._slot_elems:
-                self._slot_elems = max(need, 4096)
+                if self._slots is not None:  # launches may still read the old slots
+                    for ev in self._slots.events:
+                        if ev is not None:
+                            ev.synchronize()
+                self._slot_elems = max(need, 2 * self._slot_elems, 4096)
                 with _on(self.device):
                     self._slots = _TableSlots(self._slots_count, self._slot_elems)
             slots = self._slots

@@ -25,6 +25,7 @@ it runs (a CUDA device, or Triton's interpreter on the CPU with ``TRITON_INTERPR
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -72,20 +73,27 @@ def _copy_pool_pages(  # type: ignore[no-untyped-def]  # Triton 3.6 rejects non-
     align: tl.constexpr,
     vec: tl.constexpr,
     shape: tl.constexpr,
+    batch: tl.constexpr,
 ) -> None:
     # table: int64 [2 * npages + 2 * nbuf] = source pages, destination pages, each pair's
     # source address, each pair's destination address. Strides in elements, the piece's
-    # length in vectors of vec elements.
+    # length in vectors of vec elements. batch (PoolPageCopier.copy_batch: several chunks of
+    # one shape): int64 [2 * npages] = each program's source address, then its destination
+    # address, a page's offset included (npages: the programs; nbuf and the slots unused).
     table = table_addr.to(tl.pointer_type(tl.int64))
     pid = tl.program_id(0).to(tl.int64)
-    b = pid // npages
-    i = pid - b * npages
-    sp = tl.load(table + i)
-    dp = tl.load(table + npages + i)
-    sa = tl.load(table + 2 * npages + b)
-    da = tl.load(table + 2 * npages + nbuf + b)
-    src0 = sa.to(tl.pointer_type(elem)) + sp * src_slot
-    dst0 = da.to(tl.pointer_type(elem)) + dp * dst_slot
+    if batch:
+        src0 = tl.load(table + pid).to(tl.pointer_type(elem))
+        dst0 = tl.load(table + npages + pid).to(tl.pointer_type(elem))
+    else:
+        b = pid // npages
+        i = pid - b * npages
+        sp = tl.load(table + i)
+        dp = tl.load(table + npages + i)
+        sa = tl.load(table + 2 * npages + b)
+        da = tl.load(table + 2 * npages + nbuf + b)
+        src0 = sa.to(tl.pointer_type(elem)) + sp * src_slot
+        dst0 = da.to(tl.pointer_type(elem)) + dp * dst_slot
     # n counted in vectors: the compiler then knows n divides by vec, so a masked access
     # stays a vector (16 bytes); a hint on an argument would be dropped (scalar accesses)
     n = n_vecs * vec
@@ -237,11 +245,58 @@ class PoolPageCopier(PageCopier):
         index = np.concatenate([chunk.src_pages, chunk.dst_pages])
         fits = g.n // eb <= key[0]  # every piece within one block of elements
         shape = WHOLE if g.tokens == 1 else (ONE_BLOCK if fits else PIECES)
-        ckey = (*key[:4], shape)
+        ckey = (*key[:4], shape, False)
         self.last_shape = shape
         self._launch(
             _copy_pool_pages, "pool", ckey, index, addrs, scalars, stream, grid=nbuf * npages
         )
+
+    def copy_batch(
+        self,
+        items: Sequence[tuple[PageChunk, NDArray[np.int64], NDArray[np.int64]]],
+        *,
+        stream: Any = None,
+    ) -> int:
+        """Enqueue several chunks (each as :meth:`copy_pages` takes it) with as few launches
+        as their shapes allow: chunks that share the compile-time shape, the row strides,
+        the piece's length and the pieces per page go in one launch of the batch kernel,
+        whose table holds each program's two addresses (a (pair, page) of some chunk);
+        a head-major chunk, or a lone chunk of its shape, launches as :meth:`copy_pages` does.
+        Returns the launches. Same thread contract as :meth:`copy_pages`."""
+        groups: dict[tuple[int, ...], list[tuple[Any, ...]]] = {}
+        launches = 0
+        for chunk, sa, da in items:
+            g = chunk.geometry
+            if not chunk.src_pages.size or not sa.size:
+                continue
+            if g.heads > 1:
+                self.copy_pages(chunk, sa, da, stream=stream)
+                launches += 1
+                continue
+            s = (np.asarray(sa, np.int64)[:, None] + chunk.src_pages[None, :] * g.src_slot).ravel()
+            d = (np.asarray(da, np.int64)[:, None] + chunk.dst_pages[None, :] * g.dst_slot).ravel()
+            width = page_width(np.concatenate([s, d]), 0, g.src_row, g.dst_row, g.n)
+            key, eb = kernel_key(width, g.n, False)
+            fits = g.n // eb <= key[0]
+            shape = WHOLE if g.tokens == 1 else (ONE_BLOCK if fits else PIECES)
+            strides = (g.src_row // eb, g.dst_row // eb, g.n // width, g.tokens)
+            groups.setdefault((*key[:4], shape, *strides), []).append((chunk, sa, da, s, d))
+        for gk, parts in groups.items():
+            if len(parts) == 1:
+                chunk, sa, da, _, _ = parts[0]
+                self.copy_pages(chunk, sa, da, stream=stream)
+            else:
+                s = np.concatenate([p[3] for p in parts])
+                d = np.concatenate([p[4] for p in parts])
+                self.last_shape = gk[4]
+                src_row, dst_row, n_vecs, tokens = gk[5:]
+                scalars = (s.size, 0, 0, 0, src_row, dst_row, n_vecs, tokens)
+                self._launch(
+                    _copy_pool_pages, "pool", (*gk[:5], True), s, d, scalars, stream,
+                    grid=s.size,
+                )  # fmt: skip
+            launches += 1
+        return launches
 
     def _copy_heads(
         self, chunk: PageChunk, addrs: NDArray[np.int64], npages: int, nbuf: int, stream: Any

@@ -18,7 +18,9 @@
   or per tile) on the backend's private stream, then records an event. A KV chunk of a
   regular link comes as pages instead (``page_writes``: :meth:`_submit_pages`): one launch
   of the pool-to-pool page mover, whose table is the page lists and each buffer pair's two
-  addresses, with no row expanded. Host-memory rows
+  addresses, with no row expanded; page writes a prefill worker submits in one turn of its
+  loop are held and launched together at its end (:meth:`post_batch`,
+  :mod:`kvwire_cudaipc.batch`: one launch per shape, one event). Host-memory rows
   (an engine's aux rows) and the notification travel over the built-in ``tcp`` backend's
   side channel (ZeroMQ, CURVE-authenticated with a secret), which this class extends: they
   are posted only once the kernel's event completed, so a notification always reaches the
@@ -44,9 +46,11 @@ whichever comes first: it is posted once).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
 from typing import Any
 
 import numpy as np
@@ -70,6 +74,7 @@ from kvwire.layout import MemKind, MemoryRegion
 from kvwire.movers.plan import merge_adjacent
 from kvwire.page_form import PageChunk, check_geometry_addresses
 from kvwire_cudaipc import _cuda
+from kvwire_cudaipc.batch import Held, HeldWrites, launch_held
 from kvwire_cudaipc.copies import copy_runs, takes_copy_engine
 from kvwire_cudaipc.meta import IpcExport, PeerInfo, parse_peer
 from kvwire_cudaipc.options import CudaIpcOptions
@@ -119,6 +124,8 @@ class CudaIpcBackend(TcpBackend):
         self._copier: Any = None
         self._pages: Any = None
         self._watcher: KernelWatcher[IpcXfer] | None = None
+        #: Page writes a worker's turn holds (post_batch), per thread.
+        self._held = HeldWrites(self._flush_held)
         #: 8 bytes a notification-only message writes on the target (the side channel's
         #: messages carry at least one row); in every HostMemory, never in ``_regions``.
         self._scratch = np.zeros(SCRATCH_BYTES, dtype=np.uint8)
@@ -442,6 +449,9 @@ class CudaIpcBackend(TcpBackend):
             check_geometry_addresses(g, st.local_i64, st.remote_addr.astype(np.int64))
             st.geometries.add(g)
         src, dst = st.local_i64[g.src_rows], st.remote_mapped[g.dst_rows]
+        if self._held.holding():  # launched with the turn's others when it ends
+            self._held.add(Held(x, st, chunk, src, dst))
+            return x
         pages = self._pages
 
         def enqueue() -> None:
@@ -449,6 +459,33 @@ class CudaIpcBackend(TcpBackend):
 
         self._launch(x, st, enqueue)
         return x
+
+    def post_batch(self) -> AbstractContextManager[None]:
+        """Prefill worker, around a turn of its loop: the turn's page writes on pairs that
+        are VRAM in every row are held and launched together when it ends
+        (:mod:`kvwire_cudaipc.batch`; option ``batch_launches``)."""
+        return self._held.hold() if self.options.batch_launches else contextlib.nullcontext()
+
+    def _flush_held(self, items: list[Held]) -> None:
+        """The end of a worker's turn (its thread): one launch per shape for the held page
+        writes and one event they all wait for, under their peers' locks."""
+        torch = _cuda._torch()
+        watcher = self._kernel_watcher()
+        pages, stream = self._pages, self._stream
+
+        def enqueue(live: list[Held]) -> Any:
+            pages.copy_batch([(h.chunk, h.src, h.dst) for h in live], stream=stream)
+            ev = torch.cuda.Event(blocking=True)
+            ev.record(stream)
+            return ev
+
+        def watch(x: IpcXfer, ev: Any) -> None:
+            x.event = ev  # before ``held`` goes: a poll then sees the event, never neither
+            x.held = False
+            x.peer.pending.add(x)
+            watcher.watch(x)
+
+        launch_held(items, enqueue, watch)
 
     def _runs(
         self, src: NDArray[np.int64], dst: NDArray[np.int64], n: NDArray[np.int64]
@@ -520,6 +557,8 @@ class CudaIpcBackend(TcpBackend):
         if x.failed is not None:
             handle.error = handle.error or x.failed
             return XferState.FAILED
+        if x.held:  # its worker's turn has not ended: not launched yet
+            return XferState.PENDING
         if x.tcp is None and x.event is not None:
             try:
                 done = x.event.query()

@@ -27,6 +27,12 @@ class CudaIpcOptions(TcpOptions):
         "to the SM mover.",
     )
     copy_engine_max_runs: int = Field(default=64, ge=1, description="See copy_engine_min_bytes.")
+    batch_launches: bool = Field(
+        default=True,
+        description="Page writes a prefill worker submits in one turn of its loop go out "
+        "together: one mover launch per shape and one event for all (post_batch); False: a "
+        "launch and an event per chunk.",
+    )
 
 
 __all__ = ["CudaIpcOptions"]

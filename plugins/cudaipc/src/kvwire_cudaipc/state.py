@@ -73,3 +73,5 @@ class IpcXfer:
     #: handle's ``wake``), called once the transfer is terminal.
     peer_name: str = ""
     wake: Callable[[], None] | None = None
+    #: Held by a worker's turn (:mod:`kvwire_cudaipc.batch`): not launched yet, PENDING.
+    held: bool = False

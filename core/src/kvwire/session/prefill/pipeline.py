@@ -16,6 +16,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Any
 
@@ -284,6 +285,12 @@ class Pipeline:
             if tail.queue and not self.full and self._advance(key, tail):
                 moved += 1
         return moved
+
+    def turn(self) -> AbstractContextManager[None]:
+        """Worker thread, around one turn of its loop: the backend may hold the turn's
+        submits and post them together when it ends (:meth:`TransferBackend.post_batch
+        <kvwire.backend.TransferBackend.post_batch>`)."""
+        return self.ctx.backend.post_batch()
 
     def idle(self, sleep_s: float) -> None:
         """Worker thread, when :meth:`progress` moved nothing: sleep ``sleep_s``; or, when

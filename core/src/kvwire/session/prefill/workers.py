@@ -17,6 +17,7 @@ import threading
 import traceback
 import zlib
 from collections.abc import Callable
+from contextlib import AbstractContextManager
 from typing import Generic, Protocol, TypeVar
 
 logger = logging.getLogger(__name__)
@@ -57,6 +58,10 @@ class Stage(Protocol[J_contra]):
     def accept(self, job: J_contra) -> None: ...
 
     def progress(self) -> int: ...
+
+    def turn(self) -> AbstractContextManager[None]:
+        """Around one turn of the loop (the jobs taken, then :meth:`progress`)."""
+        ...
 
     def idle(self, sleep_s: float) -> None: ...
 
@@ -113,26 +118,30 @@ class TransferWorkers(Generic[J]):
         stopping = False
         while True:
             try:
+                first: J | None = None
                 if not stage.busy:
                     if stopping:
                         return
-                    job = q.get()
-                    if job is None:
+                    first = q.get()  # blocks outside the turn: nothing is held meanwhile
+                    if first is None:
                         return
                     self._took()
-                    stage.accept(job)
                     sleep = MIN_POLL_SLEEP_S
-                while not stopping and not stage.full:
-                    try:
-                        job = q.get_nowait()
-                    except queue.Empty:
-                        break
-                    if job is None:
-                        stopping = True
-                        break
-                    self._took()
-                    stage.accept(job)
-                if stage.progress():
+                with stage.turn():  # what the turn posts may go out together at its end
+                    if first is not None:
+                        stage.accept(first)
+                    while not stopping and not stage.full:
+                        try:
+                            job = q.get_nowait()
+                        except queue.Empty:
+                            break
+                        if job is None:
+                            stopping = True
+                            break
+                        self._took()
+                        stage.accept(job)
+                    moved = stage.progress()
+                if moved:
                     sleep = MIN_POLL_SLEEP_S
                 elif stage.busy:
                     stage.idle(sleep)
