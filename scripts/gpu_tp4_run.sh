@@ -7,8 +7,8 @@
 # cell's first requests are checked element by element.
 # On the development machine:  bash scripts/gpu_wheels.sh   (fills .whl/)
 # Device call (nvidia-h100-x4), carry [".whl"]:  bash scripts/gpu_tp4_run.sh
-# PARTS picks parts (default "peer cudaipc auto staged shapes sample"; also "hm"); REQUESTS,
-# SIZES.
+# PARTS picks parts (default "peer cudaipc auto staged shapes sample"; also "hm", "views",
+# "sample_auto"); REQUESTS, SIZES.
 # Results: $OUT/tp4.tgz (one JSON and log per run); the last lines printed are the table.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -85,17 +85,27 @@ if has hm; then  # head-major pages over cudaipc (page form since 7af4788), besi
   run cu_hm12 $CU --backend cudaipc --prefill-tp 1 --decode-tp 2 --head-major prefill,decode
   run cu_hm11 $CU --backend cudaipc --head-major prefill
 fi
-if has sample; then
+if has views; then  # bulk staging with no kv_tensors (views of the layout's buffers)
+  run st_views22 $ST --prefill-tp 2 --decode-tp 2 --no-kv-tensors
+  run st_views12 $ST --prefill-tp 1 --decode-tp 2 --no-kv-tensors
+fi
+sample() {  # name, backend, prefill TP, decode TP: stack samples of 200 requests, 16 MiB C=8
+  local d="$OUT/sample_$1"; mkdir -p "$d"
   mkdir -p /tmp/sc && cp scripts/rank_sampler.py /tmp/sc/sitecustomize.py
-  for tp in "1 1" "1 2"; do
-    set -- $tp; d="$OUT/sample_tp$1$2"; mkdir -p "$d"
-    KVWIRE_SAMPLE_DIR=$d KVWIRE_SAMPLE_US=250 PYTHONPATH=/tmp/sc:$PYTHONPATH \
-      run "smp_tp$1$2" python3 scripts/gpu_cudaipc_bench.py --skip-mover --skip-backend-api \
-      --backend cudaipc --sizes 16 --concurrency 8 --requests 200 --verify-requests 1 \
-      --prefill-tp "$1" --decode-tp "$2" --sample-dir "$d"
-    python3 scripts/rank_sampler.py report "$d" --per 200 --top 14 > "$OUT/smp_tp$1$2.txt" 2>&1
-    head -60 "$OUT/smp_tp$1$2.txt"
-  done
+  KVWIRE_SAMPLE_DIR=$d KVWIRE_SAMPLE_US=250 PYTHONPATH=/tmp/sc:$PYTHONPATH \
+    run "smp_$1" python3 scripts/gpu_cudaipc_bench.py --skip-mover --skip-backend-api \
+    --backend "$2" --sizes 16 --concurrency 8 --requests 200 --verify-requests 1 \
+    --prefill-tp "$3" --decode-tp "$4" --sample-dir "$d"
+  python3 scripts/rank_sampler.py report "$d" --per 200 --top 14 > "$OUT/smp_$1.txt" 2>&1
+  grep -E "== pid|-- thread" "$OUT/smp_$1.txt"
+}
+if has sample; then
+  sample tp11 cudaipc 1 1
+  sample tp12 cudaipc 1 2
+fi
+if has sample_auto; then
+  sample cu11 cudaipc 1 1
+  sample auto11 auto 1 1
 fi
 python3 - "$OUT" <<'PY'
 import glob, json, os, sys

@@ -167,30 +167,21 @@ def test_a_turns_page_writes_go_out_together(monkeypatch: pytest.MonkeyPatch, ba
     worker turn (``post_batch``). Held, both poll PENDING and nothing is launched until the
     turn ends, then one batched mover call carries both and each lands whole with its note;
     a write to a peer removed before the turn ended fails, naming why, and never reaches the
-    mover. With ``batch_launches`` off each chunk launches at its submit."""
+    mover. With ``batch_max_bytes`` 0 each chunk launches at its submit; a batch that reaches
+    it goes out at once (:func:`test_a_full_batch_goes_out_at_once`)."""
     pages = _stand_ins(monkeypatch)
     src, s_arrays = make_pool(MODEL, RankPosition(), 6)
     rng = np.random.default_rng(9)
     for arr in s_arrays:
         arr[...] = rng.integers(0, 1 << 30, arr.shape, dtype=np.int32)
+    limit = (32 << 20) if batch else 0
     cfg = KVWireConfig(
-        transfer_backend="cudaipc", transfer_backend_options={"batch_launches": batch}
+        transfer_backend="cudaipc", transfer_backend_options={"batch_max_bytes": limit}
     )
     a = create_backend(cfg, "prefill", need=())
     decodes = [create_backend(cfg, f"decode{i}", need=()) for i in range(3)]
     try:
-        a.register(_vram(s_arrays))
-        links = []
-        for i, b in enumerate(decodes):
-            dst, d_arrays = make_pool(MODEL, RankPosition(tp_size=2, tp_rank=i % 2), 6)
-            b.register(_vram(d_arrays))
-            mapper = HeadSliceMapper(src, dst)
-            tables = mapper.build_tables()
-            pair = a.prepare(a.add_peer(b.local_metadata()), tables.src, tables.dst)
-            plan = ChunkPlan.direct(mapper, [5, 1, 3], [0, 4, 2])
-            si, di = mapper.map_chunk([5, 1, 3], [0, 4, 2])
-            want = [d.copy() for d in d_arrays]
-            links.append((b, pair, plan, d_arrays, tables, si, di, want, mapper.slice_bytes))
+        links = _tp12_links(a, decodes, src, s_arrays)
         # what each chunk's rows write, kept as the wanted pools; the pools cleared again
         for _, _, _, _, tables, si, di, _, n in links:
             for s_addr, d_addr in zip(
@@ -230,6 +221,65 @@ def test_a_turns_page_writes_go_out_together(monkeypatch: pytest.MonkeyPatch, ba
         for h in handles:
             a.release(h)
         assert a.live_handles == 0
+    finally:
+        a.close()
+        for b in decodes:
+            b.close()
+
+
+def _tp12_links(a: Any, decodes: list[Any], src: Any, s_arrays: list[np.ndarray]) -> list[Any]:
+    """``a`` (prefill, TP 1) linked to each decode backend (TP 2 ranks, alternating): per
+    link the peer, its prepared pair, a chunk's plan (pages 5, 1, 3 -> 0, 4, 2), decode's
+    pool, the tables, the chunk's rows, copies of the pool and the slice's bytes."""
+    a.register(_vram(s_arrays))
+    links = []
+    for i, b in enumerate(decodes):
+        dst, d_arrays = make_pool(MODEL, RankPosition(tp_size=2, tp_rank=i % 2), 6)
+        b.register(_vram(d_arrays))
+        mapper = HeadSliceMapper(src, dst)
+        tables = mapper.build_tables()
+        pair = a.prepare(a.add_peer(b.local_metadata()), tables.src, tables.dst)
+        plan = ChunkPlan.direct(mapper, [5, 1, 3], [0, 4, 2])
+        si, di = mapper.map_chunk([5, 1, 3], [0, 4, 2])
+        want = [d.copy() for d in d_arrays]
+        links.append((b, pair, plan, d_arrays, tables, si, di, want, mapper.slice_bytes))
+    return links
+
+
+@pytest.mark.parametrize("fits", [2, 0], ids=["two-per-batch", "too-large-to-hold"])
+def test_a_full_batch_goes_out_at_once(monkeypatch: pytest.MonkeyPatch, fits: int) -> None:
+    """``batch_max_bytes`` of two chunks: the second write of a turn sends the batch at
+    once, the third waits for the turn's end; of one chunk: no write is held (a chunk that
+    large launches alone at its submit)."""
+    pages = _stand_ins(monkeypatch)
+    src, s_arrays = make_pool(MODEL, RankPosition(), 6)
+    probe = ChunkPlan.direct(HeadSliceMapper(src, make_pool(MODEL, RankPosition(tp_size=2), 6)[0]),
+                             [5, 1, 3], [0, 4, 2])  # fmt: skip
+    assert probe.pages is not None
+    nbytes = probe.pages.nbytes
+    limit = fits * nbytes if fits else nbytes
+    cfg = KVWireConfig(
+        transfer_backend="cudaipc", transfer_backend_options={"batch_max_bytes": limit}
+    )
+    a = create_backend(cfg, "prefill", need=())
+    decodes = [create_backend(cfg, f"decode{i}", need=()) for i in range(3)]
+    try:
+        links = _tp12_links(a, decodes, src, s_arrays)
+        handles = []
+        with a.post_batch():
+            for i, (_b, pair, plan, *_rest) in enumerate(links):
+                handles.append(submit_rows(a, pair, plan.segment("kv"), b"n", _noop))
+                if fits and i == 1:
+                    assert pages.batches == [2]  # the limit reached: out now
+            if fits:
+                assert pages.batches == [2] and a.poll(handles[2]) is XferState.PENDING
+            else:
+                assert pages.batches == [] and len(pages.calls) == 3  # none held
+        assert pages.batches == ([2, 1] if fits else [])
+        for h in handles:
+            assert _wait(lambda h=h: a.poll(h) is not XferState.PENDING)
+            assert a.poll(h) is XferState.DONE, h.error
+            a.release(h)
     finally:
         a.close()
         for b in decodes:

@@ -449,8 +449,9 @@ class CudaIpcBackend(TcpBackend):
             check_geometry_addresses(g, st.local_i64, st.remote_addr.astype(np.int64))
             st.geometries.add(g)
         src, dst = st.local_i64[g.src_rows], st.remote_mapped[g.dst_rows]
-        if self._held.holding():  # launched with the turn's others when it ends
-            self._held.add(Held(x, st, chunk, src, dst))
+        limit = self.options.batch_max_bytes
+        if chunk.nbytes < limit and self._held.holding():  # launched with the turn's others
+            self._held.add(Held(x, st, chunk, src, dst), limit)
             return x
         pages = self._pages
 
@@ -461,10 +462,10 @@ class CudaIpcBackend(TcpBackend):
         return x
 
     def post_batch(self) -> AbstractContextManager[None]:
-        """Prefill worker, around a turn of its loop: the turn's page writes on pairs that
-        are VRAM in every row are held and launched together when it ends
-        (:mod:`kvwire_cudaipc.batch`; option ``batch_launches``)."""
-        return self._held.hold() if self.options.batch_launches else contextlib.nullcontext()
+        """Prefill worker, around a turn of its loop: the turn's page writes under
+        ``batch_max_bytes`` on pairs that are VRAM in every row are held and launched
+        together, at most that many bytes at once (:mod:`kvwire_cudaipc.batch`)."""
+        return self._held.hold() if self.options.batch_max_bytes else contextlib.nullcontext()
 
     def _flush_held(self, items: list[Held]) -> None:
         """The end of a worker's turn (its thread): one launch per shape for the held page

@@ -27,11 +27,14 @@ class CudaIpcOptions(TcpOptions):
         "to the SM mover.",
     )
     copy_engine_max_runs: int = Field(default=64, ge=1, description="See copy_engine_min_bytes.")
-    batch_launches: bool = Field(
-        default=True,
-        description="Page writes a prefill worker submits in one turn of its loop go out "
-        "together: one mover launch per shape and one event for all (post_batch); False: a "
-        "launch and an event per chunk.",
+    batch_max_bytes: int = Field(
+        default=32 << 20,
+        ge=0,
+        description="Page writes under this many bytes that a prefill worker submits in one "
+        "turn of its loop go out together, up to this many bytes a launch: one mover launch "
+        "per shape and one event for all (post_batch). A larger chunk launches alone at its "
+        "submit (held, it would wait for the others and they for it: 4 x H100, 128 MiB "
+        "chunks at C=8 held 8 at a time moved 0.67x). 0: a launch and an event per chunk.",
     )
 
 
