@@ -7,6 +7,7 @@
 # element by element.
 # On the development machine:  bash scripts/gpu_wheels.sh   (fills .whl/)
 # Device call (nvidia-h100-x4), carry [".whl"]:  bash scripts/gpu_batch_ab.sh
+# SHAPES picks shapes (default "tp11 tp12 tp21 hm22 auto11"), ROUNDS, REQUESTS.
 # Results: $OUT/ab.tgz (one JSON and log per run); the last lines printed are the table.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -14,8 +15,10 @@ OUT=${OUT:-/tmp/about}
 source scripts/gpu_env.sh
 B="python3 scripts/gpu_cudaipc_bench.py --skip-mover --skip-backend-api
    --requests ${REQUESTS:-96} --verify-requests 2 --timeout 120"
-run() {  # name, then the command
+SHAPES=" ${SHAPES:-tp11 tp12 tp21 hm22 auto11} "
+run() {  # name, then the command (skipped unless its shape is in SHAPES)
   local name=$1; shift
+  [[ "$SHAPES" == *" ${name%%_*} "* ]] || return 0
   local t0=$SECONDS
   timeout 200 "$@" --json "$OUT/$name.json" > "$OUT/$name.log" 2>&1
   echo "$name rc=$? $((SECONDS - t0)) s"
