@@ -8,7 +8,7 @@
 # On the development machine:  bash scripts/gpu_wheels.sh   (fills .whl/)
 # Device call (nvidia-h100-x4), carry [".whl"]:  bash scripts/gpu_tp4_run.sh
 # PARTS picks parts (default "peer cudaipc auto staged shapes sample"; also "hm", "views",
-# "sample_auto"); REQUESTS, SIZES.
+# "pages", "sample_auto"); REQUESTS, SIZES.
 # Results: $OUT/tp4.tgz (one JSON and log per run); the last lines printed are the table.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -84,6 +84,12 @@ if has hm; then  # head-major pages over cudaipc (page form since 7af4788), besi
   run cu_hm21 $CU --backend cudaipc --prefill-tp 2 --decode-tp 1 --head-major decode
   run cu_hm12 $CU --backend cudaipc --prefill-tp 1 --decode-tp 2 --head-major prefill,decode
   run cu_hm11 $CU --backend cudaipc --head-major prefill
+fi
+if has pages; then  # page-size conversion over cudaipc (granules in page form), beside equal pages
+  run cu_tp22 $CU --backend cudaipc --prefill-tp 2 --decode-tp 2
+  run cu_pg32 $CU --backend cudaipc --prefill-tp 2 --decode-tp 2 --decode-page-size 32
+  run cu_pg8 $CU --backend cudaipc --prefill-tp 2 --decode-tp 2 --decode-page-size 8
+  run cu_pg32tp21 $CU --backend cudaipc --prefill-tp 2 --decode-tp 1 --decode-page-size 32
 fi
 if has views; then  # bulk staging with no kv_tensors (views of the layout's buffers)
   run st_views22 $ST --prefill-tp 2 --decode-tp 2 --no-kv-tensors

@@ -89,11 +89,20 @@ def test_page_form_stands_for_the_rows(
     lk: tuple[IndexMapper, KVLayout, KVLayout], data: st.DataObject
 ) -> None:
     mapper = lk[0]
-    n = data.draw(st.integers(1, SLOTS))
-    sp = np.array(data.draw(st.permutations(range(SLOTS)))[:n], dtype=np.int64)
+    p = mapper.paging
+    most = SLOTS if p is None else max(1, min(SLOTS, SLOTS * p.src_granules // p.dst_granules))
+    n = data.draw(st.integers(1, most))
     dp = np.array(data.draw(st.permutations(range(SLOTS)))[:n], dtype=np.int64)
+    if p is None:
+        sp = np.array(data.draw(st.permutations(range(SLOTS)))[:n], dtype=np.int64)
+    else:  # a granule stream filling the n decode pages (its head maybe written before: -1)
+        r = p.dst_granules
+        size = data.draw(st.integers((n - 1) * r + 1, n * r))
+        skip = data.draw(st.integers(0, min(r - 1, size - 1)))
+        ids = data.draw(st.permutations(range(SLOTS * p.src_granules)))[: size - skip]
+        sp = np.array([-1] * skip + list(ids), dtype=np.int64)
     chunk = mapper.page_chunk(sp, dp)
-    regular = mapper.paging is None and not mapper.is_dummy and not mapper.splits_kv
+    regular = not (mapper.is_dummy or mapper.splits_kv or (p and mapper.name == "head_rows"))
     assert (chunk is not None) == regular, (mapper.name, mapper.paging, mapper.is_dummy)
     if chunk is None:
         return
@@ -188,8 +197,9 @@ def test_bad_pages_and_geometries_are_refused() -> None:
 
 
 def test_which_links_have_a_page_form() -> None:
-    """Whole pages, head slices and head-major pages (one piece per token and head) do;
-    page-size conversion, dummies and K and V as planes keep rows."""
+    """Whole pages, head slices, head-major pages (one piece per token and head) and
+    different page sizes on token-major pages (granules as the pages) do; dummies, K and V
+    as planes and a head-major side with another page size keep rows."""
     have = {
         "equal TP": link(4, (2, 2), (1, 1)),
         "TP 2 -> 1": link(4, (2, 1), (1, 0)),
@@ -199,19 +209,25 @@ def test_which_links_have_a_page_form() -> None:
         "head-major TP 2 -> 1": link(4, (2, 1), (0, 0), head_major=(True, False)),
         "head-major decode": link(4, (2, 2), (1, 1), head_major=(False, True)),
         "head-major TP 1 -> 2": link(4, (1, 2), (0, 1), head_major=(True, True)),
+        "page sizes 4 -> 8": link(4, (1, 1), (0, 0), pages=(4, 8)),
+        "page sizes 8 -> 4, TP 2 -> 1": link(4, (2, 1), (1, 0), pages=(8, 4)),
     }
     rows = {
-        "page sizes": link(4, (1, 1), (0, 0), pages=(4, 8)),
         "MLA dummy": link(1, (2, 1), (1, 0), mla=True),
         "head-major page sizes": link(4, (1, 1), (0, 0), pages=(4, 8), head_major=(True, False)),
         "kv_fused": link(4, (1, 1), (0, 0), kv_fused=(True, False)),
     }
     for name, (mapper, _, _) in have.items():
-        chunk = mapper.page_chunk([0, 1], [2, 3])
-        assert chunk is not None and chunk.num_rows == mapper.map_chunk([0, 1], [2, 3])[0].size
+        p = mapper.paging
+        # two decode pages: their granule stream, else two source pages
+        sp = [0, 1] if p is None else list(range(2 * p.dst_granules))
+        chunk = mapper.page_chunk(sp, [2, 3])
+        assert chunk is not None and chunk.num_rows == mapper.map_chunk(sp, [2, 3])[0].size
         assert (chunk.geometry.heads > 1) == name.startswith("head-major"), name
     for name, (mapper, _, _) in rows.items():
-        assert mapper.page_chunk([0, 1], [2, 3]) is None, name
+        p = mapper.paging
+        sp = [0, 1] if p is None else list(range(2 * p.dst_granules))
+        assert mapper.page_chunk(sp, [2, 3]) is None, name
 
 
 def test_head_major_geometry_checks() -> None:

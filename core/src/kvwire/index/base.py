@@ -199,12 +199,18 @@ class IndexMapper(ABC):
         """A transfer worker, per chunk (:meth:`ChunkPlan.direct
         <kvwire.staging.base.ChunkPlan.direct>`): the chunk in page form (pages checked as
         :meth:`map_chunk` checks them, rows never expanded), or None when this link's
-        mapping is not regular (:meth:`_page_geometry` is None: page-size conversion, a
-        dummy sender, K and V as planes, ...) or the chunk has no page: use
-        :meth:`map_chunk` then."""
+        mapping is not regular (:attr:`page_geometry` is None: a dummy sender, K and V as
+        planes, padded slots with page-size conversion, ...) or the chunk has no page: use
+        :meth:`map_chunk` then. With :attr:`paging`, ``src_pages`` is the chunk's granule
+        stream (as :meth:`map_chunk` takes it) and the chunk's pages are granules."""
         geometry = self.page_geometry
         if geometry is None:
             return None
+        if self.paging is not None:  # granules are the pages (see _granule_geometry)
+            sg, dg = self.paging.stream_granules(
+                src_pages, dst_pages, self.src.num_slots, self.dst.num_slots
+            )
+            return PageChunk(geometry, sg, dg) if sg.size else None
         sp = check_pages(src_pages, self.src.num_slots, "source page indices")
         dp = check_pages(dst_pages, self.dst.num_slots, "destination page indices")
         if sp.size != dp.size:
@@ -216,10 +222,14 @@ class IndexMapper(ABC):
     @property
     def page_geometry(self) -> PageGeometry | None:
         """This link's :class:`~kvwire.page_form.PageGeometry` (computed once; any
-        thread), or None when chunks must move as rows."""
+        thread), or None when chunks must move as rows; with :attr:`paging` its "pages" are
+        granules (:meth:`_granule_geometry`)."""
         if "_geometry" not in self.__dict__:
-            regular = self.paging is None and not (self.is_dummy or self.splits_kv)
-            self.__dict__["_geometry"] = self._page_geometry() if regular else None
+            found: PageGeometry | None = None
+            if not (self.is_dummy or self.splits_kv):
+                paged = self.paging is None
+                found = self._page_geometry() if paged else self._granule_geometry()
+            self.__dict__["_geometry"] = found
         geometry: PageGeometry | None = self.__dict__["_geometry"]
         return geometry
 
@@ -227,6 +237,15 @@ class IndexMapper(ABC):
         """The geometry of a mapper whose :meth:`_map` is regular (equal page sizes, no
         dummy, no planes: the base checked those), in its own tables' rows; None (the
         default) keeps rows. Its rows must equal :meth:`_map`'s (core/tests/test_page_form.py)."""
+        return None
+
+    def _granule_geometry(self) -> PageGeometry | None:
+        """With :attr:`paging` (different page sizes): the geometry whose "pages" are
+        granules (:mod:`kvwire.index.paging`: granule ``u`` of a side is its page ``u //
+        per`` at granule ``u % per``), so that :meth:`page_chunk` gives the granule lists of
+        :meth:`_map_granules` in page form; possible where a side's granules lie at one
+        stride (:func:`granule_stride`). None (the default) keeps rows. Its rows must equal
+        :meth:`_map_granules`' (core/tests/test_page_form.py)."""
         return None
 
     def split_layers(
@@ -311,3 +330,15 @@ def core_mapper_name(is_mla: bool, tp_src: int, tp_dst: int) -> str:
     if is_mla:
         return "mla"
     return "equal_tp" if tp_src == tp_dst else "head_slice"
+
+
+def granule_stride(layout: KVLayout, granule: int) -> int | None:
+    """Bytes from one ``granule``-token granule of ``layout``'s pages to the next, granules
+    numbered page-major (``page * per + k``, ``per`` granules a page), when that is one
+    stride for the whole pool: the slot stride for one granule a page, else a granule's
+    bytes where a slot is exactly its page's token rows. None otherwise (a padded slot)."""
+    per = layout.model.page_size // granule
+    if per == 1:
+        return layout.slot_bytes
+    unit = granule * layout.token_row_bytes
+    return unit if layout.slot_bytes == per * unit else None

@@ -17,7 +17,7 @@ from pydantic import BaseModel
 
 from kvwire.descriptors import IndexArray, make_table
 from kvwire.errors import LayoutError
-from kvwire.index.base import IndexMapper, StagedSlice, TablePair
+from kvwire.index.base import IndexMapper, StagedSlice, TablePair, granule_stride
 from kvwire.index.paging import PageConversion
 from kvwire.layout import KVLayout
 from kvwire.page_form import PageGeometry
@@ -122,6 +122,35 @@ class EqualTPMapper(IndexMapper):
             tokens=1,
             src_slots=src.num_slots,
             dst_slots=dst.num_slots,
+        )
+
+    def _granule_geometry(self) -> PageGeometry | None:
+        """Different page sizes: row ``pair * granules + granule``, one piece of a granule's
+        token rows, granules at one stride on each side (else None: rows)."""
+        assert self.paging is not None
+        src, dst, g = self.src, self.dst, self.paging.granule
+        s_step, d_step = granule_stride(src, g), granule_stride(dst, g)
+        if s_step is None or d_step is None:
+            return None
+        pairs = np.arange(self.num_pairs, dtype=np.int64)
+        s_units = src.num_slots * self.paging.src_granules
+        d_units = dst.num_slots * self.paging.dst_granules
+        n = g * src.token_row_bytes
+        return PageGeometry(
+            src_rows=pairs * s_units,
+            dst_rows=pairs * d_units,
+            src_page_rows=1,
+            dst_page_rows=1,
+            src_token_rows=0,
+            dst_token_rows=0,
+            src_slot=s_step,
+            dst_slot=d_step,
+            src_row=n,
+            dst_row=n,
+            n=n,
+            tokens=1,
+            src_slots=s_units,
+            dst_slots=d_units,
         )
 
     def _map_granules(

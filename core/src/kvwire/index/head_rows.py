@@ -96,6 +96,11 @@ class HeadRowsMapper(HeadSliceMapper):
             dst_head=d_head,
         )
 
+    def _granule_geometry(self) -> PageGeometry | None:
+        """None: with different page sizes a head-major side's tokens are not at one stride
+        (its rows stay per (token, head))."""
+        return None
+
     def build_tables(self) -> TablePair:
         return TablePair(
             src=make_table(*head_row_table(self.src, self.src_buf)),

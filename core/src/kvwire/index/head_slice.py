@@ -29,7 +29,7 @@ from pydantic import BaseModel
 
 from kvwire.descriptors import IndexArray, make_table
 from kvwire.errors import LayoutError
-from kvwire.index.base import IndexMapper, StagedSlice, TablePair
+from kvwire.index.base import IndexMapper, StagedSlice, TablePair, granule_stride
 from kvwire.index.paging import PageConversion
 from kvwire.index.ranks import head_slice, source_ranks
 from kvwire.layout import KVLayout
@@ -153,6 +153,35 @@ class HeadSliceMapper(IndexMapper):
             tokens=ps,
             src_slots=src.num_slots,
             dst_slots=dst.num_slots,
+        )
+
+    def _granule_geometry(self) -> PageGeometry | None:
+        """Different page sizes (granules of one token): this rank's head slice of each
+        token row, tokens at one stride on each side (else None: rows)."""
+        src, dst, g_count = self.src, self.dst, self.groups
+        if self.paging is None or self.paging.granule != 1:
+            return None
+        s_step, d_step = granule_stride(src, 1), granule_stride(dst, 1)
+        if s_step is None or d_step is None:
+            return None
+        pairs = np.arange(self.num_pairs, dtype=np.int64)
+        s_units = src.num_slots * src.model.page_size
+        d_units = dst.num_slots * dst.model.page_size
+        return PageGeometry(
+            src_rows=pairs * (s_units * g_count) + self.group,
+            dst_rows=pairs * d_units,
+            src_page_rows=g_count,
+            dst_page_rows=1,
+            src_token_rows=0,
+            dst_token_rows=0,
+            src_slot=s_step,
+            dst_slot=d_step,
+            src_row=self.slice_bytes,
+            dst_row=self.slice_bytes,
+            n=self.slice_bytes,
+            tokens=1,
+            src_slots=s_units,
+            dst_slots=d_units,
         )
 
     def _map_granules(

@@ -230,12 +230,11 @@ class LandedSums:
             num_pages, dst_pages, placeholder, start, end, cached_tokens
         )
         only = None if layers is None else range(*layers)
-        if self.side is not None:
-            if np.asarray(src_units).size != hi - lo:
-                raise DescriptorError(
-                    f"{np.asarray(src_units).size} source pages for {hi - lo} destination pages"
-                )
-            pages = np.asarray(dst_pages[lo:hi], dtype=np.int64)
+        if self.side is not None:  # the chunk's destination pages (granules: page sizes differ)
+            chunk = self.mapper.page_chunk(src_units, dst_pages[lo:hi])
+            if chunk is None:
+                return {}  # nothing of this chunk lands here
+            pages = chunk.dst_pages
             return self.hasher.page_sums(self.side, pages, self.side, pages, only)
         _, dst_idx = self.mapper.map_chunk(src_units, dst_pages[lo:hi])
         idx = np.asarray(dst_idx, dtype=np.int64)
