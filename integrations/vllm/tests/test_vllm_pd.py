@@ -38,7 +38,11 @@ ENGINES = {
     "nhd-to-hnd": ("LBNHC", "LBHNC", "nixl", 2, 1),
     "blocks-4to8": ("LBNHC", "LBHNC", "tcp", 2, 1),
     "blocks-8to4": ("LBHNC", "LBNHC", "tcp", 1, 2),
+    "bulk-gather-hnd": ("LBNHC", "LBHNC", "tcp", 2, 1),
 }
+#: kvwire staging where not the default: bulk staging through the connector, which hands
+#: kvwire no KV tensors (the strategy views the layout's buffers by address)
+STAGING = {"bulk-gather-hnd": "bulk"}
 #: vLLM block size (tokens) of prefill and decode where not 4 (kvwire moves token ranges)
 BLOCKS = {"blocks-4to8": (4, 8), "blocks-8to4": (8, 4)}
 
@@ -62,7 +66,12 @@ def cluster() -> Iterator[tuple[Instance, Instance]]:
             "layout": lay,
             "tp": tp,
             "block": BLOCKS.get(name, (4, 4))[0],
-            "extra": {"transfer_backend": be, "bootstrap_port": port, "control": control},
+            "extra": {
+                "transfer_backend": be,
+                "bootstrap_port": port,
+                "control": control,
+                "staging": STAGING.get(name, "direct"),
+            },
         }
         for port, (name, (lay, _, be, tp, _)) in zip(ports, ENGINES.items(), strict=True)
     }
@@ -71,7 +80,11 @@ def cluster() -> Iterator[tuple[Instance, Instance]]:
             "layout": lay,
             "tp": tp,
             "block": BLOCKS.get(name, (4, 4))[1],
-            "extra": {"transfer_backend": be, "control": control},
+            "extra": {
+                "transfer_backend": be,
+                "control": control,
+                "staging": STAGING.get(name, "direct"),
+            },
         }
         for name, (_, lay, be, _, tp) in ENGINES.items()
     }
@@ -104,6 +117,8 @@ def test_decode_tokens_equal_single_process(
         st = idle(inst, engine)
         assert st["backend"] == ENGINES[engine][2]
         assert st["ranks"] == list(range(tp))
+    if engine in STAGING:  # the chunks went through decode's staging ring
+        assert idle(cluster[1], engine)["staged_chunks"] >= 3, engine
 
 
 def test_corrupted_kv_changes_tokens(cluster: tuple[Instance, Instance]) -> None:

@@ -28,6 +28,7 @@ import traceback
 from typing import Any
 
 import numpy as np
+from prometheus_client import REGISTRY
 from vllm_pd_model import F32, Cache, GQAModel, GQASpec
 
 SPEC = GQASpec()
@@ -369,6 +370,8 @@ class Engine:
             "backend": halves[0].mgr.backend_name if halves[0].mgr else None,
             "ranks": [wh.rank.tp_rank for wh in halves],
             "reports": self.reports,
+            # chunks this process received through a bulk staging ring (every engine's)
+            "staged_chunks": REGISTRY.get_sample_value("kvwire_staged_chunks_total") or 0.0,
         }
 
 
