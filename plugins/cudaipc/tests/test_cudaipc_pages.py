@@ -9,9 +9,11 @@ on two GPUs by scripts/gpu_pool_page_check.py. A few seconds (importing torch)."
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import dataclasses
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -169,19 +171,7 @@ def test_a_turns_page_writes_go_out_together(monkeypatch: pytest.MonkeyPatch, ba
     a write to a peer removed before the turn ended fails, naming why, and never reaches the
     mover. With ``batch_max_bytes`` 0 each chunk launches at its submit; a batch that reaches
     it goes out at once (:func:`test_a_full_batch_goes_out_at_once`)."""
-    pages = _stand_ins(monkeypatch)
-    src, s_arrays = make_pool(MODEL, RankPosition(), 6)
-    rng = np.random.default_rng(9)
-    for arr in s_arrays:
-        arr[...] = rng.integers(0, 1 << 30, arr.shape, dtype=np.int32)
-    limit = (32 << 20) if batch else 0
-    cfg = KVWireConfig(
-        transfer_backend="cudaipc", transfer_backend_options={"batch_max_bytes": limit}
-    )
-    a = create_backend(cfg, "prefill", need=())
-    decodes = [create_backend(cfg, f"decode{i}", need=()) for i in range(3)]
-    try:
-        links = _tp12_links(a, decodes, src, s_arrays)
+    with _tp12(monkeypatch, (32 << 20) if batch else 0) as (pages, a, links):
         # what each chunk's rows write, kept as the wanted pools; the pools cleared again
         for _, _, _, _, tables, si, di, _, n in links:
             for s_addr, d_addr in zip(
@@ -221,6 +211,25 @@ def test_a_turns_page_writes_go_out_together(monkeypatch: pytest.MonkeyPatch, ba
         for h in handles:
             a.release(h)
         assert a.live_handles == 0
+
+
+@contextlib.contextmanager
+def _tp12(monkeypatch: pytest.MonkeyPatch, limit: int) -> Iterator[tuple[_Pages, Any, list[Any]]]:
+    """A prefill cudaipc backend (TP 1, random KV, ``batch_max_bytes`` ``limit``) linked to
+    three decode backends (:func:`_tp12_links`), the page mover played by :class:`_Pages`;
+    every backend closed after."""
+    pages = _stand_ins(monkeypatch)
+    src, s_arrays = make_pool(MODEL, RankPosition(), 6)
+    rng = np.random.default_rng(9)
+    for arr in s_arrays:
+        arr[...] = rng.integers(0, 1 << 30, arr.shape, dtype=np.int32)
+    cfg = KVWireConfig(
+        transfer_backend="cudaipc", transfer_backend_options={"batch_max_bytes": limit}
+    )
+    a = create_backend(cfg, "prefill", need=())
+    decodes = [create_backend(cfg, f"decode{i}", need=()) for i in range(3)]
+    try:
+        yield pages, a, _tp12_links(a, decodes, src, s_arrays)
     finally:
         a.close()
         for b in decodes:
@@ -251,20 +260,12 @@ def test_a_full_batch_goes_out_at_once(monkeypatch: pytest.MonkeyPatch, fits: in
     """``batch_max_bytes`` of two chunks: the second write of a turn sends the batch at
     once, the third waits for the turn's end; of one chunk: no write is held (a chunk that
     large launches alone at its submit)."""
-    pages = _stand_ins(monkeypatch)
-    src, s_arrays = make_pool(MODEL, RankPosition(), 6)
+    src, _ = make_pool(MODEL, RankPosition(), 6)
     probe = ChunkPlan.direct(HeadSliceMapper(src, make_pool(MODEL, RankPosition(tp_size=2), 6)[0]),
                              [5, 1, 3], [0, 4, 2])  # fmt: skip
     assert probe.pages is not None
     nbytes = probe.pages.nbytes
-    limit = fits * nbytes if fits else nbytes
-    cfg = KVWireConfig(
-        transfer_backend="cudaipc", transfer_backend_options={"batch_max_bytes": limit}
-    )
-    a = create_backend(cfg, "prefill", need=())
-    decodes = [create_backend(cfg, f"decode{i}", need=()) for i in range(3)]
-    try:
-        links = _tp12_links(a, decodes, src, s_arrays)
+    with _tp12(monkeypatch, fits * nbytes if fits else nbytes) as (pages, a, links):
         handles = []
         with a.post_batch():
             for i, (_b, pair, plan, *_rest) in enumerate(links):
@@ -280,10 +281,6 @@ def test_a_full_batch_goes_out_at_once(monkeypatch: pytest.MonkeyPatch, fits: in
             assert _wait(lambda h=h: a.poll(h) is not XferState.PENDING)
             assert a.poll(h) is XferState.DONE, h.error
             a.release(h)
-    finally:
-        a.close()
-        for b in decodes:
-            b.close()
 
 
 def _noop() -> None:
