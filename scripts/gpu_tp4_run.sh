@@ -8,7 +8,7 @@
 # On the development machine:  bash scripts/gpu_wheels.sh   (fills .whl/)
 # Device call (nvidia-h100-x4), carry [".whl"]:  bash scripts/gpu_tp4_run.sh
 # PARTS picks parts (default "peer cudaipc auto staged shapes sample"; also "hm", "views",
-# "pages", "sample_auto"); REQUESTS, SIZES.
+# "pages", "sample_auto", "sample_staged"); REQUESTS, SIZES.
 # Results: $OUT/tp4.tgz (one JSON and log per run); the last lines printed are the table.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -96,11 +96,14 @@ if has views; then  # bulk staging with no kv_tensors (views of the layout's buf
   run st_views12 $ST --prefill-tp 1 --decode-tp 2 --no-kv-tensors
 fi
 sample() {  # name, backend, prefill TP, decode TP: stack samples of 200 requests, 16 MiB C=8
+  # (backend "staged": staged NIXL through gpu_staged_bench.py)
   local d="$OUT/sample_$1"; mkdir -p "$d"
   mkdir -p /tmp/sc && cp scripts/rank_sampler.py /tmp/sc/sitecustomize.py
+  local bench="scripts/gpu_cudaipc_bench.py --skip-mover --skip-backend-api --backend $2"
+  [ "$2" = staged ] && bench="scripts/gpu_staged_bench.py --chunk-pages 64 --block-mib 8
+    --ring-mib 1024 --skip-mover --skip-per-page"
   KVWIRE_SAMPLE_DIR=$d KVWIRE_SAMPLE_US=250 PYTHONPATH=/tmp/sc:$PYTHONPATH \
-    run "smp_$1" python3 scripts/gpu_cudaipc_bench.py --skip-mover --skip-backend-api \
-    --backend "$2" --sizes 16 --concurrency 8 --requests 200 --verify-requests 1 \
+    run "smp_$1" python3 $bench --sizes 16 --concurrency 8 --requests 200 --verify-requests 1 \
     --prefill-tp "$3" --decode-tp "$4" --sample-dir "$d"
   python3 scripts/rank_sampler.py report "$d" --per 200 --top 14 > "$OUT/smp_$1.txt" 2>&1
   grep -E "== pid|-- thread" "$OUT/smp_$1.txt"
@@ -108,6 +111,10 @@ sample() {  # name, backend, prefill TP, decode TP: stack samples of 200 request
 if has sample; then
   sample tp11 cudaipc 1 1
   sample tp12 cudaipc 1 2
+fi
+if has sample_staged; then
+  sample st22 staged 2 2
+  sample st21 staged 2 1
 fi
 if has sample_auto; then
   sample cu11 cudaipc 1 1
