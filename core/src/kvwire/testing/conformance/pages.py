@@ -1,6 +1,8 @@
 """Page writes (:meth:`~kvwire.backend.TransferBackend.submit_pages`): a chunk in page form
 lands exactly as its rows would, its notification after its data; bad pages are refused;
-a backend without the capability refuses page submits."""
+a backend without the capability refuses page submits. Writes submitted inside
+:meth:`~kvwire.backend.TransferBackend.post_batch` (a prefill worker's turn) all land with
+their notifications once the block ends."""
 
 from __future__ import annotations
 
@@ -86,4 +88,41 @@ class PageConformance(SuiteBase):
                 assert notes[0].digests["notify"] == digest(model), (
                     f"round {rnd}: the page write's notification came before its data"
                 )
+        _assert_bytes_equal(env.remote.read_array("notify"), model, "notify buffer")
+
+    def test_writes_of_one_turn(self, env: _Env) -> None:
+        """Three writes submitted inside ``post_batch`` (as a prefill worker's turn does: in
+        page form where the backend takes pages, else rows), each with its notification:
+        after the block every one ends DONE, every byte landed and every notification came
+        once, after its data."""
+        src, note_buf = env.lbuf["src"], env.rbuf["notify"]
+        geometry, s_off, d_off = _geometry(0)
+        with env.prepared(
+            _table(_addr(src), s_off, PIECE), _table(note_buf.addr, d_off, PIECE)
+        ) as pair:
+            env.remote.notifications(timeout=0)
+            model = env.remote.read_array("notify")
+            _randomize(src, env.rng)
+            dst = env.rng.permutation(SLOTS)
+            handles, payloads = [], []
+            with env.local.post_batch():
+                for k in range(3):
+                    chunk = PageChunk(geometry, np.array([k, k + 3]), dst[2 * k : 2 * k + 2])
+                    li, ri = chunk.rows()
+                    _apply_rows(model, d_off[ri], src, s_off[li], np.full(li.size, PIECE))
+                    payload = f"turn-{k}-{uuid.uuid4().hex}".encode()
+                    payloads.append(payload)
+                    if env.caps.page_writes:
+                        h = env.local.submit_pages(XferOp.WRITE, pair, chunk, payload)
+                    else:
+                        h = env.local.submit(XferOp.WRITE, pair, li, ri, payload)
+                    handles.append(h)
+            for h in handles:
+                state = wait_terminal(env.local, h, env.timeout)
+                assert state is XferState.DONE, f"a write of the turn ended {state.name}: {h.error}"
+                env.local.release(h)
+            notes = env.remote.notifications(
+                timeout=env.timeout, expect=3, progress=env.local.progress
+            )
+            assert sorted(n.payload for n in notes) == sorted(payloads)
         _assert_bytes_equal(env.remote.read_array("notify"), model, "notify buffer")
