@@ -14,7 +14,7 @@ import pytest
 from kvwire.control.wire import Message, StagingMessage, WritesQuery
 from kvwire.errors import ConfigError, TransferError
 from kvwire.index.head_slice import HeadSliceMapper
-from kvwire.layout import MemoryRegion, ModelSpec, RankPosition
+from kvwire.layout import MemKind, MemoryRegion, ModelSpec, RankPosition
 from kvwire.staging.base import ArrivedChunk, PlanRequest, QueuedChunk, StagingContext
 from kvwire.staging.bulk import FALLBACKS, BulkOptions, BulkStaging, block_bytes
 from kvwire.staging.bulk_wire import Deny, Grant, Watermark
@@ -463,3 +463,23 @@ def test_an_offer_that_comes_after_the_ask_is_its_answer_only_for_the_same_pages
     write_and_place(pre2, dec2, plan, 0)
     check_heads(dlay2, darr2, DST, 0)
     assert dec2.ring.ring.live == 0
+
+
+def test_views_of_a_gpu_buffer_without_cuda_are_refused_clearly() -> None:
+    """A layout that says its buffers are on a GPU, on a machine where torch cannot view
+    that memory (no CUDA here): bulk staging refuses at setup, naming the buffer and the way
+    out (pass the tensors), rather than failing later."""
+    torch = pytest.importorskip("torch")
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA: the view would succeed")
+    layout, arrays = make_pool(MODEL, RankPosition(), 4)
+    gpu = layout.model_copy(
+        update={
+            "buffers": tuple(b.model_copy(update={"kind": MemKind.VRAM}) for b in layout.buffers)
+        }
+    )
+    with pytest.raises(ConfigError, match=r"(?s)cannot view GPU buffer .* kv_tensors"):
+        BulkStaging(BulkOptions(**OPTS)).setup(
+            StagingContext(gpu, lambda r: None, lambda r: None, role="decode", num_workers=1)
+        )
+    assert arrays  # the pool's memory stays alive while the layout is in use

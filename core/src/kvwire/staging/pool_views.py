@@ -50,8 +50,14 @@ def _device_view(region: MemoryRegion) -> Any:
             "bulk staging on a GPU pool views its buffers with torch; install it"
         ) from exc
     device = torch.device("cuda", region.device_id)
-    with torch.cuda.device(device):
-        view = torch.as_tensor(_DeviceBytes(region.addr, region.length), device=device)
+    try:
+        with torch.cuda.device(device):
+            view = torch.as_tensor(_DeviceBytes(region.addr, region.length), device=device)
+    except Exception as exc:  # no CUDA here, or not that device's memory
+        raise ConfigError(
+            f"bulk staging cannot view GPU buffer {region.addr:#x} ({region.length} bytes) on "
+            f"cuda:{region.device_id}: {exc}; pass the KV tensors (KVManager(kv_tensors=...))"
+        ) from exc
     if view.data_ptr() != region.addr:  # pragma: no cover - torch aliases the memory
         raise ConfigError(f"bulk staging: a view of GPU buffer {region.addr:#x} is a copy")
     return view
