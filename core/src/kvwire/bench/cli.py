@@ -188,6 +188,20 @@ def add_bench_args(parser: argparse.ArgumentParser) -> None:
         metavar="N",
         help=f"--latency: requests run first and not timed (default {LATENCY_WARMUP})",
     )
+    g.add_argument(
+        "--device",
+        choices=("cpu", "cuda"),
+        default="cpu",
+        help="cuda: prefill and decode on two GPUs, kvwire's GPU paths (cudaipc, NIXL staged, "
+        "NIXL per page) beside a torch peer copy of the same bytes (--mib, --concurrency, "
+        "--requests, --gpu-paths, --json apply; default sizes 2,16,128,512 MiB)",
+    )
+    g.add_argument(
+        "--gpu-paths",
+        type=lambda v: tuple(x for x in v.split(",") if x),
+        metavar="P,P,..",
+        help="--device cuda: the paths to run (default cudaipc,staged,per-page)",
+    )
     g.add_argument("--json", metavar="PATH", help="write every figure and the machine as JSON")
     g.add_argument("--plot", metavar="PATH.png", help="draw GB/s vs concurrency (matplotlib)")
 
@@ -447,6 +461,10 @@ def run(args: argparse.Namespace, console: Console, argv: Sequence[str] | None =
         console.print(f"[red]error[/]: {escape(PLOT_HINT)}", highlight=False)
         return 1
     command = shlex.join(["kvwire", *(argv or [])])
+    if args.device == "cuda":
+        from kvwire.bench import gpu_suite
+
+        return gpu_suite.run(args, console, command)
     if args.engine is not None:
         from kvwire.plugins import get_registry
 
