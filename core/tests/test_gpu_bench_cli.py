@@ -15,7 +15,12 @@ from kvwire.cli import main
 
 def test_every_path_runs_checked_and_tabled_on_host_memory() -> None:
     lines: list[str] = []
-    report = run_suite(device="cpu", sizes=[1], concurrency=[1, 2], requests=4, log=lines.append)
+    details: list[str] = []
+    report = run_suite(
+        device="cpu", sizes=[1], concurrency=[1, 2], requests=4, log=lines.append,
+        detail=details.append,
+    )  # fmt: skip
+    assert sum(d.startswith("verified") for d in details) == 2  # one size, two paths
     assert set(report["paths"]) == set(PATHS)
     # cudaipc serves GPU ranks only: skipped here, saying why
     assert "not usable" in report["paths"].pop("cudaipc")["skipped"]

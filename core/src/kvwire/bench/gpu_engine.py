@@ -10,6 +10,7 @@ import argparse
 import json
 import secrets
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -184,6 +185,7 @@ def engine(
     staging: str = "direct",
     staging_options: dict[str, Any] | None = None,
     max_chunk_pages: int = 0,
+    log: Callable[[str], None] = log,
 ) -> dict[str, Any]:
     """The engine API between a prefill and a decode rank process on two GPUs (the harness's
     ``gpus`` round robin): verified requests of every size first (every element and aux row
@@ -198,7 +200,7 @@ def engine(
     tracer in the rank processes such as ``scripts/gpu_call_tracer.py``); ``staging``
     and its options pick the strategy; ``max_chunk_pages`` > 0 cuts every request into
     chunks of at most that many pages (chunked prefill; a staged chunk must fit a staging
-    buffer)."""
+    buffer). ``log`` takes the progress lines (default: printed)."""
     from kvwire.config import ControlOptions, KVWireConfig
     from kvwire.layout import ModelSpec
     from kvwire.testing.cluster import Cluster, ClusterSpec, RoomPlan

@@ -29,7 +29,7 @@ import json
 import platform
 import statistics
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -38,6 +38,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from kvwire.bench.gpu_engine import add_engine_args, engine
+from kvwire.cli_progress import progress_bar
 from kvwire.errors import KVWireError
 from kvwire.layout import MemKind
 from kvwire.plugins import Kind, get_registry
@@ -108,11 +109,13 @@ def run_suite(
     concurrency: Sequence[int] = DEFAULT_CONCURRENCY,
     requests: int = DEFAULT_REQUESTS,
     paths: Sequence[str] = tuple(PATHS),
-    log: Any = print,
+    log: Callable[[str], None] = print,
+    detail: Callable[[str], None] = print,
 ) -> dict[str, Any]:
     """Measure every path of ``paths`` (names of :data:`PATHS`) and, on GPUs, the peer copy;
     returns the report (``paths``: each path's engine report, or why it was skipped;
-    ``peer_gbps`` per size). ``log`` takes progress lines."""
+    ``peer_gbps`` per size). ``log`` takes a line as each path starts, ends or is skipped;
+    ``detail`` the engine's lines (every verified size and timed cell)."""
     unknown = [p for p in paths if p not in PATHS]
     if unknown:
         raise KVWireError(f"unknown GPU bench path(s) {unknown}; known: {', '.join(PATHS)}")
@@ -150,7 +153,7 @@ def run_suite(
         log(f"{name}: {backend}, staging {staging}")
         t0 = time.monotonic()
         report["paths"][name] = engine(
-            a, staging=staging, staging_options=options, max_chunk_pages=chunk
+            a, staging=staging, staging_options=options, max_chunk_pages=chunk, log=detail
         )
         log(f"{name}: done in {time.monotonic() - t0:.0f} s")
     return report
@@ -185,19 +188,31 @@ def render(report: dict[str, Any]) -> Table:
 def run(args: argparse.Namespace, console: Console, command: str) -> int:
     """``kvwire bench --device cuda`` (the bench's ``--mib``, ``--concurrency``,
     ``--requests``, ``--gpu-paths``, ``--json``)."""
+    paths = args.gpu_paths or tuple(PATHS)
+    details: list[str] = []
     try:
-        report = run_suite(
-            device="cuda",
-            sizes=args.mib or DEFAULT_MIB,
-            concurrency=args.concurrency or DEFAULT_CONCURRENCY,
-            requests=args.requests or DEFAULT_REQUESTS,
-            paths=args.gpu_paths or tuple(PATHS),
-            log=lambda line: console.print(escape(line), highlight=False),
-        )
+        with progress_bar(console) as progress:
+            task = progress.add_task("GPU bench", total=len(paths))
+
+            def step(line: str) -> None:
+                progress.update(task, description=escape(line))
+                if line.endswith(" s") or "skipped" in line:  # a path ended
+                    progress.advance(task)
+
+            report = run_suite(
+                device="cuda",
+                sizes=args.mib or DEFAULT_MIB,
+                concurrency=args.concurrency or DEFAULT_CONCURRENCY,
+                requests=args.requests or DEFAULT_REQUESTS,
+                paths=paths,
+                log=step,
+                detail=details.append,
+            )
     except (KVWireError, RuntimeError) as exc:
         console.print(f"[red]error[/]: {escape(str(exc))}", highlight=False)
         return 1
     report["command"] = command
+    report["engine_log"] = details
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
     console.width = max(console.width, 120)
