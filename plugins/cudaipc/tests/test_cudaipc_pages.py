@@ -285,3 +285,34 @@ def test_a_full_batch_goes_out_at_once(monkeypatch: pytest.MonkeyPatch, fits: in
 
 def _noop() -> None:
     return None
+
+
+def test_a_failed_batch_launch_fails_its_writes_and_nothing_hangs(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The batched launch raising at the turn's end (a CUDA error): every held write ends
+    FAILED naming it, the block itself does not raise, and the backend takes the next turn's
+    writes again."""
+    with _tp12(monkeypatch, 32 << 20) as (pages, a, links):
+        real = pages.copy_batch
+
+        def broken(items: Any, *, stream: object = None) -> int:
+            raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+        pages.copy_batch = broken  # type: ignore[method-assign]
+        with a.post_batch():
+            handles = [
+                submit_rows(a, pair, plan.segment("kv"), b"n", _noop)
+                for _b, pair, plan, *_rest in links[:2]
+            ]
+        for h in handles:
+            assert a.poll(h) is XferState.FAILED
+            assert "illegal memory access" in (h.error or ""), h.error
+            a.release(h)
+        pages.copy_batch = real  # type: ignore[method-assign]
+        with a.post_batch():
+            h = submit_rows(a, links[0][1], links[0][2].segment("kv"), b"again", _noop)
+        assert _wait(lambda: a.poll(h) is not XferState.PENDING)
+        assert a.poll(h) is XferState.DONE, h.error
+        a.release(h)
+        assert a.live_handles == 0
