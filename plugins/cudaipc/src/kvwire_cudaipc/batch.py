@@ -82,7 +82,7 @@ class HeldWrites:
         held.x.held = True
         items: list[Held] = self._local.items
         items.append(held)
-        self._local.bytes = getattr(self._local, "bytes", 0) + held.chunk.nbytes
+        self._local.bytes += held.chunk.nbytes  # set by hold()
         if self._local.bytes >= limit:
             self._local.items, self._local.bytes = [], 0
             self._flush_safely(items)
