@@ -17,6 +17,7 @@ from kvwire.index.head_slice import HeadSliceMapper
 from kvwire.layout import MemKind, MemoryRegion, ModelSpec, RankPosition
 from kvwire.staging.base import ArrivedChunk, PlanRequest, QueuedChunk, StagingContext
 from kvwire.staging.bulk import FALLBACKS, BulkOptions, BulkStaging, block_bytes
+from kvwire.staging.bulk_ring import chunk_limit
 from kvwire.staging.bulk_wire import Deny, Grant, Watermark
 from kvwire.testing.kvfill import fill_pages, make_pool, page_values
 
@@ -284,6 +285,20 @@ def test_oversize_chunks_fall_back_before_allocating_and_are_counted() -> None:
         strict.fits(mapper, too_many)
 
 
+def test_a_chunk_longer_than_a_buffer_is_cut_where_pages_fit_it() -> None:
+    """Prefill cuts a staged link's chunk at what one staging buffer holds (every pair's
+    slice of every token of a page), so a large request is staged chunk by chunk instead
+    of moving per token; decode computes the same bound for its offers."""
+    pre, dec, mapper, _, _ = pair()
+    per_page = block_bytes(mapper, 1)  # equal page sizes: a unit is a page
+    limit = pre.chunk_pages(mapper)
+    assert limit == OPTS["buffer_bytes"] // per_page and limit >= 1
+    assert pre.fits(mapper, limit) and block_bytes(mapper, limit + 1) > OPTS["buffer_bytes"]
+    assert chunk_limit(mapper, per_page - 1) is None  # not a page fits: per token, as before
+    assert chunk_limit(mapper, 3 * per_page) == 3
+    assert dec.chunk_pages(mapper) is None  # decode cuts nothing
+
+
 # ------------------------------------------------------------------ offers ahead (issue 27)
 def offered(sent: list[tuple[str, Message]]) -> list[dict[str, Any]]:
     """Bodies of the offers (unasked grants with ``npages``) decode sent."""
@@ -401,9 +416,14 @@ def test_a_writer_that_drops_offers_asks_and_gets_the_offered_space() -> None:
 
 def test_offers_only_where_the_chunk_would_stage_and_its_space_is_free_now() -> None:
     pre, dec, mapper, *_, to_p, _ = linked_pair()
-    too_many = OPTS["buffer_bytes"] // block_bytes(mapper, 1) + 1
-    dec.on_requested(7, too_many, ["p"])  # prefill would send it per token
-    assert offered(to_p) == [] and dec.ring.ring.live == 0
+    fit = OPTS["buffer_bytes"] // block_bytes(mapper, 1)
+    dec.on_requested(7, fit + 3, ["p"])  # prefill cuts it: the offer is its first chunk's
+    ((first,),) = [[o["npages"] for o in offered(to_p)]]
+    assert first == fit == pre.chunk_pages(mapper) and dec.ring.ring.live == 1
+    dec.release(7)
+    dec.tick(time.monotonic() + BulkOptions().release_timeout_s + 1)
+    assert dec.ring.ring.live == 0
+    to_p.clear()
     off, *_, to_p2, _ = linked_pair(offer_ahead=False)
     off.on_requested(7, DST.size, ["p"])
     assert offered(to_p2) == []

@@ -432,6 +432,17 @@ class StagingStrategy(ABC):
         """Sizes of per-request staging state (leak check)."""
         return {}
 
+    def chunk_pages(self, mapper: IndexMapper) -> int | None:
+        """Sending side, engine thread inside ``send()`` (under the session lock), for links
+        where :meth:`link_tables` returned tables, before the chunk is queued: the most
+        prefill pages one chunk to a destination over ``mapper`` may hold, or None (no
+        limit, the default). A longer chunk is cut into chunks of that many pages, in order,
+        each planned and moved on its own, as if the engine had sent them one by one: a
+        large request then overlaps one chunk's gather with the previous chunk's transfer
+        and the decode side's scatter. Not asked for layer-wise chunks (their layer groups
+        are planned as one chunk)."""
+        return None
+
     def on_queued(self, chunk: QueuedChunk) -> None:  # noqa: B027 - optional hook
         """Sending side, engine thread inside ``send()`` (under the session lock: quick, never
         blocking), for links where :meth:`link_tables` returned tables: a chunk was queued for

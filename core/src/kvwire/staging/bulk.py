@@ -66,7 +66,7 @@ from kvwire.staging.base import (
     StagingContext,
     StagingStrategy,
 )
-from kvwire.staging.bulk_ring import RingSide, block_bytes, slice_of, unit_tokens
+from kvwire.staging.bulk_ring import RingSide, block_bytes, chunk_limit, slice_of, unit_tokens
 from kvwire.staging.bulk_wire import WIRE_VERSION, BulkMessage
 from kvwire.staging.bulk_writer import WriterSide, chunk_units
 from kvwire.staging.kernels import KVTensors
@@ -386,16 +386,34 @@ class BulkStaging(StagingStrategy):
 
     def on_requested(self, room: int, npages: int, writers: Sequence[str]) -> None:
         """Decode, under the room lock: offer each staging writer of the request ring space
-        for a chunk of every page, where this rank's options say the writer would stage it
-        (the same rule prefill applies: :meth:`fits` without counting, and
+        for its first chunk, where this rank's options say the writer would stage it (the
+        same rules prefill applies: :meth:`chunk_pages`, :meth:`fits` without counting, and
         :meth:`small_whole_pages`); a writer whose options differ just asks."""
         if self.ring is None or not self.opts.offer_ahead:
             return
-        self.ring.offer(room, npages, writers, self._would_stage)
+        self.ring.offer(room, npages, writers, self._first_units)
 
-    def _would_stage(self, mapper: IndexMapper, npages: int) -> bool:
-        n = block_bytes(mapper, npages)
-        return n <= self.opts.buffer_bytes and not self.small_whole_pages(mapper, npages)
+    def _first_units(self, mapper: IndexMapper, npages: int) -> int:
+        """Decode: the units of a writer's chunk 0 of a request of ``npages`` destination
+        pages (0: that chunk would not be staged). Prefill cuts a chunk longer than its buffer
+        (:meth:`chunk_pages`); with equal page sizes its first chunk is then the buffer's
+        worth of pages."""
+        units = npages
+        limit = chunk_limit(mapper, self.opts.buffer_bytes)
+        if mapper.paging is None and limit is not None:
+            units = min(npages, limit)
+        n = block_bytes(mapper, units)
+        staged = n <= self.opts.buffer_bytes and not self.small_whole_pages(mapper, units)
+        return units if staged else 0
+
+    def chunk_pages(self, mapper: IndexMapper) -> int | None:
+        """Prefill, engine thread, per chunk of a staged link: a chunk longer than one staging
+        buffer holds is cut into chunks of that many pages
+        (:func:`~kvwire.staging.bulk_ring.chunk_limit`), each staged on its own, instead of
+        moving per descriptor."""
+        if self.writer is None or slice_of(mapper) is None:
+            return None
+        return chunk_limit(mapper, self.opts.buffer_bytes)
 
     def small_whole_pages(self, mapper: IndexMapper, npages: int) -> bool:
         """Prefill, engine thread: a whole-row chunk of ``npages`` units (of a link that

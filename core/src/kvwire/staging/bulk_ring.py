@@ -76,6 +76,16 @@ def block_bytes(mapper: IndexMapper, npages: int) -> int:
     return mapper.num_pairs * npages * unit_tokens(mapper) * staged(mapper).nbytes
 
 
+def chunk_limit(mapper: IndexMapper, buffer_bytes: int) -> int | None:
+    """The most prefill pages of one staged chunk over ``mapper`` that a staging buffer of
+    ``buffer_bytes`` holds (every pair's slice of every token of the page), or None where not
+    even one page fits (such a chunk moves per descriptor, counted as a fallback). Both sides
+    use it: prefill cuts longer chunks there, decode offers space for the first one."""
+    tokens = mapper.paging.src_page if mapper.paging is not None else unit_tokens(mapper)
+    per_page = mapper.num_pairs * tokens * staged(mapper).nbytes
+    return buffer_bytes // per_page if per_page <= buffer_bytes else None
+
+
 def dst_units(mapper: IndexMapper, pages: NDArray[np.int64], start: int, count: int) -> Any:
     """Decode, per staged chunk: the destination units ``[start, start + count)`` of the
     request's destination ``pages``: pages, or, where the link converts page sizes, the
@@ -203,33 +213,36 @@ class RingSide:
         room: int,
         npages: int,
         writers: Sequence[str],
-        stages: Callable[[IndexMapper, int], bool],
+        first: Callable[[IndexMapper, int], int],
     ) -> None:
         """Decode, under the room lock, right before the request of ``room`` goes out: offer each
-        staging writer among ``writers`` the space of chunk 0 covering all ``npages`` pages
-        (a ``grant`` with ``npages``: see :mod:`~kvwire.staging.bulk_wire`), where ``stages``
-        says it would stage such a chunk and the space is free now (an offer never waits on
-        the watermark, so it never holds up other requests' chunks behind a request that
-        may be computed much later)."""
+        staging writer among ``writers`` the space of its chunk 0 (a ``grant`` with
+        ``npages``: see :mod:`~kvwire.staging.bulk_wire`), of the units ``first`` says that
+        writer's chunk 0 covers of the request's ``npages`` (every page, or as many as the
+        writer's staging buffer holds where it cuts the request in chunks; 0: it would not
+        stage, no offer), where the space is free now (an offer never waits on the watermark,
+        so it never holds up other requests' chunks behind a request that may be computed
+        much later)."""
         offers: list[tuple[str, Grant]] = []
         with self._lock:
             for session in writers:
                 writer = self._writers.get(session)
-                if writer is None or not stages(writer.mapper, npages):
+                units = first(writer.mapper, npages) if writer is not None else 0
+                if writer is None or units <= 0:
                     continue
                 key = (room, session, 0)
                 if key in self._space or (session, 0) in self._done.get(room, ()):
                     continue
-                nbytes = block_bytes(writer.mapper, npages)
+                nbytes = block_bytes(writer.mapper, units)
                 if not self.ring.ready_now(nbytes):
                     continue
                 alloc = self.ring.allocate(nbytes, key)
                 wm = self.ring.watermark
-                self._space[key] = _Space(alloc, 0, npages)
+                self._space[key] = _Space(alloc, 0, units)
                 grant = Grant(
                     room=room, chunk_id=0, alloc_id=alloc.id, round=alloc.round,
                     offset=alloc.offset, end=alloc.end, wm_round=wm[0], wm_tail=wm[1],
-                    dst_start=0, npages=npages, nbytes=nbytes,
+                    dst_start=0, npages=units, nbytes=nbytes,
                 )  # fmt: skip
                 offers.append((writer.endpoint, grant))
         for endpoint, grant in offers:

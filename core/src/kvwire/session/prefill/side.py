@@ -49,6 +49,7 @@ from kvwire.session.groups import send_groups
 from kvwire.session.layers import LayerGate
 from kvwire.session.peers import Peer
 from kvwire.session.poll import KVPoll
+from kvwire.session.prefill.dispatch import dest_jobs
 from kvwire.session.prefill.early import EarlyBook, RoomIssuer
 from kvwire.session.prefill.evictions import EvictionBook
 from kvwire.session.prefill.links import DecodeLink, DecodeLinker, PoolLink
@@ -58,7 +59,6 @@ from kvwire.session.prefill.requests import dest_for
 from kvwire.session.prefill.rooms import Dest, Job, SendRoom
 from kvwire.session.prefill.workers import TransferWorkers, shard_for
 from kvwire.session.rooms import RoomTable
-from kvwire.staging.base import QueuedChunk
 
 logger = logging.getLogger(__name__)
 
@@ -436,61 +436,23 @@ class PrefillSide(Side[SendRoom]):
         assert room.num_pages is not None
         ctx = self.ctx
         start = room.pages_dispatched
-        end = room.pages_dispatched = start + pages.size
+        room.pages_dispatched = start + pages.size
         self.rooms.advance(room, KVPoll.Transferring)
         for dest in room.dests.values():
             peer = ctx.peers.get(dest.session)
             if peer is None:
                 continue
             link: DecodeLink = peer.link
-            target = link.pools[dest.pool]
             try:
-                src, lo, hi = target.mapper.chunk_slice(
-                    room.num_pages, dest.dst_pages, pages, start, end, dest.cached_tokens
-                )
+                jobs = dest_jobs(ctx, room, dest, link, pages, start, last, gate, self.sender_id)
             except KVWireError as exc:
-                self._fail(room, TransferError(str(exc), room=room.room))
+                self._fail(room, exc)
                 return
-            chunk_id = None
-            if src.size and not link.dummy:
-                chunk_id = dest.next_chunk
-                dest.next_chunk += 1
-                if target.staged:
-                    chunk = QueuedChunk(
-                        room.room,
-                        chunk_id,
-                        target.mapper,
-                        int(src.size),
-                        lo,
-                        dest.session,
-                        dest.endpoint,
-                        self.sender_id,
-                        ctx.session,
-                        ctx.options.transfer_timeout_s,
-                        src,
-                    )
-                    try:
-                        target.strategy.on_queued(chunk)
-                    except KVWireError as exc:
-                        self._fail(room, exc)
-                        return
-            job = Job(
-                room,
-                dest,
-                link,
-                src,
-                dest.dst_pages[lo:hi],
-                chunk_id,
-                last,
-                time.perf_counter(),
-                pool=dest.pool,
-                gate=gate,
-                span=(start, end),
-            )
             if dest.shard is None:  # at its first chunk (see shard_for)
                 one = ctx.one_worker(link.backend_peer)
-                dest.shard = shard_for(dest.session, room.room, target.staged, one)
-            self.workers.submit(dest.shard, job, sticky=target.staged)
+                dest.shard = shard_for(dest.session, room.room, link.pools[dest.pool].staged, one)
+            for job in jobs:
+                self.workers.submit(dest.shard, job, sticky=job.target.staged)
 
     # ------------------------------------------------------------------ workers
     def is_dead(self, room: SendRoom) -> bool:
