@@ -8,9 +8,9 @@ import pytest
 
 from kvwire.backends.tcp import TcpBackend, TcpOptions
 from kvwire.config import KVWireConfig, add_cli_args, config_from_args
-from kvwire.errors import CapabilityError, ConfigError
+from kvwire.errors import CapabilityError, ConfigError, PluginError
 from kvwire.layout import MemKind
-from kvwire.selection import create_backend, select_backend, select_staging
+from kvwire.selection import create_backend, select_backend, select_staging, staging_candidates
 
 
 def parse(argv: list[str]) -> argparse.Namespace:
@@ -81,4 +81,24 @@ def test_create_backend_and_staging() -> None:
         assert isinstance(be, TcpBackend) and be.endpoint.startswith("tcp://127.0.0.1:")
     finally:
         be.close()
-    assert select_staging(KVWireConfig()).name == "direct"
+    assert select_staging(KVWireConfig()).name == "direct"  # auto, host pool
+
+
+def test_auto_staging_is_bulk_on_gpu_pools_then_direct() -> None:
+    """``--staging auto`` (the default): bulk staging for a KV pool in GPU memory, with
+    ``direct`` behind it (tried when bulk cannot set up); host and mixed pools get
+    ``direct``; a named strategy is the one candidate; options go to the candidates that
+    have them."""
+    vram, dram = [MemKind.VRAM], [MemKind.DRAM]
+    auto = KVWireConfig(staging_options={"ring_bytes": 1 << 27, "block_bytes": 1 << 16})
+    names = [s.name for s in staging_candidates(auto, vram)]
+    assert names == ["bulk", "direct"]
+    bulk = staging_candidates(auto, vram)[0]
+    assert bulk.options.ring_bytes == 1 << 27  # type: ignore[attr-defined]
+    assert [s.name for s in staging_candidates(auto, dram)] == ["direct"]
+    assert [s.name for s in staging_candidates(auto, [*vram, *dram])] == ["direct"]
+    assert select_staging(auto, kinds=vram).name == "bulk"
+    named = KVWireConfig(staging="direct")
+    assert [s.name for s in staging_candidates(named, vram)] == ["direct"]
+    with pytest.raises(PluginError):
+        staging_candidates(KVWireConfig(staging="nope"), vram)

@@ -68,7 +68,7 @@ def test_asks_a_live_prefill_instance(prefill_auto: Pair, monkeypatch: Any) -> N
     assert agent in text and f"protocol 1.{PROTOCOL_MINOR}" in text, text
     assert "this host" in text and f"backends {general} (auto)" in text, text
     assert f"✓ backend {general}: auto: host pools" in text, text
-    assert "staging advice: configured; applied: --staging direct" in text, text
+    assert "staging advice: configured; applied: auto -> --staging direct" in text, text
     assert "runs at handshake" in text  # what doctor cannot check from here is said
     prefill_auto.transfer(1)
     (peer,) = prefill_auto.prefill.peers.snapshot()

@@ -20,7 +20,7 @@ def test_every_path_runs_checked_and_tabled_on_host_memory() -> None:
         device="cpu", sizes=[1], concurrency=[1, 2], requests=4, log=lines.append,
         detail=details.append,
     )  # fmt: skip
-    assert sum(d.startswith("verified") for d in details) == 2  # one size, two paths
+    assert sum(d.startswith("verified") for d in details) == 3  # one size, three paths
     assert set(report["paths"]) == set(PATHS)
     # cudaipc serves GPU ranks only: skipped here, saying why
     assert "not usable" in report["paths"].pop("cudaipc")["skipped"]
@@ -33,6 +33,9 @@ def test_every_path_runs_checked_and_tabled_on_host_memory() -> None:
     staged = report["paths"]["staged"]["cells"][0]["descriptors_per_request"]
     per_page = report["paths"]["per-page"]["cells"][0]["descriptors_per_request"]
     assert staged < per_page, (staged, per_page)
+    # the default (auto) stages nothing on host pools: per page, like the per-page path
+    default = report["paths"]["default"]["cells"][0]["descriptors_per_request"]
+    assert default == per_page, (default, per_page)
     console = Console(record=True, width=160)
     console.print(render(report))
     text = console.export_text()

@@ -157,7 +157,12 @@ class KVWireConfig(BaseSettings):
     transfer_backend_options: dict[str, Any] = Field(default_factory=dict)
     index_mapper: str = Field(default=AUTO, description="Mapper name, or 'auto' per layout.")
     index_mapper_options: dict[str, Any] = Field(default_factory=dict)
-    staging: str = Field(default="direct", description="Staging strategy name.")
+    staging: str = Field(
+        default=AUTO,
+        description="Staging strategy of the KV pool: 'auto' (bulk staging where the pool is "
+        "in GPU memory and it can set up there, else 'direct'; docs/staging.md), or a "
+        "strategy name ('direct', 'bulk', a plugin's).",
+    )
     staging_options: dict[str, Any] = Field(default_factory=dict)
     pools: dict[str, PoolConfig] = Field(
         default_factory=dict,
@@ -291,7 +296,12 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     )
     g.add_argument("--index-mapper", metavar="NAME", help="index mapper (default: auto)")
     g.add_argument("--index-mapper-option", metavar="KEY=VALUE", action="append")
-    g.add_argument("--staging", metavar="NAME", help="staging strategy (default: direct)")
+    g.add_argument(
+        "--staging",
+        metavar="NAME",
+        help="staging strategy: 'auto' (default: bulk on GPU pools, direct on host pools), "
+        "'direct', 'bulk' or a plugin's",
+    )
     g.add_argument("--staging-option", metavar="KEY=VALUE", action="append")
     g.add_argument(
         "--pool-option",

@@ -156,7 +156,12 @@ def applied_staging(advice: StagingAdvice, staging: str) -> str:
     """What the per-link rule's staging ``advice`` becomes on a rank whose KV pool's strategy
     is ``staging`` (``--staging``), in words: ``kvwire doctor`` prints it beside the advice.
     The prefill rank applies it at handshake (:meth:`StagingStrategy.link_staging
-    <kvwire.staging.base.StagingStrategy.link_staging>`) and logs what it did per link."""
+    <kvwire.staging.base.StagingStrategy.link_staging>`) and logs what it did per link.
+    ``auto`` (the default) is bulk staging on GPU pools, which is where the rule advises
+    ``staged`` or ``direct``, and ``direct`` elsewhere."""
+    if staging == "auto":
+        staging = "bulk" if advice != "configured" else "direct"
+        return "auto -> " + applied_staging(advice, staging)
     if advice == "direct":
         if staging == "bulk":
             return (

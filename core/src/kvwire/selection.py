@@ -277,10 +277,54 @@ def create_backends(
     return multi, plan
 
 
-def select_staging(config: KVWireConfig, registry: PluginRegistry | None = None) -> Selected:
-    """Resolve the configured staging strategy and validate its options."""
+def select_staging(
+    config: KVWireConfig,
+    registry: PluginRegistry | None = None,
+    *,
+    kinds: Iterable[MemKind] = (MemKind.DRAM,),
+) -> Selected:
+    """The KV pool's first staging candidate for a pool in memory of ``kinds``
+    (:func:`staging_candidates`), its options validated."""
+    return staging_candidates(config, kinds, registry)[0]
+
+
+def staging_candidates(
+    config: KVWireConfig, kinds: Iterable[MemKind], registry: PluginRegistry | None = None
+) -> list[Selected]:
+    """The KV pool's staging strategies to try, in order (the manager, at startup: the first
+    whose ``setup`` succeeds serves the pool). A named strategy is the one candidate (its
+    setup failing fails the start). ``auto`` (the default): every installed strategy whose
+    :attr:`~kvwire.staging.base.StagingStrategy.auto_memory` holds all of the pool's memory
+    ``kinds`` (highest priority first: bulk staging for GPU pools), then ``direct``; each
+    gets the ``staging_options`` its options model has fields for."""
     reg = registry or get_registry()
-    return _select(Kind.STAGING, StagingStrategy, config.staging, config.staging_options, reg)
+    if config.staging != AUTO:
+        return [_select(Kind.STAGING, StagingStrategy, config.staging, config.staging_options, reg)]
+    need = set(kinds)
+    out: list[Selected] = []
+    ranked = sorted(reg.entries[Kind.STAGING].values(), key=lambda e: -e.impl.priority)
+    for entry in ranked:
+        if entry.name == "direct":
+            continue
+        cls, err = reg.try_resolve(Kind.STAGING, entry.name)
+        if cls is None:
+            logger.info("auto staging: skipping %r: %s", entry.name, err)
+            continue
+        if not (isinstance(cls, type) and issubclass(cls, StagingStrategy)):
+            continue
+        if not need or not need <= cls.auto_memory:
+            continue
+        model = cls.options_model
+        options = {k: v for k, v in config.staging_options.items() if _has_field(model, k)}
+        out.append(_select(Kind.STAGING, StagingStrategy, entry.name, options, reg))
+    direct = reg.resolve(Kind.STAGING, "direct")
+    options = {
+        k: v
+        for k, v in config.staging_options.items()
+        if _has_field(getattr(direct, "options_model", None), k)
+    }
+    out.append(_select(Kind.STAGING, StagingStrategy, "direct", options, reg))
+    return out
 
 
 def auto_for_pool(kind: Kind, pool: str, registry: PluginRegistry | None = None) -> str | None:

@@ -7,7 +7,11 @@ run (verified requests of every size first, every element and aux row checked on
 then timed requests):
 
 * ``cudaipc``: the same-host backend, decode's pages written by the page mover;
-* ``staged``: NIXL with bulk staging (a chunk gathered into one block, written as a few large
+* ``default``: NIXL with the default staging (``auto``: on GPU pools bulk staging at its GPU
+  sizes, :data:`~kvwire.staging.bulk.GPU_SIZES`), each request sent as one chunk, which
+  kvwire cuts into chunks of one staging buffer: what an operator gets without options;
+* ``staged``: NIXL with bulk staging at large sizes (64-page chunks of 128 MiB, 8 MiB
+  descriptors, a 1 GiB ring: each chunk gathered into one block, written as a few large
   descriptors, scattered on decode);
 * ``per-page``: NIXL, one descriptor per (layer, K/V, page), as the peers' connectors move KV;
 
@@ -48,6 +52,7 @@ MiB = 1 << 20
 #: name -> (backend, staging strategy), in the table's order.
 PATHS: dict[str, tuple[str, str]] = {
     "cudaipc": ("cudaipc", "direct"),
+    "default": ("nixl", "auto"),
     "staged": ("nixl", "bulk"),
     "per-page": ("nixl", "direct"),
 }

@@ -36,14 +36,14 @@ from numpy.typing import NDArray
 from pydantic import TypeAdapter
 
 from kvwire.backend import TransferBackend
-from kvwire.config import KVWireConfig
+from kvwire.config import AUTO, KVWireConfig
 from kvwire.control.channel import ControlChannel
 from kvwire.control.wire import Codec, Message, PoolName
 from kvwire.errors import ConfigError, LayoutError
-from kvwire.layout import KVLayout, MemoryRegion
+from kvwire.layout import KVLayout, MemKind, MemoryRegion
 from kvwire.owner_loop import OwnerLoop, Wake
 from kvwire.security import enforce_secret_policy
-from kvwire.selection import create_backends, select_pool_staging, select_staging
+from kvwire.selection import create_backends, select_pool_staging, staging_candidates
 from kvwire.session import metrics as m
 from kvwire.session.peers import Peer, PeerTable
 from kvwire.staging.base import StagingContext, StagingStrategy
@@ -71,6 +71,36 @@ RoomPages = Callable[[int, str], Any]
 
 
 _POOL_NAME: TypeAdapter[str] = TypeAdapter(PoolName)
+
+
+def kv_staging(
+    config: KVWireConfig, kinds: set[MemKind], context: StagingContext, agent: str
+) -> StagingStrategy:
+    """Manager startup: the KV pool's staging strategy, set up. The first candidate of
+    :func:`~kvwire.selection.staging_candidates` whose ``setup`` succeeds; under ``auto`` a
+    candidate that cannot set up here (no view of the pool's GPU memory, no memory left for
+    its ring, a backend that cannot register it) is logged with the reason and the next one
+    is tried, so the default never stops a rank from starting. A named strategy's failure
+    raises."""
+    candidates = staging_candidates(config, kinds)
+    for i, sel in enumerate(candidates):
+        strategy: StagingStrategy = sel.cls(sel.options)
+        try:
+            strategy.setup(context)
+        except Exception as exc:
+            strategy.close()
+            if i == len(candidates) - 1:
+                raise
+            logger.warning(
+                "%s: staging %r cannot serve the KV pool here (%s: %s); trying %r",
+                agent, sel.name, type(exc).__name__, exc, candidates[i + 1].name,
+            )  # fmt: skip
+            continue
+        if config.staging == AUTO:
+            logger.info("%s: staging auto -> %s (KV pool in %s memory)", agent, sel.name,
+                        "/".join(sorted(k.name for k in kinds)))  # fmt: skip
+        return strategy
+    raise AssertionError("staging_candidates always ends with 'direct'")
 
 
 class RankContext:
@@ -190,10 +220,11 @@ class RankContext:
                 room_pages=lambda room: room_pages(room, "kv"),
                 wake_fn=lambda: self.wake_workers(),
             )
-            ssel = select_staging(config)
-            #: Strategy of chunks into the KV pool (``KVWireConfig.staging``).
-            self.staging: StagingStrategy = ssel.cls(ssel.options)
-            self.staging.setup(context)
+            #: Strategy of chunks into the KV pool (``KVWireConfig.staging``; ``auto``:
+            #: bulk staging for a GPU pool, direct elsewhere, see :func:`kv_staging`).
+            self.staging: StagingStrategy = kv_staging(
+                config, {b.kind for b in layout.buffers}, context, self.agent_name
+            )
             built.append(self.staging)
             #: Staging strategy per pool: "kv" is :attr:`staging`; an extra pool's is
             #: ``KVWireConfig.pools[name].staging``. Decode builds one per declared pool;

@@ -47,6 +47,7 @@ from kvwire.errors import TransferError
 from kvwire.index.base import IndexMapper, TablePair
 from kvwire.layout import KVLayout, MemoryRegion
 from kvwire.page_form import PageChunk
+from kvwire.regions import MemKind
 
 #: Registers (or deregisters) memory a strategy allocated with the selected backend.
 RegisterFn = Callable[[Sequence[MemoryRegion]], None]
@@ -337,6 +338,10 @@ class StagingStrategy(ABC):
 
     name: ClassVar[str] = "abstract"
     options_model: ClassVar[type[BaseModel]] = NoOptions
+    #: ``--staging auto`` (the default) picks this strategy for a rank whose KV pool lies
+    #: wholly in memory of these kinds (the highest-priority such strategy that sets up;
+    #: ``direct`` where none does): bulk staging declares GPU memory.
+    auto_memory: ClassVar[frozenset[MemKind]] = frozenset()
 
     def __init__(self, options: BaseModel | None = None) -> None:
         self.options = options if options is not None else self.options_model()

@@ -20,9 +20,14 @@ The messages (:mod:`kvwire.staging.bulk_wire`) travel in core's generic ``stagin
 core routes them to this strategy and knows nothing of them. Every path frees ring space:
 arrival, a writer's confirmation that its writes for a failed request ended
 (:meth:`~kvwire.staging.base.StagingStrategy.writes_ended`), a writer's eviction, or — the last
-resort — ``release_timeout_s`` after decode cleared the request. A chunk too big for a staging
-buffer or the ring takes the per-token path; that choice is made before any allocation and
-counted (``kvwire_staging_fallbacks_total``). What a link stages is its mapper's
+resort — ``release_timeout_s`` after decode cleared the request. A chunk longer than one
+staging buffer holds is cut into chunks that fit (:meth:`BulkStaging.chunk_pages`, before
+it is queued), staged one after another, so a large request overlaps one chunk's gather with
+the previous chunk's write and scatter; only a chunk of which not one page fits a buffer (or
+a layer-wise chunk too big for one) takes the per-token path, chosen before any allocation and
+counted (``kvwire_staging_fallbacks_total``). ``--staging auto`` (the default) picks bulk
+staging where the KV pool is in GPU memory (:attr:`BulkStaging.auto_memory`), with the sizes of
+:data:`GPU_SIZES` unless set. What a link stages is its mapper's
 :meth:`~kvwire.index.base.IndexMapper.staged_slice`: head slices (heterogeneous TP; a
 ``head_rows`` link's head-major side is gathered in token order and scattered into the
 destination's page order, :class:`~kvwire.staging.kernels.KVTensors`), or whole rows for
@@ -83,17 +88,36 @@ FALLBACKS = Counter(
 )
 
 
+#: Bulk staging's sizes on GPU pools, where the options leave them unset: a chunk of up to
+#: 32 MiB per (prefill rank, decode rank) in 2 MiB descriptors, through a 256 MiB ring on
+#: decode; prefill holds ``buffers_per_worker`` buffers per transfer worker. (The defaults of
+#: :class:`BulkOptions` are the host pools'.) docs/staging.md gives the memory and the
+#: measured speed of each choice.
+GPU_SIZES: dict[str, int] = {
+    "block_bytes": 2 * MiB,
+    "buffer_bytes": 32 * MiB,
+    "ring_bytes": 256 * MiB,
+}
+
+
 class BulkOptions(BaseModel):
     """Sizes and timings of bulk staging (``--staging-option key=value``)."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    ring_bytes: int = Field(default=64 * MiB, gt=0, description="Decode staging ring size.")
+    ring_bytes: int = Field(
+        default=64 * MiB, gt=0, description="Decode staging ring size (GPU pools: 256 MiB)."
+    )
     block_bytes: int = Field(
-        default=64 * 1024, gt=0, description="Ring and buffer granularity (one descriptor)."
+        default=64 * 1024,
+        gt=0,
+        description="Ring and buffer granularity, one descriptor (GPU pools: 2 MiB).",
     )
     buffer_bytes: int = Field(
-        default=16 * MiB, gt=0, description="One prefill staging buffer (largest staged chunk)."
+        default=16 * MiB,
+        gt=0,
+        description="One prefill staging buffer: the largest staged chunk; a longer chunk is "
+        "cut into chunks of this size (GPU pools: 32 MiB).",
     )
     buffers_per_worker: int = Field(default=2, ge=1, le=64)
     request_retry_s: float = Field(default=0.2, gt=0, description="Resend an unanswered request.")
@@ -135,6 +159,18 @@ class BulkOptions(BaseModel):
         description="Send a chunk too big to stage per token (counted) instead of failing it.",
     )
 
+    def for_memory(self, on_device: bool) -> BulkOptions:
+        """Setup, on both sides: these options with the sizes of :data:`GPU_SIZES` where the
+        pool is in GPU memory and the operator did not set them (a GPU link pays ~6 us per
+        descriptor, so a chunk goes in few large blocks; host pools keep the small sizes)."""
+        if not on_device:
+            return self
+        unset = {k: v for k, v in GPU_SIZES.items() if k not in self.model_fields_set}
+        if not unset:
+            return self
+        given = self.model_dump(include=self.model_fields_set)
+        return BulkOptions.model_validate({**unset, **given})
+
     @model_validator(mode="after")
     def _sizes(self) -> BulkOptions:
         b = self.block_bytes
@@ -164,6 +200,7 @@ class BulkStaging(StagingStrategy):
 
     name = "bulk"
     options_model = BulkOptions
+    auto_memory = frozenset({MemKind.VRAM})
 
     def __init__(self, options: BaseModel | None = None) -> None:
         super().__init__(options)
@@ -178,7 +215,7 @@ class BulkStaging(StagingStrategy):
         if tensors is None:  # the engine passed none: views of the layout's own buffers
             tensors = layout_views(context.layout)
         kv = KVTensors(context.layout, tensors)
-        o = self.opts
+        o = self.opts = self.opts.for_memory(kv.on_device)
         if context.role == "decode":
             self.ring = RingSide(
                 context,
@@ -268,9 +305,11 @@ class BulkStaging(StagingStrategy):
                 f"{remote.get('wire', 1)}); run the same kvwire version on both sides"
             )
         b = int(remote["block_bytes"])
-        if b != self.opts.block_bytes:
-            raise ConfigError(
-                f"bulk staging block_bytes differ: prefill={self.opts.block_bytes} decode={b}"
+        if b != self.opts.block_bytes:  # e.g. one side's pool on a GPU, the other's on host
+            return LinkStaging(
+                {},
+                f"per descriptor: staging block sizes differ (prefill {self.opts.block_bytes} B, "
+                f"decode {b} B; set block_bytes alike on both sides to stage this link)",
             )
         local = self.writer.region
         n_local = local.length // b

@@ -141,7 +141,7 @@ class WorkerHalf:
             self.pool.summary,
             self.opts.kv_pool,
             f"{mapper} (per decode peer)" if mapper == "auto" else mapper,
-            cfg.staging,
+            f"{self.mgr.staging.name} (auto)" if cfg.staging == "auto" else cfg.staging,
             self.mgr.bootstrap_addr if self.role is Role.PREFILL else "per request",
         )
 

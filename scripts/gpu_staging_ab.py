@@ -1,0 +1,44 @@
+"""One engine run with a chosen staging strategy and options (a device run's building block):
+the GPU engine of :mod:`kvwire.bench.gpu_engine` (its flags: backend, sizes, TP, ...) plus
+``--staging``, ``--staging-options`` (JSON) and ``--max-chunk-pages``. Used by
+``scripts/gpu_staging_default_run.sh`` for the A/B of staging strategies on one backend.
+
+    python3 scripts/gpu_staging_ab.py --backend cudaipc --prefill-tp 2 --decode-tp 1 \
+        --staging bulk --sizes 16,128 --concurrency 1,8 --json out.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+from kvwire.bench.gpu_engine import add_engine_args, engine
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__)
+    add_engine_args(p, requests=32, verify=2, timeout=120.0, backend="cudaipc")
+    p.add_argument("--staging", default="direct")
+    p.add_argument("--staging-options", default="{}", help="JSON")
+    p.add_argument("--max-chunk-pages", type=int, default=0)
+    a = p.parse_args()
+    report = engine(
+        a,
+        staging=a.staging,
+        staging_options=json.loads(a.staging_options),
+        max_chunk_pages=a.max_chunk_pages,
+    )
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(report, f, indent=1)
+    ok = all(v["mismatches"] == 0 for v in report["verified"])
+    cells = " ".join(
+        f"{c['mib']}/{c['concurrency']}:{c['gbps']:.1f}({c['p50_ms']:.2f}ms,failed {c['failed']})"
+        for c in report["cells"]
+    )
+    print("summary", "verified" if ok else "MISMATCH", cells, flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
