@@ -22,6 +22,10 @@ def main() -> int:
     p.add_argument("--staging-options", default="{}", help="JSON")
     p.add_argument("--max-chunk-pages", type=int, default=0)
     a = p.parse_args()
+    if a.device == "cuda" and not a.gpus:  # every visible GPU, ranks round robin
+        import torch
+
+        a.gpus = list(range(torch.cuda.device_count()))
     report = engine(
         a,
         staging=a.staging,

@@ -33,6 +33,13 @@ if has cudaipc; then
     run "cu_bulk_tp$tag" $AB --backend cudaipc --prefill-tp "$1" --decode-tp "$2" --staging bulk
   done
 fi
+if has sizes; then  # the default staging's GPU sizes against larger ones, TP 1 -> 1
+  for sz in "32 2 256" "64 4 512" "128 8 1024"; do
+    set -- $sz; M=$((1 << 20))
+    run "nixl_auto_b$1" $AB --backend nixl --staging auto --sizes 16,128,512 --staging-options \
+      "{\"buffer_bytes\": $(($1 * M)), \"block_bytes\": $(($2 * M)), \"ring_bytes\": $(($3 * M))}"
+  done
+fi
 if has nixl; then
   for tp in "2 1" "1 2"; do
     set -- $tp; tag="$1$2"
