@@ -72,14 +72,13 @@ def test_which_links_stage_and_why() -> None:
     assert not s.decide(dummy, RING, "staged")[0]
     big = _writer({"equal_tp_below_bytes": descriptor_bytes(conv)})
     assert not big.decide(conv, RING, "staged")[0]
-    # "direct" (the backend writes decode's pages itself): whole rows do not stage ...
-    for m in (conv, mla):
+    # "direct" (the backend writes decode's pages itself, in page form): nothing stages,
+    # whole rows and head slices alike (staged over cudaipc, head slices were 3-6x slower)
+    for m in (conv, mla, hetero):
         ok, why = s.decide(m, RING, "direct")
         assert not ok and "advice" in why
         assert s.link_staging(m, RING, "direct").tables == {}
-    # ... head slices still do (in place they would be one run per token)
-    ok, why = s.decide(hetero, RING, "direct")
-    assert ok and "advice 'direct' applies to whole rows only" in why
+    assert s.decide(hetero, RING, "staged")[0] and s.decide(hetero, RING)[0]
     # a GPU pool and ring stage whole rows by the pool kinds alone
     s.writer.kv.on_device = True  # as a GPU pool would be (the rule reads only this)
     vram = {**RING, "kind": int(MemKind.VRAM)}
@@ -120,7 +119,10 @@ def test_the_words_doctor_prints_for_what_is_applied() -> None:
     assert "--staging bulk" in applied_staging("staged", "direct")
     assert applied_staging("staged", "bulk").startswith("bulk: head slices staged")
     assert "no staging" in applied_staging("direct", "direct")
-    assert "head slices still staged" in applied_staging("direct", "bulk")
+    assert "no staging" in applied_staging("direct", "bulk")
+    assert applied_staging("direct", "auto").startswith("auto -> rows written")
+    assert applied_staging("staged", "auto").startswith("auto -> bulk: head slices staged")
+    assert applied_staging("configured", "auto") == "auto -> --staging direct"
     assert applied_staging("configured", "direct") == "--staging direct"
     assert "only on GPU pools" in applied_staging("configured", "bulk")
 

@@ -163,11 +163,6 @@ def applied_staging(advice: StagingAdvice, staging: str) -> str:
         staging = "bulk" if advice != "configured" else "direct"
         return "auto -> " + applied_staging(advice, staging)
     if advice == "direct":
-        if staging == "bulk":
-            return (
-                "whole rows written into decode's pages by the backend itself; head slices "
-                "still staged (in place they are one run per token)"
-            )
         return "rows written into decode's pages by the backend itself (no staging)"
     if staging != "bulk":
         if advice == "staged":

@@ -89,14 +89,16 @@ FALLBACKS = Counter(
 
 
 #: Bulk staging's sizes on GPU pools, where the options leave them unset: a chunk of up to
-#: 32 MiB per (prefill rank, decode rank) in 2 MiB descriptors, through a 256 MiB ring on
-#: decode; prefill holds ``buffers_per_worker`` buffers per transfer worker. (The defaults of
+#: 128 MiB per (prefill rank, decode rank) in 8 MiB descriptors, through a 1 GiB ring on
+#: decode; prefill holds ``buffers_per_worker`` buffers per transfer worker (1 GiB with NIXL's
+#: four workers). Smaller buffers cost speed (a chunk is a grant, a gather, a write and a
+#: scatter: 32 MiB moved a third of 128 MiB's bytes per second on 4 x H200). (The defaults of
 #: :class:`BulkOptions` are the host pools'.) docs/staging.md gives the memory and the
 #: measured speed of each choice.
 GPU_SIZES: dict[str, int] = {
-    "block_bytes": 2 * MiB,
-    "buffer_bytes": 32 * MiB,
-    "ring_bytes": 256 * MiB,
+    "block_bytes": 8 * MiB,
+    "buffer_bytes": 128 * MiB,
+    "ring_bytes": 1024 * MiB,
 }
 
 
@@ -111,13 +113,13 @@ class BulkOptions(BaseModel):
     block_bytes: int = Field(
         default=64 * 1024,
         gt=0,
-        description="Ring and buffer granularity, one descriptor (GPU pools: 2 MiB).",
+        description="Ring and buffer granularity, one descriptor (GPU pools: 8 MiB).",
     )
     buffer_bytes: int = Field(
         default=16 * MiB,
         gt=0,
         description="One prefill staging buffer: the largest staged chunk; a longer chunk is "
-        "cut into chunks of this size (GPU pools: 32 MiB).",
+        "cut into chunks of this size (GPU pools: 128 MiB).",
     )
     buffers_per_worker: int = Field(default=2, ge=1, le=64)
     request_retry_s: float = Field(default=0.2, gt=0, description="Resend an unanswered request.")
@@ -334,9 +336,9 @@ class BulkStaging(StagingStrategy):
         """Prefill, at handshake: does this link go through the ring, and why (one phrase for
         the startup log and ``kvwire doctor``). ``advice`` is the per-link rule's
         (:func:`kvwire.link_choice.choose_link_path`): ``"direct"`` (the link's backend
-        writes decode's pages itself, e.g. ``cudaipc``) keeps a whole-row link unstaged (a
-        head-slice link stays staged: written in place it is one run per token, the weak
-        spot of ``cudaipc`` in the issue-28 matrix);
+        writes decode's pages itself, e.g. ``cudaipc``, head slices and whole rows alike in
+        page form) keeps every link unstaged (staging head slices through the ring over
+        ``cudaipc`` measured 3-6x slower than page form at 128 MiB C=8, docs/benchmarks.md);
         ``"staged"`` (GPU pools without a same-host path) stages whole-row links under
         ``equal_tp="auto"`` as a GPU link would be (:meth:`stages_whole_pages`). Head slices
         (heterogeneous TP) stage whatever the pools; whole rows (equal TP, MLA, page-size
@@ -356,12 +358,10 @@ class BulkStaging(StagingStrategy):
         if (mapper.paging is not None or mapper.src.model.is_mla) and not remote.get("units"):
             old = "decode's kvwire predates staged page-size conversion and MLA"
             return False, f"per descriptor: {what} ({old})"
-        if not sl.whole_rows:
-            if advice == "direct":  # a head slice written in place is one run per token
-                return True, f"staged: {what} (advice 'direct' applies to whole rows only)"
-            return True, f"staged: {what}"
-        if advice == "direct":
+        if advice == "direct":  # cudaipc: head slices and whole rows in page form
             return False, "per descriptor: the link's backend writes decode's pages (advice)"
+        if not sl.whole_rows:
+            return True, f"staged: {what}"
         if self.stages_whole_pages(mapper, remote, advice):
             return True, f"staged: {what} ({self._rule_words(advice)})"
         return False, f"per descriptor: {what} ({self._rule_words(advice)})"
