@@ -312,19 +312,17 @@ def staging_candidates(
             continue
         if not (isinstance(cls, type) and issubclass(cls, StagingStrategy)):
             continue
-        if not need or not need <= cls.auto_memory:
-            continue
-        model = cls.options_model
-        options = {k: v for k, v in config.staging_options.items() if _has_field(model, k)}
-        out.append(_select(Kind.STAGING, StagingStrategy, entry.name, options, reg))
-    direct = reg.resolve(Kind.STAGING, "direct")
-    options = {
-        k: v
-        for k, v in config.staging_options.items()
-        if _has_field(getattr(direct, "options_model", None), k)
-    }
-    out.append(_select(Kind.STAGING, StagingStrategy, "direct", options, reg))
+        if need and need <= cls.auto_memory:
+            out.append(_select_auto(entry.name, cls, config, reg))
+    out.append(_select_auto("direct", reg.resolve(Kind.STAGING, "direct"), config, reg))
     return out
+
+
+def _select_auto(name: str, cls: Any, config: KVWireConfig, reg: PluginRegistry) -> Selected:
+    """One candidate of ``--staging auto``, given the ``staging_options`` it has fields for."""
+    model = getattr(cls, "options_model", None)
+    options = {k: v for k, v in config.staging_options.items() if _has_field(model, k)}
+    return _select(Kind.STAGING, StagingStrategy, name, options, reg)
 
 
 def auto_for_pool(kind: Kind, pool: str, registry: PluginRegistry | None = None) -> str | None:

@@ -108,7 +108,7 @@ class BulkOptions(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     ring_bytes: int = Field(
-        default=64 * MiB, gt=0, description="Decode staging ring size (GPU pools: 256 MiB)."
+        default=64 * MiB, gt=0, description="Decode staging ring size (GPU pools: 1 GiB)."
     )
     block_bytes: int = Field(
         default=64 * 1024,

@@ -81,8 +81,7 @@ def chunk_limit(mapper: IndexMapper, buffer_bytes: int) -> int | None:
     ``buffer_bytes`` holds (every pair's slice of every token of the page), or None where not
     even one page fits (such a chunk moves per descriptor, counted as a fallback). Both sides
     use it: prefill cuts longer chunks there, decode offers space for the first one."""
-    tokens = mapper.paging.src_page if mapper.paging is not None else unit_tokens(mapper)
-    per_page = mapper.num_pairs * tokens * staged(mapper).nbytes
+    per_page = mapper.num_pairs * mapper.src.model.page_size * staged(mapper).nbytes
     return buffer_bytes // per_page if per_page <= buffer_bytes else None
 
 
@@ -227,8 +226,10 @@ class RingSide:
         with self._lock:
             for session in writers:
                 writer = self._writers.get(session)
-                units = first(writer.mapper, npages) if writer is not None else 0
-                if writer is None or units <= 0:
+                if writer is None:
+                    continue
+                units = first(writer.mapper, npages)
+                if units <= 0:
                     continue
                 key = (room, session, 0)
                 if key in self._space or (session, 0) in self._done.get(room, ()):
