@@ -234,6 +234,10 @@ class GilWatch:
         #: and how many probes ended before the engine's interval came back (busy_check).
         self.lowerings = 0
         self.probes_skipped = 0
+        #: Windows of idle waits looked at so far, and the last one's median lateness (s):
+        #: what the watch saw, for rank stats and tests (None before the first window).
+        self.windows = 0
+        self.last_median_s: float | None = None
         if mode == "always":
             lower_switch_interval(self, interval_us, agent_name, "control.gil_switch='always'")
         self._on_change(sys.getswitchinterval(), False)
@@ -277,6 +281,8 @@ class GilWatch:
                     return
                 late = statistics.median(self._late)
                 self._late.clear()
+                self.windows += 1
+                self.last_median_s = late
                 if late >= STARVED_S:
                     self._lower(now, late, f"median of {WINDOW}")
         if start:

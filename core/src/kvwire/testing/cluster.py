@@ -464,8 +464,9 @@ class Cluster:
         unauthenticated, malformed, version, send_full), ``failovers`` and ``recoveries``
         (its transport failover metrics) and, for a rank with several backends, ``links``
         (``{engine peer: the backend its next transfer takes}``), ``switch_interval_s`` (the
-        process's GIL switch interval now) and ``gil_lowerings`` (how often its manager
-        lowered it: :mod:`kvwire.gil`)."""
+        process's GIL switch interval now), ``gil_lowerings`` (how often its manager
+        lowered it: :mod:`kvwire.gil`), ``gil_windows`` (windows of idle waits its watch
+        looked at) and ``gil_last_median_s`` (the last window's median lateness)."""
         out = {}
         for p in self.procs:
             if not p.proc.is_alive():

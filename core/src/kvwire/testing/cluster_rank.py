@@ -566,6 +566,8 @@ def rank_main(
                     stats: dict[str, Any] = {"evictions": evictions(), "peers": len(mgr.peers)}
                     stats["switch_interval_s"] = sys.getswitchinterval()
                     stats["gil_lowerings"] = mgr.gil.lowerings
+                    stats["gil_windows"] = mgr.gil.windows
+                    stats["gil_last_median_s"] = mgr.gil.last_median_s
                     stats.update(transport_switches())
                     conn.send(("stats", stats, mgr.dropped))
                 elif msg[0] == "peer_agents":

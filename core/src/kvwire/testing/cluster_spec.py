@@ -92,7 +92,8 @@ class ClusterSpec(BaseModel):
     engine_step_s: float = Field(default=0.001, gt=0, le=0.1)
     #: The engine loop runs Python for ``engine_step_s`` between polls instead of sleeping:
     #: a scheduler that never sleeps, as a serving engine's is under load. It gives up the
-    #: GIL only when the interpreter's switch interval asks it to, so every kvwire thread
+    #: GIL when the interpreter's switch interval asks it to and for the instant of each
+    #: poll between steps (a thread woken then may take it), so every kvwire thread
     #: that waits outside the GIL (a socket, a CUDA call) may wait up to that interval to
     #: run again.
     engine_busy: bool = False
