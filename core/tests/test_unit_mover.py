@@ -248,3 +248,59 @@ _KV_UNITS_CHECK = textwrap.dedent(
     print("KV-UNITS-OK")
     """
 )
+
+
+def test_kvtensors_blocks_at_an_offset_in_interpreter() -> None:
+    """``gather_block`` / ``scatter_block`` (what bulk staging calls, the block given as its
+    staging memory and a byte offset, no view built on the fused path) move exactly what the
+    NumPy path does with a view of the same bytes, for whole pages and for units, and touch
+    no byte of the memory outside the block."""
+    pytest.importorskip("triton")
+    run_interpreted(_KV_BLOCK_CHECK, "KV-BLOCK-OK")
+
+
+_KV_BLOCK_CHECK = textwrap.dedent(
+    """
+    import numpy as np
+    from kvwire.layout import ModelSpec, RankPosition
+    from kvwire.staging.kernels import KVTensors, block_view
+    from kvwire.testing.kvfill import make_pool
+    rng = np.random.default_rng(11)
+
+    def pool():
+        m = ModelSpec(num_layers=2, total_kv_heads=4, head_dim=4, dtype="int32", page_size=8)
+        lay, arrs = make_pool(m, RankPosition(), 10)
+        for a in arrs:
+            a[...] = rng.integers(-2**31, 2**31 - 1, a.shape, dtype=np.int64).astype(np.int32)
+        return lay, arrs
+
+    la, aa = pool()
+    lb, ab = pool()
+    lc, ac = pool()  # decode's pool twice: scattered to on the fused and on the NumPy path
+    fused, plain = KVTensors(la, aa), KVTensors(la, aa)
+    fused.moves = fused.fused_moves("cpu")  # the GPU path, interpreted
+    bufs = np.array([2, 0, 3], dtype=np.int64)
+    row = la.token_row_bytes
+    for unit, count in ((8, 4), (4, 7), (2, 9)):
+        sel = rng.permutation(10 * 8 // unit)[:count].astype(np.int64)
+        for lo, hi in ((0, row), (16, 48)):
+            shape = (bufs.size, count, unit, hi - lo)
+            start = 24 + int(rng.integers(0, 64))
+            mem = rng.integers(0, 256, start + int(np.prod(shape)) + 40, dtype=np.uint8)
+            want = mem.copy()
+            fused.gather_block(bufs, sel, lo, hi, mem, start, unit)
+            plain.gather(bufs, sel, lo, hi, block_view(want, start, shape), unit)
+            assert np.array_equal(mem, want), ("gather", unit, lo)
+            # scatter that block into the other pool, both ways
+            for x, y in zip(ab, ac):
+                y[...] = x
+            fb, pb = KVTensors(lb, ab), KVTensors(lc, ac)
+            fb.moves = fb.fused_moves("cpu")
+            dst = rng.permutation(10 * 8 // unit)[:count].astype(np.int64)
+            fb.scatter_block(bufs, dst, lo, hi, mem, start, unit)
+            pb.scatter_block(bufs, dst, lo, hi, mem, start, unit)  # NumPy path, a view
+            for x, y in zip(fb.views, pb.views):
+                assert np.array_equal(x, y), ("scatter", unit, lo)
+    print("KV-BLOCK-OK")
+    """
+)

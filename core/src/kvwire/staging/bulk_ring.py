@@ -28,7 +28,7 @@ from kvwire.index.base import IndexMapper, StagedSlice
 from kvwire.layout import MemoryRegion
 from kvwire.staging.base import ArrivedChunk, StagingContext
 from kvwire.staging.bulk_wire import Ask, BulkMessage, Deny, Grant, Watermark
-from kvwire.staging.kernels import KVTensors, block_view
+from kvwire.staging.kernels import KVTensors
 from kvwire.staging.ring import Allocation, RingAllocator
 
 logger = logging.getLogger(__name__)
@@ -323,8 +323,8 @@ class RingSide:
         )
         a = space.alloc
         sl = staged(m)
-        block = block_view(self.mem, a.offset, (m.num_pairs, pages.size, ut, sl.nbytes))
-        self.kv.scatter(m.dst_buf, pages, sl.dst_lo, sl.dst_lo + sl.nbytes, block, ut)
+        self.kv.scatter_block(m.dst_buf, pages, sl.dst_lo, sl.dst_lo + sl.nbytes, self.mem,
+                              a.offset, ut)  # fmt: skip
         STAGED.inc()
         with self._lock:
             self._space.pop(key, None)

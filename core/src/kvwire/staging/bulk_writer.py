@@ -30,7 +30,7 @@ from kvwire.layout import MemoryRegion
 from kvwire.staging.base import ChunkPlan, LayerPlan, QueuedChunk, StagingContext
 from kvwire.staging.bulk_ring import block_bytes, staged, unit_owners, unit_tokens
 from kvwire.staging.bulk_wire import MESSAGES, Ask, BulkMessage, Deny, Grant, Watermark
-from kvwire.staging.kernels import KVTensors, block_view
+from kvwire.staging.kernels import KVTensors
 from kvwire.staging.ring import Allocation, WatermarkView
 
 logger = logging.getLogger(__name__)
@@ -251,17 +251,18 @@ class WriterSide:
         ``pairs`` (sorted), one contiguous run of pairs at a time; synchronised."""
         ut = unit_tokens(mapper)
         sl = staged(mapper)
-        out = block_view(self.buffers, start, (mapper.num_pairs, pages.size, ut, sl.nbytes))
         lo = sl.src_lo
         hi = lo + sl.nbytes
         if pairs is None:
-            self.kv.gather(mapper.src_buf, pages, lo, hi, out, ut)
+            self.kv.gather_block(mapper.src_buf, pages, lo, hi, self.buffers, start, ut)
             return
+        per_pair = pages.size * ut * sl.nbytes  # the block is [pair, unit, token, slice]
         cuts = np.flatnonzero(np.diff(pairs) != 1) + 1
         for run in np.split(pairs, cuts):  # a layer group: its K run and its V run
             if run.size:
                 a, b = int(run[0]), int(run[-1]) + 1
-                self.kv.gather(mapper.src_buf[a:b], pages, lo, hi, out[a:b], ut)
+                at = start + a * per_pair
+                self.kv.gather_block(mapper.src_buf[a:b], pages, lo, hi, self.buffers, at, ut)
 
     def _rows(self, ask: _Ask, start: int, units: Any) -> tuple[Any, Any]:
         """Source and destination rows (block units) of the staging table for ``units``."""
