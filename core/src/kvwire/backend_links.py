@@ -13,6 +13,7 @@ from typing import ClassVar
 from kvwire.errors import PeerError
 from kvwire.layout import MemKind, MemoryRegion
 from kvwire.link_choice import LinkChoice, LinkFacts, PeerFacts, choose_link_path, host_identity
+from kvwire.transfers import BackendCapabilities
 
 _DRAM = frozenset({MemKind.DRAM})
 Kinds = frozenset[MemKind] | None
@@ -30,6 +31,9 @@ class LinkRules(ABC):
     #: :func:`kvwire.selection.create_backends`): the per-link rule then explains its links
     #: as auto's choice (:func:`kvwire.link_choice.choose_link_path`).
     auto: bool = False
+    #: What the backend can do (declared by :class:`~kvwire.backend.TransferBackend`): the
+    #: rule reads ``page_writes`` (a backend that writes decode's pages is never staged).
+    capabilities: ClassVar[BackendCapabilities]
 
     @abstractmethod
     def local_metadata(self) -> bytes:
@@ -101,6 +105,7 @@ class LinkRules(ABC):
                 peer_kinds=peer_kinds,
                 same_host=(host == host_identity()) if host else None,
                 auto=self.auto,
+                page_writers=frozenset({self.name} if self.capabilities.page_writes else ()),
             )
         )
         return LinkChoice(self.add_peer(mine), self.name, (), skipped, path.why, path.staging)

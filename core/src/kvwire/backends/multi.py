@@ -12,18 +12,18 @@ link-only backend such as ``cudaipc`` is usable here) holds one :class:`MultiBac
   backend, the others its fallbacks. ``prepare`` prepares the tables on every member.
 * **Failover.** A transfer goes to the link's first *healthy* member; when that member
   reports it FAILED (or refuses it with a peer or handle error), the member is marked
-  unhealthy for the link, the switch is logged and reported (``on_failover``), and the same
-  rows and notification go to the next healthy member; the handle stays PENDING. Writes are
-  idempotent and a failed member delivered no notification, so decode counts a chunk once.
-* **Recovery.** A probe thread reconnects an unhealthy member after a back-off that doubles
-  on each failed probe (``probe_s`` .. ``probe_max_s``): ``link_problem`` first, then the
-  peer is added again from its metadata and the tables prepared again (``on_recovery``).
+  unhealthy for the link, the switch logged and reported (``on_failover``), and the same rows
+  and notification go to the next healthy member (the handle stays PENDING; writes are
+  idempotent, a failed member delivered no notification: decode counts a chunk once).
+* **Recovery.** A probe thread reconnects an unhealthy member after a back-off doubling on
+  each failed probe (``probe_s`` .. ``probe_max_s``): ``link_problem``, then the peer added
+  again from its metadata, the tables prepared again (``on_recovery``).
 
 Lock contract (on top of the template's): routes and their health live under
-``_routes_lock``, held only for dictionary and flag updates, never across a member call. The
-control lock (``_lock``) serialises ``add_link``, ``prepare``, ``remove_peer`` and the probe's
-reconnection. Data-path methods (``submit``/``poll``/``release``) take no lock but a transfer's
-own (try-acquired by ``poll``: two threads polling one handle do not both fail it over).
+``_routes_lock``, held only for dictionary and flag updates, never across a member call.
+``_lock`` serialises ``add_link``, ``prepare``, ``remove_peer`` and the probe's reconnection.
+Data-path methods (``submit``/``poll``/``release``) take no lock but a transfer's own
+(try-acquired by ``poll``: two threads polling one handle do not both fail it over).
 """
 
 from __future__ import annotations
@@ -94,8 +94,10 @@ class MultiBackend(TransferBackend):
         self.members = list(members)
         #: ``--transfer-backend auto`` (the per-link rule picks) or a list (its order does).
         self.auto = auto
-        #: Members that serve only some links (``cudaipc``), for the per-link rule.
+        #: Members that serve only some links (``cudaipc``) and that write decode's pages
+        #: themselves (``page_writes``: never staged), for the per-link rule.
         self.link_only = frozenset(link_only)
+        self.page_writers = frozenset(m.name for m in members if m.capabilities.page_writes)
         self.probe_s = probe_s
         self.probe_max_s = probe_max_s
         self._on_failover = on_failover
@@ -133,12 +135,8 @@ class MultiBackend(TransferBackend):
                     if self._routes or left < 1:
                         raise
                     self.disabled[i] = f"refused this rank's memory: {exc}"
-                    logger.warning(
-                        "%s: transfer backend %s disabled: it %s",
-                        self.agent_name,
-                        m.name,
-                        self.disabled[i],
-                    )
+                    why = self.disabled[i]
+                    logger.warning("%s: backend %s disabled: it %s", self.agent_name, m.name, why)
                     continue
                 done.append(m)
         except BaseException:
@@ -158,11 +156,8 @@ class MultiBackend(TransferBackend):
 
     def offers(self) -> list[tuple[str, bytes]]:
         """Every enabled member's name and metadata, in preference order (decode's hello)."""
-        return [
-            (m.name, m.local_metadata())
-            for i, m in enumerate(self.members)
-            if i not in self.disabled
-        ]
+        return [(m.name, m.local_metadata()) for i, m in enumerate(self.members)
+                if i not in self.disabled]  # fmt: skip
 
     def advertised_hosts(self, metadata: bytes) -> list[str]:
         """The hosts in ``metadata`` as the member whose metadata it is reads them (each
@@ -207,6 +202,7 @@ class MultiBackend(TransferBackend):
                 peer_kinds=peer_kinds,
                 same_host=(host == host_identity()) if host else None,
                 auto=self.auto,
+                page_writers=self.page_writers,
             )
         )
         skipped.update(path.skipped)

@@ -1,0 +1,64 @@
+#!/usr/bin/env bash
+# This tree against a base tree, one device call (nvidia-h100-x2 or nvidia-h200-x2), and stack
+# samples of this tree:
+#  ab:     NIXL with the default staging (auto), TP 1 -> 1, 16 and 128 MiB, C = 1 and 8:
+#          base and this tree alternating, ROUNDS rounds (the base's core sources first on
+#          PYTHONPATH; the plugins are this tree's);
+#  sample: this tree, the same path at 16 and 128 MiB C=8, 200 requests, scripts/rank_sampler.py;
+#  tp12:   cudaipc TP 1 -> 1 and TP 1 -> 2 at 16 and 128 MiB, C = 8 (issue 28; with two GPUs the
+#          second decode rank shares GPU 0 with prefill).
+# Every run's first requests are checked element by element.
+# On the development machine:
+#   bash scripts/gpu_wheels.sh                       # fills .whl/
+#   rm -rf ab_base && mkdir ab_base && git archive BASE core/src | tar -x -C ab_base
+# Device call, carry [".whl"] (ab_base/ is untracked, so it travels; never commit it).
+# Results: $OUT/ab.tgz (JSON and log per run, sampler reports); summary lines are printed.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-/tmp/about}
+source scripts/gpu_env.sh
+N=${REQUESTS:-48}
+ROUNDS=${ROUNDS:-2}
+PARTS=${PARTS:-ab sample tp12}
+has() { [[ " $PARTS " == *" $1 "* ]]; }
+run() {  # name, then the command
+  local name=$1; shift
+  local t0=$SECONDS
+  timeout 200 "$@" --json "$OUT/$name.json" > "$OUT/$name.log" 2>&1
+  local rc=$?
+  echo "$name rc=$rc $((SECONDS - t0)) s: $(grep '^summary' "$OUT/$name.log")"
+}
+nvidia-smi topo -m > "$OUT/topo.txt" 2>&1; head -4 "$OUT/topo.txt"
+AB="scripts/gpu_staging_ab.py --requests $N --verify-requests 2 --timeout 120"
+NEW=$PYTHONPATH
+BASE=$PWD/ab_base/core/src:${PYTHONPATH#*:}
+if has ab; then
+  [ -d ab_base/core/src ] || { echo "no ab_base/core/src"; exit 1; }
+  for r in $(seq "$ROUNDS"); do
+    for t in base new; do
+      pp=$NEW; [ $t = base ] && pp=$BASE
+      PYTHONPATH=$pp run "st_${t}_r$r" python3 $AB --backend nixl --staging auto \
+        --sizes 16,128 --concurrency 1,8
+    done
+  done
+fi
+if has sample; then
+  mkdir -p /tmp/sc && cp scripts/rank_sampler.py /tmp/sc/sitecustomize.py
+  for mib in 16 128; do
+    d="$OUT/sample_st$mib"; mkdir -p "$d"
+    KVWIRE_SAMPLE_DIR=$d KVWIRE_SAMPLE_US=250 PYTHONPATH=/tmp/sc:$NEW \
+      run "smp_st$mib" python3 $AB --backend nixl --staging auto --sizes $mib --concurrency 8 \
+      --requests 200 --verify-requests 1 --sample-dir "$d"
+    python3 scripts/rank_sampler.py report "$d" --per 200 --top 16 > "$OUT/smp_st$mib.txt" 2>&1
+    grep -E "== pid|-- thread" "$OUT/smp_st$mib.txt"
+    rm -rf "$d"
+  done
+fi
+if has tp12; then
+  for tp in "1 1" "1 2"; do
+    set -- $tp
+    run "cu_tp$1$2" python3 $AB --backend cudaipc --staging auto --prefill-tp "$1" \
+      --decode-tp "$2" --sizes 16,128 --concurrency 8 --requests 200
+  done
+fi
+(cd "$OUT" && tar czf ab.tgz ./*.json ./*.log ./*.txt && rm -f ./*.json ./*.log ./smp*.txt)
