@@ -30,6 +30,7 @@ from kvwire.session.metrics import ChunkDone
 from kvwire.session.prefill import late_sums, posting
 from kvwire.session.prefill.groups import GROUPS_TABLE, group_rows
 from kvwire.session.prefill.layerwise import LayerPosting
+from kvwire.session.prefill.pace import PollPace
 from kvwire.session.prefill.posting import PlanRef, SegmentPost, Tail, WorkerSide, summed_pieces
 from kvwire.session.prefill.rooms import Job, SendRoom
 from kvwire.staging.base import ChunkPlan, LocalCopy, Segment
@@ -94,6 +95,8 @@ class Pipeline:
         self.tails: dict[tuple[int, str], Tail] = {}
         #: Set by a layer-wise chunk's gate when the engine marks layers (see :meth:`idle`).
         self.wake = threading.Event()
+        #: When to poll unannounced writes first (:mod:`~kvwire.session.prefill.pace`).
+        self.pace = PollPace()
 
     @property
     def busy(self) -> bool:
@@ -321,11 +324,21 @@ class Pipeline:
             self.wake.clear()
             return
         if self.posted or not gates or any(g is None for g in gates):
-            time.sleep(sleep_s)
+            ahead = self.pace.ahead(self._unannounced(), time.perf_counter())
+            if ahead <= sleep_s:
+                time.sleep(sleep_s)
+                return
+            self.wake.wait(ahead)  # no write can have ended yet; a job or a grant wakes it
+            self.wake.clear()
             return
         events = [g.watch(self.wake) for g in gates if g is not None]
         self.wake.wait(GATE_EVENT_POLL_S if any(events) else GATE_IDLE_S)
         self.wake.clear()  # the caller's next progress() reads the gates afresh
+
+    def _unannounced(self) -> list[tuple[float, int]]:
+        """(posted at, bytes) of the backend's writes in flight that no event announces."""
+        return [(p.t_posted, p.handle.num_bytes) for p in self.posted
+                if p.copy is None and not p.handle.pushes]  # fmt: skip
 
     def notify(self) -> None:
         """Any thread (a job was queued for this worker): end an :meth:`idle` wait now."""
@@ -340,16 +353,9 @@ class Pipeline:
     # --------------------------------------------------------------- internals
     def _note(self, room: int, what: str, chunk_id: int = 0, last: bool = False) -> bytes:
         ctx = self.ctx
-        return ctx.codec.encode(
-            ChunkNote(
-                room=room,
-                sender_id=self.side.sender_id,
-                session=ctx.session,
-                what=what,  # type: ignore[arg-type]
-                chunk_id=chunk_id,
-                last=last,
-            )
-        )
+        note = ChunkNote(room=room, sender_id=self.side.sender_id, session=ctx.session,
+                         what=what, chunk_id=chunk_id, last=last)  # type: ignore[arg-type]  # fmt: skip
+        return ctx.codec.encode(note)
 
     def _post_copy(
         self,
@@ -407,21 +413,10 @@ class Pipeline:
         # handled on decode before the call returns (stage marks must stay in causal order)
         tail.room.metrics.marks["posted"] = time.perf_counter()
         handle = posting.submit_rows(self.ctx.backend, pair, rows, note, self.wake.set)
+        deadline = time.monotonic() + self.ctx.options.transfer_timeout_s
         now = time.perf_counter()
-        self._track(
-            _Posted(
-                handle,
-                key,
-                tail.room,
-                ref,
-                t_start,
-                now,
-                t_enqueued,
-                time.monotonic() + self.ctx.options.transfer_timeout_s,
-                what,
-            ),
-            tail,
-        )
+        self._track(_Posted(handle, key, tail.room, ref, t_start, now, t_enqueued, deadline, what),
+                    tail)  # fmt: skip
 
     def _copy_state(self, p: _Posted) -> XferState:
         assert p.copy is not None
@@ -494,6 +489,8 @@ class Pipeline:
                 p.what,
             )
         elif p.counted:
+            if p.copy is None and not h.pushes:
+                self.pace.ended(h.num_bytes, t_done - p.t_posted)
             p.room.metrics.marks["done"] = t_done
             done = ChunkDone(h.num_bytes, h.num_descs, p.t_start, p.t_posted, t_done, p.t_enqueued)
             self.side.record(p.room, done)
