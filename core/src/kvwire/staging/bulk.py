@@ -52,12 +52,10 @@ import logging
 from collections.abc import Sequence
 from typing import Any, Literal
 
-import numpy as np
 from prometheus_client import Counter
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from kvwire.control.wire import StagingMessage
-from kvwire.descriptors import make_table
 from kvwire.errors import ConfigError
 from kvwire.index.base import IndexMapper, TablePair
 from kvwire.regions import MemKind
@@ -76,6 +74,7 @@ from kvwire.staging.bulk_wire import WIRE_VERSION, BulkMessage
 from kvwire.staging.bulk_writer import WriterSide, chunk_units
 from kvwire.staging.kernels import KVTensors
 from kvwire.staging.pool_views import layout_views
+from kvwire.staging.spans import Spans, order_for
 
 logger = logging.getLogger(__name__)
 
@@ -314,20 +313,14 @@ class BulkStaging(StagingStrategy):
                 f"decode {b} B; set block_bytes alike on both sides to stage this link)",
             )
         local = self.writer.region
-        n_local = local.length // b
-        n_remote = int(remote["ring_bytes"]) // b
+        # rows of 2**k blocks up to a full buffer: a chunk is one or a few descriptors
+        order = order_for(self.opts.buffer_bytes // b)
+        src, dst = Spans(local.length // b, order), Spans(int(remote["ring_bytes"]) // b, order)
         pair = TablePair(
-            src=make_table(
-                local.addr + np.arange(n_local, dtype=np.uint64) * np.uint64(b),
-                b,
-                local.device_id,
-            ),
-            dst=make_table(
-                int(remote["ring_addr"]) + np.arange(n_remote, dtype=np.uint64) * np.uint64(b),
-                b,
-                int(remote["device_id"]),
-            ),
+            src=src.table(local.addr, b, local.device_id),
+            dst=dst.table(int(remote["ring_addr"]), b, int(remote["device_id"])),
         )
+        self.writer.link_spans(session, src, dst)
         return LinkStaging({"staging": pair}, why)
 
     def decide(

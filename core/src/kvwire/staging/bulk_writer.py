@@ -32,8 +32,13 @@ from kvwire.staging.bulk_ring import block_bytes, staged, unit_owners, unit_toke
 from kvwire.staging.bulk_wire import MESSAGES, Ask, BulkMessage, Deny, Grant, Watermark
 from kvwire.staging.kernels import KVTensors
 from kvwire.staging.ring import Allocation, WatermarkView
+from kvwire.staging.spans import Spans, span_rows
 
 logger = logging.getLogger(__name__)
+
+#: Order-0 spans (one row per block) for a link whose spans were never given (a caller that
+#: builds the tables itself): the rows are the block positions.
+_BLOCKS = Spans(1 << 62, 0)
 
 #: Staged chunks 0 by what became of decode's offer: ``taken`` (no ask sent), ``other_pages``
 #: (the chunk covers other pages: asked), ``none`` (no offer had come: asked).
@@ -114,6 +119,8 @@ class WriterSide:
         #: Space decode offered ahead (unasked grants with ``npages``), until a chunk takes
         #: it, the room is released, or ``offer_ttl_s`` passed (a room never sent here).
         self._offers: dict[tuple[int, str, int], tuple[Grant, float]] = {}
+        #: Each staged link's span rows (source, destination), by decode session.
+        self._spans: dict[str, tuple[Spans, Spans]] = {}
 
     # ------------------------------------------------------------------ asks
     def request(self, ask: Ask, dest: str, endpoint: str, transfer_timeout_s: float) -> None:
@@ -264,11 +271,20 @@ class WriterSide:
                 at = start + a * per_pair
                 self.kv.gather_block(mapper.src_buf[a:b], pages, lo, hi, self.buffers, at, ut)
 
-    def _rows(self, ask: _Ask, start: int, units: Any) -> tuple[Any, Any]:
-        """Source and destination rows (block units) of the staging table for ``units``."""
+    def link_spans(self, dest: str, src: Spans, dst: Spans) -> None:
+        """Prefill, at handshake: the span rows of the staging tables of the link to decode
+        rank ``dest`` (:mod:`~kvwire.staging.spans`)."""
+        with self._lock:
+            self._spans[dest] = (src, dst)
+
+    def _rows(self, ask: _Ask, start: int, units: Any, dest: str) -> tuple[Any, Any]:
+        """Source and destination rows of the staging tables that move block ``units`` of
+        the chunk: one span row per run of blocks and set bit of its length."""
         assert ask.grant is not None
         b = self._block
-        return start // b + units, ask.grant.offset // b + units
+        with self._lock:
+            spans = self._spans.get(dest, (_BLOCKS, _BLOCKS))
+        return span_rows(*spans, start // b + units, ask.grant.offset // b + units)
 
     def plan(
         self,
@@ -297,7 +313,7 @@ class WriterSide:
                 self._free[worker].append(slot)
             raise
         nblocks = -(-block_bytes(mapper, pages.size) // self._block)
-        src_idx, dst_idx = self._rows(ask, start, np.arange(nblocks, dtype=np.int64))
+        src_idx, dst_idx = self._rows(ask, start, np.arange(nblocks, dtype=np.int64), dest)
         token = (worker, slot, (room, dest, chunk_id))
         return ChunkPlan("staging", src_idx, dst_idx, token=token, what="staged")
 
@@ -332,8 +348,8 @@ class WriterSide:
         pages = src_units(mapper, src_pages)
         owner, pair_group = unit_owners(mapper, pages.size, self._block, edges)
         groups = edges.size - 1
-        rows = [self._rows(ask, start, np.flatnonzero(owner == g)) for g in range(groups)]
-        every = self._rows(ask, start, np.arange(owner.size, dtype=np.int64))
+        rows = [self._rows(ask, start, np.flatnonzero(owner == g), dest) for g in range(groups)]
+        every = self._rows(ask, start, np.arange(owner.size, dtype=np.int64), dest)
         token = (worker, slot, (room, dest, chunk_id))
         plan = ChunkPlan("staging", *every, token=token, what="staged")
 

@@ -340,6 +340,10 @@ class BulkEqualTPConformance(ClusterConformance):
             assert r.descriptors < per_page / 3, (r.descriptors, per_page)
         moved = sum(r.bytes for r in results)
         assert moved > 3 * SMALL_RING["ring_bytes"], "the workload must wrap the ring"
+        # a chunk's consecutive blocks go as spans of 2**k blocks (kvwire.staging.spans):
+        # one row per block would carry at most a block each
+        per_row = moved / sum(r.descriptors for r in results)
+        assert per_row > 1.5 * SMALL_RING["block_bytes"], per_row
 
 
 class BulkStagingFaults(_Base):
