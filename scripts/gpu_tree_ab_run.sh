@@ -6,7 +6,9 @@
 #          PYTHONPATH; the plugins are this tree's);
 #  sample: this tree, the same path at 16 and 128 MiB C=8, 200 requests, scripts/rank_sampler.py;
 #  tp12:   cudaipc TP 1 -> 1 and TP 1 -> 2 at 16 and 128 MiB, C = 8 (issue 28; with two GPUs the
-#          second decode rank shares GPU 0 with prefill).
+#          second decode rank shares GPU 0 with prefill);
+#  bench:  `kvwire bench --device cuda` (every path, 16, 128 and 512 MiB, C = 1 and 8).
+# SIZES and CONC set the ab part's cells (default 16,128 and 1,8).
 # Every run's first requests are checked element by element.
 # On the development machine:
 #   bash scripts/gpu_wheels.sh                       # fills .whl/
@@ -38,7 +40,7 @@ if has ab; then
     for t in base new; do
       pp=$NEW; [ $t = base ] && pp=$BASE
       PYTHONPATH=$pp run "st_${t}_r$r" python3 $AB --backend nixl --staging auto \
-        --sizes 16,128 --concurrency 1,8
+        --sizes "${SIZES:-16,128}" --concurrency "${CONC:-1,8}"
     done
   done
 fi
@@ -60,5 +62,11 @@ if has tp12; then
     run "cu_tp$1$2" python3 $AB --backend cudaipc --staging auto --prefill-tp "$1" \
       --decode-tp "$2" --sizes 16,128 --concurrency 8 --requests 200
   done
+fi
+if has bench; then
+  t0=$SECONDS
+  timeout 300 python3 -m kvwire.cli bench --device cuda --mib 16,128,512 --concurrency 1,8 \
+    --requests 32 --json "$OUT/bench.json" > "$OUT/bench.log" 2>&1
+  echo "bench rc=$? $((SECONDS - t0)) s"; tail -22 "$OUT/bench.log"
 fi
 (cd "$OUT" && tar czf ab.tgz ./*.json ./*.log ./*.txt && rm -f ./*.json ./*.log ./smp*.txt)
