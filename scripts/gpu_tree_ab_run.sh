@@ -2,8 +2,9 @@
 # This tree against a base tree, one device call (nvidia-h100-x2 or nvidia-h200-x2), and stack
 # samples of this tree:
 #  ab:     NIXL with the default staging (auto), TP 1 -> 1, 16 and 128 MiB, C = 1 and 8:
-#          base and this tree alternating, ROUNDS rounds (the base's core sources first on
-#          PYTHONPATH; the plugins are this tree's);
+#          base and this tree alternating, ROUNDS rounds, base first in odd rounds and second
+#          in even ones (the base's core sources first on PYTHONPATH; the plugins are this
+#          tree's);
 #  sample: this tree, the same path at 16 and 128 MiB C=8, 200 requests, scripts/rank_sampler.py;
 #  tp12:   cudaipc TP 1 -> 1 and TP 1 -> 2 at 16 and 128 MiB, C = 8 (issue 28; with two GPUs the
 #          second decode rank shares GPU 0 with prefill);
@@ -37,7 +38,8 @@ BASE=$PWD/ab_base/core/src:${PYTHONPATH#*:}
 if has ab; then
   [ -d ab_base/core/src ] || { echo "no ab_base/core/src"; exit 1; }
   for r in $(seq "$ROUNDS"); do
-    for t in base new; do
+    order="base new"; [ $((r % 2)) = 0 ] && order="new base"  # ABBA: a drift cancels
+    for t in $order; do
       pp=$NEW; [ $t = base ] && pp=$BASE
       PYTHONPATH=$pp run "st_${t}_r$r" python3 $AB --backend nixl --staging auto \
         --sizes "${SIZES:-16,128}" --concurrency "${CONC:-1,8}"
