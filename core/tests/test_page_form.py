@@ -187,6 +187,13 @@ def test_bad_pages_and_geometries_are_refused() -> None:
         check_page_chunk(chunk, sl, dl[:-1])  # a smaller table than the geometry's
     with pytest.raises(DescriptorError, match=r"has \d+ bytes"):
         check_page_chunk(chunk, sl, dl * np.uint64(2))
+    # a geometry that passed against one pair's tables is checked again against others
+    # (only a chunk's page indices are checked anew against the tables it passed with)
+    assert check_page_chunk(chunk, sl, dl) == chunk.nbytes
+    with pytest.raises(DescriptorError, match="reaches remote table rows"):
+        check_page_chunk(chunk, sl, dl[:-1].copy())
+    with pytest.raises(DescriptorError, match="destination page indices out of range"):
+        check_page_chunk(bad, sl, dl)
     # strides that are not the tables' (a geometry of another link) are refused
     sa, da = tables.src[:, ADDR].astype(np.int64), tables.dst[:, ADDR].astype(np.int64)
     check_geometry_addresses(g, sa, da)
