@@ -3,7 +3,8 @@
 # (its carry limit is 64 MiB in all): kvwire's own wheels built from this tree, the pure
 # dependencies the GPU image does not ship (docs: ../shared/design/gpu-runs.md), at the
 # versions uv.lock pins, and, unless NIXL=0, NIXL's CUDA 13 wheel in .whl/nixl/ (its
-# unused nixl_ep_cu13 payload dropped, which keeps the folder under the limit).
+# unused nixl_ep_cu13 payload dropped, which keeps the folder under the limit), and, unless
+# SPY=0, py-spy in .whl/tools/ (scripts/gpu_gil_spy.sh).
 #
 #   bash scripts/gpu_wheels.sh          # then carry [".whl"] and run scripts/gpu_gil_run.sh
 #
@@ -54,6 +55,12 @@ with zipfile.ZipFile(src) as zin, zipfile.ZipFile(tmp, "w", zipfile.ZIP_DEFLATED
 os.replace(tmp, src)
 EOF
   done
+fi
+if [ "${SPY:-1}" != 0 ]; then  # py-spy for scripts/gpu_gil_spy.sh (installed by that script only)
+  mkdir -p .whl/tools
+  # shellcheck disable=SC2086
+  python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
+    --implementation cp --platform manylinux_2_5_x86_64 $platforms -d .whl/tools py-spy
 fi
 du -sh .whl
 ls .whl .whl/nixl
