@@ -9,7 +9,7 @@
 #  tp12:   cudaipc TP 1 -> 1 and TP 1 -> 2 at 16 and 128 MiB, C = 8 (issue 28; with two GPUs the
 #          second decode rank shares GPU 0 with prefill);
 #  bench:  `kvwire bench --device cuda` (every path, 16, 128 and 512 MiB, C = 1 and 8).
-# SIZES and CONC set the ab part's cells (default 16,128 and 1,8).
+# SIZES and CONC set the ab part's cells (default 16,128 and 1,8), BACKEND its backend (nixl).
 # Every run's first requests are checked element by element.
 # On the development machine:
 #   bash scripts/gpu_wheels.sh                       # fills .whl/
@@ -41,7 +41,7 @@ if has ab; then
     order="base new"; [ $((r % 2)) = 0 ] && order="new base"  # ABBA: a drift cancels
     for t in $order; do
       pp=$NEW; [ $t = base ] && pp=$BASE
-      PYTHONPATH=$pp run "st_${t}_r$r" python3 $AB --backend nixl --staging auto \
+      PYTHONPATH=$pp run "st_${t}_r$r" python3 $AB --backend "${BACKEND:-nixl}" --staging auto \
         --sizes "${SIZES:-16,128}" --concurrency "${CONC:-1,8}"
     done
   done
