@@ -12,6 +12,7 @@ from typing import Any
 import numpy as np
 import pytest
 
+from kvwire.errors import ConfigError
 from kvwire.index.equal_tp import EqualTPMapper, MLAMapper
 from kvwire.index.head_slice import HeadSliceMapper
 from kvwire.layout import ModelSpec, RankPosition
@@ -240,3 +241,40 @@ def test_doctor_plan_says_what_the_configured_staging_applies(
         args = build_parser().parse_args(argv)
         assert links_section(args, Console(file=out, width=400, color_system=None)) == []
         assert f"staging applied (--staging {staging}): {words}" in out.getvalue(), out.getvalue()
+
+
+@pytest.mark.parametrize(
+    ("change", "words"),
+    [
+        ({"ring_bytes": 1 << 61}, "whole number of 1.."),  # a huge table must not be built
+        ({"ring_bytes": 65536 + 1}, "whole number"),
+        ({"ring_bytes": -1}, "greater than 0"),
+        ({"ring_addr": "x"}, "ring_addr"),
+        ({"device_id": None}, "device_id"),
+    ],
+)
+def test_a_malformed_ring_is_refused_before_tables_are_built(
+    change: dict[str, Any], words: str
+) -> None:
+    """Decode's ring description sizes prefill's staging table: a malformed one fails the
+    link with a clear error instead of building a table from it."""
+    s = _writer()
+    hetero = HeadSliceMapper(*_pools(MODEL, (2, 1), (4, 8)))
+    assert "staging" in s.link_staging(hetero, RING).tables  # the well-formed ring stages
+    with pytest.raises(ConfigError, match="ring is malformed") as err:
+        s.link_staging(hetero, {**RING, **change})
+    assert words in str(err.value)
+
+
+def test_span_rows_in_the_link_tables() -> None:
+    """The link's staging tables hold a row per block and span: the destination's rows of
+    one block at the ring's block positions first, then rows of 2, 4 and 8 blocks (a buffer
+    of 8 blocks)."""
+    s = _writer()
+    hetero = HeadSliceMapper(*_pools(MODEL, (2, 1), (4, 8)))
+    pair = s.link_staging(hetero, RING).tables["staging"]
+    n = 65536 // 1024
+    assert pair.dst.shape[0] == sum(n - (1 << k) + 1 for k in range(4))
+    assert list(pair.dst[:n, 1]) == [1024] * n and pair.dst[n, 1] == 2048
+    assert int(pair.dst[-1, 1]) == 8 * 1024
+    assert int(pair.dst[-1, 0]) == (1 << 20) + (n - 8) * 1024

@@ -53,7 +53,7 @@ from collections.abc import Sequence
 from typing import Any, Literal
 
 from prometheus_client import Counter
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from kvwire.control.wire import StagingMessage
 from kvwire.errors import ConfigError
@@ -70,7 +70,7 @@ from kvwire.staging.base import (
     StagingStrategy,
 )
 from kvwire.staging.bulk_ring import RingSide, block_bytes, chunk_limit, slice_of, unit_tokens
-from kvwire.staging.bulk_wire import WIRE_VERSION, BulkMessage
+from kvwire.staging.bulk_wire import WIRE_VERSION, BulkMessage, RingInfo
 from kvwire.staging.bulk_writer import WriterSide, chunk_units
 from kvwire.staging.kernels import KVTensors
 from kvwire.staging.pool_views import layout_views
@@ -305,7 +305,11 @@ class BulkStaging(StagingStrategy):
                 f"bulk staging messages differ (prefill speaks version {WIRE_VERSION}, decode "
                 f"{remote.get('wire', 1)}); run the same kvwire version on both sides"
             )
-        b = int(remote["block_bytes"])
+        try:
+            ring = RingInfo.model_validate(remote)
+        except ValidationError as exc:
+            raise ConfigError(f"decode's bulk staging ring is malformed: {exc}") from exc
+        b = ring.block_bytes
         if b != self.opts.block_bytes:  # e.g. one side's pool on a GPU, the other's on host
             return LinkStaging(
                 {},
@@ -315,10 +319,10 @@ class BulkStaging(StagingStrategy):
         local = self.writer.region
         # rows of 2**k blocks up to a full buffer: a chunk is one or a few descriptors
         order = order_for(self.opts.buffer_bytes // b)
-        src, dst = Spans(local.length // b, order), Spans(int(remote["ring_bytes"]) // b, order)
+        src, dst = Spans(local.length // b, order), Spans(ring.ring_bytes // b, order)
         pair = TablePair(
             src=src.table(local.addr, b, local.device_id),
-            dst=dst.table(int(remote["ring_addr"]), b, int(remote["device_id"])),
+            dst=dst.table(ring.ring_addr, b, ring.device_id),
         )
         self.writer.link_spans(session, src, dst)
         return LinkStaging({"staging": pair}, why)

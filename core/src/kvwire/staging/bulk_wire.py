@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from typing import ClassVar
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 #: Version of these messages; sent in ``describe()`` and checked at handshake, so two ranks
 #: that would not understand each other's staging messages refuse to stage rather than hang.
@@ -79,6 +79,35 @@ class Watermark(BulkMessage):
     type: ClassVar[str] = "watermark"
     round: int = Field(ge=0)
     tail: int = Field(ge=0)
+
+
+#: The most blocks a decode ring may announce: prefill builds its staging table from the
+#: announced size (a row per block and span), so a malformed or hostile size must not make
+#: it allocate without bound (the GPU sizes: 128 blocks; host defaults: 1,024).
+MAX_RING_BLOCKS = 1 << 20
+
+
+class RingInfo(BaseModel):
+    """A decode rank's ring as its handshake announces it (``BulkStaging.describe``), read
+    by prefill at handshake before it builds the link's staging tables. Extra keys (the
+    strategy, wire version, memory kind, ``units``) are read by name elsewhere."""
+
+    model_config = ConfigDict(extra="ignore", frozen=True)
+
+    ring_addr: int = Field(ge=0, lt=1 << 64)
+    ring_bytes: int = Field(gt=0, lt=1 << 62)
+    block_bytes: int = Field(gt=0, lt=1 << 40)
+    device_id: int = Field(ge=0, lt=1 << 32)
+
+    @model_validator(mode="after")
+    def _fits(self) -> RingInfo:
+        blocks, rest = divmod(self.ring_bytes, self.block_bytes)
+        if rest or not 0 < blocks <= MAX_RING_BLOCKS:
+            raise ValueError(
+                f"a ring of {self.ring_bytes} B in blocks of {self.block_bytes} B is not a "
+                f"whole number of 1..{MAX_RING_BLOCKS} blocks"
+            )
+        return self
 
 
 #: type -> model, for decoding a received body.
