@@ -1,12 +1,16 @@
 """Placement of the cluster harness's rank processes on GPUs (issue 27 item 6): a CPU test
-of :func:`kvwire.testing.cluster.rank_gpu`, the rule every rank process applies to itself."""
+of :func:`kvwire.testing.cluster.rank_gpu`, the rule every rank process applies to itself;
+and their optional CPU pinning (:func:`kvwire.testing.cluster_spec.rank_cpus`)."""
 
 from __future__ import annotations
+
+import os
 
 import pytest
 
 from kvwire.layout import ModelSpec
 from kvwire.testing.cluster import ClusterError, ClusterSpec, rank_gpu
+from kvwire.testing.cluster_spec import pin_rank, rank_cpus
 
 MODEL = ModelSpec(num_layers=2, total_kv_heads=4, head_dim=8, dtype="int32", page_size=4)
 
@@ -70,3 +74,27 @@ def test_not_placed_off_cuda() -> None:
     """CPU pools, or an explicit device for every rank: no placement."""
     assert rank_gpu(_spec(device="cpu"), "decode", 0, 0, 0, 2) is None
     assert rank_gpu(_spec(device="cuda:1"), "prefill", 0, 0, 0, 2) is None
+
+
+def test_pinned_ranks_get_disjoint_equal_cpu_shares() -> None:
+    """``pin_cpus``: each rank process an equal, disjoint share of the CPUs, in rank order
+    (prefill first), none when off or when there are fewer CPUs than ranks."""
+    spec = ClusterSpec(model=MODEL, prefill_tp=2, decode_tp=1, decode_instances=2, pin_cpus=True)
+    cpus = list(range(3, 35))  # 32 CPUs, not starting at 0
+    got = [rank_cpus(spec, "prefill", 0, tp, 0, cpus) for tp in range(2)]
+    got += [rank_cpus(spec, "decode", inst, 0, 0, cpus) for inst in range(2)]
+    assert got == [cpus[0:8], cpus[8:16], cpus[16:24], cpus[24:32]]
+    assert rank_cpus(spec, "decode", 1, 0, 0, cpus[:3]) is None  # 4 ranks, 3 CPUs
+    off = spec.model_copy(update={"pin_cpus": False})
+    assert rank_cpus(off, "prefill", 0, 0, 0, cpus) is None
+    # in a process: pinned to its share, then put back
+    before = os.sched_getaffinity(0)
+    mine = sorted(before)
+    one = ClusterSpec(model=MODEL, pin_cpus=True)  # 1P1D: two ranks
+    try:
+        want = mine[len(mine) // 2 :] if len(mine) >= 2 else None
+        assert pin_rank(one, "decode", 0, 0, 0) == want
+        if want is not None:
+            assert sorted(os.sched_getaffinity(0)) == want
+    finally:
+        os.sched_setaffinity(0, before)

@@ -64,6 +64,11 @@ def add_engine_args(
     p.add_argument("--verify-requests", type=int, default=verify)
     p.add_argument("--engine-step", type=float, default=0.0002)
     p.add_argument(
+        "--pin-cpus",
+        action="store_true",
+        help="pin each rank process to its own equal share of the CPUs (steadier timings)",
+    )
+    p.add_argument(
         "--engine-busy",
         action="store_true",
         help="the rank processes' engine loops run Python between polls instead of sleeping "
@@ -234,6 +239,7 @@ def engine(
         gpus=tuple(a.gpus) if a.device == "cuda" else None,
         engine_step_s=a.engine_step,
         engine_busy=bool(getattr(a, "engine_busy", False)),
+        pin_cpus=bool(getattr(a, "pin_cpus", False)),
         switch_interval_s=(
             a.switch_interval_us / 1e6 if getattr(a, "switch_interval_us", None) else None
         ),

@@ -35,6 +35,7 @@ from kvwire.testing.cluster_spec import (
     ClusterSpec,
     RankReport,
     RoomPlan,
+    pin_rank,
     rank_gpu,
 )
 from kvwire.testing.kvfill import (
@@ -250,6 +251,7 @@ def rank_main(
     from kvwire.session import KVManager, KVPoll, Role
 
     spec = ClusterSpec.model_validate_json(spec_json)
+    pin_rank(spec, role, inst, tp_rank, pp_rank)  # first: threads started later inherit it
     if spec.switch_interval_s is not None:
         sys.setswitchinterval(spec.switch_interval_s)
     engine = EngineLoop(spec.engine_busy)

@@ -9,6 +9,7 @@ one request as every rank sees it (:class:`RoomPlan`), a rank's report on it
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from typing import Self
 
@@ -97,6 +98,9 @@ class ClusterSpec(BaseModel):
     #: that waits outside the GIL (a socket, a CUDA call) may wait up to that interval to
     #: run again.
     engine_busy: bool = False
+    #: Pin each rank process to its own equal share of the CPUs (in rank order; benches on
+    #: the many-core GPU hosts, where unpinned runs of one tree varied by 1.5x).
+    pin_cpus: bool = False
     #: ``sys.setswitchinterval`` in every rank process (None: the interpreter's default,
     #: 5 ms), as an engine that sets it would.
     switch_interval_s: float | None = Field(default=None, gt=0, le=0.1)
@@ -178,11 +182,40 @@ def rank_gpu(
     bad = [g for g in gpus if g >= device_count]
     if bad:
         raise ClusterError(f"gpus {list(spec.gpus or ())}: {bad} not among {device_count} devices")
+    return gpus[rank_number(spec, role, inst, tp, pp) % len(gpus)]
+
+
+def rank_number(spec: ClusterSpec, role: str, inst: int, tp: int, pp: int) -> int:
+    """A rank's place among the cluster's ranks: prefill first (instance, then PP stage,
+    then TP rank), decode after them."""
     if role == "prefill":
-        n = (inst * spec.prefill_pp + pp) * spec.prefill_tp + tp
-    else:
-        n = spec.prefill_ranks + (inst * spec.decode_pp + pp) * spec.decode_tp + tp
-    return gpus[n % len(gpus)]
+        return (inst * spec.prefill_pp + pp) * spec.prefill_tp + tp
+    return spec.prefill_ranks + (inst * spec.decode_pp + pp) * spec.decode_tp + tp
+
+
+def rank_cpus(
+    spec: ClusterSpec, role: str, inst: int, tp: int, pp: int, cpus: list[int]
+) -> list[int] | None:
+    """With :attr:`ClusterSpec.pin_cpus`, the CPUs a rank process keeps (of the sorted
+    ``cpus`` it may use): an equal, disjoint share per rank in rank order (None: not pinned,
+    or fewer CPUs than ranks). Called in each rank process before its threads start."""
+    if not spec.pin_cpus:
+        return None
+    ranks = spec.prefill_ranks + spec.decode_instances * spec.decode_pp * spec.decode_tp
+    share = len(cpus) // ranks
+    if share < 1:
+        return None
+    n = rank_number(spec, role, inst, tp, pp)
+    return cpus[n * share : (n + 1) * share]
+
+
+def pin_rank(spec: ClusterSpec, role: str, inst: int, tp: int, pp: int) -> list[int] | None:
+    """In a rank process, before it starts threads: keep it on :func:`rank_cpus` (if any);
+    returns them."""
+    cpus = rank_cpus(spec, role, inst, tp, pp, sorted(os.sched_getaffinity(0)))
+    if cpus is not None:
+        os.sched_setaffinity(0, cpus)
+    return cpus
 
 
 class RoomPlan(BaseModel):
