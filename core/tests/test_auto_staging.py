@@ -54,16 +54,23 @@ def test_gpu_sizes_apply_where_the_operator_set_none() -> None:
         BulkOptions(block_bytes=3 << 20).for_memory(True)
 
 
-def test_auto_takes_bulk_for_a_gpu_pool_that_it_can_serve() -> None:
+def test_auto_takes_bulk_for_a_gpu_pool_that_it_can_serve(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
     layout, arrays = make_pool(MODEL, RankPosition(), 16)
     registered: list[Any] = []
-    strategy = kv_staging(KVWireConfig(), {MemKind.VRAM}, _context(layout, arrays, registered),
-                          "d")  # fmt: skip
+    with caplog.at_level(logging.INFO, logger="kvwire.session.context"):
+        strategy = kv_staging(KVWireConfig(), {MemKind.VRAM},
+                              _context(layout, arrays, registered), "d")  # fmt: skip
     try:
         assert isinstance(strategy, BulkStaging) and strategy.ring is not None
         assert registered == [strategy.ring.region]  # its ring went to the backend
         # the engine's arrays live on the host: host sizes
         assert strategy.opts.ring_bytes == BulkOptions().ring_bytes
+        # the startup line says what the default took beside the pool
+        mib = BulkOptions().ring_bytes >> 20
+        (line,) = [r.getMessage() for r in caplog.records if "staging auto ->" in r.getMessage()]
+        assert f"decode's staging ring: {mib} MiB in host memory (ring_bytes)" in line, line
     finally:
         strategy.close()
 

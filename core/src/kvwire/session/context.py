@@ -96,9 +96,13 @@ def kv_staging(
                 agent, sel.name, type(exc).__name__, exc, candidates[i + 1].name,
             )  # fmt: skip
             continue
+        took = strategy.memory()
         if config.staging == AUTO:
-            logger.info("%s: staging auto -> %s (KV pool in %s memory)", agent, sel.name,
-                        "/".join(sorted(k.name for k in kinds)))  # fmt: skip
+            logger.info("%s: staging auto -> %s (KV pool in %s memory)%s", agent, sel.name,
+                        "/".join(sorted(k.name for k in kinds)),
+                        f"; {took}" if took else "")  # fmt: skip
+        elif took:
+            logger.info("%s: staging %s; %s", agent, sel.name, took)
         return strategy
     raise AssertionError("staging_candidates always ends with 'direct'")
 

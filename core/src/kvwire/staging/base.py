@@ -437,6 +437,12 @@ class StagingStrategy(ABC):
         """Sizes of per-request staging state (leak check)."""
         return {}
 
+    def memory(self) -> str | None:
+        """Engine thread, at startup after :meth:`setup`: the memory this strategy took
+        beside the pool, in words for the startup log (e.g. ``"ring 1024 MiB on cuda:0"``),
+        or None when it took none."""
+        return None
+
     def chunk_pages(self, mapper: IndexMapper) -> int | None:
         """Sending side, engine thread inside ``send()`` (under the session lock), for links
         where :meth:`link_tables` returned tables, before the chunk is queued: the most

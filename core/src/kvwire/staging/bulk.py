@@ -530,6 +530,16 @@ class BulkStaging(StagingStrategy):
         if side is not None:
             side.peer_lost(session)
 
+    def memory(self) -> str | None:
+        side = self.ring or self.writer
+        if side is None:
+            return None
+        r = side.region
+        what = "decode's staging ring" if self.ring is not None else "prefill's staging buffers"
+        where = f"cuda:{r.device_id}" if r.kind == MemKind.VRAM else "host memory"
+        size = "ring_bytes" if self.ring is not None else "buffer_bytes x buffers_per_worker"
+        return f"{what}: {r.length >> 20} MiB in {where} ({size})"
+
     def room_tables(self) -> dict[str, int]:
         side = self.ring or self.writer
         return side.room_tables() if side is not None else {}

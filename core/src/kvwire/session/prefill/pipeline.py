@@ -308,8 +308,9 @@ class Pipeline:
         one of them ends or a job comes (:attr:`wake`, set by the backend and by
         :meth:`notify`), :data:`EVENT_IDLE_S` at most: no polling timer between a write's
         completion and its next step. Writes that no event announces are first polled once
-        the earliest could have ended (:attr:`pace`; a job or a grant wakes the wait). ``wake`` is cleared after the wait and the caller
-        polls next, so a wake-up that comes in between is not lost."""
+        the earliest could have ended (:attr:`pace`; a job or a grant wakes the wait).
+        ``wake`` is cleared after the wait and the caller polls next, so a wake-up that
+        comes in between is not lost."""
         gates = [t.queue[0].gate for t in self.tails.values() if t.queue]
         if (
             self.posted
