@@ -272,7 +272,10 @@ def test_span_rows_in_the_link_tables() -> None:
     of 8 blocks)."""
     s = _writer()
     hetero = HeadSliceMapper(*_pools(MODEL, (2, 1), (4, 8)))
-    pair = s.link_staging(hetero, RING).tables["staging"]
+    pair = s.link_staging(hetero, RING, session="d1").tables["staging"]
+    assert s.writer is not None and "d1" in s.writer._spans
+    s.writer.peer_lost("d1")  # an evicted decode rank's spans go with it
+    assert "d1" not in s.writer._spans
     n = 65536 // 1024
     assert pair.dst.shape[0] == sum(n - (1 << k) + 1 for k in range(4))
     assert list(pair.dst[:n, 1]) == [1024] * n and pair.dst[n, 1] == 2048

@@ -397,9 +397,11 @@ class WriterSide:
                 del self._offers[key]
 
     def peer_lost(self, session: str) -> None:
-        """Progress thread: a decode rank was evicted; forget its asks and watermark."""
+        """Progress thread: a decode rank was evicted; forget its asks, watermark and span
+        rows (a restarted rank comes back under a new session, with its own)."""
         with self._lock:
             self._views.pop(session, None)
+            self._spans.pop(session, None)
             for key in [k for k in self._asks if k[1] == session]:
                 del self._asks[key]
             for key in [k for k in self._offers if k[1] == session]:
