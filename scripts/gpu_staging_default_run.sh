@@ -15,37 +15,29 @@ OUT=${OUT:-/tmp/stagingout}
 source scripts/gpu_env.sh
 N=${REQUESTS:-48}
 PARTS=${PARTS:-bench cudaipc nixl}
-has() { [[ " $PARTS " == *" $1 "* ]]; }
-run() {  # name, then the command
-  local name=$1; shift
-  local t0=$SECONDS
-  timeout 200 "$@" --json "$OUT/$name.json" > "$OUT/$name.log" 2>&1
-  local rc=$?
-  echo "$name rc=$rc $((SECONDS - t0)) s: $(grep '^summary' "$OUT/$name.log")"
-}
 nvidia-smi topo -m > "$OUT/topo.txt" 2>&1; head -5 "$OUT/topo.txt"
 AB="python3 scripts/gpu_staging_ab.py --requests $N --verify-requests 2 --timeout 120
     --sizes 16,128 --concurrency 1,8"
 if has cudaipc; then
   for tp in "2 1" "1 2"; do
     set -- $tp; tag="$1$2"
-    run "cu_direct_tp$tag" $AB --backend cudaipc --prefill-tp "$1" --decode-tp "$2" --staging direct
-    run "cu_bulk_tp$tag" $AB --backend cudaipc --prefill-tp "$1" --decode-tp "$2" --staging bulk
+    run_case "cu_direct_tp$tag" $AB --backend cudaipc --prefill-tp "$1" --decode-tp "$2" --staging direct
+    run_case "cu_bulk_tp$tag" $AB --backend cudaipc --prefill-tp "$1" --decode-tp "$2" --staging bulk
   done
 fi
 if has sizes; then  # the default staging's GPU sizes against larger ones, TP 1 -> 1
   for sz in "32 2 256" "64 4 512" "128 8 1024"; do
     set -- $sz; M=$((1 << 20))
-    run "nixl_auto_b$1" $AB --backend nixl --staging auto --sizes 16,128,512 --staging-options \
+    run_case "nixl_auto_b$1" $AB --backend nixl --staging auto --sizes 16,128,512 --staging-options \
       "{\"buffer_bytes\": $(($1 * M)), \"block_bytes\": $(($2 * M)), \"ring_bytes\": $(($3 * M))}"
   done
 fi
 if has nixl; then
   for tp in "2 1" "1 2"; do
     set -- $tp; tag="$1$2"
-    run "nixl_auto_tp$tag" $AB --backend nixl --prefill-tp "$1" --decode-tp "$2" --staging auto
+    run_case "nixl_auto_tp$tag" $AB --backend nixl --prefill-tp "$1" --decode-tp "$2" --staging auto
   done
-  run "nixl_auto_views_tp11" $AB --backend nixl --staging auto --no-kv-tensors
+  run_case "nixl_auto_views_tp11" $AB --backend nixl --staging auto --no-kv-tensors
 fi
 if has bench; then
   t0=$SECONDS

@@ -23,14 +23,6 @@ source scripts/gpu_env.sh
 N=${REQUESTS:-48}
 ROUNDS=${ROUNDS:-2}
 PARTS=${PARTS:-ab sample tp12}
-has() { [[ " $PARTS " == *" $1 "* ]]; }
-run() {  # name, then the command
-  local name=$1; shift
-  local t0=$SECONDS
-  timeout 200 "$@" --json "$OUT/$name.json" > "$OUT/$name.log" 2>&1
-  local rc=$?
-  echo "$name rc=$rc $((SECONDS - t0)) s: $(grep '^summary' "$OUT/$name.log")"
-}
 nvidia-smi topo -m > "$OUT/topo.txt" 2>&1; head -4 "$OUT/topo.txt"
 AB="scripts/gpu_staging_ab.py --requests $N --verify-requests 2 --timeout 120"
 NEW=$PYTHONPATH
@@ -41,7 +33,7 @@ if has ab; then
     order="base new"; [ $((r % 2)) = 0 ] && order="new base"  # ABBA: a drift cancels
     for t in $order; do
       pp=$NEW; [ $t = base ] && pp=$BASE
-      PYTHONPATH=$pp run "st_${t}_r$r" python3 $AB --backend "${BACKEND:-nixl}" --staging auto \
+      PYTHONPATH=$pp run_case "st_${t}_r$r" python3 $AB --backend "${BACKEND:-nixl}" --staging auto \
         --sizes "${SIZES:-16,128}" --concurrency "${CONC:-1,8}"
     done
   done
@@ -51,7 +43,7 @@ if has sample; then
   for mib in 16 128; do
     d="$OUT/sample_st$mib"; mkdir -p "$d"
     KVWIRE_SAMPLE_DIR=$d KVWIRE_SAMPLE_US=250 PYTHONPATH=/tmp/sc:$NEW \
-      run "smp_st$mib" python3 $AB --backend nixl --staging auto --sizes $mib --concurrency 8 \
+      run_case "smp_st$mib" python3 $AB --backend nixl --staging auto --sizes $mib --concurrency 8 \
       --requests 200 --verify-requests 1 --sample-dir "$d"
     python3 scripts/rank_sampler.py report "$d" --per 200 --top 16 > "$OUT/smp_st$mib.txt" 2>&1
     grep -E "== pid|-- thread" "$OUT/smp_st$mib.txt"
@@ -61,7 +53,7 @@ fi
 if has tp12; then
   for tp in "1 1" "1 2"; do
     set -- $tp
-    run "cu_tp$1$2" python3 $AB --backend cudaipc --staging auto --prefill-tp "$1" \
+    run_case "cu_tp$1$2" python3 $AB --backend cudaipc --staging auto --prefill-tp "$1" \
       --decode-tp "$2" --sizes 16,128 --concurrency 8 --requests 200
   done
 fi

@@ -251,7 +251,7 @@ _KV_UNITS_CHECK = textwrap.dedent(
 
 
 def test_kvtensors_blocks_at_an_offset_in_interpreter() -> None:
-    """``gather_block`` / ``scatter_block`` (what bulk staging calls, the block given as its
+    """``move_block`` both ways (what bulk staging calls, the block given as its
     staging memory and a byte offset, no view built on the fused path) move exactly what the
     NumPy path does with a view of the same bytes, for whole pages and for units, and touch
     no byte of the memory outside the block."""
@@ -288,7 +288,7 @@ _KV_BLOCK_CHECK = textwrap.dedent(
             start = 24 + int(rng.integers(0, 64))
             mem = rng.integers(0, 256, start + int(np.prod(shape)) + 40, dtype=np.uint8)
             want = mem.copy()
-            fused.gather_block(bufs, sel, lo, hi, mem, start, unit)
+            fused.move_block(bufs, sel, lo, hi, mem, start, unit, to_pool=False)
             plain.gather(bufs, sel, lo, hi, block_view(want, start, shape), unit)
             assert np.array_equal(mem, want), ("gather", unit, lo)
             # scatter that block into the other pool, both ways
@@ -297,8 +297,8 @@ _KV_BLOCK_CHECK = textwrap.dedent(
             fb, pb = KVTensors(lb, ab), KVTensors(lc, ac)
             fb.moves = fb.fused_moves("cpu")
             dst = rng.permutation(10 * 8 // unit)[:count].astype(np.int64)
-            fb.scatter_block(bufs, dst, lo, hi, mem, start, unit)
-            pb.scatter_block(bufs, dst, lo, hi, mem, start, unit)  # NumPy path, a view
+            fb.move_block(bufs, dst, lo, hi, mem, start, unit, to_pool=True)
+            pb.move_block(bufs, dst, lo, hi, mem, start, unit, to_pool=True)  # NumPy path, a view
             for x, y in zip(fb.views, pb.views):
                 assert np.array_equal(x, y), ("scatter", unit, lo)
     print("KV-BLOCK-OK")

@@ -439,7 +439,8 @@ class StagingStrategy(ABC):
 
     def memory(self) -> str | None:
         """Engine thread, at startup after :meth:`setup`: the memory this strategy took
-        beside the pool, in words for the startup log (e.g. ``"ring 1024 MiB on cuda:0"``),
+        beside the pool, in words for the startup log (e.g. ``"decode's staging ring: 1024 MiB
+        in cuda:0 (ring_bytes)"``),
         or None when it took none."""
         return None
 

@@ -88,7 +88,7 @@ FALLBACKS = Counter(
 
 
 #: Bulk staging's sizes on GPU pools, where the options leave them unset: a chunk of up to
-#: 128 MiB per (prefill rank, decode rank) in 8 MiB descriptors, through a 1 GiB ring on
+#: 128 MiB per (prefill rank, decode rank) in 8 MiB blocks, through a 1 GiB ring on
 #: decode; prefill holds ``buffers_per_worker`` buffers per transfer worker (1 GiB with NIXL's
 #: four workers). Smaller buffers cost speed (a chunk is a grant, a gather, a write and a
 #: scatter: 32 MiB moved a third of 128 MiB's bytes per second on 4 x H200). (The defaults of
@@ -112,7 +112,8 @@ class BulkOptions(BaseModel):
     block_bytes: int = Field(
         default=64 * 1024,
         gt=0,
-        description="Ring and buffer granularity, one descriptor (GPU pools: 8 MiB).",
+        description="Ring and buffer granularity; a chunk's blocks go as spans of 2**k "
+        "blocks, one descriptor each (GPU pools: 8 MiB).",
     )
     buffer_bytes: int = Field(
         default=16 * MiB,

@@ -323,8 +323,8 @@ class RingSide:
         )
         a = space.alloc
         sl = staged(m)
-        self.kv.scatter_block(m.dst_buf, pages, sl.dst_lo, sl.dst_lo + sl.nbytes, self.mem,
-                              a.offset, ut)  # fmt: skip
+        self.kv.move_block(m.dst_buf, pages, sl.dst_lo, sl.dst_lo + sl.nbytes, self.mem,
+                           a.offset, ut, to_pool=True)  # fmt: skip
         STAGED.inc()
         with self._lock:
             self._space.pop(key, None)

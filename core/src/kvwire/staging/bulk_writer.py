@@ -36,8 +36,9 @@ from kvwire.staging.spans import Spans, span_rows
 
 logger = logging.getLogger(__name__)
 
-#: Order-0 spans (one row per block) for a link whose spans were never given (a caller that
-#: builds the tables itself): the rows are the block positions.
+#: Order-0 spans: a row per block, at the block's position, which is where every span
+#: table starts. The rows of a chunk whose link's spans are gone (its decode rank evicted
+#: while the chunk was planned): longer, still right.
 _BLOCKS = Spans(1 << 62, 0)
 
 #: Staged chunks 0 by what became of decode's offer: ``taken`` (no ask sent), ``other_pages``
@@ -259,17 +260,15 @@ class WriterSide:
         ut = unit_tokens(mapper)
         sl = staged(mapper)
         lo = sl.src_lo
-        hi = lo + sl.nbytes
-        if pairs is None:
-            self.kv.gather_block(mapper.src_buf, pages, lo, hi, self.buffers, start, ut)
-            return
         per_pair = pages.size * ut * sl.nbytes  # the block is [pair, unit, token, slice]
-        cuts = np.flatnonzero(np.diff(pairs) != 1) + 1
-        for run in np.split(pairs, cuts):  # a layer group: its K run and its V run
-            if run.size:
-                a, b = int(run[0]), int(run[-1]) + 1
-                at = start + a * per_pair
-                self.kv.gather_block(mapper.src_buf[a:b], pages, lo, hi, self.buffers, at, ut)
+        if pairs is None:
+            runs = [(0, mapper.num_pairs)]
+        else:  # a layer group's pairs: its K run and its V run
+            cuts = np.flatnonzero(np.diff(pairs) != 1) + 1
+            runs = [(int(r[0]), int(r[-1]) + 1) for r in np.split(pairs, cuts) if r.size]
+        for a, b in runs:
+            self.kv.move_block(mapper.src_buf[a:b], pages, lo, lo + sl.nbytes, self.buffers,
+                               start + a * per_pair, ut, to_pool=False)  # fmt: skip
 
     def link_spans(self, dest: str, src: Spans, dst: Spans) -> None:
         """Prefill, at handshake: the span rows of the staging tables of the link to decode

@@ -143,12 +143,11 @@ class KVTensors:
         ``[(u % k) * unit, ...)`` of page ``u // k``, ``k = page_size / unit``) and ``out``
         is ``[len(bufs), len(pages), unit, hi - lo]``: page-size conversion."""
         self._check_staged()
+        if self.moves is not None:
+            self._fused(bufs, pages, lo, hi, _addr(out), unit, to_pool=False)
+            return
         if unit and unit != self.page_size:
             self._units(bufs, pages, lo, hi, out, unit, to_pool=False)
-            return
-        if self.moves is not None:
-            self.moves.pages(bufs, pages, lo, hi, _addr(out), to_pool=False, stream=self.stream)
-            self.sync()
             return
         with self._ctx():
             idx = self._index(pages)
@@ -173,12 +172,11 @@ class KVTensors:
         rows of ``pages`` (units of ``unit`` tokens, when given) in buffers ``bufs``;
         synchronised before returning."""
         self._check_staged()
+        if self.moves is not None:
+            self._fused(bufs, pages, lo, hi, _addr(block), unit, to_pool=True)
+            return
         if unit and unit != self.page_size:
             self._units(bufs, pages, lo, hi, block, unit, to_pool=True)
-            return
-        if self.moves is not None:
-            self.moves.pages(bufs, pages, lo, hi, _addr(block), to_pool=True, stream=self.stream)
-            self.sync()
             return
         with self._ctx():
             idx = self._index(pages)
@@ -191,7 +189,7 @@ class KVTensors:
                     self._part(self.views[bi], lo, hi)[idx] = self._pages(block[i], hi - lo)
         self.sync()
 
-    def gather_block(
+    def move_block(
         self,
         bufs: NDArray[np.int64],
         pages: NDArray[np.int64],
@@ -200,58 +198,50 @@ class KVTensors:
         mem: Any,
         start: int,
         unit: int = 0,
+        *,
+        to_pool: bool,
     ) -> None:
-        """:meth:`gather` into the block of staging memory ``mem`` (flat bytes) that starts at
-        byte ``start``, shaped ``[len(bufs), len(pages), unit or page_size, hi - lo]``;
-        synchronised. With the fused moves the block's address goes to the launch as is: no
-        view of ``mem`` is built (slicing and reshaping a device tensor cost 0.05-0.14 ms a
-        chunk on the GPU hosts, more than the launch's own Python)."""
-        self._move_block(bufs, pages, lo, hi, mem, start, unit, to_pool=False)
+        """:meth:`gather` into (with ``to_pool``: :meth:`scatter` from) the block of staging
+        memory ``mem`` (flat bytes) that starts at byte ``start``, shaped ``[len(bufs),
+        len(pages), unit or page_size, hi - lo]``; synchronised. With the fused moves the
+        block's address goes to the launch as is: no view of ``mem`` is built (slicing and
+        reshaping a device tensor cost 0.05-0.14 ms a chunk on the GPU hosts, more than the
+        launch's own Python)."""
+        if self.moves is not None:
+            self._check_staged()
+            self._fused(bufs, pages, lo, hi, _addr(mem) + start, unit, to_pool=to_pool)
+            return
+        tokens = unit if unit and unit != self.page_size else self.page_size
+        block = block_view(mem, start, (len(bufs), len(pages), tokens, hi - lo))
+        (self.scatter if to_pool else self.gather)(bufs, pages, lo, hi, block, unit)
 
-    def scatter_block(
+    def _fused(
         self,
         bufs: NDArray[np.int64],
         pages: NDArray[np.int64],
         lo: int,
         hi: int,
-        mem: Any,
-        start: int,
-        unit: int = 0,
-    ) -> None:
-        """:meth:`scatter` from the block of ``mem`` at byte ``start`` (see
-        :meth:`gather_block`); synchronised."""
-        self._move_block(bufs, pages, lo, hi, mem, start, unit, to_pool=True)
-
-    def _move_block(
-        self,
-        bufs: NDArray[np.int64],
-        pages: NDArray[np.int64],
-        lo: int,
-        hi: int,
-        mem: Any,
-        start: int,
+        block: int,
         unit: int,
         *,
         to_pool: bool,
     ) -> None:
-        """The block of :meth:`gather_block` / :meth:`scatter_block`, one direction."""
-        units = bool(unit) and unit != self.page_size
-        if self.moves is None:
-            tokens = unit if units else self.page_size
-            block = block_view(mem, start, (len(bufs), len(pages), tokens, hi - lo))
-            move = self.scatter if to_pool else self.gather
-            move(bufs, pages, lo, hi, block, unit)
-            return
-        self._check_staged()
-        addr = _addr(mem) + start
-        if units:
-            if self.page_size % unit:
-                raise ConfigError(f"units of {unit} tokens do not divide pages of {self.page_size}")
+        """One launch of the pool's fused moves between pages (or units of ``unit`` tokens)
+        and the block at address ``block``, then the staging stream synchronised."""
+        assert self.moves is not None
+        if unit and unit != self.page_size:
+            self._per_page(unit)
             u = np.asarray(pages, dtype=np.int64)
-            self.moves.units(bufs, u, lo, hi, addr, unit, to_pool=to_pool, stream=self.stream)
+            self.moves.units(bufs, u, lo, hi, block, unit, to_pool=to_pool, stream=self.stream)
         else:
-            self.moves.pages(bufs, pages, lo, hi, addr, to_pool=to_pool, stream=self.stream)
+            self.moves.pages(bufs, pages, lo, hi, block, to_pool=to_pool, stream=self.stream)
         self.sync()
+
+    def _per_page(self, unit: int) -> int:
+        """Units of ``unit`` tokens per page; a unit that does not divide pages is refused."""
+        if self.page_size % unit:
+            raise ConfigError(f"units of {unit} tokens do not divide pages of {self.page_size}")
+        return self.page_size // unit
 
     def _units(
         self,
@@ -265,18 +255,11 @@ class KVTensors:
         to_pool: bool,
     ) -> None:
         """Gather (scatter when ``to_pool``) bytes ``[lo, hi)`` of the token rows of token
-        ``units`` of ``unit`` tokens and the block (``[buffer, unit, token, hi - lo]``). On a
-        GPU: one launch of the pool's fused moves; elsewhere one indexed copy per buffer,
-        vectorised over units (head-major pages: through a transpose)."""
-        if self.page_size % unit:
-            raise ConfigError(f"units of {unit} tokens do not divide pages of {self.page_size}")
-        per = self.page_size // unit
+        ``units`` of ``unit`` tokens and the block (``[buffer, unit, token, hi - lo]``)
+        without fused moves: one indexed copy per buffer, vectorised over units (head-major
+        pages: through a transpose)."""
+        per = self._per_page(unit)
         u = np.asarray(units, dtype=np.int64)
-        if self.moves is not None:
-            self.moves.units(bufs, u, lo, hi, _addr(block), unit, to_pool=to_pool,
-                             stream=self.stream)  # fmt: skip
-            self.sync()
-            return
         with self._ctx():
             page, k = self._index(u // per), self._index(u % per)
             for i, bi in enumerate(np.asarray(bufs, dtype=np.int64).tolist()):
