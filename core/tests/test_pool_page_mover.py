@@ -75,14 +75,11 @@ _CHECK = textwrap.dedent(
         want = arena.copy()
         copy_pool_pages_reference(want, chunk, s_addr - base, d_addr - base)
         assert not np.array_equal(want, arena)
-        # the head kernel in both piece orders; pieces within a block in tiles of a whole
-        # page's tokens, of 2 tokens (two steps a page) and one token at a time
-        runs = [(o, 8192) for o in ("auto", "t", "h")] if any(hm) else [
-            ("auto", 8192), ("auto", 64), ("auto", 0)]
-        for order, tile_bytes in runs:
-            mover.heads_order, mover.tile_bytes = order, tile_bytes
+        orders = ("auto", "t", "h") if any(hm) else ("auto",)
+        for order in orders:  # the head kernel in both piece orders
+            mover.heads_order = order
             mover.copy_pages(chunk, s_addr, d_addr)
-            assert np.array_equal(arena, want), (heads, dim, tps, tpd, order, tile_bytes)
+            assert np.array_equal(arena, want), (heads, dim, tps, tpd, order)
             shapes.add(mover.last_shape)
             arena[:] = rng.integers(0, 256, arena.size, dtype=np.uint8)
             want = arena.copy()
@@ -148,15 +145,12 @@ _PTX_CHECK = textwrap.dedent(
 
     ints = ("table_addr npages nbuf src_slot dst_slot src_row dst_row n_vecs tokens").split()
     sig = {**{k: "i64" for k in ints},
-           **{k: "constexpr" for k in ("block", "elem", "align", "vec", "shape", "batch",
-                                        "tile")}}
-    # ONE_BLOCK: 1 KiB pieces (TP 1 -> 2 head slices) one token at a time, and in tiles of 8
-    for (shape, block, tile, want), batch in itertools.product(
-        ((WHOLE, 2048, 1, "v4"), (PIECES, 2048, 1, "v4"), (ONE_BLOCK, 256, 1, "v2"),
-         (ONE_BLOCK, 256, 8, "v4")), (False, True)
+           **{k: "constexpr" for k in ("block", "elem", "align", "vec", "shape", "batch")}}
+    for (shape, block, want), batch in itertools.product(
+        ((WHOLE, 2048, "v4"), (PIECES, 2048, "v4"), (ONE_BLOCK, 256, "v2")), (False, True)
     ):
         consts = {"block": block, "elem": tl.int32, "align": 16, "vec": 4, "shape": shape,
-                  "batch": batch, "tile": tile}
+                  "batch": batch}
         src = ASTSource(fn=_copy_pool_pages, signature=sig, constexprs=consts)
         ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
         ops = set(re.findall(r"(?:ld|st)[.]global[.][a-z0-9.]*b32", ptx.asm["ptx"]))

@@ -33,7 +33,6 @@ import triton
 import triton.language as tl
 from numpy.typing import NDArray
 
-from kvwire.movers.plan import BLOCK_BYTES
 from kvwire.movers.triton_copy import _ELEM, _ELEM_BYTES
 from kvwire.movers.triton_heads import tile_shape
 from kvwire.movers.triton_pages import PageCopier, kernel_key, page_width
@@ -75,7 +74,6 @@ def _copy_pool_pages(  # type: ignore[no-untyped-def]  # Triton 3.6 rejects non-
     vec: tl.constexpr,
     shape: tl.constexpr,
     batch: tl.constexpr,
-    tile: tl.constexpr,
 ) -> None:
     # table: int64 [2 * npages + 2 * nbuf] = source pages, destination pages, each pair's
     # source address, each pair's destination address. Strides in elements, the piece's
@@ -110,19 +108,12 @@ def _copy_pool_pages(  # type: ignore[no-untyped-def]  # Triton 3.6 rejects non-
             o = start + offs
             mask = o < n
             tl.store(dst + o, tl.load(src + o, mask=mask), mask=mask)
-    elif shape == 2:  # ONE_BLOCK: ``tile`` tokens' pieces as one 2-D tile [tile, block]
-        src = tl.multiple_of(src0, align)
-        dst = tl.multiple_of(dst0, align)
-        # row pitches as whole vectors: the compiler then keeps every tile row 16 bytes wide
-        s_pitch = (src_row // vec) * vec
-        d_pitch = (dst_row // vec) * vec
-        rows = tl.arange(0, tile).to(tl.int64)
-        cmask = (offs < n)[None, :]
-        for t0 in range(0, tokens, tile):
-            t = t0 + rows
-            mask = (t < tokens)[:, None] & cmask
-            val = tl.load(src + (t * s_pitch)[:, None] + offs[None, :], mask=mask)
-            tl.store(dst + (t * d_pitch)[:, None] + offs[None, :], val, mask=mask)
+    elif shape == 2:  # ONE_BLOCK
+        mask = offs < n
+        for t in range(0, tokens):
+            src = tl.multiple_of(src0 + t * src_row, align)
+            dst = tl.multiple_of(dst0 + t * dst_row, align)
+            tl.store(dst + offs, tl.load(src + offs, mask=mask), mask=mask)
     else:
         for t in range(0, tokens):
             src = tl.multiple_of(src0 + t * src_row, align)
@@ -219,18 +210,6 @@ class PoolPageCopier(PageCopier):
     #: Piece order of the head kernel: "auto" (consecutive pieces nearest on the destination),
     #: "t" (tokens of a head) or "h" (heads of a token); benchmarks set it to compare.
     heads_order: str = "auto"
-    #: Bytes of one tile of pieces within a block (ONE_BLOCK: head slices of token-major
-    #: pages); 0: one token's piece per step, as before session 22 (benchmarks compare).
-    tile_bytes: int = BLOCK_BYTES
-
-    def _tile(self, shape: int, block_bytes: int, tokens: int) -> int:
-        """Tokens per tile of a launch: for pieces within one block (ONE_BLOCK), as many
-        tokens' pieces as fill :attr:`tile_bytes` (a power of two, at most the tokens of a
-        page rounded up), so a program moves a page's pieces in a few wide tiles rather
-        than one piece (say 1 KiB of a TP 1 -> 2 head slice) at a time; 1 otherwise."""
-        if shape != ONE_BLOCK or self.tile_bytes <= block_bytes:
-            return 1
-        return min(self.tile_bytes // block_bytes, 1 << max(0, tokens - 1).bit_length())
 
     def copy_pages(
         self,
@@ -266,7 +245,7 @@ class PoolPageCopier(PageCopier):
         index = np.concatenate([chunk.src_pages, chunk.dst_pages])
         fits = g.n // eb <= key[0]  # every piece within one block of elements
         shape = WHOLE if g.tokens == 1 else (ONE_BLOCK if fits else PIECES)
-        ckey = (*key[:4], shape, False, self._tile(shape, key[0] * eb, g.tokens))
+        ckey = (*key[:4], shape, False)
         self.last_shape = shape
         self._launch(
             _copy_pool_pages, "pool", ckey, index, addrs, scalars, stream, grid=nbuf * npages
@@ -312,9 +291,8 @@ class PoolPageCopier(PageCopier):
                 self.last_shape = gk[4]
                 src_row, dst_row, n_vecs, tokens = gk[5:]
                 scalars = (s.size, 0, 0, 0, src_row, dst_row, n_vecs, tokens)
-                tile = self._tile(gk[4], gk[0] * _ELEM_BYTES[gk[2]], tokens)
                 self._launch(
-                    _copy_pool_pages, "pool", (*gk[:5], True, tile), s, d, scalars, stream,
+                    _copy_pool_pages, "pool", (*gk[:5], True), s, d, scalars, stream,
                     grid=s.size,
                 )  # fmt: skip
             launches += 1
