@@ -273,6 +273,12 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add_engine_args(p, requests=48, verify=8, timeout=300.0, backend="cudaipc")
     p.add_argument("--repeat", type=int, default=20, help="mover/peer timing repeats")
+    p.add_argument(
+        "--staging",
+        default="auto",
+        help="the engine phase's staging strategy (default: kvwire's default, auto; "
+        "'direct' gives per-descriptor NIXL)",
+    )
     p.add_argument("--skip-engine", action="store_true")
     p.add_argument("--skip-mover", action="store_true")
     p.add_argument("--skip-backend-api", action="store_true")
@@ -312,7 +318,7 @@ def main(argv: list[str] | None = None) -> int:
     if a.json:
         Path(a.json).write_text(json.dumps(report, indent=2) + "\n")
     if not a.skip_engine:
-        report["engine"] = engine(a)
+        report["engine"] = engine(a, staging=a.staging)
     if a.nixl_json and Path(a.nixl_json).exists():
         report["nixl"] = nixl_rows(a.nixl_json)
     if a.json:

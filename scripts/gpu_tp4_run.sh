@@ -7,8 +7,9 @@
 # cell's first requests are checked element by element.
 # On the development machine:  bash scripts/gpu_wheels.sh   (fills .whl/)
 # Device call (nvidia-h100-x4), carry [".whl"]:  bash scripts/gpu_tp4_run.sh
-# PARTS picks parts (default "peer cudaipc auto staged shapes sample"; also "hm", "views",
-# "pages", "sample_auto", "sample_staged"); REQUESTS, SIZES.
+# PARTS picks parts (default "peer cudaipc auto staged shapes sample"; also "nixl" (NIXL
+# with the default staging), "shapes_cu", "shapes_nixl", "hm", "views", "pages", "sample_auto",
+# "sample_staged"); REQUESTS, SIZES.
 # Results: $OUT/tp4.tgz (one JSON and log per run); the last lines printed are the table.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -65,6 +66,7 @@ for tp in "1 1" "2 2" "2 1" "1 2"; do
   set -- $tp; tag="$1$2"
   has cudaipc && run "cu_tp$tag" $CU --backend cudaipc --prefill-tp "$1" --decode-tp "$2"
   has auto && run "auto_tp$tag" $CU --backend auto --prefill-tp "$1" --decode-tp "$2"
+  has nixl && run "nx_tp$tag" $CU --backend nixl --prefill-tp "$1" --decode-tp "$2"
   has staged && run "st_tp$tag" $ST --prefill-tp "$1" --decode-tp "$2"
 done
 if has shapes; then
@@ -90,6 +92,17 @@ if has pages; then  # page-size conversion over cudaipc (granules in page form),
   run cu_pg32 $CU --backend cudaipc --prefill-tp 2 --decode-tp 2 --decode-page-size 32
   run cu_pg8 $CU --backend cudaipc --prefill-tp 2 --decode-tp 2 --decode-page-size 8
   run cu_pg32tp21 $CU --backend cudaipc --prefill-tp 2 --decode-tp 1 --decode-page-size 32
+fi
+if has shapes_cu; then  # the shapes over cudaipc, and per-page NIXL (the baseline)
+  run cu_pg32 $CU --backend cudaipc --prefill-tp 2 --decode-tp 2 --decode-page-size 32
+  run cu_hm $CU --backend cudaipc --prefill-tp 2 --decode-tp 2 --head-major decode
+  run cu_mla21 $CU --backend cudaipc --prefill-tp 2 --decode-tp 1 --mla
+  run pp_tp22 $CU --backend nixl --staging direct --requests 16 --prefill-tp 2 --decode-tp 2
+fi
+if has shapes_nixl; then  # NIXL with the default staging (auto: bulk at GPU sizes)
+  run nx_pg32 $CU --backend nixl --prefill-tp 2 --decode-tp 2 --decode-page-size 32
+  run nx_hm $CU --backend nixl --prefill-tp 2 --decode-tp 2 --head-major decode
+  run nx_mla21 $CU --backend nixl --prefill-tp 2 --decode-tp 1 --mla
 fi
 if has views; then  # bulk staging with no kv_tensors (views of the layout's buffers)
   run st_views22 $ST --prefill-tp 2 --decode-tp 2 --no-kv-tensors

@@ -9,7 +9,8 @@
 #  tp12:   cudaipc TP 1 -> 1 and TP 1 -> 2 at 16 and 128 MiB, C = 8 (issue 28; with two GPUs the
 #          second decode rank shares GPU 0 with prefill);
 #  bench:  `kvwire bench --device cuda` (every path, 16, 128 and 512 MiB, C = 1 and 8).
-# SIZES and CONC set the ab part's cells (default 16,128 and 1,8), BACKEND its backend (nixl).
+# SIZES and CONC set the ab part's cells (default 16,128 and 1,8), BACKEND its backend (nixl),
+# PTP and DTP its prefill and decode TP (1 and 1), TAG a suffix of its runs' names.
 # Every run's first requests are checked element by element.
 # On the development machine:
 #   bash scripts/gpu_wheels.sh                       # fills .whl/
@@ -33,8 +34,9 @@ if has ab; then
     order="base new"; [ $((r % 2)) = 0 ] && order="new base"  # ABBA: a drift cancels
     for t in $order; do
       pp=$NEW; [ $t = base ] && pp=$BASE
-      PYTHONPATH=$pp run_case "st_${t}_r$r" python3 $AB --backend "${BACKEND:-nixl}" --staging auto \
-        --sizes "${SIZES:-16,128}" --concurrency "${CONC:-1,8}"
+      PYTHONPATH=$pp run_case "st_${t}_r$r${TAG:-}" python3 $AB --backend "${BACKEND:-nixl}" \
+        --staging auto --sizes "${SIZES:-16,128}" --concurrency "${CONC:-1,8}" \
+        --prefill-tp "${PTP:-1}" --decode-tp "${DTP:-1}"
     done
   done
 fi
@@ -63,4 +65,5 @@ if has bench; then
     --requests 32 --json "$OUT/bench.json" > "$OUT/bench.log" 2>&1
   echo "bench rc=$? $((SECONDS - t0)) s"; tail -22 "$OUT/bench.log"
 fi
+[ -n "${KEEP:-}" ] && exit 0  # a caller running more parts tars $OUT itself
 (cd "$OUT" && tar czf ab.tgz ./*.json ./*.log ./*.txt && rm -f ./*.json ./*.log ./smp*.txt)
