@@ -5,6 +5,7 @@
 # every rank process of one engine run, once the run's verified requests are done.
 #   SPY_CASES="cudaipc:16 nixl:128" bash scripts/gpu_gil_spy.sh     (device call, carry .whl)
 # SPY_FLAGS="--idle --threads" samples every thread's wall time instead (waits included).
+# A case is BACKEND:MIB, or BACKEND:MIB:PREFILL_TP:DECODE_TP (e.g. cudaipc:128:1:2).
 # Results: $OUT/spy.tgz (py-spy's raw stacks per process, the runs' logs).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -13,10 +14,12 @@ source scripts/gpu_env.sh
 python3 -m pip install -q --no-index --no-deps --target /tmp/spy .whl/tools/*.whl > /dev/null
 SPY=/tmp/spy/bin/py-spy
 for case in ${SPY_CASES:-cudaipc:16 nixl:128}; do
-  backend=${case%%:*}; mib=${case##*:}; tag="${backend}_${mib}"
+  IFS=: read -r backend mib ptp dtp <<< "$case"; ptp=${ptp:-1}; dtp=${dtp:-1}
+  tag="${backend}_${mib}"; [ "$ptp$dtp" != 11 ] && tag="${tag}_tp$ptp$dtp"
   n=$(( mib >= 128 ? 6000 : 20000 ))
   python3 scripts/gpu_staging_ab.py --backend "$backend" --staging auto --sizes "$mib" \
     --concurrency 8 --requests $n --verify-requests 1 --timeout 300 \
+    --prefill-tp "$ptp" --decode-tp "$dtp" \
     --json "$OUT/$tag.json" > "$OUT/$tag.log" 2>&1 &
   bench=$!
   for _ in $(seq 600); do grep -q "^verified" "$OUT/$tag.log" 2>/dev/null && break; sleep 0.1; done

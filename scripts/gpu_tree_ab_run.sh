@@ -3,8 +3,8 @@
 # samples of this tree:
 #  ab:     NIXL with the default staging (auto), TP 1 -> 1, 16 and 128 MiB, C = 1 and 8:
 #          base and this tree alternating, ROUNDS rounds, base first in odd rounds and second
-#          in even ones (the base's core sources first on PYTHONPATH; the plugins are this
-#          tree's);
+#          in even ones (the base's core and cudaipc sources first on PYTHONPATH; the other
+#          plugins are this tree's);
 #  sample: this tree, the same path at 16 and 128 MiB C=8, 200 requests, scripts/rank_sampler.py;
 #  tp12:   cudaipc TP 1 -> 1 and TP 1 -> 2 at 16 and 128 MiB, C = 8 (issue 28; with two GPUs the
 #          second decode rank shares GPU 0 with prefill);
@@ -14,7 +14,7 @@
 # Every run's first requests are checked element by element.
 # On the development machine:
 #   bash scripts/gpu_wheels.sh                       # fills .whl/
-#   rm -rf ab_base && mkdir ab_base && git archive BASE core/src | tar -x -C ab_base
+#   rm -rf ab_base && mkdir ab_base && git archive BASE core/src plugins/cudaipc/src | tar -x -C ab_base
 # Device call, carry [".whl"] (ab_base/ is untracked, so it travels; never commit it).
 # Results: $OUT/ab.tgz (JSON and log per run, sampler reports); summary lines are printed.
 set -uo pipefail
@@ -27,7 +27,7 @@ PARTS=${PARTS:-ab sample tp12}
 nvidia-smi topo -m > "$OUT/topo.txt" 2>&1; head -4 "$OUT/topo.txt"
 AB="scripts/gpu_staging_ab.py --requests $N --verify-requests 2 --timeout 120"
 NEW=$PYTHONPATH
-BASE=$PWD/ab_base/core/src:${PYTHONPATH#*:}
+BASE=$PWD/ab_base/core/src:$PWD/ab_base/plugins/cudaipc/src:${PYTHONPATH#*:}  # base cudaipc if exported
 if has ab; then
   [ -d ab_base/core/src ] || { echo "no ab_base/core/src"; exit 1; }
   for r in $(seq "$ROUNDS"); do

@@ -316,10 +316,39 @@ def gpu_costs() -> dict[str, float]:
         "copy_pages_warm": med(warm),
         "copy_pages_after_sleep": med(after_sleep),
     }
+    out.update(event_costs(torch, call, stream))
     for mode in WORKER_MODES:
         out.update(woken(call, mode))
     torch.cuda.synchronize(0)
     return out
+
+
+def event_costs(torch: Any, launch: Callable[[], None], stream: Any) -> dict[str, float]:
+    """A launch's completion event, after a launch (µs): a fresh blocking-sync event
+    created, recorded and dropped (its CUDA event made at the record, destroyed at the
+    drop: cudaipc before session 22), against one of a few reused events recorded."""
+    pool = [torch.cuda.Event(blocking=True) for _ in range(64)]
+    for ev in pool:
+        ev.record(stream)
+    torch.cuda.synchronize(0)
+    fresh, reused = [], []
+    for i in range(ROUNDS):
+        launch()
+        t0 = time.perf_counter()
+        ev = torch.cuda.Event(blocking=True)
+        ev.record(stream)
+        del ev
+        t1 = time.perf_counter()
+        launch()
+        t2 = time.perf_counter()
+        pool[i % 64].record(stream)
+        t3 = time.perf_counter()
+        fresh.append(t1 - t0)
+        reused.append(t3 - t2)
+        if i % 32 == 31:
+            torch.cuda.synchronize(0)
+    torch.cuda.synchronize(0)
+    return {"event_fresh_record_drop": med(fresh), "event_reused_record": med(reused)}
 
 
 def main() -> None:

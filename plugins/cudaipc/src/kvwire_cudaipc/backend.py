@@ -470,21 +470,18 @@ class CudaIpcBackend(TcpBackend):
     def _flush_held(self, items: list[Held]) -> None:
         """The end of a worker's turn (its thread): one launch per shape for the held page
         writes and one event they all wait for, under their peers' locks."""
-        torch = _cuda._torch()
         watcher = self._kernel_watcher()
         pages, stream = self._pages, self._stream
 
         def enqueue(live: list[Held]) -> Any:
             pages.copy_batch([(h.chunk, h.src, h.dst) for h in live], stream=stream)
-            ev = torch.cuda.Event(blocking=True)
-            ev.record(stream)
-            return ev
+            return watcher.record(stream)
 
-        def watch(x: IpcXfer, ev: Any) -> None:
+        def watch(x: IpcXfer, ev: Any, last: bool) -> None:
             x.event = ev  # before ``held`` goes: a poll then sees the event, never neither
             x.held = False
             x.peer.pending.add(x)
-            watcher.watch(x)
+            watcher.watch(x, last)
 
         launch_held(items, enqueue, watch)
 
@@ -507,15 +504,12 @@ class CudaIpcBackend(TcpBackend):
         """Enqueue one fused mover launch (``enqueue``: the run mover's or the page
         mover's) on the private stream, record its event and hand it to the kernel watcher.
         Holds the peer's lock only while enqueueing (never waits for the GPU)."""
-        torch = _cuda._torch()
         watcher = self._kernel_watcher()
         with st.peer.lock:
             if st.peer.closed:
                 raise PeerError(f"peer {st.peer.info.name!r} was removed")
             enqueue()
-            ev = torch.cuda.Event(blocking=True)
-            ev.record(self._stream)
-            x.event = ev
+            x.event = watcher.record(self._stream)
             st.peer.pending.add(x)
             watcher.watch(x)  # under the lock: the watcher sees launches in stream order
 
@@ -524,7 +518,12 @@ class CudaIpcBackend(TcpBackend):
         if self._watcher is None:
             with self._gpu_lock:
                 if self._watcher is None:
-                    self._watcher = KernelWatcher(self.agent_name, self._kernel_done)
+                    torch = _cuda._torch()
+                    self._watcher = KernelWatcher(
+                        self.agent_name,
+                        self._kernel_done,
+                        lambda: torch.cuda.Event(blocking=True),  # no spinning wait
+                    )
         return self._watcher
 
     def _kernel_done(self, x: IpcXfer, error: str | None) -> None:
@@ -560,9 +559,10 @@ class CudaIpcBackend(TcpBackend):
             return XferState.FAILED
         if x.held:  # its worker's turn has not ended: not launched yet
             return XferState.PENDING
-        if x.tcp is None and x.event is not None:
+        ev = x.event
+        if x.tcp is None and ev is not None and not x.ended:  # ended: ev may be reused
             try:
-                done = x.event.query()
+                done = ev.query()
             except Exception as exc:  # a failed kernel (sticky CUDA error): fail the transfer
                 with x.lock:
                     x.failed = x.failed or f"cudaipc: the mover kernel failed: {exc}"

@@ -108,12 +108,12 @@ def fail(items: list[Held], why: str) -> None:
 def launch_held(
     items: list[Held],
     enqueue: Callable[[list[Held]], Any],
-    watch: Callable[[IpcXfer, Any], None],
+    watch: Callable[[IpcXfer, Any, bool], None],
 ) -> None:
     """Launch held page writes: under every involved peer's lock (taken in one order),
     writes to a closed peer fail, the others are enqueued together (``enqueue`` returns the
     event recorded after them) and each is handed to the kernel watcher with that event
-    (``watch``), in submission order."""
+    (``watch``, told which one is the last to wait for it), in submission order."""
     peers = sorted({id(h.st.peer): h.st.peer for h in items}.items())
     with contextlib.ExitStack() as stack:
         for _, peer in peers:
@@ -125,5 +125,5 @@ def launch_held(
         if not live:
             return
         event = enqueue(live)
-        for h in live:
-            watch(h.x, event)
+        for i, h in enumerate(live):
+            watch(h.x, event, i == len(live) - 1)

@@ -75,3 +75,5 @@ class IpcXfer:
     wake: Callable[[], None] | None = None
     #: Held by a worker's turn (:mod:`kvwire_cudaipc.batch`): not launched yet, PENDING.
     held: bool = False
+    #: The kernel watcher passed this launch (it ended): ``event`` may be reused now.
+    ended: bool = False
