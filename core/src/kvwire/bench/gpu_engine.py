@@ -64,6 +64,12 @@ def add_engine_args(
     p.add_argument("--verify-requests", type=int, default=verify)
     p.add_argument("--engine-step", type=float, default=0.0002)
     p.add_argument(
+        "--send-first",
+        action="store_true",
+        help="prefill sends each request's chunks without waiting for decode's asks (an "
+        "engine that computes first, as vLLM's prefill): default, it waits (as SGLang's)",
+    )
+    p.add_argument(
         "--pin-cpus",
         action="store_true",
         help="pin each rank process to its own equal share of the CPUs (steadier timings)",
@@ -276,7 +282,11 @@ def engine(
     def plans(n: int, p: int, verify: bool) -> list[RoomPlan]:
         return [
             RoomPlan(
-                room=secrets.randbits(62), num_pages=p, chunks=chunks(p, verify), verify=verify
+                room=secrets.randbits(62),
+                num_pages=p,
+                chunks=chunks(p, verify),
+                verify=verify,
+                send_first=bool(getattr(a, "send_first", False)),
             )
             for _ in range(n)
         ]
@@ -296,6 +306,7 @@ def engine(
         "staging_options": dict(staging_options or {}),
         "max_chunk_pages": max_chunk_pages,
         "kv_checksum": bool(getattr(a, "checksum", False)),
+        "send_first": bool(getattr(a, "send_first", False)),
     }
     t0 = time.perf_counter()
     with Cluster(spec) as c:

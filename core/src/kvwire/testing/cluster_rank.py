@@ -509,7 +509,7 @@ def rank_main(
         if st in (KVPoll.Failed, KVPoll.Success):
             report(a, st, t_done)
             return True
-        if st >= KVPoll.WaitingForInput and a.stage == 0:
+        if (st >= KVPoll.WaitingForInput or a.plan.send_first) and a.stage == 0:
             a.obj.init(a.plan.num_pages, a.aux_index)
             a.stage = 1
         if a.stage == 1:

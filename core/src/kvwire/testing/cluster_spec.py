@@ -245,6 +245,9 @@ class RoomPlan(BaseModel):
     #: Prefill sends each chunk layer-wise (``send(..., layerwise=True)``, then marks this
     #: rank's layers one by one with ``layer_ready``).
     layerwise: bool = False
+    #: Prefill inits and sends without waiting for the decode ranks' asks (an engine that
+    #: computes first, as vLLM's prefill does): each decode rank gets the chunks once it asks.
+    send_first: bool = False
 
     def verified(self, spec: ClusterSpec) -> bool:
         """Whether this request is filled and checked."""

@@ -52,7 +52,9 @@ class SendRoom:
     aux_index: int | None = None
     dests: dict[str, Dest] = field(default_factory=dict)
     expected: int | None = None
-    held: list[tuple[NDArray[np.int64], bool, LayerGate | None]] = field(default_factory=list)
+    #: Chunks the engine sent before every destination asked, as (pages, their first request
+    #: page, last, layer gate): each destination that asks later gets them all, in order.
+    held: list[tuple[NDArray[np.int64], int, bool, LayerGate | None]] = field(default_factory=list)
     #: The open layer-wise chunk (``send(..., layerwise=True)``) until every layer is marked.
     gate: LayerGate | None = None
     #: Synchronous mode: a layer-wise chunk waits here until every layer is marked.

@@ -8,8 +8,10 @@ Flow of one request on a prefill rank:
    for ``bootstrap_timeout_s`` at most. Once every expected decode rank has asked (``Td/Tp`` of
    them when decode is larger, else one), the room is ``WaitingForInput``.
 3. The engine calls ``init(num_pages, aux_index)`` and then ``send(pages, last=...)`` once per
-   chunk of chunked prefill; each call only enqueues work for the destination's worker
-   (``Transferring``). Chunks sent earlier than step 2 completes are held and flushed then.
+   chunk of chunked prefill; each call only enqueues work for the destinations' workers
+   (``Transferring``). A chunk sent before step 2 completes goes at once to the decode ranks
+   that asked already and is kept for the others, each of which gets every kept chunk when
+   it asks: one slow decode rank does not hold back the others' KV.
 4. A worker maps the chunk through the link's index mapper (via the staging strategy), submits
    one transfer tagged with a :class:`~kvwire.control.wire.ChunkNote`, waits for it, and after
    the last chunk writes the aux row (when this rank is the aux sender for that decode rank) or,
@@ -201,19 +203,33 @@ class PrefillSide(Side[SendRoom]):
                 TransferError("decode ranks of one request disagree on decode TP", room=room.room),
             )
             return
+        if dest.session in room.dests:  # asked again (replayed params): it has its chunks
+            logger.warning(
+                "%s: room %d: a repeated request from decode session %s ignored",
+                self.ctx.agent_name,
+                room.room,
+                dest.session,
+            )
+            return
         room.expected = expected
         room.dests[dest.session] = dest
+        for pages, start, last, gate in room.held:  # sent before this rank asked
+            if not self._dispatch_to(room, dest, pages, start, last, gate):
+                return
         self._maybe_ready(room)
 
     def _maybe_ready(self, room: SendRoom) -> None:
+        """Under the lock: once every expected decode rank asked, the room waits for input
+        (or is transferring, if the engine sent chunks already); kept chunks are forgotten
+        (every destination has them)."""
         if room.ready or room.expected is None or len(room.dests) < room.expected:
             return
         room.ready = True
         room.metrics.marks["asked"] = time.perf_counter()
         self.rooms.advance(room, KVPoll.WaitingForInput)
-        held, room.held = room.held, []
-        for pages, last, gate in held:
-            self._dispatch(room, pages, last, gate)
+        if room.held:
+            self.rooms.advance(room, KVPoll.Transferring)
+            room.held = []
 
     def on_notification(self, note: Notification) -> None:
         """Prefill receives no data-plane notifications in WRITE mode; ignore strays."""
@@ -398,11 +414,18 @@ class PrefillSide(Side[SendRoom]):
     def _queue(
         self, room: SendRoom, arr: NDArray[np.int64], last: bool, gate: LayerGate | None
     ) -> None:
-        """Under the lock: dispatch a chunk now, or hold it until decode has asked."""
-        if not room.ready:
-            room.held.append((arr, last, gate))
-            return
-        self._dispatch(room, arr, last, gate)
+        """Under the lock: dispatch a chunk to the destinations that asked; until every one
+        has, keep it for those still to ask (:meth:`_add_dest`)."""
+        assert room.num_pages is not None
+        start = room.pages_dispatched
+        room.pages_dispatched = start + arr.size
+        if room.ready:
+            self.rooms.advance(room, KVPoll.Transferring)
+        else:
+            room.held.append((arr, start, last, gate))
+        for dest in list(room.dests.values()):
+            if not self._dispatch_to(room, dest, arr, start, last, gate):
+                return
 
     def layer_ready(self, room: SendRoom, layer: int | None, event: Any = None) -> None:
         """Engine thread: layers up to ``layer`` of the open layer-wise chunk are computed
@@ -425,34 +448,33 @@ class PrefillSide(Side[SendRoom]):
                 (arr, last), room.deferred = room.deferred, None
                 self._queue(room, arr, last, None)
 
-    def _dispatch(
+    def _dispatch_to(
         self,
         room: SendRoom,
+        dest: Dest,
         pages: NDArray[np.int64],
+        start: int,
         last: bool,
-        gate: LayerGate | None = None,
-    ) -> None:
-        """Under the lock: split a chunk per destination and hand it to that worker."""
-        assert room.num_pages is not None
+        gate: LayerGate | None,
+    ) -> bool:
+        """Under the lock: a chunk (request pages from ``start``) as one destination's jobs,
+        handed to its worker. False when the chunk cannot be mapped (the room is failed)."""
         ctx = self.ctx
-        start = room.pages_dispatched
-        room.pages_dispatched = start + pages.size
-        self.rooms.advance(room, KVPoll.Transferring)
-        for dest in room.dests.values():
-            peer = ctx.peers.get(dest.session)
-            if peer is None:
-                continue
-            link: DecodeLink = peer.link
-            try:
-                jobs = dest_jobs(ctx, room, dest, link, pages, start, last, gate, self.sender_id)
-            except KVWireError as exc:
-                self._fail(room, exc)
-                return
-            if dest.shard is None:  # at its first chunk (see shard_for)
-                one = ctx.one_worker(link.backend_peer)
-                dest.shard = shard_for(dest.session, room.room, link.pools[dest.pool].staged, one)
-            for job in jobs:
-                self.workers.submit(dest.shard, job, sticky=job.target.staged)
+        peer = ctx.peers.get(dest.session)
+        if peer is None:
+            return True
+        link: DecodeLink = peer.link
+        try:
+            jobs = dest_jobs(ctx, room, dest, link, pages, start, last, gate, self.sender_id)
+        except KVWireError as exc:
+            self._fail(room, exc)
+            return False
+        if dest.shard is None:  # at its first chunk (see shard_for)
+            one = ctx.one_worker(link.backend_peer)
+            dest.shard = shard_for(dest.session, room.room, link.pools[dest.pool].staged, one)
+        for job in jobs:
+            self.workers.submit(dest.shard, job, sticky=job.target.staged)
+        return True
 
     # ------------------------------------------------------------------ workers
     def is_dead(self, room: SendRoom) -> bool:
@@ -509,7 +531,8 @@ class PrefillSide(Side[SendRoom]):
         """Worker thread: a destination has every chunk and its aux row."""
         with self.rooms.lock:
             dest.done = True
-            if all(d.done for d in room.dests.values()) and not self.rooms.terminal(room):
+            every = room.ready and all(d.done for d in room.dests.values())
+            if every and not self.rooms.terminal(room):
                 self.rooms.succeed(room)
 
     # ---------------------------------------------------------------- failures

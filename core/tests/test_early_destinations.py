@@ -1,0 +1,119 @@
+"""A prefill rank feeding several decode ranks (TP 1 -> 2) sends a decode rank its KV as soon as
+that rank asked, not once every decode rank has: the engine may have sent the request's chunks
+before any decode rank asked (vLLM's prefill computes first), and a slow decode rank must not
+hold back the others. In one process: one prefill and two decode managers over the real tcp
+backend, bootstrap service and ZeroMQ channels, verification pools."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import pytest
+
+from kvwire.layout import RankPosition
+from kvwire.session import KVManager, KVPoll, Role
+from kvwire.testing.kvfill import count_mismatches, fill_pages, make_pool
+from kvwire.testing.pair import MODEL, config, no_rooms, wait_for
+
+
+@pytest.fixture
+def tp12() -> Iterator[dict[str, Any]]:
+    """A prefill manager (TP 1) and two decode managers (TP 2 ranks 0 and 1)."""
+    play, parr = make_pool(MODEL, RankPosition(), 32)
+    pools = [make_pool(MODEL, RankPosition(tp_size=2, tp_rank=r), 32) for r in range(2)]
+    prefill = KVManager(config(), Role.PREFILL, play)
+    decodes: list[KVManager] = []
+    try:
+        for lay, _ in pools:
+            decodes.append(KVManager(config(), Role.DECODE, lay))
+        yield {"prefill": prefill, "play": play, "parr": parr, "decodes": decodes, "pools": pools}
+    finally:
+        for d in decodes:
+            d.close()
+        prefill.close()
+
+
+def test_a_decode_rank_that_asked_is_served_before_the_other_asks(tp12: dict[str, Any]) -> None:
+    """The engine sends both chunks before any decode rank asked; decode rank 0 asks and gets
+    its whole request (Success, every element right) while rank 1 has not asked, and the
+    prefill side stays short of Success; rank 1 then asks and gets the same chunks."""
+    prefill: KVManager = tp12["prefill"]
+    decodes: list[KVManager] = tp12["decodes"]
+    addr = prefill.bootstrap_addr
+    assert addr
+    s = prefill.sender(7)
+    src = np.arange(4)
+    fill_pages(tp12["play"], tp12["parr"], src, 0)
+    s.init(4, aux_index=2)
+    s.send(src[:2], last=False)
+    s.send(src[2:], last=True)
+    dst = [np.array([10, 12, 14, 16]), np.array([5, 3, 1, 20])]
+    r0 = decodes[0].receiver(7, addr)
+    r0.init()
+    r0.send_metadata(dst[0], aux_index=1)
+    wait_for(lambda: r0.poll() is KVPoll.Success)
+    lay0, arr0 = tp12["pools"][0]
+    assert count_mismatches(lay0, arr0, dst[0], 0) == 0
+    assert s.poll() is KVPoll.Bootstrapping  # rank 1 has not asked: not every rank is served
+    lay1, arr1 = tp12["pools"][1]
+    assert count_mismatches(lay1, arr1, dst[1], 0) > 0  # nothing written there yet
+    r1 = decodes[1].receiver(7, addr)
+    r1.init()
+    r1.send_metadata(dst[1], aux_index=1)
+    wait_for(lambda: r1.poll() is KVPoll.Success and s.poll() is KVPoll.Success)
+    assert count_mismatches(lay1, arr1, dst[1], 0) == 0
+    for x in (s, r0, r1):
+        x.clear()
+    assert no_rooms(prefill) and all(no_rooms(d) for d in decodes)
+
+
+def test_chunks_sent_between_the_two_asks_reach_both_ranks_in_order(
+    tp12: dict[str, Any],
+) -> None:
+    """A chunk before any ask, one after rank 0 asked, one after both: each rank gets all three
+    in request order (rank 0 the first one at its ask, rank 1 the first two at its)."""
+    prefill: KVManager = tp12["prefill"]
+    decodes: list[KVManager] = tp12["decodes"]
+    addr = prefill.bootstrap_addr
+    assert addr
+    s = prefill.sender(8)
+    src = np.arange(6)
+    fill_pages(tp12["play"], tp12["parr"], src, 0)
+    s.init(6, aux_index=2)
+    s.send(src[:2], last=False)
+    dst = [np.arange(6) + 20, np.arange(6)[::-1] + 8]
+    rs = [decodes[r].receiver(8, addr) for r in range(2)]
+    rs[0].init()
+    rs[0].send_metadata(dst[0], aux_index=1)
+    wait_for(lambda: rs[0].poll() is KVPoll.Transferring)  # asked; its first chunk lands
+    assert s.poll() is KVPoll.Bootstrapping
+    s.send(src[2:4], last=False)
+    rs[1].init()
+    rs[1].send_metadata(dst[1], aux_index=1)
+    wait_for(lambda: s.poll() is KVPoll.Transferring)  # both asked, chunks already sent
+    s.send(src[4:], last=True)
+    wait_for(lambda: all(r.poll() is KVPoll.Success for r in rs) and s.poll() is KVPoll.Success)
+    for r, (lay, arr) in enumerate(tp12["pools"]):
+        assert count_mismatches(lay, arr, dst[r], 0) == 0, r
+    for x in (s, *rs):
+        x.clear()
+
+
+@pytest.mark.parametrize("tp", [(1, 2), (2, 1)], ids=["tp1to2", "tp2to1"])
+def test_an_engine_that_sends_first_across_real_processes(tp: tuple[int, int]) -> None:
+    """Rank processes over tcp: prefill inits and sends every request as soon as it exists,
+    without waiting for decode's asks (``RoomPlan.send_first``), 24 requests, 8 in flight,
+    chunked and layer-wise ones among them: every element and aux row right on every decode
+    rank, nothing left in any table."""
+    from kvwire.testing.cluster import Cluster, ClusterSpec
+    from kvwire.testing.cluster_suite import assert_all_ok, assert_tables_empty
+
+    spec = ClusterSpec(model=MODEL, prefill_tp=tp[0], decode_tp=tp[1], slots=96, config=config())
+    with Cluster(spec) as c:
+        plans = c.plans(24, pages=(1, 6), layerwise_fraction=0.2)
+        plans = [p.model_copy(update={"send_first": True}) for p in plans]
+        results = c.run(plans, concurrency=8, timeout_s=120)
+        assert_all_ok(results)
+        assert_tables_empty(c)
