@@ -17,6 +17,7 @@ import logging
 import threading
 import time
 from contextlib import AbstractContextManager
+from dataclasses import dataclass
 from typing import Any
 
 from kvwire.backend import PreparedPair, TransferHandle, XferOp, XferState
@@ -30,7 +31,6 @@ from kvwire.session.prefill import late_sums, posting
 from kvwire.session.prefill.groups import GROUPS_TABLE, group_rows
 from kvwire.session.prefill.layerwise import LayerPosting
 from kvwire.session.prefill.pace import PollPace
-from kvwire.session.prefill.posted import Posted, Waker
 from kvwire.session.prefill.posting import PlanRef, SegmentPost, Tail, WorkerSide, summed_pieces
 from kvwire.session.prefill.rooms import Job, SendRoom
 from kvwire.staging.base import ChunkPlan, LocalCopy, Segment
@@ -50,6 +50,31 @@ EVENT_IDLE_S = 0.005
 STAGING_IDLE_S = 0.001
 
 
+@dataclass(eq=False)
+class _Posted:
+    """One transfer (or one segment of a chunk) in flight."""
+
+    handle: TransferHandle
+    key: tuple[int, str]
+    room: SendRoom
+    ref: PlanRef | None
+    t_start: float
+    t_posted: float
+    t_enqueued: float | None
+    deadline: float
+    what: str
+    #: A copy the strategy runs itself; decode hears of it through ``note`` on the control
+    #: channel once it is done (backend transfers carry their note themselves).
+    copy: LocalCopy | None = None
+    note: ChunkNote | None = None
+    endpoint: str = ""
+    #: The request was failed for this copy's deadline; it is still polled to the end, because
+    #: decode may reuse the pages only when nothing writes them any more.
+    overdue: bool = False
+    #: Accounted as a transfer once done (not a chunk's sums part, which moves no bytes).
+    counted: bool = True
+
+
 class Pipeline:
     """Posts chunk transfers, polls them, and finishes each destination in order.
 
@@ -66,14 +91,12 @@ class Pipeline:
         self.evented = ctx.backend.pushes_events
         #: Posts layer-wise chunks group by group through this pipeline's primitives.
         self.layers = LayerPosting(self, index, ctx.options.transfer_timeout_s)
-        self.posted: list[Posted] = []
+        self.posted: list[_Posted] = []
         self.tails: dict[tuple[int, str], Tail] = {}
         #: Set by a layer-wise chunk's gate when the engine marks layers (see :meth:`idle`).
         self.wake = threading.Event()
         #: When to poll unannounced writes first (:mod:`~kvwire.session.prefill.pace`).
         self.pace = PollPace()
-        #: The next deadline sweep (:meth:`progress` polls every transfer then).
-        self._sweep_at = 0.0
 
     @property
     def busy(self) -> bool:
@@ -252,17 +275,9 @@ class Pipeline:
             self.side.abandon(tail.room, d, tail.target)
 
     def progress(self) -> int:
-        """Poll the posted transfers, then post what waited; returns how many moved. A write
-        whose backend announces its end is polled once that happened (:class:`Waker`), and
-        every transfer at a deadline sweep, every :data:`EVENT_IDLE_S` at most."""
+        """Poll every posted transfer once, then post what waited; returns how many moved."""
         moved = 0
-        now = time.monotonic()
-        sweep = now >= self._sweep_at
-        if sweep:
-            self._sweep_at = now + EVENT_IDLE_S
         for p in list(self.posted):
-            if not p.due(sweep):
-                continue
             state = self._state(p)
             if state is XferState.PENDING:
                 continue
@@ -361,7 +376,7 @@ class Pipeline:
         session = self.ctx.session
         handle = TransferHandle(-1, session, XferOp.WRITE, copy.num_rows, copy.nbytes)
         self._track(
-            Posted(
+            _Posted(
                 handle,
                 key,
                 tail.room,
@@ -379,7 +394,7 @@ class Pipeline:
             tail,
         )
 
-    def _track(self, p: Posted, tail: Tail) -> None:
+    def _track(self, p: _Posted, tail: Tail) -> None:
         self.posted.append(p)
         tail.inflight += 1
         self.side.writes_posted(p.key[0], p.key[1], +1)
@@ -399,15 +414,13 @@ class Pipeline:
         # stamped before the submit: a backend that sends on its own thread may have the note
         # handled on decode before the call returns (stage marks must stay in causal order)
         tail.room.metrics.marks["posted"] = time.perf_counter()
-        waker = Waker(self.wake)
-        handle = posting.submit_rows(self.ctx.backend, pair, rows, note, waker)
+        handle = posting.submit_rows(self.ctx.backend, pair, rows, note, self.wake.set)
         deadline = time.monotonic() + self.ctx.options.transfer_timeout_s
         now = time.perf_counter()
-        p = Posted(handle, key, tail.room, ref, t_start, now, t_enqueued, deadline, what)
-        p.waker = waker if handle.pushes else None
-        self._track(p, tail)
+        self._track(_Posted(handle, key, tail.room, ref, t_start, now, t_enqueued, deadline, what),
+                    tail)  # fmt: skip
 
-    def _copy_state(self, p: Posted) -> XferState:
+    def _copy_state(self, p: _Posted) -> XferState:
         assert p.copy is not None
         try:
             if p.copy.done():
@@ -430,7 +443,7 @@ class Pipeline:
             )
         return XferState.PENDING
 
-    def _state(self, p: Posted) -> XferState:
+    def _state(self, p: _Posted) -> XferState:
         if p.copy is not None:
             return self._copy_state(p)
         state = self.ctx.backend.poll(p.handle)
@@ -445,7 +458,7 @@ class Pipeline:
             return XferState.FAILED
         return XferState.PENDING
 
-    def _complete(self, p: Posted, state: XferState) -> None:
+    def _complete(self, p: _Posted, state: XferState) -> None:
         ctx, h = self.ctx, p.handle
         t_done = time.perf_counter()
         if p.copy is None:
