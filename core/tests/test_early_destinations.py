@@ -12,8 +12,9 @@ from typing import Any
 import numpy as np
 import pytest
 
+from kvwire.errors import TransferError
 from kvwire.layout import RankPosition
-from kvwire.session import KVManager, KVPoll, Role
+from kvwire.session import KVManager, KVPoll, Role, reduce_polls
 from kvwire.testing.kvfill import count_mismatches, fill_pages, make_pool
 from kvwire.testing.pair import MODEL, config, no_rooms, wait_for
 
@@ -66,7 +67,8 @@ def test_a_decode_rank_that_asked_is_served_before_the_other_asks(tp12: dict[str
     assert count_mismatches(lay1, arr1, dst[1], 0) == 0
     for x in (s, r0, r1):
         x.clear()
-    assert no_rooms(prefill) and all(no_rooms(d) for d in decodes)
+    # a cleared room leaves once no write can still land (a failed one: after WritesDone)
+    wait_for(lambda: no_rooms(prefill) and all(no_rooms(d) for d in decodes))
 
 
 def test_chunks_sent_between_the_two_asks_reach_both_ranks_in_order(
@@ -117,3 +119,40 @@ def test_an_engine_that_sends_first_across_real_processes(tp: tuple[int, int]) -
         results = c.run(plans, concurrency=8, timeout_s=120)
         assert_all_ok(results)
         assert_tables_empty(c)
+
+
+def test_a_late_rank_asking_for_more_pages_fails_the_request_on_every_side(
+    tp12: dict[str, Any],
+) -> None:
+    """Rank 0 asked and was served; rank 1 then asks for more pages than the request has (a
+    rank asking for fewer has them cached): the request fails at once on prefill and on rank 1
+    with an error naming both counts and nothing is written to rank 1. Rank 0 keeps its
+    Success (it has every byte of its share), so the decode engine's combined poll of its
+    ranks (``reduce_polls``, as engines combine TP ranks) says Failed."""
+    prefill: KVManager = tp12["prefill"]
+    decodes: list[KVManager] = tp12["decodes"]
+    addr = prefill.bootstrap_addr
+    assert addr
+    s = prefill.sender(9)
+    src = np.arange(4)
+    fill_pages(tp12["play"], tp12["parr"], src, 0)
+    s.init(4, aux_index=2)
+    s.send(src, last=True)
+    r0 = decodes[0].receiver(9, addr)
+    r0.init()
+    r0.send_metadata(np.arange(4) + 10, aux_index=1)
+    wait_for(lambda: r0.poll() is KVPoll.Success)
+    r1 = decodes[1].receiver(9, addr)
+    r1.init()
+    r1.send_metadata(np.arange(5) + 10, aux_index=1)
+    wait_for(lambda: r1.poll() is KVPoll.Failed and s.poll() is KVPoll.Failed)
+    for x in (s, r1):
+        with pytest.raises(TransferError, match="asked for 5 pages but the request has 4"):
+            x.failure_exception()
+    assert reduce_polls([r0.poll(), r1.poll()]) is KVPoll.Failed
+    _, arr1 = tp12["pools"][1]
+    assert not any(a[10:15].any() for a in arr1), "rank 1's pages were written"
+    for x in (s, r0, r1):
+        x.clear()
+    # a cleared room leaves once no write can still land (a failed one: after WritesDone)
+    wait_for(lambda: no_rooms(prefill) and all(no_rooms(d) for d in decodes))
