@@ -36,39 +36,55 @@ def tp12() -> Iterator[dict[str, Any]]:
         prefill.close()
 
 
+def _sender(tp12: dict[str, Any], room: int, pages: int) -> tuple[Any, Any, str]:
+    """Prefill's sender of a request of ``pages`` filled pages, past ``init`` (the engine has
+    computed it), with its pages and the bootstrap address decode asks at."""
+    prefill: KVManager = tp12["prefill"]
+    addr = prefill.bootstrap_addr
+    assert addr
+    s = prefill.sender(room)
+    src = np.arange(pages)
+    fill_pages(tp12["play"], tp12["parr"], src, 0)
+    s.init(pages, aux_index=2)
+    return s, src, addr
+
+
+def _tables_drain(tp12: dict[str, Any]) -> None:
+    """Every manager's tables empty: a cleared room leaves once no write can still land (a
+    failed one after WritesDone)."""
+    mgrs = [tp12["prefill"], *tp12["decodes"]]
+    wait_for(lambda: all(no_rooms(m) for m in mgrs))
+
+
+def _ask(tp12: dict[str, Any], rank: int, room: int, addr: str, dst: Any) -> Any:
+    """Decode rank ``rank`` asks for ``room`` into pages ``dst``; its receiver."""
+    r = tp12["decodes"][rank].receiver(room, addr)
+    r.init()
+    r.send_metadata(dst, aux_index=1)
+    return r
+
+
 def test_a_decode_rank_that_asked_is_served_before_the_other_asks(tp12: dict[str, Any]) -> None:
     """The engine sends both chunks before any decode rank asked; decode rank 0 asks and gets
     its whole request (Success, every element right) while rank 1 has not asked, and the
     prefill side stays short of Success; rank 1 then asks and gets the same chunks."""
-    prefill: KVManager = tp12["prefill"]
-    decodes: list[KVManager] = tp12["decodes"]
-    addr = prefill.bootstrap_addr
-    assert addr
-    s = prefill.sender(7)
-    src = np.arange(4)
-    fill_pages(tp12["play"], tp12["parr"], src, 0)
-    s.init(4, aux_index=2)
+    s, src, addr = _sender(tp12, 7, 4)
     s.send(src[:2], last=False)
     s.send(src[2:], last=True)
     dst = [np.array([10, 12, 14, 16]), np.array([5, 3, 1, 20])]
-    r0 = decodes[0].receiver(7, addr)
-    r0.init()
-    r0.send_metadata(dst[0], aux_index=1)
+    r0 = _ask(tp12, 0, 7, addr, dst[0])
     wait_for(lambda: r0.poll() is KVPoll.Success)
     lay0, arr0 = tp12["pools"][0]
     assert count_mismatches(lay0, arr0, dst[0], 0) == 0
     assert s.poll() is KVPoll.Bootstrapping  # rank 1 has not asked: not every rank is served
     lay1, arr1 = tp12["pools"][1]
     assert count_mismatches(lay1, arr1, dst[1], 0) > 0  # nothing written there yet
-    r1 = decodes[1].receiver(7, addr)
-    r1.init()
-    r1.send_metadata(dst[1], aux_index=1)
+    r1 = _ask(tp12, 1, 7, addr, dst[1])
     wait_for(lambda: r1.poll() is KVPoll.Success and s.poll() is KVPoll.Success)
     assert count_mismatches(lay1, arr1, dst[1], 0) == 0
     for x in (s, r0, r1):
         x.clear()
-    # a cleared room leaves once no write can still land (a failed one: after WritesDone)
-    wait_for(lambda: no_rooms(prefill) and all(no_rooms(d) for d in decodes))
+    _tables_drain(tp12)
 
 
 def test_chunks_sent_between_the_two_asks_reach_both_ranks_in_order(
@@ -76,24 +92,14 @@ def test_chunks_sent_between_the_two_asks_reach_both_ranks_in_order(
 ) -> None:
     """A chunk before any ask, one after rank 0 asked, one after both: each rank gets all three
     in request order (rank 0 the first one at its ask, rank 1 the first two at its)."""
-    prefill: KVManager = tp12["prefill"]
-    decodes: list[KVManager] = tp12["decodes"]
-    addr = prefill.bootstrap_addr
-    assert addr
-    s = prefill.sender(8)
-    src = np.arange(6)
-    fill_pages(tp12["play"], tp12["parr"], src, 0)
-    s.init(6, aux_index=2)
+    s, src, addr = _sender(tp12, 8, 6)
     s.send(src[:2], last=False)
     dst = [np.arange(6) + 20, np.arange(6)[::-1] + 8]
-    rs = [decodes[r].receiver(8, addr) for r in range(2)]
-    rs[0].init()
-    rs[0].send_metadata(dst[0], aux_index=1)
+    rs = [_ask(tp12, 0, 8, addr, dst[0])]
     wait_for(lambda: rs[0].poll() is KVPoll.Transferring)  # asked; its first chunk lands
     assert s.poll() is KVPoll.Bootstrapping
     s.send(src[2:4], last=False)
-    rs[1].init()
-    rs[1].send_metadata(dst[1], aux_index=1)
+    rs.append(_ask(tp12, 1, 8, addr, dst[1]))
     wait_for(lambda: s.poll() is KVPoll.Transferring)  # both asked, chunks already sent
     s.send(src[4:], last=True)
     wait_for(lambda: all(r.poll() is KVPoll.Success for r in rs) and s.poll() is KVPoll.Success)
@@ -129,22 +135,11 @@ def test_a_late_rank_asking_for_more_pages_fails_the_request_on_every_side(
     with an error naming both counts and nothing is written to rank 1. Rank 0 keeps its
     Success (it has every byte of its share), so the decode engine's combined poll of its
     ranks (``reduce_polls``, as engines combine TP ranks) says Failed."""
-    prefill: KVManager = tp12["prefill"]
-    decodes: list[KVManager] = tp12["decodes"]
-    addr = prefill.bootstrap_addr
-    assert addr
-    s = prefill.sender(9)
-    src = np.arange(4)
-    fill_pages(tp12["play"], tp12["parr"], src, 0)
-    s.init(4, aux_index=2)
+    s, src, addr = _sender(tp12, 9, 4)
     s.send(src, last=True)
-    r0 = decodes[0].receiver(9, addr)
-    r0.init()
-    r0.send_metadata(np.arange(4) + 10, aux_index=1)
+    r0 = _ask(tp12, 0, 9, addr, np.arange(4) + 10)
     wait_for(lambda: r0.poll() is KVPoll.Success)
-    r1 = decodes[1].receiver(9, addr)
-    r1.init()
-    r1.send_metadata(np.arange(5) + 10, aux_index=1)
+    r1 = _ask(tp12, 1, 9, addr, np.arange(5) + 10)
     wait_for(lambda: r1.poll() is KVPoll.Failed and s.poll() is KVPoll.Failed)
     for x in (s, r1):
         with pytest.raises(TransferError, match="asked for 5 pages but the request has 4"):
@@ -154,5 +149,4 @@ def test_a_late_rank_asking_for_more_pages_fails_the_request_on_every_side(
     assert not any(a[10:15].any() for a in arr1), "rank 1's pages were written"
     for x in (s, r0, r1):
         x.clear()
-    # a cleared room leaves once no write can still land (a failed one: after WritesDone)
-    wait_for(lambda: no_rooms(prefill) and all(no_rooms(d) for d in decodes))
+    _tables_drain(tp12)
