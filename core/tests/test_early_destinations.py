@@ -150,3 +150,32 @@ def test_a_late_rank_asking_for_more_pages_fails_the_request_on_every_side(
     for x in (s, r0, r1):
         x.clear()
     _tables_drain(tp12)
+
+
+def test_a_repeated_ask_of_a_served_rank_is_ignored(
+    tp12: dict[str, Any], caplog: pytest.LogCaptureFixture
+) -> None:
+    """The same decode session asking again before every rank asked (its request repeated)
+    does not replace its destination: its chunks went out already and are not sent twice,
+    into other pages. Driven through the prefill side's own entry point for a rank's ask."""
+    import dataclasses
+
+    s, src, addr = _sender(tp12, 11, 4)
+    s.send(src, last=True)
+    r0 = _ask(tp12, 0, 11, addr, np.arange(4) + 10)
+    wait_for(lambda: r0.poll() is KVPoll.Success)
+    side = tp12["prefill"].side
+    with side.rooms.lock:
+        room = side.rooms.get(11)
+        (dest,) = room.dests.values()
+        again = dataclasses.replace(dest, dst_pages=np.arange(4) + 20, next_chunk=0, done=False)
+        with caplog.at_level("WARNING"):
+            side._add_dest(room, again)
+        assert room.dests[dest.session] is dest
+        assert again.next_chunk == 0, "chunks were dispatched to the repeated ask"
+    assert "a repeated request from decode session" in caplog.text
+    r1 = _ask(tp12, 1, 11, addr, np.arange(4) + 10)
+    wait_for(lambda: r1.poll() is KVPoll.Success and s.poll() is KVPoll.Success)
+    for x in (s, r0, r1):
+        x.clear()
+    _tables_drain(tp12)
