@@ -60,7 +60,10 @@ class KernelWatcher(Generic[X]):
         """Launch path, right after enqueueing a launch on ``stream`` (under the launch's
         peer locks): an event recorded there, reused when one is free (``make_event``
         otherwise)."""
-        ev = self._free.pop() if self._free else self._make_event()
+        try:
+            ev = self._free.pop()
+        except IndexError:  # none free (or another launching thread took the last one)
+            ev = self._make_event()
         ev.record(stream)
         return ev
 
