@@ -341,6 +341,72 @@ def test_kernel_end_wakes_the_submitter_and_sends_the_note_without_a_poll(
         b.close()
 
 
+def test_a_poll_sends_the_note_when_the_watchers_handling_failed(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The kernel watcher saw a launch end, but posting its note failed on the watcher's
+    thread (an unexpected error, logged): the submitter's next poll posts the note itself, so
+    decode still hears of the chunk. The transfer is marked ``ended`` by then (its event may
+    already be recorded again for another launch), so the poll must not need the event.
+    Same host stand-ins as above."""
+    import time
+
+    import kvwire_cudaipc.backend as backend_mod
+    from kvwire.backend import XferOp, XferState
+
+    _host_stand_ins(monkeypatch)
+    _HostEvent.gate.clear()
+    real = backend_mod.CudaIpcBackend._post_follow
+    calls: list[str] = []
+
+    def flaky(self: object, x: object) -> None:
+        calls.append(threading.current_thread().name)
+        if len(calls) == 1:
+            raise RuntimeError("stand-in failure on the watcher's thread")
+        real(self, x)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(backend_mod.CudaIpcBackend, "_post_follow", flaky)
+    cfg = KVWireConfig(transfer_backend="cudaipc")
+    a = create_backend(cfg, "prefill", need=())
+    b = create_backend(cfg, "decode", need=())
+    try:
+        av = np.arange(1 << 15, dtype=np.uint8)
+        bv = np.zeros(1 << 15, np.uint8)
+
+        def vram(x: np.ndarray) -> MemoryRegion:
+            return MemoryRegion.from_pointer(x.ctypes.data, x.nbytes, 4096, MemKind.VRAM, 0)
+
+        a.register([vram(av)])
+        b.register([vram(bv)])
+        peer = a.add_peer(b.local_metadata())
+        pair = a.prepare(
+            peer,
+            make_table(av.ctypes.data + np.arange(8) * 4096, 4096),
+            make_table(bv.ctypes.data + np.arange(8) * 4096, 4096),
+        )
+        h = a.submit(XferOp.WRITE, pair, np.arange(8), np.arange(8), notification=b"kv")
+        _HostEvent.gate.set()  # the kernel ends; the watcher's note post fails
+        for _ in range(3000):
+            if h.state.ended:
+                break
+            time.sleep(0.01)
+        assert h.state.ended and calls and calls[0].endswith("-kernels"), calls
+        assert a.poll(h) is XferState.DONE
+        got: list = []
+        for _ in range(3000):
+            got += b.get_notifications()
+            if got:
+                break
+            time.sleep(0.01)
+        assert [n.payload for n in got] == [b"kv"]
+        assert np.array_equal(bv, av[: bv.size])
+        a.release(h)
+    finally:
+        _HostEvent.gate.set()
+        a.close()
+        b.close()
+
+
 def test_a_failed_kernel_seen_by_a_poll_fails_the_transfer(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

@@ -41,11 +41,14 @@ class Spans:
     nblocks: int
     order: int
 
+    def rows(self, k: int) -> int:
+        """Rows of order ``k``: one per position ``0 .. nblocks - 2**k``."""
+        return max(0, self.nblocks - (1 << k) + 1)
+
     @cached_property
     def offsets(self) -> I64:
-        """Index of the first row of each order (rows of order ``k``: one per position
-        ``0 .. nblocks - 2**k``)."""
-        counts = [max(0, self.nblocks - (1 << k) + 1) for k in range(self.order + 1)]
+        """Index of the first row of each order."""
+        counts = [self.rows(k) for k in range(self.order + 1)]
         return np.concatenate([[0], np.cumsum(counts)[:-1]]).astype(np.int64)
 
     def table(self, base: int, block: int, device: int) -> DescTable:
@@ -53,7 +56,7 @@ class Spans:
         bytes on ``device``): every span row, order by order."""
         addrs, lens = [], []
         for k in range(self.order + 1):
-            pos = np.arange(max(0, self.nblocks - (1 << k) + 1), dtype=np.uint64)
+            pos = np.arange(self.rows(k), dtype=np.uint64)
             addrs.append(np.uint64(base) + pos * np.uint64(block))
             lens.append(np.full(pos.size, block << k, dtype=np.uint64))
         return make_table(np.concatenate(addrs), np.concatenate(lens), device)

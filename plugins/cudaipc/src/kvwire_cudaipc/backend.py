@@ -560,9 +560,10 @@ class CudaIpcBackend(TcpBackend):
         if x.held:  # its worker's turn has not ended: not launched yet
             return XferState.PENDING
         ev = x.event
-        if x.tcp is None and ev is not None and not x.ended:  # ended: ev may be reused
+        if x.tcp is None and ev is not None:
+            # ended: the watcher saw the kernel end (and ev may be recorded again by now)
             try:
-                done = ev.query()
+                done = x.ended or ev.query()
             except Exception as exc:  # a failed kernel (sticky CUDA error): fail the transfer
                 with x.lock:
                     x.failed = x.failed or f"cudaipc: the mover kernel failed: {exc}"
@@ -570,7 +571,8 @@ class CudaIpcBackend(TcpBackend):
                 return XferState.FAILED
             if not done:
                 return XferState.PENDING
-            with x.lock:
+            with x.lock:  # the watcher posts it; here if this poll saw the end first, or
+                # if the watcher's handling failed
                 if x.follow is not None and x.tcp is None and x.failed is None:
                     self._post_follow(x)
         if x.tcp is not None and not x.notify_only:
