@@ -64,6 +64,44 @@ def test_soak_with_faults() -> None:
     assert not report.leftover_tables, report.summary()
 
 
+def test_soak_dead_backend_fails_over_and_loses_nothing() -> None:
+    """Every rank runs ``flaky,tcp``; twice, every rank of one prefill instance has its
+    ``flaky`` broken while requests to it are half sent (:mod:`kvwire.testing.flaky`, the one
+    fake: no engine here breaks an endpoint on command). No request may fail by it: the
+    links fail over to ``tcp`` (counted by the ranks' metrics), every element lands, and the
+    links move back to ``flaky`` once it heals."""
+    spec = SoakSpec(
+        requests=120,
+        batch=24,
+        fault_every=2,
+        faults=("dead_backend",),
+        victim_fraction=0.05,
+        silence_s=2.0,
+        seed=27,
+    )
+    report = run_soak(spec, stop_on_unexpected=True)
+    assert not report.unexpected(), report.summary()
+    assert report.counts["corrupt"] == 0 and len(report.entries) == spec.requests
+    assert [(f.kind, f.inst) for f in report.faults] == [
+        ("dead_backend", 0),
+        ("dead_backend", 1),
+    ], report.summary()
+    for f in report.faults:
+        assert f.failovers > 0, f"the broken backend was never hit: {report.summary()}"
+        assert f.failed == 0 and f.failed_after == 0, report.summary()
+        assert f.recovered and f.recoveries > 0, f"links not back on flaky: {report.summary()}"
+        served = [
+            e for e in report.entries if e.batch == f.batch and e.prefill == f.inst
+        ]  # fmt: skip
+        assert served and all(e.outcome in ("ok", "expected") for e in served)
+        assert sum(e.outcome == "ok" for e in served) >= len(served) // 2, report.summary()
+    # the only failures are the refused rooms, each naming the refusal
+    failed = [e for e in report.entries if e.outcome != "ok"]
+    assert failed and all("refused" in err for e in failed for err in e.errors), report.summary()
+    assert not report.not_flat(fds=4, threads=2), report.summary()
+    assert not report.leftover_tables, report.summary()
+
+
 def _peers(p: RankProc, timeout_s: float = 30.0) -> int:
     """How many peers one (live, running) rank tracks now."""
     p.conn.send(("stats",))

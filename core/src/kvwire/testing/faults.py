@@ -69,6 +69,29 @@ def _lossy_staging(role: str) -> None:
 AUX_FAIL_ROOMS = 0x7A11 << 40
 
 
+def _refused_aux(note: bytes) -> int | None:
+    """The room of a notification that carries a victim room's aux row (the aux row as a
+    write of its own, or riding in the last chunk's note, protocol 1.11), else None."""
+    outer = msgpack.unpackb(note, raw=False)
+    body = msgpack.unpackb(outer[3], raw=False)
+    room = int(body.get("room", -1))
+    carries_aux = body.get("what") == "aux" or body.get("aux") is not None
+    if 0 <= room - AUX_FAIL_ROOMS < 1 << 16 and outer[2] == "note" and carries_aux:
+        return room
+    return None
+
+
+def _flaky_backend(role: str) -> None:
+    """Either role: the ``flaky`` test backend (:mod:`kvwire.testing.flaky`) joins this
+    process's plugin registry, so ``--transfer-backend flaky,tcp`` builds; with
+    :data:`~kvwire.testing.flaky.FLAG_DIR_ENV` set, a flag file breaks it (the soak's
+    ``dead_backend``)."""
+    from kvwire import plugins
+    from kvwire.testing import flaky
+
+    plugins._registry = plugins.PluginRegistry(extra=[("flaky", flaky)])
+
+
 def _aux_submit_fails(role: str) -> None:
     """Prefill's backend refuses to post the aux write of the rooms from
     :data:`AUX_FAIL_ROOMS` on (``submit`` raises :class:`~kvwire.errors.PeerError`, as a backend
@@ -79,21 +102,27 @@ def _aux_submit_fails(role: str) -> None:
     from kvwire.backend import TransferBackend
     from kvwire.errors import PeerError
 
-    original = TransferBackend.submit
+    def refuse(method: Callable[..., Any], note_at: int) -> Callable[..., Any]:
+        """``method``, refusing a victim's aux write (the notification is argument
+        ``note_at`` after self, or the keyword)."""
 
-    def refusing(self: TransferBackend, *args: Any, **kwargs: Any) -> Any:
-        note = args[4] if len(args) > 4 else kwargs.get("notification")
-        if note:
-            outer = msgpack.unpackb(note, raw=False)
-            body = msgpack.unpackb(outer[3], raw=False)
-            victim = 0 <= int(body.get("room", -1)) - AUX_FAIL_ROOMS < 1 << 16
-            # the aux row as a write of its own, or riding in the last chunk's note (1.11)
-            carries_aux = body.get("what") == "aux" or body.get("aux") is not None
-            if victim and outer[2] == "note" and carries_aux:
-                raise PeerError(f"injected: the engine refused room {body['room']}'s aux write")
-        return original(self, *args, **kwargs)
+        def refusing(self: TransferBackend, *args: Any, **kwargs: Any) -> Any:
+            note = args[note_at] if len(args) > note_at else kwargs.get("notification")
+            room = _refused_aux(note) if note else None
+            if room is not None:
+                raise PeerError(f"injected: the engine refused room {room}'s aux write")
+            return method(self, *args, **kwargs)
 
-    TransferBackend.submit = refusing  # type: ignore[method-assign]
+        return refusing
+
+    TransferBackend.submit = refuse(TransferBackend.submit, 4)  # type: ignore[method-assign]
+    # A list of backends posts through its members' submit: refused there, the refusal would
+    # read as a broken link and move the link to its fallback. Refused by the list itself,
+    # the request fails as with one backend.
+    from kvwire.backends.multi import MultiBackend
+
+    MultiBackend.submit = refuse(MultiBackend.submit, 4)  # type: ignore[method-assign]
+    MultiBackend.submit_pages = refuse(MultiBackend.submit_pages, 3)  # type: ignore[method-assign]
 
 
 def flip_landed(
@@ -226,6 +255,7 @@ FAULTS = {
     "head_slice_offset": _head_slice_offset,
     "lossy_staging": _lossy_staging,
     "aux_submit_fails": _aux_submit_fails,
+    "flaky_backend": _flaky_backend,
 }
 
 

@@ -12,6 +12,9 @@
   whose acknowledgement was lost after delivery (the peer then sees the notification twice
   when the transfer is resent elsewhere).
 * :func:`heal_agent` — back to a working ``tcp``.
+* Across processes: where :data:`FLAG_DIR_ENV` names a folder, an agent is also broken (as
+  :func:`break_agent` with the defaults) while a file named for it exists there
+  (:func:`flag_path`; the soak's ``dead_backend`` fault, :mod:`kvwire.testing.soak`).
 
 This module is a hook module: tests build a registry with
 ``PluginRegistry(extra=[("flaky", kvwire.testing.flaky)])``.
@@ -19,6 +22,7 @@ This module is a hook module: tests build a registry with
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from dataclasses import dataclass
@@ -34,8 +38,14 @@ from kvwire.page_form import PageChunk
 
 KVWIRE_PLUGIN_API = "2.0"
 
+#: A folder: an agent of this process is broken while ``<folder>/<agent>`` exists.
+FLAG_DIR_ENV = "KVWIRE_TESTING_FLAKY_DIR"
+#: Seconds after which a post swallowed by a flag file polls FAILED.
+FLAG_FAIL_AFTER_S = 0.05
+
 _lock = threading.Lock()
 _broken: dict[str, tuple[float, bool]] = {}  # agent -> (fail after s, delivered)
+_flag_dir = os.environ.get(FLAG_DIR_ENV) or None
 #: Posts swallowed so far, per agent (a test checks the fault was hit).
 swallowed: dict[str, int] = {}
 #: Chunks taken in page form so far, per agent (when a test declares ``page_writes``).
@@ -54,9 +64,17 @@ def heal_agent(agent: str) -> None:
         _broken.pop(agent, None)
 
 
+def flag_path(folder: str, agent: str) -> str:
+    """The file that breaks ``agent`` while it exists in ``folder`` (:data:`FLAG_DIR_ENV`)."""
+    return os.path.join(folder, agent.replace(os.sep, "_"))
+
+
 def _fault(agent: str) -> tuple[float, bool] | None:
     with _lock:
-        return _broken.get(agent)
+        found = _broken.get(agent)
+    if found is None and _flag_dir is not None and os.path.exists(flag_path(_flag_dir, agent)):
+        return (FLAG_FAIL_AFTER_S, False)
+    return found
 
 
 @dataclass

@@ -21,6 +21,13 @@ through batches of random requests (:meth:`Cluster.plans`: random sizes, chunkin
   chunks on that rank stall for as long, so prefill evicts the rank while it holds them.
 * ``partition``: with ``netns`` (root): the decode namespace is cut off from the bridge for
   ``silence_s`` (:meth:`NetnsBed.partition <kvwire.testing.netns.NetnsBed.partition>`).
+* ``dead_backend``: every rank runs the backend list ``flaky,<backend>``
+  (:mod:`kvwire.testing.flaky`: ``tcp`` that fails on command, the one fake: no engine here
+  breaks an endpoint on request), and every TP rank of one prefill instance has its
+  ``flaky`` broken for ``silence_s`` (a flag file per agent): posts are swallowed and fail
+  after 50 ms, as an engine reports a broken endpoint, and adding the peer again is refused.
+  Its links must fail over to ``<backend>`` with **no** request failed, and move back to
+  ``flaky`` once it heals (the ranks' failover metrics and links, :class:`FaultEvent`).
 
 Besides, every prefill rank runs fault ``aux_submit_fails`` (its backend refuses the aux
 write of the rooms from :data:`~kvwire.testing.faults.AUX_FAIL_ROOMS` on): a
@@ -47,6 +54,7 @@ import os
 import random
 import signal
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -56,6 +64,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from kvwire.config import ControlOptions, KVWireConfig
 from kvwire.layout import ModelSpec
+from kvwire.testing import flaky
 from kvwire.testing.cluster import (
     FAULT_ENV,
     Cluster,
@@ -110,6 +119,18 @@ class SoakSpec(BaseModel):
     #: Longest one batch may take (faults included).
     batch_timeout_s: float = Field(default=300.0, gt=0)
 
+    @property
+    def backends(self) -> str:
+        """The ranks' ``--transfer-backend``: ``backend``, behind ``flaky`` for
+        ``dead_backend``."""
+        return f"flaky,{self.backend}" if "dead_backend" in self.faults else self.backend
+
+    @property
+    def base_faults(self) -> tuple[str, ...]:
+        """Faults every rank runs throughout (:data:`FAULT_ENV`)."""
+        extra = ("flaky_backend",) if "dead_backend" in self.faults else ()
+        return ("aux_submit_fails", *extra)
+
     def check(self) -> None:
         """Refuse fault kinds this shape cannot run."""
         unknown = set(self.faults) - set(FAULT_KINDS)
@@ -123,17 +144,22 @@ class SoakSpec(BaseModel):
 
 # ------------------------------------------------------------------------ faults
 @contextlib.contextmanager
-def _fault_env(extra: str | None) -> Iterator[None]:
-    """Spawned ranks inherit ``aux_submit_fails`` (plus ``extra``) in :data:`FAULT_ENV`."""
-    old = os.environ.get(FAULT_ENV)
-    os.environ[FAULT_ENV] = ",".join(f for f in ("aux_submit_fails", extra) if f)
+def _env(name: str, value: str) -> Iterator[None]:
+    """Processes spawned inside the block inherit ``name=value``."""
+    old = os.environ.get(name)
+    os.environ[name] = value
     try:
         yield
     finally:
         if old is None:
-            os.environ.pop(FAULT_ENV, None)
+            os.environ.pop(name, None)
         else:
-            os.environ[FAULT_ENV] = old
+            os.environ[name] = old
+
+
+def _fault_env(spec: SoakSpec, extra: str | None) -> contextlib.AbstractContextManager[None]:
+    """Spawned ranks inherit the spec's base faults (plus ``extra``) in :data:`FAULT_ENV`."""
+    return _env(FAULT_ENV, ",".join(f for f in (*spec.base_faults, extra) if f))
 
 
 class _Injector:
@@ -141,10 +167,19 @@ class _Injector:
     (the first chunk sent to the target instance), ended after the batch."""
 
     def __init__(
-        self, c: Cluster, ev: FaultEvent, spec: SoakSpec, bed: Any, plans: list[RoomPlan]
+        self,
+        c: Cluster,
+        ev: FaultEvent,
+        spec: SoakSpec,
+        bed: Any,
+        plans: list[RoomPlan],
+        flag_dir: str | None = None,
     ) -> None:
         self.c, self.ev, self.spec, self.bed = c, ev, spec, bed
+        self.flag_dir = flag_dir
         self.fired = False
+        #: ``dead_backend``: the target ranks' failover metrics before the batch.
+        self._switches = (0, 0)
         #: Requests on the target instance not yet asked for by decode nor finished: the fault
         #: fires once there are none (a decode rank that dies before asking for a request
         #: leaves prefill waiting for it until its bootstrap timeout).
@@ -156,8 +191,28 @@ class _Injector:
     def _target(self) -> RankProc:
         return self.c.rank(self.ev.role, self.ev.inst, self.ev.tp)
 
+    def _instance(self) -> list[RankProc]:
+        """Every rank of the target instance (``dead_backend``)."""
+        ev = self.ev
+        return [p for p in self.c.procs if p.role == ev.role and p.inst == ev.inst]
+
+    def _switch_counts(self) -> tuple[int, int, bool]:
+        """The target instance's failovers and recoveries (summed over its ranks) and whether
+        every link of theirs takes the primary (``flaky``) now. Outside :meth:`Cluster.run`
+        only: it talks to the ranks over the pipes the run reads."""
+        names = {p.name for p in self._instance()}
+        stats = [v for k, v in self.c.rank_stats().items() if k in names]
+        on_primary = all(b == "flaky" for st in stats for b in st.get("links", {}).values())
+        return (
+            sum(st["failovers"] for st in stats),
+            sum(st["recoveries"] for st in stats),
+            on_primary,
+        )
+
     def before(self) -> None:
         ev = self.ev
+        if ev.kind == "dead_backend":
+            self._switches = self._switch_counts()[:2]
         if ev.kind == "flip":  # the rank is restarted flipping bits: live for the whole batch
             ev.agents = (self._target().agent,)
             ev.t_start = time.perf_counter()
@@ -177,7 +232,7 @@ class _Injector:
             if time.monotonic() > deadline:
                 raise RuntimeError(f"peers still count {old.agent} 120 s after its death")
             time.sleep(0.05)
-        with _fault_env(fault):
+        with _fault_env(self.spec, fault):
             c.restart(ev.role, ev.inst, ev.tp)
 
     def seen(self, room: int, tp: int | None = None) -> None:
@@ -191,7 +246,8 @@ class _Injector:
     def fire(self) -> None:
         self.fired = True
         ev = self.ev
-        target = self._target() if ev.kind != "partition" else None
+        # no agent for a dead backend: an error naming its ranks explains nothing there
+        target = self._target() if ev.kind not in ("partition", "dead_backend") else None
         ev.agents = (target.agent,) if target else ()
         ev.t_start = time.perf_counter()
         if ev.kind in ("kill_decode", "kill_prefill"):
@@ -209,6 +265,13 @@ class _Injector:
             self.bed.partition("decode")
             self._timer = threading.Timer(self.spec.silence_s, self._end, (self.bed.heal, "decode"))
             self._timer.start()
+        elif ev.kind == "dead_backend":
+            assert self.flag_dir is not None
+            flags = [flaky.flag_path(self.flag_dir, p.agent) for p in self._instance()]
+            for f in flags:
+                open(f, "w").close()
+            self._timer = threading.Timer(self.spec.silence_s, self._end, (_remove_all, flags))
+            self._timer.start()
 
     def _end(self, undo: Callable[..., Any], *args: Any) -> None:
         undo(*args)
@@ -223,6 +286,30 @@ class _Injector:
         if ev.kind in ("kill_decode", "kill_prefill", "flip"):
             self._replace(None)
             ev.t_end = time.perf_counter()
+        if ev.kind == "dead_backend":
+            self._await_recovery()
+
+    def _await_recovery(self) -> None:
+        """``dead_backend``, after the batch and the heal: wait until the ranks' probes have
+        moved every link back to the primary (a probe waits 0.5 s after the failover,
+        doubling after each refusal, at most 30 s: allow two of the longest), then record
+        the switches."""
+        ev = self.ev
+        deadline = time.monotonic() + 75.0
+        while True:
+            failovers, recoveries, on_primary = self._switch_counts()
+            if on_primary or time.monotonic() > deadline:
+                break
+            time.sleep(0.2)
+        ev.failovers = failovers - self._switches[0]
+        ev.recoveries = recoveries - self._switches[1]
+        ev.recovered = on_primary
+
+
+def _remove_all(paths: list[str]) -> None:
+    for path in paths:
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(path)
 
 
 def fault_schedule(spec: SoakSpec, batches: int) -> dict[int, FaultEvent]:
@@ -234,10 +321,12 @@ def fault_schedule(spec: SoakSpec, batches: int) -> dict[int, FaultEvent]:
         return out
     for n, b in enumerate(range(spec.fault_every, batches, spec.fault_every)):
         kind = kinds[n % len(kinds)]
-        role = "prefill" if kind == "kill_prefill" else "decode"
+        role = "prefill" if kind in ("kill_prefill", "dead_backend") else "decode"
         insts = spec.prefill_instances if role == "prefill" else spec.decode_instances
         inst = (n // len(kinds)) % insts
-        tp = 1 if role == "prefill" else (n // len(kinds)) % spec.decode_tp
+        tp = (n // len(kinds)) % spec.decode_tp if role == "decode" else 0
+        if kind == "kill_prefill":
+            tp = 1  # rank 0 runs the instance's bootstrap service
         out[b] = FaultEvent(kind, b, role, inst, tp)
     return out
 
@@ -248,11 +337,11 @@ def soak_cluster_spec(spec: SoakSpec, bed: Any = None) -> ClusterSpec:
     agent names; in namespaces, each role's address and the prefill bootstrap host."""
     model = ModelSpec(num_layers=2, total_kv_heads=4, head_dim=16, dtype="int32", page_size=4)
     shape: dict[str, Any] = {}
-    config = KVWireConfig(transfer_backend=spec.backend, control=ControlOptions(kv_checksum=True))
+    config = KVWireConfig(transfer_backend=spec.backends, control=ControlOptions(kv_checksum=True))
     if bed is not None:
         role_config = {
             role: KVWireConfig(
-                transfer_backend=spec.backend,
+                transfer_backend=spec.backends,
                 transfer_backend_options={"host": bed.addr[role]},
                 control=ControlOptions(
                     kv_checksum=True, host=bed.addr[role], bootstrap_host=bed.addr["prefill"]
@@ -278,7 +367,12 @@ def soak_cluster_spec(spec: SoakSpec, bed: Any = None) -> ClusterSpec:
 
 
 def _fault_batch(
-    c: Cluster, plans: list[RoomPlan], ev: FaultEvent, spec: SoakSpec, bed: Any
+    c: Cluster,
+    plans: list[RoomPlan],
+    ev: FaultEvent,
+    spec: SoakSpec,
+    bed: Any,
+    flag_dir: str | None = None,
 ) -> list[RequestResult]:
     """Run one batch with fault ``ev``. Every request is started before the fault fires
     (none is started on a dead rank: its peers would wait for it until their timeouts);
@@ -292,7 +386,7 @@ def _fault_batch(
 
     if ev.kind != "flip":
         plans = [p.model_copy(update={"stall_s": stall(p)}) if ev.touches(p) else p for p in plans]
-    inj = _Injector(c, ev, spec, bed, plans)
+    inj = _Injector(c, ev, spec, bed, plans, flag_dir)
     inj.before()
     results = c.run(
         plans,
@@ -328,7 +422,11 @@ def run_soak(
             from kvwire.testing.netns import NetnsBed
 
             bed = stack.enter_context(NetnsBed(("prefill", "decode")))
-        with _fault_env(None):
+        flag_dir = None
+        if "dead_backend" in spec.faults:
+            flag_dir = stack.enter_context(tempfile.TemporaryDirectory(prefix="kvwire-flaky-"))
+            stack.enter_context(_env(flaky.FLAG_DIR_ENV, flag_dir))  # restarted ranks too
+        with _fault_env(spec, None):
             c = stack.enter_context(Cluster(soak_cluster_spec(spec, bed)))
         done = 0
         for b in range(batches):
@@ -347,7 +445,7 @@ def run_soak(
                 results = c.run(plans, concurrency=spec.concurrency, timeout_s=spec.batch_timeout_s)
             else:
                 report.faults.append(ev)
-                results = _fault_batch(c, plans, ev, spec, bed)
+                results = _fault_batch(c, plans, ev, spec, bed, flag_dir)
             for res in results:
                 recent = [
                     f for f in report.faults
@@ -396,7 +494,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--backend", default="tcp")
     ap.add_argument("--batch", type=int, default=40)
     ap.add_argument("--concurrency", type=int, default=16)
-    ap.add_argument("--faults", default="kill_decode,kill_prefill,flip,freeze")
+    ap.add_argument(
+        "--faults",
+        default="kill_decode,kill_prefill,flip,freeze",
+        help=f"comma-separated, in turn; known: {','.join(FAULT_KINDS)}",
+    )
     ap.add_argument("--fault-every", type=int, default=3)
     ap.add_argument("--victim-fraction", type=float, default=0.02)
     ap.add_argument("--netns", action="store_true", help="namespaces per role (root): partitions")

@@ -13,7 +13,7 @@ from typing import Any
 from kvwire.testing.cluster import Cluster, RequestResult, RoomPlan
 from kvwire.testing.faults import AUX_FAIL_ROOMS
 
-FAULT_KINDS = ("kill_decode", "kill_prefill", "flip", "freeze", "partition")
+FAULT_KINDS = ("kill_decode", "kill_prefill", "flip", "freeze", "partition", "dead_backend")
 #: Words a failed rank's error must contain for a request in a fault's batch to count as
 #: failed by that fault (besides the old incarnation's agent name for kills and freezes).
 CAUSES: dict[str, tuple[str, ...]] = {
@@ -24,6 +24,9 @@ CAUSES: dict[str, tuple[str, ...]] = {
     "flip": ("checksum mismatch",),
     "freeze": ("lost", "evicted", "restarted", "no heartbeat", "bootstrap timeout"),
     "partition": ("lost", "evicted", "restarted", "no heartbeat", "bootstrap timeout"),
+    # a prefill instance's primary backend breaks: its links fail over to the next backend
+    # both sides announced, so no request may fail by it
+    "dead_backend": (),
 }
 #: A prefill rank that decode never asked for a request's KV fails it with this.
 BOOTSTRAP_TIMEOUT = "bootstrap timeout"
@@ -50,6 +53,12 @@ class FaultEvent:
     #: recovery window) that it failed.
     failed: int = 0
     failed_after: int = 0
+    #: ``dead_backend``: the target ranks' link switches to the fallback during the fault and
+    #: back to the primary once it healed (their failover metrics, counted by the ranks), and
+    #: whether every link of theirs was back on the primary after the batch.
+    failovers: int = 0
+    recoveries: int = 0
+    recovered: bool = False
 
     def touches(self, plan: RoomPlan) -> bool:
         """Whether ``plan`` ran on the instance this fault hit (a partition: every one)."""
@@ -189,6 +198,13 @@ class SoakReport:
                 lines.append(
                     f"  {kind} x{len(fs)}: {sum(f.failed for f in fs)} requests failed in its "
                     f"batches, {sum(f.failed_after for f in fs)} after it ended"
+                    + (
+                        f"; {sum(f.failovers for f in fs)} link failovers, "
+                        f"{sum(f.recoveries for f in fs)} recoveries, "
+                        f"{sum(f.recovered for f in fs)} of {len(fs)} back on the primary"
+                        if kind == "dead_backend"
+                        else ""
+                    )
                 )
         for e in self.unexpected()[:5]:
             lines.append(f"  UNEXPECTED {e}")
@@ -246,6 +262,9 @@ def classify(
             entry.outcome = "unexpected"
             entry.errors = ["a refused room succeeded"]
         return entry
+    if _refused(plan) and complete and errors and all(REFUSED in e for e in errors):
+        entry.outcome = "expected"  # refused, whatever fault its batch carried
+        return entry
     # every rank that failed names a cause the fault explains (a rank that did not report is
     # the one killed), or the room was refused anyway
     if (
@@ -255,9 +274,6 @@ def classify(
     ):
         entry.outcome = "expected"
         ev.failed += 1
-        return entry
-    if _refused(plan) and complete and errors and all(REFUSED in e for e in errors):
-        entry.outcome = "expected"
         return entry
     for old in recent:
         if old.touches(plan) and all(old.explains(e, errors) for e in errors):
