@@ -280,6 +280,8 @@ _DEVICE_PAGES = textwrap.dedent(
         want = host.page_sums(read, rp, key, kp)
         assert set(want) == {0, 1}, want
         assert dev.page_sums(read, rp, key, kp) == want, (n, off)
+        assert dev.page_sums_later(read, rp, key, kp)() == want, (n, off)
+        assert dev.page_sums_later(read, rp, key, kp, [1]) is None  # a host-selected filter
         if n == 136:  # weights computed in the kernel, rows longer than a block
             assert inline.page_sums(read, rp, key, kp) == want, (n, off)
         for lo, hi in ((1, 2), (1, 1)):

@@ -72,12 +72,14 @@ from kvwire.plugin_api import PLUGIN_API
 # the plugin seam's public import path (docs/writing-a-backend-plugin.md); they live in
 # kvwire.transfers.
 from kvwire.transfers import BackendCapabilities as BackendCapabilities
+from kvwire.transfers import LaterNote as LaterNote
+from kvwire.transfers import Note as Note
 from kvwire.transfers import Notification as Notification
 from kvwire.transfers import PreparedPair as PreparedPair
 from kvwire.transfers import TransferHandle as TransferHandle
 from kvwire.transfers import XferOp as XferOp
 from kvwire.transfers import XferState as XferState
-from kvwire.transfers import check_rows, check_submit
+from kvwire.transfers import check_rows, check_submit, note_bytes
 
 logger = logging.getLogger(__name__)
 
@@ -301,13 +303,16 @@ class TransferBackend(LinkRules):
         pair: PreparedPair,
         local_idx: Any,
         remote_idx: Any,
-        notification: bytes | None = None,
+        notification: Note | None = None,
         wake: Callable[[], None] | None = None,
     ) -> TransferHandle:
         """Start a transfer of rows ``local_idx`` <-> rows ``remote_idx`` of a prepared pair.
 
         WRITE copies local rows to remote rows, READ the other way. ``notification`` (if any) is
-        delivered to the peer's :meth:`get_notifications` after all the data has landed. Never
+        delivered to the peer's :meth:`get_notifications` after all the data has landed; a
+        :class:`~kvwire.transfers.LaterNote` reaches ``_submit`` as it is on a backend that
+        declares :attr:`BackendCapabilities.later_notes`, and as its bytes, made now, on
+        any other (:meth:`_note`). Never
         blocks on the transfer itself: poll the returned handle. ``wake`` (optional, must not
         block) is called once the transfer is terminal by a backend that
         :attr:`pushes_events` (possibly before ``submit`` returns); poll the handle after it.
@@ -323,7 +328,7 @@ class TransferBackend(LinkRules):
         check_submit(self.name, self.capabilities, op, pair, notification)
         li, ri, nbytes = check_rows(pair, local_idx, remote_idx)
         handle = self._handle(pair, op, int(li.size), nbytes, wake)
-        handle.state = self._submit(op, pair, li, ri, notification, handle)
+        handle.state = self._submit(op, pair, li, ri, self._note(notification), handle)
         return self._enter(handle)
 
     def submit_pages(
@@ -331,7 +336,7 @@ class TransferBackend(LinkRules):
         op: XferOp,
         pair: PreparedPair,
         chunk: PageChunk,
-        notification: bytes | None = None,
+        notification: Note | None = None,
         wake: Callable[[], None] | None = None,
     ) -> TransferHandle:
         """:meth:`submit` for a chunk in page form (:mod:`kvwire.page_form`: page lists and
@@ -347,8 +352,17 @@ class TransferBackend(LinkRules):
         check_submit(self.name, self.capabilities, op, pair, notification)
         nbytes = check_page_chunk(chunk, pair.local_lens, pair.remote_lens)
         handle = self._handle(pair, op, chunk.num_rows, nbytes, wake)
-        handle.state = self._submit_pages(op, pair, chunk, notification, handle)
+        handle.state = self._submit_pages(op, pair, chunk, self._note(notification), handle)
         return self._enter(handle)
+
+    def _note(self, notification: Note | None) -> bytes | None:
+        """The notification as ``_submit`` takes it: as given to a backend that declares
+        :attr:`BackendCapabilities.later_notes` (whose ``_submit`` and ``_submit_pages``
+        take a :class:`~kvwire.transfers.LaterNote` and make its bytes when they post it),
+        else its bytes. Submitting thread."""
+        if self.capabilities.later_notes:
+            return notification  # type: ignore[return-value]  # taken as it is, see above
+        return note_bytes(notification)
 
     def post_batch(self) -> AbstractContextManager[None]:
         """Prefill's transfer worker, around one turn of its loop (the jobs it took, then one

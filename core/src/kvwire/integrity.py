@@ -31,7 +31,7 @@ pages.
 from __future__ import annotations
 
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from functools import lru_cache
 from typing import Any
@@ -206,6 +206,20 @@ class RowHasher:
         lens = np.full(addr.shape, read.n, dtype=np.uint64)
         dst = key.addresses(kp, pairs)
         return self._summed(addr, lens, np.repeat(pos, per), np.repeat(layer, per), dst)
+
+    def page_sums_later(
+        self,
+        read: PageSide,
+        read_pages: IndexArray,
+        key: PageSide,
+        key_pages: IndexArray,
+        layers: Sequence[int] | None = None,
+    ) -> Callable[[], LayerSums] | None:
+        """:meth:`page_sums` started now and waited for by whoever calls the result (any
+        thread, later), where the hasher computes beside the caller (a GPU's); None where it
+        would compute now anyway (here: host memory, summed on the calling thread). Called by
+        prefill's transfer workers."""
+        return None
 
     def _pairs(self, side: PageSide) -> tuple[NDArray[np.int64], NDArray[np.int64]]:
         """The buffer (in address order) and layer of each buffer pair of ``side`` (this

@@ -22,7 +22,7 @@ launches, whatever the chunk's size:
 - the per-layer sums and row counts come back (16 bytes per layer of the rank), not a term per
   row; the call waits for its own stream only;
 - each calling thread has a lane of its own (a stream, the call's buffers and the sums'
-  buffers: :class:`_Lane`), so calls from several threads at once (prefill's transfer workers,
+  buffers: :class:`Lane`), so calls from several threads at once (prefill's transfer workers,
   decode's checker threads) upload, launch and wait side by side; the hasher's lock guards only
   what they share (the tables' descriptions, the constants, the compiled kernels) and is
   never held while the device works;
@@ -53,7 +53,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -64,6 +64,7 @@ from kvwire.descriptors import ADDR, LEN, DescTable, IndexArray, locate_rows
 from kvwire.errors import DescriptorError
 from kvwire.integrity import GOLDEN, MIX1, MIX2, ODD, LayerSums, RowHasher, page_lists, weights
 from kvwire.integrity_kernels import hash_pages, hash_rows
+from kvwire.integrity_lanes import Lane, layer_range
 from kvwire.layout import KVLayout, MemKind
 from kvwire.page_form import PageSide
 
@@ -80,8 +81,6 @@ _WORDS, _WORDS_UNALIGNED, _BYTES = 0, 1, 2
 _MAX_TABLE_ROWS = 1 << 20
 #: Descriptor tables whose description a hasher keeps (a link has one per side).
 _MAX_TABLES = 4
-#: Rows a call's buffers hold at first (they grow to the largest call).
-_MIN_ROWS = 4096
 
 
 def _cells(
@@ -98,62 +97,6 @@ def _cells(
     return cells, mode
 
 
-class _Lane:
-    """One calling thread's stream and buffers (a hasher keeps one per thread that calls it,
-    in a ``threading.local``): the call's rows or page lists (pinned on a GPU, and their
-    device copy), and the per-layer sums and counts (device and pinned host). Used by its
-    thread only, so no lock; grown to the largest call."""
-
-    def __init__(self, device: Any, out_elems: int) -> None:
-        self.device = device
-        self.cuda = device.type == "cuda"
-        self.stream = torch.cuda.Stream(device) if self.cuda else None  # type: ignore[no-untyped-call]
-        self.rows_cap = 0
-        self.call_host: Any = None
-        self.call_dev: Any = None
-        self.grow(_MIN_ROWS)
-        self.out_dev = torch.zeros(out_elems, dtype=torch.int64, device=device)
-        self.out_host = torch.empty(out_elems, dtype=torch.int64, pin_memory=self.cuda)
-        #: The page kernel's own sums (zero between launches: its last program zeroes
-        #: them) and where that program leaves the result (pinned: the host reads it after
-        #: the wait, with no download).
-        self.page_out = torch.zeros(out_elems + 1, dtype=torch.int64, device=device)
-        self.page_result = torch.zeros(out_elems, dtype=torch.int64, pin_memory=self.cuda)
-        if self.cuda:  # zeroed on the current stream, read on this lane's: wait for it
-            torch.cuda.current_stream(device).synchronize()
-
-    def grow(self, rows: int) -> None:
-        """Call buffers for ``rows`` rows of 5 columns."""
-        if rows <= self.rows_cap:
-            return
-        self.rows_cap = max(rows, 2 * self.rows_cap)
-        self.call_host = torch.empty(5 * self.rows_cap, dtype=torch.int64, pin_memory=self.cuda)
-        self.call_dev = (
-            torch.empty(5 * self.rows_cap, dtype=torch.int64, device=self.device)
-            if self.cuda
-            else self.call_host
-        )
-
-    def page_wait(self) -> NDArray[np.int64]:
-        """The page kernel's result, once the launch just enqueued on this lane ended (one
-        wait on this lane's stream, no copy)."""
-        if self.stream is not None:
-            self.stream.synchronize()
-        out: NDArray[np.int64] = self.page_result.numpy().copy()
-        return out
-
-    def wait(self) -> NDArray[np.int64]:
-        """The per-layer sums, row counts and rows outside of the launch just enqueued on
-        this lane, waited for (this lane's stream only)."""
-        if self.stream is None:
-            return self.out_dev.numpy().copy()
-        with torch.cuda.stream(self.stream):
-            self.out_host.copy_(self.out_dev, non_blocking=True)
-        self.stream.synchronize()
-        out: NDArray[np.int64] = self.out_host.numpy().copy()
-        return out
-
-
 class DeviceRowHasher(RowHasher):
     """Checksums of rows in one GPU's memory (see the module docstring).
 
@@ -162,7 +105,7 @@ class DeviceRowHasher(RowHasher):
     ``inline_weights`` (compute the position weights in the kernel instead of loading them)
     tune the kernel. :meth:`sums` and :meth:`page_sums` may be called from several threads at
     once (transfer workers, decode's checker threads): each thread uploads, launches and waits
-    on a lane of its own (:class:`_Lane`: its stream and call buffers), and the hasher's lock
+    on a lane of its own (:class:`Lane`: its stream and call buffers), and the hasher's lock
     guards only what the lanes share (the tables' descriptions, the page sides' pairs, the
     constants and the compiled kernels), held while a call reads or grows them and never while
     the device works. In Triton's interpreter (tests) the lock is held for the whole call.
@@ -253,11 +196,12 @@ class DeviceRowHasher(RowHasher):
                 self._consts = self._constants(longest)
         return self._consts
 
-    def _lane(self) -> _Lane:
+    def _lane(self) -> Lane:
         """The calling thread's lane, made at its first call."""
-        lane: _Lane | None = getattr(self._local, "lane", None)
+        lane: Lane | None = getattr(self._local, "lane", None)
         if lane is None:
-            lane = self._local.lane = _Lane(self.device, 2 * self._num_layers + 1)
+            lane = self._local.lane = Lane(self.device, 2 * self._num_layers + 1)
+        lane.settle()  # a result not waited for yet: its buffers are about to be reused
         return lane
 
     def _whole(self) -> Any:
@@ -292,10 +236,8 @@ class DeviceRowHasher(RowHasher):
         step 1 (a layer-wise group) is selected on the device, any other sequence on the
         host (a term per row comes back). Called by transfer workers (prefill) and checker
         threads (decode), several at once (each on its lane)."""
-        lo, hi = 0, self._num_layers
-        if isinstance(layers, range) and layers.step == 1:
-            lo, hi = max(layers.start, 0), min(max(layers.stop, 0), self._num_layers)
-        elif layers is not None:
+        lo, hi = layer_range(layers, self._num_layers)
+        if lo < 0:
             return super().sums(table, idx, dst_addr, layers)  # host filter, then _row_terms
         rows = np.asarray(idx, dtype=np.int64).reshape(-1)
         n = rows.size
@@ -357,15 +299,58 @@ class DeviceRowHasher(RowHasher):
         its two page lists (16 bytes a page); the sides' pairs go to the device once per link.
         ``layers`` as in :meth:`sums`. Called by transfer workers (prefill) and checker
         threads (decode), several at once (each on its lane)."""
-        lo, hi = 0, self._num_layers
-        if isinstance(layers, range) and layers.step == 1:
-            lo, hi = max(layers.start, 0), min(max(layers.stop, 0), self._num_layers)
-        elif layers is not None:  # host filter, then _row_terms
+        lo, hi = layer_range(layers, self._num_layers)
+        if lo < 0:  # host filter, then _row_terms
             return super().page_sums(read, read_pages, key, key_pages, layers)
+        with self._whole():
+            lane = self._page_launch(read, read_pages, key, key_pages, lo, hi)
+            if lane is None:
+                return {}
+            return self._layer_sums(lane.page_wait())
+
+    def page_sums_later(
+        self,
+        read: PageSide,
+        read_pages: IndexArray,
+        key: PageSide,
+        key_pages: IndexArray,
+        layers: Sequence[int] | None = None,
+    ) -> Callable[[], LayerSums] | None:
+        """:meth:`page_sums` without the wait: the launch is enqueued on this thread's lane
+        and an event recorded after it; the result, a call that waits for the event (once)
+        and returns the sums, may be called on any thread, later (prefill's first note of a
+        chunk, made by ``cudaipc``'s kernel watcher once the chunk's write ended, while the
+        sum ran beside the write). The lane's next call waits for it first (it reuses the
+        lane's buffers). None for ``layers`` the device does not select (then
+        :meth:`page_sums`). Called by prefill's transfer workers."""
+        lo, hi = layer_range(layers, self._num_layers)
+        if lo < 0:
+            return None
+        with self._whole():
+            lane = self._page_launch(read, read_pages, key, key_pages, lo, hi)
+            if lane is None:
+                return lambda: {}
+            if lane.stream is None:  # Triton's interpreter: already computed
+                got = self._layer_sums(lane.page_wait())
+                return lambda: got
+            return lane.later(self._layer_sums)
+
+    def _page_launch(
+        self,
+        read: PageSide,
+        read_pages: IndexArray,
+        key: PageSide,
+        key_pages: IndexArray,
+        lo: int,
+        hi: int,
+    ) -> Lane | None:
+        """Enqueue :meth:`page_sums`' launch for layers ``[lo, hi)`` on this thread's lane
+        (returned; None when the chunk has no page or no layer). Caller holds
+        :meth:`_whole`."""
         rp, kp = page_lists(read, read_pages, key, key_pages)
         programs = read.num_pairs * rp.size  # one per (pair, page)
         if not programs or lo >= hi:
-            return {}
+            return None
         _, layer = self._pairs(read)  # refuses pairs outside the rank's buffers
         if read.n % 8:
             cells, mode = read.n, _BYTES
@@ -375,36 +360,34 @@ class DeviceRowHasher(RowHasher):
         block = min(self.block, max(16, 1 << (cells - 1).bit_length()))
         pages = rp.size
         lane = self._lane()
-        with self._whole():
-            with self._part():
-                pairs = self._paired(read, key, layer)
-                consts = self._need_weights(np.array([cells], dtype=np.int64))
-            lane.grow(pages)
-            call = lane.call_host.numpy()
-            call[:pages] = rp
-            call[pages : 2 * pages] = kp
-            args = (
-                pairs.data_ptr(),
-                read.num_pairs,
-                lane.call_host.data_ptr(),  # pinned: the kernel reads it over the bus
-                consts.data_ptr(),
-                lane.page_out.data_ptr(),
-                lane.page_result.data_ptr(),
-                pages,
-                read.tokens,
-                cells,
-                read.slot,
-                read.row,
-                key.slot,
-                key.row,
-                self._num_layers,
-                lo,
-                hi,
-            )
-            meta = (block, self.inline_weights, mode)
-            self._enqueue(lane, hash_pages, programs, args, meta, ("pages", *meta), 0, False)
-            got = lane.page_wait()
-        return self._layer_sums(got)
+        with self._part():
+            pairs = self._paired(read, key, layer)
+            consts = self._need_weights(np.array([cells], dtype=np.int64))
+        lane.grow(pages)
+        call = lane.call_host.numpy()
+        call[:pages] = rp
+        call[pages : 2 * pages] = kp
+        args = (
+            pairs.data_ptr(),
+            read.num_pairs,
+            lane.call_host.data_ptr(),  # pinned: the kernel reads it over the bus
+            consts.data_ptr(),
+            lane.page_out.data_ptr(),
+            lane.page_result.data_ptr(),
+            pages,
+            read.tokens,
+            cells,
+            read.slot,
+            read.row,
+            key.slot,
+            key.row,
+            self._num_layers,
+            lo,
+            hi,
+        )
+        meta = (block, self.inline_weights, mode)
+        self._enqueue(lane, hash_pages, programs, args, meta, ("pages", *meta), 0, False)
+        return lane
 
     def _paired(self, read: PageSide, key: PageSide, layer: NDArray[np.int64]) -> Any:
         """``int64 [3, pairs]`` on the device (read base addresses, key base addresses,
@@ -480,7 +463,7 @@ class DeviceRowHasher(RowHasher):
     # ------------------------------------------------------------------ the device
     def _launch(
         self,
-        lane: _Lane,
+        lane: Lane,
         info: Any,
         num_info: int,
         consts: Any,
@@ -514,7 +497,7 @@ class DeviceRowHasher(RowHasher):
 
     def _enqueue(
         self,
-        lane: _Lane,
+        lane: Lane,
         jit: Any,
         n: int,
         args: tuple[Any, ...],

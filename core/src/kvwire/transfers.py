@@ -12,6 +12,7 @@ importable from :mod:`kvwire.backend` too, the public path of the plugin seam.
 from __future__ import annotations
 
 import enum
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
@@ -46,6 +47,52 @@ class Notification(NamedTuple):
     payload: bytes
 
 
+class LaterNote:
+    """A notification whose bytes are made when they are needed, not at submit: prefill's
+    first note of a checksummed chunk on a GPU, whose sums are still being computed on the
+    device while the chunk's write is launched (:mod:`kvwire.session.prefill.pipeline`).
+
+    ``make`` runs at most once, on the first call (whichever thread: the backend's, after
+    the data landed, or the template's at submit for a backend without
+    :attr:`BackendCapabilities.later_notes`); later calls return its bytes, or raise its
+    error again. It may block until what it reads is ready (a device event).
+    """
+
+    __slots__ = ("_done", "_error", "_lock", "_make", "_value")
+
+    def __init__(self, make: Callable[[], bytes]) -> None:
+        self._make: Callable[[], bytes] | None = make
+        self._lock = threading.Lock()
+        self._done = False
+        self._value = b""
+        self._error: BaseException | None = None
+
+    def __call__(self) -> bytes:
+        with self._lock:
+            if not self._done:
+                make, self._make = self._make, None
+                assert make is not None
+                try:
+                    self._value = make()
+                except Exception as exc:
+                    self._error = exc
+                self._done = True
+            if self._error is not None:
+                raise self._error
+            return self._value
+
+
+#: A transfer's notification as a submit takes it: its bytes, or bytes made later.
+Note = bytes | LaterNote
+
+
+def note_bytes(note: Note | None) -> bytes | None:
+    """The bytes of ``note`` (made now if it is a :class:`LaterNote`). Called where a
+    notification is posted: by the backend template at submit for a backend without
+    :attr:`BackendCapabilities.later_notes`, and by one with it once the data landed."""
+    return note() if isinstance(note, LaterNote) else note
+
+
 class BackendCapabilities(BaseModel):
     """What a backend can do; checked once, when the backend is selected."""
 
@@ -60,6 +107,10 @@ class BackendCapabilities(BaseModel):
     #: Takes chunks in page form (:meth:`~kvwire.backend.TransferBackend.submit_pages`,
     #: :mod:`kvwire.page_form`): page lists and a geometry instead of one row per run.
     page_writes: bool = False
+    #: Takes a :class:`LaterNote` as a transfer's notification and makes its bytes only when
+    #: it posts the notification, after the data (a backend whose own thread sends it once
+    #: the data landed: ``cudaipc``). The template makes the bytes at submit for any other.
+    later_notes: bool = False
 
     def supports_kind(self, kind: MemKind) -> bool:
         """Whether regions of memory ``kind`` can be registered."""
@@ -145,7 +196,7 @@ def check_submit(
     caps: BackendCapabilities,
     op: XferOp,
     pair: PreparedPair,
-    notification: bytes | None,
+    notification: Note | None,
 ) -> None:
     """What a submit (rows or pages) asks of backend ``name`` (capabilities ``caps``) and of
     ``pair``: the direction and notifications supported, the pair not released. Called by

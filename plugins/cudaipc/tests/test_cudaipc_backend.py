@@ -359,11 +359,11 @@ def test_a_poll_sends_the_note_when_the_watchers_handling_failed(
     real = backend_mod.CudaIpcBackend._post_follow
     calls: list[str] = []
 
-    def flaky(self: object, x: object) -> None:
+    def flaky(self: object, x: object) -> bool:
         calls.append(threading.current_thread().name)
         if len(calls) == 1:
             raise RuntimeError("stand-in failure on the watcher's thread")
-        real(self, x)  # type: ignore[arg-type]
+        return real(self, x)  # type: ignore[arg-type]
 
     monkeypatch.setattr(backend_mod.CudaIpcBackend, "_post_follow", flaky)
     cfg = KVWireConfig(transfer_backend="cudaipc")
@@ -400,6 +400,81 @@ def test_a_poll_sends_the_note_when_the_watchers_handling_failed(
             time.sleep(0.01)
         assert [n.payload for n in got] == [b"kv"]
         assert np.array_equal(bv, av[: bv.size])
+        a.release(h)
+    finally:
+        _HostEvent.gate.set()
+        a.close()
+        b.close()
+
+
+@pytest.mark.parametrize("broken", [False, True])
+def test_a_later_note_is_made_after_the_kernel_on_the_watchers_thread(
+    monkeypatch: pytest.MonkeyPatch, broken: bool
+) -> None:
+    """A transfer whose notification is a :class:`~kvwire.transfers.LaterNote` (prefill's
+    first note of a checksummed chunk, its sums computed beside the write): the submit does
+    not make it; once the kernel ended, the kernel watcher (or a poll that saw the end first)
+    makes it, once, and posts it, and decode gets those bytes after the data. A note that
+    cannot be made fails the transfer, naming why, and nothing reaches decode. Host
+    stand-ins as above."""
+    import time
+
+    from kvwire.backend import LaterNote, XferOp, XferState
+
+    _host_stand_ins(monkeypatch)
+    _HostEvent.gate.clear()
+    made: list[bool] = []  # whether the kernel had ended
+
+    def make() -> bytes:
+        made.append(_HostEvent.gate.is_set())
+        if broken:
+            raise RuntimeError("the sums' kernel failed")
+        return b"summed"
+
+    cfg = KVWireConfig(transfer_backend="cudaipc")
+    a = create_backend(cfg, "prefill", need=())
+    b = create_backend(cfg, "decode", need=())
+    try:
+        av = np.arange(1 << 15, dtype=np.uint8)
+        bv = np.zeros(1 << 15, np.uint8)
+
+        def vram(x: np.ndarray) -> MemoryRegion:
+            return MemoryRegion.from_pointer(x.ctypes.data, x.nbytes, 4096, MemKind.VRAM, 0)
+
+        a.register([vram(av)])
+        b.register([vram(bv)])
+        peer = a.add_peer(b.local_metadata())
+        pair = a.prepare(
+            peer,
+            make_table(av.ctypes.data + np.arange(8) * 4096, 4096),
+            make_table(bv.ctypes.data + np.arange(8) * 4096, 4096),
+        )
+        note = LaterNote(make)
+        h = a.submit(XferOp.WRITE, pair, np.arange(8), np.arange(8), notification=note)
+        assert not made and a.poll(h) is XferState.PENDING  # the kernel has not ended
+        _HostEvent.gate.set()
+        for _ in range(3000):
+            state = a.poll(h)
+            if state is not XferState.PENDING:
+                break
+            time.sleep(0.01)
+        assert made == [True], made
+        got: list = []
+        if broken:
+            assert state is XferState.FAILED
+            assert "notification could not be made" in (h.error or ""), h.error
+            assert "the sums' kernel failed" in (h.error or "")
+            time.sleep(0.2)
+            assert b.get_notifications() == []
+        else:
+            assert state is XferState.DONE
+            for _ in range(3000):
+                got += b.get_notifications()
+                if got:
+                    break
+                time.sleep(0.01)
+            assert [n.payload for n in got] == [b"summed"]
+            assert np.array_equal(bv, av[: bv.size])
         a.release(h)
     finally:
         _HostEvent.gate.set()

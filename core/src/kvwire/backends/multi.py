@@ -38,6 +38,7 @@ from typing import Any
 from kvwire.backend import (
     BackendCapabilities,
     LinkChoice,
+    Note,
     Notification,
     PeerFacts,
     PreparedPair,
@@ -71,7 +72,9 @@ class MultiBackend(TransferBackend):
     name = "multi"
     #: Either memory kind passes the template's check (each member takes or refuses it); a
     #: chunk in page form goes so to a member that takes pages, else as its rows.
-    capabilities = BackendCapabilities(dram=True, vram=True, page_writes=True)
+    #: Takes pages and later notes: each member gets them so, or as rows and bytes (made
+    #: by the member's template at submit) when it does not take them.
+    capabilities = BackendCapabilities(dram=True, vram=True, page_writes=True, later_notes=True)
 
     def __init__(
         self,
@@ -332,7 +335,7 @@ class MultiBackend(TransferBackend):
         pair: PreparedPair,
         local_idx: Any,
         remote_idx: Any,
-        notification: bytes | None = None,
+        notification: Note | None = None,
         wake: Callable[[], None] | None = None,
     ) -> TransferHandle:
         """Post on the link's first healthy member (which validates the arguments), failing
@@ -346,7 +349,7 @@ class MultiBackend(TransferBackend):
         op: XferOp,
         pair: PreparedPair,
         chunk: PageChunk,
-        notification: bytes | None = None,
+        notification: Note | None = None,
         wake: Callable[[], None] | None = None,
     ) -> TransferHandle:
         """:meth:`submit` of a page-form chunk: so to a member that takes pages, else rows."""

@@ -9,7 +9,7 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvwire.backend import PreparedPair, TransferBackend, TransferHandle, XferOp
+from kvwire.backend import Note, PreparedPair, TransferBackend, TransferHandle, XferOp
 from kvwire.descriptors import DescTable
 from kvwire.page_form import PageChunk
 
@@ -50,7 +50,7 @@ class Xfer:
     pair: Pair
     local_idx: Any
     remote_idx: Any
-    notification: bytes | None
+    notification: Note | None
     member: int = -1
     inner: TransferHandle | None = None
     tried: list[int] = field(default_factory=list)

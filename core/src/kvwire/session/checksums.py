@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -132,6 +133,26 @@ class SentSums:
             keys = self.tables.dst[np.asarray(dst_idx, dtype=np.int64), ADDR]
             self._local.last = (src_units, dst_units, src_idx, keys)
         return self.hasher.sums(self.tables.src, src_idx, keys, only)
+
+    def chunk_later(
+        self,
+        src_units: NDArray[np.int64],
+        dst_units: NDArray[np.int64],
+        layers: tuple[int, int] | None = None,
+    ) -> Callable[[], LayerSums] | None:
+        """:meth:`chunk` started on the device and waited for later, by whoever calls the
+        result (prefill's first note of the chunk, made once its write ended): for a link
+        with a page form whose hasher computes beside the caller
+        (:meth:`RowHasher.page_sums_later`); else None (call :meth:`chunk`). A transfer
+        worker, before posting the chunk."""
+        if self.sides is None:
+            return None
+        pages = self.mapper.page_chunk(src_units, dst_units)
+        if pages is None:
+            return lambda: {}
+        src, dst = self.sides
+        only = None if layers is None else range(*layers)
+        return self.hasher.page_sums_later(src, pages.src_pages, dst, pages.dst_pages, only)
 
     def pieces(
         self, src_idx: IndexArray, dst_idx: IndexArray

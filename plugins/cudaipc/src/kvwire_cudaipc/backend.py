@@ -59,6 +59,7 @@ from pydantic import BaseModel
 
 from kvwire.backend import (
     BackendCapabilities,
+    Note,
     PeerFacts,
     PreparedPair,
     TransferHandle,
@@ -73,6 +74,7 @@ from kvwire.errors import ConfigError, DescriptorError, PeerError
 from kvwire.layout import MemKind, MemoryRegion
 from kvwire.movers.plan import merge_adjacent
 from kvwire.page_form import PageChunk, check_geometry_addresses
+from kvwire.transfers import note_bytes
 from kvwire_cudaipc import _cuda
 from kvwire_cudaipc.batch import Held, HeldWrites, launch_held
 from kvwire_cudaipc.copies import copy_runs, takes_copy_engine
@@ -99,6 +101,7 @@ class CudaIpcBackend(TcpBackend):
         vram=True,
         cross_host=False,
         page_writes=True,
+        later_notes=True,  # made by _post_follow, after the kernel
     )
     options_model = CudaIpcOptions
     options: CudaIpcOptions
@@ -379,7 +382,7 @@ class CudaIpcBackend(TcpBackend):
         pair: PreparedPair,
         local_idx: np.ndarray,
         remote_idx: np.ndarray,
-        notification: bytes | None,
+        notification: Note | None,
         handle: TransferHandle,
     ) -> Any:
         st: IpcPair = pair.state
@@ -431,7 +434,7 @@ class CudaIpcBackend(TcpBackend):
         op: XferOp,
         pair: PreparedPair,
         chunk: PageChunk,
-        notification: bytes | None,
+        notification: Note | None,
         handle: TransferHandle,
     ) -> Any:
         """A chunk in page form (checked by the template): on a pair that is VRAM in every
@@ -539,18 +542,24 @@ class CudaIpcBackend(TcpBackend):
         if terminal and x.wake is not None:
             x.wake()
 
-    def _post_follow(self, x: IpcXfer) -> None:
-        """Post the host rows and notification over the side channel (after the data); the
-        side channel wakes the submitter when a write with host rows ends. A notification
+    def _post_follow(self, x: IpcXfer) -> bool:
+        """Post the host rows and notification (a later note made now) over the side channel
+        (after the data); it wakes the submitter when a write with host rows ends. A note
         alone goes as a note to a peer that takes them (its metadata's ``notes``), else as a
-        write of the peer's scratch word."""
+        write of the peer's scratch word. False (``x`` failed) if the note cannot be made."""
         assert x.follow is not None
-        if x.notify_only and x.notification is not None and x.peer.info.notes:
-            x.tcp = self._queue_note(x.peer_name, x.notification)  # no write, no answer
-            return
+        try:
+            note = note_bytes(x.notification)
+        except Exception as exc:
+            x.failed = x.failed or f"cudaipc: the notification could not be made: {exc}"
+            return False
+        if x.notify_only and note is not None and x.peer.info.notes:
+            x.tcp = self._queue_note(x.peer_name, note)  # no write, no answer
+            return True
         la, ra, lens = x.follow
         wake = None if x.notify_only else x.wake
-        x.tcp = self._queue(XferOp.WRITE, x.peer_name, la, ra, lens, x.notification, wake)
+        x.tcp = self._queue(XferOp.WRITE, x.peer_name, la, ra, lens, note, wake)
+        return True
 
     def _poll(self, handle: TransferHandle) -> XferState:
         x: IpcXfer = handle.state
@@ -573,8 +582,10 @@ class CudaIpcBackend(TcpBackend):
                 return XferState.PENDING
             with x.lock:  # the watcher posts it; here if this poll saw the end first, or
                 # if the watcher's handling failed
-                if x.follow is not None and x.tcp is None and x.failed is None:
-                    self._post_follow(x)
+                posted = x.follow is None or x.tcp is not None or x.failed is not None
+                if not posted and not self._post_follow(x):  # its note could not be made
+                    handle.error = handle.error or x.failed
+                    return XferState.FAILED
         if x.tcp is not None and not x.notify_only:
             if x.tcp.status is XferState.FAILED and handle.error is None:
                 handle.error = x.tcp.error

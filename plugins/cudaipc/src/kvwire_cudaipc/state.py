@@ -14,6 +14,7 @@ from typing import Any
 import numpy as np
 from numpy.typing import NDArray
 
+from kvwire.backend import Note
 from kvwire.backends.tcp.outbound import OutboundTransfer
 from kvwire.page_form import PageGeometry
 from kvwire_cudaipc.meta import PeerInfo
@@ -62,7 +63,7 @@ class IpcXfer:
     event: Any = None
     #: Host rows and notification, posted over the side channel once ``event`` completed.
     follow: tuple[NDArray[np.uint64], NDArray[np.uint64], NDArray[np.uint64]] | None = None
-    notification: bytes | None = None
+    notification: Note | None = None
     #: The follow-up carries the notification alone (VRAM rows only): the transfer is DONE
     #: once the kernel's event completed and the message was handed to the side channel.
     notify_only: bool = False

@@ -20,10 +20,9 @@ from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Any
 
-from kvwire.backend import PreparedPair, TransferHandle, XferOp, XferState
+from kvwire.backend import Note, PreparedPair, TransferHandle, XferOp, XferState
 from kvwire.control.wire import ChunkNote, Completion
 from kvwire.errors import KVWireError, TransferError
-from kvwire.integrity import add_sums
 from kvwire.session import metrics as m
 from kvwire.session.context import RankContext
 from kvwire.session.metrics import ChunkDone
@@ -206,10 +205,9 @@ class Pipeline:
         try:
             sums: dict[int, int] = {}
             later = late_sums.start(job) if post.late_sums else None
+            pending = None  # or the first note's sums, computed beside the write (a GPU's)
             if check is not None and post.pieces is None and later is None:
-                add_sums(job.unsent_sums, check.chunk(job.src, job.dst, layers))
-                if segs:
-                    sums, job.unsent_sums = job.unsent_sums, {}
+                sums, pending = posting.first_sums(self.ctx, check, job, segs, layers)
             # where the chunk goes, on every note: decode's checksum check and its failure
             # report (which tokens landed) read it
             where = {
@@ -244,7 +242,7 @@ class Pipeline:
                         pair,
                         ref,
                         seg,
-                        self.ctx.codec.encode(note),
+                        posting.encode_note(self.ctx.codec, note, pending if i == 0 else None),
                         what,
                         t_start,
                         job.t_enqueued,
@@ -406,7 +404,7 @@ class Pipeline:
         pair: PreparedPair,
         ref: PlanRef | None,
         rows: Segment,
-        note: bytes,
+        note: Note,
         what: str,
         t_start: float,
         t_enqueued: float | None,

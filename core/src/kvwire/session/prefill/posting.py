@@ -26,8 +26,9 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
-from kvwire.backend import PreparedPair, TransferBackend, TransferHandle, XferOp
-from kvwire.integrity import LayerSums
+from kvwire.backend import LaterNote, Note, PreparedPair, TransferBackend, TransferHandle, XferOp
+from kvwire.control.wire import ChunkNote, Codec
+from kvwire.integrity import LayerSums, add_sums
 from kvwire.session.aux_note import read_row
 from kvwire.session.handshake import slot_rows
 from kvwire.session.layers import LayeredChunk
@@ -37,6 +38,7 @@ from kvwire.session.prefill.rooms import Dest, Job, SendRoom
 from kvwire.staging.base import ChunkPlan, Segment, StagingStrategy
 
 if TYPE_CHECKING:
+    from kvwire.session.checksums import SentSums
     from kvwire.session.context import RankContext
 
 
@@ -218,11 +220,70 @@ def summed_pieces(
     return segs, None
 
 
+def first_sums(
+    ctx: RankContext,
+    check: SentSums,
+    job: Job,
+    segs: list[Segment],
+    layers: tuple[int, int] | None,
+) -> tuple[LayerSums, Callable[[], LayerSums] | None]:
+    """Prefill worker, before posting a checksummed chunk's segments (not in pieces, no late
+    sums): the sums its first note carries, computed now, or, where :func:`sums_later`
+    applies, none now and a call that gives them later. With no segment (a staged layer group
+    whose bytes a later group's block units carry) its sums wait for the chunk's next note."""
+    pending = sums_later(ctx, check, job, segs, layers)
+    if pending is not None:
+        return {}, pending
+    add_sums(job.unsent_sums, check.chunk(job.src, job.dst, layers))
+    if not segs:
+        return {}, None
+    sums, job.unsent_sums = job.unsent_sums, {}
+    return sums, None
+
+
+def sums_later(
+    ctx: RankContext,
+    check: SentSums,
+    job: Job,
+    segs: list[Segment],
+    layers: tuple[int, int] | None,
+) -> Callable[[], LayerSums] | None:
+    """Prefill worker, before posting a checksummed chunk's segments (not in pieces, no late
+    sums): its sums started on the device and waited for by its first note, made by the
+    backend once the write ended (:class:`~kvwire.transfers.LaterNote`), so the sum runs
+    beside the write instead of before it. Only where the backend takes later notes
+    (``cudaipc``, or a list holding it), the first segment is posted (not copied) and no sums
+    of an earlier call wait for this note; None otherwise (sum now:
+    :meth:`SentSums.chunk <kvwire.session.checksums.SentSums.chunk>`)."""
+    if not segs or segs[0].copy is not None or job.unsent_sums:
+        return None
+    if not ctx.backend.capabilities.later_notes:
+        return None
+    return check.chunk_later(job.src, job.dst, layers)
+
+
+def encode_note(codec: Codec, note: ChunkNote, sums: Callable[[], LayerSums] | None) -> Note:
+    """Prefill worker: ``note`` encoded now, or (``sums`` given: :func:`sums_later`) a
+    :class:`~kvwire.transfers.LaterNote` that adds the sums when the backend makes it."""
+    if sums is None:
+        return codec.encode(note)
+
+    def make() -> bytes:
+        got = sums()
+        if got:
+            return codec.encode(
+                note.model_copy(update={"sum_layers": list(got), "sums": list(got.values())})
+            )
+        return codec.encode(note)
+
+    return LaterNote(make)
+
+
 def submit_rows(
     backend: TransferBackend,
     pair: PreparedPair,
     rows: Segment,
-    note: bytes,
+    note: Note,
     wake: Callable[[], None],
 ) -> TransferHandle:
     """Prefill worker: WRITE one segment's rows with its note. A segment in page form goes

@@ -1,0 +1,50 @@
+#!/usr/bin/env bash
+# Issue 26 item 1 on two GPUs: prefill's checksums computed beside the write (later notes).
+#  check: scripts/gpu_later_sums_check.py (the later sums equal the sums; host time per call);
+#  ab:    scripts/gpu_checksum_engine.py over cudaipc (kv_checksum off and on alternating),
+#         this tree and a base tree in ABBA order, ROUNDS rounds (the base's core and cudaipc
+#         sources first on PYTHONPATH).
+# On the development machine:
+#   bash scripts/gpu_wheels.sh                       # fills .whl/
+#   rm -rf ab_base && mkdir ab_base && git archive BASE core/src plugins/cudaipc/src | tar -x -C ab_base
+# Device call (nvidia-h100-x2), carry [".whl"]. Results: $OUT/later.tgz; table lines printed.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+RES=/tmp/later_res
+OUT_FINAL=${OUT:-/tmp/later_out}
+OUT=$RES source scripts/gpu_env.sh
+PARTS=${PARTS:-check ab}
+ROUNDS=${ROUNDS:-2}
+NEW=$PYTHONPATH
+BASE=$PWD/ab_base/core/src:$PWD/ab_base/plugins/cudaipc/src:${PYTHONPATH#*:}
+if has check; then
+  run_case later_check python3 scripts/gpu_later_sums_check.py
+  grep -E "chunks|LATER" "$RES/later_check.log"
+fi
+if has ab; then
+  [ -d ab_base/core/src ] || { echo "no ab_base/core/src"; exit 1; }
+  for r in $(seq "$ROUNDS"); do
+    order="new base"; [ $((r % 2)) = 0 ] && order="base new"
+    for t in $order; do
+      pp=$NEW; [ $t = base ] && pp=$BASE
+      PYTHONPATH=$pp run_case "ck_${t}_r$r" python3 scripts/gpu_checksum_engine.py \
+        --paths cudaipc --rounds 1 --sizes ${SIZES:-16,128} --requests ${REQUESTS:-32} \
+        --verify-requests 2 --label "$t"
+      grep -E "^\| cudaipc" "$RES/ck_${t}_r$r.log" | sed "s/^/$t r$r /"
+    done
+  done
+fi
+python3 - "$RES" <<'PY'
+import json, pathlib, sys
+for f in sorted(pathlib.Path(sys.argv[1]).glob("ck_*.json")):
+    rep = json.loads(f.read_text())
+    for path, rounds in rep["paths"].items():
+        for r in rounds:
+            bad = sum(v["mismatches"] for v in r.get("verified", []))
+            failed = sum(c["failed"] for c in r["cells"])
+            cells = " ".join(f"{c['mib']}/{c['concurrency']}:{c['gbps']:.1f}" for c in r["cells"])
+            print(f"{f.stem} {path} checksum={r.get('kv_checksum')} failed={failed} "
+                  f"mismatches={bad} {cells}")
+PY
+mkdir -p "$OUT_FINAL"
+tar -czf "$OUT_FINAL/later.tgz" -C "$RES" $(cd "$RES" && ls *.json *.log 2>/dev/null)
