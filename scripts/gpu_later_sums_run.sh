@@ -12,7 +12,8 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 RES=/tmp/later_res
 OUT_FINAL=${OUT:-/tmp/later_out}
-OUT=$RES source scripts/gpu_env.sh
+OUT=$RES  # run_case writes here; only the archive goes to the call's $OUT
+source scripts/gpu_env.sh
 PARTS=${PARTS:-check ab}
 ROUNDS=${ROUNDS:-2}
 NEW=$PYTHONPATH
