@@ -26,8 +26,7 @@ from kvwire.integrity import LayerSums, RowHasher
 from kvwire.plugins import PluginRegistry
 from kvwire.session import KVPoll
 from kvwire.testing import flaky
-from kvwire.testing.kvfill import count_mismatches
-from kvwire.testing.pair import Pair, config, no_rooms, pair, wait_for
+from kvwire.testing.pair import config, no_rooms, pair, wait_for
 from kvwire.transfers import LaterNote, note_bytes
 
 
@@ -115,7 +114,7 @@ def test_a_list_of_backends_sends_sums_made_with_the_note(
     (its own sums computed now), and the request succeeds, every element right."""
     d = Deferred(monkeypatch)
     with pair(_backends("flaky,tcp")) as p:
-        _send(p, 3, chunks=(2, 2))
+        p.transfer(3, 4, (2, 2))
         assert d.started == 2 and len(d.made) == 2, (d.started, d.made)
         assert d.sync == 2  # decode's two checks; prefill summed nothing before posting
         wait_for(lambda: no_rooms(p.prefill) and no_rooms(p.decode))
@@ -132,7 +131,7 @@ def test_a_note_posted_again_after_a_failover_is_made_once(
         agent = p.prefill.agent_name
         flaky.break_agent(agent)
         try:
-            _send(p, 2, chunks=(4,))
+            p.transfer(2, 4, (4,))
         finally:
             flaky.heal_agent(agent)
         assert flaky.swallowed.get(agent, 0) >= 1
@@ -165,21 +164,8 @@ def test_one_backend_without_later_notes_sums_before_posting(
     before (the deferred call is never started)."""
     d = Deferred(monkeypatch)
     with pair(config(kv_checksum=True), config(kv_checksum=True)) as p:
-        _send(p, 5, chunks=(4,))
+        p.transfer(5, 4, (4,))
         assert d.started == 0 and d.sync == 2  # prefill's sum and decode's check
-
-
-def _send(p: Pair, room: int, chunks: tuple[int, ...]) -> None:
-    """A verified request of ``sum(chunks)`` pages, sent in ``chunks``."""
-    s, r, src, dst = p.start(room, sum(chunks))
-    off = 0
-    for i, n in enumerate(chunks):
-        s.send(src[off : off + n], last=i == len(chunks) - 1)
-        off += n
-    wait_for(lambda: r.poll() == KVPoll.Success == s.poll())
-    assert count_mismatches(p.dlay, p.darr, dst, 0) == 0
-    r.clear()
-    s.clear()
 
 
 def test_capabilities_say_who_takes_later_notes() -> None:

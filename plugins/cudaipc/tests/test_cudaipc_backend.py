@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Iterator
+from typing import Any
 
 import msgpack
 import numpy as np
@@ -341,6 +342,35 @@ def test_kernel_end_wakes_the_submitter_and_sends_the_note_without_a_poll(
         b.close()
 
 
+def _vram_pair() -> tuple[Any, Any, np.ndarray, np.ndarray, Any]:
+    """Two cudaipc agents (host stand-ins installed by the caller) with 32 KiB of host
+    memory each, flagged VRAM, and prefill's prepared pair of 8 rows of 4 KiB: (prefill,
+    decode, prefill's bytes, decode's zeroed bytes, the pair). The caller closes both."""
+    cfg = KVWireConfig(transfer_backend="cudaipc")
+    a = create_backend(cfg, "prefill", need=())
+    b = create_backend(cfg, "decode", need=())
+    av = np.arange(1 << 15, dtype=np.uint8)
+    bv = np.zeros(1 << 15, np.uint8)
+
+    def vram(x: np.ndarray) -> MemoryRegion:
+        return MemoryRegion.from_pointer(x.ctypes.data, x.nbytes, 4096, MemKind.VRAM, 0)
+
+    try:
+        a.register([vram(av)])
+        b.register([vram(bv)])
+        peer = a.add_peer(b.local_metadata())
+        pair = a.prepare(
+            peer,
+            make_table(av.ctypes.data + np.arange(8) * 4096, 4096),
+            make_table(bv.ctypes.data + np.arange(8) * 4096, 4096),
+        )
+    except BaseException:
+        a.close()
+        b.close()
+        raise
+    return a, b, av, bv, pair
+
+
 def test_a_poll_sends_the_note_when_the_watchers_handling_failed(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -366,24 +396,8 @@ def test_a_poll_sends_the_note_when_the_watchers_handling_failed(
         return real(self, x)  # type: ignore[arg-type]
 
     monkeypatch.setattr(backend_mod.CudaIpcBackend, "_post_follow", flaky)
-    cfg = KVWireConfig(transfer_backend="cudaipc")
-    a = create_backend(cfg, "prefill", need=())
-    b = create_backend(cfg, "decode", need=())
+    a, b, av, bv, pair = _vram_pair()
     try:
-        av = np.arange(1 << 15, dtype=np.uint8)
-        bv = np.zeros(1 << 15, np.uint8)
-
-        def vram(x: np.ndarray) -> MemoryRegion:
-            return MemoryRegion.from_pointer(x.ctypes.data, x.nbytes, 4096, MemKind.VRAM, 0)
-
-        a.register([vram(av)])
-        b.register([vram(bv)])
-        peer = a.add_peer(b.local_metadata())
-        pair = a.prepare(
-            peer,
-            make_table(av.ctypes.data + np.arange(8) * 4096, 4096),
-            make_table(bv.ctypes.data + np.arange(8) * 4096, 4096),
-        )
         h = a.submit(XferOp.WRITE, pair, np.arange(8), np.arange(8), notification=b"kv")
         _HostEvent.gate.set()  # the kernel ends; the watcher's note post fails
         for _ in range(3000):
@@ -431,24 +445,8 @@ def test_a_later_note_is_made_after_the_kernel_on_the_watchers_thread(
             raise RuntimeError("the sums' kernel failed")
         return b"summed"
 
-    cfg = KVWireConfig(transfer_backend="cudaipc")
-    a = create_backend(cfg, "prefill", need=())
-    b = create_backend(cfg, "decode", need=())
+    a, b, av, bv, pair = _vram_pair()
     try:
-        av = np.arange(1 << 15, dtype=np.uint8)
-        bv = np.zeros(1 << 15, np.uint8)
-
-        def vram(x: np.ndarray) -> MemoryRegion:
-            return MemoryRegion.from_pointer(x.ctypes.data, x.nbytes, 4096, MemKind.VRAM, 0)
-
-        a.register([vram(av)])
-        b.register([vram(bv)])
-        peer = a.add_peer(b.local_metadata())
-        pair = a.prepare(
-            peer,
-            make_table(av.ctypes.data + np.arange(8) * 4096, 4096),
-            make_table(bv.ctypes.data + np.arange(8) * 4096, 4096),
-        )
         note = LaterNote(make)
         h = a.submit(XferOp.WRITE, pair, np.arange(8), np.arange(8), notification=note)
         assert not made and a.poll(h) is XferState.PENDING  # the kernel has not ended
