@@ -277,7 +277,6 @@ def test_kernel_end_wakes_the_submitter_and_sends_the_note_without_a_poll(
     happens; a transfer with host rows wakes its submitter once the side channel's write of
     them ends. Same host stand-ins as above; the stand-in event stays in flight until its
     gate opens."""
-    import time
 
     from kvwire.backend import XferOp, XferState
 
@@ -319,13 +318,7 @@ def test_kernel_end_wakes_the_submitter_and_sends_the_note_without_a_poll(
         assert b.get_notifications() == []  # the note waits for the kernel
         _HostEvent.gate.set()  # the kernel ends; nobody polls
         assert woken.wait(30), "the kernel's end did not wake the submitter"
-        got: list = []
-        for _ in range(3000):
-            got += b.get_notifications()
-            if got:
-                break
-            time.sleep(0.01)
-        assert [n.payload for n in got] == [b"kv"]
+        assert _first_notes(b) == [b"kv"]
         assert a.poll(h) is XferState.DONE
         assert np.array_equal(bv, av[: bv.size])
         a.release(h)
@@ -371,6 +364,18 @@ def _vram_pair() -> tuple[Any, Any, np.ndarray, np.ndarray, Any]:
     return a, b, av, bv, pair
 
 
+def _first_notes(b: Any) -> list[bytes]:
+    """The payloads of the first notifications ``b`` receives (30 s at most)."""
+    import time
+
+    for _ in range(3000):
+        got = b.get_notifications()
+        if got:
+            return [n.payload for n in got]
+        time.sleep(0.01)
+    return []
+
+
 def test_a_poll_sends_the_note_when_the_watchers_handling_failed(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -406,13 +411,7 @@ def test_a_poll_sends_the_note_when_the_watchers_handling_failed(
             time.sleep(0.01)
         assert h.state.ended and calls and calls[0].endswith("-kernels"), calls
         assert a.poll(h) is XferState.DONE
-        got: list = []
-        for _ in range(3000):
-            got += b.get_notifications()
-            if got:
-                break
-            time.sleep(0.01)
-        assert [n.payload for n in got] == [b"kv"]
+        assert _first_notes(b) == [b"kv"]
         assert np.array_equal(bv, av[: bv.size])
         a.release(h)
     finally:
@@ -457,7 +456,6 @@ def test_a_later_note_is_made_after_the_kernel_on_the_watchers_thread(
                 break
             time.sleep(0.01)
         assert made == [True], made
-        got: list = []
         if broken:
             assert state is XferState.FAILED
             assert "notification could not be made" in (h.error or ""), h.error
@@ -466,12 +464,7 @@ def test_a_later_note_is_made_after_the_kernel_on_the_watchers_thread(
             assert b.get_notifications() == []
         else:
             assert state is XferState.DONE
-            for _ in range(3000):
-                got += b.get_notifications()
-                if got:
-                    break
-                time.sleep(0.01)
-            assert [n.payload for n in got] == [b"summed"]
+            assert _first_notes(b) == [b"summed"]
             assert np.array_equal(bv, av[: bv.size])
         a.release(h)
     finally:
