@@ -94,15 +94,9 @@ class CudaIpcBackend(TcpBackend):
 
     name = "cudaipc"
     capabilities = BackendCapabilities(
-        write=True,
-        read=False,
-        notifications=True,
-        dram=True,
-        vram=True,
-        cross_host=False,
-        page_writes=True,
-        later_notes=True,  # made by _post_follow, after the kernel
-    )
+        write=True, read=False, notifications=True, dram=True, vram=True, cross_host=False,
+        page_writes=True, later_notes=True,  # later notes: made by _post_follow, after the kernel
+    )  # fmt: skip
     options_model = CudaIpcOptions
     options: CudaIpcOptions
     #: Its notification follows the kernel as a note alone (local notes socket on one host).
