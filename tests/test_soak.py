@@ -24,12 +24,14 @@ import os
 import signal
 import time
 
+import pytest
+
 from kvwire.session.poll import KVPoll
 from kvwire.testing.cluster import Cluster, RankProc
 from kvwire.testing.cluster_suite import assert_all_ok
 from kvwire.testing.netns_suite import collect_reports
 from kvwire.testing.soak import SoakSpec, run_soak, soak_cluster_spec
-from kvwire.testing.soak_ledger import FaultEvent
+from kvwire.testing.soak_ledger import Entry, FaultEvent
 
 
 def test_soak_with_faults() -> None:
@@ -100,6 +102,37 @@ def test_soak_dead_backend_fails_over_and_loses_nothing() -> None:
     assert failed and all("refused" in err for e in failed for err in e.errors), report.summary()
     assert not report.not_flat(fds=4, threads=2), report.summary()
     assert not report.leftover_tables, report.summary()
+
+
+def test_soak_partition_cuts_one_decode_instance_the_other_serves_on() -> None:
+    """Prefill's ranks in one network namespace and each decode instance in its own (root);
+    twice, one decode instance's namespace is cut off for 4.5 s while requests to it are half
+    sent. Requests through it fail naming the silence, none after it healed, and every
+    request of the same batches through the other decode instance succeeds."""
+    from kvwire.testing.netns import unavailable_reason
+
+    reason = unavailable_reason()
+    if reason is not None:
+        pytest.skip(f"network namespaces: {reason}")
+    spec = SoakSpec(
+        requests=120, batch=24, fault_every=2, faults=("partition",), netns=True, seed=28
+    )
+    report = run_soak(spec, stop_on_unexpected=True)
+    assert not report.unexpected(), report.summary()
+    assert [(f.kind, f.inst) for f in report.faults] == [("partition", 0), ("partition", 1)]
+    for f in report.faults:
+        assert f.failed > 0 and f.failed_after == 0, report.summary()
+        others = [e for e in report.entries if e.batch == f.batch and e.decode != f.inst]
+        assert others and all(e.outcome == "ok" or _refused(e) for e in others), [
+            e for e in others if e.outcome != "ok"
+        ]
+    assert not report.not_flat(fds=4, threads=2), report.summary()
+    assert not report.leftover_tables, report.summary()
+
+
+def _refused(entry: Entry) -> bool:
+    """A request whose aux write the backend refused (and that failed naming it)."""
+    return bool(entry.errors) and all("refused" in e for e in entry.errors)
 
 
 def _peers(p: RankProc, timeout_s: float = 30.0) -> int:

@@ -255,11 +255,12 @@ def rank_main(
     if spec.switch_interval_s is not None:
         sys.setswitchinterval(spec.switch_interval_s)
     engine = EngineLoop(spec.engine_busy)
-    if spec.netns.get(role):  # first: every socket this process opens lives there
+    netns = spec.netns_for(role, inst)
+    if netns:  # first: every socket this process opens lives there
         from kvwire.testing.netns import enter_netns
 
-        enter_netns(spec.netns[role])
-    spec.config = spec.config_for(role)
+        enter_netns(netns)
+    spec.config = spec.config_for(role, inst)
     if secret:
         spec.config = spec.config.model_copy(update={"secret": SecretStr(secret)})
     fault = os.environ.get(FAULT_ENV)

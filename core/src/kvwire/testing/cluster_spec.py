@@ -104,10 +104,12 @@ class ClusterSpec(BaseModel):
     #: ``sys.setswitchinterval`` in every rank process (None: the interpreter's default,
     #: 5 ms), as an engine that sets it would.
     switch_interval_s: float | None = Field(default=None, gt=0, le=0.1)
-    #: Network namespace per role ("prefill", "decode"): its rank processes join it before
-    #: opening any socket (:mod:`kvwire.testing.netns`). Empty: every rank on this host.
+    #: Network namespace per role ("prefill", "decode") or per instance of a role
+    #: ("decode:1", before the role's): its rank processes join it before opening any
+    #: socket (:mod:`kvwire.testing.netns`). Empty: every rank on this host.
     netns: dict[str, str] = Field(default_factory=dict)
-    #: A role's own config in place of ``config`` (e.g. its addresses in a namespace).
+    #: A role's (or an instance's, "decode:1") own config in place of ``config`` (e.g. its
+    #: addresses in a namespace).
     role_config: dict[str, KVWireConfig] = Field(default_factory=dict)
     #: Roles whose KV pages are head-major (``[slots, heads, page, dim]``; see
     #: :attr:`KVLayout.head_major <kvwire.layout.KVLayout.head_major>`).
@@ -152,9 +154,13 @@ class ClusterSpec(BaseModel):
         """Prefill rank processes: ``max(instances, DP) x PP x TP``."""
         return max(self.prefill_instances, self.prefill_dp) * self.prefill_pp * self.prefill_tp
 
-    def config_for(self, role: str) -> KVWireConfig:
-        """The config a rank of ``role`` runs with."""
-        return self.role_config.get(role, self.config)
+    def config_for(self, role: str, inst: int = 0) -> KVWireConfig:
+        """The config a rank of ``role``'s instance ``inst`` runs with."""
+        return self.role_config.get(f"{role}:{inst}") or self.role_config.get(role, self.config)
+
+    def netns_for(self, role: str, inst: int = 0) -> str | None:
+        """The network namespace of ``role``'s instance ``inst`` (None: this host's)."""
+        return self.netns.get(f"{role}:{inst}") or self.netns.get(role)
 
     def decode_model(self) -> ModelSpec:
         """The model as decode ranks hold it (their own page size)."""

@@ -19,8 +19,10 @@ through batches of random requests (:meth:`Cluster.plans`: random sizes, chunkin
 * ``freeze``: a decode rank is stopped (SIGSTOP) for longer than the liveness bound, then
   resumed (SIGCONT): a silent peer, a partition without root. Its batch's requests of several
   chunks on that rank stall for as long, so prefill evicts the rank while it holds them.
-* ``partition``: with ``netns`` (root): the decode namespace is cut off from the bridge for
-  ``silence_s`` (:meth:`NetnsBed.partition <kvwire.testing.netns.NetnsBed.partition>`).
+* ``partition``: with ``netns`` (root: prefill's ranks in one namespace, each decode
+  instance's in its own): one decode instance's namespace is cut off from the bridge for
+  ``silence_s`` (:meth:`NetnsBed.partition <kvwire.testing.netns.NetnsBed.partition>`), the
+  other instances serving on.
 * ``dead_backend``: every rank runs the backend list ``flaky,<backend>``
   (:mod:`kvwire.testing.flaky`: ``tcp`` that fails on command, the one fake: no engine here
   breaks an endpoint on request), and every TP rank of one prefill instance has its
@@ -261,9 +263,10 @@ class _Injector:
                 self.spec.silence_s, self._end, (os.kill, pid, signal.SIGCONT)
             )
             self._timer.start()
-        elif ev.kind == "partition":
-            self.bed.partition("decode")
-            self._timer = threading.Timer(self.spec.silence_s, self._end, (self.bed.heal, "decode"))
+        elif ev.kind == "partition":  # one decode instance's namespace
+            node = f"decode{ev.inst}"
+            self.bed.partition(node)
+            self._timer = threading.Timer(self.spec.silence_s, self._end, (self.bed.heal, node))
             self._timer.start()
         elif ev.kind == "dead_backend":
             assert self.flag_dir is not None
@@ -338,19 +341,21 @@ def soak_cluster_spec(spec: SoakSpec, bed: Any = None) -> ClusterSpec:
     model = ModelSpec(num_layers=2, total_kv_heads=4, head_dim=16, dtype="int32", page_size=4)
     shape: dict[str, Any] = {}
     config = KVWireConfig(transfer_backend=spec.backends, control=ControlOptions(kv_checksum=True))
-    if bed is not None:
+    if bed is not None:  # prefill in one namespace, each decode instance in its own
+        nodes = {"prefill": "prefill"}
+        nodes.update({f"decode:{i}": f"decode{i}" for i in range(spec.decode_instances)})
         role_config = {
-            role: KVWireConfig(
+            key: KVWireConfig(
                 transfer_backend=spec.backends,
-                transfer_backend_options={"host": bed.addr[role]},
+                transfer_backend_options={"host": bed.addr[node]},
                 control=ControlOptions(
-                    kv_checksum=True, host=bed.addr[role], bootstrap_host=bed.addr["prefill"]
+                    kv_checksum=True, host=bed.addr[node], bootstrap_host=bed.addr["prefill"]
                 ),
             )
-            for role in ("prefill", "decode")
+            for key, node in nodes.items()
         }
         config = role_config["prefill"]
-        shape = {"role_config": role_config, "netns": {r: bed.ns[r] for r in role_config}}
+        shape = {"role_config": role_config, "netns": {k: bed.ns[n] for k, n in nodes.items()}}
     return ClusterSpec(
         model=model,
         prefill_tp=spec.prefill_tp,
@@ -376,7 +381,8 @@ def _fault_batch(
 ) -> list[RequestResult]:
     """Run one batch with fault ``ev``. Every request is started before the fault fires
     (none is started on a dead rank: its peers would wait for it until their timeouts);
-    requests on the target stall 1 s before their last chunk, so some are in flight. In a
+    requests on the target (for a partition: every request) stall 1 s before their last
+    chunk, so some are in flight. In a
     freeze, those of several chunks stall for as long as the rank is stopped, so that prefill
     still holds them when it evicts the silent rank (with 1 s they were done before it, and
     the resumed rank completed them)."""
@@ -384,8 +390,13 @@ def _fault_batch(
     def stall(p: RoomPlan) -> float:
         return spec.silence_s if ev.kind == "freeze" and len(p.chunks) > 1 else 1.0
 
-    if ev.kind != "flip":
-        plans = [p.model_copy(update={"stall_s": stall(p)}) if ev.touches(p) else p for p in plans]
+    if ev.kind != "flip":  # a partition: every request, so the other instances' are in
+        # flight while one is cut (they must complete)
+        stalled = [ev.touches(p) or ev.kind == "partition" for p in plans]
+        plans = [
+            p.model_copy(update={"stall_s": stall(p)}) if s else p
+            for p, s in zip(plans, stalled, strict=True)
+        ]
     inj = _Injector(c, ev, spec, bed, plans, flag_dir)
     inj.before()
     results = c.run(
@@ -421,7 +432,8 @@ def run_soak(
         if spec.netns:
             from kvwire.testing.netns import NetnsBed
 
-            bed = stack.enter_context(NetnsBed(("prefill", "decode")))
+            nodes = ("prefill", *(f"decode{i}" for i in range(spec.decode_instances)))
+            bed = stack.enter_context(NetnsBed(nodes))
         flag_dir = None
         if "dead_backend" in spec.faults:
             flag_dir = stack.enter_context(tempfile.TemporaryDirectory(prefix="kvwire-flaky-"))
@@ -501,7 +513,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument("--fault-every", type=int, default=3)
     ap.add_argument("--victim-fraction", type=float, default=0.02)
-    ap.add_argument("--netns", action="store_true", help="namespaces per role (root): partitions")
+    ap.add_argument(
+        "--netns",
+        action="store_true",
+        help="prefill and each decode instance in a namespace of its own (root): partitions",
+    )
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", help="write the report here")
     args = ap.parse_args(argv)

@@ -61,9 +61,8 @@ class FaultEvent:
     recovered: bool = False
 
     def touches(self, plan: RoomPlan) -> bool:
-        """Whether ``plan`` ran on the instance this fault hit (a partition: every one)."""
-        if self.kind == "partition":
-            return True
+        """Whether ``plan`` ran on the instance this fault hit (a partition: the decode
+        instance whose namespace was cut)."""
         inst = plan.prefill_instance if self.role == "prefill" else plan.decode_instance
         return inst == self.inst
 
