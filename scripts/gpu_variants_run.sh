@@ -6,11 +6,14 @@
 # REQUESTS (96). Variants are separated by ';', flags by spaces (JSON without spaces).
 # On the development machine: bash scripts/gpu_wheels.sh (fills .whl/). Device call, carry
 # [".whl"]:  VARIANTS='base=;w2=--control-options {"num_workers":2}' bash scripts/gpu_variants_run.sh
-# Results: $OUT/variants.tgz (JSON and log per run); summary lines printed, then medians.
+# Results: $OUT/variants.tgz (JSON and log per run, rewritten after each round); summary lines
+# printed, then medians.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-OUT=${OUT:-/tmp/variants}
+OUT_FINAL=${OUT:-/tmp/variants_out}
+OUT=/tmp/variants_res  # run_case writes here; only the archive goes to the call's $OUT
 source scripts/gpu_env.sh
+mkdir -p "$OUT_FINAL"
 ROUNDS=${ROUNDS:-3}
 IFS=';' read -r -a VS <<< "${VARIANTS:-base=}"
 AB="scripts/gpu_staging_ab.py --requests ${REQUESTS:-96} --verify-requests 1 --timeout 120
@@ -24,7 +27,7 @@ for r in $(seq "$ROUNDS"); do
     read -r -a extra <<< "$flags"
     run_case "${name}_r$r" python3 $AB "${extra[@]}"
   done
-  tar -czf "$OUT/variants.tgz" -C "$OUT" $(cd "$OUT" && ls *.json *.log 2>/dev/null) 2>/dev/null
+  tar -czf "$OUT_FINAL/variants.tgz" -C "$OUT" $(cd "$OUT" && ls *.json *.log 2>/dev/null) 2>/dev/null
 done
 python3 - "$OUT" <<'PY'
 import json, pathlib, statistics, sys
