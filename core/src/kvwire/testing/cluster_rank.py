@@ -255,8 +255,7 @@ def rank_main(
     if spec.switch_interval_s is not None:
         sys.setswitchinterval(spec.switch_interval_s)
     engine = EngineLoop(spec.engine_busy)
-    netns = spec.netns_for(role, inst)
-    if netns:  # first: every socket this process opens lives there
+    if netns := spec.netns_for(role, inst):  # first: every socket this process opens lives there
         from kvwire.testing.netns import enter_netns
 
         enter_netns(netns)

@@ -101,14 +101,15 @@ def _aux_submit_fails(role: str) -> None:
         return
     from kvwire.backend import TransferBackend
     from kvwire.errors import PeerError
+    from kvwire.transfers import note_bytes
 
     def refuse(method: Callable[..., Any], note_at: int) -> Callable[..., Any]:
         """``method``, refusing a victim's aux write (the notification is argument
         ``note_at`` after self, or the keyword)."""
 
         def refusing(self: TransferBackend, *args: Any, **kwargs: Any) -> Any:
-            note = args[note_at] if len(args) > note_at else kwargs.get("notification")
-            room = _refused_aux(note) if note else None
+            note = note_bytes(args[note_at] if len(args) > note_at else kwargs.get("notification"))
+            room = _refused_aux(note) if note else None  # a later note is made now
             if room is not None:
                 raise PeerError(f"injected: the engine refused room {room}'s aux write")
             return method(self, *args, **kwargs)
