@@ -6,6 +6,7 @@
 #   SPY_CASES="cudaipc:16 nixl:128" bash scripts/gpu_gil_spy.sh     (device call, carry .whl)
 # SPY_FLAGS="--idle --threads" samples every thread's wall time instead (waits included).
 # A case is BACKEND:MIB, or BACKEND:MIB:PREFILL_TP:DECODE_TP (e.g. cudaipc:128:1:2).
+# SPY_EXTRA: more flags for every case's scripts/gpu_staging_ab.py (e.g. --checksum).
 # Results: $OUT/spy.tgz (py-spy's raw stacks per process, the runs' logs).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -19,7 +20,7 @@ for case in ${SPY_CASES:-cudaipc:16 nixl:128}; do
   n=$(( mib >= 128 ? 6000 : 20000 ))
   python3 scripts/gpu_staging_ab.py --backend "$backend" --staging auto --sizes "$mib" \
     --concurrency 8 --requests $n --verify-requests 1 --timeout 300 \
-    --prefill-tp "$ptp" --decode-tp "$dtp" \
+    --prefill-tp "$ptp" --decode-tp "$dtp" ${SPY_EXTRA:-} \
     --json "$OUT/$tag.json" > "$OUT/$tag.log" 2>&1 &
   bench=$!
   for _ in $(seq 600); do grep -q "^verified" "$OUT/$tag.log" 2>/dev/null && break; sleep 0.1; done

@@ -21,6 +21,7 @@ def main() -> int:
     p.add_argument("--staging", default="direct")
     p.add_argument("--staging-options", default="{}", help="JSON")
     p.add_argument("--max-chunk-pages", type=int, default=0)
+    p.add_argument("--checksum", action="store_true", help="kv_checksum on (issue 26)")
     a = p.parse_args()
     if a.device == "cuda" and not a.gpus:  # every visible GPU, ranks round robin
         import torch
