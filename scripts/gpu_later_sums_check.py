@@ -4,10 +4,10 @@
 For the links of ``scripts/gpu_page_sums_check.py`` (the issue's model, equal TP and head
 slices both ways, pools on the GPU), random chunks of 1-16 pages:
 
-1. a later call's sums, taken on another thread (as ``cudaipc``'s kernel watcher makes the
-   note), equal ``SentSums.chunk``'s for the same chunk; a second later call on the same
-   thread before the first was taken (it reuses the lane's buffers: the first is settled
-   first), and a plain call after both, give theirs;
+1. later calls' sums, taken on another thread (as ``cudaipc``'s kernel watcher makes the
+   note), equal ``SentSums.chunk``'s for the same chunks: five later calls outstanding at
+   once (more than the lane's page slots: the oldest is waited for when its slot comes round
+   again) and a plain call after them, the results taken newest first;
 2. the calling thread's host time per chunk (medians): ``chunk`` (launch and wait) against
    ``chunk_later`` (launch and event, no wait), what a transfer worker pays before it can
    launch the chunk's write.
@@ -63,17 +63,20 @@ def main() -> None:
             n = int(rng.integers(1, 17))
             return rng.permutation(slots)[:n], rng.permutation(slots)[:n]
 
-        wrong = 0
+        wrong = checked = 0
         for _ in range(a.rounds):
-            (s1, d1), (s2, d2), (s3, d3) = chunk(), chunk(), chunk()
-            first = sent.chunk_later(s1, d1)
-            second = sent.chunk_later(s2, d2)  # settles the first
-            third = sent.chunk(s3, d3)
-            assert first is not None and second is not None, name
-            got = (on_thread(first), on_thread(second), third)
-            want = (sent.chunk(s1, d1), sent.chunk(s2, d2), sent.chunk(s3, d3))
+            # more later results outstanding than the lane has page slots (the oldest are
+            # waited for when their slot comes round again), a plain call among them, the
+            # results taken on another thread, newest first
+            chunks = [chunk() for _ in range(6)]
+            later = [sent.chunk_later(s, d) for s, d in chunks[:5]]
+            plain = sent.chunk(*chunks[5])
+            assert all(x is not None for x in later), name
+            got = [*[on_thread(x) for x in reversed(later)][::-1], plain]
+            want = [sent.chunk(s, d) for s, d in chunks]
             pairs = zip(got, want, strict=True)
             wrong += sum(g != w or len(w) != model.num_layers for g, w in pairs)
+            checked += len(chunks)
         s, d = chunk()
         times = {"chunk": [], "chunk_later": [], "result_after_1ms": []}
         for _ in range(a.repeat):
@@ -91,8 +94,8 @@ def main() -> None:
             times["chunk_later"].append(t2 - t1)
             times["result_after_1ms"].append(t4 - t3)
         med = {k: round(1e3 * statistics.median(v), 4) for k, v in times.items()}
-        report["links"][name] = {"rounds": a.rounds, "wrong": wrong, "host_ms": med}
-        print(f"{name}: {3 * a.rounds} chunks, {wrong} wrong; host ms per call {med}")
+        report["links"][name] = {"chunks": checked, "wrong": wrong, "host_ms": med}
+        print(f"{name}: {checked} chunks, {wrong} wrong; host ms per call {med}")
         bad += wrong
         del keep_s, keep_d
     print("LATER-SUMS-OK" if not bad else f"LATER-SUMS-BAD {bad}")

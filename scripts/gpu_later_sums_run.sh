@@ -3,7 +3,8 @@
 #  check: scripts/gpu_later_sums_check.py (the later sums equal the sums; host time per call);
 #  ab:    scripts/gpu_checksum_engine.py over cudaipc (kv_checksum off and on alternating),
 #         this tree and a base tree in ABBA order, ROUNDS rounds (the base's core and cudaipc
-#         sources first on PYTHONPATH).
+#         sources first on PYTHONPATH). CK_EXTRA: more flags for it (e.g. --only 1: checksums on
+#         only).
 # On the development machine:
 #   bash scripts/gpu_wheels.sh                       # fills .whl/
 #   rm -rf ab_base && mkdir ab_base && git archive BASE core/src plugins/cudaipc/src | tar -x -C ab_base
@@ -30,7 +31,7 @@ if has ab; then
       pp=$NEW; [ $t = base ] && pp=$BASE
       PYTHONPATH=$pp run_case "ck_${t}_r$r" python3 scripts/gpu_checksum_engine.py \
         --paths cudaipc --rounds 1 --sizes ${SIZES:-16,128} --requests ${REQUESTS:-32} \
-        --verify-requests 2 --label "$t"
+        --verify-requests 2 --label "$t" ${CK_EXTRA:-}
       grep -E "^\| cudaipc" "$RES/ck_${t}_r$r.log" | sed "s/^/$t r$r /"
     done
   done

@@ -64,7 +64,7 @@ from kvwire.descriptors import ADDR, LEN, DescTable, IndexArray, locate_rows
 from kvwire.errors import DescriptorError
 from kvwire.integrity import GOLDEN, MIX1, MIX2, ODD, LayerSums, RowHasher, page_lists, weights
 from kvwire.integrity_kernels import hash_pages, hash_rows
-from kvwire.integrity_lanes import Lane, layer_range
+from kvwire.integrity_lanes import Lane, PageSlot, layer_range
 from kvwire.layout import KVLayout, MemKind
 from kvwire.page_form import PageSide
 
@@ -201,7 +201,6 @@ class DeviceRowHasher(RowHasher):
         lane: Lane | None = getattr(self._local, "lane", None)
         if lane is None:
             lane = self._local.lane = Lane(self.device, 2 * self._num_layers + 1)
-        lane.settle()  # a result not waited for yet: its buffers are about to be reused
         return lane
 
     def _whole(self) -> Any:
@@ -303,10 +302,11 @@ class DeviceRowHasher(RowHasher):
         if lo < 0:  # host filter, then _row_terms
             return super().page_sums(read, read_pages, key, key_pages, layers)
         with self._whole():
-            lane = self._page_launch(read, read_pages, key, key_pages, lo, hi)
-            if lane is None:
+            launched = self._page_launch(read, read_pages, key, key_pages, lo, hi)
+            if launched is None:
                 return {}
-            return self._layer_sums(lane.page_wait())
+            lane, slot = launched
+            return self._layer_sums(lane.page_wait(slot))
 
     def page_sums_later(
         self,
@@ -327,13 +327,14 @@ class DeviceRowHasher(RowHasher):
         if lo < 0:
             return None
         with self._whole():
-            lane = self._page_launch(read, read_pages, key, key_pages, lo, hi)
-            if lane is None:
+            launched = self._page_launch(read, read_pages, key, key_pages, lo, hi)
+            if launched is None:
                 return lambda: {}
+            lane, slot = launched
             if lane.stream is None:  # Triton's interpreter: already computed
-                got = self._layer_sums(lane.page_wait())
+                got = self._layer_sums(lane.page_wait(slot))
                 return lambda: got
-            return lane.later(self._layer_sums)
+            return lane.later(slot, self._layer_sums)
 
     def _page_launch(
         self,
@@ -343,10 +344,10 @@ class DeviceRowHasher(RowHasher):
         key_pages: IndexArray,
         lo: int,
         hi: int,
-    ) -> Lane | None:
+    ) -> tuple[Lane, PageSlot] | None:
         """Enqueue :meth:`page_sums`' launch for layers ``[lo, hi)`` on this thread's lane
-        (returned; None when the chunk has no page or no layer). Caller holds
-        :meth:`_whole`."""
+        with the lane's next page slot (both returned; None when the chunk has no page or no
+        layer). Caller holds :meth:`_whole`."""
         rp, kp = page_lists(read, read_pages, key, key_pages)
         programs = read.num_pairs * rp.size  # one per (pair, page)
         if not programs or lo >= hi:
@@ -363,17 +364,17 @@ class DeviceRowHasher(RowHasher):
         with self._part():
             pairs = self._paired(read, key, layer)
             consts = self._need_weights(np.array([cells], dtype=np.int64))
-        lane.grow(pages)
-        call = lane.call_host.numpy()
+        slot = lane.page_slot(pages)
+        call = slot.call.numpy()
         call[:pages] = rp
         call[pages : 2 * pages] = kp
         args = (
             pairs.data_ptr(),
             read.num_pairs,
-            lane.call_host.data_ptr(),  # pinned: the kernel reads it over the bus
+            slot.call.data_ptr(),  # pinned: the kernel reads it over the bus
             consts.data_ptr(),
-            lane.page_out.data_ptr(),
-            lane.page_result.data_ptr(),
+            slot.out.data_ptr(),
+            slot.result.data_ptr(),
             pages,
             read.tokens,
             cells,
@@ -387,7 +388,7 @@ class DeviceRowHasher(RowHasher):
         )
         meta = (block, self.inline_weights, mode)
         self._enqueue(lane, hash_pages, programs, args, meta, ("pages", *meta), 0, False)
-        return lane
+        return lane, slot
 
     def _paired(self, read: PageSide, key: PageSide, layer: NDArray[np.int64]) -> Any:
         """``int64 [3, pairs]`` on the device (read base addresses, key base addresses,

@@ -20,6 +20,11 @@ from kvwire.integrity import LayerSums
 
 #: Rows a call's buffers hold at first (they grow to the largest call).
 MIN_ROWS = 4096
+#: Page launches a lane keeps buffers for, used in turn: a later result (prefill's sums,
+#: taken when the chunk's note is made) holds its slot until taken, and the lane's calls go
+#: on in the others (py-spy, 2 x H200, C=8: with one slot the worker waited for the previous
+#: chunk's sums in 5.5% of its time).
+PAGE_SLOTS = 4
 
 
 def layer_range(layers: Sequence[int] | None, num_layers: int) -> tuple[int, int]:
@@ -33,13 +38,15 @@ def layer_range(layers: Sequence[int] | None, num_layers: int) -> tuple[int, int
 
 
 class LaterSums:
-    """A lane's page sums not waited for yet (:meth:`DeviceRowHasher.page_sums_later`):
+    """A page launch's sums not waited for yet (:meth:`DeviceRowHasher.page_sums_later`):
     ``settle`` waits for the launch's event and keeps a copy of the result, once, on
     whichever thread comes first (the caller of the result, or the lane's own thread before
-    its next call reuses the buffers)."""
+    it reuses the launch's :class:`PageSlot`)."""
 
-    def __init__(self, lane: Lane, event: Any, finish: Callable[[NDArray[np.int64]], LayerSums]):
-        self._lane: Lane | None = lane
+    def __init__(
+        self, slot: PageSlot, event: Any, finish: Callable[[NDArray[np.int64]], LayerSums]
+    ) -> None:
+        self._slot: PageSlot | None = slot
         self._event = event
         self._finish = finish
         self._lock = threading.Lock()
@@ -48,14 +55,44 @@ class LaterSums:
     def settle(self) -> NDArray[np.int64]:
         with self._lock:
             if self._got is None:
-                lane, self._lane = self._lane, None
-                assert lane is not None
+                slot, self._slot = self._slot, None
+                assert slot is not None
                 self._event.synchronize()
-                self._got = lane.page_result.numpy().copy()
+                self._got = slot.result.numpy().copy()
             return self._got
 
     def __call__(self) -> LayerSums:
         return self._finish(self.settle())
+
+
+class PageSlot:
+    """One page launch's buffers on a lane: its two page lists (pinned: the kernel reads them
+    over the bus), the kernel's own sums (device; zero between launches, its last program
+    zeroes them), where that program leaves the result (pinned), the event a later result
+    waits for, and that result while nobody took it. Used by its lane's thread, and by the
+    taker of its result (through :class:`LaterSums`' lock)."""
+
+    def __init__(self, device: Any, cuda: bool, out_elems: int) -> None:
+        self.device, self.cuda = device, cuda
+        self.cap = 0
+        self.call: Any = None
+        self.grow(64)
+        self.out = torch.zeros(out_elems + 1, dtype=torch.int64, device=device)
+        self.result = torch.zeros(out_elems, dtype=torch.int64, pin_memory=cuda)
+        self.event: Any = None
+        self.pending: LaterSums | None = None
+
+    def grow(self, pages: int) -> None:
+        """Page lists for ``pages`` pages (two lists)."""
+        if pages > self.cap:
+            self.cap = max(pages, 2 * self.cap)
+            self.call = torch.empty(2 * self.cap, dtype=torch.int64, pin_memory=self.cuda)
+
+    def settle(self) -> None:
+        """Before this slot is reused: wait for its result if nobody took it yet."""
+        pending, self.pending = self.pending, None
+        if pending is not None:
+            pending.settle()
 
 
 class Lane:
@@ -74,15 +111,9 @@ class Lane:
         self.grow(MIN_ROWS)
         self.out_dev = torch.zeros(out_elems, dtype=torch.int64, device=device)
         self.out_host = torch.empty(out_elems, dtype=torch.int64, pin_memory=self.cuda)
-        #: The page kernel's own sums (zero between launches: its last program zeroes
-        #: them) and where that program leaves the result (pinned: the host reads it after
-        #: the wait, with no download).
-        self.page_out = torch.zeros(out_elems + 1, dtype=torch.int64, device=device)
-        self.page_result = torch.zeros(out_elems, dtype=torch.int64, pin_memory=self.cuda)
-        #: The page sums of this lane's last launch while nobody waited for them yet, and
-        #: the event its launches record (one at a time: the next call settles it first).
-        self.pending: LaterSums | None = None
-        self._event: Any = None
+        #: The page kernel's buffers, one set per launch in flight (:data:`PAGE_SLOTS`).
+        self.page_slots = [PageSlot(device, self.cuda, out_elems) for _ in range(PAGE_SLOTS)]
+        self._next_slot = 0
         if self.cuda:  # zeroed on the current stream, read on this lane's: wait for it
             torch.cuda.current_stream(device).synchronize()
 
@@ -98,28 +129,31 @@ class Lane:
             else self.call_host
         )
 
-    def settle(self) -> None:
-        """Before this lane's buffers are reused: wait for its result still pending."""
-        pending, self.pending = self.pending, None
-        if pending is not None:
-            pending.settle()
+    def page_slot(self, pages: int) -> PageSlot:
+        """The next page launch's buffers, for ``pages`` pages: the slots in turn, each
+        waited for first if its last result was not taken yet."""
+        slot = self.page_slots[self._next_slot]
+        self._next_slot = (self._next_slot + 1) % len(self.page_slots)
+        slot.settle()
+        slot.grow(pages)
+        return slot
 
-    def later(self, finish: Callable[[NDArray[np.int64]], LayerSums]) -> LaterSums:
-        """The page kernel just enqueued on this lane, as a result waited for later: an
-        event recorded after it (this lane's one event, free again once settled)."""
+    def later(self, slot: PageSlot, finish: Callable[[NDArray[np.int64]], LayerSums]) -> LaterSums:
+        """The page kernel just enqueued on this lane with ``slot``'s buffers, as a result
+        waited for later: the slot's event recorded after it."""
         assert self.stream is not None
-        if self._event is None:
-            self._event = torch.cuda.Event()  # type: ignore[no-untyped-call]
-        self._event.record(self.stream)
-        self.pending = LaterSums(self, self._event, finish)
-        return self.pending
+        if slot.event is None:
+            slot.event = torch.cuda.Event()  # type: ignore[no-untyped-call]
+        slot.event.record(self.stream)
+        slot.pending = LaterSums(slot, slot.event, finish)
+        return slot.pending
 
-    def page_wait(self) -> NDArray[np.int64]:
-        """The page kernel's result, once the launch just enqueued on this lane ended (one
+    def page_wait(self, slot: PageSlot) -> NDArray[np.int64]:
+        """The result of the page kernel just enqueued with ``slot``, once it ended (one
         wait on this lane's stream, no copy)."""
         if self.stream is not None:
             self.stream.synchronize()
-        out: NDArray[np.int64] = self.page_result.numpy().copy()
+        out: NDArray[np.int64] = slot.result.numpy().copy()
         return out
 
     def wait(self) -> NDArray[np.int64]:
