@@ -73,7 +73,9 @@ class Deferred:
     """The host hasher's ``page_sums_later`` replaced by a deferred call (the sums computed
     when the note is made, not before the write); ``skew`` adds 1 to one layer's sum."""
 
-    def __init__(self, monkeypatch: pytest.MonkeyPatch, skew: int | None = None) -> None:
+    def __init__(
+        self, monkeypatch: pytest.MonkeyPatch, skew: int | None = None, broken: bool = False
+    ) -> None:
         self.started = 0
         self.made: list[str] = []
         self.sync = 0
@@ -85,6 +87,8 @@ class Deferred:
 
             def result() -> LayerSums:
                 deferred.made.append(threading.current_thread().name)
+                if broken:
+                    raise RuntimeError("stand-in: the sums' kernel failed")
                 got = dict(original(self, *args, **kw))
                 if skew is not None:
                     got[skew] = (got[skew] + 1) % (1 << 64)
@@ -155,6 +159,27 @@ def test_wrong_later_sums_fail_the_request_naming_the_layer(
             r.failure_exception()
         r.clear()
         s.clear()
+
+
+def test_sums_that_cannot_be_computed_fail_the_request_on_both_sides(
+    monkeypatch: pytest.MonkeyPatch, registry: PluginRegistry
+) -> None:
+    """The deferred sums raise (a failed kernel): the chunk's transfer fails naming the
+    checksums, prefill and decode both end Failed with that reason, nothing is left in the
+    rooms' tables, and the next request goes through."""
+    d = Deferred(monkeypatch, broken=True)
+    with pair(_backends("flaky,tcp")) as p:
+        s, r, src, _ = p.start(6, 4)
+        s.send(src, last=True)
+        wait_for(lambda: s.poll() == KVPoll.Failed and r.poll() == KVPoll.Failed)
+        want = r"checksums of chunk 0 could not be computed: stand-in: the sums' kernel failed"
+        for side in (s, r):
+            with pytest.raises(KVWireError, match=want):
+                side.failure_exception()
+        assert len(d.made) == 1
+        r.clear()
+        s.clear()
+        wait_for(lambda: no_rooms(p.prefill) and no_rooms(p.decode))
 
 
 def test_one_backend_without_later_notes_sums_before_posting(

@@ -382,13 +382,15 @@ def _fault_batch(
     """Run one batch with fault ``ev``. Every request is started before the fault fires
     (none is started on a dead rank: its peers would wait for it until their timeouts);
     requests on the target (for a partition: every request) stall 1 s before their last
-    chunk, so some are in flight. In a
-    freeze, those of several chunks stall for as long as the rank is stopped, so that prefill
-    still holds them when it evicts the silent rank (with 1 s they were done before it, and
-    the resumed rank completed them)."""
+    chunk, so some are in flight. In a freeze or a partition, those of several chunks stall
+    for as long as the rank is silent, so that prefill still holds them when it evicts the
+    silent rank (with 1 s they could be done before the fault began: the resumed rank
+    completed them, or a partition fired after its instance's requests had ended and failed
+    none, which a loaded host showed)."""
 
     def stall(p: RoomPlan) -> float:
-        return spec.silence_s if ev.kind == "freeze" and len(p.chunks) > 1 else 1.0
+        silent = ev.kind in ("freeze", "partition")
+        return spec.silence_s if silent and len(p.chunks) > 1 else 1.0
 
     if ev.kind != "flip":  # a partition: every request, so the other instances' are in
         # flight while one is cut (they must complete)

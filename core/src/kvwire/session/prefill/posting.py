@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from kvwire.backend import LaterNote, Note, PreparedPair, TransferBackend, TransferHandle, XferOp
 from kvwire.control.wire import ChunkNote, Codec
+from kvwire.errors import TransferError
 from kvwire.integrity import LayerSums, add_sums
 from kvwire.session.aux_note import read_row
 from kvwire.session.handshake import slot_rows
@@ -264,17 +265,22 @@ def sums_later(
 
 def encode_note(codec: Codec, note: ChunkNote, sums: Callable[[], LayerSums] | None) -> Note:
     """Prefill worker: ``note`` encoded now, or (``sums`` given: :func:`sums_later`) a
-    :class:`~kvwire.transfers.LaterNote` that adds the sums when the backend makes it."""
+    :class:`~kvwire.transfers.LaterNote` that adds the sums when the backend makes it (sums
+    that cannot be computed raise :class:`TransferError`, naming the chunk: the transfer
+    fails as any refused post does, also on a backend list's fallback)."""
     if sums is None:
         return codec.encode(note)
 
     def make() -> bytes:
-        got = sums()
-        if got:
-            return codec.encode(
-                note.model_copy(update={"sum_layers": list(got), "sums": list(got.values())})
-            )
-        return codec.encode(note)
+        try:
+            got = sums()
+        except Exception as exc:
+            raise TransferError(
+                f"the checksums of chunk {note.chunk_id} could not be computed: {exc}",
+                room=note.room,
+            ) from exc
+        update = {"sum_layers": list(got), "sums": list(got.values())} if got else {}
+        return codec.encode(note.model_copy(update=update))
 
     return LaterNote(make)
 
