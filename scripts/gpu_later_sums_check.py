@@ -10,7 +10,13 @@ slices both ways, pools on the GPU), random chunks of 1-16 pages:
    again) and a plain call after them, the results taken newest first;
 2. the calling thread's host time per chunk (medians): ``chunk`` (launch and wait) against
    ``chunk_later`` (launch and event, no wait), what a transfer worker pays before it can
-   launch the chunk's write.
+   launch the chunk's write;
+3. the order summed in the write's launch (``cudaipc``'s ``summed_writes``: the pool page
+   mover copies the chunk from the prefill pool into the decode pool, both on this GPU, and
+   sums it in the same launch): every chunk's sums equal ``chunk``'s and every copied byte
+   equals its source; host time of the worker's two ways to launch a checked chunk's write:
+   the sums' own launch then the copy's (``start`` + ``copy_pages``) against one summed
+   launch (``take`` + ``copy_pages(sums=...)`` + ``launched``).
 
     python3 scripts/gpu_later_sums_check.py --json $OUT/later_sums.json
 """
@@ -42,6 +48,53 @@ def on_thread(fn: Any) -> Any:
     return out[0]
 
 
+def fused(sent: Any, src: Any, dst: Any, chunk: Any, a: Any) -> tuple[int, int, dict[str, Any]]:
+    """Part 3 of the docstring: (wrong, chunks checked, host times)."""
+    import torch
+
+    from kvwire.descriptors import ADDR
+    from kvwire.integrity_device import DeviceRowHasher
+    from kvwire.movers.triton_pool_pages import PoolPageCopier
+
+    mapper = sent.mapper
+    tables = mapper.build_tables()
+    _, d_side = sent.sides
+    landed_sums = DeviceRowHasher(dst)
+    mover = PoolPageCopier("cuda:0")
+    stream = torch.cuda.Stream()
+    wrong = checked = 0
+    times: dict[str, list[float]] = {"start_then_copy": [], "summed_copy": []}
+    for i in range(a.rounds * 6 + a.repeat):
+        s, d = chunk()
+        pc = mapper.page_chunk(s, d)
+        g = pc.geometry
+        sa = tables.src[g.src_rows, ADDR].astype(np.int64)
+        da = tables.dst[g.dst_rows, ADDR].astype(np.int64)
+        t0 = time.perf_counter()
+        if i % 2:
+            order = sent.chunk_later(s, d)
+            order.start()
+            mover.copy_pages(pc, sa, da, stream=stream)
+            key = "start_then_copy"
+        else:
+            order = sent.chunk_later(s, d)
+            args = order.take()
+            assert args is not None and mover.sums_fit(pc, args)
+            mover.copy_pages(pc, sa, da, stream=stream, sums=args)
+            order.launched(stream)
+            key = "summed_copy"
+        times[key].append(time.perf_counter() - t0)
+        got = on_thread(order)
+        if i < a.rounds * 6:  # checked: the sums, and the copied bytes
+            stream.synchronize()
+            want = sent.chunk(s, d)
+            # what landed, summed as decode checks it: equal only if every byte is
+            landed = landed_sums.page_sums(d_side, pc.dst_pages, d_side, pc.dst_pages)
+            wrong += got != want or landed != want or len(want) != len(src.buffers) // 2
+            checked += 1
+    return wrong, checked, times
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--rounds", type=int, default=40)
@@ -70,8 +123,10 @@ def main() -> None:
             # results taken on another thread, newest first
             chunks = [chunk() for _ in range(6)]
             later = [sent.chunk_later(s, d) for s, d in chunks[:5]]
-            plain = sent.chunk(*chunks[5])
             assert all(x is not None for x in later), name
+            for x in later:
+                x.start()  # as the template starts it at submit
+            plain = sent.chunk(*chunks[5])
             got = [*[on_thread(x) for x in reversed(later)][::-1], plain]
             want = [sent.chunk(s, d) for s, d in chunks]
             pairs = zip(got, want, strict=True)
@@ -84,19 +139,28 @@ def main() -> None:
             sent.chunk(s.copy(), d)
             t1 = time.perf_counter()
             later = sent.chunk_later(s.copy(), d)
+            assert later is not None
+            later.start()
             t2 = time.perf_counter()
             time.sleep(0.001)
             t3 = time.perf_counter()
-            assert later is not None
             later()
             t4 = time.perf_counter()
             times["chunk"].append(t1 - t0)
             times["chunk_later"].append(t2 - t1)
             times["result_after_1ms"].append(t4 - t3)
+        fw, fc, ftimes = fused(sent, src, dst, chunk, a)
+        times.update(ftimes)
         med = {k: round(1e3 * statistics.median(v), 4) for k, v in times.items()}
-        report["links"][name] = {"chunks": checked, "wrong": wrong, "host_ms": med}
-        print(f"{name}: {checked} chunks, {wrong} wrong; host ms per call {med}")
-        bad += wrong
+        report["links"][name] = {
+            "chunks": checked, "wrong": wrong, "host_ms": med, "fused_chunks": fc,
+            "fused_wrong": fw,
+        }  # fmt: skip
+        print(
+            f"{name}: {checked} chunks, {wrong} wrong; fused {fc} chunks, {fw} wrong; "
+            f"host ms per call {med}"
+        )
+        bad += wrong + fw
         del keep_s, keep_d
     print("LATER-SUMS-OK" if not bad else f"LATER-SUMS-BAD {bad}")
     if a.json:

@@ -7,7 +7,7 @@ by ``scripts/gpu_later_sums_check.py`` and end to end by ``scripts/gpu_checksum_
 Here, on CPU: the note's contract, the template making it at submit for a backend that does
 not take later notes, the list of backends passing it on (also across a failover), and the
 prefill pipeline sending sums that a deferred hasher computed (the host hasher's
-``page_sums_later`` replaced by a deferred call: the only fake here), with a negative control
+``sums_order`` replaced by an order of a deferred call: the only fake here), with a negative control
 that wrong deferred sums fail the request.
 """
 
@@ -23,6 +23,7 @@ from kvwire import plugins
 from kvwire.config import KVWireConfig
 from kvwire.errors import KVWireError
 from kvwire.integrity import LayerSums, RowHasher
+from kvwire.integrity_orders import SumsOrder
 from kvwire.plugins import PluginRegistry
 from kvwire.session import KVPoll
 from kvwire.testing import flaky
@@ -70,8 +71,9 @@ def registry(monkeypatch: pytest.MonkeyPatch) -> Iterator[PluginRegistry]:
 
 
 class Deferred:
-    """The host hasher's ``page_sums_later`` replaced by a deferred call (the sums computed
-    when the note is made, not before the write); ``skew`` adds 1 to one layer's sum."""
+    """The host hasher's ``sums_order`` replaced by an order of a deferred call (started at
+    submit by the backend's template, the sums computed when the note is made, not before
+    the write); ``skew`` adds 1 to one layer's sum."""
 
     def __init__(
         self, monkeypatch: pytest.MonkeyPatch, skew: int | None = None, broken: bool = False
@@ -100,7 +102,11 @@ class Deferred:
             deferred.sync += 1
             return original(self, *args, **kw)
 
-        monkeypatch.setattr(RowHasher, "page_sums_later", later)
+        def order(self: RowHasher, *args: Any, **kw: Any) -> SumsOrder:
+            # an order no writer can take (no plan): the template starts it at submit
+            return SumsOrder(1, None, lambda: None, lambda: later(self, *args, **kw), dict)
+
+        monkeypatch.setattr(RowHasher, "sums_order", order)
         monkeypatch.setattr(RowHasher, "page_sums", counted)
 
 

@@ -79,7 +79,7 @@ from kvwire.transfers import PreparedPair as PreparedPair
 from kvwire.transfers import TransferHandle as TransferHandle
 from kvwire.transfers import XferOp as XferOp
 from kvwire.transfers import XferState as XferState
-from kvwire.transfers import check_rows, check_submit, note_bytes
+from kvwire.transfers import check_rows, check_submit, note_bytes, start_sums
 
 logger = logging.getLogger(__name__)
 
@@ -359,7 +359,9 @@ class TransferBackend(LinkRules):
         """The notification as ``_submit`` takes it: as given to a backend that declares
         :attr:`BackendCapabilities.later_notes` (whose ``_submit`` and ``_submit_pages``
         take a :class:`~kvwire.transfers.LaterNote` and make its bytes when they post it),
-        else its bytes. Submitting thread."""
+        else its bytes; its sums started here unless the backend has ``summed_writes``."""
+        if not self.capabilities.summed_writes:
+            start_sums(notification)
         if self.capabilities.later_notes:
             return notification  # type: ignore[return-value]  # taken as it is, see above
         return note_bytes(notification)

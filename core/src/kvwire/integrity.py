@@ -34,7 +34,7 @@ import threading
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from functools import lru_cache
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 from numpy.lib.stride_tricks import as_strided
@@ -45,6 +45,7 @@ from kvwire.descriptors import ADDR, LEN, DescTable, IndexArray, check_indices, 
 from kvwire.errors import DescriptorError
 from kvwire.layout import KVLayout, MemKind
 from kvwire.page_form import PageSide
+from kvwire.transfers import WriteSums
 
 GOLDEN = np.uint64(0x9E3779B97F4A7C15)
 MIX1 = np.uint64(0xBF58476D1CE4E5B9)
@@ -105,6 +106,15 @@ def page_lists(
     if rp.size != kp.size:
         raise DescriptorError(f"{rp.size} checksummed pages but {kp.size} destination pages")
     return rp, kp
+
+
+class OrderedSums(WriteSums, Protocol):
+    """A chunk's sums ordered before its write (:meth:`RowHasher.sums_order`): a writer may
+    sum them in its launch (:class:`~kvwire.transfers.WriteSums`); calling it gives them,
+    waited for (:class:`kvwire.integrity_orders.SumsOrder`)."""
+
+    def __call__(self) -> LayerSums:
+        """The chunk's per-layer sums, once the write ended."""
 
 
 class RowHasher:
@@ -219,6 +229,19 @@ class RowHasher:
         thread, later), where the hasher computes beside the caller (a GPU's); None where it
         would compute now anyway (here: host memory, summed on the calling thread). Called by
         prefill's transfer workers."""
+        return None
+
+    def sums_order(
+        self,
+        read: PageSide,
+        read_pages: IndexArray,
+        key: PageSide,
+        key_pages: IndexArray,
+        layers: Sequence[int] | None = None,
+    ) -> OrderedSums | None:
+        """:meth:`page_sums_later` as an order that a page writer may sum in its own launch
+        (:mod:`kvwire.integrity_orders`), where the hasher computes beside the caller; None
+        here (host memory). Called by prefill's transfer workers."""
         return None
 
     def _pairs(self, side: PageSide) -> tuple[NDArray[np.int64], NDArray[np.int64]]:

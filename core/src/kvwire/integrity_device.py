@@ -65,6 +65,7 @@ from kvwire.errors import DescriptorError
 from kvwire.integrity import GOLDEN, MIX1, MIX2, ODD, LayerSums, RowHasher, page_lists, weights
 from kvwire.integrity_kernels import hash_pages, hash_rows
 from kvwire.integrity_lanes import Lane, PageSlot, layer_range
+from kvwire.integrity_orders import FusedSums, SumsOrder
 from kvwire.layout import KVLayout, MemKind
 from kvwire.page_form import PageSide
 
@@ -336,6 +337,71 @@ class DeviceRowHasher(RowHasher):
                 return lambda: got
             return lane.later(slot, self._layer_sums)
 
+    def sums_order(
+        self,
+        read: PageSide,
+        read_pages: IndexArray,
+        key: PageSide,
+        key_pages: IndexArray,
+        layers: Sequence[int] | None = None,
+    ) -> SumsOrder | None:
+        """:meth:`page_sums_later` as an order (:class:`~kvwire.integrity_orders.SumsOrder`):
+        nothing launched yet; a writer that sums what it copies takes it into its own
+        launch, any other starts it beside the write, and the chunk's note calls it. The
+        page lists are checked now. None where :meth:`page_sums_later` gives None. Called
+        by prefill's transfer workers."""
+        lo, hi = layer_range(layers, self._num_layers)
+        if lo < 0:
+            return None
+        rp, kp = page_lists(read, read_pages, key, key_pages)
+        return SumsOrder(
+            int(rp.size),
+            self.device,
+            lambda: self._plan_whole(read, rp, key, kp, lo, hi),
+            lambda: self.page_sums_later(read, rp, key, kp, range(lo, hi)) or (lambda: {}),
+            self._layer_sums,
+        )
+
+    def _plan_whole(
+        self, read: PageSide, rp: IndexArray, key: PageSide, kp: IndexArray, lo: int, hi: int
+    ) -> tuple[Lane, PageSlot, FusedSums] | None:
+        """:meth:`_page_plan` under :meth:`_whole` (a writer's :meth:`SumsOrder.take`)."""
+        with self._whole():
+            return self._page_plan(read, rp, key, kp, lo, hi)
+
+    def _page_plan(
+        self,
+        read: PageSide,
+        read_pages: IndexArray,
+        key: PageSide,
+        key_pages: IndexArray,
+        lo: int,
+        hi: int,
+    ) -> tuple[Lane, PageSlot, FusedSums] | None:
+        """:meth:`page_sums`' launch for layers ``[lo, hi)`` planned on this thread's lane
+        with the lane's next page slot (None when the chunk has no page or no layer): the
+        lane, the slot and the launch's arguments. Any thread; takes :meth:`_part`."""
+        rp, kp = page_lists(read, read_pages, key, key_pages)
+        if not read.num_pairs * rp.size or lo >= hi:  # one program per (pair, page)
+            return None
+        _, layer = self._pairs(read)  # refuses pairs outside the rank's buffers
+        if read.n % 8:
+            cells, mode = read.n, _BYTES
+        else:
+            aligned = not (read.base % np.uint64(8)).any() and not (read.slot % 8 or read.row % 8)
+            cells, mode = read.n // 8, _WORDS if aligned else _WORDS_UNALIGNED
+        lane = self._lane()
+        with self._part():
+            pairs = self._paired(read, key, layer)
+            consts = self._need_weights(np.array([cells], dtype=np.int64))
+        slot = lane.page_slot(int(rp.size))
+        args = FusedSums(
+            pairs, consts, slot.out, slot.result, rp, kp, read.num_pairs, read.tokens, cells,
+            read.slot, read.row, key.slot, key.row, self._num_layers, lo, hi,
+            min(self.block, max(16, 1 << (cells - 1).bit_length())), self.inline_weights, mode,
+        )  # fmt: skip
+        return lane, slot, args
+
     def _page_launch(
         self,
         read: PageSide,
@@ -345,49 +411,37 @@ class DeviceRowHasher(RowHasher):
         lo: int,
         hi: int,
     ) -> tuple[Lane, PageSlot] | None:
-        """Enqueue :meth:`page_sums`' launch for layers ``[lo, hi)`` on this thread's lane
-        with the lane's next page slot (both returned; None when the chunk has no page or no
-        layer). Caller holds :meth:`_whole`."""
-        rp, kp = page_lists(read, read_pages, key, key_pages)
-        programs = read.num_pairs * rp.size  # one per (pair, page)
-        if not programs or lo >= hi:
+        """Enqueue :meth:`page_sums`' launch (:meth:`_page_plan`) on this thread's lane
+        with the lane's next page slot (both returned; None when the chunk has no page or
+        no layer). Caller holds :meth:`_whole`."""
+        planned = self._page_plan(read, read_pages, key, key_pages, lo, hi)
+        if planned is None:
             return None
-        _, layer = self._pairs(read)  # refuses pairs outside the rank's buffers
-        if read.n % 8:
-            cells, mode = read.n, _BYTES
-        else:
-            aligned = not (read.base % np.uint64(8)).any() and not (read.slot % 8 or read.row % 8)
-            cells, mode = read.n // 8, _WORDS if aligned else _WORDS_UNALIGNED
-        block = min(self.block, max(16, 1 << (cells - 1).bit_length()))
-        pages = rp.size
-        lane = self._lane()
-        with self._part():
-            pairs = self._paired(read, key, layer)
-            consts = self._need_weights(np.array([cells], dtype=np.int64))
-        slot = lane.page_slot(pages)
+        lane, slot, a = planned
+        pages = a.pages
         call = slot.call.numpy()
-        call[:pages] = rp
-        call[pages : 2 * pages] = kp
+        call[:pages] = a.read_pages
+        call[pages : 2 * pages] = a.key_pages
         args = (
-            pairs.data_ptr(),
-            read.num_pairs,
+            a.pairs.data_ptr(),
+            a.num_pairs,
             slot.call.data_ptr(),  # pinned: the kernel reads it over the bus
-            consts.data_ptr(),
-            slot.out.data_ptr(),
-            slot.result.data_ptr(),
+            a.consts.data_ptr(),
+            a.out.data_ptr(),
+            a.result.data_ptr(),
             pages,
-            read.tokens,
-            cells,
-            read.slot,
-            read.row,
-            key.slot,
-            key.row,
-            self._num_layers,
+            a.tokens,
+            a.cells,
+            a.read_slot,
+            a.read_row,
+            a.key_slot,
+            a.key_row,
+            a.num_layers,
             lo,
             hi,
         )
-        meta = (block, self.inline_weights, mode)
-        self._enqueue(lane, hash_pages, programs, args, meta, ("pages", *meta), 0, False)
+        meta = (a.block, a.inline_weights, a.mode)
+        self._enqueue(lane, hash_pages, a.num_pairs * pages, args, meta, ("pages", *meta), 0, False)
         return lane, slot
 
     def _paired(self, read: PageSide, key: PageSide, layer: NDArray[np.int64]) -> Any:

@@ -57,7 +57,8 @@ class LaterSums:
             if self._got is None:
                 slot, self._slot = self._slot, None
                 assert slot is not None
-                self._event.synchronize()
+                if self._event is not None:  # None: Triton's interpreter, already computed
+                    self._event.synchronize()
                 self._got = slot.result.numpy().copy()
             return self._got
 
@@ -138,14 +139,24 @@ class Lane:
         slot.grow(pages)
         return slot
 
-    def later(self, slot: PageSlot, finish: Callable[[NDArray[np.int64]], LayerSums]) -> LaterSums:
-        """The page kernel just enqueued on this lane with ``slot``'s buffers, as a result
-        waited for later: the slot's event recorded after it."""
-        assert self.stream is not None
-        if slot.event is None:
-            slot.event = torch.cuda.Event()  # type: ignore[no-untyped-call]
-        slot.event.record(self.stream)
-        slot.pending = LaterSums(slot, slot.event, finish)
+    def later(
+        self,
+        slot: PageSlot,
+        finish: Callable[[NDArray[np.int64]], LayerSums],
+        stream: Any = None,
+    ) -> LaterSums:
+        """The page kernel just enqueued with ``slot``'s buffers (on this lane's stream, or
+        on ``stream``: a page mover's launch that sums what it copies), as a result waited
+        for later: the slot's event recorded after it (none in Triton's interpreter, where
+        the kernel already ran)."""
+        stream = stream if stream is not None else self.stream
+        event = None
+        if stream is not None:
+            if slot.event is None:
+                slot.event = torch.cuda.Event()  # type: ignore[no-untyped-call]
+            slot.event.record(stream)
+            event = slot.event
+        slot.pending = LaterSums(slot, event, finish)
         return slot.pending
 
     def page_wait(self, slot: PageSlot) -> NDArray[np.int64]:

@@ -15,7 +15,7 @@ import enum
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, Protocol
 
 import numpy as np
 from pydantic import BaseModel, ConfigDict
@@ -58,9 +58,12 @@ class LaterNote:
     error again. It may block until what it reads is ready (a device event).
     """
 
-    __slots__ = ("_done", "_error", "_lock", "_make", "_value")
+    __slots__ = ("_done", "_error", "_lock", "_make", "_value", "sums")
 
-    def __init__(self, make: Callable[[], bytes]) -> None:
+    def __init__(self, make: Callable[[], bytes], sums: WriteSums | None = None) -> None:
+        #: The chunk's sums that ``make`` reads, for a writer to compute in its own launch
+        #: (:attr:`BackendCapabilities.summed_writes`) or to start beside it.
+        self.sums = sums
         self._make: Callable[[], bytes] | None = make
         self._lock = threading.Lock()
         self._done = False
@@ -84,6 +87,45 @@ class LaterNote:
 
 #: A transfer's notification as a submit takes it: its bytes, or bytes made later.
 Note = bytes | LaterNote
+
+
+class WriteSums(Protocol):
+    """A chunk's checksums that its note waits for (:class:`kvwire.integrity_orders.SumsOrder`
+    on a GPU), as a backend sees them: a writer that declares
+    :attr:`BackendCapabilities.summed_writes` may :meth:`take` them into the launch of its
+    copy (then :meth:`launched` or :meth:`abandon`); any writer that does not sum them starts
+    them beside its write (:meth:`start`, the template does it at submit)."""
+
+    #: Pages of the chunk; the device the sums run on.
+    pages: int
+    device: Any
+
+    def take(self) -> Any:
+        """The launch's arguments (:class:`kvwire.integrity_orders.FusedSums`), or None."""
+
+    def launched(self, stream: Any) -> None:
+        """The taken sums were enqueued with the write on ``stream``."""
+
+    def abandon(self) -> None:
+        """The taken sums were not launched."""
+
+    def start(self) -> None:
+        """Launch the sums on their own now (nothing if taken, launched or started)."""
+
+
+def note_sums(note: Note | None) -> WriteSums | None:
+    """The sums a notification waits for (a :class:`LaterNote`'s), or None. A backend's
+    submitting thread, before it launches the write."""
+    return note.sums if isinstance(note, LaterNote) else None
+
+
+def start_sums(note: Note | None) -> None:
+    """Start the sums ``note`` waits for beside the write (no-op without any): the template's
+    submit for a backend that does not declare :attr:`BackendCapabilities.summed_writes`,
+    and such a backend for a write it does not sum."""
+    sums = note_sums(note)
+    if sums is not None:
+        sums.start()
 
 
 def note_bytes(note: Note | None) -> bytes | None:
@@ -111,6 +153,10 @@ class BackendCapabilities(BaseModel):
     #: it posts the notification, after the data (a backend whose own thread sends it once
     #: the data landed: ``cudaipc``). The template makes the bytes at submit for any other.
     later_notes: bool = False
+    #: Computes the checksums a :class:`LaterNote` waits for (:attr:`LaterNote.sums`) in the
+    #: launch of the write itself where it can (``cudaipc``'s page mover), and starts them
+    #: beside the write where it cannot. The template starts them at submit for any other.
+    summed_writes: bool = False
 
     def supports_kind(self, kind: MemKind) -> bool:
         """Whether regions of memory ``kind`` can be registered."""

@@ -55,12 +55,23 @@ class _Event:
 class _Pages:
     """Stands in for the pool page mover: the NumPy reference's runs, copied with memmove."""
 
+    device = "stand-in"
+
     def __init__(self) -> None:
         self.calls: list[tuple[PageChunk, np.ndarray, np.ndarray]] = []
         #: Chunks per copy_batch call (the held writes of one turn).
         self.batches: list[int] = []
+        #: The sums each copy_pages call was given (None: none).
+        self.sums: list[Any] = []
 
-    def copy_pages(self, chunk: PageChunk, src: Any, dst: Any, *, stream: object = None) -> None:
+    @staticmethod
+    def sums_fit(chunk: PageChunk, sums: Any) -> bool:
+        return bool(sums.pages == chunk.src_pages.size)
+
+    def copy_pages(
+        self, chunk: PageChunk, src: Any, dst: Any, *, stream: object = None, sums: Any = None
+    ) -> None:
+        self.sums.append(sums)
         self.calls.append((chunk, src.copy(), dst.copy()))
         for s, d, n in zip(*(x.tolist() for x in pool_page_runs(chunk, src, dst)), strict=True):
             ctypes.memmove(d, s, n)
@@ -316,3 +327,82 @@ def test_a_failed_batch_launch_fails_its_writes_and_nothing_hangs(
         assert a.poll(h) is XferState.DONE, h.error
         a.release(h)
         assert a.live_handles == 0
+
+
+class _Order:
+    """A chunk's sums order (:class:`kvwire.transfers.WriteSums`) that records what the
+    backend did with it; ``device`` says where its sums run."""
+
+    def __init__(self, device: str, pages: int = 3) -> None:
+        self.device, self.pages = device, pages
+        self.log: list[Any] = []
+
+    def take(self) -> Any:
+        self.log.append("take")
+        return dataclasses.make_dataclass("Args", ["pages"])(self.pages)
+
+    def launched(self, stream: Any) -> None:
+        self.log.append(("launched", stream))
+
+    def abandon(self) -> None:
+        self.log.append("abandon")
+
+    def start(self) -> None:
+        self.log.append("start")
+
+
+def test_a_checked_page_write_sums_in_its_launch(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``summed_writes``: inside a worker turn, a page write whose first note carries its
+    sums' order launches at its submit (not held for the batch) with the order taken into
+    the page mover's call and marked launched on the backend's stream; an order whose sums
+    run on another device, or one the chunk does not fit, is started beside the write
+    instead (and a taken misfit given back); a plain note is held as before. Each chunk
+    lands whole and its note, made after it, reaches its decode rank."""
+    from kvwire.backend import LaterNote
+
+    with _tp12(monkeypatch, 32 << 20) as (pages, a, links):
+        for _, _, _, _, tables, si, di, _, n in links:
+            for s_addr, d_addr in zip(
+                tables.src[si, ADDR].tolist(), tables.dst[di, ADDR].tolist(), strict=True
+            ):
+                ctypes.memmove(int(d_addr), int(s_addr), n)
+        for _, _, _, d_arrays, _, _, _, want, _ in links:
+            for d, w in zip(d_arrays, want, strict=True):
+                w[...] = d
+                d[...] = 0
+        fused, elsewhere, misfit = _Order("stand-in"), _Order("cuda:7"), _Order("stand-in", 5)
+        notes = [LaterNote(lambda: b"n0", fused), LaterNote(lambda: b"n1", elsewhere), b"n2"]
+        handles = []
+        with a.post_batch():
+            for (_b, pair, plan, *_rest), note in zip(links, notes, strict=True):
+                handles.append(submit_rows(a, pair, plan.segment("kv"), note, _noop))
+            assert len(pages.calls) == 2 and pages.sums[0].pages == 3 and pages.sums[1] is None
+        assert fused.log == ["take", ("launched", a._stream)]
+        assert elsewhere.log == ["start"]
+        assert pages.batches == [1]  # the plain write, held for the turn
+        late = submit_rows(
+            a, links[0][1], links[0][2].segment("kv"), LaterNote(lambda: b"m", misfit), _noop
+        )
+        assert misfit.log == ["take", "abandon", "start"] and pages.sums[-1] is None
+        for h in [*handles, late]:
+            assert _wait(lambda h=h: a.poll(h) is not XferState.PENDING)
+            assert a.poll(h) is XferState.DONE, h.error
+            a.release(h)
+        for i, (b, _pair, _plan, d_arrays, _t, _si, _di, want, _s) in enumerate(links):
+            for d, w in zip(d_arrays, want, strict=True):
+                assert np.array_equal(d, w)
+            wanted = [f"n{i}".encode()] + ([b"m"] if i == 0 else [])
+            assert sorted(x.payload for x in _notes(b, len(wanted))) == sorted(wanted)
+        assert a.live_handles == 0
+
+
+def _notes(b: Any, n: int) -> list[Any]:
+    """``b``'s notifications, waited for until ``n`` came (or the wait's bound)."""
+    got: list[Any] = []
+
+    def more() -> bool:
+        got.extend(b.get_notifications())
+        return len(got) >= n
+
+    _wait(more)
+    return got

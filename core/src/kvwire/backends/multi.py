@@ -72,9 +72,10 @@ class MultiBackend(TransferBackend):
     name = "multi"
     #: Either memory kind passes the template's check (each member takes or refuses it); a
     #: chunk in page form goes so to a member that takes pages, else as its rows.
-    #: Takes pages and later notes: each member gets them so, or as rows and bytes (made
-    #: by the member's template at submit) when it does not take them.
-    capabilities = BackendCapabilities(dram=True, vram=True, page_writes=True, later_notes=True)
+    #: Takes pages, later notes and their sums: members get them so, or as rows and bytes.
+    capabilities = BackendCapabilities(
+        dram=True, vram=True, page_writes=True, later_notes=True, summed_writes=True
+    )
 
     def __init__(
         self,

@@ -33,6 +33,8 @@ import triton
 import triton.language as tl
 from numpy.typing import NDArray
 
+from kvwire.integrity_kernels import sum_program
+from kvwire.integrity_orders import FusedSums
 from kvwire.movers.triton_copy import _ELEM, _ELEM_BYTES
 from kvwire.movers.triton_heads import tile_shape
 from kvwire.movers.triton_pages import PageCopier, kernel_key, page_width
@@ -80,8 +82,47 @@ def _copy_pool_pages(  # type: ignore[no-untyped-def]  # Triton 3.6 rejects non-
     # length in vectors of vec elements. batch (PoolPageCopier.copy_batch: several chunks of
     # one shape): int64 [2 * npages] = each program's source address, then its destination
     # address, a page's offset included (npages: the programs; nbuf and the slots unused).
-    table = table_addr.to(tl.pointer_type(tl.int64))
-    pid = tl.program_id(0).to(tl.int64)
+    _copy_program(
+        table_addr.to(tl.pointer_type(tl.int64)),
+        tl.program_id(0).to(tl.int64),
+        npages,
+        nbuf,
+        src_slot,
+        dst_slot,
+        src_row,
+        dst_row,
+        n_vecs,
+        tokens,
+        block,
+        elem,
+        align,
+        vec,
+        shape,
+        batch,
+    )
+
+
+@triton.jit  # type: ignore[untyped-decorator]
+def _copy_program(  # type: ignore[no-untyped-def]  # Triton 3.6 rejects non-Triton annotations
+    table,
+    pid,
+    npages,
+    nbuf,
+    src_slot,
+    dst_slot,
+    src_row,
+    dst_row,
+    n_vecs,
+    tokens,
+    block: tl.constexpr,
+    elem: tl.constexpr,
+    align: tl.constexpr,
+    vec: tl.constexpr,
+    shape: tl.constexpr,
+    batch: tl.constexpr,
+):
+    # Program pid of _copy_pool_pages (table as an int64 pointer), also run by
+    # _copy_pool_pages_summed for its first nbuf * npages programs.
     if batch:
         src0 = tl.load(table + pid).to(tl.pointer_type(elem))
         dst0 = tl.load(table + npages + pid).to(tl.pointer_type(elem))
@@ -122,6 +163,123 @@ def _copy_pool_pages(  # type: ignore[no-untyped-def]  # Triton 3.6 rejects non-
                 o = start + offs
                 mask = o < n
                 tl.store(dst + o, tl.load(src + o, mask=mask), mask=mask)
+
+
+@triton.jit(  # type: ignore[untyped-decorator]
+    do_not_specialize=[
+        "table_addr",
+        "npages",
+        "nbuf",
+        "src_slot",
+        "dst_slot",
+        "src_row",
+        "dst_row",
+        "n_vecs",
+        "tokens",
+        "pairs_addr",
+        "consts_addr",
+        "out_addr",
+        "result_addr",
+        "sum_pairs",
+        "sum_tokens",
+        "cells",
+        "read_slot",
+        "read_row",
+        "key_slot",
+        "key_row",
+        "num_layers",
+        "lo",
+        "hi",
+    ]
+)
+def _copy_pool_pages_summed(  # type: ignore[no-untyped-def]  # Triton 3.6 rejects non-Triton annotations
+    table_addr,
+    npages,
+    nbuf,
+    src_slot,
+    dst_slot,
+    src_row,
+    dst_row,
+    n_vecs,
+    tokens,
+    pairs_addr,
+    consts_addr,
+    out_addr,
+    result_addr,
+    sum_pairs,
+    sum_tokens,
+    cells,
+    read_slot,
+    read_row,
+    key_slot,
+    key_row,
+    num_layers,
+    lo,
+    hi,
+    block: tl.constexpr,
+    elem: tl.constexpr,
+    align: tl.constexpr,
+    vec: tl.constexpr,
+    shape: tl.constexpr,
+    sum_block: tl.constexpr,
+    inline_weights: tl.constexpr,
+    mode: tl.constexpr,
+    order: tl.constexpr,
+) -> None:
+    # _copy_pool_pages (not batched) and, in the same launch, the checksums of what it
+    # sends: nbuf * npages copy programs as _copy_pool_pages' and sum_pairs * npages
+    # programs of hash_pages (kvwire.integrity_kernels), whose page lists follow the copy's
+    # table (read pages, then key pages) and whose other arguments are hash_pages' (pairs:
+    # int64 [3, sum_pairs] on the device; the sums land in result once every summing program
+    # ended). order (PoolPageCopier.SUM_ORDERS): the two kinds alternate in program order
+    # (copy, sum, copy, ...; the larger kind's rest at the end), or every copy first, or
+    # every sum first (the GPU starts programs roughly in order).
+    table = table_addr.to(tl.pointer_type(tl.int64))
+    pid = tl.program_id(0).to(tl.int64)
+    copies = nbuf * npages
+    sums = sum_pairs * npages
+    if order == 1:  # alternate
+        both = tl.minimum(copies, sums)
+        if pid < 2 * both:
+            idx = pid // 2
+            is_copy = pid % 2 == 0
+        else:
+            idx = pid - both
+            is_copy = copies > sums
+    elif order == 2:  # sums first
+        is_copy = pid >= sums
+        idx = tl.where(is_copy, pid - sums, pid)
+    else:  # copies first
+        is_copy = pid < copies
+        idx = tl.where(is_copy, pid, pid - copies)
+    if is_copy:
+        _copy_program(
+            table, idx, npages, nbuf, src_slot, dst_slot, src_row, dst_row, n_vecs, tokens,
+            block, elem, align, vec, shape, False,
+        )  # fmt: skip
+    else:
+        sum_program(
+            pairs_addr.to(tl.pointer_type(tl.int64)),
+            sum_pairs,
+            table + 2 * npages + 2 * nbuf,
+            consts_addr,
+            out_addr,
+            result_addr,
+            idx,
+            npages,
+            sum_tokens,
+            cells,
+            read_slot,
+            read_row,
+            key_slot,
+            key_row,
+            num_layers,
+            lo,
+            hi,
+            sum_block,
+            inline_weights,
+            mode,
+        )
 
 
 @triton.jit(  # type: ignore[untyped-decorator]
@@ -210,6 +368,11 @@ class PoolPageCopier(PageCopier):
     #: Piece order of the head kernel: "auto" (consecutive pieces nearest on the destination),
     #: "t" (tokens of a head) or "h" (heads of a token); benchmarks set it to compare.
     heads_order: str = "auto"
+    #: The summed kernel's tile of checksum cells (at most the sums' own) and where its sum
+    #: programs go among the copy's (a key of SUM_ORDERS); benchmarks set them.
+    sum_block: int = 1024
+    sum_order: str = "alternate"
+    SUM_ORDERS = {"after": 0, "alternate": 1, "before": 2}
 
     def copy_pages(
         self,
@@ -218,21 +381,26 @@ class PoolPageCopier(PageCopier):
         dst_addrs: NDArray[np.int64],
         *,
         stream: Any = None,
+        sums: FusedSums | None = None,
     ) -> None:
         """Enqueue the copy of ``chunk`` (pages checked by the caller) where pair ``b``'s
-        piece 0 of slot 0 is at ``src_addrs[b]`` and ``dst_addrs[b]``. Never waits for the
-        GPU unless every table slot is still in flight; the caller synchronises ``stream``."""
+        piece 0 of slot 0 is at ``src_addrs[b]`` and ``dst_addrs[b]``; with ``sums`` (as
+        many pages, :meth:`sums_fit`), the checksums of what it copies in the same launch
+        (``_copy_pool_pages_summed``). Never waits for the GPU unless every table slot is
+        still in flight; the caller synchronises ``stream``."""
         g = chunk.geometry
         npages, nbuf = int(chunk.src_pages.size), int(src_addrs.size)
         if not npages or not nbuf:
             return
         addrs = np.concatenate([src_addrs, dst_addrs]).astype(np.int64)
+        if sums is not None and not self.sums_fit(chunk, sums):
+            raise ValueError("these sums cannot be launched with this chunk's copy")
         if g.heads > 1:
             self._copy_heads(chunk, addrs, npages, nbuf, stream)
             return
         width = page_width(addrs, 0, g.src_slot, g.dst_slot, g.src_row, g.dst_row, g.n)
         key, eb = kernel_key(width, g.n, False)
-        scalars = (
+        scalars: tuple[int, ...] = (
             npages,
             nbuf,
             g.src_slot // eb,
@@ -245,11 +413,28 @@ class PoolPageCopier(PageCopier):
         index = np.concatenate([chunk.src_pages, chunk.dst_pages])
         fits = g.n // eb <= key[0]  # every piece within one block of elements
         shape = WHOLE if g.tokens == 1 else (ONE_BLOCK if fits else PIECES)
-        ckey = (*key[:4], shape, False)
         self.last_shape = shape
+        if sums is not None:  # the sums' page lists follow the copy's table
+            addrs = np.concatenate([addrs, sums.read_pages, sums.key_pages])
+            tile = min(sums.block, self.sum_block)
+            mix = self.SUM_ORDERS[self.sum_order]
+            skey = (*key[:4], shape, tile, sums.inline_weights, sums.mode, mix)
+            grid = (nbuf + sums.num_pairs) * npages
+            scalars = (*scalars, *sums.scalars())
+            self._launch(
+                _copy_pool_pages_summed, "pool_summed", skey, index, addrs, scalars, stream, grid
+            )
+            return
+        ckey = (*key[:4], shape, False)
         self._launch(
             _copy_pool_pages, "pool", ckey, index, addrs, scalars, stream, grid=nbuf * npages
         )
+
+    @staticmethod
+    def sums_fit(chunk: PageChunk, sums: FusedSums) -> bool:
+        """Whether :meth:`copy_pages` can sum ``sums`` in ``chunk``'s launch: pages of one
+        piece per token (not head-major) and as many pages on both."""
+        return chunk.geometry.heads == 1 and sums.pages == int(chunk.src_pages.size)
 
     def copy_batch(
         self,

@@ -40,7 +40,6 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -50,7 +49,7 @@ from kvwire.config import KVWireConfig
 from kvwire.descriptors import ADDR, LEN, DescTable, IndexArray
 from kvwire.errors import DescriptorError
 from kvwire.index.base import IndexMapper
-from kvwire.integrity import LayerSums, RowHasher
+from kvwire.integrity import LayerSums, OrderedSums, RowHasher
 from kvwire.layout import KVLayout, MemKind
 from kvwire.page_form import PageSide, page_sides
 from kvwire.session.handshake import build_mapper
@@ -139,20 +138,21 @@ class SentSums:
         src_units: NDArray[np.int64],
         dst_units: NDArray[np.int64],
         layers: tuple[int, int] | None = None,
-    ) -> Callable[[], LayerSums] | None:
-        """:meth:`chunk` started on the device and waited for later, by whoever calls the
-        result (prefill's first note of the chunk, made once its write ended): for a link
-        with a page form whose hasher computes beside the caller
-        (:meth:`RowHasher.page_sums_later`); else None (call :meth:`chunk`). A transfer
+    ) -> OrderedSums | None:
+        """:meth:`chunk` ordered now, computed beside the write or in it, and waited for
+        later by whoever calls the result (prefill's first note of the chunk, made once its
+        write ended): for a link with a page form whose hasher computes beside the caller
+        (:meth:`RowHasher.sums_order`: a writer with ``summed_writes`` sums it in its own
+        launch, any other starts it at submit); else None (call :meth:`chunk`). A transfer
         worker, before posting the chunk."""
         if self.sides is None:
             return None
         pages = self.mapper.page_chunk(src_units, dst_units)
         if pages is None:
-            return lambda: {}
+            return None  # no page: chunk() gives {} at once
         src, dst = self.sides
         only = None if layers is None else range(*layers)
-        return self.hasher.page_sums_later(src, pages.src_pages, dst, pages.dst_pages, only)
+        return self.hasher.sums_order(src, pages.src_pages, dst, pages.dst_pages, only)
 
     def pieces(
         self, src_idx: IndexArray, dst_idx: IndexArray

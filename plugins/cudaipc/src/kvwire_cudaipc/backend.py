@@ -74,13 +74,14 @@ from kvwire.errors import ConfigError, DescriptorError, PeerError
 from kvwire.layout import MemKind, MemoryRegion
 from kvwire.movers.plan import merge_adjacent
 from kvwire.page_form import PageChunk, check_geometry_addresses
-from kvwire.transfers import note_bytes
+from kvwire.transfers import note_bytes, note_sums, start_sums
 from kvwire_cudaipc import _cuda
 from kvwire_cudaipc.batch import Held, HeldWrites, launch_held
 from kvwire_cudaipc.copies import copy_runs, takes_copy_engine
 from kvwire_cudaipc.meta import IpcExport, PeerInfo, parse_peer
 from kvwire_cudaipc.options import CudaIpcOptions
 from kvwire_cudaipc.state import IpcPair, IpcPeer, IpcXfer
+from kvwire_cudaipc.sums import page_enqueue
 from kvwire_cudaipc.watcher import KernelWatcher
 
 logger = logging.getLogger(__name__)
@@ -96,6 +97,7 @@ class CudaIpcBackend(TcpBackend):
     capabilities = BackendCapabilities(
         write=True, read=False, notifications=True, dram=True, vram=True, cross_host=False,
         page_writes=True, later_notes=True,  # later notes: made by _post_follow, after the kernel
+        summed_writes=True,  # a page write's sums in its launch (kvwire_cudaipc.sums)
     )  # fmt: skip
     options_model = CudaIpcOptions
     options: CudaIpcOptions
@@ -380,6 +382,7 @@ class CudaIpcBackend(TcpBackend):
         handle: TransferHandle,
     ) -> Any:
         st: IpcPair = pair.state
+        start_sums(notification)  # rows are not summed in the launch
         x = IpcXfer(peer=st.peer, notification=notification, peer_name=pair.peer, wake=handle.wake)
         if st.all_vram:  # the KV pool's pair: three gathers, one launch
             if notification is not None:
@@ -446,16 +449,16 @@ class CudaIpcBackend(TcpBackend):
             check_geometry_addresses(g, st.local_i64, st.remote_addr.astype(np.int64))
             st.geometries.add(g)
         src, dst = st.local_i64[g.src_rows], st.remote_mapped[g.dst_rows]
-        limit = self.options.batch_max_bytes
-        if chunk.nbytes < limit and self._held.holding():  # launched with the turn's others
+        limit, sums = self.options.batch_max_bytes, note_sums(notification)
+        if sums is None and chunk.nbytes < limit and self._held.holding():  # with the turn's
             self._held.add(Held(x, st, chunk, src, dst), limit)
             return x
-        pages = self._pages
-
-        def enqueue() -> None:
-            pages.copy_pages(chunk, src, dst, stream=self._stream)
-
-        self._launch(x, st, enqueue)
+        try:
+            self._launch(x, st, page_enqueue(self._pages, chunk, src, dst, self._stream, sums))
+        except BaseException:
+            if sums is not None:  # taken, never launched: a fallback starts it
+                sums.abandon()
+            raise
         return x
 
     def post_batch(self) -> AbstractContextManager[None]:

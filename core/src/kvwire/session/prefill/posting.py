@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 from kvwire.backend import LaterNote, Note, PreparedPair, TransferBackend, TransferHandle, XferOp
 from kvwire.control.wire import ChunkNote, Codec
 from kvwire.errors import TransferError
-from kvwire.integrity import LayerSums, add_sums
+from kvwire.integrity import LayerSums, OrderedSums, add_sums
 from kvwire.session.aux_note import read_row
 from kvwire.session.handshake import slot_rows
 from kvwire.session.layers import LayeredChunk
@@ -227,7 +227,7 @@ def first_sums(
     job: Job,
     segs: list[Segment],
     layers: tuple[int, int] | None,
-) -> tuple[LayerSums, Callable[[], LayerSums] | None]:
+) -> tuple[LayerSums, OrderedSums | None]:
     """Prefill worker, before posting a checksummed chunk's segments (not in pieces, no late
     sums): the sums its first note carries, computed now, or, where :func:`sums_later`
     applies, none now and a call that gives them later. With no segment (a staged layer group
@@ -248,11 +248,12 @@ def sums_later(
     job: Job,
     segs: list[Segment],
     layers: tuple[int, int] | None,
-) -> Callable[[], LayerSums] | None:
+) -> OrderedSums | None:
     """Prefill worker, before posting a checksummed chunk's segments (not in pieces, no late
-    sums): its sums started on the device and waited for by its first note, made by the
-    backend once the write ended (:class:`~kvwire.transfers.LaterNote`), so the sum runs
-    beside the write instead of before it. Only where the backend takes later notes
+    sums): its sums ordered on the device (summed in the write's own launch by a backend
+    with ``summed_writes``, else started beside it at submit) and waited for by its first
+    note, made by the backend once the write ended (:class:`~kvwire.transfers.LaterNote`),
+    so the sum runs with the write instead of before it. Only where the backend takes later notes
     (``cudaipc``, or a list holding it), the first segment is posted (not copied) and no sums
     of an earlier call wait for this note; None otherwise (sum now:
     :meth:`SentSums.chunk <kvwire.session.checksums.SentSums.chunk>`)."""
@@ -263,7 +264,7 @@ def sums_later(
     return check.chunk_later(job.src, job.dst, layers)
 
 
-def encode_note(codec: Codec, note: ChunkNote, sums: Callable[[], LayerSums] | None) -> Note:
+def encode_note(codec: Codec, note: ChunkNote, sums: OrderedSums | None) -> Note:
     """Prefill worker: ``note`` encoded now, or (``sums`` given: :func:`sums_later`) a
     :class:`~kvwire.transfers.LaterNote` that adds the sums when the backend makes it (sums
     that cannot be computed raise :class:`TransferError`, naming the chunk: the transfer
@@ -282,7 +283,7 @@ def encode_note(codec: Codec, note: ChunkNote, sums: Callable[[], LayerSums] | N
         update = {"sum_layers": list(got), "sums": list(got.values())} if got else {}
         return codec.encode(note.model_copy(update=update))
 
-    return LaterNote(make)
+    return LaterNote(make, sums)
 
 
 def submit_rows(
