@@ -36,7 +36,7 @@ from kvwire.integrity_lanes import Lane, PageSlot
 __all__ = ["FusedSums", "SumsOrder"]
 
 
-@dataclass(frozen=True, eq=False)
+@dataclass(eq=False, slots=True)
 class FusedSums:
     """The arguments of one page-sums launch (``hash_pages``' in
     :mod:`kvwire.integrity_kernels`) for a kernel that runs it with its copy: the device's
@@ -44,7 +44,9 @@ class FusedSums:
     sums buffer and result (zeroed by the kernel's last program, which leaves the result in
     ``result``), the two page lists and the geometry scalars; ``block``, ``inline_weights``
     and ``mode`` are compile-time. The tensors are held here while the launch may read
-    them."""
+    them. Made per chunk by the hasher's calling thread (prefill's worker, decode's checker)
+    and never changed after (slots, not frozen: a frozen dataclass sets each of its 19
+    fields through ``object.__setattr__``, on the path of every page-sums call)."""
 
     pairs: Any
     consts: Any
