@@ -125,6 +125,21 @@ def measure(
             landed.page_sums(d_side, dp, d_side, dp)
             walls.append(1e3 * (time.perf_counter() - t0))
         cell[key] = statistics.median(walls)
+    if a.profile:  # where decode's check spends its host time (a warm loop)
+        import cProfile
+        import io
+        import pstats
+
+        prof = cProfile.Profile()
+        prof.enable()
+        for _ in range(300):
+            landed.page_sums(d_side, dp, d_side, dp)
+        prof.disable()
+        out = io.StringIO()
+        pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(25)
+        print(f"--- profile of 300 checks, {name}, {n} pages ---")
+        print(out.getvalue()[:7000])
+        a.profile = False  # the first cell only
     return cell
 
 
@@ -134,6 +149,7 @@ def main() -> None:
     ap.add_argument("--blocks", default="1024,256", help="sum tiles of the summed kernel")
     ap.add_argument("--orders", default="alternate,after,before", help="its program orders")
     ap.add_argument("--repeat", type=int, default=30)
+    ap.add_argument("--profile", action="store_true", help="cProfile decode's check")
     ap.add_argument("--json", default="")
     a = ap.parse_args()
     from kvwire_cudaipc._cuda import enable_peer_access

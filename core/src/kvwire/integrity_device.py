@@ -37,15 +37,10 @@ device once per link) and adds their terms, one atomic add per page (the kernels
 
 A table larger than :data:`_MAX_TABLE_ROWS` rows is not described on the device; its calls
 send the ``[5, n]`` rows they hash instead (located on the host). Rows whose length divides by 8
-are read as 64-bit words (straight loads when the address is 8-byte aligned, otherwise
-assembled from bytes), other rows as bytes.
-
-The source rows must be final when :meth:`DeviceRowHasher.sums` is called (prefill: the engine
-finished writing them, as for any transfer; decode: the chunk's writes completed, which the
-completion notification already guarantees).
-
-Imported only where it runs (a CUDA device, or Triton's interpreter on the CPU with
-``TRITON_INTERPRET=1`` set before import, as the CPU tests do).
+are read as 64-bit words (aligned or assembled from bytes), other rows as bytes. The source
+rows must be final when a call is made (prefill: the engine wrote them; decode: the chunk's
+notification came after its data). Imported only where it runs (a CUDA device, or Triton's
+interpreter on the CPU with ``TRITON_INTERPRET=1`` set before import, as the CPU tests do).
 """
 
 from __future__ import annotations
@@ -82,6 +77,7 @@ _WORDS, _WORDS_UNALIGNED, _BYTES = 0, 1, 2
 _MAX_TABLE_ROWS = 1 << 20
 #: Descriptor tables whose description a hasher keeps (a link has one per side).
 _MAX_TABLES = 4
+_Shared = tuple[Any, Any, int, int, int]  # what two page sides' launches share (_paired)
 
 
 def _cells(
@@ -151,6 +147,7 @@ class DeviceRowHasher(RowHasher):
                 )
             device = f"cuda:{devices.pop()}"
         self.device = torch.device(device)
+        self._index = self.device.index if self.device.index is not None else 0
         self.block = block
         self.num_warps = num_warps
         self.inline_weights = inline_weights
@@ -165,9 +162,9 @@ class DeviceRowHasher(RowHasher):
         #: Descriptions of tables seen: id -> (the table, held so its id stays its own,
         #: int64 [4, rows] on the device, or None for a table too large to describe).
         self._tables: dict[int, tuple[DescTable, Any]] = {}
-        #: Page sides seen (:meth:`_paired`): (id, id) -> (read side, key side, their pairs
-        #: as int64 [3, pairs] on the device).
-        self._page_pairs: dict[tuple[int, int], tuple[PageSide, PageSide, Any]] = {}
+        #: Page sides seen (:meth:`_paired`): (id, id) -> (read side, key side, what their
+        #: launches share: pairs on the device, constants, cells, read mode, block).
+        self._page_pairs: dict[tuple[int, int], tuple[PageSide, PageSide, _Shared]] = {}
         #: Compiled kernels by their constexprs, launched directly after the first launch.
         self._compiled: dict[tuple[Any, ...], Any] = {}
         self._direct = cuda
@@ -281,8 +278,8 @@ class DeviceRowHasher(RowHasher):
         """The per-layer sums of a launch's output (layers it counted rows of)."""
         layers_n = self._num_layers
         present = np.flatnonzero(got[layers_n : 2 * layers_n])
-        sums = got[:layers_n].view(np.uint64)
-        return {int(x): int(sums[x]) for x in present}
+        sums = got[:layers_n].view(np.uint64)[present]
+        return dict(zip(present.tolist(), sums.tolist(), strict=True))
 
     def page_sums(
         self,
@@ -384,22 +381,13 @@ class DeviceRowHasher(RowHasher):
         rp, kp = page_lists(read, read_pages, key, key_pages)
         if not read.num_pairs * rp.size or lo >= hi:  # one program per (pair, page)
             return None
-        _, layer = self._pairs(read)  # refuses pairs outside the rank's buffers
-        if read.n % 8:
-            cells, mode = read.n, _BYTES
-        else:
-            aligned = not (read.base % np.uint64(8)).any() and not (read.slot % 8 or read.row % 8)
-            cells, mode = read.n // 8, _WORDS if aligned else _WORDS_UNALIGNED
         lane = self._lane()
-        with self._part():
-            pairs = self._paired(read, key, layer)
-            consts = self._need_weights(np.array([cells], dtype=np.int64))
+        pairs, consts, cells, mode, block = self._paired(read, key)
         slot = lane.page_slot(int(rp.size))
         args = FusedSums(
             pairs, consts, slot.out, slot.result, rp, kp, read.num_pairs, read.tokens, cells,
-            read.slot, read.row, key.slot, key.row, self._num_layers, lo, hi,
-            min(self.block, max(16, 1 << (cells - 1).bit_length())), self.inline_weights, mode,
-        )  # fmt: skip
+            read.slot, read.row, key.slot, key.row, self._num_layers, lo, hi, block,
+            self.inline_weights, mode)  # fmt: skip
         return lane, slot, args
 
     def _page_launch(
@@ -444,21 +432,32 @@ class DeviceRowHasher(RowHasher):
         self._enqueue(lane, hash_pages, a.num_pairs * pages, args, meta, ("pages", *meta), 0, False)
         return lane, slot
 
-    def _paired(self, read: PageSide, key: PageSide, layer: NDArray[np.int64]) -> Any:
-        """``int64 [3, pairs]`` on the device (read base addresses, key base addresses,
-        layers) of two page sides, made the first time the pair of sides is seen (a link's
-        sides are built once) and kept. Caller holds the lock."""
+    def _paired(self, read: PageSide, key: PageSide) -> _Shared:
+        """What the page launches of two sides share, made once per pair of sides (a
+        link's are built once): ``int64 [3, pairs]`` on the device (read and key base
+        addresses, layers), the constants, a piece's cells, their read mode, the block.
+        Refuses pairs outside the rank's buffers. Any thread."""
         ident = (id(read), id(key))
         seen = self._page_pairs.get(ident)
         if seen is not None and seen[0] is read and seen[1] is key:
             return seen[2]
-        pairs = self._to_device(
-            np.stack([read.base.view(np.int64), key.base.view(np.int64), layer])
-        )
-        if len(self._page_pairs) >= _MAX_TABLES:
-            self._page_pairs.pop(next(iter(self._page_pairs)))
-        self._page_pairs[ident] = (read, key, pairs)
-        return pairs
+        _, layer = self._pairs(read)  # refuses pairs outside the rank's buffers
+        if read.n % 8:
+            cells, mode = read.n, _BYTES
+        else:
+            aligned = not (read.base % np.uint64(8)).any() and not (read.slot % 8 or read.row % 8)
+            cells, mode = read.n // 8, _WORDS if aligned else _WORDS_UNALIGNED
+        block = min(self.block, max(16, 1 << (cells - 1).bit_length()))
+        with self._part():
+            pairs = self._to_device(
+                np.stack([read.base.view(np.int64), key.base.view(np.int64), layer])
+            )
+            consts = self._need_weights(np.array([cells], dtype=np.int64))  # kept: see there
+            facts = (pairs, consts, cells, mode, block)
+            if len(self._page_pairs) >= _MAX_TABLES:
+                self._page_pairs.pop(next(iter(self._page_pairs)))
+            self._page_pairs[ident] = (read, key, facts)
+        return facts
 
     def _described(self, table: DescTable) -> Any:
         """The device description of ``table`` (``int64 [4, rows]``: address, cells, read
@@ -572,6 +571,16 @@ class DeviceRowHasher(RowHasher):
                 lane.out_dev.zero_()
             jit[(n,)](*args, *meta)
             return
+        kernel = self._compiled.get(cache_key)
+        # no torch contexts where none is needed (a third of a page-sums call's host time)
+        bare = not elems and not zero and torch.cuda.current_device() == self._index
+        if kernel is not None and self._direct and bare:
+            try:
+                kernel[(n, 1, 1)](*args, *meta, stream=lane.stream.cuda_stream)
+                return
+            except Exception as exc:  # another Triton's launcher: bind arguments again
+                logger.warning("checksums: direct launch refused (%s); using Triton's", exc)
+                self._direct = False
         with torch.cuda.device(self.device), torch.cuda.stream(lane.stream):
             if elems:
                 lane.call_dev[:elems].copy_(lane.call_host[:elems], non_blocking=True)
