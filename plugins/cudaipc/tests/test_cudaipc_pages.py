@@ -183,16 +183,7 @@ def test_a_turns_page_writes_go_out_together(monkeypatch: pytest.MonkeyPatch, ba
     mover. With ``batch_max_bytes`` 0 each chunk launches at its submit; a batch that reaches
     it goes out at once (:func:`test_a_full_batch_goes_out_at_once`)."""
     with _tp12(monkeypatch, (32 << 20) if batch else 0) as (pages, a, links):
-        # what each chunk's rows write, kept as the wanted pools; the pools cleared again
-        for _, _, _, _, tables, si, di, _, n in links:
-            for s_addr, d_addr in zip(
-                tables.src[si, ADDR].tolist(), tables.dst[di, ADDR].tolist(), strict=True
-            ):
-                ctypes.memmove(int(d_addr), int(s_addr), n)
-        for _, _, _, d_arrays, _, _, _, want, _ in links:
-            for d, w in zip(d_arrays, want, strict=True):
-                w[...] = d
-                d[...] = 0
+        _want_pools(links)
         handles = []
         with a.post_batch():
             for i, (_b, pair, plan, *_rest) in enumerate(links):
@@ -361,15 +352,7 @@ def test_a_checked_page_write_sums_in_its_launch(monkeypatch: pytest.MonkeyPatch
     from kvwire.backend import LaterNote
 
     with _tp12(monkeypatch, 32 << 20) as (pages, a, links):
-        for _, _, _, _, tables, si, di, _, n in links:
-            for s_addr, d_addr in zip(
-                tables.src[si, ADDR].tolist(), tables.dst[di, ADDR].tolist(), strict=True
-            ):
-                ctypes.memmove(int(d_addr), int(s_addr), n)
-        for _, _, _, d_arrays, _, _, _, want, _ in links:
-            for d, w in zip(d_arrays, want, strict=True):
-                w[...] = d
-                d[...] = 0
+        _want_pools(links)
         fused, elsewhere, misfit = _Order("stand-in"), _Order("cuda:7"), _Order("stand-in", 5)
         notes = [LaterNote(lambda: b"n0", fused), LaterNote(lambda: b"n1", elsewhere), b"n2"]
         handles = []
@@ -406,3 +389,16 @@ def _notes(b: Any, n: int) -> list[Any]:
 
     _wait(more)
     return got
+
+
+def _want_pools(links: list[Any]) -> None:
+    """What each link's chunk rows write, kept as its wanted pools; the pools cleared again."""
+    for _, _, _, _, tables, si, di, _, n in links:
+        for s_addr, d_addr in zip(
+            tables.src[si, ADDR].tolist(), tables.dst[di, ADDR].tolist(), strict=True
+        ):
+            ctypes.memmove(int(d_addr), int(s_addr), n)
+    for _, _, _, d_arrays, _, _, _, want, _ in links:
+        for d, w in zip(d_arrays, want, strict=True):
+            w[...] = d
+            d[...] = 0
