@@ -12,6 +12,7 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 RES=/tmp/later_res
+rm -rf "$RES"  # a machine that kept /tmp must not archive an earlier run's files
 OUT_FINAL=${OUT:-/tmp/later_out}
 OUT=$RES  # run_case writes here; only the archive goes to the call's $OUT
 source scripts/gpu_env.sh

@@ -143,8 +143,9 @@ _PTX_CHECK = textwrap.dedent(
     from triton.compiler import ASTSource
     from kvwire.movers.triton_pool_pages import ONE_BLOCK, PIECES, WHOLE, _copy_pool_pages
 
+    # integers typed as a launch types them: addresses 64-bit, the rest (small) 32-bit
     ints = ("table_addr npages nbuf src_slot dst_slot src_row dst_row n_vecs tokens").split()
-    sig = {**{k: "i64" for k in ints},
+    sig = {**{k: "i64" if k.endswith("addr") else "i32" for k in ints},
            **{k: "constexpr" for k in ("block", "elem", "align", "vec", "shape", "batch")}}
     for (shape, block, want), batch in itertools.product(
         ((WHOLE, 2048, "v4"), (PIECES, 2048, "v4"), (ONE_BLOCK, 256, "v2")), (False, True)
@@ -159,7 +160,7 @@ _PTX_CHECK = textwrap.dedent(
     from kvwire.movers.triton_pool_pages import _copy_pool_heads
     ints = ("table_addr npages nbuf src_slot dst_slot src_tok dst_tok src_head dst_head "
             "n_vecs tokens heads").split()
-    sig = {**{k: "i64" for k in ints},
+    sig = {**{k: "i64" if k.endswith("addr") else "i32" for k in ints},
            **{k: "constexpr" for k in ("rows", "cols", "elem", "align", "vec", "t_inner")}}
     for t_inner in (False, True):
         consts = {"rows": 8, "cols": 64, "elem": tl.int32, "align": 16, "vec": 4,
@@ -175,7 +176,7 @@ _PTX_CHECK = textwrap.dedent(
                       (_copy_units, "nunits block_addr slot_elems per_page unit_elems lo_elems "
                                     "row_elems")):
         ints = ["table_addr", *names.split(), "n_vecs", "tokens"]
-        sig = {**{k: "i64" for k in ints},
+        sig = {**{k: "i64" if k.endswith("addr") else "i32" for k in ints},
                **{k: "constexpr" for k in ("block", "elem", "align", "vec", "to_pool")}}
         for to_pool in (False, True):
             consts = {"block": 2048, "elem": tl.int32, "align": 16, "vec": 4, "to_pool": to_pool}

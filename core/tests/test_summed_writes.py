@@ -218,6 +218,16 @@ _PTX = textwrap.dedent(
         src = ASTSource(fn=hash_pages, signature=sig,
                         constexprs={"block": 1024, "inline_weights": mode == 1, "mode": mode})
         triton.compile(src, target=target, options={"num_warps": 4})
+    from kvwire.integrity_kernels import hash_rows
+    ints = "info_addr num_info call_addr consts_addr out_addr num_rows num_layers lo hi".split()
+    sig = {**{k: "i64" if k.endswith("addr") else "i32" for k in ints},
+           **{k: "constexpr" for k in ("block", "inline_weights", "per_layer", "indexed")}}
+    for per_layer in (False, True):
+        for indexed in (False, True):
+            consts = {"block": 1024, "inline_weights": indexed, "per_layer": per_layer,
+                      "indexed": indexed}
+            src = ASTSource(fn=hash_rows, signature=sig, constexprs=consts)
+            triton.compile(src, target=target, options={"num_warps": 4})
     print("SUMMED-PTX-OK")
     """
 )
@@ -227,8 +237,8 @@ def test_the_summed_and_page_sum_kernels_compile_for_a_gpu() -> None:
     """Compiled for an H100 (sm_90) on the CPU, no GPU needed (Triton's interpreter does not
     type-check as its compiler does): the summed kernel in every copy shape and program
     order keeps the copy's vector loads and stores (as the plain copy's) and its sums'
-    atomics; the page sums kernel in every read mode. Addresses are 64-bit, other integers
-    32-bit, as Triton types them at a launch."""
+    atomics; the page sums kernel in every read mode, the row sums kernel in each form.
+    Addresses are 64-bit, other integers 32-bit, as Triton types them at a launch."""
     pytest.importorskip("triton")
     out = subprocess.run([sys.executable, "-c", _PTX], capture_output=True, text=True, timeout=600)
     assert out.returncode == 0 and "SUMMED-PTX-OK" in out.stdout, out.stderr[-3000:]
