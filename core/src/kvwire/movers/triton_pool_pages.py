@@ -433,7 +433,8 @@ class PoolPageCopier(PageCopier):
     @staticmethod
     def sums_fit(chunk: PageChunk, sums: FusedSums) -> bool:
         """Whether :meth:`copy_pages` can sum ``sums`` in ``chunk``'s launch: pages of one
-        piece per token (not head-major) and as many pages on both."""
+        piece per token (not head-major) and as many pages on both. A writer's submitting
+        thread (``cudaipc``), after taking the sums and before it launches."""
         return chunk.geometry.heads == 1 and sums.pages == int(chunk.src_pages.size)
 
     def copy_batch(
