@@ -1,6 +1,6 @@
 """A page write that sums what it copies (issue 26 item 1): the pool page mover's summed
-kernel (``_copy_pool_pages_summed``: the copy's programs, then ``hash_pages``' programs, one
-launch) and the :class:`~kvwire.integrity_orders.SumsOrder` that hands a chunk's sums from
+kernel (``_copy_pool_pages_summed``: the copy's programs and ``hash_pages``' programs in
+one launch) and the :class:`~kvwire.integrity_orders.SumsOrder` that hands a chunk's sums from
 prefill's worker to the writer (``cudaipc`` declares ``summed_writes``).
 
 The kernel runs under Triton's CPU interpreter over host memory (one subprocess): every

@@ -4,9 +4,9 @@ Prefill's first note of a checksummed chunk waits for the chunk's sums
 (:attr:`kvwire.transfers.LaterNote.sums`, a :class:`kvwire.integrity_orders.SumsOrder`).
 ``cudaipc`` declares ``summed_writes``: a page write on a pair that is VRAM in every row takes
 the order into the page mover's launch (:meth:`PoolPageCopier.copy_pages
-<kvwire.movers.triton_pool_pages.PoolPageCopier.copy_pages>` with ``sums``: the copy's
-programs, then the sums' programs, one launch, one event), so the worker pays one launch per
-chunk instead of two. Sums on another GPU, a chunk the summed kernel does not take, or a write
+<kvwire.movers.triton_pool_pages.PoolPageCopier.copy_pages>` with ``sums``: copy and sum
+programs alternating in one launch, one event), so the worker pays one launch per chunk
+instead of two. Sums on another GPU, a chunk the summed kernel does not take, or a write
 of rows start the sums as a launch of their own beside the write, as a backend without
 ``summed_writes`` does.
 """
