@@ -17,6 +17,11 @@ slices both ways, pools on the GPU), random chunks of 1-16 pages:
    equals its source; host time of the worker's two ways to launch a checked chunk's write:
    the sums' own launch then the copy's (``start`` + ``copy_pages``) against one summed
    launch (``take`` + ``copy_pages(sums=...)`` + ``launched``).
+4. decode's checks launched before they wait (``LandedSums.chunk_later``, what decode's
+   progress thread does for the chunks one drain of notes completed): for 1, 4 and 8 chunks
+   of a request each, every launched check's sums equal ``LandedSums.chunk``'s; host time to
+   check them one after another (``chunk``: launch and wait each) against launching all then
+   waiting for each.
 
     python3 scripts/gpu_later_sums_check.py --json $OUT/later_sums.json
 """
@@ -95,6 +100,34 @@ def fused(sent: Any, src: Any, dst: Any, chunk: Any, a: Any) -> tuple[int, int, 
     return wrong, checked, times
 
 
+def landed(a: Any, src: Any, dst: Any, rng: Any, slots: int) -> tuple[int, int, dict[str, Any]]:
+    """Part 4 of the docstring: (wrong, checks compared, host times)."""
+    from kvwire.session.checksums import LandedSums
+
+    ls = LandedSums(KVWireConfig(), src, dst)
+    wrong = checked = 0
+    times: dict[str, list[float]] = {}
+    for k in (1, 4, 8):
+        for i in range(a.rounds + a.repeat // 4):
+            reqs = []
+            for n in rng.integers(1, 17, size=k).tolist():
+                reqs.append((n, rng.permutation(slots)[:n].astype(np.int64)))
+            t0 = time.perf_counter()
+            seq = [ls.chunk(n, d, None, (0, n)) for n, d in reqs]
+            t1 = time.perf_counter()
+            later = [ls.chunk_later(n, d, None, (0, n)) for n, d in reqs]
+            assert all(x is not None for x in later)
+            got = [x() for x in later]  # type: ignore[misc]
+            t2 = time.perf_counter()
+            if i < a.rounds:
+                wrong += sum(g != w or len(w) != len(dst.buffers) // 2 for g, w in zip(got, seq))
+                checked += k
+            else:
+                times.setdefault(f"check_{k}_in_turn", []).append(t1 - t0)
+                times.setdefault(f"check_{k}_launched_first", []).append(t2 - t1)
+    return wrong, checked, times
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--rounds", type=int, default=40)
@@ -151,16 +184,18 @@ def main() -> None:
             times["result_after_1ms"].append(t4 - t3)
         fw, fc, ftimes = fused(sent, src, dst, chunk, a)
         times.update(ftimes)
+        lw, lc, ltimes = landed(a, src, dst, rng, slots)
+        times.update(ltimes)
         med = {k: round(1e3 * statistics.median(v), 4) for k, v in times.items()}
         report["links"][name] = {
             "chunks": checked, "wrong": wrong, "host_ms": med, "fused_chunks": fc,
-            "fused_wrong": fw,
+            "fused_wrong": fw, "landed_checks": lc, "landed_wrong": lw,
         }  # fmt: skip
         print(
             f"{name}: {checked} chunks, {wrong} wrong; fused {fc} chunks, {fw} wrong; "
-            f"host ms per call {med}"
+            f"decode checks launched first {lc}, {lw} wrong; host ms per call {med}"
         )
-        bad += wrong + fw
+        bad += wrong + fw + lw
         del keep_s, keep_d
     print("LATER-SUMS-OK" if not bad else f"LATER-SUMS-BAD {bad}")
     if a.json:

@@ -49,9 +49,9 @@ def _checks(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, tuple[int, int] 
     seen: list[tuple[int, tuple[int, int] | None]] = []
     original = ChunkCheck.run
 
-    def spy(check: ChunkCheck) -> Any:
+    def spy(check: ChunkCheck, later: Any = None) -> Any:
         seen.append((check.msg.parts, check.msg.piece_layers))
-        return original(check)
+        return original(check, later)
 
     monkeypatch.setattr(ChunkCheck, "run", spy)
     return seen
@@ -124,7 +124,7 @@ def test_older_peers_check_the_chunk_whole(monkeypatch: pytest.MonkeyPatch) -> N
     checks the chunk once, whole; a 1.11 prefill (parts with their own sums, no layer range)
     is checked whole by this decode. Both verify, and both still catch a flip."""
     seen = _checks(monkeypatch)
-    on_note = DecodeSide._on_note
+    on_note = DecodeSide._note_landed
 
     def old_decode(self: DecodeSide, msg: Any) -> None:
         on_note(self, msg.model_copy(update={"piece_layers": None}))
@@ -137,7 +137,7 @@ def test_older_peers_check_the_chunk_whole(monkeypatch: pytest.MonkeyPatch) -> N
         return out
 
     for room, (cls, name, old) in enumerate(
-        [(DecodeSide, "_on_note", old_decode), (SegmentPost, "piece_fields", old_prefill)]
+        [(DecodeSide, "_note_landed", old_decode), (SegmentPost, "piece_fields", old_prefill)]
     ):
         with monkeypatch.context() as m:
             m.setattr(cls, name, old)

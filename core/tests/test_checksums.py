@@ -387,9 +387,9 @@ def test_checked_transfers_succeed(
         checked: list[Any] = []
         original = ChunkCheck.run
 
-        def spy(check: ChunkCheck) -> Any:
+        def spy(check: ChunkCheck, later: Any = None) -> Any:
             checked.append((check.msg.chunk_id, dict(check.sent)))
-            return original(check)
+            return original(check, later)
 
         monkeypatch.setattr(ChunkCheck, "run", spy)
         n = 4
@@ -730,11 +730,11 @@ def test_inline_checks_run_on_the_noting_thread_and_still_catch_a_flip(
     ran: list[tuple[str, bool]] = []
     original = ChunkCheck.run
 
-    def spy(check: ChunkCheck) -> Any:
+    def spy(check: ChunkCheck, later: Any = None) -> Any:
         rooms_lock = p.decode.rooms.lock
         held = rooms_lock._is_owned()  # type: ignore[attr-defined]
         ran.append((threading.current_thread().name, held))
-        return original(check)
+        return original(check, later)
 
     monkeypatch.setattr(ChunkCheck, "run", spy)
     with pair(config(), _checked()) as p:

@@ -35,14 +35,14 @@ def _late(monkeypatch: pytest.MonkeyPatch) -> None:
 def _notes(monkeypatch: pytest.MonkeyPatch) -> list[ChunkNote]:
     """Every KV note decode takes (data-plane or control channel), in arrival order."""
     seen: list[ChunkNote] = []
-    original = DecodeSide._on_note
+    original = DecodeSide._note_landed
 
     def spy(self: DecodeSide, msg: Any) -> None:
         if isinstance(msg, ChunkNote) and msg.what == "kv":
             seen.append(msg)
         original(self, msg)
 
-    monkeypatch.setattr(DecodeSide, "_on_note", spy)
+    monkeypatch.setattr(DecodeSide, "_note_landed", spy)
     return seen
 
 

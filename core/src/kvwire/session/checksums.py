@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -245,21 +246,57 @@ class LandedSums:
         layers ``[a, b)`` when given (one piece of the chunk, ``ChunkNote.piece_layers``).
         A link with a page form sums the landed pages (keyed by themselves) without mapping
         rows, as prefill summed them."""
+        src_units, dst = self._slice(num_pages, dst_pages, cached_tokens, span)
+        only = None if layers is None else range(*layers)
+        if self.side is not None:  # the chunk's destination pages (granules: page sizes differ)
+            chunk = self.mapper.page_chunk(src_units, dst)
+            if chunk is None:
+                return {}  # nothing of this chunk lands here
+            pages = chunk.dst_pages
+            return self.hasher.page_sums(self.side, pages, self.side, pages, only)
+        _, dst_idx = self.mapper.map_chunk(src_units, dst)
+        idx = np.asarray(dst_idx, dtype=np.int64)
+        return self.hasher.sums(self.dst, idx, self.dst[idx, ADDR], only)
+
+    def chunk_later(
+        self,
+        num_pages: int,
+        dst_pages: NDArray[np.int64],
+        cached_tokens: int | None,
+        span: tuple[int, int],
+        layers: tuple[int, int] | None = None,
+    ) -> Callable[[], LayerSums] | None:
+        """:meth:`chunk` launched now and waited for by calling the result (once, on the
+        same thread), where the link has a page form and its hasher computes beside the
+        caller (a GPU's: :meth:`RowHasher.page_sums_later`); None otherwise (call
+        :meth:`chunk`). Decode's note handler launches every check a drain of notes
+        completed before it waits for the first
+        (:meth:`~kvwire.session.decode.checker.ChunkChecker.run_deferred`)."""
+        if self.side is None:
+            return None
+        src_units, dst = self._slice(num_pages, dst_pages, cached_tokens, span)
+        chunk = self.mapper.page_chunk(src_units, dst)
+        if chunk is None:
+            return lambda: {}
+        pages = chunk.dst_pages
+        only = None if layers is None else range(*layers)
+        return self.hasher.page_sums_later(self.side, pages, self.side, pages, only)
+
+    def _slice(
+        self,
+        num_pages: int,
+        dst_pages: NDArray[np.int64],
+        cached_tokens: int | None,
+        span: tuple[int, int],
+    ) -> tuple[NDArray[np.int64], NDArray[np.int64]]:
+        """The chunk's source units (placeholders: decode needs none) and its part of
+        ``dst_pages``, as prefill's worker sliced them."""
         start, end = span
         placeholder = np.zeros(end - start, dtype=np.int64)  # source slots are not needed
         src_units, lo, hi = self.mapper.chunk_slice(
             num_pages, dst_pages, placeholder, start, end, cached_tokens
         )
-        only = None if layers is None else range(*layers)
-        if self.side is not None:  # the chunk's destination pages (granules: page sizes differ)
-            chunk = self.mapper.page_chunk(src_units, dst_pages[lo:hi])
-            if chunk is None:
-                return {}  # nothing of this chunk lands here
-            pages = chunk.dst_pages
-            return self.hasher.page_sums(self.side, pages, self.side, pages, only)
-        _, dst_idx = self.mapper.map_chunk(src_units, dst_pages[lo:hi])
-        idx = np.asarray(dst_idx, dtype=np.int64)
-        return self.hasher.sums(self.dst, idx, self.dst[idx, ADDR], only)
+        return src_units, dst_pages[lo:hi]
 
 
 def _page_sides(

@@ -44,6 +44,12 @@ class Side(Generic[R]):
         """Chunks queued for transfer workers and not yet taken (prefill overrides it)."""
         return 0
 
+    def notifications_drained(self) -> None:
+        """Progress thread, after handing a drain of data-plane notifications to
+        ``on_notification`` one by one (even when one of them raised), no lock held: work
+        the drain left for the end (decode runs the checksum checks the notes completed,
+        every launch first). Default: nothing."""
+
     def awaiting_data(self) -> bool:
         """Whether a request here waits on data-plane notifications (the control thread then
         drains them more often). Decode overrides it."""

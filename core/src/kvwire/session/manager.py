@@ -511,8 +511,11 @@ class KVManager:
         backend, wake = ctx.backend, ctx.wake
         try:
             backend.progress()
-            for note in backend.get_notifications():
-                side.on_notification(note)
+            try:
+                for note in backend.get_notifications():
+                    side.on_notification(note)
+            finally:
+                side.notifications_drained()
             now = time.monotonic()
             if now >= self._next_check:
                 side.check_deadlines(now)

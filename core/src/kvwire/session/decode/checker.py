@@ -52,6 +52,7 @@ from collections.abc import Callable
 
 from kvwire.control.wire import ChunkNote
 from kvwire.errors import KVWireError, TransferError
+from kvwire.integrity import LayerSums
 from kvwire.session.decode.rooms import ChunkCheck, RecvRoom
 from kvwire.session.report import ChunkFault, FailureCause
 from kvwire.session.rooms import RoomTable
@@ -177,24 +178,28 @@ class ChunkChecker:
         thread with none."""
         mine: list[ChunkCheck] | None = getattr(self._deferred, "checks", None)
         while mine:
-            check = mine.pop(0)
-            try:
-                self._run(check)
-            except Exception:  # applying a verdict failed: the others still run
-                msg = check.msg
-                logger.exception("room %d: applying chunk %d's check", check.room, msg.chunk_id)
+            batch = mine[:]
+            del mine[:]  # verdicts may queue more: the next round
+            started = [(check, check.start()) for check in batch]  # every launch first
+            for check, later in started:
+                try:
+                    self._run(check, later)
+                except Exception:  # applying a verdict failed: the others still run
+                    msg = check.msg
+                    logger.exception("room %d: applying chunk %d's check", check.room, msg.chunk_id)
 
     def _run_pooled(self, check: ChunkCheck) -> None:
         """A checker thread: run one check, then any inline check its verdict queued."""
         self._run(check)
         self.run_deferred()
 
-    def _run(self, check: ChunkCheck) -> None:
-        """A checker thread (or the submitting thread, for an inline check): run the check,
-        hand over the verdict."""
+    def _run(self, check: ChunkCheck, later: Callable[[], LayerSums] | None = None) -> None:
+        """A checker thread (or the submitting thread, for an inline check): run the check
+        (waiting for the sums :meth:`ChunkCheck.start` launched, when ``later``), hand over
+        the verdict."""
         try:
             try:
-                outcome = check.run()
+                outcome = check.run(later)
             except Exception as exc:  # a bug in the check must still fail the request
                 logger.exception("room %d: checking chunk %d", check.room, check.msg.chunk_id)
                 outcome = (

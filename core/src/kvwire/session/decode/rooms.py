@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -18,7 +19,7 @@ from numpy.typing import NDArray
 
 from kvwire.control.wire import ChunkNote
 from kvwire.errors import TransferError
-from kvwire.integrity import add_sums, layer_ranges, mismatched_layers
+from kvwire.integrity import LayerSums, add_sums, layer_ranges, mismatched_layers
 from kvwire.session.checksums import LandedSums
 from kvwire.session.decode.links import PrefillLink
 from kvwire.session.metrics import RequestMetrics
@@ -252,17 +253,38 @@ class ChunkCheck:
     dst_pages: NDArray[np.int64]
     cached_tokens: int | None
 
-    def run(self) -> tuple[TransferError, ChunkFault | None] | None:
-        """A checker thread, no lock held: sum the rows the chunk wrote (only its piece's
-        layers for a piece's note) and compare. None when they match; else the error failing
-        the request (naming the chunk, the layers and the peer) and, for a mismatch, the
-        chunk fault for the failure report."""
+    def start(self) -> Callable[[], LayerSums] | None:
+        """The thread that will :meth:`run` the check, no lock held: launch the sums now
+        where the link's hasher computes beside the caller (a GPU's), for :meth:`run` to wait
+        for (:meth:`LandedSums.chunk_later <kvwire.session.checksums.LandedSums.chunk_later>`);
+        None when it sums in :meth:`run` (or could not launch: :meth:`run` then finds and
+        reports why)."""
+        msg = self.msg
+        assert msg.span is not None and msg.num_pages is not None
+        try:
+            return self.checksums.chunk_later(
+                msg.num_pages, self.dst_pages, self.cached_tokens, msg.span, msg.piece_layers
+            )
+        except Exception:  # run() sums it again and names the error
+            return None
+
+    def run(
+        self, later: Callable[[], LayerSums] | None = None
+    ) -> tuple[TransferError, ChunkFault | None] | None:
+        """A checker thread (or the thread that saw the chunk complete), no lock held: sum
+        the rows the chunk wrote (only its piece's layers for a piece's note), or wait for
+        the sums :meth:`start` launched (``later``), and compare. None when they match;
+        else the error failing the request (naming the chunk, the layers and the peer) and,
+        for a mismatch, the chunk fault for the failure report."""
         msg, link = self.msg, self.link
         assert msg.span is not None and msg.num_pages is not None
         try:
-            landed = self.checksums.chunk(
-                msg.num_pages, self.dst_pages, self.cached_tokens, msg.span, msg.piece_layers
-            )
+            if later is not None:
+                landed = later()
+            else:
+                landed = self.checksums.chunk(
+                    msg.num_pages, self.dst_pages, self.cached_tokens, msg.span, msg.piece_layers
+                )
         except Exception as exc:  # a note that names no chunk of this request
             err = TransferError(
                 f"cannot check chunk {msg.chunk_id} from {link.info.agent}: {exc}", room=self.room

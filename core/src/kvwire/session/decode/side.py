@@ -247,11 +247,18 @@ class DecodeSide(Side[RecvRoom]):
             return
         if isinstance(msg, ChunkNote):
             ctx.peers.touch(msg.session)
-            self._on_note(msg)
+            self._note_landed(msg)  # a device sum's check waits for notifications_drained
+
+    def notifications_drained(self) -> None:
+        """Progress thread, no lock held, after a drain of notifications: run the device
+        sums' checks their notes completed, every launch before the first wait
+        (:meth:`ChunkChecker.run_deferred
+        <kvwire.session.decode.checker.ChunkChecker.run_deferred>`)."""
+        self.checker.run_deferred()
 
     def _on_note(self, msg: Message) -> None:
-        """Progress thread (a backend notification) or liveness thread (the control message
-        of a copy prefill made itself): one chunk segment, or the aux row, landed."""
+        """Liveness thread: the control message of a copy prefill made itself (one chunk
+        segment, or the aux row, landed)."""
         assert isinstance(msg, ChunkNote)
         try:
             self._note_landed(msg)
@@ -259,7 +266,8 @@ class DecodeSide(Side[RecvRoom]):
             self.checker.run_deferred()
 
     def _note_landed(self, msg: ChunkNote) -> None:
-        """:meth:`_on_note`'s work, under the room lock."""
+        """A note's work, under the room lock (progress thread for a backend notification,
+        liveness thread for a control message)."""
         ctx = self.ctx
         now = time.monotonic()
         with self.rooms.lock:
