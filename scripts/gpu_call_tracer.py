@@ -94,6 +94,21 @@ TRACED = (
     "kvwire.integrity_device:DeviceRowHasher.page_sums",
     "kvwire.integrity_device:DeviceRowHasher.sums",
     "kvwire.integrity_device:_Lane.wait",
+    "kvwire.session.decode.side:DecodeSide._note_landed",
+    "kvwire.session.decode.side:DecodeSide.notifications_drained",
+    "kvwire.session.decode.side:DecodeSide._check_done",
+    "kvwire.session.decode.checker:ChunkChecker.run_deferred",
+    "kvwire.session.decode.checker:ChunkChecker._count",
+    "kvwire.session.decode.rooms:ChunkCheck.start",
+    "kvwire.session.checksums:LandedSums.chunk_later",
+    "kvwire.integrity_device:DeviceRowHasher.page_sums_later",
+    "kvwire.integrity_device:DeviceRowHasher._page_launch",
+    "kvwire.integrity_device:DeviceRowHasher._enqueue",
+    "kvwire.integrity_lanes:LaterSums.settle",
+    "kvwire.integrity_lanes:Lane.later",
+    "kvwire.index.base:IndexMapper.page_chunk",
+    "kvwire.index.base:IndexMapper.chunk_slice",
+    "kvwire.session.rooms:RoomTable.succeed",
 )
 
 _events: list[tuple[str, str, float, float]] = []

@@ -70,11 +70,8 @@ def test_deferred_checks_launch_all_then_wait_in_order() -> None:
                 assert checker.submit(_Stub(i, events))  # type: ignore[arg-type]
         assert events == [] and checker.in_flight() == 3  # nothing runs under the lock
         checker.run_deferred()
-        assert events == [("launch", 0), ("launch", 1), ("launch", 2)] + [
-            ("wait", 0),
-            ("wait", 1),
-            ("wait", 2),
-        ]
+        launches = [("launch", i) for i in range(3)]
+        assert events == [*launches, ("wait", 0), ("wait", 1), ("wait", 2)]
         assert checker.in_flight() == 0
     finally:
         checker.close()

@@ -560,23 +560,25 @@ class DeviceRowHasher(RowHasher):
         elems: int,
         zero: bool,
     ) -> None:
-        """Enqueue, on ``lane``'s stream, the upload of the call's first ``elems`` int64
-        (none: the kernel reads them from pinned memory), the zeroing of the lane's per-layer
-        sums (``zero``) and ``jit`` over ``n`` programs with ``args`` and constexprs
-        ``meta``: the compiled kernel (kept under ``cache_key``) launched directly after its
-        first launch, which is made under the lock (Triton's compilation and cache fill stay
-        single-threaded). Each torch call here releases the GIL and waits for it again."""
+        """Enqueue, on ``lane``'s stream, the upload of the call's first ``elems`` int64 (none:
+        the kernel reads pinned memory), the zeroing of the lane's per-layer sums (``zero``)
+        and ``jit`` over ``n`` programs with ``args`` and constexprs ``meta``: the compiled
+        kernel (kept under ``cache_key``) launched directly after its first launch, made under
+        the lock (Triton's compilation and cache fill stay single-threaded)."""
         if lane.stream is None:  # Triton's interpreter: host memory, synchronous
             if zero:
                 lane.out_dev.zero_()
             jit[(n,)](*args, *meta)
             return
         kernel = self._compiled.get(cache_key)
-        # no torch contexts where none is needed (a third of a page-sums call's host time)
-        bare = not elems and not zero and torch.cuda.current_device() == self._index
-        if kernel is not None and self._direct and bare:
+        # the launch names its stream: no stream context unless it uploads or zeroes, and the
+        # device's only off the thread's current device (a third of a page-sums call's host
+        # time; 0.15 ms a launch on decode's progress thread, whose GPU was not device 0)
+        if kernel is not None and self._direct and not elems and not zero:
+            here = torch.cuda.current_device() == self._index
             try:
-                kernel[(n, 1, 1)](*args, *meta, stream=lane.stream.cuda_stream)
+                with contextlib.nullcontext() if here else torch.cuda.device(self._index):
+                    kernel[(n, 1, 1)](*args, *meta, stream=lane.stream.cuda_stream)
                 return
             except Exception as exc:  # another Triton's launcher: bind arguments again
                 logger.warning("checksums: direct launch refused (%s); using Triton's", exc)
@@ -586,7 +588,6 @@ class DeviceRowHasher(RowHasher):
                 lane.call_dev[:elems].copy_(lane.call_host[:elems], non_blocking=True)
             if zero:
                 lane.out_dev.zero_()
-            kernel = self._compiled.get(cache_key)
             if kernel is not None and self._direct:
                 try:
                     kernel[(n, 1, 1)](*args, *meta, stream=lane.stream.cuda_stream)

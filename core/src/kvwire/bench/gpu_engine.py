@@ -260,8 +260,11 @@ def engine(
             staging=staging,
             staging_options=dict(staging_options or {}),
             control=ControlOptions(
-                kv_checksum=bool(getattr(a, "checksum", False)),
-                **{**gil_option(a), **json.loads(getattr(a, "control_options", "") or "{}")},
+                **{
+                    "kv_checksum": bool(getattr(a, "checksum", False)),
+                    **gil_option(a),
+                    **json.loads(getattr(a, "control_options", "") or "{}"),
+                }
             ),
         ),
     )
