@@ -120,7 +120,8 @@ def landed(a: Any, src: Any, dst: Any, rng: Any, slots: int) -> tuple[int, int, 
             got = [x() for x in later]  # type: ignore[misc]
             t2 = time.perf_counter()
             if i < a.rounds:
-                wrong += sum(g != w or len(w) != len(dst.buffers) // 2 for g, w in zip(got, seq, strict=True))
+                pairs = zip(got, seq, strict=True)
+                wrong += sum(g != w or len(w) != len(dst.buffers) // 2 for g, w in pairs)
                 checked += k
             else:
                 times.setdefault(f"check_{k}_in_turn", []).append(t1 - t0)
