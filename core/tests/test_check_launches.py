@@ -142,3 +142,102 @@ def test_checks_of_landed_chunks_use_the_launched_sums(later_sums: dict[str, Any
         s.clear()
         wait_for(lambda: no_rooms(p.prefill) and no_rooms(p.decode))
         assert p.decode.side.checker.in_flight() == 0  # type: ignore[union-attr]
+
+
+class _Armed:
+    """A fake of an armed check (``ArmedSums``) for the host hasher: what a GPU enqueues
+    behind a flag, summed here when it is read (after its release); records arm, release,
+    drop and read with the calling thread. The sums are the real ones (``skew`` added to
+    layer 0 when set: negative control)."""
+
+    def __init__(self, hasher: RowHasher, side: Any, pages: Any, state: dict[str, Any]) -> None:
+        self.pages = np.asarray(pages, dtype=np.int64).copy()
+        self._hasher, self._side, self._state = hasher, side, state
+        self.n = len(state["armed"])
+        state["armed"].append(self)
+        self.events: list[str] = ["arm:" + threading.current_thread().name]
+        self.released = self.dropped = self.read = False
+
+    def release(self) -> None:
+        self.released = True
+        self.events.append("release")
+
+    def drop(self) -> None:
+        self.released = self.dropped = True
+        self.events.append("drop")
+
+    def __call__(self) -> LayerSums:
+        assert self.released and not self.dropped and not self.read
+        self.read = True
+        self.events.append("read")
+        got = RowHasher.page_sums(self._hasher, self._side, self.pages, self._side, self.pages)
+        if self._state["skew"] and 0 in got:
+            got = {**got, 0: (got[0] + self._state["skew"]) % (1 << 64)}
+        return got
+
+
+@pytest.fixture()
+def armed_checks(later_sums: dict[str, Any], monkeypatch: pytest.MonkeyPatch) -> dict[str, Any]:
+    """``later_sums`` and, as decode's GPU hasher arms checks, ``arm_page_sums`` giving
+    :class:`_Armed` fakes (listed in ``armed``)."""
+    later_sums["armed"] = []
+
+    def arm(self: RowHasher, side: Any, pages: Any) -> _Armed:
+        return _Armed(self, side, pages, later_sums)
+
+    monkeypatch.setattr(RowHasher, "arm_page_sums", arm)
+    return later_sums
+
+
+def test_a_request_of_one_chunk_uses_its_armed_check(armed_checks: dict[str, Any]) -> None:
+    """A request sent in one chunk: decode armed its check on the progress thread before the
+    KV landed, the chunk's note released it and the verdict is its sums (nothing launched at
+    the note: no ``page_sums_later``); with the armed sums skewed the request fails naming
+    layer 0. A request of two chunks drops the armed check at its first chunk and checks
+    both at their notes; a request aborted before its KV drops it too. Nothing stays armed."""
+    state = armed_checks
+    with pair(config(), config(kv_checksum=True)) as p:
+        s, r, src, dst = p.start(71, 4)
+        s.send(src, last=True)
+        wait_for(lambda: r.poll() == KVPoll.Success == s.poll())
+        assert count_mismatches(p.dlay, p.darr, dst, 0) == 0
+        (one,) = state["armed"]
+        assert one.events[0].startswith("arm:kvwire-progress-decode"), one.events
+        assert one.events[1:] == ["release", "read"], one.events
+        assert one.pages.tolist() == np.asarray(dst).tolist()
+        assert not state["events"], "a check was launched at the note"
+        r.clear()
+        s.clear()
+        # two chunks: the armed check is dropped, both chunks are checked at their notes
+        s, r, src, dst = p.start(72, 4)
+        s.send(src[:2])
+        s.send(src[2:], last=True)
+        wait_for(lambda: r.poll() == KVPoll.Success == s.poll())
+        assert count_mismatches(p.dlay, p.darr, dst, 0) == 0
+        assert state["armed"][1].events[1:] == ["drop"], state["armed"][1].events
+        assert len([e for e in state["events"] if e[0] == "launch"]) == 2
+        r.clear()
+        s.clear()
+        # skewed armed sums fail the request: the verdict is the armed check's
+        state["skew"] = 1
+        s, r, src, _ = p.start(73, 4)
+        s.send(src, last=True)
+        wait_for(lambda: r.poll() == KVPoll.Failed)
+        want = r"KV checksum mismatch in chunk 0 \(request pages \[0, 4\)\) from .* layers 0 differ"
+        with pytest.raises(KVWireError, match=want):
+            r.failure_exception()
+        assert state["armed"][2].events[1:] == ["release", "read"]
+        wait_for(lambda: s.poll() in (KVPoll.Failed, KVPoll.Success))
+        r.clear()
+        s.clear()
+        # aborted before any KV: dropped
+        state["skew"] = 0
+        s, r, src, _ = p.start(74, 4)
+        wait_for(lambda: len(state["armed"]) == 4)
+        r.abort()
+        wait_for(lambda: state["armed"][3].dropped)
+        r.clear()
+        s.clear()
+        wait_for(lambda: no_rooms(p.prefill) and no_rooms(p.decode))
+        assert all(a.dropped or a.read for a in state["armed"])
+        assert p.decode.side.checker.in_flight() == 0  # type: ignore[union-attr]
