@@ -22,10 +22,6 @@ slices both ways, pools on the GPU), random chunks of 1-16 pages:
    of a request each, every launched check's sums equal ``LandedSums.chunk``'s; host time to
    check them one after another (``chunk``: launch and wait each) against launching all then
    waiting for each.
-5. decode's check armed ahead (``LandedSums.arm``, then ``chunk_later`` with it): armed
-   before new bytes land on the request's pages, released after: its sums equal
-   ``LandedSums.chunk``'s of the new bytes (the armed kernel read them after its release);
-   host time of arming, and of the note's check armed (release and read) against launched.
 
     python3 scripts/gpu_later_sums_check.py --json $OUT/later_sums.json
 """
@@ -133,46 +129,6 @@ def landed(a: Any, src: Any, dst: Any, rng: Any, slots: int) -> tuple[int, int, 
     return wrong, checked, times
 
 
-def armed(a: Any, src: Any, dst: Any, rng: Any, slots: int, bufs: Any) -> tuple[int, int, Any]:
-    """Part 5 of the docstring: (wrong, checks compared, host times)."""
-    import torch
-
-    from kvwire.session.checksums import LandedSums
-
-    ls = LandedSums(KVWireConfig(), src, dst)
-    wrong = checked = 0
-    times: dict[str, list[float]] = {"arm": [], "armed_check": [], "launched_check": []}
-    for i in range(a.rounds + a.repeat // 4):
-        n = int(rng.integers(1, 17))
-        d = rng.permutation(slots)[:n].astype(np.int64)
-        t0 = time.perf_counter()
-        armed_check = ls.arm(d)
-        t1 = time.perf_counter()
-        assert armed_check is not None
-        idx = torch.from_numpy(d).to(bufs[0].device)
-        for b in bufs:  # new bytes land on the request's pages after it was armed
-            v = b.view(torch.int16)
-            v[idx] = torch.randint(-(2**15), 2**15 - 1, v[idx].shape, dtype=torch.int16,
-                                   device=v.device)  # fmt: skip
-        torch.cuda.synchronize()
-        time.sleep(0.001)
-        t2 = time.perf_counter()
-        later = ls.chunk_later(n, d, None, (0, n), None, armed_check)
-        assert later is armed_check
-        got = later()
-        t3 = time.perf_counter()
-        want = ls.chunk(n, d, None, (0, n))
-        t4 = time.perf_counter()
-        if i < a.rounds:
-            wrong += got != want or len(want) != len(dst.buffers) // 2
-            checked += 1
-        else:
-            times["arm"].append(t1 - t0)
-            times["armed_check"].append(t3 - t2)
-            times["launched_check"].append(t4 - t3)
-    return wrong, checked, times
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--rounds", type=int, default=40)
@@ -231,20 +187,16 @@ def main() -> None:
         times.update(ftimes)
         lw, lc, ltimes = landed(a, src, dst, rng, slots)
         times.update(ltimes)
-        aw, ac, atimes = armed(a, src, dst, rng, slots, keep_d[0])
-        times.update(atimes)
         med = {k: round(1e3 * statistics.median(v), 4) for k, v in times.items()}
         report["links"][name] = {
             "chunks": checked, "wrong": wrong, "host_ms": med, "fused_chunks": fc,
-            "fused_wrong": fw, "landed_checks": lc, "landed_wrong": lw, "armed_checks": ac,
-            "armed_wrong": aw,
+            "fused_wrong": fw, "landed_checks": lc, "landed_wrong": lw,
         }  # fmt: skip
         print(
             f"{name}: {checked} chunks, {wrong} wrong; fused {fc} chunks, {fw} wrong; "
-            f"decode checks launched first {lc}, {lw} wrong; armed {ac}, {aw} wrong; "
-            f"host ms per call {med}"
+            f"decode checks launched first {lc}, {lw} wrong; host ms per call {med}"
         )
-        bad += wrong + fw + lw + aw + (ac == 0)
+        bad += wrong + fw + lw
         del keep_s, keep_d
     print("LATER-SUMS-OK" if not bad else f"LATER-SUMS-BAD {bad}")
     if a.json:

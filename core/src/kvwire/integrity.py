@@ -117,23 +117,6 @@ class OrderedSums(WriteSums, Protocol):
         """The chunk's per-layer sums, once the write ended."""
 
 
-class ArmedSums(Protocol):
-    """A check's sums enqueued ahead and held (:meth:`RowHasher.arm_page_sums`): ``pages``
-    are the pages it sums; :meth:`release` lets the device run it (at once, no launch),
-    calling it waits for the sums, :meth:`drop` releases it unused. Thread-safe."""
-
-    pages: NDArray[np.int64]
-
-    def release(self) -> None:
-        """Let the armed sums run (the data landed); idempotent."""
-
-    def drop(self) -> None:
-        """Release them unused (their slot is reused once they ran); idempotent."""
-
-    def __call__(self) -> LayerSums:
-        """The sums, waited for (released first if nobody did)."""
-
-
 class RowHasher:
     """Reads rows of one rank's KV buffers and sums their checksum terms per layer.
 
@@ -246,14 +229,6 @@ class RowHasher:
         thread, later), where the hasher computes beside the caller (a GPU's); None where it
         would compute now anyway (here: host memory, summed on the calling thread). Called by
         prefill's transfer workers."""
-        return None
-
-    def arm_page_sums(self, side: PageSide, pages: IndexArray) -> ArmedSums | None:
-        """:meth:`page_sums` of ``pages`` on ``side`` keyed by themselves (decode's check of
-        a whole request's pages), enqueued now and held until released
-        (:class:`ArmedSums`), where the hasher computes on a device that can hold it; None
-        here (host memory: nothing to enqueue). Called by decode's progress thread, before
-        the KV lands."""
         return None
 
     def sums_order(

@@ -17,9 +17,10 @@ launches, whatever the chunk's size:
   is described once, the first time it is seen: each row's address, cells, how cells are read
   and layer (or -1 outside the rank's buffers) go to the device (``int64 [4, rows]``), so a
   call uploads only its row indices and destination keys (16 bytes a row) with one copy;
-- the compiled kernel is launched directly after its first launch (as
-  :class:`kvwire.movers.triton_copy.RunCopier`); per-layer sums and row counts come back (16
-  bytes per layer), not a term per row; a call waits for its own stream only;
+- after the first launch the compiled kernel is launched directly (Triton's argument binding
+  and cache lookup skipped), as :class:`kvwire.movers.triton_copy.RunCopier` does;
+- the per-layer sums and row counts come back (16 bytes per layer of the rank), not a term per
+  row; the call waits for its own stream only;
 - each calling thread has a lane of its own (a stream, the call's buffers and the sums'
   buffers: :class:`Lane`), so calls from several threads at once (prefill's transfer workers,
   decode's checker threads) upload, launch and wait side by side; the hasher's lock guards only
@@ -32,14 +33,14 @@ A chunk in page form (:meth:`DeviceRowHasher.page_sums`, a link whose mapping ha
 no rows at all: one program per (buffer pair, page) finds the page's pieces from the two page
 lists (uploaded per call, 16 bytes a page) and the sides' per-pair base addresses (on the
 device once per link) and adds their terms, one atomic add per page (the kernels:
-:mod:`kvwire.integrity_kernels`). Decode may arm a whole request's check before its KV lands
-(:meth:`DeviceRowHasher.arm_page_sums`, :mod:`kvwire.integrity_armed`).
+:mod:`kvwire.integrity_kernels`).
 
-A table over :data:`_MAX_TABLE_ROWS` rows is not described on the device; its calls send the
-``[5, n]`` rows they hash (located on the host). Rows whose length divides by 8 are read as
-64-bit words, other rows as bytes. The source rows must be final when a call runs (prefill:
-the engine wrote them; decode: the chunk's note came after its data). Imported only where it
-runs (a CUDA device, or Triton's interpreter with ``TRITON_INTERPRET=1``, as the CPU tests).
+A table larger than :data:`_MAX_TABLE_ROWS` rows is not described on the device; its calls
+send the ``[5, n]`` rows they hash instead (located on the host). Rows whose length divides by 8
+are read as 64-bit words (aligned or assembled from bytes), other rows as bytes. The source
+rows must be final when a call is made (prefill: the engine wrote them; decode: the chunk's
+notification came after its data). Imported only where it runs (a CUDA device, or Triton's
+interpreter on the CPU with ``TRITON_INTERPRET=1`` set before import, as the CPU tests do).
 """
 
 from __future__ import annotations
@@ -57,7 +58,6 @@ from numpy.typing import NDArray
 from kvwire.descriptors import ADDR, LEN, DescTable, IndexArray, locate_rows
 from kvwire.errors import DescriptorError
 from kvwire.integrity import GOLDEN, MIX1, MIX2, ODD, LayerSums, RowHasher, page_lists, weights
-from kvwire.integrity_armed import ArmedCheck, ArmedPool
 from kvwire.integrity_kernels import hash_pages, hash_rows
 from kvwire.integrity_lanes import Lane, PageSlot, layer_range
 from kvwire.integrity_orders import FusedSums, SumsOrder
@@ -154,11 +154,10 @@ class DeviceRowHasher(RowHasher):
         self._lock = threading.Lock()
         self._num_layers = int(self._layers.max()) + 1 if self._layers.size else 1
         self._consts = self._constants(0)
-        self._armed: ArmedPool | None = None  # decode's armed checks (made at the first)
         #: Constants replaced by larger ones, kept: a lane's launch in flight may read them.
         self._old_consts: list[Any] = []
         cuda = self.device.type == "cuda"
-        self._cuda = self._can_arm = cuda
+        self._cuda = cuda
         self._local = threading.local()
         #: Descriptions of tables seen: id -> (the table, held so its id stays its own,
         #: int64 [4, rows] on the device, or None for a table too large to describe).
@@ -261,8 +260,13 @@ class DeviceRowHasher(RowHasher):
                 with self._part():
                     consts = self._need_weights(cells)
                 part = call[: 5 * n].reshape(5, n)
-                part[0], part[1] = addr.view(np.int64), keys.view(np.int64)
-                part[2], part[3], part[4] = cells, mode, self._layers[pos]
+                part[0], part[1], part[2], part[3] = (
+                    addr.view(np.int64),
+                    keys.view(np.int64),
+                    cells,
+                    mode,
+                )
+                part[4] = self._layers[pos]
                 self._launch(lane, None, 0, consts, 5 * n, n, lo, hi, indexed=False)
             got = lane.wait()
         layers_n = self._num_layers
@@ -370,19 +374,16 @@ class DeviceRowHasher(RowHasher):
         key_pages: IndexArray,
         lo: int,
         hi: int,
-        at: PageSlot | None = None,
     ) -> tuple[Lane, PageSlot, FusedSums] | None:
         """:meth:`page_sums`' launch for layers ``[lo, hi)`` planned on this thread's lane
-        with the lane's next page slot, or with slot ``at`` (None when the chunk has no page
-        or no layer): the lane, the slot and the launch's arguments. Any thread; takes
-        :meth:`_part`."""
+        with the lane's next page slot (None when the chunk has no page or no layer): the
+        lane, the slot and the launch's arguments. Any thread; takes :meth:`_part`."""
         rp, kp = page_lists(read, read_pages, key, key_pages)
         if not read.num_pairs * rp.size or lo >= hi:  # one program per (pair, page)
             return None
         lane = self._lane()
         pairs, consts, cells, mode, block = self._paired(read, key)
-        slot = lane.page_slot(int(rp.size)) if at is None else at
-        slot.grow(int(rp.size))
+        slot = lane.page_slot(int(rp.size))
         args = FusedSums(
             pairs, consts, slot.out, slot.result, rp, kp, read.num_pairs, read.tokens, cells,
             read.slot, read.row, key.slot, key.row, self._num_layers, lo, hi, block,
@@ -397,13 +398,11 @@ class DeviceRowHasher(RowHasher):
         key_pages: IndexArray,
         lo: int,
         hi: int,
-        at: tuple[PageSlot, Any] | None = None,
     ) -> tuple[Lane, PageSlot] | None:
         """Enqueue :meth:`page_sums`' launch (:meth:`_page_plan`) on this thread's lane
-        with the lane's next page slot, or with ``at``'s slot on its stream (an armed check:
-        :mod:`kvwire.integrity_armed`); the lane and slot returned (None when the chunk has
-        no page or no layer). Caller holds :meth:`_whole`."""
-        planned = self._page_plan(read, read_pages, key, key_pages, lo, hi, at and at[0])
+        with the lane's next page slot (both returned; None when the chunk has no page or
+        no layer). Caller holds :meth:`_whole`."""
+        planned = self._page_plan(read, read_pages, key, key_pages, lo, hi)
         if planned is None:
             return None
         lane, slot, a = planned
@@ -411,34 +410,27 @@ class DeviceRowHasher(RowHasher):
         call = slot.call.numpy()
         call[:pages] = a.read_pages
         call[pages : 2 * pages] = a.key_pages
-        args = (  # the page lists: pinned, the kernel reads them over the bus
-            a.pairs.data_ptr(), a.num_pairs, slot.call.data_ptr(), a.consts.data_ptr(),
-            a.out.data_ptr(), a.result.data_ptr(), pages, a.tokens, a.cells, a.read_slot,
-            a.read_row, a.key_slot, a.key_row, a.num_layers, lo, hi)  # fmt: skip
+        args = (
+            a.pairs.data_ptr(),
+            a.num_pairs,
+            slot.call.data_ptr(),  # pinned: the kernel reads it over the bus
+            a.consts.data_ptr(),
+            a.out.data_ptr(),
+            a.result.data_ptr(),
+            pages,
+            a.tokens,
+            a.cells,
+            a.read_slot,
+            a.read_row,
+            a.key_slot,
+            a.key_row,
+            a.num_layers,
+            lo,
+            hi,
+        )
         meta = (a.block, a.inline_weights, a.mode)
-        n = a.num_pairs * pages
-        self._enqueue(lane, hash_pages, n, args, meta, ("pages", *meta), 0, False, at and at[1])
+        self._enqueue(lane, hash_pages, a.num_pairs * pages, args, meta, ("pages", *meta), 0, False)
         return lane, slot
-
-    def arm_page_sums(self, side: PageSide, pages: IndexArray) -> ArmedCheck | None:
-        """:meth:`RowHasher.arm_page_sums` on this GPU: a slot of the hasher's
-        :class:`~kvwire.integrity_armed.ArmedPool` (made at the first call; None when no
-        slot is free, the device cannot hold a stream on a flag, or in the interpreter)."""
-        with self._lock:
-            if self._armed is None and self._can_arm:
-                try:
-                    self._armed = ArmedPool(self.device, 2 * self._num_layers + 1,
-                                            self._arm_launch, self._layer_sums)  # fmt: skip
-                except Exception as exc:  # no cuda-bindings, or no device pointer
-                    logger.info("checksums: decode's checks are launched at the notes (%s)", exc)
-                    self._can_arm = False
-            pool = self._armed
-        return pool.arm(side, pages) if pool is not None else None
-
-    def _arm_launch(self, slot: PageSlot, stream: Any, side: PageSide, pages: Any) -> bool:
-        """The armed pool's launch: the sums of every layer of ``pages`` on ``side``."""
-        at = (slot, stream)
-        return self._page_launch(side, pages, side, pages, 0, self._num_layers, at) is not None
 
     def _paired(self, read: PageSide, key: PageSide) -> _Shared:
         """What the page launches of two sides share, made once per pair of sides (a
@@ -506,8 +498,13 @@ class DeviceRowHasher(RowHasher):
                 consts = self._need_weights(cells)
             lane.grow(n)
             part = lane.call_host.numpy()[: 5 * n].reshape(5, n)
-            part[0], part[1] = addr.view(np.int64), dst.view(np.int64)
-            part[2], part[3], part[4] = cells, mode, self._layers[pos]
+            part[0], part[1], part[2], part[3] = (
+                addr.view(np.int64),
+                dst.view(np.int64),
+                cells,
+                mode,
+            )
+            part[4] = self._layers[pos]
             terms = torch.empty(n, dtype=torch.int64, device=self.device)
             self._launch(
                 lane, None, 0, consts, 5 * n, n, 0, self._num_layers, indexed=False, out=terms
@@ -539,8 +536,17 @@ class DeviceRowHasher(RowHasher):
         target = lane.out_dev if per_layer else out
         key = (self.block, self.inline_weights, per_layer, indexed)
         info_addr = info.data_ptr() if info is not None else 0
-        args = (info_addr, num_info, lane.call_dev.data_ptr(), consts.data_ptr(),
-                target.data_ptr(), n, self._num_layers, lo, hi)  # fmt: skip
+        args = (
+            info_addr,
+            num_info,
+            lane.call_dev.data_ptr(),
+            consts.data_ptr(),
+            target.data_ptr(),
+            n,
+            self._num_layers,
+            lo,
+            hi,
+        )
         self._enqueue(lane, hash_rows, n, args, key, key, elems, per_layer)
 
     def _enqueue(
@@ -553,20 +559,18 @@ class DeviceRowHasher(RowHasher):
         cache_key: tuple[Any, ...],
         elems: int,
         zero: bool,
-        stream: Any = None,
     ) -> None:
-        """Enqueue, on ``lane``'s stream (or ``stream``), the upload of the call's first
-        ``elems`` int64 (none: pinned memory read by the kernel), the zeroing of the lane's
-        per-layer sums (``zero``) and ``jit`` over ``n`` programs with ``args`` and constexprs
-        ``meta``: the compiled kernel (kept under ``cache_key``) launched directly after its
-        first launch, made under the lock (Triton's compilation stays single-threaded)."""
+        """Enqueue, on ``lane``'s stream, the upload of the call's first ``elems`` int64 (none:
+        the kernel reads pinned memory), the zeroing of the lane's per-layer sums (``zero``)
+        and ``jit`` over ``n`` programs with ``args`` and constexprs ``meta``: the compiled
+        kernel (kept under ``cache_key``) launched directly after its first launch, made under
+        the lock (Triton's compilation and cache fill stay single-threaded)."""
         if lane.stream is None:  # Triton's interpreter: host memory, synchronous
             if zero:
                 lane.out_dev.zero_()
             jit[(n,)](*args, *meta)
             return
         kernel = self._compiled.get(cache_key)
-        st = stream if stream is not None else lane.stream  # an armed check's own stream
         # the launch names its stream: no stream context unless it uploads or zeroes, and the
         # device's only off the thread's current device (a third of a page-sums call's host
         # time; 0.15 ms a launch on decode's progress thread, whose GPU was not device 0)
@@ -574,19 +578,19 @@ class DeviceRowHasher(RowHasher):
             here = torch.cuda.current_device() == self._index
             try:
                 with contextlib.nullcontext() if here else torch.cuda.device(self._index):
-                    kernel[(n, 1, 1)](*args, *meta, stream=st.cuda_stream)
+                    kernel[(n, 1, 1)](*args, *meta, stream=lane.stream.cuda_stream)
                 return
             except Exception as exc:  # another Triton's launcher: bind arguments again
                 logger.warning("checksums: direct launch refused (%s); using Triton's", exc)
                 self._direct = False
-        with torch.cuda.device(self.device), torch.cuda.stream(st):
+        with torch.cuda.device(self.device), torch.cuda.stream(lane.stream):
             if elems:
                 lane.call_dev[:elems].copy_(lane.call_host[:elems], non_blocking=True)
             if zero:
                 lane.out_dev.zero_()
             if kernel is not None and self._direct:
                 try:
-                    kernel[(n, 1, 1)](*args, *meta, stream=st.cuda_stream)
+                    kernel[(n, 1, 1)](*args, *meta, stream=lane.stream.cuda_stream)
                     return
                 except Exception as exc:  # another Triton's launcher: bind arguments again
                     logger.warning("checksums: direct launch refused (%s); using Triton's", exc)

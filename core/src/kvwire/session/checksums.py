@@ -50,7 +50,7 @@ from kvwire.config import KVWireConfig
 from kvwire.descriptors import ADDR, LEN, DescTable, IndexArray
 from kvwire.errors import DescriptorError
 from kvwire.index.base import IndexMapper
-from kvwire.integrity import ArmedSums, LayerSums, OrderedSums, RowHasher
+from kvwire.integrity import LayerSums, OrderedSums, RowHasher
 from kvwire.layout import KVLayout, MemKind
 from kvwire.page_form import PageSide, page_sides
 from kvwire.session.handshake import build_mapper
@@ -265,47 +265,22 @@ class LandedSums:
         cached_tokens: int | None,
         span: tuple[int, int],
         layers: tuple[int, int] | None = None,
-        armed: ArmedSums | None = None,
     ) -> Callable[[], LayerSums] | None:
         """:meth:`chunk` launched now and waited for by calling the result (once, on the
         same thread), where the link has a page form and its hasher computes beside the
         caller (a GPU's: :meth:`RowHasher.page_sums_later`); None otherwise (call
         :meth:`chunk`). Decode's note handler launches every check a drain of notes
         completed before it waits for the first
-        (:meth:`~kvwire.session.decode.checker.ChunkChecker.run_deferred`). ``armed``: the
-        request's check armed ahead (:meth:`arm`), released and returned when the chunk
-        lands on exactly its pages (every layer), else dropped."""
+        (:meth:`~kvwire.session.decode.checker.ChunkChecker.run_deferred`)."""
         if self.side is None:
-            if armed is not None:
-                armed.drop()
             return None
-        use = False
-        try:
-            src_units, dst = self._slice(num_pages, dst_pages, cached_tokens, span)
-            chunk = self.mapper.page_chunk(src_units, dst)
-            if armed is not None and chunk is not None and layers is None:
-                use = np.array_equal(chunk.dst_pages, armed.pages)
-        finally:
-            if armed is not None and not use:
-                armed.drop()
-        if use:
-            assert armed is not None
-            armed.release()  # the device sums the landed pages now: no launch
-            return armed
+        src_units, dst = self._slice(num_pages, dst_pages, cached_tokens, span)
+        chunk = self.mapper.page_chunk(src_units, dst)
         if chunk is None:
             return lambda: {}
         pages = chunk.dst_pages
         only = None if layers is None else range(*layers)
         return self.hasher.page_sums_later(self.side, pages, self.side, pages, only)
-
-    def arm(self, dst_pages: NDArray[np.int64]) -> ArmedSums | None:
-        """Decode's progress thread, once a request's metadata went out: the check of a chunk
-        landing on every one of ``dst_pages`` (the whole request: the usual one chunk)
-        enqueued before its KV lands and held (:meth:`RowHasher.arm_page_sums`), for
-        :meth:`chunk_later`; None where nothing is armed (rows, host memory, no slot)."""
-        if self.side is None:
-            return None
-        return self.hasher.arm_page_sums(self.side, np.asarray(dst_pages, dtype=np.int64))
 
     def _slice(
         self,

@@ -19,7 +19,7 @@ from numpy.typing import NDArray
 
 from kvwire.control.wire import ChunkNote
 from kvwire.errors import TransferError
-from kvwire.integrity import ArmedSums, LayerSums, add_sums, layer_ranges, mismatched_layers
+from kvwire.integrity import LayerSums, add_sums, layer_ranges, mismatched_layers
 from kvwire.session.checksums import LandedSums
 from kvwire.session.decode.links import PrefillLink
 from kvwire.session.metrics import RequestMetrics
@@ -95,20 +95,6 @@ class RecvRoom:
     #: Prefill sessions asked again after they dropped the request unread
     #: (:mod:`kvwire.session.decode.rejoin`).
     asked_again: set[str] = field(default_factory=set)
-    #: Checks armed ahead, by source (session, sender id): the whole request's pages, taken
-    #: by that source's first complete chunk (:mod:`kvwire.session.decode.armed`).
-    armed: dict[tuple[str, int], ArmedSums] = field(default_factory=dict)
-
-    def noted_from(self, sender_id: int) -> bool:
-        """Under the lock: whether a KV note from ``sender_id`` was counted here."""
-        return any(seen[1] == sender_id for seen in self.notes_seen)
-
-    def drop_armed(self) -> None:
-        """Under the lock, when the room fails or is cleared: release every armed check
-        unused (their slots come back once the device ran them)."""
-        armed, self.armed = self.armed, {}
-        for check in armed.values():
-            check.drop()
 
     def pages_in(self, pool: str) -> Any:
         """Under the room lock (strategies, through ``StagingContext.room_pages``): the
@@ -231,11 +217,8 @@ class RecvRoom:
                 "without its checksum, which this rank asked for",
                 room=self.room,
             )
-        armed = None
-        if msg.piece_layers is None:  # a whole chunk: the request's armed check, if any
-            armed = self.armed.pop((msg.session, msg.sender_id), None)
         return ChunkCheck(
-            self.room, msg, sent, link, link.checksums, self.dst_pages, self.cached_tokens, armed
+            self.room, msg, sent, link, link.checksums, self.dst_pages, self.cached_tokens
         )
 
     def piece_check(self, msg: ChunkNote) -> ChunkCheck | None:
@@ -269,25 +252,20 @@ class ChunkCheck:
     checksums: LandedSums
     dst_pages: NDArray[np.int64]
     cached_tokens: int | None
-    #: The request's check armed ahead for this source, taken by its first whole chunk.
-    armed: ArmedSums | None = None
 
     def start(self) -> Callable[[], LayerSums] | None:
-        """The thread that will :meth:`run` the check, no lock held: release the armed check
-        when the chunk lands on its pages, else launch the sums now where the link's hasher
-        computes beside the caller (a GPU's), for :meth:`run` to wait for
-        (:meth:`LandedSums.chunk_later <kvwire.session.checksums.LandedSums.chunk_later>`);
+        """The thread that will :meth:`run` the check, no lock held: launch the sums now
+        where the link's hasher computes beside the caller (a GPU's), for :meth:`run` to wait
+        for (:meth:`LandedSums.chunk_later <kvwire.session.checksums.LandedSums.chunk_later>`);
         None when it sums in :meth:`run` (or could not launch: :meth:`run` then finds and
         reports why)."""
         msg = self.msg
         assert msg.span is not None and msg.num_pages is not None
         try:
             return self.checksums.chunk_later(
-                msg.num_pages, self.dst_pages, self.cached_tokens, msg.span, msg.piece_layers,
-                self.armed)  # fmt: skip
+                msg.num_pages, self.dst_pages, self.cached_tokens, msg.span, msg.piece_layers
+            )
         except Exception:  # run() sums it again and names the error
-            if self.armed is not None:
-                self.armed.drop()
             return None
 
     def run(
@@ -300,8 +278,6 @@ class ChunkCheck:
         for a mismatch, the chunk fault for the failure report."""
         msg, link = self.msg, self.link
         assert msg.span is not None and msg.num_pages is not None
-        if later is None and self.armed is not None:  # checked without start(): unused
-            self.armed.drop()
         try:
             if later is not None:
                 landed = later()

@@ -50,7 +50,6 @@ from kvwire.errors import (
 from kvwire.session import metrics as m
 from kvwire.session.common import Side
 from kvwire.session.context import RankContext
-from kvwire.session.decode.armed import arm_later
 from kvwire.session.decode.aux import take_aux
 from kvwire.session.decode.checker import ChunkChecker
 from kvwire.session.decode.links import PrefillLink, SourceLinks
@@ -495,7 +494,6 @@ class DecodeSide(Side[RecvRoom]):
         so a prefill engine that sends as soon as it sees the request finds them there)."""
         assert room.sources is not None and room.dst_pages is not None
         ctx = self.ctx
-        arm_later(ctx.later, self.rooms, room)  # checks armed while the KV is on its way
         offer_ahead(ctx, room.room, room.pool, room.dst_pages.size, room.sources)
         msg = self.request_message(room)
         room.metrics.marks["requested"] = time.perf_counter()
@@ -530,7 +528,6 @@ class DecodeSide(Side[RecvRoom]):
         tell its sources (but ``skip``, the one that reported it or is gone)."""
         if not self.rooms.fail(room, exc):
             return
-        room.drop_armed()
         room.cause = "aborted" if aborted else cause
         logger.warning("%s: room %d failed: %s", self.ctx.agent_name, room.room, exc)
         self._push_failure(room, exc, skip, aborted)
@@ -555,7 +552,6 @@ class DecodeSide(Side[RecvRoom]):
         with self.rooms.lock:
             if self.rooms.forget(room) and room.aux_index >= 0:
                 self.ctx.stamps[room.aux_index, 0] = 0
-            room.drop_armed()
             self.quarantine.hold(room)
         for strategy in self.ctx.strategies:
             strategy.release(room.room)
