@@ -246,14 +246,13 @@ class LandedSums:
         layers ``[a, b)`` when given (one piece of the chunk, ``ChunkNote.piece_layers``).
         A link with a page form sums the landed pages (keyed by themselves) without mapping
         rows, as prefill summed them."""
-        src_units, dst = self._slice(num_pages, dst_pages, cached_tokens, span)
         only = None if layers is None else range(*layers)
         if self.side is not None:  # the chunk's destination pages (granules: page sizes differ)
-            chunk = self.mapper.page_chunk(src_units, dst)
-            if chunk is None:
+            pages = self._pages(num_pages, dst_pages, cached_tokens, span)
+            if pages is None:
                 return {}  # nothing of this chunk lands here
-            pages = chunk.dst_pages
             return self.hasher.page_sums(self.side, pages, self.side, pages, only)
+        src_units, dst = self._slice(num_pages, dst_pages, cached_tokens, span)
         _, dst_idx = self.mapper.map_chunk(src_units, dst)
         idx = np.asarray(dst_idx, dtype=np.int64)
         return self.hasher.sums(self.dst, idx, self.dst[idx, ADDR], only)
@@ -274,13 +273,23 @@ class LandedSums:
         (:meth:`~kvwire.session.decode.checker.ChunkChecker.run_deferred`)."""
         if self.side is None:
             return None
-        src_units, dst = self._slice(num_pages, dst_pages, cached_tokens, span)
-        chunk = self.mapper.page_chunk(src_units, dst)
-        if chunk is None:
+        pages = self._pages(num_pages, dst_pages, cached_tokens, span)
+        if pages is None:
             return lambda: {}
-        pages = chunk.dst_pages
         only = None if layers is None else range(*layers)
         return self.hasher.page_sums_later(self.side, pages, self.side, pages, only)
+
+    def _pages(
+        self,
+        num_pages: int,
+        dst_pages: NDArray[np.int64],
+        cached_tokens: int | None,
+        span: tuple[int, int],
+    ) -> NDArray[np.int64] | None:
+        """A link with a page form: the destination pages the chunk landed on (None: none
+        here)."""
+        chunk = self.mapper.page_chunk(*self._slice(num_pages, dst_pages, cached_tokens, span))
+        return None if chunk is None else chunk.dst_pages
 
     def _slice(
         self,
