@@ -31,7 +31,8 @@ BASE=$PWD/ab_base/core/src:$PWD/ab_base/plugins/cudaipc/src:${PYTHONPATH#*:}  # 
 if has ab; then
   [ -d ab_base/core/src ] || { echo "no ab_base/core/src"; exit 1; }
   for r in $(seq "$ROUNDS"); do
-    order="base new"; [ $((r % 2)) = 0 ] && order="new base"  # ABBA: a drift cancels
+    # ABBA BAAB: a drift cancels, and over four rounds each tree runs first and last once
+    case $((r % 4)) in 1|0) order="base new" ;; *) order="new base" ;; esac
     for t in $order; do
       pp=$NEW; [ $t = base ] && pp=$BASE
       PYTHONPATH=$pp run_case "st_${t}_r$r${TAG:-}" python3 $AB --backend "${BACKEND:-nixl}" \
