@@ -33,9 +33,13 @@ Lock contract:
 A link whose hasher sums on the device (:attr:`~kvwire.session.checksums.LandedSums.inline`:
 a launch and a ~0.1 ms wait) is checked on the thread that saw its chunk complete instead:
 :meth:`ChunkChecker.submit` keeps the check in that thread's list, and the thread runs it with
-:meth:`ChunkChecker.run_deferred` once it let go of the room lock (the decode side's note
-handler does, and so does a checker thread after applying a verdict that queued more). The
-check and its verdict are the same; only the hop to a checker thread and back is gone.
+:meth:`ChunkChecker.run_deferred` once it let go of the room lock (the progress thread after
+its whole drain of notifications, ``DecodeSide.notifications_drained``; the liveness thread
+after a control note; a checker thread after applying a verdict that queued more). It launches
+every queued check's sums before it waits for the first (:meth:`ChunkCheck.start
+<kvwire.session.decode.rooms.ChunkCheck.start>`), so chunks that landed together share one
+wait. The check and its verdict are the same; only the hop to a checker thread and back is
+gone.
 
 Teardown: :meth:`ChunkChecker.close` (manager shutdown, after live rooms were failed) drops the
 queued checks and waits for those running, so none reads the rank's KV buffers after they
@@ -173,9 +177,9 @@ class ChunkChecker:
         return True
 
     def run_deferred(self) -> None:
-        """The thread that submitted inline checks, holding no room lock: run them now, in
-        order, each applying its verdict (which may queue more: they run too). A no-op on a
-        thread with none."""
+        """The thread that submitted inline checks, holding no room lock: launch every one's
+        sums (:meth:`ChunkCheck.start`), then wait for and apply each verdict in order (a
+        verdict may queue more: they run as the next batch). A no-op on a thread with none."""
         mine: list[ChunkCheck] | None = getattr(self._deferred, "checks", None)
         while mine:
             batch = mine[:]
