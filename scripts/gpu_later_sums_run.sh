@@ -50,6 +50,21 @@ for f in sorted(pathlib.Path(sys.argv[1]).glob("ck_*.json")):
             cells = " ".join(f"{c['mib']}/{c['concurrency']}:{c['gbps']:.1f}" for c in r["cells"])
             print(f"{f.stem} {path} checksum={r.get('kv_checksum')} failed={failed} "
                   f"mismatches={bad} {cells}")
+# what checksums add per run (time per request, on against off), and checked GB/s this
+# tree / base per round (runs named ck_<tree>_r<round>)
+gbps = {}
+for f in sorted(pathlib.Path(sys.argv[1]).glob("ck_*_r*.json")):
+    tree, rnd = f.stem[3:].rsplit("_", 1)
+    for path, rounds in json.loads(f.read_text())["paths"].items():
+        for r in rounds:
+            for c in r["cells"]:
+                gbps[(tree, rnd, path, bool(r.get("kv_checksum")), c["mib"], c["concurrency"])] = c["gbps"]
+for (tree, rnd, path, on, mib, conc), g in sorted(gbps.items()):
+    off = gbps.get((tree, rnd, path, False, mib, conc))
+    if on and off:
+        base = gbps.get(("base", rnd, path, True, mib, conc)) if tree == "new" else None
+        vs = f", checked new/base {g / base:.2f}" if base else ""
+        print(f"added {tree} {rnd} {path} {mib}/{conc}: {off / g - 1:+.0%}{vs}")
 PY
 mkdir -p "$OUT_FINAL"
 tar -czf "$OUT_FINAL/later.tgz" -C "$RES" $(cd "$RES" && ls *.json *.log 2>/dev/null)
