@@ -5,7 +5,7 @@ A link whose hasher sums on the GPU is checked on the thread that handled the ch
 side first and runs the checks they completed afterwards
 (:meth:`~kvwire.session.decode.side.DecodeSide.notifications_drained`): every check's sums are
 launched (:meth:`ChunkCheck.start`, through ``LandedSums.chunk_later`` and the hasher's
-``page_sums_later``) before the first one is waited for, so several chunks that landed
+``page_sums_later``; four at most) before the first one is waited for, so chunks that landed
 together cost one wait, not one each.
 
 No GPU runs this suite: the host hasher is flagged ``INLINE_CHECK`` and given a
@@ -27,7 +27,7 @@ import pytest
 from kvwire.errors import KVWireError
 from kvwire.integrity import LayerSums, RowHasher
 from kvwire.session import KVPoll
-from kvwire.session.decode.checker import ChunkChecker
+from kvwire.session.decode.checker import CHECK_BATCH, ChunkChecker
 from kvwire.session.rooms import RoomTable
 from kvwire.testing.kvfill import count_mismatches
 from kvwire.testing.pair import config, no_rooms, pair, wait_for
@@ -58,20 +58,22 @@ class _Stub:
 
 
 def test_deferred_checks_launch_all_then_wait_in_order() -> None:
-    """Three inline checks queued on one thread: ``run_deferred`` launches all three, then
-    waits for each in the order they came; nothing stays in flight. Before this, each check
-    launched and waited before the next one launched."""
+    """Six inline checks queued on one thread: ``run_deferred`` launches a batch of
+    ``CHECK_BATCH`` (4), then waits for each in the order they came, then the next batch;
+    nothing stays in flight. Before this, each check launched and waited before the next one
+    launched."""
+    assert CHECK_BATCH == 4
     rooms: RoomTable[Any] = RoomTable({})
     checker = ChunkChecker("t", rooms, lambda *a, **k: None, lambda r: None, lambda r: None)
     events: list[tuple[str, int]] = []
     try:
         with rooms.lock:
-            for i in range(3):
+            for i in range(6):
                 assert checker.submit(_Stub(i, events))  # type: ignore[arg-type]
-        assert events == [] and checker.in_flight() == 3  # nothing runs under the lock
+        assert events == [] and checker.in_flight() == 6  # nothing runs under the lock
         checker.run_deferred()
-        launches = [("launch", i) for i in range(3)]
-        assert events == [*launches, ("wait", 0), ("wait", 1), ("wait", 2)]
+        first = [("launch", i) for i in range(4)] + [("wait", i) for i in range(4)]
+        assert events == [*first, ("launch", 4), ("launch", 5), ("wait", 4), ("wait", 5)]
         assert checker.in_flight() == 0
     finally:
         checker.close()

@@ -269,7 +269,7 @@ class LandedSums:
         same thread), where the link has a page form and its hasher computes beside the
         caller (a GPU's: :meth:`RowHasher.page_sums_later`); None otherwise (call
         :meth:`chunk`). Decode's note handler launches every check a drain of notes
-        completed before it waits for the first
+        completed (up to four) before it waits for the first
         (:meth:`~kvwire.session.decode.checker.ChunkChecker.run_deferred`)."""
         if self.side is None:
             return None

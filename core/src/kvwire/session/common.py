@@ -48,7 +48,7 @@ class Side(Generic[R]):
         """Progress thread, after handing a drain of data-plane notifications to
         ``on_notification`` one by one (even when one of them raised), no lock held: work
         the drain left for the end (decode runs the checksum checks the notes completed,
-        every launch first). Default: nothing."""
+        a batch's launches first). Default: nothing."""
 
     def awaiting_data(self) -> bool:
         """Whether a request here waits on data-plane notifications (the control thread then

@@ -36,9 +36,9 @@ a launch and a ~0.1 ms wait) is checked on the thread that saw its chunk complet
 :meth:`ChunkChecker.run_deferred` once it let go of the room lock (the progress thread after
 its whole drain of notifications, ``DecodeSide.notifications_drained``; the liveness thread
 after a control note; a checker thread after applying a verdict that queued more). It launches
-every queued check's sums before it waits for the first (:meth:`ChunkCheck.start
-<kvwire.session.decode.rooms.ChunkCheck.start>`), so chunks that landed together share one
-wait. The check and its verdict are the same; only the hop to a checker thread and back is
+the sums of up to :data:`CHECK_BATCH` queued checks before it waits for the first
+(:meth:`ChunkCheck.start <kvwire.session.decode.rooms.ChunkCheck.start>`), so chunks that
+landed together share one wait. The check and its verdict are the same; only the hop to a checker thread and back is
 gone.
 
 Teardown: :meth:`ChunkChecker.close` (manager shutdown, after live rooms were failed) drops the
@@ -72,6 +72,10 @@ Outcome = tuple[TransferError, ChunkFault | None] | None
 #: releases the GIL on large arrays; the GPU hasher waits on its own stream), so two keep up
 #: with one progress thread while leaving the process's other threads room.
 CHECK_WORKERS = 2
+#: Inline checks launched before the first of them is waited for: a drain of many notes at
+#: once does not hold its first verdict behind every other check's launch (a GPU hasher's
+#: lane keeps sums for 4 launches in flight, ``integrity_lanes.PAGE_SLOTS``).
+CHECK_BATCH = 4
 
 
 class ChunkChecker:
@@ -177,14 +181,15 @@ class ChunkChecker:
         return True
 
     def run_deferred(self) -> None:
-        """The thread that submitted inline checks, holding no room lock: launch every one's
-        sums (:meth:`ChunkCheck.start`), then wait for and apply each verdict in order (a
-        verdict may queue more: they run as the next batch). A no-op on a thread with none."""
+        """The thread that submitted inline checks, holding no room lock: in batches of
+        :data:`CHECK_BATCH`, launch every one's sums (:meth:`ChunkCheck.start`), then wait for
+        and apply each verdict in order (a verdict may queue more: they run in a later batch).
+        A no-op on a thread with none."""
         mine: list[ChunkCheck] | None = getattr(self._deferred, "checks", None)
         while mine:
-            batch = mine[:]
-            del mine[:]  # verdicts may queue more: the next round
-            started = [(check, check.start()) for check in batch]  # every launch first
+            batch = mine[:CHECK_BATCH]
+            del mine[:CHECK_BATCH]  # the rest, and what verdicts queue: the next rounds
+            started = [(check, check.start()) for check in batch]  # the batch's launches first
             for check, later in started:
                 try:
                     self._run(check, later)

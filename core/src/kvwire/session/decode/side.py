@@ -251,7 +251,7 @@ class DecodeSide(Side[RecvRoom]):
 
     def notifications_drained(self) -> None:
         """Progress thread, no lock held, after a drain of notifications: run the device
-        sums' checks their notes completed, every launch before the first wait
+        sums' checks their notes completed, a batch's launches before its first wait
         (:meth:`ChunkChecker.run_deferred
         <kvwire.session.decode.checker.ChunkChecker.run_deferred>`)."""
         self.checker.run_deferred()
