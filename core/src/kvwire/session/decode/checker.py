@@ -38,8 +38,8 @@ its whole drain of notifications, ``DecodeSide.notifications_drained``; the live
 after a control note; a checker thread after applying a verdict that queued more). It launches
 the sums of up to :data:`CHECK_BATCH` queued checks before it waits for the first
 (:meth:`ChunkCheck.start <kvwire.session.decode.rooms.ChunkCheck.start>`), so chunks that
-landed together share one wait. The check and its verdict are the same; only the hop to a checker thread and back is
-gone.
+landed together share one wait. The check and its verdict are the same; only the hop to a
+checker thread and back is gone.
 
 Teardown: :meth:`ChunkChecker.close` (manager shutdown, after live rooms were failed) drops the
 queued checks and waits for those running, so none reads the rank's KV buffers after they
