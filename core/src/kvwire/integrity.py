@@ -228,7 +228,7 @@ class RowHasher:
         """:meth:`page_sums` started now and waited for by whoever calls the result (any
         thread, later), where the hasher computes beside the caller (a GPU's); None where it
         would compute now anyway (here: host memory, summed on the calling thread). Called by
-        prefill's transfer workers."""
+        prefill's transfer workers and by decode's inline checks (launched a batch at a time)."""
         return None
 
     def sums_order(

@@ -320,7 +320,7 @@ class DeviceRowHasher(RowHasher):
         chunk, made by ``cudaipc``'s kernel watcher once the chunk's write ended, while the
         sum ran beside the write). The lane's next call waits for it first (it reuses the
         lane's buffers). None for ``layers`` the device does not select (then
-        :meth:`page_sums`). Called by prefill's transfer workers."""
+        :meth:`page_sums`). Called by prefill's workers and decode's checks (a batch's)."""
         lo, hi = layer_range(layers, self._num_layers)
         if lo < 0:
             return None
