@@ -7,6 +7,7 @@
 # SPY_FLAGS="--idle --threads" samples every thread's wall time instead (waits included).
 # A case is BACKEND:MIB, or BACKEND:MIB:PREFILL_TP:DECODE_TP (e.g. cudaipc:128:1:2).
 # SPY_EXTRA: more flags for every case's scripts/gpu_staging_ab.py (e.g. --checksum).
+# SPY_CONC: requests in flight (default 8).
 # Results: $OUT/spy.tgz (py-spy's raw stacks per process, the runs' logs).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -19,7 +20,7 @@ for case in ${SPY_CASES:-cudaipc:16 nixl:128}; do
   tag="${backend}_${mib}"; [ "$ptp$dtp" != 11 ] && tag="${tag}_tp$ptp$dtp"
   n=$(( mib >= 128 ? 6000 : 20000 ))
   python3 scripts/gpu_staging_ab.py --backend "$backend" --staging auto --sizes "$mib" \
-    --concurrency 8 --requests $n --verify-requests 1 --timeout 300 \
+    --concurrency ${SPY_CONC:-8} --requests $n --verify-requests 1 --timeout 300 \
     --prefill-tp "$ptp" --decode-tp "$dtp" ${SPY_EXTRA:-} \
     --json "$OUT/$tag.json" > "$OUT/$tag.log" 2>&1 &
   bench=$!

@@ -141,23 +141,27 @@ _PTX_CHECK = textwrap.dedent(
     import triton.language as tl
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
-    from kvwire.movers.triton_pool_pages import ONE_BLOCK, PIECES, WHOLE, _copy_pool_pages
+    from kvwire.movers.triton_pool_kernels import (
+        ONE_BLOCK, PIECES, WHOLE, _copy_pool_batch, _copy_pool_pages,
+    )
 
-    # integers typed as a launch types them: addresses 64-bit, the rest (small) 32-bit
-    ints = ("table_addr npages nbuf src_slot dst_slot src_row dst_row n_vecs tokens").split()
-    sig = {**{k: "i64" if k.endswith("addr") else "i32" for k in ints},
-           **{k: "constexpr" for k in ("block", "elem", "align", "vec", "shape", "batch")}}
-    for (shape, block, want), batch in itertools.product(
-        ((WHOLE, 2048, "v4"), (PIECES, 2048, "v4"), (ONE_BLOCK, 256, "v2")), (False, True)
+    # integers typed as a launch types them: addresses 64-bit, the rest (small) 32-bit;
+    # one chunk's kernel, and the batch kernel of several chunks' tables
+    single = "table_addr npages nbuf src_slot dst_slot src_row dst_row n_vecs tokens"
+    batch = "table_addr nchunks max_pages max_bufs src_row dst_row n_vecs tokens"
+    for (shape, block, want), (fn, ints) in itertools.product(
+        ((WHOLE, 2048, "v4"), (PIECES, 2048, "v4"), (ONE_BLOCK, 256, "v2")),
+        ((_copy_pool_pages, single.split()), (_copy_pool_batch, batch.split())),
     ):
-        consts = {"block": block, "elem": tl.int32, "align": 16, "vec": 4, "shape": shape,
-                  "batch": batch}
-        src = ASTSource(fn=_copy_pool_pages, signature=sig, constexprs=consts)
+        sig = {**{k: "i64" if k.endswith("addr") else "i32" for k in ints},
+               **{k: "constexpr" for k in ("block", "elem", "align", "vec", "shape")}}
+        consts = {"block": block, "elem": tl.int32, "align": 16, "vec": 4, "shape": shape}
+        src = ASTSource(fn=fn, signature=sig, constexprs=consts)
         ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
         ops = set(re.findall(r"(?:ld|st)[.]global[.][a-z0-9.]*b32", ptx.asm["ptx"]))
-        assert ops == {f"ld.global.{want}.b32", f"st.global.{want}.b32"}, (shape, ops)
+        assert ops == {f"ld.global.{want}.b32", f"st.global.{want}.b32"}, (shape, fn, ops)
     # pieces per token and head (head-major pages): 256-byte heads in 2 KiB tiles
-    from kvwire.movers.triton_pool_pages import _copy_pool_heads
+    from kvwire.movers.triton_pool_kernels import _copy_pool_heads
     ints = ("table_addr npages nbuf src_slot dst_slot src_tok dst_tok src_head dst_head "
             "n_vecs tokens heads").split()
     sig = {**{k: "i64" if k.endswith("addr") else "i32" for k in ints},

@@ -190,7 +190,7 @@ _PTX = textwrap.dedent(
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
     from kvwire.integrity_kernels import hash_pages
-    from kvwire.movers.triton_pool_pages import ONE_BLOCK, PIECES, WHOLE, _copy_pool_pages_summed
+    from kvwire.movers.triton_pool_kernels import ONE_BLOCK, PIECES, WHOLE, _copy_pool_pages_summed
 
     target = GPUTarget("cuda", 90, 32)
     ints = ("table_addr npages nbuf src_slot dst_slot src_row dst_row n_vecs tokens "

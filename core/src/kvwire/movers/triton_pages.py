@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -182,18 +183,37 @@ class PageCopier:
         grid: int = 0,
     ) -> None:
         """Write the table (``index`` then ``addrs``) into a pinned slot and enqueue one
-        launch of ``kernel_fn`` (``grid`` programs, by default one per (buffer, index entry);
-        ``scalars`` then the compile-time ``key``) on ``stream``; the compiled kernel is
-        launched directly after its first launch. Under this copier's lock; called by
-        :meth:`copy` and by subclasses' copies, on the caller's thread."""
+        launch of ``kernel_fn`` (``grid`` programs, by default one per (buffer, index entry));
+        see :meth:`_launch_table`. Called by :meth:`copy` and by subclasses' copies, on the
+        caller's thread."""
         nidx, nbuf = int(index.size), int(addrs.size)
+        parts = [(0, index), (nidx, addrs)]
         grid = grid or nbuf * nidx
+        self._launch_table(kernel_fn, name, key, nidx + nbuf, parts, scalars, stream, (grid, 1))
+
+    def _launch_table(
+        self,
+        kernel_fn: Any,
+        name: str,
+        key: tuple[Any, ...],
+        need: int,
+        parts: Sequence[tuple[int, NDArray[np.int64]]],
+        scalars: tuple[int, ...],
+        stream: Any,
+        grid: tuple[int, int],
+    ) -> None:
+        """Write a table of ``need`` int64 (each ``(offset, array)`` of ``parts`` at its
+        offset; the rest is left as it was) into a pinned slot and enqueue one launch of
+        ``kernel_fn`` on ``stream`` over ``grid`` (``scalars`` then the compile-time ``key``);
+        the compiled kernel is launched directly after its first launch. Under this copier's
+        lock; the caller's thread."""
         with self._lock:
             if self.device.type != "cuda":  # Triton's interpreter: host memory, synchronous
-                self._host = np.concatenate([index, addrs]).astype(np.int64)
-                kernel_fn[(grid,)](self._host.ctypes.data, *scalars, *key)
+                self._host = np.zeros(need, np.int64)
+                for o, arr in parts:
+                    self._host[o : o + arr.size] = arr
+                kernel_fn[grid](self._host.ctypes.data, *scalars, *key)
                 return
-            need = nidx + nbuf
             if self._slots is None or need > self._slot_elems:
                 if self._slots is not None:  # launches may still read the old slots
                     for ev in self._slots.events:
@@ -204,8 +224,9 @@ class PageCopier:
                     self._slots = _TableSlots(self._slots_count, self._slot_elems)
             slots = self._slots
             s = slots.take()
-            slots.arr[s, :nidx] = index
-            slots.arr[s, nidx:need] = addrs
+            row = slots.arr[s]
+            for o, arr in parts:
+                row[o : o + arr.size] = arr
             stream = stream if stream is not None else torch.cuda.current_stream(self.device)
             args = (slots.addr(s), *scalars)
             ckey = (name, *key)
@@ -214,13 +235,13 @@ class PageCopier:
                 launched = False
                 if kernel is not None and self._direct:
                     try:
-                        kernel[(grid, 1, 1)](*args, *key, stream=stream.cuda_stream)
+                        kernel[(grid[0], grid[1], 1)](*args, *key, stream=stream.cuda_stream)
                         launched = True
                     except Exception as exc:  # another Triton's launcher
                         logger.warning("%s mover: direct launch refused (%s)", name, exc)
                         self._direct = False
                 if not launched:
                     with torch.cuda.stream(stream):
-                        kernel = kernel_fn[(grid,)](*args, *key, num_warps=self.num_warps)
+                        kernel = kernel_fn[grid](*args, *key, num_warps=self.num_warps)
                     self._compiled.setdefault(ckey, kernel)
                 slots.launched(s, stream)

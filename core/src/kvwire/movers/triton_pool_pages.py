@@ -18,9 +18,10 @@ with the widest element that divides every address, stride and length (16 bytes:
 loads and stores). A geometry of one piece per token and head (head-major pages on a side:
 :attr:`PageGeometry.heads <kvwire.page_form.PageGeometry.heads>` > 1) launches a second
 kernel, ``_copy_pool_heads``, which copies a page's ``tokens x heads`` pieces as 2-D tiles
-(the tiling of :mod:`kvwire.movers.triton_heads`), again one program per (pair, page). The NumPy
-reference is :func:`kvwire.movers.pool_pages.copy_pool_pages_reference`. Imported only where
-it runs (a CUDA device, or Triton's interpreter on the CPU with ``TRITON_INTERPRET=1``).
+(the tiling of :mod:`kvwire.movers.triton_heads`), again one program per (pair, page). The
+kernels are in :mod:`kvwire.movers.triton_pool_kernels`. The NumPy reference is
+:func:`kvwire.movers.pool_pages.copy_pool_pages_reference`. Imported only where it runs (a
+CUDA device, or Triton's interpreter on the CPU with ``TRITON_INTERPRET=1``).
 """
 
 from __future__ import annotations
@@ -29,332 +30,25 @@ from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
-import triton
-import triton.language as tl
 from numpy.typing import NDArray
 
-from kvwire.integrity_kernels import sum_program
 from kvwire.integrity_orders import FusedSums
 from kvwire.movers.triton_copy import _ELEM, _ELEM_BYTES
 from kvwire.movers.triton_heads import tile_shape
 from kvwire.movers.triton_pages import PageCopier, kernel_key, page_width
+from kvwire.movers.triton_pool_kernels import (
+    HEADS,
+    ONE_BLOCK,
+    PIECES,
+    WHOLE,
+    _copy_pool_batch,
+    _copy_pool_heads,
+    _copy_pool_pages,
+    _copy_pool_pages_summed,
+)
 from kvwire.page_form import PageChunk
 
-__all__ = ["PoolPageCopier"]
-
-#: The kernel's compile-time shapes of a call (see ``_copy_pool_pages``); HEADS: the tiled
-#: kernel of pieces per token and head (``_copy_pool_heads``).
-PIECES, WHOLE, ONE_BLOCK, HEADS = 0, 1, 2, 3
-
-
-@triton.jit(  # type: ignore[untyped-decorator]
-    do_not_specialize=[
-        "table_addr",
-        "npages",
-        "nbuf",
-        "src_slot",
-        "dst_slot",
-        "src_row",
-        "dst_row",
-        "n_vecs",
-        "tokens",
-    ]
-)
-def _copy_pool_pages(  # type: ignore[no-untyped-def]  # Triton 3.6 rejects non-Triton annotations
-    table_addr,
-    npages,
-    nbuf,
-    src_slot,
-    dst_slot,
-    src_row,
-    dst_row,
-    n_vecs,
-    tokens,
-    block: tl.constexpr,
-    elem: tl.constexpr,
-    align: tl.constexpr,
-    vec: tl.constexpr,
-    shape: tl.constexpr,
-    batch: tl.constexpr,
-) -> None:
-    # table: int64 [2 * npages + 2 * nbuf] = source pages, destination pages, each pair's
-    # source address, each pair's destination address. Strides in elements, the piece's
-    # length in vectors of vec elements. batch (PoolPageCopier.copy_batch: several chunks of
-    # one shape): int64 [2 * npages] = each program's source address, then its destination
-    # address, a page's offset included (npages: the programs; nbuf and the slots unused).
-    _copy_program(
-        table_addr.to(tl.pointer_type(tl.int64)),
-        tl.program_id(0).to(tl.int64),
-        npages,
-        nbuf,
-        src_slot,
-        dst_slot,
-        src_row,
-        dst_row,
-        n_vecs,
-        tokens,
-        block,
-        elem,
-        align,
-        vec,
-        shape,
-        batch,
-    )
-
-
-@triton.jit  # type: ignore[untyped-decorator]
-def _copy_program(  # type: ignore[no-untyped-def]  # Triton 3.6 rejects non-Triton annotations
-    table,
-    pid,
-    npages,
-    nbuf,
-    src_slot,
-    dst_slot,
-    src_row,
-    dst_row,
-    n_vecs,
-    tokens,
-    block: tl.constexpr,
-    elem: tl.constexpr,
-    align: tl.constexpr,
-    vec: tl.constexpr,
-    shape: tl.constexpr,
-    batch: tl.constexpr,
-):
-    # Program pid of _copy_pool_pages (table as an int64 pointer), also run by
-    # _copy_pool_pages_summed for its first nbuf * npages programs.
-    if batch:
-        src0 = tl.load(table + pid).to(tl.pointer_type(elem))
-        dst0 = tl.load(table + npages + pid).to(tl.pointer_type(elem))
-    else:
-        b = pid // npages
-        i = pid - b * npages
-        sp = tl.load(table + i)
-        dp = tl.load(table + npages + i)
-        sa = tl.load(table + 2 * npages + b)
-        da = tl.load(table + 2 * npages + nbuf + b)
-        src0 = sa.to(tl.pointer_type(elem)) + sp * src_slot
-        dst0 = da.to(tl.pointer_type(elem)) + dp * dst_slot
-    # n counted in vectors: the compiler then knows n divides by vec, so a masked access
-    # stays a vector (16 bytes); a hint on an argument would be dropped (scalar accesses)
-    n = n_vecs * vec
-    offs = tl.arange(0, block)
-    # shape (compile-time): WHOLE (one piece per page) and ONE_BLOCK (every piece fits one
-    # block) copy in one flat loop, which the compiler pipelines (several loads in flight
-    # per program: what the peer's latency needs); PIECES nests the two loops.
-    if shape == 1:  # WHOLE
-        src = tl.multiple_of(src0, align)
-        dst = tl.multiple_of(dst0, align)
-        for start in range(0, n, block):
-            o = start + offs
-            mask = o < n
-            tl.store(dst + o, tl.load(src + o, mask=mask), mask=mask)
-    elif shape == 2:  # ONE_BLOCK
-        mask = offs < n
-        for t in range(0, tokens):
-            src = tl.multiple_of(src0 + t * src_row, align)
-            dst = tl.multiple_of(dst0 + t * dst_row, align)
-            tl.store(dst + offs, tl.load(src + offs, mask=mask), mask=mask)
-    else:
-        for t in range(0, tokens):
-            src = tl.multiple_of(src0 + t * src_row, align)
-            dst = tl.multiple_of(dst0 + t * dst_row, align)
-            for start in range(0, n, block):
-                o = start + offs
-                mask = o < n
-                tl.store(dst + o, tl.load(src + o, mask=mask), mask=mask)
-
-
-@triton.jit(  # type: ignore[untyped-decorator]
-    do_not_specialize=[
-        "table_addr",
-        "npages",
-        "nbuf",
-        "src_slot",
-        "dst_slot",
-        "src_row",
-        "dst_row",
-        "n_vecs",
-        "tokens",
-        "pairs_addr",
-        "consts_addr",
-        "out_addr",
-        "result_addr",
-        "sum_pairs",
-        "sum_tokens",
-        "cells",
-        "read_slot",
-        "read_row",
-        "key_slot",
-        "key_row",
-        "num_layers",
-        "lo",
-        "hi",
-    ]
-)
-def _copy_pool_pages_summed(  # type: ignore[no-untyped-def]  # Triton 3.6 rejects non-Triton annotations
-    table_addr,
-    npages,
-    nbuf,
-    src_slot,
-    dst_slot,
-    src_row,
-    dst_row,
-    n_vecs,
-    tokens,
-    pairs_addr,
-    consts_addr,
-    out_addr,
-    result_addr,
-    sum_pairs,
-    sum_tokens,
-    cells,
-    read_slot,
-    read_row,
-    key_slot,
-    key_row,
-    num_layers,
-    lo,
-    hi,
-    block: tl.constexpr,
-    elem: tl.constexpr,
-    align: tl.constexpr,
-    vec: tl.constexpr,
-    shape: tl.constexpr,
-    sum_block: tl.constexpr,
-    inline_weights: tl.constexpr,
-    mode: tl.constexpr,
-    order: tl.constexpr,
-) -> None:
-    # _copy_pool_pages (not batched) and, in the same launch, the checksums of what it
-    # sends: nbuf * npages copy programs as _copy_pool_pages' and sum_pairs * npages
-    # programs of hash_pages (kvwire.integrity_kernels), whose page lists follow the copy's
-    # table (read pages, then key pages) and whose other arguments are hash_pages' (pairs:
-    # int64 [3, sum_pairs] on the device; the sums land in result once every summing program
-    # ended). order (PoolPageCopier.SUM_ORDERS): the two kinds alternate in program order
-    # (copy, sum, copy, ...; the larger kind's rest at the end), or every copy first, or
-    # every sum first (the GPU starts programs roughly in order).
-    table = table_addr.to(tl.pointer_type(tl.int64))
-    pid = tl.program_id(0).to(tl.int64)
-    copies = nbuf * npages
-    sums = sum_pairs * npages
-    if order == 1:  # alternate
-        both = tl.minimum(copies, sums)
-        if pid < 2 * both:
-            idx = pid // 2
-            is_copy = pid % 2 == 0
-        else:
-            idx = pid - both
-            is_copy = copies > sums
-    elif order == 2:  # sums first
-        is_copy = pid >= sums
-        idx = tl.where(is_copy, pid - sums, pid)
-    else:  # copies first
-        is_copy = pid < copies
-        idx = tl.where(is_copy, pid, pid - copies)
-    if is_copy:
-        _copy_program(
-            table, idx, npages, nbuf, src_slot, dst_slot, src_row, dst_row, n_vecs, tokens,
-            block, elem, align, vec, shape, False,
-        )  # fmt: skip
-    else:
-        sum_program(
-            pairs_addr.to(tl.pointer_type(tl.int64)),
-            sum_pairs,
-            table + 2 * npages + 2 * nbuf,
-            consts_addr,
-            out_addr,
-            result_addr,
-            idx,
-            npages,
-            sum_tokens,
-            cells,
-            read_slot,
-            read_row,
-            key_slot,
-            key_row,
-            num_layers,
-            lo,
-            hi,
-            sum_block,
-            inline_weights,
-            mode,
-        )
-
-
-@triton.jit(  # type: ignore[untyped-decorator]
-    do_not_specialize=[
-        "table_addr",
-        "npages",
-        "nbuf",
-        "src_slot",
-        "dst_slot",
-        "src_tok",
-        "dst_tok",
-        "src_head",
-        "dst_head",
-        "n_vecs",
-        "tokens",
-        "heads",
-    ]
-)
-def _copy_pool_heads(  # type: ignore[no-untyped-def]  # Triton 3.6 rejects non-Triton annotations
-    table_addr,
-    npages,
-    nbuf,
-    src_slot,
-    dst_slot,
-    src_tok,
-    dst_tok,
-    src_head,
-    dst_head,
-    n_vecs,
-    tokens,
-    heads,
-    rows: tl.constexpr,
-    cols: tl.constexpr,
-    elem: tl.constexpr,
-    align: tl.constexpr,
-    vec: tl.constexpr,
-    t_inner: tl.constexpr,
-) -> None:
-    # Pieces of one head of one token (head-major pages on a side): the table as above; the
-    # slots in elements, the token and head strides and the piece's length in vectors (so
-    # every row of a tile starts on a vector: accesses stay 16 bytes wide). A program copies
-    # its page's tokens x heads pieces as 2-D tiles [rows, cols]; a tile row is (part of)
-    # one piece, contiguous on both sides. Consecutive tile rows are consecutive tokens of a
-    # head (t_inner) or consecutive heads of a token: the caller picks the order whose
-    # destination rows are closer (the stores go over the link).
-    table = table_addr.to(tl.pointer_type(tl.int64))
-    pid = tl.program_id(0).to(tl.int64)
-    b = pid // npages
-    i = pid - b * npages
-    sp = tl.load(table + i)
-    dp = tl.load(table + npages + i)
-    sa = tl.load(table + 2 * npages + b)
-    da = tl.load(table + 2 * npages + nbuf + b)
-    src0 = tl.multiple_of(sa.to(tl.pointer_type(elem)) + sp * src_slot, align)
-    dst0 = tl.multiple_of(da.to(tl.pointer_type(elem)) + dp * dst_slot, align)
-    n = n_vecs * vec
-    count = tokens * heads
-    r = tl.arange(0, rows)
-    c = tl.arange(0, cols)
-    for r0 in range(0, count, rows):
-        q = r0 + r
-        if t_inner:
-            h = (q // tokens).to(tl.int64)
-            t = q.to(tl.int64) - h * tokens
-        else:
-            t = (q // heads).to(tl.int64)
-            h = q.to(tl.int64) - t * heads
-        s_row = t * (src_tok * vec) + h * (src_head * vec)
-        d_row = t * (dst_tok * vec) + h * (dst_head * vec)
-        ok = q < count
-        for c0 in range(0, n, cols):
-            o = c0 + c
-            mask = ok[:, None] & (o < n)[None, :]
-            val = tl.load(src0 + s_row[:, None] + o[None, :], mask=mask)
-            tl.store(dst0 + d_row[:, None] + o[None, :], val, mask=mask)
+__all__ = ["HEADS", "ONE_BLOCK", "PIECES", "WHOLE", "PoolPageCopier"]
 
 
 class PoolPageCopier(PageCopier):
@@ -425,7 +119,7 @@ class PoolPageCopier(PageCopier):
                 _copy_pool_pages_summed, "pool_summed", skey, index, addrs, scalars, stream, grid
             )
             return
-        ckey = (*key[:4], shape, False)
+        ckey = (*key[:4], shape)
         self._launch(
             _copy_pool_pages, "pool", ckey, index, addrs, scalars, stream, grid=nbuf * npages
         )
@@ -445,10 +139,17 @@ class PoolPageCopier(PageCopier):
     ) -> int:
         """Enqueue several chunks (each as :meth:`copy_pages` takes it) with as few launches
         as their shapes allow: chunks that share the compile-time shape, the row strides,
-        the piece's length and the pieces per page go in one launch of the batch kernel,
-        whose table holds each program's two addresses (a (pair, page) of some chunk);
-        a head-major chunk, or a lone chunk of its shape, launches as :meth:`copy_pages` does.
-        Returns the launches. Same thread contract as :meth:`copy_pages`."""
+        the piece's length and the pieces per page go in one launch of the batch kernel
+        (``_copy_pool_batch``), whose table holds each chunk's page lists and pair addresses
+        as :meth:`copy_pages`' does; a head-major chunk, or a lone chunk of its shape,
+        launches as :meth:`copy_pages` does. Returns the launches. Same thread contract as
+        :meth:`copy_pages`.
+
+        The host's work per chunk is a few NumPy calls on the chunk's own page lists and pair
+        addresses, never on an array of every (pair, page): NumPy lets go of the GIL for
+        arrays of 500 elements or more, and a worker that lets go of it waits, on a busy
+        engine process, for the engine's thread to hand it back (docs/benchmarks.md,
+        "Session 26")."""
         groups: dict[tuple[int, ...], list[tuple[Any, ...]]] = {}
         launches = 0
         for chunk, sa, da in items:
@@ -459,28 +160,43 @@ class PoolPageCopier(PageCopier):
                 self.copy_pages(chunk, sa, da, stream=stream)
                 launches += 1
                 continue
-            s = (np.asarray(sa, np.int64)[:, None] + chunk.src_pages[None, :] * g.src_slot).ravel()
-            d = (np.asarray(da, np.int64)[:, None] + chunk.dst_pages[None, :] * g.dst_slot).ravel()
-            width = page_width(np.concatenate([s, d]), 0, g.src_row, g.dst_row, g.n)
+            sa, da = np.asarray(sa, np.int64), np.asarray(da, np.int64)
+            width = min(
+                page_width(sa, 0, g.src_slot, g.src_row, g.n),
+                page_width(da, 0, g.dst_slot, g.dst_row, g.n),
+            )
             key, eb = kernel_key(width, g.n, False)
             fits = g.n // eb <= key[0]
             shape = WHOLE if g.tokens == 1 else (ONE_BLOCK if fits else PIECES)
             strides = (g.src_row // eb, g.dst_row // eb, g.n // width, g.tokens)
-            groups.setdefault((*key[:4], shape, *strides), []).append((chunk, sa, da, s, d))
+            groups.setdefault((*key[:4], shape, *strides), []).append((chunk, sa, da, eb))
         for gk, parts in groups.items():
             if len(parts) == 1:
-                chunk, sa, da, _, _ = parts[0]
+                chunk, sa, da, _ = parts[0]
                 self.copy_pages(chunk, sa, da, stream=stream)
-            else:
-                s = np.concatenate([p[3] for p in parts])
-                d = np.concatenate([p[4] for p in parts])
-                self.last_shape = gk[4]
-                src_row, dst_row, n_vecs, tokens = gk[5:]
-                scalars = (s.size, 0, 0, 0, src_row, dst_row, n_vecs, tokens)
-                self._launch(
-                    _copy_pool_pages, "pool", (*gk[:5], True), s, d, scalars, stream,
-                    grid=s.size,
-                )  # fmt: skip
+                launches += 1
+                continue
+            self.last_shape = gk[4]
+            k = len(parts)
+            pmax = max(int(p[0].src_pages.size) for p in parts)
+            bmax = max(int(p[1].size) for p in parts)
+            sec = 2 * pmax + 2 * bmax
+            head: list[int] = []
+            pieces: list[tuple[int, NDArray[np.int64]]] = []
+            for j, (chunk, sa, da, eb) in enumerate(parts):
+                g = chunk.geometry
+                npages = int(chunk.src_pages.size)
+                head += [npages, int(sa.size), g.src_slot // eb, g.dst_slot // eb]
+                o = 4 * k + j * sec
+                pieces += [(o, chunk.src_pages), (o + pmax, chunk.dst_pages)]
+                pieces += [(o + 2 * pmax, sa), (o + 2 * pmax + bmax, da)]
+            pieces.insert(0, (0, np.array(head, np.int64)))
+            src_row, dst_row, n_vecs, tokens = gk[5:]
+            scalars = (k, pmax, bmax, src_row, dst_row, n_vecs, tokens)
+            self._launch_table(
+                _copy_pool_batch, "pool_batch", gk[:5], 4 * k + k * sec, pieces, scalars,
+                stream, (bmax * pmax, k),
+            )  # fmt: skip
             launches += 1
         return launches
 
