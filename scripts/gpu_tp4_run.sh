@@ -9,7 +9,9 @@
 # Device call (nvidia-h100-x4), carry [".whl"]:  bash scripts/gpu_tp4_run.sh
 # PARTS picks parts (default "peer cudaipc auto staged shapes sample"; also "nixl" (NIXL
 # with the default staging), "shapes_cu", "shapes_nixl", "hm", "views", "pages", "sample_auto",
-# "sample_staged"); REQUESTS, SIZES.
+# "sample_staged", "gil": cudaipc TP 1 -> 1, 2 -> 2, 2 -> 1 and 1 -> 2 again with the switch
+# interval held at 100 us (--gil-switch always)); REQUESTS, SIZES; CU_EXTRA: more flags for
+# every gpu_cudaipc_bench.py run (e.g. "--gil-switch never").
 # Results: $OUT/tp4.tgz (one JSON and log per run); the last lines printed are the table.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -19,7 +21,7 @@ PARTS=${PARTS:-peer cudaipc auto staged shapes sample}
 SIZES=${SIZES:-16,128}
 N=${REQUESTS:-64}
 CU="python3 scripts/gpu_cudaipc_bench.py --skip-mover --skip-backend-api --requests $N
-    --verify-requests 2 --timeout 120 --sizes $SIZES --concurrency 1,8"
+    --verify-requests 2 --timeout 120 --sizes $SIZES --concurrency 1,8 ${CU_EXTRA:-}"
 ST="python3 scripts/gpu_staged_bench.py --chunk-pages 64 --block-mib 8 --ring-mib 1024
     --requests $N --verify-requests 2 --timeout 120 --sizes $SIZES --concurrency 1,8
     --skip-mover --skip-per-page"
@@ -69,6 +71,12 @@ for tp in "1 1" "2 2" "2 1" "1 2"; do
   has nixl && run "nx_tp$tag" $CU --backend nixl --prefill-tp "$1" --decode-tp "$2"
   has staged && run "st_tp$tag" $ST --prefill-tp "$1" --decode-tp "$2"
 done
+if has gil; then
+  for tp in "1 1" "2 2" "2 1" "1 2"; do
+    set -- $tp
+    run "cu_tp$1$2_always" $CU --backend cudaipc --prefill-tp "$1" --decode-tp "$2" --gil-switch always
+  done
+fi
 if has shapes; then
   run cu_pg32 $CU --backend cudaipc --prefill-tp 2 --decode-tp 2 --decode-page-size 32
   run cu_hm $CU --backend cudaipc --prefill-tp 2 --decode-tp 2 --head-major decode

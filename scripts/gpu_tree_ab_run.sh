@@ -10,7 +10,10 @@
 #          second decode rank shares GPU 0 with prefill);
 #  bench:  `kvwire bench --device cuda` (every path, 16, 128 and 512 MiB, C = 1 and 8).
 # SIZES and CONC set the ab part's cells (default 16,128 and 1,8), BACKEND its backend (nixl),
-# PTP and DTP its prefill and decode TP (1 and 1), TAG a suffix of its runs' names.
+# PTP and DTP its prefill and decode TP (1 and 1), TAG a suffix of its runs' names, AB_EXTRA
+# more flags for its runs (e.g. "--gil-switch never": kvwire's GIL watch lowers the switch
+# interval after a run's start-up burst of Python in some runs and not in others, which moves
+# a run's GB/s by up to 1.5x on the GPU hosts; fix it for both trees when comparing).
 # Every run's first requests are checked element by element.
 # On the development machine:
 #   bash scripts/gpu_wheels.sh                       # fills .whl/
@@ -37,7 +40,7 @@ if has ab; then
       pp=$NEW; [ $t = base ] && pp=$BASE
       PYTHONPATH=$pp run_case "st_${t}_r$r${TAG:-}" python3 $AB --backend "${BACKEND:-nixl}" \
         --staging auto --sizes "${SIZES:-16,128}" --concurrency "${CONC:-1,8}" \
-        --prefill-tp "${PTP:-1}" --decode-tp "${DTP:-1}"
+        --prefill-tp "${PTP:-1}" --decode-tp "${DTP:-1}" ${AB_EXTRA:-}
     done
   done
 fi
