@@ -63,6 +63,7 @@ case "$cmd" in
   test)
     ensure_env
     log "ruff"; "$UV" run --frozen --no-sync ruff check core plugins integrations tests scripts examples
+    "$UV" run --frozen --no-sync ruff format --check core plugins integrations tests scripts examples
     log "mypy"; "$UV" run --frozen --no-sync mypy
     log "pytest"; exec "$UV" run --frozen --no-sync pytest "$@" ;;
   bench)

@@ -89,8 +89,12 @@ async def _with_router(
     decodes = [Fake("decode", f"d{i}") for i in range(n_decode)]
     for f in prefills + decodes:
         await f.server.start_server()
-    options = RouterOptions(prefill=[f.url for f in prefills], decode=[f.url for f in decodes],
-                            health_interval=0.2, **opts)
+    options = RouterOptions(
+        prefill=[f.url for f in prefills],
+        decode=[f.url for f in decodes],
+        health_interval=0.2,
+        **opts,
+    )
     router = TestServer(build_app(options), host="127.0.0.1")
     await router.start_server()
     try:

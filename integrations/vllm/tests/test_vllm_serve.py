@@ -71,8 +71,9 @@ PROMPTS = [_prompt(n, 0) for n in LENGTHS]
 
 def post(url: str, body: dict[str, Any], timeout: float = 120.0) -> tuple[int, Any]:
     """POST JSON; (status, parsed body or text)."""
-    req = urllib.request.Request(url, data=json.dumps(body).encode(),
-                                 headers={"Content-Type": "application/json"})
+    req = urllib.request.Request(
+        url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
+    )
     try:
         with urllib.request.urlopen(req, timeout=timeout) as r:
             status, raw = int(r.status), r.read()
@@ -87,8 +88,15 @@ def post(url: str, body: dict[str, Any], timeout: float = 120.0) -> tuple[int, A
 
 
 def completion(prompt: list[int], **extra: Any) -> dict[str, Any]:
-    return {"model": "m", "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0,
-            "ignore_eos": True, "return_token_ids": True, **extra}
+    return {
+        "model": "m",
+        "prompt": prompt,
+        "max_tokens": MAX_TOKENS,
+        "temperature": 0,
+        "ignore_eos": True,
+        "return_token_ids": True,
+        **extra,
+    }
 
 
 def tokens(answer: Any) -> list[int]:
@@ -121,7 +129,8 @@ class Pair:
                 "KVWIRE_TESTING_SLOW_FLAG": str(self.slow_flag),
             }
         self.deployment = Deployment(
-            ensure_env(), backend, prefill_kv, decode_kv, logs, prefill_env=prefill_env)
+            ensure_env(), backend, prefill_kv, decode_kv, logs, prefill_env=prefill_env
+        )
         self.prefill, self.decode = self.deployment.prefill, self.deployment.decode
         self.router_url = self.deployment.router.url
         self.model = self.deployment.model
@@ -217,7 +226,8 @@ def test_greedy_tokens_equal_single_server(pair: Pair) -> None:
     req = urllib.request.Request(
         f"{pair.router_url}/v1/completions",
         data=json.dumps(pair.body(PROMPTS[5], stream=True)).encode(),
-        headers={"Content-Type": "application/json"})
+        headers={"Content-Type": "application/json"},
+    )
     streamed: list[int] = []
     with urllib.request.urlopen(req, timeout=120) as r:
         for line in r:
@@ -237,17 +247,21 @@ def test_negative_control_other_prompts_kv(pair: Pair) -> None:
     # or decode must refuse the KV and compute the prompt itself; using a's KV shows as
     # tokens that differ from b's reference (what the token checks above rely on)
     before = pair.prompt_tokens_by_source()
-    status, ans = post(f"{pair.decode.url}/v1/completions",
-                       pair.body(b, kv_transfer_params=pair.prefill_leg(a)))
+    status, ans = post(
+        f"{pair.decode.url}/v1/completions", pair.body(b, kv_transfer_params=pair.prefill_leg(a))
+    )
     moved = pair.prompt_tokens_by_source()["external_kv_transfer"] - before["external_kv_transfer"]
-    print(f"[{pair.backend}] b's request with a's KV: HTTP {status}, {moved:.0f} tokens moved: "
-          f"{str(ans)[:200]}")
+    print(
+        f"[{pair.backend}] b's request with a's KV: HTTP {status}, {moved:.0f} tokens moved: "
+        f"{str(ans)[:200]}"
+    )
     # with kv_load_failure_policy=recompute (tcp) vLLM counts the refused load as moved and
     # computes the prompt itself: decode's log must then say it refused the KV
     refused = "the KV is of another prompt" in pair.decode.log_path.read_text(errors="replace")
     assert status != 200 or tokens(ans) != ref_b or moved == 0 or refused, (
         "decode took another prompt's KV and still produced the reference tokens: the "
-        "token checks could not see a mixup")
+        "token checks could not see a mixup"
+    )
     assert pair.decode.alive()
 
 
@@ -260,11 +274,13 @@ def test_kv_mixup_leaves_no_trace_in_prefix_cache(pair: Pair) -> None:
     a, b = _prompt(SWAP_LEN, 3), _prompt(SWAP_LEN, 4)
     ref_b = pair.reference(b)
     post(f"{pair.decode.url}/v1/completions", pair.body(b, kv_transfer_params=pair.prefill_leg(a)))
-    status, ans = post(f"{pair.decode.url}/v1/completions",
-                       pair.body(b, kv_transfer_params=pair.prefill_leg(b)))
+    status, ans = post(
+        f"{pair.decode.url}/v1/completions", pair.body(b, kv_transfer_params=pair.prefill_leg(b))
+    )
     assert status == 200, ans
-    assert tokens(ans) == ref_b, "wrong tokens for b after the mixup: decode's prefix cache " \
-        "kept a's KV under b's tokens"
+    assert tokens(ans) == ref_b, (
+        "wrong tokens for b after the mixup: decode's prefix cache kept a's KV under b's tokens"
+    )
     assert pair.decode.alive()
 
 
@@ -283,15 +299,20 @@ def test_wrong_address_and_unknown_room_fail_fast(pair: Pair) -> None:
     took: dict[str, float] = {}
     for name, params in cases.items():
         t0 = time.monotonic()
-        status, ans = post(f"{pair.decode.url}/v1/completions",
-                           pair.body(prompt, kv_transfer_params=params), timeout=180)
+        status, ans = post(
+            f"{pair.decode.url}/v1/completions",
+            pair.body(prompt, kv_transfer_params=params),
+            timeout=180,
+        )
         took[name] = time.monotonic() - t0
         print(f"[{pair.backend}] {name}: HTTP {status} after {took[name]:.1f}s: {str(ans)[:300]}")
         # failed, or computed locally (vLLM's recompute policy): never wrong tokens
         assert status != 200 or tokens(ans) == ref, ans
     # the instance goes on serving the prompt through both legs
-    status, ans = post(f"{pair.decode.url}/v1/completions",
-                       pair.body(prompt, kv_transfer_params=pair.prefill_leg(prompt)))
+    status, ans = post(
+        f"{pair.decode.url}/v1/completions",
+        pair.body(prompt, kv_transfer_params=pair.prefill_leg(prompt)),
+    )
     assert status == 200 and tokens(ans) == ref, ans
     pair.assert_serving()
     slow = {k: round(v, 1) for k, v in took.items() if v > FAST_FAIL_S}
@@ -301,18 +322,50 @@ def test_wrong_address_and_unknown_room_fail_fast(pair: Pair) -> None:
 def _hostile_params(good: dict[str, Any], rng: random.Random, n_random: int) -> list[Any]:
     """Hostile kv_transfer_params built from a valid set: wrong types, missing keys, bad
     addresses, huge ints, nested junk, then random mixtures."""
-    junk: list[Any] = [None, "not-an-int", "", -1, 0, 2**64, 2**200, -(2**70), 1.5, float("nan"),
-                       True, [], {}, [1, {"a": None}], {"nested": {"deeper": [1, 2, 3]}},
-                       "127.0.0.1", "127.0.0.1:notaport", "127.0.0.1:0", "127.0.0.1:99999",
-                       "[::1", ":", "a" * 5000, "host:1:2", "\x00\xff"]
-    keys = ["kvwire_room", "kvwire_bootstrap_addr", "remote_num_tokens", "kvwire_block_size",
-            "do_remote_prefill", "do_remote_decode"]
+    junk: list[Any] = [
+        None,
+        "not-an-int",
+        "",
+        -1,
+        0,
+        2**64,
+        2**200,
+        -(2**70),
+        1.5,
+        float("nan"),
+        True,
+        [],
+        {},
+        [1, {"a": None}],
+        {"nested": {"deeper": [1, 2, 3]}},
+        "127.0.0.1",
+        "127.0.0.1:notaport",
+        "127.0.0.1:0",
+        "127.0.0.1:99999",
+        "[::1",
+        ":",
+        "a" * 5000,
+        "host:1:2",
+        "\x00\xff",
+    ]
+    keys = [
+        "kvwire_room",
+        "kvwire_bootstrap_addr",
+        "remote_num_tokens",
+        "kvwire_block_size",
+        "do_remote_prefill",
+        "do_remote_decode",
+    ]
     out: list[Any] = ["string", [1, 2], 5]  # not an object at all
     for key in keys:
         out.append({k: v for k, v in good.items() if k != key})  # a missing key
         for value in junk:
-            if key == "kvwire_room" and isinstance(value, int) and not isinstance(value, bool) \
-                    and 0 <= value < 2**63:
+            if (
+                key == "kvwire_room"
+                and isinstance(value, int)
+                and not isinstance(value, bool)
+                and 0 <= value < 2**63
+            ):
                 continue  # a valid-looking unknown room: test_..._fail_fast covers it
             out.append({**good, key: value})
     out.append({**good, "unknown_key": {"x": [None]}})
@@ -335,8 +388,11 @@ def test_fuzz_params_crash_no_instance(pair: Pair) -> None:
     rng = random.Random(24)
     prompt = PROMPTS[1]
     good = pair.prefill_leg(prompt)
-    cases = [(server, _json_safe(p)) for p in _hostile_params(good, rng, 40)
-             for server in (pair.decode, pair.prefill)]
+    cases = [
+        (server, _json_safe(p))
+        for p in _hostile_params(good, rng, 40)
+        for server in (pair.decode, pair.prefill)
+    ]
     statuses: dict[int, int] = {}
     crashed: list[str] = []
 
@@ -344,8 +400,11 @@ def test_fuzz_params_crash_no_instance(pair: Pair) -> None:
         server, params = case
         if not server.alive():
             return
-        status, _ = post(f"{server.url}/v1/completions",
-                         pair.body(prompt, kv_transfer_params=params), timeout=180)
+        status, _ = post(
+            f"{server.url}/v1/completions",
+            pair.body(prompt, kv_transfer_params=params),
+            timeout=180,
+        )
         statuses[status] = statuses.get(status, 0) + 1
         if not (server.alive() and server.healthy()) and not crashed:
             crashed.append(f"{server.name} down after kv_transfer_params={str(params)[:300]}")
@@ -355,8 +414,10 @@ def test_fuzz_params_crash_no_instance(pair: Pair) -> None:
     print(f"[{pair.backend}] {len(cases)} hostile requests, statuses {statuses}")
     assert not crashed, f"{crashed[0]}\n{pair.tails()}"
     # a new request is served right through both legs, straight and through the router
-    status, ans = post(f"{pair.decode.url}/v1/completions",
-                       pair.body(prompt, kv_transfer_params=pair.prefill_leg(prompt)))
+    status, ans = post(
+        f"{pair.decode.url}/v1/completions",
+        pair.body(prompt, kv_transfer_params=pair.prefill_leg(prompt)),
+    )
     assert status == 200 and tokens(ans) == pair.reference(prompt), ans
     pair.assert_serving()
 
@@ -371,7 +432,8 @@ def test_decode_killed_mid_stream_prefill_releases(pair: Pair) -> None:
         req = urllib.request.Request(
             f"{pair.router_url}/v1/completions",
             data=json.dumps(pair.body(prompt, stream=True, max_tokens=400)).encode(),
-            headers={"Content-Type": "application/json"})
+            headers={"Content-Type": "application/json"},
+        )
         try:
             with urllib.request.urlopen(req, timeout=120) as r:
                 for line in r:
@@ -394,8 +456,10 @@ def test_decode_killed_mid_stream_prefill_releases(pair: Pair) -> None:
     while _prefill_usage(pair) > 0.0:
         assert time.monotonic() - t0 < RELEASE_S, pair.prefill.tail()
         time.sleep(0.5)
-    print(f"[{pair.backend}] prefill released its blocks {time.monotonic() - t0:.1f}s "
-          "after decode died")
+    print(
+        f"[{pair.backend}] prefill released its blocks {time.monotonic() - t0:.1f}s "
+        "after decode died"
+    )
     # ... and goes on serving: plain requests, and prefill legs for a new decode
     assert pair.prefill.alive()
     with ThreadPoolExecutor(8) as pool:
@@ -448,8 +512,12 @@ def test_prefill_killed_mid_push_decode_recomputes_the_rest(pair: Pair) -> None:
     pair.slow_flag.touch()
     try:
         with ThreadPoolExecutor(1) as pool:
-            fut = pool.submit(post, f"{pair.decode.url}/v1/completions",
-                              pair.body(prompt, kv_transfer_params=params), 300)
+            fut = pool.submit(
+                post,
+                f"{pair.decode.url}/v1/completions",
+                pair.body(prompt, kv_transfer_params=params),
+                300,
+            )
             # bounded by progress: prefill alive, posting a chunk a second
             deadline = time.monotonic() + 120
             while mark not in log.read_text(errors="replace"):
@@ -464,8 +532,10 @@ def test_prefill_killed_mid_push_decode_recomputes_the_rest(pair: Pair) -> None:
     assert tokens(ans) == ref, "recompute after a partial load gave other tokens"
     kept = kvwire_metric(pair, "kvwire_failed_request_pages_total", result="kept") - kept0
     lost = kvwire_metric(pair, "kvwire_failed_request_pages_total", result="missing") - lost0
-    print(f"[{pair.backend}] prefill killed at chunk {KILL_AT_CHUNK}: {kept:.0f} blocks kept "
-          f"(by transfer), {lost:.0f} recomputed")
+    print(
+        f"[{pair.backend}] prefill killed at chunk {KILL_AT_CHUNK}: {kept:.0f} blocks kept "
+        f"(by transfer), {lost:.0f} recomputed"
+    )
     blocks = -(-KILL_LEN // 128)
     assert kept + lost == blocks and KILL_AT_CHUNK <= kept < blocks, (kept, lost)
     assert "KV partly lost (sender_lost)" in pair.decode.log_path.read_text(errors="replace")

@@ -164,8 +164,9 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def kvwire_config(role: str, backend: str, bootstrap_port: int,
-                  control: dict[str, Any] | None = None) -> dict[str, Any]:
+def kvwire_config(
+    role: str, backend: str, bootstrap_port: int, control: dict[str, Any] | None = None
+) -> dict[str, Any]:
     """``--kv-transfer-config`` for kvwire (``role``: kv_producer or kv_consumer;
     ``control``: more kvwire ControlOptions)."""
     return {
@@ -189,9 +190,16 @@ class Server:
     """One ``vllm serve`` process group, started by :meth:`start` (called by the test's
     fixture, which owns it and calls :meth:`stop` on every exit path)."""
 
-    def __init__(self, env: Path, name: str, kv_config: dict[str, Any], core: int,
-                 log_dir: Path, extra_env: dict[str, str] | None = None,
-                 max_num_seqs: int = 8) -> None:
+    def __init__(
+        self,
+        env: Path,
+        name: str,
+        kv_config: dict[str, Any],
+        core: int,
+        log_dir: Path,
+        extra_env: dict[str, str] | None = None,
+        max_num_seqs: int = 8,
+    ) -> None:
         self.env, self.name, self.kv_config, self.core = env, name, kv_config, core
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
@@ -219,19 +227,40 @@ class Server:
             env.pop(key, None)
         env.update(self.extra_env)
         cmd = [
-            str(self.env / "bin" / "python"), "-m", "vllm.entrypoints.cli.main", "serve",
-            self.model, "--host", "127.0.0.1", "--port", str(self.port),
-            "--max-model-len", "1024", "--enforce-eager", "--dtype", "float32", "--seed", "0",
-            "--max-num-seqs", str(self.max_num_seqs),
+            str(self.env / "bin" / "python"),
+            "-m",
+            "vllm.entrypoints.cli.main",
+            "serve",
+            self.model,
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(self.port),
+            "--max-model-len",
+            "1024",
+            "--enforce-eager",
+            "--dtype",
+            "float32",
+            "--seed",
+            "0",
+            "--max-num-seqs",
+            str(self.max_num_seqs),
             # the worker inside the engine-core process: two imports of vLLM and torch instead
             # of three (most of the start time on this machine is imports)
-            "--distributed-executor-backend", "uni",
-            "--kv-transfer-config", json.dumps(self.kv_config),
+            "--distributed-executor-backend",
+            "uni",
+            "--kv-transfer-config",
+            json.dumps(self.kv_config),
         ]
         self._log = open(self.log_path, "wb")  # noqa: SIM115 - closed in stop()
-        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT,
-                                     env=env, start_new_session=True,
-                                     preexec_fn=_die_with_parent)
+        self.proc = subprocess.Popen(
+            cmd,
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            env=env,
+            start_new_session=True,
+            preexec_fn=_die_with_parent,
+        )
 
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
@@ -250,8 +279,9 @@ class Server:
         size = -1
         while not self.healthy(timeout=2):
             if not self.alive():
-                raise RuntimeError(f"{self.name} exited ({self.proc and self.proc.returncode})"
-                                   f"\n{self.tail()}")
+                raise RuntimeError(
+                    f"{self.name} exited ({self.proc and self.proc.returncode})\n{self.tail()}"
+                )
             now = time.monotonic()
             grown = self.log_path.stat().st_size
             if grown != size:
@@ -297,17 +327,32 @@ class Router:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_dir / "router.log"
-        self.args = ["--prefill", prefill.url, "--decode", decode.url, "--port", str(self.port),
-                     "--health-interval", "1", "--prefill-timeout", "120",
-                     "--read-timeout", "120"]
+        self.args = [
+            "--prefill",
+            prefill.url,
+            "--decode",
+            decode.url,
+            "--port",
+            str(self.port),
+            "--health-interval",
+            "1",
+            "--prefill-timeout",
+            "120",
+            "--read-timeout",
+            "120",
+        ]
         self.proc: subprocess.Popen[bytes] | None = None
 
     def start(self, timeout: float = 60.0) -> None:
         """Spawn it and wait until its /health answers 200 (both legs up)."""
         with open(self.log_path, "wb") as log:
-            self.proc = subprocess.Popen([sys.executable, "-m", "kvwire_vllm.router", *self.args],
-                                         stdout=log, stderr=subprocess.STDOUT,
-                                         start_new_session=True, preexec_fn=_die_with_parent)
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "kvwire_vllm.router", *self.args],
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+                preexec_fn=_die_with_parent,
+            )
         deadline = time.monotonic() + timeout
         while True:
             try:
@@ -337,10 +382,16 @@ class Deployment:
     """A prefill and a decode server (each pinned to its own core) and the router: started
     together by :meth:`start`, stopped by :meth:`stop` (the caller's finally)."""
 
-    def __init__(self, env: Path, name: str, prefill_kv: dict[str, Any],
-                 decode_kv: dict[str, Any], log_dir: Path,
-                 prefill_env: dict[str, str] | None = None,
-                 decode_env: dict[str, str] | None = None) -> None:
+    def __init__(
+        self,
+        env: Path,
+        name: str,
+        prefill_kv: dict[str, Any],
+        decode_kv: dict[str, Any],
+        log_dir: Path,
+        prefill_env: dict[str, str] | None = None,
+        decode_env: dict[str, str] | None = None,
+    ) -> None:
         self.name, self.logs = name, log_dir
         self.prefill = Server(env, f"prefill-{name}", prefill_kv, 0, log_dir, prefill_env)
         self.decode = Server(env, f"decode-{name}", decode_kv, 1, log_dir, decode_env)

@@ -79,8 +79,9 @@ class RouterOptions(BaseModel):
 class LegError(Exception):
     """A leg failed: becomes the client's 502 (or the stream's last event)."""
 
-    def __init__(self, leg: str, instance: str, message: str, status: int | None = None,
-                 body: str = "") -> None:
+    def __init__(
+        self, leg: str, instance: str, message: str, status: int | None = None, body: str = ""
+    ) -> None:
         super().__init__(f"{leg} leg on {instance}: {message}")
         self.leg, self.instance, self.message = leg, instance, message
         self.status, self.body = status, body
@@ -176,8 +177,7 @@ class Router:
             backend = self.decode.pick()
             async with self.session.get(f"{backend.url}/v1/models") as resp:
                 data = await resp.read()
-                return web.Response(body=data, status=resp.status,
-                                    content_type=resp.content_type)
+                return web.Response(body=data, status=resp.status, content_type=resp.content_type)
         except NoBackendError as exc:
             return web.json_response({"error": {"message": str(exc)}}, status=503)
         except (TimeoutError, aiohttp.ClientError) as exc:
@@ -191,21 +191,23 @@ class Router:
         try:
             body = await request.json()
         except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-            return web.json_response({"error": {"message": f"body is not JSON: {exc}"}},
-                                     status=400)
+            return web.json_response({"error": {"message": f"body is not JSON: {exc}"}}, status=400)
         if not isinstance(body, dict):
-            return web.json_response({"error": {"message": "body must be a JSON object"}},
-                                     status=400)
+            return web.json_response(
+                {"error": {"message": "body must be a JSON object"}}, status=400
+            )
         headers = {h: request.headers[h] for h in FORWARDED_HEADERS if h in request.headers}
         headers.setdefault("X-Request-Id", uuid.uuid4().hex)
         path = request.path
         try:
             params = await self._prefill(path, body, headers)
-            return await self._decode(request, path, {**body, "kv_transfer_params": params},
-                                      headers)
+            return await self._decode(
+                request, path, {**body, "kv_transfer_params": params}, headers
+            )
         except NoBackendError as exc:
-            return web.json_response({"error": {"type": "kvwire_router_error",
-                                                "message": str(exc)}}, status=503)
+            return web.json_response(
+                {"error": {"type": "kvwire_router_error", "message": str(exc)}}, status=503
+            )
         except LegError as exc:
             logger.warning("%s", exc)
             return web.json_response(exc.payload(), status=502)
@@ -220,25 +222,31 @@ class Router:
             tried.add(backend.url)
             yield backend
 
-    async def _prefill(self, path: str, body: dict[str, Any],
-                       headers: dict[str, str]) -> dict[str, Any]:
+    async def _prefill(
+        self, path: str, body: dict[str, Any], headers: dict[str, str]
+    ) -> dict[str, Any]:
         """Run the prefill leg; return the ``kv_transfer_params`` for decode."""
-        timeout = aiohttp.ClientTimeout(total=self.opts.prefill_timeout,
-                                        connect=self.opts.connect_timeout)
+        timeout = aiohttp.ClientTimeout(
+            total=self.opts.prefill_timeout, connect=self.opts.connect_timeout
+        )
         async for backend in self._attempts(self.prefill):
             with self.prefill.use(backend):
                 try:
-                    async with self.session.post(f"{backend.url}{path}",
-                                                 json=_prefill_body(body), headers=headers,
-                                                 timeout=timeout) as resp:
+                    async with self.session.post(
+                        f"{backend.url}{path}",
+                        json=_prefill_body(body),
+                        headers=headers,
+                        timeout=timeout,
+                    ) as resp:
                         text = await resp.text()
                         status = resp.status
                 except aiohttp.ClientConnectorError as exc:
                     self.prefill.mark_down(backend, repr(exc))
                     continue  # never reached the instance: the next may take it
                 except TimeoutError as exc:
-                    raise LegError("prefill", backend.url,
-                                   f"no answer in {self.opts.prefill_timeout}s") from exc
+                    raise LegError(
+                        "prefill", backend.url, f"no answer in {self.opts.prefill_timeout}s"
+                    ) from exc
                 except aiohttp.ClientError as exc:
                     raise LegError("prefill", backend.url, repr(exc)) from exc
             if status != 200:
@@ -246,42 +254,58 @@ class Router:
             try:
                 params = json.loads(text).get("kv_transfer_params")
             except (json.JSONDecodeError, AttributeError) as exc:
-                raise LegError("prefill", backend.url, "answer is not a JSON object",
-                               status, text) from exc
+                raise LegError(
+                    "prefill", backend.url, "answer is not a JSON object", status, text
+                ) from exc
             if not isinstance(params, dict):
-                raise LegError("prefill", backend.url,
-                               "answer has no kv_transfer_params (is the instance started "
-                               "with a kv_producer KV connector?)", status, text)
+                raise LegError(
+                    "prefill",
+                    backend.url,
+                    "answer has no kv_transfer_params (is the instance started "
+                    "with a kv_producer KV connector?)",
+                    status,
+                    text,
+                )
             return params
         raise AssertionError("unreachable")  # _attempts raises NoBackendError when done
 
-    async def _decode(self, request: web.Request, path: str, body: dict[str, Any],
-                      headers: dict[str, str]) -> web.StreamResponse:
+    async def _decode(
+        self, request: web.Request, path: str, body: dict[str, Any], headers: dict[str, str]
+    ) -> web.StreamResponse:
         """Run the decode leg and stream its answer back to the client."""
-        timeout = aiohttp.ClientTimeout(total=None, connect=self.opts.connect_timeout,
-                                        sock_read=self.opts.read_timeout)
+        timeout = aiohttp.ClientTimeout(
+            total=None, connect=self.opts.connect_timeout, sock_read=self.opts.read_timeout
+        )
         async for backend in self._attempts(self.decode):
             with self.decode.use(backend):
                 try:
-                    async with self.session.post(f"{backend.url}{path}", json=body,
-                                                 headers=headers, timeout=timeout) as resp:
+                    async with self.session.post(
+                        f"{backend.url}{path}", json=body, headers=headers, timeout=timeout
+                    ) as resp:
                         if resp.status != 200:
                             text = await resp.text()
-                            raise LegError("decode", backend.url, f"answered HTTP {resp.status}",
-                                           resp.status, text)
+                            raise LegError(
+                                "decode",
+                                backend.url,
+                                f"answered HTTP {resp.status}",
+                                resp.status,
+                                text,
+                            )
                         return await self._relay(request, resp, backend)
                 except aiohttp.ClientConnectorError as exc:
                     self.decode.mark_down(backend, repr(exc))
                     continue  # never reached the instance: the next may take it
                 except TimeoutError as exc:
-                    raise LegError("decode", backend.url,
-                                   f"no answer in {self.opts.read_timeout}s") from exc
+                    raise LegError(
+                        "decode", backend.url, f"no answer in {self.opts.read_timeout}s"
+                    ) from exc
                 except aiohttp.ClientError as exc:
                     raise LegError("decode", backend.url, repr(exc)) from exc
         raise AssertionError("unreachable")
 
-    async def _relay(self, request: web.Request, resp: aiohttp.ClientResponse,
-                     backend: Backend) -> web.StreamResponse:
+    async def _relay(
+        self, request: web.Request, resp: aiohttp.ClientResponse, backend: Backend
+    ) -> web.StreamResponse:
         """Copy decode's answer to the client as it arrives. Once the first bytes went out
         the status cannot change: a failure after that ends the stream with an SSE
         ``data: {"error": ...}`` event naming the leg and instance."""
@@ -316,8 +340,11 @@ def build_app(opts: RouterOptions) -> web.Application:
 
 def parse_args(argv: list[str] | None = None) -> RouterOptions:
     """The command line as :class:`RouterOptions`."""
-    p = argparse.ArgumentParser(prog="python -m kvwire_vllm.router", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="python -m kvwire_vllm.router",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     p.add_argument("--prefill", nargs="+", required=True, metavar="URL")
     p.add_argument("--decode", nargs="+", required=True, metavar="URL")
     p.add_argument("--host", default="127.0.0.1")
@@ -330,16 +357,22 @@ def parse_args(argv: list[str] | None = None) -> RouterOptions:
     p.add_argument("--read-timeout", type=float, default=300.0)
     p.add_argument("--log-level", default="INFO")
     ns = p.parse_args(argv)
-    logging.basicConfig(level=ns.log_level.upper(),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=ns.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
     return RouterOptions(**{k: v for k, v in vars(ns).items() if k != "log_level"})
 
 
 def main(argv: list[str] | None = None) -> None:
     """Entry point of ``python -m kvwire_vllm.router``."""
     opts = parse_args(argv)
-    logger.info("kvwire router on %s:%d: prefill %s, decode %s", opts.host, opts.port,
-                opts.prefill, opts.decode)
+    logger.info(
+        "kvwire router on %s:%d: prefill %s, decode %s",
+        opts.host,
+        opts.port,
+        opts.prefill,
+        opts.decode,
+    )
     web.run_app(build_app(opts), host=opts.host, port=opts.port, print=None)
 
 
