@@ -41,7 +41,12 @@ def main() -> int:
         f"{c['mib']}/{c['concurrency']}:{c['gbps']:.1f}({c['p50_ms']:.2f}ms,failed {c['failed']})"
         for c in report["cells"]
     )
-    print("summary", "verified" if ok else "MISMATCH", cells, flush=True)
+    # the switch interval of each rank process after the last cell (prefill's first): a
+    # GIL watch that lowered it moves a run's figures by up to 1.5x (docs/benchmarks.md,
+    # session 26), so every summary line says where it stood
+    gil = (report["cells"][-1].get("gil") or {}) if report["cells"] else {}
+    us = "/".join(f"{v:g}" for v in gil.get("interval_us", []))
+    print("summary", "verified" if ok else "MISMATCH", cells, f"gil_us {us or '-'}", flush=True)
     return 0
 
 
