@@ -204,3 +204,30 @@ def test_page_kernels_compile_to_vector_accesses() -> None:
         [sys.executable, "-c", _PTX_CHECK], capture_output=True, text=True, timeout=600
     )
     assert out.returncode == 0 and "PTX-OK" in out.stdout, out.stderr[-3000:]
+
+
+def test_batch_launches_bound_idle_programs_and_chunks(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``copy_batch`` cuts one shape's chunks into launches whose grid (chunks x most pages
+    x most pairs) stays within twice the programs the chunks need, and of at most
+    ``MAX_BATCH_CHUNKS`` chunks: a large chunk beside many small ones launches on its own."""
+    pytest.importorskip("triton")
+    import numpy as np
+
+    from kvwire.movers import triton_pool_pages as tpp
+
+    class Chunk:
+        def __init__(self, pages: int) -> None:
+            self.src_pages = np.arange(pages)
+
+    def part(pages: int, pairs: int = 4) -> tuple[object, ...]:
+        return (Chunk(pages), np.zeros(pairs, np.int64), np.zeros(pairs, np.int64), 4)
+
+    def sizes(parts: list[tuple[object, ...]]) -> list[list[int]]:
+        return [[int(p[0].src_pages.size) for p in b] for b in tpp._batches(parts)]  # type: ignore[attr-defined]
+
+    assert sizes([part(2), part(1)]) == [[1, 2]]  # 2 x 2 x 4 programs for 12 pages' worth
+    assert sizes([part(100)] + [part(1)] * 10) == [[1] * 10, [100]]
+    # pairs count too: 2 x 8 x 64 programs for 528 pages' pairs pass, a third chunk does not
+    assert sizes([part(8, 64), part(8, 2), part(8, 2)]) == [[8, 8], [8]]
+    monkeypatch.setattr(tpp, "MAX_BATCH_CHUNKS", 3)
+    assert sizes([part(4)] * 7) == [[4, 4, 4], [4, 4, 4], [4]]

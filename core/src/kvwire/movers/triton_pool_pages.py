@@ -171,34 +171,38 @@ class PoolPageCopier(PageCopier):
             strides = (g.src_row // eb, g.dst_row // eb, g.n // width, g.tokens)
             groups.setdefault((*key[:4], shape, *strides), []).append((chunk, sa, da, eb))
         for gk, parts in groups.items():
-            if len(parts) == 1:
-                chunk, sa, da, _ = parts[0]
-                self.copy_pages(chunk, sa, da, stream=stream)
+            for batch in _batches(parts):
+                if len(batch) == 1:
+                    chunk, sa, da, _ = batch[0]
+                    self.copy_pages(chunk, sa, da, stream=stream)
+                else:
+                    self.last_shape = gk[4]
+                    self._launch_batch(gk, batch, stream)
                 launches += 1
-                continue
-            self.last_shape = gk[4]
-            k = len(parts)
-            pmax = max(int(p[0].src_pages.size) for p in parts)
-            bmax = max(int(p[1].size) for p in parts)
-            sec = 2 * pmax + 2 * bmax
-            head: list[int] = []
-            pieces: list[tuple[int, NDArray[np.int64]]] = []
-            for j, (chunk, sa, da, eb) in enumerate(parts):
-                g = chunk.geometry
-                npages = int(chunk.src_pages.size)
-                head += [npages, int(sa.size), g.src_slot // eb, g.dst_slot // eb]
-                o = 4 * k + j * sec
-                pieces += [(o, chunk.src_pages), (o + pmax, chunk.dst_pages)]
-                pieces += [(o + 2 * pmax, sa), (o + 2 * pmax + bmax, da)]
-            pieces.insert(0, (0, np.array(head, np.int64)))
-            src_row, dst_row, n_vecs, tokens = gk[5:]
-            scalars = (k, pmax, bmax, src_row, dst_row, n_vecs, tokens)
-            self._launch_table(
-                _copy_pool_batch, "pool_batch", gk[:5], 4 * k + k * sec, pieces, scalars,
-                stream, (bmax * pmax, k),
-            )  # fmt: skip
-            launches += 1
         return launches
+
+    def _launch_batch(self, gk: tuple[int, ...], parts: list[tuple[Any, ...]], stream: Any) -> None:
+        """One launch of ``_copy_pool_batch`` over chunks of one group key (``parts``: each
+        chunk, its pair addresses and element size). Under :meth:`copy_batch`."""
+        k = len(parts)
+        pmax = max(int(p[0].src_pages.size) for p in parts)
+        bmax = max(int(p[1].size) for p in parts)
+        sec = 2 * pmax + 2 * bmax
+        head: list[int] = []
+        pieces: list[tuple[int, NDArray[np.int64]]] = []
+        for j, (chunk, sa, da, eb) in enumerate(parts):
+            g = chunk.geometry
+            head += [int(chunk.src_pages.size), int(sa.size), g.src_slot // eb, g.dst_slot // eb]
+            o = 4 * k + j * sec
+            pieces += [(o, chunk.src_pages), (o + pmax, chunk.dst_pages)]
+            pieces += [(o + 2 * pmax, sa), (o + 2 * pmax + bmax, da)]
+        pieces.insert(0, (0, np.array(head, np.int64)))
+        src_row, dst_row, n_vecs, tokens = gk[5:]
+        scalars = (k, pmax, bmax, src_row, dst_row, n_vecs, tokens)
+        self._launch_table(
+            _copy_pool_batch, "pool_batch", gk[:5], 4 * k + k * sec, pieces, scalars, stream,
+            (bmax * pmax, k),
+        )  # fmt: skip
 
     def _copy_heads(
         self, chunk: PageChunk, addrs: NDArray[np.int64], npages: int, nbuf: int, stream: Any
@@ -233,3 +237,30 @@ class PoolPageCopier(PageCopier):
         self._launch(
             _copy_pool_heads, "pool_heads", key, index, addrs, scalars, stream, grid=nbuf * npages
         )
+
+
+#: Most chunks in one batch launch (the launch grid's second dimension is at most 65,535).
+MAX_BATCH_CHUNKS = 4096
+
+
+def _batches(parts: list[tuple[Any, ...]]) -> list[list[tuple[Any, ...]]]:
+    """Chunks of one group key cut into launches of :func:`_copy_pool_batch`'s grid: by
+    page count, a chunk joins the launch before it while the grid's programs (chunks x the
+    most pages x the most pairs) stay within twice the programs the chunks need, so a launch
+    of one large and many small chunks does not start mostly idle programs; at most
+    :data:`MAX_BATCH_CHUNKS` chunks a launch."""
+    out: list[list[tuple[Any, ...]]] = []
+    cur: list[tuple[Any, ...]] = []
+    need = pmax = bmax = 0
+    for part in sorted(parts, key=lambda p: int(p[0].src_pages.size)):
+        pages, pairs = int(part[0].src_pages.size), int(part[1].size)
+        grid = (len(cur) + 1) * max(pmax, pages) * max(bmax, pairs)
+        if cur and (grid > 2 * (need + pages * pairs) or len(cur) >= MAX_BATCH_CHUNKS):
+            out.append(cur)
+            cur, need, pmax, bmax = [], 0, 0, 0
+        cur.append(part)
+        need += pages * pairs
+        pmax, bmax = max(pmax, pages), max(bmax, pairs)
+    if cur:
+        out.append(cur)
+    return out
