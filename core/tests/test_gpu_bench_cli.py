@@ -41,6 +41,13 @@ def test_every_path_runs_checked_and_tabled_on_host_memory() -> None:
     text = console.export_text()
     for name in ("staged", "per-page"):
         assert name in text
+    # each cell's row says the rank processes' GIL switch interval after it (µs, prefill's
+    # first): the interpreter's 5 ms unless kvwire's GIL watch lowered it
+    assert "GIL µs" in text
+    for rep in report["paths"].values():
+        for c in rep["cells"]:
+            got = "/".join(f"{v:g}" for v in c["gil"]["interval_us"])
+            assert len(c["gil"]["interval_us"]) == 2 and got in text, (got, c["gil"])
     assert any("staged: nixl, staging bulk" in line for line in lines)
 
 

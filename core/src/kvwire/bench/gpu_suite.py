@@ -166,27 +166,32 @@ def run_suite(
 
 def render(report: dict[str, Any]) -> Table:
     """The table: each path's GB/s and p50 per size and concurrency, with its ratio to the
-    peer copy of the same bytes and to the per-page path."""
+    peer copy of the same bytes and to the per-page path, and each rank process's GIL
+    switch interval after the cell (prefill's first): kvwire's GIL watch lowers it after a
+    burst of Python, and a run with it lowered moved up to 1.5x the GB/s of one without on
+    the GPU hosts (docs/benchmarks.md, session 26), so a table says where it stood."""
     peer: dict[Any, float] = {int(k): v for k, v in (report.get("peer_gbps") or {}).items()}
     base = {
         (c["mib"], c["concurrency"]): c["gbps"]
         for c in (report["paths"].get("per-page") or {}).get("cells", [])
     }
     t = Table(title=f"kvwire on {report['device']}: {', '.join(report.get('gpus', [])) or 'host'}")
-    for col in ("path", "MiB", "C", "GB/s", "p50 ms", "x peer copy", "x per-page", "failed"):
+    cols = ("path", "MiB", "C", "GB/s", "p50 ms", "x peer copy", "x per-page", "GIL µs", "failed")
+    for col in cols:
         t.add_column(col, justify="left" if col == "path" else "right")
     for name, rep in report["paths"].items():
         if "skipped" in rep:
-            t.add_row(name, "", "", "", "", "", "", escape(rep["skipped"]))
+            t.add_row(name, "", "", "", "", "", "", "", escape(rep["skipped"]))
             continue
         for c in rep["cells"]:
             key, g = (c["mib"], c["concurrency"]), c["gbps"]
             x_peer = f"{g / peer[c['mib']]:.2f}" if c["mib"] in peer else "-"
             x_base = f"{g / base[key]:.1f}" if key in base and name != "per-page" else "-"
+            gil = "/".join(f"{v:g}" for v in (c.get("gil") or {}).get("interval_us", [])) or "-"
             t.add_row(name, str(c["mib"]), str(c["concurrency"]), f"{g:.1f}",
-                      f"{c['p50_ms']:.2f}", x_peer, x_base, str(c["failed"]))  # fmt: skip
+                      f"{c['p50_ms']:.2f}", x_peer, x_base, gil, str(c["failed"]))  # fmt: skip
     for mib, g in sorted(peer.items()):
-        t.add_row("torch peer copy", str(mib), "", f"{g:.1f}", "", "1.00", "", "")
+        t.add_row("torch peer copy", str(mib), "", f"{g:.1f}", "", "1.00", "", "", "")
     return t
 
 
