@@ -192,15 +192,16 @@ def add_bench_args(parser: argparse.ArgumentParser) -> None:
         "--device",
         choices=("cpu", "cuda"),
         default="cpu",
-        help="cuda: prefill and decode on two GPUs, kvwire's GPU paths (cudaipc, NIXL staged, "
-        "NIXL per page) beside a torch peer copy of the same bytes (--mib, --concurrency, "
-        "--requests, --gpu-paths, --json apply; default sizes 2,16,128,512 MiB)",
+        help="cuda: prefill and decode on two GPUs, kvwire's GPU paths (cudaipc, NIXL with the "
+        "default staging, NIXL staged, NIXL per page) beside a torch peer copy of the same "
+        "bytes (--mib, --concurrency, --requests, --gpu-paths, --json apply; default sizes "
+        "2,16,128,512 MiB)",
     )
     g.add_argument(
         "--gpu-paths",
         type=lambda v: tuple(x for x in v.split(",") if x),
         metavar="P,P,..",
-        help="--device cuda: the paths to run (default cudaipc,staged,per-page)",
+        help="--device cuda: the paths to run (default cudaipc,default,staged,per-page)",
     )
     g.add_argument("--json", metavar="PATH", help="write every figure and the machine as JSON")
     g.add_argument("--plot", metavar="PATH.png", help="draw GB/s vs concurrency (matplotlib)")
