@@ -477,7 +477,7 @@ class Pipeline:
             tail.inflight -= 1
         self.side.writes_posted(p.key[0], p.key[1], -1)
         if state is not XferState.DONE:
-            m.CHUNKS.labels(**ctx.labels, result="failed").inc()
+            m.chunk_failed(ctx.labels)
             self._failed(
                 p.room,
                 TransferError(
