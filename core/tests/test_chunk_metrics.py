@@ -116,3 +116,56 @@ def test_observe_takes_no_lock_and_few_calls() -> None:
     finally:
         sys.setprofile(None)
     assert calls <= 2, calls
+
+
+def test_request_series_read_as_prometheus_own_would() -> None:
+    """``kvwire_requests_total{result}``, ``kvwire_request_seconds`` and
+    ``kvwire_active_rooms`` of a room table (its own numbers, written under its lock) read as
+    ``prometheus-client``'s own counter, histogram and gauge given the same requests; two
+    tables of one label set add up, and the gauge is the newest table's."""
+    agent = "metrics-test-rooms"
+    labels = {"role": "decode", "agent": agent}
+    first, second = m.RoomCounts(labels), m.RoomCounts(labels)
+    times = [0.0001 * 3**i for i in range(14)]  # across every bucket, past the last bound
+    reg = CollectorRegistry()
+    req = Counter("kvwire_requests", "r", ("role", "agent", "result"), registry=reg)
+    sec = Histogram(
+        "kvwire_request_seconds", "s", ("role", "agent"), registry=reg, buckets=m._LATENCY_BUCKETS
+    )
+    for i, t in enumerate(times):
+        result = "Success" if i % 4 else "Failed"
+        (first if i % 2 else second).finished(result, t)
+        req.labels("decode", agent, result).inc()
+        sec.labels("decode", agent).observe(t)
+    first.active, second.active = 7, 3
+    for prefix in ("kvwire_requests", "kvwire_request_seconds"):
+        got, want = _samples(REGISTRY, prefix, agent), _samples(reg, prefix, agent)
+        assert set(got) == set(want), set(got) ^ set(want)
+        for k, v in want.items():
+            assert got[k] == pytest.approx(v), k
+    assert REGISTRY.get_sample_value("kvwire_active_rooms", labels) == 3
+
+
+def test_a_room_tables_requests_are_counted() -> None:
+    """A room table counts its requests' ends and rooms tracked into its series."""
+    from kvwire.session.rooms import RoomTable
+
+    labels = {"role": "prefill", "agent": "metrics-test-table"}
+
+    class Room:
+        def __init__(self, rid: int) -> None:
+            self.room, self.error, self.failed_at = rid, None, 0.0
+            self.t0 = 0.0
+            self.metrics = m.RequestMetrics()
+
+    table: RoomTable[Room] = RoomTable(labels)  # type: ignore[type-var]
+    with table.lock:
+        rooms = [table.create(Room(i)) for i in range(3)]
+        table.succeed(rooms[0])
+        table.fail(rooms[1], RuntimeError("x"))
+        table.forget(rooms[0])
+    get = REGISTRY.get_sample_value
+    assert get("kvwire_requests_total", {**labels, "result": "Success"}) == 1
+    assert get("kvwire_requests_total", {**labels, "result": "Failed"}) == 1
+    assert get("kvwire_request_seconds_count", labels) == 2
+    assert get("kvwire_active_rooms", labels) == 2

@@ -9,7 +9,9 @@ result and the queue, post and transfer histograms) are kept by :class:`_ChunkFa
 instead: plain numbers per worker thread, summed when the registry is scraped. Through
 ``prometheus-client`` they cost the worker about 38 Python calls and ten locked increments per
 chunk (a mutex per counter, and per histogram a bucket and a sum), an eighth of its calls per
-request; a worker's own numbers need neither.
+request; a worker's own numbers need neither. The request series a room table adds to when a
+request ends (and its rooms tracked) are kept the same way by :class:`RoomCounts`, written
+under the table's lock.
 """
 
 from __future__ import annotations
@@ -20,15 +22,14 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from prometheus_client import REGISTRY, Counter, Gauge, Histogram, start_http_server
-from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily
+from prometheus_client import REGISTRY, Counter, Gauge, start_http_server
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
 
 _LABELS = ("role", "agent")
 _LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 10)
 
-REQUESTS = Counter("kvwire_requests", "Requests by terminal status", (*_LABELS, "result"))
 DROPPED = Counter("kvwire_control_dropped", "Control frames dropped", (*_LABELS, "reason"))
 EVICTIONS = Counter("kvwire_peer_evictions", "Peers evicted (dead or gone)", _LABELS)
 FAILED_PAGES = Counter(
@@ -57,15 +58,8 @@ GIL_SWITCH_INTERVAL = Gauge(
     "The process's GIL switch interval as this manager last set or found it",
     _LABELS,
 )
-ACTIVE_ROOMS = Gauge("kvwire_active_rooms", "Rooms currently tracked", _LABELS)
 QUEUED_CHUNKS = Gauge(
     "kvwire_queued_chunks", "Chunks queued for or in the transfer workers (prefill)", _LABELS
-)
-REQUEST_SECONDS = Histogram(
-    "kvwire_request_seconds",
-    "Request start to terminal status on this rank",
-    _LABELS,
-    buckets=_LATENCY_BUCKETS,
 )
 
 _served: dict[int, bool] = {}
@@ -147,13 +141,7 @@ class _ChunkFamilies(Collector):
                 counts = [
                     sum(a.hist[i][j] for a in group) for j in range(len(_LATENCY_BUCKETS) + 1)
                 ]
-                total, buckets = 0, []
-                for bound, n in zip(
-                    (*map(floatToGoString, _LATENCY_BUCKETS), "+Inf"), counts, strict=True
-                ):
-                    total += n
-                    buckets.append((bound, total))
-                fam.add_metric(list(labels), buckets, sum(a.sums[i] for a in group))
+                fam.add_metric(list(labels), _cumulative(counts), sum(a.sums[i] for a in group))
         yield nbytes
         yield descs
         yield chunks
@@ -162,6 +150,90 @@ class _ChunkFamilies(Collector):
 
 _CHUNK_FAMILIES = _ChunkFamilies()
 REGISTRY.register(_CHUNK_FAMILIES)
+
+
+class RoomCounts:
+    """One room table's request series: requests by terminal status, the time from a request's
+    start to it, and the rooms tracked. Written under the table's lock (so plain numbers);
+    read, unlocked, when the registry is scraped."""
+
+    __slots__ = ("active", "hist", "labels", "results", "sum")
+
+    def __init__(self, labels: dict[str, str]) -> None:
+        self.labels = (labels["role"], labels["agent"])
+        self.active = 0
+        self.results: dict[str, int] = {}
+        self.hist = [0] * (len(_LATENCY_BUCKETS) + 1)
+        self.sum = 0.0
+        _ROOM_FAMILIES.add(self)
+
+    def finished(self, result: str, seconds: float) -> None:
+        """Under the room table's lock: one request reached ``result`` after ``seconds``."""
+        self.results[result] = self.results.get(result, 0) + 1
+        self.hist[bisect_left(_LATENCY_BUCKETS, seconds)] += 1
+        self.sum += seconds
+
+
+class _RoomFamilies(Collector):
+    """``kvwire_requests_total{result}``, ``kvwire_request_seconds`` and
+    ``kvwire_active_rooms`` from every :class:`RoomCounts` (kept for the process's life, as
+    labelled children are; counts of one label set add up, its gauge is the newest table's)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._accs: list[RoomCounts] = []
+
+    def add(self, acc: RoomCounts) -> None:
+        with self._lock:
+            self._accs.append(acc)
+
+    def describe(self) -> Iterator[Any]:
+        return self._families([])
+
+    def collect(self) -> Iterator[Any]:
+        with self._lock:
+            accs = list(self._accs)
+        return self._families(accs)
+
+    def _families(self, accs: list[RoomCounts]) -> Iterator[Any]:
+        requests = CounterMetricFamily(
+            "kvwire_requests", "Requests by terminal status", labels=(*_LABELS, "result")
+        )
+        seconds = HistogramMetricFamily(
+            "kvwire_request_seconds",
+            "Request start to terminal status on this rank",
+            labels=_LABELS,
+        )
+        active = GaugeMetricFamily("kvwire_active_rooms", "Rooms currently tracked", labels=_LABELS)
+        by: dict[tuple[str, str], list[RoomCounts]] = {}
+        for a in accs:
+            by.setdefault(a.labels, []).append(a)
+        for labels, group in by.items():
+            results: dict[str, int] = {}
+            for a in group:
+                for r, n in list(a.results.items()):
+                    results[r] = results.get(r, 0) + n
+            for r, n in sorted(results.items()):
+                requests.add_metric([*labels, r], n)
+            counts = [sum(a.hist[j] for a in group) for j in range(len(_LATENCY_BUCKETS) + 1)]
+            seconds.add_metric(list(labels), _cumulative(counts), sum(a.sum for a in group))
+            active.add_metric(list(labels), group[-1].active)
+        yield requests
+        yield seconds
+        yield active
+
+
+def _cumulative(counts: list[int]) -> list[tuple[str, float]]:
+    """A histogram's buckets as the exposition wants them: (bound, count at or below it)."""
+    total, out = 0, []
+    for bound, n in zip((*map(floatToGoString, _LATENCY_BUCKETS), "+Inf"), counts, strict=True):
+        total += n
+        out.append((bound, float(total)))
+    return out
+
+
+_ROOM_FAMILIES = _RoomFamilies()
+REGISTRY.register(_ROOM_FAMILIES)
 
 
 def chunk_failed(labels: dict[str, str]) -> None:

@@ -52,11 +52,10 @@ class RoomTable(Generic[R]):
         self.lock = threading.RLock()
         self.status = StatusTable()
         self._rooms: dict[int, R] = {}
-        # the labelled metric children, each looked up once, at first use (a ``labels()``
-        # call costs microseconds, and a request's finish is on a transfer worker's path;
-        # ``labels`` is filled in by the manager after this table is built)
+        # the request series (kvwire.session.metrics.RoomCounts), made at first use:
+        # ``labels`` is filled in by the manager after this table is built
         self._labels = labels
-        self._children: dict[Any, Any] = {}
+        self._counts: m.RoomCounts | None = None
 
     # ------------------------------------------------------------------ lookups
     def get(self, room_id: int) -> R | None:
@@ -96,7 +95,7 @@ class RoomTable(Generic[R]):
         self._rooms[rid] = room
         self.status.clear(rid)
         self.status.update(rid, KVPoll.Bootstrapping)
-        self._child(m.ACTIVE_ROOMS).set(len(self._rooms))
+        self._metrics().active = len(self._rooms)
         return room
 
     def advance(self, room: R, status: KVPoll) -> None:
@@ -132,18 +131,16 @@ class RoomTable(Generic[R]):
             return False
         del self._rooms[room.room]
         self.status.clear(room.room)
-        self._child(m.ACTIVE_ROOMS).set(len(self._rooms))
+        self._metrics().active = len(self._rooms)
         return True
 
     def _finish(self, room: R, status: KVPoll) -> None:
-        self._child(m.REQUESTS, status.name).inc()
-        self._child(m.REQUEST_SECONDS).observe(time.perf_counter() - room.t0)
+        self._metrics().finished(status.name, time.perf_counter() - room.t0)
 
-    def _child(self, metric: Any, result: str | None = None) -> Any:
-        """``metric``'s child for this rank (and ``result``), looked up once."""
-        key = (metric, result)
-        child = self._children.get(key)
-        if child is None:
-            extra = {} if result is None else {"result": result}
-            child = self._children[key] = metric.labels(**self._labels, **extra)
-        return child
+    def _metrics(self) -> m.RoomCounts:
+        """Under the lock: this table's request series (plain numbers: no lock of their own,
+        a handful of additions per request; :mod:`kvwire.session.metrics`)."""
+        counts = self._counts
+        if counts is None:
+            counts = self._counts = m.RoomCounts(self._labels)
+        return counts
