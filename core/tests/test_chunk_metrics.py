@@ -43,8 +43,8 @@ def _samples(registry: object, prefix: str, agent: str) -> dict[tuple[str, ...],
 
 def test_chunk_series_read_as_prometheus_own_would() -> None:
     agent = "metrics-test-a"
-    cm = m.ChunkMetrics.for_labels({"role": "prefill", "agent": agent})
-    other = m.ChunkMetrics.for_labels({"role": "prefill", "agent": "metrics-test-b"})
+    cm = m.ChunkMetrics({"role": "prefill", "agent": agent})
+    other = m.ChunkMetrics({"role": "prefill", "agent": "metrics-test-b"})
     chunks = [_done(i) for i in range(60)]
     # three worker threads, each adding a third (each gets an accumulator of its own)
     threads = [
@@ -100,7 +100,7 @@ def test_observe_takes_no_lock_and_few_calls() -> None:
     accumulator, not a call chain per series (before: about 38 Python calls per chunk)."""
     import sys
 
-    cm = m.ChunkMetrics.for_labels({"role": "prefill", "agent": "metrics-test-calls"})
+    cm = m.ChunkMetrics({"role": "prefill", "agent": "metrics-test-calls"})
     cm.observe(_done(1))  # the thread's accumulator is made on its first chunk
     calls = 0
 

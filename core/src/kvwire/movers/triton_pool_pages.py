@@ -46,7 +46,7 @@ from kvwire.movers.triton_pool_kernels import (
     _copy_pool_pages,
     _copy_pool_pages_summed,
 )
-from kvwire.page_form import PageChunk
+from kvwire.page_form import PageChunk, PageGeometry
 
 __all__ = ["HEADS", "ONE_BLOCK", "PIECES", "WHOLE", "PoolPageCopier"]
 
@@ -105,9 +105,7 @@ class PoolPageCopier(PageCopier):
             g.tokens,
         )
         index = np.concatenate([chunk.src_pages, chunk.dst_pages])
-        fits = g.n // eb <= key[0]  # every piece within one block of elements
-        shape = WHOLE if g.tokens == 1 else (ONE_BLOCK if fits else PIECES)
-        self.last_shape = shape
+        shape = self.last_shape = _shape(g, key, eb)
         if sums is not None:  # the sums' page lists follow the copy's table
             addrs = np.concatenate([addrs, sums.read_pages, sums.key_pages])
             tile = min(sums.block, self.sum_block)
@@ -166,8 +164,7 @@ class PoolPageCopier(PageCopier):
                 page_width(da, 0, g.dst_slot, g.dst_row, g.n),
             )
             key, eb = kernel_key(width, g.n, False)
-            fits = g.n // eb <= key[0]
-            shape = WHOLE if g.tokens == 1 else (ONE_BLOCK if fits else PIECES)
+            shape = _shape(g, key, eb)
             strides = (g.src_row // eb, g.dst_row // eb, g.n // width, g.tokens)
             groups.setdefault((*key[:4], shape, *strides), []).append((chunk, sa, da, eb))
         for gk, parts in groups.items():
@@ -237,6 +234,15 @@ class PoolPageCopier(PageCopier):
         self._launch(
             _copy_pool_heads, "pool_heads", key, index, addrs, scalars, stream, grid=nbuf * npages
         )
+
+
+def _shape(g: PageGeometry, key: tuple[Any, ...], eb: int) -> int:
+    """The compile-time shape of a copy of ``g``'s pieces (one piece per token) with the
+    block of ``key`` (:func:`~kvwire.movers.triton_pages.kernel_key`) in ``eb``-byte
+    elements: whole pages, pieces each within one block, or pieces over several."""
+    if g.tokens == 1:
+        return WHOLE
+    return ONE_BLOCK if g.n // eb <= key[0] else PIECES
 
 
 #: Most chunks in one batch launch (the launch grid's second dimension is at most 65,535).

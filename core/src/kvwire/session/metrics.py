@@ -18,9 +18,9 @@ from __future__ import annotations
 
 import threading
 from bisect import bisect_left
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Generic, Protocol, TypeVar
 
 from prometheus_client import REGISTRY, Counter, Gauge, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
@@ -82,10 +82,50 @@ class _ChunkAcc:
         self.sums = [0.0, 0.0, 0.0]
 
 
-class _ChunkFamilies(Collector):
-    """The per-chunk series (see the module's docstring), summed over every accumulator at
-    scrape time. Accumulators are added under a lock (once per worker thread and label set)
-    and kept for the process's life, as ``prometheus-client`` keeps labelled children."""
+class _Labelled(Protocol):
+    labels: tuple[str, str]
+
+
+A = TypeVar("A", bound=_Labelled)
+
+
+class _Accumulated(Collector, Generic[A]):
+    """A collector of accumulators (plain numbers each, written by one owner without a lock),
+    summed at scrape time. Accumulators are added under a lock and kept for the process's
+    life, as ``prometheus-client`` keeps labelled children."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._accs: list[A] = []
+
+    def add(self, acc: A) -> None:
+        with self._lock:
+            self._accs.append(acc)
+
+    def _grouped(self, extra: Iterable[tuple[str, str]] = ()) -> dict[tuple[str, str], list[A]]:
+        """The accumulators by label set (``extra`` label sets present even without one)."""
+        with self._lock:
+            accs = list(self._accs)
+        by: dict[tuple[str, str], list[A]] = {k: [] for k in extra}
+        for a in accs:
+            by.setdefault(a.labels, []).append(a)
+        return by
+
+
+def _summed(hists: Iterable[list[int]]) -> list[tuple[str, float]]:
+    """Histograms' bucket counts (a count per bucket, the last above every bound) added up,
+    as the exposition wants them: (bound, count at or below it)."""
+    counts = [sum(col) for col in zip(*hists, strict=True)] or [0] * (len(_LATENCY_BUCKETS) + 1)
+    total, out = 0, []
+    for bound, n in zip((*map(floatToGoString, _LATENCY_BUCKETS), "+Inf"), counts, strict=True):
+        total += n
+        out.append((bound, float(total)))
+    return out
+
+
+class _ChunkFamilies(_Accumulated[_ChunkAcc]):
+    """The per-chunk series (see the module's docstring): one accumulator per worker thread
+    and label set."""
 
     _HISTS = (
         ("kvwire_chunk_queue_seconds", "Chunk wait in a worker queue"),
@@ -94,14 +134,9 @@ class _ChunkFamilies(Collector):
     )
 
     def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._accs: list[_ChunkAcc] = []
+        super().__init__()
         #: Failed chunk transfers by label set (rare: counted under the lock).
         self._failed: dict[tuple[str, str], int] = {}
-
-    def add(self, acc: _ChunkAcc) -> None:
-        with self._lock:
-            self._accs.append(acc)
 
     def failed(self, labels: tuple[str, str]) -> None:
         with self._lock:
@@ -112,11 +147,8 @@ class _ChunkFamilies(Collector):
 
     def collect(self) -> Iterator[Any]:
         with self._lock:
-            accs, failed = list(self._accs), dict(self._failed)
-        by: dict[tuple[str, str], list[_ChunkAcc]] = {k: [] for k in failed}
-        for a in accs:
-            by.setdefault(a.labels, []).append(a)
-        return self._families(by, failed)
+            failed = dict(self._failed)
+        return self._families(self._grouped(failed), failed)
 
     def _families(
         self, by: dict[tuple[str, str], list[_ChunkAcc]], failed: dict[tuple[str, str], int]
@@ -138,10 +170,8 @@ class _ChunkFamilies(Collector):
             if labels in failed:
                 chunks.add_metric([*labels, "failed"], failed[labels])
             for i, fam in enumerate(hists):
-                counts = [
-                    sum(a.hist[i][j] for a in group) for j in range(len(_LATENCY_BUCKETS) + 1)
-                ]
-                fam.add_metric(list(labels), _cumulative(counts), sum(a.sums[i] for a in group))
+                hist = _summed(a.hist[i] for a in group)
+                fam.add_metric(list(labels), hist, sum(a.sums[i] for a in group))
         yield nbytes
         yield descs
         yield chunks
@@ -174,28 +204,18 @@ class RoomCounts:
         self.sum += seconds
 
 
-class _RoomFamilies(Collector):
+class _RoomFamilies(_Accumulated[RoomCounts]):
     """``kvwire_requests_total{result}``, ``kvwire_request_seconds`` and
-    ``kvwire_active_rooms`` from every :class:`RoomCounts` (kept for the process's life, as
-    labelled children are; counts of one label set add up, its gauge is the newest table's)."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._accs: list[RoomCounts] = []
-
-    def add(self, acc: RoomCounts) -> None:
-        with self._lock:
-            self._accs.append(acc)
+    ``kvwire_active_rooms`` from every :class:`RoomCounts` (counts of one label set add up,
+    its gauge is the newest table's)."""
 
     def describe(self) -> Iterator[Any]:
-        return self._families([])
+        return self._families({})
 
     def collect(self) -> Iterator[Any]:
-        with self._lock:
-            accs = list(self._accs)
-        return self._families(accs)
+        return self._families(self._grouped())
 
-    def _families(self, accs: list[RoomCounts]) -> Iterator[Any]:
+    def _families(self, by: dict[tuple[str, str], list[RoomCounts]]) -> Iterator[Any]:
         requests = CounterMetricFamily(
             "kvwire_requests", "Requests by terminal status", labels=(*_LABELS, "result")
         )
@@ -205,9 +225,6 @@ class _RoomFamilies(Collector):
             labels=_LABELS,
         )
         active = GaugeMetricFamily("kvwire_active_rooms", "Rooms currently tracked", labels=_LABELS)
-        by: dict[tuple[str, str], list[RoomCounts]] = {}
-        for a in accs:
-            by.setdefault(a.labels, []).append(a)
         for labels, group in by.items():
             results: dict[str, int] = {}
             for a in group:
@@ -215,21 +232,12 @@ class _RoomFamilies(Collector):
                     results[r] = results.get(r, 0) + n
             for r, n in sorted(results.items()):
                 requests.add_metric([*labels, r], n)
-            counts = [sum(a.hist[j] for a in group) for j in range(len(_LATENCY_BUCKETS) + 1)]
-            seconds.add_metric(list(labels), _cumulative(counts), sum(a.sum for a in group))
+            hist = _summed(a.hist for a in group)
+            seconds.add_metric(list(labels), hist, sum(a.sum for a in group))
             active.add_metric(list(labels), group[-1].active)
         yield requests
         yield seconds
         yield active
-
-
-def _cumulative(counts: list[int]) -> list[tuple[str, float]]:
-    """A histogram's buckets as the exposition wants them: (bound, count at or below it)."""
-    total, out = 0, []
-    for bound, n in zip((*map(floatToGoString, _LATENCY_BUCKETS), "+Inf"), counts, strict=True):
-        total += n
-        out.append((bound, float(total)))
-    return out
 
 
 _ROOM_FAMILIES = _RoomFamilies()
@@ -249,10 +257,6 @@ class ChunkMetrics:
     def __init__(self, labels: dict[str, str]) -> None:
         self.labels = (labels["role"], labels["agent"])
         self._local = threading.local()
-
-    @classmethod
-    def for_labels(cls, labels: dict[str, str]) -> ChunkMetrics:
-        return cls(labels)
 
     def observe(self, done: ChunkDone) -> None:
         """Transfer worker: one completed chunk transfer (into this thread's accumulator: no

@@ -105,7 +105,7 @@ class PrefillSide(Side[SendRoom]):
         self.writes_inflight: dict[tuple[int, str], int] = {}
         self.sender_id = ctx.layout.rank.sender_id
         #: This rank's labelled metric children (a ``labels()`` lookup per chunk costs more).
-        self._metrics = m.ChunkMetrics.for_labels(ctx.labels)
+        self._metrics = m.ChunkMetrics(ctx.labels)
         opts = ctx.options
         self.workers: TransferWorkers[Job] = TransferWorkers(
             ctx.num_workers,
