@@ -17,6 +17,7 @@ import torch
 from numpy.typing import NDArray
 
 from kvwire.integrity import LayerSums
+from kvwire.movers import cuda_events
 
 #: Rows a call's buffers hold at first (they grow to the largest call).
 MIN_ROWS = 4096
@@ -154,7 +155,7 @@ class Lane:
         if stream is not None:
             if slot.event is None:
                 slot.event = torch.cuda.Event()  # type: ignore[no-untyped-call]
-            slot.event.record(stream)
+            cuda_events.record(slot.event, stream)
             event = slot.event
         slot.pending = LaterSums(slot, event, finish)
         return slot.pending

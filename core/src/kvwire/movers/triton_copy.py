@@ -27,6 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kvwire.movers import cuda_events
 from kvwire.movers.plan import (
     BLOCK_BYTES,
     DEFAULT_TILE_BYTES,
@@ -180,7 +181,7 @@ class _TableSlots:
         i = self.next
         self.next = (i + 1) % len(self.events)
         ev = self.events[i]
-        if ev is not None and not ev.query():
+        if ev is not None and not cuda_events.query(ev):
             ev.synchronize()
         return i
 
@@ -191,7 +192,7 @@ class _TableSlots:
         ev = self.events[i]
         if ev is None:
             ev = self.events[i] = torch.cuda.Event()  # type: ignore[no-untyped-call]
-        ev.record(stream)
+        cuda_events.record(ev, stream)
 
 
 class RunCopier:

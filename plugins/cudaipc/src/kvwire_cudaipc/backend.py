@@ -72,6 +72,7 @@ from kvwire.backends.tcp import TcpBackend
 from kvwire.descriptors import ADDR, LEN, DescTable, locate_rows
 from kvwire.errors import ConfigError, DescriptorError, PeerError
 from kvwire.layout import MemKind, MemoryRegion
+from kvwire.movers import cuda_events
 from kvwire.movers.plan import merge_adjacent
 from kvwire.page_form import PageChunk, check_geometry_addresses
 from kvwire.transfers import note_bytes, note_sums, start_sums
@@ -569,7 +570,7 @@ class CudaIpcBackend(TcpBackend):
         if x.tcp is None and ev is not None:
             # ended: the watcher saw the kernel end (and ev may be recorded again by now)
             try:
-                done = x.ended or ev.query()
+                done = x.ended or cuda_events.query(ev)
             except Exception as exc:  # a failed kernel (sticky CUDA error): fail the transfer
                 with x.lock:
                     x.failed = x.failed or f"cudaipc: the mover kernel failed: {exc}"

@@ -24,6 +24,8 @@ from collections import deque
 from collections.abc import Callable
 from typing import Any, Generic, Protocol, TypeVar
 
+from kvwire.movers import cuda_events
+
 logger = logging.getLogger(__name__)
 
 
@@ -64,7 +66,7 @@ class KernelWatcher(Generic[X]):
             ev = self._free.pop()
         except IndexError:  # none free (or another launching thread took the last one)
             ev = self._make_event()
-        ev.record(stream)
+        cuda_events.record(ev, stream)  # the GIL kept: no hand-off mid-launch
         return ev
 
     def watch(self, x: X, last: bool = True) -> None:

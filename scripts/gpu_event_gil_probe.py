@@ -1,0 +1,112 @@
+"""On a GPU: kvwire.movers.cuda_events against torch's event calls.
+
+1. Correctness: an event recorded behind a long kernel reads "not done" through both paths
+   until it completes, then "done" through both; the same from a thread whose current
+   device is another GPU (cuda_events falls back to torch's call there).
+2. The GIL: beside a thread that runs Python without pause (as an engine's scheduler), time
+   N records and queries through torch (which lets go of the GIL around the call) and through
+   cuda_events (which keeps it), and count how often the busy thread ran meanwhile.
+
+    python3 scripts/gpu_event_gil_probe.py [--n 200] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import threading
+import time
+from typing import Any
+
+import torch
+
+from kvwire.movers import cuda_events
+
+
+def correctness() -> dict[str, Any]:
+    s = torch.cuda.Stream()
+    ev = torch.cuda.Event()
+    ev.record(s)  # torch creates the CUDA event here
+    ev.synchronize()
+    with torch.cuda.stream(s):
+        torch.cuda._sleep(200_000_000)  # ~0.1 s of GPU time
+    cuda_events.record(ev, s)
+    before = (cuda_events.query(ev), bool(ev.query()))
+    ev.synchronize()
+    after = (cuda_events.query(ev), bool(ev.query()))
+    out: dict[str, Any] = {"before": before, "after": after}
+    if torch.cuda.device_count() > 1:  # a thread whose current device is another GPU
+        got: dict[str, Any] = {}
+
+        def other() -> None:
+            torch.cuda.set_device(1)
+            with torch.cuda.stream(s):
+                torch.cuda._sleep(200_000_000)
+            cuda_events.record(ev, s)  # ev and s are GPU 0's: torch's call
+            got["before"] = cuda_events.query(ev)
+            ev.synchronize()
+            got["after"] = cuda_events.query(ev)
+
+        t = threading.Thread(target=other)
+        t.start()
+        t.join()
+        out["other_device"] = (got["before"], got["after"])
+    return out
+
+
+def gil(n: int) -> dict[str, Any]:
+    s = torch.cuda.Stream()
+    ev = torch.cuda.Event()
+    ev.record(s)
+    ev.synchronize()
+    stop = False
+    count = [0]
+
+    def busy() -> None:
+        while not stop:
+            count[0] += 1
+
+    t = threading.Thread(target=busy, daemon=True)
+    t.start()
+    time.sleep(0.05)
+    res: dict[str, Any] = {}
+    for name, rec, qry in (
+        ("torch", lambda: ev.record(s), lambda: ev.query()),
+        ("cuda_events", lambda: cuda_events.record(ev, s), lambda: cuda_events.query(ev)),
+    ):
+        for what, fn in (("record", rec), ("query", qry)):
+            c0, t0 = count[0], time.perf_counter()
+            for _ in range(n):
+                fn()
+            dt = time.perf_counter() - t0
+            res[f"{name}_{what}_us"] = round(dt / n * 1e6, 1)
+            res[f"{name}_{what}_busy_rounds"] = count[0] - c0
+    stop = True
+    t.join()
+    return res
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument("--n", type=int, default=200)
+    p.add_argument("--json", default="")
+    a = p.parse_args()
+    out = {
+        "switch_interval_s": sys.getswitchinterval(),
+        "correctness": correctness(),
+        "gil": gil(a.n),
+    }
+    print(json.dumps(out, indent=1))
+    c = out["correctness"]
+    ok = c["before"] == (False, False) and c["after"] == (True, True)
+    ok = ok and c.get("other_device", (False, True)) == (False, True)
+    print("event probe", "OK" if ok else "WRONG")
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(out, f, indent=1)
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
