@@ -1,4 +1,4 @@
-"""On a GPU: kvwire.movers.cuda_events against torch's event calls.
+"""On a GPU: kvwire.cuda_events against torch's event calls.
 
 1. Correctness: an event recorded behind a long kernel reads "not done" through both paths
    until it completes, then "done" through both; the same from a thread whose current
@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from kvwire.movers import cuda_events
+from kvwire import cuda_events
 
 
 def correctness() -> dict[str, Any]:

@@ -1,4 +1,4 @@
-"""kvwire.movers.cuda_events: event calls that keep the GIL, with torch's calls as fallback.
+"""kvwire.cuda_events: event calls that keep the GIL, with torch's calls as fallback.
 
 No GPU here: the driver is a stand-in recording its calls (what no machine here can run);
 the real driver's path is checked on a GPU by scripts/gpu_event_gil_probe.py (correct
@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 import torch
 
-from kvwire.movers import cuda_events
+from kvwire import cuda_events
 
 
 class _Event:

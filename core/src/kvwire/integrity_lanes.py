@@ -16,8 +16,8 @@ import numpy as np
 import torch
 from numpy.typing import NDArray
 
+from kvwire import cuda_events
 from kvwire.integrity import LayerSums
-from kvwire.movers import cuda_events
 
 #: Rows a call's buffers hold at first (they grow to the largest call).
 MIN_ROWS = 4096

@@ -27,7 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kvwire.movers import cuda_events
+from kvwire import cuda_events
 from kvwire.movers.plan import (
     BLOCK_BYTES,
     DEFAULT_TILE_BYTES,

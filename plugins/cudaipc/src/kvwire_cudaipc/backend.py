@@ -57,6 +57,7 @@ import numpy as np
 from numpy.typing import NDArray
 from pydantic import BaseModel
 
+from kvwire import cuda_events
 from kvwire.backend import (
     BackendCapabilities,
     Note,
@@ -72,7 +73,6 @@ from kvwire.backends.tcp import TcpBackend
 from kvwire.descriptors import ADDR, LEN, DescTable, locate_rows
 from kvwire.errors import ConfigError, DescriptorError, PeerError
 from kvwire.layout import MemKind, MemoryRegion
-from kvwire.movers import cuda_events
 from kvwire.movers.plan import merge_adjacent
 from kvwire.page_form import PageChunk, check_geometry_addresses
 from kvwire.transfers import note_bytes, note_sums, start_sums

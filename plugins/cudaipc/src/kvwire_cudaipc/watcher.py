@@ -24,7 +24,7 @@ from collections import deque
 from collections.abc import Callable
 from typing import Any, Generic, Protocol, TypeVar
 
-from kvwire.movers import cuda_events
+from kvwire import cuda_events
 
 logger = logging.getLogger(__name__)
 

@@ -20,7 +20,9 @@ with a peer's data socket before.
 
 Threads: one receiver thread per backend (blocked in ``recv`` outside the GIL), which hands
 each datagram to the backend's ``deliver`` callback. :meth:`LocalNotes.send` may be called
-from any thread (a datagram socket's ``sendto`` is atomic per message). No lock.
+from any thread (a datagram socket's ``sendto`` is atomic per message); it sends with the GIL
+kept where it can (:mod:`.held_send`), under a lock that :meth:`LocalNotes.close` takes before
+it closes the socket (a raw send must never reach a reused descriptor).
 """
 
 from __future__ import annotations
@@ -35,6 +37,8 @@ import threading
 import time
 from collections.abc import Callable
 from typing import Any
+
+from kvwire.backends.tcp.held_send import HeldSender
 
 logger = logging.getLogger(__name__)
 
@@ -122,6 +126,9 @@ class LocalNotes:
         self._dir: str | None = None
         self._rx: socket.socket | None = None
         self._tx: socket.socket | None = None
+        self._held: HeldSender | None = None
+        #: Held by a send while it uses the sending socket, and by close() to close it.
+        self._tx_lock = threading.Lock()
         self._thread: threading.Thread | None = None
         #: The path peers send to (None: this way is off here).
         self.address: str | None = None
@@ -138,6 +145,7 @@ class LocalNotes:
             self._rx = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
             self._rx.bind(path)
             self._tx = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+            self._held = HeldSender(self._tx)
         except OSError as exc:
             logger.debug("%s: no local note socket (%s); notes go over ZeroMQ", agent_name, exc)
             self.close()
@@ -167,12 +175,18 @@ class LocalNotes:
     def send(self, address: str, datagram: bytes) -> bool:
         """Any thread: hand ``datagram`` to the socket at ``address`` without blocking; False
         when it cannot be handed over now (the caller sends the note another way)."""
-        tx = self._tx
-        if tx is None or len(datagram) > MAX_NOTE_BYTES:
+        if len(datagram) > MAX_NOTE_BYTES:
             self.fallbacks += 1
             return False
         try:
-            tx.sendto(datagram, socket.MSG_DONTWAIT, address)
+            with self._tx_lock:
+                tx, held = self._tx, self._held
+                if tx is None:
+                    raise OSError("closed")
+                if held is not None and held.ok:  # the GIL kept: no hand-off mid-send
+                    held.send(address, datagram)
+                else:
+                    tx.sendto(datagram, socket.MSG_DONTWAIT, address)
         except OSError:  # full (EAGAIN), gone (ECONNREFUSED), not visible here (ENOENT)
             self.fallbacks += 1
             return False
@@ -183,15 +197,17 @@ class LocalNotes:
         """Backend close: stop the receiver thread, close both sockets, remove the directory.
         Idempotent."""
         self._closing.set()
-        rx, tx = self._rx, self._tx
-        self._rx = self._tx = None
+        with self._tx_lock:
+            rx, tx = self._rx, self._tx
+            self._rx = self._tx = None
+            self._held = None
         if rx is not None:
             with contextlib.suppress(OSError):
                 rx.shutdown(socket.SHUT_RDWR)  # wakes the blocked recv
             if self._thread is not None:
                 self._thread.join(2.0)
             rx.close()
-        if tx is not None:
+        if tx is not None:  # no send uses it any more (each holds the lock while it does)
             tx.close()
         if self._dir is not None:
             shutil.rmtree(self._dir, ignore_errors=True)
