@@ -1,17 +1,18 @@
-"""Recording and querying a CUDA event without letting go of the GIL.
+"""Recording a CUDA event without letting go of the GIL.
 
-torch's ``Event.record`` and ``Event.query`` release the GIL around their CUDA call, which
-takes a few microseconds. In a busy rank process another thread takes the GIL in that gap,
+torch's ``Event.record`` releases the GIL around its CUDA call, which takes a few
+microseconds. In a busy rank process another thread takes the GIL in that gap,
 and the caller then waits until that thread lets go of it again: on the GPU hosts py-spy put
 ``Event.record`` at 14-17% of a ``cudaipc`` transfer worker's wall time at C=8, far above
 what the call itself costs (docs/benchmarks.md, "Session 27"). A transfer worker's turn
-records two events and queries one per launch (the mover's table slot and the launch's
-completion), so each of those hands the GIL to whichever thread is waiting.
+records two events per launch (the mover's table slot and the launch's completion), so each
+of those handed the GIL to whichever thread was waiting.
 
-Here the same driver calls (``cuEventRecord``, ``cuEventQuery``) go through a ``ctypes.PyDLL``
-handle of ``libcuda``, whose calls keep the GIL: nothing else runs during those
-microseconds, and the caller goes on at once. Only for calls that cannot block:
-``synchronize`` (a wait) stays torch's, which lets go of the GIL while it waits.
+Here the same driver call (``cuEventRecord``) goes through a ``ctypes.PyDLL`` handle of
+``libcuda``, whose calls keep the GIL: nothing else runs during those microseconds, and the
+caller goes on at once. torch's ``query`` keeps the GIL already (2.1 µs a call beside a busy
+thread on an H100 host, the busy thread never ran); ``synchronize`` (a wait) stays torch's,
+which lets go of the GIL while it waits, as it should.
 
 Contract: the caller's current CUDA device is the event's (the driver call acts in the
 current context). Where it is not, where the event has not been created yet (torch creates
@@ -28,9 +29,8 @@ from typing import Any
 
 logger = logging.getLogger(__name__)
 
-#: ``CUDA_SUCCESS`` and ``CUDA_ERROR_NOT_READY`` (driver API result codes).
+#: ``CUDA_SUCCESS`` (the driver API's result code).
 _SUCCESS = 0
-_NOT_READY = 600
 
 _lock = threading.Lock()
 _lib: Any = None  # the PyDLL handle, False once loading failed, None before the first try
@@ -46,8 +46,6 @@ def _driver() -> Any:
                     lib = ctypes.PyDLL("libcuda.so.1")
                     lib.cuEventRecord.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
                     lib.cuEventRecord.restype = ctypes.c_int
-                    lib.cuEventQuery.argtypes = [ctypes.c_void_p]
-                    lib.cuEventQuery.restype = ctypes.c_int
                     _lib = lib
                 except (OSError, AttributeError) as exc:
                     logger.debug("libcuda not loadable (%s): torch's event calls are used", exc)
@@ -79,18 +77,4 @@ def record(event: Any, stream: Any) -> None:
         raise RuntimeError(f"cuEventRecord failed: CUDA driver error {rc}")
 
 
-def query(event: Any) -> bool:
-    """Whether the work ``event`` captured has completed (torch's ``Event.query``), keeping
-    the GIL when it can. Raises RuntimeError on a CUDA error (e.g. a failed kernel)."""
-    handle = _held_handle(event)
-    if not handle:
-        return bool(event.query())
-    rc = _lib.cuEventQuery(handle)
-    if rc == _SUCCESS:
-        return True
-    if rc == _NOT_READY:
-        return False
-    raise RuntimeError(f"cuEventQuery failed: CUDA driver error {rc}")
-
-
-__all__ = ["query", "record"]
+__all__ = ["record"]

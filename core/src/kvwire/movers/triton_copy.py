@@ -181,7 +181,7 @@ class _TableSlots:
         i = self.next
         self.next = (i + 1) % len(self.events)
         ev = self.events[i]
-        if ev is not None and not cuda_events.query(ev):
+        if ev is not None and not ev.query():
             ev.synchronize()
         return i
 

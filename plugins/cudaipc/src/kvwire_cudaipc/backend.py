@@ -57,7 +57,6 @@ import numpy as np
 from numpy.typing import NDArray
 from pydantic import BaseModel
 
-from kvwire import cuda_events
 from kvwire.backend import (
     BackendCapabilities,
     Note,
@@ -570,7 +569,7 @@ class CudaIpcBackend(TcpBackend):
         if x.tcp is None and ev is not None:
             # ended: the watcher saw the kernel end (and ev may be recorded again by now)
             try:
-                done = x.ended or cuda_events.query(ev)
+                done = x.ended or ev.query()
             except Exception as exc:  # a failed kernel (sticky CUDA error): fail the transfer
                 with x.lock:
                     x.failed = x.failed or f"cudaipc: the mover kernel failed: {exc}"
