@@ -108,8 +108,13 @@ def test_an_older_decode_gets_the_aux_row_as_a_transfer(monkeypatch: pytest.Monk
 def test_a_carried_row_must_match_the_aux_regions() -> None:
     arrays, regions = aux_buffers()
     ok = [bytes(range(40)), bytes(12)]
+    for a in arrays:
+        a[...] = 0xAB
     assert aux_note.write_row(regions, 3, ok) is None
     assert bytes(arrays[0][3]) == bytes(range(40))
+    assert bytes(arrays[1][3]) == bytes(12)
+    for a in arrays:  # exactly slot 3 of each region written, nothing around it
+        assert (np.delete(a, 3, axis=0) == 0xAB).all()
     before = [a.copy() for a in arrays]
     assert "this rank has 2" in (aux_note.write_row(regions, 1, ok[:1]) or "")
     assert "13 bytes carried" in (aux_note.write_row(regions, 1, [ok[0], bytes(13)]) or "")

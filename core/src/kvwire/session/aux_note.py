@@ -48,5 +48,8 @@ def write_row(regions: Sequence[MemoryRegion], slot: int, row: Sequence[bytes]) 
         if not 0 <= slot < r.num_items:
             return f"aux slot {slot} is outside the {r.num_items} slots"
     for r, b in zip(regions, row, strict=True):
-        ctypes.memmove(r.addr + slot * r.item_len, b, r.item_len)
+        # a ctypes array's slice assignment keeps the GIL (ctypes.memmove lets go of it for
+        # these few bytes, and beside a busy engine thread the progress thread could then
+        # wait a switch interval for it; docs/control-plane.md)
+        (ctypes.c_char * r.item_len).from_address(r.addr + slot * r.item_len).raw = b
     return None
