@@ -17,10 +17,10 @@ import argparse
 import json
 import sys
 import threading
-import time
 from typing import Any
 
 import torch
+from busy_gil import BusyThread
 
 from kvwire import cuda_events
 
@@ -61,32 +61,18 @@ def gil(n: int) -> dict[str, Any]:
     ev = torch.cuda.Event()
     ev.record(s)
     ev.synchronize()
-    stop = False
-    count = [0]
-
-    def busy() -> None:
-        while not stop:
-            count[0] += 1
-
-    t = threading.Thread(target=busy, daemon=True)
-    t.start()
-    time.sleep(0.05)
     res: dict[str, Any] = {}
-    for name, rec, qry in (
-        ("torch", lambda: ev.record(s), lambda: ev.query()),
-        ("cuda_events", lambda: cuda_events.record(ev, s), None),
-    ):
-        for what, fn in (("record", rec), ("query", qry)):
-            if fn is None:
-                continue
-            c0, t0 = count[0], time.perf_counter()
-            for _ in range(n):
-                fn()
-            dt = time.perf_counter() - t0
-            res[f"{name}_{what}_us"] = round(dt / n * 1e6, 1)
-            res[f"{name}_{what}_busy_rounds"] = count[0] - c0
-    stop = True
-    t.join()
+    with BusyThread() as busy:
+        for name, rec, qry in (
+            ("torch", lambda: ev.record(s), lambda: ev.query()),
+            ("cuda_events", lambda: cuda_events.record(ev, s), None),
+        ):
+            for what, fn in (("record", rec), ("query", qry)):
+                if fn is None:
+                    continue
+                rounds, us = busy.measure(fn, n)
+                res[f"{name}_{what}_us"] = round(us, 1)
+                res[f"{name}_{what}_busy_rounds"] = rounds
     return res
 
 

@@ -25,13 +25,12 @@ from __future__ import annotations
 import argparse
 import ctypes
 import json
-import threading
-import time
 from typing import Any
 
 import torch
 import triton
 import triton.language as tl
+from busy_gil import BusyThread
 
 
 @triton.jit
@@ -110,29 +109,15 @@ def main() -> int:
     held(grid, s.cuda_stream, src, dst2, n, block)
     s.synchronize()
     same = bool(torch.equal(dst1, src) and torch.equal(dst2, src))
-    stop = threading.Event()
-    count = [0]
-
-    def busy() -> None:
-        while not stop.is_set():
-            count[0] += 1
-
-    t = threading.Thread(target=busy, daemon=True)
-    t.start()
-    time.sleep(0.05)
     res: dict[str, Any] = {"same_bytes": same}
-    for name, launch in (
-        ("triton", lambda: kernel[grid](src, dst1, n, block, stream=s.cuda_stream)),
-        ("held", lambda: held(grid, s.cuda_stream, src, dst2, n, block)),
-    ):
-        c0, t0 = count[0], time.perf_counter()
-        for _ in range(a.n):
-            launch()
-        res[f"{name}_us"] = round((time.perf_counter() - t0) / a.n * 1e6, 1)
-        res[f"{name}_busy_rounds"] = count[0] - c0
-        s.synchronize()
-    stop.set()
-    t.join()
+    with BusyThread() as busy:
+        for name, launch in (
+            ("triton", lambda: kernel[grid](src, dst1, n, block, stream=s.cuda_stream)),
+            ("held", lambda: held(grid, s.cuda_stream, src, dst2, n, block)),
+        ):
+            rounds, us = busy.measure(launch, a.n)
+            res[f"{name}_us"], res[f"{name}_busy_rounds"] = round(us, 1), rounds
+            s.synchronize()
     res["same_after"] = bool(torch.equal(dst2, src))
     print(json.dumps(res, indent=1))
     ok = res["same_bytes"] and res["same_after"]

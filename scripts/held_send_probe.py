@@ -14,9 +14,10 @@ import socket
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from collections.abc import Callable
+
+from busy_gil import BusyThread
 
 from kvwire.backends.tcp.held_send import HeldSender
 
@@ -41,27 +42,6 @@ def retrying(fn: Callable[[], None]) -> Callable[[], None]:
     return call
 
 
-def busy_rounds(fn: Callable[[], None], n: int) -> tuple[int, float]:
-    stop = threading.Event()
-    rounds = [0]
-
-    def busy() -> None:
-        while not stop.is_set():
-            rounds[0] += 1
-
-    t = threading.Thread(target=busy, daemon=True)
-    t.start()
-    time.sleep(0.05)
-    r0, t0 = rounds[0], time.perf_counter()
-    for _ in range(n):
-        fn()
-    dt = time.perf_counter() - t0
-    got = rounds[0] - r0
-    stop.set()
-    t.join()
-    return got, dt / n * 1e6
-
-
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--n", type=int, default=2000)
@@ -76,8 +56,9 @@ def main() -> int:
     held = HeldSender(tx)
     sys.setswitchinterval(a.interval_ms / 1e3)
     for r in range(a.rounds):
-        py = busy_rounds(retrying(lambda: tx.sendto(b"n", socket.MSG_DONTWAIT, path)), a.n)
-        kept = busy_rounds(retrying(lambda: held.send(path, b"n")), a.n)
+        with BusyThread() as busy:
+            py = busy.measure(retrying(lambda: tx.sendto(b"n", socket.MSG_DONTWAIT, path)), a.n)
+            kept = busy.measure(retrying(lambda: held.send(path, b"n")), a.n)
         print(
             f"round {r + 1}: socket.sendto {py[1]:.1f} us/send, busy thread {py[0]} rounds; "
             f"held {kept[1]:.1f} us/send, busy thread {kept[0]} rounds",
