@@ -86,7 +86,7 @@ def measure(
     mover.copy_pages(chunk, src_a, dst_a, stream=stream)
     torch.cuda.synchronize(0)
     _fn, name, key, index, addrs, scalars, _stream = seen["args"][:7]
-    kernel = mover._compiled[(name, *key)]
+    kernel = mover._kernels.kernel((name, *key))
     grid = seen["kw"].get("grid") or int(addrs.size) * int(index.size)
     assert mover._slots is not None
     table = mover._slots.addr(0)
@@ -159,7 +159,7 @@ def main() -> None:
     mover._launch = spy  # type: ignore[method-assign]
     rows = [measure(int(x), mapper, s_all, d_all, mover, stream, seen, a.repeat)
             for x in a.pages.split(",")]  # fmt: skip
-    kernel = next(iter(mover._compiled.values()))
+    kernel = mover._kernels.kernels()[0]
     api: dict[str, str] = {"kernel_type": type(kernel).__qualname__}
     for name in ("__getitem__", "run", "launch_metadata", "_init_handles"):
         fn = getattr(type(kernel), name, None) or getattr(kernel, name, None)

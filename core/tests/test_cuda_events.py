@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 import torch
 
-from kvwire import cuda_events
+from kvwire import cuda_driver, cuda_events
 
 
 class _Event:
@@ -48,13 +48,13 @@ class _Driver:
 @pytest.fixture
 def driver(monkeypatch: pytest.MonkeyPatch) -> _Driver:
     d = _Driver()
-    monkeypatch.setattr(cuda_events, "_lib", d)
+    monkeypatch.setattr(cuda_driver, "_lib", d)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     return d
 
 
 def test_without_libcuda_torch_calls_are_made(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(cuda_events, "_lib", False)  # loading failed
+    monkeypatch.setattr(cuda_driver, "_lib", False)  # loading failed
     ev, s = _Event(0x10, done=False), _Stream()
     cuda_events.record(ev, s)
     assert ev.recorded == [s]
@@ -62,14 +62,14 @@ def test_without_libcuda_torch_calls_are_made(monkeypatch: pytest.MonkeyPatch) -
 
 def test_this_machine_has_no_libcuda_and_falls_back() -> None:
     """The real loader on a machine without the driver: no handle, torch's calls."""
-    cuda_events._lib = None
+    cuda_driver._lib = None
     try:
-        assert cuda_events._driver() is None
+        assert cuda_driver.held() is None
         ev = _Event(0x10)
         cuda_events.record(ev, _Stream())
         assert len(ev.recorded) == 1
     finally:
-        cuda_events._lib = None
+        cuda_driver._lib = None
 
 
 def test_driver_calls_take_the_raw_handles(driver: _Driver) -> None:

@@ -8,11 +8,12 @@ what the call itself costs (docs/benchmarks.md, "Session 27"). A transfer worker
 records two events per launch (the mover's table slot and the launch's completion), so each
 of those handed the GIL to whichever thread was waiting.
 
-Here the same driver call (``cuEventRecord``) goes through a ``ctypes.PyDLL`` handle of
-``libcuda``, whose calls keep the GIL: nothing else runs during those microseconds, and the
-caller goes on at once. torch's ``query`` keeps the GIL already (2.1 µs a call beside a busy
-thread on an H100 host, the busy thread never ran); ``synchronize`` (a wait) stays torch's,
-which lets go of the GIL while it waits, as it should.
+Here the same driver call (``cuEventRecord``) goes through :func:`kvwire.cuda_driver.held`
+(``libcuda`` loaded with ``ctypes.PyDLL``, whose calls keep the GIL): nothing else runs
+during those microseconds, and the caller goes on at once. torch's ``query`` keeps the GIL
+already (2.1 µs a call beside a busy thread on an H100 host, the busy thread never ran);
+``synchronize`` (a wait) stays torch's, which lets go of the GIL while it waits, as it
+should.
 
 Contract: the caller's current CUDA device is the event's (the driver call acts in the
 current context). Where it is not, where the event has not been created yet (torch creates
@@ -22,41 +23,15 @@ Any thread.
 
 from __future__ import annotations
 
-import ctypes
-import logging
-import threading
 from typing import Any
 
-logger = logging.getLogger(__name__)
-
-#: ``CUDA_SUCCESS`` (the driver API's result code).
-_SUCCESS = 0
-
-_lock = threading.Lock()
-_lib: Any = None  # the PyDLL handle, False once loading failed, None before the first try
-
-
-def _driver() -> Any:
-    """The ``libcuda`` handle whose calls keep the GIL (None where it cannot be loaded)."""
-    global _lib
-    if _lib is None:
-        with _lock:
-            if _lib is None:
-                try:
-                    lib = ctypes.PyDLL("libcuda.so.1")
-                    lib.cuEventRecord.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
-                    lib.cuEventRecord.restype = ctypes.c_int
-                    _lib = lib
-                except (OSError, AttributeError) as exc:
-                    logger.debug("libcuda not loadable (%s): torch's event calls are used", exc)
-                    _lib = False
-    return _lib or None
+from kvwire import cuda_driver
 
 
 def _held_handle(event: Any) -> int:
     """``event``'s CUDA handle when the raw call applies (0: use torch's call)."""
     handle = int(getattr(event, "cuda_event", 0) or 0)
-    if not handle or _driver() is None:
+    if not handle or cuda_driver.held() is None:
         return 0
     import torch
 
@@ -72,8 +47,8 @@ def record(event: Any, stream: Any) -> None:
     if not handle:
         event.record(stream)
         return
-    rc = _lib.cuEventRecord(handle, stream.cuda_stream)
-    if rc != _SUCCESS:
+    rc = cuda_driver.held().cuEventRecord(handle, stream.cuda_stream)
+    if rc != cuda_driver.SUCCESS:
         raise RuntimeError(f"cuEventRecord failed: CUDA driver error {rc}")
 
 

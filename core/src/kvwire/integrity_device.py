@@ -55,6 +55,7 @@ import numpy as np
 import torch
 from numpy.typing import NDArray
 
+from kvwire.cuda_launch import CompiledKernels
 from kvwire.descriptors import ADDR, LEN, DescTable, IndexArray, locate_rows
 from kvwire.errors import DescriptorError
 from kvwire.integrity import GOLDEN, MIX1, MIX2, ODD, LayerSums, RowHasher, page_lists, weights
@@ -166,8 +167,7 @@ class DeviceRowHasher(RowHasher):
         #: launches share: pairs on the device, constants, cells, read mode, block).
         self._page_pairs: dict[tuple[int, int], tuple[PageSide, PageSide, _Shared]] = {}
         #: Compiled kernels by their constexprs, launched directly after the first launch.
-        self._compiled: dict[tuple[Any, ...], Any] = {}
-        self._direct = cuda
+        self._kernels = CompiledKernels("checksums", direct=cuda)
 
     def _open_views(self) -> list[NDArray[np.uint8]]:
         return []  # rows are read by the kernel from their addresses
@@ -563,38 +563,29 @@ class DeviceRowHasher(RowHasher):
         """Enqueue, on ``lane``'s stream, the upload of the call's first ``elems`` int64 (none:
         the kernel reads pinned memory), the zeroing of the lane's per-layer sums (``zero``)
         and ``jit`` over ``n`` programs with ``args`` and constexprs ``meta``: the compiled
-        kernel (kept under ``cache_key``) launched directly after its first launch, made under
-        the lock (Triton's compilation and cache fill stay single-threaded)."""
+        kernel (kept under ``cache_key``) launched directly after its first launch
+        (:class:`kvwire.cuda_launch.CompiledKernels`), made under the lock (Triton's
+        compilation and cache fill stay single-threaded)."""
         if lane.stream is None:  # Triton's interpreter: host memory, synchronous
             if zero:
                 lane.out_dev.zero_()
             jit[(n,)](*args, *meta)
             return
-        kernel = self._compiled.get(cache_key)
+        kernels, grid, stream = self._kernels, (n, 1, 1), lane.stream.cuda_stream
         # the launch names its stream: no stream context unless it uploads or zeroes, and the
         # device's only off the thread's current device (a third of a page-sums call's host
         # time; 0.15 ms a launch on decode's progress thread, whose GPU was not device 0)
-        if kernel is not None and self._direct and not elems and not zero:
+        if not elems and not zero:
             here = torch.cuda.current_device() == self._index
-            try:
-                with contextlib.nullcontext() if here else torch.cuda.device(self._index):
-                    kernel[(n, 1, 1)](*args, *meta, stream=lane.stream.cuda_stream)
-                return
-            except Exception as exc:  # another Triton's launcher: bind arguments again
-                logger.warning("checksums: direct launch refused (%s); using Triton's", exc)
-                self._direct = False
+            with contextlib.nullcontext() if here else torch.cuda.device(self._index):
+                if kernels.launch(cache_key, grid, stream, (*args, *meta)):
+                    return
         with torch.cuda.device(self.device), torch.cuda.stream(lane.stream):
             if elems:
                 lane.call_dev[:elems].copy_(lane.call_host[:elems], non_blocking=True)
             if zero:
                 lane.out_dev.zero_()
-            if kernel is not None and self._direct:
-                try:
-                    kernel[(n, 1, 1)](*args, *meta, stream=lane.stream.cuda_stream)
-                    return
-                except Exception as exc:  # another Triton's launcher: bind arguments again
-                    logger.warning("checksums: direct launch refused (%s); using Triton's", exc)
-                    self._direct = False
+            if kernels.launch(cache_key, grid, stream, (*args, *meta)):
+                return
             with self._lock:
-                kernel = jit[(n,)](*args, *meta, num_warps=self.num_warps)
-                self._compiled.setdefault(cache_key, kernel)
+                kernels.add(cache_key, jit[(n,)](*args, *meta, num_warps=self.num_warps))

@@ -28,6 +28,7 @@ import triton
 import triton.language as tl
 
 from kvwire import cuda_events
+from kvwire.cuda_launch import CompiledKernels
 from kvwire.movers.plan import (
     BLOCK_BYTES,
     DEFAULT_TILE_BYTES,
@@ -225,10 +226,9 @@ class RunCopier:
         self._lock = threading.Lock()
         self._slots_count, self._slot_tiles = slots, slot_tiles
         self._slots: _TableSlots | None = None
-        #: Compiled kernels by (block, elem, align, vec), launched directly after the first.
-        self._compiled: dict[tuple[Any, ...], Any] = {}
-        #: Launch compiled kernels directly (off once this Triton refused it).
-        self._direct = True
+        #: Compiled kernels by (block, elem, align, vec) (groups: prefixed by "groups"),
+        #: launched directly after the first (off once this Triton refused it).
+        self._kernels = CompiledKernels("mover")
         #: The kernel of the last launch (its ``asm`` holds the PTX), for checks.
         self.last_kernel: Any = None
 
@@ -286,21 +286,12 @@ class RunCopier:
                 slots.arr[i, : 3 * g].reshape(3, g)[...] = table
                 args = (slots.addr(i), g, *scalars)
                 gkey = ("groups", *key)
-                kernel = self._compiled.get(gkey)
-                launched = False
-                if kernel is not None and self._direct:
-                    try:
-                        kernel[(g, 1, 1)](*args, *key, stream=stream.cuda_stream)
-                        launched = True
-                    except Exception as exc:  # another Triton's launcher
-                        logger.warning("mover: direct launch refused (%s); using Triton's", exc)
-                        self._direct = False
-                if not launched:
+                if not self._kernels.launch(gkey, (g, 1, 1), stream.cuda_stream, (*args, *key)):
                     with torch.cuda.stream(stream):
                         kernel = _copy_groups[(g,)](*args, *key, num_warps=self.num_warps)
-                    self._compiled.setdefault(gkey, kernel)
+                    self._kernels.add(gkey, kernel)
                 slots.launched(i, stream)
-            self.last_kernel = kernel
+            self.last_kernel = self._kernels.kernel(gkey)
 
     def launch(self, plan: TilePlan, stream: Any = None) -> None:
         """Enqueue the copy of a plan (see the class docstring); never waits for the GPU
@@ -327,18 +318,10 @@ class RunCopier:
         stream = stream if stream is not None else torch.cuda.current_stream(self.device)
         addr = slots.addr(i)
         with _on(self.device):
-            kernel = self._compiled.get(key)
-            launched = False
-            if kernel is not None and self._direct:
-                try:
-                    kernel[(n, 1, 1)](addr, n, *key, stream=stream.cuda_stream)
-                    launched = True
-                except Exception as exc:  # another Triton's launcher: bind arguments again
-                    logger.warning("mover: direct launch refused (%s); using Triton's", exc)
-                    self._direct = False
-            if not launched:  # first launch of this variant (Triton compiles it), or fallback
+            if not self._kernels.launch(key, (n, 1, 1), stream.cuda_stream, (addr, n, *key)):
+                # first launch of this variant (Triton compiles it), or the fallback
                 with torch.cuda.stream(stream):
                     kernel = _copy_tiles[(n,)](addr, n, num_warps=self.num_warps, **meta)
-                self._compiled.setdefault(key, kernel)
+                self._kernels.add(key, kernel)
             slots.launched(i, stream)
-        self.last_kernel = kernel
+        self.last_kernel = self._kernels.kernel(key)

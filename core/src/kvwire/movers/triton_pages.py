@@ -33,6 +33,7 @@ import triton
 import triton.language as tl
 from numpy.typing import NDArray
 
+from kvwire.cuda_launch import CompiledKernels
 from kvwire.movers.plan import BLOCK_BYTES, MAX_WIDTH
 from kvwire.movers.triton_copy import _ELEM, _ELEM_BYTES, _on, _TableSlots
 
@@ -133,8 +134,7 @@ class PageCopier:
         self._slot_elems = 0
         self._slots: _TableSlots | None = None
         self._host: NDArray[np.int64] = np.empty(0, dtype=np.int64)  # interpreter
-        self._compiled: dict[tuple[Any, ...], Any] = {}
-        self._direct = self.device.type == "cuda"
+        self._kernels = CompiledKernels("page mover", direct=self.device.type == "cuda")
 
     def copy(
         self,
@@ -205,8 +205,9 @@ class PageCopier:
         """Write a table of ``need`` int64 (each ``(offset, array)`` of ``parts`` at its
         offset; the rest is left as it was) into a pinned slot and enqueue one launch of
         ``kernel_fn`` on ``stream`` over ``grid`` (``scalars`` then the compile-time ``key``);
-        the compiled kernel is launched directly after its first launch. Under this copier's
-        lock; the caller's thread."""
+        the compiled kernel is launched directly after its first launch
+        (:class:`kvwire.cuda_launch.CompiledKernels`: the GIL kept where it can be). Under
+        this copier's lock; the caller's thread."""
         with self._lock:
             if self.device.type != "cuda":  # Triton's interpreter: host memory, synchronous
                 self._host = np.zeros(need, np.int64)
@@ -231,17 +232,10 @@ class PageCopier:
             args = (slots.addr(s), *scalars)
             ckey = (name, *key)
             with _on(self.device):
-                kernel = self._compiled.get(ckey)
-                launched = False
-                if kernel is not None and self._direct:
-                    try:
-                        kernel[(grid[0], grid[1], 1)](*args, *key, stream=stream.cuda_stream)
-                        launched = True
-                    except Exception as exc:  # another Triton's launcher
-                        logger.warning("%s mover: direct launch refused (%s)", name, exc)
-                        self._direct = False
-                if not launched:
+                if not self._kernels.launch(
+                    ckey, (grid[0], grid[1], 1), stream.cuda_stream, (*args, *key)
+                ):
                     with torch.cuda.stream(stream):
                         kernel = kernel_fn[grid](*args, *key, num_warps=self.num_warps)
-                    self._compiled.setdefault(ckey, kernel)
+                    self._kernels.add(ckey, kernel)
                 slots.launched(s, stream)
