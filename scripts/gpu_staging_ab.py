@@ -46,7 +46,12 @@ def main() -> int:
     # session 26), so every summary line says where it stood
     gil = (report["cells"][-1].get("gil") or {}) if report["cells"] else {}
     us = "/".join(f"{v:g}" for v in gil.get("interval_us", []))
-    print("summary", "verified" if ok else "MISMATCH", cells, f"gil_us {us or '-'}", flush=True)
+    # the driver's and the first prefill rank's share of a core in the last cell: a driver
+    # near 1.0 caps the request rate (the harness, not kvwire)
+    cpu = (report["cells"][-1].get("cpu_share") or {}) if report["cells"] else {}
+    pre = next((v for k, v in cpu.items() if "prefill" in k), "-")
+    print("summary", "verified" if ok else "MISMATCH", cells, f"gil_us {us or '-'}",
+          f"cpu driver/prefill {cpu.get('driver', '-')}/{pre}", flush=True)  # fmt: skip
     return 0
 
 

@@ -190,6 +190,22 @@ def gil_figures(c: Any) -> dict[str, list[float]]:
     }
 
 
+def cpu_seconds(c: Any) -> dict[str, float]:
+    """CPU seconds used so far by the driver (this process, every thread) and by each live
+    rank process of cluster ``c`` (``/proc/PID/schedstat``: nanoseconds on a CPU, every
+    thread; ranks whose file cannot be read are left out, e.g. off Linux). Differences over
+    a cell say how much of one core each process used: a process near 1.0 whose Python is
+    single-threaded (the driver) is a cap on the cell's request rate."""
+    out = {"driver": time.process_time()}
+    for p in c.procs:
+        try:
+            with open(f"/proc/{p.proc.pid}/schedstat") as f:
+                out[p.name] = int(f.read().split()[0]) / 1e9
+        except (OSError, ValueError, IndexError):
+            continue
+    return out
+
+
 def engine(
     a: Any,
     *,
@@ -335,7 +351,9 @@ def engine(
             for conc in a.concurrency:
                 n = a.requests if mib < 512 else max(conc * 2, a.requests // 4)
                 n = max(n, conc * 2)
+                cpu0 = cpu_seconds(c)
                 res = c.run(plans(n, pages[mib], False), concurrency=conc, timeout_s=a.timeout)
+                cpu1 = cpu_seconds(c)
                 failed = [r for r in res if any(x.status != 4 for x in r.reports)]
                 span = max(r.t_end for r in res) - min(r.t_start for r in res)
                 nbytes = sum(r.bytes for r in res)
@@ -357,6 +375,10 @@ def engine(
                     cell[f"prefill_{k[:-2]}_ms"] = 1e3 * vals[len(vals) // 2]
                 cell["stages_ms"] = stage_medians(res)
                 cell["gil"] = gil_figures(c)
+                # the share of one core each process used during the cell (see cpu_seconds)
+                cell["cpu_share"] = {
+                    k: round((cpu1[k] - cpu0[k]) / span, 3) for k in cpu1 if k in cpu0
+                }
                 report["cells"].append(cell)
                 log(f"engine {cell}")
         if flag is not None:
