@@ -4,12 +4,13 @@ where the aux row travels for the two shapes of a request's sends."""
 
 from __future__ import annotations
 
+import os
 from types import SimpleNamespace
 from typing import Any
 
 import pytest
 
-from kvwire.bench.gpu_engine import STAGES, engine
+from kvwire.bench.gpu_engine import STAGES, cpu_seconds, engine
 
 
 def _args(**kw: Any) -> SimpleNamespace:
@@ -38,6 +39,10 @@ def test_timed_requests_report_their_stages_and_carry_the_aux_row_in_the_note() 
         gil = cell["gil"]
         assert len(gil["interval_us"]) == len(gil["lowerings"]) == 2
         assert all(0 < us <= 5000 for us in gil["interval_us"]), gil
+        # the driver's and every rank's share of a core over the cell
+        cpu = cell["cpu_share"]
+        assert set(cpu) == {"driver", "kvwire-prefill0-pp0-tp0", "kvwire-decode0-pp0-tp0"}, cpu
+        assert all(v >= 0 for v in cpu.values()) and cpu["driver"] > 0, cpu
         stages = cell["stages_ms"]
         assert stages["total"] > 0
         for name, *_ in STAGES:
@@ -49,3 +54,19 @@ def test_timed_requests_report_their_stages_and_carry_the_aux_row_in_the_note() 
     assert kv_bytes % 4096 == 0  # whole pages of the dry-run model, nothing else
     assert {"plan", "post", "land"} <= set(one["cells"][0]["stages_ms"])
     assert empty["cells"][0]["bytes_per_request"] == kv_bytes + 128
+
+
+def test_cpu_seconds_read_each_live_rank_and_leave_out_the_unreadable() -> None:
+    """This process stands in for a rank (its schedstat grows while it computes); a rank
+    whose /proc entry is gone (it exited) is left out, not an error."""
+    me = SimpleNamespace(proc=SimpleNamespace(pid=os.getpid(), name="kvwire-prefill0-pp0-tp0"))
+    gone = SimpleNamespace(proc=SimpleNamespace(pid=2**22 + 7, name="kvwire-decode0-pp0-tp0"))
+    for p in (me, gone):
+        p.name = p.proc.name
+    c = SimpleNamespace(procs=[me, gone])
+    before = cpu_seconds(c)
+    sum(i * i for i in range(300_000))
+    after = cpu_seconds(c)
+    assert set(after) == {"driver", "kvwire-prefill0-pp0-tp0"}
+    assert after["driver"] > before["driver"]
+    assert after["kvwire-prefill0-pp0-tp0"] > before["kvwire-prefill0-pp0-tp0"]
