@@ -113,6 +113,8 @@ class Pair:
         # asked for after BOOTSTRAP_TIMEOUT_S (the tcp pair keeps the defaults its
         # fast-failure test measures)
         control = {"bootstrap_timeout_s": BOOTSTRAP_TIMEOUT_S} if backend == "nixl" else {}
+        # the environment first (minutes on a fresh machine), the ports right before the start
+        env = ensure_env()
         prefill_kv = kvwire_config("kv_producer", backend, free_port(), control)
         decode_kv = kvwire_config("kv_consumer", backend, free_port(), control)
         prefill_env = None
@@ -129,7 +131,7 @@ class Pair:
                 "KVWIRE_TESTING_SLOW_FLAG": str(self.slow_flag),
             }
         self.deployment = Deployment(
-            ensure_env(), backend, prefill_kv, decode_kv, logs, prefill_env=prefill_env
+            env, backend, prefill_kv, decode_kv, logs, prefill_env=prefill_env
         )
         self.prefill, self.decode = self.deployment.prefill, self.deployment.decode
         self.router_url = self.deployment.router.url

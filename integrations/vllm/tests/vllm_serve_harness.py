@@ -27,7 +27,6 @@ import logging
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -35,6 +34,8 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 from typing import Any
+
+from kvwire.testing.cluster import free_bootstrap_port
 
 logger = logging.getLogger(__name__)
 
@@ -150,6 +151,23 @@ def _build(env: Path) -> None:
     run(str(env / "bin" / "python"), "-c", MODEL_SCRIPT, str(env / "model"))
 
 
+#: What marks a log line as part of a failure (vLLM's ``ERROR`` records, exceptions).
+_ERROR_MARKS = ("ERROR", "Error:", "Exception:", "Traceback (most recent call last)")
+
+
+def error_lines(lines: list[str], cap: int = 40) -> list[str]:
+    """The first ``cap`` lines of ``lines`` that carry an error mark (a traceback's header and
+    its exception line; its frames are left out)."""
+    out: list[str] = []
+    for line in lines:
+        if any(mark in line for mark in _ERROR_MARKS):
+            out.append(line)
+            if len(out) >= cap:
+                out.append("[more error lines left out]")
+                break
+    return out
+
+
 def _die_with_parent() -> None:
     """In the child before exec: SIGKILL it if the test process dies (a server must never
     outlive its test, even when pytest itself is killed)."""
@@ -158,10 +176,19 @@ def _die_with_parent() -> None:
     ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
 
 
+#: Ports already handed out by :func:`free_port` in this process (never handed twice).
+_given: set[int] = set()
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    """A port free on loopback now, below Linux's ephemeral range (kvwire's
+    :func:`~kvwire.testing.cluster.free_bootstrap_port`). A ``bind(0)`` port comes from the
+    ephemeral range, where the two servers' own random binds (vLLM's ``get_open_port``,
+    torch.distributed's store, ZeroMQ) and outgoing connections can take it before the
+    server that was given it binds it."""
+    port = free_bootstrap_port("127.0.0.1", taken=_given)
+    _given.add(port)
+    return port
 
 
 def kvwire_config(
@@ -292,12 +319,18 @@ class Server:
         return time.monotonic() - t0
 
     def tail(self, lines: int = 60) -> str:
-        """The last lines of the server's log (printed when a test fails)."""
+        """The last lines of the server's log (printed when a test fails), after its error
+        lines: a failed start ends with the API server's traceback, while the engine core's
+        exception, the cause, was logged earlier (see :func:`error_lines`)."""
         try:
             text = self.log_path.read_text(errors="replace").splitlines()
         except OSError:
             return ""
-        return f"--- {self.name} log ({self.log_path}) ---\n" + "\n".join(text[-lines:])
+        errors = error_lines(text[:-lines])
+        head = f"--- {self.name} log ({self.log_path}) ---\n"
+        if errors:
+            head += "[error lines above the tail]\n" + "\n".join(errors) + "\n[tail]\n"
+        return head + "\n".join(text[-lines:])
 
     def log_text(self) -> str:
         return self.log_path.read_text(errors="replace")
