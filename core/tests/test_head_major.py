@@ -13,7 +13,7 @@ from kvwire.layout import KVLayout, ModelSpec, RankPosition
 from kvwire.testing.cluster import Cluster, ClusterSpec, RoomPlan
 from kvwire.testing.cluster_suite import assert_all_ok, assert_tables_empty
 from kvwire.testing.kvfill import make_pool
-from kvwire.testing.pair import config
+from kvwire.testing.pair import RELAXED_HEARTBEAT_S, config
 
 
 def _model(heads: int, page: int = 4, mla: bool = False) -> ModelSpec:
@@ -86,8 +86,10 @@ def test_across_processes(
         aux_slots=64,
         head_major=head_major,
         decode_page_size=decode_page,
-        # 0.5 s beats: eviction after 0.3 s evicted live ranks on a loaded 2-core host
-        config=config(heartbeat_interval_s=0.5).model_copy(update={"staging": staging}),
+        # relaxed beats: faster ones evicted live ranks on a loaded 2-core host
+        config=config(heartbeat_interval_s=RELAXED_HEARTBEAT_S).model_copy(
+            update={"staging": staging}
+        ),
         kv_tensors=not views,
     )
     with Cluster(spec) as c:

@@ -22,7 +22,7 @@ from kvwire.layout import KVLayout, ModelSpec, RankPosition
 from kvwire.testing.cluster import Cluster, ClusterSpec
 from kvwire.testing.cluster_suite import assert_all_ok, assert_tables_empty
 from kvwire.testing.kvfill import count_mismatches, fill_pages, make_pool, move_chunk
-from kvwire.testing.pair import config
+from kvwire.testing.pair import RELAXED_HEARTBEAT_S, config
 
 MAPPERS = {"head_rows": HeadRowsMapper, "equal_tp": EqualTPMapper, "head_slice": HeadSliceMapper}
 
@@ -213,8 +213,10 @@ def test_across_processes(
         kv_in_slot=tuple(r.split(":")[1] for r in fused if ":" in r),
         head_major=head_major,
         decode_page_size=decode_page,
-        # 0.5 s beats: eviction after 0.3 s evicted live ranks on a loaded 2-core host
-        config=config(heartbeat_interval_s=0.5).model_copy(update={"staging": staging}),
+        # relaxed beats: faster ones evicted live ranks on a loaded 2-core host
+        config=config(heartbeat_interval_s=RELAXED_HEARTBEAT_S).model_copy(
+            update={"staging": staging}
+        ),
     )
     with Cluster(spec) as c:
         plans = c.plans(16, pages=(1, 6), cached_fraction=0.3, layerwise_fraction=0.5)

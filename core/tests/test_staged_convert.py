@@ -27,7 +27,7 @@ from kvwire.staging.bulk_writer import chunk_units, src_units
 from kvwire.testing.cluster import FAULT_ENV, Cluster, ClusterSpec, RoomPlan
 from kvwire.testing.cluster_suite import SMALL_RING, assert_all_ok, assert_tables_empty
 from kvwire.testing.kvfill import make_pool
-from kvwire.testing.pair import config
+from kvwire.testing.pair import RELAXED_HEARTBEAT_S, config
 
 #: (prefill TP, decode TP, prefill page, decode page, MLA, head-major roles)
 CASES = {
@@ -67,7 +67,7 @@ def test_staged_convert_and_mla_across_processes(case: str) -> None:
         page_size=pp,
         is_mla=mla,
     )
-    cfg = config(heartbeat_interval_s=0.5).model_copy(
+    cfg = config(heartbeat_interval_s=RELAXED_HEARTBEAT_S).model_copy(
         update={"staging": "bulk", "staging_options": {**SMALL_RING, "equal_tp": "always"}}
     )
     spec = ClusterSpec(
@@ -147,7 +147,7 @@ def test_lost_and_repeated_staging_messages(case: str, monkeypatch: pytest.Monke
     tp_p, tp_d, pp, pd, mla, hm = CASES[case]
     model = ModelSpec(num_layers=2, total_kv_heads=1 if mla else 4, head_dim=8, dtype="int32",
                       page_size=pp, is_mla=mla)  # fmt: skip
-    cfg = config(heartbeat_interval_s=0.5).model_copy(
+    cfg = config(heartbeat_interval_s=RELAXED_HEARTBEAT_S).model_copy(
         update={"staging": "bulk", "staging_options": {**SMALL_RING, "equal_tp": "always"}}
     )
     spec = ClusterSpec(model=model, prefill_tp=tp_p, decode_tp=tp_d, slots=128, aux_slots=64,

@@ -15,7 +15,7 @@ import pytest
 from kvwire.layout import ModelSpec
 from kvwire.testing.cluster import Cluster, ClusterSpec, RoomPlan
 from kvwire.testing.cluster_suite import assert_all_ok, assert_tables_empty
-from kvwire.testing.pair import config
+from kvwire.testing.pair import RELAXED_HEARTBEAT_S, config
 
 MODEL = ModelSpec(num_layers=2, total_kv_heads=4, head_dim=8, dtype="int32", page_size=2)
 #: A whole-row page is 1 KiB (2 layers x K/V x 2 tokens x 128 B), a head slice of TP 2 -> 1
@@ -44,7 +44,7 @@ def _per_descriptor_rows(spec: ClusterSpec, pages: int) -> int:
 @pytest.mark.parametrize("case", list(CASES))
 def test_a_chunk_longer_than_the_buffer_is_staged_in_pieces(case: str) -> None:
     tp_p, tp_d, pd = CASES[case]
-    cfg = config(heartbeat_interval_s=0.5).model_copy(
+    cfg = config(heartbeat_interval_s=RELAXED_HEARTBEAT_S).model_copy(
         update={"staging": "bulk", "staging_options": CUT}
     )
     spec = ClusterSpec(

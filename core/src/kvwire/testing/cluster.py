@@ -369,6 +369,7 @@ class Cluster:
         on_result: Callable[[RequestResult], None] | None = None,
         ignore_dead: bool = False,
         on_sent: Callable[[RankProc, int, int], None] | None = None,
+        on_stalled: Callable[[RankProc, int], None] | None = None,
     ) -> list[RequestResult]:
         """Run requests with at most ``concurrency`` in flight; one result per plan, in plan
         order. A request is finished when every rank taking part has reported.
@@ -376,7 +377,9 @@ class Cluster:
         ``ignore_dead``: a rank that is dead (killed) is not started on and no longer waited
         for (its requests' results lack its report); otherwise a dead rank is an error.
         ``on_sent(rank, room, chunk)`` is called when a prefill rank has sent a chunk (e.g. to
-        kill a rank mid-transfer, with ``ignore_dead``)."""
+        kill a rank mid-transfer, with ``ignore_dead``); ``on_stalled(rank, room)`` when a
+        prefill rank begins holding a request's last chunk for its plan's ``stall_s`` (the
+        request is in flight for that long from then)."""
         results = {p.room: RequestResult(p) for p in plans}
         waiting: dict[int, set[int]] = {}  # room -> indexes (in self.procs) yet to report
         gone: set[int] = set()  # dead ranks whose pipes are drained
@@ -417,6 +420,10 @@ class Cluster:
                     if msg[0] == "sent":
                         if on_sent is not None and msg[2] in results:
                             on_sent(p, msg[2], msg[1])
+                        continue
+                    if msg[0] == "stalled":
+                        if on_stalled is not None and msg[2] in results:
+                            on_stalled(p, msg[2])
                         continue
                     if msg[0] != "done":
                         continue

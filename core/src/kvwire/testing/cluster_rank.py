@@ -384,6 +384,9 @@ def rank_main(
                 pages = a.pages[lo : lo + chunks[a.next_chunk]]
                 if last and a.plan.stall_s and a.stall_until == 0.0:
                     a.stall_until = time.monotonic() + a.plan.stall_s
+                    # the driver learns the request is held here (a fault fired now finds it
+                    # in flight however late the driver reads its pipes)
+                    conn.send(("stalled", a.next_chunk, a.plan.room))
                     if lw:  # a slow layer-wise pass: sent now, its layers marked after the stall
                         a.obj.send(
                             pages, last=True, layerwise=True, state_indices=a.state_indices(pool)

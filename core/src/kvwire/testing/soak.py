@@ -165,8 +165,9 @@ def _fault_env(spec: SoakSpec, extra: str | None) -> contextlib.AbstractContextM
 
 
 class _Injector:
-    """Runs one batch's fault: armed before the batch, fired from the run's ``on_sent`` hook
-    (the first chunk sent to the target instance), ended after the batch."""
+    """Runs one batch's fault: armed before the batch, fired from the run's ``on_stalled``
+    hook once every prefill rank holds the last chunk of every request on the target
+    instance (or the request ended), ended after the batch."""
 
     def __init__(
         self,
@@ -182,9 +183,11 @@ class _Injector:
         self.fired = False
         #: ``dead_backend``: the target ranks' failover metrics before the batch.
         self._switches = (0, 0)
-        #: Requests on the target instance not yet asked for by decode nor finished: the fault
-        #: fires once there are none (a decode rank that dies before asking for a request
-        #: leaves prefill waiting for it until its bootstrap timeout).
+        #: (request, prefill rank) on the target instance not yet held in its stall nor
+        #: finished: the fault fires once there are none, so it finds every request that is
+        #: still open in flight (a decode rank that dies before asking for a request leaves
+        #: prefill waiting for it until its bootstrap timeout; a fault fired on the first
+        #: chunk sent found, on a loaded host, every request done: it failed none).
         self.pending = {
             (p.room, tp) for p in plans if ev.touches(p) for tp in range(spec.prefill_tp)
         }
@@ -238,8 +241,9 @@ class _Injector:
             c.restart(ev.role, ev.inst, ev.tp)
 
     def seen(self, room: int, tp: int | None = None) -> None:
-        """Prefill rank ``tp`` was asked for a request (it sent a chunk), or the request
-        finished (``tp`` None): fire once every rank was asked for every request."""
+        """Prefill rank ``tp`` holds a request's last chunk (decode asked for it, its
+        stall began), or the request finished (``tp`` None): fire once every rank holds or
+        finished every request."""
         for t in range(self.spec.prefill_tp) if tp is None else (tp,):
             self.pending.discard((room, t))
         if not self.pending and not self.fired:
@@ -381,14 +385,18 @@ def _fault_batch(
 ) -> list[RequestResult]:
     """Run one batch with fault ``ev``. Every request is started before the fault fires
     (none is started on a dead rank: its peers would wait for it until their timeouts);
-    requests on the target (for a partition: every request) stall 1 s before their last
-    chunk, so some are in flight. In a freeze or a partition, those of several chunks stall
-    for as long as the rank is silent, so that prefill still holds them when it evicts the
-    silent rank (with 1 s they could be done before the fault began: the resumed rank
-    completed them, or a partition fired after its instance's requests had ended and failed
-    none, which a loaded host showed)."""
+    requests on the target (for a partition: every request) stall before their last chunk
+    and the fault fires once every one of them is held there, so those still open are in
+    flight. A kill's requests stall for as long as a frozen rank is silent (the kill fails
+    them at once; with 1 s, a driver late to read its pipes on a loaded host fired it after
+    they were done). In a freeze or a partition, those of several chunks stall that long,
+    so that prefill still holds them when it evicts the silent rank (with 1 s they could be
+    done before the fault began: the resumed rank completed them, or a partition fired after
+    its instance's requests had ended and failed none, which a loaded host showed)."""
 
     def stall(p: RoomPlan) -> float:
+        if ev.kind in ("kill_decode", "kill_prefill"):
+            return spec.silence_s
         silent = ev.kind in ("freeze", "partition")
         return spec.silence_s if silent and len(p.chunks) > 1 else 1.0
 
@@ -406,7 +414,7 @@ def _fault_batch(
         concurrency=len(plans),
         timeout_s=spec.batch_timeout_s,
         ignore_dead=True,
-        on_sent=lambda p, room, _chunk: inj.seen(room, p.tp),
+        on_stalled=lambda p, room: inj.seen(room, p.tp),
         on_result=lambda res: inj.seen(res.plan.room),
     )
     inj.after()
