@@ -301,7 +301,9 @@ def test_aux_submit_error_fails_request(monkeypatch: pytest.MonkeyPatch) -> None
         assert_all_ok(results[1:])
         for rep in results[0].reports:
             assert rep.status == int(KVPoll.Failed), results[0].reports
-            assert rep.latency_s < 2.0, results[0].reports
+            # refused at once: nothing waits for a timeout (30-60 s); the bound leaves a
+            # loaded host its starvation (1.2-1.4 s seen on CI)
+            assert rep.latency_s < 5.0, results[0].reports
         prefill = next(r for r in results[0].reports if r.role == "prefill")
         assert "refused" in (prefill.error or ""), prefill.error
         assert_tables_empty(c)
