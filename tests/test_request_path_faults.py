@@ -324,9 +324,14 @@ def test_unsigned_hellos_do_not_leak_sockets() -> None:
         for rnd in range(5):  # 20 a second: the rank's reply rate limit
             flood(pre.endpoint, unsigned_hellos(20, layout, first_port=1 + 20 * rnd))
             time.sleep(1.1)
-        time.sleep(1.0)
+        # every hello handled (counted by progress, not a guessed time: a loaded host can
+        # be seconds behind), then the rank's files counted
+        deadline = time.monotonic() + 60
+        while (stats := c.rank_stats()[pre.name])["dropped_unauthenticated"] < 100:
+            assert time.monotonic() < deadline, f"hellos not all handled in 60 s: {stats}"
+            time.sleep(0.1)
+        time.sleep(0.5)  # a connection closed with the last hello's refusal: let it go
         grown = _open_fds(pre.proc.pid) - before
-        stats = c.rank_stats()[pre.name]
         print(f"100 unsigned hellos: prefill rank 0 holds {grown} more open files; {stats}")
         assert stats["dropped_unauthenticated"] == 100
         assert_all_ok(c.run(c.plans(8, seed=3), concurrency=8))

@@ -96,7 +96,9 @@ def test_decode_failure_before_the_sender_exists_fails_it_at_creation() -> None:
         r = p.decode.receiver(5, p.addr)
         with pytest.raises(DescriptorError, match="repeat"):
             r.send_metadata([1, 1], aux_index=0)
-        time.sleep(0.3)  # the failure reached prefill before the engine created the sender
+        # the failure reached prefill before the engine created the sender (waited for by
+        # its record, not a guessed time: a loaded host took longer than 0.3 s)
+        wait_for(lambda: 5 in p.prefill.side.early.failures, timeout=10)  # type: ignore[attr-defined]
         s = p.prefill.sender(5)
         assert s.poll() is KVPoll.Failed
         with pytest.raises(KVWireError, match="repeat"):
