@@ -565,7 +565,7 @@ def test_a_request_failed_while_its_check_runs_stays_failed(
     held, the verdict that comes later (a pass) is dropped, the request stays Failed with
     the timeout as its error, and nothing is left behind."""
     entered, gate = _gate_first_check(monkeypatch)
-    with pair(config(), config(kv_checksum=True, waiting_timeout_s=1.0)) as p:
+    with pair(config(), config(kv_checksum=True, waiting_timeout_s=3.0)) as p:
         s, r, src, _ = p.start(25, 4)
         s.send(src, last=True)
         wait_for(entered.is_set, timeout=60)

@@ -12,9 +12,9 @@ from __future__ import annotations
 import pytest
 
 from kvwire.layout import ModelSpec
-from kvwire.testing.cluster import Cluster, ClusterSpec
+from kvwire.testing.cluster import RELAXED_HEARTBEAT_S, Cluster, ClusterSpec
 from kvwire.testing.cluster_suite import assert_all_ok, assert_tables_empty
-from kvwire.testing.pair import RELAXED_HEARTBEAT_S, config
+from kvwire.testing.pair import config
 
 pytestmark = pytest.mark.timeout(240)
 

@@ -115,10 +115,11 @@ def test_an_engine_that_sends_first_across_real_processes(tp: tuple[int, int]) -
     without waiting for decode's asks (``RoomPlan.send_first``), 24 requests, 8 in flight,
     chunked and layer-wise ones among them: every element and aux row right on every decode
     rank, nothing left in any table."""
-    from kvwire.testing.cluster import Cluster, ClusterSpec
+    from kvwire.testing.cluster import RELAXED_HEARTBEAT_S, Cluster, ClusterSpec
     from kvwire.testing.cluster_suite import assert_all_ok, assert_tables_empty
 
-    spec = ClusterSpec(model=MODEL, prefill_tp=tp[0], decode_tp=tp[1], slots=96, config=config())
+    cfg = config(heartbeat_interval_s=RELAXED_HEARTBEAT_S, handshake_timeout_s=10.0)
+    spec = ClusterSpec(model=MODEL, prefill_tp=tp[0], decode_tp=tp[1], slots=96, config=cfg)
     with Cluster(spec) as c:
         plans = c.plans(24, pages=(1, 6), layerwise_fraction=0.2)
         plans = [p.model_copy(update={"send_first": True}) for p in plans]

@@ -126,7 +126,7 @@ def test_prefill_gone_after_one_chunk_reports_it_landed_and_the_rest_missing() -
 
 
 def test_waiting_timeout_reports_what_landed() -> None:
-    with pair(config(), config(waiting_timeout_s=1.0)) as p:
+    with pair(config(), config(waiting_timeout_s=3.0)) as p:  # 1 s: a stall could fire it early
         s, r, src, dst = _start(p, 22, 4)
         s.send(src[:3], last=False)  # the last page never comes
         rep = _report(r)

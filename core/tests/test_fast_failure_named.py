@@ -190,8 +190,9 @@ def test_without_an_issuer_decode_may_come_first() -> None:
         r.init()
         dst = np.array([5, 6])
         r.send_metadata(dst, aux_index=1)
+        wait_for(lambda: r.poll() is KVPoll.Transferring)  # the request left decode
         time.sleep(1.0)
-        assert r.poll() is KVPoll.Transferring
+        assert r.poll() is KVPoll.Transferring  # and waits: not refused
         s = p.prefill.sender(70)
         src = np.arange(2)
         fill_pages(p.play, p.parr, src, 0)

@@ -10,10 +10,10 @@ import pytest
 from kvwire.errors import LayoutError
 from kvwire.index import EqualTPMapper, HeadSliceMapper, default_mapper_name
 from kvwire.layout import KVLayout, ModelSpec, RankPosition
-from kvwire.testing.cluster import Cluster, ClusterSpec, RoomPlan
+from kvwire.testing.cluster import RELAXED_HEARTBEAT_S, Cluster, ClusterSpec, RoomPlan
 from kvwire.testing.cluster_suite import assert_all_ok, assert_tables_empty
 from kvwire.testing.kvfill import make_pool
-from kvwire.testing.pair import RELAXED_HEARTBEAT_S, config
+from kvwire.testing.pair import config
 
 
 def _model(heads: int, page: int = 4, mla: bool = False) -> ModelSpec:

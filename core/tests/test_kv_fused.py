@@ -19,10 +19,10 @@ from kvwire.index import EqualTPMapper, HeadSliceMapper, default_mapper_name, so
 from kvwire.index.head_rows import HeadRowsMapper
 from kvwire.index.planes import split_kv
 from kvwire.layout import KVLayout, ModelSpec, RankPosition
-from kvwire.testing.cluster import Cluster, ClusterSpec
+from kvwire.testing.cluster import RELAXED_HEARTBEAT_S, Cluster, ClusterSpec
 from kvwire.testing.cluster_suite import assert_all_ok, assert_tables_empty
 from kvwire.testing.kvfill import count_mismatches, fill_pages, make_pool, move_chunk
-from kvwire.testing.pair import RELAXED_HEARTBEAT_S, config
+from kvwire.testing.pair import config
 
 MAPPERS = {"head_rows": HeadRowsMapper, "equal_tp": EqualTPMapper, "head_slice": HeadSliceMapper}
 

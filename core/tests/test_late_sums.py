@@ -126,7 +126,7 @@ def test_a_lost_sums_part_fails_decode_by_its_timeout_naming_the_chunk(
         return original(self, endpoint, msg)
 
     monkeypatch.setattr(RankContext, "tell", losing)
-    with pair(config(), config(kv_checksum=True, waiting_timeout_s=1.0)) as p:
+    with pair(config(), config(kv_checksum=True, waiting_timeout_s=3.0)) as p:
         s, r, src, _ = p.start(64, 4)
         t0 = time.monotonic()
         s.send(src, last=True)

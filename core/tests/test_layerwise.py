@@ -115,8 +115,8 @@ def test_layer_groups_move_while_later_layers_are_computed() -> None:
         assert not _layer_arrived(p, 0, dst[:2])
         ev = Event()
         s.layer_ready(3, event=ev)  # groups 0 and 1, behind a running event
-        time.sleep(0.2)
-        assert not _layer_arrived(p, 0, dst[:2]) and ev.queries > 0
+        wait_for(lambda: ev.queries > 0)  # the event was asked (by progress, not 0.2 s)
+        assert not _layer_arrived(p, 0, dst[:2])
         ev.done = True
         wait_for(lambda: all(_layer_arrived(p, layer, dst[:2]) for layer in range(4)))
         assert not any(_layer_arrived(p, layer, dst[:2]) for layer in range(4, 8))

@@ -461,7 +461,7 @@ def test_a_prefix_not_on_both_page_sizes_is_placed_by_cached_tokens() -> None:
                 assert count_mismatches(p.dlay, p.darr, dst, c) == 0  # positions 2..9
             else:
                 wait_for(lambda r=r, s=s: r.poll() == KVPoll.Failed == s.poll())
-                assert time.monotonic() - t0 < 1.0
+                assert time.monotonic() - t0 < 5.0  # pushed, not timed out (30-60 s)
                 for side in (r, s):
                     with pytest.raises(KVWireError, match="cached_tokens"):
                         side.failure_exception()
@@ -489,7 +489,7 @@ def test_too_few_decode_pages_are_refused_at_once(pages: int, cached: int) -> No
         with contextlib.suppress(KVWireError):  # may already be raised on the engine thread
             s.send(np.arange(n) + 3, last=True)
         wait_for(lambda: r.poll() == KVPoll.Failed == s.poll())
-        assert time.monotonic() - t0 < 2.0
+        assert time.monotonic() - t0 < 5.0  # at once, not by the waiting timeout
         want = f"asks for {pages} pages of 4 tokens, which no prompt of 4 prefill pages of 2"
         for side in (r, s):
             with pytest.raises(KVWireError, match=want):

@@ -210,7 +210,9 @@ def test_lookup_of_absent_bootstrap_fails() -> None:
 
 # ------------------------------------------------------------------------ late messages
 def test_late_messages_for_unknown_rooms_create_no_state() -> None:
-    with pair(config(bootstrap_timeout_s=0.5)) as p:
+    # a 3 s bootstrap timeout: the early request below expires by it; 0.5 s could also fail
+    # the transfer first on a loaded host
+    with pair(config(bootstrap_timeout_s=3.0)) as p:
         p.transfer(1)
         link = next(iter(p.decode.side.sources.links.values()))  # type: ignore[union-attr]
         session = link.info.session
@@ -224,7 +226,7 @@ def test_late_messages_for_unknown_rooms_create_no_state() -> None:
         r = p.decode.receiver(88, p.addr)
         r.send_metadata([3], aux_index=0)
         wait_for(lambda: p.prefill.room_tables()["early_requests"] == 1)
-        wait_for(lambda: p.prefill.room_tables()["early_requests"] == 0, timeout=5)
+        wait_for(lambda: p.prefill.room_tables()["early_requests"] == 0, timeout=15)
         r.abort()
         r.clear()  # quarantined until prefill confirms no write is in flight: briefly
         wait_for(lambda: no_rooms(p.decode), timeout=5)

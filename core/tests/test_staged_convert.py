@@ -24,10 +24,10 @@ from kvwire.layout import ModelSpec, RankPosition
 from kvwire.staging.base import QueuedChunk
 from kvwire.staging.bulk_ring import dst_units
 from kvwire.staging.bulk_writer import chunk_units, src_units
-from kvwire.testing.cluster import FAULT_ENV, Cluster, ClusterSpec, RoomPlan
+from kvwire.testing.cluster import FAULT_ENV, RELAXED_HEARTBEAT_S, Cluster, ClusterSpec, RoomPlan
 from kvwire.testing.cluster_suite import SMALL_RING, assert_all_ok, assert_tables_empty
 from kvwire.testing.kvfill import make_pool
-from kvwire.testing.pair import RELAXED_HEARTBEAT_S, config
+from kvwire.testing.pair import config
 
 #: (prefill TP, decode TP, prefill page, decode page, MLA, head-major roles)
 CASES = {

@@ -13,9 +13,9 @@ from __future__ import annotations
 import pytest
 
 from kvwire.layout import ModelSpec
-from kvwire.testing.cluster import Cluster, ClusterSpec, RoomPlan
+from kvwire.testing.cluster import RELAXED_HEARTBEAT_S, Cluster, ClusterSpec, RoomPlan
 from kvwire.testing.cluster_suite import assert_all_ok, assert_tables_empty
-from kvwire.testing.pair import RELAXED_HEARTBEAT_S, config
+from kvwire.testing.pair import config
 
 MODEL = ModelSpec(num_layers=2, total_kv_heads=4, head_dim=8, dtype="int32", page_size=2)
 #: A whole-row page is 1 KiB (2 layers x K/V x 2 tokens x 128 B), a head slice of TP 2 -> 1

@@ -194,9 +194,13 @@ def test_abort_while_receiving_frees_blocks_only_when_reported(
     ahead = (room >> SEQ_BITS) << SEQ_BITS | (room + 10**6) % (1 << SEQ_BITS)
     params = dict(pre["params"], kvwire_room=ahead)
     d.call("blk", "decode", rid="blk-abort", prompt=prompt, params=params, n=N_DECODE)
-    time.sleep(0.3)
-    st = d.call("blk", "status")
-    assert st["free_blocks"] < st["free0"] and "blk-abort" in st["waiting"]
+    deadline = time.monotonic() + 30  # by its state, not a guessed 0.3 s
+    while True:
+        st = d.call("blk", "status")
+        if st["free_blocks"] < st["free0"] and "blk-abort" in st["waiting"]:
+            break
+        assert time.monotonic() < deadline, st
+        time.sleep(0.05)
     d.call("blk", "abort", rid="blk-abort")
     rep = wait_report(d, "blk", "blk-abort", "abort_reported")
     assert "failed" not in rep and "tokens" not in rep

@@ -18,7 +18,7 @@ import pytest
 from kvwire.config import ControlOptions, KVWireConfig
 from kvwire.layout import ModelSpec
 from kvwire.session.poll import KVPoll
-from kvwire.testing.cluster import Cluster, ClusterSpec, RoomPlan
+from kvwire.testing.cluster import RELAXED_HEARTBEAT_S, Cluster, ClusterSpec, RoomPlan
 from kvwire.testing.cluster_suite import assert_all_ok, assert_tables_empty
 
 MODEL = ModelSpec(num_layers=3, total_kv_heads=2, head_dim=8, dtype="int32", page_size=4)
@@ -63,7 +63,7 @@ class _HiSparse:
             host_shared=shared,
             config=KVWireConfig(
                 transfer_backend=cls.backend_name,
-                control=ControlOptions(heartbeat_interval_s=0.2),
+                control=ControlOptions(heartbeat_interval_s=RELAXED_HEARTBEAT_S),
             ),
         )
         with Cluster(spec) as c:

@@ -323,7 +323,9 @@ def test_remove_peer_fails_backlog_promptly() -> None:
         max_batch_descs=500,
         max_inflight_descs=1000,
         transfer_timeout_s=5,
-        connect_timeout_s=1.0,
+        # 5 s: a GIL held through the connect would freeze the ticker that long, twice the
+        # gap allowed below, which leaves room for a loaded host's starvation (1.2-1.4 s)
+        connect_timeout_s=5.0,
     )
     try:
         rows = 3000
@@ -341,7 +343,7 @@ def test_remove_peer_fails_backlog_promptly() -> None:
         a.remove_peer(peer)
         assert all(a.poll(h) is XferState.FAILED for h in handles)
         assert all("removed" in (h.error or "") for h in handles)
-        assert time.monotonic() - t0 < 1.0
+        assert time.monotonic() - t0 < 3.0  # at once, not by their 5 s timeout
         for h in handles:
             a.release(h)
         ticks: list[float] = []
@@ -359,8 +361,8 @@ def test_remove_peer_fails_backlog_promptly() -> None:
             a.add_peer(meta)
         done.set()
         ticker.join()
-        assert time.monotonic() - t0 < 3.0
-        assert max(np.diff(ticks)) < 0.5, "add_peer froze the interpreter (GIL held)"
+        assert time.monotonic() - t0 < 9.0
+        assert max(np.diff(ticks)) < 2.5, "add_peer froze the interpreter (GIL held)"
         # The peer restarts (same agent name, new process and ports): adding it works again.
         victim.kill()
         victim.close()

@@ -345,13 +345,20 @@ def test_nixl_errors_become_kvwire_errors(agents: _Pair, monkeypatch: pytest.Mon
 def test_timeout_then_release(agents: _Pair, monkeypatch: pytest.MonkeyPatch) -> None:
     a = agents.a
     assert isinstance(a, NixlBackend)
-    monkeypatch.setattr(a.options, "transfer_timeout_s", 0.05)
+    # 2 s: a 50 ms deadline could pass between submit and the first poll on a loaded host
+    timeout = 2.0
+    monkeypatch.setattr(a.options, "transfer_timeout_s", timeout)
     monkeypatch.setattr(a._agent, "transfer", lambda *args, **kw: "PROC")
     monkeypatch.setattr(a._agent, "check_xfer_state", lambda *args, **kw: "PROC")
+    t0 = time.monotonic()
     h = a.submit(XferOp.WRITE, agents.pair, [0], [0])
-    assert a.poll(h) is XferState.PENDING
-    time.sleep(0.06)
-    assert a.poll(h) is XferState.FAILED and h.error and "timed out" in h.error
+    first = a.poll(h)
+    assert first is XferState.PENDING or time.monotonic() - t0 >= timeout, first
+    while (state := a.poll(h)) is XferState.PENDING:
+        assert time.monotonic() - t0 < timeout + 30, "the transfer never timed out"
+        time.sleep(0.01)
+    assert time.monotonic() - t0 >= timeout, "failed before its deadline"
+    assert state is XferState.FAILED and h.error and "timed out" in h.error, (state, h.error)
     a.release(h)
     assert a.live_handles == 0
 
@@ -700,7 +707,10 @@ def test_close_while_workers_poll() -> None:
         threads.append(threading.Thread(target=owner))
         for t in threads:
             t.start()
-        time.sleep(0.2)
+        deadline = time.monotonic() + 30  # workers posting (by progress: 0.2 s was a guess)
+        while len(handles) < 3:
+            assert time.monotonic() < deadline, "the workers never posted"
+            time.sleep(0.01)
         t0 = time.monotonic()
         a.close()
         assert time.monotonic() - t0 < 5

@@ -108,7 +108,9 @@ def test_one_interface_down_fails_over_and_back(bed: NetnsBed) -> None:
         # 2. requests in flight (chunk 0 landed over A), then decode's eth1 (A) goes down
         rooms = {100 + i for i in range(4)}
         for room in sorted(rooms):
-            plan = RoomPlan(room=room, num_pages=12, chunks=[4, 8], stall_s=1.5)
+            # held 6 s before the last chunk: the cut below must come first even when this
+            # driver reads the ranks' pipes late (1.5 s left a loaded host too little)
+            plan = RoomPlan(room=room, num_pages=12, chunks=[4, 8], stall_s=6.0)
             for p in c.ranks_of(plan):
                 p.conn.send(("start", plan.model_dump()))
         wait_first_chunks(c, rooms)

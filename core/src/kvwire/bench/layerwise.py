@@ -200,7 +200,9 @@ def _config(backend: str, staging: str, options: dict[str, Any]) -> KVWireConfig
         transfer_backend=backend,
         transfer_backend_options=options,
         staging=staging,
-        control=ControlOptions(heartbeat_interval_s=0.5),
+        # 2 s beats: a rank busy with its model's compute on a loaded host must not be
+        # evicted (0.5 s beats bound silence at 1.5 s)
+        control=ControlOptions(heartbeat_interval_s=2.0),
     )
 
 

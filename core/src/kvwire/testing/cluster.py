@@ -41,6 +41,7 @@ import numpy as np
 
 from kvwire.testing.cluster_spec import (
     FAULT_ENV,
+    RELAXED_HEARTBEAT_S,
     ClusterError,
     ClusterSpec,
     RankReport,
@@ -54,6 +55,7 @@ from kvwire.testing.cluster_spec import (
 # definitions live in kvwire.testing.cluster_spec, shared with the rank processes).
 __all__ = [
     "FAULT_ENV",
+    "RELAXED_HEARTBEAT_S",
     "Cluster",
     "ClusterError",
     "ClusterSpec",

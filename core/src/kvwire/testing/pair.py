@@ -21,12 +21,6 @@ from kvwire.testing.kvfill import count_mismatches, fill_pages, make_pool
 MODEL = ModelSpec(num_layers=2, total_kv_heads=2, head_dim=8, dtype="int32", page_size=2)
 
 
-#: Heartbeat interval for multi-process cluster tests that are not about liveness: its 6 s
-#: silence bound (3 misses) outlasts the 1.2-1.4 s starvation CI's loaded 2-core host showed,
-#: which at 0.5 s beats (1.5 s) evicted a live prefill rank of a 12-process cluster.
-RELAXED_HEARTBEAT_S = 2.0
-
-
 def config(secret: str | None = None, **control: Any) -> KVWireConfig:
     # 0.5 s beats (eviction after 1.5 s of silence): 0.1 s evicted live managers whose
     # threads were starved for 0.3 s on a loaded 2-core host. Tests of liveness set their own.

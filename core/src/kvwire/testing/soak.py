@@ -26,7 +26,8 @@ through batches of random requests (:meth:`Cluster.plans`: random sizes, chunkin
 * ``dead_backend``: every rank runs the backend list ``flaky,<backend>``
   (:mod:`kvwire.testing.flaky`: ``tcp`` that fails on command, the one fake: no engine here
   breaks an endpoint on request), and every TP rank of one prefill instance has its
-  ``flaky`` broken for ``silence_s`` (a flag file per agent): posts are swallowed and fail
+  ``flaky`` broken from when every request to it holds its last chunk until the batch
+  ends (a flag file per agent): posts are swallowed and fail
   after 50 ms, as an engine reports a broken endpoint, and adding the peer again is refused.
   Its links must fail over to ``<backend>`` with **no** request failed, and move back to
   ``flaky`` once it heals (the ranks' failover metrics and links, :class:`FaultEvent`).
@@ -85,6 +86,11 @@ from kvwire.testing.soak_ledger import (
 )
 
 logger = logging.getLogger(__name__)
+
+#: How long a kill's or a dead backend's requests hold their last chunk: the fault fires
+#: once all are held, so this is the room a driver late to read its pipes has (a loaded
+#: 2-core host starved processes for 1.2-1.4 s; 1 s let a kill find every request done).
+HOLD_S = 4.5
 
 
 class SoakSpec(BaseModel):
@@ -192,6 +198,8 @@ class _Injector:
             (p.room, tp) for p in plans if ev.touches(p) for tp in range(spec.prefill_tp)
         }
         self._timer: threading.Timer | None = None
+        #: ``dead_backend``: the flag files that break the target's ``flaky``, once fired.
+        self._flags: list[str] = []
 
     def _target(self) -> RankProc:
         return self.c.rank(self.ev.role, self.ev.inst, self.ev.tp)
@@ -277,8 +285,9 @@ class _Injector:
             flags = [flaky.flag_path(self.flag_dir, p.agent) for p in self._instance()]
             for f in flags:
                 open(f, "w").close()
-            self._timer = threading.Timer(self.spec.silence_s, self._end, (_remove_all, flags))
-            self._timer.start()
+            # healed after the batch: the held chunks are posted while it is broken, however
+            # late this driver fired (a timer could heal it before any post hit it)
+            self._flags = flags
 
     def _end(self, undo: Callable[..., Any], *args: Any) -> None:
         undo(*args)
@@ -294,6 +303,8 @@ class _Injector:
             self._replace(None)
             ev.t_end = time.perf_counter()
         if ev.kind == "dead_backend":
+            _remove_all(self._flags)
+            ev.t_end = time.perf_counter()
             self._await_recovery()
 
     def _await_recovery(self) -> None:
@@ -387,18 +398,17 @@ def _fault_batch(
     (none is started on a dead rank: its peers would wait for it until their timeouts);
     requests on the target (for a partition: every request) stall before their last chunk
     and the fault fires once every one of them is held there, so those still open are in
-    flight. A kill's requests stall for as long as a frozen rank is silent (the kill fails
-    them at once; with 1 s, a driver late to read its pipes on a loaded host fired it after
+    flight. A kill's or a dead backend's requests hold for :data:`HOLD_S` (a kill fails them
+    at once; with 1 s, a driver late to read its pipes on a loaded host fired the kill after
     they were done). In a freeze or a partition, those of several chunks stall that long,
     so that prefill still holds them when it evicts the silent rank (with 1 s they could be
     done before the fault began: the resumed rank completed them, or a partition fired after
     its instance's requests had ended and failed none, which a loaded host showed)."""
 
     def stall(p: RoomPlan) -> float:
-        if ev.kind in ("kill_decode", "kill_prefill"):
-            return spec.silence_s
-        silent = ev.kind in ("freeze", "partition")
-        return spec.silence_s if silent and len(p.chunks) > 1 else 1.0
+        if ev.kind in ("freeze", "partition"):
+            return spec.silence_s if len(p.chunks) > 1 else 1.0
+        return HOLD_S
 
     if ev.kind != "flip":  # a partition: every request, so the other instances' are in
         # flight while one is cut (they must complete)
