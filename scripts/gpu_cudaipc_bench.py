@@ -299,8 +299,10 @@ def main(argv: list[str] | None = None) -> int:
 
         if a.gpus is None:
             a.gpus = list(range(torch.cuda.device_count()))
-        if len(a.gpus) < 2:
+        if len(a.gpus) < 2 and not (a.skip_mover and a.skip_backend_api):
             raise SystemExit(f"--gpus {a.gpus}: the bench moves KV between two GPUs at least")
+        if len(a.gpus) < 2:  # the engine phase alone: host time, not the link
+            print("one GPU: prefill and decode share it (a move inside one GPU)", flush=True)
         report["gpus"] = [f"{i}: {torch.cuda.get_device_name(i)}" for i in a.gpus]
         report["torch"] = torch.__version__
         import triton
