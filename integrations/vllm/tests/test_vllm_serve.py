@@ -130,9 +130,12 @@ class Pair:
                 "KVWIRE_TESTING_FAULT": "slow_pushes",
                 "KVWIRE_TESTING_SLOW_FLAG": str(self.slow_flag),
             }
+        # the two executor shapes vLLM runs a connector in: tcp's servers keep the worker in
+        # the engine-core process (one GPU), nixl's give it a process of its own (TP > 1)
         self.deployment = Deployment(
-            env, backend, prefill_kv, decode_kv, logs, prefill_env=prefill_env
-        )
+            env, backend, prefill_kv, decode_kv, logs, prefill_env=prefill_env,
+            worker_in_core=backend == "tcp",
+        )  # fmt: skip
         self.prefill, self.decode = self.deployment.prefill, self.deployment.decode
         self.router_url = self.deployment.router.url
         self.model = self.deployment.model

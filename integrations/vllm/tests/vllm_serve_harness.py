@@ -226,8 +226,17 @@ class Server:
         log_dir: Path,
         extra_env: dict[str, str] | None = None,
         max_num_seqs: int = 8,
+        worker_in_core: bool = False,
     ) -> None:
+        """``worker_in_core``: the model worker runs inside the engine-core process (vLLM's
+        ``uni`` executor, as ``vllm serve`` runs one GPU), instead of a worker process of its
+        own (the ``mp`` executor, which vLLM's CPU platform picks by default and every GPU
+        deployment with TP > 1 runs). The CPU platform keeps ``uni`` only with
+        ``VLLM_ENABLE_V1_MULTIPROCESSING=0``, which leaves ``vllm serve``'s engine core in a
+        process of its own (the API server's engine client is always a multiprocess one), so
+        the server is two processes, each importing vLLM and torch, instead of three."""
         self.env, self.name, self.kv_config, self.core = env, name, kv_config, core
+        self.worker_in_core = worker_in_core
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_dir / f"{name}.log"
@@ -252,6 +261,8 @@ class Server:
         }
         for key in ("VIRTUAL_ENV", "PYTHONPATH", "UV_PROJECT_ENVIRONMENT"):
             env.pop(key, None)
+        if self.worker_in_core:
+            env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         env.update(self.extra_env)
         cmd = [
             str(self.env / "bin" / "python"),
@@ -424,10 +435,17 @@ class Deployment:
         log_dir: Path,
         prefill_env: dict[str, str] | None = None,
         decode_env: dict[str, str] | None = None,
+        worker_in_core: bool = False,
     ) -> None:
         self.name, self.logs = name, log_dir
-        self.prefill = Server(env, f"prefill-{name}", prefill_kv, 0, log_dir, prefill_env)
-        self.decode = Server(env, f"decode-{name}", decode_kv, 1, log_dir, decode_env)
+        self.prefill = Server(
+            env, f"prefill-{name}", prefill_kv, 0, log_dir, prefill_env,
+            worker_in_core=worker_in_core,
+        )  # fmt: skip
+        self.decode = Server(
+            env, f"decode-{name}", decode_kv, 1, log_dir, decode_env,
+            worker_in_core=worker_in_core,
+        )  # fmt: skip
         self.router = Router(self.prefill, self.decode, log_dir)
         self.model = self.prefill.model
         self.ready_s = 0.0
