@@ -65,7 +65,10 @@ case "$cmd" in
     log "ruff"; "$UV" run --frozen --no-sync ruff check core plugins integrations tests scripts examples
     "$UV" run --frozen --no-sync ruff format --check core plugins integrations tests scripts examples
     log "mypy"; "$UV" run --frozen --no-sync mypy
-    log "pytest"; exec "$UV" run --frozen --no-sync pytest "$@" ;;
+    # two pytest workers (pytest-xdist), each taking whole files (module fixtures such as
+    # the real vllm serve pairs start once); KVWIRE_TEST_WORKERS=0 runs in one process
+    log "pytest"; exec "$UV" run --frozen --no-sync pytest -n "${KVWIRE_TEST_WORKERS:-2}" \
+      --dist loadfile "$@" ;;
   bench)
     ensure_env
     exec "$UV" run --frozen --no-sync kvwire bench-backend "$@" ;;
