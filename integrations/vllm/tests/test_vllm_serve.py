@@ -3,7 +3,9 @@
 Per kvwire backend (tcp, nixl) one prefill ``vllm serve`` (``kv_producer``) and one decode
 ``vllm serve`` (``kv_consumer``) with ``KVWireConnector`` start together, each pinned to its
 own core, plus ``python -m kvwire_vllm.router`` in front of them (``vllm_serve_harness``
-builds and caches the environment and the tiny random-weight model). Checks:
+builds and caches the environment and the tiny random-weight model). The tcp pair's model
+workers run inside their engine-core processes (vLLM's one-GPU shape), the nixl pair's in
+worker processes of their own (the shape of TP > 1). Checks:
 
 * decode's greedy tokens equal a single server's (the prefill instance serving the plain
   request: its connector leaves requests without ``kv_transfer_params`` alone) for short and
