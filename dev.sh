@@ -65,10 +65,13 @@ case "$cmd" in
     log "ruff"; "$UV" run --frozen --no-sync ruff check core plugins integrations tests scripts examples
     "$UV" run --frozen --no-sync ruff format --check core plugins integrations tests scripts examples
     log "mypy"; "$UV" run --frozen --no-sync mypy
-    # two pytest workers (pytest-xdist), each taking whole files (module fixtures such as
-    # the real vllm serve pairs start once); KVWIRE_TEST_WORKERS=0 runs in one process
-    log "pytest"; exec "$UV" run --frozen --no-sync pytest -n "${KVWIRE_TEST_WORKERS:-2}" \
-      --dist loadfile "$@" ;;
+    # KVWIRE_TEST_WORKERS=N: N pytest workers (pytest-xdist), each taking whole files (module
+    # fixtures such as the real vllm serve pairs start once); default: one process
+    workers=()
+    if [ "${KVWIRE_TEST_WORKERS:-0}" != 0 ]; then
+      workers=(-n "$KVWIRE_TEST_WORKERS" --dist loadfile)
+    fi
+    log "pytest"; exec "$UV" run --frozen --no-sync pytest ${workers[@]+"${workers[@]}"} "$@" ;;
   bench)
     ensure_env
     exec "$UV" run --frozen --no-sync kvwire bench-backend "$@" ;;

@@ -237,14 +237,59 @@ def rank_main(role: str, tp: int, rank: int, addr: str, conn: Any) -> None:
         conn.send(("error", traceback.format_exc()))
 
 
-def answer(c: Any, timeout: float) -> Any:
-    """A rank process's next reply on pipe ``c``; its traceback raised when it failed."""
-    if not c.poll(timeout):
-        raise TimeoutError("rank process did not answer")
-    kind, value = c.recv()
-    if kind == "error":
-        raise RuntimeError(value)
-    return value
+#: How long a live rank process may take to answer one message. A rank that dies fails the
+#: wait at once; a live one is given this much (a rank's first request builds its manager, and
+#: on a loaded 2-core host one took over 90 s where it takes ~10 s idle): the bound is only
+#: against a rank that hangs.
+ANSWER_S = 240.0
+
+
+def reply(c: Any, proc: Any, timeout: float = ANSWER_S) -> tuple[str, Any]:
+    """A rank process's next reply on pipe ``c``: ``(kind, value)``, kind "ok" or "error" (a
+    traceback). Waits while ``proc`` (the rank's process) is alive, at most ``timeout`` s."""
+    deadline = time.monotonic() + timeout
+    while not c.poll(1.0):
+        if not proc.is_alive():
+            raise RuntimeError(f"rank process {proc.name} exited ({proc.exitcode}), no answer")
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"rank process {proc.name} did not answer in {timeout:.0f}s")
+    try:
+        kind, value = c.recv()
+    except EOFError:  # the rank's end of the pipe closed: it exited
+        proc.join(5)
+        why = f"rank process {proc.name} exited ({proc.exitcode}), no answer"
+        raise RuntimeError(why) from None
+    return str(kind), value
+
+
+class OutOfStep:
+    """Replies of rank processes driven over pipes, one reply per message. Every rank's reply
+    is read before a rank's error is raised; once a wait failed (a rank hung or died), later
+    replies would answer earlier messages, so every later request fails naming that failure
+    instead of comparing another request's results."""
+
+    def __init__(self) -> None:
+        self.broken: str | None = None
+
+    def check(self) -> None:
+        """Before sending a request: refuse if an earlier wait failed."""
+        if self.broken is not None:
+            raise RuntimeError(f"an earlier request on this cluster failed: {self.broken}")
+
+    def replies(self, pairs: list[tuple[Any, Any]]) -> list[Any]:
+        """Each rank's reply value, in order (``pairs``: pipe, process); a rank's error raised
+        once all replied."""
+        got = []
+        for c, p in pairs:
+            try:
+                got.append(reply(c, p))
+            except (TimeoutError, RuntimeError, OSError, EOFError) as exc:
+                self.broken = f"{type(exc).__name__}: {exc}"
+                raise
+        for kind, value in got:
+            if kind == "error":
+                raise RuntimeError(value)
+        return [value for _, value in got]
 
 
 class Cluster:
@@ -265,14 +310,15 @@ class Cluster:
             p = ctx.Process(target=rank_main, args=(role, tp, rank, self.addr, child), daemon=True)
             p.start()
             self.procs.append((p, parent, role))
-        for _, c, _ in self.procs:
-            answer(c, 120)
+        self.pipes = OutOfStep()
+        self.pipes.replies([(c, p) for p, c, _ in self.procs])
 
     def run(self, req: Request) -> tuple[list[dict[str, Any]], dict[str, Any]]:
         """One request through every rank; returns (prefill results, decode result)."""
+        self.pipes.check()
         for _, c, _ in self.procs:
             c.send(req)
-        results = [answer(c, 60) for _, c, _ in self.procs]
+        results = self.pipes.replies([(c, p) for p, c, _ in self.procs])
         return results[:-1], results[-1]
 
     def close(self) -> None:

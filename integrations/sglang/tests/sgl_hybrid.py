@@ -49,7 +49,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-from sgl_harness import answer, real_utils_module, wait
+from sgl_harness import OutOfStep, real_utils_module, wait
 
 from kvwire.testing.hybrid import (
     CORRUPTIONS,
@@ -336,8 +336,8 @@ class HybridCluster:
             p.start()
             self.procs.append((p, parent))
         self.n_prefill = prefill_tp
-        for _, c in self.procs:
-            answer(c, 180)
+        self.pipes = OutOfStep()
+        self.pipes.replies([(c, p) for p, c in self.procs])
 
     def run(self, setup: Setup, req: Request) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
         """One request through every rank; returns (prefill results, decode results)."""
@@ -345,9 +345,10 @@ class HybridCluster:
             from kvwire_sglang.conn import KvwireKVBootstrapServer
 
             self.servers[setup] = KvwireKVBootstrapServer("127.0.0.1", setup.port)
+        self.pipes.check()
         for _, c in self.procs:
             c.send((setup, req))
-        results = [answer(c, 90) for _, c in self.procs]
+        results = self.pipes.replies([(c, p) for p, c in self.procs])
         return results[: self.n_prefill], results[self.n_prefill :]
 
     def close(self) -> None:
