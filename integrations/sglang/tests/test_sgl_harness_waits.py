@@ -54,25 +54,26 @@ def test_a_live_rank_that_never_answers_times_out(ranks: Any) -> None:
         reply(c, p, timeout=1.5)
 
 
-def test_errors_are_raised_after_every_reply_and_the_pipes_stay_in_step(ranks: Any) -> None:
+def _first_replies(ranks: Any, first: str, second: str, error: str) -> OutOfStep:
+    """Send ``first`` to rank 0 and ``second`` to rank 1; their replies must raise ``error``."""
     pipes = OutOfStep()
     (c0, _), (c1, _) = ranks
-    c0.send("bad")
-    c1.send("first")
-    with pytest.raises(RuntimeError, match="bad request"):
-        pipes.replies([(c, p) for c, p in ranks])
+    c0.send(first)
+    c1.send(second)
+    with pytest.raises(RuntimeError, match=error):
+        pipes.replies(ranks)
+    return pipes
+
+
+def test_errors_are_raised_after_every_reply_and_the_pipes_stay_in_step(ranks: Any) -> None:
+    pipes = _first_replies(ranks, "bad", "first", "bad request")
     pipes.check()  # a rank's own error leaves the cluster usable
     for c, _ in ranks:
         c.send("second")
-    assert pipes.replies([(c, p) for c, p in ranks]) == ["second", "second"]
+    assert pipes.replies(ranks) == ["second", "second"]
 
 
 def test_after_a_failed_wait_later_requests_are_refused_naming_it(ranks: Any) -> None:
-    pipes = OutOfStep()
-    (c0, _), (c1, _) = ranks
-    c0.send("die")
-    c1.send("late")
-    with pytest.raises(RuntimeError, match="exited"):
-        pipes.replies([(c, p) for c, p in ranks])
+    pipes = _first_replies(ranks, "die", "late", "exited")
     with pytest.raises(RuntimeError, match=r"an earlier request on this cluster failed: .*exited"):
         pipes.check()
