@@ -1,7 +1,7 @@
 """kvwire's records come out through vLLM's logging (issue 24, item 6).
 
-Each case runs in a fresh interpreter (vLLM's logging setup is process-global): vLLM's own
-``configure_logging`` sets up the ``vllm`` logger from the environment (a
+Each case runs in a fresh interpreter (vLLM's logging setup is process-global; the two run
+at once): vLLM's own ``configure_logging`` sets up the ``vllm`` logger from the environment (a
 ``VLLM_LOGGING_PREFIX`` marks its formatter's output), then ``vllm_pd_harness.Engine`` builds
 a decode instance's connector halves through ``KVConnectorFactory`` and registers the KV
 caches (a real kvwire manager over tcp, on loopback). The startup line and kvwire core's own
@@ -15,6 +15,7 @@ import re
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -41,24 +42,43 @@ LINE = re.compile(
 )
 
 
-def _run(level: str) -> list[re.Match[str]]:
-    env = dict(
-        os.environ,
-        VLLM_TARGET_DEVICE="cpu",
-        VLLM_LOGGING_PREFIX="[vllm-test] ",
-        VLLM_LOGGING_LEVEL=level,
-        VLLM_LOGGING_COLOR="0",
-    )
-    out = subprocess.run(
-        [sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True, timeout=200
-    )
-    assert out.returncode == 0, out.stderr[-3000:]
-    text = out.stdout + out.stderr
-    return [m for m in map(LINE.match, text.splitlines()) if m is not None]
+LEVELS = ("INFO", "WARNING")
 
 
-def test_kvwire_records_use_vllms_format_and_level() -> None:
-    lines = _run("INFO")
+@pytest.fixture(scope="module")
+def lines_at(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[re.Match[str]]]:
+    """The vLLM-formatted lines of one fresh interpreter per ``VLLM_LOGGING_LEVEL`` of
+    :data:`LEVELS`; the interpreters run at once (each spends ~25 s importing vLLM)."""
+    folder = tmp_path_factory.mktemp("vllm-logs")
+    procs = {}
+    for level in LEVELS:
+        env = dict(
+            os.environ,
+            VLLM_TARGET_DEVICE="cpu",
+            VLLM_LOGGING_PREFIX="[vllm-test] ",
+            VLLM_LOGGING_LEVEL=level,
+            VLLM_LOGGING_COLOR="0",
+        )
+        out = open(folder / f"{level}.log", "w+")  # noqa: SIM115 - closed below
+        procs[level] = (subprocess.Popen([sys.executable, "-c", SCRIPT], env=env, stdout=out,
+                                         stderr=subprocess.STDOUT, text=True), out)  # fmt: skip
+    got = {}
+    for level, (proc, out) in procs.items():
+        try:
+            rc = proc.wait(200)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+        out.seek(0)
+        text = out.read()
+        out.close()
+        assert rc == 0, text[-3000:]
+        got[level] = [m for m in map(LINE.match, text.splitlines()) if m is not None]
+    return got
+
+
+def test_kvwire_records_use_vllms_format_and_level(lines_at: dict[str, Any]) -> None:
+    lines = lines_at["INFO"]
     startup = [m for m in lines if m["msg"].startswith("kvwire-vllm decode rank tp0/1:")]
     assert len(startup) == 1, [m.string for m in lines]
     msg = startup[0]["msg"]
@@ -71,7 +91,7 @@ def test_kvwire_records_use_vllms_format_and_level() -> None:
     assert not any(m["msg"] == "a debug line" for m in lines)
 
 
-def test_vllm_logging_level_applies_to_kvwire() -> None:
-    lines = _run("WARNING")
+def test_vllm_logging_level_applies_to_kvwire(lines_at: dict[str, Any]) -> None:
+    lines = lines_at["WARNING"]
     assert any(m["msg"] == "a plugin warning" for m in lines)
     assert not any(m["level"] == "INFO" for m in lines), [m.string for m in lines]
