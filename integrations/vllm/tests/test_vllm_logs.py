@@ -50,28 +50,28 @@ def lines_at(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[re.Matc
     """The vLLM-formatted lines of one fresh interpreter per ``VLLM_LOGGING_LEVEL`` of
     :data:`LEVELS`; the interpreters run at once (each spends ~25 s importing vLLM)."""
     folder = tmp_path_factory.mktemp("vllm-logs")
-    procs = {}
-    for level in LEVELS:
-        env = dict(
-            os.environ,
-            VLLM_TARGET_DEVICE="cpu",
-            VLLM_LOGGING_PREFIX="[vllm-test] ",
-            VLLM_LOGGING_LEVEL=level,
-            VLLM_LOGGING_COLOR="0",
-        )
-        out = open(folder / f"{level}.log", "w+")  # noqa: SIM115 - closed below
-        procs[level] = (subprocess.Popen([sys.executable, "-c", SCRIPT], env=env, stdout=out,
-                                         stderr=subprocess.STDOUT, text=True), out)  # fmt: skip
-    got = {}
-    for level, (proc, out) in procs.items():
-        try:
-            rc = proc.wait(200)
-        finally:
+    procs: dict[str, subprocess.Popen[str]] = {}
+    try:
+        for level in LEVELS:
+            env = dict(
+                os.environ,
+                VLLM_TARGET_DEVICE="cpu",
+                VLLM_LOGGING_PREFIX="[vllm-test] ",
+                VLLM_LOGGING_LEVEL=level,
+                VLLM_LOGGING_COLOR="0",
+            )
+            with open(folder / f"{level}.log", "w") as out:  # the child keeps its own copy
+                procs[level] = subprocess.Popen(
+                    [sys.executable, "-c", SCRIPT], env=env, stdout=out, stderr=subprocess.STDOUT
+                )
+        rcs = {level: proc.wait(200) for level, proc in procs.items()}
+    finally:
+        for proc in procs.values():  # one timed out: kill every one still running
             if proc.poll() is None:
                 proc.kill()
-        out.seek(0)
-        text = out.read()
-        out.close()
+    got = {}
+    for level, rc in rcs.items():
+        text = (folder / f"{level}.log").read_text(errors="replace")
         assert rc == 0, text[-3000:]
         got[level] = [m for m in map(LINE.match, text.splitlines()) if m is not None]
     return got

@@ -283,10 +283,9 @@ class Server:
             "0",
             "--max-num-seqs",
             str(self.max_num_seqs),
-            # the worker inside the engine-core process: two imports of vLLM and torch instead
-            # of three (most of the start time on this machine is imports)
+            # the executor shape asked for (``uni`` holds only with the variable set above)
             "--distributed-executor-backend",
-            "uni",
+            "uni" if self.worker_in_core else "mp",
             "--kv-transfer-config",
             json.dumps(self.kv_config),
         ]
