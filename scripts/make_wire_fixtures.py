@@ -114,6 +114,7 @@ def samples() -> list[Message]:
             ],
             host={"boot_id": "0f1e2d3c", "hostname": "decode-host"},
             aux_in_note=True,
+            local_control="kvwire-ctl-" + "0123456789abcdef" * 2,
         ),
         HelloAck(
             session="p-session",
@@ -130,6 +131,7 @@ def samples() -> list[Message]:
             checksum=True,
             backend="tcp",
             fallbacks=["nixl"],
+            local_control="kvwire-ctl-" + "fedcba9876543210" * 2,
         ),
         HelloReject(
             session="p-session",

@@ -46,6 +46,7 @@ def test_fixture_versions_exist() -> None:
         "v1.10",
         "v1.11",
         "v1.12",
+        "v1.13",
     ]
 
 

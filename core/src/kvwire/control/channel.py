@@ -12,6 +12,10 @@ flooding connection cannot starve the others), sends never block with ``NOBLOCK`
 socket monitor reports when the TCP connection to a peer closes, which is how a dead peer is
 seen before its heartbeats run out.
 
+Peers on this host's network namespace get the frames over a UNIX socket instead, once the
+handshake has told each side the other's local name (:mod:`kvwire.control.local_way`: fewer
+threads crossed, the same frames, order and bounds).
+
 Threads and locks:
 
 * :meth:`ControlChannel.receive`, :meth:`lost_endpoints` and :meth:`take_unsigned` are called
@@ -35,6 +39,7 @@ import zmq
 from zmq.utils.monitor import parse_monitor_message
 
 from kvwire.control.freshness import FreshnessError
+from kvwire.control.local_way import LocalInbox, LocalOutbox, SendResult
 from kvwire.control.reach import keep_alive, readable
 from kvwire.control.wire import Codec, Message
 from kvwire.errors import ConfigError, ProtocolError
@@ -71,7 +76,14 @@ def drop_reason(exc: ProtocolError) -> str:
 class ControlChannel:
     """One manager's control endpoint and its connections to peers."""
 
-    def __init__(self, codec: Codec, host: str = "127.0.0.1", send_hwm: int = 1000) -> None:
+    def __init__(
+        self,
+        codec: Codec,
+        host: str = "127.0.0.1",
+        send_hwm: int = 1000,
+        local: bool = True,
+        agent: str = "",
+    ) -> None:
         self.codec = codec
         self._ctx = zmq.Context()
         self._pull = self._ctx.socket(zmq.PULL)
@@ -91,6 +103,16 @@ class ControlChannel:
         warn_if_exposed("control endpoint", host, codec.authenticated)
         self._poller = zmq.Poller()
         self._poller.register(self._pull, zmq.POLLIN)
+        #: The local way (``ControlOptions.local_control``): this channel's inbox, and its
+        #: connections to peers' inboxes (under ``_lock``).
+        self._inbox: LocalInbox | None = None
+        self._outbox = LocalOutbox(agent or self.endpoint)
+        if local:
+            inbox = LocalInbox(agent or self.endpoint)
+            if inbox.name is not None:
+                self._inbox = inbox
+                self._poller.register(inbox.fileno(), zmq.POLLIN)
+        self._oversized_seen = 0
         self._hwm = send_hwm
         self._push: dict[str, zmq.Socket[bytes]] = {}
         self._monitors: dict[str, zmq.Socket[bytes]] = {}
@@ -103,6 +125,39 @@ class ControlChannel:
         self._last_log: dict[str, float] = {}
         self._unsigned: collections.deque[Message] = collections.deque(maxlen=UNSIGNED_KEPT)
 
+    # ------------------------------------------------------------------ local way
+    @property
+    def local_name(self) -> str:
+        """This channel's local control name, announced in the handshake ("" when the local
+        way is off here)."""
+        inbox = self._inbox
+        return inbox.name or "" if inbox is not None else ""
+
+    def set_local(self, endpoint: str, name: str) -> bool:
+        """After the handshake with the peer at ``endpoint`` (which announced local name
+        ``name``; "" for none): send later frames to it the local way if it is reachable so;
+        True if they go that way. Called by a handshake's last step on each side, after the
+        handshake's own frames were told (decode: on the prefill rank's ``hello_ack``;
+        prefill: once it told its ``hello_ack``). Any thread."""
+        with self._lock:
+            if self._closed:
+                return False
+            if not name or self._inbox is None:  # off here: both ways stay ZeroMQ
+                self._outbox.forget(endpoint)
+                return False
+            return self._outbox.connect(endpoint, name)
+
+    @property
+    def local_counts(self) -> dict[str, int]:
+        """Frames told the local way, peers it was left for, and connections open to this
+        channel's inbox (tests and benchmarks). Any thread; approximate while telling."""
+        inbox = self._inbox
+        return {
+            "sent": self._outbox.sent,
+            "left": self._outbox.left,
+            "inbound": inbox.connections if inbox is not None else 0,
+        }
+
     # ------------------------------------------------------------------ telling
     def tell(self, endpoint: str, msg: Message) -> bool:
         """Queue control message ``msg`` for ``endpoint`` without blocking; False if it had to
@@ -111,21 +166,27 @@ class ControlChannel:
         with self._lock:
             if self._closed:
                 return False
-            sock = self._push.get(endpoint)
-            if sock is None:
-                sock = self._ctx.socket(zmq.PUSH)
-                sock.setsockopt(zmq.LINGER, 0)
-                sock.setsockopt(zmq.SNDHWM, self._hwm)
-                sock.setsockopt(zmq.IMMEDIATE, 0)
-                keep_alive(sock)
-                self._monitors[endpoint] = sock.get_monitor_socket(_MONITOR_EVENTS)
-                sock.connect(endpoint)
-                self._push[endpoint] = sock
-            try:
-                sock.send(frame, zmq.NOBLOCK)
+            way = self._outbox.send(endpoint, frame)
+            if way == SendResult.SENT:
                 return True
-            except zmq.Again:
+            if way == SendResult.FULL:  # the local way's queue is full: dropped, as at HWM
                 self.dropped["send_full"] += 1
+            else:  # ZeroMQ: no local way to this peer, or it was just left
+                sock = self._push.get(endpoint)
+                if sock is None:
+                    sock = self._ctx.socket(zmq.PUSH)
+                    sock.setsockopt(zmq.LINGER, 0)
+                    sock.setsockopt(zmq.SNDHWM, self._hwm)
+                    sock.setsockopt(zmq.IMMEDIATE, 0)
+                    keep_alive(sock)
+                    self._monitors[endpoint] = sock.get_monitor_socket(_MONITOR_EVENTS)
+                    sock.connect(endpoint)
+                    self._push[endpoint] = sock
+                try:
+                    sock.send(frame, zmq.NOBLOCK)
+                    return True
+                except zmq.Again:
+                    self.dropped["send_full"] += 1
         self._log_drop("send_full", f"control send to {endpoint} dropped: its queue is full")
         return False
 
@@ -152,6 +213,7 @@ class ControlChannel:
     def disconnect(self, endpoint: str) -> None:
         """Close the socket to an evicted peer (pending frames are discarded). Any thread."""
         with self._lock:
+            self._outbox.forget(endpoint)
             sock = self._push.pop(endpoint, None)
             mon = self._monitors.pop(endpoint, None)
             self._down_since.pop(endpoint, None)
@@ -173,12 +235,14 @@ class ControlChannel:
         return cls._poll_ms(timeout_s) / 1000
 
     def receive(self, timeout_s: float, max_frames: int = MAX_FRAMES_PER_RECEIVE) -> list[Message]:
-        """Up to ``max_frames`` messages, waiting at most ``timeout_s`` for the first.
-        Malformed, unauthenticated and wrong-version frames are dropped and counted (logged
-        at most once per :data:`DROP_LOG_PERIOD_S` per reason). Liveness thread only."""
-        out: list[Message] = []
+        """The messages that wait, waiting at most ``timeout_s`` for the first: up to
+        ``max_frames`` from ZeroMQ, then every frame queued on the local way (handled first:
+        :mod:`~kvwire.control.local_way`'s order rule). Malformed, unauthenticated and
+        wrong-version frames are dropped and counted (logged at most once per
+        :data:`DROP_LOG_PERIOD_S` per reason). Liveness thread only."""
+        zmq_frames: list[bytes] = []
         if not self._poller.poll(self._poll_ms(timeout_s)):
-            return out
+            return []
         pull = self._pull
         for _ in range(max_frames):
             # ask whether a frame waits rather than let an empty recv raise (an exception
@@ -186,18 +250,35 @@ class ControlChannel:
             if not readable(pull):
                 break
             try:
-                frame = pull.recv(zmq.NOBLOCK)
+                zmq_frames.append(pull.recv(zmq.NOBLOCK))
             except zmq.Again:
                 break
-            try:
-                out.append(self.codec.decode(frame, to=self.endpoint))
-            except ProtocolError as exc:
-                reason = drop_reason(exc)
-                self.dropped[reason] += 1
-                if "sent no MAC" in str(exc):
-                    self._keep_unsigned(frame)
-                self._log_drop(reason, f"dropped a control frame ({reason}): {exc}")
+        out: list[Message] = []
+        inbox = self._inbox
+        if inbox is not None:
+            # after ZeroMQ's batch, and handled before it: a peer that left the local way
+            # queued its local frames before its first ZeroMQ one (local_way's order rule)
+            for frame in inbox.drain():
+                self._decode_into(out, frame)
+            if inbox.oversized != self._oversized_seen:
+                n = inbox.oversized - self._oversized_seen
+                self._oversized_seen = inbox.oversized
+                self.dropped["malformed"] += n
+                self._log_drop("malformed", "dropped a local control frame above its size limit")
+        for frame in zmq_frames:
+            self._decode_into(out, frame)
         return out
+
+    def _decode_into(self, out: list[Message], frame: bytes) -> None:
+        """Decode one received frame into ``out``, or drop and count it. Liveness thread."""
+        try:
+            out.append(self.codec.decode(frame, to=self.endpoint))
+        except ProtocolError as exc:
+            reason = drop_reason(exc)
+            self.dropped[reason] += 1
+            if "sent no MAC" in str(exc):
+                self._keep_unsigned(frame)
+            self._log_drop(reason, f"dropped a control frame ({reason}): {exc}")
 
     def _keep_unsigned(self, frame: bytes) -> None:
         msg = self.codec.decode_unverified(frame, _UNSIGNED_KINDS)
@@ -249,6 +330,7 @@ class ControlChannel:
             if self._closed:
                 return
             self._closed = True
+            self._outbox.close()
             socks = list(self._push.values())
             mons = list(self._monitors.values())
             self._push.clear()
@@ -259,4 +341,6 @@ class ControlChannel:
         for mon in mons:
             mon.close(linger=0)
         self._pull.close(linger=0)
+        if self._inbox is not None:
+            self._inbox.close()
         self._ctx.term()

@@ -58,8 +58,10 @@ from kvwire.layout import (
 #: stored under core/tests/fixtures/wire/. 1.10: pools named by string (``Hello.pools``).
 #: 1.11: the aux row carried in the last chunk's note (``Hello.aux_in_note``, ``ChunkNote.aux``).
 #: 1.12: a chunk's pieces checked on arrival (``ChunkNote.piece_layers``).
+#: 1.13: control frames over a UNIX socket between peers of one host (``Hello.local_control``,
+#: ``HelloAck.local_control``).
 PROTOCOL_MAJOR = 1
-PROTOCOL_MINOR = 12
+PROTOCOL_MINOR = 13
 
 #: Largest frame accepted (layouts of deep models with many buffers stay far below this).
 MAX_FRAME_BYTES = 16 << 20
@@ -70,6 +72,9 @@ _EMPTY = b""
 #: A pool's name on the wire: "kv" (every rank's KV pool) or an extra pool a decode rank
 #: announced in ``Hello.pools``. (1.10; 1.1-1.9 knew only "kv" and "host")
 PoolName = Annotated[str, Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.-]+$")]
+
+#: A rank's local control name (:mod:`kvwire.control.local_way`), "" for none. (1.13)
+LocalName = Annotated[str, Field(max_length=64, pattern=r"^(kvwire-ctl-[0-9a-f]{32})?$")]
 
 #: The extra pool 1.1-1.9 peers knew, under the fields ``Hello.host_layout``/``host_staging``.
 LEGACY_POOL = "host"
@@ -120,6 +125,9 @@ class Hello(Message):
     #: Decode takes the aux row from the last chunk's note (``ChunkNote.aux``; aux rows in
     #: host memory); older ranks get it as a transfer of its own. (1.11)
     aux_in_note: bool = False
+    #: Decode's local control name: a prefill rank in its network namespace sends it
+    #: control frames over that UNIX socket after the handshake ("": none). (1.13)
+    local_control: LocalName = ""
 
     def offers(self) -> list[tuple[str, bytes]]:
         """``(name, metadata)`` of each backend decode announced (a 1.7 hello: its one)."""
@@ -190,6 +198,8 @@ class HelloAck(Message):
     #: 1.7 prefill: the one both had). (1.8)
     backend: str = ""
     fallbacks: list[str] = Field(default_factory=list)
+    #: The prefill rank's local control name, as ``Hello.local_control``. (1.13)
+    local_control: LocalName = ""
 
     @field_validator("rank", mode="before")
     @classmethod

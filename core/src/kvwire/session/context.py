@@ -242,7 +242,13 @@ class RankContext:
             for name in extra:
                 built.append(self._build_strategy(name))
             self.codec = Codec(config.secret_bytes)
-            self.channel = ControlChannel(self.codec, self.options.host, self.options.send_hwm)
+            self.channel = ControlChannel(
+                self.codec,
+                self.options.host,
+                self.options.send_hwm,
+                local=self.options.local_control,
+                agent=self.agent_name,
+            )
         except BaseException:
             for strategy in built:
                 strategy.close()

@@ -25,6 +25,8 @@ import socket
 import threading
 from typing import Any
 
+from kvwire.held_io import libc_function
+
 logger = logging.getLogger(__name__)
 
 __all__ = ["HeldSender"]
@@ -38,33 +40,20 @@ class _SockaddrUn(ctypes.Structure):
 _PATH_OFFSET = _SockaddrUn.sun_path.offset
 
 
-_lookup = threading.Lock()
-_sendto: Any = None  # the PyDLL function, False once the lookup failed, None before it
-
-
 def _libc_sendto() -> Any:
-    """The C library's ``sendto`` as a ``PyDLL`` function (None where it cannot be found);
-    looked up once per process, in the symbols the interpreter already loaded."""
-    global _sendto
-    if _sendto is None:
-        with _lookup:
-            if _sendto is None:
-                try:
-                    fn = ctypes.PyDLL(None, use_errno=True).sendto
-                    fn.argtypes = [
-                        ctypes.c_int,
-                        ctypes.c_char_p,
-                        ctypes.c_size_t,
-                        ctypes.c_int,
-                        ctypes.c_void_p,
-                        ctypes.c_uint32,
-                    ]
-                    fn.restype = ctypes.c_ssize_t
-                    _sendto = fn
-                except (OSError, AttributeError, TypeError) as exc:
-                    logger.debug("no C sendto (%s): local notes use socket.sendto", exc)
-                    _sendto = False
-    return _sendto or None
+    """The C library's ``sendto`` as a ``PyDLL`` function, or None (:mod:`kvwire.held_io`)."""
+    return libc_function(
+        "sendto",
+        [
+            ctypes.c_int,
+            ctypes.c_char_p,
+            ctypes.c_size_t,
+            ctypes.c_int,
+            ctypes.c_void_p,
+            ctypes.c_uint32,
+        ],
+        ctypes.c_ssize_t,
+    )
 
 
 class HeldSender:

@@ -193,6 +193,7 @@ class SourceLinks:
                 host_staging=pool_staging.get(LEGACY_POOL),
                 checksum=ctx.options.kv_checksum,
                 aux_in_note=carries_aux(ctx.aux_regions),
+                local_control=ctx.channel.local_name,
             )
             ctx.tell(info.endpoint, hello)
         ok = pending.event.wait(timeout_s)
@@ -294,6 +295,8 @@ class SourceLinks:
         )
         with self._lock:
             self.links[msg.session] = link
+        # later frames to it go over the local socket if it shares our network namespace
+        ctx.channel.set_local(msg.endpoint, msg.local_control)
         ctx.add_peer(Peer(msg.session, msg.agent, msg.endpoint, time.monotonic(), link=link))
         pending.link = link
         pending.event.set()

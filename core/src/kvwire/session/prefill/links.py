@@ -480,8 +480,11 @@ class DecodeLinker:
                 checksum=hello.checksum and (link.dummy or link.checksums is not None),
                 backend=link.choice.backend if link.choice is not None else "",
                 fallbacks=list(link.choice.fallbacks) if link.choice is not None else [],
+                local_control=ctx.channel.local_name,
             ),
         )
+        # after the answer: frames that follow it may take the local socket
+        ctx.channel.set_local(hello.endpoint, hello.local_control)
 
     def _reject(self, hello: Hello, reason: str, problems: list[str]) -> None:
         logger.warning(
