@@ -8,8 +8,10 @@
 #
 # On the development machine:  bash scripts/gpu_wheels.sh   (fills .whl/)
 # Device call, carry [".whl"]:  bash scripts/gpu_local_control_ab.sh
-# ROUNDS (3), REQUESTS (200) and SIZES (2,16) set the runs. Results in $OUT (default
-# /tmp/lcout): a JSON and a log per run, and the table printed last (ab.txt).
+# ROUNDS (3), REQUESTS (200) and SIZES (2,16) set the runs; GIL (never) the switch policy
+# (always with EXTRA=--engine-busy: a busy engine at 5 ms starves the handshake, with or
+# without this change); VARIANTS ("on off") the order of odd rounds. Results in $OUT (default
+# /tmp/lcout): runs.tgz (a JSON and a log per run) and the table printed last (ab.txt).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/lcout}
@@ -19,12 +21,12 @@ N=${REQUESTS:-200}
 SIZES=${SIZES:-2,16}
 nvidia-smi -L | head -4
 for r in $(seq "$ROUNDS"); do
-  case $((r % 2)) in 1) order="on off" ;; *) order="off on" ;; esac
+  case $((r % 2)) in 1) order="${VARIANTS:-on off}" ;; *) order=$(echo ${VARIANTS:-on off} | tr ' ' '\n' | tac | tr '\n' ' ') ;; esac
   for v in $order; do
     lc=true; [ "$v" = off ] && lc=false
     run_case "r${r}_$v" python3 scripts/gpu_cudaipc_bench.py --skip-mover --skip-backend-api \
       --backend cudaipc --sizes "$SIZES" --concurrency 1,8 --requests "$N" --verify-requests 2 \
-      --gil-switch never --control-options "{\"local_control\": $lc}"
+      --gil-switch "${GIL:-never}" ${EXTRA:-} --control-options "{\"local_control\": $lc}"
   done
 done
 python3 - "$OUT" <<'PY' | tee "$OUT/ab.txt"
@@ -33,7 +35,7 @@ from pathlib import Path
 from statistics import median
 out = Path(sys.argv[1])
 cells = {}
-for f in sorted(out.glob("r*_o*.json")):
+for f in sorted(out.glob("r*_*.json")):
     way = f.stem.split("_")[1]
     data = json.loads(f.read_text())
     for c in data.get("engine", {}).get("cells", []):
@@ -44,11 +46,16 @@ for f in sorted(out.glob("r*_o*.json")):
         cells.setdefault(key, {}).setdefault(way, []).append(
             (c["p50_ms"], c["gbps"], st.get("reach", float("nan")))
         )
-print("MiB  C  | p50 ms on / off (runs)                  | GB/s on / off (medians) | reach ms on / off")
+names = sorted({w for ways in cells.values() for w in ways})
+print("MiB C way | p50 ms per run | median GB/s | median reach ms")
 for (mib, conc), ways in sorted(cells.items()):
-    on, off = ways.get("on", []), ways.get("off", [])
-    fmt = lambda xs, i: ", ".join(f"{x[i]:.3f}" for x in xs)
-    med = lambda xs, i: median(x[i] for x in xs) if xs else float("nan")
-    print(f"{mib:>3} {conc:>2}  | {fmt(on, 0)} / {fmt(off, 0)} | {med(on, 1):.1f} / {med(off, 1):.1f} "
-          f"| {med(on, 2):.3f} / {med(off, 2):.3f}")
+    for w in names:
+        xs = ways.get(w, [])
+        if not xs:
+            continue
+        runs = ", ".join(f"{x[0]:.3f}" for x in xs)
+        print(f"{mib:>3} {conc:>2} {w:<6}| {runs} | {median(x[1] for x in xs):.1f} "
+              f"| {median(x[2] for x in xs):.3f}")
 PY
+# one archive instead of a file per run (the device tool brings back a few files a call)
+tar czf "$OUT/runs.tgz" -C "$OUT" $(cd "$OUT" && ls r*_*.json r*_*.log) && rm -f "$OUT"/r*_*.json "$OUT"/r*_*.log

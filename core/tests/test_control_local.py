@@ -4,7 +4,11 @@ of one network namespace over a UNIX sequenced-packet socket. Real channels and 
 
 from __future__ import annotations
 
+import os
+import shutil
 import socket
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -251,3 +255,41 @@ def test_secret_on_both_sides_over_the_local_way() -> None:
         p.transfer(2)
         assert p.decode.channel.local_counts["sent"] >= 2
         assert not p.prefill.dropped
+
+
+def test_a_peer_in_another_network_namespace_stays_on_zeromq() -> None:
+    """An abstract name lives in its network namespace: a peer in another one (another
+    container, or a partition test's host) is not reachable so, and its frames keep going
+    over ZeroMQ (over whatever network joins the two)."""
+    if os.geteuid() != 0 or shutil.which("unshare") is None:
+        pytest.skip("needs root and unshare(1) for a network namespace of its own")
+    child = subprocess.Popen(
+        [
+            "unshare",
+            "--net",
+            sys.executable,
+            "-c",
+            "import sys\n"
+            "from kvwire.control.channel import ControlChannel\n"
+            "from kvwire.control.wire import Codec\n"
+            "ch = ControlChannel(Codec(), agent='elsewhere')\n"
+            "print(ch.local_name, flush=True)\n"
+            "sys.stdin.read()\n"
+            "ch.close()\n",
+        ],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    here = ControlChannel(Codec(), agent="here")
+    try:
+        assert child.stdout is not None
+        name = child.stdout.readline().strip()
+        assert local_way.valid_name(name), name  # it has a local name, in its namespace
+        assert not here.set_local("tcp://10.0.0.2:5555", name)
+        assert here.local_counts["sent"] == 0
+    finally:
+        here.close()
+        assert child.stdin is not None
+        child.stdin.close()
+        child.wait(timeout=60)

@@ -2,8 +2,9 @@
 
 A control frame sent over ZeroMQ to a manager on the same host crosses the sender's ZeroMQ
 I/O thread, loopback TCP and the receiver's ZeroMQ I/O thread before the receiver's liveness
-thread wakes: 0.17-0.18 ms one way on the 2-core development host and 0.28 ms on a GPU host,
-against 0.04-0.05 ms for a UNIX sequenced-packet socket polled by the same thread
+thread wakes: 0.17-0.24 ms one way on the 2-core development host against 0.04-0.06 ms for
+a UNIX sequenced-packet socket polled by the same thread (``scripts/control_way_probe.py``);
+on a GPU host a transfer request's trip fell from 0.29-0.45 to 0.23-0.25 ms
 (docs/benchmarks.md, "The control channel's local way"). Every request's transfer request
 and every staging grant is such a frame, on the request's path.
 

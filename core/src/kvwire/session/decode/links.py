@@ -286,17 +286,18 @@ class SourceLinks:
             msg.backend,
             tuple(msg.fallbacks),
         )
+        # later frames to it go over the local socket if it shares our network namespace
+        local = ctx.channel.set_local(msg.endpoint, msg.local_control)
         logger.info(
-            "%s: link from %s: backend %s%s",
+            "%s: link from %s: backend %s%s; control frames over %s",
             ctx.agent_name,
             msg.agent,
             msg.backend or ctx.backend_names[0],
             f" (fallbacks: {', '.join(msg.fallbacks)})" if msg.fallbacks else "",
+            "the local socket" if local else "ZeroMQ",
         )
         with self._lock:
             self.links[msg.session] = link
-        # later frames to it go over the local socket if it shares our network namespace
-        ctx.channel.set_local(msg.endpoint, msg.local_control)
         ctx.add_peer(Peer(msg.session, msg.agent, msg.endpoint, time.monotonic(), link=link))
         pending.link = link
         pending.event.set()
