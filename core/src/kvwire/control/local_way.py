@@ -19,7 +19,7 @@ and checked by the same codec (MAC, freshness, size), so the way changes no guar
 
 * **Not blocking, bounded.** A send is non-blocking; a connection whose queue is full (the
   peer's liveness thread stalled) drops the frame and counts it ``send_full``, as ZeroMQ's
-  high-water mark did. The queue holds about a thousand frames (:data:`SEND_BUFFER`).
+  high-water mark did. The queue holds ~2,700 heartbeat-sized frames (:data:`SEND_BUFFER`).
 * **Order.** ZeroMQ keeps a connection's frames in order, and so does a sequenced-packet
   connection. A sender leaves the local way for ZeroMQ (for good, until the next handshake)
   only when the local way cannot take a frame at all (the peer closed it, or the frame is
@@ -34,9 +34,12 @@ and checked by the same codec (MAC, freshness, size), so the way changes no guar
   random name cannot be taken first by another program, and a peer's announced name is
   accepted only in kvwire's form, so a peer cannot point our frames at another program's
   socket. Abstract names vanish with their socket: a killed process leaves no file behind.
-* **Resources.** At most :data:`MAX_CONNECTIONS` accepted connections (more are closed at
-  once; their senders go over ZeroMQ); a frame above :data:`MAX_LOCAL_FRAME` is dropped and
-  its connection closed (kvwire never sends one).
+* **Resources.** At most :data:`MAX_CONNECTIONS` accepted connections: more are closed at
+  once (a warning counts them), their senders go over ZeroMQ from their next frame, and the
+  frames they queued before the refusal are lost. A rank has far fewer peers on its host
+  than that; the cap stands against a process that opens connections to use up descriptors.
+  A frame above :data:`MAX_LOCAL_FRAME` is dropped and its connection closed (kvwire never
+  sends one).
 
 Threads: :class:`LocalInbox` belongs to the liveness thread (:meth:`drain`), except
 :meth:`close`, which the channel calls after that thread stopped. :class:`LocalOutbox` is used
@@ -76,9 +79,10 @@ NAME_RE = re.compile(r"^kvwire-ctl-[0-9a-f]{32}$")
 MAX_LOCAL_FRAME = 256 << 10
 #: Connections one inbox accepts at once.
 MAX_CONNECTIONS = 1024
-#: Frames read from one connection per drain: above what a sender's queue can hold
-#: (:data:`SEND_BUFFER` over the kernel's ~1 KiB a small frame is charged), so one drain takes
-#: every frame a connection had queued (the order rule needs it); it bounds a flood.
+#: Frames read from one connection per drain: above what a sender's queue can hold (the
+#: kernel doubles :data:`SEND_BUFFER` and charges a small frame ~770 bytes: ~2,700 frames;
+#: ~11,000 at the 4 MiB ``net.core.wmem_max`` a sender may ask for), so one drain takes every
+#: frame a connection had queued (the order rule needs it); it bounds a flood.
 MAX_FRAMES_PER_CONNECTION = 32768
 #: ``SO_SNDBUF`` asked for each outgoing connection: its queued frames are charged to it.
 SEND_BUFFER = 1 << 20
