@@ -8,7 +8,7 @@
 #
 # On the development machine:  bash scripts/gpu_wheels.sh   (fills .whl/)
 # Device call, carry [".whl"]:  bash scripts/gpu_local_control_ab.sh
-# ROUNDS (3), REQUESTS (200) and SIZES (2,16) set the runs; GIL (never) the switch policy
+# ROUNDS (3), REQUESTS (200), SIZES (2,16) and CONC (1,8) set the runs; GIL (never) the switch policy
 # (always with EXTRA=--engine-busy: a busy engine at 5 ms starves the handshake, with or
 # without this change); VARIANTS ("on off") the order of odd rounds. Results in $OUT (default
 # /tmp/lcout): runs.tgz (a JSON and a log per run) and the table printed last (ab.txt).
@@ -25,7 +25,7 @@ for r in $(seq "$ROUNDS"); do
   for v in $order; do
     lc=true; [ "$v" = off ] && lc=false
     run_case "r${r}_$v" python3 scripts/gpu_cudaipc_bench.py --skip-mover --skip-backend-api \
-      --backend cudaipc --sizes "$SIZES" --concurrency 1,8 --requests "$N" --verify-requests 2 \
+      --backend cudaipc --sizes "$SIZES" --concurrency "${CONC:-1,8}" --requests "$N" --verify-requests 2 \
       --gil-switch "${GIL:-never}" ${EXTRA:-} --control-options "{\"local_control\": $lc}"
   done
 done
