@@ -292,3 +292,33 @@ def test_a_peer_in_another_network_namespace_stays_on_zeromq() -> None:
         assert child.stdin is not None
         child.stdin.close()
         child.wait(timeout=60)
+
+
+def test_python_socket_calls_serve_where_the_c_library_has_none(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Where ``kvwire.held_io`` finds no C function, the local way uses Python's socket
+    methods: the same frames, the same order, the same drop of an oversized packet."""
+    monkeypatch.setattr(local_way, "_send_fn", lambda: None)
+    monkeypatch.setattr(local_way, "_recv_fn", lambda: None)
+    a = ControlChannel(Codec(SECRET), agent="a")
+    b = ControlChannel(Codec(SECRET), agent="b")
+    try:
+        assert a._outbox._send is None and b._inbox is not None and b._inbox._recv is None
+        assert a.set_local(b.endpoint, b.local_name)
+        for i in range(20):
+            a.tell(b.endpoint, Heartbeat(session="a", sent_at=float(i)))
+        a.tell(b.endpoint, big_request(3))  # leaves for ZeroMQ
+        a.tell(b.endpoint, Heartbeat(session="a", sent_at=20.0))
+        got = take(b, 22)
+        assert beats(got) == [float(i) for i in range(21)]
+        assert [m.kind for m in got].index("transfer_request") == 20
+        assert a.local_counts["sent"] == 20
+        huge = raw_connection(b.local_name)
+        huge.send(bytes(local_way.MAX_LOCAL_FRAME + 10))
+        b.receive(0.05)
+        assert b.dropped["malformed"] == 1
+        huge.close()
+    finally:
+        a.close()
+        b.close()

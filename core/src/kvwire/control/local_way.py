@@ -241,21 +241,25 @@ class LocalInbox:
     def _recv_one(self, conn: socket.socket) -> int | None:
         """One packet into the buffer: its full length (larger than the buffer when it was
         cut), 0 or less when the connection ended, None when none waits."""
-        if self._recv is not None:
-            n: int = self._recv(conn.fileno(), self._buf, MAX_LOCAL_FRAME + 1, _FLAGS_RECV)
-            if n >= 0:
-                return n
-            err = ctypes.get_errno()
-            if err in (errno.EAGAIN, errno.EWOULDBLOCK, errno.EINTR):
+        for _ in range(8):  # a signal may interrupt the call (EINTR): ask again
+            if self._recv is not None:
+                n: int = self._recv(conn.fileno(), self._buf, MAX_LOCAL_FRAME + 1, _FLAGS_RECV)
+                if n >= 0:
+                    return n
+                err = ctypes.get_errno()
+                if err == errno.EINTR:
+                    continue
+                return None if err in (errno.EAGAIN, errno.EWOULDBLOCK) else -1
+            try:
+                view = memoryview(self._buf).cast("B")
+                return conn.recv_into(view, MAX_LOCAL_FRAME + 1, _FLAGS_RECV)
+            except InterruptedError:
+                continue
+            except BlockingIOError:
                 return None
-            return -1
-        try:
-            view = memoryview(self._buf).cast("B")
-            return conn.recv_into(view, MAX_LOCAL_FRAME + 1, _FLAGS_RECV)
-        except (BlockingIOError, InterruptedError):
-            return None
-        except OSError:
-            return -1
+            except OSError:
+                return -1
+        return None
 
     def _drop(self, fd: int) -> None:
         conn = self._conns.pop(fd, None)
