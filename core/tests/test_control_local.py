@@ -20,6 +20,10 @@ from kvwire.control import local_way
 from kvwire.control.channel import ControlChannel
 from kvwire.control.wire import Codec, Heartbeat, Message, TransferRequest
 from kvwire.errors import ProtocolError
+from kvwire.layout import ModelSpec
+from kvwire.testing.cluster import Cluster
+from kvwire.testing.cluster_spec import ClusterSpec
+from kvwire.testing.cluster_suite import assert_all_ok
 from kvwire.testing.pair import config, no_rooms, pair, wait_for
 
 pytestmark = pytest.mark.skipif(not local_way.supported(), reason="Linux UNIX sockets only")
@@ -322,3 +326,24 @@ def test_python_socket_calls_serve_where_the_c_library_has_none(
     finally:
         a.close()
         b.close()
+
+
+def test_rank_processes_use_the_local_way(capfd: pytest.CaptureFixture[str]) -> None:
+    """Real rank processes (prefill TP 2 -> decode TP 1) on one host: each decode link says
+    its control frames take the local socket, and every request's elements are right."""
+    model = ModelSpec(num_layers=2, total_kv_heads=2, head_dim=8, dtype="int32", page_size=2)
+    spec = ClusterSpec(
+        model=model,
+        slots=64,
+        aux_slots=16,
+        prefill_tp=2,
+        decode_tp=1,
+        config=config(),
+        log_level="INFO",
+    )
+    with Cluster(spec) as c:
+        assert_all_ok(c.run(c.plans(8), concurrency=4))
+    out = capfd.readouterr()
+    lines = [x for x in (out.out + out.err).splitlines() if "link from prefill" in x]
+    assert len(lines) == 2, lines
+    assert all(x.endswith("control frames over the local socket") for x in lines), lines
