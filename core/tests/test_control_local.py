@@ -329,22 +329,21 @@ def test_python_socket_calls_serve_where_the_c_library_has_none(
         b.close()
 
 
-def test_rank_processes_use_the_local_way(capfd: pytest.CaptureFixture[str]) -> None:
-    """Real rank processes (prefill TP 2 -> decode TP 1) on one host: each decode link says
-    its control frames take the local socket, and every request's elements are right."""
+def test_rank_processes_use_the_local_way() -> None:
+    """Real rank processes (prefill TP 2 -> decode TP 1) on one host: their control frames
+    take the local way both ways (each rank's channel counts), and every request's elements
+    are right."""
     model = ModelSpec(num_layers=2, total_kv_heads=2, head_dim=8, dtype="int32", page_size=2)
     spec = ClusterSpec(
-        model=model,
-        slots=64,
-        aux_slots=16,
-        prefill_tp=2,
-        decode_tp=1,
-        config=config(),
-        log_level="INFO",
+        model=model, slots=64, aux_slots=16, prefill_tp=2, decode_tp=1, config=config()
     )
     with Cluster(spec) as c:
         assert_all_ok(c.run(c.plans(8), concurrency=4))
-    out = capfd.readouterr()
-    lines = [x for x in (out.out + out.err).splitlines() if "link from prefill" in x]
-    assert len(lines) == 2, lines
-    assert all(x.endswith("control frames over the local socket") for x in lines), lines
+        stats = c.rank_stats()
+    decode = [v for k, v in stats.items() if k.startswith("kvwire-decode")]
+    prefill = [v for k, v in stats.items() if k.startswith("kvwire-prefill")]
+    assert len(decode) == 1 and len(prefill) == 2, sorted(stats)
+    assert decode[0]["local_sent"] >= 8  # a transfer request to each source, at least
+    assert decode[0]["local_inbound"] == 2  # both prefill ranks connected back
+    for p in prefill:
+        assert p["local_inbound"] == 1 and p["local_left"] == 0

@@ -475,7 +475,9 @@ class Cluster:
         (``{engine peer: the backend its next transfer takes}``), ``switch_interval_s`` (the
         process's GIL switch interval now), ``gil_lowerings`` (how often its manager
         lowered it: :mod:`kvwire.gil`), ``gil_windows`` (windows of idle waits its watch
-        looked at) and ``gil_last_median_s`` (the last window's median lateness)."""
+        looked at), ``gil_last_median_s`` (the last window's median lateness) and
+        ``local_sent``, ``local_left``, ``local_inbound`` (the control channel's local way:
+        frames told over it, peers it was left for, connections into this rank's inbox)."""
         out = {}
         for p in self.procs:
             if not p.proc.is_alive():

@@ -438,6 +438,7 @@ def rank_main(
                     stats["gil_windows"] = mgr.gil.windows
                     stats["gil_last_median_s"] = mgr.gil.last_median_s
                     stats.update(transport_switches())
+                    stats.update({f"local_{k}": v for k, v in mgr.channel.local_counts.items()})
                     conn.send(("stats", stats, mgr.dropped))
                 elif msg[0] == "peer_agents":
                     conn.send(("peer_agents", sorted(p.agent for p in mgr.peers.snapshot())))
