@@ -112,7 +112,6 @@ class ControlChannel:
             if inbox.name is not None:
                 self._inbox = inbox
                 self._poller.register(inbox.fileno(), zmq.POLLIN)
-        self._oversized_seen = 0
         self._hwm = send_hwm
         self._push: dict[str, zmq.Socket[bytes]] = {}
         self._monitors: dict[str, zmq.Socket[bytes]] = {}
@@ -258,12 +257,11 @@ class ControlChannel:
         if inbox is not None:
             # after ZeroMQ's batch, and handled before it: a peer that left the local way
             # queued its local frames before its first ZeroMQ one (local_way's order rule)
-            for frame in inbox.drain():
+            frames, oversized = inbox.drain()
+            for frame in frames:
                 self._decode_into(out, frame)
-            if inbox.oversized != self._oversized_seen:
-                n = inbox.oversized - self._oversized_seen
-                self._oversized_seen = inbox.oversized
-                self.dropped["malformed"] += n
+            if oversized:
+                self.dropped["malformed"] += oversized
                 self._log_drop("malformed", "dropped a local control frame above its size limit")
         for frame in zmq_frames:
             self._decode_into(out, frame)

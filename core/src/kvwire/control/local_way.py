@@ -130,9 +130,7 @@ class LocalInbox:
         self._conns: dict[int, socket.socket] = {}
         self._listener: socket.socket | None = None
         self._ep: Any = None
-        #: Frames above MAX_LOCAL_FRAME and connections refused for MAX_CONNECTIONS (read by
-        #: the channel, which counts the frames as dropped).
-        self.oversized = 0
+        #: Connections refused for MAX_CONNECTIONS (tests, the warning's count).
         self.refused = 0
         if not supported():
             return
@@ -172,13 +170,15 @@ class LocalInbox:
         """Connections open now (tests, leak checks)."""
         return len(self._conns)
 
-    def drain(self) -> list[bytes]:
+    def drain(self) -> tuple[list[bytes], int]:
         """Liveness thread, after it took its batch of ZeroMQ frames: every frame queued on
         this inbox's connections now, each connection's in order (a new connection is
-        accepted and read in the same call)."""
+        accepted and read in the same call), and how many packets above
+        :data:`MAX_LOCAL_FRAME` were dropped (each with its connection)."""
         if self._ep is None or self._listener is None:
-            return []
+            return [], 0
         frames: list[bytes] = []
+        oversized = 0
         lfd = self._listener.fileno()
         ready = self._ep.poll(0, MAX_CONNECTIONS + 1)
         fresh: list[int] = []
@@ -186,10 +186,10 @@ class LocalInbox:
             if fd == lfd:
                 fresh.extend(self._accept())
             else:
-                self._read(fd, frames)
+                oversized += self._read(fd, frames)
         for fd in fresh:
-            self._read(fd, frames)
-        return frames
+            oversized += self._read(fd, frames)
+        return frames, oversized
 
     def _accept(self) -> list[int]:
         lst = self._listener
@@ -221,22 +221,24 @@ class LocalInbox:
             self._ep.register(fd, select.EPOLLIN)
             fds.append(fd)
 
-    def _read(self, fd: int, out: list[bytes]) -> None:
+    def _read(self, fd: int, out: list[bytes]) -> int:
+        """Append the frames queued on connection ``fd`` to ``out``; 1 if it sent a packet
+        above the limit (the connection is dropped then), else 0."""
         conn = self._conns.get(fd)
         if conn is None:
-            return
+            return 0
         for _ in range(MAX_FRAMES_PER_CONNECTION):
             n = self._recv_one(conn)
             if n is None:  # nothing more now
-                return
+                return 0
             if n <= 0:  # the peer closed it (or an empty packet, which kvwire never sends)
                 self._drop(fd)
-                return
+                return 0
             if n > MAX_LOCAL_FRAME:
-                self.oversized += 1
                 self._drop(fd)
-                return
+                return 1
             out.append(ctypes.string_at(self._buf, n))
+        return 0
 
     def _recv_one(self, conn: socket.socket) -> int | None:
         """One packet into the buffer: its full length (larger than the buffer when it was
