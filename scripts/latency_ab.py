@@ -10,7 +10,10 @@ side with the ratio after / before; the last table gives the median of the round
 
 ``--before`` (and ``--after``, default: this tree's ``core/src``) is a directory put first on
 ``PYTHONPATH`` of the bench's processes (its rank processes inherit it); everything after
-``--`` goes to ``kvwire bench --latency``. ``--json PATH`` keeps every round's report.
+``--`` goes to ``kvwire bench --latency``. ``--before-extra`` / ``--after-extra`` add
+arguments to one side only (one tree, an option off and on:
+``--before HERE/core/src --before-extra "--control-option timer_slack_us=null"``).
+``--json PATH`` keeps every round's report.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import statistics
 import subprocess
 import sys
@@ -68,6 +72,8 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--before", required=True, help="source dir of the old tree (core/src)")
     ap.add_argument("--after", default=str(HERE / "core" / "src"))
+    ap.add_argument("--before-extra", default="", help="bench arguments of the before side only")
+    ap.add_argument("--after-extra", default="", help="bench arguments of the after side only")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--json", help="write every round's reports here")
     ap.add_argument("bench", nargs=argparse.REMAINDER, help="-- then kvwire bench --latency args")
@@ -75,8 +81,8 @@ def main() -> int:
     bench_args = [x for x in a.bench if x != "--"]
     rounds: list[tuple[dict[str, Any], dict[str, Any]]] = []
     for r in range(a.rounds):
-        before = run_one(a.before, bench_args)
-        after = run_one(a.after, bench_args)
+        before = run_one(a.before, bench_args + shlex.split(a.before_extra))
+        after = run_one(a.after, bench_args + shlex.split(a.after_extra))
         rounds.append((before, after))
         print(f"round {r + 1}: load {load()}", flush=True)
         print(f"  {'stage':<14} {'before p50':>10} {'after p50':>10} {'ratio':>6}")

@@ -47,6 +47,7 @@ from kvwire.selection import create_backends, select_pool_staging, staging_candi
 from kvwire.session import metrics as m
 from kvwire.session.peers import Peer, PeerTable
 from kvwire.staging.base import StagingContext, StagingStrategy
+from kvwire.timer_slack import set_thread_slack
 
 logger = logging.getLogger(__name__)
 
@@ -350,6 +351,12 @@ class RankContext:
         which runs the posted chores and then ``step`` (which waits at most a tick, on
         :attr:`wake`) until :meth:`stop`."""
         self._progress_step = step
+        slack = self.options.timer_slack_us
+
+        def first() -> None:  # the first thing the progress thread runs
+            set_thread_slack(slack)
+
+        self.progress.post(first)
         self.progress.start()
 
     @property

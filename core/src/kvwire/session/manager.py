@@ -54,6 +54,7 @@ from kvwire.session.receiver import KVReceiver
 from kvwire.session.rooms import RoomTable
 from kvwire.session.sender import KVSender
 from kvwire.staging.base import StagingStrategy
+from kvwire.timer_slack import set_thread_slack
 
 logger = logging.getLogger(__name__)
 
@@ -368,6 +369,7 @@ class KVManager:
         handlers only update tables and queue work."""
         ctx = self.ctx
         opts = ctx.options
+        set_thread_slack(opts.timer_slack_us)
         next_beat = next_check = 0.0
         self._last_check = time.monotonic()
         while not ctx.stopping:

@@ -61,6 +61,7 @@ from kvwire.session.prefill.requests import dest_for
 from kvwire.session.prefill.rooms import Dest, Job, SendRoom
 from kvwire.session.prefill.workers import TransferWorkers, shard_for
 from kvwire.session.rooms import RoomTable
+from kvwire.timer_slack import set_thread_slack
 
 logger = logging.getLogger(__name__)
 
@@ -112,6 +113,7 @@ class PrefillSide(Side[SendRoom]):
             ctx.agent_name,
             lambda i: Pipeline(ctx, self, i),
             inline=opts.sync_transfers,
+            thread_setup=lambda: set_thread_slack(opts.timer_slack_us),
         )
         ctx.wake_workers = self.workers.notify_all
         #: Decode sessions this rank evicted: their later frames are answered, not dropped.

@@ -74,13 +74,22 @@ class TransferWorkers(Generic[J]):
     """``n`` daemon threads, each with a FIFO queue and its own stage (pipeline).
 
     ``inline=True`` runs each job to completion on the caller's thread instead: the synchronous
-    single-thread mode the benchmark compares against.
+    single-thread mode the benchmark compares against. ``thread_setup`` runs first on each
+    worker thread.
     """
 
     def __init__(
-        self, n: int, name: str, make_stage: Callable[[int], Stage[J]], *, inline: bool = False
+        self,
+        n: int,
+        name: str,
+        make_stage: Callable[[int], Stage[J]],
+        *,
+        inline: bool = False,
+        thread_setup: Callable[[], object] | None = None,
     ) -> None:
         self.inline = inline
+        #: Called first on each worker thread (its timer slack).
+        self._setup = thread_setup
         #: Jobs submitted and not yet taken by their worker's pipeline.
         self._pending = 0
         self._count_lock = threading.Lock()
@@ -114,6 +123,11 @@ class TransferWorkers(Generic[J]):
             self._pending -= 1
 
     def _loop(self, q: queue.SimpleQueue[J | None], stage: Stage[J]) -> None:
+        if self._setup is not None:
+            try:
+                self._setup()
+            except Exception:
+                logger.exception("transfer worker: its setup failed; the worker runs anyway")
         sleep = MIN_POLL_SLEEP_S
         stopping = False
         while True:
