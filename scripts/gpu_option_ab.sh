@@ -1,13 +1,16 @@
 #!/usr/bin/env bash
-# The control channel's local way on a GPU host (kvwire.control.local_way): `cudaipc`'s
-# engine phase with `local_control` on and off, alternating (on/off in odd rounds, off/on in
-# even ones), the GIL switch interval pinned (`--gil-switch never`: the watch's state moves a
-# run more than this change), 2 and 16 MiB at C = 1 and 8. One GPU is enough (prefill and
-# decode share it: host time, which is what the change cuts); with two, ranks take one each.
-# Every run's first requests are checked element by element.
+# One control option off and on, alternating, on a GPU host: the engine phase of
+# scripts/gpu_cudaipc_bench.py over BACKEND (cudaipc) with OPTION (local_control) set to ON
+# (true) or OFF (false), on/off in odd rounds and off/on in even ones, the GIL switch interval
+# pinned (`--gil-switch never`: the watch's state moves a run more than these changes), 2 and
+# 16 MiB at C = 1 and 8. One GPU is enough for host-time changes (prefill and decode share it);
+# with two, ranks take one each. Every run's first requests are checked element by element.
 #
 # On the development machine:  bash scripts/gpu_wheels.sh   (fills .whl/)
-# Device call, carry [".whl"]:  bash scripts/gpu_local_control_ab.sh
+# Device call, carry [".whl"]:  bash scripts/gpu_option_ab.sh
+#   (session 32, the control channel's local way: the defaults)
+#   OPTION=timer_slack_us ON=1.0 OFF=null BACKEND=nixl bash scripts/gpu_option_ab.sh
+#   (session 33: timer slack on staged NIXL)
 # ROUNDS (3), REQUESTS (200), SIZES (2,16) and CONC (1,8) set the runs; GIL (never) the switch policy
 # (always with EXTRA=--engine-busy: a busy engine at 5 ms starves the handshake, with or
 # without this change); VARIANTS ("on off") the order of odd rounds. Results in $OUT (default
@@ -23,10 +26,10 @@ nvidia-smi -L | head -4
 for r in $(seq "$ROUNDS"); do
   case $((r % 2)) in 1) order="${VARIANTS:-on off}" ;; *) order=$(echo ${VARIANTS:-on off} | tr ' ' '\n' | tac | tr '\n' ' ') ;; esac
   for v in $order; do
-    lc=true; [ "$v" = off ] && lc=false
+    val=${ON:-true}; [ "$v" = off ] && val=${OFF:-false}
     run_case "r${r}_$v" python3 scripts/gpu_cudaipc_bench.py --skip-mover --skip-backend-api \
-      --backend cudaipc --sizes "$SIZES" --concurrency "${CONC:-1,8}" --requests "$N" --verify-requests 2 \
-      --gil-switch "${GIL:-never}" ${EXTRA:-} --control-options "{\"local_control\": $lc}"
+      --backend "${BACKEND:-cudaipc}" --sizes "$SIZES" --concurrency "${CONC:-1,8}" --requests "$N" --verify-requests 2 \
+      --gil-switch "${GIL:-never}" ${EXTRA:-} --control-options "{\"${OPTION:-local_control}\": $val}"
   done
 done
 python3 - "$OUT" <<'PY' | tee "$OUT/ab.txt"
