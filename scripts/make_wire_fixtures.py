@@ -132,6 +132,7 @@ def samples() -> list[Message]:
             backend="tcp",
             fallbacks=["nixl"],
             local_control="kvwire-ctl-" + "fedcba9876543210" * 2,
+            group_checksum=True,  # 1.14: state notes carry the groups' sums
         ),
         HelloReject(
             session="p-session",

@@ -47,6 +47,7 @@ def test_fixture_versions_exist() -> None:
         "v1.11",
         "v1.12",
         "v1.13",
+        "v1.14",
     ]
 
 

@@ -43,7 +43,7 @@ from numpy.typing import NDArray
 from kvwire.backends.memcopy import region_array
 from kvwire.descriptors import ADDR, LEN, DescTable, IndexArray, check_indices, locate_rows
 from kvwire.errors import DescriptorError
-from kvwire.layout import KVLayout, MemKind
+from kvwire.layout import MemKind, MemoryRegion
 from kvwire.page_form import PageSide
 from kvwire.transfers import WriteSums
 
@@ -108,6 +108,22 @@ def page_lists(
     return rp, kp
 
 
+class SummedBuffers(Protocol):
+    """The buffers a :class:`RowHasher` reads and the key each one's rows are summed under
+    (``buffer_keys[i, 0]``): a rank's :class:`~kvwire.layout.KVLayout` (the key is the
+    layer), or its buffer groups (:class:`kvwire.session.group_sums.GroupBuffers`)."""
+
+    @property
+    def buffers(self) -> Sequence[MemoryRegion]:
+        """The buffers."""
+        ...
+
+    @property
+    def buffer_keys(self) -> NDArray[np.int64]:
+        """Shape ``[len(buffers), k]``; column 0 is the key of each buffer's rows."""
+        ...
+
+
 class OrderedSums(WriteSums, Protocol):
     """A chunk's sums ordered before its write (:meth:`RowHasher.sums_order`): a writer may
     sum them in its launch (:class:`~kvwire.transfers.WriteSums`); calling it gives them,
@@ -144,7 +160,7 @@ class RowHasher:
     #: byte on the CPU and go to the checker threads.
     INLINE_CHECK = False
 
-    def __init__(self, layout: KVLayout) -> None:
+    def __init__(self, layout: SummedBuffers) -> None:
         buffers = list(layout.buffers)
         if any(MemKind(b.kind) is not self.KIND for b in buffers):
             raise DescriptorError(

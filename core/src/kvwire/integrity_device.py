@@ -58,11 +58,21 @@ from numpy.typing import NDArray
 from kvwire.cuda_launch import CompiledKernels
 from kvwire.descriptors import ADDR, LEN, DescTable, IndexArray, locate_rows
 from kvwire.errors import DescriptorError
-from kvwire.integrity import GOLDEN, MIX1, MIX2, ODD, LayerSums, RowHasher, page_lists, weights
+from kvwire.integrity import (
+    GOLDEN,
+    MIX1,
+    MIX2,
+    ODD,
+    LayerSums,
+    RowHasher,
+    SummedBuffers,
+    page_lists,
+    weights,
+)
 from kvwire.integrity_kernels import hash_pages, hash_rows
 from kvwire.integrity_lanes import Lane, PageSlot, layer_range
 from kvwire.integrity_orders import FusedSums, SumsOrder
-from kvwire.layout import KVLayout, MemKind
+from kvwire.layout import MemKind
 from kvwire.page_form import PageSide
 
 __all__ = ["DeviceRowHasher"]
@@ -127,7 +137,7 @@ class DeviceRowHasher(RowHasher):
 
     def __init__(
         self,
-        layout: KVLayout,
+        layout: SummedBuffers,
         device: Any = None,
         block: int = _BLOCK,
         num_warps: int = 4,

@@ -60,8 +60,9 @@ from kvwire.layout import (
 #: 1.12: a chunk's pieces checked on arrival (``ChunkNote.piece_layers``).
 #: 1.13: control frames over a UNIX socket between peers of one host (``Hello.local_control``,
 #: ``HelloAck.local_control``).
+#: 1.14: buffer groups checksummed (``HelloAck.group_checksum``; sums on the state note).
 PROTOCOL_MAJOR = 1
-PROTOCOL_MINOR = 13
+PROTOCOL_MINOR = 14
 
 #: Largest frame accepted (layouts of deep models with many buffers stay far below this).
 MAX_FRAME_BYTES = 16 << 20
@@ -200,6 +201,11 @@ class HelloAck(Message):
     fallbacks: list[str] = Field(default_factory=list)
     #: The prefill rank's local control name, as ``Hello.local_control``. (1.13)
     local_control: LocalName = ""
+    #: With ``checksum`` and ``groups``: each state note carries the sums of the group rows
+    #: it moved (``ChunkNote.sum_layers``/``sums``, keyed per group and layer:
+    #: :mod:`kvwire.session.group_sums`), and decode checks them. A decode rank that reads
+    #: False (an older prefill) checks that link's KV and not its groups. (1.14)
+    group_checksum: bool = False
 
     @field_validator("rank", mode="before")
     @classmethod

@@ -31,9 +31,10 @@ the chunk's destination pages and its own side; no row is mapped or listed, and 
 the row form's, bit for bit. Other links (page-size conversion, dummy senders, K and V as
 planes, head-major pages) sum the mapped rows.
 
-KV pools in host and in GPU memory alike (:func:`hasher_for`). Only the KV pool (``"kv"``) is
-covered: aux rows carry their own room stamp, and buffer groups and a decode's extra pools
-(HiSparse's ``"host"``, say) are not checksummed yet (docs/integrity.md).
+KV pools in host and in GPU memory alike (:func:`hasher_for`). Here the KV pool (``"kv"``);
+buffer groups are summed with the same hashers by :mod:`kvwire.session.group_sums` (1.14);
+aux rows carry their own room stamp, and a decode's extra pools (HiSparse's ``"host"``, say)
+are not checksummed yet (docs/integrity.md).
 """
 
 from __future__ import annotations
@@ -50,7 +51,7 @@ from kvwire.config import KVWireConfig
 from kvwire.descriptors import ADDR, LEN, DescTable, IndexArray
 from kvwire.errors import DescriptorError
 from kvwire.index.base import IndexMapper
-from kvwire.integrity import LayerSums, OrderedSums, RowHasher
+from kvwire.integrity import LayerSums, OrderedSums, RowHasher, SummedBuffers
 from kvwire.layout import KVLayout, MemKind
 from kvwire.page_form import PageSide, page_sides
 from kvwire.session.handshake import build_mapper
@@ -58,7 +59,7 @@ from kvwire.session.handshake import build_mapper
 logger = logging.getLogger(__name__)
 
 
-def hasher_for(layout: KVLayout) -> RowHasher:
+def hasher_for(layout: SummedBuffers) -> RowHasher:
     """The row hasher for this rank's KV buffers, by their memory kind: NumPy over host
     memory, or one Triton launch per call over GPU memory (imported only then). Called at
     handshake, once per link, by either side."""

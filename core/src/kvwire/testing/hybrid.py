@@ -304,13 +304,22 @@ CORRUPTIONS: dict[str, Corruption] = {
 
 
 def config(
-    backend: str = "tcp", secret: str | None = None, staging: str = "direct"
+    backend: str = "tcp",
+    secret: str | None = None,
+    staging: str = "direct",
+    checksum: bool = False,
 ) -> KVWireConfig:
-    """A config for in-process managers on a loaded machine (relaxed heartbeats)."""
+    """A config for in-process managers on a loaded machine (relaxed heartbeats);
+    ``checksum``: decode checks KV and buffer-group checksums."""
     return KVWireConfig(
         transfer_backend=backend,
         staging=staging,
-        control=ControlOptions(heartbeat_interval_s=0.5, handshake_timeout_s=10.0, num_workers=1),
+        control=ControlOptions(
+            heartbeat_interval_s=0.5,
+            handshake_timeout_s=10.0,
+            num_workers=1,
+            kv_checksum=checksum,
+        ),
         secret=SecretStr(secret) if secret is not None else None,
     )
 

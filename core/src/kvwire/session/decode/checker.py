@@ -57,6 +57,7 @@ from collections.abc import Callable
 from kvwire.control.wire import ChunkNote
 from kvwire.errors import KVWireError, TransferError
 from kvwire.integrity import LayerSums
+from kvwire.session.decode.group_check import GroupCheck
 from kvwire.session.decode.rooms import ChunkCheck, RecvRoom
 from kvwire.session.report import ChunkFault, FailureCause
 from kvwire.session.rooms import RoomTable
@@ -67,6 +68,8 @@ logger = logging.getLogger(__name__)
 #: What a check found: None (the sums match), or the error failing the request and, for a
 #: mismatch, the chunk it names.
 Outcome = tuple[TransferError, ChunkFault | None] | None
+#: What the checker runs: a KV chunk's (or piece's) check, or a sender's buffer groups'.
+Check = ChunkCheck | GroupCheck
 
 #: Checker threads per decode rank: a chunk's rows are summed in one vectorised pass (NumPy
 #: releases the GIL on large arrays; the GPU hasher waits on its own stream), so two keep up
@@ -151,7 +154,7 @@ class ChunkChecker:
         room.chunk_landed(msg)
         self._done(room)
 
-    def submit(self, check: ChunkCheck | None) -> bool:
+    def submit(self, check: Check | None) -> bool:
         """Under the room lock (progress or liveness thread, or a checker thread applying a
         verdict): queue one chunk's check; False when there is none (its source sends no
         checksums: the caller counts the chunk). An inline link's check waits in this
@@ -167,7 +170,7 @@ class ChunkChecker:
             if self._closed:
                 raise RuntimeError("closed")
             if check.checksums.inline:
-                mine: list[ChunkCheck] | None = getattr(self._deferred, "checks", None)
+                mine: list[Check] | None = getattr(self._deferred, "checks", None)
                 if mine is None:
                     mine = self._deferred.checks = []
                 mine.append(check)
@@ -185,7 +188,7 @@ class ChunkChecker:
         :data:`CHECK_BATCH`, launch every one's sums (:meth:`ChunkCheck.start`), then wait for
         and apply each verdict in order (a verdict may queue more: they run in a later batch).
         A no-op on a thread with none."""
-        mine: list[ChunkCheck] | None = getattr(self._deferred, "checks", None)
+        mine: list[Check] | None = getattr(self._deferred, "checks", None)
         while mine:
             batch = mine[:CHECK_BATCH]
             del mine[:CHECK_BATCH]  # the rest, and what verdicts queue: the next rounds
@@ -197,12 +200,12 @@ class ChunkChecker:
                     msg = check.msg
                     logger.exception("room %d: applying chunk %d's check", check.room, msg.chunk_id)
 
-    def _run_pooled(self, check: ChunkCheck) -> None:
+    def _run_pooled(self, check: Check) -> None:
         """A checker thread: run one check, then any inline check its verdict queued."""
         self._run(check)
         self.run_deferred()
 
-    def _run(self, check: ChunkCheck, later: Callable[[], LayerSums] | None = None) -> None:
+    def _run(self, check: Check, later: Callable[[], LayerSums] | None = None) -> None:
         """A checker thread (or the submitting thread, for an inline check): run the check
         (waiting for the sums :meth:`ChunkCheck.start` launched, when ``later``), hand over
         the verdict."""
@@ -231,7 +234,7 @@ class ChunkChecker:
             self._pending.pop(key, None)
         return max(left, 0)
 
-    def _apply(self, check: ChunkCheck, outcome: Outcome) -> None:
+    def _apply(self, check: Check, outcome: Outcome) -> None:
         """A checker thread, no lock held: apply a check's verdict under the room lock (see
         the module's lock contract). A mismatch fails the request only once its other checks
         in flight are over (held back until then), so the failure report counts every chunk
@@ -261,7 +264,7 @@ class ChunkChecker:
                 if piece:
                     self._count(room, check.msg)  # one piece of its chunk passed
                 else:
-                    room.chunk_landed(check.msg)
+                    check.landed(room)  # a whole chunk, or a sender's buffer groups
             held = self._held.get(key)
             if held is None:
                 if not piece:

@@ -32,6 +32,7 @@ from kvwire.index.topology import Topology
 from kvwire.link_choice import host_identity
 from kvwire.session.aux_note import carries_aux
 from kvwire.session.checksums import LandedSums
+from kvwire.session.group_sums import LandedGroupSums
 from kvwire.session.handshake import build_mapper, topology_for
 from kvwire.session.peers import Peer
 
@@ -55,6 +56,8 @@ class PrefillLink:
     groups: bool = False
     #: Checks the per-layer sums its chunks carry (``ControlOptions.kv_checksum``).
     checksums: LandedSums | None = None
+    #: Checks the sums its state notes carry (1.14: ``HelloAck.group_checksum``).
+    group_sums: LandedGroupSums | None = None
     #: The backend prefill chose for the link and its fallbacks ("" from a 1.7 prefill).
     backend: str = ""
     fallbacks: tuple[str, ...] = ()
@@ -263,6 +266,7 @@ class SourceLinks:
             except KVWireError as exc:
                 error = f"cannot take staged chunks from {msg.agent}: {exc}"
         checksums = None
+        group_sums = None
         if error is None and ctx.options.kv_checksum and not msg.dummy:
             try:
                 if not msg.checksum or msg.layout is None:
@@ -271,6 +275,15 @@ class SourceLinks:
                         "rank does not send them (kvwire older than protocol 1.7?)"
                     )
                 checksums = LandedSums(ctx.config, msg.layout, ctx.layout)
+                if msg.groups and msg.group_checksum:
+                    group_sums = LandedGroupSums(checksums.mapper, ctx.layout)
+                elif msg.groups:
+                    logger.warning(
+                        "%s: %s sends no checksums of its buffer groups (kvwire older than "
+                        "protocol 1.14): its KV chunks are checked, its groups are not",
+                        ctx.agent_name,
+                        msg.agent,
+                    )
             except KVWireError as exc:
                 error = f"cannot check the KV of {msg.agent}: {exc}"
         if error is not None or info is None:
@@ -283,6 +296,7 @@ class SourceLinks:
             msg.dummy,
             msg.groups,
             checksums,
+            group_sums,
             msg.backend,
             tuple(msg.fallbacks),
         )

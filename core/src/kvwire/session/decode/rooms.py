@@ -21,6 +21,7 @@ from kvwire.control.wire import ChunkNote
 from kvwire.errors import TransferError
 from kvwire.integrity import LayerSums, add_sums, layer_ranges, mismatched_layers
 from kvwire.session.checksums import LandedSums
+from kvwire.session.decode.group_check import GroupCheck
 from kvwire.session.decode.links import PrefillLink
 from kvwire.session.metrics import RequestMetrics
 from kvwire.session.report import (
@@ -221,6 +222,20 @@ class RecvRoom:
             self.room, msg, sent, link, link.checksums, self.dst_pages, self.cached_tokens
         )
 
+    def group_check(self, msg: ChunkNote) -> GroupCheck | None:
+        """Progress or liveness thread, under the lock, when a sender's state note arrived
+        (its buffer groups landed): their check, or None when that link's groups are not
+        checked (no ``kv_checksum``, or a prefill older than protocol 1.14)."""
+        assert self.sources is not None and self.dst_pages is not None
+        link = next(
+            s
+            for s in self.sources
+            if s.info.session == msg.session and s.sender_id == msg.sender_id
+        )
+        if link.group_sums is None:
+            return None
+        return GroupCheck(self.room, msg, link, link.group_sums, self.group_dst, self.dst_pages)
+
     def piece_check(self, msg: ChunkNote) -> ChunkCheck | None:
         """Under the lock, when a fresh piece's note arrived (``ChunkNote.piece_layers``,
         1.12; its rows landed): the check of its layers alone, or None when the note is no
@@ -303,3 +318,7 @@ class ChunkCheck:
             room=self.room,
         )
         return err, fault
+
+    def landed(self, room: RecvRoom) -> None:
+        """Under the room lock, the check of a whole chunk passed: count it."""
+        room.chunk_landed(self.msg)

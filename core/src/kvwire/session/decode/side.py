@@ -286,6 +286,12 @@ class DecodeSide(Side[RecvRoom]):
             if msg.what == "aux":
                 pass
             elif msg.what == "state":  # the sender's buffer groups landed (after its KV)
+                try:
+                    if self.checker.submit(room.group_check(msg)):
+                        return  # they count once their check passes
+                except KVWireError as exc:
+                    self._fail(room, exc, cause="checksum_mismatch")
+                    return
                 room.groups_from.add(msg.sender_id)
             else:
                 self.checker.on_part(room, msg)  # counted now, or once its piece is checked

@@ -10,11 +10,12 @@ from kvwire.control.wire import TransferRequest
 from kvwire.descriptors import IndexArray
 from kvwire.errors import ConfigError
 from kvwire.index.groups import GroupMapper
+from kvwire.integrity import LayerSums
 from kvwire.session.groups import Indices, check_state_indices, from_wire
 from kvwire.session.prefill.links import GROUPS_TABLE, DecodeLink
 from kvwire.session.prefill.rooms import Dest, SendRoom
 
-__all__ = ["GROUPS_TABLE", "group_rows", "request_groups"]
+__all__ = ["GROUPS_TABLE", "group_rows", "group_sums", "request_groups"]
 
 
 def request_groups(groups: GroupMapper | None, msg: TransferRequest) -> Indices:
@@ -53,3 +54,12 @@ def group_rows(
         src["pages"] = pages[skip:]
         dst["pages"] = dest.dst_pages
     return gm.map_request(src, dst)
+
+
+def group_sums(link: DecodeLink, rows: tuple[IndexArray, IndexArray]) -> LayerSums | None:
+    """Transfer worker, before a request's group transfer to ``link``'s decode rank is
+    posted: the sums of its rows when decode checks them (``kv_checksum``, protocol 1.14:
+    :mod:`kvwire.session.group_sums`), else None."""
+    if link.group_sums is None:
+        return None
+    return link.group_sums.sums(*rows)

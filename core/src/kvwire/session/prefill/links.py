@@ -28,6 +28,7 @@ from kvwire.layout import KVLayout, MemoryRegion
 from kvwire.selection import select_pool_mapper
 from kvwire.session.aux_note import carries_aux
 from kvwire.session.checksums import SentSums
+from kvwire.session.group_sums import SentGroupSums
 from kvwire.session.handshake import (
     aux_problems,
     build_mapper,
@@ -96,6 +97,8 @@ class DecodeLink:
     groups: GroupMapper | None = None
     #: Per-layer checksums of KV chunks, when decode asked for them (``Hello.checksum``).
     checksums: SentSums | None = None
+    #: ...and of its buffer groups' rows, when it moves any (1.14).
+    group_sums: SentGroupSums | None = None
     #: The backend the link uses, its fallbacks, and why other offers were passed over.
     choice: LinkChoice | None = None
     #: The aux row rides in the last chunk's note (decode takes it: ``Hello.aux_in_note``;
@@ -252,8 +255,11 @@ class DecodeLinker:
                 gt = groups.build_tables()
                 pairs[GROUPS_TABLE] = ctx.backend.prepare(name, gt.src, gt.dst)
             checksums = None
+            group_sums = None
             if hello.checksum and not mapper.is_dummy:
                 checksums = SentSums(mapper, ctx.layout)
+            if hello.checksum and groups is not None and groups.sends:
+                group_sums = SentGroupSums(ctx.layout, groups)
             extra_links: dict[str, PoolLink] = {}
             pool_problems: dict[str, str] = {}
             for pool, (pool_layout, described) in hello.extra_pools().items():
@@ -297,6 +303,7 @@ class DecodeLinker:
                 splits=splits,
                 groups=groups,
                 checksums=checksums,
+                group_sums=group_sums,
                 choice=choice,
                 aux_in_note=hello.aux_in_note and carries_aux(ctx.aux_regions),
             )
@@ -478,6 +485,7 @@ class DecodeLinker:
                 staged=link.pools["kv"].staged,
                 groups=link.sends_groups,
                 checksum=hello.checksum and (link.dummy or link.checksums is not None),
+                group_checksum=link.group_sums is not None,
                 backend=link.choice.backend if link.choice is not None else "",
                 fallbacks=list(link.choice.fallbacks) if link.choice is not None else [],
                 local_control=ctx.channel.local_name,

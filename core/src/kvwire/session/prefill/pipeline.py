@@ -27,7 +27,7 @@ from kvwire.session import metrics as m
 from kvwire.session.context import RankContext
 from kvwire.session.metrics import ChunkDone
 from kvwire.session.prefill import late_sums, posting
-from kvwire.session.prefill.groups import GROUPS_TABLE, group_rows
+from kvwire.session.prefill.groups import GROUPS_TABLE, group_rows, group_sums
 from kvwire.session.prefill.layerwise import LayerPosting
 from kvwire.session.prefill.pace import PollPace
 from kvwire.session.prefill.posting import PlanRef, SegmentPost, Tail, WorkerSide, summed_pieces
@@ -351,10 +351,13 @@ class Pipeline:
                 time.sleep(poll_sleep_s)
 
     # --------------------------------------------------------------- internals
-    def _note(self, room: int, what: str, chunk_id: int = 0, last: bool = False) -> bytes:
+    def _note(
+        self, room: int, what: str, chunk_id: int = 0, last: bool = False, sums: Any = None
+    ) -> bytes:
         ctx = self.ctx
+        extra = {"sum_layers": list(sums), "sums": list(sums.values())} if sums else {}
         note = ChunkNote(room=room, sender_id=self.side.sender_id, session=ctx.session,
-                         what=what, chunk_id=chunk_id, last=last)  # type: ignore[arg-type]  # fmt: skip
+                         what=what, chunk_id=chunk_id, last=last, **extra)  # type: ignore[arg-type]  # fmt: skip
         return ctx.codec.encode(note)
 
     def _post_copy(
@@ -579,7 +582,7 @@ class Pipeline:
                 self.ctx.tell(tail.dest.endpoint, note)
                 return False
             pair = job.link.pairs[GROUPS_TABLE]
-            note_bytes = self._note(room.room, "state")
+            note_bytes = self._note(room.room, "state", sums=group_sums(job.link, rows))
             self._post(
                 tail, key, pair, None, Segment("", "", *rows), note_bytes, "state",
                 time.perf_counter(), None,

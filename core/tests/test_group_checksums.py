@@ -1,0 +1,220 @@
+"""Checksums of buffer groups (protocol 1.14): a hybrid model's state, conv sections, window
+and draft pages are summed by prefill and checked by decode like KV chunks. Proof by
+computation (the tiny hybrid model of ``test_hybrid_model.py``): checked requests decode the
+single process's tokens; one byte flipped in a landed group row fails the request naming the
+group; with the comparison off the same flip changes the tokens (the negative control)."""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import textwrap
+from typing import Any
+
+import numpy as np
+import pytest
+
+from kvwire.descriptors import ADDR, LEN
+from kvwire.errors import KVWireError
+from kvwire.session.decode import group_check
+from kvwire.session.decode.group_check import GroupCheck
+from kvwire.session.group_sums import GroupBuffers, LandedGroupSums, describe_keys
+from kvwire.session.prefill import pipeline
+from kvwire.testing.hybrid import RankPools, config, run_pd
+from kvwire.testing.hybrid_model import HybridSpec, reference_tokens
+from kvwire.testing.interpreted import run_interpreted
+
+SPEC = HybridSpec()
+PROMPT = [int(t) for t in np.random.default_rng(3).integers(0, SPEC.vocab, 14)]
+N_GEN = 6
+CHECKED = config(checksum=True)
+
+
+@pytest.fixture(scope="module")
+def reference() -> list[int]:
+    return reference_tokens(SPEC, PROMPT, N_GEN)
+
+
+def spy_checks(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, dict[int, int]]]:
+    """Every group check decode runs: (sender, the sums its note carried)."""
+    seen: list[tuple[int, dict[int, int]]] = []
+    original = GroupCheck.run
+
+    def run(check: GroupCheck, later: Any = None) -> Any:
+        seen.append(
+            (check.msg.sender_id, dict(zip(check.msg.sum_layers, check.msg.sums, strict=True)))
+        )
+        return original(check, later)
+
+    monkeypatch.setattr(GroupCheck, "run", run)
+    return seen
+
+
+def flip_first_landed_row(
+    monkeypatch: pytest.MonkeyPatch, key: int | None = None, whole_row: bool = False
+) -> list[str]:
+    """Decode's group check first flips one bit of byte 1 of the first landed row (of the
+    group and layer with dense key ``key``, when given), or with ``whole_row`` overwrites
+    that row's float32 values with noise: what a transport that corrupted the groups in
+    flight looks like to the check. Returns where it flipped."""
+    original = LandedGroupSums.sums
+    flipped: list[str] = []
+
+    def sums(self: LandedGroupSums, rows: Any) -> Any:
+        idx = np.asarray(rows, dtype=np.int64)
+        if key is not None:
+            keys = self.hasher.row_layers(self.dst, idx)
+            idx = idx[keys == key]
+        if idx.size and not flipped:
+            addr, n = int(self.dst[idx[0], ADDR]), int(self.dst[idx[0], LEN])
+            if whole_row:
+                row = np.ctypeslib.as_array((ctypes.c_float * (n // 4)).from_address(addr))
+                row[:] = np.random.default_rng(5).standard_normal(row.size) * 10
+            else:
+                ctypes.c_uint8.from_address(addr + 1).value ^= 0x10
+            row_key = int(self.hasher.row_layers(self.dst, idx[:1])[0])
+            flipped.append(describe_keys(self.layout, [row_key]))
+        return original(self, rows)
+
+    monkeypatch.setattr(LandedGroupSums, "sums", sums)
+    return flipped
+
+
+@pytest.mark.parametrize(("tp_p", "tp_d"), [(2, 1), (1, 2)], ids=["tp2to1", "tp1to2"])
+def test_checked_groups_decode_the_same_tokens(
+    reference: list[int], tp_p: int, tp_d: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    seen = spy_checks(monkeypatch)
+    out = run_pd(SPEC, PROMPT, N_GEN, tp_p, tp_d, cfg=CHECKED)
+    assert out.tokens == reference
+    assert seen, "decode checked no group transfer"
+    assert len(seen) == tp_p * tp_d  # every (prefill rank, decode rank) pair moves groups
+    for _, sums in seen:
+        assert sums, "a state note without sums"
+    layout = RankPools.build(SPEC, 1, 0, 16, 16, 4).layout
+    names = {g.name for g in layout.groups}
+    covered = {
+        part.split("'")[1]
+        for _, sums in seen
+        for part in describe_keys(layout, list(sums)).split("; ")
+    }
+    assert covered == names, "every group's rows are summed"
+
+
+def first_key(group: str) -> int:
+    """The dense key of ``group``'s first layer (the hybrid model's layout)."""
+    layout = RankPools.build(SPEC, 1, 0, 16, 16, 4).layout
+    g = next(g for g in layout.groups if g.name == group)
+    return GroupBuffers(layout).offsets[group] + int(g.buffer_keys[0, 0])
+
+
+@pytest.mark.parametrize(
+    "group", sorted(g.name for g in RankPools.build(SPEC, 1, 0, 16, 16, 4).layout.groups)
+)
+def test_a_flipped_group_byte_fails_the_request_naming_the_group(
+    monkeypatch: pytest.MonkeyPatch, group: str
+) -> None:
+    flipped = flip_first_landed_row(monkeypatch, first_key(group))
+    with pytest.raises(KVWireError, match=rf"buffer-group checksum mismatch .*'{group}' layers"):
+        run_pd(SPEC, PROMPT, N_GEN, 2, 1, cfg=CHECKED)
+    assert flipped and flipped[0].startswith(f"'{group}'")
+
+
+@pytest.mark.parametrize("compare", [True, False], ids=["checked", "comparison-off"])
+def test_a_damaged_state_row_is_caught_and_really_changes_the_tokens(
+    reference: list[int], monkeypatch: pytest.MonkeyPatch, compare: bool
+) -> None:
+    """Negative control: the first SSM state row that landed, overwritten with noise, fails
+    the checked request; with decode's comparison switched off the request succeeds with
+    the wrong state and the tokens differ (the damage is real, only the check sees it)."""
+    flip_first_landed_row(monkeypatch, first_key("ssm"), whole_row=True)
+    if compare:
+        with pytest.raises(KVWireError, match=r"buffer-group checksum mismatch .*'ssm' layers"):
+            run_pd(SPEC, PROMPT, N_GEN, 2, 1, cfg=CHECKED)
+        return
+    monkeypatch.setattr(group_check, "mismatched_layers", lambda sent, landed: [])
+    out = run_pd(SPEC, PROMPT, N_GEN, 2, 1, cfg=CHECKED)
+    assert out.tokens != reference
+
+
+def test_a_prefill_that_says_it_sums_groups_and_sends_none_fails_the_request(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(pipeline, "group_sums", lambda link, rows: None)
+    with pytest.raises(KVWireError, match="carries no checksums"):
+        run_pd(SPEC, PROMPT, N_GEN, 1, 1, cfg=CHECKED)
+
+
+def test_an_older_prefill_leaves_groups_unchecked_with_a_warning(
+    reference: list[int], monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A 1.13 prefill answers without ``group_checksum`` and sums nothing: decode checks its
+    KV chunks, says once per link that its groups are not checked, and the request works."""
+    from kvwire.session.prefill import links
+
+    monkeypatch.setattr(links, "SentGroupSums", lambda layout, groups: None)
+    seen = spy_checks(monkeypatch)
+    with caplog.at_level(logging.WARNING, logger="kvwire.session.decode.links"):
+        out = run_pd(SPEC, PROMPT, N_GEN, 1, 1, cfg=CHECKED)
+    assert out.tokens == reference
+    assert not seen
+    assert any("sends no checksums of its buffer groups" in r.message for r in caplog.records)
+
+
+def test_keys_are_dense_per_group_and_layer_and_named_back() -> None:
+    layout = RankPools.build(SPEC, 1, 0, 16, 16, 4).layout
+    view = GroupBuffers(layout)
+    keys = view.buffer_keys[:, 0]
+    assert len(keys) == len(view.buffers) == len(layout.group_regions)
+    total = sum(g.num_layers for g in layout.groups)
+    assert set(keys.tolist()) <= set(range(total))
+    first = sorted(layout.groups, key=lambda g: g.name)[0]
+    assert describe_keys(layout, [0]) == f"{first.name!r} layers 0"
+
+
+_DEVICE_GROUPS = textwrap.dedent(
+    """
+    import numpy as np
+    from kvwire.index.groups import GroupMapper
+    from kvwire.integrity import RowHasher, mismatched_layers
+    from kvwire.integrity_device import DeviceRowHasher
+    from kvwire.descriptors import ADDR
+    from kvwire.session.group_sums import GroupBuffers
+    from kvwire.testing.hybrid import RankPools
+    from kvwire.testing.hybrid_model import HybridSpec
+    spec = HybridSpec()
+    src = RankPools.build(spec, 2, 1, 16, 16, 4).layout
+    dst = RankPools.build(spec, 1, 0, 16, 16, 4).layout
+    rng = np.random.default_rng(11)
+    u8 = np.ctypeslib.ctypes.c_uint8
+    for b in src.group_regions:
+        view = np.ctypeslib.as_array((u8 * b.length).from_address(b.addr))
+        view[:] = rng.integers(0, 256, b.length, dtype=np.uint8)
+    vram = src.model_copy(update={"groups": tuple(
+        g.model_copy(update={"buffers": tuple(x.model_copy(update={"kind": 1}) for x in g.buffers)})
+        for g in src.groups)})
+    host = RowHasher(GroupBuffers(src))
+    dev = DeviceRowHasher(GroupBuffers(vram), device="cpu")
+    gm = GroupMapper(src, dst)
+    tables = gm.build_tables()
+    slots = {"state": np.array([3]), "window": np.array([5, 2]), "pages": np.array([1, 4, 6])}
+    s_rows, d_rows = gm.map_request(slots, slots)
+    keys = tables.dst[d_rows, ADDR]
+    want = host.sums(tables.src, s_rows, keys)
+    got = dev.sums(tables.src, s_rows, keys)
+    assert want and got == want, (got, want)
+    cell = np.ctypeslib.ctypes.c_uint8.from_address(int(tables.src[s_rows[0], ADDR]))
+    cell.value ^= 1
+    bad = mismatched_layers(want, dev.sums(tables.src, s_rows, keys))
+    assert len(bad) == 1, bad
+    print("DEVICE-GROUPS-OK")
+    """
+)
+
+
+def test_the_device_hasher_sums_groups_as_the_host_one_in_the_interpreter() -> None:
+    """Group rows of GPU buffers go through the device hasher (Triton's CPU interpreter over
+    host memory here): every (group, layer) key's sum equals the host hasher's, bit for bit,
+    and one flipped byte changes one key."""
+    pytest.importorskip("triton")
+    run_interpreted(_DEVICE_GROUPS, "DEVICE-GROUPS-OK")
