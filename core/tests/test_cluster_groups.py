@@ -7,9 +7,11 @@ encoding survives a TP change through the group mapper and any damage shows."""
 from __future__ import annotations
 
 import ctypes
+from typing import Any
 
 import numpy as np
 
+from kvwire.config import KVWireConfig
 from kvwire.index.groups import GroupMapper
 from kvwire.layout import KVLayout, ModelSpec, RankPosition
 from kvwire.session import KVPoll
@@ -23,6 +25,18 @@ MODEL = ModelSpec(num_layers=2, total_kv_heads=4, head_dim=4, dtype="int32", pag
 
 class TestTcpClusterGroups(GroupsConformance):
     backend_name = "tcp"
+
+
+class TestTcpClusterGroupsChecked(GroupsConformance):
+    """The same requests with decode checking KV and buffer-group checksums (protocol 1.14):
+    cached prefixes (paged draft groups skip the cached pages), layer-wise sends and both TP
+    directions land with every group's sums matching."""
+
+    backend_name = "tcp"
+
+    @classmethod
+    def config(cls, **control: Any) -> KVWireConfig:
+        return super().config(kv_checksum=True, **control)
 
 
 def test_decode_pp_with_groups_is_refused_naming_the_group() -> None:
