@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from kvwire.backends.tcp.backend import TcpBackend
 from kvwire.testing.pair import config, pair
 from kvwire.timer_slack import get_thread_slack_ns, set_thread_slack
 
@@ -54,8 +55,18 @@ def test_set_and_get_on_the_calling_thread_only() -> None:
     assert get_thread_slack_ns() == main_before  # the caller's thread is not touched
 
 
-@pytest.mark.parametrize("slack_us", [1.0, 7.5, None])
-def test_liveness_progress_and_workers_take_the_option(slack_us: float | None) -> None:
+@pytest.mark.parametrize(
+    ("slack_us", "pushes"),
+    [(1.0, False), (7.5, False), (None, False), (1.0, True)],
+    ids=["1us-polled", "7.5us-polled", "none-polled", "1us-events"],
+)
+def test_liveness_progress_and_workers_take_the_option(
+    slack_us: float | None, pushes: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """On a rank whose backend is polled (here tcp told it pushes no events: its progress
+    thread then polls it, as NIXL's) the threads take the option; where the backend pushes
+    events they keep the default, as the engine's thread does."""
+    monkeypatch.setattr(TcpBackend, "pushes_events", pushes)
     engine = get_thread_slack_ns()
     assert engine is not None and engine > 7500  # the default (50 us) on every Linux seen
     with pair(config(timer_slack_us=slack_us)) as p:
@@ -65,7 +76,7 @@ def test_liveness_progress_and_workers_take_the_option(slack_us: float | None) -
         for part in WANTED:
             assert any(part in n for n in names), (part, names)
         assert sum("liveness" in n for n in names) == 2  # prefill's and decode's
-        expected = engine if slack_us is None else round(slack_us * 1000)
+        expected = engine if slack_us is None or pushes else round(slack_us * 1000)
         for name, t in threads.items():
             assert slack_of(t) == expected, name
         assert get_thread_slack_ns() == engine  # the engine's (test's) thread keeps its own

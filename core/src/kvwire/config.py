@@ -113,10 +113,11 @@ class ControlOptions(BaseModel):
         gt=0,
         le=1_000_000,
         description="Timer slack kvwire's own threads ask Linux for (prctl PR_SET_TIMERSLACK, "
-        "per thread; the engine's threads keep theirs): their short waits on a request's path "
-        "(a worker's 20-200 us polls of a NIXL or Mooncake write, decode's 0.2 ms progress "
-        "tick) otherwise end up to the default 50 us late. None: leave the default "
-        "(kvwire.timer_slack).",
+        "per thread; the engine's threads keep theirs) on a rank whose backend is polled "
+        "(NIXL, Mooncake, a backend list): their short waits on a request's path (a worker's "
+        "20-200 us polls of a write, decode's 0.2 ms progress tick) otherwise end up to the "
+        "default 50 us late. Backends that push events (cudaipc, tcp) keep the default. "
+        "None: leave the default everywhere (kvwire.timer_slack).",
     )
     aux_slots: int = Field(
         default=4096, ge=1, description="Aux rows when the engine passes no aux buffers."

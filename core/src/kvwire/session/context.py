@@ -345,13 +345,24 @@ class RankContext:
             on_lost(peer, why)
         self.channel.disconnect(peer.endpoint)
 
+    @property
+    def timer_slack_us(self) -> float | None:
+        """The timer slack this rank's liveness, progress and worker threads ask for when they
+        start (:mod:`kvwire.timer_slack`): ``ControlOptions.timer_slack_us`` where the backend
+        is polled (it does not :attr:`~kvwire.backend.TransferBackend.pushes_events`: NIXL,
+        Mooncake, a backend list), whose short timed polls it makes end on time; None (the
+        default slack) where events wake every wait on a request's path (``cudaipc``,
+        ``tcp``): there it bought nothing and ``cudaipc`` at C=8 moved 5-12% less with it
+        (docs/benchmarks.md, "Timer slack")."""
+        return None if self.backend.pushes_events else self.options.timer_slack_us
+
     # ------------------------------------------------------------ progress thread
     def start(self, step: Callable[[], None]) -> None:
         """Called once by the façade after the side is built: start the progress thread,
         which runs the posted chores and then ``step`` (which waits at most a tick, on
         :attr:`wake`) until :meth:`stop`."""
         self._progress_step = step
-        slack = self.options.timer_slack_us
+        slack = self.timer_slack_us
 
         def first() -> None:  # the first thing the progress thread runs
             set_thread_slack(slack)

@@ -369,7 +369,7 @@ class KVManager:
         handlers only update tables and queue work."""
         ctx = self.ctx
         opts = ctx.options
-        set_thread_slack(opts.timer_slack_us)
+        set_thread_slack(ctx.timer_slack_us)
         next_beat = next_check = 0.0
         self._last_check = time.monotonic()
         while not ctx.stopping:

@@ -113,7 +113,7 @@ class PrefillSide(Side[SendRoom]):
             ctx.agent_name,
             lambda i: Pipeline(ctx, self, i),
             inline=opts.sync_transfers,
-            thread_setup=lambda: set_thread_slack(opts.timer_slack_us),
+            thread_setup=lambda: set_thread_slack(ctx.timer_slack_us),
         )
         ctx.wake_workers = self.workers.notify_all
         #: Decode sessions this rank evicted: their later frames are answered, not dropped.
