@@ -101,6 +101,19 @@ def test_checked_groups_decode_the_same_tokens(
     assert covered == names, "every group's rows are summed"
 
 
+def failures(cause: str) -> float:
+    """Decode's ``kvwire_receive_failures_total{cause}``, summed over every rank here."""
+    from prometheus_client import REGISTRY
+
+    return sum(
+        sample.value
+        for family in REGISTRY.collect()
+        if family.name == "kvwire_receive_failures"
+        for sample in family.samples
+        if sample.name.endswith("_total") and sample.labels.get("cause") == cause
+    )
+
+
 def first_key(group: str) -> int:
     """The dense key of ``group``'s first layer (the hybrid model's layout)."""
     layout = RankPools.build(SPEC, 1, 0, 16, 16, 4).layout
@@ -115,9 +128,11 @@ def test_a_flipped_group_byte_fails_the_request_naming_the_group(
     monkeypatch: pytest.MonkeyPatch, group: str
 ) -> None:
     flipped = flip_first_landed_row(monkeypatch, first_key(group))
+    before = failures("checksum_mismatch")
     with pytest.raises(KVWireError, match=rf"buffer-group checksum mismatch .*'{group}' layers"):
         run_pd(SPEC, PROMPT, N_GEN, 2, 1, cfg=CHECKED)
     assert flipped and flipped[0].startswith(f"'{group}'")
+    assert failures("checksum_mismatch") == before + 1  # the decode rank's counter
 
 
 @pytest.mark.parametrize("compare", [True, False], ids=["checked", "comparison-off"])

@@ -38,6 +38,12 @@ FAILED_PAGES = Counter(
     "source) or 'missing' (to recompute)",
     (*_LABELS, "result"),
 )
+RECEIVE_FAILURES = Counter(
+    "kvwire_receive_failures",
+    "Failed receives on decode by their failure report's cause (e.g. 'checksum_mismatch': KV "
+    "or buffer-group bytes that differ from what prefill summed; docs/integrity.md)",
+    (*_LABELS, "cause"),
+)
 FAILOVERS = Counter(
     "kvwire_transport_failovers",
     "Links moved from a failed backend to a fallback (docs/failover.md)",

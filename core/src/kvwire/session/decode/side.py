@@ -535,6 +535,7 @@ class DecodeSide(Side[RecvRoom]):
         if not self.rooms.fail(room, exc):
             return
         room.cause = "aborted" if aborted else cause
+        m.RECEIVE_FAILURES.labels(**self.ctx.labels, cause=room.cause).inc()
         logger.warning("%s: room %d failed: %s", self.ctx.agent_name, room.room, exc)
         self._push_failure(room, exc, skip, aborted)
 
