@@ -6,7 +6,6 @@ group; with the comparison off the same flip changes the tokens (the negative co
 
 from __future__ import annotations
 
-import ctypes
 import logging
 import textwrap
 from typing import Any
@@ -14,12 +13,12 @@ from typing import Any
 import numpy as np
 import pytest
 
-from kvwire.descriptors import ADDR, LEN
 from kvwire.errors import KVWireError
 from kvwire.session.decode import group_check
 from kvwire.session.decode.group_check import GroupCheck
 from kvwire.session.group_sums import GroupBuffers, LandedGroupSums, describe_keys
 from kvwire.session.prefill import pipeline
+from kvwire.testing.faults import landed_group_flipper
 from kvwire.testing.hybrid import RankPools, config, run_pd
 from kvwire.testing.hybrid_model import HybridSpec, reference_tokens
 from kvwire.testing.interpreted import run_interpreted
@@ -52,32 +51,14 @@ def spy_checks(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, dict[int, int
 
 def flip_first_landed_row(
     monkeypatch: pytest.MonkeyPatch, key: int | None = None, whole_row: bool = False
-) -> list[str]:
-    """Decode's group check first flips one bit of byte 1 of the first landed row (of the
-    group and layer with dense key ``key``, when given), or with ``whole_row`` overwrites
-    that row's float32 values with noise: what a transport that corrupted the groups in
-    flight looks like to the check. Returns where it flipped."""
-    original = LandedGroupSums.sums
-    flipped: list[str] = []
-
-    def sums(self: LandedGroupSums, rows: Any) -> Any:
-        idx = np.asarray(rows, dtype=np.int64)
-        if key is not None:
-            keys = self.hasher.row_layers(self.dst, idx)
-            idx = idx[keys == key]
-        if idx.size and not flipped:
-            addr, n = int(self.dst[idx[0], ADDR]), int(self.dst[idx[0], LEN])
-            if whole_row:
-                row = np.ctypeslib.as_array((ctypes.c_float * (n // 4)).from_address(addr))
-                row[:] = np.random.default_rng(5).standard_normal(row.size) * 10
-            else:
-                ctypes.c_uint8.from_address(addr + 1).value ^= 0x10
-            row_key = int(self.hasher.row_layers(self.dst, idx[:1])[0])
-            flipped.append(describe_keys(self.layout, [row_key]))
-        return original(self, rows)
-
-    monkeypatch.setattr(LandedGroupSums, "sums", sums)
-    return flipped
+) -> list[int]:
+    """Decode's group check first damages the first landed row (of dense key ``key``)
+    (:func:`kvwire.testing.faults.landed_group_flipper`); returns the damaged rows' keys."""
+    keys: list[int] = []
+    monkeypatch.setattr(
+        LandedGroupSums, "sums", landed_group_flipper(key=key, whole_row=whole_row, seen=keys)
+    )
+    return keys
 
 
 @pytest.mark.parametrize(("tp_p", "tp_d"), [(2, 1), (1, 2)], ids=["tp2to1", "tp1to2"])
@@ -131,7 +112,8 @@ def test_a_flipped_group_byte_fails_the_request_naming_the_group(
     before = failures("checksum_mismatch")
     with pytest.raises(KVWireError, match=rf"buffer-group checksum mismatch .*'{group}' layers"):
         run_pd(SPEC, PROMPT, N_GEN, 2, 1, cfg=CHECKED)
-    assert flipped and flipped[0].startswith(f"'{group}'")
+    layout = RankPools.build(SPEC, 1, 0, 16, 16, 4).layout
+    assert flipped and describe_keys(layout, flipped[:1]).startswith(f"'{group}'")
     assert failures("checksum_mismatch") == before + 1  # the decode rank's counter
 
 

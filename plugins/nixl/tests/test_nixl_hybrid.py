@@ -7,7 +7,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from kvwire.errors import KVWireError
+from kvwire.session.group_sums import LandedGroupSums
 from kvwire.testing.cluster_suite import GroupsConformance
+from kvwire.testing.faults import landed_group_flipper
 from kvwire.testing.hybrid import CORRUPTIONS, config, run_pd
 from kvwire.testing.hybrid_model import HybridSpec, reference_tokens
 
@@ -22,6 +25,17 @@ def test_hybrid_model_over_nixl(tp_p: int, tp_d: int) -> None:
     for what in ("state", "sections"):  # an SSM state slot; the GDN conv state's v section
         bad = run_pd(SPEC, PROMPT, 5, tp_p, tp_d, cfg=config("nixl"), corrupt=CORRUPTIONS[what])
         assert bad.tokens != ref, what
+
+
+def test_checked_groups_over_nixl(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Decode checks KV and buffer-group checksums (protocol 1.14): the same tokens, and one
+    bit flipped in the first group row that landed fails the request naming its group."""
+    ref = reference_tokens(SPEC, PROMPT, 5)
+    checked = config("nixl", checksum=True)
+    assert run_pd(SPEC, PROMPT, 5, 2, 1, cfg=checked).tokens == ref
+    monkeypatch.setattr(LandedGroupSums, "sums", landed_group_flipper())
+    with pytest.raises(KVWireError, match="buffer-group checksum mismatch"):
+        run_pd(SPEC, PROMPT, 5, 2, 1, cfg=checked)
 
 
 class TestNixlClusterGroups(GroupsConformance):

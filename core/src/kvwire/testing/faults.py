@@ -203,6 +203,45 @@ def landed_flipper(
     return chunk
 
 
+def landed_group_flipper(
+    *, key: int | None = None, whole_row: bool = False, seen: list[int] | None = None
+) -> Callable[..., Any]:
+    """A replacement for :meth:`LandedGroupSums.sums
+    <kvwire.session.group_sums.LandedGroupSums.sums>` (decode's check of a sender's landed
+    buffer groups) that first damages the first landed row (of dense key ``key``, a (group,
+    layer) of :class:`~kvwire.session.group_sums.GroupBuffers`, when given): one bit of its
+    byte 1 flipped, or with ``whole_row`` its float32 values overwritten with noise. What a
+    transport that corrupted the groups in flight looks like to the check, on every backend.
+    Damages one row per process (the first check that has such a row); appends that row's key
+    to ``seen``."""
+    import ctypes
+
+    import numpy as np
+
+    from kvwire.descriptors import ADDR, LEN
+    from kvwire.session.group_sums import LandedGroupSums
+
+    original = LandedGroupSums.sums
+    done: list[int] = [] if seen is None else seen
+
+    def sums(self: LandedGroupSums, rows: Any) -> Any:
+        idx = np.asarray(rows, dtype=np.int64)
+        keys = self.hasher.row_layers(self.dst, idx)
+        if key is not None:
+            idx, keys = idx[keys == key], keys[keys == key]
+        if idx.size and not done:
+            addr, n = int(self.dst[idx[0], ADDR]), int(self.dst[idx[0], LEN])
+            if whole_row:
+                row = np.ctypeslib.as_array((ctypes.c_float * (n // 4)).from_address(addr))
+                row[:] = np.random.default_rng(5).standard_normal(row.size) * 10
+            else:
+                ctypes.c_uint8.from_address(addr + 1).value ^= 0x10
+            done.append(int(keys[0]))
+        return original(self, rows)
+
+    return sums
+
+
 def _flip_on_landing(role: str) -> None:
     """Decode flips one bit of the first row each chunk (each piece, when posted in pieces)
     wrote, after the rows landed and before its checksum check sums them: the corruption a
