@@ -14,10 +14,16 @@ import numpy as np
 import pytest
 
 from kvwire.errors import KVWireError
+from kvwire.integrity import RowHasher
 from kvwire.session.decode import group_check
 from kvwire.session.decode.group_check import GroupCheck
-from kvwire.session.group_sums import GroupBuffers, LandedGroupSums, describe_keys
-from kvwire.session.prefill import pipeline
+from kvwire.session.decode.rooms import RecvRoom
+from kvwire.session.group_sums import (
+    GroupBuffers,
+    LandedGroupSums,
+    SentGroupSums,
+    describe_keys,
+)
 from kvwire.testing.faults import landed_group_flipper
 from kvwire.testing.hybrid import RankPools, config, run_pd
 from kvwire.testing.hybrid_model import HybridSpec, reference_tokens
@@ -40,9 +46,7 @@ def spy_checks(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, dict[int, int
     original = GroupCheck.run
 
     def run(check: GroupCheck, later: Any = None) -> Any:
-        seen.append(
-            (check.msg.sender_id, dict(zip(check.msg.sum_layers, check.msg.sums, strict=True)))
-        )
+        seen.append((check.msg.sender_id, dict(check.sent)))
         return original(check, later)
 
     monkeypatch.setattr(GroupCheck, "run", run)
@@ -134,10 +138,59 @@ def test_a_damaged_state_row_is_caught_and_really_changes_the_tokens(
     assert out.tokens != reference
 
 
+@pytest.mark.parametrize("flip", [False, True], ids=["clean", "flipped"])
+def test_late_group_sums_follow_the_rows_as_a_second_part(
+    reference: list[int], monkeypatch: pytest.MonkeyPatch, flip: bool
+) -> None:
+    """Host group rows from the hasher's ``LATE_BYTES`` on (lowered to 0 here) are summed
+    while they fly: the transfer's state note (part 0 of 2) carries no sums, the sums come
+    as part 1 over the control channel, decode checks once both arrived; the tokens are the
+    single process's, and a flipped bit is still caught."""
+    monkeypatch.setattr(RowHasher, "LATE_BYTES", 0)
+    seen = spy_checks(monkeypatch)
+    parts: list[tuple[int, int, int]] = []
+    original = RecvRoom.state_part
+
+    def state_part(room: RecvRoom, msg: Any) -> Any:
+        parts.append((msg.part, msg.parts, len(msg.sums)))
+        return original(room, msg)
+
+    monkeypatch.setattr(RecvRoom, "state_part", state_part)
+    if flip:
+        flip_first_landed_row(monkeypatch, first_key("ssm"))
+        with pytest.raises(KVWireError, match=r"buffer-group checksum mismatch .*'ssm' layers"):
+            run_pd(SPEC, PROMPT, N_GEN, 2, 1, cfg=CHECKED)
+        return
+    out = run_pd(SPEC, PROMPT, N_GEN, 2, 1, cfg=CHECKED)
+    assert out.tokens == reference
+    assert [p[:2] for p in sorted(parts)] == [(0, 2), (0, 2), (1, 2), (1, 2)]  # two senders
+    assert all((n == 0) == (part == 0) for part, _, n in parts), "sums only in part 1"
+    assert len(seen) == 2 and all(sums for _, sums in seen)
+
+
+def test_state_parts_are_counted_once_and_out_of_range_ones_dropped() -> None:
+    """Decode's assembly of a state note in parts: sums add up over the parts, a repeated
+    part (a resend after failover) and a part number the note does not have are dropped,
+    and a note of one part is complete at once."""
+    from kvwire.control.wire import ChunkNote
+
+    room = RecvRoom(room=1, bootstrap_addr="x")
+    note: dict[str, Any] = {"room": 1, "sender_id": 3, "session": "p", "what": "state"}
+    note["parts"] = 2
+    assert room.state_part(ChunkNote(**note, part=0)) is None
+    assert room.state_part(ChunkNote(**note, part=0)) is None  # repeated: dropped
+    assert room.state_part(ChunkNote(**note, part=5)) is None  # no such part: dropped
+    done = room.state_part(ChunkNote(**note, part=1, sum_layers=[2, 4], sums=[7, 9]))
+    assert done == {2: 7, 4: 9}
+    assert not room.state_parts
+    one: dict[str, Any] = {**note, "sender_id": 4, "parts": 1, "sum_layers": [1], "sums": [5]}
+    assert room.state_part(ChunkNote(**one)) == {1: 5}
+
+
 def test_a_prefill_that_says_it_sums_groups_and_sends_none_fails_the_request(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    monkeypatch.setattr(pipeline, "group_sums", lambda link, rows: None)
+    monkeypatch.setattr(SentGroupSums, "sums", lambda self, src, dst: {})
     with pytest.raises(KVWireError, match="carries no checksums"):
         run_pd(SPEC, PROMPT, N_GEN, 1, 1, cfg=CHECKED)
 

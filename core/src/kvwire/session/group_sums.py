@@ -3,9 +3,13 @@
 A request's buffer groups move after its last KV chunk, in one transfer per (prefill rank,
 decode rank) whose note is ``ChunkNote(what="state")`` (:mod:`kvwire.session.prefill.groups`).
 On a link where decode asked for checksums (``kv_checksum``) and prefill speaks protocol 1.14
-(``HelloAck.group_checksum``), prefill sums the group rows it is about to post, with the same
-row hasher as KV chunks (:func:`kvwire.session.checksums.hasher_for`: NumPy over host memory,
-one Triton launch over GPU memory), and the state note carries the sums; decode sums the rows
+(``HelloAck.group_checksum``), prefill sums the group rows it posts, with the same row hasher
+as KV chunks (:func:`kvwire.session.checksums.hasher_for`: NumPy over host memory, one Triton
+launch over GPU memory), and the state note carries the sums: summed before posting, or, for
+host rows from the hasher's ``LATE_BYTES`` on (:meth:`SentGroupSums.late`), on a piece-sum
+thread while the rows fly, the note then in two parts (the transfer's, without sums, and the
+sums' own over the control channel once computed, as a whole KV chunk's late sums go:
+:mod:`kvwire.session.prefill.late_sums`); decode waits for every part, then sums the rows
 that landed, found from its own slots for the request the way prefill found them (the same
 :class:`~kvwire.index.groups.GroupMapper`, built from both layouts), and fails the request on
 a mismatch, naming the group and its layers. A decode rank that checks and meets a 1.13
@@ -29,7 +33,7 @@ from functools import cached_property
 import numpy as np
 from numpy.typing import NDArray
 
-from kvwire.descriptors import ADDR, IndexArray
+from kvwire.descriptors import ADDR, LEN, IndexArray
 from kvwire.index.base import IndexMapper
 from kvwire.index.groups import GroupMapper
 from kvwire.integrity import LayerSums, RowHasher, layer_ranges
@@ -94,8 +98,17 @@ class SentGroupSums:
         self._dst_addr = tables.dst[:, ADDR]
         self.hasher: RowHasher = hasher_for(GroupBuffers(layout))
 
+    def late(self, src_rows: IndexArray) -> bool:
+        """Transfer worker, before posting a request's group rows ``src_rows``: whether they
+        are summed while they fly, their sums told after them as the state note's second
+        part (from the hasher's ``LATE_BYTES`` on: host memory, 8 MiB; never on a GPU, whose
+        sum costs less than the extra part), as a whole KV chunk's are
+        (:mod:`kvwire.session.prefill.late_sums`)."""
+        rows = np.asarray(src_rows, dtype=np.int64)
+        return int(self.src[rows, LEN].sum()) >= self.hasher.LATE_BYTES
+
     def sums(self, src_rows: IndexArray, dst_rows: IndexArray) -> LayerSums:
-        """Transfer worker, before the group transfer is posted: the sums of source rows
+        """Transfer worker (or a piece-sum thread, for late sums): the sums of source rows
         ``src_rows`` keyed by the destination rows ``dst_rows`` they go to."""
         dst = self._dst_addr[np.asarray(dst_rows, dtype=np.int64)]
         return self.hasher.sums(self.src, src_rows, dst)

@@ -36,6 +36,8 @@ class GroupCheck:
 
     room: int
     msg: ChunkNote
+    #: The sums the note's parts carried.
+    sent: dict[int, int]
     link: PrefillLink
     checksums: LandedGroupSums
     group_dst: Mapping[str, NDArray[np.int64]]
@@ -57,7 +59,7 @@ class GroupCheck:
             rows = self.checksums.rows(self.group_dst, self.dst_pages)
             if not np.asarray(rows).size:
                 return None  # nothing of the groups lands here for this request
-            if not msg.sums:
+            if not self.sent:
                 raise ValueError("its state note carries no checksums, which this rank asked for")
             landed = self.checksums.sums(rows)
         except Exception as exc:
@@ -66,7 +68,7 @@ class GroupCheck:
                 room=self.room,
             )
             return err, None
-        bad = mismatched_layers(dict(zip(msg.sum_layers, msg.sums, strict=True)), landed)
+        bad = mismatched_layers(self.sent, landed)
         if not bad:
             return None
         err = TransferError(

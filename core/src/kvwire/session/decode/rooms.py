@@ -71,6 +71,9 @@ class RecvRoom:
     #: transfer landed.
     group_dst: dict[str, NDArray[np.int64]] = field(default_factory=dict)
     groups_from: set[int] = field(default_factory=set)
+    #: State notes in parts (1.14: the transfer's, then its late sums): per sender, the
+    #: parts arrived and the sums they carried so far.
+    state_parts: dict[int, tuple[int, dict[int, int]]] = field(default_factory=dict)
     #: Source sessions that confirmed (or are gone) that none of their writes for this failed
     #: request is in flight; and when they were last asked.
     quiet: set[str] = field(default_factory=set)
@@ -222,10 +225,27 @@ class RecvRoom:
             self.room, msg, sent, link, link.checksums, self.dst_pages, self.cached_tokens
         )
 
-    def group_check(self, msg: ChunkNote) -> GroupCheck | None:
-        """Progress or liveness thread, under the lock, when a sender's state note arrived
-        (its buffer groups landed): their check, or None when that link's groups are not
-        checked (no ``kv_checksum``, or a prefill older than protocol 1.14)."""
+    def state_part(self, msg: ChunkNote) -> dict[int, int] | None:
+        """Progress or liveness thread, under the lock, when a part of a sender's state note
+        arrived: the sums its parts carried once every part is here, else None (a part is
+        missing, or this one was seen before: a resend after failover, or a part number the
+        note does not have). A note of one part is complete at once."""
+        seen = (msg.what, msg.sender_id, msg.chunk_id, msg.part)
+        if msg.part >= msg.parts or seen in self.notes_seen:
+            return None
+        self.notes_seen.add(seen)
+        got, sums = self.state_parts.pop(msg.sender_id, (0, {}))
+        add_sums(sums, dict(zip(msg.sum_layers, msg.sums, strict=True)))
+        if got + 1 < msg.parts:
+            self.state_parts[msg.sender_id] = (got + 1, sums)
+            return None
+        return sums
+
+    def group_check(self, msg: ChunkNote, sent: dict[int, int]) -> GroupCheck | None:
+        """Progress or liveness thread, under the lock, once a sender's state note is
+        complete (its buffer groups landed; ``sent``: the sums its parts carried): their
+        check, or None when that link's groups are not checked (no ``kv_checksum``, or a
+        prefill older than protocol 1.14)."""
         assert self.sources is not None and self.dst_pages is not None
         link = next(
             s
@@ -234,7 +254,9 @@ class RecvRoom:
         )
         if link.group_sums is None:
             return None
-        return GroupCheck(self.room, msg, link, link.group_sums, self.group_dst, self.dst_pages)
+        return GroupCheck(
+            self.room, msg, sent, link, link.group_sums, self.group_dst, self.dst_pages
+        )
 
     def piece_check(self, msg: ChunkNote) -> ChunkCheck | None:
         """Under the lock, when a fresh piece's note arrived (``ChunkNote.piece_layers``,

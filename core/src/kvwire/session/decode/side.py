@@ -286,8 +286,11 @@ class DecodeSide(Side[RecvRoom]):
             if msg.what == "aux":
                 pass
             elif msg.what == "state":  # the sender's buffer groups landed (after its KV)
+                sent = room.state_part(msg)
+                if sent is None:
+                    return  # its sums (a part of their own) are still on their way
                 try:
-                    if self.checker.submit(room.group_check(msg)):
+                    if self.checker.submit(room.group_check(msg, sent)):
                         return  # they count once their check passes
                 except KVWireError as exc:
                     self._fail(room, exc, cause="checksum_mismatch")

@@ -1,21 +1,25 @@
 """Prefill's half of buffer groups (:mod:`kvwire.session.groups` has the checks both sides
-share): decode's group slots from its transfer request (liveness thread) and the rows of one
-request's group transfer (transfer workers)."""
+share): decode's group slots from its transfer request (liveness thread), and the rows and
+the note of one request's group transfer (transfer workers)."""
 
 from __future__ import annotations
 
+from concurrent.futures import Future
+from typing import Any
+
 import numpy as np
 
-from kvwire.control.wire import TransferRequest
+from kvwire.control.wire import ChunkNote, Codec, TransferRequest
 from kvwire.descriptors import IndexArray
 from kvwire.errors import ConfigError
 from kvwire.index.groups import GroupMapper
 from kvwire.integrity import LayerSums
 from kvwire.session.groups import Indices, check_state_indices, from_wire
 from kvwire.session.prefill.links import GROUPS_TABLE, DecodeLink
+from kvwire.session.prefill.posting import summer
 from kvwire.session.prefill.rooms import Dest, SendRoom
 
-__all__ = ["GROUPS_TABLE", "group_rows", "group_sums", "request_groups"]
+__all__ = ["GROUPS_TABLE", "group_rows", "request_groups", "state_note"]
 
 
 def request_groups(groups: GroupMapper | None, msg: TransferRequest) -> Indices:
@@ -56,10 +60,20 @@ def group_rows(
     return gm.map_request(src, dst)
 
 
-def group_sums(link: DecodeLink, rows: tuple[IndexArray, IndexArray]) -> LayerSums | None:
+def state_note(
+    codec: Codec, fields: dict[str, Any], link: DecodeLink, rows: tuple[IndexArray, IndexArray]
+) -> tuple[bytes, Future[LayerSums] | None]:
     """Transfer worker, before a request's group transfer to ``link``'s decode rank is
-    posted: the sums of its rows when decode checks them (``kv_checksum``, protocol 1.14:
-    :mod:`kvwire.session.group_sums`), else None."""
-    if link.group_sums is None:
-        return None
-    return link.group_sums.sums(*rows)
+    posted: its note (``fields``: every field but the sums) and, where its rows are summed
+    while they fly, the running sum. Unchecked (no ``kv_checksum``, or a 1.13 decode): the
+    note alone. Checked (:mod:`kvwire.session.group_sums`): the note with the rows' sums,
+    summed now; or, from the hasher's ``LATE_BYTES`` on, part 0 of 2 without them and the sum
+    started on a piece-sum thread (the worker tells its result as part 1)."""
+    checked = link.group_sums
+    if checked is not None and checked.late(rows[0]):
+        return codec.encode(ChunkNote(**fields, parts=2)), summer().submit(checked.sums, *rows)
+    note = ChunkNote(**fields)
+    sums = checked.sums(*rows) if checked is not None else {}
+    if sums:
+        note = note.model_copy(update={"sum_layers": list(sums), "sums": list(sums.values())})
+    return codec.encode(note), None

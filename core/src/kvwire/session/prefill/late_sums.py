@@ -93,12 +93,13 @@ class SumsPart:
             return True
         if not self._sums.done():
             return False
-        chunk = self._fields["chunk_id"]
+        f = self._fields
+        chunk = "its buffer groups" if f["what"] == "state" else f"chunk {f['chunk_id']}"
         try:
             sums = self._sums.result()
         except Exception as exc:
             raise TransferError(
-                f"the checksums of chunk {chunk} could not be computed after its rows were "
+                f"the checksums of {chunk} could not be computed after its rows were "
                 f"posted: {type(exc).__name__}: {exc}",
                 room=self._fields["room"],
             ) from exc
@@ -106,7 +107,7 @@ class SumsPart:
             note = ChunkNote(**self._fields, sum_layers=list(sums), sums=list(sums.values()))
             if not self._tell(note):
                 raise TransferError(
-                    f"the checksums of chunk {chunk} could not be sent: the control channel "
+                    f"the checksums of {chunk} could not be sent: the control channel "
                     "to decode is full",
                     room=self._fields["room"],
                 )

@@ -16,6 +16,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from concurrent.futures import Future
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Any
@@ -23,11 +24,12 @@ from typing import Any
 from kvwire.backend import Note, PreparedPair, TransferHandle, XferOp, XferState
 from kvwire.control.wire import ChunkNote, Completion
 from kvwire.errors import KVWireError, TransferError
+from kvwire.integrity import LayerSums
 from kvwire.session import metrics as m
 from kvwire.session.context import RankContext
 from kvwire.session.metrics import ChunkDone
 from kvwire.session.prefill import late_sums, posting
-from kvwire.session.prefill.groups import GROUPS_TABLE, group_rows, group_sums
+from kvwire.session.prefill.groups import GROUPS_TABLE, group_rows, state_note
 from kvwire.session.prefill.layerwise import LayerPosting
 from kvwire.session.prefill.pace import PollPace
 from kvwire.session.prefill.posting import PlanRef, SegmentPost, Tail, WorkerSide, summed_pieces
@@ -252,11 +254,7 @@ class Pipeline:
             ref.seal(ok=False)  # nothing in flight: the strategy gets its buffer back now
             raise
         if later is not None:  # the chunk's last part: its sums, told once computed
-            fields.update(where, part=post.parts - 1)
-            dest, live = job.dest.endpoint, lambda: not self.side.is_dead(job.room)
-            tell = lambda note: self.ctx.tell(dest, note)  # noqa: E731
-            sums_part = late_sums.SumsPart(later, fields, tell, live)
-            self._post_copy(tail, key, sums_part, None, dest, None, t_start, None, counted=False)
+            self._post_sums(tail, later, {**fields, **where, "part": post.parts - 1})
 
     def _drop(self, key: tuple[int, str], tail: Tail) -> None:
         """A dead request's tail: forget its queued jobs; once nothing is in flight, tell a
@@ -351,13 +349,10 @@ class Pipeline:
                 time.sleep(poll_sleep_s)
 
     # --------------------------------------------------------------- internals
-    def _note(
-        self, room: int, what: str, chunk_id: int = 0, last: bool = False, sums: Any = None
-    ) -> bytes:
+    def _note(self, room: int, what: str, chunk_id: int = 0, last: bool = False) -> bytes:
         ctx = self.ctx
-        extra = {"sum_layers": list(sums), "sums": list(sums.values())} if sums else {}
         note = ChunkNote(room=room, sender_id=self.side.sender_id, session=ctx.session,
-                         what=what, chunk_id=chunk_id, last=last, **extra)  # type: ignore[arg-type]  # fmt: skip
+                         what=what, chunk_id=chunk_id, last=last)  # type: ignore[arg-type]  # fmt: skip
         return ctx.codec.encode(note)
 
     def _post_copy(
@@ -567,30 +562,37 @@ class Pipeline:
         self.side.dest_done(room, dest)
 
     def _post_groups(self, tail: Tail, key: tuple[int, str], job: Job) -> bool:
-        """After the last KV chunk: the request's buffer groups (state, window, draft layers)
-        in one transfer, before the aux row; True when a transfer was posted (or failed)."""
+        """After the last KV chunk: the request's buffer groups in one transfer, before the
+        aux row (checked: :func:`~kvwire.session.prefill.groups.state_note`); True when a
+        transfer was posted (or failed)."""
         room = tail.room
         try:
             rows = group_rows(room, tail.dest, job.link)
             if rows is None:
                 return False
+            fields: dict[str, Any] = dict(room=room.room, what="state", session=self.ctx.session)
+            fields["sender_id"] = self.side.sender_id
             if rows[0].size == 0:  # nothing to move: decode still counts the group note
-                note = ChunkNote(
-                    room=room.room, sender_id=self.side.sender_id, session=self.ctx.session,
-                    what="state",
-                )  # fmt: skip
-                self.ctx.tell(tail.dest.endpoint, note)
+                self.ctx.tell(tail.dest.endpoint, ChunkNote(**fields))
                 return False
-            pair = job.link.pairs[GROUPS_TABLE]
-            note_bytes = self._note(room.room, "state", sums=group_sums(job.link, rows))
-            self._post(
-                tail, key, pair, None, Segment("", "", *rows), note_bytes, "state",
-                time.perf_counter(), None,
-            )  # fmt: skip
+            note, later = state_note(self.ctx.codec, fields, job.link, rows)
+            pair, seg = job.link.pairs[GROUPS_TABLE], Segment("", "", *rows)
+            self._post(tail, key, pair, None, seg, note, "state", time.perf_counter(), None)
+            if later is not None:
+                self._post_sums(tail, later, {**fields, "parts": 2, "part": 1})
         except Exception as exc:  # refused at map or submit: the request fails, not hangs
             self._failed(room, exc, "state")
             self._drop(key, tail)
         return True
+
+    def _post_sums(self, tail: Tail, later: Future[LayerSums], fields: dict[str, Any]) -> None:
+        """Track the last part of a note whose sums are computed while its rows fly (a whole
+        KV chunk's, a request's buffer groups'): told to decode over the control channel once
+        computed (:class:`~kvwire.session.prefill.late_sums.SumsPart`)."""
+        dest, room = tail.dest.endpoint, tail.room
+        tell = lambda note: self.ctx.tell(dest, note)  # noqa: E731
+        part = late_sums.SumsPart(later, fields, tell, lambda: not self.side.is_dead(room))
+        self._post_copy(tail, tail.key, part, None, dest, None, time.perf_counter(), None, False)
 
     def _failed(self, room: SendRoom, exc: BaseException, what: str) -> None:
         if not isinstance(exc, KVWireError):
