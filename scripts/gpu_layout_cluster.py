@@ -4,7 +4,10 @@ real processes (one per rank) and checked element by element (CI has no GPU).
 Cases: head-major pages on either side, K and V side by side in each row (vLLM's cache:
 ``kv_fused``) on both or one side, page-size conversion, and DP attention with PP, each with
 heterogeneous TP, every pool in VRAM, over the chosen backend; then the staging kernels of
-fused pools (``--staging bulk``). Prints one line per case and writes them to ``--json``.
+fused pools (``--staging bulk``); then buffer groups in VRAM (head-sharded, replicated and
+multi-section states, a window, draft pages), with and without decode checking KV and group
+checksums (protocol 1.14). Prints one line per case and writes them to ``--json``;
+``--only TEXT`` runs the cases whose name contains it.
 
     python scripts/gpu_layout_cluster.py --backend nixl --json $OUT/layouts_gpu.json
 """
@@ -20,9 +23,11 @@ from typing import Any
 from kvwire.config import ControlOptions, KVWireConfig
 from kvwire.layout import ModelSpec
 from kvwire.testing.cluster import Cluster, ClusterSpec
+from kvwire.testing.cluster_groups import GROUP_KINDS
 from kvwire.testing.cluster_suite import assert_all_ok, assert_tables_empty
 
 BOTH = ("prefill", "decode")
+GROUPS = tuple(GROUP_KINDS)
 #: name -> ClusterSpec fields beyond the model and backend
 CASES: dict[str, dict[str, Any]] = {
     "head-major decode, TP 2->1": {"prefill_tp": 2, "head_major": ("decode",)},
@@ -38,12 +43,16 @@ CASES: dict[str, dict[str, Any]] = {
     "bulk: fused both, TP 2->1": {"prefill_tp": 2, "kv_fused": BOTH, "staging": "bulk"},
     "bulk: head-major decode, TP 1->2": {"decode_tp": 2, "head_major": ("decode",),
                                          "staging": "bulk"},
+    "groups, TP 2->1": {"prefill_tp": 2, "groups": GROUPS},
+    "groups checked, TP 2->1": {"prefill_tp": 2, "groups": GROUPS, "checksum": True},
+    "groups checked, TP 1->2": {"decode_tp": 2, "groups": GROUPS, "checksum": True},
 }  # fmt: skip
 
 
 def run_case(name: str, fields: dict[str, Any], backend: str, device: str) -> dict[str, Any]:
     fields = dict(fields)
     staging = fields.pop("staging", "direct")
+    checksum = fields.pop("checksum", False)
     spec = ClusterSpec(
         model=ModelSpec(num_layers=4, total_kv_heads=4, head_dim=64, dtype="int32", page_size=8),
         slots=256,
@@ -52,7 +61,7 @@ def run_case(name: str, fields: dict[str, Any], backend: str, device: str) -> di
         config=KVWireConfig(
             transfer_backend=backend,
             staging=staging,
-            control=ControlOptions(heartbeat_interval_s=0.5),
+            control=ControlOptions(heartbeat_interval_s=0.5, kv_checksum=checksum),
         ),
         **fields,
     )
@@ -78,9 +87,12 @@ def main() -> None:
     p.add_argument("--backend", default="nixl")
     p.add_argument("--device", default="cuda")
     p.add_argument("--json", type=Path, default=None)
+    p.add_argument("--only", default="", help="run the cases whose name contains this")
     a = p.parse_args()
     rows = []
     for name, fields in CASES.items():
+        if a.only not in name:
+            continue
         try:
             row = run_case(name, fields, a.backend, a.device)
         except Exception as exc:  # report every case, then fail

@@ -10,6 +10,7 @@ import ctypes
 from typing import Any
 
 import numpy as np
+import pytest
 
 from kvwire.config import KVWireConfig
 from kvwire.index.groups import GroupMapper
@@ -87,3 +88,30 @@ def test_checker_sees_every_element_after_a_tp_change_and_any_damage() -> None:
     i = dst.groups.index(sections)
     dst.arrays[i][1][ad.state, -1] += 1  # one element of the v section, layer 1
     assert dst.mismatches(room, ad, pages_d, 0) == 1
+
+
+def test_group_pools_as_torch_tensors_fill_poison_and_check_like_numpy() -> None:
+    """The harness's group pools on a GPU are torch tensors (``ClusterSpec(device="cuda")``,
+    run by scripts/gpu_layout_cluster.py on the GPU machine); here the same code on torch's
+    CPU tensors gives what the NumPy pools give, and damage shows."""
+    torch = pytest.importorskip("torch")
+    from kvwire.testing import cluster_groups
+
+    pos = RankPosition(tp_size=1, tp_rank=0)
+    host = RankGroups(tuple(GROUP_KINDS), MODEL, pos, (0, 2), 16, 8, 3)
+    dev = RankGroups(tuple(GROUP_KINDS), MODEL, pos, (0, 2), 16, 8, 3)
+    dev.arrays = [[torch.from_numpy(a.copy()) for a in arrs] for arrs in dev.arrays]
+    pages = np.array([4, 1, 6])
+    for g in (host, dev):
+        a = g.alloc(3)
+        g.poison(a, pages)
+        assert g.mismatches(5, a, pages, 0) > 0
+        g.fill(5, a, pages)
+        assert g.mismatches(5, a, pages, 0) == 0
+    for h, d in zip(host.tensors, dev.tensors, strict=True):
+        assert np.array_equal(h, d.numpy())
+    t = dev.arrays[0][0]
+    slot = np.array([int(np.flatnonzero(t.numpy()[:, 0] != 0)[0])])
+    before = cluster_groups._get(t, slot).copy()
+    cluster_groups._put(t, slot, before + 1)
+    assert np.array_equal(cluster_groups._get(t, slot), before + 1)

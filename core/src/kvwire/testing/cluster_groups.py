@@ -145,13 +145,16 @@ class RankGroups:
         kv_slots: int,
         state_slots: int,
         seed: int,
+        device: str = "cpu",
     ) -> None:
         unknown = set(names) - set(GROUP_KINDS)
         if unknown:
             raise ValueError(f"unknown groups {sorted(unknown)}; known: {sorted(GROUP_KINDS)}")
         self.model, self.rank = model, rank
+        self.device = device
         self.groups: list[BufferGroup] = []
-        self.arrays: list[list[NDArray[np.int32]]] = []
+        #: NumPy arrays (device ``cpu``), else torch tensors on ``device``.
+        self.arrays: list[list[Any]] = []
         #: Logical element of each memory element of a slot, per group.
         self.elems: list[NDArray[np.int64]] = []
         #: Code of each group in the encoding (its position in :data:`GROUP_KINDS`).
@@ -167,7 +170,7 @@ class RankGroups:
                 buffers=(one,) * (per_layer * model.num_layers),
             )  # fmt: skip
             row = probe.item_len(rank.tp_size) // 4
-            arrs = [np.zeros((slots, row), np.int32) for _ in range((end - start) * per_layer)]
+            arrs = [_zeros((slots, row), device) for _ in range((end - start) * per_layer)]
             regions = tuple(MemoryRegion.from_tensor(a) for a in arrs)
             self.groups.append(
                 BufferGroup(
@@ -190,7 +193,7 @@ class RankGroups:
         self.has_window = any(g.kind == "window" for g in self.groups)
 
     @property
-    def tensors(self) -> list[NDArray[np.int32]]:
+    def tensors(self) -> list[Any]:
         """Every group array (kept alive with the layout)."""
         return [a for arrs in self.arrays for a in arrs]
 
@@ -246,14 +249,14 @@ class RankGroups:
         for i, g in enumerate(self.groups):
             slots, units = self._targets(g, a, kv_pages, 0)
             for b, arr in enumerate(self.arrays[i]):
-                arr[slots] = self._expected(i, b, room, units)
+                _put(arr, slots, self._expected(i, b, room, units))
 
     def poison(self, a: GroupAlloc, kv_pages: NDArray[np.int64]) -> None:
         """Decode: mark the request's slots unwritten before the transfer."""
         for i, g in enumerate(self.groups):
             slots, _ = self._targets(g, a, kv_pages, 0)
             for arr in self.arrays[i]:
-                arr[slots] = -1
+                _put(arr, slots, np.full((slots.size, arr.shape[1]), -1, np.int32))
 
     def mismatches(
         self, room: int, a: GroupAlloc, kv_pages: NDArray[np.int64], first_page: int
@@ -264,5 +267,36 @@ class RankGroups:
         for i, g in enumerate(self.groups):
             slots, units = self._targets(g, a, kv_pages, first_page)
             for b, arr in enumerate(self.arrays[i]):
-                bad += int((arr[slots] != self._expected(i, b, room, units)).sum())
+                bad += int((_get(arr, slots) != self._expected(i, b, room, units)).sum())
         return bad
+
+
+def _zeros(shape: tuple[int, int], device: str) -> Any:
+    """A zeroed int32 array: NumPy on ``cpu``, else a torch tensor on that CUDA device."""
+    if device == "cpu":
+        return np.zeros(shape, np.int32)
+    import torch
+
+    return torch.zeros(shape, dtype=torch.int32, device=device)
+
+
+def _put(arr: Any, slots: NDArray[np.int64], values: NDArray[np.int32]) -> None:
+    """``arr[slots] = values`` for a NumPy array or a torch tensor (copied to its device)."""
+    if isinstance(arr, np.ndarray):
+        arr[slots] = values
+        return
+    import torch
+
+    idx = torch.as_tensor(slots, device=arr.device)
+    arr[idx] = torch.as_tensor(np.ascontiguousarray(values), device=arr.device)
+
+
+def _get(arr: Any, slots: NDArray[np.int64]) -> NDArray[np.int32]:
+    """``arr[slots]`` as a NumPy array (from a torch tensor: copied to the host)."""
+    if isinstance(arr, np.ndarray):
+        out: NDArray[np.int32] = arr[slots]
+        return out
+    import torch
+
+    got: NDArray[np.int32] = arr[torch.as_tensor(slots, device=arr.device)].cpu().numpy()
+    return got

@@ -145,8 +145,6 @@ class ClusterSpec(BaseModel):
             raise ValueError(f"unknown groups {sorted(unknown)}; known: {sorted(GROUP_KINDS)}")
         if self.groups and (self.decode_page_size not in (None, self.model.page_size)):
             raise ValueError("groups: the harness builds them with one page size on both sides")
-        if self.groups and self.device != "cpu":
-            raise ValueError("groups: the harness builds group pools in host memory (device cpu)")
         return self
 
     @model_validator(mode="after")

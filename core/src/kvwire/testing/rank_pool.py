@@ -71,7 +71,7 @@ class RankPool:
         if spec.groups:
             seed = spec.seed * 7919 + rank.sender_id * 8 + 4_000_000
             self.groups = RankGroups(
-                spec.groups, m, rank, (start, end), self.slots, spec.aux_slots, seed
+                spec.groups, m, rank, (start, end), self.slots, spec.aux_slots, seed, device
             )
         self.layout = KVLayout.from_tensors(
             m,
