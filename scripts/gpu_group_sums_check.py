@@ -52,7 +52,7 @@ def main() -> int:
     host_lay, _ = layout("cpu", 1)  # the same values in host memory
     dst_lay, _ = layout("cpu", 2)  # keys: where rows land (the same for both)
     report: dict[str, Any] = {"gpu": torch.cuda.get_device_name(0)}
-    sent_dev = SentGroupSums(dev_lay, GroupMapper(dev_lay, dst_lay))
+    sent_dev = SentGroupSums(dev_lay, GroupMapper(dev_lay, dst_lay).build_tables())
     gm_host = GroupMapper(host_lay, dst_lay)
     host = RowHasher(GroupBuffers(host_lay))
     tables = gm_host.build_tables()

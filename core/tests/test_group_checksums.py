@@ -67,10 +67,18 @@ def flip_first_landed_row(
 
 @pytest.mark.parametrize(("tp_p", "tp_d"), [(2, 1), (1, 2)], ids=["tp2to1", "tp1to2"])
 def test_checked_groups_decode_the_same_tokens(
-    reference: list[int], tp_p: int, tp_d: int, monkeypatch: pytest.MonkeyPatch
+    reference: list[int],
+    tp_p: int,
+    tp_d: int,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
 ) -> None:
     seen = spy_checks(monkeypatch)
-    out = run_pd(SPEC, PROMPT, N_GEN, tp_p, tp_d, cfg=CHECKED)
+    with caplog.at_level(logging.INFO, logger="kvwire.session.decode.links"):
+        out = run_pd(SPEC, PROMPT, N_GEN, tp_p, tp_d, cfg=CHECKED)
+    links = [r.getMessage() for r in caplog.records if "link from" in r.getMessage()]
+    assert len(links) == tp_p * tp_d
+    assert all("checksums of its KV and buffer groups" in m for m in links), links
     assert out.tokens == reference
     assert seen, "decode checked no group transfer"
     assert len(seen) == tp_p * tp_d  # every (prefill rank, decode rank) pair moves groups
@@ -204,11 +212,13 @@ def test_an_older_prefill_leaves_groups_unchecked_with_a_warning(
 
     monkeypatch.setattr(links, "SentGroupSums", lambda layout, groups: None)
     seen = spy_checks(monkeypatch)
-    with caplog.at_level(logging.WARNING, logger="kvwire.session.decode.links"):
+    with caplog.at_level(logging.INFO, logger="kvwire.session.decode.links"):
         out = run_pd(SPEC, PROMPT, N_GEN, 1, 1, cfg=CHECKED)
     assert out.tokens == reference
     assert not seen
     assert any("sends no checksums of its buffer groups" in r.message for r in caplog.records)
+    links_seen = [r.getMessage() for r in caplog.records if "link from" in r.getMessage()]
+    assert links_seen and all("checksums of its KV (not its groups)" in m for m in links_seen)
 
 
 def test_keys_are_dense_per_group_and_layer_and_named_back() -> None:

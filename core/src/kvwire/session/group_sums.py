@@ -34,8 +34,9 @@ import numpy as np
 from numpy.typing import NDArray
 
 from kvwire.descriptors import ADDR, LEN, IndexArray
+from kvwire.errors import HandshakeError
 from kvwire.index.base import IndexMapper
-from kvwire.index.groups import GroupMapper
+from kvwire.index.tables import TablePair
 from kvwire.integrity import LayerSums, RowHasher, layer_ranges
 from kvwire.layout import KVLayout, MemoryRegion
 from kvwire.session.checksums import hasher_for
@@ -92,8 +93,9 @@ class SentGroupSums:
     """Prefill side of one checked link: the sums of a request's group rows (rows of the
     link's group table pair), each keyed by where it lands on decode."""
 
-    def __init__(self, layout: KVLayout, groups: GroupMapper) -> None:
-        tables = groups.build_tables()
+    def __init__(self, layout: KVLayout, tables: TablePair) -> None:
+        """``tables``: the link's group tables (:meth:`GroupMapper.build_tables
+        <kvwire.index.groups.GroupMapper.build_tables>`, as prepared for its transfers)."""
         self.src = tables.src
         self._dst_addr = tables.dst[:, ADDR]
         self.hasher: RowHasher = hasher_for(GroupBuffers(layout))
@@ -125,7 +127,7 @@ class LandedGroupSums:
     def __init__(self, mapper: IndexMapper, local: KVLayout) -> None:
         groups = mapper.group_mapper()
         if groups is None or not groups.sends:
-            raise ValueError("the link moves no buffer-group bytes")
+            raise HandshakeError("it says it moves buffer groups, and the layouts give it none")
         self.groups = groups
         self.layout = local
         self.dst = groups.build_tables().dst

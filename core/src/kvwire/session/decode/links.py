@@ -302,13 +302,17 @@ class SourceLinks:
         )
         # later frames to it go over the local socket if it shares our network namespace
         local = ctx.channel.set_local(msg.endpoint, msg.local_control)
+        checked = "" if checksums is None else "; checksums of its KV"
+        if checksums is not None and msg.groups:
+            checked += " and buffer groups" if group_sums is not None else " (not its groups)"
         logger.info(
-            "%s: link from %s: backend %s%s; control frames over %s",
+            "%s: link from %s: backend %s%s; control frames over %s%s",
             ctx.agent_name,
             msg.agent,
             msg.backend or ctx.backend_names[0],
             f" (fallbacks: {', '.join(msg.fallbacks)})" if msg.fallbacks else "",
             "the local socket" if local else "ZeroMQ",
+            checked,
         )
         with self._lock:
             self.links[msg.session] = link

@@ -244,7 +244,7 @@ class DecodeLinker:
                 )
             for table_name, tp in extra.items():
                 pairs[table_name] = ctx.backend.prepare(name, tp.src, tp.dst)
-            groups = mapper.group_mapper()
+            groups, gt = mapper.group_mapper(), None
             if groups is not None and groups.sends:
                 kinds = {r.kind for r in (*ctx.layout.group_regions, *hello.layout.group_regions)}
                 if len(kinds) > 1:
@@ -258,8 +258,8 @@ class DecodeLinker:
             group_sums = None
             if hello.checksum and not mapper.is_dummy:
                 checksums = SentSums(mapper, ctx.layout)
-            if hello.checksum and groups is not None and groups.sends:
-                group_sums = SentGroupSums(ctx.layout, groups)
+            if hello.checksum and gt is not None:
+                group_sums = SentGroupSums(ctx.layout, gt)
             extra_links: dict[str, PoolLink] = {}
             pool_problems: dict[str, str] = {}
             for pool, (pool_layout, described) in hello.extra_pools().items():
