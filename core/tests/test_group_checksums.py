@@ -114,6 +114,20 @@ def first_key(group: str) -> int:
     return GroupBuffers(layout).offsets[group] + int(g.buffer_keys[0, 0])
 
 
+@pytest.mark.parametrize(("tp_p", "tp_d"), [(2, 1), (1, 2)], ids=["tp2to1", "tp1to2"])
+@pytest.mark.parametrize("way", ["bulk", "layerwise"])
+def test_checked_groups_beside_staged_or_layerwise_kv(
+    reference: list[int], tp_p: int, tp_d: int, way: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """KV chunks through the staging ring, or sent layer-wise before they are computed, with
+    their own checks; the groups checked as well: the single process's tokens."""
+    seen = spy_checks(monkeypatch)
+    cfg = config(staging="bulk", checksum=True) if way == "bulk" else CHECKED
+    out = run_pd(SPEC, PROMPT, N_GEN, tp_p, tp_d, cfg=cfg, layerwise=way == "layerwise")
+    assert out.tokens == reference
+    assert len(seen) == tp_p * tp_d and all(sums for _, sums in seen)
+
+
 @pytest.mark.parametrize(
     "group", sorted(g.name for g in RankPools.build(SPEC, 1, 0, 16, 16, 4).layout.groups)
 )
