@@ -108,6 +108,10 @@ COPIERS: dict[str, tuple[dict[str, Any], bool]] = {
     "rows": ({"vram_path": "mover"}, True),
     # what the hisparse strategy calls by default: a prepared table, batches, index kernels
     "rows-index": ({"vram_path": "index"}, True),
+    # "rows" with other batch sizes (rows of a batch: one launch each; 0: one batch)
+    "rows-b4k": ({"vram_path": "mover", "batch_rows": 4096}, True),
+    "rows-b64k": ({"vram_path": "mover", "batch_rows": 65536}, True),
+    "rows-b0": ({"vram_path": "mover", "batch_rows": 0}, True),
 }
 
 
