@@ -10,8 +10,7 @@ mixes in the destination key and adds the term into its layer's sum with a 64-bi
 also counts its layer's rows (which layers a call touched) and any row outside the rank's
 buffers (refused, as the host hasher refuses it).
 
-A call is made per chunk on each side, so its host work is kept to a few small copies and
-launches, whatever the chunk's size:
+A call is made per chunk on each side, so its host work is a few small copies and launches:
 
 - the descriptor table a call indexes (a link's table, built once per link and never changed)
   is described once, the first time it is seen: each row's address, cells, how cells are read

@@ -130,6 +130,23 @@ class ChunkChecker:
             return
         self._count(room, msg)
 
+    def on_state(self, room: RecvRoom, msg: ChunkNote) -> bool:
+        """Under the room lock, as :meth:`on_part` for a part of a sender's state note (its
+        buffer groups landed): True when the groups count now (complete, and not checked on
+        this link); False while a part is missing, while their check runs (it counts them),
+        or when the request failed."""
+        sent = room.state_part(msg)
+        if sent is None:
+            return False  # its sums (a part of their own) are still on their way
+        try:
+            if self.submit(room.group_check(msg, sent)):
+                return False
+        except KVWireError as exc:
+            self._fail(room, exc, cause="checksum_mismatch")
+            return False
+        room.groups_from.add(msg.sender_id)
+        return True
+
     def _count(self, room: RecvRoom, msg: ChunkNote) -> None:
         """Under the room lock: count one part of a chunk (a piece whose check passed, or any
         other part on arrival). A chunk complete with it goes to its strategy (a staged block

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import numpy as np
 from numpy.typing import NDArray
@@ -26,8 +26,11 @@ from kvwire.session.decode.links import PrefillLink
 from kvwire.session.group_sums import LandedGroupSums, describe_keys
 from kvwire.session.report import ChunkFault
 
-if TYPE_CHECKING:
-    from kvwire.session.decode.rooms import RecvRoom
+
+class _Groups(Protocol):
+    """What a passed check updates: the room's senders whose groups landed."""
+
+    groups_from: set[int]
 
 
 @dataclass(frozen=True)
@@ -78,6 +81,6 @@ class GroupCheck:
         )
         return err, None
 
-    def landed(self, room: RecvRoom) -> None:
+    def landed(self, room: _Groups) -> None:
         """Under the room lock, the check passed: the sender's groups count as landed."""
         room.groups_from.add(self.msg.sender_id)

@@ -286,16 +286,8 @@ class DecodeSide(Side[RecvRoom]):
             if msg.what == "aux":
                 pass
             elif msg.what == "state":  # the sender's buffer groups landed (after its KV)
-                sent = room.state_part(msg)
-                if sent is None:
-                    return  # its sums (a part of their own) are still on their way
-                try:
-                    if self.checker.submit(room.group_check(msg, sent)):
-                        return  # they count once their check passes
-                except KVWireError as exc:
-                    self._fail(room, exc, cause="checksum_mismatch")
-                    return
-                room.groups_from.add(msg.sender_id)
+                if not self.checker.on_state(room, msg):
+                    return  # a part of its note, or their check, is still on its way
             else:
                 self.checker.on_part(room, msg)  # counted now, or once its piece is checked
                 return

@@ -562,9 +562,8 @@ class Pipeline:
         self.side.dest_done(room, dest)
 
     def _post_groups(self, tail: Tail, key: tuple[int, str], job: Job) -> bool:
-        """After the last KV chunk: the request's buffer groups in one transfer, before the
-        aux row (checked: :func:`~kvwire.session.prefill.groups.state_note`); True when a
-        transfer was posted (or failed)."""
+        """After the last KV chunk, before the aux row: the request's buffer groups in one
+        transfer (``groups.state_note``); True when one was posted (or failed)."""
         room = tail.room
         try:
             rows = group_rows(room, tail.dest, job.link)
@@ -576,8 +575,8 @@ class Pipeline:
                 self.ctx.tell(tail.dest.endpoint, ChunkNote(**fields))
                 return False
             note, later = state_note(self.ctx.codec, fields, job.link, rows)
-            pair, seg = job.link.pairs[GROUPS_TABLE], Segment("", "", *rows)
-            self._post(tail, key, pair, None, seg, note, "state", time.perf_counter(), None)
+            seg, now = Segment("", "", *rows), time.perf_counter()
+            self._post(tail, key, job.link.pairs[GROUPS_TABLE], None, seg, note, "state", now, None)
             if later is not None:
                 self._post_sums(tail, later, {**fields, "parts": 2, "part": 1})
         except Exception as exc:  # refused at map or submit: the request fails, not hangs
@@ -586,9 +585,8 @@ class Pipeline:
         return True
 
     def _post_sums(self, tail: Tail, later: Future[LayerSums], fields: dict[str, Any]) -> None:
-        """Track the last part of a note whose sums are computed while its rows fly (a whole
-        KV chunk's, a request's buffer groups'): told to decode over the control channel once
-        computed (:class:`~kvwire.session.prefill.late_sums.SumsPart`)."""
+        """Track a note's last part, its sums computed while its rows fly, told to decode
+        once computed (:class:`~kvwire.session.prefill.late_sums.SumsPart`)."""
         dest, room = tail.dest.endpoint, tail.room
         tell = lambda note: self.ctx.tell(dest, note)  # noqa: E731
         part = late_sums.SumsPart(later, fields, tell, lambda: not self.side.is_dead(room))
