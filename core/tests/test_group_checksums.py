@@ -292,3 +292,24 @@ def test_the_device_hasher_sums_groups_as_the_host_one_in_the_interpreter() -> N
     and one flipped byte changes one key."""
     pytest.importorskip("triton")
     run_interpreted(_DEVICE_GROUPS, "DEVICE-GROUPS-OK")
+
+
+def test_sums_for_rows_that_land_nowhere_here_are_a_mismatch() -> None:
+    """A note that carries sums for a request whose groups write no row on this rank (the
+    two sides' mappings disagree) fails its check; one with neither rows nor sums passes."""
+    from types import SimpleNamespace
+
+    from kvwire.control.wire import ChunkNote
+
+    layout = RankPools.build(SPEC, 1, 0, 16, 16, 4).layout
+    sums = SimpleNamespace(
+        layout=layout,
+        rows=lambda group_dst, dst_pages: np.empty(0, np.int64),
+        sums=lambda rows: pytest.fail("no rows to sum"),
+    )
+    link = SimpleNamespace(info=SimpleNamespace(agent="prefill-x"))
+    note = ChunkNote(room=1, sender_id=2, session="p", what="state")
+    pages = np.arange(3)
+    bad = GroupCheck(1, note, {0: 5}, link, sums, {}, pages).run()  # type: ignore[arg-type]
+    assert bad is not None and "buffer-group checksum mismatch from prefill-x" in str(bad[0])
+    assert GroupCheck(1, note, {}, link, sums, {}, pages).run() is None  # type: ignore[arg-type]

@@ -10,10 +10,12 @@ and 61 µs at 1 µs; a 0.2 ms ``Event.wait`` 324 against 253 µs (docs/benchmark
 slack").
 
 :func:`set_thread_slack` sets the calling thread's slack (``prctl(PR_SET_TIMERSLACK)``: it
-is per thread, and a thread's new threads start with its value). Each kvwire thread that
-waits on a request's path calls it first with ``ControlOptions.timer_slack_us``; the
-engine's threads keep theirs. Elsewhere than Linux, or where ``prctl`` cannot be found, it
-does nothing. Any thread; it acts on the calling one only.
+is per thread, and a thread's new threads start with its value). The liveness, progress and
+worker threads of a rank whose backend is polled call it first with
+``ControlOptions.timer_slack_us`` (``RankContext.timer_slack_us``: None, the default slack,
+where the backend pushes events); the engine's threads keep theirs. Elsewhere than Linux,
+or where ``prctl`` cannot be found, it does nothing. Any thread; it acts on the calling one
+only.
 """
 
 from __future__ import annotations

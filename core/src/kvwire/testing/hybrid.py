@@ -462,3 +462,29 @@ def run_pd(
             h.clear()
         tokens = model.decode(ShardedCache(dec, d_pages, d_swa, d_slot), first_token, n, n_gen)
         return PDResult(tokens, sent, descs, transfers)
+
+
+def checked_groups(
+    backend: str, spec: HybridSpec, prompt: list[int], n_gen: int
+) -> tuple[bool, str]:
+    """Decode checking KV and buffer-group checksums over ``backend``, TP 2 -> 1: whether the
+    tokens equal a single process's, and the error of the same request run again with one
+    bit of its first landed group row flipped (:func:`kvwire.testing.faults.
+    landed_group_flipper`; "" when it did not fail). For each backend's test suite."""
+    from kvwire.errors import KVWireError
+    from kvwire.session.group_sums import LandedGroupSums
+    from kvwire.testing.faults import landed_group_flipper
+    from kvwire.testing.hybrid_model import reference_tokens
+
+    cfg = config(backend, checksum=True)
+    tokens = run_pd(spec, prompt, n_gen, 2, 1, cfg=cfg).tokens
+    original = LandedGroupSums.sums
+    LandedGroupSums.sums = landed_group_flipper()  # type: ignore[method-assign]
+    try:
+        run_pd(spec, prompt, n_gen, 2, 1, cfg=cfg)
+        error = ""
+    except KVWireError as exc:
+        error = str(exc)
+    finally:
+        LandedGroupSums.sums = original  # type: ignore[method-assign]
+    return tokens == reference_tokens(spec, prompt, n_gen), error

@@ -60,11 +60,12 @@ class GroupCheck:
         msg, agent = self.msg, self.link.info.agent
         try:
             rows = self.checksums.rows(self.group_dst, self.dst_pages)
-            if not np.asarray(rows).size:
-                return None  # nothing of the groups lands here for this request
-            if not self.sent:
+            if not np.asarray(rows).size:  # nothing lands here: any sum sent is a mismatch
+                landed: LayerSums = {}
+            elif not self.sent:
                 raise ValueError("its state note carries no checksums, which this rank asked for")
-            landed = self.checksums.sums(rows)
+            else:
+                landed = self.checksums.sums(rows)
         except Exception as exc:
             err = TransferError(
                 f"cannot check the buffer groups from {agent} (sender {msg.sender_id}): {exc}",

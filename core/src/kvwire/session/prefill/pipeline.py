@@ -365,10 +365,11 @@ class Pipeline:
         ref: PlanRef | None,
         t_start: float,
         t_enqueued: float | None,
-        counted: bool = True,
+        sums_of: str = "",
     ) -> None:
-        """Track a copy the strategy started; its note goes out once it is done. A chunk's
-        sums part (:class:`~kvwire.session.prefill.late_sums.SumsPart`) sends its own."""
+        """Track a copy the strategy started; its note goes out once it is done. A note's sums
+        part (:class:`~kvwire.session.prefill.late_sums.SumsPart`, ``sums_of`` its note's
+        ``what``) sends its own and moves no bytes (not counted as a transfer)."""
         session = self.ctx.session
         handle = TransferHandle(-1, session, XferOp.WRITE, copy.num_rows, copy.nbytes)
         self._track(
@@ -381,11 +382,11 @@ class Pipeline:
                 time.perf_counter(),
                 t_enqueued,
                 time.monotonic() + self.ctx.options.transfer_timeout_s,
-                "kv sums" if note is None else note.what,
+                f"{sums_of} sums" if note is None else note.what,
                 copy=copy,
                 note=note,
                 endpoint=endpoint,
-                counted=counted,
+                counted=not sums_of,
             ),
             tail,
         )
@@ -585,12 +586,11 @@ class Pipeline:
         return True
 
     def _post_sums(self, tail: Tail, later: Future[LayerSums], fields: dict[str, Any]) -> None:
-        """Track a note's last part, its sums computed while its rows fly, told to decode
-        once computed (:class:`~kvwire.session.prefill.late_sums.SumsPart`)."""
-        dest, room = tail.dest.endpoint, tail.room
+        """Track a note's last part: its sums, computed while its rows fly, then told."""
+        dest, room, now = tail.dest.endpoint, tail.room, time.perf_counter()
         tell = lambda note: self.ctx.tell(dest, note)  # noqa: E731
         part = late_sums.SumsPart(later, fields, tell, lambda: not self.side.is_dead(room))
-        self._post_copy(tail, tail.key, part, None, dest, None, time.perf_counter(), None, False)
+        self._post_copy(tail, tail.key, part, None, dest, None, now, None, fields["what"])
 
     def _failed(self, room: SendRoom, exc: BaseException, what: str) -> None:
         if not isinstance(exc, KVWireError):
