@@ -109,6 +109,16 @@ TRACED = (
     "kvwire.index.base:IndexMapper.page_chunk",
     "kvwire.index.base:IndexMapper.chunk_slice",
     "kvwire.session.rooms:RoomTable.succeed",
+    "kvwire_hisparse.paths:HostPathStrategy.plan",
+    "kvwire_hisparse.copier:RowCopier.start_rows",
+    "kvwire_hisparse.copier:RowCopier._move",
+    "kvwire_hisparse.copier:RowCopier._long_runs",
+    "kvwire_hisparse.copier:RowCopier._device_dst",
+    "kvwire_hisparse.copier:_Checked.rows",
+    "kvwire_hisparse.row_mover:RowMover.queue",
+    "kvwire_hisparse.cuda_rows:CudaRows.run",
+    "kvwire_hisparse.jobs:CopyJob.done",
+    "kvwire.movers.triton_copy:RunCopier.launch",
 )
 
 _events: list[tuple[str, str, float, float]] = []

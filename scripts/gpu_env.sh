@@ -6,7 +6,7 @@ export UCX_MODULES=^efa NCCL_NVLS_ENABLE=0 PYTHONUNBUFFERED=1
 mkdir -p "$OUT"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
   --target /tmp/site .whl/*.whl .whl/nixl/*.whl > "$OUT/pip.log" 2>&1 || { cat "$OUT/pip.log"; exit 1; }
-export PYTHONPATH=$PWD/core/src:$PWD/plugins/cudaipc/src:$PWD/plugins/nixl/src:/tmp/site
+export PYTHONPATH=$PWD/core/src:$PWD/plugins/cudaipc/src:$PWD/plugins/nixl/src:$PWD/plugins/hisparse/src:/tmp/site
 # The GPU run scripts' shared helpers: has PART (is PART in $PARTS) and run_case NAME CMD...
 # (CMD with --json $OUT/NAME.json, its output in $OUT/NAME.log, 200 s at most; prints the
 # exit status, the seconds and the run's `summary` line).

@@ -37,6 +37,7 @@ from typing import Any
 
 import numpy as np
 
+from kvwire.bench.gpu_engine import stage_medians
 from kvwire.config import KVWireConfig, PoolConfig
 from kvwire.layout import ModelSpec
 from kvwire.testing.cluster import Cluster, ClusterSpec, RoomPlan
@@ -176,6 +177,7 @@ def throughput(a: argparse.Namespace, log: Any) -> list[dict[str, Any]]:
                     "bytes_per_request": nbytes // max(1, len(res)),
                     "gbps": round(gbps, 2),
                     "p50_ms": round(1e3 * lat[len(lat) // 2], 2),
+                    "stages_ms": stage_medians(res),
                 }
                 log(f"throughput {cell}")
                 cells.append(cell)

@@ -17,6 +17,7 @@ rm -rf .whl && mkdir -p .whl/nixl
 "$UV" build --quiet --wheel --package kvwire --out-dir .whl
 "$UV" build --quiet --wheel --package kvwire-cudaipc --out-dir .whl
 "$UV" build --quiet --wheel --package kvwire-nixl --out-dir .whl
+"$UV" build --quiet --wheel --package kvwire-hisparse --out-dir .whl
 pins=$(python3 - <<'EOF'
 import tomllib
 want = ("pydantic", "pydantic-core", "pydantic-settings", "python-dotenv", "pyzmq",

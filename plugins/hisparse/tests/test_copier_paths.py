@@ -148,6 +148,17 @@ def test_prepared_tables_refuse_bad_rows_and_indices(
             r, so, _, _ = oracle[i]
             _, _, p, do = oracle[9 - i]
             assert np.array_equal(pools[p].array()[do : do + 64], srcs[r][so : so + 64])
+        # a link's tables come as columns of a wider table: prepare copies them contiguous
+        # once (np.take would copy a strided column whole on every batch of every chunk)
+        wide = np.stack([src, dst, src], axis=1)
+        cols = copier.prepare(wide[:, 0], wide[:, 1], 64)
+        assert cols.src.flags.c_contiguous and cols.dst.flags.c_contiguous
+        assert not np.shares_memory(cols.src, wide) and not np.shares_memory(cols.dst, wide)
+        for p in pools:
+            p.array()[:] = 0
+        assert copier.start_rows(cols, idx, idx).done()
+        for r, so, p, do in oracle:
+            assert np.array_equal(pools[p].array()[do : do + 64], srcs[r][so : so + 64])
     finally:
         copier.close()
         for p in pools:
