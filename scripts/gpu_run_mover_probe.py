@@ -10,10 +10,12 @@ uploaded to the device before the clock (the kernel's time only):
   stride-G-wW    G programs (a multiple of the SM count), each copying every G-th run
   index_copy     torch: gather on the GPU, then one ``index_copy_`` through a CUDA alias
 
-and kvwire's ``RunCopier`` as the HiSparse copier drives it (one launch per batch of rows, each
-table in a pinned slot) with the table read over the bus (``bus-B``) or from the slot's device
-twin (``dev-B``), batches of B rows, plus the same for 32 KiB runs from GPU 0 into GPU 1 (KV
-page rows over NVLink) where there are two GPUs; the clock includes the host's planning.
+and kvwire's ``RunCopier`` as the HiSparse copier drives it (one launch per batch of B rows,
+``bus-B``: each table in a pinned slot the kernel reads over the bus), plus the same for 32 KiB
+runs from GPU 0 into GPU 1 (KV page rows over NVLink) where there are two GPUs; the clock
+includes the host's planning. (Session 34 also ran ``dev-B``, the table copied into device
+memory before each launch, from a RunCopier option it then dropped: 0.88x against 0.87x at
+16,384 rows, worse at 1,024 and fewer; this tree runs ``bus-B`` only.)
 Every case's rows checked. Prints GB/s and the ratio to the pinned D2H copy (the peer copy of
 the same bytes for GPU 1).
 
@@ -174,16 +176,15 @@ def _rows(rk: int, total: int, ref: float, repeat: int) -> dict[str, Any]:
 
 
 def _batched(src: Any, dst: Any, rl: int) -> dict[str, Callable[[], Any]]:
-    """``RunCopier`` launches of one-tile-per-row plans in batches, the table read over the bus
-    or from device memory (``device_table_tiles`` 0 or never)."""
+    """``RunCopier`` launches of one-tile-per-row plans in batches of B rows (``bus-B``)."""
     from kvwire.movers.plan import TilePlan
     from kvwire.movers.triton_copy import RunCopier
 
     out: dict[str, Callable[[], Any]] = {}
     lens = np.full(src.size, rl // 16, dtype=np.int64)
-    for mode, threshold in (("bus", 1 << 62), ("dev", 0)):
+    for mode in ("bus",):
         for batch in (256, 1024, 4096, 16384):
-            copier = RunCopier("cuda", device_table_tiles=threshold, slots=32)
+            copier = RunCopier("cuda", slots=32)
 
             def run(copier: Any = copier, batch: int = batch) -> None:
                 for a in range(0, src.size, batch):

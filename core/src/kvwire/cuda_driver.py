@@ -29,8 +29,6 @@ _P = ctypes.c_void_p
 _U = ctypes.c_uint
 _SIGNATURES: dict[str, list[Any]] = {
     "cuEventRecord": [_P, _P],
-    # device address, host address, bytes, stream
-    "cuMemcpyHtoDAsync_v2": [ctypes.c_uint64, _P, ctypes.c_size_t, _P],
     # f, grid x/y/z, block x/y/z, shared bytes, stream, params, extra
     "cuLaunchKernel": [_P, _U, _U, _U, _U, _U, _U, _U, _P, _P, _P],
     # f, index, offset out, size out (CUDA 12.4)
@@ -68,19 +66,4 @@ def held() -> Any:
     return _lib or None
 
 
-def copy_to_device(dst: int, src: int, nbytes: int, stream: int) -> bool:
-    """Enqueue an asynchronous copy of ``nbytes`` from pinned host address ``src`` to device
-    address ``dst`` on CUDA stream handle ``stream``, keeping the GIL. The caller's current
-    context must be the stream's device's (``torch.cuda.device``). Returns False where the
-    driver or the call is not there (the caller copies another way); raises RuntimeError on a
-    CUDA error. Any thread."""
-    lib = held()
-    if lib is None or not hasattr(lib, "cuMemcpyHtoDAsync_v2"):
-        return False
-    rc = lib.cuMemcpyHtoDAsync_v2(dst, src, nbytes, stream)
-    if rc != SUCCESS:
-        raise RuntimeError(f"cuMemcpyHtoDAsync failed: CUDA driver error {rc}")
-    return True
-
-
-__all__ = ["SUCCESS", "copy_to_device", "held"]
+__all__ = ["SUCCESS", "held"]

@@ -27,7 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kvwire import cuda_driver, cuda_events
+from kvwire import cuda_events
 from kvwire.cuda_launch import CompiledKernels
 from kvwire.movers.plan import (
     BLOCK_BYTES,
@@ -160,24 +160,13 @@ def _on(dev: Any) -> Any:
     return torch.cuda.device(dev)
 
 
-#: Plans of at least this many tiles (or groups) are read by the kernel from a device copy of
-#: their table slot, put there by one asynchronous copy before the launch; smaller ones are
-#: read straight from the pinned slot. A program reads its table entry before its first
-#: store, so with many short runs that read, made over the bus, held each program: scattered
-#: 2 KiB rows into host memory moved at 0.71x a pinned D2H copy with the table read over the
-#: bus and at 0.93x with it in device memory (one H200, ``scripts/gpu_run_mover_probe.py``).
-DEVICE_TABLE_TILES = 1024
-
-
 class _TableSlots:
-    """Pinned host memory for plan tables, cut into ``count`` slots of ``slot_elems`` int64,
-    each with a twin in device memory (allocated at the first :meth:`readable` that asks).
+    """Pinned host memory for plan tables, cut into ``count`` slots of ``slot_elems`` int64.
 
-    A launch reads a small table straight from its pinned slot (pinned memory is mapped into
-    the device's address space: no upload, no device allocation) and a large one from the
-    slot's device twin, copied there on the launch's stream first. A slot (and its twin) is
+    The kernel reads a table straight from its slot (pinned memory is mapped into the
+    device's address space), so a launch needs no upload and no device allocation. A slot is
     reused once the event recorded after its launch completed (waited for only when every
-    slot is in flight). Used under its copier's lock, with the copier's device current.
+    slot is in flight). Used under :class:`RunCopier`'s lock.
     """
 
     def __init__(self, count: int, slot_elems: int) -> None:
@@ -187,7 +176,6 @@ class _TableSlots:
         self.base = int(self.host.data_ptr())
         self.events: list[Any] = [None] * count
         self.next = 0
-        self._twins: Any = None
 
     def take(self) -> int:
         """A free slot (waits for the oldest launch only when every slot is in flight)."""
@@ -200,22 +188,6 @@ class _TableSlots:
 
     def addr(self, i: int) -> int:
         return self.base + i * self.slot_elems * 8
-
-    def readable(self, i: int, elems: int, stream: Any, on_device: bool) -> int:
-        """The address a launch on ``stream`` reads slot ``i``'s first ``elems`` int64 at:
-        the pinned slot, or with ``on_device`` its device twin after a copy enqueued on
-        ``stream`` (the launch follows it in stream order; the slot's event covers both)."""
-        if not on_device:
-            return self.addr(i)
-        if self._twins is None:
-            self._twins = torch.empty(
-                (len(self.events), self.slot_elems), dtype=torch.int64, device=stream.device
-            )
-        dst = int(self._twins.data_ptr()) + i * self.slot_elems * 8
-        if not cuda_driver.copy_to_device(dst, self.addr(i), elems * 8, stream.cuda_stream):
-            with torch.cuda.stream(stream):
-                self._twins[i, :elems].copy_(self.host[i, :elems], non_blocking=True)
-        return dst
 
     def launched(self, i: int, stream: Any) -> None:
         ev = self.events[i]
@@ -233,12 +205,10 @@ class RunCopier:
     compilation and cache fill single-threaded). Ordering between calls is the stream's.
 
     The host work of a launch on a GPU is kept small: the tile table is written into a
-    pinned slot (no device allocation, no synchronisation), which the kernel reads directly,
-    or for a plan of at least ``device_table_tiles`` tiles (:data:`DEVICE_TABLE_TILES`) from
-    the slot's device twin after one asynchronous copy on the launch's stream; and after the
-    first launch of a kernel variant the compiled kernel is launched directly (Triton's
-    argument binding and cache lookup skipped). A table larger than a slot (``slot_tiles``
-    tiles) is uploaded as :func:`launch_plan` does.
+    pinned slot the kernel reads directly (no upload, no device allocation, no
+    synchronisation), and after the first launch of a kernel variant the compiled kernel is
+    launched directly (Triton's argument binding and cache lookup skipped). A table larger
+    than a slot (``slot_tiles`` tiles) is uploaded as :func:`launch_plan` does.
     """
 
     def __init__(
@@ -249,12 +219,8 @@ class RunCopier:
         *,
         slots: int = 16,
         slot_tiles: int = 16384,
-        device_table_tiles: int = DEVICE_TABLE_TILES,
     ) -> None:
         self.device = torch.device(device)
-        #: Plans of at least this many tiles are read from the device (see
-        #: :data:`DEVICE_TABLE_TILES`).
-        self.device_table_tiles = device_table_tiles
         self.tile_bytes = tile_bytes
         self.num_warps = num_warps
         self._lock = threading.Lock()
@@ -318,8 +284,7 @@ class RunCopier:
                 slots = self._slots
                 i = slots.take()
                 slots.arr[i, : 3 * g].reshape(3, g)[...] = table
-                addr = slots.readable(i, 3 * g, stream, g >= self.device_table_tiles)
-                args = (addr, g, *scalars)
+                args = (slots.addr(i), g, *scalars)
                 gkey = ("groups", *key)
                 if not self._kernels.launch(gkey, (g, 1, 1), stream.cuda_stream, (*args, *key)):
                     with torch.cuda.stream(stream):
@@ -351,8 +316,8 @@ class RunCopier:
         meta = _meta(plan)
         key = (meta["block"], meta["elem"], meta["align"], meta["vec"])
         stream = stream if stream is not None else torch.cuda.current_stream(self.device)
+        addr = slots.addr(i)
         with _on(self.device):
-            addr = slots.readable(i, 3 * n, stream, n >= self.device_table_tiles)
             if not self._kernels.launch(key, (n, 1, 1), stream.cuda_stream, (addr, n, *key)):
                 # first launch of this variant (Triton compiles it), or the fallback
                 with torch.cuda.stream(stream):
