@@ -259,16 +259,3 @@ _MOVER_CHECK = textwrap.dedent(
     print("ROW-MOVER-OK")
     """
 )
-
-
-def test_mover_batches_ramp_up_to_the_batch_size() -> None:
-    """The mover path's batches of a call start small and double up to the batch size (the GPU
-    starts after a small batch's planning), covering every row once, in order."""
-    from kvwire_hisparse.copier import FIRST_BATCH_ROWS, RowCopier
-
-    f = FIRST_BATCH_ROWS
-    got = list(RowCopier._ramp(20 * f, 8 * f))
-    assert [b - a for a, b in got] == [f, 2 * f, 4 * f, 8 * f, 5 * f]
-    assert [a for a, _ in got] == [0, f, 3 * f, 7 * f, 15 * f]
-    assert list(RowCopier._ramp(f // 2, 8 * f)) == [(0, f // 2)]
-    assert list(RowCopier._ramp(20, 7)) == [(0, 7), (7, 14), (14, 20)]  # batches under f

@@ -79,8 +79,6 @@ logger = logging.getLogger(__name__)
 _U64 = (1 << 64) - 1
 #: ``prepare`` checks tables this many rows at a time (bounded work arrays).
 _PREPARE_PIECE = 1 << 20
-#: Rows of a mover path's first batch of a call (then doubling up to the batch size).
-FIRST_BATCH_ROWS = 2048
 
 
 def _addresses(addr: Any) -> NDArray[np.int64]:
@@ -401,17 +399,6 @@ class RowCopier:
         return self._copy_cuda(chk, row_len)
 
     @staticmethod
-    def _ramp(n: int, per: int) -> Iterator[tuple[int, int]]:
-        """Batches of at most ``per`` rows, the first ones smaller (:data:`FIRST_BATCH_ROWS`,
-        doubling): the GPU starts after a small batch's planning, not a full one's (0.4-0.8 ms
-        of host work for 16,384 rows on an H200 host), and copies while the rest is planned."""
-        size, a = max(1, min(per, FIRST_BATCH_ROWS)), 0
-        while a < n:
-            b = min(n, a + size)
-            yield a, b
-            a, size = b, min(2 * size, max(1, per))
-
-    @staticmethod
     def _batches(n: int, per: int) -> Iterator[tuple[int, int]]:
         per = per if per > 0 else n
         for a in range(0, n, per):
@@ -531,7 +518,7 @@ class RowCopier:
         per = mover.max_rows(row_len)
         per = min(per, self.batch_rows) if self.batch_rows else per
         keep: list[Any] = []
-        for a, b in self._ramp(chk.size, per):
+        for a, b in self._batches(chk.size, per):
             src, dst, pos_d, span = chk.rows(a, b, self._scratch)
             if self._long_runs(src, dst, row_len):
                 for g in self._group(src, dst, pos_d, span, row_len):
