@@ -91,6 +91,12 @@ def addresses(bases: list[int], buf_bytes: int, rows: np.ndarray, row_len: int) 
     return (b + rows.astype(np.uint64)[None, :] * np.uint64(row_len)).reshape(-1)
 
 
+def table_column(addr: np.ndarray, row_len: int) -> np.ndarray:
+    """``addr`` as the strategy hands a link's table to ``prepare``: the address column of a
+    ``[rows, 3]`` descriptor table (address, length, device), a strided view."""
+    return np.stack([addr, np.full_like(addr, row_len), np.zeros_like(addr)], axis=1)[:, 0]
+
+
 CASES: list[tuple[str, str, str, int, bool, int]] = [
     # name, source kind, pattern, row length (0: --row-kib), copy engine off, chunks
     ("a", "VRAM", "contig", 0, False, 1),
@@ -227,8 +233,10 @@ def _prefill(cfg: dict[str, Any], descs: list[dict[str, Any]], conn: Any) -> Non
                     every_d = np.arange(dst_buf // rl, dtype=np.int64)
                     t0 = time.perf_counter()
                     tables[key] = copier.prepare(
-                        addresses([r.addr for r in regions], buf_bytes, every_s, rl),
-                        addresses(dst_bases, dst_buf, every_d, rl),
+                        table_column(
+                            addresses([r.addr for r in regions], buf_bytes, every_s, rl), rl
+                        ),
+                        table_column(addresses(dst_bases, dst_buf, every_d, rl), rl),
                         rl,
                     )
                     info.setdefault("prepare_s", {})[f"{kind}/{rl}"] = time.perf_counter() - t0
@@ -466,8 +474,8 @@ def cpu_plan(cfg: dict[str, Any], repeat: int) -> int:
     new = RowCopier(regions, [(remote, pool)], dram_mover=RowMover(fake))
     t0 = time.perf_counter()
     table = new.prepare(
-        addresses(src_bases, buf_bytes, np.arange(buf_bytes // row), row),
-        addresses(dst_bases, dst_buf, np.arange(dst_buf // row), row),
+        table_column(addresses(src_bases, buf_bytes, np.arange(buf_bytes // row), row), row),
+        table_column(addresses(dst_bases, dst_buf, np.arange(dst_buf // row), row), row),
         row,
     )
     prep_ms = 1e3 * (time.perf_counter() - t0)
