@@ -119,6 +119,12 @@ TRACED = (
     "kvwire_hisparse.cuda_rows:CudaRows.run",
     "kvwire_hisparse.jobs:CopyJob.done",
     "kvwire.movers.triton_copy:RunCopier.launch",
+    "kvwire_cudaipc.backend:CudaIpcBackend._flush_held",
+    "kvwire_cudaipc.backend:launch_held",
+    "kvwire_cudaipc.backend:CudaIpcBackend._kernel_watcher",
+    "kvwire.movers.triton_pool_pages:PoolPageCopier.copy_batch",
+    "kvwire_cudaipc.watcher:KernelWatcher.record",
+    "kvwire.session.prefill.pipeline:Pipeline.turn",
 )
 
 _events: list[tuple[str, str, float, float]] = []
