@@ -28,9 +28,6 @@ from __future__ import annotations
 import argparse
 import ctypes
 import json
-import mmap
-import os
-import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -82,18 +79,10 @@ def _stride(table_addr, num_tiles, grid, b: tl.constexpr, vec: tl.constexpr):
 
 
 def _shm(nbytes: int, keep: list[Any]) -> int:
-    fd, path = tempfile.mkstemp(dir="/dev/shm", prefix="kvwire-probe-")
-    os.ftruncate(fd, nbytes)
-    mm = mmap.mmap(fd, nbytes, mmap.MAP_SHARED)
-    os.close(fd)
-    os.unlink(path)
-    keep.append(mm)
-    addr = ctypes.addressof(ctypes.c_char.from_buffer(mm))
-    np.frombuffer(mm, dtype=np.uint8)[::4096] = 0
-    err = torch.cuda.cudart().cudaHostRegister(addr, nbytes, 3)
-    if int(err) != 0:
-        raise RuntimeError(f"cudaHostRegister failed: {err}")
-    return addr
+    """Registered /dev/shm memory, as HiSparse's pool is (``gpu_host_memory_probe``'s)."""
+    from gpu_host_memory_probe import host_buffer  # scripts/ is this script's path
+
+    return host_buffer("shm", nbytes, keep)
 
 
 def _best(fn: Callable[[], None], before: Callable[[], None], repeat: int) -> float:
