@@ -38,7 +38,7 @@ from typing import Any
 import numpy as np
 
 from kvwire.bench.gpu_engine import stage_medians
-from kvwire.config import KVWireConfig, PoolConfig
+from kvwire.config import ControlOptions, KVWireConfig, PoolConfig
 from kvwire.layout import ModelSpec
 from kvwire.testing.cluster import Cluster, ClusterSpec, RoomPlan
 from kvwire.testing.cluster_suite import assert_all_ok, assert_tables_empty
@@ -61,9 +61,12 @@ def _chunks(p: int, shape: str, rng: np.random.Generator) -> list[int]:
     return [cut, p - cut]
 
 
-def _config(backend: str, path: str, copier: str) -> KVWireConfig:
+def _config(backend: str, path: str, copier: str, gil_switch: str = "") -> KVWireConfig:
     opts = dict(COPIERS[copier]) if path == "mapped" else {}
-    return KVWireConfig(transfer_backend=backend, pools={"host": PoolConfig(staging_options=opts)})
+    control = ControlOptions(gil_switch=gil_switch) if gil_switch else ControlOptions()
+    return KVWireConfig(
+        transfer_backend=backend, pools={"host": PoolConfig(staging_options=opts)}, control=control
+    )
 
 
 def _plans(
@@ -151,7 +154,7 @@ def throughput(a: argparse.Namespace, log: Any) -> list[dict[str, Any]]:
             host_shared=path == "mapped",
             verify=False,
             engine_step_s=a.engine_step,
-            config=_config(a.backend, path, copier),
+            config=_config(a.backend, path, copier, a.gil_switch),
         )
         with Cluster(spec) as c:
             warm = _plans(4, a.pages, 1, False, a.shape)
@@ -198,6 +201,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--requests", type=int, default=32)
     p.add_argument("--concurrency", type=lambda s: [int(x) for x in s.split(",")], default=[1, 4])
     p.add_argument("--timeout", type=float, default=240.0)
+    p.add_argument(
+        "--gil-switch",
+        default="",
+        choices=("", "auto", "always", "never"),
+        help="kvwire's control.gil_switch in the rank processes (default: kvwire's default)",
+    )
     p.add_argument(
         "--engine-step",
         type=float,
