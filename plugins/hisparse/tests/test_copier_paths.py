@@ -23,6 +23,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from kvwire_hisparse.copier import RowCopier
+from kvwire_hisparse.row_mover import row_width
 from kvwire_hisparse.shm import SharedHostPool
 
 from kvwire.errors import DescriptorError
@@ -159,6 +160,11 @@ def test_prepared_tables_refuse_bad_rows_and_indices(
         assert copier.start_rows(cols, idx, idx).done()
         for r, so, p, do in oracle:
             assert np.array_equal(pools[p].array()[do : do + 64], srcs[r][so : so + 64])
+        # found once per link for the mover's batches: each row's address in its pool as the
+        # copies reach it, and the access width of every row
+        assert cols.dst_dev is not None
+        assert cols.dst_dev.tolist() == [pools[p].addr + do for _, _, p, do in oracle]
+        assert cols.width == row_width(cols.src, cols.dst_dev, 64) == 16
     finally:
         copier.close()
         for p in pools:

@@ -60,7 +60,7 @@ from kvwire.layout import MemKind, MemoryRegion
 from kvwire_hisparse.cuda_rows import CudaRows, VramPath
 from kvwire_hisparse.dram_rows import DramRows
 from kvwire_hisparse.jobs import CopyJob
-from kvwire_hisparse.row_mover import RowMover
+from kvwire_hisparse.row_mover import RowMover, row_width
 from kvwire_hisparse.rows import (
     Group,
     Ranges,
@@ -101,6 +101,11 @@ class RowTable:
     row_len: int
     src_span: NDArray[np.int8] | None
     dst_pool: NDArray[np.int32] | None
+    #: Each destination row's address as the copies reach it (``dst`` moved by its pool's
+    #: shift), and the access width of every source and such address: found once here, so
+    #: a mover batch gathers two columns and passes the width instead of recomputing both.
+    dst_dev: NDArray[np.int64] | None = None
+    width: int = 0
 
 
 @dataclass
@@ -341,7 +346,10 @@ class RowCopier:
             pos_d = self._locate_dst(dst[a:b], row_len, sc, a)
             if pool is not None:
                 pool[a:b] = pos_d
-        return RowTable(src, dst, row_len, span, pool)
+        shift = self._pool_shift
+        dst_dev = dst + (shift[0] if pool is None else np.take(shift, pool))
+        width = row_width(src, dst_dev, row_len)
+        return RowTable(src, dst, row_len, span, pool, dst_dev, width)
 
     def start_rows(
         self, table: RowTable, src_idx: NDArray[np.integer], dst_idx: NDArray[np.integer]
@@ -518,8 +526,17 @@ class RowCopier:
         per = mover.max_rows(row_len)
         per = min(per, self.batch_rows) if self.batch_rows else per
         keep: list[Any] = []
+        t = chk.table
+        sc = self._scratch
         for a, b in self._batches(chk.size, per):
-            src, dst, pos_d, span = chk.rows(a, b, self._scratch)
+            if t is not None and t.dst_dev is not None:  # a prepared table: two gathers
+                assert chk.si is not None and chk.di is not None
+                src = np.take(t.src, chk.si[a:b], out=sc.get("tsrc", b - a, np.int64))
+                ddev = np.take(t.dst_dev, chk.di[a:b], out=sc.get("ddev", b - a, np.int64))
+                if not self._long_runs(src, ddev, row_len):
+                    mover.queue(src, ddev, row_len, stream, t.width)
+                    continue
+            src, dst, pos_d, span = chk.rows(a, b, sc)
             if self._long_runs(src, dst, row_len):
                 for g in self._group(src, dst, pos_d, span, row_len):
                     keep.extend(runs(g))

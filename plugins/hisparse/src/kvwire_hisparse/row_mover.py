@@ -20,7 +20,16 @@ from numpy.typing import NDArray
 
 from kvwire.movers.plan import DEFAULT_TILE_BYTES, MAX_WIDTH, TilePlan, plan_tiles
 
-__all__ = ["RowMover"]
+__all__ = ["RowMover", "row_width"]
+
+
+def row_width(src: NDArray[np.int64], dst: NDArray[np.int64], row_len: int) -> int:
+    """The widest access (a power of two up to ``MAX_WIDTH`` bytes) that every address of
+    ``src`` and ``dst`` and ``row_len`` divide by."""
+    acc = int(np.bitwise_or.reduce(src)) if src.size else 0
+    acc |= int(np.bitwise_or.reduce(dst)) if dst.size else 0
+    acc |= row_len | MAX_WIDTH
+    return acc & -acc
 
 
 class RowMover:
@@ -53,11 +62,19 @@ class RowMover:
         return arr[:n]
 
     def queue(
-        self, src: NDArray[np.int64], dst: NDArray[np.int64], row_len: int, stream: Any = None
+        self,
+        src: NDArray[np.int64],
+        dst: NDArray[np.int64],
+        row_len: int,
+        stream: Any = None,
+        width: int = 0,
     ) -> None:
         """Transfer worker: enqueue the copy of row ``i`` (``row_len`` bytes) from ``src[i]``
         to ``dst[i]`` (addresses the mover's device reaches, already validated by the caller)
-        on ``stream``. Returns once the launch is queued (on a CPU device: once copied)."""
+        on ``stream``. ``width``: the access width every address and ``row_len`` divide by
+        (:func:`row_width` of a superset of these rows, found once per link); 0: found here,
+        two passes over the batch. Returns once the launch is queued (on a CPU device: once
+        copied)."""
         n = int(src.size)
         if n == 0:
             return
@@ -65,8 +82,7 @@ class RowMover:
             lens = np.full(n, row_len, dtype=np.int64)
             self.mover.launch(plan_tiles(src, dst, lens, merge=False), stream)
             return
-        acc = int(np.bitwise_or.reduce(src)) | int(np.bitwise_or.reduce(dst)) | row_len
-        width = (acc | MAX_WIDTH) & -(acc | MAX_WIDTH)
+        width = width or row_width(src, dst, row_len)
         # one tile per row, the kernel's block the row rounded up to a power of two: no
         # masked-off lanes beyond that rounding
         tile = max(MAX_WIDTH, 1 << (row_len - 1).bit_length())
