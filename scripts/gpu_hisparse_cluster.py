@@ -37,7 +37,7 @@ from typing import Any
 
 import numpy as np
 
-from kvwire.bench.gpu_engine import stage_medians
+from kvwire.bench.gpu_engine import gil_option, stage_medians
 from kvwire.config import ControlOptions, KVWireConfig, PoolConfig
 from kvwire.layout import ModelSpec
 from kvwire.testing.cluster import Cluster, ClusterSpec, RoomPlan
@@ -61,11 +61,14 @@ def _chunks(p: int, shape: str, rng: np.random.Generator) -> list[int]:
     return [cut, p - cut]
 
 
-def _config(backend: str, path: str, copier: str, gil_switch: str = "") -> KVWireConfig:
+def _config(
+    backend: str, path: str, copier: str, control: dict[str, Any] | None = None
+) -> KVWireConfig:
     opts = dict(COPIERS[copier]) if path == "mapped" else {}
-    control = ControlOptions(gil_switch=gil_switch) if gil_switch else ControlOptions()
     return KVWireConfig(
-        transfer_backend=backend, pools={"host": PoolConfig(staging_options=opts)}, control=control
+        transfer_backend=backend,
+        pools={"host": PoolConfig(staging_options=opts)},
+        control=ControlOptions(**(control or {})),
     )
 
 
@@ -154,7 +157,7 @@ def throughput(a: argparse.Namespace, log: Any) -> list[dict[str, Any]]:
             host_shared=path == "mapped",
             verify=False,
             engine_step_s=a.engine_step,
-            config=_config(a.backend, path, copier, a.gil_switch),
+            config=_config(a.backend, path, copier, gil_option(a)),
         )
         with Cluster(spec) as c:
             warm = _plans(4, a.pages, 1, False, a.shape)

@@ -162,7 +162,6 @@ def test_prepared_tables_refuse_bad_rows_and_indices(
             assert np.array_equal(pools[p].array()[do : do + 64], srcs[r][so : so + 64])
         # found once per link for the mover's batches: each row's address in its pool as the
         # copies reach it, and the access width of every row
-        assert cols.dst_dev is not None
         assert cols.dst_dev.tolist() == [pools[p].addr + do for _, _, p, do in oracle]
         assert cols.width == row_width(cols.src, cols.dst_dev, 64) == 16
     finally:

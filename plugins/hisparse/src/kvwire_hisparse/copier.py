@@ -104,8 +104,8 @@ class RowTable:
     #: Each destination row's address as the copies reach it (``dst`` moved by its pool's
     #: shift), and the access width of every source and such address: found once here, so
     #: a mover batch gathers two columns and passes the width instead of recomputing both.
-    dst_dev: NDArray[np.int64] | None = None
-    width: int = 0
+    dst_dev: NDArray[np.int64]
+    width: int
 
 
 @dataclass
@@ -529,7 +529,7 @@ class RowCopier:
         t = chk.table
         sc = self._scratch
         for a, b in self._batches(chk.size, per):
-            if t is not None and t.dst_dev is not None:  # a prepared table: two gathers
+            if t is not None:  # a prepared table: two gathers
                 assert chk.si is not None and chk.di is not None
                 src = np.take(t.src, chk.si[a:b], out=sc.get("tsrc", b - a, np.int64))
                 ddev = np.take(t.dst_dev, chk.di[a:b], out=sc.get("ddev", b - a, np.int64))
