@@ -15,7 +15,9 @@ interval, so over many samples a function's share approaches its share of the th
 Results go to ``<pid>.json`` every second, when ``on`` goes away and at exit.
 
 With ``KVWIRE_SAMPLE_MODE=cprofile`` every thread instead runs ``cProfile`` on its CPU clock
-(exact for bursty threads, slower); read its ``.prof`` files with ``pstats``.
+(exact for bursty threads, slower); read its ``.prof`` files with ``pstats``. Python 3.12
+allows one ``cProfile`` per process (it profiles through ``sys.monitoring``), so this mode
+works on 3.11 and earlier only (the GPU hosts run 3.12: use ``scripts/phase_probe.py``).
 
     python3 scripts/rank_sampler.py report DIR [--per N] [--top K]
         # per process and thread: CPU ms (per N requests with --per), then the K functions
@@ -109,9 +111,15 @@ _profiles: dict[str, Any] = {}
 
 
 def _profile_thread(*_: Any) -> None:
-    """First profile event of a new thread: give it a CPU-clock profiler of its own."""
+    """First profile event of a new thread: give it a CPU-clock profiler of its own (only
+    a thread whose name matches ``KVWIRE_SAMPLE_THREADS``, a regular expression, when set)."""
     import cProfile
+    import re
 
+    pattern = os.environ.get("KVWIRE_SAMPLE_THREADS")
+    if pattern and not re.search(pattern, threading.current_thread().name):
+        sys.setprofile(None)
+        return
     prof = cProfile.Profile(time.thread_time)
     _profiles[threading.current_thread().name] = prof
     prof.enable()

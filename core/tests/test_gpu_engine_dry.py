@@ -5,6 +5,8 @@ where the aux row travels for the two shapes of a request's sends."""
 from __future__ import annotations
 
 import os
+import threading
+import time
 from types import SimpleNamespace
 from typing import Any
 
@@ -57,16 +59,28 @@ def test_timed_requests_report_their_stages_and_carry_the_aux_row_in_the_note() 
 
 
 def test_cpu_seconds_read_each_live_rank_and_leave_out_the_unreadable() -> None:
-    """This process stands in for a rank (its schedstat grows while it computes); a rank
-    whose /proc entry is gone (it exited) is left out, not an error."""
+    """This process stands in for a rank: the CPU of a thread other than its main one
+    counts (a rank's transfer worker, not only its engine loop: /proc/PID/schedstat, read
+    before, is the main thread's alone); a rank whose /proc entry is gone (it exited) is
+    left out, not an error."""
     me = SimpleNamespace(proc=SimpleNamespace(pid=os.getpid(), name="kvwire-prefill0-pp0-tp0"))
     gone = SimpleNamespace(proc=SimpleNamespace(pid=2**22 + 7, name="kvwire-decode0-pp0-tp0"))
     for p in (me, gone):
         p.name = p.proc.name
     c = SimpleNamespace(procs=[me, gone])
     before = cpu_seconds(c)
-    sum(i * i for i in range(300_000))
+    spent = threading.Thread(target=_spin, args=(0.3,))  # 0.3 s of CPU off the main thread
+    spent.start()
+    spent.join()
     after = cpu_seconds(c)
     assert set(after) == {"driver", "kvwire-prefill0-pp0-tp0"}
     assert after["driver"] > before["driver"]
-    assert after["kvwire-prefill0-pp0-tp0"] > before["kvwire-prefill0-pp0-tp0"]
+    # clock ticks of 10 ms: most of the thread's 0.3 s shows (the main thread used ~none)
+    assert after["kvwire-prefill0-pp0-tp0"] - before["kvwire-prefill0-pp0-tp0"] >= 0.2
+
+
+def _spin(cpu_s: float) -> None:
+    """Use ``cpu_s`` seconds of this thread's CPU (however long that takes on a loaded host)."""
+    end = time.thread_time() + cpu_s
+    while time.thread_time() < end:
+        pass

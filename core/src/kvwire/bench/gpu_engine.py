@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import secrets
 import time
 from collections.abc import Callable
@@ -31,6 +32,12 @@ STAGES = (
     ("report", "decode", "success", "decode", "seen"),
     ("total", "decode", "created", "decode", "seen"),
     ("prefill_complete", "prefill", "posted", "prefill", "done"),
+    # parts of ``take``: the engine's step until its last send, the job's wait for a worker;
+    # the first part of ``land``: the rest of the worker's turn after the last chunk's post
+    # (the turn's other jobs, its polls, then the launch of what it held)
+    ("take_engine", "prefill", "asked", "prefill", "sent"),
+    ("take_queue", "prefill", "sent", "prefill", "taken"),
+    ("land_turn", "prefill", "posted", "prefill", "turn_end"),
 )
 
 
@@ -190,17 +197,29 @@ def gil_figures(c: Any) -> dict[str, list[float]]:
     }
 
 
+def process_cpu_s(pid: int) -> float:
+    """CPU seconds process ``pid`` used so far, every thread (the ones that ended too):
+    utime + stime of ``/proc/PID/stat``, in clock ticks (10 ms on Linux). Not
+    ``/proc/PID/schedstat``: that file is the main thread's alone (the rank's engine loop),
+    which is what this bench reported before 2026-11-29. Raises ``OSError`` or
+    ``ValueError`` when the file cannot be read (the process ended, or not Linux)."""
+    with open(f"/proc/{pid}/stat") as f:
+        stat = f.read()
+    # the command name (field 2) may hold spaces and parentheses: fields after its last ")"
+    fields = stat[stat.rindex(")") + 2 :].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def cpu_seconds(c: Any) -> dict[str, float]:
     """CPU seconds used so far by the driver (this process, every thread) and by each live
-    rank process of cluster ``c`` (``/proc/PID/schedstat``: nanoseconds on a CPU, every
-    thread; ranks whose file cannot be read are left out, e.g. off Linux). Differences over
-    a cell say how much of one core each process used: a process near 1.0 whose Python is
-    single-threaded (the driver) is a cap on the cell's request rate."""
+    rank process of cluster ``c`` (every thread, :func:`process_cpu_s`; ranks whose file
+    cannot be read are left out, e.g. off Linux). Differences over a cell say how much of one
+    core each process used: a process near 1.0 whose Python threads share one GIL is a cap
+    on the cell's request rate."""
     out = {"driver": time.process_time()}
     for p in c.procs:
         try:
-            with open(f"/proc/{p.proc.pid}/schedstat") as f:
-                out[p.name] = int(f.read().split()[0]) / 1e9
+            out[p.name] = process_cpu_s(p.proc.pid)
         except (OSError, ValueError, IndexError):
             continue
     return out

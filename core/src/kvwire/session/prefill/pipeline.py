@@ -13,12 +13,12 @@ not shared, so it needs no lock.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
+from collections.abc import Iterator
 from concurrent.futures import Future
-from contextlib import AbstractContextManager
-from dataclasses import dataclass
 from typing import Any
 
 from kvwire.backend import Note, PreparedPair, TransferHandle, XferOp, XferState
@@ -32,7 +32,14 @@ from kvwire.session.prefill import late_sums, posting
 from kvwire.session.prefill.groups import GROUPS_TABLE, group_rows, state_note
 from kvwire.session.prefill.layerwise import LayerPosting
 from kvwire.session.prefill.pace import PollPace
-from kvwire.session.prefill.posting import PlanRef, SegmentPost, Tail, WorkerSide, summed_pieces
+from kvwire.session.prefill.posting import (
+    PlanRef,
+    Posted,
+    SegmentPost,
+    Tail,
+    WorkerSide,
+    summed_pieces,
+)
 from kvwire.session.prefill.rooms import Job, SendRoom
 from kvwire.staging.base import ChunkPlan, LocalCopy, Segment
 
@@ -51,31 +58,6 @@ EVENT_IDLE_S = 0.005
 STAGING_IDLE_S = 0.001
 
 
-@dataclass(eq=False)
-class _Posted:
-    """One transfer (or one segment of a chunk) in flight."""
-
-    handle: TransferHandle
-    key: tuple[int, str]
-    room: SendRoom
-    ref: PlanRef | None
-    t_start: float
-    t_posted: float
-    t_enqueued: float | None
-    deadline: float
-    what: str
-    #: A copy the strategy runs itself; decode hears of it through ``note`` on the control
-    #: channel once it is done (backend transfers carry their note themselves).
-    copy: LocalCopy | None = None
-    note: ChunkNote | None = None
-    endpoint: str = ""
-    #: The request was failed for this copy's deadline; it is still polled to the end, because
-    #: decode may reuse the pages only when nothing writes them any more.
-    overdue: bool = False
-    #: Accounted as a transfer once done (not a chunk's sums part, which moves no bytes).
-    counted: bool = True
-
-
 class Pipeline:
     """Posts chunk transfers, polls them, and finishes each destination in order.
 
@@ -92,12 +74,16 @@ class Pipeline:
         self.evented = ctx.backend.pushes_events
         #: Posts layer-wise chunks group by group through this pipeline's primitives.
         self.layers = LayerPosting(self, index, ctx.options.transfer_timeout_s)
-        self.posted: list[_Posted] = []
+        self.posted: list[Posted] = []
         self.tails: dict[tuple[int, str], Tail] = {}
         #: Set by a layer-wise chunk's gate when the engine marks layers (see :meth:`idle`).
         self.wake = threading.Event()
         #: When to poll unannounced writes first (:mod:`~kvwire.session.prefill.pace`).
         self.pace = PollPace()
+        #: Requests a write of which this turn posted (marked ``turn_end`` when it ends;
+        #: none kept outside a turn: the synchronous mode has no turns).
+        self._posted_rooms: list[SendRoom] = []
+        self._in_turn = False
 
     @property
     def busy(self) -> bool:
@@ -285,11 +271,23 @@ class Pipeline:
                 moved += 1
         return moved
 
-    def turn(self) -> AbstractContextManager[None]:
+    @contextlib.contextmanager
+    def turn(self) -> Iterator[None]:
         """Worker thread, around one turn of its loop: the backend may hold the turn's
         submits and post them together when it ends (:meth:`TransferBackend.post_batch
-        <kvwire.backend.TransferBackend.post_batch>`)."""
-        return self.ctx.backend.post_batch()
+        <kvwire.backend.TransferBackend.post_batch>`). A request whose write the turn posted
+        is marked ``turn_end`` once it ended (a held write was launched by then)."""
+        self._in_turn = True
+        try:
+            with self.ctx.backend.post_batch():
+                yield
+        finally:
+            self._in_turn = False
+            if self._posted_rooms:
+                now = time.perf_counter()
+                for room in self._posted_rooms:
+                    room.metrics.marks["turn_end"] = now
+                self._posted_rooms.clear()
 
     def idle(self, sleep_s: float) -> None:
         """Worker thread, when :meth:`progress` moved nothing: sleep ``sleep_s``; or, when
@@ -373,7 +371,7 @@ class Pipeline:
         session = self.ctx.session
         handle = TransferHandle(-1, session, XferOp.WRITE, copy.num_rows, copy.nbytes)
         self._track(
-            _Posted(
+            Posted(
                 handle,
                 key,
                 tail.room,
@@ -391,7 +389,7 @@ class Pipeline:
             tail,
         )
 
-    def _track(self, p: _Posted, tail: Tail) -> None:
+    def _track(self, p: Posted, tail: Tail) -> None:
         self.posted.append(p)
         tail.inflight += 1
         self.side.writes_posted(p.key[0], p.key[1], +1)
@@ -411,13 +409,15 @@ class Pipeline:
         # stamped before the submit: a backend that sends on its own thread may have the note
         # handled on decode before the call returns (stage marks must stay in causal order)
         tail.room.metrics.marks["posted"] = time.perf_counter()
+        if self._in_turn:
+            self._posted_rooms.append(tail.room)
         handle = posting.submit_rows(self.ctx.backend, pair, rows, note, self.wake.set)
         deadline = time.monotonic() + self.ctx.options.transfer_timeout_s
         now = time.perf_counter()
-        self._track(_Posted(handle, key, tail.room, ref, t_start, now, t_enqueued, deadline, what),
+        self._track(Posted(handle, key, tail.room, ref, t_start, now, t_enqueued, deadline, what),
                     tail)  # fmt: skip
 
-    def _copy_state(self, p: _Posted) -> XferState:
+    def _copy_state(self, p: Posted) -> XferState:
         assert p.copy is not None
         try:
             if p.copy.done():
@@ -440,7 +440,7 @@ class Pipeline:
             )
         return XferState.PENDING
 
-    def _state(self, p: _Posted) -> XferState:
+    def _state(self, p: Posted) -> XferState:
         if p.copy is not None:
             return self._copy_state(p)
         state = self.ctx.backend.poll(p.handle)
@@ -455,7 +455,7 @@ class Pipeline:
             return XferState.FAILED
         return XferState.PENDING
 
-    def _complete(self, p: _Posted, state: XferState) -> None:
+    def _complete(self, p: Posted, state: XferState) -> None:
         ctx, h = self.ctx, p.handle
         t_done = time.perf_counter()
         if p.copy is None:

@@ -36,7 +36,7 @@ from kvwire.session.layers import LayeredChunk
 from kvwire.session.metrics import ChunkDone
 from kvwire.session.prefill.links import PoolLink
 from kvwire.session.prefill.rooms import Dest, Job, SendRoom
-from kvwire.staging.base import ChunkPlan, Segment, StagingStrategy
+from kvwire.staging.base import ChunkPlan, LocalCopy, Segment, StagingStrategy
 
 if TYPE_CHECKING:
     from kvwire.session.checksums import SentSums
@@ -94,6 +94,31 @@ class Tail:
     def key(self) -> tuple[int, str]:
         """The worker's key of this tail: (room, destination session)."""
         return (self.room.room, self.dest.session)
+
+
+@dataclass(eq=False)
+class Posted:
+    """One transfer (or one segment of a chunk) a prefill worker's pipeline has in flight."""
+
+    handle: TransferHandle
+    key: tuple[int, str]
+    room: SendRoom
+    ref: PlanRef | None
+    t_start: float
+    t_posted: float
+    t_enqueued: float | None
+    deadline: float
+    what: str
+    #: A copy the strategy runs itself; decode hears of it through ``note`` on the control
+    #: channel once it is done (backend transfers carry their note themselves).
+    copy: LocalCopy | None = None
+    note: ChunkNote | None = None
+    endpoint: str = ""
+    #: The request was failed for this copy's deadline; it is still polled to the end, because
+    #: decode may reuse the pages only when nothing writes them any more.
+    overdue: bool = False
+    #: Accounted as a transfer once done (not a chunk's sums part, which moves no bytes).
+    counted: bool = True
 
 
 @dataclass(frozen=True)

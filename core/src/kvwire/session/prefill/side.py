@@ -374,6 +374,8 @@ class PrefillSide(Side[SendRoom]):
         layers are computed after this call and marked with :meth:`layer_ready`
         (:mod:`kvwire.session.layers`)."""
         ctx = self.ctx
+        if last:
+            room.metrics.marks["sent"] = time.perf_counter()
         with self.rooms.lock:
             status = self.rooms.status.get(room.room, KVPoll.Failed)
             if status is KVPoll.Success:
