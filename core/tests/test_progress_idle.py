@@ -53,7 +53,7 @@ def test_the_first_room_wakes_the_progress_thread(
 ) -> None:
     """With the idle tick made an hour long, a new room still gets a turn: its creation woke
     the loop (without the wake-up the next turn would be an hour away), and while the room
-    lives the loop ticks at PUSHED_TICK_S (tcp pushes events) again."""
+    lives the loop ticks at CONTROL_TICK_S again."""
     mgr, turns = prefill
     monkeypatch.setattr(manager_mod, "IDLE_TICK_S", 3600.0)
     mgr.ctx.wake.set()  # let the loop take one turn and begin a wait of the new length
@@ -74,22 +74,3 @@ def test_the_first_room_wakes_the_progress_thread(
     while len(turns) < settled + 5 and time.monotonic() < deadline:
         time.sleep(0.01)
     assert len(turns) >= settled + 5, "the new room did not wake the progress thread"
-
-
-def test_a_busy_rank_on_a_pushing_backend_ticks_at_the_pushed_period(
-    prefill: tuple[KVManager, list[float]],
-) -> None:
-    """A live room on a backend that pushes events (tcp): the loop's period serves only its
-    timers (notifications and chores wake it), so at most one turn per PUSHED_TICK_S plus
-    wake-ups, where the 1 ms period gave ~5x more (a loaded host only makes turns rarer)."""
-    mgr, turns = prefill
-    assert mgr.ctx.backend.pushes_events
-    if mgr.role is Role.PREFILL:
-        mgr.sender(7)
-    else:
-        mgr.side.create_room(7, "127.0.0.1:1")  # type: ignore[call-arg]
-    time.sleep(0.1)
-    start = len(turns)
-    time.sleep(0.6)
-    busy = len(turns) - start
-    assert 0 < busy <= 0.6 / manager_mod.PUSHED_TICK_S + 20, f"{busy} turns in 0.6 s"

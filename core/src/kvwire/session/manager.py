@@ -70,13 +70,6 @@ CONTROL_TICK_BUSY_S = 0.0002
 #: pushes events, and the first new room wakes it (the sides' ``create_room``). At 1 ms an
 #: idle manager cost 1.5% of a core on its progress thread alone (the development VM).
 IDLE_TICK_S = 0.02
-#: The progress thread's period while the rank has rooms, on a backend that pushes events
-#: (a notification and a chore wake it at once, so the period serves only its timers:
-#: deadlines, checked every :data:`DEADLINE_TICK_S` anyway, and the strategies' retries and
-#: announcements, 0.2 s and more). At 1 ms the wake-ups cost a prefill rank ~0.07 ms of
-#: CPU a request at 16 MiB C=8 over ``cudaipc`` (one H200, ``scripts/phase_probe.py``), in a
-#: process whose one GIL is what bounds that cell (docs/benchmarks.md, "Session 35").
-PUSHED_TICK_S = 0.005
 #: Least time between two walks of the progress thread's timers (the sides' deadlines, which
 #: are seconds long) and between two checks of the liveness thread's peers (silence and closed
 #: connections, also seconds): a turn that a notification or a message woke should cost a
@@ -512,10 +505,10 @@ class KVManager:
         every :data:`CONTROL_TICK_S`).
 
         Between turns: with a backend that :attr:`~kvwire.backend.TransferBackend.pushes_events`
-        it sleeps until a notification is queued (or a chore, or :data:`PUSHED_TICK_S`);
+        it sleeps until a notification is queued (or a chore, or :data:`CONTROL_TICK_S`);
         with one that must be polled, :data:`CONTROL_TICK_BUSY_S` while a request waits on
-        data, :data:`CONTROL_TICK_S` otherwise; :data:`IDLE_TICK_S` whatever the backend
-        while the rank has no room (the first one wakes it)."""
+        data, :data:`CONTROL_TICK_S` otherwise; :data:`IDLE_TICK_S` instead of
+        :data:`CONTROL_TICK_S` while the rank has no room (the first one wakes it)."""
         ctx, side = self.ctx, self.side
         backend, wake = ctx.backend, ctx.wake
         try:
@@ -540,12 +533,8 @@ class KVManager:
             if not backend.pushes_events and (not self._awaiting or now >= self._next_await):
                 self._awaiting = side.awaiting_data()
                 self._next_await = now + CONTROL_TICK_S
-            if not len(self.rooms):
-                wake.wait(IDLE_TICK_S)
-            elif backend.pushes_events:
-                wake.wait(PUSHED_TICK_S)
-            elif not self._awaiting:
-                wake.wait(CONTROL_TICK_S)
+            if backend.pushes_events or not self._awaiting:
+                wake.wait(CONTROL_TICK_S if len(self.rooms) else IDLE_TICK_S)
             else:
                 wake.wait(CONTROL_TICK_BUSY_S)
         except Exception:
