@@ -78,13 +78,39 @@ _acc: dict[tuple[str, str], list[float]] = defaultdict(lambda: [0, 0.0, 0.0])
 _state: dict[str, Any] = {"on": False, "pid": 0}
 
 
+def _task_cpu() -> dict[str, float]:
+    """CPU seconds of every thread of this process so far, by name: a Python thread's name,
+    else the kernel's (``comm``: ZeroMQ's I/O threads, the CUDA driver's), with its id."""
+    names = {t.native_id: t.name for t in threading.enumerate()}
+    tick = os.sysconf("SC_CLK_TCK")
+    out: dict[str, float] = {}
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{tid}/stat") as f:
+                stat = f.read()
+        except OSError:
+            continue  # the thread ended
+        comm = stat[stat.index("(") + 1 : stat.rindex(")")]
+        fields = stat[stat.rindex(")") + 2 :].split()
+        name = names.get(int(tid)) or f"{comm}#{tid}"
+        out[name] = out.get(name, 0.0) + (int(fields[11]) + int(fields[12])) / tick
+    return out
+
+
 def _watch() -> None:
-    """A thread of this process: follows the flag file, dumps when it goes away."""
+    """A thread of this process: follows the flag file, dumps when it goes away; reads every
+    thread's CPU when the flag appears and every 0.1 s while it exists (what each used
+    between the first read and the last)."""
     flag = Path(_DIR or "", "on")
     written = time.monotonic()
     while True:
         was, _state["on"] = _state["on"], flag.exists()
         now = time.monotonic()
+        if _state["on"] and not was:
+            _state["cpu0"], _state["t0"] = _task_cpu(), now
+            _state["cpu1"], _state["t1"] = _state["cpu0"], now
+        elif _state["on"] and now - _state["t1"] >= 0.1:  # the last read while on is what
+            _state["cpu1"], _state["t1"] = _task_cpu(), now  # counts (threads end later)
         if (was and not _state["on"]) or (_state["on"] and now - written > 0.5):
             _dump()  # also while on: a rank process may end without running atexit
             written = now
@@ -134,9 +160,13 @@ def _dump() -> None:
     if not _DIR or not _acc:
         return
     rows = [[t, k, *v] for (t, k), v in _acc.items()]
+    cpu0, cpu1 = _state.get("cpu0") or {}, _state.get("cpu1") or {}
+    threads = {n: c - cpu0.get(n, 0.0) for n, c in cpu1.items() if c - cpu0.get(n, 0.0) > 0}
+    span = _state.get("t1", 0.0) - _state.get("t0", 0.0)
     out = Path(_DIR, f"{os.getpid()}.json")
     tmp = out.with_suffix(".tmp")
-    tmp.write_text(json.dumps({"pid": os.getpid(), "argv": sys.argv, "rows": rows}))
+    body = {"pid": os.getpid(), "argv": sys.argv, "rows": rows, "threads": threads, "span": span}
+    tmp.write_text(json.dumps(body))
     os.replace(tmp, out)
 
 
@@ -183,6 +213,12 @@ def report(folder: Path, per: int) -> None:
         for t, k, n, wall, cpu in sorted(d["rows"], key=lambda r: (r[0], -r[3])):
             print(f"{t[:28]:<28} {k:<40} {n / div:>8.2f} {wall * 1e3 / div:>9.3f} "
                   f"{cpu * 1e3 / div:>9.3f} {(wall - cpu) * 1e3 / div:>9.3f}")  # fmt: skip
+        threads, span = d.get("threads") or {}, d.get("span") or 0.0
+        if threads and span > 0:  # clock ticks of 10 ms: a thread under ~0.02 s is noise
+            total = sum(threads.values())
+            print(f"CPU while 'on' ({span:.1f} s): {total / span:.2f} cores; by thread:")
+            for name, c in sorted(threads.items(), key=lambda kv: -kv[1]):
+                print(f"  {c / span:6.3f} cores  {name}")
 
 
 if __name__ == "__main__":
