@@ -79,21 +79,22 @@ _state: dict[str, Any] = {"on": False, "pid": 0}
 
 
 def _task_cpu() -> dict[str, float]:
-    """CPU seconds of every thread of this process so far, by name: a Python thread's name,
-    else the kernel's (``comm``: ZeroMQ's I/O threads, the CUDA driver's), with its id."""
+    """CPU seconds of every thread of this process so far (``/proc/self/task/TID/schedstat``:
+    nanoseconds on a CPU, that thread alone), by name: a Python thread's name, else the
+    kernel's (``comm``: ZeroMQ's I/O threads, the CUDA driver's) with its id."""
     names = {t.native_id: t.name for t in threading.enumerate()}
-    tick = os.sysconf("SC_CLK_TCK")
     out: dict[str, float] = {}
     for tid in os.listdir("/proc/self/task"):
         try:
-            with open(f"/proc/self/task/{tid}/stat") as f:
-                stat = f.read()
-        except OSError:
+            with open(f"/proc/self/task/{tid}/schedstat") as f:
+                ns = int(f.read().split()[0])
+            name = names.get(int(tid))
+            if name is None:
+                with open(f"/proc/self/task/{tid}/comm") as f:
+                    name = f"{f.read().strip()}#{tid}"
+        except (OSError, ValueError, IndexError):
             continue  # the thread ended
-        comm = stat[stat.index("(") + 1 : stat.rindex(")")]
-        fields = stat[stat.rindex(")") + 2 :].split()
-        name = names.get(int(tid)) or f"{comm}#{tid}"
-        out[name] = out.get(name, 0.0) + (int(fields[11]) + int(fields[12])) / tick
+        out[name] = out.get(name, 0.0) + ns / 1e9
     return out
 
 
@@ -194,7 +195,8 @@ class _Finder(importlib.abc.MetaPathFinder):
         return spec
 
 
-#: One call of these per request and process (prefill's send, decode's send_metadata).
+#: One call of these per request and process (prefill's send, decode's send_metadata), where
+#: the engine sends a request's pages in one chunk, as the GPU benches do.
 PER_REQUEST = ("KVSender.send", "KVReceiver.send_metadata")
 
 
@@ -214,7 +216,7 @@ def report(folder: Path, per: int) -> None:
             print(f"{t[:28]:<28} {k:<40} {n / div:>8.2f} {wall * 1e3 / div:>9.3f} "
                   f"{cpu * 1e3 / div:>9.3f} {(wall - cpu) * 1e3 / div:>9.3f}")  # fmt: skip
         threads, span = d.get("threads") or {}, d.get("span") or 0.0
-        if threads and span > 0:  # clock ticks of 10 ms: a thread under ~0.02 s is noise
+        if threads and span > 0:
             total = sum(threads.values())
             print(f"CPU while 'on' ({span:.1f} s): {total / span:.2f} cores; by thread:")
             for name, c in sorted(threads.items(), key=lambda kv: -kv[1]):
