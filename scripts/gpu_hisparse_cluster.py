@@ -37,7 +37,7 @@ from typing import Any
 
 import numpy as np
 
-from kvwire.bench.gpu_engine import gil_option, stage_medians
+from kvwire.bench.gpu_engine import add_gil_args, gil_option, stage_medians
 from kvwire.config import ControlOptions, KVWireConfig, PoolConfig
 from kvwire.layout import ModelSpec
 from kvwire.testing.cluster import Cluster, ClusterSpec, RoomPlan
@@ -204,12 +204,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--requests", type=int, default=32)
     p.add_argument("--concurrency", type=lambda s: [int(x) for x in s.split(",")], default=[1, 4])
     p.add_argument("--timeout", type=float, default=240.0)
-    p.add_argument(
-        "--gil-switch",
-        default="",
-        choices=("", "auto", "always", "never"),
-        help="kvwire's control.gil_switch in the rank processes (default: kvwire's default)",
-    )
+    add_gil_args(p)
     p.add_argument(
         "--engine-step",
         type=float,

@@ -17,10 +17,11 @@ import argparse
 import collections
 import threading
 import time
+from dataclasses import dataclass
 
 import numpy as np
 
-from kvwire.session import KVPoll
+from kvwire.session import KVPoll, KVReceiver, KVSender
 from kvwire.testing.pair import Pair, config
 
 
@@ -37,40 +38,45 @@ def thread_cpu() -> dict[str, float]:
     return out
 
 
+@dataclass
+class _Live:
+    """One request in flight: its two handles, its page slot, whether prefill sent."""
+
+    tx: KVSender
+    rx: KVReceiver
+    slot: int
+    sent: bool = False
+
+
 def run(p: Pair, n: int, conc: int, first_room: int) -> None:
     """``n`` requests of one page, ``conc`` in flight; each Success on both sides."""
-    live: collections.deque[tuple[object, object]] = collections.deque()
-    room, done = first_room, 0
-    free = list(range(conc))
-    slot_of: dict[int, int] = {}
+    live: collections.deque[_Live] = collections.deque()
+    room, done, free = first_room, 0, list(range(conc))
     while done < n:
         while free and room - first_room < n:
-            i = free.pop()
-            r = p.decode.receiver(room, p.addr)
-            r.init()
-            r.send_metadata(np.array([10 + i]), aux_index=i)
-            s = p.prefill.sender(room)
-            slot_of[room] = i
-            live.append((s, r))
+            slot = free.pop()
+            rx = p.decode.receiver(room, p.addr)
+            rx.init()
+            rx.send_metadata(np.array([10 + slot]), aux_index=slot)
+            live.append(_Live(p.prefill.sender(room), rx, slot))
             room += 1
         for _ in range(len(live)):
-            s, r = live.popleft()
-            ss = s.poll()  # type: ignore[attr-defined]
-            if ss == KVPoll.WaitingForInput and not getattr(s, "_sent", False):
-                i = slot_of[s.room]  # type: ignore[attr-defined]
-                s.init(1, aux_index=i)  # type: ignore[attr-defined]
-                s.send(np.array([i]), last=True)  # type: ignore[attr-defined]
-                s._sent = True  # type: ignore[attr-defined]
-            rs = r.poll()  # type: ignore[attr-defined]
+            q = live.popleft()
+            ss = q.tx.poll()
+            if ss == KVPoll.WaitingForInput and not q.sent:
+                q.tx.init(1, aux_index=q.slot)
+                q.tx.send(np.array([q.slot]), last=True)
+                q.sent = True
+            rs = q.rx.poll()
             if KVPoll.Failed in (ss, rs):
-                raise RuntimeError(f"room {s.room} failed")  # type: ignore[attr-defined]
+                raise RuntimeError(f"room {q.tx.room} failed")
             if ss == KVPoll.Success and rs == KVPoll.Success:
-                s.clear()  # type: ignore[attr-defined]
-                r.clear()  # type: ignore[attr-defined]
-                free.append(slot_of.pop(s.room))  # type: ignore[attr-defined]
+                q.tx.clear()
+                q.rx.clear()
+                free.append(q.slot)
                 done += 1
             else:
-                live.append((s, r))
+                live.append(q)
         time.sleep(0.0001)
 
 

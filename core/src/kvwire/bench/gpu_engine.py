@@ -94,17 +94,7 @@ def add_engine_args(
         help="sys.setswitchinterval in the rank processes, in microseconds, as their engine "
         "sets it (default: the interpreter's 5000)",
     )
-    p.add_argument(
-        "--gil-switch",
-        default="",
-        choices=("", "auto", "always", "never"),
-        help="kvwire's control.gil_switch (default: kvwire's default)",
-    )
-    p.add_argument(
-        "--gil-switch-us",
-        default="",
-        help="kvwire's control.gil_switch_interval_us, or 'off' (gil_switch='never')",
-    )
+    add_gil_args(p)
     p.add_argument(
         "--settle-s",
         type=float,
@@ -166,6 +156,22 @@ def stage_medians(results: list[Any]) -> dict[str, float]:
         if vals:
             out[name] = round(1e3 * sorted(vals)[len(vals) // 2], 3)
     return out
+
+
+def add_gil_args(p: argparse.ArgumentParser) -> None:
+    """``--gil-switch`` and ``--gil-switch-us``, kvwire's GIL watch in the rank processes (a
+    GPU bench's parser; :func:`gil_option` turns them into control options)."""
+    p.add_argument(
+        "--gil-switch",
+        default="",
+        choices=("", "auto", "always", "never"),
+        help="kvwire's control.gil_switch (default: kvwire's default)",
+    )
+    p.add_argument(
+        "--gil-switch-us",
+        default="",
+        help="kvwire's control.gil_switch_interval_us, or 'off' (gil_switch='never')",
+    )
 
 
 def gil_option(a: argparse.Namespace) -> dict[str, Any]:
