@@ -5,9 +5,10 @@ per-request handle the engine holds (:class:`KVSender` and :class:`KVReceiver` d
 from __future__ import annotations
 
 import logging
+import operator
 from typing import Any, ClassVar, Generic
 
-from kvwire.errors import TransferError
+from kvwire.errors import ConfigError, TransferError
 from kvwire.session.context import RankContext
 from kvwire.session.metrics import RequestMetrics
 from kvwire.session.poll import KVPoll
@@ -72,6 +73,21 @@ class Side(Generic[R]):
         for room in self.rooms.values():
             if not self.rooms.terminal(room):
                 self._fail(room, TransferError(why, room=room.room))
+
+
+def room_id(room: object) -> int:
+    """Engine thread, creating a request's handle: the engine's room id as a plain ``int``
+    (a NumPy integer is taken; a room travels in notes and messages as it is);
+    :class:`~kvwire.errors.ConfigError` for anything else or a negative id."""
+    try:
+        if isinstance(room, bool):
+            raise TypeError("a bool")
+        value = operator.index(room)  # type: ignore[arg-type]
+    except TypeError:
+        raise ConfigError(f"room must be a non-negative integer, got {room!r}") from None
+    if value < 0:
+        raise ConfigError(f"room must be a non-negative integer, got {room!r}")
+    return value
 
 
 class RequestHandle(Generic[R]):

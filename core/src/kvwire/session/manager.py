@@ -44,6 +44,7 @@ from kvwire.errors import ConfigError
 from kvwire.gil import GilWatch
 from kvwire.layout import KVLayout, MemoryRegion
 from kvwire.session import metrics as m
+from kvwire.session.common import room_id
 from kvwire.session.context import STAMP_ROW_BYTES, RankContext, Role
 from kvwire.session.decode.side import DecodeSide
 from kvwire.session.peers import PeerTable
@@ -204,7 +205,7 @@ class KVManager:
         """Prefill: the sender of request ``room`` (called when the request arrives)."""
         if not isinstance(self.side, PrefillSide):
             raise ConfigError("sender() is for prefill managers; this one is decode")
-        return KVSender(self.side, room)
+        return KVSender(self.side, room_id(room))
 
     def receiver(
         self, room: int, bootstrap_addr: str, prefill_dp_rank: int | None = None
@@ -213,7 +214,7 @@ class KVManager:
         ``bootstrap_addr``; bootstrapping (lookup and handshakes) starts in the background."""
         if not isinstance(self.side, DecodeSide):
             raise ConfigError("receiver() is for decode managers; this one is prefill")
-        return KVReceiver(self.side, room, bootstrap_addr, prefill_dp_rank)
+        return KVReceiver(self.side, room_id(room), bootstrap_addr, prefill_dp_rank)
 
     def room_tables(self) -> dict[str, int]:
         """Sizes of every per-room table (a leak check: all zero once every room is cleared)."""

@@ -31,6 +31,7 @@ from kvwire.session.metrics import ChunkDone
 from kvwire.session.prefill import late_sums, posting
 from kvwire.session.prefill.groups import GROUPS_TABLE, group_rows, state_note
 from kvwire.session.prefill.layerwise import LayerPosting
+from kvwire.session.prefill.notes import NoteFrames
 from kvwire.session.prefill.pace import PollPace
 from kvwire.session.prefill.posting import (
     PlanRef,
@@ -74,6 +75,8 @@ class Pipeline:
         self.evented = ctx.backend.pushes_events
         #: Posts layer-wise chunks group by group through this pipeline's primitives.
         self.layers = LayerPosting(self, index, ctx.options.transfer_timeout_s)
+        #: This worker's note frames (a chunk's only note, an aux row's).
+        self.notes = NoteFrames(ctx.codec, side.sender_id, ctx.session, ctx.layout.model.page_size)
         self.posted: list[Posted] = []
         self.tails: dict[tuple[int, str], Tail] = {}
         #: Set by a layer-wise chunk's gate when the engine marks layers (see :meth:`idle`).
@@ -166,7 +169,14 @@ class Pipeline:
         return out
 
     def post_plan(self, tail: Tail, job: Job, plan: ChunkPlan, t_start: float) -> None:
-        """Post every segment of one chunk, each with its own note (``parts`` of them)."""
+        """Post every segment of one chunk, each with its own note (``parts`` of them); a
+        chunk that moves as one segment of one prepared pair with no checksum (the common
+        case) as :meth:`_post_whole` posts it."""
+        if plan.segments is None and (job.pool != "kv" or job.link.checksums is None):
+            table = job.target.table if plan.table == "kv" else plan.table
+            if table not in job.link.splits:
+                self._post_whole(tail, job, plan, table, t_start)
+                return
         segs = self.segments(job, plan)
         ref = PlanRef(job.target.strategy, plan, job.room.room)
         segs, pieces = summed_pieces(job, plan, segs, self.evented)
@@ -174,6 +184,28 @@ class Pipeline:
         n = len(segs) + late
         post = SegmentPost(tail, job, ref, plan.what, segs, n, 0, t_start, None, pieces, late)
         self.post_segments(post)
+
+    def _post_whole(
+        self, tail: Tail, job: Job, plan: ChunkPlan, table: str, t_start: float
+    ) -> None:
+        """:meth:`post_segments` of a chunk of one segment and part, no checksum: the same
+        write and note (packed by :attr:`notes`), none of the per-part bookkeeping."""
+        pair, room = job.link.pairs.get(table), job.room
+        if pair is None:
+            raise TransferError(f"no prepared table {table!r}", room=room.room)
+        assert job.chunk_id is not None
+        ref = PlanRef(job.target.strategy, plan, room.room)
+        try:
+            aux = posting.carried_aux(self.ctx, tail, job)
+            note = self.notes.chunk(
+                room.room, plan.what, job.chunk_id, job.last, job.span, room.num_pages, aux
+            )
+            seg = plan.segment(table)
+            self._post(tail, tail.key, pair, ref, seg, note, plan.what, t_start, job.t_enqueued)
+        except BaseException:
+            ref.seal(ok=False)  # nothing in flight: the strategy gets its buffer back now
+            raise
+        ref.remaining += 1
 
     def post_segments(self, post: SegmentPost) -> None:
         """Post ``post.segs`` (parts ``first_part...`` of a chunk of ``parts``; the rows of
@@ -347,12 +379,6 @@ class Pipeline:
                 time.sleep(poll_sleep_s)
 
     # --------------------------------------------------------------- internals
-    def _note(self, room: int, what: str, chunk_id: int = 0, last: bool = False) -> bytes:
-        ctx = self.ctx
-        note = ChunkNote(room=room, sender_id=self.side.sender_id, session=ctx.session,
-                         what=what, chunk_id=chunk_id, last=last)  # type: ignore[arg-type]  # fmt: skip
-        return ctx.codec.encode(note)
-
     def _post_copy(
         self,
         tail: Tail,
@@ -474,7 +500,13 @@ class Pipeline:
         tail = self.tails.get(p.key)
         if tail is not None:
             tail.inflight -= 1
-        self.side.writes_posted(p.key[0], p.key[1], -1)
+        done = None
+        if state is XferState.DONE and p.counted:
+            if p.copy is None and not h.pushes:
+                self.pace.ended(h.num_bytes, t_done - p.t_posted)
+            p.room.metrics.marks["done"] = t_done
+            done = ChunkDone(h.num_bytes, h.num_descs, p.t_start, p.t_posted, t_done, p.t_enqueued)
+        live = self.side.ended(p.room, p.key[1], done)  # no longer in flight, accounted
         if state is not XferState.DONE:
             m.chunk_failed(ctx.labels)
             self._failed(
@@ -487,24 +519,20 @@ class Pipeline:
                 ),
                 p.what,
             )
-        elif p.counted:
-            if p.copy is None and not h.pushes:
-                self.pace.ended(h.num_bytes, t_done - p.t_posted)
-            p.room.metrics.marks["done"] = t_done
-            done = ChunkDone(h.num_bytes, h.num_descs, p.t_start, p.t_posted, t_done, p.t_enqueued)
-            self.side.record(p.room, done)
-        if tail is not None and self.side.is_dead(p.room):
+            live = False
+        if tail is not None and not live:
             self._drop(p.key, tail)
             return
-        self._finish_tail(p.key)
+        self._finish_tail(p.key, live)
 
-    def _finish_tail(self, key: tuple[int, str]) -> None:
+    def _finish_tail(self, key: tuple[int, str], live: bool = False) -> None:
         """After the last job: marker, aux row, then done once nothing is in flight.
 
         The aux row of a tail whose last chunk carried KV is posted as soon as that chunk is
         posted, concurrently with it (unless it rode in the chunk's note): decode counts the
         KV notes and the aux note in any order, and the request saves a completion poll and a
-        round trip. Otherwise (the last chunk moved no KV) it waits for every chunk."""
+        round trip. Otherwise (the last chunk moved no KV) it waits for every chunk. ``live``:
+        the caller just found the request live (not asked again)."""
         tail = self.tails.get(key)
         if tail is None or tail.last is None:
             return
@@ -512,7 +540,7 @@ class Pipeline:
         early = job.chunk_id is not None
         if tail.inflight and (tail.aux_posted or not early):
             return
-        if self.side.is_dead(room):
+        if not live and self.side.is_dead(room):
             self._drop(key, tail)
             return
         if not tail.groups_done:
@@ -547,7 +575,7 @@ class Pipeline:
                         aux_pair,
                         None,
                         rows,
-                        self._note(room.room, "aux"),
+                        self.notes.plain(room.room, "aux"),
                         "aux",
                         time.perf_counter(),
                         None,

@@ -198,11 +198,12 @@ class WorkerSide(Protocol):
     def fail(self, room: SendRoom, exc: BaseException) -> None:
         """Fail the request (once) and tell its destinations."""
 
-    def record(self, room: SendRoom, done: ChunkDone) -> None:
-        """Account a completed transfer."""
-
     def writes_posted(self, room: int, dest: str, delta: int) -> None:
         """Count writes in flight per (request, destination)."""
+
+    def ended(self, room: SendRoom, dest: str, done: ChunkDone | None) -> bool:
+        """A write to ``dest`` is terminal: no longer in flight, ``done`` accounted (a write
+        that moved bytes and succeeded); whether the request is still live."""
 
     def abandon(self, room: SendRoom, dest: Dest, target: PoolLink) -> None:
         """Nothing more will be written to ``dest`` for this request."""

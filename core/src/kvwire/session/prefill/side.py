@@ -357,9 +357,9 @@ class PrefillSide(Side[SendRoom]):
                 f"aux_index {aux_index} is outside [0, {self.ctx.aux_slots}) (the aux rows "
                 "this manager was built with)"
             )
-        with self.rooms.lock:
-            room.num_pages = num_pages
-            room.aux_index = aux_index
+        with self.rooms.lock:  # plain ints: notes pack them as they are (an engine's NumPy)
+            room.num_pages = int(num_pages)
+            room.aux_index = int(aux_index)
 
     def send(
         self,
@@ -486,11 +486,25 @@ class PrefillSide(Side[SendRoom]):
         with self.rooms.lock:
             return self.rooms.terminal(room) or self.rooms.get(room.room) is not room
 
-    def record(self, room: SendRoom, done: m.ChunkDone) -> None:
-        """Worker thread: account a completed transfer in the request's and process metrics."""
+    def ended(self, room: SendRoom, dest: str, done: m.ChunkDone | None) -> bool:
+        """Worker thread: a write of the request to ``dest`` is terminal. It is no longer in
+        flight (:meth:`writes_posted`), ``done`` (when it moved bytes and succeeded) is
+        accounted in the request's and the process's metrics, and the answer is whether the
+        request is still live (not :meth:`is_dead`): one section of the room lock for the
+        three, as a completion needs them together."""
+        key = (room.room, dest)
         with self.rooms.lock:
-            room.metrics.add_transfer(done)
-        self._metrics.observe(done)
+            n = self.writes_inflight.get(key, 0) - 1
+            if n > 0:
+                self.writes_inflight[key] = n
+            else:
+                self.writes_inflight.pop(key, None)
+            if done is not None:
+                room.metrics.add_transfer(done)
+            live = not self.rooms.terminal(room) and self.rooms.get(room.room) is room
+        if done is not None:
+            self._metrics.observe(done)
+        return live
 
     def _on_writes_query(self, msg: WritesQuery) -> None:
         """Control thread: decode asks whether it may reuse a failed request's pages (or a
