@@ -1,4 +1,5 @@
-"""When a transfer worker first polls a write that no backend event announces.
+"""When a transfer worker first polls a write that no backend event announces, and how an
+idle worker waits (:func:`idle`).
 
 A backend that does not push events (NIXL, Mooncake) is polled by the worker that posted the
 write: after a write, the worker sleeps 20 µs, then twice as long each time nothing moved, up
@@ -18,7 +19,14 @@ lock).
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import threading
+import time
+from collections.abc import Iterable, Sequence
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from kvwire.session.layers import LayerGate
+    from kvwire.session.prefill.posting import Posted
 
 #: The share of a write's expected time the worker waits before its first poll (below 1:
 #: an estimate learnt from a slow write, e.g. the first one's lazy setup, falls by this
@@ -30,6 +38,17 @@ MAX_AHEAD_S = 0.002
 DRIFT = 1.05
 #: Writes shorter than this teach nothing (their time is the calls', not the bytes').
 MIN_BYTES = 1 << 20
+#: An idle worker polls pending CUDA events of layer-wise chunks this often.
+GATE_EVENT_POLL_S = 0.0005
+#: ...and otherwise wakes on a mark, or after this long (to check deadlines).
+GATE_IDLE_S = 0.05
+#: With a backend that pushes events, a worker whose posted writes are all the backend's
+#: waits for a completion (or a new job) this long at most before polling again.
+EVENT_IDLE_S = 0.005
+#: A worker with nothing in flight whose chunks wait for staging space sleeps until the
+#: strategy wakes it (``StagingContext.wake_fn``: a grant or a watermark came), this long at
+#: most (a strategy's retries and deadlines run in its ``plan``).
+STAGING_IDLE_S = 0.001
 
 
 class PollPace:
@@ -58,3 +77,50 @@ class PollPace:
             return 0.0
         due = min((t + LEAD * n * per for t, n in writes if n >= MIN_BYTES), default=now)
         return min(MAX_AHEAD_S, max(0.0, due - now))
+
+
+def idle(
+    posted: Sequence[Posted],
+    gates: list[LayerGate | None],
+    wake: threading.Event,
+    pace: PollPace,
+    sleep_s: float,
+) -> None:
+    """Worker thread, when its pipeline's poll moved nothing (``posted``: its writes in
+    flight; ``gates``: the layer gate of each destination's first waiting job, None for a
+    whole chunk; ``wake``: its pipeline's wake-up): sleep ``sleep_s``; or, when all that
+    waits is layer-wise chunks whose layers are not computed (nothing in flight), until the
+    engine marks a layer (:meth:`LayerGate.watch`), polling pending CUDA events every
+    :data:`GATE_EVENT_POLL_S`. Keeps an idle worker from taking the GIL thousands of times a
+    second while the engine thread launches the forward pass.
+
+    While every write in flight is the backend's and will be announced (its handle
+    ``pushes``: a backend that pushes events, or a backend list's member that does; no copy
+    the strategy runs, no job waiting for staging space) the worker sleeps until one of them
+    ends or a job comes (``wake``, set by the backend and by the pipeline's ``notify``),
+    :data:`EVENT_IDLE_S` at most: no polling timer between a write's completion and its next
+    step. Writes that no event announces are first polled once the earliest could have ended
+    (``pace``; a job or a grant wakes the wait). ``wake`` is cleared after the wait and the
+    caller polls next, so a wake-up that comes in between is not lost."""
+    if posted and not gates and all(p.copy is None and p.handle.pushes for p in posted):
+        wake.wait(EVENT_IDLE_S)
+        wake.clear()
+        return
+    if not posted and gates and all(g is None for g in gates):
+        # every waiting chunk waits for its strategy (staging space): woken by its grant
+        wake.wait(STAGING_IDLE_S)
+        wake.clear()
+        return
+    if posted or not gates or any(g is None for g in gates):
+        unannounced = [(p.t_posted, p.handle.num_bytes) for p in posted
+                       if p.copy is None and not p.handle.pushes]  # fmt: skip
+        ahead = pace.ahead(unannounced, time.perf_counter())
+        if ahead <= sleep_s:
+            time.sleep(sleep_s)
+            return
+        wake.wait(ahead)  # no write can have ended yet; a job or a grant wakes it
+        wake.clear()
+        return
+    events = [g.watch(wake) for g in gates if g is not None]
+    wake.wait(GATE_EVENT_POLL_S if any(events) else GATE_IDLE_S)
+    wake.clear()  # the caller's next progress() reads the gates afresh

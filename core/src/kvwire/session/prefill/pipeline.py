@@ -28,7 +28,7 @@ from kvwire.integrity import LayerSums
 from kvwire.session import metrics as m
 from kvwire.session.context import RankContext
 from kvwire.session.metrics import ChunkDone
-from kvwire.session.prefill import late_sums, posting
+from kvwire.session.prefill import late_sums, pace, posting
 from kvwire.session.prefill.groups import GROUPS_TABLE, group_rows, state_note
 from kvwire.session.prefill.layerwise import LayerPosting
 from kvwire.session.prefill.notes import NoteFrames
@@ -45,18 +45,6 @@ from kvwire.session.prefill.rooms import Job, SendRoom
 from kvwire.staging.base import ChunkPlan, LocalCopy, Segment
 
 logger = logging.getLogger(__name__)
-
-#: An idle worker polls pending CUDA events of layer-wise chunks this often.
-GATE_EVENT_POLL_S = 0.0005
-#: ...and otherwise wakes on a mark, or after this long (to check deadlines).
-GATE_IDLE_S = 0.05
-#: With a backend that pushes events, a worker whose posted writes are all the backend's
-#: waits for a completion (or a new job) this long at most before polling again.
-EVENT_IDLE_S = 0.005
-#: A worker with nothing in flight whose chunks wait for staging space sleeps until the
-#: strategy wakes it (``StagingContext.wake_fn``: a grant or a watermark came), this long at
-#: most (a strategy's retries and deadlines run in its ``plan``).
-STAGING_IDLE_S = 0.001
 
 
 class Pipeline:
@@ -322,51 +310,10 @@ class Pipeline:
                 self._posted_rooms.clear()
 
     def idle(self, sleep_s: float) -> None:
-        """Worker thread, when :meth:`progress` moved nothing: sleep ``sleep_s``; or, when
-        all that waits is layer-wise chunks whose layers are not computed (nothing in
-        flight), until the engine marks a layer (:meth:`LayerGate.watch`), polling pending
-        CUDA events every :data:`GATE_EVENT_POLL_S`. Keeps an idle worker from taking the
-        GIL thousands of times a second while the engine thread launches the forward pass.
-
-        While every write in flight is the backend's and will be announced (its handle
-        ``pushes``: a backend that pushes events, or a backend list's member that does; no
-        copy the strategy runs, no job waiting for staging space) the worker sleeps until
-        one of them ends or a job comes (:attr:`wake`, set by the backend and by
-        :meth:`notify`), :data:`EVENT_IDLE_S` at most: no polling timer between a write's
-        completion and its next step. Writes that no event announces are first polled once
-        the earliest could have ended (:attr:`pace`; a job or a grant wakes the wait).
-        ``wake`` is cleared after the wait and the caller polls next, so a wake-up that
-        comes in between is not lost."""
+        """Worker thread, when :meth:`progress` moved nothing: wait as
+        :func:`~kvwire.session.prefill.pace.idle` says for what is in flight and waiting."""
         gates = [t.queue[0].gate for t in self.tails.values() if t.queue]
-        if (
-            self.posted
-            and not gates
-            and all(p.copy is None and p.handle.pushes for p in self.posted)
-        ):
-            self.wake.wait(EVENT_IDLE_S)
-            self.wake.clear()
-            return
-        if not self.posted and gates and all(g is None for g in gates):
-            # every waiting chunk waits for its strategy (staging space): woken by its grant
-            self.wake.wait(STAGING_IDLE_S)
-            self.wake.clear()
-            return
-        if self.posted or not gates or any(g is None for g in gates):
-            ahead = self.pace.ahead(self._unannounced(), time.perf_counter())
-            if ahead <= sleep_s:
-                time.sleep(sleep_s)
-                return
-            self.wake.wait(ahead)  # no write can have ended yet; a job or a grant wakes it
-            self.wake.clear()
-            return
-        events = [g.watch(self.wake) for g in gates if g is not None]
-        self.wake.wait(GATE_EVENT_POLL_S if any(events) else GATE_IDLE_S)
-        self.wake.clear()  # the caller's next progress() reads the gates afresh
-
-    def _unannounced(self) -> list[tuple[float, int]]:
-        """(posted at, bytes) of the backend's writes in flight that no event announces."""
-        return [(p.t_posted, p.handle.num_bytes) for p in self.posted
-                if p.copy is None and not p.handle.pushes]  # fmt: skip
+        pace.idle(self.posted, gates, self.wake, self.pace, sleep_s)
 
     def notify(self) -> None:
         """Any thread (a job was queued for this worker): end an :meth:`idle` wait now."""
