@@ -177,8 +177,10 @@ def test_bad_pages_and_geometries_are_refused() -> None:
     assert mapper.page_chunk([], []) is None
     chunk = mapper.page_chunk([0, 1], [2, 3])
     assert chunk is not None
+    assert chunk.checked  # the mapper checked its pages: a submit checks only the geometry
     g = chunk.geometry
     bad = PageChunk(g, np.array([0, 1]), np.array([2, SLOTS + 3]))
+    assert not bad.checked  # built by hand: its pages are checked at submit
     with pytest.raises(DescriptorError, match="destination page indices out of range"):
         check_page_chunk(bad, sl, dl)
     with pytest.raises(DescriptorError, match="no page"):

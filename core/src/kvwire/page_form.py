@@ -93,6 +93,10 @@ class PageChunk:
     geometry: PageGeometry
     src_pages: NDArray[np.int64]
     dst_pages: NDArray[np.int64]
+    #: The page lists are ``int64`` arrays of equal, nonzero length already checked against
+    #: the geometry's slots (set by the mapper that built the chunk, which checked them):
+    #: :func:`check_page_chunk` does not check them again.
+    checked: bool = False
 
     @property
     def num_rows(self) -> int:
@@ -102,8 +106,11 @@ class PageChunk:
 
     @property
     def nbytes(self) -> int:
-        """Bytes the chunk moves."""
-        return self.num_rows * self.geometry.n
+        """Bytes the chunk moves (computed once: a submit reads it several times)."""
+        n: int | None = self.__dict__.get("_nbytes")
+        if n is None:
+            n = self.__dict__["_nbytes"] = self.num_rows * self.geometry.n
+        return n
 
     def rows(self) -> tuple[IndexArray, IndexArray]:
         """The rows this chunk stands for, as ``map_chunk`` orders them (vectorised): for a
@@ -149,19 +156,23 @@ def check_page_chunk(
     remote_lens: NDArray[np.uint64],
 ) -> int:
     """A page-form submit's checks (vectorised, cost independent of the chunk's rows): page
-    indices 1-D integers inside both pools, equally many, at least one; the geometry's rows
+    indices 1-D integers inside both pools, equally many, at least one (unless the chunk's
+    mapper checked them: :attr:`PageChunk.checked`); the geometry's rows
     of every buffer pair inside both tables (``local_lens``/``remote_lens``: the prepared
     pair's row lengths) for every slot and piece, and its slot-0 rows ``n`` bytes long on
     both sides (a mapper's table gives every row of a buffer one length).
     Returns the bytes moved; :class:`DescriptorError` naming the first problem. Called by
     :meth:`kvwire.backend.TransferBackend.submit_pages` on the submitting worker's thread."""
     g = chunk.geometry
-    sp = check_indices(chunk.src_pages, g.src_slots, "source page indices", unit="page slots")
-    dp = check_indices(chunk.dst_pages, g.dst_slots, "destination page indices", unit="page slots")
-    if sp.size != dp.size:
-        raise DescriptorError(f"{sp.size} source pages but {dp.size} destination pages")
-    if sp.size == 0:
-        raise DescriptorError("empty transfer: the page lists hold no page")
+    if not chunk.checked:
+        sp = check_indices(chunk.src_pages, g.src_slots, "source page indices", unit="page slots")
+        dp = check_indices(
+            chunk.dst_pages, g.dst_slots, "destination page indices", unit="page slots"
+        )
+        if sp.size != dp.size:
+            raise DescriptorError(f"{sp.size} source pages but {dp.size} destination pages")
+        if sp.size == 0:
+            raise DescriptorError("empty transfer: the page lists hold no page")
     seen = _CHECKED.get(g)
     if seen is not None and seen[0]() is local_lens and seen[1]() is remote_lens:
         return chunk.nbytes  # this link's geometry passed against these very tables

@@ -217,7 +217,10 @@ class IndexMapper(ABC):
             raise DescriptorError(
                 f"{sp.size} source pages but {dp.size} destination pages; pass equal counts"
             )
-        return PageChunk(geometry, sp, dp) if sp.size else None
+        if not sp.size:
+            return None
+        same = (geometry.src_slots, geometry.dst_slots) == (self.src.num_slots, self.dst.num_slots)
+        return PageChunk(geometry, sp, dp, checked=same)  # checked here: not again at submit
 
     @property
     def page_geometry(self) -> PageGeometry | None:

@@ -420,11 +420,13 @@ class CudaIpcBackend(TcpBackend):
         """The follow-up of a transfer without host rows: the notification alone, as a
         message that writes the peer's scratch word (the side channel carries rows)."""
         x.notify_only = True
-        x.follow = (
-            np.array([self._scratch_region.addr], dtype=np.uint64),
-            np.array([st.peer.info.scratch], dtype=np.uint64),
-            np.array([SCRATCH_BYTES], dtype=np.uint64),
-        )
+        if st.note_follow is None:  # the same three numbers for every write of the pair
+            st.note_follow = (
+                np.array([self._scratch_region.addr], dtype=np.uint64),
+                np.array([st.peer.info.scratch], dtype=np.uint64),
+                np.array([SCRATCH_BYTES], dtype=np.uint64),
+            )
+        x.follow = st.note_follow
 
     def _submit_pages(
         self,
@@ -445,10 +447,11 @@ class CudaIpcBackend(TcpBackend):
         if notification is not None:
             self._notify_only(x, st)
         g = chunk.geometry
-        if g not in st.geometries:
+        addrs = st.geometries.get(g)
+        if addrs is None:  # the link's first page write
             check_geometry_addresses(g, st.local_i64, st.remote_addr.astype(np.int64))
-            st.geometries.add(g)
-        src, dst = st.local_i64[g.src_rows], st.remote_mapped[g.dst_rows]
+            addrs = st.geometries[g] = (st.local_i64[g.src_rows], st.remote_mapped[g.dst_rows])
+        src, dst = addrs
         limit, sums = self.options.batch_max_bytes, note_sums(notification)
         if sums is None and chunk.nbytes < limit and self._held.holding():  # with the turn's
             self._held.add(Held(x, st, chunk, src, dst), limit)

@@ -51,8 +51,14 @@ class IpcPair:
     #: Every row of both tables is VRAM (a KV pool pair): a submit gathers three arrays and
     #: launches, with no per-row kind checks or masks.
     all_vram: bool
-    #: Page geometries already checked against these tables (``check_geometry_addresses``).
-    geometries: weakref.WeakSet[PageGeometry] = field(default_factory=weakref.WeakSet)
+    #: Page geometries already checked against these tables (``check_geometry_addresses``),
+    #: each with its buffer pairs' two addresses as the page mover takes them (gathered once).
+    geometries: weakref.WeakKeyDictionary[
+        PageGeometry, tuple[NDArray[np.int64], NDArray[np.int64]]
+    ] = field(default_factory=weakref.WeakKeyDictionary)
+    #: The follow-up of a write without host rows (its note alone, or the scratch word):
+    #: this side's scratch address, the peer's, the length (built once, never changed).
+    note_follow: tuple[NDArray[np.uint64], NDArray[np.uint64], NDArray[np.uint64]] | None = None
 
 
 @dataclass(eq=False)
