@@ -40,6 +40,7 @@ TARGETS: dict[str, tuple[str, ...]] = {
         "Pipeline.idle",
         "Pipeline.plan",
         "Pipeline.post_segments",
+        "Pipeline._post_whole",
         "Pipeline._post",
         "Pipeline._complete",
         "Pipeline._finish_tail",
@@ -63,7 +64,7 @@ TARGETS: dict[str, tuple[str, ...]] = {
         "CudaIpcBackend._poll",
         "CudaIpcBackend._submit_pages",
     ),
-    "kvwire.control.wire": ("Codec.encode", "Codec.decode"),
+    "kvwire.control.wire": ("Codec.encode", "Codec.frame", "Codec.decode"),
     "kvwire.backends.tcp.backend": (
         "TcpBackend._queue_note",
         "TcpBackend._on_local_note",
