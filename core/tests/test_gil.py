@@ -450,3 +450,121 @@ def test_changes_reach_the_callback_and_a_managers_metrics(interval: list[GilWat
         assert got == pytest.approx(250e-6)
         d._gil_changed(100e-6, True)  # what the liveness thread's watch calls on a lowering
         assert REGISTRY.get_sample_value("kvwire_gil_lowerings_total", labels) == 1.0
+
+
+class Split:
+    """A CPU split (:func:`kvwire.gil.python_cpu`) a test moves by hand."""
+
+    def __init__(self) -> None:
+        self.mine = 0.0
+        self.others = 0.0
+
+    def __call__(self) -> tuple[float, float]:
+        return self.mine, self.others
+
+
+def test_late_waits_behind_kvwires_own_threads_keep_the_interval(
+    interval: list[GilWatch],
+) -> None:
+    """Lateness counts as starvation only where threads that are not kvwire's ran at least
+    ENGINE_SHARE of the process's Python meanwhile: behind its own busy transfer worker a
+    lowered interval only makes kvwire's threads preempt each other (session 36: -30% at C=8
+    on two H200s). The window, the busy check and a probe's look are each judged so."""
+    clock, split = Clock(), Split()
+    watch = GilWatch("auto", 100.0, "rank-a", clock=clock, start_probe=no_probe_thread, cpu=split)
+    interval.append(watch)
+
+    def window(mine: float, others: float) -> None:
+        watch.waited(0.02, 0.024)  # the window's first wait reads the split
+        split.mine += mine
+        split.others += others
+        for _ in range(WINDOW - 1):
+            watch.waited(0.02, 0.024)
+
+    window(mine=0.08, others=0.02)  # kvwire's threads ran 80%: not the engine's doing
+    assert not watch.lowered and watch.own_late == 1
+    assert sys.getswitchinterval() == pytest.approx(0.005)
+    window(mine=0.04, others=0.06)  # the engine ran 60%: starved by it
+    assert watch.lowered and watch.lowerings == 1
+    assert sys.getswitchinterval() == pytest.approx(100e-6)
+    # the busy check: a clear fall, but measured while kvwire's own threads ran: probe on
+    clock.now += PROBE_S
+    watch.waited(0.02, 0.02)
+    since = split()
+    split.mine += 0.01
+    assert not watch.busy_check(2 * BUSY_FALL * 100e-6, since) and watch.probing
+    watch.begin_probe()
+    assert sys.getswitchinterval() == pytest.approx(0.005)
+    split.mine += 0.003  # a late look while kvwire's worker ran: not lowered again
+    assert watch.probe_looked(2 * STARVED_S) and watch.probing
+    split.others += 0.01  # a late look after the engine ran most: lowered again
+    assert not watch.probe_looked(2 * STARVED_S)
+    assert watch.lowered and watch.lowerings == 2 and watch.own_late == 3
+
+
+@contextlib.contextmanager
+def named_hog(name: str) -> Iterator[threading.Thread]:
+    """A thread named ``name`` that runs Python without pause while the block runs."""
+    stop = threading.Event()
+
+    def spin() -> None:
+        while not stop.is_set():
+            pass
+
+    t = threading.Thread(target=spin, name=name, daemon=True)
+    t.start()
+    try:
+        yield t
+    finally:
+        stop.set()
+        t.join()
+
+
+def test_the_split_tells_kvwires_threads_from_the_engines() -> None:
+    """python_cpu, for real: a busy thread named as kvwire's threads are adds to kvwire's
+    CPU, one of the engine's to the others'; a kvwire worker thread (its target a kvwire
+    method, whatever its name) counts as kvwire's."""
+    from kvwire.gil import python_cpu
+    from kvwire.session.prefill.workers import TransferWorkers
+
+    for name, mine_grows in (("kvwire-hog", True), ("engine-hog", False)):
+        with named_hog(name):  # read while it lives: an ended thread's CPU is not counted
+            m0, o0 = python_cpu()
+            time.sleep(0.2)
+            m1, o1 = python_cpu()
+        grew = (m1 - m0, o1 - o0)
+        assert (grew[0] > grew[1]) == mine_grows, (name, grew)
+
+    class Idle:  # a stage with nothing to do: its thread blocks on its queue
+        busy = full = False
+
+        def notify(self) -> None:
+            pass
+
+    workers: TransferWorkers[int] = TransferWorkers(1, "rank-x", lambda i: Idle())  # type: ignore[arg-type, return-value]
+    try:
+        (t,) = [t for t in threading.enumerate() if t.name == "rank-x-w0"]
+        assert getattr(t, "_target", None).__module__.startswith("kvwire")
+    finally:
+        workers.stop()
+
+
+def test_a_real_watch_keeps_the_interval_behind_kvwires_busy_thread(
+    interval: list[GilWatch],
+) -> None:
+    """The watch with the real split: late windows while a kvwire thread runs Python without
+    pause leave the interval alone; the same behind an engine's thread lower it."""
+    watch = GilWatch("auto", 100.0, "rank-a", clock=Clock(), start_probe=lambda w: None)
+    interval.append(watch)
+
+    def window() -> None:  # the waits take time, as a liveness thread's do, while hogs run
+        for _ in range(WINDOW):
+            time.sleep(0.01)
+            watch.waited(0.02, 0.02 + 3 * STARVED_S)
+
+    with named_hog("kvwire-hog"):
+        window()
+        assert not watch.lowered and watch.own_late == 1
+    with named_hog("engine-hog"):
+        window()
+        assert watch.lowered

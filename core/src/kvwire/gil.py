@@ -31,6 +31,14 @@ change when nothing holds the GIL), and then the probe is skipped. On two H200s 
 the engine's 5 ms alone still stalled a liveness thread once for 1.3 s in four probes; with
 the check first, two runs behind a busy engine had no stall, and behind a sleeping one the
 probe still put the engine's interval back.
+Lateness is taken for starvation only where threads that are not kvwire's ran at least
+:data:`ENGINE_SHARE` of the process's Python threads' CPU over the span looked at (a window of
+waits, the busy check, a probe's window; :func:`python_cpu`). Behind kvwire's own busy threads
+(a transfer worker at full load, the engine asleep between steps) a lowered interval only
+makes them preempt each other: on two H200s the GPU bench's prefill rank lowered it at C=8
+and moved 16 MiB requests at 19.8 GB/s and 128 MiB at 152 GB/s, against 30.2 and 206 where it
+stayed at 5 ms (docs/benchmarks.md, session 36).
+
 ``"always"`` lowers it when the manager starts, ``"never"`` leaves the interpreter alone.
 
 The interval is process-wide and an engine may run several managers in one process, so one
@@ -55,6 +63,7 @@ logger = logging.getLogger(__name__)
 
 __all__ = [
     "BUSY_FALL",
+    "ENGINE_SHARE",
     "PROBE_MAX_S",
     "PROBE_S",
     "PROBE_TICK_S",
@@ -65,6 +74,7 @@ __all__ = [
     "GilWatch",
     "holders",
     "lower_switch_interval",
+    "python_cpu",
     "release_switch_interval",
 ]
 
@@ -88,6 +98,36 @@ PROBE_TICK_S = 0.002
 BUSY_SAMPLES = 16
 BUSY_SLEEP_S = 0.001
 BUSY_FALL = 0.3
+#: The share of the process's Python threads' CPU that threads not kvwire's must have had over
+#: a span for its lateness to count as starvation (see the module docstring).
+ENGINE_SHARE = 0.5
+
+#: (kvwire's threads' CPU seconds, every other Python thread's), as :func:`python_cpu` reads.
+CpuSplit = tuple[float, float]
+
+
+def python_cpu() -> CpuSplit:
+    """CPU seconds so far of this process's live Python threads: (kvwire's, every other's).
+    A thread is kvwire's when its target was defined in a ``kvwire`` module (the plugins'
+    ``kvwire_*`` too) or its name starts with ``kvwire`` (executor threads, whose target is
+    the executor's). Threads that are not Python's (a driver's, ZeroMQ's I/O) never hold the
+    GIL and are not counted. Where a thread's CPU clock cannot be read (another platform, a
+    thread that just ended) it is left out. Any thread."""
+    mine = others = 0.0
+    for t in threading.enumerate():
+        ident = t.ident
+        if ident is None:
+            continue
+        try:
+            cpu = time.clock_gettime(time.pthread_getcpuclockid(ident))
+        except (AttributeError, OSError, OverflowError, ValueError):
+            continue
+        module = getattr(getattr(t, "_target", None), "__module__", None) or ""
+        if module.startswith("kvwire") or t.name.startswith("kvwire"):
+            mine += cpu
+        else:
+            others += cpu
+    return mine, others
 
 
 class _Interval:
@@ -209,20 +249,27 @@ class GilWatch:
         clock: Callable[[], float] = time.monotonic,
         on_change: Callable[[float, bool], None] | None = None,
         start_probe: Callable[[GilWatch], None] | None = None,
+        cpu: Callable[[], CpuSplit] = python_cpu,
     ) -> None:
         """``on_change(interval_s, lowered)`` is called with the interval in force whenever
         this watch sets it, and once at construction; the manager passes its metrics'
         update. ``start_probe(watch)`` starts a probe (default: a daemon thread running
         :meth:`run_probe`; tests pass one that only calls :meth:`begin_probe` and play the
-        looks with :meth:`probe_looked`)."""
+        looks with :meth:`probe_looked`). ``cpu`` reads the Python threads' CPU split
+        (:func:`python_cpu`; tests pass their own)."""
         self.mode = mode
         self._on_change = on_change or (lambda interval_s, lowered: None)
         self.interval_us = interval_us
         self.agent_name = agent_name
         self._clock = clock
         self._start_probe = start_probe or _probe_thread
+        self._cpu = cpu
         self._lock = threading.Lock()
         self._late: deque[float] = deque(maxlen=WINDOW)
+        #: The CPU split when the window of waits being filled began, and when the probe's
+        #: window at the engine's interval began (None: not read).
+        self._window_cpu: CpuSplit | None = None
+        self._probe_cpu: CpuSplit | None = None
         #: When the interval is lowered: when to look again, and the wait after that.
         self._probe_at: float | None = None
         self._probe_s = PROBE_S
@@ -238,6 +285,9 @@ class GilWatch:
         #: what the watch saw, for rank stats and tests (None before the first window).
         self.windows = 0
         self.last_median_s: float | None = None
+        #: Late windows and looks not taken for starvation: kvwire's own threads ran most
+        #: of the process's Python meanwhile (:data:`ENGINE_SHARE`).
+        self.own_late = 0
         if mode == "always":
             lower_switch_interval(self, interval_us, agent_name, "control.gil_switch='always'")
         self._on_change(sys.getswitchinterval(), False)
@@ -276,6 +326,8 @@ class GilWatch:
                 self._late.clear()
                 start = True
             else:
+                if not self._late:
+                    self._window_cpu = self._cpu()
                 self._late.append(max(0.0, took_s - asked_s))
                 if len(self._late) < WINDOW:
                     return
@@ -283,7 +335,7 @@ class GilWatch:
                 self._late.clear()
                 self.windows += 1
                 self.last_median_s = late
-                if late >= STARVED_S:
+                if late >= STARVED_S and self._engine_ran(self._window_cpu):
                     self._lower(now, late, f"median of {WINDOW}")
         if start:
             self._start_probe(self)
@@ -295,6 +347,7 @@ class GilWatch:
         with self._lock:
             if self._probe_until is not None and not self._closed:
                 self._probe_until = self._clock() + PROBE_WINDOW_S
+                self._probe_cpu = self._cpu()
                 self._on_change(release_switch_interval(self, self.agent_name, None), False)
 
     def probe_looked(self, late_s: float) -> bool:
@@ -305,7 +358,7 @@ class GilWatch:
             if self._probe_until is None or self._closed:
                 return False
             now = self._clock()
-            if late_s >= STARVED_S:
+            if late_s >= STARVED_S and self._engine_ran(self._probe_cpu):
                 self._probe_until = None
                 self._lower(now, late_s, "a probe at the engine's interval")
                 return False
@@ -326,7 +379,8 @@ class GilWatch:
         sleep's return needs the GIL once, so behind a thread that runs Python the first one
         is late by about the engine's switch interval. Skipped when :meth:`busy_check`
         finds a thread running Python without pause."""
-        if self.busy_check(self.measure_fall()):
+        since = self._cpu()
+        if self.busy_check(self.measure_fall(), since):
             return
         self.begin_probe()
         go = True
@@ -361,20 +415,42 @@ class GilWatch:
                 lower_switch_interval(self, interval_us, self.agent_name, None)
             return True
 
-    def busy_check(self, fall_s: float) -> bool:
+    def busy_check(self, fall_s: float, since: CpuSplit | None = None) -> bool:
         """Probe thread, before the engine's interval comes back: with a lateness fall of
         :data:`BUSY_FALL` of the interval or more (:meth:`measure_fall`) a thread runs
-        Python without pause; the probe ends here, the interval held as if a look had come
-        back late. Returns whether it did."""
+        Python without pause; unless that thread was kvwire's own (the CPU split read
+        ``since`` the fall's measure began), the probe ends here, the interval held as if a
+        look had come back late. Returns whether it did."""
         with self._lock:
             if self._probe_until is None or self._closed:
                 return True
-            if fall_s < BUSY_FALL * self.interval_us / 1e6:
+            if fall_s < BUSY_FALL * self.interval_us / 1e6 or not self._engine_ran(since):
                 return False
             self._probe_until = None
             self.probes_skipped += 1
             self._lower(self._clock(), fall_s, "a thread runs Python without pause")
             return True
+
+    def _engine_ran(self, since: CpuSplit | None) -> bool:
+        """Under ``_lock``: whether threads not kvwire's had :data:`ENGINE_SHARE` or more of
+        the Python threads' CPU from ``since`` to now (True where nothing tells: no split
+        read, or no CPU counted); counts it in :attr:`own_late` when not."""
+        if since is None:
+            return True
+        mine, others = self._cpu()
+        # a thread that ended meanwhile took its CPU out of its side's sum: never below 0
+        d_mine, d_others = max(0.0, mine - since[0]), max(0.0, others - since[1])
+        total = d_mine + d_others
+        if total <= 0 or d_others >= ENGINE_SHARE * total:
+            return True
+        self.own_late += 1
+        logger.debug(
+            "%s: kvwire's threads waited, but they ran %.0f%% of the process's Python meanwhile: "
+            "the switch interval stays",
+            self.agent_name,
+            100 * d_mine / total,
+        )
+        return False
 
     def _lower(self, now: float, late: float, seen: str) -> None:
         """Under ``_lock``: starved (``late`` s, as ``seen``): hold the interval lowered until

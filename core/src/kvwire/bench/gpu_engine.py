@@ -200,6 +200,7 @@ def gil_figures(c: Any) -> dict[str, list[float]]:
     return {
         "interval_us": [round(1e6 * s.get("switch_interval_s", 0.0), 1) for s in stats],
         "lowerings": [s.get("gil_lowerings", 0) for s in stats],
+        "own_late": [s.get("gil_own_late", 0) for s in stats],
     }
 
 

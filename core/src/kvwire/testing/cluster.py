@@ -474,7 +474,8 @@ class Cluster:
         (its transport failover metrics) and, for a rank with several backends, ``links``
         (``{engine peer: the backend its next transfer takes}``), ``switch_interval_s`` (the
         process's GIL switch interval now), ``gil_lowerings`` (how often its manager
-        lowered it: :mod:`kvwire.gil`), ``gil_windows`` (windows of idle waits its watch
+        lowered it: :mod:`kvwire.gil`), ``gil_own_late`` (late spans it did not take for
+        starvation: kvwire's own threads ran), ``gil_windows`` (windows of idle waits its watch
         looked at), ``gil_last_median_s`` (the last window's median lateness) and
         ``local_sent``, ``local_left``, ``local_inbound`` (the control channel's local way:
         frames told over it, peers it was left for, connections into this rank's inbox)."""

@@ -435,6 +435,7 @@ def rank_main(
                     stats: dict[str, Any] = {"evictions": evictions(), "peers": len(mgr.peers)}
                     stats["switch_interval_s"] = sys.getswitchinterval()
                     stats["gil_lowerings"] = mgr.gil.lowerings
+                    stats["gil_own_late"] = mgr.gil.own_late
                     stats["gil_windows"] = mgr.gil.windows
                     stats["gil_last_median_s"] = mgr.gil.last_median_s
                     stats.update(transport_switches())
