@@ -18,36 +18,23 @@ backend is ``scripts/worker_cpu_bench.py``'s.
 from __future__ import annotations
 
 import argparse
-import collections
 import threading
 import time
 from typing import Any
 
 import numpy as np
+from worker_cpu_bench import thread_cpu  # scripts/ is first on the path when run as a script
 
 from kvwire.backend import XferOp, XferState
 from kvwire.config import KVWireConfig
 from kvwire.index import EqualTPMapper
-from kvwire.layout import MemKind, MemoryRegion, ModelSpec, RankPosition
+from kvwire.layout import ModelSpec, RankPosition
 from kvwire.selection import create_backend
 from kvwire.staging import ChunkPlan
 from kvwire.testing.kvfill import make_pool
+from kvwire_cudaipc import host_stand_ins
 
 MODEL = ModelSpec(num_layers=32, total_kv_heads=2, head_dim=16, dtype="int32", page_size=4)
-
-
-class _Event:
-    def __init__(self, **kwargs: object) -> None:
-        pass
-
-    def record(self, stream: object) -> None:
-        pass
-
-    def query(self) -> bool:
-        return True
-
-    def synchronize(self) -> None:
-        pass
 
 
 class _Pages:
@@ -65,34 +52,9 @@ class _Pages:
 
 
 def stand_ins() -> _Pages:
-    import torch
-
-    import kvwire_cudaipc.backend as backend_mod
-    from kvwire_cudaipc import _cuda
-
-    _cuda.export = lambda dev, addr: (addr.to_bytes(8, "little") * 8, 0, 1 << 46)
-    _cuda.device_uuid = lambda i: "GPU-stand-in"
-    _cuda.visible_uuids = lambda: {"GPU-stand-in": 0}
     pages = _Pages()
-
-    def ensure(self: Any) -> None:
-        self._pages = pages
-
-    backend_mod.CudaIpcBackend._ensure_gpu = ensure  # type: ignore[method-assign]
-    torch.cuda.Event = _Event  # type: ignore[misc, assignment]
+    host_stand_ins.install(setattr, pages)
     return pages
-
-
-def thread_cpu() -> dict[str, float]:
-    out: dict[str, float] = collections.defaultdict(float)
-    for t in threading.enumerate():
-        if t.ident is None:
-            continue
-        try:
-            out[t.name] += time.clock_gettime(time.pthread_getcpuclockid(t.ident))
-        except OSError:
-            continue
-    return out
 
 
 def main() -> int:
@@ -110,13 +72,9 @@ def main() -> int:
     pre = create_backend(cfg, "prefill", need=())
     dec = create_backend(cfg, "decode", need=())
 
-    def vram(arrs: list[Any]) -> list[MemoryRegion]:
-        return [MemoryRegion.from_pointer(x.ctypes.data, x.nbytes, x[0].nbytes, MemKind.VRAM, 0)
-                for x in arrs]  # fmt: skip
-
     try:
-        pre.register(vram(s_arrays))
-        dec.register(vram(d_arrays))
+        pre.register(host_stand_ins.vram_regions(s_arrays))
+        dec.register(host_stand_ins.vram_regions(d_arrays))
         mapper = EqualTPMapper(src, dst)
         tables = mapper.build_tables()
         pair = pre.prepare(pre.add_peer(dec.local_metadata()), tables.src, tables.dst)

@@ -24,32 +24,16 @@ from kvwire.config import KVWireConfig
 from kvwire.descriptors import ADDR
 from kvwire.errors import DescriptorError
 from kvwire.index import HeadSliceMapper
-from kvwire.layout import MemKind, MemoryRegion, ModelSpec, RankPosition
+from kvwire.layout import ModelSpec, RankPosition
 from kvwire.movers.pool_pages import pool_page_runs
 from kvwire.page_form import PageChunk
 from kvwire.selection import create_backend
 from kvwire.session.prefill.posting import submit_rows
 from kvwire.staging import ChunkPlan
 from kvwire.testing.kvfill import make_pool
-from kvwire_cudaipc import _cuda
+from kvwire_cudaipc import host_stand_ins
 
 MODEL = ModelSpec(num_layers=2, total_kv_heads=4, head_dim=8, dtype="int32", page_size=4)
-
-
-class _Event:
-    """A CUDA event stand-in: the stand-in movers finish synchronously."""
-
-    def __init__(self, **kwargs: object) -> None:
-        pass
-
-    def record(self, stream: object) -> None:
-        pass
-
-    def query(self) -> bool:
-        return True
-
-    def synchronize(self) -> None:
-        pass
 
 
 class _Pages:
@@ -93,30 +77,13 @@ def _wait(pred: Any) -> bool:
 
 def _stand_ins(monkeypatch: pytest.MonkeyPatch) -> _Pages:
     """cudaipc's CUDA calls replaced by host stand-ins; the page mover's stand-in returned."""
-    import kvwire_cudaipc.backend as backend_mod
-
-    torch = pytest.importorskip("torch")
-    monkeypatch.setattr(
-        _cuda, "export", lambda dev, addr: (addr.to_bytes(8, "little") * 8, 0, 1 << 46)
-    )
-    monkeypatch.setattr(_cuda, "device_uuid", lambda i: "GPU-stand-in")
-    monkeypatch.setattr(_cuda, "visible_uuids", lambda: {"GPU-stand-in": 0})
+    pytest.importorskip("torch")
     pages = _Pages()
-
-    def ensure(self: backend_mod.CudaIpcBackend) -> None:
-        self._pages = pages
-
-    monkeypatch.setattr(backend_mod.CudaIpcBackend, "_ensure_gpu", ensure)
-    monkeypatch.setattr(torch.cuda, "Event", _Event)
+    host_stand_ins.install(monkeypatch.setattr, pages)
     return pages
 
 
-def _vram(arrays: list[np.ndarray]) -> list[MemoryRegion]:
-    """Host arrays registered as VRAM regions (device 0)."""
-    return [
-        MemoryRegion.from_pointer(a.ctypes.data, a.nbytes, a[0].nbytes, MemKind.VRAM, 0)
-        for a in arrays
-    ]
+_vram = host_stand_ins.vram_regions
 
 
 def test_page_write_is_one_page_mover_call(monkeypatch: pytest.MonkeyPatch) -> None:
