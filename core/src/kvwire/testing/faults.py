@@ -271,22 +271,31 @@ def _slow_pushes(role: str) -> None:
 
     from kvwire.session.prefill.pipeline import Pipeline
     from kvwire.session.prefill.posting import SegmentPost
+    from kvwire.session.prefill.rooms import Job
 
     flag = os.environ.get(SLOW_FLAG_ENV)
-    original = Pipeline.post_segments
+    segments, whole = Pipeline.post_segments, Pipeline._post_whole
 
-    def slow(self: Pipeline, post: SegmentPost) -> None:
-        job = post.job
-        if job.pool == "kv" and post.first_part == 0 and (flag is None or os.path.exists(flag)):
+    def wait(job: Job) -> None:
+        if job.pool == "kv" and (flag is None or os.path.exists(flag)):
             time.sleep(SLOW_PUSH_S)
             print(
                 f"kvwire fault slow_pushes: posting chunk {job.chunk_id} of room {job.room.room}",
                 file=sys.stderr,
                 flush=True,
             )
-        original(self, post)
 
-    Pipeline.post_segments = slow  # type: ignore[method-assign]
+    def slow_segments(self: Pipeline, post: SegmentPost) -> None:
+        if post.first_part == 0:
+            wait(post.job)
+        segments(self, post)
+
+    def slow_whole(self: Pipeline, tail: Any, job: Job, plan: Any, table: str, t: float) -> None:
+        wait(job)  # a chunk of one segment, posted whole (Pipeline.post_plan's lean path)
+        whole(self, tail, job, plan, table, t)
+
+    Pipeline.post_segments = slow_segments  # type: ignore[method-assign]
+    Pipeline._post_whole = slow_whole  # type: ignore[method-assign]
 
 
 FAULTS = {

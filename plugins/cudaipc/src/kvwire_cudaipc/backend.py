@@ -351,6 +351,10 @@ class CudaIpcBackend(TcpBackend):
             local_i64=local[:, ADDR].astype(np.int64),
             lens_i64=local[:, LEN].astype(np.int64),
             all_vram=bool(lk.all() and rk.all()),
+            note_follow=tuple(  # type: ignore[arg-type]
+                np.array([a], dtype=np.uint64)
+                for a in (self._scratch_region.addr, peer.info.scratch, SCRATCH_BYTES)
+            ),
         )
 
     def _ensure_gpu(self) -> None:
@@ -420,13 +424,7 @@ class CudaIpcBackend(TcpBackend):
         """The follow-up of a transfer without host rows: the notification alone, as a
         message that writes the peer's scratch word (the side channel carries rows)."""
         x.notify_only = True
-        if st.note_follow is None:  # the same three numbers for every write of the pair
-            st.note_follow = (
-                np.array([self._scratch_region.addr], dtype=np.uint64),
-                np.array([st.peer.info.scratch], dtype=np.uint64),
-                np.array([SCRATCH_BYTES], dtype=np.uint64),
-            )
-        x.follow = st.note_follow
+        x.follow = st.note_follow  # the same three numbers for every write of the pair
 
     def _submit_pages(
         self,

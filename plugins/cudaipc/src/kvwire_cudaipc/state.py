@@ -19,6 +19,9 @@ from kvwire.backends.tcp.outbound import OutboundTransfer
 from kvwire.page_form import PageGeometry
 from kvwire_cudaipc.meta import PeerInfo
 
+#: An empty address or length column (a pair's ``note_follow`` until prepare sets it).
+_NO_ROWS: NDArray[np.uint64] = np.zeros(0, dtype=np.uint64)
+
 
 @dataclass(eq=False)
 class IpcPeer:
@@ -57,8 +60,12 @@ class IpcPair:
         PageGeometry, tuple[NDArray[np.int64], NDArray[np.int64]]
     ] = field(default_factory=weakref.WeakKeyDictionary)
     #: The follow-up of a write without host rows (its note alone, or the scratch word):
-    #: this side's scratch address, the peer's, the length (built once, never changed).
-    note_follow: tuple[NDArray[np.uint64], NDArray[np.uint64], NDArray[np.uint64]] | None = None
+    #: this side's scratch address, the peer's, the length (built at prepare, never changed).
+    note_follow: tuple[NDArray[np.uint64], NDArray[np.uint64], NDArray[np.uint64]] = (
+        _NO_ROWS,
+        _NO_ROWS,
+        _NO_ROWS,
+    )
 
 
 @dataclass(eq=False)
