@@ -270,8 +270,9 @@ def _slow_pushes(role: str) -> None:
     import sys
 
     from kvwire.session.prefill.pipeline import Pipeline
-    from kvwire.session.prefill.posting import SegmentPost
+    from kvwire.session.prefill.posting import SegmentPost, Tail
     from kvwire.session.prefill.rooms import Job
+    from kvwire.staging.base import ChunkPlan
 
     flag = os.environ.get(SLOW_FLAG_ENV)
     segments, whole = Pipeline.post_segments, Pipeline._post_whole
@@ -290,9 +291,11 @@ def _slow_pushes(role: str) -> None:
             wait(post.job)
         segments(self, post)
 
-    def slow_whole(self: Pipeline, tail: Any, job: Job, plan: Any, table: str, t: float) -> None:
+    def slow_whole(
+        self: Pipeline, tail: Tail, job: Job, plan: ChunkPlan, table: str, t_start: float
+    ) -> None:
         wait(job)  # a chunk of one segment, posted whole (Pipeline.post_plan's lean path)
-        whole(self, tail, job, plan, table, t)
+        whole(self, tail, job, plan, table, t_start)
 
     Pipeline.post_segments = slow_segments  # type: ignore[method-assign]
     Pipeline._post_whole = slow_whole  # type: ignore[method-assign]
