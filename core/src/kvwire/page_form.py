@@ -26,6 +26,7 @@ so prefill sums its source rows and decode its landed rows without expanding the
 
 from __future__ import annotations
 
+import functools
 import weakref
 from dataclasses import dataclass
 from typing import Any
@@ -104,13 +105,10 @@ class PageChunk:
         g = self.geometry
         return g.num_pairs * int(self.src_pages.size) * g.pieces
 
-    @property
+    @functools.cached_property
     def nbytes(self) -> int:
         """Bytes the chunk moves (computed once: a submit reads it several times)."""
-        n: int | None = self.__dict__.get("_nbytes")
-        if n is None:
-            n = self.__dict__["_nbytes"] = self.num_rows * self.geometry.n
-        return n
+        return self.num_rows * self.geometry.n
 
     def rows(self) -> tuple[IndexArray, IndexArray]:
         """The rows this chunk stands for, as ``map_chunk`` orders them (vectorised): for a

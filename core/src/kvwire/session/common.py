@@ -80,12 +80,10 @@ def room_id(room: object) -> int:
     (a NumPy integer is taken; a room travels in notes and messages as it is);
     :class:`~kvwire.errors.ConfigError` for anything else or a negative id."""
     try:
-        if isinstance(room, bool):
-            raise TypeError("a bool")
         value = operator.index(room)  # type: ignore[arg-type]
     except TypeError:
-        raise ConfigError(f"room must be a non-negative integer, got {room!r}") from None
-    if value < 0:
+        value = -1
+    if value < 0 or isinstance(room, bool):
         raise ConfigError(f"room must be a non-negative integer, got {room!r}")
     return value
 

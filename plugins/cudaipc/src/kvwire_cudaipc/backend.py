@@ -80,7 +80,7 @@ from kvwire_cudaipc.batch import Held, HeldWrites, launch_held
 from kvwire_cudaipc.copies import copy_runs, takes_copy_engine
 from kvwire_cudaipc.meta import IpcExport, PeerInfo, parse_peer
 from kvwire_cudaipc.options import CudaIpcOptions
-from kvwire_cudaipc.state import IpcPair, IpcPeer, IpcXfer
+from kvwire_cudaipc.state import IpcPair, IpcPeer, IpcXfer, one_row
 from kvwire_cudaipc.sums import page_enqueue
 from kvwire_cudaipc.watcher import KernelWatcher
 
@@ -351,10 +351,7 @@ class CudaIpcBackend(TcpBackend):
             local_i64=local[:, ADDR].astype(np.int64),
             lens_i64=local[:, LEN].astype(np.int64),
             all_vram=bool(lk.all() and rk.all()),
-            note_follow=tuple(  # type: ignore[arg-type]
-                np.array([a], dtype=np.uint64)
-                for a in (self._scratch_region.addr, peer.info.scratch, SCRATCH_BYTES)
-            ),
+            note_follow=one_row(self._scratch_region.addr, peer.info.scratch, SCRATCH_BYTES),
         )
 
     def _ensure_gpu(self) -> None:

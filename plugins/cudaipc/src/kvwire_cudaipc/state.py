@@ -19,8 +19,14 @@ from kvwire.backends.tcp.outbound import OutboundTransfer
 from kvwire.page_form import PageGeometry
 from kvwire_cudaipc.meta import PeerInfo
 
-#: An empty address or length column (a pair's ``note_follow`` until prepare sets it).
-_NO_ROWS: NDArray[np.uint64] = np.zeros(0, dtype=np.uint64)
+#: Rows moved over the side channel after a launch: local addresses, remote addresses, lengths.
+Follow = tuple[NDArray[np.uint64], NDArray[np.uint64], NDArray[np.uint64]]
+
+
+def one_row(local_addr: int, remote_addr: int, nbytes: int) -> Follow:
+    """A follow-up of one row (the control path, once per prepared pair: its note-only one)."""
+    local, remote, n = (np.array([v], dtype=np.uint64) for v in (local_addr, remote_addr, nbytes))
+    return local, remote, n
 
 
 @dataclass(eq=False)
@@ -54,18 +60,14 @@ class IpcPair:
     #: Every row of both tables is VRAM (a KV pool pair): a submit gathers three arrays and
     #: launches, with no per-row kind checks or masks.
     all_vram: bool
+    #: The follow-up of a write without host rows (its note alone, or the scratch word):
+    #: this side's scratch address, the peer's, the length (built at prepare, never changed).
+    note_follow: Follow
     #: Page geometries already checked against these tables (``check_geometry_addresses``),
     #: each with its buffer pairs' two addresses as the page mover takes them (gathered once).
     geometries: weakref.WeakKeyDictionary[
         PageGeometry, tuple[NDArray[np.int64], NDArray[np.int64]]
     ] = field(default_factory=weakref.WeakKeyDictionary)
-    #: The follow-up of a write without host rows (its note alone, or the scratch word):
-    #: this side's scratch address, the peer's, the length (built at prepare, never changed).
-    note_follow: tuple[NDArray[np.uint64], NDArray[np.uint64], NDArray[np.uint64]] = (
-        _NO_ROWS,
-        _NO_ROWS,
-        _NO_ROWS,
-    )
 
 
 @dataclass(eq=False)
@@ -75,7 +77,7 @@ class IpcXfer:
     peer: IpcPeer
     event: Any = None
     #: Host rows and notification, posted over the side channel once ``event`` completed.
-    follow: tuple[NDArray[np.uint64], NDArray[np.uint64], NDArray[np.uint64]] | None = None
+    follow: Follow | None = None
     notification: Note | None = None
     #: The follow-up carries the notification alone (VRAM rows only): the transfer is DONE
     #: once the kernel's event completed and the message was handed to the side channel.

@@ -492,13 +492,8 @@ class PrefillSide(Side[SendRoom]):
         accounted in the request's and the process's metrics, and the answer is whether the
         request is still live (not :meth:`is_dead`): one section of the room lock for the
         three, as a completion needs them together."""
-        key = (room.room, dest)
         with self.rooms.lock:
-            n = self.writes_inflight.get(key, 0) - 1
-            if n > 0:
-                self.writes_inflight[key] = n
-            else:
-                self.writes_inflight.pop(key, None)
+            self._count_writes((room.room, dest), -1)
             if done is not None:
                 room.metrics.add_transfer(done)
             live = not self.rooms.terminal(room) and self.rooms.get(room.room) is room
@@ -526,13 +521,17 @@ class PrefillSide(Side[SendRoom]):
 
     def writes_posted(self, room: int, dest: str, delta: int) -> None:
         """Worker thread: count writes in flight per (request, destination)."""
-        key = (room, dest)
         with self.rooms.lock:
-            n = self.writes_inflight.get(key, 0) + delta
-            if n > 0:
-                self.writes_inflight[key] = n
-            else:
-                self.writes_inflight.pop(key, None)
+            self._count_writes((room, dest), delta)
+
+    def _count_writes(self, key: tuple[int, str], delta: int) -> None:
+        """Under the room lock: writes in flight of (request, destination) ``key`` by
+        ``delta`` (the entry goes at zero: nothing left behind per request)."""
+        n = self.writes_inflight.get(key, 0) + delta
+        if n > 0:
+            self.writes_inflight[key] = n
+        else:
+            self.writes_inflight.pop(key, None)
 
     def abandon(self, room: SendRoom, dest: Dest, target: PoolLink) -> None:
         """Worker thread: nothing more will be written to ``dest`` for this request."""
