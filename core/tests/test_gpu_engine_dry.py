@@ -84,3 +84,26 @@ def _spin(cpu_s: float) -> None:
     end = time.thread_time() + cpu_s
     while time.thread_time() < end:
         pass
+
+
+def test_spreads_span_the_ranks_of_one_role_and_skip_single_ranks() -> None:
+    """TP 1 -> 2's request: decode rank 1 asked 0.8 ms after rank 0 and saw its Success 0.3 ms
+    later; the one prefill rank gives no spread; a request of one decode rank counts for none."""
+    from kvwire.bench.gpu_engine import spread_medians
+
+    def rep(role: str, **marks: float) -> SimpleNamespace:
+        return SimpleNamespace(role=role, marks=marks)
+
+    two = [
+        SimpleNamespace(
+            reports=[
+                rep("prefill", asked=1.0, done=2.0),
+                rep("decode", requested=0.5, seen=3.0),
+                rep("decode", requested=0.5 + d, seen=3.0 + 0.0003),
+            ]
+        )
+        for d in (0.0008, 0.0007, 0.0009)
+    ]
+    one = SimpleNamespace(reports=[rep("decode", requested=0.0, seen=9.0)])
+    out = spread_medians([*two, one])
+    assert out == {"decode.requested": 0.8, "decode.seen": 0.3}

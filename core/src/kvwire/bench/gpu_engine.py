@@ -158,6 +158,35 @@ def stage_medians(results: list[Any]) -> dict[str, float]:
     return out
 
 
+#: Marks whose spread over a request's ranks of one role :func:`spread_medians` reports: how
+#: far apart the decode ranks of TP 1 -> 2 asked, landed and saw their request, and the prefill
+#: ranks of TP 2 -> 1 were asked and done.
+SPREADS = (
+    ("decode", "created"),
+    ("decode", "requested"),
+    ("decode", "noted"),
+    ("decode", "seen"),
+    ("prefill", "asked"),
+    ("prefill", "done"),
+)
+
+
+def spread_medians(results: list[Any]) -> dict[str, float]:
+    """Median ms between the first and the last rank of one role to reach each of
+    :data:`SPREADS` (keys ``role.mark``), over the requests where two or more ranks of that
+    role have the mark; empty when every role has one rank."""
+    out: dict[str, float] = {}
+    for role, mark in SPREADS:
+        vals = []
+        for r in results:
+            ts = [x.marks[mark] for x in r.reports if x.role == role and mark in x.marks]
+            if len(ts) > 1:
+                vals.append(max(ts) - min(ts))
+        if vals:
+            out[f"{role}.{mark}"] = round(1e3 * sorted(vals)[len(vals) // 2], 3)
+    return out
+
+
 def add_gil_args(p: argparse.ArgumentParser) -> None:
     """``--gil-switch`` and ``--gil-switch-us``, kvwire's GIL watch in the rank processes (a
     GPU bench's parser; :func:`gil_option` turns them into control options)."""
@@ -400,6 +429,9 @@ def engine(
                     vals = sorted(getattr(x, k) for x in pre)
                     cell[f"prefill_{k[:-2]}_ms"] = 1e3 * vals[len(vals) // 2]
                 cell["stages_ms"] = stage_medians(res)
+                spread = spread_medians(res)
+                if spread:
+                    cell["spread_ms"] = spread
                 cell["gil"] = gil_figures(c)
                 # the share of one core each process used during the cell (see cpu_seconds)
                 cell["cpu_share"] = {
