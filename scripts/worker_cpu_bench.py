@@ -2,13 +2,18 @@
 transfer worker), for A/B work on the request path's Python on a CPU host.
 
     python3 scripts/worker_cpu_bench.py [--requests N] [--concurrency C] [--rounds R]
+        [--backend tcp|cudaipc]
 
 Both managers run in this process (:mod:`kvwire.testing.pair`: real tcp backend, bootstrap and
 control channels), with a secret; requests of one small page are kept C in flight by this
 thread, which plays both engines. Prints, per round, the CPU milliseconds per request of each
 kvwire thread (``pthread_getcpuclockid``; the engine thread, this one, apart), every request
 checked Success on both sides. The tcp backend's own threads move the bytes; the prefill
-worker's figure is the session layer's per-request work plus tcp's submit and poll.
+worker's figure is the session layer's per-request work plus tcp's submit and poll. With
+``--backend cudaipc`` the pair links over ``cudaipc`` on host stand-ins
+(:mod:`kvwire_cudaipc.host_stand_ins`): the worker's figure is then the path a GPU host's
+worker runs (page writes held and launched per turn, the note after the event), less the
+launch itself and the GIL's hand-offs.
 """
 
 from __future__ import annotations
@@ -85,8 +90,23 @@ def main() -> int:
     ap.add_argument("--requests", type=int, default=2000)
     ap.add_argument("--concurrency", type=int, default=8)
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument(
+        "--backend",
+        default="tcp",
+        choices=("tcp", "cudaipc"),
+        help="cudaipc: its page writes on host stand-ins (kvwire_cudaipc.host_stand_ins: pools "
+        "registered as GPU memory, a mover that copies on the host, events done at once)",
+    )
     a = ap.parse_args()
-    p = Pair(config(secret="worker-cpu-bench", num_workers=1), slots=64)
+    registered = None
+    if a.backend == "cudaipc":
+        from kvwire_cudaipc import host_stand_ins
+
+        host_stand_ins.install(setattr, host_stand_ins.HostPages())
+        host_stand_ins.install_links(setattr)
+        registered = host_stand_ins.vram_layout
+    cfg = config(secret="worker-cpu-bench", backend=a.backend, staging="direct", num_workers=1)
+    p = Pair(cfg, slots=64, registered=registered)
     try:
         run(p, 200, a.concurrency, 1)  # warm-up: handshakes, first-use costs
         room = 1_000

@@ -14,19 +14,24 @@ import numpy as np
 from pydantic import SecretStr
 
 from kvwire.config import ControlOptions, KVWireConfig
-from kvwire.layout import ModelSpec, RankPosition
+from kvwire.layout import KVLayout, ModelSpec, RankPosition
 from kvwire.session import KVManager, KVPoll, Role
 from kvwire.testing.kvfill import count_mismatches, fill_pages, make_pool
 
 MODEL = ModelSpec(num_layers=2, total_kv_heads=2, head_dim=8, dtype="int32", page_size=2)
 
 
-def config(secret: str | None = None, **control: Any) -> KVWireConfig:
+def config(
+    secret: str | None = None, *, backend: str = "tcp", staging: str = "auto", **control: Any
+) -> KVWireConfig:
+    """A test pair's configuration: ``backend`` and ``staging`` (kvwire's names), the
+    control options ``control`` over the pair's defaults."""
     # 0.5 s beats (eviction after 1.5 s of silence): 0.1 s evicted live managers whose
     # threads were starved for 0.3 s on a loaded 2-core host. Tests of liveness set their own.
     opts = {"heartbeat_interval_s": 0.5, "handshake_timeout_s": 3.0, **control}
     return KVWireConfig(
-        transfer_backend="tcp",
+        transfer_backend=backend,
+        staging=staging,
         control=ControlOptions(**opts),
         secret=SecretStr(secret) if secret is not None else None,
     )
@@ -49,12 +54,17 @@ class Pair:
         dmodel: ModelSpec | None = None,
         slots: int = 32,
         model: ModelSpec = MODEL,
+        registered: Callable[[KVLayout, list[Any]], KVLayout] | None = None,
     ) -> None:
+        """``registered`` (optional): the layout each manager registers, given its pool's
+        layout and arrays (a backend's host stand-ins register host pools as GPU memory);
+        :attr:`play` and :attr:`dlay` stay the pools' own layouts, for filling and checks."""
         self.play, self.parr = make_pool(model, RankPosition(), slots)
         self.dlay, self.darr = make_pool(dmodel or model, RankPosition(), slots)
-        self.prefill = KVManager(pcfg, Role.PREFILL, self.play)
+        as_registered = registered or (lambda layout, arrays: layout)
+        self.prefill = KVManager(pcfg, Role.PREFILL, as_registered(self.play, self.parr))
         try:
-            self.decode = KVManager(dcfg or pcfg, Role.DECODE, self.dlay)
+            self.decode = KVManager(dcfg or pcfg, Role.DECODE, as_registered(self.dlay, self.darr))
         except BaseException:
             self.prefill.close()
             raise

@@ -1,17 +1,23 @@
 """Host stand-ins for ``cudaipc``'s CUDA calls, so its VRAM page-write path runs on a host
 without a GPU: regions flagged VRAM over host memory, the exports, device UUIDs and events
-played on the host, and a page mover given by the caller. For the plugin's tests and CPU
-benches (``scripts/cudaipc_submit_bench.py``) only: CUDA IPC itself cannot run without a GPU,
-so this is a fake of that alone, never imported by the backend."""
+played on the host, and a page mover given by the caller (:class:`HostPages` copies the bytes
+on the host). With :func:`install_links` too, two managers of one process link over
+``cudaipc`` as two ranks on one GPU host would. For the plugin's tests and CPU benches
+(``scripts/cudaipc_submit_bench.py``, ``scripts/worker_cpu_bench.py --backend cudaipc``) only:
+CUDA IPC itself cannot run without a GPU, so this is a fake of that alone, never imported by
+the backend."""
 
 from __future__ import annotations
 
+import ctypes
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
 
-from kvwire.layout import MemKind, MemoryRegion
+from kvwire.layout import KVLayout, MemKind, MemoryRegion
+from kvwire.movers.pool_pages import pool_page_runs
+from kvwire.page_form import PageChunk
 
 
 class HostEvent:
@@ -50,6 +56,60 @@ def install(setattr_: Callable[[Any, str, Any], None], pages: Any) -> None:
 
     setattr_(backend_mod.CudaIpcBackend, "_ensure_gpu", ensure)
     setattr_(torch.cuda, "Event", HostEvent)
+
+
+class HostPages:
+    """A page mover that copies on the host, synchronously (``memmove`` of every piece
+    :func:`~kvwire.movers.pool_pages.pool_page_runs` names; the addresses are this process's
+    own): ``copy_pages`` and ``copy_batch`` as the backend calls them, counting launches."""
+
+    def __init__(self) -> None:
+        self.launches = 0
+
+    def copy_pages(
+        self,
+        chunk: PageChunk,
+        src_addrs: np.ndarray,
+        dst_addrs: np.ndarray,
+        *,
+        stream: object = None,
+        sums: object = None,
+    ) -> None:
+        if sums is not None:
+            raise NotImplementedError("the host stand-in mover does not sum")
+        self.launches += 1
+        self._copy(chunk, src_addrs, dst_addrs)
+
+    def copy_batch(
+        self, items: Sequence[tuple[PageChunk, np.ndarray, np.ndarray]], *, stream: object = None
+    ) -> int:
+        self.launches += 1
+        for chunk, src, dst in items:
+            self._copy(chunk, src, dst)
+        return 1
+
+    @staticmethod
+    def _copy(chunk: PageChunk, src_addrs: np.ndarray, dst_addrs: np.ndarray) -> None:
+        src, dst, n = pool_page_runs(chunk, np.asarray(src_addrs), np.asarray(dst_addrs))
+        for a, b, k in zip(src.tolist(), dst.tolist(), n.tolist(), strict=True):
+            ctypes.memmove(b, a, k)
+
+
+def install_links(setattr_: Callable[[Any, str, Any], None]) -> None:
+    """With :func:`install`: the link checks a handshake makes (a CUDA device, P2P between
+    the two GPUs, peer access granted) pass, so two managers of this process link over
+    ``cudaipc`` (same process: addresses are used as they are, no handle is opened)."""
+    from kvwire_cudaipc import _cuda
+
+    setattr_(_cuda, "cuda_problem", lambda: None)
+    setattr_(_cuda, "p2p_problem", lambda writer, owner: None)
+    setattr_(_cuda, "enable_peer_access", lambda writer, owner: None)
+
+
+def vram_layout(layout: KVLayout, arrays: Sequence[np.ndarray]) -> KVLayout:
+    """``layout`` (a verification pool's, :func:`~kvwire.testing.kvfill.make_pool`) with its
+    buffers ``arrays`` registered as VRAM of device 0."""
+    return layout.model_copy(update={"buffers": tuple(vram_regions(arrays))})
 
 
 def vram_regions(arrays: Sequence[np.ndarray]) -> list[MemoryRegion]:
