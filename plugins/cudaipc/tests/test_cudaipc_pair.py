@@ -7,15 +7,20 @@ is the stand-in, the session layer and the backend's Python are real."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import numpy as np
 import pytest
 
-from kvwire.session import KVPoll
+from kvwire.session import KVPoll, KVSender
 from kvwire.testing.kvfill import count_mismatches, fill_pages
 from kvwire.testing.pair import Pair, config, no_rooms, wait_for
 from kvwire_cudaipc import host_stand_ins
+
+
+def asked(s: KVSender) -> Callable[[], bool]:
+    """Whether decode asked for ``s``'s request (prefill's poll says WaitingForInput)."""
+    return lambda: s.poll() >= KVPoll.WaitingForInput
 
 
 @pytest.fixture
@@ -66,7 +71,7 @@ def test_sixty_four_requests_in_flight_each_verified(
     before = pages.launches
     for i in range(n):
         s = pair.prefill.sender(100 + i)
-        wait_for(lambda s=s: s.poll() >= KVPoll.WaitingForInput)
+        wait_for(asked(s))
         s.init(per, aux_index=i)
         tx.append(s)
     for i, s in enumerate(tx):
@@ -79,3 +84,83 @@ def test_sixty_four_requests_in_flight_each_verified(
         r.clear()
         s.clear()
     wait_for(lambda: no_rooms(pair.prefill) and no_rooms(pair.decode))
+
+
+def test_decode_abort_mid_request_fails_prefill_and_quiesces(pair: Pair) -> None:
+    """Decode aborts after the first of two chunks went out: prefill's request fails, decode
+    reuses the pages only once prefill said no write of it is in flight, every table ends
+    empty."""
+    r = pair.decode.receiver(21, pair.addr)
+    r.init()
+    r.send_metadata(np.array([4, 5]), aux_index=0)
+    s = pair.prefill.sender(21)
+    wait_for(lambda: s.poll() >= KVPoll.WaitingForInput)
+    s.init(2, aux_index=0)
+    s.send(np.array([0]))
+    r.abort()
+    assert r.poll() is KVPoll.Failed
+    wait_for(r.writes_quiesced, timeout=10)
+    wait_for(lambda: s.poll() is KVPoll.Failed, timeout=10)
+    s.clear()
+    r.clear()
+    wait_for(lambda: no_rooms(pair.prefill) and no_rooms(pair.decode), timeout=10)
+    pair.transfer(22)  # the link still serves
+
+
+def test_bad_pages_fail_both_sides_naming_them(pair: Pair) -> None:
+    """A page past prefill's pool fails the request on both sides, naming the pages; nothing
+    was written and the next request moves."""
+    from kvwire.errors import KVWireError
+
+    r = pair.decode.receiver(31, pair.addr)
+    r.init()
+    r.send_metadata(np.array([4, 5]), aux_index=0)
+    s = pair.prefill.sender(31)
+    wait_for(lambda: s.poll() >= KVPoll.WaitingForInput)
+    s.init(2, aux_index=0)
+    with pytest.raises(KVWireError, match="out of range"):
+        s.send(np.array([0, 10_000]), last=True)
+    wait_for(lambda: s.poll() is KVPoll.Failed and r.poll() is KVPoll.Failed, timeout=10)
+    assert "out of range" in str(r.failure_report())
+    s.clear()
+    r.clear()
+    pair.transfer(32)
+
+
+def test_decode_restart_relinks_and_moves_again(pair: Pair) -> None:
+    """Decode closes between requests and a new manager of the same name takes its place:
+    prefill links to it again over cudaipc (its peer's handles gone, the new ones taken) and
+    the next request lands whole."""
+    from kvwire.session import KVManager, Role
+
+    pair.transfer(41)
+    pair.decode.close()
+    cfg = config(secret="pair-test", backend="cudaipc", staging="direct", num_workers=1)
+    pair.decode = KVManager(cfg, Role.DECODE, host_stand_ins.vram_layout(pair.dlay, pair.darr))
+    pair.transfer(42)
+    assert len(pair.prefill.peers) == 1
+
+
+def test_decode_gone_with_requests_asked_fails_them_on_prefill(pair: Pair) -> None:
+    """Decode asked for eight requests, then closed before prefill sent: the sends are taken,
+    then each request fails naming the lost peer (nothing to write into), none hangs, and
+    prefill's tables end empty once they are cleared."""
+    tx = []
+    for i in range(8):
+        r = pair.decode.receiver(50 + i, pair.addr)
+        r.init()
+        r.send_metadata(np.array([i]), aux_index=i)
+        s = pair.prefill.sender(50 + i)
+        wait_for(asked(s))
+        s.init(1, aux_index=i)
+        tx.append(s)
+    pair.decode.close()
+    for i, s in enumerate(tx):
+        s.send(np.array([i]), last=True)  # taken: the worker finds the peer gone
+    wait_for(lambda: all(s.poll() is KVPoll.Failed for s in tx), timeout=30)
+    for s in tx:  # each names the lost peer
+        with pytest.raises(Exception, match=r"decode peer .* lost"):
+            s.failure_exception()
+    for s in tx:
+        s.clear()
+    wait_for(lambda: no_rooms(pair.prefill), timeout=10)
