@@ -102,7 +102,8 @@ def main() -> int:
     if a.backend == "cudaipc":
         from kvwire_cudaipc import host_stand_ins
 
-        host_stand_ins.install(setattr, host_stand_ins.HostPages())
+        movers = host_stand_ins.HostPages()
+        host_stand_ins.install(setattr, movers, runs=movers)
         host_stand_ins.install_links(setattr)
         registered = host_stand_ins.vram_layout
     cfg = config(secret="worker-cpu-bench", backend=a.backend, staging="direct", num_workers=1)

@@ -7,6 +7,7 @@ is the stand-in, the session layer and the backend's Python are real."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterator
 
 import numpy as np
@@ -14,7 +15,7 @@ import pytest
 
 from kvwire.session import KVPoll, KVSender
 from kvwire.testing.kvfill import count_mismatches, fill_pages
-from kvwire.testing.pair import Pair, config, no_rooms, wait_for
+from kvwire.testing.pair import MODEL, Pair, config, no_rooms, wait_for
 from kvwire_cudaipc import host_stand_ins
 
 
@@ -26,7 +27,7 @@ def asked(s: KVSender) -> Callable[[], bool]:
 @pytest.fixture
 def pages(monkeypatch: pytest.MonkeyPatch) -> host_stand_ins.HostPages:
     mover = host_stand_ins.HostPages()
-    host_stand_ins.install(monkeypatch.setattr, mover)
+    host_stand_ins.install(monkeypatch.setattr, mover, runs=mover)
     host_stand_ins.install_links(monkeypatch.setattr)
     return mover
 
@@ -164,3 +165,38 @@ def test_decode_gone_with_requests_asked_fails_them_on_prefill(pair: Pair) -> No
     for s in tx:
         s.clear()
     wait_for(lambda: no_rooms(pair.prefill), timeout=10)
+
+
+def test_layer_groups_move_as_their_layers_are_marked(pages: host_stand_ins.HostPages) -> None:
+    """Layer-wise over cudaipc (row writes of each layer group): nothing lands before its
+    layers are marked, a marked group lands while later layers are not, and the request ends
+    whole in two chunks of four groups each."""
+    model = MODEL.model_copy(update={"num_layers": 8})
+    cfg = config(
+        secret="pair-test", backend="cudaipc", staging="direct", num_workers=1, layerwise_groups=4
+    )
+    p = Pair(cfg, slots=32, model=model, registered=host_stand_ins.vram_layout)
+    try:
+        s, r, src, dst = p.start(7, 6)
+
+        def landed(layer: int, slots: np.ndarray) -> bool:  # K of ``layer`` on decode
+            return bool((p.darr[layer][slots] == p.parr[layer][src[: slots.size]]).all())
+
+        s.send(src[:2], layerwise=True)
+        time.sleep(0.2)
+        assert not any(landed(layer, dst[:2]) for layer in range(8))
+        s.layer_ready(3)  # groups 0 and 1
+        wait_for(lambda: all(landed(layer, dst[:2]) for layer in range(4)))
+        assert not any(landed(layer, dst[:2]) for layer in range(4, 8))
+        assert r.poll() == KVPoll.Transferring
+        s.layer_ready(None)
+        s.send(src[2:], last=True, layerwise=True)
+        s.layer_ready(None)
+        wait_for(lambda: r.poll() == KVPoll.Success and s.poll() == KVPoll.Success)
+        assert count_mismatches(p.dlay, p.darr, dst, 0) == 0
+        assert s.metrics.chunks == 2 * 4
+        r.clear()
+        s.clear()
+        wait_for(lambda: no_rooms(p.prefill) and no_rooms(p.decode))
+    finally:
+        p.close()

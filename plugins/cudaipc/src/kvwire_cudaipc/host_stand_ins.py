@@ -36,12 +36,25 @@ class HostEvent:
         pass
 
 
-def install(setattr_: Callable[[Any, str, Any], None], pages: Any) -> None:
+class HostStream:
+    """The backend's private stream on the host: nothing to wait for."""
+
+    cuda_stream = 0
+
+    def synchronize(self) -> None:
+        pass
+
+
+def install(
+    setattr_: Callable[[Any, str, Any], None], pages: Any, runs: HostPages | None = None
+) -> None:
     """Replace ``cudaipc``'s CUDA calls with host stand-ins through ``setattr_`` (a test's
     ``monkeypatch.setattr``, which undoes them; or ``setattr`` in a bench process): exports
     whose handle is the address, one stand-in device, torch's CUDA events by
     :class:`HostEvent`, and ``pages`` as every backend's page mover (its ``copy_pages`` and
-    ``copy_batch`` are what a launch calls). Imports torch."""
+    ``copy_batch`` are what a launch calls). With ``runs`` (a :class:`HostPages`), row
+    writes too (layer-wise groups, rows that are not pages): ``runs`` is the run mover and
+    the copy engines' stand-in, on a :class:`HostStream`. Imports torch."""
     import torch
 
     import kvwire_cudaipc.backend as backend_mod
@@ -53,15 +66,20 @@ def install(setattr_: Callable[[Any, str, Any], None], pages: Any) -> None:
 
     def ensure(self: Any) -> None:
         self._pages = pages
+        if runs is not None:
+            self._copier, self._stream = runs, HostStream()
 
     setattr_(backend_mod.CudaIpcBackend, "_ensure_gpu", ensure)
     setattr_(torch.cuda, "Event", HostEvent)
+    if runs is not None:
+        setattr_(backend_mod, "copy_runs", lambda src, dst, n, stream: runs.move(src, dst, n))
 
 
 class HostPages:
-    """A page mover that copies on the host, synchronously (``memmove`` of every piece
-    :func:`~kvwire.movers.pool_pages.pool_page_runs` names; the addresses are this process's
-    own): ``copy_pages`` and ``copy_batch`` as the backend calls them, counting launches."""
+    """A page mover (and run mover) that copies on the host, synchronously (``memmove`` of
+    every piece :func:`~kvwire.movers.pool_pages.pool_page_runs` names, or of every run; the
+    addresses are this process's own): ``copy_pages``, ``copy_batch`` and ``move`` as the
+    backend calls them, counting launches."""
 
     def __init__(self) -> None:
         self.launches = 0
@@ -88,9 +106,18 @@ class HostPages:
             self._copy(chunk, src, dst)
         return 1
 
+    def move(self, src: Any, dst: Any, nbytes: Any, stream: object = None) -> None:
+        """The run mover's call (and the copy engines'): ``nbytes[i]`` bytes from address
+        ``src[i]`` to ``dst[i]``."""
+        self.launches += 1
+        self._runs(np.asarray(src), np.asarray(dst), np.asarray(nbytes))
+
+    @classmethod
+    def _copy(cls, chunk: PageChunk, src_addrs: np.ndarray, dst_addrs: np.ndarray) -> None:
+        cls._runs(*pool_page_runs(chunk, np.asarray(src_addrs), np.asarray(dst_addrs)))
+
     @staticmethod
-    def _copy(chunk: PageChunk, src_addrs: np.ndarray, dst_addrs: np.ndarray) -> None:
-        src, dst, n = pool_page_runs(chunk, np.asarray(src_addrs), np.asarray(dst_addrs))
+    def _runs(src: np.ndarray, dst: np.ndarray, n: np.ndarray) -> None:
         for a, b, k in zip(src.tolist(), dst.tolist(), n.tolist(), strict=True):
             ctypes.memmove(b, a, k)
 
