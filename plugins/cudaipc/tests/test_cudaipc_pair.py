@@ -7,21 +7,28 @@ is the stand-in, the session layer and the backend's Python are real."""
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Callable, Iterator
 
 import numpy as np
 import pytest
 
-from kvwire.session import KVPoll, KVSender
+from kvwire.errors import KVWireError
+from kvwire.session import KVPoll, KVReceiver, KVSender
 from kvwire.testing.kvfill import count_mismatches, fill_pages
 from kvwire.testing.pair import MODEL, Pair, config, no_rooms, wait_for
 from kvwire_cudaipc import host_stand_ins
 
 
-def asked(s: KVSender) -> Callable[[], bool]:
+def asked_for(s: KVSender) -> Callable[[], bool]:
     """Whether decode asked for ``s``'s request (prefill's poll says WaitingForInput)."""
     return lambda: s.poll() >= KVPoll.WaitingForInput
+
+
+def both_are(r: KVReceiver, s: KVSender, status: KVPoll) -> Callable[[], bool]:
+    """Whether a request's receiver and sender both poll ``status``."""
+    return lambda: r.poll() == status and s.poll() == status
 
 
 @pytest.fixture
@@ -72,7 +79,7 @@ def test_sixty_four_requests_in_flight_each_verified(
     before = pages.launches
     for i in range(n):
         s = pair.prefill.sender(100 + i)
-        wait_for(asked(s))
+        wait_for(asked_for(s))
         s.init(per, aux_index=i)
         tx.append(s)
     for i, s in enumerate(tx):
@@ -111,8 +118,6 @@ def test_decode_abort_mid_request_fails_prefill_and_quiesces(pair: Pair) -> None
 def test_bad_pages_fail_both_sides_naming_them(pair: Pair) -> None:
     """A page past prefill's pool fails the request on both sides, naming the pages; nothing
     was written and the next request moves."""
-    from kvwire.errors import KVWireError
-
     r = pair.decode.receiver(31, pair.addr)
     r.init()
     r.send_metadata(np.array([4, 5]), aux_index=0)
@@ -152,7 +157,7 @@ def test_decode_gone_with_requests_asked_fails_them_on_prefill(pair: Pair) -> No
         r.init()
         r.send_metadata(np.array([i]), aux_index=i)
         s = pair.prefill.sender(50 + i)
-        wait_for(asked(s))
+        wait_for(asked_for(s))
         s.init(1, aux_index=i)
         tx.append(s)
     pair.decode.close()
@@ -197,6 +202,48 @@ def test_layer_groups_move_as_their_layers_are_marked(pages: host_stand_ins.Host
         assert s.metrics.chunks == 2 * 4
         r.clear()
         s.clear()
+        wait_for(lambda: no_rooms(p.prefill) and no_rooms(p.decode))
+    finally:
+        p.close()
+
+
+@pytest.mark.parametrize("decode_page", [1, 4])
+def test_decode_pages_of_another_size_land_in_one_launch(
+    pages: host_stand_ins.HostPages, decode_page: int
+) -> None:
+    """Prefill pages of 2 tokens into decode pages of 1 or 4 (page-size conversion in page
+    form: granules), one launch for the chunk, every element in place; decode pages for 6
+    tokens, which no prompt of 4 prefill pages of 2 tokens fits (7 or 8 tokens), fail both
+    sides at once, nothing written."""
+    cfg = config(secret="pair-test", backend="cudaipc", staging="direct", num_workers=1)
+    dmodel = MODEL.model_copy(update={"page_size": decode_page})
+    p = Pair(cfg, dmodel=dmodel, slots=32, registered=host_stand_ins.vram_layout)
+    try:
+        src = np.arange(4)  # 8 tokens
+        fill_pages(p.play, p.parr, src, 0)
+        dst = np.arange(8 // decode_page) + 10
+        for room, asked in ((1, dst), (2, dst[: 6 // decode_page])):  # 6 tokens: no prompt of 4
+            r = p.decode.receiver(room, p.addr)
+            r.init()
+            r.send_metadata(asked, aux_index=1, cached_tokens=0)
+            s = p.prefill.sender(room)
+            wait_for(asked_for(s))
+            s.init(src.size, aux_index=2)
+            before = pages.launches
+            if asked.size == dst.size:
+                s.send(src, last=True)
+                wait_for(both_are(r, s, KVPoll.Success))
+                assert pages.launches - before == 1
+                assert count_mismatches(p.dlay, p.darr, dst, 0) == 0
+            else:
+                with contextlib.suppress(KVWireError):  # refused here or by the worker
+                    s.send(src, last=True)
+                wait_for(both_are(r, s, KVPoll.Failed))
+                with pytest.raises(KVWireError, match="page"):
+                    s.failure_exception()
+                assert pages.launches == before
+            r.clear()
+            s.clear()
         wait_for(lambda: no_rooms(p.prefill) and no_rooms(p.decode))
     finally:
         p.close()
