@@ -98,13 +98,8 @@ def test_decode_abort_mid_request_fails_prefill_and_quiesces(pair: Pair) -> None
     """Decode aborts after the first of two chunks went out: prefill's request fails, decode
     reuses the pages only once prefill said no write of it is in flight, every table ends
     empty."""
-    r = pair.decode.receiver(21, pair.addr)
-    r.init()
-    r.send_metadata(np.array([4, 5]), aux_index=0)
-    s = pair.prefill.sender(21)
-    wait_for(lambda: s.poll() >= KVPoll.WaitingForInput)
-    s.init(2, aux_index=0)
-    s.send(np.array([0]))
+    s, r, src, _ = pair.start(21, 2, dst=np.array([4, 5]))
+    s.send(src[:1])
     r.abort()
     assert r.poll() is KVPoll.Failed
     wait_for(r.writes_quiesced, timeout=10)
@@ -118,12 +113,7 @@ def test_decode_abort_mid_request_fails_prefill_and_quiesces(pair: Pair) -> None
 def test_bad_pages_fail_both_sides_naming_them(pair: Pair) -> None:
     """A page past prefill's pool fails the request on both sides, naming the pages; nothing
     was written and the next request moves."""
-    r = pair.decode.receiver(31, pair.addr)
-    r.init()
-    r.send_metadata(np.array([4, 5]), aux_index=0)
-    s = pair.prefill.sender(31)
-    wait_for(lambda: s.poll() >= KVPoll.WaitingForInput)
-    s.init(2, aux_index=0)
+    s, r, _, _ = pair.start(31, 2, dst=np.array([4, 5]))
     with pytest.raises(KVWireError, match="out of range"):
         s.send(np.array([0, 10_000]), last=True)
     wait_for(lambda: s.poll() is KVPoll.Failed and r.poll() is KVPoll.Failed, timeout=10)
