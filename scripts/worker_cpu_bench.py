@@ -102,9 +102,7 @@ def main() -> int:
     if a.backend == "cudaipc":
         from kvwire_cudaipc import host_stand_ins
 
-        movers = host_stand_ins.HostPages()
-        host_stand_ins.install(setattr, movers, runs=movers)
-        host_stand_ins.install_links(setattr)
+        host_stand_ins.install_for_managers(setattr)
         registered = host_stand_ins.vram_layout
     cfg = config(secret="worker-cpu-bench", backend=a.backend, staging="direct", num_workers=1)
     p = Pair(cfg, slots=64, registered=registered)

@@ -22,7 +22,7 @@ from kvwire.errors import ConfigError, DescriptorError, PeerError
 from kvwire.layout import MemKind, MemoryRegion
 from kvwire.link_choice import host_identity
 from kvwire.selection import create_backend
-from kvwire_cudaipc import _cuda
+from kvwire_cudaipc import _cuda, host_stand_ins
 from kvwire_cudaipc.meta import IpcExport, parse_peer
 
 
@@ -144,41 +144,15 @@ class _HostEvent:
         assert self.gate.wait(30), "stand-in kernel never finished"
 
 
-class _HostCopier:
-    """Stands in for the Triton mover: copies runs with memmove (host memory). Only the GPU
-    calls are replaced; everything else is the backend's own VRAM path."""
-
-    def __init__(self) -> None:
-        self.launches = 0
-
-    def copy(self, src: np.ndarray, dst: np.ndarray, n: np.ndarray, stream: object = None) -> None:
-        import ctypes
-
-        self.launches += 1
-        for s, d, k in zip(src.tolist(), dst.tolist(), n.tolist(), strict=True):
-            ctypes.memmove(d, s, k)
-
-    move = copy  # the backend calls RunCopier.move (groups or tiles: the same bytes)
-
-
-def _host_stand_ins(monkeypatch: pytest.MonkeyPatch) -> _HostCopier:
+def _host_stand_ins(monkeypatch: pytest.MonkeyPatch) -> host_stand_ins.HostPages:
     """Replace a cudaipc backend's GPU calls with host stand-ins (IPC export, GPU UUIDs, the
-    mover, CUDA events; everything else is the backend's own VRAM path) for every backend
-    created from now on in the test; returns the stand-in copier they use. The events'
-    ``gate`` is the caller's to set."""
-    import kvwire_cudaipc.backend as backend_mod
-
-    torch = pytest.importorskip("torch")
-    monkeypatch.setattr(
-        _cuda, "export", lambda dev, addr: (addr.to_bytes(8, "little") * 8, 0, 1 << 46)
-    )
-    monkeypatch.setattr(_cuda, "device_uuid", lambda i: "GPU-stand-in")
-    monkeypatch.setattr(_cuda, "visible_uuids", lambda: {"GPU-stand-in": 0})
-    copier = _HostCopier()
-    monkeypatch.setattr(
-        backend_mod.CudaIpcBackend, "_ensure_gpu", lambda self: setattr(self, "_copier", copier)
-    )
-    monkeypatch.setattr(torch.cuda, "Event", _HostEvent)
+    movers, CUDA events: :mod:`kvwire_cudaipc.host_stand_ins`, with the gated
+    :class:`_HostEvent`; everything else is the backend's own VRAM path) for every backend
+    created from now on in the test; returns the stand-in mover they use (its ``move``
+    copies runs with memmove). The events' ``gate`` is the caller's to set."""
+    pytest.importorskip("torch")
+    copier = host_stand_ins.HostPages()
+    host_stand_ins.install(monkeypatch.setattr, copier, runs=copier, event=_HostEvent)
     return copier
 
 
@@ -529,10 +503,11 @@ def test_all_vram_pair_submits_one_launch_of_exactly_its_runs(
 
     calls: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []
     copier = _host_stand_ins(monkeypatch)
+    real_move = copier.move
 
     def move(src: np.ndarray, dst: np.ndarray, n: np.ndarray, stream: object = None) -> None:
         calls.append((src.copy(), dst.copy(), n.copy()))
-        copier.copy(src, dst, n)
+        real_move(src, dst, n)
 
     monkeypatch.setattr(copier, "move", move)
     _HostEvent.gate.set()

@@ -10,10 +10,12 @@ from __future__ import annotations
 import contextlib
 import time
 from collections.abc import Callable, Iterator
+from typing import Any
 
 import numpy as np
 import pytest
 
+from kvwire.config import KVWireConfig
 from kvwire.errors import KVWireError
 from kvwire.session import KVPoll, KVReceiver, KVSender
 from kvwire.testing.kvfill import count_mismatches, fill_pages
@@ -33,15 +35,18 @@ def both_are(r: KVReceiver, s: KVSender, status: KVPoll) -> Callable[[], bool]:
 
 @pytest.fixture
 def pages(monkeypatch: pytest.MonkeyPatch) -> host_stand_ins.HostPages:
-    mover = host_stand_ins.HostPages()
-    host_stand_ins.install(monkeypatch.setattr, mover, runs=mover)
-    host_stand_ins.install_links(monkeypatch.setattr)
-    return mover
+    return host_stand_ins.install_for_managers(monkeypatch.setattr)
+
+
+def cudaipc_config(**control: Any) -> KVWireConfig:
+    """The pairs' configuration: ``cudaipc``, direct staging (bulk staging would allocate
+    GPU buffers), one transfer worker, a secret; ``control`` adds control options."""
+    return config(secret="pair-test", backend="cudaipc", staging="direct", num_workers=1, **control)
 
 
 @pytest.fixture
 def pair(pages: host_stand_ins.HostPages) -> Iterator[Pair]:
-    cfg = config(secret="pair-test", backend="cudaipc", staging="direct", num_workers=1)
+    cfg = cudaipc_config()
     p = Pair(cfg, slots=64, registered=host_stand_ins.vram_layout)
     try:
         yield p
@@ -131,7 +136,7 @@ def test_decode_restart_relinks_and_moves_again(pair: Pair) -> None:
 
     pair.transfer(41)
     pair.decode.close()
-    cfg = config(secret="pair-test", backend="cudaipc", staging="direct", num_workers=1)
+    cfg = cudaipc_config()
     pair.decode = KVManager(cfg, Role.DECODE, host_stand_ins.vram_layout(pair.dlay, pair.darr))
     pair.transfer(42)
     assert len(pair.prefill.peers) == 1
@@ -173,9 +178,7 @@ def test_layer_groups_move_as_their_layers_are_marked(pages: host_stand_ins.Host
     layers are marked, a marked group lands while later layers are not, and the request ends
     whole in two chunks of four groups each."""
     model = MODEL.model_copy(update={"num_layers": 8})
-    cfg = config(
-        secret="pair-test", backend="cudaipc", staging="direct", num_workers=1, layerwise_groups=4
-    )
+    cfg = cudaipc_config(layerwise_groups=4)
     p = Pair(cfg, slots=32, model=model, registered=host_stand_ins.vram_layout)
     try:
         s, r, src, dst = p.start(7, 6)
@@ -211,7 +214,7 @@ def test_decode_pages_of_another_size_land_in_one_launch(
     form: granules), one launch for the chunk, every element in place; decode pages for 6
     tokens, which no prompt of 4 prefill pages of 2 tokens fits (7 or 8 tokens), fail both
     sides at once, nothing written."""
-    cfg = config(secret="pair-test", backend="cudaipc", staging="direct", num_workers=1)
+    cfg = cudaipc_config()
     dmodel = MODEL.model_copy(update={"page_size": decode_page})
     p = Pair(cfg, dmodel=dmodel, slots=32, registered=host_stand_ins.vram_layout)
     try:

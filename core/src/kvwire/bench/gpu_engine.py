@@ -140,6 +140,11 @@ def add_engine_args(
     p.add_argument("--json", default="")
 
 
+def _median_ms(seconds: list[float]) -> float:
+    """The median of ``seconds`` (the upper one of an even count), in ms to the µs."""
+    return round(1e3 * sorted(seconds)[len(seconds) // 2], 3)
+
+
 def stage_medians(results: list[Any]) -> dict[str, float]:
     """Median ms of each of :data:`STAGES` over the requests that have both marks (a stage
     a path does not mark, e.g. ``planned`` off the staged path, is left out)."""
@@ -154,7 +159,7 @@ def stage_medians(results: list[Any]) -> dict[str, float]:
             if a is not None and b is not None:
                 vals.append(b - a)
         if vals:
-            out[name] = round(1e3 * sorted(vals)[len(vals) // 2], 3)
+            out[name] = _median_ms(vals)
     return out
 
 
@@ -183,7 +188,7 @@ def spread_medians(results: list[Any]) -> dict[str, float]:
             if len(ts) > 1:
                 vals.append(max(ts) - min(ts))
         if vals:
-            out[f"{role}.{mark}"] = round(1e3 * sorted(vals)[len(vals) // 2], 3)
+            out[f"{role}.{mark}"] = _median_ms(vals)
     return out
 
 

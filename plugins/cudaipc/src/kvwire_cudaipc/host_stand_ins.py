@@ -46,7 +46,10 @@ class HostStream:
 
 
 def install(
-    setattr_: Callable[[Any, str, Any], None], pages: Any, runs: HostPages | None = None
+    setattr_: Callable[[Any, str, Any], None],
+    pages: Any,
+    runs: HostPages | None = None,
+    event: type = HostEvent,
 ) -> None:
     """Replace ``cudaipc``'s CUDA calls with host stand-ins through ``setattr_`` (a test's
     ``monkeypatch.setattr``, which undoes them; or ``setattr`` in a bench process): exports
@@ -54,7 +57,8 @@ def install(
     :class:`HostEvent`, and ``pages`` as every backend's page mover (its ``copy_pages`` and
     ``copy_batch`` are what a launch calls). With ``runs`` (a :class:`HostPages`), row
     writes too (layer-wise groups, rows that are not pages): ``runs`` is the run mover and
-    the copy engines' stand-in, on a :class:`HostStream`. Imports torch."""
+    the copy engines' stand-in, on a :class:`HostStream`. ``event``: the CUDA event class
+    (a test's gated one; default :class:`HostEvent`, done at once). Imports torch."""
     import torch
 
     import kvwire_cudaipc.backend as backend_mod
@@ -70,7 +74,7 @@ def install(
             self._copier, self._stream = runs, HostStream()
 
     setattr_(backend_mod.CudaIpcBackend, "_ensure_gpu", ensure)
-    setattr_(torch.cuda, "Event", HostEvent)
+    setattr_(torch.cuda, "Event", event)
     if runs is not None:
         setattr_(backend_mod, "copy_runs", lambda src, dst, n, stream: runs.move(src, dst, n))
 
@@ -120,6 +124,16 @@ class HostPages:
     def _runs(src: np.ndarray, dst: np.ndarray, n: np.ndarray) -> None:
         for a, b, k in zip(src.tolist(), dst.tolist(), n.tolist(), strict=True):
             ctypes.memmove(b, a, k)
+
+
+def install_for_managers(setattr_: Callable[[Any, str, Any], None]) -> HostPages:
+    """Every stand-in two managers of this process need to link and move over ``cudaipc``
+    (:func:`install` with one :class:`HostPages` for pages and rows, :func:`install_links`);
+    returns that mover (its ``launches`` count the writes' launches)."""
+    movers = HostPages()
+    install(setattr_, movers, runs=movers)
+    install_links(setattr_)
+    return movers
 
 
 def install_links(setattr_: Callable[[Any, str, Any], None]) -> None:

@@ -57,11 +57,14 @@ class NoteFrames:
         d["num_pages"] = num_pages
         d["page_size"] = self._page_size
         d["aux"] = aux
-        return self._codec.frame(ChunkNote.kind, msgpack.packb(d, use_bin_type=True))
+        return self._frame(d)
 
     def plain(self, room: int, what: str) -> bytes:
         """The frame of a note that says only what landed (the aux row's own write)."""
         d = self._base.copy()
         d["room"] = room
         d["what"] = what
-        return self._codec.frame(ChunkNote.kind, msgpack.packb(d, use_bin_type=True))
+        return self._frame(d)
+
+    def _frame(self, fields: dict[str, Any]) -> bytes:
+        return self._codec.frame(ChunkNote.kind, msgpack.packb(fields, use_bin_type=True))
