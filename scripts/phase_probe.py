@@ -47,8 +47,12 @@ TARGETS: dict[str, tuple[str, ...]] = {
     ),
     "kvwire.session.prefill.side": (
         "PrefillSide._on_request",
-        "PrefillSide.dest_done",
         "PrefillSide.check_deadlines",
+    ),
+    "kvwire.session.prefill.writes": (
+        "WriteBook.dest_done",
+        "WriteBook.start_turn",
+        "WriteBook.end_turn",
     ),
     "kvwire.session.decode.side": ("DecodeSide.on_notification", "DecodeSide.check_deadlines"),
     "kvwire.owner_loop": ("OwnerLoop.run_commands",),

@@ -2,7 +2,7 @@
 transfer worker), for A/B work on the request path's Python on a CPU host.
 
     python3 scripts/worker_cpu_bench.py [--requests N] [--concurrency C] [--rounds R]
-        [--backend tcp|cudaipc]
+        [--backend tcp|cudaipc] [--skip-copy]
 
 Both managers run in this process (:mod:`kvwire.testing.pair`: real tcp backend, bootstrap and
 control channels), with a secret; requests of one small page are kept C in flight by this
@@ -97,12 +97,18 @@ def main() -> int:
         help="cudaipc: its page writes on host stand-ins (kvwire_cudaipc.host_stand_ins: pools "
         "registered as GPU memory, a mover that copies on the host, events done at once)",
     )
+    ap.add_argument(
+        "--skip-copy",
+        action="store_true",
+        help="cudaipc: the stand-in mover moves no byte of a batched page write (the worker's "
+        "Python alone; the requests still end Success, their bytes are not read)",
+    )
     a = ap.parse_args()
     registered = None
     if a.backend == "cudaipc":
         from kvwire_cudaipc import host_stand_ins
 
-        host_stand_ins.install_for_managers(setattr)
+        host_stand_ins.install_for_managers(setattr, copies=not a.skip_copy)
         registered = host_stand_ins.vram_layout
     cfg = config(secret="worker-cpu-bench", backend=a.backend, staging="direct", num_workers=1)
     p = Pair(cfg, slots=64, registered=registered)

@@ -66,6 +66,7 @@ from kvwire.layout import MemoryRegion, check_no_overlap
 from kvwire.link_choice import LinkChoice as LinkChoice  # re-exported: the backend seam
 from kvwire.link_choice import PeerFacts as PeerFacts
 from kvwire.page_form import PageChunk, check_page_chunk
+from kvwire.page_lane import PageLane
 from kvwire.plugin_api import PLUGIN_API
 
 # Re-exported: a plugin declares and implements its hooks with these, and kvwire.backend is
@@ -112,12 +113,12 @@ class TransferBackend(LinkRules):
     #: until woken (with a long timeout) instead of polling on a short timer. False (the
     #: default): the backend must be polled (e.g. NIXL, whose polls drive UCX progress).
     pushes_events: ClassVar[bool] = False
-    #: How many transfer workers a prefill rank should run over this backend when the
-    #: operator did not say (``ControlOptions.num_workers`` is None); None: kvwire's default
-    #: (:data:`kvwire.session.context.DEFAULT_WORKERS`). A backend whose submit only
-    #: enqueues device work (no blocking copy, no wait) gains nothing from more workers:
-    #: under the GIL they take turns, each turn a wake-up and a cold start.
+    #: Transfer workers a prefill rank runs over this backend when the operator did not say
+    #: (``ControlOptions.num_workers`` None); None: :data:`kvwire.session.context.DEFAULT_WORKERS`.
+    #: One that only enqueues device work gains nothing from more (they take GIL turns).
     suggested_workers: ClassVar[int | None] = None
+    #: Its lean lane for page writes, where it offers one (:mod:`kvwire.page_lane`).
+    page_lane: PageLane | None = None
 
     def __init__(self, agent_name: str, options: BaseModel | None = None) -> None:
         if not agent_name:

@@ -73,11 +73,12 @@ from kvwire.descriptors import ADDR, LEN, DescTable, locate_rows
 from kvwire.errors import ConfigError, DescriptorError, PeerError
 from kvwire.layout import MemKind, MemoryRegion
 from kvwire.movers.plan import merge_adjacent
-from kvwire.page_form import PageChunk, check_geometry_addresses
+from kvwire.page_form import PageChunk
 from kvwire.transfers import note_bytes, note_sums, start_sums
 from kvwire_cudaipc import _cuda
 from kvwire_cudaipc.batch import Held, HeldWrites, launch_held
 from kvwire_cudaipc.copies import copy_runs, takes_copy_engine
+from kvwire_cudaipc.lane import CudaIpcLane
 from kvwire_cudaipc.meta import IpcExport, PeerInfo, parse_peer
 from kvwire_cudaipc.options import CudaIpcOptions
 from kvwire_cudaipc.state import IpcPair, IpcPeer, IpcXfer, one_row
@@ -130,6 +131,8 @@ class CudaIpcBackend(TcpBackend):
         self._scratch = np.zeros(SCRATCH_BYTES, dtype=np.uint8)
         self._scratch_region = MemoryRegion.from_tensor(self._scratch, item_len=SCRATCH_BYTES)
         self._memory = HostMemory([self._scratch_region])
+        #: A worker's turn of page writes as one launch (kvwire.page_lane).
+        self.page_lane = CudaIpcLane(self)
 
     # ---------------------------------------------------------------- memory
     def _register(self, regions: list[MemoryRegion]) -> None:
@@ -441,12 +444,7 @@ class CudaIpcBackend(TcpBackend):
         x = IpcXfer(peer=st.peer, notification=notification, peer_name=pair.peer, wake=handle.wake)
         if notification is not None:
             self._notify_only(x, st)
-        g = chunk.geometry
-        addrs = st.geometries.get(g)
-        if addrs is None:  # the link's first page write
-            check_geometry_addresses(g, st.local_i64, st.remote_addr.astype(np.int64))
-            addrs = st.geometries[g] = (st.local_i64[g.src_rows], st.remote_mapped[g.dst_rows])
-        src, dst = addrs
+        src, dst = st.addresses(chunk.geometry)
         limit, sums = self.options.batch_max_bytes, note_sums(notification)
         if sums is None and chunk.nbytes < limit and self._held.holding():  # with the turn's
             self._held.add(Held(x, st, chunk, src, dst), limit)

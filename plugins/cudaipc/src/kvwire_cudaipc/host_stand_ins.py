@@ -83,10 +83,12 @@ class HostPages:
     """A page mover (and run mover) that copies on the host, synchronously (``memmove`` of
     every piece :func:`~kvwire.movers.pool_pages.pool_page_runs` names, or of every run; the
     addresses are this process's own): ``copy_pages``, ``copy_batch`` and ``move`` as the
-    backend calls them, counting launches."""
+    backend calls them, counting launches. ``copies=False``: counts only, no byte moves (a
+    CPU bench of the Python around a launch, whose bytes nothing reads)."""
 
-    def __init__(self) -> None:
+    def __init__(self, copies: bool = True) -> None:
         self.launches = 0
+        self.copies = copies
 
     def copy_pages(
         self,
@@ -106,7 +108,7 @@ class HostPages:
         self, items: Sequence[tuple[PageChunk, np.ndarray, np.ndarray]], *, stream: object = None
     ) -> int:
         self.launches += 1
-        for chunk, src, dst in items:
+        for chunk, src, dst in items if self.copies else ():
             self._copy(chunk, src, dst)
         return 1
 
@@ -126,11 +128,14 @@ class HostPages:
             ctypes.memmove(b, a, k)
 
 
-def install_for_managers(setattr_: Callable[[Any, str, Any], None]) -> HostPages:
+def install_for_managers(
+    setattr_: Callable[[Any, str, Any], None], copies: bool = True
+) -> HostPages:
     """Every stand-in two managers of this process need to link and move over ``cudaipc``
     (:func:`install` with one :class:`HostPages` for pages and rows, :func:`install_links`);
-    returns that mover (its ``launches`` count the writes' launches)."""
-    movers = HostPages()
+    returns that mover (its ``launches`` count the writes' launches; ``copies=False``: the
+    batched page writes move no byte)."""
+    movers = HostPages(copies)
     install(setattr_, movers, runs=movers)
     install_links(setattr_)
     return movers

@@ -16,7 +16,7 @@ from numpy.typing import NDArray
 
 from kvwire.backend import Note
 from kvwire.backends.tcp.outbound import OutboundTransfer
-from kvwire.page_form import PageGeometry
+from kvwire.page_form import PageGeometry, check_geometry_addresses
 from kvwire_cudaipc.meta import PeerInfo
 
 #: Rows moved over the side channel after a launch: local addresses, remote addresses, lengths.
@@ -68,6 +68,17 @@ class IpcPair:
     geometries: weakref.WeakKeyDictionary[
         PageGeometry, tuple[NDArray[np.int64], NDArray[np.int64]]
     ] = field(default_factory=weakref.WeakKeyDictionary)
+
+    def addresses(self, g: PageGeometry) -> tuple[NDArray[np.int64], NDArray[np.int64]]:
+        """Each buffer pair's two addresses of geometry ``g`` as the page mover takes them
+        (checked against these tables and gathered at the link's first page write). Any
+        submitting thread; two that race both check and store the same arrays."""
+        addrs = self.geometries.get(g)
+        if addrs is None:
+            check_geometry_addresses(g, self.local_i64, self.remote_addr.astype(np.int64))
+            addrs = (self.local_i64[g.src_rows], self.remote_mapped[g.dst_rows])
+            self.geometries[g] = addrs
+        return addrs
 
 
 @dataclass(eq=False)

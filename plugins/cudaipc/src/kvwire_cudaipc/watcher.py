@@ -38,6 +38,8 @@ class _Waitable(Protocol):
 
 
 X = TypeVar("X", bound=_Waitable)
+#: What runs when a launch ended: ``done(launch, error)`` (error None: it completed).
+Done = Callable[[X, str | None], None]
 
 
 class KernelWatcher(Generic[X]):
@@ -46,10 +48,8 @@ class KernelWatcher(Generic[X]):
     blocks in the driver (the backend records events with ``blocking=True``: no spinning
     core) without the GIL; ``done`` runs on this thread."""
 
-    def __init__(
-        self, name: str, done: Callable[[X, str | None], None], make_event: Callable[[], Any]
-    ) -> None:
-        self._q: queue.SimpleQueue[tuple[X, bool] | None] = queue.SimpleQueue()
+    def __init__(self, name: str, done: Done[X], make_event: Callable[[], Any]) -> None:
+        self._q: queue.SimpleQueue[tuple[X, bool, Done[X] | None] | None] = queue.SimpleQueue()
         self._done = done
         self._make_event = make_event
         #: Events whose transfers the watcher has passed (appended by the watcher thread,
@@ -69,11 +69,12 @@ class KernelWatcher(Generic[X]):
         cuda_events.record(ev, stream)  # the GIL kept: no hand-off mid-launch
         return ev
 
-    def watch(self, x: X, last: bool = True) -> None:
+    def watch(self, x: X, last: bool = True, done: Done[X] | None = None) -> None:
         """Launch path, right after recording ``x.event`` (in launch order): wait for it.
         ``last``: no later transfer waits for the same event (a batch's transfers share
-        one; only its last one frees it)."""
-        self._q.put((x, last))
+        one; only its last one frees it). ``done``: called instead of the watcher's own
+        (a lane's launch, :mod:`kvwire_cudaipc.lane`)."""
+        self._q.put((x, last, done))
 
     def stop(self, timeout: float = 10.0) -> None:
         """Close: finish the launches already watched, then end the thread."""
@@ -82,14 +83,14 @@ class KernelWatcher(Generic[X]):
 
     def _run(self) -> None:
         while (item := self._q.get()) is not None:
-            x, last = item
+            x, last, done = item
             error = None
             try:
                 x.event.synchronize()
             except Exception as exc:  # a failed kernel (sticky CUDA error): fail the transfer
                 error = f"cudaipc: waiting for the mover kernel failed: {exc}"
             try:
-                self._done(x, error)
+                (done or self._done)(x, error)
             except Exception:
                 logger.exception("cudaipc: kernel completion handling failed")
             x.ended = True

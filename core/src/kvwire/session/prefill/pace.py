@@ -85,6 +85,7 @@ def idle(
     wake: threading.Event,
     pace: PollPace,
     sleep_s: float,
+    announced: bool = False,
 ) -> None:
     """Worker thread, when its pipeline's poll moved nothing (``posted``: its writes in
     flight; ``gates``: the layer gate of each destination's first waiting job, None for a
@@ -101,8 +102,10 @@ def idle(
     :data:`EVENT_IDLE_S` at most: no polling timer between a write's completion and its next
     step. Writes that no event announces are first polled once the earliest could have ended
     (``pace``; a job or a grant wakes the wait). ``wake`` is cleared after the wait and the
-    caller polls next, so a wake-up that comes in between is not lost."""
-    if posted and not gates and all(p.copy is None and p.handle.pushes for p in posted):
+    caller polls next, so a wake-up that comes in between is not lost. ``announced``: a
+    lean lane's writes are in flight too (their launch wakes the worker when it ends)."""
+    pushed = all(p.copy is None and p.handle.pushes for p in posted)
+    if (posted or announced) and not gates and pushed:
         wake.wait(EVENT_IDLE_S)
         wake.clear()
         return

@@ -30,6 +30,7 @@ from kvwire.session.context import RankContext
 from kvwire.session.metrics import ChunkDone
 from kvwire.session.prefill import late_sums, pace, posting
 from kvwire.session.prefill.groups import GROUPS_TABLE, group_rows, state_note
+from kvwire.session.prefill.lane import Lane
 from kvwire.session.prefill.layerwise import LayerPosting
 from kvwire.session.prefill.notes import NoteFrames
 from kvwire.session.prefill.pace import PollPace
@@ -65,10 +66,12 @@ class Pipeline:
         self.layers = LayerPosting(self, index, ctx.options.transfer_timeout_s)
         #: This worker's note frames (a chunk's only note, an aux row's).
         self.notes = NoteFrames(ctx.codec, side.sender_id, ctx.session, ctx.layout.model.page_size)
-        self.posted: list[Posted] = []
-        self.tails: dict[tuple[int, str], Tail] = {}
         #: Set by a layer-wise chunk's gate when the engine marks layers (see :meth:`idle`).
         self.wake = threading.Event()
+        #: Whole-request page writes launched a turn at a time (:mod:`.lane`).
+        self.lane = Lane(ctx, side, self.notes, self.wake)
+        self.posted: list[Posted] = []
+        self.tails: dict[tuple[int, str], Tail] = {}
         #: When to poll unannounced writes first (:mod:`~kvwire.session.prefill.pace`).
         self.pace = PollPace()
         #: Requests a write of which this turn posted (marked ``turn_end`` when it ends;
@@ -79,18 +82,21 @@ class Pipeline:
     @property
     def busy(self) -> bool:
         """Transfers are in flight, or jobs wait (for staging space)."""
-        return bool(self.posted) or any(t.queue for t in self.tails.values())
+        return bool(self.posted) or self.lane.busy or any(t.queue for t in self.tails.values())
 
     @property
     def full(self) -> bool:
         """As many transfers in flight as allowed: poll before taking another job."""
-        return len(self.posted) >= self.max_inflight
+        return len(self.posted) + self.lane.inflight >= self.max_inflight
 
     # ------------------------------------------------------------------ jobs
     def accept(self, job: Job) -> None:
-        """Queue a job behind its destination's earlier ones and post what can be posted."""
+        """Queue a job behind its destination's earlier ones and post what can be posted
+        (a turn's job that no earlier one precedes may take the lean lane instead)."""
         key = (job.room.room, job.dest.session)
         tail = self.tails.get(key)
+        if tail is None and self._in_turn and self.lane.take(job, self.plan):
+            return
         if tail is None:
             tail = self.tails[key] = Tail(job.room, job.dest, job.target)
         tail.queue.append(job)
@@ -136,7 +142,11 @@ class Pipeline:
         return moved
 
     def plan(self, job: Job) -> ChunkPlan | None:
-        """The strategy's plan for a job's chunk (None: wait for staging space)."""
+        """The strategy's plan for a job's chunk (None: wait for staging space), or the one
+        the lean lane made already."""
+        if job.planned is not None:
+            plan, job.planned = job.planned, None
+            return plan
         return job.target.strategy.plan(job.plan_request(self.index))
 
     def segments(self, job: Job, plan: ChunkPlan) -> list[Segment]:
@@ -278,7 +288,7 @@ class Pipeline:
 
     def progress(self) -> int:
         """Poll every posted transfer once, then post what waited; returns how many moved."""
-        moved = 0
+        moved = self.lane.progress()
         for p in list(self.posted):
             state = self._state(p)
             if state is XferState.PENDING:
@@ -300,7 +310,10 @@ class Pipeline:
         self._in_turn = True
         try:
             with self.ctx.backend.post_batch():
-                yield
+                try:
+                    yield
+                finally:
+                    self.lane.launch()
         finally:
             self._in_turn = False
             if self._posted_rooms:
@@ -313,7 +326,7 @@ class Pipeline:
         """Worker thread, when :meth:`progress` moved nothing: wait as
         :func:`~kvwire.session.prefill.pace.idle` says for what is in flight and waiting."""
         gates = [t.queue[0].gate for t in self.tails.values() if t.queue]
-        pace.idle(self.posted, gates, self.wake, self.pace, sleep_s)
+        pace.idle(self.posted, gates, self.wake, self.pace, sleep_s, self.lane.busy)
 
     def notify(self) -> None:
         """Any thread (a job was queued for this worker): end an :meth:`idle` wait now."""

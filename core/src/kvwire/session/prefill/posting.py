@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import threading
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
@@ -41,6 +41,7 @@ from kvwire.staging.base import ChunkPlan, LocalCopy, Segment, StagingStrategy
 if TYPE_CHECKING:
     from kvwire.session.checksums import SentSums
     from kvwire.session.context import RankContext
+    from kvwire.session.prefill.writes import Ended
 
 
 @dataclass(eq=False)
@@ -211,6 +212,12 @@ class WorkerSide(Protocol):
     def dest_done(self, room: SendRoom, dest: Dest) -> None:
         """A destination has every chunk and its aux row."""
 
+    def start_turn(self, writes: Sequence[tuple[SendRoom, Dest]]) -> list[bool]:
+        """Before a lean lane's launch: which requests are live, their writes counted."""
+
+    def end_turn(self, writes: Sequence[Ended]) -> None:
+        """A lean lane's writes ended: uncounted, accounted, destinations done or failed."""
+
 
 class ChunkPoster(Protocol):
     """What layer-wise posting needs from the pipeline that composes it (worker thread)."""
@@ -347,6 +354,14 @@ def carried_aux(ctx: RankContext, tail: Tail, job: Job) -> list[bytes] | None:
         or link.sends_groups
     ):
         return None
-    ctx.stamps[room.aux_index, 0] = room.room
     tail.aux_posted = True
+    return aux_row(ctx, room)
+
+
+def aux_row(ctx: RankContext, room: SendRoom) -> list[bytes] | None:
+    """Prefill worker: the request's aux row as its last note carries it, stamped with the
+    room (None: the request has no aux row on this rank)."""
+    if room.aux_index is None:
+        return None
+    ctx.stamps[room.aux_index, 0] = room.room
     return read_row(ctx.aux_regions, room.aux_index)

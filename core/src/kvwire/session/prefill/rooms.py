@@ -15,7 +15,7 @@ from numpy.typing import NDArray
 from kvwire.session.layers import LayerGate
 from kvwire.session.metrics import RequestMetrics
 from kvwire.session.prefill.links import DecodeLink, PoolLink
-from kvwire.staging.base import PlanRequest
+from kvwire.staging.base import ChunkPlan, PlanRequest
 
 
 @dataclass
@@ -122,6 +122,9 @@ class Job:
     #: Checksums of layers posted with no row of their own yet (see
     #: ``Pipeline.post_segments``): carried by the chunk's next note.
     unsent_sums: dict[int, int] = field(default_factory=dict)
+    #: The chunk's plan, made already by the worker's lean lane, which left the job to the
+    #: general path (:mod:`kvwire.session.prefill.lane`); taken by the next ``plan``.
+    planned: ChunkPlan | None = None
 
     @property
     def target(self) -> PoolLink:

@@ -44,7 +44,6 @@ from kvwire.errors import (
     TransferError,
 )
 from kvwire.index.base import check_pages
-from kvwire.session import metrics as m
 from kvwire.session.common import Side
 from kvwire.session.context import RankContext
 from kvwire.session.groups import send_groups
@@ -54,12 +53,13 @@ from kvwire.session.poll import KVPoll
 from kvwire.session.prefill.dispatch import dest_jobs
 from kvwire.session.prefill.early import EarlyBook, RoomIssuer
 from kvwire.session.prefill.evictions import EvictionBook
-from kvwire.session.prefill.links import DecodeLink, DecodeLinker, PoolLink
+from kvwire.session.prefill.links import DecodeLink, DecodeLinker
 from kvwire.session.prefill.pipeline import Pipeline
 from kvwire.session.prefill.registration import Registration
 from kvwire.session.prefill.requests import dest_for
 from kvwire.session.prefill.rooms import Dest, Job, SendRoom
 from kvwire.session.prefill.workers import TransferWorkers, shard_for
+from kvwire.session.prefill.writes import WriteBook
 from kvwire.session.rooms import RoomTable
 from kvwire.timer_slack import set_thread_slack
 
@@ -71,7 +71,7 @@ class PrefillSide(Side[SendRoom]):
     :class:`~kvwire.session.manager.KVManager`, with the rank context and the room table).
 
     Lock contract: room tables (``rooms``, ``early``,
-    ``writes_inflight``) are guarded by ``self.rooms.lock``, held only for table updates and queue
+    ``book.inflight``) are guarded by ``self.rooms.lock``, held only for table updates and queue
     puts, never across an engine call or a wait. Handlers run on the liveness thread.
     """
 
@@ -102,16 +102,14 @@ class PrefillSide(Side[SendRoom]):
         #: Requests and failures for rooms whose sender does not exist yet, and failures of
         #: cleared rooms (see :mod:`kvwire.session.prefill.early`).
         self.early: EarlyBook[Dest] = EarlyBook(ctx.options.bootstrap_timeout_s)
-        #: Writes posted and not ended, per (room, decode session).
-        self.writes_inflight: dict[tuple[int, str], int] = {}
         self.sender_id = ctx.layout.rank.sender_id
-        #: This rank's labelled metric children (a ``labels()`` lookup per chunk costs more).
-        self._metrics = m.ChunkMetrics(ctx.labels)
+        #: Writes in flight and the workers' sections of the room lock (their WorkerSide).
+        self.book = WriteBook(ctx, rooms, self.sender_id, self._fail)
         opts = ctx.options
         self.workers: TransferWorkers[Job] = TransferWorkers(
             ctx.num_workers,
             ctx.agent_name,
-            lambda i: Pipeline(ctx, self, i),
+            lambda i: Pipeline(ctx, self.book, i),
             inline=opts.sync_transfers,
             thread_setup=lambda: set_thread_slack(ctx.timer_slack_us),
         )
@@ -480,27 +478,6 @@ class PrefillSide(Side[SendRoom]):
             self.workers.submit(dest.shard, job, sticky=job.target.staged)
         return True
 
-    # ------------------------------------------------------------------ workers
-    def is_dead(self, room: SendRoom) -> bool:
-        """Worker thread: the request is terminal or was cleared (its work is skipped)."""
-        with self.rooms.lock:
-            return self.rooms.terminal(room) or self.rooms.get(room.room) is not room
-
-    def ended(self, room: SendRoom, dest: str, done: m.ChunkDone | None) -> bool:
-        """Worker thread: a write of the request to ``dest`` is terminal. It is no longer in
-        flight (:meth:`writes_posted`), ``done`` (when it moved bytes and succeeded) is
-        accounted in the request's and the process's metrics, and the answer is whether the
-        request is still live (not :meth:`is_dead`): one section of the room lock for the
-        three, as a completion needs them together."""
-        with self.rooms.lock:
-            self._count_writes((room.room, dest), -1)
-            if done is not None:
-                room.metrics.add_transfer(done)
-            live = not self.rooms.terminal(room) and self.rooms.get(room.room) is room
-        if done is not None:
-            self._metrics.observe(done)
-        return live
-
     def _on_writes_query(self, msg: WritesQuery) -> None:
         """Control thread: decode asks whether it may reuse a failed request's pages (or a
         cleared request's ring space): answer once no write of ours is in flight."""
@@ -508,7 +485,7 @@ class PrefillSide(Side[SendRoom]):
             room = self.rooms.get(msg.room)
             if room is not None and not self.rooms.terminal(room):
                 return  # still live here: its tail releases the space when it ends
-            if self.writes_inflight.get((msg.room, msg.session), 0):
+            if self.book.inflight.get((msg.room, msg.session), 0):
                 return  # a write is still in flight; decode asks again
             peer = self.ctx.peers.get(msg.session)
             # an evicted decode rank still waits for the answer before reusing the pages
@@ -518,39 +495,6 @@ class PrefillSide(Side[SendRoom]):
                 endpoint,
                 WritesDone(room=msg.room, sender_id=self.sender_id, session=self.ctx.session),
             )
-
-    def writes_posted(self, room: int, dest: str, delta: int) -> None:
-        """Worker thread: count writes in flight per (request, destination)."""
-        with self.rooms.lock:
-            self._count_writes((room, dest), delta)
-
-    def _count_writes(self, key: tuple[int, str], delta: int) -> None:
-        """Under the room lock: writes in flight of (request, destination) ``key`` by
-        ``delta`` (the entry goes at zero: nothing left behind per request)."""
-        n = self.writes_inflight.get(key, 0) + delta
-        if n > 0:
-            self.writes_inflight[key] = n
-        else:
-            self.writes_inflight.pop(key, None)
-
-    def abandon(self, room: SendRoom, dest: Dest, target: PoolLink) -> None:
-        """Worker thread: nothing more will be written to ``dest`` for this request."""
-        target.strategy.on_abandoned(
-            room.room, dest.session, dest.endpoint, self.sender_id, self.ctx.session
-        )
-
-    def fail(self, room: SendRoom, exc: BaseException) -> None:
-        """Any thread: fail the request (once), tell its destinations."""
-        with self.rooms.lock:
-            self._fail(room, exc)
-
-    def dest_done(self, room: SendRoom, dest: Dest) -> None:
-        """Worker thread: a destination has every chunk and its aux row."""
-        with self.rooms.lock:
-            dest.done = True
-            every = room.ready and all(d.done for d in room.dests.values())
-            if every and not self.rooms.terminal(room):
-                self.rooms.succeed(room)
 
     # ---------------------------------------------------------------- failures
     def _fail(
@@ -581,7 +525,7 @@ class PrefillSide(Side[SendRoom]):
             return {
                 "send_rooms": len(self.rooms),
                 "early_requests": len(self.early),
-                "writes_inflight": len(self.writes_inflight),
+                "writes_inflight": len(self.book.inflight),
                 **{k: v for st in self.ctx.strategies for k, v in st.room_tables().items()},
             }
 
