@@ -52,6 +52,10 @@ class LaneLaunch:
     wake: Callable[[], None] | None = None
     errors: list[str | None] = field(default_factory=list)
     done: bool = False
+    #: The lane's check, for the worker's polls: whatever of the launch ended is handled now
+    #: on the polling thread (its notes sent, the launch finished after its last group), so
+    #: a note does not wait for the lane's own thread to get the GIL. Cheap, never blocks.
+    poll: Callable[[], None] | None = field(default=None, repr=False)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     def __post_init__(self) -> None:

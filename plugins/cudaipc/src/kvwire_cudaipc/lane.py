@@ -53,11 +53,13 @@ class _Host(Protocol):
 
 @dataclass(eq=False)
 class _Group:
-    """One launch of a turn (watched by the kernel watcher): its writes' indices."""
+    """One launch of a turn (watched by the kernel watcher): its writes' indices, whether
+    its end was handled (under the turn's lock: once, by the watcher or a worker's poll)."""
 
     indices: list[int]
     event: Any = None
     ended: bool = False
+    handled: bool = False
 
 
 @dataclass(eq=False)
@@ -68,9 +70,17 @@ class _Turn:
     left: int = 0
     sealed: bool = False
     lock: threading.Lock = field(default_factory=threading.Lock)
+    groups: list[_Group] = field(default_factory=list)
+
+    def claim(self, g: _Group) -> bool:
+        """Whether the caller handles group ``g``'s end (the first to ask; watcher or poll)."""
+        with self.lock:
+            first, g.handled = not g.handled, True
+        return first
 
     def group_ended(self) -> None:
-        """Watcher thread: a group ended; the launch finishes after the last one."""
+        """Watcher or poll, after handling a group's end: the launch finishes after the
+        last one."""
         with self.lock:
             self.left -= 1
             last = self.sealed and self.left == 0
@@ -107,6 +117,7 @@ class CudaIpcLane:
     def launch(self, writes: Sequence[LaneWrite], wake: Callable[[], None]) -> LaneLaunch:
         """Prefill worker, at the end of its turn: check, group and launch ``writes``."""
         turn = _Turn(LaneLaunch(writes, wake))
+        turn.launch.poll = lambda: self._poll(turn)
         items: list[_Item] = []
         for i, w in enumerate(writes):
             try:
@@ -150,11 +161,28 @@ class CudaIpcLane:
                     return
                 with turn.lock:
                     turn.left += 1
+                    turn.groups.append(g)
                 watcher.watch(g, True, lambda g, err: self._ended(turn, g, err))
 
+    def _poll(self, turn: _Turn) -> None:
+        """A worker's poll of its launch: handle each group whose event completed and that
+        the watcher has not passed (a passed group's event may be reused: never read)."""
+        for g in list(turn.groups):
+            if g.handled or g.ended:
+                continue
+            try:
+                done = g.event.query()
+            except Exception:  # the watcher's wait reports the failed kernel
+                return
+            if not done:
+                return  # one stream: later groups end later
+            self._ended(turn, g, None)
+
     def _ended(self, turn: _Turn, g: _Group, error: str | None) -> None:
-        """Kernel watcher: group ``g`` ended (``error``: its wait failed). Send its notes
-        (after its data) and count it."""
+        """Kernel watcher or a worker's poll: group ``g`` ended (``error``: its wait
+        failed). Once per group: send its notes (after its data) and count it."""
+        if not turn.claim(g):
+            return
         launch = turn.launch
         try:
             if error is not None:

@@ -172,6 +172,9 @@ class Lane:
         launches ended."""
         if not self._flights:
             return 0
+        for f in self._flights:
+            if not f.launch.done and f.launch.poll is not None:
+                f.launch.poll()
         ended = [f for f in self._flights if f.launch.done]
         if ended:
             self._flights = [f for f in self._flights if not f.launch.done]
