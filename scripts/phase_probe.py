@@ -49,6 +49,8 @@ TARGETS: dict[str, tuple[str, ...]] = {
         "PrefillSide._on_request",
         "PrefillSide.check_deadlines",
     ),
+    "kvwire.session.prefill.lane": ("Lane.take", "Lane.launch", "Lane.progress", "Lane._end"),
+    "kvwire_cudaipc.lane": ("CudaIpcLane.launch", "CudaIpcLane._ended", "CudaIpcLane._poll"),
     "kvwire.session.prefill.writes": (
         "WriteBook.dest_done",
         "WriteBook.start_turn",
