@@ -124,24 +124,8 @@ def test_vram_registration_without_a_gpu_is_a_config_error() -> None:
         a.close()
 
 
-class _HostEvent:
-    """Stands in for a CUDA event (the stand-in copier below finishes synchronously). While
-    the class's ``gate`` is cleared, every event is "in flight": ``query`` says False and
-    ``synchronize`` blocks until the gate opens (a kernel still running)."""
-
-    gate = threading.Event()
-
-    def __init__(self, **kwargs: object) -> None:
-        self.kwargs = kwargs
-
-    def record(self, stream: object) -> None:
-        pass
-
-    def query(self) -> bool:
-        return self.gate.is_set()
-
-    def synchronize(self) -> None:
-        assert self.gate.wait(30), "stand-in kernel never finished"
+#: Events whose kernels end when the test opens ``_HostEvent.gate``.
+_HostEvent = host_stand_ins.GatedEvent
 
 
 def _host_stand_ins(monkeypatch: pytest.MonkeyPatch) -> host_stand_ins.HostPages:

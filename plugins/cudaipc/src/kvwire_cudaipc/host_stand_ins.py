@@ -10,6 +10,7 @@ the backend."""
 from __future__ import annotations
 
 import ctypes
+import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -34,6 +35,26 @@ class HostEvent:
 
     def synchronize(self) -> None:
         pass
+
+
+class GatedEvent:
+    """A CUDA event stand-in whose kernels end when a test says: while the class's ``gate``
+    is cleared every event is "in flight" (``query`` says False, ``synchronize`` blocks until
+    the gate opens, 30 s at most). The gate is shared by every event: a test sets it back."""
+
+    gate = threading.Event()
+
+    def __init__(self, **kwargs: object) -> None:
+        self.kwargs = kwargs
+
+    def record(self, stream: object) -> None:
+        pass
+
+    def query(self) -> bool:
+        return self.gate.is_set()
+
+    def synchronize(self) -> None:
+        assert self.gate.wait(30), "stand-in kernel never finished"
 
 
 class HostStream:
@@ -129,14 +150,14 @@ class HostPages:
 
 
 def install_for_managers(
-    setattr_: Callable[[Any, str, Any], None], copies: bool = True
+    setattr_: Callable[[Any, str, Any], None], copies: bool = True, event: type = HostEvent
 ) -> HostPages:
     """Every stand-in two managers of this process need to link and move over ``cudaipc``
     (:func:`install` with one :class:`HostPages` for pages and rows, :func:`install_links`);
     returns that mover (its ``launches`` count the writes' launches; ``copies=False``: the
-    batched page writes move no byte)."""
+    batched page writes move no byte; ``event``: as :func:`install` takes it)."""
     movers = HostPages(copies)
-    install(setattr_, movers, runs=movers)
+    install(setattr_, movers, runs=movers, event=event)
     install_links(setattr_)
     return movers
 
