@@ -15,8 +15,10 @@ What a lane keeps from :meth:`~kvwire.backend.TransferBackend.submit_pages`: the
 (:func:`check_write`: the pair not released, the chunk's pages and geometry inside both
 tables), the notification strictly after the data, a removed peer's writes refused (never
 launched into memory it unmapped), a failure per write (one write's problem fails its
-request alone). What it drops: the handle table, per-write polls and releases, failover
-(a backend list never offers a lane; its links take the general path).
+request alone). What it drops: the handle table, per-write polls and releases. A backend
+list (:mod:`kvwire.backends.multi_lane`) offers the lane of each link's current member; a
+write that fails there for its link is marked for :attr:`LaneLaunch.retry` and posted again
+by the worker's general path, which fails it over.
 """
 
 from __future__ import annotations
@@ -51,6 +53,12 @@ class LaneLaunch:
     writes: Sequence[LaneWrite]
     wake: Callable[[], None] | None = None
     errors: list[str | None] = field(default_factory=list)
+    #: Per write: its failure was the link's (peer gone, launch or kernel failed, note not
+    #: sent), not the write's own (a check it failed); a backend list fails the member over.
+    links: list[bool] = field(default_factory=list)
+    #: Per write: failed here, but another backend of its link may carry it (a backend
+    #: list's fallback): the worker posts it again on its general path instead of failing it.
+    retry: list[bool] = field(default_factory=list)
     done: bool = False
     #: The lane's check, for the worker's polls: whatever of the launch ended is handled now
     #: on the polling thread (its notes sent, the launch finished after its last group), so
@@ -59,15 +67,19 @@ class LaneLaunch:
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     def __post_init__(self) -> None:
-        if not self.errors:
-            self.errors = [None] * len(self.writes)
+        n = len(self.writes)
+        self.errors = self.errors or [None] * n
+        self.links = self.links or [False] * n
+        self.retry = self.retry or [False] * n
 
-    def fail(self, indices: Sequence[int], why: str) -> None:
-        """The lane: writes ``indices`` failed (the first reason a write gets is kept)."""
+    def fail(self, indices: Sequence[int], why: str, link: bool = True) -> None:
+        """The lane: writes ``indices`` failed (the first reason a write gets is kept);
+        ``link``: for a reason of the link's (see :attr:`links`)."""
         with self._lock:
             for i in indices:
                 if self.errors[i] is None:
                     self.errors[i] = why
+                    self.links[i] = link
 
     def finish(self) -> None:
         """The lane, once every write is terminal: mark the launch done and wake the worker."""

@@ -182,3 +182,60 @@ def _two_writes(p: Pair) -> tuple[LaneWrite, LaneWrite]:
     assert ok is not None and bad is not None
     bad = type(bad)(bad.geometry, np.array([10_000]), bad.dst_pages)  # unchecked, out of range
     return LaneWrite(pair, ok, b""), LaneWrite(pair, bad, b"")
+
+
+@pytest.fixture
+def listed(monkeypatch: pytest.MonkeyPatch) -> Iterator[Pair]:
+    """A pair over the list ``cudaipc,flaky`` on the stand-ins (``flaky``,
+    :mod:`kvwire.testing.flaky`: ``tcp`` that fails on command, here taking the stand-in GPU
+    memory too, so it is a fallback that moves it over TCP): the shape of ``auto`` on a GPU
+    host, whose first member offers the lane."""
+    from kvwire import plugins
+    from kvwire.plugins import PluginRegistry
+    from kvwire.testing import flaky
+
+    caps = flaky.FlakyTcpBackend.capabilities.model_copy(update={"vram": True})
+    monkeypatch.setattr(flaky.FlakyTcpBackend, "capabilities", caps)
+    monkeypatch.setattr(plugins, "_registry", PluginRegistry(extra=[("flaky", flaky)]))
+    host_stand_ins.install_for_managers(monkeypatch.setattr, event=host_stand_ins.GatedEvent)
+    host_stand_ins.GatedEvent.gate.set()
+    cfg = config(secret="lane-list", backend="cudaipc,flaky", staging="direct", num_workers=1)
+    p = Pair(cfg, slots=64, registered=host_stand_ins.vram_layout)
+    try:
+        yield p
+    finally:
+        p.close()
+
+
+def test_a_backend_list_keeps_the_lane_of_its_first_member(
+    listed: Pair, lane_writes: list[int]
+) -> None:
+    """Over ``cudaipc,flaky`` whole requests still take ``cudaipc``'s lane (through the
+    list's), and land whole."""
+    assert listed.prefill.ctx.backend.page_lane is not None
+    for room in (1, 2, 3):
+        listed.transfer(room, pages=2, chunks=(2,))
+    assert sum(lane_writes) == 3
+
+
+def test_a_lane_write_failed_for_its_link_fails_over_and_the_request_succeeds(
+    listed: Pair, lane_writes: list[int]
+) -> None:
+    """The lane's launch fails (the link's fault, not the write's): the list fails
+    ``cudaipc`` over for the link (counted) and the write goes again on ``flaky``, so the
+    request succeeds with every element right, on both sides; later requests take the
+    fallback until the probe brings ``cudaipc`` back."""
+
+    def broken(*args: Any, **kwargs: Any) -> int:
+        raise RuntimeError("stand-in launch failure")
+
+    multi = listed.prefill.ctx.backend
+    before = multi.failovers  # type: ignore[attr-defined]
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(host_stand_ins.HostPages, "copy_batch", broken)
+        listed.transfer(11, pages=2, chunks=(2,))  # verified element by element
+        assert lane_writes == [1]
+        assert multi.failovers == before + 1  # type: ignore[attr-defined]
+        listed.transfer(12, pages=2, chunks=(2,))  # on the fallback: no lane write
+        assert lane_writes == [1]
+    wait_for(lambda: no_rooms(listed.prefill) and no_rooms(listed.decode))

@@ -18,6 +18,7 @@ link-only backend such as ``cudaipc`` is usable here) holds one :class:`MultiBac
 * **Recovery.** A probe thread reconnects an unhealthy member after a back-off doubling on
   each failed probe (``probe_s`` .. ``probe_max_s``): ``link_problem``, then the peer added
   again from its metadata, the tables prepared again (``on_recovery``).
+* **Lane.** Each link's current member's lean lane (:mod:`kvwire.backends.multi_lane`).
 
 Lock contract (on top of the template's): routes and their health live under
 ``_routes_lock``, held only for dictionary and flag updates, never across a member call.
@@ -47,6 +48,7 @@ from kvwire.backend import (
     XferOp,
     XferState,
 )
+from kvwire.backends.multi_lane import MultiLane
 from kvwire.backends.multi_routes import Pair as _Pair
 from kvwire.backends.multi_routes import Route as _Route
 from kvwire.backends.multi_routes import Xfer as _Xfer
@@ -96,10 +98,11 @@ class MultiBackend(TransferBackend):
         if len(set(names)) != len(names):
             raise ValueError(f"member backends must differ, got {names}")
         self.members = list(members)
+        #: Its links' current members' lanes, where a member offers one (multi_lane).
+        self.page_lane = MultiLane(self) if any(m.page_lane for m in members) else None
         #: ``--transfer-backend auto`` (the per-link rule picks) or a list (its order does).
         self.auto = auto
-        #: Members that serve only some links (``cudaipc``) and that write decode's pages
-        #: themselves (``page_writes``: never staged), for the per-link rule.
+        #: Members serving only some links (``cudaipc``), writing pages (never staged).
         self.link_only = frozenset(link_only)
         self.page_writers = frozenset(m.name for m in members if m.capabilities.page_writes)
         self.probe_s = probe_s
@@ -112,21 +115,18 @@ class MultiBackend(TransferBackend):
         self._prober: threading.Thread | None = None
         #: Members that refused this rank's memory at startup, with why (never used).
         self.disabled: dict[int, str] = {}
-        #: Switches away from a failed member, and moves back after a probe (all links).
-        self.failovers = 0
-        self.recoveries = 0
+        self.failovers = 0  # switches away from a failed member (all links)
+        self.recoveries = 0  # moves back after a probe
 
     @property
-    def member_names(self) -> list[str]:
-        """The enabled members' names, in preference order."""
+    def member_names(self) -> list[str]:  # the enabled members', in preference order
         return [m.name for i, m in enumerate(self.members) if i not in self.disabled]
 
     # ---------------------------------------------------------------- memory
     def _register(self, regions: list[MemoryRegion]) -> None:
-        """Register with every enabled member. Before any link exists, a member that refuses
-        the memory (e.g. ``cudaipc`` with VRAM on two GPUs) is disabled with its reason
-        logged, as long as another member is left; afterwards a refusal is raised (links
-        already count on every member)."""
+        """Register with every enabled member. Before any link exists, a member refusing the
+        memory (``cudaipc``: VRAM on two GPUs) is disabled, its reason logged, while another
+        is left; afterwards a refusal is raised (links count on every member)."""
         done: list[TransferBackend] = []
         try:
             for i, m in enumerate(self.members):
@@ -340,8 +340,8 @@ class MultiBackend(TransferBackend):
         wake: Callable[[], None] | None = None,
     ) -> TransferHandle:
         """Post on the link's first healthy member (which validates the arguments), failing
-        over at once when it refuses the post for its link. Data path; no lock held across a
-        member call. ``wake`` goes to the member, which calls it if it pushes events."""
+        over at once when it refuses the post for its link. Data path, no lock across a
+        member call; ``wake`` goes to the member (called if it pushes events)."""
         x = _Xfer(op, pair.state, local_idx, remote_idx, notification, wake=wake)
         return self._start(pair, x)
 

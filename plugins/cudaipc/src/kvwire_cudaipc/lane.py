@@ -124,8 +124,8 @@ class CudaIpcLane:
                 check_write(self._b.name, self._b.capabilities, w)
                 st: IpcPair = w.pair.state
                 src, dst = st.addresses(w.chunk.geometry)
-            except Exception as exc:
-                turn.launch.fail([i], f"{type(exc).__name__}: {exc}")
+            except Exception as exc:  # the write's own problem, not the link's
+                turn.launch.fail([i], f"{type(exc).__name__}: {exc}", link=False)
                 continue
             items.append((i, st, w.chunk, src, dst))
         try:

@@ -75,9 +75,17 @@ class Lane:
     worker side, note frames and wake-up event)."""
 
     def __init__(
-        self, ctx: RankContext, side: WorkerSide, notes: NoteFrames, wake: threading.Event
+        self,
+        ctx: RankContext,
+        side: WorkerSide,
+        notes: NoteFrames,
+        wake: threading.Event,
+        fallback: Callable[[Job], None],
     ) -> None:
         self.ctx = ctx
+        #: Posts a job on the general path (a write the lane's backend says another member
+        #: of its link may carry: ``LaneLaunch.retry``).
+        self._fallback = fallback
         self.side = side
         self.notes = notes
         self._wake = wake
@@ -98,6 +106,8 @@ class Lane:
         (False; a plan made here rides on ``job.planned``)."""
         lane, link = self.ctx.backend.page_lane, job.link
         if lane is None or job.gate is not None or job.chunk_id != 0 or not job.last:
+            return False
+        if job.planned is not None:  # planned already: one the lane left or gave back
             return False
         if job.pool != "kv" or link.checksums is not None or link.sends_groups or link.dummy:
             return False
@@ -195,8 +205,15 @@ class Lane:
         room-lock section."""
         t_done = time.perf_counter()
         out: list[Ended] = []
-        for t, error in zip(f.taken, f.launch.errors, strict=True):
+        launch = f.launch
+        for t, error, retry in zip(f.taken, launch.errors, launch.retry, strict=True):
             job, room = t.job, t.job.room
+            if error is not None and retry:  # its link's other backend carries it
+                logger.info("%s: room %d: %s; posted again", self.ctx.agent_name, room.room, error)
+                job.planned = t.plan
+                self._fallback(job)  # counted again before this write is uncounted
+                out.append((room, job.dest, None, None))
+                continue
             job.target.strategy.on_sent(room.room, t.plan, error is None)
             if error is None:
                 room.metrics.marks["done"] = t_done

@@ -69,7 +69,7 @@ class Pipeline:
         #: Set by a layer-wise chunk's gate when the engine marks layers (see :meth:`idle`).
         self.wake = threading.Event()
         #: Whole-request page writes launched a turn at a time (:mod:`.lane`).
-        self.lane = Lane(ctx, side, self.notes, self.wake)
+        self.lane = Lane(ctx, side, self.notes, self.wake, self.accept)
         self.posted: list[Posted] = []
         self.tails: dict[tuple[int, str], Tail] = {}
         #: When to poll unannounced writes first (:mod:`~kvwire.session.prefill.pace`).

@@ -28,8 +28,8 @@ from kvwire.session.rooms import RoomTable
 
 logger = logging.getLogger(__name__)
 
-#: One lane write as it ends: its request, destination, accounting (None: it failed) and the
-#: error it failed with (None: it succeeded).
+#: One lane write as it ends: its request, destination, accounting (None: it failed or was
+#: handed to the general path) and the error it failed with (None: it did not fail).
 Ended = tuple[SendRoom, Dest, m.ChunkDone | None, BaseException | None]
 
 
@@ -131,19 +131,21 @@ class WriteBook:
     def end_turn(self, writes: Sequence[Ended]) -> None:
         """Worker thread, once its lane's launched writes ended: each is no longer in
         flight; a successful one is accounted and its destination done (the request
-        succeeds with its last destination), a failed one fails its request, in one section."""
+        succeeds with its last destination), a failed one fails its request, one handed to
+        the general path is left to it, in one section."""
         with self.rooms.lock:
             for room, dest, done, error in writes:
                 self.count_locked((room.room, dest.session), -1)
                 if error is not None:
                     self._fail_locked(room, error)
                     continue
-                assert done is not None
+                if done is None:
+                    continue  # posted again on the general path, which counts it
                 room.metrics.add_transfer(done)
                 if self._live(room):
                     self._dest_done_locked(room, dest)
-        for _, _, done, _error in writes:
+        for _, _, done, error in writes:
             if done is not None:
                 self._metrics.observe(done)
-            else:
+            elif error is not None:
                 m.chunk_failed(self.ctx.labels)
