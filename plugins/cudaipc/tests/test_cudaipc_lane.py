@@ -34,23 +34,27 @@ def lane_writes(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     return seen
 
 
-def make_pair(monkeypatch: pytest.MonkeyPatch, **control: Any) -> Pair:
-    """A pair over ``cudaipc`` on the stand-ins, its events gated
+def make_pair(monkeypatch: pytest.MonkeyPatch, backend: str = "cudaipc", **control: Any) -> Pair:
+    """A pair over ``backend`` on the stand-ins, its events gated
     (:class:`~kvwire_cudaipc.host_stand_ins.GatedEvent`, open unless a test closes it)."""
     host_stand_ins.install_for_managers(monkeypatch.setattr, event=host_stand_ins.GatedEvent)
     host_stand_ins.GatedEvent.gate.set()
-    cfg = config(secret="lane-test", backend="cudaipc", staging="direct", num_workers=1, **control)
+    cfg = config(secret="lane-test", backend=backend, staging="direct", num_workers=1, **control)
     return Pair(cfg, slots=64, registered=host_stand_ins.vram_layout)
 
 
-@pytest.fixture
-def pair(monkeypatch: pytest.MonkeyPatch) -> Iterator[Pair]:
-    p = make_pair(monkeypatch)
+def closing(p: Pair) -> Iterator[Pair]:
+    """A fixture's life of pair ``p``: yielded, then its events let end and it is closed."""
     try:
         yield p
     finally:
         host_stand_ins.GatedEvent.gate.set()
         p.close()
+
+
+@pytest.fixture
+def pair(monkeypatch: pytest.MonkeyPatch) -> Iterator[Pair]:
+    yield from closing(make_pair(monkeypatch))
 
 
 def test_whole_requests_take_the_lane_others_the_general_path(
@@ -197,14 +201,7 @@ def listed(monkeypatch: pytest.MonkeyPatch) -> Iterator[Pair]:
     caps = flaky.FlakyTcpBackend.capabilities.model_copy(update={"vram": True})
     monkeypatch.setattr(flaky.FlakyTcpBackend, "capabilities", caps)
     monkeypatch.setattr(plugins, "_registry", PluginRegistry(extra=[("flaky", flaky)]))
-    host_stand_ins.install_for_managers(monkeypatch.setattr, event=host_stand_ins.GatedEvent)
-    host_stand_ins.GatedEvent.gate.set()
-    cfg = config(secret="lane-list", backend="cudaipc,flaky", staging="direct", num_workers=1)
-    p = Pair(cfg, slots=64, registered=host_stand_ins.vram_layout)
-    try:
-        yield p
-    finally:
-        p.close()
+    yield from closing(make_pair(monkeypatch, "cudaipc,flaky"))
 
 
 def test_a_backend_list_keeps_the_lane_of_its_first_member(
