@@ -82,11 +82,14 @@ class LaneLaunch:
                     self.links[i] = link
 
     def finish(self) -> None:
-        """The lane, once every write is terminal: mark the launch done and wake the worker."""
+        """The lane, once every write is terminal: mark the launch done (its ``poll`` let
+        go: a lane's poll refers back to its launch, a cycle per turn otherwise left to the
+        garbage collector) and wake the worker."""
         with self._lock:
             if self.done:
                 return
             self.done = True
+            self.poll = None
         if self.wake is not None:
             self.wake()
 

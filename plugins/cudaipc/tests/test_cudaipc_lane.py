@@ -167,6 +167,7 @@ def test_a_write_that_fails_its_check_fails_alone(monkeypatch: pytest.MonkeyPatc
         woke: list[bool] = []
         launch = lane.launch([good, bad], lambda: woke.append(True))
         wait_for(lambda: launch.done, timeout=10)
+        assert launch.poll is None  # let go with the launch: no cycle left per turn
         assert launch.errors[0] is None
         assert launch.errors[1] is not None and "out of range" in launch.errors[1]
         assert woke == [True]

@@ -99,10 +99,10 @@ class MultiLane:
     def _poll(self, joined: _Joined) -> None:
         """A worker's poll: each member's launch polled (its ended groups handled)."""
         with joined.lock:
-            parts = [p for _, _, p in joined.parts]
-        for p in parts:
-            if not p.done and p.poll is not None:
-                p.poll()
+            polls = [p.poll for _, _, p in joined.parts]  # read once (None once finished)
+        for poll in polls:
+            if poll is not None:
+                poll()
 
     def _count(self, joined: _Joined) -> None:
         """A member's launch finished, or the launching call returned (any thread): after

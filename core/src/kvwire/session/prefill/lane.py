@@ -183,8 +183,9 @@ class Lane:
         if not self._flights:
             return 0
         for f in self._flights:
-            if not f.launch.done and f.launch.poll is not None:
-                f.launch.poll()
+            poll = f.launch.poll  # read once: the lane lets go of it when it finishes
+            if poll is not None:
+                poll()
         ended = [f for f in self._flights if f.launch.done]
         if ended:
             self._flights = [f for f in self._flights if not f.launch.done]
