@@ -237,3 +237,57 @@ def test_a_lane_write_failed_for_its_link_fails_over_and_the_request_succeeds(
         listed.transfer(12, pages=2, chunks=(2,))  # on the fallback: no lane write
         assert lane_writes == [1]
     wait_for(lambda: no_rooms(listed.prefill) and no_rooms(listed.decode))
+
+
+def test_the_handshake_says_whether_the_lane_serves_the_link(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Prefill's handshake line names the lean lane's verdict for the link: whole-request
+    page writes over ``cudaipc``; over ``tcp``, which offers none, the reason."""
+    import logging
+
+    from kvwire.testing.pair import pair as tcp_pair
+
+    caplog.set_level(logging.INFO, logger="kvwire.session.prefill.links")
+    p = make_pair(monkeypatch)
+    try:
+        p.transfer(1, pages=2, chunks=(2,))
+    finally:
+        p.close()
+    with tcp_pair(config(secret="lane-tcp")) as t:
+        t.transfer(2, pages=2, chunks=(2,))
+    lines = [r.getMessage() for r in caplog.records if "handshake with" in r.getMessage()]
+    assert any("lean lane: whole-request page writes" in m for m in lines), lines
+    assert any("lean lane: the backend offers none" in m for m in lines), lines
+
+
+def test_each_reason_a_link_leaves_the_lane(pair: Pair) -> None:
+    """:func:`~kvwire.session.prefill.links.lane_problem` over a real link changed one field
+    at a time: each change gives its own reason; the link as it is gives none."""
+    import dataclasses
+
+    from kvwire.session.prefill.links import lane_problem
+
+    pair.transfer(1, pages=2, chunks=(2,))
+    peer = pair.prefill.ctx.peers.get(pair.decode.ctx.session)
+    assert peer is not None
+    link = peer.link
+    assert lane_problem(link, True) is None and link.lane_problem is None
+    kv = link.pools["kv"]
+    changed = {
+        "the backend offers none": (link, False),
+        "KV checksums are on": (dataclasses.replace(link, checksums=object()), True),
+        "this rank sends no KV to it": (dataclasses.replace(link, dummy=True), True),
+        "the aux row moves as a write of its own": (
+            dataclasses.replace(link, sends_aux=True, aux_in_note=False),
+            True,
+        ),
+        "the link is staged": (
+            dataclasses.replace(link, pools={"kv": dataclasses.replace(kv, staged=True)}),
+            True,
+        ),
+        "its KV rows mix memory kinds": (dataclasses.replace(link, splits={kv.table: None}), True),
+        "no prepared KV tables": (dataclasses.replace(link, pairs={}), True),
+    }
+    for why, (changed_link, offered) in changed.items():
+        assert lane_problem(changed_link, offered) == why

@@ -6,10 +6,11 @@ tail, a plan reference, a transfer handle polled and released, and three section
 room lock; at C=8 and heterogeneous TP 1 -> 2 that bookkeeping, not the GPU, bounds how many
 requests a prefill rank moves a second (docs/architecture.md, "The lean lane"). A job takes
 the lane when its backend offers one (``TransferBackend.page_lane``,
-:mod:`kvwire.page_lane`) and it is the simplest case: the request's only chunk to that decode
-rank (chunk 0 and the last), of the KV pool, not layer-wise, no checksum, no buffer group,
-not staged, its aux row (if any) riding in its note, its plan in page form on one prepared
-pair the backend's lane takes. Every other job, and every job outside a turn (the
+:mod:`kvwire.page_lane`), its link allows it (``DecodeLink.lane_problem``, decided at the
+handshake and logged: no checksum, no buffer group, not staged, its aux row (if any) riding
+in its note) and it is the simplest case: the request's only chunk to that decode rank
+(chunk 0 and the last), of the KV pool, not layer-wise, its plan in page form on one
+prepared pair the backend's lane takes. Every other job, and every job outside a turn (the
 synchronous mode), takes the general path, which gets the plan already made.
 
 Per job (:meth:`Lane.take`, worker thread): the plan, the note framed from the worker's
@@ -105,20 +106,13 @@ class Lane:
         destination precedes: take it into this turn (True), or leave it to the general path
         (False; a plan made here rides on ``job.planned``)."""
         lane, link = self.ctx.backend.page_lane, job.link
-        if lane is None or job.gate is not None or job.chunk_id != 0 or not job.last:
+        if lane is None or link.lane_problem is not None or job.pool != "kv":
+            return False  # the link's reason is in its handshake's log line
+        if job.gate is not None or job.chunk_id != 0 or not job.last:
             return False
         if job.planned is not None:  # planned already: one the lane left or gave back
             return False
-        if job.pool != "kv" or link.checksums is not None or link.sends_groups or link.dummy:
-            return False
-        target = job.target
-        if target.staged or target.table in link.splits:
-            return False
-        if link.sends_aux and not link.aux_in_note:
-            return False
-        pair = link.pairs.get(target.table)
-        if pair is None:
-            return False
+        pair = link.pairs[job.target.table]
         room, t_start = job.room, time.perf_counter()
         room.metrics.marks["taken"] = t_start
         try:

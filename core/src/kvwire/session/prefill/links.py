@@ -104,11 +104,33 @@ class DecodeLink:
     #: The aux row rides in the last chunk's note (decode takes it: ``Hello.aux_in_note``;
     #: both sides' aux rows in host memory). (1.11)
     aux_in_note: bool = False
+    #: Why a worker's lean lane never carries this link's KV (None: it may, a request whose
+    #: only chunk the backend's lane takes; :func:`lane_problem`, set at the handshake).
+    lane_problem: str | None = "not decided"
 
     @property
     def sends_groups(self) -> bool:
         """Whether this rank moves group bytes to that decode rank (one note per request)."""
         return self.groups is not None and self.groups.sends
+
+
+def lane_problem(link: DecodeLink, offered: bool) -> str | None:
+    """Handshake thread, once the link is built: why the lean lane
+    (:mod:`kvwire.session.prefill.lane`) never carries the link's KV chunks, or None
+    (``offered``: the rank's backend has a lane). The lane moves a request's whole chunk as
+    pages in place with its note, so it leaves to the general path what needs more."""
+    kv = link.pools["kv"]
+    checks = (
+        (not offered, "the backend offers none"),
+        (link.checksums is not None, "KV checksums are on"),
+        (link.sends_groups, "the link moves buffer groups"),
+        (link.dummy, "this rank sends no KV to it"),
+        (link.sends_aux and not link.aux_in_note, "the aux row moves as a write of its own"),
+        (kv.staged, "the link is staged"),
+        (kv.table in link.splits, "its KV rows mix memory kinds"),
+        (kv.table not in link.pairs, "no prepared KV tables"),
+    )
+    return next((why for hit, why in checks if hit), None)
 
 
 class DecodeLinker:
@@ -307,6 +329,7 @@ class DecodeLinker:
                 choice=choice,
                 aux_in_note=hello.aux_in_note and carries_aux(ctx.aux_regions),
             )
+            link.lane_problem = lane_problem(link, ctx.backend.page_lane is not None)
         except Exception as exc:  # a plugin's error included: decode must hear why, now
             if not isinstance(exc, KVWireError):
                 logger.exception("%s: handshake with %s failed", ctx.agent_name, hello.agent)
@@ -320,7 +343,8 @@ class DecodeLinker:
             )
             self.evictions.rejoined(hello.session)
         logger.info(
-            "%s: handshake with %s (%s mapper%s%s); %s; staging advice %r, applied: %s",
+            "%s: handshake with %s (%s mapper%s%s); %s; staging advice %r, applied: %s; "
+            "lean lane: %s",
             ctx.agent_name,
             hello.agent,
             mapper.name,
@@ -329,6 +353,7 @@ class DecodeLinker:
             choice.describe(),
             choice.staging,
             applied.why,
+            "whole-request page writes" if link.lane_problem is None else link.lane_problem,
         )
         self._ack(hello, link)
 
