@@ -19,14 +19,22 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import Protocol
 
+from kvwire.backend import TransferBackend
 from kvwire.backends.multi_routes import Pair as _Pair
+from kvwire.backends.multi_routes import Route
 from kvwire.page_lane import LaneLaunch, LaneWrite, PageLane
 from kvwire.transfers import PreparedPair
 
-if TYPE_CHECKING:
-    from kvwire.backends.multi import MultiBackend
+
+class _List(Protocol):
+    """What the lane uses of its list (:class:`~kvwire.backends.multi.MultiBackend`)."""
+
+    members: list[TransferBackend]
+    _routes_lock: threading.Lock
+
+    def _member_failed(self, route: Route, i: int, why: str) -> None: ...
 
 
 @dataclass(eq=False)
@@ -45,7 +53,7 @@ class _Joined:
 class MultiLane:
     """The lane of a :class:`~kvwire.backends.multi.MultiBackend` (its ``page_lane``)."""
 
-    def __init__(self, multi: MultiBackend) -> None:
+    def __init__(self, multi: _List) -> None:
         self._multi = multi
 
     def _member(self, pair: PreparedPair) -> tuple[int, PreparedPair, PageLane] | None:
