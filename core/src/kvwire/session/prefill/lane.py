@@ -35,6 +35,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from kvwire.errors import TransferError
+from kvwire.page_form import PageChunk
 from kvwire.page_lane import LaneLaunch, LaneWrite
 from kvwire.session.context import RankContext
 from kvwire.session.metrics import ChunkDone
@@ -54,6 +55,8 @@ class _Taken:
 
     job: Job
     plan: ChunkPlan
+    #: The plan's chunk in page form, on prepared pair ``pair``.
+    chunk: PageChunk
     pair: PreparedPair
     note: bytes
     t_start: float
@@ -131,7 +134,7 @@ class Lane:
         room.metrics.marks["planned"] = time.perf_counter()
         aux = aux_row(self.ctx, room) if link.sends_aux else None
         note = self.notes.chunk(room.room, plan.what, 0, True, job.span, room.num_pages, aux)
-        self._turn.append(_Taken(job, plan, pair, note, t_start))
+        self._turn.append(_Taken(job, plan, pages, pair, note, t_start))
         self.inflight += 1
         return True
 
@@ -155,7 +158,7 @@ class Lane:
         now = time.perf_counter()
         for t in go:
             t.job.room.metrics.marks["posted"] = now
-        writes = [LaneWrite(t.pair, t.plan.pages, t.note) for t in go]  # type: ignore[arg-type]
+        writes = [LaneWrite(t.pair, t.chunk, t.note) for t in go]
         lane = self.ctx.backend.page_lane
         assert lane is not None
         try:
@@ -212,11 +215,8 @@ class Lane:
             job.target.strategy.on_sent(room.room, t.plan, error is None)
             if error is None:
                 room.metrics.marks["done"] = t_done
-                pages = t.plan.pages
-                assert pages is not None
-                done = ChunkDone(
-                    pages.nbytes, pages.num_rows, t.t_start, f.t_posted, t_done, job.t_enqueued
-                )
+                c, t0 = t.chunk, t.t_start
+                done = ChunkDone(c.nbytes, c.num_rows, t0, f.t_posted, t_done, job.t_enqueued)
                 out.append((room, job.dest, done, None))
             else:
                 exc = TransferError(
