@@ -53,7 +53,8 @@ class Pipeline:
 
     Built by the prefill side per worker thread with the rank context and the side's
     worker-facing interface (:class:`~kvwire.session.prefill.posting.WorkerSide`); composes a
-    :class:`~kvwire.session.prefill.layerwise.LayerPosting` for layer-wise chunks."""
+    :class:`~kvwire.session.prefill.layerwise.LayerPosting` for layer-wise chunks and a
+    :class:`~kvwire.session.prefill.lane.Lane` for a turn's whole-request page writes."""
 
     def __init__(self, ctx: RankContext, side: WorkerSide, index: int = 0) -> None:
         self.side = side
