@@ -120,6 +120,24 @@ _CHECK = textwrap.dedent(
     launches = mover.copy_batch(items)
     assert np.array_equal(arena, want)
     assert launches == 3, launches
+
+    # a link's chunks come with the same pair-address arrays: their group key is made once
+    # per geometry; new arrays (a pair prepared again) make it afresh; every byte right
+    import kvwire.movers.triton_pool_pages as tpp
+    widths = []
+    real_width = tpp.page_width
+    tpp.page_width = lambda *a: widths.append(1) or real_width(*a)
+    for again in (items, [(c, s.copy(), d.copy()) for c, s, d in items]):
+        arena[:] = rng.integers(0, 256, arena.size, dtype=np.uint8)
+        want = arena.copy()
+        for chunk, s_addr, d_addr in again:
+            copy_pool_pages_reference(want, chunk, s_addr - base, d_addr - base)
+        widths.clear()
+        assert mover.copy_batch(again) == 3
+        assert np.array_equal(arena, want)
+        # the head-major chunk launches alone (copy_pages: its width each time); the four
+        # other geometries' widths, two sides each, only for new arrays
+        assert len(widths) == (1 if again is items else 9), widths
     print("POOL-PAGES-OK")
     """
 )

@@ -26,6 +26,7 @@ CUDA device, or Triton's interpreter on the CPU with ``TRITON_INTERPRET=1``).
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Sequence
 from typing import Any
 
@@ -59,6 +60,15 @@ class PoolPageCopier(PageCopier):
 
     #: The compile-time shape of the last call (tests, diagnostics).
     last_shape: int = -1
+
+    def __init__(self, device: Any, num_warps: int = 4, *, slots: int = 16) -> None:
+        super().__init__(device, num_warps, slots=slots)
+        #: Each geometry's batch group key and element size, with the pair addresses they
+        #: were made for (:meth:`copy_batch`: a link's chunks come with the same arrays).
+        self._groups: weakref.WeakKeyDictionary[PageGeometry, tuple[Any, ...]] = (
+            weakref.WeakKeyDictionary()
+        )
+
     #: Piece order of the head kernel: "auto" (consecutive pieces nearest on the destination),
     #: "t" (tokens of a head) or "h" (heads of a token); benchmarks set it to compare.
     heads_order: str = "auto"
@@ -143,8 +153,9 @@ class PoolPageCopier(PageCopier):
         launches as :meth:`copy_pages` does. Returns the launches. Same thread contract as
         :meth:`copy_pages`.
 
-        The host's work per chunk is a few NumPy calls on the chunk's own page lists and pair
-        addresses, never on an array of every (pair, page): NumPy lets go of the GIL for
+        The host's work per chunk is a lookup of its geometry's group key (made once per
+        geometry and pair addresses: their alignment, the kernel's compile-time key), never
+        an array of every (pair, page): NumPy lets go of the GIL for
         arrays of 500 elements or more, and a worker that lets go of it waits, on a busy
         engine process, for the engine's thread to hand it back (docs/benchmarks.md,
         "Session 26")."""
@@ -158,15 +169,12 @@ class PoolPageCopier(PageCopier):
                 self.copy_pages(chunk, sa, da, stream=stream)
                 launches += 1
                 continue
-            sa, da = np.asarray(sa, np.int64), np.asarray(da, np.int64)
-            width = min(
-                page_width(sa, 0, g.src_slot, g.src_row, g.n),
-                page_width(da, 0, g.dst_slot, g.dst_row, g.n),
-            )
-            key, eb = kernel_key(width, g.n, False)
-            shape = _shape(g, key, eb)
-            strides = (g.src_row // eb, g.dst_row // eb, g.n // width, g.tokens)
-            groups.setdefault((*key[:4], shape, *strides), []).append((chunk, sa, da, eb))
+            seen = self._groups.get(g)
+            if seen is None or seen[0] is not sa or seen[1] is not da:
+                sa64, da64 = np.asarray(sa, np.int64), np.asarray(da, np.int64)
+                seen = self._groups[g] = (sa, da, sa64, da64, *_group_key(g, sa64, da64))
+            _, _, sa64, da64, gk, eb = seen
+            groups.setdefault(gk, []).append((chunk, sa64, da64, eb))
         for gk, parts in groups.items():
             for batch in _batches(parts):
                 if len(batch) == 1:
@@ -234,6 +242,21 @@ class PoolPageCopier(PageCopier):
         self._launch(
             _copy_pool_heads, "pool_heads", key, index, addrs, scalars, stream, grid=nbuf * npages
         )
+
+
+def _group_key(
+    g: PageGeometry, sa: NDArray[np.int64], da: NDArray[np.int64]
+) -> tuple[tuple[int, ...], int]:
+    """The batch group key of chunks of geometry ``g`` between pair addresses ``sa`` and
+    ``da`` (the compile-time key, shape and strides: chunks that share it go in one launch)
+    and the element size its lengths are counted in."""
+    width = min(
+        page_width(sa, 0, g.src_slot, g.src_row, g.n),
+        page_width(da, 0, g.dst_slot, g.dst_row, g.n),
+    )
+    key, eb = kernel_key(width, g.n, False)
+    strides = (g.src_row // eb, g.dst_row // eb, g.n // width, g.tokens)
+    return (*key[:4], _shape(g, key, eb), *strides), eb
 
 
 def _shape(g: PageGeometry, key: tuple[Any, ...], eb: int) -> int:
