@@ -34,7 +34,9 @@ class CudaIpcOptions(TcpOptions):
         "turn of its loop go out together, up to this many bytes a launch: one mover launch "
         "per shape and one event for all (post_batch). A larger chunk launches alone at its "
         "submit (held, it would wait for the others and they for it: 4 x H100, 128 MiB "
-        "chunks at C=8 held 8 at a time moved 0.67x). 0: a launch and an event per chunk.",
+        "chunks at C=8 held 8 at a time moved 0.67x). The lean lane takes only chunks under "
+        "it, in launches of up to this many bytes (kvwire_cudaipc.lane). 0: a launch and an "
+        "event per chunk, and no lane.",
     )
 
 
