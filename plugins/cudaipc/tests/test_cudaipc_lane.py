@@ -34,12 +34,19 @@ def lane_writes(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     return seen
 
 
-def make_pair(monkeypatch: pytest.MonkeyPatch, backend: str = "cudaipc", **control: Any) -> Pair:
-    """A pair over ``backend`` on the stand-ins, its events gated
+def make_pair(
+    monkeypatch: pytest.MonkeyPatch,
+    backend: str = "cudaipc",
+    options: dict[str, Any] | None = None,
+    **control: Any,
+) -> Pair:
+    """A pair over ``backend`` (its ``options``) on the stand-ins, its events gated
     (:class:`~kvwire_cudaipc.host_stand_ins.GatedEvent`, open unless a test closes it)."""
     host_stand_ins.install_for_managers(monkeypatch.setattr, event=host_stand_ins.GatedEvent)
     host_stand_ins.GatedEvent.gate.set()
     cfg = config(secret="lane-test", backend=backend, staging="direct", num_workers=1, **control)
+    if options:
+        cfg = cfg.model_copy(update={"transfer_backend_options": options})
     return Pair(cfg, slots=64, registered=host_stand_ins.vram_layout)
 
 
@@ -291,3 +298,17 @@ def test_each_reason_a_link_leaves_the_lane(pair: Pair) -> None:
     }
     for why, (changed_link, offered) in changed.items():
         assert lane_problem(changed_link, offered) == why
+
+
+def test_batch_max_bytes_zero_turns_the_lane_off(
+    monkeypatch: pytest.MonkeyPatch, lane_writes: list[int]
+) -> None:
+    """``batch_max_bytes=0`` (a launch and an event per chunk): the lane takes no chunk, and
+    whole requests still land through the general path."""
+    p = make_pair(monkeypatch, options={"batch_max_bytes": 0})
+    try:
+        for room in (1, 2):
+            p.transfer(room, pages=2, chunks=(2,))
+        assert lane_writes == []
+    finally:
+        p.close()
