@@ -183,11 +183,13 @@ class Lane:
             poll = f.launch.poll  # read once: the lane lets go of it when it finishes
             if poll is not None:
                 poll()
-        ended = [f for f in self._flights if f.launch.done]
-        if ended:
-            self._flights = [f for f in self._flights if not f.launch.done]
-            for f in ended:
-                self._end(f)
+        ended: list[_Flight] = []
+        left: list[_Flight] = []
+        for f in self._flights:  # one read of ``done`` each: the lane's thread may finish one
+            (ended if f.launch.done else left).append(f)  # between two reads
+        self._flights = left
+        for f in ended:
+            self._end(f)
         now = time.monotonic()
         for f in self._flights:
             if not f.overdue and now > f.deadline:

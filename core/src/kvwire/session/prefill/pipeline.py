@@ -275,7 +275,12 @@ class Pipeline:
 
     def _drop(self, key: tuple[int, str], tail: Tail) -> None:
         """A dead request's tail: forget its queued jobs; once nothing is in flight, tell a
-        staging destination that no write will come."""
+        staging destination that no write will come. A queued job's plan made already (by
+        the lean lane) goes back to its strategy unsent."""
+        for job in tail.queue:
+            if job.planned is not None:
+                job.target.strategy.on_sent(job.room.room, job.planned, False)
+                job.planned = None
         tail.queue.clear()
         if tail.layered is not None:  # later layer groups will not be posted
             tail.layered.ref.seal(ok=False)
