@@ -72,6 +72,15 @@ class LaneLaunch:
         self.links = self.links or [False] * n
         self.retry = self.retry or [False] * n
 
+    @classmethod
+    def refused(cls, writes: Sequence[LaneWrite], why: str) -> LaneLaunch:
+        """A finished launch whose every write failed for ``why`` (a lane's launch that
+        raised: the link's failure), for the caller to handle as any other."""
+        launch = cls(writes)
+        launch.fail(range(len(writes)), why)
+        launch.finish()
+        return launch
+
     def fail(self, indices: Sequence[int], why: str, link: bool = True) -> None:
         """The lane: writes ``indices`` failed (the first reason a write gets is kept);
         ``link``: for a reason of the link's (see :attr:`links`)."""

@@ -89,17 +89,16 @@ class MultiLane:
             entry[2].append(LaneWrite(inner, w.chunk, w.note))
         joined.expected = len(by_member) + 1  # + this call's share, counted at its end
         for i, (lane, places, inner_writes) in by_member.items():
+            refused = None
             try:
                 part = lane.launch(inner_writes, lambda: self._count(joined))
             except Exception as exc:
-                part = LaneLaunch(inner_writes)
-                part.fail(range(len(inner_writes)), f"the lane's launch failed: {exc}")
-                with joined.lock:
-                    joined.parts.append((i, places, part))
-                self._count(joined)
-                continue
+                why = f"the lane's launch failed: {exc}"
+                part = refused = LaneLaunch.refused(inner_writes, why)
             with joined.lock:
                 joined.parts.append((i, places, part))
+            if refused is not None:  # no wake will count it
+                self._count(joined)
         joined.launch.poll = lambda: self._poll(joined)
         self._count(joined)
         return joined.launch

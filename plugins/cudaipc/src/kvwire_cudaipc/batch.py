@@ -30,7 +30,7 @@ import numpy as np
 from numpy.typing import NDArray
 
 from kvwire.page_form import PageChunk
-from kvwire_cudaipc.state import IpcPair, IpcXfer
+from kvwire_cudaipc.state import IpcPair, IpcXfer, locked
 
 logger = logging.getLogger(__name__)
 
@@ -114,10 +114,7 @@ def launch_held(
     writes to a closed peer fail, the others are enqueued together (``enqueue`` returns the
     event recorded after them) and each is handed to the kernel watcher with that event
     (``watch``, told which one is the last to wait for it), in submission order."""
-    peers = sorted({id(h.st.peer): h.st.peer for h in items}.items())
-    with contextlib.ExitStack() as stack:
-        for _, peer in peers:
-            stack.enter_context(peer.lock)
+    with locked(h.st.peer for h in items):
         dead = [h for h in items if h.st.peer.closed]
         live = [h for h in items if not h.st.peer.closed]
         if dead:

@@ -5,9 +5,10 @@ and each write's note sent by the kernel watcher as soon as its launch ended.
 Per turn, on the worker's thread: every write checked as ``submit_pages`` checks it (a write
 that fails its check fails alone), its buffer pairs' addresses taken from its prepared pair
 (gathered once per link), then, under the involved peers' locks (taken in one order), writes
-to a removed peer refused and the others enqueued in groups of under ``batch_max_bytes``
-(a group's writes complete when its kernel does: large chunks are never batched together,
-:mod:`kvwire_cudaipc.batch` says why), each group's event handed to the kernel watcher. On
+to a removed peer refused and the others enqueued in groups that close once they reach
+``batch_max_bytes`` (each chunk is under it; a group's writes complete when its kernel
+does: large chunks are never batched together, :mod:`kvwire_cudaipc.batch` says why), each
+group's event handed to the kernel watcher. On
 the watcher's thread, as each group ended: its notes sent (a note after its data, as every
 ``cudaipc`` write), failures recorded; after the last group the launch is finished, which
 wakes the worker. A peer removed after the launch: ``_close_peer`` waits for the stream
@@ -20,7 +21,6 @@ own lock (:class:`~kvwire.page_lane.LaneLaunch`) for its errors; a turn's group 
 
 from __future__ import annotations
 
-import contextlib
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -33,7 +33,7 @@ from kvwire.backend import BackendCapabilities, PreparedPair
 from kvwire.page_form import PageChunk
 from kvwire.page_lane import LaneLaunch, LaneWrite, check_write
 from kvwire_cudaipc.options import CudaIpcOptions
-from kvwire_cudaipc.state import IpcPair
+from kvwire_cudaipc.state import IpcPair, locked
 from kvwire_cudaipc.watcher import KernelWatcher
 
 
@@ -141,10 +141,7 @@ class CudaIpcLane:
         if not items:
             return
         b, launch = self._b, turn.launch
-        peers = sorted({id(it[1].peer): it[1].peer for it in items}.items())
-        with contextlib.ExitStack() as stack:
-            for _, peer in peers:
-                stack.enter_context(peer.lock)
+        with locked(it[1].peer for it in items):
             gone = [it[0] for it in items if it[1].peer.closed]
             if gone:
                 launch.fail(gone, "cudaipc: the peer was removed before the write was launched")

@@ -35,8 +35,8 @@ class CudaIpcOptions(TcpOptions):
         "per shape and one event for all (post_batch). A larger chunk launches alone at its "
         "submit (held, it would wait for the others and they for it: 4 x H100, 128 MiB "
         "chunks at C=8 held 8 at a time moved 0.67x). The lean lane takes only chunks under "
-        "it, in launches of up to this many bytes (kvwire_cudaipc.lane). 0: a launch and an "
-        "event per chunk, and no lane.",
+        "it, in launches that close once they reach it (kvwire_cudaipc.lane). 0: a launch "
+        "and an event per chunk, and no lane.",
     )
 
 

@@ -5,9 +5,10 @@ finish); the locks they carry are described on each."""
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -41,6 +42,17 @@ class IpcPeer:
     lock: threading.Lock = field(default_factory=threading.Lock)
     closed: bool = False
     pending: weakref.WeakSet[IpcXfer] = field(default_factory=weakref.WeakSet)
+
+
+@contextlib.contextmanager
+def locked(peers: Iterable[IpcPeer]) -> Iterator[None]:
+    """Every one of ``peers``' locks (each once), taken in one order (by identity), so two
+    threads launching into overlapping peers never wait on each other crosswise; released
+    when the block ends. A launch path, around its enqueue."""
+    with contextlib.ExitStack() as stack:
+        for _, peer in sorted({id(p): p for p in peers}.items()):
+            stack.enter_context(peer.lock)
+        yield
 
 
 @dataclass(eq=False)

@@ -165,9 +165,7 @@ class Lane:
             launch = lane.launch(writes, self._wake.set)
         except Exception as exc:
             logger.exception("%s: the lane's launch failed", self.ctx.agent_name)
-            launch = LaneLaunch(writes)
-            launch.fail(range(len(writes)), f"the lane's launch failed: {exc}")
-            launch.finish()
+            launch = LaneLaunch.refused(writes, f"the lane's launch failed: {exc}")
         end = time.perf_counter()
         for t in go:
             t.job.room.metrics.marks["turn_end"] = end
