@@ -27,9 +27,13 @@ class FakeLane:
         self.launches: list[LaneLaunch] = []
         self.fail = fail or {}
         self.raises = raises
+        self.warmed: list[tuple[int, PageGeometry]] = []
 
     def takes(self, pair: PreparedPair, nbytes: int) -> bool:
         return True
+
+    def warm(self, pair: PreparedPair, geometry: PageGeometry) -> None:
+        self.warmed.append((pair.id, geometry))
 
     def launch(self, writes: Sequence[LaneWrite], wake: Callable[[], None]) -> LaneLaunch:
         if self.raises:
@@ -128,3 +132,16 @@ def test_a_member_lane_that_raises_fails_its_writes_and_a_member_without_one_ret
     assert launch.errors[0] is not None and "member lane broke" in launch.errors[0]
     assert launch.retry[0] is True  # a link failure, and member b is healthy for p0
     assert launch.errors[1] is not None and launch.retry[1] is True
+
+
+def test_a_link_warms_every_member_lane_with_its_own_pair() -> None:
+    """The list's warm-up goes to each member of the link that offers a lane (the one it
+    may fail over to included), with that member's pair; a member without a lane and a
+    member outside the link are left alone."""
+    a, c = FakeLane(), FakeLane()
+    multi = FakeList([FakeMember("a", a), FakeMember("b", None), FakeMember("c", c)])
+    lane = MultiLane(multi)  # type: ignore[arg-type]
+    w = _write("p0", [0, 1], {0: False, 1: True})  # c is not a member of this link
+    g = w.chunk.geometry
+    lane.warm(w.pair, g)
+    assert a.warmed == [(10, g)] and c.warmed == []

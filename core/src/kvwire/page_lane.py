@@ -28,7 +28,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from kvwire.page_form import PageChunk, check_page_chunk
+from kvwire.page_form import PageChunk, PageGeometry, check_page_chunk
 from kvwire.transfers import BackendCapabilities, PreparedPair, XferOp, check_submit
 
 
@@ -116,6 +116,15 @@ class PageLane(Protocol):
         or whose peer is gone fails alone) and return their launch, which calls ``wake``
         when it is done. Never waits for the GPU; raises only for a fault of the lane
         itself (the worker then fails every write of the turn)."""
+        ...
+
+    def warm(self, pair: PreparedPair, geometry: PageGeometry) -> None:
+        """Prefill's handshake thread, once a link whose KV chunks move in page form over
+        ``pair`` is built (whether or not the lane will carry them): prepare, off the request
+        path, what writes of ``geometry`` on ``pair`` will need (``cudaipc``: its pairs'
+        addresses and the page mover's compiled kernels), so a link's first requests do not
+        wait for it. Returns at once (long work goes to a thread of the lane's); never
+        raises for a problem of the pair: the first write reports it."""
         ...
 
 

@@ -24,6 +24,7 @@ from typing import Protocol
 from kvwire.backend import TransferBackend
 from kvwire.backends.multi_routes import Pair as _Pair
 from kvwire.backends.multi_routes import Route
+from kvwire.page_form import PageGeometry
 from kvwire.page_lane import LaneLaunch, LaneWrite, PageLane
 from kvwire.transfers import PreparedPair
 
@@ -102,6 +103,15 @@ class MultiLane:
         joined.launch.poll = lambda: self._poll(joined)
         self._count(joined)
         return joined.launch
+
+    def warm(self, pair: PreparedPair, geometry: PageGeometry) -> None:
+        """Prefill's handshake thread: every member of the link that offers a lane warms its
+        own pair (a failover later finds the next member ready too)."""
+        st: _Pair = pair.state
+        for i, inner in st.inner.items():
+            lane = self._multi.members[i].page_lane
+            if lane is not None:
+                lane.warm(inner, geometry)
 
     def _poll(self, joined: _Joined) -> None:
         """A worker's poll: each member's launch polled (its ended groups handled)."""

@@ -171,6 +171,25 @@ class PageCopier:
         )
         self._launch(_copy_pages, "page", key, pages, addrs, scalars, stream)
 
+    def _warm(
+        self, kernel_fn: Any, name: str, key: tuple[Any, ...], scalars: tuple[int, ...]
+    ) -> bool:
+        """Compile variant ``(name, *key)`` of ``kernel_fn`` for ``scalars`` (their values
+        only type them: 32 or 64-bit) without launching it, and keep it for direct launches;
+        False when it was compiled already (or this is Triton's interpreter, which compiles
+        nothing). Not under this copier's lock: a launch of another variant meanwhile does
+        not wait for the compile, and one of this variant compiles it again at worst (the
+        first kept wins). Any thread (a link's warm-up thread); ``_on`` the copier's device."""
+        ckey = (name, *key)
+        if self.device.type != "cuda" or self._kernels.kernel(ckey) is not None:
+            return False
+        # a table address as a pinned slot's (above 2**31: typed 64-bit, as every launch's)
+        args = (1 << 40, *scalars, *key)
+        with _on(self.device):
+            kernel = kernel_fn.warmup(*args, grid=(1,), num_warps=self.num_warps)
+            self._kernels.add(ckey, kernel)
+        return True
+
     def _launch(
         self,
         kernel_fn: Any,

@@ -102,20 +102,9 @@ class PoolPageCopier(PageCopier):
         if g.heads > 1:
             self._copy_heads(chunk, addrs, npages, nbuf, stream)
             return
-        width = page_width(addrs, 0, g.src_slot, g.dst_slot, g.src_row, g.dst_row, g.n)
-        key, eb = kernel_key(width, g.n, False)
-        scalars: tuple[int, ...] = (
-            npages,
-            nbuf,
-            g.src_slot // eb,
-            g.dst_slot // eb,
-            g.src_row // eb,
-            g.dst_row // eb,
-            g.n // width,
-            g.tokens,
-        )
+        key, shape, scalars = _pages_call(g, addrs, npages, nbuf)
         index = np.concatenate([chunk.src_pages, chunk.dst_pages])
-        shape = self.last_shape = _shape(g, key, eb)
+        self.last_shape = shape
         if sums is not None:  # the sums' page lists follow the copy's table
             addrs = np.concatenate([addrs, sums.read_pages, sums.key_pages])
             tile = min(sums.block, self.sum_block)
@@ -209,12 +198,35 @@ class PoolPageCopier(PageCopier):
             (bmax * pmax, k),
         )  # fmt: skip
 
-    def _copy_heads(
-        self, chunk: PageChunk, addrs: NDArray[np.int64], npages: int, nbuf: int, stream: Any
-    ) -> None:
-        """:meth:`copy_pages` of a geometry of several pieces per token (head-major pages on
-        a side): one launch of the tiled kernel."""
-        g = chunk.geometry
+    def warm(
+        self, g: PageGeometry, src_addrs: NDArray[np.int64], dst_addrs: NDArray[np.int64]
+    ) -> int:
+        """Compile, without launching anything, the kernel variants that chunks of geometry
+        ``g`` between pair addresses ``src_addrs`` and ``dst_addrs`` launch (:meth:`copy_pages`
+        and :meth:`copy_batch`; not the summed one, whose variant depends on the sums), so no
+        write waits for a compile. Returns how many it compiled (0: every one was already,
+        or no GPU). A link's warm-up thread, once its geometry is known (the ``cudaipc``
+        lane's ``warm``); see :meth:`PageCopier._warm` for what may race it."""
+        sa, da = np.asarray(src_addrs, np.int64), np.asarray(dst_addrs, np.int64)
+        nbuf = int(sa.size)
+        if not nbuf:
+            return 0
+        addrs = np.concatenate([sa, da])
+        if g.heads > 1:
+            key, scalars = self._heads_call(g, addrs, 1, nbuf)
+            return int(self._warm(_copy_pool_heads, "pool_heads", key, scalars))
+        key, shape, scalars = _pages_call(g, addrs, 1, nbuf)
+        done = self._warm(_copy_pool_pages, "pool", (*key[:4], shape), scalars)
+        gk, _ = _group_key(g, sa, da)
+        src_row, dst_row, n_vecs, tokens = gk[5:]
+        batch = (2, 1, nbuf, src_row, dst_row, n_vecs, tokens)  # as _launch_batch's scalars
+        return int(done) + int(self._warm(_copy_pool_batch, "pool_batch", gk[:5], batch))
+
+    def _heads_call(
+        self, g: PageGeometry, addrs: NDArray[np.int64], npages: int, nbuf: int
+    ) -> tuple[tuple[Any, ...], tuple[int, ...]]:
+        """The tiled kernel's compile-time key and run-time scalars for ``npages`` pages of
+        ``nbuf`` pairs of geometry ``g`` (several pieces per token) at ``addrs``."""
         width = page_width(
             addrs, 0, g.src_slot, g.dst_slot, g.src_row, g.dst_row, g.src_head, g.dst_head, g.n
         )
@@ -234,14 +246,43 @@ class PoolPageCopier(PageCopier):
             g.tokens,
             g.heads,
         )
-        self.last_shape = HEADS
-        index = np.concatenate([chunk.src_pages, chunk.dst_pages])
         order = self.heads_order
         t_inner = abs(g.dst_row) <= abs(g.dst_head) if order == "auto" else order == "t"
-        key = (rows, cols, _ELEM[width], width, vec, t_inner)
+        return (rows, cols, _ELEM[width], width, vec, t_inner), scalars
+
+    def _copy_heads(
+        self, chunk: PageChunk, addrs: NDArray[np.int64], npages: int, nbuf: int, stream: Any
+    ) -> None:
+        """:meth:`copy_pages` of a geometry of several pieces per token (head-major pages on
+        a side): one launch of the tiled kernel."""
+        key, scalars = self._heads_call(chunk.geometry, addrs, npages, nbuf)
+        self.last_shape = HEADS
+        index = np.concatenate([chunk.src_pages, chunk.dst_pages])
         self._launch(
             _copy_pool_heads, "pool_heads", key, index, addrs, scalars, stream, grid=nbuf * npages
         )
+
+
+def _pages_call(
+    g: PageGeometry, addrs: NDArray[np.int64], npages: int, nbuf: int
+) -> tuple[tuple[Any, ...], int, tuple[int, ...]]:
+    """A one-launch copy of ``npages`` pages of ``nbuf`` pairs of geometry ``g`` (one piece
+    per token) at ``addrs`` (the pairs' source then destination addresses): the block's
+    compile-time key (:func:`~kvwire.movers.triton_pages.kernel_key`), the compile-time
+    shape and the kernel's run-time scalars (lengths in the key's elements)."""
+    width = page_width(addrs, 0, g.src_slot, g.dst_slot, g.src_row, g.dst_row, g.n)
+    key, eb = kernel_key(width, g.n, False)
+    scalars = (
+        npages,
+        nbuf,
+        g.src_slot // eb,
+        g.dst_slot // eb,
+        g.src_row // eb,
+        g.dst_row // eb,
+        g.n // width,
+        g.tokens,
+    )
+    return key, _shape(g, key, eb), scalars
 
 
 def _group_key(

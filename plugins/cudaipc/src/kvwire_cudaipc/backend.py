@@ -132,7 +132,7 @@ class CudaIpcBackend(TcpBackend):
         self._scratch_region = MemoryRegion.from_tensor(self._scratch, item_len=SCRATCH_BYTES)
         self._memory = HostMemory([self._scratch_region])
         #: A worker's turn of page writes as one launch (kvwire.page_lane).
-        self.page_lane = CudaIpcLane(self)
+        self._lane = self.page_lane = CudaIpcLane(self)
 
     # ---------------------------------------------------------------- memory
     def _register(self, regions: list[MemoryRegion]) -> None:
@@ -591,4 +591,5 @@ class CudaIpcBackend(TcpBackend):
         self._ipc_peers.clear()
         if self._watcher is not None:
             self._watcher.stop()
+        self._lane.close()
         super()._close()

@@ -18,7 +18,7 @@ import numpy as np
 
 from kvwire.layout import KVLayout, MemKind, MemoryRegion
 from kvwire.movers.pool_pages import pool_page_runs
-from kvwire.page_form import PageChunk
+from kvwire.page_form import PageChunk, PageGeometry
 
 
 class HostEvent:
@@ -110,6 +110,13 @@ class HostPages:
     def __init__(self, copies: bool = True) -> None:
         self.launches = 0
         self.copies = copies
+        #: What :meth:`warm` was asked for: each geometry with its pairs' two addresses.
+        self.warmed: list[tuple[PageGeometry, np.ndarray, np.ndarray]] = []
+
+    def warm(self, g: PageGeometry, src_addrs: np.ndarray, dst_addrs: np.ndarray) -> int:
+        """The mover's warm-up (nothing to compile here): recorded; 0 variants."""
+        self.warmed.append((g, src_addrs, dst_addrs))
+        return 0
 
     def copy_pages(
         self,

@@ -21,8 +21,11 @@ own lock (:class:`~kvwire.page_lane.LaneLaunch`) for its errors; a turn's group 
 
 from __future__ import annotations
 
+import logging
 import threading
+import time
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Protocol
 
@@ -30,11 +33,13 @@ import numpy as np
 from numpy.typing import NDArray
 
 from kvwire.backend import BackendCapabilities, PreparedPair
-from kvwire.page_form import PageChunk
+from kvwire.page_form import PageChunk, PageGeometry
 from kvwire.page_lane import LaneLaunch, LaneWrite, check_write
 from kvwire_cudaipc.options import CudaIpcOptions
 from kvwire_cudaipc.state import IpcPair, locked
 from kvwire_cudaipc.watcher import KernelWatcher
+
+logger = logging.getLogger(__name__)
 
 
 class _Host(Protocol):
@@ -104,6 +109,61 @@ class CudaIpcLane:
 
     def __init__(self, backend: _Host) -> None:
         self._b = backend
+        #: One thread compiles every link's kernels, a link after the other (links of one
+        #: shape share variants: the second finds them compiled). Made at the first warm-up.
+        self._warmer: ThreadPoolExecutor | None = None
+        #: Guards ``_warmer`` and ``_closed`` (a handshake may race the backend's close).
+        self._warm_lock = threading.Lock()
+        self._closed = False
+
+    def warm(self, pair: PreparedPair, geometry: PageGeometry) -> None:
+        """Prefill's handshake thread, once a link's page geometry is known: its pair's
+        addresses gathered (and checked) now, and the page mover's kernels for its writes
+        compiled on the lane's warm-up thread, so the link's first writes do not wait for
+        Triton's compile (~1 s a variant on a host whose Triton cache lacks it). A pair
+        whose rows are not all VRAM is written by other launches; a geometry the tables
+        refuse is left for the first write to report."""
+        st: IpcPair = pair.state
+        if not st.all_vram:
+            return
+        try:
+            src, dst = st.addresses(geometry)
+        except Exception as exc:  # the first write fails with it, naming its request
+            logger.debug("cudaipc: no warm-up for %s: %s", pair.peer, exc)
+            return
+        with self._warm_lock:
+            if self._closed:
+                return
+            if self._warmer is None:
+                self._warmer = ThreadPoolExecutor(1, thread_name_prefix="kvwire-cudaipc-warm")
+            self._warmer.submit(self._compile, pair.peer, geometry, src, dst)
+
+    def _compile(
+        self, peer: str, g: PageGeometry, src: NDArray[np.int64], dst: NDArray[np.int64]
+    ) -> None:
+        """The warm-up thread: compile the mover's variants for one link (logged)."""
+        t0, pages = time.perf_counter(), self._b._pages
+        if pages is None:  # no GPU mover on this rank
+            return
+        try:
+            n = pages.warm(g, src, dst)
+        except Exception:  # a write compiles it itself then; the link serves either way
+            logger.warning("cudaipc: compiling the page mover for %s failed", peer, exc_info=True)
+            return
+        if n:
+            logger.info(
+                "cudaipc: page mover ready for %s: %d kernel variant(s) compiled in %.2f s",
+                peer,
+                n,
+                time.perf_counter() - t0,
+            )
+
+    def close(self) -> None:
+        """The backend's close: a compile under way finishes on its own; none starts."""
+        with self._warm_lock:
+            warmer, self._warmer, self._closed = self._warmer, None, True
+        if warmer is not None:
+            warmer.shutdown(wait=False, cancel_futures=True)
 
     def takes(self, pair: PreparedPair, nbytes: int) -> bool:
         """Prefill worker: a chunk of ``nbytes`` on ``pair`` goes through the lane when the

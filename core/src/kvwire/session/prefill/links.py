@@ -355,7 +355,22 @@ class DecodeLinker:
             applied.why,
             "whole-request page writes" if link.lane_problem is None else link.lane_problem,
         )
+        self._warm(link)
         self._ack(hello, link)
+
+    def _warm(self, link: DecodeLink) -> None:
+        """Handshake thread, once a link is served: a backend with a lane prepares the
+        link's page writes off the request path (:meth:`kvwire.page_lane.PageLane.warm`:
+        ``cudaipc`` compiles its page mover's kernels on a thread of its own). Whatever goes
+        wrong there is logged; the link serves either way (a write prepares itself)."""
+        lane, kv = self.ctx.backend.page_lane, link.pools["kv"]
+        geometry = kv.mapper.page_geometry
+        if lane is None or geometry is None or kv.staged or kv.table not in link.pairs:
+            return
+        try:
+            lane.warm(link.pairs[kv.table], geometry)
+        except Exception:
+            logger.warning("%s: preparing page writes failed", self.ctx.agent_name, exc_info=True)
 
     def _namesake_alive(self, old: Peer, arrived: float) -> bool:
         """Handshake thread: whether ``old``, a peer known under the agent name of a new
