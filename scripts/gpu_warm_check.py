@@ -1,5 +1,6 @@
 """The page mover's warm-up (``PoolPageCopier.warm``, run by ``cudaipc``'s lane at a link's
-handshake) on two GPUs: a link's first writes with and without it, each in a fresh process
+handshake), and bulk staging's (``KVTensors.warm``), on two GPUs: a link's first writes
+(gathers and scatters) with and without it, each in a fresh process
 with an empty Triton cache (a fresh host), one run.
 
 For each link shape (TP 1 -> 1 whole pages, TP 2 -> 1 and TP 1 -> 2 head slices, head-major
@@ -118,14 +119,71 @@ def _child(shape: str, mode: str) -> dict[str, Any]:
     return out
 
 
+STAGED = ("staged whole rows", "staged head slice")
+
+
+def _staged_child(shape: str, mode: str) -> dict[str, Any]:
+    """Bulk staging's gather (prefill) then scatter (decode) of one chunk through
+    ``KVTensors.move_block``, cold or after ``KVTensors.warm`` (both on GPU 0: the movers
+    are one GPU's), every byte of the block and of the scattered pages checked."""
+    import torch
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    from gpu_pool_page_check import MODEL, pool
+
+    from kvwire.staging.kernels import KVTensors
+
+    slots, ps = 32, MODEL.page_size
+    src, sbufs = pool(0, 1, 0, slots, None)
+    dst, dbufs = pool(0, 1, 0, slots, -1)
+    kv, kv2 = KVTensors(src, sbufs), KVTensors(dst, dbufs)
+    row = src.token_row_bytes
+    lo, hi = (0, row) if shape == "staged whole rows" else (row // 2, row)
+    bufs = np.arange(len(src.buffers), dtype=np.int64)
+    out: dict[str, Any] = {"shape": shape, "mode": mode}
+    if mode == "warm":
+        t0 = time.perf_counter()
+        n = kv.warm(bufs, lo, hi, ps, to_pool=False) + kv2.warm(bufs, lo, hi, ps, to_pool=True)
+        out["warm_compiled"], out["warm_s"] = n, round(time.perf_counter() - t0, 3)
+    before = len(kv.moves.copier._kernels.kernels()) + len(kv2.moves.copier._kernels.kernels())  # type: ignore[union-attr]
+    rng = np.random.default_rng(7)
+    sp = rng.permutation(slots)[:8].astype(np.int64)
+    dp = rng.permutation(slots)[:8].astype(np.int64)
+    mem = torch.zeros(bufs.size * sp.size * ps * (hi - lo), dtype=torch.uint8, device="cuda:0")
+    for name, fn in (
+        ("first_gather_ms", lambda: kv.move_block(bufs, sp, lo, hi, mem, 0, ps, to_pool=False)),
+        ("first_scatter_ms", lambda: kv2.move_block(bufs, dp, lo, hi, mem, 0, ps, to_pool=True)),
+    ):
+        torch.cuda.synchronize(0)
+        t0 = time.perf_counter()
+        fn()
+        torch.cuda.synchronize(0)
+        out[name] = round(1e3 * (time.perf_counter() - t0), 2)
+    after = len(kv.moves.copier._kernels.kernels()) + len(kv2.moves.copier._kernels.kernels())  # type: ignore[union-attr]
+    out["variants_compiled_by_writes"] = after - before
+    block = mem.view(bufs.size, sp.size, ps, hi - lo)
+    spt, dpt = torch.from_numpy(sp).cuda(0), torch.from_numpy(dp).cuda(0)
+    bad = 0
+    for b in range(bufs.size):
+        s_rows = sbufs[b].view(torch.uint8).reshape(slots, ps, row)
+        d_rows = dbufs[b].view(torch.uint8).reshape(slots, ps, row)
+        bad += int((block[b] != s_rows[spt][:, :, lo:hi]).sum())
+        bad += int((d_rows[dpt][:, :, lo:hi] != s_rows[spt][:, :, lo:hi]).sum())
+        bad += int((d_rows[dpt][:, :, :lo] != 255).sum())  # -1 int16: bytes of 0xff
+    out["bad_elements"] = bad
+    return out
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--child", nargs=2, metavar=("SHAPE", "MODE"), help=argparse.SUPPRESS)
-    ap.add_argument("--shapes", default=",".join(SHAPES))
+    ap.add_argument("--shapes", default=",".join(SHAPES + STAGED))
     ap.add_argument("--json", default="")
     a = ap.parse_args()
     if a.child:
-        print(json.dumps(_child(*a.child)), flush=True)
+        shape, mode = a.child
+        run = _staged_child if shape in STAGED else _child
+        print(json.dumps(run(shape, mode)), flush=True)
         return 0
     rows: list[dict[str, Any]] = []
     for shape in a.shapes.split(","):
@@ -147,15 +205,19 @@ def main() -> int:
         and (r["mode"] == "cold" or r["variants_compiled_by_writes"] == 0)
         for r in rows
     )
-    print("| link | cold: first batch / single ms | warm-up s | warm: first batch / single ms |")
+    print(
+        "| link | cold: first batch (gather) / single (scatter) ms | warm-up s | warm: the same |"
+    )
     print("| --- | --- | ---: | --- |")
     for shape in a.shapes.split(","):
         c = next((r for r in rows if r["shape"] == shape and r["mode"] == "cold"), {})
         w = next((r for r in rows if r["shape"] == shape and r["mode"] == "warm"), {})
+        first = ("first_gather_ms", "first_scatter_ms") if shape in STAGED else (
+            "first_batch_ms", "first_single_ms")  # fmt: skip
         print(
-            f"| {shape} | {c.get('first_batch_ms')} / {c.get('first_single_ms')} | "
+            f"| {shape} | {c.get(first[0])} / {c.get(first[1])} | "
             f"{w.get('warm_s')} ({w.get('warm_compiled')} variants) | "
-            f"{w.get('first_batch_ms')} / {w.get('first_single_ms')} |"
+            f"{w.get(first[0])} / {w.get(first[1])} |"
         )
     if a.json:
         Path(a.json).write_text(json.dumps({"rows": rows, "ok": ok}, indent=1))

@@ -69,7 +69,8 @@ def test_a_failed_warm_up_is_logged_and_the_link_serves(
     caplog.set_level(logging.WARNING)
     try:
         p.transfer(1, pages=2, chunks=(2,))  # verified element by element
-        wait_for(lambda: any("compiling the page mover" in r.getMessage() for r in caplog.records))
+        failed = "compiling cudaipc's page mover"
+        wait_for(lambda: any(failed in r.getMessage() for r in caplog.records))
     finally:
         p.close()
 

@@ -13,6 +13,7 @@ Both enqueue on the caller's stream and never wait; the caller synchronises it.
 
 from __future__ import annotations
 
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -71,6 +72,11 @@ class PoolMoves(Protocol):
         unit ``u`` is tokens ``[(u % k) * unit, ...)`` of slot ``u // k``, ``k = page /
         unit``), the block ``[buffer, unit, token, hi - lo]``."""
 
+    def compiling(self) -> AbstractContextManager[list[Any]]:
+        """Within the block, this thread's :meth:`pages` and :meth:`units` calls compile
+        their kernel variant and launch nothing (the copier's
+        :meth:`~kvwire.movers.triton_pages.PageCopier.compiling`); yields what compiled."""
+
 
 @dataclass(frozen=True)
 class TokenMajorMoves:
@@ -79,6 +85,10 @@ class TokenMajorMoves:
 
     geometry: PoolGeometry
     copier: UnitCopier
+
+    def compiling(self) -> AbstractContextManager[list[Any]]:
+        """See :meth:`PoolMoves.compiling`."""
+        return self.copier.compiling()
 
     def pages(
         self, bufs: I64, pages: I64, lo: int, hi: int, block: int, *, to_pool: bool, stream: Any
@@ -137,6 +147,10 @@ class HeadMajorMoves:
 
     geometry: PoolGeometry
     copier: HeadCopier
+
+    def compiling(self) -> AbstractContextManager[list[Any]]:
+        """See :meth:`PoolMoves.compiling`."""
+        return self.copier.compiling()
 
     def pages(
         self, bufs: I64, pages: I64, lo: int, hi: int, block: int, *, to_pool: bool, stream: Any

@@ -22,9 +22,10 @@ every address and length (16 bytes: vector loads and stores).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -135,6 +136,8 @@ class PageCopier:
         self._slots: _TableSlots | None = None
         self._host: NDArray[np.int64] = np.empty(0, dtype=np.int64)  # interpreter
         self._kernels = CompiledKernels("page mover", direct=self.device.type == "cuda")
+        #: This thread's list of variants compiled under :meth:`compiling` (else None).
+        self._tls = threading.local()
 
     def copy(
         self,
@@ -171,24 +174,39 @@ class PageCopier:
         )
         self._launch(_copy_pages, "page", key, pages, addrs, scalars, stream)
 
-    def _warm(
-        self, kernel_fn: Any, name: str, key: tuple[Any, ...], scalars: tuple[int, ...]
-    ) -> bool:
-        """Compile variant ``(name, *key)`` of ``kernel_fn`` for ``scalars`` (their values
-        only type them: 32 or 64-bit) without launching it, and keep it for direct launches;
-        False when it was compiled already (or this is Triton's interpreter, which compiles
-        nothing). Not under this copier's lock: a launch of another variant meanwhile does
-        not wait for the compile, and one of this variant compiles it again at worst (the
-        first kept wins). Any thread (a link's warm-up thread); ``_on`` the copier's device."""
-        ckey = (name, *key)
+    @contextlib.contextmanager
+    def compiling(self) -> Iterator[list[tuple[Any, ...]]]:
+        """Within the block, this thread's calls of the copier's copy methods compile the
+        kernel variant each would launch, with the arguments it would launch with, and keep
+        it for direct launches; they write no table and launch nothing (any page index and
+        block address will do). Yields the variants compiled (none where every one already
+        was, or on Triton's interpreter, which compiles nothing). A warm-up before a link's
+        first copies (:mod:`kvwire.movers.warmup`); any thread. Not under the copier's lock:
+        another thread's launch meanwhile does not wait for the compile, and one of the same
+        variant compiles it too at worst (the first kept wins)."""
+        done: list[tuple[Any, ...]] = []
+        self._tls.compiled = done
+        try:
+            yield done
+        finally:
+            self._tls.compiled = None
+
+    def _compile_only(
+        self,
+        kernel_fn: Any,
+        ckey: tuple[Any, ...],
+        args: tuple[Any, ...],
+        grid: tuple[int, int],
+        done: list[tuple[Any, ...]],
+    ) -> None:
+        """:meth:`compiling`'s part of a launch: variant ``ckey`` compiled for ``args``
+        (the table address then the scalars and the compile-time key), kept, noted."""
         if self.device.type != "cuda" or self._kernels.kernel(ckey) is not None:
-            return False
-        # a table address as a pinned slot's (above 2**31: typed 64-bit, as every launch's)
-        args = (1 << 40, *scalars, *key)
+            return
         with _on(self.device):
-            kernel = kernel_fn.warmup(*args, grid=(1,), num_warps=self.num_warps)
+            kernel = kernel_fn.warmup(*args, grid=grid, num_warps=self.num_warps)
             self._kernels.add(ckey, kernel)
-        return True
+        done.append(ckey)
 
     def _launch(
         self,
@@ -226,7 +244,12 @@ class PageCopier:
         ``kernel_fn`` on ``stream`` over ``grid`` (``scalars`` then the compile-time ``key``);
         the compiled kernel is launched directly after its first launch
         (:class:`kvwire.cuda_launch.CompiledKernels`: the GIL kept where it can be). Under
-        this copier's lock; the caller's thread."""
+        this copier's lock; the caller's thread. Under :meth:`compiling`: compiles only."""
+        compiled = getattr(self._tls, "compiled", None)
+        if compiled is not None:  # a pinned slot's address is above 2**31: typed 64-bit
+            args = (1 << 40, *scalars, *key)
+            self._compile_only(kernel_fn, (name, *key), args, grid, compiled)
+            return
         with self._lock:
             if self.device.type != "cuda":  # Triton's interpreter: host memory, synchronous
                 self._host = np.zeros(need, np.int64)

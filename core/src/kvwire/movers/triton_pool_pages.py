@@ -202,25 +202,19 @@ class PoolPageCopier(PageCopier):
         self, g: PageGeometry, src_addrs: NDArray[np.int64], dst_addrs: NDArray[np.int64]
     ) -> int:
         """Compile, without launching anything, the kernel variants that chunks of geometry
-        ``g`` between pair addresses ``src_addrs`` and ``dst_addrs`` launch (:meth:`copy_pages`
-        and :meth:`copy_batch`; not the summed one, whose variant depends on the sums), so no
-        write waits for a compile. Returns how many it compiled (0: every one was already,
-        or no GPU). A link's warm-up thread, once its geometry is known (the ``cudaipc``
-        lane's ``warm``); see :meth:`PageCopier._warm` for what may race it."""
-        sa, da = np.asarray(src_addrs, np.int64), np.asarray(dst_addrs, np.int64)
-        nbuf = int(sa.size)
-        if not nbuf:
+        ``g`` between pair addresses ``src_addrs`` and ``dst_addrs`` launch: a batch of
+        chunks (:meth:`copy_batch`) and a chunk alone (:meth:`copy_pages`; not the summed
+        variant, which depends on the sums), so no write waits for a compile. Returns how
+        many it compiled (0: every one was already, or no GPU). A link's warm-up thread,
+        once its geometry is known (``cudaipc``'s lane); see :meth:`compiling`."""
+        if not np.asarray(src_addrs).size:
             return 0
-        addrs = np.concatenate([sa, da])
-        if g.heads > 1:
-            key, scalars = self._heads_call(g, addrs, 1, nbuf)
-            return int(self._warm(_copy_pool_heads, "pool_heads", key, scalars))
-        key, shape, scalars = _pages_call(g, addrs, 1, nbuf)
-        done = self._warm(_copy_pool_pages, "pool", (*key[:4], shape), scalars)
-        gk, _ = _group_key(g, sa, da)
-        src_row, dst_row, n_vecs, tokens = gk[5:]
-        batch = (2, 1, nbuf, src_row, dst_row, n_vecs, tokens)  # as _launch_batch's scalars
-        return int(done) + int(self._warm(_copy_pool_batch, "pool_batch", gk[:5], batch))
+        one = np.zeros(1, np.int64)
+        chunk = PageChunk(g, one, one, checked=True)
+        with self.compiling() as done:
+            self.copy_batch([(chunk, src_addrs, dst_addrs), (chunk, src_addrs, dst_addrs)])
+            self.copy_pages(chunk, src_addrs, dst_addrs)
+        return len(done)
 
     def _heads_call(
         self, g: PageGeometry, addrs: NDArray[np.int64], npages: int, nbuf: int

@@ -58,6 +58,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 from kvwire.control.wire import StagingMessage
 from kvwire.errors import ConfigError
 from kvwire.index.base import IndexMapper, TablePair
+from kvwire.movers.warmup import Warmer
 from kvwire.regions import MemKind
 from kvwire.staging.base import (
     ArrivedChunk,
@@ -69,7 +70,14 @@ from kvwire.staging.base import (
     StagingContext,
     StagingStrategy,
 )
-from kvwire.staging.bulk_ring import RingSide, block_bytes, chunk_limit, slice_of, unit_tokens
+from kvwire.staging.bulk_ring import (
+    RingSide,
+    block_bytes,
+    chunk_limit,
+    slice_of,
+    staged,
+    unit_tokens,
+)
 from kvwire.staging.bulk_wire import WIRE_VERSION, BulkMessage, RingInfo
 from kvwire.staging.bulk_writer import WriterSide, chunk_units
 from kvwire.staging.kernels import KVTensors
@@ -209,6 +217,8 @@ class BulkStaging(StagingStrategy):
         self.opts: BulkOptions = self.options  # type: ignore[assignment]
         self.ring: RingSide | None = None
         self.writer: WriterSide | None = None
+        #: Compiles each link's gather (prefill) or scatter (decode) at its handshake.
+        self._warmer = Warmer("staging")
 
     # ------------------------------------------------------------------ setup
     def setup(self, context: StagingContext) -> None:
@@ -257,6 +267,7 @@ class BulkStaging(StagingStrategy):
             except Exception as exc:  # the backend may be closed already
                 logger.debug("bulk staging: deregister: %s", exc)
         self.ring = self.writer = None
+        self._warmer.close()
         super().close()
 
     # -------------------------------------------------------------- handshake
@@ -326,7 +337,16 @@ class BulkStaging(StagingStrategy):
             dst=dst.table(ring.ring_addr, b, ring.device_id),
         )
         self.writer.link_spans(session, src, dst)
+        self._warm(self.writer.kv, mapper, session, to_pool=False)
         return LinkStaging({"staging": pair}, why)
+
+    def _warm(self, kv: KVTensors, mapper: IndexMapper, peer: str, *, to_pool: bool) -> None:
+        """Handshake, either side: compile the link's gather (scatter, ``to_pool``) on the
+        warm-up thread, so its first staged chunk does not wait for Triton's compile."""
+        sl, unit = staged(mapper), unit_tokens(mapper)
+        bufs, lo = (mapper.dst_buf, sl.dst_lo) if to_pool else (mapper.src_buf, sl.src_lo)
+        what = f"bulk staging's {'scatter' if to_pool else 'gather'} for {peer}"
+        self._warmer.submit(what, lambda: kv.warm(bufs, lo, lo + sl.nbytes, unit, to_pool=to_pool))
 
     def decide(
         self, mapper: IndexMapper, remote: dict[str, Any] | None, advice: str = "configured"
@@ -398,6 +418,7 @@ class BulkStaging(StagingStrategy):
         if self.ring is None:
             raise ConfigError("this decode rank has no staging ring (run --staging bulk here)")
         self.ring.on_link(session, endpoint, mapper)
+        self._warm(self.ring.kv, mapper, session, to_pool=True)
 
     # ------------------------------------------------------------ per request
     def fits(self, mapper: IndexMapper, npages: int) -> bool:

@@ -215,6 +215,21 @@ class KVTensors:
         block = block_view(mem, start, (len(bufs), len(pages), tokens, hi - lo))
         (self.scatter if to_pool else self.gather)(bufs, pages, lo, hi, block, unit)
 
+    def warm(
+        self, bufs: NDArray[np.int64], lo: int, hi: int, unit: int = 0, *, to_pool: bool
+    ) -> int:
+        """Compile, launching nothing, the fused move that :meth:`move_block` of buffers
+        ``bufs``, bytes ``[lo, hi)`` of each token row and units of ``unit`` tokens would
+        launch (a gather, or a scatter with ``to_pool``), for a block as aligned as a
+        staging buffer's or ring's; returns the variants compiled (0: compiled already, or
+        no fused moves). Bulk staging's warm-up thread, at a link's handshake."""
+        if self.moves is None:
+            return 0
+        one = np.zeros(1, dtype=np.int64)
+        with self.moves.compiling() as done:  # a block address aligned as any allocation's
+            self._fused(np.asarray(bufs, np.int64), one, lo, hi, 1 << 40, unit, to_pool=to_pool)
+        return len(done)
+
     def _fused(
         self,
         bufs: NDArray[np.int64],

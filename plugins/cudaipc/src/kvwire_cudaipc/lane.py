@@ -23,9 +23,7 @@ from __future__ import annotations
 
 import logging
 import threading
-import time
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Protocol
 
@@ -33,6 +31,7 @@ import numpy as np
 from numpy.typing import NDArray
 
 from kvwire.backend import BackendCapabilities, PreparedPair
+from kvwire.movers.warmup import Warmer
 from kvwire.page_form import PageChunk, PageGeometry
 from kvwire.page_lane import LaneLaunch, LaneWrite, check_write
 from kvwire_cudaipc.options import CudaIpcOptions
@@ -109,61 +108,32 @@ class CudaIpcLane:
 
     def __init__(self, backend: _Host) -> None:
         self._b = backend
-        #: One thread compiles every link's kernels, a link after the other (links of one
-        #: shape share variants: the second finds them compiled). Made at the first warm-up.
-        self._warmer: ThreadPoolExecutor | None = None
-        #: Guards ``_warmer`` and ``_closed`` (a handshake may race the backend's close).
-        self._warm_lock = threading.Lock()
-        self._closed = False
+        #: Compiles each link's kernels at its handshake, off the request path.
+        self._warmer = Warmer("cudaipc")
 
     def warm(self, pair: PreparedPair, geometry: PageGeometry) -> None:
         """Prefill's handshake thread, once a link's page geometry is known: its pair's
         addresses gathered (and checked) now, and the page mover's kernels for its writes
-        compiled on the lane's warm-up thread, so the link's first writes do not wait for
-        Triton's compile (~1 s a variant on a host whose Triton cache lacks it). A pair
-        whose rows are not all VRAM is written by other launches; a geometry the tables
-        refuse is left for the first write to report."""
+        compiled on the lane's warm-up thread (:class:`kvwire.movers.warmup.Warmer`), so the
+        link's first writes do not wait for Triton's compile (1.1-1.5 s on a host whose
+        Triton cache lacks it). A pair whose rows are not all VRAM is written by other
+        launches; a geometry the tables refuse is left for the first write to report."""
         st: IpcPair = pair.state
-        if not st.all_vram:
+        pages = self._b._pages
+        if not st.all_vram or pages is None:
             return
         try:
             src, dst = st.addresses(geometry)
         except Exception as exc:  # the first write fails with it, naming its request
             logger.debug("cudaipc: no warm-up for %s: %s", pair.peer, exc)
             return
-        with self._warm_lock:
-            if self._closed:
-                return
-            if self._warmer is None:
-                self._warmer = ThreadPoolExecutor(1, thread_name_prefix="kvwire-cudaipc-warm")
-            self._warmer.submit(self._compile, pair.peer, geometry, src, dst)
-
-    def _compile(
-        self, peer: str, g: PageGeometry, src: NDArray[np.int64], dst: NDArray[np.int64]
-    ) -> None:
-        """The warm-up thread: compile the mover's variants for one link (logged)."""
-        t0, pages = time.perf_counter(), self._b._pages
-        if pages is None:  # no GPU mover on this rank
-            return
-        try:
-            n = pages.warm(g, src, dst)
-        except Exception:  # a write compiles it itself then; the link serves either way
-            logger.warning("cudaipc: compiling the page mover for %s failed", peer, exc_info=True)
-            return
-        if n:
-            logger.info(
-                "cudaipc: page mover ready for %s: %d kernel variant(s) compiled in %.2f s",
-                peer,
-                n,
-                time.perf_counter() - t0,
-            )
+        self._warmer.submit(
+            f"cudaipc's page mover for {pair.peer}", lambda: int(pages.warm(geometry, src, dst))
+        )
 
     def close(self) -> None:
         """The backend's close: a compile under way finishes on its own; none starts."""
-        with self._warm_lock:
-            warmer, self._warmer, self._closed = self._warmer, None, True
-        if warmer is not None:
-            warmer.shutdown(wait=False, cancel_futures=True)
+        self._warmer.close()
 
     def takes(self, pair: PreparedPair, nbytes: int) -> bool:
         """Prefill worker: a chunk of ``nbytes`` on ``pair`` goes through the lane when the
