@@ -137,6 +137,11 @@ def add_engine_args(
         help="a file 'on' exists here while the timed requests run (for a sampler or tracer "
         "in the rank processes: scripts/rank_sampler.py, scripts/gpu_call_tracer.py)",
     )
+    p.add_argument(
+        "--log-level",
+        default="WARNING",
+        help="the rank processes' log level (INFO: handshakes, warm-ups; on stderr)",
+    )
     p.add_argument("--json", default="")
 
 
@@ -330,6 +335,7 @@ def engine(
         decode_page_size=getattr(a, "decode_page_size", None),
         head_major=tuple(getattr(a, "head_major", None) or ()),
         kv_tensors=not getattr(a, "no_kv_tensors", False),
+        log_level=getattr(a, "log_level", "WARNING"),
         config=KVWireConfig(
             transfer_backend=a.backend,
             transfer_backend_options=json.loads(getattr(a, "backend_options", "") or "{}"),
@@ -392,11 +398,18 @@ def engine(
         log(f"cluster up in {time.perf_counter() - t0:.1f}s (slots {slots})")
         for mib in sizes:
             n = a.verify_requests if mib < 512 else max(2, a.verify_requests // 2)
+            t1 = time.perf_counter()
             res = c.run(
                 plans(n, pages[mib], True), concurrency=max(a.concurrency), timeout_s=a.timeout
             )
             assert_all_ok(res)
-            cell = {"mib": mib, "requests": len(res), "mismatches": sum(r.mismatches for r in res)}
+            cell = {
+                "mib": mib,
+                "requests": len(res),
+                "mismatches": sum(r.mismatches for r in res),
+                # the first size's include the links' handshakes and any kernel compile
+                "seconds": round(time.perf_counter() - t1, 3),
+            }
             report["verified"].append(cell)
             log(f"verified {cell}")
         c.run(plans(4, pages[sizes[0]], False), concurrency=2, timeout_s=a.timeout)  # warm-up
