@@ -48,6 +48,9 @@ def _strategy(role: str, tp: int = 1, rank: int = 0) -> tuple[BulkStaging, Any]:
             room_pages=lambda room: None,
         )
     )
+    side = strat.ring or strat.writer
+    assert side is not None
+    side.kv.moves = side.kv.fused_moves("cpu")  # the GPU path's moves, interpreted
     return strat, layout
 
 
@@ -58,6 +61,7 @@ def test_each_side_warms_its_links_move_at_the_handshake(
     """Prefill's link staging warms its gather of the mapper's source buffers and slice,
     decode's link its scatter of the destination buffers and slice, each once per link and
     logged; the link's staging tables come back as before."""
+    pytest.importorskip("triton")
     calls: list[tuple[str, list[int], int, int, int, bool]] = []
 
     def warm(self: KVTensors, bufs: Any, lo: int, hi: int, unit: int = 0, *, to_pool: bool) -> int:
@@ -129,3 +133,23 @@ def test_a_closed_warmer_runs_nothing_and_a_failed_warm_up_is_logged(
     w.close()
     w.submit("after close", lambda: ran.append("two") or 0)
     assert ran == ["one"]
+
+
+def test_pools_without_fused_moves_start_no_warm_up(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Host pools (no fused moves) compile nothing: the strategy hands no warm-up over."""
+    submitted: list[str] = []
+    monkeypatch.setattr(Warmer, "submit", lambda self, what, warm: submitted.append(what))
+    pre, play = _strategy("prefill")
+    dec, dlay = _strategy("decode")
+    try:
+        for s in (pre, dec):
+            side = s.ring or s.writer
+            assert side is not None
+            side.kv.moves = None
+        mapper = EqualTPMapper(play, dlay)
+        dec.on_link("p", "ep-p", mapper)
+        assert "staging" in pre.link_tables(mapper, dec.describe(), session="d")
+        assert submitted == []
+    finally:
+        pre.close()
+        dec.close()

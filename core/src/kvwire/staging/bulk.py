@@ -342,7 +342,10 @@ class BulkStaging(StagingStrategy):
 
     def _warm(self, kv: KVTensors, mapper: IndexMapper, peer: str, *, to_pool: bool) -> None:
         """Handshake, either side: compile the link's gather (scatter, ``to_pool``) on the
-        warm-up thread, so its first staged chunk does not wait for Triton's compile."""
+        warm-up thread, so its first staged chunk does not wait for Triton's compile (host
+        pools and pools without fused moves compile nothing: no thread is started)."""
+        if kv.moves is None:
+            return
         sl, unit = staged(mapper), unit_tokens(mapper)
         bufs, lo = (mapper.dst_buf, sl.dst_lo) if to_pool else (mapper.src_buf, sl.src_lo)
         what = f"bulk staging's {'scatter' if to_pool else 'gather'} for {peer}"
