@@ -28,6 +28,15 @@ def _pair(
     return Pair(cfg, slots=64, registered=host_stand_ins.vram_layout), movers
 
 
+def _warmed_link(p: Pair, movers: host_stand_ins.HostPages) -> tuple[Any, Any]:
+    """Once the mover was asked to warm the pair's link: the link's KV pair and geometry."""
+    wait_for(lambda: len(movers.warmed) == 1)
+    peer = p.prefill.ctx.peers.get(p.decode.ctx.session)
+    assert peer is not None
+    kv = peer.link.pools["kv"]
+    return peer.link.pairs[kv.table], kv.mapper.page_geometry
+
+
 @pytest.mark.parametrize("lane", [True, False], ids=["lane", "general-path"])
 def test_the_handshake_warms_the_links_page_writes(
     monkeypatch: pytest.MonkeyPatch, lane: bool
@@ -39,13 +48,10 @@ def test_the_handshake_warms_the_links_page_writes(
     p, movers = _pair(monkeypatch, None if lane else {"batch_max_bytes": 0})
     try:
         p.transfer(1, pages=3, chunks=(3,))
-        wait_for(lambda: len(movers.warmed) == 1)
-        peer = p.prefill.ctx.peers.get(p.decode.ctx.session)
-        assert peer is not None
-        kv = peer.link.pools["kv"]
+        pair, geometry = _warmed_link(p, movers)
         g, src, dst = movers.warmed[0]
-        assert g is kv.mapper.page_geometry
-        st: IpcPair = peer.link.pairs[kv.table].state
+        assert g is geometry
+        st: IpcPair = pair.state
         want_src, want_dst = st.addresses(g)
         assert np.array_equal(src, want_src) and np.array_equal(dst, want_dst)
         p.transfer(2, pages=2, chunks=(2,))
@@ -93,14 +99,11 @@ def test_a_closed_backend_starts_no_compile(monkeypatch: pytest.MonkeyPatch) -> 
     p, movers = _pair(monkeypatch)
     try:
         p.transfer(1, pages=2, chunks=(2,))
-        wait_for(lambda: len(movers.warmed) == 1)
-        peer = p.prefill.ctx.peers.get(p.decode.ctx.session)
-        assert peer is not None
-        kv = peer.link.pools["kv"]
+        pair, geometry = _warmed_link(p, movers)
         lane = p.prefill.ctx.backend.page_lane
         assert isinstance(lane, CudaIpcLane)
         lane.close()
-        lane.warm(peer.link.pairs[kv.table], kv.mapper.page_geometry)
+        lane.warm(pair, geometry)
         assert len(movers.warmed) == 1
     finally:
         p.close()
