@@ -35,6 +35,9 @@ class FakeLane:
     def warm(self, pair: PreparedPair, geometry: PageGeometry) -> None:
         self.warmed.append((pair.id, geometry))
 
+    def warm_ahead(self, geometry: PageGeometry, src: Any, dst: Any) -> None:
+        self.warmed.append((-1, geometry))
+
     def launch(self, writes: Sequence[LaneWrite], wake: Callable[[], None]) -> LaneLaunch:
         if self.raises:
             raise RuntimeError("member lane broke")
@@ -145,3 +148,12 @@ def test_a_link_warms_every_member_lane_with_its_own_pair() -> None:
     g = w.chunk.geometry
     lane.warm(w.pair, g)
     assert a.warmed == [(10, g)] and c.warmed == []
+
+
+def test_warming_ahead_goes_to_every_member_with_a_lane() -> None:
+    a, c = FakeLane(), FakeLane()
+    lane = MultiLane(FakeList([FakeMember("a", a), FakeMember("b", None), FakeMember("c", c)]))  # type: ignore[arg-type]
+    g = _chunk().geometry
+    one = np.zeros(1, dtype=np.int64)
+    lane.warm_ahead(g, one, one)
+    assert a.warmed == [(-1, g)] and c.warmed == [(-1, g)]

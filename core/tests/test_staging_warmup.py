@@ -153,3 +153,32 @@ def test_pools_without_fused_moves_start_no_warm_up(monkeypatch: pytest.MonkeyPa
     finally:
         pre.close()
         dec.close()
+
+
+def test_each_side_warms_a_link_of_its_own_layout_at_setup(monkeypatch: pytest.MonkeyPatch) -> None:
+    """At setup, before any link, a pool with fused moves warms the whole-row gather
+    (prefill) or scatter (decode) of every buffer, one page a unit: the move of an
+    equal-TP link to a rank of its own layout."""
+    pytest.importorskip("triton")
+    calls: list[tuple[list[int], int, int, int, bool]] = []
+
+    def warm(self: KVTensors, bufs: Any, lo: int, hi: int, unit: int = 0, *, to_pool: bool) -> int:
+        calls.append((list(bufs), lo, hi, unit, to_pool))
+        return 0
+
+    class Fused(KVTensors):  # the GPU path's moves, interpreted, from construction on
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            self.moves = self.fused_moves("cpu")
+
+    monkeypatch.setattr(KVTensors, "warm", warm)
+    monkeypatch.setattr("kvwire.staging.bulk.KVTensors", Fused)
+    for role, to_pool in (("prefill", False), ("decode", True)):
+        calls.clear()
+        strat, layout = _strategy(role)
+        try:
+            wait_for(lambda: len(calls) == 1)
+            every = list(range(len(layout.buffers)))
+            assert calls == [(every, 0, layout.token_row_bytes, MODEL.page_size, to_pool)]
+        finally:
+            strat.close()

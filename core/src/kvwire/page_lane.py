@@ -28,6 +28,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
+import numpy as np
+from numpy.typing import NDArray
+
 from kvwire.page_form import PageChunk, PageGeometry, check_page_chunk
 from kvwire.transfers import BackendCapabilities, PreparedPair, XferOp, check_submit
 
@@ -125,6 +128,14 @@ class PageLane(Protocol):
         addresses and the page mover's compiled kernels), so a link's first requests do not
         wait for it. Returns at once (long work goes to a thread of the lane's); never
         raises for a problem of the pair: the first write reports it."""
+        ...
+
+    def warm_ahead(
+        self, geometry: PageGeometry, src_addrs: NDArray[np.int64], dst_addrs: NDArray[np.int64]
+    ) -> None:
+        """Prefill, at its start (before any link): prepare what writes of ``geometry``
+        between buffer pairs at ``src_addrs`` and ``dst_addrs`` (this rank's own addresses,
+        standing in for a decode rank of its layout) will launch. Returns at once."""
         ...
 
 

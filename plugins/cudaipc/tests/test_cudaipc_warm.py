@@ -29,12 +29,35 @@ def _pair(
 
 
 def _warmed_link(p: Pair, movers: host_stand_ins.HostPages) -> tuple[Any, Any]:
-    """Once the mover was asked to warm the pair's link: the link's KV pair and geometry."""
-    wait_for(lambda: len(movers.warmed) == 1)
+    """Once the mover was asked to warm ahead (at prefill's start) and then the pair's link:
+    the link's KV pair and geometry."""
+    wait_for(lambda: len(movers.warmed) == 2)
     peer = p.prefill.ctx.peers.get(p.decode.ctx.session)
     assert peer is not None
     kv = peer.link.pools["kv"]
     return peer.link.pairs[kv.table], kv.mapper.page_geometry
+
+
+def test_a_prefill_rank_warms_writes_to_its_own_layout_at_its_start(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Before any request or link, the prefill rank asks its mover to warm the writes of a
+    link to a decode rank of its own layout, with its own buffers' addresses on both sides;
+    that geometry is the one the pair's link (same layout) then moves with."""
+    p, movers = _pair(monkeypatch)
+    try:
+        wait_for(lambda: len(movers.warmed) == 1)
+        assert not p.prefill.ctx.peers.snapshot()  # no link yet
+        ahead, src, dst = movers.warmed[0]
+        own = np.array([b.addr for b in p.play.buffers], dtype=np.int64)
+        assert np.array_equal(src, own[ahead.src_rows // ahead.src_slots])
+        assert np.array_equal(dst, own[ahead.dst_rows // ahead.dst_slots])
+        p.transfer(1, pages=2, chunks=(2,))
+        _, geometry = _warmed_link(p, movers)
+        fields = ("src_slot", "dst_slot", "src_row", "dst_row", "n", "tokens", "heads")
+        assert all(getattr(ahead, f) == getattr(geometry, f) for f in fields)
+    finally:
+        p.close()
 
 
 @pytest.mark.parametrize("lane", [True, False], ids=["lane", "general-path"])
@@ -49,13 +72,13 @@ def test_the_handshake_warms_the_links_page_writes(
     try:
         p.transfer(1, pages=3, chunks=(3,))
         pair, geometry = _warmed_link(p, movers)
-        g, src, dst = movers.warmed[0]
+        g, src, dst = movers.warmed[1]
         assert g is geometry
         st: IpcPair = pair.state
         want_src, want_dst = st.addresses(g)
         assert np.array_equal(src, want_src) and np.array_equal(dst, want_dst)
         p.transfer(2, pages=2, chunks=(2,))
-        assert len(movers.warmed) == 1  # per link, not per request
+        assert len(movers.warmed) == 2  # per link, not per request
         wait_for(lambda: no_rooms(p.prefill) and no_rooms(p.decode))
     finally:
         p.close()
@@ -104,6 +127,7 @@ def test_a_closed_backend_starts_no_compile(monkeypatch: pytest.MonkeyPatch) -> 
         assert isinstance(lane, CudaIpcLane)
         lane.close()
         lane.warm(pair, geometry)
-        assert len(movers.warmed) == 1
+        lane.warm_ahead(geometry, np.zeros(1, np.int64), np.zeros(1, np.int64))
+        assert len(movers.warmed) == 2
     finally:
         p.close()

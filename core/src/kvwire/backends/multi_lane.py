@@ -21,6 +21,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
+import numpy as np
+from numpy.typing import NDArray
+
 from kvwire.backend import TransferBackend
 from kvwire.backends.multi_routes import Pair as _Pair
 from kvwire.backends.multi_routes import Route
@@ -112,6 +115,14 @@ class MultiLane:
             lane = self._multi.members[i].page_lane
             if lane is not None:
                 lane.warm(inner, geometry)
+
+    def warm_ahead(
+        self, geometry: PageGeometry, src_addrs: NDArray[np.int64], dst_addrs: NDArray[np.int64]
+    ) -> None:
+        """Prefill, at its start: every member that offers a lane warms ahead."""
+        for member in self._multi.members:
+            if member.page_lane is not None:
+                member.page_lane.warm_ahead(geometry, src_addrs, dst_addrs)
 
     def _poll(self, joined: _Joined) -> None:
         """A worker's poll: each member's launch polled (its ended groups handled)."""

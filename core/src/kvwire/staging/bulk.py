@@ -52,6 +52,7 @@ import logging
 from collections.abc import Sequence
 from typing import Any, Literal
 
+import numpy as np
 from prometheus_client import Counter
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
@@ -254,6 +255,13 @@ class BulkStaging(StagingStrategy):
             region = self.writer.region
         context.register_fn([region])
         context.publish_fn()
+        if kv.moves is not None:  # ahead of any link: one to a rank of this layout (whole rows)
+            role = "scatter" if context.role == "decode" else "gather"
+            bufs = np.arange(len(context.layout.buffers), dtype=np.int64)
+            self._warmer.submit(
+                f"bulk staging's {role} for ranks of this layout",
+                lambda: kv.warm(bufs, 0, kv.row, kv.page_size, to_pool=role == "scatter"),
+            )
 
     def _post(self, endpoint: str, msg: BulkMessage) -> bool:
         assert self.context is not None

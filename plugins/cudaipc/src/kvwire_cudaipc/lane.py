@@ -54,6 +54,8 @@ class _Host(Protocol):
 
     def _queue_note(self, peer: str, notification: bytes) -> Any: ...
 
+    def _ensure_gpu(self) -> None: ...
+
 
 @dataclass(eq=False)
 class _Group:
@@ -129,6 +131,22 @@ class CudaIpcLane:
             return
         self._warmer.submit(
             f"cudaipc's page mover for {pair.peer}", lambda: int(pages.warm(geometry, src, dst))
+        )
+
+    def warm_ahead(
+        self, geometry: PageGeometry, src_addrs: NDArray[np.int64], dst_addrs: NDArray[np.int64]
+    ) -> None:
+        """Prefill, at its start: the page mover (made now, on the writing GPU) compiles the
+        kernels of writes of ``geometry`` between buffers aligned as these (this rank's own,
+        standing in for a decode rank of its layout) on the warm-up thread. Nothing on a
+        rank without a VRAM pool."""
+        self._b._ensure_gpu()
+        pages = self._b._pages
+        if pages is None:
+            return
+        self._warmer.submit(
+            "cudaipc's page mover for decode ranks of this layout",
+            lambda: int(pages.warm(geometry, src_addrs, dst_addrs)),
         )
 
     def close(self) -> None:

@@ -38,6 +38,7 @@ from kvwire.session.handshake import (
 )
 from kvwire.session.peers import Peer
 from kvwire.session.prefill.evictions import EvictionBook
+from kvwire.session.prefill.warm import warm_link
 from kvwire.session.segments import KindSplit, split_tables
 from kvwire.staging.base import StagingStrategy
 
@@ -355,22 +356,9 @@ class DecodeLinker:
             applied.why,
             "whole-request page writes" if link.lane_problem is None else link.lane_problem,
         )
-        self._warm(link)
+        kv = link.pools["kv"]
+        warm_link(ctx, link.pairs.get(kv.table), kv.mapper.page_geometry, kv.staged)
         self._ack(hello, link)
-
-    def _warm(self, link: DecodeLink) -> None:
-        """Handshake thread, once a link is served: a backend with a lane prepares the
-        link's page writes off the request path (:meth:`kvwire.page_lane.PageLane.warm`:
-        ``cudaipc`` compiles its page mover's kernels on a thread of its own). Whatever goes
-        wrong there is logged; the link serves either way (a write prepares itself)."""
-        lane, kv = self.ctx.backend.page_lane, link.pools["kv"]
-        geometry = kv.mapper.page_geometry
-        if lane is None or geometry is None or kv.staged or kv.table not in link.pairs:
-            return
-        try:
-            lane.warm(link.pairs[kv.table], geometry)
-        except Exception:
-            logger.warning("%s: preparing page writes failed", self.ctx.agent_name, exc_info=True)
 
     def _namesake_alive(self, old: Peer, arrived: float) -> bool:
         """Handshake thread: whether ``old``, a peer known under the agent name of a new

@@ -58,6 +58,7 @@ from kvwire.session.prefill.pipeline import Pipeline
 from kvwire.session.prefill.registration import Registration
 from kvwire.session.prefill.requests import dest_for
 from kvwire.session.prefill.rooms import Dest, Job, SendRoom
+from kvwire.session.prefill.warm import warm_ahead
 from kvwire.session.prefill.workers import TransferWorkers, shard_for
 from kvwire.session.prefill.writes import WriteBook
 from kvwire.session.rooms import RoomTable
@@ -129,6 +130,7 @@ class PrefillSide(Side[SendRoom]):
             self.close()  # the workers and handshake threads started above stop too
             raise
         self.bootstrap_addr: str = self.registration.address
+        warm_ahead(ctx)  # compiles on the backend's thread: the engine's start overlaps it
 
     def queued_chunks(self) -> int:
         """Chunks queued for the transfer workers and not yet taken by one. Any thread."""
