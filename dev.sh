@@ -66,10 +66,11 @@ case "$cmd" in
     "$UV" run --frozen --no-sync ruff format --check core plugins integrations tests scripts examples
     log "mypy"; "$UV" run --frozen --no-sync mypy
     # KVWIRE_TEST_WORKERS=N: N pytest workers (pytest-xdist), each taking whole files (module
-    # fixtures such as the real vllm serve pairs start once); default: one process
+    # fixtures such as the real vllm serve pairs start once); default 2 (most tests wait on
+    # other processes, so a second worker fills the idle core); 0 or 1: one process
     workers=()
-    if [ "${KVWIRE_TEST_WORKERS:-0}" != 0 ]; then
-      workers=(-n "$KVWIRE_TEST_WORKERS" --dist loadfile)
+    if [ "${KVWIRE_TEST_WORKERS:-2}" -gt 1 ]; then
+      workers=(-n "${KVWIRE_TEST_WORKERS:-2}" --dist loadfile)
     fi
     log "pytest"; exec "$UV" run --frozen --no-sync pytest ${workers[@]+"${workers[@]}"} "$@" ;;
   bench)
