@@ -20,7 +20,6 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from kvwire.descriptors import ADDR
 from kvwire.session.handshake import build_mapper
 
 if TYPE_CHECKING:
@@ -35,7 +34,10 @@ __all__ = ["warm_ahead", "warm_link"]
 
 def warm_ahead(ctx: RankContext) -> None:
     """The prefill side's construction, once its pools are registered: a backend with a lane
-    compiles the writes to a decode rank of this rank's layout (returns at once)."""
+    compiles the writes to a decode rank of this rank's layout (returns at once). Only a
+    geometry of whole buffer slots (row ``pair * slots``: the equal-TP mappers') is warmed,
+    its buffers' base addresses standing in for the table rows (no table is built here, on
+    the engine's thread); another is left to its links' handshakes."""
     lane = ctx.backend.page_lane
     if lane is None:
         return
@@ -44,12 +46,14 @@ def warm_ahead(ctx: RankContext) -> None:
         g = mapper.page_geometry
         if g is None:
             return
-        tables = mapper.build_tables()
-        src = tables.src[g.src_rows, ADDR].astype(np.int64)
-        dst = tables.dst[g.dst_rows, ADDR].astype(np.int64)
-        lane.warm_ahead(g, src, dst)
-    except Exception:
-        logger.warning("%s: preparing page writes ahead failed", ctx.agent_name, exc_info=True)
+        pairs = np.arange(g.num_pairs, dtype=np.int64)
+        whole = np.array_equal(g.src_rows, pairs * g.src_slots)
+        if not whole or not np.array_equal(g.dst_rows, pairs * g.dst_slots):
+            return
+        bases = np.array([b.addr for b in ctx.layout.buffers], dtype=np.int64)
+        lane.warm_ahead(g, bases[mapper.src_buf], bases[mapper.dst_buf])
+    except Exception as exc:  # e.g. a configured mapper that does not pair a layout with itself
+        logger.info("%s: page writes not warmed ahead: %s", ctx.agent_name, exc)
 
 
 def warm_link(
