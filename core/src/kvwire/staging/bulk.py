@@ -83,7 +83,7 @@ from kvwire.staging.bulk_wire import WIRE_VERSION, BulkMessage, RingInfo
 from kvwire.staging.bulk_writer import WriterSide, chunk_units
 from kvwire.staging.kernels import KVTensors
 from kvwire.staging.pool_views import layout_views
-from kvwire.staging.spans import Spans, order_for
+from kvwire.staging.spans import Spans, order_for, tails_for
 
 logger = logging.getLogger(__name__)
 
@@ -338,8 +338,9 @@ class BulkStaging(StagingStrategy):
             )
         local = self.writer.region
         # rows of 2**k blocks up to a full buffer: a chunk is one or a few descriptors
-        order = order_for(self.opts.buffer_bytes // b)
-        src, dst = Spans(local.length // b, order), Spans(ring.ring_bytes // b, order)
+        order, tails = order_for(self.opts.buffer_bytes // b), tails_for(b)
+        src = Spans(local.length // b, order, tails)
+        dst = Spans(ring.ring_bytes // b, order, tails)
         pair = TablePair(
             src=src.table(local.addr, b, local.device_id),
             dst=dst.table(ring.ring_addr, b, ring.device_id),

@@ -276,14 +276,17 @@ class WriterSide:
         with self._lock:
             self._spans[dest] = (src, dst)
 
-    def _rows(self, ask: _Ask, start: int, units: Any, dest: str) -> tuple[Any, Any]:
+    def _rows(
+        self, ask: _Ask, start: int, units: Any, dest: str, last: float = 1.0
+    ) -> tuple[Any, Any]:
         """Source and destination rows of the staging tables that move block ``units`` of
-        the chunk: one span row per run of blocks and set bit of its length."""
+        the chunk: one span row per run of blocks and set bit of its length; the last unit,
+        ``last`` of it filled, as a tail row where one covers it (:func:`span_rows`)."""
         assert ask.grant is not None
         b = self._block
         with self._lock:
             spans = self._spans.get(dest, (_BLOCKS, _BLOCKS))
-        return span_rows(*spans, start // b + units, ask.grant.offset // b + units)
+        return span_rows(*spans, start // b + units, ask.grant.offset // b + units, last)
 
     def plan(
         self,
@@ -311,8 +314,11 @@ class WriterSide:
             with self._lock:
                 self._free[worker].append(slot)
             raise
-        nblocks = -(-block_bytes(mapper, pages.size) // self._block)
-        src_idx, dst_idx = self._rows(ask, start, np.arange(nblocks, dtype=np.int64), dest)
+        nbytes = block_bytes(mapper, pages.size)
+        nblocks = -(-nbytes // self._block)
+        last = (nbytes - (nblocks - 1) * self._block) / self._block  # the last block's share
+        units = np.arange(nblocks, dtype=np.int64)
+        src_idx, dst_idx = self._rows(ask, start, units, dest, last)
         token = (worker, slot, (room, dest, chunk_id))
         return ChunkPlan("staging", src_idx, dst_idx, token=token, what="staged")
 
