@@ -37,16 +37,7 @@ def _strategy(role: str, tp: int = 1, rank: int = 0) -> tuple[BulkStaging, Any]:
     layout, arrays = make_pool(MODEL, RankPosition(tp_size=tp, tp_rank=rank), 16)
     strat = BulkStaging(BulkOptions(**OPTS))
     strat.setup(
-        StagingContext(
-            layout,
-            lambda regions: None,
-            lambda regions: None,
-            role=role,
-            kv_tensors=arrays,
-            send_fn=lambda ep, msg: True,
-            session=role,
-            room_pages=lambda room: None,
-        )
+        StagingContext(layout, lambda r: None, lambda r: None, role=role, kv_tensors=arrays)
     )
     side = strat.ring or strat.writer
     assert side is not None
