@@ -353,8 +353,11 @@ class WriterSide:
         pages = src_units(mapper, src_pages)
         owner, pair_group = unit_owners(mapper, pages.size, self._block, edges)
         groups = edges.size - 1
-        rows = [self._rows(ask, start, np.flatnonzero(owner == g), dest) for g in range(groups)]
-        every = self._rows(ask, start, np.arange(owner.size, dtype=np.int64), dest)
+        tail = owner.size - 1  # the chunk's last unit, partly filled: its group moves a tail
+        last = (block_bytes(mapper, pages.size) - tail * self._block) / self._block
+        units = [np.flatnonzero(owner == g) for g in range(groups)]
+        rows = [self._rows(ask, start, u, dest, last if tail in u else 1.0) for u in units]
+        every = self._rows(ask, start, np.arange(owner.size, dtype=np.int64), dest, last)
         token = (worker, slot, (room, dest, chunk_id))
         plan = ChunkPlan("staging", *every, token=token, what="staged")
 
