@@ -56,6 +56,12 @@ def test_timed_requests_report_their_stages_and_carry_the_aux_row_in_the_note() 
     assert kv_bytes % 4096 == 0  # whole pages of the dry-run model, nothing else
     assert {"plan", "post", "land"} <= set(one["cells"][0]["stages_ms"])
     assert empty["cells"][0]["bytes_per_request"] == kv_bytes + 128
+    # GB/s is of the KV a request carried: on this direct path the KV is what its KV writes
+    # moved; the empty last send's aux rows are written bytes, not KV
+    for rep in (one, empty):
+        c = rep["cells"][0]
+        assert c["kv_bytes_per_request"] == kv_bytes
+        assert c["gbps"] * c["bytes_per_request"] == pytest.approx(c["wire_gbps"] * kv_bytes)
 
 
 def test_cpu_seconds_read_each_live_rank_and_leave_out_the_unreadable() -> None:

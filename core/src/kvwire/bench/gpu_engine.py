@@ -430,15 +430,21 @@ def engine(
                 failed = [r for r in res if any(x.status != 4 for x in r.reports)]
                 span = max(r.t_end for r in res) - min(r.t_start for r in res)
                 nbytes = sum(r.bytes for r in res)
+                kv_bytes = round(pages[mib] * page_mib * MiB)  # a request's KV, every layer
                 lat = sorted(r.latency_s for r in res)
                 cell = {
                     "mib": mib,
                     "concurrency": conc,
                     "requests": len(res),
                     "failed": len(failed),
+                    # what the requests' writes moved (descriptor bytes, every rank: a
+                    # staged chunk's rows cover whole blocks or a tail, at most twice the
+                    # last block's bytes) against the KV they carried: GB/s is of the KV
                     "bytes_per_request": nbytes // len(res),
+                    "kv_bytes_per_request": kv_bytes,
                     "descriptors_per_request": res[0].descriptors,
-                    "gbps": nbytes / span / 1e9,
+                    "gbps": kv_bytes * len(res) / span / 1e9,
+                    "wire_gbps": nbytes / span / 1e9,
                     "p50_ms": 1e3 * lat[len(lat) // 2],
                     "p90_ms": 1e3 * lat[int(len(lat) * 0.9)],
                 }
