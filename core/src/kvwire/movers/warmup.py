@@ -35,10 +35,12 @@ class Warmer:
         self._closed = False
         self._lock = threading.Lock()
 
-    def submit(self, what: str, warm: Callable[[], int]) -> None:
+    def submit(self, what: str, warm: Callable[[], int | None]) -> None:
         """Run ``warm`` on the warm-up thread, after the ones before it; ``what`` names it
-        in the log. Returns at once; nothing once closed. A warm-up that raises is logged
-        (the first launch of its variants compiles them, as without a warm-up)."""
+        in the log. ``warm`` returns the kernel variants it compiled (0: nothing to log), or
+        None where it ran a real launch that compiled what it needed (logged with its time).
+        Returns at once; nothing once closed. A warm-up that raises is logged (the first
+        launch of its variants compiles them, as without a warm-up)."""
         with self._lock:
             if self._closed:
                 return
@@ -47,7 +49,7 @@ class Warmer:
             self._pool.submit(self._run, what, warm)
 
     @staticmethod
-    def _run(what: str, warm: Callable[[], int]) -> None:
+    def _run(what: str, warm: Callable[[], int | None]) -> None:
         """The warm-up thread: one warm-up, timed and logged."""
         t0 = time.perf_counter()
         try:
@@ -55,7 +57,9 @@ class Warmer:
         except Exception:
             logger.warning("compiling %s failed", what, exc_info=True)
             return
-        if n:
+        if n is None:
+            logger.info("%s ready in %.2f s", what, time.perf_counter() - t0)
+        elif n:
             logger.info(
                 "%s ready: %d kernel variant(s) compiled in %.2f s",
                 what,
@@ -63,9 +67,11 @@ class Warmer:
                 time.perf_counter() - t0,
             )
 
-    def close(self) -> None:
-        """The owner's close: a warm-up under way finishes on its own; none starts."""
+    def close(self, wait: bool = False) -> None:
+        """The owner's close: none starts; one under way finishes on its own, or before this
+        returns with ``wait`` (a warm-up that reads the rank's buffers, which the engine
+        may free once the owner closed)."""
         with self._lock:
             pool, self._pool, self._closed = self._pool, None, True
         if pool is not None:
-            pool.shutdown(wait=False, cancel_futures=True)
+            pool.shutdown(wait=wait, cancel_futures=True)

@@ -49,7 +49,7 @@ from numpy.typing import NDArray
 
 from kvwire.config import KVWireConfig
 from kvwire.descriptors import ADDR, LEN, DescTable, IndexArray
-from kvwire.errors import DescriptorError
+from kvwire.errors import DescriptorError, KVWireError
 from kvwire.index.base import IndexMapper
 from kvwire.integrity import LayerSums, OrderedSums, RowHasher, SummedBuffers
 from kvwire.layout import KVLayout, MemKind
@@ -93,6 +93,17 @@ class SentSums:
         self.sides = _page_sides(mapper, self.tables.src, self.tables.dst)
         #: Bytes of one page slot of every buffer of this rank (:meth:`late`).
         self.page_bytes = sum(int(b.item_len) for b in local.buffers)
+
+    def warm_up(self) -> Callable[[], None] | None:
+        """Prefill's handshake: for sums computed in GPU memory, a warm-up (for a
+        :class:`~kvwire.movers.warmup.Warmer`) that sums the link's first page as a chunk's
+        sums are taken beside a write, so the hasher's kernel is compiled before the first
+        chunk (a real launch that only reads the page; a first page that is not a chunk of
+        the mapper is skipped, at debug level); None for host sums (nothing to compile)."""
+        if self.hasher.KIND is not MemKind.VRAM:
+            return None
+        one = np.zeros(1, dtype=np.int64)
+        return lambda: _quietly(lambda: self.chunk(one, one))
 
     def late(self, units: int) -> bool:
         """A transfer worker, before posting a whole chunk of ``units`` source pages: whether
@@ -227,6 +238,13 @@ class LandedSums:
         sides = _page_sides(self.mapper, tables.src, tables.dst)
         self.side = None if sides is None else sides[1]
 
+    def warm_up(self) -> Callable[[], None] | None:
+        """Decode's handshake: as :meth:`SentSums.warm_up`, summing its own first page as
+        the check of a one-page chunk does (read only)."""
+        if self.hasher.KIND is not MemKind.VRAM:
+            return None
+        return lambda: _quietly(lambda: self.chunk(1, np.zeros(1, dtype=np.int64), None, (0, 1)))
+
     @property
     def inline(self) -> bool:
         """Decode checks this link's chunks on the thread that saw them complete (its
@@ -330,3 +348,11 @@ def _page_sides(
             exc,
         )
         return None
+
+
+def _quietly(sum_once: Callable[[], object]) -> None:
+    """A warm-up's sums, their result dropped; a chunk the mapper refuses is skipped."""
+    try:
+        sum_once()
+    except KVWireError as exc:
+        logger.debug("no checksum warm-up: %s", exc)

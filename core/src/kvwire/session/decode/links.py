@@ -30,6 +30,7 @@ from kvwire.control.wire import (
 from kvwire.errors import HandshakeError, KVWireError
 from kvwire.index.topology import Topology
 from kvwire.link_choice import host_identity
+from kvwire.movers.warmup import Warmer
 from kvwire.session.aux_note import carries_aux
 from kvwire.session.checksums import LandedSums
 from kvwire.session.group_sums import LandedGroupSums
@@ -79,6 +80,8 @@ class SourceLinks:
     def __init__(self, ctx: RankContext) -> None:
         self.ctx = ctx
         self._lock = threading.Lock()
+        #: Sums each checked link's first page once, compiling its hasher's kernel.
+        self._warmer = Warmer("checks")
         self.pending: dict[str, _Pending] = {}
         self.links: dict[str, PrefillLink] = {}
         #: (bootstrap address, prefill dp rank) -> the prefill ranks registered there.
@@ -314,6 +317,9 @@ class SourceLinks:
             "the local socket" if local else "ZeroMQ",
             checked,
         )
+        warm = None if checksums is None else checksums.warm_up()
+        if warm is not None:
+            self._warmer.submit(f"KV checks of {msg.agent}", warm)
         with self._lock:
             self.links[msg.session] = link
         ctx.add_peer(Peer(msg.session, msg.agent, msg.endpoint, time.monotonic(), link=link))
@@ -375,9 +381,11 @@ class SourceLinks:
             return len(self.pending)
 
     def close(self, why: str) -> None:
-        """Manager shutdown: end every handshake wait."""
+        """Manager shutdown: end every handshake wait; a checksum warm-up under way (it reads
+        the KV buffers) ends first."""
         with self._lock:
             waiting = list(self.pending.values())
         for p in waiting:
             p.error = why
             p.event.set()
+        self._warmer.close(wait=True)

@@ -25,6 +25,7 @@ from kvwire.index.base import IndexMapper, TablePair
 from kvwire.index.groups import GroupMapper
 from kvwire.index.topology import Topology
 from kvwire.layout import KVLayout, MemoryRegion
+from kvwire.movers.warmup import Warmer
 from kvwire.selection import select_pool_mapper
 from kvwire.session.aux_note import carries_aux
 from kvwire.session.checksums import SentSums
@@ -163,6 +164,8 @@ class DecodeLinker:
         self.handshakes = concurrent.futures.ThreadPoolExecutor(
             2, thread_name_prefix=f"kvwire-hs-{ctx.agent_name}"
         )
+        #: Sums each checksummed link's first page once, compiling its hasher's kernel.
+        self._warmer = Warmer("checksums")
 
     def on_hello(self, msg: Message) -> None:
         """Liveness thread: a decode rank's hello; answered on a handshake thread."""
@@ -358,6 +361,9 @@ class DecodeLinker:
         )
         kv = link.pools["kv"]
         warm_link(ctx, link.pairs.get(kv.table), kv.mapper.page_geometry, kv.staged)
+        sums = None if link.checksums is None else link.checksums.warm_up()
+        if sums is not None:
+            self._warmer.submit(f"KV checksums for {hello.agent}", sums)
         self._ack(hello, link)
 
     def _namesake_alive(self, old: Peer, arrived: float) -> bool:
@@ -541,5 +547,7 @@ class DecodeLinker:
         )
 
     def close(self) -> None:
-        """Manager shutdown: stop answering hellos."""
+        """Manager shutdown: stop answering hellos; a checksum warm-up under way (it reads
+        the KV buffers) ends first."""
         self.handshakes.shutdown(wait=False, cancel_futures=True)
+        self._warmer.close(wait=True)
