@@ -102,9 +102,20 @@ class PoolPageCopier(PageCopier):
         if g.heads > 1:
             self._copy_heads(chunk, addrs, npages, nbuf, stream)
             return
-        key, shape, scalars = _pages_call(g, addrs, npages, nbuf)
+        width = page_width(addrs, 0, g.src_slot, g.dst_slot, g.src_row, g.dst_row, g.n)
+        key, eb = kernel_key(width, g.n, False)
+        scalars: tuple[int, ...] = (
+            npages,
+            nbuf,
+            g.src_slot // eb,
+            g.dst_slot // eb,
+            g.src_row // eb,
+            g.dst_row // eb,
+            g.n // width,
+            g.tokens,
+        )
         index = np.concatenate([chunk.src_pages, chunk.dst_pages])
-        self.last_shape = shape
+        shape = self.last_shape = _shape(g, key, eb)
         if sums is not None:  # the sums' page lists follow the copy's table
             addrs = np.concatenate([addrs, sums.read_pages, sums.key_pages])
             tile = min(sums.block, self.sum_block)
@@ -207,8 +218,6 @@ class PoolPageCopier(PageCopier):
         variant, which depends on the sums), so no write waits for a compile. Returns how
         many it compiled (0: every one was already, or no GPU). A link's warm-up thread,
         once its geometry is known (``cudaipc``'s lane); see :meth:`compiling`."""
-        if not np.asarray(src_addrs).size:
-            return 0
         one = np.zeros(1, np.int64)
         chunk = PageChunk(g, one, one, checked=True)
         with self.compiling() as done:
@@ -216,11 +225,12 @@ class PoolPageCopier(PageCopier):
             self.copy_pages(chunk, src_addrs, dst_addrs)
         return len(done)
 
-    def _heads_call(
-        self, g: PageGeometry, addrs: NDArray[np.int64], npages: int, nbuf: int
-    ) -> tuple[tuple[Any, ...], tuple[int, ...]]:
-        """The tiled kernel's compile-time key and run-time scalars for ``npages`` pages of
-        ``nbuf`` pairs of geometry ``g`` (several pieces per token) at ``addrs``."""
+    def _copy_heads(
+        self, chunk: PageChunk, addrs: NDArray[np.int64], npages: int, nbuf: int, stream: Any
+    ) -> None:
+        """:meth:`copy_pages` of a geometry of several pieces per token (head-major pages on
+        a side): one launch of the tiled kernel."""
+        g = chunk.geometry
         width = page_width(
             addrs, 0, g.src_slot, g.dst_slot, g.src_row, g.dst_row, g.src_head, g.dst_head, g.n
         )
@@ -240,43 +250,14 @@ class PoolPageCopier(PageCopier):
             g.tokens,
             g.heads,
         )
-        order = self.heads_order
-        t_inner = abs(g.dst_row) <= abs(g.dst_head) if order == "auto" else order == "t"
-        return (rows, cols, _ELEM[width], width, vec, t_inner), scalars
-
-    def _copy_heads(
-        self, chunk: PageChunk, addrs: NDArray[np.int64], npages: int, nbuf: int, stream: Any
-    ) -> None:
-        """:meth:`copy_pages` of a geometry of several pieces per token (head-major pages on
-        a side): one launch of the tiled kernel."""
-        key, scalars = self._heads_call(chunk.geometry, addrs, npages, nbuf)
         self.last_shape = HEADS
         index = np.concatenate([chunk.src_pages, chunk.dst_pages])
+        order = self.heads_order
+        t_inner = abs(g.dst_row) <= abs(g.dst_head) if order == "auto" else order == "t"
+        key = (rows, cols, _ELEM[width], width, vec, t_inner)
         self._launch(
             _copy_pool_heads, "pool_heads", key, index, addrs, scalars, stream, grid=nbuf * npages
         )
-
-
-def _pages_call(
-    g: PageGeometry, addrs: NDArray[np.int64], npages: int, nbuf: int
-) -> tuple[tuple[Any, ...], int, tuple[int, ...]]:
-    """A one-launch copy of ``npages`` pages of ``nbuf`` pairs of geometry ``g`` (one piece
-    per token) at ``addrs`` (the pairs' source then destination addresses): the block's
-    compile-time key (:func:`~kvwire.movers.triton_pages.kernel_key`), the compile-time
-    shape and the kernel's run-time scalars (lengths in the key's elements)."""
-    width = page_width(addrs, 0, g.src_slot, g.dst_slot, g.src_row, g.dst_row, g.n)
-    key, eb = kernel_key(width, g.n, False)
-    scalars = (
-        npages,
-        nbuf,
-        g.src_slot // eb,
-        g.dst_slot // eb,
-        g.src_row // eb,
-        g.dst_row // eb,
-        g.n // width,
-        g.tokens,
-    )
-    return key, _shape(g, key, eb), scalars
 
 
 def _group_key(

@@ -276,6 +276,11 @@ class WriterSide:
         with self._lock:
             self._spans[dest] = (src, dst)
 
+    def _blocks(self, nbytes: int) -> tuple[int, float]:
+        """The blocks a staged chunk of ``nbytes`` fills and the share of the last one."""
+        nblocks = -(-nbytes // self._block)
+        return nblocks, (nbytes - (nblocks - 1) * self._block) / self._block
+
     def _rows(
         self, ask: _Ask, start: int, units: Any, dest: str, last: float = 1.0
     ) -> tuple[Any, Any]:
@@ -314,9 +319,7 @@ class WriterSide:
             with self._lock:
                 self._free[worker].append(slot)
             raise
-        nbytes = block_bytes(mapper, pages.size)
-        nblocks = -(-nbytes // self._block)
-        last = (nbytes - (nblocks - 1) * self._block) / self._block  # the last block's share
+        nblocks, last = self._blocks(block_bytes(mapper, pages.size))
         units = np.arange(nblocks, dtype=np.int64)
         src_idx, dst_idx = self._rows(ask, start, units, dest, last)
         token = (worker, slot, (room, dest, chunk_id))
@@ -353,8 +356,8 @@ class WriterSide:
         pages = src_units(mapper, src_pages)
         owner, pair_group = unit_owners(mapper, pages.size, self._block, edges)
         groups = edges.size - 1
-        tail = owner.size - 1  # the chunk's last unit, partly filled: its group moves a tail
-        last = (block_bytes(mapper, pages.size) - tail * self._block) / self._block
+        nblocks, last = self._blocks(block_bytes(mapper, pages.size))
+        tail = nblocks - 1  # the chunk's last unit, partly filled: its group moves a tail
         units = [np.flatnonzero(owner == g) for g in range(groups)]
         rows = [self._rows(ask, start, u, dest, last if tail in u else 1.0) for u in units]
         every = self._rows(ask, start, np.arange(owner.size, dtype=np.int64), dest, last)

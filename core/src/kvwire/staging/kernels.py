@@ -222,7 +222,7 @@ class KVTensors:
         ``bufs``, bytes ``[lo, hi)`` of each token row and units of ``unit`` tokens would
         launch (a gather, or a scatter with ``to_pool``), for a block as aligned as a
         staging buffer's or ring's; returns the variants compiled (0: compiled already, or
-        no fused moves). Bulk staging's warm-up thread, at a link's handshake."""
+        no fused moves). Bulk staging's warm-up thread, at setup and at a link's handshake."""
         if self.moves is None:
             return 0
         one = np.zeros(1, dtype=np.int64)
